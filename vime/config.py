@@ -1,0 +1,268 @@
+"""One typed config for every entry point.
+
+Flags keep slime's names (`--rollout-batch-size` ↔ `cfg.rollout_batch_size`), so a slime user's
+scripts read naturally. The parser is generated from the dataclass below: a field, its type,
+default and help are written once. `--config run.yaml` is applied first; flags given on the
+command line win over it.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """Inconsistent or invalid settings; the message is one line saying what to change."""
+
+
+def _f(default: Any, help: str, choices: tuple | None = None, group: str = "") -> Any:
+    meta = {"help": help, "choices": choices, "group": group}
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class Config:
+    # --- model and data ---
+    hf_checkpoint: str | None = _f(None, "HF model directory, a hub id (online only), or 'smollm2' (embedded SmolLM2-135M-Instruct)", group="model and data")
+    prompt_data: str | None = _f(None, "training prompts: JSONL or Parquet, optionally sliced as path@[a:b]", group="model and data")
+    input_key: str = _f("input", "key of the prompt (a string or a list of chat messages)", group="model and data")
+    label_key: str = _f("label", "key of the reference answer", group="model and data")
+    metadata_key: str = _f("metadata", "key of a per-row dict passed to rewards", group="model and data")
+    apply_chat_template: bool = _f(False, "render prompts with the tokenizer's chat template", group="model and data")
+    apply_chat_template_kwargs: dict = _f({}, 'JSON dict passed to the chat template, e.g. \'{"enable_thinking": false}\'', group="model and data")
+    # --- rollout ---
+    rollout_batch_size: int = _f(8, "prompts per rollout step", group="rollout")
+    n_samples_per_prompt: int = _f(4, "responses per prompt (the GRPO group size)", group="rollout")
+    num_rollout: int | None = _f(None, "rollout steps to run (default: from --num-epoch)", group="rollout")
+    num_epoch: int | None = _f(None, "passes over the prompt data when --num-rollout is not given", group="rollout")
+    rollout_function_path: str = _f("vime.rollout.vllm_rollout.generate_rollout", "dotted path of the rollout function", group="rollout")
+    custom_generate_function_path: str | None = _f(None, "dotted path of an async per-sample generate(args, sample, sampling_params) -> Sample", group="rollout")
+    rollout_max_response_len: int = _f(256, "max new tokens per response", group="rollout")
+    rollout_temperature: float = _f(1.0, "sampling temperature (0 = greedy)", group="rollout")
+    rollout_top_p: float = _f(1.0, "nucleus sampling mass", group="rollout")
+    rollout_top_k: int = _f(-1, "top-k sampling (-1 = off)", group="rollout")
+    rollout_stop_token_ids: list = _f([], "extra token ids that end a response (JSON list)", group="rollout")
+    rollout_shuffle: bool = _f(False, "shuffle prompts every epoch (seeded by --rollout-seed)", group="rollout")
+    rollout_seed: int = _f(42, "seed of prompt order and sampling", group="rollout")
+    # --- async training ---
+    rollout_concurrency: int | None = _f(None, "fully-async: prompt groups in flight at once (default: 2 × --rollout-batch-size)", group="async")
+    max_staleness: int | None = _f(None, "decoupled mode: train on samples up to K policy versions old; weights pushed every step without waiting", group="async")
+    partial_rollout: bool = _f(False, "decoupled mode: abort in-flight requests at each push and resume them from their tokens (instead of pausing in place)", group="async")
+    # --- rewards ---
+    rm_type: str = _f("math", "built-in reward: math (1/0), dapo (1/-1), boxed_math", group="rewards")
+    custom_rm_path: str | None = _f(None, "dotted path of a reward fn(args, sample) -> float, sync or async", group="rewards")
+    reward_timeout: float = _f(10.0, "seconds before a reward call scores 0", group="rewards")
+    # --- algorithm ---
+    advantage_estimator: str = _f("grpo", "grpo, or dr_grpo (no std normalization, constant-length loss normalizer)", ("grpo", "dr_grpo"), group="algorithm")
+    disable_grpo_std_normalization: bool = _f(False, "do not divide advantages by the group std (Dr.GRPO)", group="algorithm")
+    eps_clip: float = _f(0.2, "PPO clip range below 1", group="algorithm")
+    eps_clip_high: float | None = _f(None, "PPO clip range above 1 (default: --eps-clip)", group="algorithm")
+    kl_loss_coef: float = _f(0.0, "weight of the KL loss to a frozen reference (0 = no reference model)", group="algorithm")
+    kl_loss_type: str = _f("low_var_kl", "KL estimator", ("low_var_kl", "k1", "k2"), group="algorithm")
+    entropy_coef: float = _f(0.0, "entropy bonus weight (the entropy is always logged)", group="algorithm")
+    use_tis: bool = _f(False, "truncated importance sampling between rollout and trainer log-probs", group="algorithm")
+    tis_clip: float = _f(2.0, "upper bound of the TIS weight", group="algorithm")
+    # --- optimizer ---
+    lr: float = _f(1e-6, "AdamW learning rate", group="optimizer")
+    weight_decay: float = _f(0.0, "AdamW weight decay", group="optimizer")
+    adam_beta1: float = _f(0.9, "AdamW beta1", group="optimizer")
+    adam_beta2: float = _f(0.98, "AdamW beta2", group="optimizer")
+    clip_grad: float = _f(1.0, "gradient norm clip", group="optimizer")
+    global_batch_size: int | None = _f(None, "samples per optimizer step (default: one step per rollout)", group="optimizer")
+    max_tokens_per_gpu: int = _f(4096, "micro-batch token budget", group="optimizer")
+    gradient_checkpointing: bool = _f(False, "recompute activations in backward", group="optimizer")
+    seed: int = _f(1234, "trainer seed", group="optimizer")
+    # --- placement and engines ---
+    colocate: bool = _f(False, "trainer and engine share devices (engine releases memory while training)", group="placement")
+    actor_num_nodes: int = _f(1, "trainer nodes", group="placement")
+    actor_num_gpus_per_node: int = _f(1, "trainer GPUs per node", group="placement")
+    rollout_num_gpus: int | None = _f(None, "GPUs for rollout engines (default: 1 engine)", group="placement")
+    rollout_num_gpus_per_engine: int = _f(1, "GPUs per engine (tensor parallel)", group="placement")
+    rollout_engine_urls: list = _f([], "use running engines at these URLs instead of launching (JSON list or comma-separated)", group="placement")
+    device: str = _f("auto", "trainer device: auto, cpu, cuda", ("auto", "cpu", "cuda"), group="placement")
+    engine_max_num_seqs: int = _f(256, "max sequences the engine runs at once", group="placement")
+    engine_num_kv_blocks: int | None = _f(None, "KV-cache blocks per engine (default: engine's choice)", group="placement")
+    update_weights_interval: int = _f(1, "push weights to the engines every K steps", group="placement")
+    weight_transport: str = _f("auto", "how weights reach engines", ("auto", "shm", "disk", "cuda_ipc"), group="placement")
+    # --- evaluation, checkpoints, logging ---
+    eval_interval: int | None = _f(None, "evaluate every K steps (and before the first and after the last)", group="eval and output")
+    eval_prompt_data: str | None = _f(None, "held-out prompts (JSONL/Parquet, path@[a:b])", group="eval and output")
+    n_samples_per_eval_prompt: int = _f(1, "responses per eval prompt (greedy when 1)", group="eval and output")
+    eval_max_response_len: int | None = _f(None, "max new tokens in eval (default: --rollout-max-response-len)", group="eval and output")
+    eval_limit: int | None = _f(None, "evaluate on the first N eval prompts only", group="eval and output")
+    save: str | None = _f(None, "checkpoint directory", group="eval and output")
+    save_interval: int | None = _f(None, "save every K steps (and at the end)", group="eval and output")
+    load: str | None = _f(None, "resume from this checkpoint directory (the latest step inside it)", group="eval and output")
+    run_name: str | None = _f(None, "run name (default: timestamp)", group="eval and output")
+    runs_dir: str = _f("runs", "where runs/<name>/ is written", group="eval and output")
+    use_tensorboard: bool = _f(True, "write TensorBoard events when tensorboard is installed", group="eval and output")
+
+    # ---- derived values, so no caller recomputes them ----
+    @property
+    def normalize_advantages_std(self) -> bool:
+        return not self.disable_grpo_std_normalization and self.advantage_estimator == "grpo"
+
+    @property
+    def samples_per_rollout(self) -> int:
+        return self.rollout_batch_size * self.n_samples_per_prompt
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.runs_dir) / (self.run_name or "run")
+
+    def validate(self, for_eval: bool = False) -> "Config":
+        """Fail at start-up, not an hour in. `for_eval`: only what `vime eval` needs."""
+        if self.eps_clip_high is None:
+            self.eps_clip_high = self.eps_clip
+        if self.global_batch_size is None:
+            self.global_batch_size = self.samples_per_rollout
+        if self.eval_max_response_len is None:
+            self.eval_max_response_len = self.rollout_max_response_len
+        checks: list[tuple[bool, str]] = [
+            (self.hf_checkpoint is None, "--hf-checkpoint is required (an HF model directory, or 'smollm2')"),
+            (self.prompt_data is None, "--prompt-data is required (a JSONL or Parquet file of prompts)"),
+            (self.rollout_batch_size < 1, "--rollout-batch-size must be at least 1"),
+            (self.n_samples_per_prompt < 1, "--n-samples-per-prompt must be at least 1"),
+            (self.global_batch_size < 1, "--global-batch-size must be at least 1"),
+            (
+                self.samples_per_rollout % self.global_batch_size != 0,
+                f"--rollout-batch-size × --n-samples-per-prompt = {self.samples_per_rollout} is not a multiple of "
+                f"--global-batch-size {self.global_batch_size}: pick a global batch size that divides it",
+            ),
+            (self.num_rollout is None and self.num_epoch is None, "give --num-rollout (steps) or --num-epoch (passes over the data)"),
+            (self.num_rollout is not None and self.num_rollout < 1, "--num-rollout must be at least 1"),
+            (self.save_interval is not None and self.save is None, "--save-interval needs --save DIR (where to write checkpoints)"),
+            (self.eval_interval is not None and self.eval_prompt_data is None, "--eval-interval needs --eval-prompt-data (held-out prompts)"),
+            (self.rollout_temperature < 0, "--rollout-temperature must be >= 0 (0 = greedy)"),
+            (not 0 < self.rollout_top_p <= 1, "--rollout-top-p must be in (0, 1]"),
+            (self.rollout_max_response_len < 1, "--rollout-max-response-len must be at least 1"),
+            (self.update_weights_interval < 1, "--update-weights-interval must be at least 1"),
+            (self.lr < 0, "--lr must be >= 0"),
+            (self.max_staleness is not None and self.max_staleness < 0, "--max-staleness must be >= 0"),
+            (self.partial_rollout and self.max_staleness is None, "--partial-rollout only applies to decoupled training: add --max-staleness K"),
+            (self.rollout_concurrency is not None and self.rollout_concurrency < 1, "--rollout-concurrency must be at least 1"),
+            (self.max_tokens_per_gpu < 1, "--max-tokens-per-gpu must be at least 1"),
+        ]
+        if for_eval:
+            checks = [c for c in checks if "--prompt-data" not in c[1] and "--num-rollout" not in c[1]]
+            checks.append((self.eval_prompt_data is None, "--eval-prompt-data is required (the held-out prompts)"))
+        for bad, msg in checks:
+            if bad:
+                raise ConfigError(msg)
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+
+
+def _base_type(tp: Any) -> Any:
+    """`int | None` → int; keeps list/dict/bool/str/float."""
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0]
+    return tp
+
+
+_HINTS = typing.get_type_hints(Config)
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Turn a YAML or CLI value into the field's type, or raise a one-line ConfigError."""
+    tp = _base_type(_HINTS[name])
+    flag = "--" + name.replace("_", "-")
+    if value is None:
+        return None
+    try:
+        if tp is bool:
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(value).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if tp in (dict, list):
+            if isinstance(value, tp):
+                return value
+            text = str(value).strip()
+            if tp is list and text and not text.startswith("["):
+                return [_maybe_int(v.strip()) for v in text.split(",") if v.strip()]
+            parsed = json.loads(text) if text else tp()
+            if not isinstance(parsed, tp):
+                raise ValueError(value)
+            return parsed
+        return tp(value)
+    except (ValueError, TypeError, json.JSONDecodeError):
+        kind = {dict: "a JSON object", list: "a JSON list or comma-separated values"}.get(tp, tp.__name__)
+        raise ConfigError(f"{flag}: cannot read {value!r} as {kind}") from None
+
+
+def _maybe_int(s: str) -> Any:
+    try:
+        return int(s)
+    except ValueError:
+        return s
+
+
+def build_parser(prog: str = "train.py", description: str = "") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--config", help="YAML file of settings (keys as flag names, with - or _); flags override it")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for name, f in _FIELDS.items():
+        g = f.metadata["group"]
+        grp = groups.setdefault(g, parser.add_argument_group(g))
+        flag = "--" + name.replace("_", "-")
+        tp = _base_type(_HINTS[name])
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if tp is bool:
+            grp.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=f.metadata["help"] + f" (default: {default})")
+        else:
+            grp.add_argument(flag, default=argparse.SUPPRESS, metavar=tp.__name__.upper(), choices=f.metadata["choices"], help=f.metadata["help"] + f" (default: {default})")
+    return parser
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"config file {p} not found")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {p} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {p} must hold a mapping of flag names to values")
+    out = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in _FIELDS:
+            close = difflib.get_close_matches(name, list(_FIELDS), n=1)
+            hint = f" (did you mean {close[0].replace('_', '-')}?)" if close else ""
+            raise ConfigError(f"config file {p}: unknown key '{key}'{hint}")
+        out[name] = _coerce(name, value)
+    return out
+
+
+def parse_args(argv: list[str] | None = None, prog: str = "train.py", description: str = "", for_eval: bool = False, **overrides: Any) -> Config:
+    """Flags > --config YAML > dataclass defaults; then validate()."""
+    ns = vars(build_parser(prog, description).parse_args(argv))
+    values: dict[str, Any] = {}
+    if ns.get("config"):
+        values.update(load_yaml(ns.pop("config")))
+    ns.pop("config", None)
+    values.update({k: _coerce(k, v) for k, v in ns.items()})
+    values.update(overrides)
+    return Config(**values).validate(for_eval=for_eval)

@@ -1,0 +1,261 @@
+"""The train loops. `train.py` runs `sync`; `train_async.py` runs `one-step-off` (and, with the
+fully-async rollout function, fully-async).
+
+Every loop measures the same things the same way (DESIGN.md, "Timing"):
+  train_wait_time   trainer ready for the batch → batch in hand (the bubble)
+  train_time        log-prob recompute + forward/backward + optimizer
+  update_weights_time  pause → push → resume, all engines
+  step_time         end of previous step → end of this one (eval and checkpoints excluded)
+"""
+from __future__ import annotations
+
+import logging
+import math
+import re
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+import torch
+import yaml
+
+from vime.metrics import MetricsLogger, setup_logging
+from vime.models import load_tokenizer, resolve_model
+from vime.placement import Placement, place
+from vime.rollout.data_source import DataSource
+from vime.rollout.rewards import get_reward_fn
+from vime.rollout.types import RolloutOutput, Sample
+from vime.rollout.vllm_rollout import engine_clients, load_function
+from vime.trainer.actor import Actor
+from vime.trainer.loss import compute_advantages
+from vime.trainer.weights import WeightPusher
+
+log = logging.getLogger("vime")
+
+MODES = ("sync", "one-step-off", "decoupled")
+FULLY_ASYNC_FN = "vime.rollout.fully_async_rollout.generate_rollout_fully_async"
+DEFAULT_FN = "vime.rollout.vllm_rollout.generate_rollout"
+
+
+class Trainer:
+    """Everything one run holds: data, actor, engines, pusher, metrics. The loops below drive it."""
+
+    def __init__(self, args, mode: str) -> None:
+        if mode not in MODES:
+            raise ValueError(f"unknown train mode {mode!r}; one of {MODES}")
+        if mode != "sync" and args.colocate:
+            raise ValueError(
+                "train_async.py cannot --colocate: async training overlaps generation with training, so trainer and "
+                "engine need their own devices (or two processes on one GPU without --colocate); use train.py for colocated runs"
+            )
+        if mode == "decoupled" and args.rollout_function_path == DEFAULT_FN:
+            args.rollout_function_path = FULLY_ASYNC_FN  # decoupled training needs the continuous worker
+        if mode == "decoupled" and args.rollout_function_path != FULLY_ASYNC_FN:
+            raise ValueError("--max-staleness needs the fully-async rollout function (leave --rollout-function-path at its default)")
+        self.args, self.mode = args, mode
+        if args.run_name is None:
+            args.run_name = time.strftime("%Y%m%d-%H%M%S") + f"-{mode}"
+        self.run_dir = args.run_dir
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        setup_logging(self.run_dir / "log.txt")
+        label = "fully-async" if mode == "one-step-off" and args.rollout_function_path == FULLY_ASYNC_FN else mode
+        (self.run_dir / "config.yaml").write_text(yaml.safe_dump({**args.to_dict(), "mode": label}, sort_keys=False))
+        torch.manual_seed(args.seed)
+
+        args.model_dir = resolve_model(args.hf_checkpoint)
+        get_reward_fn(args)  # fail on a bad --rm-type / --custom-rm-path before any model loads
+        self.rollout_fn: Callable[..., RolloutOutput] = load_function(args.rollout_function_path, "--rollout-function-path")
+        self.tokenizer = load_tokenizer(args.model_dir)
+        self.data_source = DataSource(args, self.tokenizer)
+        self.num_rollout = args.num_rollout or math.ceil(args.num_epoch * len(self.data_source) / args.rollout_batch_size)
+
+        self.placement: Placement = place(args, args.model_dir, self.run_dir)
+        try:
+            args.rollout_engine_urls = self.placement.urls
+            self.clients = engine_clients(args)
+            self.actor = Actor(args, args.model_dir, device=self.placement.trainer_device)
+            self.pusher = WeightPusher(self.clients, transport=self.placement.transport)
+            self.weight_version = 0
+            self.start_step = 0
+            if args.load:
+                self._resume(Path(args.load))
+            self.metrics = MetricsLogger(self.run_dir, self.num_rollout, self.start_step, args.use_tensorboard)
+        except BaseException:
+            self.placement.shutdown()  # never leave engine processes behind
+            raise
+
+    # ---- pieces the loops share ----
+
+    def _resume(self, load_dir: Path) -> None:
+        ckpt = latest_checkpoint(load_dir)
+        if ckpt is None:
+            raise FileNotFoundError(f"--load {load_dir}: no complete checkpoint inside (expected <step>/trainer_state.pt)")
+        extra = self.actor.load(ckpt)
+        self.data_source.load_state_dict(extra["data_source"])
+        self.start_step = extra["step"]
+        self.weight_version = extra["weight_version"]
+        log.info("resumed from %s at step %d", ckpt, self.start_step)
+        self.push_weights()  # engines started from the base model; give them the resumed weights
+
+    def train_on(self, out: RolloutOutput, step: int) -> dict[str, float]:
+        """Advantages → optimizer step(s). Returns train metrics + rollout metrics of this batch."""
+        groups = out.samples
+        rewards = torch.tensor([[s.reward or 0.0 for s in g] for g in groups], dtype=torch.float32)
+        adv = compute_advantages(rewards, self.args.advantage_estimator, std_normalize=self.args.normalize_advantages_std)
+        samples = [s for g in groups for s in g]
+        advantages = [float(a) for a in adv.flatten()]
+        metrics = dict(out.metrics)
+        metrics.update(self.actor.train_step(samples, advantages))
+        metrics.update(staleness_metrics(samples, self.weight_version))
+        return metrics
+
+    def push_weights(self) -> dict[str, float]:
+        """pause → push → continue. In-flight requests wait in place (their next tokens come from
+        the new weights), except with --partial-rollout, where they are aborted and resumed."""
+        self.weight_version += 1
+        t0 = time.perf_counter()
+        pause_mode = "abort" if self.args.partial_rollout else "in_place"
+        for c in self.clients:
+            c.pause_generation(mode=pause_mode)
+        try:
+            metrics = self.pusher.push(self.actor.named_weights(), self.weight_version)
+        finally:
+            for c in self.clients:
+                c.continue_generation()
+        metrics["perf/update_weights_time"] = time.perf_counter() - t0
+        metrics["train/weight_version"] = self.weight_version
+        if "vime.rollout.fully_async_rollout" in sys.modules:
+            sys.modules["vime.rollout.fully_async_rollout"].set_trainer_version(self.weight_version)
+        return metrics
+
+    def after_step(self, step: int, metrics: dict[str, float]) -> None:
+        """Eval and checkpoint; their time is logged apart and kept out of step time."""
+        a = self.args
+        last = step == self.num_rollout
+        if a.eval_interval and (step % a.eval_interval == 0 or last):
+            metrics.update(self.evaluate(step))
+        if a.save and ((a.save_interval and step % a.save_interval == 0) or last):
+            t0 = time.perf_counter()
+            self.actor.save(Path(a.save) / str(step), {"step": step, "weight_version": self.weight_version, "data_source": self.data_source.state_dict()})
+            metrics["perf/save_time"] = time.perf_counter() - t0
+        self.metrics.log(step, metrics)
+        self.metrics.advance(metrics)
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        from vime.eval import evaluate
+
+        out = evaluate(self.args, step, self.run_dir / "eval" / f"{step}.jsonl")
+        m = out.metrics
+        self.metrics.write_line(f"eval step {step}: accuracy {m['eval/accuracy']:.3f} ({m['eval/correct']}/{m['eval/total']})")
+        return m
+
+    def close(self) -> None:
+        if "vime.rollout.fully_async_rollout" in sys.modules:
+            sys.modules["vime.rollout.fully_async_rollout"].shutdown()
+        self.placement.shutdown()
+        if hasattr(self, "metrics"):
+            self.metrics.close()
+
+
+def staleness_metrics(samples: list[Sample], trainer_version: int) -> dict[str, float]:
+    """Trainer version − weight version of each trained token (0 = fully on-policy)."""
+    lags = [trainer_version - v for s in samples for v in (s.weight_versions or [])]
+    if not lags:
+        return {}
+    return {"rollout/staleness_mean": sum(lags) / len(lags), "rollout/staleness_max": float(max(lags))}
+
+
+def latest_checkpoint(save_dir: Path) -> Path | None:
+    steps = [int(p.name) for p in save_dir.glob("*") if p.is_dir() and re.fullmatch(r"\d+", p.name) and (p / "trainer_state.pt").exists()]
+    return save_dir / str(max(steps)) if steps else None
+
+
+def run(args, mode: str = "sync") -> Path:
+    """Train for args.num_rollout steps in the given mode; returns the run directory."""
+    t = Trainer(args, mode)
+    try:
+        if args.eval_interval and t.start_step == 0:
+            t.metrics.log(0, t.evaluate(0))
+        {"sync": _sequential_loop, "one-step-off": _one_step_off_loop, "decoupled": _sequential_loop}[mode](t)
+    finally:
+        t.close()
+    return t.run_dir
+
+
+class StepClock:
+    """Step and wall-clock time with eval/checkpoint time cut out (DESIGN.md, "Timing")."""
+
+    def __init__(self) -> None:
+        self.prev_end = time.perf_counter()
+        self.wall = 0.0
+
+    def close(self, m: dict[str, float]) -> None:
+        end = time.perf_counter()
+        m["perf/step_time"] = end - self.prev_end
+        self.wall += m["perf/step_time"]
+        m["perf/wall_clock"] = self.wall
+        parts = ("perf/train_wait_time", "perf/train_time", "perf/update_weights_time", "perf/push_wait_time")
+        m["perf/other_time"] = max(0.0, m["perf/step_time"] - sum(m.get(k, 0.0) for k in parts))
+
+    def restart(self) -> None:
+        """Call after eval/checkpoint: the next step starts counting now."""
+        self.prev_end = time.perf_counter()
+
+
+def _sequential_loop(t: Trainer) -> None:
+    """get batch → train → push, in sequence.
+
+    sync: getting the batch *is* generating it, so the trainer waits for all of it.
+    decoupled: the rollout function drains a continuously running worker (samples at most
+    --max-staleness versions old), and weights are pushed right after every step without
+    waiting for generation; the worker is paused only for the push itself."""
+    clock = StepClock()
+    for rollout_id in range(t.start_step, t.num_rollout):
+        ready = time.perf_counter()
+        out = t.rollout_fn(t.args, rollout_id, t.data_source)
+        m = {"perf/train_wait_time": time.perf_counter() - ready}
+        m.update(_train_and_push(t, out, rollout_id + 1))
+        clock.close(m)
+        t.after_step(rollout_id + 1, m)
+        clock.restart()
+
+
+def _one_step_off_loop(t: Trainer) -> None:
+    """generate(N+1) runs while step N trains; the in-flight generate finishes before any push,
+    so each batch is generated entirely by one policy version (one behind the trainer)."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vime-generate")
+    try:
+        pending: Future | None = pool.submit(t.rollout_fn, t.args, t.start_step, t.data_source)
+        clock = StepClock()
+        for rollout_id in range(t.start_step, t.num_rollout):
+            ready = time.perf_counter()
+            out = pending.result()
+            m = {"perf/train_wait_time": time.perf_counter() - ready}
+            pending = pool.submit(t.rollout_fn, t.args, rollout_id + 1, t.data_source) if rollout_id + 1 < t.num_rollout else None
+            m.update(_train_and_push(t, out, rollout_id + 1, before_push=pending.result if pending else None))
+            clock.close(m)
+            t.after_step(rollout_id + 1, m)
+            clock.restart()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _train_and_push(t: Trainer, out: RolloutOutput, step: int, before_push: Callable[[], object] | None = None) -> dict[str, float]:
+    t0 = time.perf_counter()
+    if t.args.colocate:
+        for c in t.clients:
+            c.release_memory_occupation()
+    m = t.train_on(out, step)
+    m["perf/train_time"] = time.perf_counter() - t0
+    if t.args.colocate:
+        for c in t.clients:
+            c.resume_memory_occupation()
+    if step % t.args.update_weights_interval == 0:
+        if before_push is not None:
+            w0 = time.perf_counter()
+            before_push()
+            m["perf/push_wait_time"] = time.perf_counter() - w0
+        m.update(t.push_weights())
+    return m

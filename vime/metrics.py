@@ -1,0 +1,103 @@
+"""Timers, metrics.jsonl, TensorBoard, and the progress bar.
+
+One file of one JSON object per step is the source of truth: `vime report` reads it, and a
+crash loses at most the step in progress (each line is flushed as it is written).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+log = logging.getLogger("vime")
+
+
+@contextmanager
+def timed(metrics: dict[str, float], key: str) -> Iterator[None]:
+    """Add the wall time of the block to metrics[key] (seconds, accumulated)."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        metrics[key] = metrics.get(key, 0.0) + time.perf_counter() - t0
+
+
+def mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+class MetricsLogger:
+    """Append-only metrics.jsonl (+ TensorBoard when installed) and a live progress bar."""
+
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int = 0, use_tensorboard: bool = True) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a")
+        self._tb = None
+        if use_tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+            except Exception:  # tensorboard not installed: jsonl is enough
+                self._tb = None
+        from tqdm import tqdm
+
+        self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr, disable=None)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in row.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self._tb.add_scalar(k, v, step)
+
+    def advance(self, metrics: dict[str, Any]) -> None:
+        post = {}
+        if "perf/step_time" in metrics:
+            post["step_s"] = f"{metrics['perf/step_time']:.2f}"
+        if "rollout/reward_mean" in metrics:
+            post["reward"] = f"{metrics['rollout/reward_mean']:.3f}"
+        if "eval/accuracy" in metrics:
+            post["eval"] = f"{metrics['eval/accuracy']:.3f}"
+        self._bar.set_postfix(post, refresh=False)
+        self._bar.update(1)
+
+    def write_line(self, text: str) -> None:
+        self._bar.write(text)
+
+    def close(self) -> None:
+        self._bar.close()
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _jsonable(v: Any) -> Any:
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: is {run_dir} a vime run directory?")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def setup_logging(log_file: Path | None = None) -> None:
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if log_file is not None:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(log_file))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", handlers=handlers, force=True)

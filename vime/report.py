@@ -1,0 +1,144 @@
+"""`vime report runs/a runs/b ...`: the speed and accuracy tables of runs, side by side, + plots.
+
+The first run given is the reference of the speedup column (put the sync arm first). Means
+are over all logged training steps; the first step of an async run includes its pipeline fill,
+which is part of the real cost and is kept.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from vime.metrics import mean, read_metrics
+
+
+@dataclass
+class RunSummary:
+    name: str
+    mode: str
+    steps: int
+    step_time: float
+    wait_time: float
+    train_time: float
+    update_time: float
+    wall_clock: float
+    rows: list[dict[str, Any]]
+    evals: list[dict[str, Any]]  # rows carrying eval/accuracy, with step
+
+    @property
+    def wait_share(self) -> float:
+        return self.wait_time / self.step_time if self.step_time else 0.0
+
+
+def summarize(run_dir: str | Path) -> RunSummary:
+    run_dir = Path(run_dir)
+    rows = read_metrics(run_dir)
+    cfg_path = run_dir / "config.yaml"
+    cfg = yaml.safe_load(cfg_path.read_text()) if cfg_path.exists() else {}
+    steps = [r for r in rows if "perf/step_time" in r]
+    if not steps:
+        raise ValueError(f"{run_dir}/metrics.jsonl has no training steps yet")
+
+    def col(key: str) -> float:
+        return mean([r.get(key, 0.0) or 0.0 for r in steps])
+
+    mode = cfg.get("mode", "?")
+    if mode == "one-step-off" and "fully_async" in str(cfg.get("rollout_function_path", "")):
+        mode = "fully-async"
+    return RunSummary(
+        name=run_dir.name,
+        mode=mode,
+        steps=len(steps),
+        step_time=col("perf/step_time"),
+        wait_time=col("perf/train_wait_time"),
+        train_time=col("perf/train_time"),
+        update_time=col("perf/update_weights_time"),
+        wall_clock=steps[-1].get("perf/wall_clock", 0.0),
+        rows=rows,
+        evals=[r for r in rows if "eval/accuracy" in r],
+    )
+
+
+def speed_table(runs: list[RunSummary]) -> str:
+    ref = runs[0].wall_clock
+    lines = [
+        "| run | mode | steps | step time (s) | train wait (s) | wait share | train (s) | update weights (s) | wall clock (s) | speedup |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in runs:
+        speedup = ref / r.wall_clock if r.wall_clock else float("nan")
+        lines.append(
+            f"| {r.name} | {r.mode} | {r.steps} | {r.step_time:.2f} | {r.wait_time:.2f} | {100 * r.wait_share:.0f}% | "
+            f"{r.train_time:.2f} | {r.update_time:.3f} | {r.wall_clock:.1f} | {speedup:.2f}× |"
+        )
+    return "\n".join(lines)
+
+
+def accuracy_table(runs: list[RunSummary]) -> str:
+    base = next((e for r in runs for e in r.evals if e["step"] == 0), None)
+    lines = ["| run | mode | held-out accuracy | correct/total | change (points) |", "|---|---|---:|---:|---:|"]
+    if base is not None:
+        lines.append(f"| baseline | before training | {100 * base['eval/accuracy']:.1f}% | {base['eval/correct']}/{base['eval/total']} | |")
+    for r in runs:
+        if not r.evals:
+            lines.append(f"| {r.name} | {r.mode} | (no eval) | | |")
+            continue
+        last = r.evals[-1]
+        delta = f"{100 * (last['eval/accuracy'] - base['eval/accuracy']):+.1f}" if base is not None else ""
+        lines.append(f"| {r.name} | {r.mode} | {100 * last['eval/accuracy']:.1f}% | {last['eval/correct']}/{last['eval/total']} | {delta} |")
+    return "\n".join(lines)
+
+
+def plot(runs: list[RunSummary], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    charts = [
+        ("step_time.png", "step time (s)", lambda r: [(x["step"], x["perf/step_time"]) for x in r.rows if "perf/step_time" in x], "step"),
+        ("reward.png", "mean reward", lambda r: [(x["step"], x["rollout/reward_mean"]) for x in r.rows if "rollout/reward_mean" in x], "step"),
+        ("accuracy_vs_wall_clock.png", "held-out accuracy", _accuracy_vs_wall, "wall clock (s)"),
+    ]
+    for fname, ylabel, series, xlabel in charts:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for r in runs:
+            pts = series(r)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", markersize=3, label=f"{r.name} ({r.mode})")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out_dir / fname, dpi=110)
+        plt.close(fig)
+        paths.append(out_dir / fname)
+    return paths
+
+
+def _accuracy_vs_wall(r: RunSummary) -> list[tuple[float, float]]:
+    wall = {x["step"]: x.get("perf/wall_clock", 0.0) for x in r.rows if "perf/wall_clock" in x}
+    return [(wall.get(e["step"], 0.0), e["eval/accuracy"]) for e in r.evals]
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="vime report", description="Speed and accuracy tables of runs side by side (first run = speedup reference), plus PNG plots.")
+    p.add_argument("runs", nargs="+", help="run directories (runs/<name>)")
+    p.add_argument("--plots", default=None, help="where to write PNG plots (default: <first run>/../report)")
+    p.add_argument("--no-plots", action="store_true", help="tables only")
+    a = p.parse_args(argv)
+    runs = [summarize(r) for r in a.runs]
+    print("speed\n" + speed_table(runs) + "\n")
+    print("accuracy\n" + accuracy_table(runs))
+    if not a.no_plots:
+        out = Path(a.plots) if a.plots else Path(a.runs[0]).parent / "report"
+        paths = plot(runs, out)
+        print("\nplots: " + ", ".join(str(p) for p in paths))
+    return 0

@@ -1,0 +1,195 @@
+"""Fully-async rollout: one process-wide worker keeps prompt groups in flight across calls.
+
+`generate_rollout_fully_async(args, rollout_id, data_source)` drains exactly
+`--rollout-batch-size` finished groups from the worker's queue and returns; the worker goes on
+generating meanwhile, so the next call usually finds its batch already there (warm queue) and
+slow requests (the long tail) never hold a step up.
+
+Rules the worker keeps:
+* at most `--rollout-concurrency` groups in flight (default: 2 × rollout-batch-size);
+* back-pressure: no new prompt is taken while a full batch of finished groups is waiting;
+* a group with an aborted sample goes back to the data source (or, with `--partial-rollout`,
+  its aborted samples resume from the tokens they already have);
+* with `--max-staleness K` (decoupled mode), a group holding a token sampled more than K
+  policy versions before the trainer's is not trained: it is dropped at drain time, its
+  prompt re-queued, and counted.
+"""
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import threading
+import time
+from collections import deque
+
+from vime.rollout import async_loop
+from vime.rollout.types import RolloutOutput, Sample, Status
+from vime.rollout.rewards import score_samples
+from vime.rollout.vllm_rollout import generate_fn, rollout_metrics, sampling_params
+
+log = logging.getLogger("vime")
+
+
+class AsyncRolloutWorker:
+    """Producer side of the fully-async pipeline; lives on the shared rollout event loop."""
+
+    def __init__(self, args, data_source) -> None:
+        self.args = args
+        self.data_source = data_source
+        self.concurrency = args.rollout_concurrency or 2 * args.rollout_batch_size
+        self.batch = args.rollout_batch_size
+        self.ready: deque[list[Sample]] = deque()
+        self.cond = threading.Condition()  # guards ready, counters, and data_source access
+        self.inflight = 0
+        self.counts = {"requeued": 0, "dropped_stale": 0, "resumed": 0}
+        self.trainer_version = 0  # set by the train loop after each push
+        self.max_inflight_seen = 0
+        self._stop = False
+        self._wake: asyncio.Event | None = None
+        self._task = async_loop.submit(self._run())
+        self.error: BaseException | None = None
+
+    # ---- producer (rollout loop thread) ----
+
+    async def _run(self) -> None:
+        self._wake = asyncio.Event()
+        fn, params = generate_fn(self.args), sampling_params(self.args)
+        tasks: set[asyncio.Task] = set()
+        try:
+            while not self._stop:
+                while self._may_start():
+                    with self.cond:
+                        group = self.data_source.get_samples(1)[0]
+                        self.inflight += 1
+                        self.max_inflight_seen = max(self.max_inflight_seen, self.inflight)
+                    task = asyncio.create_task(self._one_group(group, fn, params))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                self._wake.clear()
+                await self._wake.wait()
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _may_start(self) -> bool:
+        with self.cond:
+            return not self._stop and self.inflight < self.concurrency and len(self.ready) < self.batch
+
+    async def _one_group(self, group: list[Sample], fn, params) -> None:
+        args = self.args
+        try:
+            group = list(await asyncio.gather(*(fn(args, s, params) for s in group)))
+            while any(s.status == Status.ABORTED for s in group):
+                if not args.partial_rollout or self._stale(group):
+                    with self.cond:
+                        self.data_source.add_samples([group])
+                        self.counts["requeued"] += 1
+                    return
+                # partial rollout: aborted samples continue from the tokens they already have
+                self.counts["resumed"] += sum(s.status == Status.ABORTED for s in group)
+                group = list(await asyncio.gather(*(fn(args, s, params) if s.status == Status.ABORTED else _done(s) for s in group)))
+            await score_samples(args, group)
+            with self.cond:
+                self.ready.append(group)
+                self.cond.notify_all()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # surfaces in the train thread instead of dying silently
+            with self.cond:
+                self.error = e
+                self.cond.notify_all()
+        finally:
+            with self.cond:
+                self.inflight -= 1
+            self._poke()
+
+    def _stale(self, group: list[Sample]) -> bool:
+        k = self.args.max_staleness
+        if k is None:
+            return False
+        oldest = min((v for s in group for v in (s.weight_versions or [])), default=self.trainer_version)
+        return self.trainer_version - oldest > k
+
+    def _poke(self) -> None:
+        if self._wake is not None:
+            async_loop.get_loop().call_soon_threadsafe(self._wake.set)
+
+    # ---- consumer (train thread) ----
+
+    def drain(self, n: int) -> tuple[list[list[Sample]], dict[str, float]]:
+        """Block until n trainable groups are ready; return them FIFO with queue metrics."""
+        out: list[list[Sample]] = []
+        with self.cond:
+            while len(out) < n:
+                while not self.ready and self.error is None:
+                    self.cond.wait(timeout=1.0)
+                if self.error is not None:
+                    raise self.error
+                group = self.ready.popleft()
+                if self._stale(group):
+                    self.counts["dropped_stale"] += 1
+                    self.data_source.add_samples([group])
+                    continue
+                out.append(group)
+            metrics = {
+                "rollout/queue_depth": float(len(self.ready)),
+                "rollout/inflight": float(self.inflight),
+                "rollout/max_inflight": float(self.max_inflight_seen),
+                **{f"rollout/{k}": float(v) for k, v in self.counts.items()},
+            }
+        self._poke()
+        return out, metrics
+
+    def stop(self) -> None:
+        self._stop = True
+        self._poke()
+        try:
+            self._task.result(timeout=30)
+        except Exception:
+            pass
+
+
+async def _done(sample: Sample) -> Sample:
+    return sample
+
+
+_worker: AsyncRolloutWorker | None = None
+_worker_lock = threading.Lock()
+
+
+def get_worker(args, data_source) -> AsyncRolloutWorker:
+    global _worker
+    with _worker_lock:
+        if _worker is None:
+            _worker = AsyncRolloutWorker(args, data_source)
+        return _worker
+
+
+def shutdown() -> None:
+    """Stop the worker (idempotent): in-flight requests are cancelled, nothing is left running."""
+    global _worker
+    with _worker_lock:
+        if _worker is not None:
+            _worker.stop()
+            _worker = None
+
+
+atexit.register(shutdown)
+
+
+def set_trainer_version(version: int) -> None:
+    if _worker is not None:
+        _worker.trainer_version = version
+
+
+def generate_rollout_fully_async(args, rollout_id: int, data_source, evaluation: bool = False) -> RolloutOutput:
+    if evaluation:
+        raise ValueError("the fully-async rollout function does not evaluate: evaluation runs through vime.eval (greedy, one batch)")
+    worker = get_worker(args, data_source)
+    t0 = time.perf_counter()
+    groups, metrics = worker.drain(args.rollout_batch_size)
+    metrics.update(rollout_metrics(groups))
+    metrics["perf/rollout_drain_time"] = time.perf_counter() - t0
+    return RolloutOutput(samples=groups, metrics=metrics)

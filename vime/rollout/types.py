@@ -1,0 +1,52 @@
+"""The data that flows from rollout to trainer.
+
+A `Sample` is one prompt + one response. Groups of `--n-samples-per-prompt` samples share a
+prompt and are the unit GRPO normalizes over, so rollout functions return `list[list[Sample]]`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class Status(str, Enum):
+    PENDING = "pending"
+    COMPLETED = "completed"  # ended on a stop/eos token
+    TRUNCATED = "truncated"  # hit max_new_tokens
+    ABORTED = "aborted"  # engine aborted it (pause/abort); partial tokens kept
+    FAILED = "failed"  # engine error; never trained on
+
+
+@dataclass
+class Sample:
+    index: int = 0
+    group_index: int = 0
+    prompt: str | list[dict[str, Any]] = ""
+    label: str | None = None
+    tokens: list[int] = field(default_factory=list)  # prompt ids + response ids
+    response_length: int = 0
+    response: str = ""  # decoded response text (what rewards read)
+    loss_mask: list[int] | None = None  # one per response token; None means all ones
+    rollout_log_probs: list[float] | None = None  # one per response token
+    weight_versions: list[int] | None = None  # one per response token
+    reward: float | None = None
+    status: Status = Status.PENDING
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def prompt_length(self) -> int:
+        return len(self.tokens) - self.response_length
+
+    @property
+    def response_tokens(self) -> list[int]:
+        return self.tokens[self.prompt_length :]
+
+    def effective_loss_mask(self) -> list[int]:
+        return self.loss_mask if self.loss_mask is not None else [1] * self.response_length
+
+
+@dataclass
+class RolloutOutput:
+    samples: list[list[Sample]]
+    metrics: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,142 @@
+"""The default rollout function: one batch of prompt groups through the engines, then rewards.
+
+`generate_rollout(args, rollout_id, data_source, evaluation=False)` keeps slime's signature.
+It is synchronous for the train loop; the requests themselves run concurrently on the shared
+rollout event loop (`async_loop`). The name is slime's; it talks to any engine behind
+`EngineClient`, the built-in one by default.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib
+import time
+import uuid
+from typing import Any, Awaitable, Callable
+
+from vime.engine.client import EngineClient
+from vime.rollout import async_loop
+from vime.rollout.rewards import score_samples
+from vime.rollout.types import RolloutOutput, Sample, Status
+
+GenerateFn = Callable[[Any, Sample, dict], Awaitable[Sample]]
+
+_FINISH_TO_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
+
+
+def load_function(path: str, what: str) -> Callable:
+    """Import `pkg.module.func` (or `pkg.module:func`) with a one-line error naming the flag."""
+    module_name, _, attr = path.replace(":", ".").rpartition(".")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"{what} '{path}' cannot be loaded ({type(e).__name__}: {e}): give a dotted path to a function") from None
+    if not callable(fn):
+        raise ValueError(f"{what} '{path}' is not callable")
+    return fn
+
+
+@functools.lru_cache(maxsize=None)
+def _clients(urls: tuple[str, ...]) -> tuple[EngineClient, ...]:
+    return tuple(EngineClient(u) for u in urls)
+
+
+def engine_clients(args) -> tuple[EngineClient, ...]:
+    if not args.rollout_engine_urls:
+        raise RuntimeError("no rollout engines: the train loop sets args.rollout_engine_urls before the first rollout")
+    return _clients(tuple(args.rollout_engine_urls))
+
+
+@functools.lru_cache(maxsize=None)
+def _tokenizer(path: str):
+    from vime.models import load_tokenizer
+
+    return load_tokenizer(path)
+
+
+def tokenizer_for(args):
+    return _tokenizer(str(args.model_dir))
+
+
+def sampling_params(args, evaluation: bool = False) -> dict:
+    if evaluation:
+        return {"max_new_tokens": args.eval_max_response_len, "temperature": 0.0, "top_p": 1.0, "top_k": -1, "stop_token_ids": list(args.rollout_stop_token_ids), "n": 1}
+    return {
+        "max_new_tokens": args.rollout_max_response_len,
+        "temperature": args.rollout_temperature,
+        "top_p": args.rollout_top_p,
+        "top_k": args.rollout_top_k,
+        "stop_token_ids": list(args.rollout_stop_token_ids),
+        "n": 1,
+    }
+
+
+async def generate(args, sample: Sample, params: dict) -> Sample:
+    """Default per-sample generate: append the engine's tokens to the sample.
+
+    A sample that already holds part of a response (an aborted one being resumed) continues
+    from where it stopped, with the remaining token budget.
+    """
+    clients = engine_clients(args)
+    client = clients[sample.group_index % len(clients)]  # a group stays on one engine (prefix reuse)
+    params = dict(params, max_new_tokens=params["max_new_tokens"] - sample.response_length)
+    if params["max_new_tokens"] <= 0:
+        sample.status = Status.TRUNCATED
+        return sample
+    out = await client.generate(sample.tokens, params, return_logprob=True, rid=uuid.uuid4().hex)
+    meta = out["meta_info"]
+    ids = out["output_ids"]
+    sample.tokens = sample.tokens + ids
+    sample.response_length += len(ids)
+    sample.rollout_log_probs = (sample.rollout_log_probs or []) + list(meta["output_token_logprobs"])
+    sample.weight_versions = (sample.weight_versions or []) + list(meta["output_weight_versions"])
+    if sample.loss_mask is not None:
+        sample.loss_mask = sample.loss_mask + [1] * len(ids)
+    sample.response = tokenizer_for(args).decode(sample.response_tokens, skip_special_tokens=True)
+    sample.status = _FINISH_TO_STATUS[meta["finish_reason"]["type"]]
+    return sample
+
+
+def generate_fn(args) -> GenerateFn:
+    if args.custom_generate_function_path:
+        return load_function(args.custom_generate_function_path, "--custom-generate-function-path")
+    return generate
+
+
+async def generate_group(args, group: list[Sample], params: dict, fn: GenerateFn) -> list[Sample]:
+    """Generate every sample of a group, then score them together."""
+    group = list(await asyncio.gather(*(fn(args, s, params) for s in group)))
+    await score_samples(args, group)
+    return group
+
+
+def rollout_metrics(groups: list[list[Sample]], prefix: str = "rollout") -> dict[str, float]:
+    flat = [s for g in groups for s in g]
+    if not flat:
+        return {}
+    n = len(flat)
+    return {
+        f"{prefix}/reward_mean": sum(s.reward or 0.0 for s in flat) / n,
+        f"{prefix}/response_len_mean": sum(s.response_length for s in flat) / n,
+        f"{prefix}/response_len_max": max(s.response_length for s in flat),
+        f"{prefix}/truncated_ratio": sum(s.status == Status.TRUNCATED for s in flat) / n,
+        f"{prefix}/num_samples": n,
+    }
+
+
+async def _generate_batch(args, rollout_id: int, data_source) -> RolloutOutput:
+    groups = data_source.get_samples(args.rollout_batch_size)
+    fn, params = generate_fn(args), sampling_params(args)
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(generate_group(args, g, params, fn) for g in groups))
+    metrics = rollout_metrics(results)
+    metrics["perf/rollout_time"] = time.perf_counter() - t0
+    return RolloutOutput(samples=list(results), metrics=metrics)
+
+
+def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = False) -> RolloutOutput:
+    if evaluation:
+        from vime.eval import evaluate
+
+        return evaluate(args, rollout_id)
+    return async_loop.run(_generate_batch(args, rollout_id, data_source))
