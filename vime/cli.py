@@ -35,7 +35,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 def guarded(fn: Callable[[list[str]], int], argv: list[str]) -> int:
     try:
         return fn(argv)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit) as e:
+        if isinstance(e, SystemExit):
+            raise
         print("interrupted", file=sys.stderr)
         return 130
     except _user_errors() as e:
@@ -47,7 +49,6 @@ def guarded(fn: Callable[[list[str]], int], argv: list[str]) -> int:
 
 def train_main(argv: list[str], mode: str = "sync") -> int:
     from vime.config import parse_args
-    from vime.loop import run
 
     prog = "train.py" if mode == "sync" else "train_async.py"
     desc = "GRPO training: generate → train → push weights, in sequence." if mode == "sync" else "Asynchronous GRPO training: generation overlaps training (one-step-off, or fully-async with its rollout function)."
@@ -56,6 +57,8 @@ def train_main(argv: list[str], mode: str = "sync") -> int:
         mode = "decoupled"
     elif mode == "sync" and args.max_staleness is not None:
         raise ValueError("--max-staleness is decoupled async training: run it with train_async.py")
+    from vime.loop import run  # heavy imports (torch, transformers) only once the flags are good
+
     run_dir = run(args, mode)
     print(f"run written to {run_dir}")
     return 0
@@ -70,6 +73,7 @@ def eval_main(argv: list[str]) -> int:
     from vime.eval import evaluate
     from vime.models import resolve_model
     from vime.placement import place
+    from vime.rollout.vllm_rollout import close_clients
 
     args = parse_args(argv, prog="vime eval", description="Greedy evaluation: accuracy on held-out prompts (writes per-sample JSONL).", for_eval=True)
     args.model_dir = resolve_model(args.hf_checkpoint)
@@ -81,6 +85,7 @@ def eval_main(argv: list[str]) -> int:
         out_path = run_dir / "eval.jsonl"
         m = evaluate(args, 0, out_path).metrics
     finally:
+        close_clients()
         placement.shutdown()
     print(f"accuracy {m['eval/accuracy']:.4f} ({m['eval/correct']}/{m['eval/total']})  per-sample results: {out_path}")
     print(json.dumps({k: m[k] for k in ("eval/accuracy", "eval/correct", "eval/total")}))

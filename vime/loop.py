@@ -27,7 +27,7 @@ from vime.placement import Placement, place
 from vime.rollout.data_source import DataSource
 from vime.rollout.rewards import get_reward_fn
 from vime.rollout.types import RolloutOutput, Sample
-from vime.rollout.vllm_rollout import engine_clients, load_function
+from vime.rollout.vllm_rollout import close_clients, engine_clients, load_function
 from vime.trainer.actor import Actor
 from vime.trainer.loss import compute_advantages
 from vime.trainer.weights import WeightPusher
@@ -97,7 +97,7 @@ class Trainer:
         self.start_step = extra["step"]
         self.weight_version = extra["weight_version"]
         log.info("resumed from %s at step %d", ckpt, self.start_step)
-        self.push_weights()  # engines started from the base model; give them the resumed weights
+        self.push_weights(bump=False)  # engines started from the base model; give them the resumed weights
 
     def train_on(self, out: RolloutOutput, step: int) -> dict[str, float]:
         """Advantages → optimizer step(s). Returns train metrics + rollout metrics of this batch."""
@@ -111,10 +111,11 @@ class Trainer:
         metrics.update(staleness_metrics(samples, self.weight_version))
         return metrics
 
-    def push_weights(self) -> dict[str, float]:
+    def push_weights(self, bump: bool = True) -> dict[str, float]:
         """pause → push → continue. In-flight requests wait in place (their next tokens come from
-        the new weights), except with --partial-rollout, where they are aborted and resumed."""
-        self.weight_version += 1
+        the new weights), except with --partial-rollout, where they are aborted and resumed.
+        `bump=False` re-sends the current version (a resumed run's weights)."""
+        self.weight_version += int(bump)
         t0 = time.perf_counter()
         pause_mode = "abort" if self.args.partial_rollout else "in_place"
         for c in self.clients:
@@ -154,6 +155,7 @@ class Trainer:
     def close(self) -> None:
         if "vime.rollout.fully_async_rollout" in sys.modules:
             sys.modules["vime.rollout.fully_async_rollout"].shutdown()
+        close_clients()
         self.placement.shutdown()
         if hasattr(self, "metrics"):
             self.metrics.close()

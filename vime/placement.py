@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from vime.engine.client import EngineClient
 from vime.engine.server import EngineProcess, launch_engine
 
 log = logging.getLogger("vime")
@@ -69,6 +70,8 @@ def place(args, model_dir: Path, run_dir: Path) -> Placement:
     trainer = trainer_device(args)
     if args.rollout_engine_urls:
         urls = list(args.rollout_engine_urls)
+        for u in urls:
+            EngineClient(u).health()  # an unreachable engine fails now, with its URL, not mid-run
         return Placement(trainer, [], urls, choose_transport(args, trainer, []))
     devices = engine_devices(args, trainer)
     dtype = "float32" if trainer == "cpu" else "bfloat16"

@@ -26,7 +26,7 @@ from collections import deque
 from vime.rollout import async_loop
 from vime.rollout.types import RolloutOutput, Sample, Status
 from vime.rollout.rewards import score_samples
-from vime.rollout.vllm_rollout import generate_fn, rollout_metrics, sampling_params
+from vime.rollout.vllm_rollout import engine_clients, generate_fn, rollout_metrics, sampling_params
 
 log = logging.getLogger("vime")
 
@@ -124,6 +124,7 @@ class AsyncRolloutWorker:
         with self.cond:
             while len(out) < n:
                 while not self.ready and self.error is None:
+                    self._poke()  # the producer may be holding back (back-pressure) on groups we just dropped
                     self.cond.wait(timeout=1.0)
                 if self.error is not None:
                     raise self.error
@@ -143,12 +144,19 @@ class AsyncRolloutWorker:
         return out, metrics
 
     def stop(self) -> None:
+        """Cancel the producer and its in-flight groups, and abort their requests at the engines
+        so nothing keeps generating for a worker that is gone."""
         self._stop = True
         self._poke()
         try:
             self._task.result(timeout=30)
-        except Exception:
-            pass
+        except Exception as e:  # a failed producer has already reported through drain()
+            log.debug("rollout worker ended with %r", e)
+        for client in engine_clients(self.args):
+            try:
+                client.abort_request(abort_all=True)
+            except Exception as e:  # the engine may already be gone at exit
+                log.debug("abort at shutdown failed: %r", e)
 
 
 async def _done(sample: Sample) -> Sample:

@@ -36,9 +36,21 @@ def load_function(path: str, what: str) -> Callable:
     return fn
 
 
-@functools.lru_cache(maxsize=None)
+_CLIENTS: dict[tuple[str, ...], tuple[EngineClient, ...]] = {}
+
+
 def _clients(urls: tuple[str, ...]) -> tuple[EngineClient, ...]:
-    return tuple(EngineClient(u) for u in urls)
+    if urls not in _CLIENTS:
+        _CLIENTS[urls] = tuple(EngineClient(u) for u in urls)
+    return _CLIENTS[urls]
+
+
+def close_clients() -> None:
+    """Close every cached client's HTTP session on the rollout loop (end of a run)."""
+    for clients in list(_CLIENTS.values()):
+        for c in clients:
+            async_loop.run(c.close())
+    _CLIENTS.clear()
 
 
 def engine_clients(args) -> tuple[EngineClient, ...]:

@@ -1,0 +1,32 @@
+"""Shared fixtures: a tiny real model and toy data, generated once per test session."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    from vime.models import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen3", arch="qwen3", seed=0)
+
+
+@pytest.fixture(scope="session")
+def addition_data(tmp_path_factory) -> tuple[Path, Path]:
+    from vime.datagen import write_dataset
+
+    return write_dataset("addition", tmp_path_factory.mktemp("data"), n_train=200, n_test=50, seed=0)
+
+
+def run_cli(*argv: str, timeout: float = 180, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """Run a vime entry point the way a user would (a fresh process), capturing its output."""
+    # tests/ on the path so test-only plug-ins (custom generate/reward functions) load by dotted path
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)

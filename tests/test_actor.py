@@ -1,0 +1,251 @@
+"""Actor on the tiny model: log-probs, micro-batch invariance, a learning step, checkpoints,
+weight names, and the shm/disk weight pushes."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from vime.rollout.types import Sample
+from vime.trainer import actor as actor_mod
+from vime.trainer.actor import Actor, plan_micro_batches
+from vime.trainer.weights import WeightPusher
+
+
+def make_args(**overrides) -> SimpleNamespace:
+    base = dict(
+        lr=1e-3, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.98, clip_grad=1.0, eps_clip=0.2, eps_clip_high=None,
+        kl_loss_coef=0.0, kl_loss_type="low_var_kl", entropy_coef=0.0, advantage_estimator="grpo", use_tis=False, tis_clip=2.0,
+        max_tokens_per_gpu=4096, global_batch_size=None, seed=0, gradient_checkpointing=False, dtype="float32",
+        rollout_temperature=1.0, rollout_max_response_len=8,
+    )
+    base.update(overrides)
+    return SimpleNamespace(**base)
+
+
+def make_samples(n: int = 4, seed: int = 0) -> list[Sample]:
+    """Samples of different prompt and response lengths (so micro-batches need padding)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        prompt = [rng.randrange(4, 100) for _ in range(3 + 2 * i)]
+        response = [rng.randrange(4, 100) for _ in range(2 + (i * 3) % 7)]
+        out.append(Sample(index=i, tokens=prompt + response, response_length=len(response)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def actor(tiny_model) -> Actor:
+    return Actor(make_args(), tiny_model)
+
+
+def test_plan_micro_batches_respects_budget():
+    lengths = [5, 9, 3, 9, 20]
+    batches = plan_micro_batches(lengths, max_tokens=18)
+    assert sorted(i for b in batches for i in b) == list(range(5))
+    assert [4] in batches  # longer than the budget: alone
+    for b in batches:
+        assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 18
+
+
+def test_log_probs_match_full_forward(actor):
+    samples = make_samples()
+    got = actor.compute_log_probs(samples)
+    with torch.no_grad():
+        for s, lp in zip(samples, got):
+            logits = actor.model(torch.tensor([s.tokens])).logits[0]
+            logp = torch.log_softmax(logits.float(), -1)
+            pos = torch.arange(s.prompt_length - 1, len(s.tokens) - 1)
+            want = logp[pos, torch.tensor(s.response_tokens)]
+            assert lp.shape == (s.response_length,)
+            assert torch.allclose(lp, want, atol=1e-5)
+
+
+def test_log_probs_do_not_depend_on_batch_composition(actor):
+    samples = make_samples(6)
+    actor.args.max_tokens_per_gpu = 4096
+    together = actor.compute_log_probs(samples)
+    actor.args.max_tokens_per_gpu = 1  # one sequence per micro-batch
+    alone = actor.compute_log_probs(samples)
+    actor.args.max_tokens_per_gpu = 4096
+    reordered = actor.compute_log_probs(samples[::-1])[::-1]
+    subset = actor.compute_log_probs(samples[1:3])
+    for a, b, c in zip(together, alone, reordered):
+        assert torch.allclose(a, b, atol=1e-5) and torch.allclose(a, c, atol=1e-5)
+    for a, b in zip(together[1:3], subset):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_gradients_do_not_depend_on_micro_batch_size(tiny_model):
+    samples = make_samples(5)
+    for s in samples[:2]:  # a loss mask that skips tokens must weigh the same in every split
+        s.loss_mask = [1] * (s.response_length - 1) + [0]
+    advantages = [1.0, -0.5, 0.25, -1.0, 2.0]
+    grads = []
+    for budget in (1, 100_000):
+        a = Actor(make_args(max_tokens_per_gpu=budget, entropy_coef=0.01), tiny_model)
+        old = [lp - 0.05 for lp in a.compute_log_probs(samples)]  # ratio ≠ 1, so the clip is exercised too
+        a.accumulate_gradients(samples, advantages, old)
+        grads.append({n: p.grad.clone() for n, p in a.model.named_parameters()})
+    for name, g in grads[0].items():
+        assert torch.allclose(g, grads[1][name], atol=1e-5), name
+    assert any(g.abs().sum() > 0 for g in grads[0].values())
+
+
+def test_train_step_moves_log_probs_with_the_advantage(tiny_model):
+    a = Actor(make_args(), tiny_model)
+    samples = make_samples(2)
+    for s in samples:
+        s.rollout_log_probs = [-4.0] * s.response_length
+    before = [float(lp.sum()) for lp in a.compute_log_probs(samples)]
+    metrics = a.train_step(samples, [1.0, -1.0])
+    after = [float(lp.sum()) for lp in a.compute_log_probs(samples)]
+    assert after[0] > before[0] and after[1] < before[1]
+    for k in ["train/loss", "train/pg_loss", "train/pg_clipfrac", "train/ppo_kl", "train/entropy", "train/grad_norm", "train/lr",
+              "train/train_rollout_logprob_abs_diff"]:
+        assert k in metrics, k
+    assert metrics["train/pg_clipfrac"] == 0.0 and abs(metrics["train/ppo_kl"]) < 1e-6  # one step: on-policy, ratio 1
+    assert metrics["train/lr"] == 1e-3
+
+
+def test_train_step_splits_into_global_batches_with_kl_tis_and_dr_grpo(tiny_model):
+    a = Actor(make_args(global_batch_size=2, kl_loss_coef=0.1, use_tis=True, advantage_estimator="dr_grpo"), tiny_model)
+    assert a.ref_model is not None
+    samples = make_samples(4)
+    for s in samples:
+        s.rollout_log_probs = [float(x) for x in a.compute_log_probs([s])[0]]
+    metrics = a.train_step(samples, [1.0, -1.0, 0.5, -0.5])
+    assert a.optimizer.state_dict()["state"][0]["step"] == 2  # 4 samples / global batch 2
+    assert metrics["train/kl_loss"] >= 0 and metrics["train/tis"] > 0
+    assert metrics["train/train_rollout_logprob_abs_diff"] < 1e-5
+    with pytest.raises(ValueError):
+        a.train_step(samples[:3], [0.0] * 3)
+
+
+def test_sft_step_lowers_the_loss(tiny_model):
+    a = Actor(make_args(lr=1e-2), tiny_model)
+    samples = make_samples(3)
+    first = a.sft_step(samples)["train/sft_loss"]
+    for _ in range(4):
+        last = a.sft_step(samples)["train/sft_loss"]
+    assert last < first
+
+
+def test_save_load_roundtrip_and_hf_loadable(tiny_model, tmp_path):
+    a = Actor(make_args(), tiny_model)
+    a.train_step(make_samples(2), [1.0, -1.0])
+    ckpt = a.save(tmp_path / "ckpt" / "1", {"step": 1, "data_source": {"offset": 7}})
+    weights = {n: t.clone() for n, t in a.model.state_dict().items()}
+    opt = a.optimizer.state_dict()
+    rng = torch.get_rng_state()
+
+    b = Actor(make_args(), tiny_model)
+    torch.rand(3)  # move the RNG on; load must bring it back
+    extra = b.load(ckpt)
+    assert extra == {"step": 1, "data_source": {"offset": 7}}
+    for n, t in b.model.state_dict().items():
+        assert torch.equal(t, weights[n]), n
+    got = b.optimizer.state_dict()
+    assert got["param_groups"] == opt["param_groups"]
+    for pid, st in opt["state"].items():
+        for k, v in st.items():
+            assert torch.equal(got["state"][pid][k], v), (pid, k)
+    assert torch.equal(torch.get_rng_state(), rng)
+
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(ckpt)
+    for n, t in hf.state_dict().items():
+        assert torch.equal(t, weights[n]), n
+    assert (ckpt / "tokenizer.json").exists()
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["1"]  # no .tmp / .old left
+
+
+def test_interrupted_save_keeps_the_previous_checkpoint(tiny_model, tmp_path, monkeypatch):
+    a = Actor(make_args(), tiny_model)
+    ckpt = a.save(tmp_path / "5", {"step": 5})
+    saved = {n: t.clone() for n, t in a.model.state_dict().items()}
+    a.train_step(make_samples(2), [1.0, -1.0])  # the weights move on
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt("killed mid-save")
+
+    monkeypatch.setattr(actor_mod.torch, "save", crash)  # dies after the weights, before trainer_state.pt
+    with pytest.raises(KeyboardInterrupt):
+        a.save(ckpt, {"step": 6})
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["5"]
+    b = Actor(make_args(), tiny_model)
+    assert b.load(ckpt) == {"step": 5}
+    for n, t in b.model.state_dict().items():
+        assert torch.equal(t, saved[n]), n
+
+
+def names_in_file(model_dir: Path) -> list[str]:
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        return sorted(f.keys())
+
+
+def test_named_weights_match_checkpoint_keys(actor, tiny_model, tmp_path):
+    assert sorted(n for n, _ in actor.named_weights()) == names_in_file(tiny_model)
+    from vime.models import make_tiny_model
+
+    tied_dir = make_tiny_model(tmp_path / "tied", tie_word_embeddings=True)
+    tied = Actor(make_args(), tied_dir)
+    names = sorted(n for n, _ in tied.named_weights())
+    assert "lm_head.weight" not in names and names == names_in_file(tied_dir)
+
+
+class RecordingClient:
+    """Stands in for EngineClient: records each push and reads the weights while they exist."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    def _read(self, path: Path) -> dict[str, torch.Tensor]:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}
+
+    def update_weights_from_tensor(self, payload: dict) -> dict:
+        self.calls.append({**payload, "tensors": self._read(Path(payload["path"]))})
+        return {"success": True}
+
+    def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> dict:
+        self.calls.append({"model_path": model_path, "weight_version": weight_version, "tensors": self._read(Path(model_path) / "model.safetensors")})
+        return {"success": True}
+
+
+@pytest.mark.parametrize("transport", ["shm", "disk", "auto"])
+def test_weight_push_writes_once_and_cleans_up(actor, transport, tmp_path):
+    clients = [RecordingClient(), RecordingClient()]
+    pusher = WeightPusher(clients, transport=transport, tmp_dir=tmp_path / "w")
+    (tmp_path / "w").mkdir(exist_ok=True)
+    metrics = pusher.push(actor.named_weights(), version=3)
+    expected = dict(actor.named_weights())
+    assert metrics["perf/update_weights_bytes"] == sum(t.numel() * t.element_size() for t in expected.values())
+    for c in clients:
+        (call,) = c.calls
+        assert call["weight_version"] == 3
+        if transport != "disk":
+            assert call["transport"] == "shm"  # auto on CPU weights
+        assert sorted(call["tensors"]) == sorted(expected)
+        assert all(torch.equal(call["tensors"][n], t) for n, t in expected.items())
+    paths = {c.calls[0].get("path") or c.calls[0]["model_path"] for c in clients}
+    assert len(paths) == 1  # written once for all engines
+    assert list((tmp_path / "w").iterdir()) == []  # and removed after the push
+
+
+def test_step_without_loss_tokens_leaves_weights_alone(tiny_model):
+    a = Actor(make_args(), tiny_model)
+    a.train_step(make_samples(2), [1.0, -1.0])  # AdamW now has momentum
+    before = {n: t.clone() for n, t in a.model.state_dict().items()}
+    samples = make_samples(2)
+    for s in samples:
+        s.loss_mask = [0] * s.response_length
+    metrics = a.train_step(samples, [1.0, -1.0])
+    assert metrics["train/grad_norm"] == 0.0
+    assert all(torch.equal(t, before[n]) for n, t in a.model.state_dict().items())

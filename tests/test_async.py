@@ -1,0 +1,188 @@
+"""Async training: one-step-off versions, the fully-async worker, decoupled staleness, all modes."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+
+TINY = ["--config", "examples/tiny.yaml"]
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [r for r in (json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()) if "perf/step_time" in r]
+
+
+@pytest.fixture(scope="module")
+def mode_runs(tmp_path_factory) -> dict[str, Path]:
+    """Each mode trains the tiny model for 3 steps; later tests read these run directories."""
+    base = tmp_path_factory.mktemp("runs")
+    arms = {
+        "sync": ("train.py", []),
+        "one-step-off": ("train_async.py", []),
+        "fully-async": ("train_async.py", ["--rollout-function-path", "vime.rollout.fully_async_rollout.generate_rollout_fully_async"]),
+        "decoupled": ("train_async.py", ["--max-staleness", "1"]),
+    }
+    out = {}
+    for name, (script, extra) in arms.items():
+        res = run_cli(script, *TINY, "--num-rollout", "3", "--runs-dir", str(base), "--run-name", name, "--eval-interval", "3", "--eval-limit", "8", *extra)
+        assert res.returncode == 0, f"{name}: {res.stderr[-3000:]}"
+        out[name] = base / name
+    return out
+
+
+@pytest.mark.parametrize("mode", ["sync", "one-step-off", "fully-async", "decoupled"])
+def test_each_mode_trains(mode_runs, mode):
+    r = rows(mode_runs[mode])
+    assert [x["step"] for x in r] == [1, 2, 3]
+    assert all(x["train/weight_version"] == x["step"] for x in r)
+    assert all("perf/train_wait_time" in x and "perf/update_weights_time" in x for x in r)
+
+
+def test_one_step_off_trains_on_the_previous_version(mode_runs):
+    r = rows(mode_runs["one-step-off"])
+    # step 1 uses the initial weights (version 0); every later batch was generated entirely by the
+    # policy one push behind the trainer: all tokens exactly one version old
+    assert r[0]["rollout/staleness_max"] == 0
+    for x in r[1:]:
+        assert x["rollout/staleness_mean"] == 1 and x["rollout/staleness_max"] == 1
+
+
+def test_sync_is_on_policy(mode_runs):
+    assert all(x["rollout/staleness_max"] == 0 for x in rows(mode_runs["sync"]))
+
+
+def test_decoupled_respects_staleness_under_a_slow_engine(tmp_path):
+    res = run_cli("train_async.py", *TINY, "--num-rollout", "5", "--max-staleness", "1", "--rollout-max-response-len", "8",
+                  "--custom-generate-function-path", "slow_generate.generate", "--runs-dir", str(tmp_path), "--run-name", "d", timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    r = rows(tmp_path / "d")
+    assert len(r) == 5
+    assert all(x["rollout/staleness_max"] <= 1 for x in r)
+    # the test means something only if samples really were off-policy
+    assert max(x["rollout/staleness_max"] for x in r) == 1
+
+
+def test_report_renders_from_real_runs(mode_runs, tmp_path):
+    order = ["sync", "one-step-off", "fully-async", "decoupled"]
+    res = run_cli("-m", "vime.cli", "report", *[str(mode_runs[m]) for m in order], "--plots", str(tmp_path / "plots"))
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "speedup" in res.stdout and "held-out accuracy" in res.stdout
+    for m in order:
+        assert f"| {m} |" in res.stdout
+    assert "1.00×" in res.stdout  # the first run is the reference
+    for png in ["step_time.png", "reward.png", "accuracy_vs_wall_clock.png"]:
+        assert (tmp_path / "plots" / png).stat().st_size > 1000
+
+
+# ---- the fully-async worker, in process, against a real engine ----
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    from vime.engine.server import launch_engine
+
+    e = launch_engine(str(tiny_model), device="cpu", dtype="float32")
+    yield e
+    e.shutdown()
+
+
+@pytest.fixture
+def worker_env(engine, tiny_model, addition_data):
+    from vime.config import parse_args
+    from vime.models import load_tokenizer
+    from vime.rollout import fully_async_rollout
+    from vime.rollout.data_source import DataSource
+    from vime.rollout.vllm_rollout import close_clients
+
+    args = parse_args(["--hf-checkpoint", str(tiny_model), "--prompt-data", str(addition_data[0]), "--num-rollout", "1",
+                       "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-concurrency", "3",
+                       "--rollout-max-response-len", "6"])
+    args.model_dir = tiny_model
+    args.rollout_engine_urls = [engine.url]
+    ds = DataSource(args, load_tokenizer(tiny_model))
+    yield args, ds, fully_async_rollout
+    fully_async_rollout.shutdown()
+    close_clients()
+
+
+def _wait_for(cond, timeout=20.0):
+    t0 = time.time()
+    while not cond():
+        assert time.time() - t0 < timeout, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def test_worker_warm_queue_batch_size_and_cap(worker_env):
+    args, ds, fa = worker_env
+    first = fa.generate_rollout_fully_async(args, 0, ds)
+    assert len(first.samples) == 2 and all(len(g) == 2 for g in first.samples)
+    w = fa.get_worker(args, ds)
+    # between calls the worker keeps working: a batch is being (or has been) generated already
+    _wait_for(lambda: len(w.ready) >= 2)
+    assert w.inflight + len(w.ready) >= 2
+    second = fa.generate_rollout_fully_async(args, 1, ds)
+    assert len(second.samples) == 2
+    seen = {s.index for g in first.samples + second.samples for s in g}
+    assert len(seen) == 8  # no sample trained twice
+    assert w.max_inflight_seen <= 3  # --rollout-concurrency
+    assert len(w.ready) <= 2 + 3  # back-pressure: intake stops while a full batch waits
+
+
+def test_worker_requeues_aborted_groups_and_trains_them_later(worker_env, engine):
+    from vime.engine.client import EngineClient
+    from vime.rollout.types import Status
+
+    args, ds, fa = worker_env
+    args.rollout_max_response_len = 200  # long responses, so the abort lands mid-generation
+    requeued: list[str] = []
+    original = ds.add_samples
+
+    def spy(groups):
+        requeued.extend(g[0].prompt for g in groups)
+        original(groups)
+
+    ds.add_samples = spy
+    w = fa.get_worker(args, ds)
+    for _ in range(50):  # abort while something is in flight, until a group comes back aborted
+        _wait_for(lambda: w.inflight > 0)
+        EngineClient(engine.url).abort_request(abort_all=True)
+        time.sleep(0.1)
+        if w.counts["requeued"] > 0:
+            break
+        fa.generate_rollout_fully_async(args, 0, ds)  # make room: back-pressure holds intake while a batch waits
+    assert w.counts["requeued"] > 0
+    args.rollout_max_response_len = 6
+    trained = []
+    for i in range(12):
+        out = fa.generate_rollout_fully_async(args, i, ds)
+        trained += [g for g in out.samples]
+        if set(requeued) <= {g[0].prompt for g in trained}:
+            break
+    assert requeued and set(requeued) <= {g[0].prompt for g in trained}
+    assert all(s.status != Status.ABORTED for g in trained for s in g)
+
+
+def test_worker_shuts_down_cleanly(worker_env, engine):
+    args, ds, fa = worker_env
+    w = fa.get_worker(args, ds)
+    _wait_for(lambda: w.inflight > 0 or len(w.ready) > 0)
+    fa.shutdown()
+    assert w._task.done()
+    # the worker's requests were aborted at the engine too: nothing keeps generating for it
+    _wait_for(lambda: _running(engine.url) == 0, timeout=10)
+
+
+def _running(url: str) -> float:
+    import urllib.request
+
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    return sum(float(l.split()[1]) for l in text.splitlines() if l.startswith(("vime_engine_num_running ", "vime_engine_num_waiting ")))
+
+
+def test_fully_async_refuses_evaluation(worker_env):
+    args, ds, fa = worker_env
+    with pytest.raises(ValueError, match="does not evaluate"):
+        fa.generate_rollout_fully_async(args, 0, ds, evaluation=True)

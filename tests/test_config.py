@@ -1,0 +1,70 @@
+import pytest
+
+from conftest import run_cli
+from vime.config import ConfigError, parse_args
+
+BASE = ["--hf-checkpoint", "tiny", "--prompt-data", "x.jsonl", "--num-rollout", "2"]
+
+
+def test_flags_yaml_overlay_and_precedence(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("rollout-batch-size: 4\nn_samples_per_prompt: 2\nlr: 3.0e-6\napply_chat_template_kwargs: {enable_thinking: false}\n")
+    args = parse_args(["--config", str(cfg), *BASE, "--lr", "1e-5", "--colocate"])
+    assert args.rollout_batch_size == 4 and args.n_samples_per_prompt == 2
+    assert args.lr == 1e-5  # the flag wins over the file
+    assert args.apply_chat_template_kwargs == {"enable_thinking": False}
+    assert args.colocate is True
+    assert args.global_batch_size == 8  # default: one optimizer step per rollout
+    assert args.eps_clip_high == args.eps_clip
+
+
+def test_json_and_list_flags():
+    args = parse_args([*BASE, "--apply-chat-template-kwargs", '{"enable_thinking": false}', "--rollout-stop-token-ids", "5,7"])
+    assert args.apply_chat_template_kwargs == {"enable_thinking": False}
+    assert args.rollout_stop_token_ids == [5, 7]
+
+
+@pytest.mark.parametrize(
+    "extra, fragment",
+    [
+        (["--rollout-batch-size", "3", "--n-samples-per-prompt", "2", "--global-batch-size", "4"], "not a multiple of --global-batch-size"),
+        (["--save-interval", "2"], "--save-interval needs --save"),
+        (["--eval-interval", "2"], "--eval-interval needs --eval-prompt-data"),
+        (["--rollout-top-p", "0"], "--rollout-top-p"),
+        (["--apply-chat-template-kwargs", "{not json"], "--apply-chat-template-kwargs"),
+        (["--num-rollout", "two"], "--num-rollout"),
+        (["--partial-rollout"], "--max-staleness"),
+    ],
+)
+def test_inconsistent_settings_fail_with_one_line(extra, fragment):
+    with pytest.raises(ConfigError) as e:
+        parse_args([*BASE, *extra])
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_unknown_yaml_key_suggests_the_right_one(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("rollout_batchsize: 4\n")
+    with pytest.raises(ConfigError, match="did you mean rollout-batch-size"):
+        parse_args(["--config", str(cfg), *BASE])
+
+
+def test_required_flags():
+    with pytest.raises(ConfigError, match="--hf-checkpoint is required"):
+        parse_args(["--prompt-data", "x", "--num-rollout", "1"])
+    with pytest.raises(ConfigError, match="--num-rollout"):
+        parse_args(["--hf-checkpoint", "tiny", "--prompt-data", "x"])
+
+
+def test_help_explains_every_flag():
+    out = run_cli("train.py", "--help", timeout=60)
+    assert out.returncode == 0
+    for flag in ["--rollout-batch-size", "--n-samples-per-prompt", "--global-batch-size", "--eps-clip-high", "--apply-chat-template-kwargs", "--max-staleness"]:
+        assert flag in out.stdout
+    assert "GRPO group size" in out.stdout
+
+
+def test_cli_reports_config_error_as_one_line():
+    out = run_cli("train.py", *BASE, "--global-batch-size", "3", timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.strip().startswith("error: ") and len(out.stderr.strip().splitlines()) == 1

@@ -1,0 +1,625 @@
+"""The built-in rollout engine end to end: real server processes on a tiny float32 Qwen3, with
+HF transformers as the reference for tokens and log-probs.
+
+Tolerance: log-probs must match a teacher-forced HF forward within ATOL = 1e-4 (float32 on CPU;
+the observed difference is ~1e-6, the gap covers summation-order differences).
+
+The GPU path (Triton kernels, static decode buffers) is checked on CPU too, where Triton is
+installed, by running this file as a script under the Triton interpreter (`interpreted_checks`).
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+
+import pytest
+import torch
+
+from vime.engine.client import EngineClient, EngineError
+from vime.engine.server import launch_engine
+
+ATOL = 1e-4
+EOS_IDS = (3, 1)  # <|im_end|> (config) and <|endoftext|> (generation_config)
+PROMPTS = [[40], [50, 60, 70, 80, 90], list(range(10, 33)), [7, 8, 9] * 13]  # 1, 5, 23, 39 tokens
+
+
+# ---- helpers ---------------------------------------------------------------------------
+
+
+def generate_many(client: EngineClient, requests: list[dict]) -> list:
+    """Send generate calls (kwargs of `EngineClient.generate`) concurrently; bodies in order."""
+
+    async def main() -> list:
+        try:
+            return list(await asyncio.gather(*(client.generate(**r) for r in requests)))
+        finally:
+            await client.close()
+
+    return asyncio.run(main())
+
+
+def engine_metrics(url: str) -> dict[str, float]:
+    """/metrics as {name without the vime_engine_ prefix: value}."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    return {ln.split()[0].removeprefix("vime_engine_"): float(ln.split()[1]) for ln in text.splitlines() if ln and not ln.startswith("#")}
+
+
+async def wait_for_tokens(url: str, at_least: float) -> None:
+    """Wait until the engine has generated `at_least` tokens in total (a request is mid-way)."""
+    deadline = time.monotonic() + 30
+    while (await asyncio.to_thread(engine_metrics, url))["generated_tokens_total"] < at_least:
+        assert time.monotonic() < deadline, "engine made no progress"
+        await asyncio.sleep(0.005)
+
+
+def post_raw(url: str, body: bytes) -> tuple[int, str]:
+    req = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def greedy(max_new_tokens: int, **kw) -> dict:
+    return {"max_new_tokens": max_new_tokens, "temperature": 0.0, **kw}
+
+
+@torch.no_grad()
+def hf_greedy(hf, prompt: list[int], max_new_tokens: int, eos_ids: tuple[int, ...] = ()) -> list[int]:
+    """Greedy decoding by full HF forwards (no cache): the reference when eos must be ignored."""
+    tokens = list(prompt)
+    for _ in range(max_new_tokens):
+        tokens.append(int(hf(torch.tensor([tokens])).logits[0, -1].argmax()))
+        if tokens[-1] in eos_ids:
+            break
+    return tokens[len(prompt) :]
+
+
+@torch.no_grad()
+def hf_logprobs(hf, prompt: list[int], output: list[int], temperature: float = 1.0, top_k: int = 0) -> torch.Tensor:
+    """Teacher-forced log-probs of `output` under HF logits / temperature (renormalized top-k)."""
+    logits = hf(torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1].float() / temperature
+    if top_k:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(output)[:, None])[:, 0]
+
+
+@torch.no_grad()
+def next_after_update(hf, hf2, prompt: list[int], n_old: int) -> list[int]:
+    """Greedy tokens when weights change after `n_old` generated tokens, updated in place: the
+    cached keys/values so far stay those of the old weights; the next token's forward (over the
+    last generated token) runs the new ones. Returns the n_old + 1 tokens."""
+    old = hf_greedy(hf, prompt, n_old)
+    past = hf(torch.tensor([prompt + old[:-1]]), use_cache=True).past_key_values
+    nxt = hf2(torch.tensor([old[-1:]]), past_key_values=past, use_cache=True).logits[0, -1].argmax()
+    return old + [int(nxt)]
+
+
+def perturbed(hf, seed: int = 1):
+    """A copy of the model with noisy weights: the 'trained' policy to push to the engine."""
+    torch.manual_seed(seed)
+    new = copy.deepcopy(hf)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+    return new
+
+
+# ---- fixtures --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from vime.models import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("engine") / "qwen3", arch="qwen3", seed=0)
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir, tmp_path_factory):
+    # Small blocks and token budget so that tests cross block boundaries and chunk prefills.
+    args = ["--num-threads", "1", "--block-size", "4", "--max-num-batched-tokens", "32", "--seed", "0"]
+    proc = launch_engine(str(model_dir), extra_args=args, log_path=tmp_path_factory.mktemp("logs") / "engine.log")
+    yield proc
+    proc.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(engine) -> EngineClient:
+    return EngineClient(engine.url)
+
+
+# ---- correctness against HF ------------------------------------------------------------
+
+
+def test_greedy_matches_hf_generate(client, hf):
+    outs = generate_many(client, [{"input_ids": p, "sampling_params": greedy(24)} for p in PROMPTS])
+    for p, out in zip(PROMPTS, outs):
+        ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), do_sample=False, max_new_tokens=24)[0, len(p) :].tolist()
+        assert out["output_ids"] == ref
+        meta = out["meta_info"]
+        assert meta["finish_reason"]["type"] == ("stop" if ref[-1] in EOS_IDS else "length")
+        assert meta["prompt_tokens"] == len(p) and meta["completion_tokens"] == len(ref)
+        # Greedy log-probs are the raw log-softmax.
+        assert torch.allclose(torch.tensor(meta["output_token_logprobs"]), hf_logprobs(hf, p, ref), atol=ATOL)
+
+    # Again: full prompt blocks now come from the prefix cache, and nothing changes.
+    hits = engine_metrics(client.url)["prefix_cache_hit_tokens_total"]
+    again = generate_many(client, [{"input_ids": p, "sampling_params": greedy(24)} for p in PROMPTS])
+    assert [o["output_ids"] for o in again] == [o["output_ids"] for o in outs]
+    assert engine_metrics(client.url)["prefix_cache_hit_tokens_total"] - hits >= 36  # PROMPTS[3]: 9 blocks of 4
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_model_code_matches_hf_other_archs(tmp_path, arch):
+    """Llama (tied embeddings, sharded checkpoint) and Qwen2 (q/k/v bias), in process."""
+    from transformers import AutoModelForCausalLM
+
+    from vime.engine.core.engine import EngineConfig, LLMEngine
+    from vime.engine.core.sampler import SamplingParams
+    from vime.models import make_tiny_model
+
+    d = make_tiny_model(tmp_path / arch, arch=arch, seed=1, tie_word_embeddings=arch == "llama")
+    ref_model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    if arch == "llama":
+        (d / "model.safetensors").unlink()
+        ref_model.save_pretrained(d, max_shard_size="20KB")
+        assert (d / "model.safetensors.index.json").exists()
+    eng = LLMEngine(EngineConfig(str(d), block_size=4, num_kv_blocks=64, max_num_batched_tokens=16))
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(str(i), p, SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True))
+    outs = {}
+    while eng.has_work():
+        outs.update((o.rid, o.outputs[0]) for o in eng.step())
+    for i, p in enumerate(PROMPTS):
+        assert outs[str(i)].output_ids == hf_greedy(ref_model, p, 10)
+        assert torch.allclose(torch.tensor(outs[str(i)].logprobs), hf_logprobs(ref_model, p, outs[str(i)].output_ids), atol=ATOL)
+
+
+@pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 0), (1.0, 5)])
+def test_sampled_logprobs_match_teacher_forced_hf(client, hf, temperature, top_k):
+    params = {"max_new_tokens": 16, "temperature": temperature, "top_k": top_k or -1, "ignore_eos": True}
+    outs = generate_many(client, [{"input_ids": p, "sampling_params": params} for p in PROMPTS[1:3]])
+    for p, out in zip(PROMPTS[1:3], outs):
+        ids, lps = out["output_ids"], torch.tensor(out["meta_info"]["output_token_logprobs"])
+        assert len(ids) == 16 and lps.shape == (16,)
+        ref = hf_logprobs(hf, p, ids, temperature, top_k)
+        assert torch.isfinite(ref).all()  # with top-k: every sampled token was inside the top k
+        assert torch.allclose(lps, ref, atol=ATOL), (lps - ref).abs().max()
+
+
+def test_n_samples_differ(client):
+    out = generate_many(client, [{"input_ids": PROMPTS[1], "sampling_params": {"max_new_tokens": 12, "temperature": 1.0, "n": 4, "ignore_eos": True}}])[0]
+    assert isinstance(out, list) and len(out) == 4
+    assert len({tuple(o["output_ids"]) for o in out}) == 4
+    assert all(len(o["output_ids"]) == 12 and o["meta_info"]["finish_reason"]["type"] == "length" for o in out)
+
+
+def test_stop_token_and_length(client, hf):
+    ref = hf_greedy(hf, PROMPTS[2], 12)
+    stop_tok = ref[5]
+    stopped, capped, empty = generate_many(client, [
+        {"input_ids": PROMPTS[2], "sampling_params": greedy(12, stop_token_ids=[stop_tok], ignore_eos=True)},
+        {"input_ids": PROMPTS[2], "sampling_params": greedy(7, ignore_eos=True)},
+        {"input_ids": PROMPTS[2], "sampling_params": greedy(0)},
+    ])
+    assert stopped["output_ids"] == ref[: ref.index(stop_tok) + 1]  # the stop token is kept
+    assert stopped["meta_info"]["finish_reason"]["type"] == "stop"
+    assert capped["output_ids"] == ref[:7] and capped["meta_info"]["finish_reason"]["type"] == "length"
+    assert empty["output_ids"] == [] and empty["meta_info"]["finish_reason"]["type"] == "length"
+
+
+# ---- control: abort, pause, weight updates, memory -------------------------------------
+
+
+def test_abort_long_request_returns_partial(client, engine):
+    rid = uuid.uuid4().hex
+
+    async def main():
+        before = (await asyncio.to_thread(engine_metrics, engine.url))["generated_tokens_total"]
+        task = asyncio.create_task(client.generate(PROMPTS[1], {"max_new_tokens": 500, "ignore_eos": True}, rid=rid))
+        await wait_for_tokens(engine.url, before + 5)
+        await asyncio.to_thread(client.abort_request, rid)
+        try:
+            return await task
+        finally:
+            await client.close()
+
+    out = asyncio.run(main())
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 5 <= len(out["output_ids"]) < 500
+    assert len(out["meta_info"]["output_token_logprobs"]) == len(out["output_ids"])
+
+
+def test_client_hanging_up_aborts_its_request(client, engine):
+    async def main():
+        m0 = await asyncio.to_thread(engine_metrics, engine.url)
+        task = asyncio.create_task(client.generate(PROMPTS[1], {"max_new_tokens": 500, "ignore_eos": True}))
+        await wait_for_tokens(engine.url, m0["generated_tokens_total"] + 5)
+        task.cancel()
+        await client.close()
+        deadline = time.monotonic() + 10
+        while (m := await asyncio.to_thread(engine_metrics, engine.url))["requests_aborted_total"] == m0["requests_aborted_total"]:
+            assert time.monotonic() < deadline, "the engine kept generating for a client that left"
+            await asyncio.sleep(0.01)
+        return m
+
+    m = asyncio.run(main())
+    assert m["num_running"] == 0 and m["kv_blocks_free"] == m["kv_blocks_total"]
+
+
+def test_weight_update_in_place_and_from_disk(client, engine, hf, model_dir):
+    from safetensors.torch import save_file
+
+    v0 = client.model_info()["weight_version"]
+    hf2 = perturbed(hf)
+    shm = f"/dev/shm/vime-test-{os.getpid()}.safetensors"
+    save_file({k: v.contiguous() for k, v in hf2.state_dict().items()}, shm)
+
+    async def main():
+        before = (await asyncio.to_thread(engine_metrics, engine.url))["generated_tokens_total"]
+        task = asyncio.create_task(client.generate(PROMPTS[1], greedy(400, ignore_eos=True)))
+        await wait_for_tokens(engine.url, before + 5)
+        await asyncio.to_thread(client.pause_generation, "in_place")
+        res = await asyncio.to_thread(client.update_weights_from_tensor, {"transport": "shm", "path": shm, "weight_version": v0 + 1})
+        await asyncio.to_thread(client.continue_generation)
+        try:
+            return res, await task
+        finally:
+            await client.close()
+
+    try:
+        res, inflight = asyncio.run(main())
+    finally:
+        os.unlink(shm)
+    assert res["weight_version"] == v0 + 1 and res["num_tensors"] == len(hf2.state_dict())
+    versions = inflight["meta_info"]["output_weight_versions"]
+    assert inflight["meta_info"]["finish_reason"]["type"] == "length" and len(versions) == 400
+    assert versions == sorted(versions) and versions[0] == v0 and versions[-1] == v0 + 1  # continued in place
+    assert inflight["meta_info"]["weight_version"] == v0 + 1
+
+    p = PROMPTS[2]
+    new = generate_many(client, [{"input_ids": p, "sampling_params": greedy(12, ignore_eos=True)}])[0]
+    assert new["output_ids"] == hf_greedy(hf2, p, 12) != hf_greedy(hf, p, 12)
+    assert new["meta_info"]["output_weight_versions"] == [v0 + 1] * 12
+
+    client.update_weights_from_disk(str(model_dir), v0 + 2)
+    back = generate_many(client, [{"input_ids": p, "sampling_params": greedy(12, ignore_eos=True)}])[0]
+    assert back["output_ids"] == hf_greedy(hf, p, 12)
+    assert back["meta_info"]["output_weight_versions"] == [v0 + 2] * 12
+    assert client.model_info()["weight_version"] == v0 + 2
+
+
+def test_release_and_resume_memory_recomputes_in_flight(client, engine, hf):
+    async def main():
+        before = (await asyncio.to_thread(engine_metrics, engine.url))["generated_tokens_total"]
+        task = asyncio.create_task(client.generate(PROMPTS[3], greedy(60, ignore_eos=True)))
+        await wait_for_tokens(engine.url, before + 3)
+        await asyncio.to_thread(client.release_memory_occupation)
+        released = await asyncio.to_thread(client.model_info)
+        await asyncio.to_thread(client.resume_memory_occupation)
+        try:
+            return released, await task
+        finally:
+            await client.close()
+
+    released, out = asyncio.run(main())
+    assert released["memory_released"] is True
+    assert out["output_ids"] == hf_greedy(hf, PROMPTS[3], 60)
+
+
+def test_stress_concurrent_aborts_and_pauses(client, engine):
+    """Every request returns exactly once, whatever aborts and pauses hit it; nothing leaks."""
+    rng = random.Random(0)
+    n_req = 40
+    reqs = [
+        {
+            "input_ids": [rng.randrange(4, 100) for _ in range(rng.randint(1, 30))],
+            "sampling_params": {"max_new_tokens": rng.randint(1, 40), "temperature": rng.choice([0.0, 0.8, 1.0]), "top_p": rng.choice([1.0, 0.9]), "ignore_eos": rng.random() < 0.5},
+            "rid": f"stress-{i}",
+        }
+        for i in range(n_req)
+    ]
+    m0 = engine_metrics(engine.url)
+
+    async def control():
+        for action in ["abort", "pause_in_place", "abort", "pause_abort", "abort", "abort_all", "abort"]:
+            await asyncio.sleep(rng.uniform(0.0, 0.05))
+            if action == "abort":
+                await asyncio.to_thread(client.abort_request, rng.choice(reqs)["rid"])
+            elif action == "abort_all":
+                await asyncio.to_thread(client.abort_request, None, True)
+            else:
+                await asyncio.to_thread(client.pause_generation, "in_place" if action == "pause_in_place" else "abort")
+                await asyncio.sleep(0.02)
+                await asyncio.to_thread(client.continue_generation)
+
+    async def one(r):
+        await asyncio.sleep(rng.uniform(0.0, 0.2))  # arrivals spread over the control actions
+        return await client.generate(**r)
+
+    async def main():
+        try:
+            results = await asyncio.gather(*(one(r) for r in reqs), control())
+        finally:
+            await client.close()
+        return results[:n_req]
+
+    outs = asyncio.run(main())
+    assert [o["meta_info"]["id"] for o in outs] == [r["rid"] for r in reqs]
+    for r, o in zip(reqs, outs):
+        meta = o["meta_info"]
+        assert meta["finish_reason"]["type"] in ("stop", "length", "abort")
+        assert len(o["output_ids"]) == len(meta["output_token_logprobs"]) == len(meta["output_weight_versions"]) <= r["sampling_params"]["max_new_tokens"]
+        if meta["finish_reason"]["type"] == "length":
+            assert len(o["output_ids"]) == r["sampling_params"]["max_new_tokens"]
+    assert any(o["meta_info"]["finish_reason"]["type"] == "abort" for o in outs)
+    m1 = engine_metrics(engine.url)
+    done = (m1["requests_finished_total"] - m0["requests_finished_total"]) + (m1["requests_aborted_total"] - m0["requests_aborted_total"])
+    assert done == n_req  # each request ended once: none lost, none both finished and aborted
+    assert m1["num_running"] == m1["num_waiting"] == 0 and m1["paused"] == 0
+    assert m1["kv_blocks_free"] == m1["kv_blocks_total"]  # every block came back
+
+
+def test_preemption_keeps_greedy_outputs(model_dir, hf, tmp_path):
+    # 12 blocks x 4 tokens: one sequence fits, five at once cannot, so the scheduler must preempt.
+    args = ["--num-threads", "1", "--block-size", "4", "--num-kv-blocks", "12", "--max-num-batched-tokens", "64"]
+    proc = launch_engine(str(model_dir), extra_args=args, log_path=tmp_path / "engine.log")
+    try:
+        small = EngineClient(proc.url)
+        prompts = [PROMPTS[1], PROMPTS[2][:11], [11, 12, 13], [60] * 9, [90, 80, 70, 60, 50, 40, 30]]
+        outs = generate_many(small, [{"input_ids": p, "sampling_params": greedy(20, ignore_eos=True)} for p in prompts])
+        metrics = engine_metrics(proc.url)
+    finally:
+        proc.shutdown()
+    assert metrics["preemptions_total"] > 0
+    for p, out in zip(prompts, outs):
+        assert out["output_ids"] == hf_greedy(hf, p, 20)
+
+
+# ---- protocol errors and OpenAI routes -------------------------------------------------
+
+
+def test_client_errors(client, engine):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    t0 = time.monotonic()
+    with pytest.raises(EngineError, match=f"engine at {dead} unreachable after 3 tries \\(connection refused\\)"):
+        EngineClient(dead, retry_backoff=0.01).health()
+    with pytest.raises(EngineError, match=f"engine at {dead} unreachable after 3 tries"):
+        generate_many(EngineClient(dead, retry_backoff=0.01), [{"input_ids": [5], "sampling_params": {}}])
+    assert time.monotonic() - t0 < 5
+
+    with pytest.raises(EngineError, match=f"engine at {engine.url}/generate timed out after 0.05s"):
+        generate_many(EngineClient(engine.url, timeout=0.05), [{"input_ids": [5], "sampling_params": {"max_new_tokens": 500, "n": 4, "ignore_eos": True}}])
+    with pytest.raises(EngineError, match="HTTP 400.*unsupported sampling_params"):
+        generate_many(client, [{"input_ids": [5], "sampling_params": {"repetition_penalty": 1.1}}])
+    with pytest.raises(EngineError, match="HTTP 400.*can never fit"):
+        generate_many(client, [{"input_ids": [5] * 600, "sampling_params": {}}])
+    with pytest.raises(EngineError, match="HTTP 400.*pause mode"):
+        client.pause_generation("sideways")
+    assert post_raw(engine.url + "/generate", b"{not json") == (400, json.dumps({"error": "request body is not valid JSON"}))
+    status, body = post_raw(engine.url + "/generate", b'{"sampling_params": {}}')
+    assert status == 400 and "missing field 'input_ids'" in body
+    status, body = post_raw(engine.url + "/update_weights_from_distributed", b"{}")
+    assert status == 501 and "not implemented" in body
+
+
+def test_openai_routes(engine):
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0, "ignore_eos": True}).encode()
+    status, text = post_raw(engine.url + "/v1/chat/completions", body)
+    chat = json.loads(text)
+    assert status == 200 and chat["object"] == "chat.completion" and isinstance(chat["choices"][0]["message"]["content"], str)
+    assert chat["usage"]["completion_tokens"] == 5
+    status, text = post_raw(engine.url + "/v1/completions", json.dumps({"prompt": "1+1=", "max_tokens": 3, "n": 2}).encode())
+    comp = json.loads(text)
+    assert status == 200 and len(comp["choices"]) == 2 and all(isinstance(c["text"], str) for c in comp["choices"])
+
+
+
+# ---- the GPU code path under the Triton interpreter ----------------------------------
+
+
+def test_triton_path_in_interpreter(model_dir):
+    """Kernels, static decode buffers and the one-pass sampler, on CPU tensors (a subprocess:
+    the interpreter is chosen when Triton kernels are defined)."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, __file__, str(model_dir)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def _patch_triton_interpreter() -> None:
+    """Two gaps of Triton 3.6's interpreter, not of the kernels: it indexes with a loaded scalar
+    by int() of a 1-element array (an error from numpy 2.4), and it stores bfloat16 as raw
+    uint16, truncating casts and multiplying the raw bits in tl.dot. Patched to match the GPU."""
+    import numpy as np
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    patch_tensor, convert, dot = interp._patch_lang_tensor, interp._convert_float, interp.InterpreterBuilder.create_dot
+
+    def patch_tensor_(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    def convert_(data, src, dst, rounding):
+        if src == tl.float32 and dst == tl.bfloat16:  # round to nearest even, as the GPU does
+            return torch.from_numpy(np.ascontiguousarray(data).view(np.float32).copy()).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        return convert(data, src, dst, rounding)
+
+    def dot_(self, a, b, d, *rest):
+        if a.dtype == tl.bfloat16:
+            a, b = (interp.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32), tl.float32) for x in (a, b))
+        return dot(self, a, b, d, *rest)
+
+    interp._patch_lang_tensor, interp._convert_float, interp.InterpreterBuilder.create_dot = patch_tensor_, convert_, dot_
+
+
+def interpreted_checks(model_dir: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from vime.engine.core import kernels
+    from vime.engine.core.engine import EngineConfig, LLMEngine
+    from vime.engine.core.kv_cache import AttnMetadata, make_group, paged_attention
+    from vime.engine.core.sampler import SamplingParams
+
+    _patch_triton_interpreter()
+    assert kernels.enabled(torch.device("cpu"))
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    # The whole engine on the kernel path: greedy = HF, log-probs = teacher-forced HF.
+    eng = LLMEngine(EngineConfig(model_dir, block_size=4, num_kv_blocks=64, max_num_batched_tokens=16, max_num_seqs=8))
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(str(i), p, SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))
+    eng.add_request("t", PROMPTS[2], SamplingParams(max_new_tokens=8, temperature=0.7, ignore_eos=True))
+    outs, kinds = {}, set()
+    while eng.has_work():
+        outs.update((o.rid, o.outputs[0]) for o in eng.step())
+        kinds.add(eng.runner.last_step.kind)
+    assert kinds == {"eager", "decode"}
+    for i, p in enumerate(PROMPTS):
+        assert outs[str(i)].output_ids == hf_greedy(hf, p, 8)
+        assert torch.allclose(torch.tensor(outs[str(i)].logprobs), hf_logprobs(hf, p, outs[str(i)].output_ids), atol=ATOL)
+    assert torch.allclose(torch.tensor(outs["t"].logprobs), hf_logprobs(hf, PROMPTS[2], outs["t"].output_ids, 0.7), atol=ATOL)
+
+    # A weight update lands between two decode steps and shows in the very next token.
+    hf2 = perturbed(hf)
+    eng.add_request("w", PROMPTS[1], SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))
+    while len(eng.requests["w"].seqs[0].output_ids) < 4:
+        eng.step()
+    eng.update_weights(hf2.state_dict().items())
+    while eng.has_work():
+        outs.update((o.rid, o.outputs[0]) for o in eng.step())
+    assert outs["w"].output_ids[:5] == next_after_update(hf, hf2, PROMPTS[1], 4)
+
+    # bfloat16 attention kernels against the PyTorch path (decode, and chunks after a cached prefix).
+    torch.manual_seed(0)
+    h, hkv, d, bs = 4, 2, 16, 4
+    kc = torch.randn(81, bs, hkv, d).bfloat16()
+    vc = torch.randn_like(kc)
+    ctx = [37, 5, 70]
+    tables = [torch.randperm(80)[: -(-c // bs)].tolist() for c in ctx]
+    bt = torch.tensor([t + [0] * (18 - len(t)) for t in tables], dtype=torch.int32)
+    none = torch.zeros(0, hkv, d, dtype=torch.bfloat16)
+    for q_lens in ([1, 1, 1], [37, 2, 67]):
+        offsets = [sum(q_lens[:i]) for i in range(4)]
+        q = torch.randn(offsets[-1], h, d).bfloat16()
+        if q_lens[0] == 1:
+            out = kernels.decode_attention(q, kc, vc, bt, torch.tensor(ctx, dtype=torch.int32), d**-0.5)
+        else:
+            out = kernels.prefill_attention(q, kc, vc, bt, torch.tensor(ctx, dtype=torch.int32), torch.tensor(offsets, dtype=torch.int32), max(q_lens), d**-0.5)
+        group = make_group([list(range(offsets[i], offsets[i + 1])) for i in range(3)], [list(range(c - n, c)) for c, n in zip(ctx, q_lens)], tables, bs, torch.device("cpu"))
+        ref = paged_attention(q, none, none, kc, vc, AttnMetadata(torch.zeros(0, dtype=torch.long), [group]), d**-0.5).float()
+        assert (out.float() - ref).norm() / ref.norm() < 1e-2
+
+    # The one-pass sampler draws from softmax(logits / T) and returns that distribution's log-prob.
+    logits = torch.randn(7) * 2
+    for t in (1.0, 0.5):
+        tokens, lps = kernels.sample(logits.expand(4000, 7).contiguous(), torch.full((4000,), t), seed=3)
+        p = torch.softmax(logits / t, -1)
+        assert ((torch.bincount(tokens, minlength=7) / 4000 - p).abs() <= 4 * (p * (1 - p) / 4000).sqrt() + 1e-3).all()
+        assert torch.allclose(lps, p.log()[tokens], atol=1e-5)
+
+
+# ---- GPU (skipped without CUDA) --------------------------------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_greedy_cuda_ipc_update_and_memory_release(model_dir, hf, tmp_path):
+    import base64
+    import pickle
+
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    args = ["--block-size", "4", "--num-kv-blocks", "256"]
+    proc = launch_engine(str(model_dir), device="cuda", dtype="float32", extra_args=args, log_path=tmp_path / "gpu.log")
+    try:
+        gpu = EngineClient(proc.url)
+        reqs = [{"input_ids": p, "sampling_params": greedy(16, ignore_eos=True)} for p in PROMPTS]
+        for p, out in zip(PROMPTS, generate_many(gpu, reqs)):
+            assert out["output_ids"] == hf_greedy(hf, p, 16)
+            assert torch.allclose(torch.tensor(out["meta_info"]["output_token_logprobs"]), hf_logprobs(hf, p, out["output_ids"]), atol=ATOL)
+
+        hf2 = perturbed(hf)
+        tensors = {k: v.cuda() for k, v in hf2.state_dict().items()}  # the trainer's GPU copies
+        handles = base64.b64encode(pickle.dumps([(k, reduce_tensor(t)) for k, t in tensors.items()])).decode()
+        res = gpu.update_weights_from_tensor({"transport": "cuda_ipc", "handles": handles, "weight_version": 7})
+        assert res["weight_version"] == 7 and res["num_tensors"] == len(tensors)
+        gpu.release_memory_occupation()
+        assert gpu.model_info()["memory_released"] is True
+        gpu.resume_memory_occupation()
+        for p, out in zip(PROMPTS, generate_many(gpu, reqs)):
+            assert out["output_ids"] == hf_greedy(hf2, p, 16)
+            assert out["meta_info"]["output_weight_versions"] == [7] * 16
+    finally:
+        proc.shutdown()
+
+    proc = launch_engine(str(model_dir), device="cuda", dtype="bfloat16", log_path=tmp_path / "gpu-bf16.log")
+    try:
+        out = generate_many(EngineClient(proc.url), [{"input_ids": PROMPTS[2], "sampling_params": {"max_new_tokens": 16, "n": 3, "ignore_eos": True}}])[0]
+        assert all(len(o["output_ids"]) == 16 and all(lp <= 0 for lp in o["meta_info"]["output_token_logprobs"]) for o in out)
+    finally:
+        proc.shutdown()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_graphs_match_eager_and_see_weight_updates(model_dir, hf):
+    """Replayed decode graphs compute what the eager path does, and weights copied in place
+    between two replays show in the next token."""
+    from vime.engine.core.engine import EngineConfig, LLMEngine
+    from vime.engine.core.sampler import SamplingParams
+
+    def run(eng, prompts, n, update_after=None, new_state=None):
+        for i, p in enumerate(prompts):
+            eng.add_request(str(i), p, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
+        outs, kinds = {}, set()
+        while eng.has_work():
+            if update_after is not None and len(eng.requests["0"].seqs[0].output_ids) == update_after:
+                eng.update_weights(new_state.items())
+                update_after = None
+            outs.update((o.rid, o.outputs[0]) for o in eng.step())
+            kinds.add(eng.runner.last_step.kind)
+        return [outs[str(i)] for i in range(len(prompts))], kinds
+
+    cfg = dict(device="cuda", dtype="float32", block_size=4, num_kv_blocks=256, max_num_seqs=8)
+    graphs = LLMEngine(EngineConfig(str(model_dir), **cfg))
+    eager = LLMEngine(EngineConfig(str(model_dir), cuda_graphs=False, **cfg))
+    a, kinds = run(graphs, PROMPTS, 12)
+    b, _ = run(eager, PROMPTS, 12)
+    assert "graph" in kinds
+    for p, x, y in zip(PROMPTS, a, b):
+        assert x.output_ids == y.output_ids == hf_greedy(hf, p, 12)
+        assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=ATOL)
+    hf2 = perturbed(hf)
+    state = {k: v.cuda() for k, v in hf2.state_dict().items()}
+    (out, *_), _ = run(graphs, PROMPTS[1:3], 10, update_after=4, new_state=state)
+    assert out.output_ids[:5] == next_after_update(hf, hf2, PROMPTS[1], 4)
+    graphs.release_memory()
+    graphs.resume_memory()  # new storage: the graphs are captured again
+    (out, *_), kinds = run(graphs, PROMPTS[1:2], 8)
+    assert "graph" in kinds and out.output_ids == hf_greedy(hf2, PROMPTS[1], 8)
+
+
+if __name__ == "__main__":  # run by test_triton_path_in_interpreter under TRITON_INTERPRET=1
+    interpreted_checks(sys.argv[1])

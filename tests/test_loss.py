@@ -1,0 +1,178 @@
+"""Advantages, PPO-clip, aggregation, TIS, KL and entropy against values worked out by hand."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from vime.trainer.loss import aggregate, compute_advantages, entropy_from_logits, kl_penalty, policy_loss
+
+
+def close(a, b, atol=1e-5):
+    return torch.allclose(torch.as_tensor(a, dtype=torch.float32), torch.as_tensor(b, dtype=torch.float32), atol=atol)
+
+
+def lp(*ratios: float) -> torch.Tensor:
+    """log-probs whose ratio to old log-probs of 0 is the given ratio."""
+    return torch.tensor([math.log(r) for r in ratios])
+
+
+# ---- advantages ----------------------------------------------------------------------
+
+
+def test_grpo_advantages_by_hand():
+    rewards = torch.tensor([[1.0, 0.0, 1.0, 0.0], [1.0, 2.0, 3.0, 2.0]])
+    adv = compute_advantages(rewards, "grpo")
+    # group 0: mean 0.5, population std sqrt(mean((±0.5)^2)) = 0.5 → ±0.5 / 0.5 = ±1
+    # group 1: mean 2, deviations (-1, 0, 1, 0), population std sqrt(2/4) = 0.70711 → (-1.41421, 0, 1.41421, 0)
+    s = math.sqrt(2)
+    assert close(adv, [[1, -1, 1, -1], [-s, 0, s, 0]])
+
+
+def test_grpo_equal_rewards_and_single_sample_groups_give_zero():
+    assert close(compute_advantages(torch.tensor([[1.0, 1.0, 1.0]]), "grpo"), [[0, 0, 0]])
+    assert close(compute_advantages(torch.tensor([[5.0], [0.0]]), "grpo"), [[0], [0]])  # no NaN at n = 1
+
+
+def test_dr_grpo_and_disabled_std_only_center():
+    rewards = torch.tensor([[1.0, 2.0, 3.0, 2.0]])
+    # mean 2 → (-1, 0, 1, 0), not divided by the std
+    assert close(compute_advantages(rewards, "dr_grpo"), [[-1, 0, 1, 0]])
+    assert close(compute_advantages(rewards, "dr_grpo", std_normalize=True), [[-1, 0, 1, 0]])
+    assert close(compute_advantages(rewards, "grpo", std_normalize=False), [[-1, 0, 1, 0]])
+
+
+def test_advantages_reject_bad_input():
+    with pytest.raises(ValueError):
+        compute_advantages(torch.tensor([1.0, 0.0]), "grpo")
+    with pytest.raises(ValueError):
+        compute_advantages(torch.tensor([[1.0, 0.0]]), "ppo")
+
+
+# ---- PPO clip ------------------------------------------------------------------------
+
+
+def test_clip_both_sides_by_hand():
+    # per token: (advantage, ratio) → loss = max(-A r, -A clip(r, 0.8, 1.2))
+    #   (+1, 1.5): max(-1.5, -1.2) = -1.2   clipped (would push the ratio further up)
+    #   (-1, 0.5): max( 0.5,  0.8) =  0.8   clipped (would push the ratio further down)
+    #   (+1, 0.5): max(-0.5, -0.8) = -0.5   unclipped (pessimistic side is the raw ratio)
+    #   (-1, 1.5): max( 1.5,  1.2) =  1.5   unclipped
+    # token mean = (-1.2 + 0.8 - 0.5 + 1.5) / 4 = 0.15; clipfrac 2/4
+    log_probs = lp(1.5, 0.5, 0.5, 1.5)
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    loss, m = policy_loss(log_probs, torch.zeros(4), adv, torch.ones(4), eps_clip=0.2)
+    assert close(loss, 0.15)
+    assert close(m["pg_clipfrac"], 0.5)
+    # ppo_kl = mean(old - new) = -(ln1.5 + ln0.5 + ln0.5 + ln1.5)/4 = -ln(0.75)/2 = 0.143841
+    assert close(m["ppo_kl"], -math.log(0.75) / 2)
+
+
+def test_asymmetric_clip_high():
+    # ratio 1.25, A = +1: symmetric eps 0.2 clips to 1.2 → loss -1.2; eps_high 0.28 lets 1.25 through → -1.25
+    log_probs, old, adv, mask = lp(1.25), torch.zeros(1), torch.ones(1), torch.ones(1)
+    sym, m_sym = policy_loss(log_probs, old, adv, mask, eps_clip=0.2)
+    asym, m_asym = policy_loss(log_probs, old, adv, mask, eps_clip=0.2, eps_clip_high=0.28)
+    assert close(sym, -1.2) and close(m_sym["pg_clipfrac"], 1.0)
+    assert close(asym, -1.25) and close(m_asym["pg_clipfrac"], 0.0)
+    # the low side still uses eps_clip: ratio 0.7, A = -1 → clip(0.7) = 0.8 → loss max(0.7, 0.8) = 0.8
+    low, _ = policy_loss(lp(0.7), old, -adv, mask, eps_clip=0.2, eps_clip_high=0.28)
+    assert close(low, 0.8)
+
+
+def test_on_policy_ratio_one_gives_minus_mean_advantage_and_gradient():
+    # ratio 1 everywhere: loss = -mean(A) = -(2 - 1)/2 = -0.5, nothing clipped; d loss/d logp_i = -A_i / 2
+    log_probs = torch.tensor([-1.0, -2.0], requires_grad=True)
+    loss, m = policy_loss(log_probs, log_probs.detach(), torch.tensor([2.0, -1.0]), torch.ones(2), eps_clip=0.2)
+    loss.backward()
+    assert close(loss, -0.5) and close(m["pg_clipfrac"], 0.0) and close(m["ppo_kl"], 0.0)
+    assert close(log_probs.grad, [-1.0, 0.5])
+
+
+def test_token_mean_ignores_masked_tokens():
+    # ratio 1 → per-token loss -A = (-1, -1000, -3); the middle token is masked, so its huge
+    # advantage must not leak into the loss nor into the denominator.
+    adv = torch.tensor([1.0, 1000.0, 3.0])
+    loss, m = policy_loss(torch.zeros(3), torch.zeros(3), adv, torch.tensor([1.0, 0.0, 1.0]), eps_clip=0.2)
+    # (-1 + -3) / 2 = -2
+    assert close(loss, -2.0)
+
+
+def test_global_token_count_makes_micro_batches_add_up():
+    # one step, 5 loss tokens split 3 + 2 over two micro-batches: passing num_tokens=5 to each
+    # makes the sum of the two losses equal the token mean of the whole step.
+    log_probs = lp(1.1, 0.9, 1.3, 0.6, 1.0)
+    adv = torch.tensor([1.0, -2.0, 0.5, -1.0, 3.0])
+    full, mf = policy_loss(log_probs, torch.zeros(5), adv, torch.ones(5), eps_clip=0.2)
+    a, ma = policy_loss(log_probs[:3], torch.zeros(3), adv[:3], torch.ones(3), eps_clip=0.2, num_tokens=5)
+    b, mb = policy_loss(log_probs[3:], torch.zeros(2), adv[3:], torch.ones(2), eps_clip=0.2, num_tokens=5)
+    assert close(a + b, full)
+    assert close(ma["pg_clipfrac"] + mb["pg_clipfrac"], mf["pg_clipfrac"])
+    # by hand, max(-A r, -A clip(r, 0.8, 1.2)) per token:
+    #   A=1 r=1.1 → -1.1; A=-2 r=0.9 → max(1.8, 1.8) = 1.8; A=0.5 r=1.3 → max(-0.65, -0.6) = -0.6;
+    #   A=-1 r=0.6 → max(0.6, 0.8) = 0.8; A=3 r=1 → -3.  (-1.1 + 1.8 - 0.6 + 0.8 - 3) / 5 = -0.42
+    assert close(full, -0.42)
+
+
+def test_dr_grpo_seq_sum_const():
+    # two sequences, max response length 4 → const = 4 × 2 = 8; ratio 1 so per-token loss = -A
+    # seq 1: 3 tokens with A = 1 → -3; seq 2: 1 token with A = -2 → +2; sum = -1; -1 / 8 = -0.125
+    adv = torch.tensor([1.0, 1.0, 1.0, -2.0])
+    loss, _ = policy_loss(torch.zeros(4), torch.zeros(4), adv, torch.ones(4), eps_clip=0.2, agg="seq_sum_const", const=8)
+    assert close(loss, -0.125)
+    with pytest.raises(ValueError):
+        policy_loss(torch.zeros(4), torch.zeros(4), adv, torch.ones(4), eps_clip=0.2, agg="seq_sum_const")
+
+
+def test_tis_weight_truncated_and_detached():
+    # old - rollout = ln 3 → weight 3 truncated to 2; ln 0.5 → weight 0.5 kept.
+    # ratio 1, A = 1: per-token loss -1 × weight → (-2, -0.5), mean -1.25
+    log_probs = torch.zeros(2, requires_grad=True)
+    old = torch.zeros(2)
+    rollout = torch.tensor([-math.log(3.0), -math.log(0.5)])
+    loss, m = policy_loss(log_probs, old, torch.ones(2), torch.ones(2), eps_clip=0.2, rollout_log_probs=rollout, use_tis=True, tis_clip=2.0)
+    assert close(loss, -1.25)
+    assert close(m["tis"], 1.25) and close(m["tis_clipfrac"], 0.5)
+    loss.backward()
+    assert close(log_probs.grad, [-1.0, -0.25])  # weights scale the gradient but carry none themselves
+    with pytest.raises(ValueError):
+        policy_loss(log_probs, old, torch.ones(2), torch.ones(2), eps_clip=0.2, use_tis=True)
+
+
+# ---- KL, entropy, aggregation --------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["low_var_kl", "k1", "k2"])
+def test_kl_zero_at_equal_distributions(kind):
+    x = torch.tensor([-0.1, -2.0, -7.5])
+    assert close(kl_penalty(x, x.clone(), kind), torch.zeros(3))
+
+
+def test_kl_values_by_hand():
+    # policy p = 0.5, reference q = 0.25: log r = ln 2 = 0.693147
+    # k1 = 0.693147; k2 = ½·0.480453 = 0.240227; k3 = 1/r − 1 + log r = 0.5 − 1 + 0.693147 = 0.193147
+    p, q = torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)])
+    assert close(kl_penalty(p, q, "k1"), [0.693147])
+    assert close(kl_penalty(p, q, "k2"), [0.240227])
+    assert close(kl_penalty(p, q, "low_var_kl"), [0.193147])
+    assert float(kl_penalty(torch.tensor([0.0]), torch.tensor([-50.0]), "low_var_kl")) == 10.0  # clamped
+    with pytest.raises(ValueError):
+        kl_penalty(p, q, "k4")
+
+
+def test_entropy_from_logits():
+    # uniform over 8 → ln 8; one-hot-ish → ~0; invariant to a shift of the logits (so log-probs work too)
+    assert close(entropy_from_logits(torch.zeros(2, 8)), [math.log(8)] * 2)
+    assert float(entropy_from_logits(torch.tensor([[100.0, 0.0, 0.0]]))) < 1e-6
+    z = torch.randn(3, 5)
+    assert close(entropy_from_logits(z), entropy_from_logits(torch.log_softmax(z, -1)))
+
+
+def test_aggregate_token_mean_defaults_and_errors():
+    v, mask = torch.tensor([1.0, 2.0, 4.0]), torch.tensor([1.0, 0.0, 1.0])
+    assert close(aggregate(v, mask), 2.5)  # (1 + 4) / 2
+    assert close(aggregate(v, mask, num_tokens=10), 0.5)  # (1 + 4) / 10
+    assert close(aggregate(v, torch.zeros(3)), 0.0)  # no tokens: 0, not NaN
+    with pytest.raises(ValueError):
+        aggregate(v, mask, "seq_mean")

@@ -1,0 +1,167 @@
+"""`vime data`: synthetic verifiable math tasks, generated offline, with a held-out split.
+
+Tasks in the spirit of reasoning-gym's basic_arithmetic, chain_sum and gsm_symbolic, plus a
+toy `addition` small enough for a random tiny model to learn in a test. Every answer is an
+integer computed alongside the question, so rewards are exact. Generation is deterministic
+in the seed, and train and test never share a question.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+from typing import Any, Callable
+
+from vime.rollout.data_source import DataError
+
+INSTRUCTION = "Give the final answer after 'Answer:'."
+
+Question = tuple[str, int]  # (question text, integer answer)
+
+
+def basic_arithmetic(rng: random.Random, max_int: int = 100) -> Question:
+    """One operation on small integers: a + b, a - b (may go negative) or a × b (factors ≤ 20)."""
+    op = rng.choice("+-×")
+    if op == "×":
+        a, b = rng.randint(2, min(20, max_int)), rng.randint(2, min(20, max_int))
+        return f"What is {a} × {b}? {INSTRUCTION}", a * b
+    a, b = rng.randint(0, max_int), rng.randint(0, max_int)
+    return f"What is {a} {op} {b}? {INSTRUCTION}", a + b if op == "+" else a - b
+
+
+def chain_sum(rng: random.Random, min_terms: int = 2, max_terms: int = 5, max_int: int = 100) -> Question:
+    """A sum of 2–5 integers joined by + and -."""
+    terms = [rng.randint(1, max_int) for _ in range(rng.randint(min_terms, max_terms))]
+    ops = [rng.choice("+-") for _ in terms[1:]]
+    expr, total = str(terms[0]), terms[0]
+    for op, t in zip(ops, terms[1:]):
+        expr += f" {op} {t}"
+        total += t if op == "+" else -t
+    return f"Calculate {expr}. {INSTRUCTION}", total
+
+
+NAMES = ["Ali", "Maria", "Chen", "Fatima", "Liam", "Sofia", "Kenji", "Amara", "Noah", "Priya", "Mateo", "Olga"]
+ITEMS = ["apples", "pencils", "stickers", "marbles", "cookies", "books", "shells", "cards"]
+
+
+def _gsm_buy_more(rng: random.Random) -> Question:
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    a, b = rng.randint(2, 50), rng.randint(2, 50)
+    return f"{name} has {a} {item} and buys {b} more. How many {item} does {name} have now?", a + b
+
+
+def _gsm_give_away(rng: random.Random) -> Question:
+    name, friend, item = *rng.sample(NAMES, 2), rng.choice(ITEMS)
+    a = rng.randint(10, 80)
+    b, c = rng.randint(1, a // 2), rng.randint(1, a // 2)
+    return f"{name} had {a} {item}. {name} gave {b} to {friend} and then lost {c}. How many {item} are left?", a - b - c
+
+
+def _gsm_packs(rng: random.Random) -> Question:
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    packs, per, given = rng.randint(2, 9), rng.randint(3, 12), rng.randint(1, 10)
+    return f"{name} buys {packs} packs of {item} with {per} {item} in each pack, then gives away {given}. How many {item} does {name} keep?", packs * per - given
+
+
+def _gsm_change(rng: random.Random) -> Question:
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    n, price = rng.randint(2, 9), rng.randint(1, 12)
+    bill = next(b for b in (10, 20, 50, 100, 200) if b >= n * price)
+    return f"{name} buys {n} {item} at ${price} each and pays with a ${bill} bill. How many dollars of change does {name} get?", bill - n * price
+
+
+def _gsm_share(rng: random.Random) -> Question:
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    friends, each = rng.randint(2, 8), rng.randint(2, 15)
+    return f"{name} shares {friends * each} {item} equally among {friends} friends. How many {item} does each friend get?", each
+
+
+def _gsm_distance(rng: random.Random) -> Question:
+    name = rng.choice(NAMES)
+    speed, hours, back = rng.randint(3, 60), rng.randint(2, 6), rng.randint(1, 20)
+    return f"{name} travels at {speed} km per hour for {hours} hours, then walks back {back} km. How many km is {name} from the start?", speed * hours - back
+
+
+def _gsm_savings(rng: random.Random) -> Question:
+    name = rng.choice(NAMES)
+    start, weekly, weeks, spent = rng.randint(0, 100), rng.randint(5, 30), rng.randint(2, 10), rng.randint(1, 40)
+    return f"{name} has ${start} saved and adds ${weekly} every week for {weeks} weeks, then spends ${spent} on a gift. How many dollars does {name} have now?", start + weekly * weeks - spent
+
+
+GSM_TEMPLATES = [_gsm_buy_more, _gsm_give_away, _gsm_packs, _gsm_change, _gsm_share, _gsm_distance, _gsm_savings]
+
+
+def gsm_symbolic(rng: random.Random) -> Question:
+    """A templated grade-school word problem with an integer answer."""
+    question, answer = rng.choice(GSM_TEMPLATES)(rng)
+    return f"{question} {INSTRUCTION}", answer
+
+
+def addition(rng: random.Random, digits: int = 2) -> Question:
+    """Toy `a+b=` with up to `digits` digits per operand and no instruction: for tiny models."""
+    hi = 10**digits - 1
+    a, b = rng.randint(0, hi), rng.randint(0, hi)
+    return f"{a}+{b}=", a + b
+
+
+TASKS: dict[str, Callable[..., Question]] = {
+    "basic_arithmetic": basic_arithmetic,
+    "chain_sum": chain_sum,
+    "gsm_symbolic": gsm_symbolic,
+    "addition": addition,
+}
+
+
+def generate(task: str, n: int, seed: int, **task_kwargs: Any) -> list[dict[str, Any]]:
+    """n rows with distinct questions, deterministic in (task, seed, task_kwargs)."""
+    if task not in TASKS:
+        raise DataError(f"unknown task '{task}': use one of {', '.join(TASKS)}")
+    make = TASKS[task]
+    rng = random.Random(f"{task}:{seed}")  # a string seed hashes the same in every process
+    seen: set[str] = set()
+    rows = []
+    misses = 0
+    while len(rows) < n:
+        question, answer = make(rng, **task_kwargs)
+        if question in seen:
+            misses += 1
+            if misses > 100 * n + 1000:  # the task has fewer distinct questions than asked for
+                raise DataError(f"task '{task}' gave only {len(rows)} distinct questions of the {n} asked; ask for fewer or widen it (e.g. --digits)")
+            continue
+        seen.add(question)
+        rows.append({"input": question, "label": str(answer), "metadata": {"task": task}})
+    return rows
+
+
+def write_dataset(task: str, out_dir: str | Path, n_train: int, n_test: int, seed: int = 0, **task_kwargs: Any) -> tuple[Path, Path]:
+    """Write `train.jsonl` and `test.jsonl` into out_dir; no question is in both."""
+    if n_train < 1 or n_test < 0:
+        raise DataError(f"--n-train must be at least 1 and --n-test at least 0 (got {n_train}, {n_test})")
+    rows = generate(task, n_train + n_test, seed, **task_kwargs)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = out / "train.jsonl", out / "test.jsonl"
+    for path, part in zip(paths, (rows[:n_train], rows[n_train:])):
+        path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in part), encoding="utf-8")
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="vime data", description="Write a synthetic verifiable math dataset (train.jsonl + held-out test.jsonl).")
+    p.add_argument("--task", required=True, choices=list(TASKS), help="which generator: " + ", ".join(TASKS))
+    p.add_argument("--out", required=True, help="output directory (created if missing)")
+    p.add_argument("--n-train", type=int, default=2000, help="training rows (default 2000)")
+    p.add_argument("--n-test", type=int, default=200, help="held-out rows, disjoint from train (default 200)")
+    p.add_argument("--seed", type=int, default=0, help="random seed; same seed, same files (default 0)")
+    p.add_argument("--digits", type=int, default=None, help="addition only: digits per operand (default 2)")
+    a = p.parse_args(argv)
+    kwargs = {}
+    if a.digits is not None:
+        if a.task != "addition":
+            p.error("--digits applies to --task addition only")
+        kwargs["digits"] = a.digits
+    train, test = write_dataset(a.task, a.out, a.n_train, a.n_test, a.seed, **kwargs)
+    print(f"{train}  {a.n_train} rows")
+    print(f"{test}  {a.n_test} rows")
+    return 0

@@ -1,0 +1,152 @@
+"""The engine protocol, client side.
+
+Rollouts call the async `generate` (aiohttp, many requests in flight on one event loop); the
+train loop calls the control methods synchronously (urllib, no event loop needed). Only
+failures to connect are retried, never an answer: a 4xx means the request itself is wrong, and
+a generate that reached the server may already be running.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+import aiohttp
+
+
+class EngineError(RuntimeError):
+    """An engine that cannot be reached or that refused a request; one line naming its URL."""
+
+
+def _one_line(text: str, limit: int = 500) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+class EngineClient:
+    def __init__(self, url: str, timeout: float = 600.0, max_retries: int = 3, retry_backoff: float = 0.2):
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self.max_retries = max(1, max_retries)
+        self.retry_backoff = retry_backoff
+        # aiohttp sessions belong to the loop they were made on; a client may be used from
+        # several (the rollout loop, a test's asyncio.run), so keep one per loop.
+        self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
+
+    def __repr__(self) -> str:
+        return f"EngineClient({self.url!r})"
+
+    # ---- async: generation -------------------------------------------------------------
+
+    async def generate(self, input_ids: list[int], sampling_params: dict, return_logprob: bool = True, rid: str | None = None) -> Any:
+        """POST /generate; returns the response body (a dict, or a list of dicts when n > 1)."""
+        body: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": sampling_params, "return_logprob": return_logprob}
+        if rid is not None:
+            body["rid"] = rid
+        return await self.apost("/generate", body)
+
+    async def apost(self, route: str, body: dict) -> Any:
+        session = self._session()
+        last: Exception | None = None
+        for attempt in range(self.max_retries):
+            try:
+                async with session.post(self.url + route, json=body) as resp:
+                    text = await resp.text()
+                    if resp.status != 200:
+                        raise EngineError(f"engine at {self.url}{route}: HTTP {resp.status}: {_one_line(text)}")
+                    return json.loads(text)
+            except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as e:
+                last = e
+                if attempt + 1 < self.max_retries:
+                    await asyncio.sleep(self.retry_backoff * 2**attempt)
+            except asyncio.TimeoutError:
+                raise EngineError(f"engine at {self.url}{route} timed out after {self.timeout:g}s") from None
+        raise EngineError(f"engine at {self.url} unreachable after {self.max_retries} tries ({_reason(last)}): is the server running?") from None
+
+    def _session(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        for other in [lp for lp in self._sessions if lp.is_closed()]:
+            del self._sessions[other]  # its loop is gone; the session cannot be used or closed
+        session = self._sessions.get(loop)
+        if session is None or session.closed:
+            # No connection limit: a rollout keeps hundreds of generations in flight at once.
+            session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout), connector=aiohttp.TCPConnector(limit=0))
+            self._sessions[loop] = session
+        return session
+
+    async def close(self) -> None:
+        """Close this loop's session (call before the loop ends to avoid aiohttp warnings)."""
+        session = self._sessions.pop(asyncio.get_running_loop(), None)
+        if session is not None:
+            await session.close()
+
+    # ---- sync: control -----------------------------------------------------------------
+
+    def health(self) -> dict:
+        return self._request("GET", "/health")
+
+    def model_info(self) -> dict:
+        return self._request("GET", "/get_model_info")
+
+    def pause_generation(self, mode: str = "abort") -> dict:
+        return self._request("POST", "/pause_generation", {"mode": mode})
+
+    def continue_generation(self) -> dict:
+        return self._request("POST", "/continue_generation", {})
+
+    def abort_request(self, rid: str | None = None, abort_all: bool = False) -> dict:
+        if (rid is None) == (not abort_all):
+            raise ValueError("abort_request: give either rid or abort_all=True")
+        return self._request("POST", "/abort_request", {"abort_all": True} if abort_all else {"rid": rid})
+
+    def flush_cache(self) -> dict:
+        return self._request("POST", "/flush_cache", {})
+
+    def update_weights_from_tensor(self, payload: dict) -> dict:
+        """payload: {transport: "shm", path, weight_version} or {transport: "cuda_ipc", handles, weight_version}."""
+        return self._request("POST", "/update_weights_from_tensor", payload)
+
+    def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> dict:
+        return self._request("POST", "/update_weights_from_disk", {"model_path": str(model_path), "weight_version": weight_version})
+
+    def release_memory_occupation(self) -> dict:
+        return self._request("POST", "/release_memory_occupation", {})
+
+    def resume_memory_occupation(self) -> dict:
+        return self._request("POST", "/resume_memory_occupation", {})
+
+    def _request(self, method: str, route: str, body: dict | None = None) -> dict:
+        data = None if body is None else json.dumps(body).encode()
+        last: Exception | None = None
+        for attempt in range(self.max_retries):
+            req = urllib.request.Request(self.url + route, data=data, method=method, headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                    return json.loads(resp.read() or b"{}")
+            except urllib.error.HTTPError as e:
+                raise EngineError(f"engine at {self.url}{route}: HTTP {e.code}: {_one_line(e.read().decode(errors='replace'))}") from None
+            except (TimeoutError, urllib.error.URLError) as e:
+                reason = getattr(e, "reason", e)
+                if isinstance(e, TimeoutError) or isinstance(reason, TimeoutError):
+                    raise EngineError(f"engine at {self.url}{route} timed out after {self.timeout:g}s") from None
+                if not isinstance(reason, ConnectionError):
+                    raise EngineError(f"engine at {self.url}{route}: {_one_line(str(reason))}") from None
+                last = reason
+            except ConnectionError as e:  # reset or closed mid-request
+                last = e
+            if attempt + 1 < self.max_retries:
+                time.sleep(self.retry_backoff * 2**attempt)
+        raise EngineError(f"engine at {self.url} unreachable after {self.max_retries} tries ({_reason(last)}): is the server running?")
+
+
+def _reason(e: BaseException | None) -> str:
+    if isinstance(e, aiohttp.ClientConnectorError):
+        e = e.os_error
+    if isinstance(e, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(e, aiohttp.ServerDisconnectedError):
+        return "server disconnected"
+    return _one_line(str(e) or type(e).__name__, 200)

@@ -1,0 +1,263 @@
+"""The engine: requests in, one batched model step at a time, finished requests out.
+
+Single-threaded by design: the server calls every method from its one engine thread, so
+control operations (abort, pause, weight update) always fall between two steps and need no
+locks. Every generated token is stamped with the weight version that produced it.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from vime.engine.core.kv_cache import BlockAllocator, KVCache
+from vime.engine.core.model import load_model
+from vime.engine.core.runner import ModelRunner
+from vime.engine.core.sampler import Sampler, SamplingParams
+from vime.engine.core.scheduler import Scheduler, Sequence
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_KV_CACHE_GB = 1.0  # default KV budget on CPU, where memory is shared with the trainer
+
+
+@dataclass
+class EngineConfig:
+    model_path: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_num_seqs: int = 64
+    num_kv_blocks: int | None = None  # None: from --kv-cache-gb, or a share of free GPU memory
+    kv_cache_gb: float | None = None
+    kv_cache_memory_fraction: float = 0.5  # of the GPU memory free after loading the weights
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings (and what the cache holds)
+    cuda_graphs: bool = True  # capture decode steps on CUDA (False: every step eager, for debugging)
+    seed: int = 0
+
+
+@dataclass
+class SeqOutput:
+    output_ids: list[int]
+    logprobs: list[float]
+    weight_versions: list[int]
+    finish_reason: str
+
+
+@dataclass
+class RequestOutput:
+    rid: str
+    prompt_tokens: int
+    outputs: list[SeqOutput]  # one per sample (n)
+    weight_version: int  # the engine's version when the request finished
+
+
+@dataclass
+class Request:
+    rid: str
+    prompt_len: int
+    seqs: list[Sequence]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.seqs)
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens: int = 0  # of requests received (x n)
+    computed_tokens: int = 0  # run through the model, recomputation after preemption included
+    generated_tokens: int = 0
+    finished_requests: int = 0
+    aborted_requests: int = 0
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig):
+        if cfg.dtype not in DTYPES:
+            raise ValueError(f"--dtype {cfg.dtype}: use one of {', '.join(DTYPES)}")
+        self.cfg = cfg
+        self.device = torch.device(cfg.device)
+        self.dtype = DTYPES[cfg.dtype]
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # kernels and allocations default to the engine's GPU
+        self.model = load_model(cfg.model_path, self.device, self.dtype)
+        mc = self.model_config = self.model.config
+        num_blocks = cfg.num_kv_blocks or self._auto_num_blocks()
+        if num_blocks < 1:
+            raise ValueError("the KV cache has no room for a single block: lower --max-num-seqs or raise --kv-cache-gb / --num-kv-blocks")
+        self.kv_cache = KVCache(mc.num_layers, num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
+        self.allocator = BlockAllocator(num_blocks, cfg.block_size)
+        self.scheduler = Scheduler(self.allocator, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        # A sequence may never outgrow the positions the model knows, the configured limit or the whole cache.
+        self.max_seq_len = min(mc.max_position_embeddings, cfg.max_model_len or mc.max_position_embeddings, num_blocks * cfg.block_size)
+        self.runner = ModelRunner(self.model, self.kv_cache, Sampler(cfg.seed, self.device), cfg.block_size, cfg.max_num_seqs, self.max_seq_len, self.device, cfg.cuda_graphs)
+        self.runner.capture()
+        self.requests: dict[str, Request] = {}
+        self.weight_version = 0
+        self.paused = False
+        self.stats = EngineStats()
+        self._next_seq_id = 0
+        log.info("engine: %s %s on %s, %d KV blocks of %d tokens, max sequence length %d", mc.model_type, cfg.dtype, self.device, num_blocks, cfg.block_size, self.max_seq_len)
+
+    def _auto_num_blocks(self) -> int:
+        mc, cfg = self.model_config, self.cfg
+        per_block = KVCache.bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, self.dtype)
+        if cfg.kv_cache_gb is not None:
+            budget = cfg.kv_cache_gb * 2**30
+        elif self.device.type == "cuda":
+            budget = torch.cuda.mem_get_info(self.device)[0] * cfg.kv_cache_memory_fraction
+        else:  # enough for max_num_seqs full-length sequences, within the CPU budget
+            full = cfg.max_num_seqs * -(-(cfg.max_model_len or mc.max_position_embeddings) // cfg.block_size) * per_block
+            budget = min(full, CPU_KV_CACHE_GB * 2**30)
+        return int(budget // per_block)
+
+    # ---- requests ----------------------------------------------------------------------
+
+    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> RequestOutput | None:
+        """Queue a request (n sequences). Returns its output at once if there is nothing to
+        generate (max_new_tokens == 0). Raises ValueError for a request that can never run."""
+        if rid in self.requests:
+            raise ValueError(f"request id '{rid}' is already in flight")
+        if not prompt_ids:
+            raise ValueError("input_ids is empty")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"input_ids must be integers in [0, {vocab})")
+        if len(prompt_ids) >= self.max_seq_len:
+            raise ValueError(
+                f"prompt of {len(prompt_ids)} tokens can never fit: the engine's maximum sequence length is {self.max_seq_len} "
+                f"(max_position_embeddings {self.model_config.max_position_embeddings}, KV cache {self.allocator.num_blocks} blocks x {self.cfg.block_size})"
+            )
+        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.model_config.eos_token_ids))
+        seqs = []
+        for _ in range(params.n):
+            seqs.append(Sequence(self._next_seq_id, rid, list(prompt_ids), len(prompt_ids), params, frozenset(stop)))
+            self._next_seq_id += 1
+        req = Request(rid, len(prompt_ids), seqs)
+        if params.max_new_tokens == 0:
+            for s in seqs:
+                s.finish_reason = "length"
+            return self._output(req)
+        self.requests[rid] = req
+        self.stats.prompt_tokens += len(prompt_ids) * params.n
+        for s in seqs:
+            self.scheduler.add(s)
+        return None
+
+    def has_work(self) -> bool:
+        return not self.paused and self.kv_cache.allocated and bool(self.scheduler.waiting or self.scheduler.running)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one model step; returns the requests that finished in it."""
+        if self.paused or not self.kv_cache.allocated:
+            return []
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        to_sample, tokens, logprobs = self.runner.run(scheduled)
+        self.stats.steps += 1
+        for seq, n in scheduled:
+            seq.num_computed += n
+            self.stats.computed_tokens += n
+        done: dict[str, Request] = {}
+        for seq, tok, lp in zip(to_sample, tokens, logprobs):
+            seq.token_ids.append(tok)
+            seq.logprobs.append(lp)
+            seq.weight_versions.append(self.weight_version)
+            self.stats.generated_tokens += 1
+            if tok in seq.stop_ids:
+                seq.finish_reason = "stop"
+            elif len(seq.token_ids) - seq.prompt_len >= seq.params.max_new_tokens or len(seq.token_ids) >= self.max_seq_len:
+                seq.finish_reason = "length"
+            if seq.finish_reason is not None:
+                self.scheduler.remove(seq)
+                req = self.requests[seq.rid]
+                if req.finished:
+                    done[seq.rid] = req
+        outs = []
+        for rid, req in done.items():
+            del self.requests[rid]
+            self.stats.finished_requests += 1
+            outs.append(self._output(req))
+        return outs
+
+    def _output(self, req: Request) -> RequestOutput:
+        return RequestOutput(
+            rid=req.rid,
+            prompt_tokens=req.prompt_len,
+            outputs=[SeqOutput(s.output_ids, list(s.logprobs), list(s.weight_versions), s.finish_reason or "abort") for s in req.seqs],
+            weight_version=self.weight_version,
+        )
+
+    # ---- control -----------------------------------------------------------------------
+
+    def abort(self, rid: str | None = None) -> list[RequestOutput]:
+        """Abort one request (unknown ids are ignored: it may have just finished) or, with
+        rid=None, all; returns their partial outputs with finish reason abort."""
+        rids = list(self.requests) if rid is None else [rid] if rid in self.requests else []
+        outs = []
+        for r in rids:
+            req = self.requests.pop(r)
+            for s in req.seqs:
+                if s.finish_reason is None:
+                    self.scheduler.remove(s)
+                    s.finish_reason = "abort"
+            self.stats.aborted_requests += 1
+            outs.append(self._output(req))
+        return outs
+
+    def pause(self, mode: str = "abort") -> list[RequestOutput]:
+        """Stop stepping. mode=abort also aborts everything in flight (partial outputs returned);
+        in_place keeps requests and their KV, to continue after e.g. a weight update."""
+        if mode not in ("abort", "in_place"):
+            raise ValueError(f"pause mode '{mode}': use abort or in_place")
+        self.paused = True
+        return self.abort() if mode == "abort" else []
+
+    def unpause(self) -> None:
+        self.paused = False
+
+    @torch.no_grad()
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], weight_version: int | None = None) -> int:
+        """Copy HF-named tensors into the model in place; cached prefixes computed with the old
+        weights are forgotten. Returns the number of tensors loaded. If a tensor is refused
+        part-way, the weights are a mix and the version is left as it was: push again."""
+        try:
+            n = len(self.model.load_weights(weights))
+        finally:
+            self.allocator.flush()
+        self.weight_version = self.weight_version + 1 if weight_version is None else int(weight_version)
+        return n
+
+    def flush_cache(self) -> None:
+        self.allocator.flush()
+
+    def release_memory(self) -> None:
+        """Free the KV pool (and, on GPU, move the weights to host memory) so a colocated trainer
+        can use the device. Running sequences go back to waiting and are recomputed on resume."""
+        if not self.kv_cache.allocated:
+            return
+        self.scheduler.preempt_all()
+        self.allocator.flush()
+        self.runner.drop_graphs()  # they point at the storage about to go
+        self.kv_cache.release()
+        if self.device.type == "cuda":
+            for p in self.model.parameters():
+                p.data = p.data.to("cpu")
+            torch.cuda.empty_cache()
+
+    def resume_memory(self) -> None:
+        """Weights and KV pools come back in new storage, so the decode graphs are captured again."""
+        if self.kv_cache.allocated:
+            return
+        if self.device.type == "cuda":
+            for p in self.model.parameters():
+                p.data = p.data.to(self.device)
+        self.kv_cache.allocate()
+        self.runner.capture()

@@ -1,0 +1,320 @@
+"""Dense decoder-only LMs (Llama, Qwen2, Qwen3) in plain PyTorch, loading HF checkpoints.
+
+Module names mirror the HF ones, except that q/k/v and gate/up are fused into one projection
+each (one matmul instead of three or two); `named_weights` maps every HF name onto the tensor
+(or row slice) that holds it, so a checkpoint or a trainer's state dict loads by HF name. The
+forward takes a flat, packed batch of tokens (many sequences, each contributing a different
+number of new tokens) and reads/writes past keys and values through the paged KV cache. On
+CUDA the elementwise chains run as fused Triton kernels (`kernels.py`), on CPU as PyTorch ops.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vime.engine.core import kernels
+from vime.engine.core.kv_cache import AttnMetadata, paged_attention
+
+SUPPORTED_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+class UnsupportedModelError(ValueError):
+    """A checkpoint this engine cannot run; the message names the field and what is supported."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_hf_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        """Read config.json (+ generation_config.json for extra eos ids); refuse what we cannot run."""
+        model_dir = Path(model_dir)
+        c = json.loads((model_dir / "config.json").read_text())
+        mt = c.get("model_type")
+        if mt not in SUPPORTED_ARCHS:
+            raise UnsupportedModelError(f"model_type '{mt}' in {model_dir}/config.json is not supported by the vime engine (supported: {', '.join(SUPPORTED_ARCHS)})")
+        if c.get("hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"hidden_act '{c['hidden_act']}' is not supported (only silu)")
+        if c.get("use_sliding_window") or any(t != "full_attention" for t in c.get("layer_types") or []):
+            raise UnsupportedModelError("sliding-window attention layers are not supported by the vime engine")
+        eos: list[int] = []
+        gen_path = model_dir / "generation_config.json"
+        for src in (c, json.loads(gen_path.read_text()) if gen_path.exists() else {}):
+            ids = src.get("eos_token_id")
+            for i in ids if isinstance(ids, list) else [ids] if ids is not None else []:
+                if i not in eos:
+                    eos.append(int(i))
+        n_heads = c["num_attention_heads"]
+        return cls(
+            model_type=mt,
+            vocab_size=c["vocab_size"],
+            hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"],
+            num_layers=c["num_hidden_layers"],
+            num_heads=n_heads,
+            num_kv_heads=c.get("num_key_value_heads") or n_heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // n_heads,
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            rope_theta=_rope_theta(c),
+            max_position_embeddings=c.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            # Qwen2 hard-codes q/k/v bias and no o bias; Llama and Qwen3 follow attention_bias.
+            qkv_bias=True if mt == "qwen2" else bool(c.get("attention_bias", False)),
+            o_bias=False if mt == "qwen2" else bool(c.get("attention_bias", False)),
+            mlp_bias=bool(c.get("mlp_bias", False)),
+            qk_norm=mt == "qwen3",
+            eos_token_ids=tuple(eos),
+        )
+
+
+def _rope_theta(c: dict) -> float:
+    """rope_theta from either the transformers-5 `rope_parameters` dict or the older top-level
+    `rope_theta` + `rope_scaling`; only plain (default) RoPE is implemented."""
+    params = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise UnsupportedModelError(f"rope type '{rope_type}' is not supported by the vime engine yet (only default RoPE)")
+    return float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual), the residual stream's add fused into the norm.
+        Without a residual: (norm(x), x)."""
+        if kernels.enabled(x.device):
+            return kernels.add_rmsnorm(x, residual, self.weight, self.eps)
+        if residual is not None:
+            x = residual + x
+        return self.norm(x), x
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in float32 and scale after casting back, exactly as HF does, so bf16 matches too.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, head_dim / 2] in float32 (HF duplicates them over both halves)."""
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        return freqs.cos(), freqs.sin()
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    cos = torch.cat((cos, cos), dim=-1)[:, None, :].to(x.dtype)  # [T, 1, head_dim], cast as HF does
+    sin = torch.cat((sin, sin), dim=-1)[:, None, :].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    """q, k and v come from one fused projection (one matmul); `CausalLM.named_weights` maps the
+    HF names onto its row slices."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+        self.eps = cfg.rms_norm_eps
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: tuple[torch.Tensor, torch.Tensor], meta: AttnMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        if kernels.enabled(x.device):
+            qw, kw = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
+            q = kernels.qkv_rope_store(qkv, *rope, qw, kw, self.eps, meta.slot_mapping, kv[0], kv[1], self.num_heads, self.num_kv_heads, self.head_dim)
+            out = paged_attention(q, None, None, kv[0], kv[1], meta, scale=self.head_dim**-0.5)
+        else:
+            q, k, v = qkv.split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim], dim=-1)
+            q = q.reshape(t, self.num_heads, self.head_dim)
+            k = k.reshape(t, self.num_kv_heads, self.head_dim)
+            v = v.reshape(t, self.num_kv_heads, self.head_dim)
+            if self.qk_norm:
+                q, k = self.q_norm.norm(q), self.k_norm.norm(k)
+            q, k = _apply_rope(q, *rope), _apply_rope(k, *rope)
+            out = paged_attention(q, k, v, kv[0], kv[1], meta, scale=self.head_dim**-0.5)
+        return self.o_proj(out.reshape(t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if kernels.enabled(gate_up.device):
+            return self.down_proj(kernels.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor], kv: tuple[torch.Tensor, torch.Tensor], meta: AttnMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream before adding it): the add is
+        fused into the next norm."""
+        x, residual = self.input_layernorm(h, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(x, rope, kv, meta), residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+
+
+# HF projections stored as row slices of one fused parameter: fused name → HF names, in order.
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+class CausalLM(nn.Module):
+    """The whole model. `forward` returns logits (model dtype) only for the rows that get sampled."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttnMetadata, logit_rows: torch.Tensor | None) -> torch.Tensor:
+        """logit_rows: which tokens get logits (None: all, as in a decode step)."""
+        h = self.model.embed_tokens(input_ids)
+        rope = self.model.rotary_emb(positions)
+        residual = None
+        for layer, kv in zip(self.model.layers, kv_caches):
+            h, residual = layer(h, residual, rope, kv, meta)
+        if logit_rows is not None:
+            h, residual = h[logit_rows], residual[logit_rows]
+        h, _ = self.model.norm(h, residual)
+        return self.lm_head(h)
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """HF name → the tensor holding it: a parameter, or a row slice of a fused projection;
+        tied weights are listed under both names (a trainer may send either)."""
+        c = self.config
+        rows = {"qkv_proj": [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim], "gate_up_proj": [c.intermediate_size] * 2}
+        out: dict[str, torch.Tensor] = {}
+        for name, p in self.named_parameters(remove_duplicate=False):
+            *prefix, module, kind = name.split(".")
+            if module in FUSED:
+                for hf_module, piece in zip(FUSED[module], p.split(rows[module], dim=0)):
+                    out[".".join([*prefix, hf_module, kind])] = piece
+            else:
+                out[name] = p
+        return out
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into the existing parameters, in place.
+
+        In place (never rebinding `.data`) so that anything holding the parameter storage, such
+        as a captured CUDA graph, sees the new values. Returns the names loaded.
+        """
+        params = self.named_weights()
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            p = params.get(name)
+            if p is None:
+                raise KeyError(f"weight '{name}' does not exist in this {self.config.model_type} model")
+            if tuple(p.shape) != tuple(tensor.shape):
+                raise ValueError(f"weight '{name}' has shape {tuple(tensor.shape)}, the model expects {tuple(p.shape)}")
+            p.copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+
+def iter_safetensors(model_dir: str | Path) -> Iterable[tuple[str, torch.Tensor]]:
+    """(name, tensor) from model.safetensors or the shards named by model.safetensors.index.json."""
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (model_dir / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
+    for f in files:
+        with safe_open(str(model_dir / f), framework="pt") as st:
+            for name in st.keys():
+                yield name, st.get_tensor(name)
+
+
+def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    """Build the model without initializing it (meta device) and fill it from the checkpoint."""
+    cfg = ModelConfig.from_hf_dir(model_dir)
+    with torch.device("meta"):
+        model = CausalLM(cfg).to(dtype)
+    model = model.to_empty(device=device)
+    model.tie_weights()
+    # Not in the checkpoint, and kept in float32 whatever the model dtype, as HF does.
+    model.model.rotary_emb.inv_freq = RotaryEmbedding(cfg.head_dim, cfg.rope_theta).inv_freq.to(device)
+    model.requires_grad_(False)
+    model.eval()
+    loaded = model.load_weights(iter_safetensors(model_dir))
+    expected = set(model.named_weights())
+    if cfg.tie_word_embeddings:  # one tensor under two names: either one fills it
+        expected.discard("lm_head.weight")
+        if "lm_head.weight" in loaded:
+            loaded.add("model.embed_tokens.weight")
+    missing = expected - loaded
+    if missing:
+        raise ValueError(f"checkpoint {model_dir} lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
+    return model

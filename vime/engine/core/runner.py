@@ -1,0 +1,222 @@
+"""One scheduled step on the device: inputs in, sampled tokens and log-probs out.
+
+Two ways through. A *decode* step (every sequence brings exactly one token and wants the next)
+fills preallocated host buffers, copies them to the device in one transfer and, on CUDA,
+replays a CUDA graph captured for the next batch size up the ladder: the whole forward of a
+few hundred kernels costs one launch. Every other step (prefills, chunked or mixed with
+decodes) runs eagerly. Sampling runs after the forward, on the device; the step ends with one
+device-to-host copy of token ids and log-probs, the only sync per step.
+
+Graphs bake in the addresses of the weights, the KV pools and the static buffers: weight
+updates therefore `copy_` into the parameters, and releasing memory drops the graphs, which
+`capture` makes again on resume.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vime.engine.core import kernels
+from vime.engine.core.kv_cache import AttnMetadata, KVCache, make_group
+from vime.engine.core.model import CausalLM
+from vime.engine.core.sampler import Sampler
+from vime.engine.core.scheduler import Sequence
+
+log = logging.getLogger(__name__)
+
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512)
+
+
+@dataclass
+class StepInfo:
+    """What the last step was, for metrics and benchmarks: its path, sequences and the number
+    of cached tokens its attention read."""
+
+    kind: str  # "graph" (decode, replayed), "decode" (static buffers, no graph) or "eager"
+    num_seqs: int
+    context_tokens: int
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, kv_cache: KVCache, sampler: Sampler, block_size: int, max_num_seqs: int, max_seq_len: int, device: torch.device, cuda_graphs: bool):
+        self.model, self.kv_cache, self.sampler = model, kv_cache, sampler
+        self.block_size, self.device = block_size, device
+        self.kernels = kernels.enabled(device)
+        # Graphs need the Triton path: the PyTorch attention sizes its tensors from the batch.
+        self.use_graphs = cuda_graphs and self.kernels and device.type == "cuda"
+        self.batch_sizes = [b for b in GRAPH_BATCH_SIZES if b < max_num_seqs] + [max_num_seqs]
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.capture_time = 0.0
+        self.last_step = StepInfo("eager", 0, 0)
+        pin = device.type == "cuda"
+        n = self.max_bs = self.batch_sizes[-1]
+        self.width = -(-max_seq_len // block_size)  # block-table columns: a full-length sequence
+        if self.kernels:
+            # One int32 staging buffer: ids | positions | slots | context lens | temperatures (float32 bits) | block tables.
+            self.host = torch.empty(5 * n + n * self.width, dtype=torch.int32, pin_memory=pin)
+            h = self.host.numpy()
+            self.h_ids, self.h_pos, self.h_slot, self.h_ctx = h[:n], h[n : 2 * n], h[2 * n : 3 * n], h[3 * n : 4 * n]
+            self.h_temp = h[4 * n : 5 * n].view(np.float32)
+            self.h_bt = h[5 * n :].reshape(n, self.width)
+            self.h_bt[:] = kv_cache.scratch_block
+            self.dev = torch.zeros_like(self.host, device=device)
+            d = self.dev
+            self.d_ids, self.d_pos, self.d_slot, self.d_ctx = d[:n], d[n : 2 * n], d[2 * n : 3 * n], d[3 * n : 4 * n]
+            self.d_temp = d[4 * n : 5 * n].view(torch.float32)
+            self.d_bt = d[5 * n :].view(n, self.width)
+            self._bt_rows: list[tuple[list[int], int] | None] = [None] * n  # (block table list, length) each row holds
+        self.h_tok = torch.empty(max_num_seqs, dtype=torch.int64, pin_memory=pin)
+        self.h_lp = torch.empty(max_num_seqs, dtype=torch.float32, pin_memory=pin)
+
+    # ---- graphs ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture the decode forward for every ladder size, largest first, in one memory pool."""
+        if not self.use_graphs:
+            return
+        t0 = time.perf_counter()
+        self._set_padding(0, self.max_bs)
+        self._upload(self.max_bs)
+        pool = None
+        for bs in reversed(self.batch_sizes):
+            self._decode_forward(bs)  # warm-up: Triton compiles, cuBLAS picks its kernels
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self._decode_forward(bs)
+            pool = graph.pool()
+            self.graphs[bs] = (graph, out)
+        torch.cuda.synchronize(self.device)
+        self.capture_time = time.perf_counter() - t0
+        log.info("captured CUDA graphs for decode batch sizes %s in %.2fs", self.batch_sizes, self.capture_time)
+
+    def drop_graphs(self) -> None:
+        self.graphs.clear()
+
+    def _decode_forward(self, bs: int) -> torch.Tensor:
+        meta = AttnMetadata(slot_mapping=self.d_slot[:bs], block_tables=self.d_bt[:bs], context_lens=self.d_ctx[:bs])
+        return self.model(self.d_ids[:bs], self.d_pos[:bs], self.kv_cache.layers(), meta, None)
+
+    # ---- a step ------------------------------------------------------------------------
+
+    def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], list[int], list[float]]:
+        """Run the model over the scheduled chunks; returns the sequences that got a token, the
+        tokens and their log-probs."""
+        if self.kernels and len(scheduled) <= self.max_bs and all(n == 1 and s.num_computed + 1 == s.num_tokens for s, n in scheduled):
+            seqs = [s for s, _ in scheduled]
+            logits, temps = self._decode(seqs)
+        else:
+            seqs, logits, temps = self._eager(scheduled)
+        tokens, logprobs = self.sampler(logits, [s.params for s in seqs], temps)
+        return seqs, *self._download(tokens, logprobs)
+
+    def _decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        b = len(seqs)
+        bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, b)]
+        block = self.block_size
+        pos = [s.num_computed for s in seqs]
+        self.h_ids[:b] = [s.token_ids[-1] for s in seqs]
+        self.h_pos[:b] = pos
+        self.h_slot[:b] = [s.block_table[p // block] * block + p % block for s, p in zip(seqs, pos)]
+        np.add(self.h_pos[:b], 1, out=self.h_ctx[:b])
+        self.h_temp[:b] = [s.params.temperature for s in seqs]
+        self._set_padding(b, bs)
+        # Block tables only grow by appending to the same list, so a row is rewritten only when
+        # it holds another list (another sequence, or one re-admitted) or a shorter one.
+        rows = self._bt_rows
+        for i, s in enumerate(seqs):
+            row, table = rows[i], s.block_table
+            if row is None or row[0] is not table or row[1] != len(table):
+                self.h_bt[i, : len(table)] = table
+                rows[i] = (table, len(table))
+        self._upload(bs)
+        if self.graphs:
+            graph, out = self.graphs[bs]
+            graph.replay()
+            kind = "graph"
+        else:
+            out = self._decode_forward(bs)
+            kind = "decode"
+        self.last_step = StepInfo(kind, b, int(self.h_ctx[:b].sum()))
+        return out[:b], self.d_temp[:b]
+
+    def _set_padding(self, start: int, end: int) -> None:
+        """Rows past the batch: one token at position 0 written to and read from the scratch block."""
+        self.h_ids[start:end] = 0
+        self.h_pos[start:end] = 0
+        self.h_slot[start:end] = self.kv_cache.scratch_block * self.block_size
+        self.h_ctx[start:end] = 1
+        self.h_temp[start:end] = 0.0
+
+    def _upload(self, bs: int) -> None:
+        n = 5 * self.max_bs + bs * self.width
+        self.dev[:n].copy_(self.host[:n], non_blocking=True)
+
+    def _eager(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor, None]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logit_rows: list[int] = []
+        to_sample: list[Sequence] = []
+        for seq, n in scheduled:
+            start = seq.num_computed
+            if start + n == seq.num_tokens:  # the chunk reaches the end: the next token is due
+                logit_rows.append(len(input_ids) + n - 1)
+                to_sample.append(seq)
+            input_ids += seq.token_ids[start : start + n]
+            positions += range(start, start + n)
+            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
+        dev = self.device
+        slot_mapping = torch.tensor(slots, dtype=torch.int32 if self.kernels else torch.long).to(dev, non_blocking=True)
+        meta = self._kernel_meta(scheduled, slot_mapping) if self.kernels else self._torch_meta(scheduled, slot_mapping)
+        ids = torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True)
+        pos = torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True)
+        rows = torch.tensor(logit_rows, dtype=torch.long).to(dev, non_blocking=True)
+        self.last_step = StepInfo("eager", len(scheduled), sum(s.num_computed + n for s, n in scheduled))
+        return to_sample, self.model(ids, pos, self.kv_cache.layers(), meta, rows), None
+
+    def _kernel_meta(self, scheduled: list[tuple[Sequence, int]], slot_mapping: torch.Tensor) -> AttnMetadata:
+        width = max(len(s.block_table) for s, _ in scheduled)
+        tables = np.zeros((len(scheduled), width), dtype=np.int32)
+        for i, (s, _) in enumerate(scheduled):
+            tables[i, : len(s.block_table)] = s.block_table
+        lens = np.array([n for _, n in scheduled], dtype=np.int32)
+        cu_q = np.zeros(len(scheduled) + 1, dtype=np.int32)
+        np.cumsum(lens, out=cu_q[1:])
+        ctx = np.array([s.num_computed for s, _ in scheduled], dtype=np.int32) + lens
+        dev = self.device
+        return AttnMetadata(
+            slot_mapping=slot_mapping,
+            block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
+            context_lens=torch.from_numpy(ctx).to(dev, non_blocking=True),
+            cu_q=torch.from_numpy(cu_q).to(dev, non_blocking=True),
+            max_q_len=int(lens.max()),
+        )
+
+    def _torch_meta(self, scheduled: list[tuple[Sequence, int]], slot_mapping: torch.Tensor) -> AttnMetadata:
+        """Decodes and prefills in separate padded groups (see `AttnGroup`)."""
+        groups: dict[bool, tuple[list, list, list]] = {}  # is_prefill → (token index, positions, block tables)
+        offset = 0
+        for seq, n in scheduled:
+            g = groups.setdefault(n > 1, ([], [], []))
+            g[0].append(list(range(offset, offset + n)))
+            g[1].append(list(range(seq.num_computed, seq.num_computed + n)))
+            g[2].append(seq.block_table)
+            offset += n
+        return AttnMetadata(slot_mapping=slot_mapping, groups=[make_group(i, p, t, self.block_size, self.device) for i, p, t in groups.values()])
+
+    def _download(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
+        """The step's one device → host transfer (and sync)."""
+        if tokens.device.type != "cuda":
+            return tokens.tolist(), logprobs.tolist()
+        b = tokens.shape[0]
+        self.h_tok[:b].copy_(tokens, non_blocking=True)
+        self.h_lp[:b].copy_(logprobs, non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()
+        return self.h_tok[:b].tolist(), self.h_lp[:b].tolist()

@@ -1,0 +1,150 @@
+"""Continuous batching: which sequences run in the next step, and with how many new tokens.
+
+Every sequence is treated the same way: it holds `token_ids` (prompt + generated) of which the
+first `num_computed` have KV in the cache; a step computes the next chunk. A fresh prompt is a
+long chunk (split over steps when it exceeds the token budget), a decode is a chunk of one, a
+preempted sequence is simply recomputed from scratch over prompt + generated tokens.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from vime.engine.core.kv_cache import BlockAllocator
+from vime.engine.core.sampler import SamplingParams
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    rid: str
+    token_ids: list[int]
+    prompt_len: int
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chain hashes of the registered full blocks
+    cache_epoch: int = -1  # allocator epoch at admission; blocks are registered only while it matches
+    logprobs: list[float] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # stop | length | abort
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int):
+        self.allocator = allocator
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: the last is the first to be preempted
+        self.num_preemptions = 0
+        self.num_cached_tokens = 0  # prompt tokens whose KV was found in the prefix cache
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """Pick (sequence, number of new tokens) for one step.
+
+        Running sequences go first, oldest first; when one needs a block and none is free, the
+        newest running sequence is preempted (possibly itself). New sequences are admitted only
+        in steps without preemption, while seats, blocks and the token budget allow.
+        """
+        budget = self.max_num_batched_tokens
+        out: list[tuple[Sequence, int]] = []
+        preempted = False
+        bs, epoch = self.allocator.block_size, self.allocator.epoch
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            end = seq.num_computed + n
+            # The cheap tests first: most decode steps need no new block and fill no block.
+            while len(seq.block_table) * bs < end and not self._grow(seq, end):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                if end // bs > len(seq.block_hashes) and seq.cache_epoch == epoch:
+                    self._register(seq, n)
+                out.append((seq, n))
+                budget -= n
+                i += 1
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = self._admit(seq, budget)
+            if n is None:
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            self._register(seq, n)
+            out.append((seq, n))
+            budget -= n
+        return out
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out (finished or aborted) and give back its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.allocator.release(seq.block_table)
+        seq.block_table, seq.block_hashes = [], []
+
+    def preempt_all(self) -> None:
+        """Send every running sequence back to waiting (in order), keeping its tokens."""
+        while self.running:
+            self._preempt(self.running.pop())
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        need = self.allocator.blocks_for(num_tokens) - len(seq.block_table)
+        if need > self.allocator.num_free:
+            return False
+        if need > 0:
+            seq.block_table += self.allocator.allocate(need)
+        return True
+
+    def _admit(self, seq: Sequence, budget: int) -> int | None:
+        """Give a waiting sequence its cached prefix and blocks for its first chunk; returns the
+        chunk length, or None when the blocks are not there."""
+        alloc = self.allocator
+        blocks, hashes = alloc.match_prefix(seq.token_ids)
+        cached = len(blocks) * alloc.block_size
+        n = min(seq.num_tokens - cached, budget)
+        need = alloc.blocks_for(cached + n) - len(blocks)
+        if need + alloc.num_unused(blocks) > alloc.num_free:
+            return None
+        alloc.take(blocks)
+        seq.block_table = blocks + alloc.allocate(need)
+        seq.block_hashes = hashes
+        seq.num_computed = cached
+        seq.cache_epoch = alloc.epoch
+        self.num_cached_tokens += cached
+        return n
+
+    def _register(self, seq: Sequence, n: int) -> None:
+        """Index the full blocks this step will complete, so later sequences (even in this same
+        step) can reuse them."""
+        if seq.cache_epoch != self.allocator.epoch:
+            return
+        bs = self.allocator.block_size
+        for b in range(len(seq.block_hashes), (seq.num_computed + n) // bs):
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            seq.block_hashes.append(self.allocator.register(seq.block_table[b], parent, seq.token_ids[b * bs : (b + 1) * bs]))
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.allocator.release(seq.block_table)
+        seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1

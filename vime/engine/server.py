@@ -1,0 +1,591 @@
+"""The vime engine's HTTP server, and `launch_engine` to run it as a subprocess.
+
+The engine steps in its own thread; aiohttp handlers never touch it directly. A handler puts a
+command (a function of the engine) on a queue and awaits an asyncio future; the engine thread
+runs commands between two steps and resolves futures with `loop.call_soon_threadsafe`. So
+control operations are ordered with respect to steps without any lock, and a long step never
+blocks the event loop (health checks answer while the engine works).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import logging
+import os
+import pickle
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from aiohttp import web
+
+from vime.engine.client import EngineClient, EngineError
+
+log = logging.getLogger("vime.engine")
+
+READY_LINE = "vime-engine ready on"
+
+
+class BadRequest(ValueError):
+    """The request itself is wrong: answered with HTTP 400 and this one-line message."""
+
+
+def _json_error(status: int, msg: str) -> web.Response:
+    return web.json_response({"error": msg}, status=status)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Callable) -> web.StreamResponse:
+    """Map exceptions to one-line JSON errors: the caller's fault is a 400, ours a 500."""
+    try:
+        return await handler(request)
+    except web.HTTPException:
+        raise
+    except (BadRequest, ValueError, KeyError, FileNotFoundError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+        return _json_error(400, " ".join(str(msg).split()))
+    except Exception as e:
+        log.exception("error in %s", request.path)
+        return _json_error(500, f"{type(e).__name__}: {' '.join(str(e).split())}")
+
+
+async def _body(request: web.Request) -> dict:
+    try:
+        body = await request.json() if request.can_read_body else {}
+    except json.JSONDecodeError:
+        raise BadRequest("request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return body
+
+
+def _field(body: dict, name: str, kind: type | tuple[type, ...], required: bool = True, default: Any = None) -> Any:
+    if name not in body or body[name] is None:
+        if required:
+            raise BadRequest(f"missing field '{name}'")
+        return default
+    value = body[name]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise BadRequest(f"field '{name}' has the wrong type ({type(value).__name__})")
+    return value
+
+
+class EngineServer:
+    """Owns the engine thread and the aiohttp routes."""
+
+    def __init__(self, engine, model_path: str):
+        self.engine = engine
+        self.model_path = model_path
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.commands: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.Future]] = queue.SimpleQueue()
+        self.pending: dict[str, asyncio.Future] = {}  # rid → future; touched by the engine thread only
+        self.fatal: str | None = None  # set if a step raised: the engine state can no longer be trusted
+        self._tokenizer = None
+        self._tokenizer_lock = asyncio.Lock()
+
+    # ---- the engine thread -------------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        threading.Thread(target=self._run, name="vime-engine", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            cmds = []
+            try:  # wait for a command only when there is nothing to step
+                cmds.append(self.commands.get(block=not self.engine.has_work() or self.fatal is not None))
+                while True:
+                    cmds.append(self.commands.get_nowait())
+            except queue.Empty:
+                pass
+            for fn, fut in cmds:
+                if self.fatal is not None:
+                    self._resolve(fut, error=RuntimeError(self.fatal))
+                    continue
+                try:
+                    self._resolve(fut, result=fn())
+                except Exception as e:
+                    self._resolve(fut, error=e)
+            if self.fatal is None and self.engine.has_work():
+                try:
+                    self._deliver(self.engine.step())
+                except Exception as e:
+                    log.exception("engine step failed; failing all requests")
+                    self.fatal = f"engine step failed: {type(e).__name__}: {e}"
+                    for fut in self.pending.values():
+                        self._resolve(fut, error=RuntimeError(self.fatal))
+                    self.pending.clear()
+
+    def _deliver(self, outputs: Iterable) -> int:
+        n = 0
+        for out in outputs:
+            fut = self.pending.pop(out.rid, None)
+            if fut is not None:
+                self._resolve(fut, result=out)
+            n += 1
+        return n
+
+    def _resolve(self, fut: asyncio.Future, result: Any = None, error: BaseException | None = None) -> None:
+        def settle() -> None:
+            if fut.done():  # the HTTP handler went away (client disconnected)
+                return
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(result)
+
+        assert self.loop is not None
+        self.loop.call_soon_threadsafe(settle)
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run fn in the engine thread between two steps and return its result."""
+        fut = asyncio.get_running_loop().create_future()
+        self.commands.put((fn, fut))
+        return await fut
+
+    def _submit(self, fn: Callable[[], Any]) -> None:
+        """Fire and forget (used where nobody can wait, e.g. a cancelled handler)."""
+        assert self.loop is not None
+        self.commands.put((fn, self.loop.create_future()))
+
+    # ---- generation --------------------------------------------------------------------
+
+    async def _generate(self, input_ids: list[int], params, rid: str):
+        """Queue one request and wait for its RequestOutput; aborts it if the caller goes away."""
+        fut = asyncio.get_running_loop().create_future()
+
+        def add() -> None:
+            out = self.engine.add_request(rid, input_ids, params)
+            if out is None:
+                self.pending[rid] = fut
+            else:
+                self._resolve(fut, result=out)
+
+        await self.call(add)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            self._submit(lambda: self._deliver(self.engine.abort(rid)))
+            raise
+
+    def _parse_generate(self, body: dict):
+        from vime.engine.core.sampler import SamplingParams
+
+        input_ids = _field(body, "input_ids", list)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
+            raise BadRequest("input_ids must be a list of integers")
+        params = SamplingParams.from_dict(_field(body, "sampling_params", dict, required=False, default={}))
+        rid = _field(body, "rid", str, required=False) or uuid.uuid4().hex
+        return input_ids, params, rid, bool(body.get("return_logprob", False))
+
+    async def generate(self, request: web.Request) -> web.Response:
+        input_ids, params, rid, return_logprob = self._parse_generate(await _body(request))
+        out = await self._generate(input_ids, params, rid)
+        samples = [_sample_json(out, i, return_logprob) for i in range(len(out.outputs))]
+        return web.json_response(samples[0] if params.n == 1 else samples)
+
+    # ---- control -----------------------------------------------------------------------
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        mode = _field(await _body(request), "mode", str, required=False, default="abort")
+        if mode not in ("abort", "in_place"):
+            raise BadRequest(f"pause mode '{mode}': use abort or in_place")
+        n = await self.call(lambda: self._deliver(self.engine.pause(mode)))
+        return web.json_response({"success": True, "aborted": n})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        await self.call(self.engine.unpause)
+        return web.json_response({"success": True})
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        rid = _field(body, "rid", str, required=False)
+        if rid is None and not body.get("abort_all"):
+            raise BadRequest("give 'rid' or 'abort_all': true")
+        n = await self.call(lambda: self._deliver(self.engine.abort(rid)))
+        return web.json_response({"success": True, "aborted": n})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        await self.call(self.engine.flush_cache)
+        return web.json_response({"success": True})
+
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        transport = _field(body, "transport", str, required=False, default="shm")
+        version = _field(body, "weight_version", int, required=False)
+        if transport == "shm":
+            path = _field(body, "path", str)
+            if not Path(path).is_file():
+                raise BadRequest(f"weights file {path} does not exist")
+            load: Callable[[], Iterable] = lambda: _iter_safetensors_file(path)
+        elif transport == "cuda_ipc":
+            handles = _field(body, "handles", str)
+            load = lambda: _iter_cuda_ipc(handles)
+        else:
+            raise BadRequest(f"transport '{transport}': use shm or cuda_ipc")
+        t0 = time.perf_counter()
+        n = await self.call(lambda: self.engine.update_weights(load(), version))
+        return web.json_response({"success": True, "num_tensors": n, "weight_version": self.engine.weight_version, "time_s": time.perf_counter() - t0})
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        from vime.engine.core.model import iter_safetensors
+
+        body = await _body(request)
+        path = _field(body, "model_path", str)
+        version = _field(body, "weight_version", int, required=False)
+        if not Path(path).is_dir():
+            raise BadRequest(f"model_path {path} is not a directory")
+        t0 = time.perf_counter()
+        n = await self.call(lambda: self.engine.update_weights(iter_safetensors(path), version))
+        return web.json_response({"success": True, "num_tensors": n, "weight_version": self.engine.weight_version, "time_s": time.perf_counter() - t0})
+
+    async def not_implemented(self, request: web.Request) -> web.Response:
+        return _json_error(501, f"{request.path} (NCCL weight sync) is not implemented in the vime engine yet: use update_weights_from_tensor or update_weights_from_disk")
+
+    async def release_memory_occupation(self, request: web.Request) -> web.Response:
+        await self.call(self.engine.release_memory)
+        return web.json_response({"success": True})
+
+    async def resume_memory_occupation(self, request: web.Request) -> web.Response:
+        await self.call(self.engine.resume_memory)
+        return web.json_response({"success": True})
+
+    # ---- introspection -----------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.fatal is not None:
+            return _json_error(503, self.fatal)
+        return web.json_response({"status": "ok"})
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        e = self.engine
+        mc = e.model_config
+        return web.json_response({
+            "model_path": self.model_path,
+            "model_type": mc.model_type,
+            "weight_version": e.weight_version,
+            "device": str(e.device),
+            "dtype": e.cfg.dtype,
+            "vocab_size": mc.vocab_size,
+            "eos_token_ids": list(mc.eos_token_ids),
+            "max_num_seqs": e.cfg.max_num_seqs,
+            "max_num_batched_tokens": e.cfg.max_num_batched_tokens,
+            "num_kv_blocks": e.allocator.num_blocks,
+            "block_size": e.cfg.block_size,
+            "max_seq_len": e.max_seq_len,
+            "paused": e.paused,
+            "memory_released": not e.kv_cache.allocated,
+        })
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        e = self.engine
+        s = e.stats
+        rows = [
+            ("num_running", "gauge", "sequences in the running batch", len(e.scheduler.running)),
+            ("num_waiting", "gauge", "sequences waiting to be scheduled", len(e.scheduler.waiting)),
+            ("kv_blocks_free", "gauge", "free KV cache blocks", e.allocator.num_free),
+            ("kv_blocks_total", "gauge", "KV cache blocks", e.allocator.num_blocks),
+            ("weight_version", "gauge", "version of the weights in use", e.weight_version),
+            ("paused", "gauge", "1 while generation is paused", int(e.paused)),
+            ("steps_total", "counter", "model steps run", s.steps),
+            ("prompt_tokens_total", "counter", "prompt tokens received (x n)", s.prompt_tokens),
+            ("computed_tokens_total", "counter", "tokens run through the model, recomputation included", s.computed_tokens),
+            ("generated_tokens_total", "counter", "tokens generated", s.generated_tokens),
+            ("requests_finished_total", "counter", "requests finished (stop or length)", s.finished_requests),
+            ("requests_aborted_total", "counter", "requests aborted", s.aborted_requests),
+            ("preemptions_total", "counter", "sequences preempted for lack of KV blocks", e.scheduler.num_preemptions),
+            ("prefix_cache_hit_tokens_total", "counter", "tokens whose KV was reused from the prefix cache", e.scheduler.num_cached_tokens),
+        ]
+        text = "".join(f"# HELP vime_engine_{n} {h}\n# TYPE vime_engine_{n} {t}\nvime_engine_{n} {v}\n" for n, t, h, v in rows)
+        return web.Response(text=text, content_type="text/plain")
+
+    # ---- OpenAI-compatible -------------------------------------------------------------
+
+    async def tokenizer(self):
+        async with self._tokenizer_lock:
+            if self._tokenizer is None:
+                from vime.models import load_tokenizer
+
+                self._tokenizer = await asyncio.to_thread(load_tokenizer, self.model_path)
+        return self._tokenizer
+
+    async def completions(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        tok = await self.tokenizer()
+        prompt = _field(body, "prompt", (str, list))
+        if isinstance(prompt, str):
+            ids = tok.encode(prompt, add_special_tokens=False)
+        elif all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = prompt
+        else:
+            raise BadRequest("prompt must be a string or a list of token ids (one prompt per request)")
+        return await self._openai(body, ids, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        tok = await self.tokenizer()
+        messages = _field(body, "messages", list)
+        if not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise BadRequest("messages must be a list of {role, content} objects")
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return await self._openai(body, tok.encode(text, add_special_tokens=False), chat=True)
+
+    async def _openai(self, body: dict, ids: list[int], chat: bool) -> web.Response:
+        from vime.engine.core.sampler import SamplingParams
+
+        if body.get("stream"):
+            raise BadRequest("stream=true is not supported by the vime engine")
+        stop = body.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else stop
+        if not all(isinstance(s, str) for s in stop):
+            raise BadRequest("stop must be a string or a list of strings")
+        params = SamplingParams.from_dict({
+            "max_new_tokens": body.get("max_completion_tokens", body.get("max_tokens", 16)),
+            "temperature": body.get("temperature", 1.0),
+            "top_p": body.get("top_p", 1.0),
+            "top_k": body.get("top_k", -1),
+            "n": body.get("n", 1),
+            "stop_token_ids": body.get("stop_token_ids") or [],
+            "ignore_eos": body.get("ignore_eos", False),
+        })
+        rid = uuid.uuid4().hex
+        out = await self._generate(ids, params, rid)
+        tok = await self.tokenizer()
+        choices = []
+        for i, o in enumerate(out.outputs):
+            text = tok.decode(o.output_ids, skip_special_tokens=True)
+            reason = o.finish_reason
+            cut = min((p for p in (text.find(s) for s in stop) if p >= 0), default=-1)
+            if cut >= 0:  # stop strings are applied after generation; the text ends before them
+                text, reason = text[:cut], "stop"
+            if chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason})
+            else:
+                choices.append({"index": i, "text": text, "finish_reason": reason, "logprobs": None})
+        completion = sum(len(o.output_ids) for o in out.outputs)
+        return web.json_response({
+            "id": ("chatcmpl-" if chat else "cmpl-") + rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": body.get("model") or self.model_path,
+            "choices": choices,
+            "usage": {"prompt_tokens": len(ids), "completion_tokens": completion, "total_tokens": len(ids) + completion},
+        })
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[_errors], client_max_size=256 * 2**20)
+        post = {
+            "/generate": self.generate,
+            "/pause_generation": self.pause_generation,
+            "/continue_generation": self.continue_generation,
+            "/abort_request": self.abort_request,
+            "/flush_cache": self.flush_cache,
+            "/update_weights_from_tensor": self.update_weights_from_tensor,
+            "/update_weights_from_disk": self.update_weights_from_disk,
+            "/init_weights_update_group": self.not_implemented,
+            "/update_weights_from_distributed": self.not_implemented,
+            "/release_memory_occupation": self.release_memory_occupation,
+            "/resume_memory_occupation": self.resume_memory_occupation,
+            "/v1/completions": self.completions,
+            "/v1/chat/completions": self.chat_completions,
+        }
+        for path, handler in post.items():
+            app.router.add_post(path, handler)
+        for path, handler in {"/health": self.health, "/get_model_info": self.model_info, "/metrics": self.metrics}.items():
+            app.router.add_get(path, handler)
+        return app
+
+
+def _sample_json(out, i: int, return_logprob: bool) -> dict:
+    o = out.outputs[i]
+    meta: dict[str, Any] = {
+        "id": out.rid,
+        "finish_reason": {"type": o.finish_reason},
+        "prompt_tokens": out.prompt_tokens,
+        "completion_tokens": len(o.output_ids),
+        "weight_version": out.weight_version,
+        "output_weight_versions": o.weight_versions,
+    }
+    if return_logprob:
+        meta["output_token_logprobs"] = o.logprobs
+    return {"output_ids": o.output_ids, "meta_info": meta}
+
+
+def _iter_safetensors_file(path: str) -> Iterable:
+    """Tensors of one safetensors file, read through mmap (a /dev/shm file is never copied whole)."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        for name in f.keys():
+            yield name, f.get_tensor(name)
+
+
+def _iter_cuda_ipc(handles_b64: str) -> Iterable:
+    """Rebuild tensors from `torch.multiprocessing.reductions.reduce_tensor` handles.
+
+    The payload is a pickle: only a trainer on the same machine (already trusted to change the
+    weights) can send it, as with SGLang's equivalent route.
+    """
+    try:
+        items = pickle.loads(base64.b64decode(handles_b64))
+    except Exception as e:
+        raise BadRequest(f"handles is not a base64 pickle of (name, handle) pairs: {type(e).__name__}") from None
+    for name, (rebuild, args) in items:
+        yield name, rebuild(*args)
+
+
+# ---- process entry point ---------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m vime.engine.server", description="the vime rollout engine (HTTP)")
+    p.add_argument("--model-path", required=True, help="HF model directory (or 'smollm2' / 'tiny')")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000, help="0 picks a free port (printed in the ready line)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="auto: bfloat16 on GPU, float32 on CPU")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="default: from --kv-cache-gb, or a share of free GPU memory")
+    p.add_argument("--kv-cache-gb", type=float, default=None)
+    p.add_argument("--kv-cache-memory-fraction", type=float, default=0.5, help="GPU: share of the memory free after loading weights")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: half the cores, the trainer needs the rest)")
+    p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone (set by launch_engine)")
+    p.add_argument("--log-level", default="info")
+    args = p.parse_args(argv)
+    for name in ("max_num_seqs", "block_size", "max_num_batched_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import torch
+
+    from vime.engine.core.engine import EngineConfig, LLMEngine
+    from vime.models import resolve_model
+
+    torch.set_num_threads(args.num_threads or max(1, (os.cpu_count() or 2) // 2))
+    model_path = str(resolve_model(args.model_path))
+    dtype = args.dtype if args.dtype != "auto" else ("float32" if args.device == "cpu" else "bfloat16")
+    engine = LLMEngine(EngineConfig(
+        model_path=model_path, device=args.device, dtype=dtype, max_num_seqs=args.max_num_seqs,
+        num_kv_blocks=args.num_kv_blocks, kv_cache_gb=args.kv_cache_gb, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+        block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
+    ))
+    asyncio.run(_serve(EngineServer(engine, model_path), args.host, args.port, args.parent_pid))
+
+
+async def _serve(server: EngineServer, host: str, port: int, parent_pid: int | None) -> None:
+    loop = asyncio.get_running_loop()
+    server.start(loop)
+    # handler_cancellation: a client that hangs up cancels its handler, which aborts the request.
+    runner = web.AppRunner(server.app(), access_log=None, shutdown_timeout=2.0, handler_cancellation=True)
+    await runner.setup()
+    sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    await web.SockSite(runner, sock).start()
+    port = sock.getsockname()[1]
+    url_host = f"[{host}]" if ":" in host else host
+    print(f"{READY_LINE} http://{url_host}:{port}", flush=True)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    while not stop.is_set():
+        if parent_pid is not None and os.getppid() != parent_pid:
+            log.info("parent process %d is gone; shutting down", parent_pid)
+            break
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=1.0)
+        except asyncio.TimeoutError:
+            pass
+    if server.fatal is None:  # answer whoever is still waiting (partial outputs, finish reason abort)
+        await server.call(lambda: server._deliver(server.engine.abort()))
+    await runner.cleanup()
+
+
+# ---- launching from Python ---------------------------------------------------------------
+
+
+@dataclass
+class EngineProcess:
+    url: str
+    proc: subprocess.Popen
+    log_path: Path
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _log_tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def launch_engine(model_path: str, *, port: int | None = None, device: str = "cpu", dtype: str = "float32", extra_args: Iterable[str] = (), log_path: str | Path | None = None, startup_timeout: float = 120.0) -> EngineProcess:
+    """Start `python -m vime.engine.server` and return once it answers /health.
+
+    The server exits by itself when this process does (--parent-pid), so a crashed trainer
+    leaves no engine behind.
+    """
+    if log_path is None:
+        fd, name = tempfile.mkstemp(prefix="vime-engine-", suffix=".log")
+        os.close(fd)
+        log_path = name
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        sys.executable, "-m", "vime.engine.server", "--model-path", str(model_path), "--host", "127.0.0.1",
+        "--port", str(port or 0), "--device", device, "--dtype", dtype, "--parent-pid", str(os.getpid()), *map(str, extra_args),
+    ]
+    root = str(Path(__file__).resolve().parents[2])  # so the child imports this same vime
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    with open(log_path, "w") as logf:
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    deadline = time.monotonic() + startup_timeout
+    pattern = re.compile(re.escape(READY_LINE) + r" (http://\S+)")
+    while True:
+        m = pattern.search(log_path.read_text(errors="replace"))
+        if m:
+            break
+        if proc.poll() is not None:
+            raise EngineError(f"engine process exited with code {proc.returncode} during start (log {log_path}):\n{_log_tail(log_path)}")
+        if time.monotonic() > deadline:
+            EngineProcess("", proc, log_path).shutdown()
+            raise EngineError(f"engine did not start within {startup_timeout:g}s (log {log_path}):\n{_log_tail(log_path)}")
+        time.sleep(0.1)
+    engine = EngineProcess(m.group(1), proc, log_path)
+    try:
+        EngineClient(engine.url, timeout=10).health()
+    except EngineError:
+        engine.shutdown()
+        raise
+    return engine
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,290 @@
+"""Prompt data: loading JSONL/Parquet, and the data source that hands out prompt groups.
+
+The data source is the only place that knows the data position (epoch, offset) and the
+prompts taken out but not trained on (re-queued groups), so it is also what a checkpoint must
+save for a resumed run to continue on exactly the next prompt.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import re
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from vime.rollout.types import Sample, Status
+
+_SLICE_RE = re.compile(r"^(?P<path>.+)@\[(?P<a>[^\]:]*):(?P<b>[^\]:]*)\]$")
+JSON_SUFFIXES = (".jsonl", ".json")
+
+
+class DataError(ValueError):
+    """Unusable prompt data; the one-line message names the file (and row or line) and the fix."""
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _split_spec(spec: str) -> tuple[Path, slice]:
+    """`path@[a:b]` -> (path, slice(a, b)); a plain path -> (path, slice(None))."""
+    spec = str(spec)
+    if "@[" not in spec:
+        return Path(spec), slice(None)
+    m = _SLICE_RE.match(spec)
+    bounds = None
+    if m:
+        try:
+            bounds = [int(x) if x.strip() else None for x in (m["a"], m["b"])]
+        except ValueError:
+            bounds = None
+    if bounds is None:
+        raise DataError(f"bad row slice in '{spec}': write path@[start:end] with integer bounds, e.g. data.jsonl@[0:1000] or data.jsonl@[-100:]")
+    return Path(m["path"]), slice(*bounds)
+
+
+def _read_json_rows(path: Path) -> list[tuple[int, Any]]:
+    """(line number, parsed value) per non-blank line; a `.json` holding one array also works."""
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            return [(0, row) for row in json.loads(text)]
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}: malformed JSON at line {e.lineno} ({e.msg}); fix the file or write one object per line (.jsonl)") from None
+    rows = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append((lineno, json.loads(line)))
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}: malformed JSON on line {lineno} ({e.msg}); each line must be one JSON object") from None
+    return rows
+
+
+def _read_rows(path: Path) -> list[tuple[int, Any]]:
+    if not path.exists():
+        raise DataError(f"prompt data file {path} not found: check --prompt-data / --eval-prompt-data (make one with `vime data`)")
+    if path.is_dir():
+        raise DataError(f"prompt data {path} is a directory: point at a .jsonl or .parquet file inside it")
+    suffix = path.suffix.lower()
+    if suffix in JSON_SUFFIXES:
+        return _read_json_rows(path)
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return [(0, row) for row in pq.read_table(path).to_pylist()]
+        except Exception as e:  # pyarrow raises several types for a damaged file
+            raise DataError(f"{path}: cannot read Parquet ({type(e).__name__}: {e})") from None
+    raise DataError(f"prompt data {path}: unknown extension '{path.suffix}'; use .jsonl, .json (JSON lines) or .parquet")
+
+
+def _where(path: Path, row: int, lineno: int) -> str:
+    return f"{path} row {row}" + (f" (line {lineno})" if lineno else "")
+
+
+def _check_input(value: Any, where: str, key: str) -> str | list[dict[str, Any]]:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
+        return [dict(m) for m in value]
+    raise DataError(f"{where}: '{key}' must be a string or a list of chat messages [{{role, content}}], got {type(value).__name__}")
+
+
+def _check_metadata(value: Any, where: str, key: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if isinstance(value, str):  # Parquet writers often store nested dicts as JSON text
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            pass
+    if not isinstance(value, dict):
+        raise DataError(f"{where}: '{key}' must be a dict (or JSON text of one), got {type(value).__name__}; set --metadata-key to another column")
+    return value
+
+
+def _label_text(value: Any) -> str | None:
+    """Labels become text, the form graders compare; 42 and "42" are the same label."""
+    if value is None or isinstance(value, str):
+        return value
+    return json.dumps(value)
+
+
+def load_prompts(spec: str | Path, input_key: str = "input", label_key: str = "label", metadata_key: str = "metadata") -> list[dict[str, Any]]:
+    """Rows of a JSONL/Parquet file (optionally `path@[a:b]`) as `{"input", "label", "metadata"}`.
+
+    Only the rows inside the slice are checked, so a slice can step around a bad tail.
+    """
+    path, rows_slice = _split_spec(str(spec))
+    raw = _read_rows(path)
+    numbered = list(enumerate(raw))[rows_slice]
+    if not numbered:
+        sliced = "" if rows_slice == slice(None) else f" after slicing to [{rows_slice.start}:{rows_slice.stop}] of {len(raw)} rows"
+        raise DataError(f"prompt data {spec} is empty{sliced}: it needs at least one row")
+    out = []
+    for row_index, (lineno, row) in numbered:
+        where = _where(path, row_index, lineno)
+        if not isinstance(row, dict):
+            raise DataError(f"{where}: each row must be a JSON object, got {type(row).__name__}")
+        for key, flag in ((input_key, "--input-key"), (label_key, "--label-key")):
+            if key not in row:
+                raise DataError(f"{where} has no key '{key}' (keys: {', '.join(map(str, row)) or 'none'}); set {flag}")
+        out.append(
+            {
+                "input": _check_input(row[input_key], where, input_key),
+                "label": _label_text(row[label_key]),
+                "metadata": _check_metadata(row.get(metadata_key), where, metadata_key),
+            }
+        )
+    return out
+
+
+# ---------------------------------------------------------------- tokenizing
+
+
+class PromptRenderer:
+    """Turns a row's input into (prompt text, prompt token ids), the same way for train and eval."""
+
+    def __init__(self, args, tokenizer, source: str) -> None:
+        self.tokenizer = tokenizer
+        self.use_template = bool(args.apply_chat_template)
+        self.template_kwargs = dict(args.apply_chat_template_kwargs or {})
+        if self.use_template and not getattr(tokenizer, "chat_template", None):
+            raise DataError(f"--apply-chat-template is set but the tokenizer of {source} has no chat template: drop the flag or use an instruct model")
+
+    def render(self, prompt: str | list[dict[str, Any]], where: str) -> tuple[str, list[int]]:
+        if not self.use_template:
+            if not isinstance(prompt, str):
+                raise DataError(f"{where}: the input is a list of chat messages; pass --apply-chat-template to render it")
+            # no template: plain text, so the tokenizer adds its usual BOS where it has one
+            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        # render to text, then encode: transformers 5 returns a BatchEncoding for tokenize=True,
+        # and the template already holds any BOS, so no special tokens are added again
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **self.template_kwargs)
+        return text, list(self.tokenizer.encode(text, add_special_tokens=False))
+
+
+def load_eval_samples(args, tokenizer, path: str | Path, limit: int | None = None) -> list[Sample]:
+    """The first `limit` rows of an eval set as tokenized Samples (index = group_index = row)."""
+    rows = load_prompts(path, args.input_key, args.label_key, args.metadata_key)
+    renderer = PromptRenderer(args, tokenizer, str(path))
+    samples = []
+    for i, row in enumerate(rows[:limit]):
+        text, ids = renderer.render(row["input"], f"{path} row {i}")
+        samples.append(Sample(index=i, group_index=i, prompt=text, label=row["label"], tokens=ids, metadata=dict(row["metadata"])))
+    return samples
+
+
+# ---------------------------------------------------------------- the data source
+
+
+def _sample_to_dict(s: Sample) -> dict[str, Any]:
+    d = dataclasses.asdict(s)
+    d["status"] = s.status.value  # plain values only: checkpoints load with weights_only
+    return d
+
+
+def _sample_from_dict(d: dict[str, Any]) -> Sample:
+    return Sample(**{**d, "status": Status(d["status"])})
+
+
+def _fresh(s: Sample) -> Sample:
+    """The sample as it was before generation: prompt tokens only, nothing sampled or scored."""
+    return dataclasses.replace(
+        s,
+        tokens=list(s.tokens[: s.prompt_length]),
+        response_length=0,
+        response="",
+        loss_mask=None,
+        rollout_log_probs=None,
+        weight_versions=None,
+        reward=None,
+        status=Status.PENDING,
+        metadata=dict(s.metadata),
+    )
+
+
+class DataSource:
+    """Hands out groups of `n_samples_per_prompt` fresh samples, epoch after epoch.
+
+    Re-queued groups (aborted or too stale to train on) go out first, oldest first, so no
+    prompt is skipped. With `--rollout-shuffle` every epoch has its own order, seeded by
+    `rollout_seed + epoch`, so the order is reproducible and a resumed run can rebuild it.
+    """
+
+    def __init__(self, args, tokenizer) -> None:
+        self.args = args
+        self.rows = load_prompts(args.prompt_data, args.input_key, args.label_key, args.metadata_key)
+        self.renderer = PromptRenderer(args, tokenizer, str(args.prompt_data))
+        self.n_per_prompt = int(args.n_samples_per_prompt)
+        self.epoch = 0
+        self.offset = 0  # position in this epoch's order
+        self.next_index = 0  # Sample.index of the next fresh sample
+        self.next_group = 0  # Sample.group_index of the next fresh group
+        self.requeued: deque[list[Sample]] = deque()
+        self._order = self._epoch_order(0)
+        self.renderer.render(self.rows[0]["input"], f"{args.prompt_data} row 0")  # a bad template fails now, not mid-run
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.rows)))
+        if self.args.rollout_shuffle:
+            random.Random(self.args.rollout_seed + epoch).shuffle(order)
+        return order
+
+    def _next_row(self) -> int:
+        if self.offset >= len(self._order):
+            self.epoch += 1
+            self.offset = 0
+            self._order = self._epoch_order(self.epoch)
+        row = self._order[self.offset]
+        self.offset += 1
+        return row
+
+    def _new_group(self) -> list[Sample]:
+        row_index = self._next_row()
+        row = self.rows[row_index]
+        text, ids = self.renderer.render(row["input"], f"{self.args.prompt_data} row {row_index}")
+        group = [
+            Sample(index=self.next_index + k, group_index=self.next_group, prompt=text, label=row["label"], tokens=list(ids), metadata=dict(row["metadata"]))
+            for k in range(self.n_per_prompt)
+        ]
+        self.next_index += self.n_per_prompt
+        self.next_group += 1
+        return group
+
+    def get_samples(self, n_groups: int) -> list[list[Sample]]:
+        """n_groups groups: re-queued ones first (FIFO), then the next prompts in order."""
+        groups = []
+        while len(groups) < n_groups and self.requeued:
+            groups.append(self.requeued.popleft())
+        while len(groups) < n_groups:
+            groups.append(self._new_group())
+        return groups
+
+    def add_samples(self, groups: list[list[Sample]]) -> None:
+        """Re-queue groups to be generated again from their prompts (response dropped)."""
+        self.requeued.extend([_fresh(s) for s in g] for g in groups)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "offset": self.offset,
+            "next_index": self.next_index,
+            "next_group": self.next_group,
+            "requeued": [[_sample_to_dict(s) for s in g] for g in self.requeued],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch = int(state["epoch"])
+        self.offset = int(state["offset"])
+        self.next_index = int(state["next_index"])
+        self.next_group = int(state["next_group"])
+        self.requeued = deque([_sample_from_dict(d) for d in g] for g in state["requeued"])
+        self._order = self._epoch_order(self.epoch)

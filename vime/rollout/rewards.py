@@ -1,0 +1,394 @@
+"""Rewards: answer extraction, math grading, built-in rm types and `--custom-rm-path`.
+
+Three rules shape this module:
+* one answer parser everywhere (the last `\\boxed{}`, else an `Answer:` line, else the
+  trailing number), so training rewards and eval accuracy read a response the same way;
+* grading is CPU work (sympy) that must not stall generation: built-in rewards run in a small
+  process pool, each with its own timeout;
+* a reward never stops a run: one that raises or times out scores 0, is counted in
+  `rollout/reward_errors`, and its exception type is logged once.
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import logging
+import math
+import multiprocessing
+import os
+import re
+import signal
+import sys
+import threading
+import weakref
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from functools import lru_cache
+from typing import Any, Awaitable, Callable
+
+from vime.rollout.types import Sample, Status
+
+log = logging.getLogger("vime")
+
+RewardFn = Callable[[Sample], Awaitable[float]]
+
+# rm type -> (score when correct, score when wrong or unanswered, only \boxed answers count)
+BUILTIN_RM_TYPES: dict[str, tuple[float, float, bool]] = {
+    "math": (1.0, 0.0, False),
+    "dapo": (1.0, -1.0, False),  # DAPO's verifier: wrong and unanswered both score -1
+    "boxed_math": (1.0, 0.0, True),
+}
+POOL_WORKERS = 2
+DEFAULT_TIMEOUT_S = 10.0
+
+
+class RewardError(ValueError):
+    """A reward setting that cannot work (`--rm-type`, `--custom-rm-path`); raised at start-up."""
+
+
+# ---------------------------------------------------------------- answer extraction
+
+_BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_ANSWER_RE = re.compile(r"answer[*_\s]*:", re.IGNORECASE)
+# A number: optional sign (not when it is a binary minus, as in `5-3`), digits with optional
+# thousands separators, decimals, and an optional `/denominator`.
+_NUMBER_RE = re.compile(r"(?:(?<![\w)\]}])-)?(?<![\w.])(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?(?![\d])")
+
+
+def _boxed_contents(text: str) -> list[str]:
+    """Contents of every complete `\\boxed{...}` / `\\fbox{...}`, balanced braces, in order."""
+    found = []
+    for m in _BOX_RE.finditer(text):
+        depth, i = 1, m.end()
+        while i < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            i += 1
+        if depth == 0:  # an unclosed box is a truncated response, not an answer
+            found.append(text[m.end() : i - 1].strip())
+    return [f for f in found if f]
+
+
+def _strip_markup(s: str) -> str:
+    s = s.strip().strip("*_").strip()
+    return s[:-1].rstrip() if s.endswith(".") else s
+
+
+def _answer_line(text: str) -> str | None:
+    lines = text.splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        matches = list(_ANSWER_RE.finditer(lines[i]))
+        if not matches:
+            continue
+        rest = _strip_markup(lines[i][matches[-1].end() :])
+        if not rest:  # "**Answer:**" on its own line, the answer below it
+            rest = next((_strip_markup(l) for l in lines[i + 1 :] if l.strip()), "")
+        if rest:
+            return rest
+    return None
+
+
+def extract_answer(text: str | None) -> str | None:
+    """The answer a response commits to: last `\\boxed{}`, else last `Answer:` line, else last number."""
+    if not text:
+        return None
+    boxes = _boxed_contents(text)
+    if boxes:
+        return boxes[-1]
+    line = _answer_line(text)
+    if line is not None:
+        return line
+    numbers = _NUMBER_RE.findall(text)
+    return numbers[-1].replace(",", "") if numbers else None
+
+
+# ---------------------------------------------------------------- grading
+
+_TEXT_RE = re.compile(r"\\(?:text|textbf|mathrm|mbox)\s*\{([^{}]*)\}")
+_THOUSANDS_RE = re.compile(r"(?<![\d.])\d{1,3}(?:,\d{3})+(?![\d])")
+
+
+def normalize(s: str) -> str:
+    """Canonical string form of an answer for the exact-match fallback."""
+    s = s.strip()
+    boxes = _boxed_contents(s)
+    if boxes:
+        s = boxes[-1]
+    s = _TEXT_RE.sub(r"\1", s)
+    s = s.replace("\\left", "").replace("\\right", "").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    s = s.replace("\\!", "").replace("\\,", "").replace("\\;", "").replace("$", "")
+    s = _THOUSANDS_RE.sub(lambda m: m.group(0).replace(",", ""), s)
+    s = re.sub(r"\s+", "", s).rstrip(".")
+    s = re.sub(r"(\d)\.0+(?!\d)", r"\1", s)  # 5.0 -> 5, 5.50 stays
+    return s
+
+
+class _MathVerifyQuiet(logging.Filter):
+    """Drop math-verify's warning that its signal timeouts are off: we turn them off on purpose."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Timeout is disabled")
+
+
+@lru_cache(maxsize=1)
+def _math_verify() -> tuple[Callable, Callable]:
+    from math_verify import parse, verify
+
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logging.getLogger(name).addFilter(_MathVerifyQuiet())
+    return parse, verify
+
+
+def _as_latex(s: str) -> str:
+    """math-verify reads delimited LaTeX most reliably; bare text like `1+x` would parse as 1."""
+    return s if ("$" in s or "\\boxed" in s or "\\(" in s or "\\[" in s) else f"${s}$"
+
+
+def grade(pred: str | None, label: str | None) -> bool:
+    """Is `pred` the same answer as `label`? Normalized string match, then math-verify.
+
+    The cheap string match runs first only because it is cheap: the result is their OR either
+    way. math-verify's own timeouts use signals, which fail outside the main thread, so they
+    are off here; callers bound the time instead (the pool's per-sample timeout).
+    """
+    if pred is None or label is None or not str(pred).strip() or not str(label).strip():
+        return False
+    pred, label = str(pred), str(label)
+    if normalize(pred) == normalize(label):
+        return True
+    parse, verify = _math_verify()
+    gold = parse(_as_latex(label), parsing_timeout=None)
+    target = parse(_as_latex(pred), parsing_timeout=None)
+    return bool(gold and target and verify(gold, target, timeout_seconds=None))
+
+
+def builtin_score(rm_type: str, response: str, label: str | None) -> float:
+    """Score of one response under a built-in rm type (see BUILTIN_RM_TYPES)."""
+    right, wrong, boxed_only = BUILTIN_RM_TYPES[rm_type]
+    if boxed_only:
+        boxes = _boxed_contents(response or "")
+        pred = boxes[-1] if boxes else None
+    else:
+        pred = extract_answer(response)
+    return right if grade(pred, label) else wrong
+
+
+# ---------------------------------------------------------------- the process pool
+
+
+class _GradeTimeout(BaseException):
+    """Raised by SIGALRM; a BaseException so math-verify's `except Exception` cannot swallow it."""
+
+
+class GradingTimeout(Exception):
+    """A pool worker gave up on one sample. Not a TimeoutError on purpose: a timeout of the
+    parent's own wait means a wedged worker and kills the pool, this one does not."""
+
+
+def _on_alarm(signum: int, frame: Any) -> None:
+    raise _GradeTimeout()
+
+
+def _score_with_timeout(rm_type: str, response: str, label: str | None, timeout: float) -> float:
+    """builtin_score bounded by a SIGALRM timer where that is possible (a main thread).
+
+    In a pool worker this is the real timeout: it interrupts sympy and frees the worker for
+    the next sample. In the inline fallback (a helper thread) the caller's wait is the bound.
+    """
+    if threading.current_thread() is not threading.main_thread() or timeout <= 0:
+        return builtin_score(rm_type, response, label)
+    previous = signal.signal(signal.SIGALRM, _on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, timeout)
+    try:
+        return builtin_score(rm_type, response, label)
+    except _GradeTimeout:
+        raise GradingTimeout(f"grading took longer than {timeout:g}s (--reward-timeout)") from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _init_worker() -> None:
+    _math_verify()  # pay the sympy import once per worker, not inside the first sample's timeout
+
+
+_pool: ProcessPoolExecutor | None = None
+_pool_unavailable = False
+_pool_lock = threading.Lock()
+# One slot per worker and event loop: a sample's timer starts when a worker is free for it,
+# so a long queue never reads as a timeout.
+_slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = weakref.WeakKeyDictionary()
+
+
+def _get_pool() -> ProcessPoolExecutor | None:
+    """The shared grading pool, created on first use; None once creating it has failed."""
+    global _pool
+    with _pool_lock:
+        if _pool is None and not _pool_unavailable:
+            try:
+                # spawn, not fork: the parent has threads (event loop, torch) that fork would copy
+                # mid-state. Like any spawn pool, a driver script needs an `if __name__ == "__main__"` guard.
+                _pool = ProcessPoolExecutor(POOL_WORKERS, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker)
+            except Exception as e:  # e.g. no /dev/shm semaphores in a sandbox
+                _mark_pool_unavailable(e)
+        return _pool
+
+
+def _mark_pool_unavailable(e: BaseException) -> None:
+    global _pool_unavailable
+    _pool_unavailable = True
+    log.warning("reward process pool unavailable (%s: %s); grading inline in this process", type(e).__name__, " ".join(str(e).split())[:200])
+
+
+def _discard_pool(pool: ProcessPoolExecutor, kill: bool = False) -> None:
+    """Drop a broken or wedged pool; the next sample starts a fresh one.
+
+    A wedged worker is killed, or the interpreter would wait for it at exit. Python 3.14 has
+    `kill_workers()`; before that the executor's process table is the only handle.
+    """
+    global _pool
+    with _pool_lock:
+        if _pool is pool:
+            _pool = None
+    if kill:
+        killer = getattr(pool, "kill_workers", None)
+        if killer is not None:
+            killer()
+        else:
+            for p in list((getattr(pool, "_processes", None) or {}).values()):
+                p.kill()
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _submit(pool: ProcessPoolExecutor, call: tuple) -> Future | None:
+    """Hand one sample to the pool; None when the pool cannot run at all (grade inline then)."""
+    try:
+        return pool.submit(_score_with_timeout, *call)
+    except BrokenProcessPool:
+        _discard_pool(pool)
+        raise
+    except Exception as e:  # the workers could not be started
+        with _pool_lock:
+            if _pool is not pool:  # discarded by another caller meanwhile: this sample just fails
+                raise
+            _mark_pool_unavailable(e)
+        return None
+
+
+async def _score_builtin(rm_type: str, sample: Sample, timeout: float) -> float:
+    call = (rm_type, sample.response, sample.label, timeout)
+    slots = _slots.setdefault(asyncio.get_running_loop(), asyncio.Semaphore(POOL_WORKERS))
+    async with slots:
+        pool = _get_pool()
+        fut = _submit(pool, call) if pool is not None else None
+        if fut is None:
+            return await asyncio.wait_for(asyncio.to_thread(_score_with_timeout, *call), timeout)
+        try:
+            # the worker's own timer fires at `timeout`; this backstop catches a worker stuck
+            # where signals cannot reach it (C code), which is then killed
+            return await asyncio.wait_for(asyncio.wrap_future(fut), 2 * timeout + 5)
+        except BrokenProcessPool:
+            _discard_pool(pool)
+            raise
+        except asyncio.TimeoutError:
+            _discard_pool(pool, kill=True)
+            raise
+
+
+# ---------------------------------------------------------------- reward functions
+
+
+def _load_custom(path: str) -> Callable:
+    """Import `pkg.module:func` or `pkg.module.func`."""
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise RewardError(f"--custom-rm-path '{path}': give module.path:func or module.path.func")
+    if os.getcwd() not in sys.path:  # a reward file next to where the user runs vime should just work
+        sys.path.append(os.getcwd())
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise RewardError(f"--custom-rm-path '{path}' cannot be loaded ({type(e).__name__}: {e}); check the module is importable and defines '{attr}'") from None
+    if not callable(fn):
+        raise RewardError(f"--custom-rm-path '{path}' is not callable: it must be fn(args, sample) -> float")
+    return fn
+
+
+def _is_async(fn: Callable) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+def _timeout(args) -> float:
+    return float(getattr(args, "reward_timeout", None) or DEFAULT_TIMEOUT_S)
+
+
+def get_reward_fn(args) -> RewardFn:
+    """The async per-sample reward `fn(sample) -> float`; raises RewardError on a bad setting.
+
+    Call it once at start-up so a typo fails before any model loads. Timeouts and error
+    counting are score_samples' job, not the returned function's.
+    """
+    rm_type, custom_rm_path = getattr(args, "rm_type", "math"), getattr(args, "custom_rm_path", None)
+    if custom_rm_path:
+        fn = _load_custom(custom_rm_path)
+        if _is_async(fn):
+
+            async def custom_async(sample: Sample) -> float:
+                return float(await fn(args, sample))
+
+            return custom_async
+
+        async def custom_sync(sample: Sample) -> float:
+            # in a thread, so a slow synchronous reward does not stall every in-flight request
+            out = await asyncio.to_thread(fn, args, sample)
+            return float(await out) if inspect.isawaitable(out) else float(out)
+
+        return custom_sync
+    if rm_type not in BUILTIN_RM_TYPES:
+        raise RewardError(f"unknown --rm-type '{rm_type}': use one of {', '.join(BUILTIN_RM_TYPES)}, or --custom-rm-path module:func")
+
+    timeout = _timeout(args)
+
+    async def builtin(sample: Sample) -> float:
+        return await _score_builtin(rm_type, sample, timeout)
+
+    return builtin
+
+
+_logged_error_types: set[str] = set()
+
+
+async def _safe_reward(fn: RewardFn, sample: Sample, timeout: float | None) -> tuple[float, bool]:
+    """(score, failed): a failure of any kind scores 0; each exception type is logged once."""
+    try:
+        score = await asyncio.wait_for(fn(sample), timeout)
+        if math.isnan(score):
+            raise ValueError("reward is NaN")
+        return score, False
+    except Exception as e:  # anything a reward can throw; cancellation still propagates
+        name = type(e).__name__
+        detail = "no result in time, see --reward-timeout" if isinstance(e, asyncio.TimeoutError) else str(e)
+        if name not in _logged_error_types:
+            _logged_error_types.add(name)
+            log.warning("reward of sample %d failed (%s: %s); it scores 0, further %s errors are only counted in rollout/reward_errors", sample.index, name, detail, name)
+        return 0.0, True
+
+
+async def score_samples(args, samples: list[Sample]) -> dict[str, float]:
+    """Set `sample.reward` on every sample, concurrently; returns `{"rollout/reward_errors": n}`.
+
+    FAILED samples score 0 without calling the reward: they have no trustworthy response.
+    """
+    fn = get_reward_fn(args)
+    todo = [s for s in samples if s.status != Status.FAILED]
+    for s in samples:
+        if s.status == Status.FAILED:
+            s.reward = 0.0
+    # built-in rewards time each sample once a worker takes it, so a long queue is not a timeout
+    outer = _timeout(args) if getattr(args, "custom_rm_path", None) else None
+    results = await asyncio.gather(*(_safe_reward(fn, s, outer) for s in todo))
+    for s, (score, _) in zip(todo, results):
+        s.reward = score
+    return {"rollout/reward_errors": float(sum(failed for _, failed in results))}
