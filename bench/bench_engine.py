@@ -21,6 +21,7 @@ import random
 import statistics
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -45,13 +46,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=1.0, help="vime sampling temperature (RL rollouts sample)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--hf-requests", type=int, default=64, help="subset for HF generate (default cache) and continuous batching")
+    p.add_argument("--hf-requests", type=int, default=64, help="subset (= batch) for HF generate with its default cache")
+    p.add_argument("--hf-cb-requests", type=int, default=32, help="subset for HF continuous batching (the slowest arm)")
     p.add_argument("--hf-compile-requests", type=int, default=256, help="subset (= batch) for HF static cache + compile")
     p.add_argument("--hf-max-new", type=int, default=256, help="output cap for the HF arms")
     p.add_argument("--arms", default="vime,hf,hf_compile,hf_cb")
     p.add_argument("--check-prompts", type=int, default=8)
     p.add_argument("--check-tokens", type=int, default=64)
-    p.add_argument("--time-budget", type=float, default=400.0, help="seconds; arms not started by then are skipped")
+    p.add_argument("--time-budget", type=float, default=330.0, help="seconds; arms not started by then are skipped")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
@@ -311,6 +313,9 @@ def fmt(x, spec: str = ".1f") -> str:
 def table(res: dict, args) -> str:
     rows = ["| arm | requests (outputs) | output tok/s | decode step: measured / floor (ms) | peak GiB | start-up (s) |", "|---|---|---|---|---|---|"]
     v = res.get("vime")
+    if v and "error" in v:
+        rows.append(f"| vime | - | {v['error']} | - | - | - |")
+        v = None
     if v:
         step = f"{fmt(v['decode_step_ms_mean'], '.2f')} / {fmt(v['decode_floor_ms_mean'], '.2f')} (mean); B={args.max_num_seqs}: {fmt(v['full_batch_step_ms'], '.2f')} / {fmt(v['full_batch_floor_ms'], '.2f')}"
         rows.append(f"| vime (graphs + Triton) | {v['requests']} ({args.lengths}) | **{v['tok_s']:,.0f}** | {step} | {fmt(v['peak_gib'])} | {v['startup_s']:.1f} (capture {v['graph_capture_s']:.1f}) |")
@@ -360,7 +365,10 @@ def main() -> None:
         args.max_num_seqs = min(args.max_num_seqs, n_req)
         args.hf_max_new = min(args.hf_max_new, 32)
     prompts, max_new = workload(n_req, lo, hi, shape["vocab_size"], args.seed)
-    res: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__, "args": vars(args)}
+    import transformers
+
+    res: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "date": time.strftime("%Y-%m-%d"),
+                 "torch": torch.__version__, "transformers": transformers.__version__, "args": vars(args)}
     res["copy_bandwidth_TBps"] = bw = copy_bandwidth(device) / 1e12
     bw = bw * 1e12 if bw == bw else 1e11  # NaN on CPU: a nominal 100 GB/s so the floor column is defined
     with tempfile.TemporaryDirectory() as tmp:
@@ -386,16 +394,15 @@ def main() -> None:
                         continue
                     res[arm] = bench_hf_generate(hf, prompts[: args.hf_compile_requests], args.hf_max_new, device, static=True)
                 elif arm == "hf_cb":
-                    res[arm] = bench_hf_cb(hf, prompts[: args.hf_requests], args.hf_max_new, device)
-            except Exception as e:  # an HF arm that breaks is reported, not fatal
-                if arm == "vime":
-                    raise
+                    res[arm] = bench_hf_cb(hf, prompts[: args.hf_cb_requests], args.hf_max_new, device)
+            except Exception as e:  # an arm that breaks is reported (traceback in the log), not fatal
+                traceback.print_exc()
                 res[arm] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"}
             print(json.dumps({arm: res.get(arm)}, default=str), flush=True)
             reset_peak(device)
     res["total_s"] = time.perf_counter() - t_start
     (Path(args.out) / "bench_engine.json").write_text(json.dumps(res, indent=1, default=str))
-    print(f"\ncopy bandwidth {res['copy_bandwidth_TBps']:.2f} TB/s; {res['device']}; total {res['total_s']:.0f} s")
+    print(f"\n{res['device']}, {res['date']}, torch {res['torch']}, transformers {res['transformers']}; copy bandwidth {res['copy_bandwidth_TBps']:.2f} TB/s; total {res['total_s']:.0f} s")
     print(table(res, args))
 
 

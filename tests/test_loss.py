@@ -176,3 +176,35 @@ def test_aggregate_token_mean_defaults_and_errors():
     assert close(aggregate(v, torch.zeros(3)), 0.0)  # no tokens: 0, not NaN
     with pytest.raises(ValueError):
         aggregate(v, mask, "seq_mean")
+
+
+# ---- chunked log-probs -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("with_entropy", [True, False])
+def test_chunked_log_probs_equal_full_logits_and_gradients(with_entropy):
+    from vime.trainer.logprobs import chunked_log_probs
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(10, 16, generator=g, requires_grad=True)
+    weight = torch.randn(50, 16, generator=g, requires_grad=True)
+    targets = torch.randint(0, 50, (10,), generator=g)
+    up_lp, up_ent = torch.randn(10, generator=g), torch.randn(10, generator=g)  # upstream gradients
+
+    # reference: the full [10, 50] logits at temperature 0.7
+    log_p = torch.log_softmax(hidden @ weight.t() / 0.7, -1)
+    ref_lp = log_p.gather(-1, targets[:, None])[:, 0]
+    ref_ent = -(log_p.exp() * log_p).sum(-1)
+    ref_loss = (ref_lp * up_lp).sum() + ((ref_ent * up_ent).sum() if with_entropy else 0)
+    ref_gh, ref_gw = torch.autograd.grad(ref_loss, [hidden, weight])
+
+    lp, ent = chunked_log_probs(hidden, weight, targets, temperature=0.7, with_entropy=with_entropy, chunk_size=3)  # 4 chunks, last of 1
+    assert close(lp, ref_lp)
+    loss = (lp * up_lp).sum()
+    if with_entropy:
+        assert close(ent, ref_ent)
+        loss = loss + (ent * up_ent).sum()
+    else:
+        assert ent is None
+    gh, gw = torch.autograd.grad(loss, [hidden, weight])
+    assert close(gh, ref_gh) and close(gw, ref_gw)

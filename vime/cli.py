@@ -18,6 +18,7 @@ commands:
   serve     run the built-in rollout engine as an HTTP server
   data      write synthetic verifiable math data (train/test JSONL)
   report    print the speed and accuracy tables of run directories, write plots
+  bench ab  one config through several modes (sync, one-step-off, fully-async, decoupled), then report
 
 `vime <command> --help` explains each command's flags."""
 
@@ -29,7 +30,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from vime.rollout.data_source import DataError
     from vime.rollout.rewards import RewardError
 
-    return (ConfigError, ModelError, DataError, RewardError, EngineError, FileNotFoundError, ValueError, NotImplementedError)
+    return (ConfigError, ModelError, DataError, RewardError, EngineError, FileNotFoundError, FileExistsError, ValueError, NotImplementedError)
 
 
 def guarded(fn: Callable[[list[str]], int], argv: list[str]) -> int:
@@ -112,6 +113,13 @@ def main(argv: list[str] | None = None) -> int:
         from vime.datagen import main as data_main
 
         return guarded(lambda a: data_main(a) or 0, rest)
+    if cmd == "bench":
+        if not rest or rest[0] != "ab":
+            print("usage: vime bench ab --config run.yaml --arms sync,one-step-off,fully-async[,decoupled]", file=sys.stderr)
+            return 2
+        from vime.ab import main as ab_main
+
+        return guarded(ab_main, rest[1:])
     if cmd == "report":
         from vime.report import main as report_main
 

@@ -82,6 +82,7 @@ class Config:
     global_batch_size: int | None = _f(None, "samples per optimizer step (default: one step per rollout)", group="optimizer")
     max_tokens_per_gpu: int = _f(4096, "micro-batch token budget", group="optimizer")
     gradient_checkpointing: bool = _f(False, "recompute activations in backward", group="optimizer")
+    logprob_chunk_size: int = _f(1024, "tokens per chunk when log-probs are computed from hidden states (caps the logits memory)", group="optimizer")
     seed: int = _f(1234, "trainer seed", group="optimizer")
     # --- placement and engines ---
     colocate: bool = _f(False, "trainer and engine share devices (engine releases memory while training)", group="placement")
@@ -94,7 +95,9 @@ class Config:
     engine_max_num_seqs: int = _f(256, "max sequences the engine runs at once", group="placement")
     engine_num_kv_blocks: int | None = _f(None, "KV-cache blocks per engine (default: engine's choice)", group="placement")
     update_weights_interval: int = _f(1, "push weights to the engines every K steps", group="placement")
-    weight_transport: str = _f("auto", "how weights reach engines", ("auto", "shm", "disk", "cuda_ipc"), group="placement")
+    weight_transport: str = _f("auto", "how weights reach engines", ("auto", "shm", "disk", "cuda_ipc", "nccl"), group="placement")
+    update_weight_buffer_size: int = _f(512 * 1024**2, "bytes per bucket when weights are gathered and broadcast", group="placement")
+    actor_num_procs: int = _f(1, "CPU only: trainer processes (gloo), to run multi-rank training without GPUs", group="placement")
     # --- evaluation, checkpoints, logging ---
     eval_interval: int | None = _f(None, "evaluate every K steps (and before the first and after the last)", group="eval and output")
     eval_prompt_data: str | None = _f(None, "held-out prompts (JSONL/Parquet, path@[a:b])", group="eval and output")

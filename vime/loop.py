@@ -23,12 +23,12 @@ import yaml
 
 from vime.metrics import MetricsLogger, setup_logging
 from vime.models import load_tokenizer, resolve_model
-from vime.placement import Placement, place
+from vime.placement import Placement, place, trainer_device
 from vime.rollout.data_source import DataSource
 from vime.rollout.rewards import get_reward_fn
 from vime.rollout.types import RolloutOutput, Sample
 from vime.rollout.vllm_rollout import close_clients, engine_clients, load_function
-from vime.trainer.actor import Actor
+from vime.trainer.distributed import launch_actor
 from vime.trainer.loss import compute_advantages
 from vime.trainer.weights import WeightPusher
 
@@ -58,6 +58,8 @@ class Trainer:
         if args.run_name is None:
             args.run_name = time.strftime("%Y%m%d-%H%M%S") + f"-{mode}"
         self.run_dir = args.run_dir
+        if (self.run_dir / "metrics.jsonl").exists() and not args.load:
+            raise FileExistsError(f"run directory {self.run_dir} already holds a run: pick another --run-name (or resume it with --load)")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         setup_logging(self.run_dir / "log.txt")
         label = "fully-async" if mode == "one-step-off" and args.rollout_function_path == FULLY_ASYNC_FN else mode
@@ -71,19 +73,25 @@ class Trainer:
         self.data_source = DataSource(args, self.tokenizer)
         self.num_rollout = args.num_rollout or math.ceil(args.num_epoch * len(self.data_source) / args.rollout_batch_size)
 
-        self.placement: Placement = place(args, args.model_dir, self.run_dir)
+        # the trainer first: under torchrun, ranks other than 0 serve rank 0 from inside this
+        # call and never return, so they start no engines
+        self.actor = launch_actor(args, args.model_dir, trainer_device(args))
+        try:
+            self.placement: Placement = place(args, args.model_dir, self.run_dir)
+        except BaseException:
+            self.actor.close()
+            raise
         try:
             args.rollout_engine_urls = self.placement.urls
             self.clients = engine_clients(args)
-            self.actor = Actor(args, args.model_dir, device=self.placement.trainer_device)
-            self.pusher = WeightPusher(self.clients, transport=self.placement.transport)
+            self.pusher = WeightPusher(self.clients, transport=self.placement.transport, bucket_bytes=args.update_weight_buffer_size)
             self.weight_version = 0
             self.start_step = 0
             if args.load:
                 self._resume(Path(args.load))
             self.metrics = MetricsLogger(self.run_dir, self.num_rollout, self.start_step, args.use_tensorboard)
         except BaseException:
-            self.placement.shutdown()  # never leave engine processes behind
+            self.close()  # never leave engine or trainer processes behind
             raise
 
     # ---- pieces the loops share ----
@@ -156,6 +164,7 @@ class Trainer:
         if "vime.rollout.fully_async_rollout" in sys.modules:
             sys.modules["vime.rollout.fully_async_rollout"].shutdown()
         close_clients()
+        self.actor.close()
         self.placement.shutdown()
         if hasattr(self, "metrics"):
             self.metrics.close()

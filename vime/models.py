@@ -105,6 +105,8 @@ def make_tiny_model(
     intermediate_size: int = 128,
     max_position_embeddings: int = 512,
     tie_word_embeddings: bool = False,
+    vocab_size: int | None = None,
+    head_dim: int | None = None,
 ) -> Path:
     """Write a random tiny causal LM with a character-level tokenizer as an HF directory.
 
@@ -121,7 +123,7 @@ def make_tiny_model(
     if model_type is None:
         raise ModelError(f"unknown tiny arch '{arch}': use qwen3, qwen2 or llama")
     cfg_kwargs = dict(
-        vocab_size=len(tokenizer),
+        vocab_size=max(vocab_size or 0, len(tokenizer)),  # a larger vocab gives real-size shapes; extra ids decode to nothing
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
@@ -135,7 +137,7 @@ def make_tiny_model(
         rope_theta=10000.0,
     )
     if model_type == "qwen3":
-        cfg_kwargs["head_dim"] = hidden_size // num_heads
+        cfg_kwargs["head_dim"] = head_dim or hidden_size // num_heads
     config = AutoConfig.for_model(model_type, **cfg_kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -112,6 +112,13 @@ class EngineClient:
     def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> dict:
         return self._request("POST", "/update_weights_from_disk", {"model_path": str(model_path), "weight_version": weight_version})
 
+    def init_weights_update_group(self, body: dict) -> dict:
+        """Join the trainer's NCCL group (the engine answers 501 until the NCCL push lands)."""
+        return self._request("POST", "/init_weights_update_group", body)
+
+    def update_weights_from_distributed(self, body: dict) -> dict:
+        return self._request("POST", "/update_weights_from_distributed", body)
+
     def release_memory_occupation(self) -> dict:
         return self._request("POST", "/release_memory_occupation", {})
 

@@ -463,6 +463,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-cache-memory-fraction", type=float, default=0.5, help="GPU: share of the memory free after loading weights")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None, help="longest sequence (prompt + output); default: the model's max_position_embeddings")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every step runs eagerly (debugging)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: half the cores, the trainer needs the rest)")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone (set by launch_engine)")
@@ -488,7 +490,8 @@ def main(argv: list[str] | None = None) -> None:
     engine = LLMEngine(EngineConfig(
         model_path=model_path, device=args.device, dtype=dtype, max_num_seqs=args.max_num_seqs,
         num_kv_blocks=args.num_kv_blocks, kv_cache_gb=args.kv_cache_gb, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
-        block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
+        block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        cuda_graphs=not args.enforce_eager, seed=args.seed,
     ))
     asyncio.run(_serve(EngineServer(engine, model_path), args.host, args.port, args.parent_pid))
 

@@ -1,9 +1,14 @@
 """The policy being trained: an HF causal LM, its AdamW optimizer, log-probs, steps, checkpoints.
 
-One process, one device for now (FSDP2 comes with multi-GPU training). Sequences are
-right-padded into micro-batches that fit `--max-tokens-per-gpu`; the loss of each micro-batch
-is divided by the loss-token count of the whole optimizer step, so gradient accumulation gives
-the same gradients as one big batch, whatever the budget.
+Runs as one process or as one rank of many (FSDP2, `vime.trainer.distributed` launches them).
+Every rank receives the whole batch and derives, without talking to the others, the same split:
+samples go to ranks balanced by tokens, each rank packs its share into micro-batches of at most
+`--max-tokens-per-gpu` real tokens (no padding), and ranks with fewer micro-batches run empty
+ones so the FSDP collectives stay in step. The loss of each micro-batch is divided by the
+loss-token count of the whole optimizer step on all ranks, so gradient accumulation and data
+parallelism give the gradient of one big batch, whatever the budget or the rank count. Only the
+response positions go through the LM head, in token chunks (`vime.trainer.logprobs`), so no
+batch × vocabulary logits ever exist.
 """
 from __future__ import annotations
 
@@ -11,52 +16,23 @@ import json
 import os
 import random
 import shutil
-from dataclasses import dataclass
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 import torch
-from torch import Tensor
+import torch.distributed as dist
+from torch import Tensor, nn
 
 from vime.models import load_tokenizer
 from vime.rollout.types import Sample
-from vime.trainer.loss import aggregate, entropy_from_logits, kl_penalty, policy_loss
+from vime.trainer.logprobs import DEFAULT_CHUNK, chunked_log_probs
+from vime.trainer.loss import aggregate, kl_penalty, policy_loss
+from vime.trainer.packing import PackedBatch, pack, plan_packed_micro_batches, register_packed_attention, shard_by_tokens
+from vime.trainer.perf import mfu, train_flops
 
 TRAINER_STATE = "trainer_state.pt"
-
-
-@dataclass
-class MicroBatch:
-    """Right-padded sequences plus where their response tokens are.
-
-    Token t of sequence b is predicted by the logits at position t - 1, so `rows`/`cols` index
-    the hidden states whose logits score each response token, in sample order.
-    """
-
-    indices: list[int]  # positions of these samples in the caller's list
-    input_ids: Tensor  # [B, L]
-    attention_mask: Tensor  # [B, L]
-    rows: Tensor  # [T] batch row of each response token
-    cols: Tensor  # [T] position whose logits predict it
-    targets: Tensor  # [T] the response token ids
-    response_lengths: list[int]
-
-
-def plan_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Group sequence indices so that (sequences × longest length) stays within `max_tokens`.
-
-    Longest first, so sequences of similar length share a batch and padding stays small; a
-    sequence longer than the budget gets a batch of its own rather than an error.
-    """
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    batches: list[list[int]] = []
-    for i in order:
-        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= max_tokens:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
-    return batches
 
 
 def _arg(args: Any, name: str, default: Any) -> Any:
@@ -64,19 +40,48 @@ def _arg(args: Any, name: str, default: Any) -> Any:
     return default if value is None else value
 
 
+class TokenScorer(nn.Module):
+    """HF causal LM → log-probs (and entropies) of the response tokens of a packed batch.
+
+    A module of its own so that, under FSDP2, it is the root unit: its forward unshards the
+    embedding, final norm and LM head that the chunked head reads directly.
+    """
+
+    def __init__(self, hf: nn.Module, chunk_size: int) -> None:
+        super().__init__()
+        self.hf = hf
+        self.chunk_size = chunk_size
+
+    def forward(self, mb: PackedBatch, temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+        hidden = self.hf.get_decoder()(
+            input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, cu_seq_lens_q=mb.cu_seqlens, max_length_q=mb.max_seqlen
+        ).last_hidden_state[0]
+        head = self.hf.get_output_embeddings()
+        if getattr(head, "bias", None) is not None:
+            raise NotImplementedError("the chunked LM head assumes no bias (true of the Llama/Qwen families)")
+        return chunked_log_probs(hidden[mb.select], head.weight, mb.targets, temperature, with_entropy, self.chunk_size)
+
+
 class Actor:
-    """Policy model + optimizer (+ frozen reference model when `kl_loss_coef > 0`)."""
+    """Policy model + optimizer (+ frozen reference model when `kl_loss_coef > 0`).
 
-    def __init__(self, args: Any, model_path: str | Path, device: str = "cpu") -> None:
-        from transformers import AutoModelForCausalLM
+    `fsdp=True` shards both over the default process group (which must exist), with bf16
+    compute and float32 master weights on CUDA; `fsdp=False` is a plain single-device model.
+    """
 
+    def __init__(self, args: Any, model_path: str | Path, device: str = "cpu", fsdp: bool = False, cpu_group: Any = None) -> None:
         self.args = args
+        self.cpu_group = cpu_group  # gloo group for Python objects and metrics (the default one on CPU)
         self.device = torch.device(device)
-        dtype = getattr(torch, _arg(args, "dtype", "float32"))
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype).to(self.device)
-        self.model.config.use_cache = False  # training never decodes; a KV cache only costs memory
+        self.fsdp = fsdp
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if fsdp else (0, 1)
+        self.model = self._load(model_path)
         if _arg(args, "gradient_checkpointing", False):
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        all_names = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
+        self._aliases = all_names - {n for n, _ in self.model.named_parameters()}  # tied names, e.g. lm_head.weight
+        chunk = _arg(args, "logprob_chunk_size", DEFAULT_CHUNK)
+        self.scorer = self._wrap(TokenScorer(self.model, chunk))
         self.tokenizer = load_tokenizer(model_path)
         pad = self.tokenizer.pad_token_id
         self.pad_token_id: int = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
@@ -85,80 +90,89 @@ class Actor:
             lr=_arg(args, "lr", 1e-6),
             betas=(_arg(args, "adam_beta1", 0.9), _arg(args, "adam_beta2", 0.98)),
             weight_decay=_arg(args, "weight_decay", 0.0),
+            fused=self.device.type == "cuda",  # one kernel for all parameters instead of a launch per tensor
         )
-        self.ref_model = None
+        self.ref_scorer = None
         if _arg(args, "kl_loss_coef", 0.0) > 0:
-            self.ref_model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype).to(self.device)
-            self.ref_model.requires_grad_(False)
-            self.ref_model.eval()
+            ref = self._load(model_path)
+            ref.requires_grad_(False)
+            ref.eval()
+            self.ref_scorer = self._wrap(TokenScorer(ref, chunk))
+
+    def _load(self, model_path: str | Path) -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        dtype = getattr(torch, _arg(self.args, "dtype", "float32"))
+        model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype, attn_implementation=register_packed_attention())
+        model.config.use_cache = False  # training never decodes; a KV cache only costs memory
+        return model.to(self.device)
+
+    def _wrap(self, scorer: TokenScorer) -> nn.Module:
+        """FSDP2 the way torchtitan does it: one unit per decoder layer, the rest in the root."""
+        if not self.fsdp:
+            return scorer
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.device.type == "cuda" else MixedPrecisionPolicy()
+        layers = list(scorer.hf.get_decoder().layers)
+        for i, layer in enumerate(layers):
+            # the last layer's parameters are needed again at once by the backward: keep them
+            fully_shard(layer, mp_policy=mp, reshard_after_forward=i < len(layers) - 1)
+        fully_shard(scorer, mp_policy=mp, reshard_after_forward=False)
+        return scorer
 
     # ---- forward ---------------------------------------------------------------------
 
-    def _micro_batches(self, samples: list[Sample]) -> Iterator[MicroBatch]:
+    def _micro_batches(self, samples: list[Sample]) -> Iterator[PackedBatch]:
+        """This rank's packed micro-batches; every rank yields the same number (padding with
+        empty ones, whose `indices` is empty), so FSDP's collectives pair up."""
+        lengths = [len(s.tokens) for s in samples]
         budget = _arg(self.args, "max_tokens_per_gpu", 4096)
-        for idx in plan_micro_batches([len(s.tokens) for s in samples], budget):
-            batch = [samples[i] for i in idx]
-            width = max(len(s.tokens) for s in batch)
-            ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)
-            mask = torch.zeros((len(batch), width), dtype=torch.long)
-            rows, cols = [], []
-            for b, s in enumerate(batch):
-                ids[b, : len(s.tokens)] = torch.tensor(s.tokens, dtype=torch.long)
-                mask[b, : len(s.tokens)] = 1
-                rows += [b] * s.response_length
-                cols += range(s.prompt_length - 1, len(s.tokens) - 1)
-            rows_t, cols_t = torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long)
-            yield MicroBatch(
-                indices=idx,
-                input_ids=ids.to(self.device),
-                attention_mask=mask.to(self.device),
-                rows=rows_t.to(self.device),
-                cols=cols_t.to(self.device),
-                targets=ids[rows_t, cols_t + 1].to(self.device),
-                response_lengths=[s.response_length for s in batch],
-            )
+        shards = shard_by_tokens(lengths, self.world)
+        plans = [[[shard[j] for j in mb] for mb in plan_packed_micro_batches([lengths[i] for i in shard], budget)] for shard in shards]
+        mine = plans[self.rank]
+        for idx in mine:
+            yield pack([samples[i].tokens for i in idx], [samples[i].response_length for i in idx], idx, self.device)
+        for _ in range(max(len(p) for p in plans) - len(mine)):
+            yield pack([[self.pad_token_id] * 2], [1], [], self.device)
 
-    def _forward(self, model: torch.nn.Module, mb: MicroBatch, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    def _forward(self, scorer: nn.Module, mb: PackedBatch, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
         """Log-probs (and entropies) of a micro-batch's response tokens, flat in sample order.
 
-        Only the hidden states of response positions go through the LM head, so the full-vocab
-        logits exist for T response tokens instead of B × L positions, and only until the
-        gather. Logits are divided by the rollout temperature, as the engine did when it
-        sampled, so trainer and engine score the same distribution (top-p/top-k truncation is
-        not reproduced).
+        Scored at the rollout temperature, as the engine did when it sampled, so trainer and
+        engine score the same distribution (top-p/top-k truncation is not reproduced). The
+        entropy carries gradient only when the loss uses it.
         """
-        hidden = model.get_decoder()(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).last_hidden_state
-        logits = model.get_output_embeddings()(hidden[mb.rows, mb.cols]).float()
         temperature = _arg(self.args, "rollout_temperature", 1.0)
-        if temperature > 0:
-            logits = logits / temperature
-        log_probs = torch.log_softmax(logits, dim=-1)
-        del logits
-        chosen = log_probs.gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1)
-        entropy = None
-        if with_entropy:
-            if _arg(self.args, "entropy_coef", 0.0) != 0:
-                entropy = entropy_from_logits(log_probs)
-            else:  # only a metric: keep it out of the autograd graph
-                with torch.no_grad():
-                    entropy = entropy_from_logits(log_probs)
-        return chosen, entropy
+        if not with_entropy:
+            return scorer(mb, temperature, False)
+        log_probs, entropy = scorer(mb, temperature, True)
+        if _arg(self.args, "entropy_coef", 0.0) == 0:
+            entropy = entropy.detach()
+        return log_probs, entropy
 
     @torch.no_grad()
-    def compute_log_probs(self, samples: list[Sample], model: torch.nn.Module | None = None) -> list[Tensor]:
-        """Per-sample log-probs of the response tokens under `model` (default: the policy)."""
-        model = self.model if model is None else model
-        was_training = model.training
-        model.eval()
-        out: list[Tensor | None] = [None] * len(samples)
+    def compute_log_probs(self, samples: list[Sample], scorer: nn.Module | None = None) -> list[Tensor]:
+        """Per-sample log-probs of the response tokens under `scorer` (default: the policy), on
+        every rank."""
+        scorer = self.scorer if scorer is None else scorer
+        was_training = scorer.training
+        scorer.eval()
+        mine: dict[int, Tensor] = {}
         try:
             for mb in self._micro_batches(samples):
-                flat, _ = self._forward(model, mb, with_entropy=False)
+                flat, _ = self._forward(scorer, mb, with_entropy=False)
                 for i, part in zip(mb.indices, flat.split(mb.response_lengths)):
-                    out[i] = part
+                    mine[i] = part.cpu() if self.world > 1 else part
         finally:
-            model.train(was_training)
-        return out  # type: ignore[return-value]
+            scorer.train(was_training)
+        if self.world > 1:
+            gathered: list[dict[int, Tensor]] = [{} for _ in range(self.world)]
+            dist.all_gather_object(gathered, mine, group=self.cpu_group)
+            for part in gathered:
+                mine.update(part)
+            return [mine[i].to(self.device) for i in range(len(samples))]
+        return [mine[i] for i in range(len(samples))]
 
     # ---- training --------------------------------------------------------------------
 
@@ -168,32 +182,46 @@ class Actor:
         Old log-probs are recomputed once, before the first step, with the current weights; on
         the first step they equal the new log-probs (ratio 1, on-policy), later steps of the
         same rollout are off-policy by the earlier steps and the clip applies. Returns metrics
-        averaged over the steps.
+        averaged over the steps, plus throughput (`perf/actor_train_tok_per_s`, and on CUDA
+        `perf/mfu`).
         """
         if len(samples) != len(advantages):
             raise ValueError(f"{len(samples)} samples but {len(advantages)} advantages")
         gbs = _arg(self.args, "global_batch_size", len(samples))
         if gbs < 1 or len(samples) % gbs != 0:
             raise ValueError(f"{len(samples)} samples do not split into optimizer steps of --global-batch-size {gbs}")
+        self._sync()
+        t0 = time.perf_counter()
         old = self.compute_log_probs(samples)
-        ref = self.compute_log_probs(samples, model=self.ref_model) if self.ref_model is not None else None
+        ref = self.compute_log_probs(samples, scorer=self.ref_scorer) if self.ref_scorer is not None else None
         steps = []
         for start in range(0, len(samples), gbs):
             sl = slice(start, start + gbs)
             steps.append(self._optimizer_step(samples[sl], advantages[sl], old[sl], None if ref is None else ref[sl]))
+        self._sync()
+        elapsed = time.perf_counter() - t0
         metrics = {k: sum(m[k] for m in steps) / len(steps) for k in steps[0]}
         diff = rollout_logprob_abs_diff(samples, old)
         if diff is not None:
             metrics["train/train_rollout_logprob_abs_diff"] = diff
+        lengths = [len(s.tokens) for s in samples]
+        metrics["perf/actor_train_tok_per_s"] = sum(lengths) / elapsed
+        if self.device.type == "cuda":
+            flops = train_flops(self.model.config, lengths, [s.response_length for s in samples], forwards=1 + (ref is not None))
+            metrics["perf/mfu"] = mfu(flops, elapsed, self.world)
         return metrics
 
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def _optimizer_step(self, samples: list[Sample], advantages: list[float], old: list[Tensor], ref: list[Tensor] | None) -> dict[str, float]:
-        self.model.train()
+        self.scorer.train()
         self.optimizer.zero_grad(set_to_none=True)
         metrics = self.accumulate_gradients(samples, advantages, old, ref)
         if not any(sum(s.effective_loss_mask()) for s in samples):
             # nothing to learn from (e.g. every response aborted): AdamW's momentum would still
-            # move the weights on zero gradients, so skip the step
+            # move the weights on zero gradients, so skip the step (every rank sees the same batch)
             self.optimizer.zero_grad(set_to_none=True)
             return {**metrics, "train/grad_norm": 0.0, "train/lr": float(self.optimizer.param_groups[0]["lr"])}
         metrics.update(self._clip_and_step())
@@ -202,10 +230,13 @@ class Actor:
     def accumulate_gradients(
         self, samples: list[Sample], advantages: list[float], old_log_probs: list[Tensor], ref_log_probs: list[Tensor] | None = None
     ) -> dict[str, float]:
-        """Forward/backward every micro-batch of one optimizer step into `.grad` (no step).
+        """Forward/backward this rank's micro-batches of one optimizer step into `.grad` (no step).
 
-        Each micro-batch's loss is divided by the step's loss-token count (or the Dr.GRPO
-        constant), so the accumulated gradient is that of the step's true token mean.
+        Each micro-batch's loss is divided by the step's loss-token count over all ranks (or
+        the Dr.GRPO constant), so the accumulated gradient is that of the step's true token
+        mean. FSDP averages gradients over ranks; the backward is scaled by the world size to
+        turn that average into the sum the global normalizer calls for. Metrics are summed over
+        ranks for the same reason.
         """
         a = self.args
         masks = [torch.tensor(s.effective_loss_mask(), dtype=torch.float32) for s in samples]
@@ -220,13 +251,15 @@ class Actor:
         ent_coef = _arg(a, "entropy_coef", 0.0)
         totals: dict[str, float] = {}
         for mb in self._micro_batches(samples):
-            log_probs, entropy = self._forward(self.model, mb, with_entropy=True)
+            log_probs, entropy = self._forward(self.scorer, mb, with_entropy=True)
 
             def flat(per_sample: list) -> Tensor:
+                if not mb.indices:  # an empty micro-batch: its one dummy token weighs nothing
+                    return torch.zeros(len(mb.targets), device=self.device)
                 return torch.cat([torch.as_tensor(per_sample[i], dtype=torch.float32) for i in mb.indices]).to(self.device)
 
             mask = flat(masks)
-            adv = torch.cat([torch.full((samples[i].response_length,), float(advantages[i])) for i in mb.indices]).to(self.device)
+            adv = flat([[float(advantages[i])] * s.response_length for i, s in enumerate(samples)])
             pg, m = policy_loss(
                 log_probs,
                 flat(old_log_probs),
@@ -251,63 +284,92 @@ class Actor:
                 loss = loss + kl_coef * kl
                 m["kl_loss"] = kl.detach()
             m["loss"] = loss.detach()
-            loss.backward()
+            (loss * self.world).backward()
             for k, v in m.items():
                 totals[f"train/{k}"] = totals.get(f"train/{k}", 0.0) + float(v)
-        return totals
+        return self._sum_over_ranks(totals)
+
+    def _sum_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
+        if self.world == 1:
+            return values
+        keys = sorted(values)
+        t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(t, group=self.cpu_group)
+        return dict(zip(keys, t.tolist()))
 
     def _clip_and_step(self) -> dict[str, float]:
+        """Clip by the norm of the whole gradient, all shards together, then step."""
         clip = _arg(self.args, "clip_grad", 1.0)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+        if hasattr(grad_norm, "full_tensor"):  # a DTensor: the partial norms of each shard, reduced here
+            grad_norm = grad_norm.full_tensor()
+        if clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, clip, grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)  # gradients are not needed until the next step
         return {"train/grad_norm": float(grad_norm), "train/lr": float(self.optimizer.param_groups[0]["lr"])}
 
     def sft_step(self, samples: list[Sample]) -> dict[str, float]:
         """One optimizer step of cross-entropy on the loss-masked response tokens (token mean)."""
-        self.model.train()
+        self.scorer.train()
         self.optimizer.zero_grad(set_to_none=True)
         masks = [torch.tensor(s.effective_loss_mask(), dtype=torch.float32) for s in samples]
         num_tokens = float(sum(m.sum() for m in masks))
         total = 0.0
         for mb in self._micro_batches(samples):
-            log_probs, _ = self._forward(self.model, mb, with_entropy=False)
-            mask = torch.cat([masks[i] for i in mb.indices]).to(self.device)
-            loss = aggregate(-log_probs, mask, "token_mean", num_tokens=num_tokens)
-            loss.backward()
+            log_probs, _ = self._forward(self.scorer, mb, with_entropy=False)
+            parts = [masks[i] for i in mb.indices] or [torch.zeros(len(mb.targets))]
+            loss = aggregate(-log_probs, torch.cat(parts).to(self.device), "token_mean", num_tokens=num_tokens)
+            (loss * self.world).backward()
             total += float(loss.detach())
-        return {"train/sft_loss": total, **self._clip_and_step()}
+        return {**self._sum_over_ranks({"train/sft_loss": total}), **self._clip_and_step()}
 
     # ---- weights and checkpoints -----------------------------------------------------
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """(HF name, tensor) as in the checkpoint files, for weight pushes.
+        """(HF name, full tensor) as in the checkpoint files, for weight pushes and saves.
 
-        A tensor shared by several names (tied embeddings) is yielded once, under its first
-        name (`model.embed_tokens.weight`), which is the one save_pretrained keeps.
+        Every rank must iterate to the end (each sharded tensor is gathered by all ranks, one
+        at a time, so at most one full tensor beyond the shards exists); only rank 0 receives
+        anything. A tensor shared by several names (tied embeddings) is yielded once, under its
+        first name (`model.embed_tokens.weight`), which is the one save_pretrained keeps.
         """
-        seen: set[int] = set()
         for name, tensor in self.model.state_dict().items():
-            ptr = tensor.untyped_storage().data_ptr()
-            if ptr in seen:
+            if name in self._aliases:
                 continue
-            seen.add(ptr)
-            yield name, tensor
+            if hasattr(tensor, "full_tensor"):
+                tensor = tensor.full_tensor()
+            if self.rank == 0:
+                yield name, tensor
 
     def save(self, ckpt_dir: str | Path, extra_state: dict[str, Any]) -> Path:
-        """Write an HF directory (+ trainer_state.pt) at `ckpt_dir`, atomically.
+        """Write an HF directory (+ trainer_state.pt) at `ckpt_dir`, atomically; every rank calls.
 
-        Everything goes to `<dir>.tmp` first; only a complete copy replaces an existing
-        checkpoint of the same name, so a crash at any point leaves the previous one loadable
-        (at worst renamed to `<dir>.old` for the instant between the two renames).
+        Shards are gathered into full tensors and rank 0 writes, so the directory loads in
+        transformers, in vLLM, and in a trainer of any rank count. The optimizer state is
+        stored full and keyed by parameter name for the same reason. Everything goes to
+        `<dir>.tmp` first; only a complete copy replaces an existing checkpoint of the same
+        name, so a crash at any point leaves the previous one loadable (at worst renamed to
+        `<dir>.old` for the instant between the two renames).
         """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
         final = Path(ckpt_dir)
+        weights = {name: t.detach().cpu() for name, t in self.named_weights()}
+        optim = get_optimizer_state_dict(self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank == 0:
+            self._write(final, weights, {"optimizer": optim, "rng": _rng_state(), "extra": extra_state})
+        if self.world > 1:
+            dist.barrier(group=self.cpu_group)  # the checkpoint exists for everyone once save returns
+        return final
+
+    def _write(self, final: Path, weights: dict[str, Tensor], state: dict[str, Any]) -> None:
         tmp, old = final.with_name(final.name + ".tmp"), final.with_name(final.name + ".old")
         shutil.rmtree(tmp, ignore_errors=True)  # debris of an earlier interrupted save
         try:
-            self.model.save_pretrained(tmp)
+            self.model.save_pretrained(tmp, state_dict=weights)
             self.tokenizer.save_pretrained(tmp)
-            state = {"optimizer": self.optimizer.state_dict(), "rng": _rng_state(), "extra": extra_state}
             with open(tmp / TRAINER_STATE, "wb") as f:
                 torch.save(state, f)
                 f.flush()
@@ -322,23 +384,33 @@ class Actor:
             shutil.rmtree(old)
         else:
             tmp.rename(final)
-        return final
 
     def load(self, ckpt_dir: str | Path) -> dict[str, Any]:
-        """Restore weights, optimizer and RNG from a `save` directory; returns its extra_state."""
+        """Restore weights, optimizer and RNG from a `save` directory; returns its extra_state.
+
+        Every rank reads the full tensors and keeps its shard, so the checkpoint's rank count
+        does not matter.
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
         ckpt = Path(ckpt_dir)
         state_file = ckpt / TRAINER_STATE
         if not state_file.exists():
             raise FileNotFoundError(f"{ckpt} is not a complete checkpoint (no {TRAINER_STATE})")
         weights = dict(_iter_checkpoint(ckpt))
-        missing, unexpected = self.model.load_state_dict(weights, strict=False)
-        tied = {name for name, _ in self.model.state_dict().items()} - {name for name, _ in self.named_weights()}
-        if unexpected or set(missing) - tied:
-            raise ValueError(f"checkpoint {ckpt} does not match the model: missing {sorted(set(missing) - tied)[:3]}, unexpected {unexpected[:3]}")
-        state = torch.load(state_file, map_location=self.device, weights_only=False)  # our own file: holds python objects
-        self.optimizer.load_state_dict(state["optimizer"])
+        expected = set(self.model.state_dict()) - self._aliases
+        missing, unexpected = expected - set(weights), set(weights) - expected
+        if missing or unexpected:
+            raise ValueError(f"checkpoint {ckpt} does not match the model: missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}")
+        options = StateDictOptions(full_state_dict=True, strict=False)
+        set_model_state_dict(self.model, weights, options=options)
+        state = torch.load(state_file, map_location="cpu", weights_only=False)  # our own file: holds python objects
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
         _set_rng_state(state["rng"])
         return state["extra"]
+
+    def close(self) -> None:
+        """Nothing to release for a single-process actor; the distributed one overrides this."""
 
 
 def rollout_logprob_abs_diff(samples: list[Sample], log_probs: list[Tensor]) -> float | None:

@@ -134,13 +134,17 @@ if AVAILABLE:
         act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # silu, rounded as torch's is
         tl.store(out_ptr + row * n_cols + cols, (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=mask)
 
-    @triton.jit
+    # bt_stride (the block-table width) changes from step to step on the eager path: specializing
+    # on its value (== 1, divisible by 16) would mean a JIT compile in the middle of serving.
+    @triton.jit(do_not_specialize=["bt_stride"])
     def _decode_attn_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, out_ptr, scale, bt_stride,
         H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
     ):
-        """One program per (sequence, KV head): its G query heads share each K/V load."""
+        """One program per (sequence, KV head): its G query heads share each K/V load. Each
+        iteration gathers BLOCK_N tokens through the block table (rows of D contiguous values,
+        loaded 16 bytes wide and pipelined by the compiler)."""
         b = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
         G = H // HKV
@@ -170,14 +174,14 @@ if AVAILABLE:
         out = acc / l_i[:, None]
         tl.store(out_ptr + b * (H * D) + (kvh * G + g)[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=gm)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["bt_stride"])
     def _prefill_attn_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, cu_q_ptr, out_ptr, scale, bt_stride,
         H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
     ):
         """One program per (sequence, head, tile of BLOCK_M new tokens); causal over the whole
-        context (cached prefix + this chunk), read through the block table."""
+        context (cached prefix + this chunk), read through the block table as in decode."""
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         tile = tl.program_id(2)
@@ -293,7 +297,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = torch.empty_like(q)
     _decode_attn_kernel[(b, hkv)](
         q, k_cache, v_cache, block_tables, context_lens, out, scale, block_tables.stride(0),
-        H=h, HKV=hkv, D=d, BLOCK_SIZE=bs, G_PAD=max(16, _pow2(h // hkv)), BLOCK_N=64, PREC=_precision(q.dtype),
+        H=h, HKV=hkv, D=d, BLOCK_SIZE=bs, G_PAD=max(16, _pow2(h // hkv)), BLOCK_N=64 if q.dtype != torch.float32 else 32, PREC=_precision(q.dtype),
     )
     return out
 
@@ -319,5 +323,5 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, seed: int) -> tuple
     b, v = logits.shape
     tokens = torch.empty(b, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(b, dtype=torch.float32, device=logits.device)
-    _sample_kernel[(b,)](logits.contiguous(), temperatures, tokens, logprobs, seed, v, BLOCK=1024)
+    _sample_kernel[(b,)](logits.contiguous(), temperatures, tokens, logprobs, seed, v, BLOCK=min(1024, _pow2(v)))
     return tokens, logprobs

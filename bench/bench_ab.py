@@ -1,0 +1,124 @@
+"""The three-way A/B (sync, one-step-off, fully-async [, decoupled]) on one GPU.
+
+One trainer process and one engine process share the GPU. The model is a Qwen3-0.6B shape with
+random weights; response lengths follow the seeded long-tailed mix of
+`bench/longtail_generate.py` (EOS ignored), identical in every arm. The engine is started once;
+before each arm its weights are reset to the initial ones (version 0), so every arm starts from
+the same policy. Each arm is a fresh `vime train` / `vime train-async` process (vime.ab).
+
+Also measured: the engine's throughput at full load (many long requests at once), which gives
+the bound of an async step, max(train + push, generation of one step's tokens at full load).
+
+    PYTHONPATH=. python3 bench/bench_ab.py                   # H200
+    PYTHONPATH=. python3 bench/bench_ab.py --device cpu --tiny --steps 3   # smoke test
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from vime.ab import run_arm  # noqa: E402
+from vime.datagen import write_dataset  # noqa: E402
+from vime.engine.client import EngineClient  # noqa: E402
+from vime.engine.server import launch_engine  # noqa: E402
+from vime.metrics import mean  # noqa: E402
+from vime.models import make_tiny_model  # noqa: E402
+from vime.report import speed_table, summarize  # noqa: E402
+
+QWEN3_06B = dict(hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=4096)
+TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, max_position_embeddings=2048)
+
+
+async def full_load_tok_s(url: str, n: int, length: int) -> float:
+    """Output tokens/s with n requests of `length` tokens in flight at once (no tail)."""
+    client = EngineClient(url)
+    params = {"max_new_tokens": length, "temperature": 1.0, "ignore_eos": True}
+    t0 = time.perf_counter()
+    outs = await asyncio.gather(*(client.generate([5 + i % 50] * 64, params) for i in range(n)))
+    elapsed = time.perf_counter() - t0
+    await client.close()
+    return sum(len(o["output_ids"]) for o in outs) / elapsed
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="tiny model (CPU smoke test)")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--arms", default="sync,one-step-off,fully-async,decoupled")
+    p.add_argument("--arm-timeout", type=float, default=150.0, help="seconds before an arm is given up")
+    p.add_argument("--out", default=os.environ.get("OUT", "/tmp/vime-ab"))
+    a = p.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path("/tmp/vime-ab-work")
+    t0 = time.perf_counter()
+    model = work / "model"
+    if not (model / "config.json").exists():
+        make_tiny_model(model, arch="qwen3", seed=0, **(TINY if a.tiny else QWEN3_06B))
+    train, _ = write_dataset("gsm_symbolic", work / "data", n_train=2000, n_test=20, seed=0)
+    print(f"[ab] model and data ready in {time.perf_counter() - t0:.0f} s", flush=True)
+
+    big = not a.tiny
+    kv_blocks = 12000 if big else 2000
+    engine = launch_engine(str(model), device=a.device, extra_args=["--num-kv-blocks", str(kv_blocks), "--max-num-seqs", "256"], log_path=out / "engine.log")
+    try:
+        n_full, len_full = (256, 512) if big else (32, 64)
+        full = asyncio.run(full_load_tok_s(engine.url, n_full, len_full))
+        print(f"[ab] engine at full load: {full:,.0f} output tok/s ({n_full} × {len_full} tokens)", flush=True)
+        cfg = {
+            "hf_checkpoint": str(model), "prompt_data": str(train),
+            "rollout_batch_size": 16 if big else 4, "n_samples_per_prompt": 8 if big else 4,
+            "rollout_max_response_len": 1024 if big else 64, "rollout_temperature": 1.0,
+            "custom_generate_function_path": "bench.longtail_generate.generate",
+            "num_rollout": a.steps, "lr": 1e-6, "max_tokens_per_gpu": 16384 if big else 4096,
+            "rollout_engine_urls": [engine.url], "weight_transport": "cuda_ipc" if a.device == "cuda" else "shm",
+            "use_tensorboard": False, "rollout_seed": 7, "seed": 7,
+        }
+        cfg_path = work / "ab.yaml"
+        cfg_path.write_text(yaml.safe_dump(cfg))
+        runs = out / "runs"
+        dirs = []
+        stamp = time.strftime("%H%M%S")
+        for arm in a.arms.split(","):
+            EngineClient(engine.url).update_weights_from_disk(str(model), 0)  # every arm starts from version 0
+            try:
+                d = run_arm(arm, str(cfg_path), f"{stamp}-{arm}", str(runs), [], staleness=2, timeout=a.arm_timeout)
+            except RuntimeError as e:
+                print(f"[ab] {e}", flush=True)
+                continue
+            dirs.append(d)
+            (out / f"{d.name}.metrics.jsonl").write_text((d / "metrics.jsonl").read_text())
+    finally:
+        engine.shutdown()
+
+    summaries = [summarize(d) for d in dirs]
+    lines = ["| arm | steady step time (s) | train + push (s) | one step's tokens at full load (s) | bound (s) | step / bound | response tokens / step |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for s in summaries:
+        steps = [r for r in s.rows if "perf/step_time" in r][1:] or [r for r in s.rows if "perf/step_time" in r]
+        tokens = mean([r["rollout/response_len_mean"] * r["rollout/num_samples"] for r in steps])
+        train_push = mean([r["perf/train_time"] + r.get("perf/update_weights_time", 0.0) for r in steps])
+        gen = tokens / full
+        bound = max(train_push, gen)
+        step = mean([r["perf/step_time"] for r in steps])
+        lines.append(f"| {s.mode} | {step:.2f} | {train_push:.2f} | {gen:.2f} | {bound:.2f} | {step / bound:.2f} | {tokens:,.0f} |")
+    report = "speed (all steps; first arm = speedup reference)\n" + speed_table(summaries) + "\n\nbound (steps 2..N)\n" + "\n".join(lines)
+    report += f"\n\nengine at full load: {full:,.0f} output tok/s; total bench time {time.perf_counter() - t0:.0f} s"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ab.md").write_text(report + "\n")
+    print("\n" + report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

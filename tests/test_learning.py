@@ -1,0 +1,61 @@
+"""GRPO really learns: a tiny model's held-out greedy accuracy rises by ≥ 20 points.
+
+The warm start is a short supervised run on the training prompts whose targets carry a
+systematic flaw: 70% of them append a stray "0" after the answer (so "6+9=" → "150"). The
+warm-started model therefore knows much of the table but, greedily, mostly answers wrong.
+GRPO on the same training prompts rewards only exact answers; the test checks that the
+behaviour it learns carries over to the 20 held-out prompts it never trains on. Seeded.
+"""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+
+
+def warm_start(out: Path, train_path: Path, seed: int = 0) -> Path:
+    from vime.config import parse_args
+    from vime.models import load_tokenizer, make_tiny_model
+    from vime.rollout.types import Sample
+    from vime.trainer.actor import Actor
+
+    base = make_tiny_model(out / "base", hidden_size=128, intermediate_size=256, num_layers=2, seed=seed)
+    tok = load_tokenizer(base)
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    rows = [json.loads(line) for line in train_path.read_text().splitlines()]
+    args = parse_args(["--hf-checkpoint", str(base), "--prompt-data", str(train_path), "--num-rollout", "1", "--lr", "3e-3",
+                       "--rollout-batch-size", "32", "--n-samples-per-prompt", "1"])
+    actor = Actor(args, base, "cpu")
+    rng = random.Random(seed)
+
+    def example(r: dict) -> Sample:
+        prompt = tok(r["input"], add_special_tokens=False).input_ids
+        answer = tok(r["label"] + ("0" if rng.random() < 0.7 else ""), add_special_tokens=False).input_ids + [eos]
+        return Sample(tokens=prompt + answer, response_length=len(answer), label=r["label"])
+
+    for _ in range(200):
+        actor.sft_step([example(r) for r in rng.sample(rows, 32)])
+    actor.save(out / "warm", {})
+    return out / "warm"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["train.py", "train_async.py"])
+def test_grpo_gains_20_points_held_out(tmp_path, script):
+    from vime.datagen import write_dataset
+
+    train, test = write_dataset("addition", tmp_path / "data", n_train=80, n_test=20, seed=0, digits=1)
+    model = warm_start(tmp_path, train)
+    res = run_cli(script, "--hf-checkpoint", str(model), "--prompt-data", str(train), "--eval-prompt-data", str(test),
+                  "--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--rollout-max-response-len", "4",
+                  "--num-rollout", "40", "--eval-interval", "40", "--lr", "1e-3", "--rollout-shuffle",
+                  "--runs-dir", str(tmp_path), "--run-name", "grpo", timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    evals = {r["step"]: r["eval/accuracy"] for r in rows if "eval/accuracy" in r}
+    assert set(evals) == {0, 40}
+    assert evals[40] - evals[0] >= 0.20, f"held-out greedy accuracy {evals[0]:.2f} → {evals[40]:.2f}"

@@ -1,0 +1,59 @@
+"""`vime bench ab`: the same config through several training modes, one after another, then the
+side-by-side report.
+
+Each arm is a fresh process (`vime train` / `vime train-async`) on the same config, seeds and
+step budget, so arms cannot leak state (caches, threads, engine processes) into each other.
+The first arm is the speedup reference.
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+FULLY_ASYNC_FN = "vime.rollout.fully_async_rollout.generate_rollout_fully_async"
+
+
+def arm_command(arm: str, staleness: int) -> list[str]:
+    """The CLI words that make one arm."""
+    arms = {
+        "sync": ["train"],
+        "one-step-off": ["train-async"],
+        "fully-async": ["train-async", "--rollout-function-path", FULLY_ASYNC_FN],
+        "decoupled": ["train-async", "--max-staleness", str(staleness)],
+    }
+    if arm not in arms:
+        raise ValueError(f"unknown arm '{arm}': choose from {', '.join(arms)}")
+    return arms[arm]
+
+
+def run_arm(arm: str, config: str, run_name: str, runs_dir: str, extra: list[str], staleness: int = 2, timeout: float | None = None) -> Path:
+    cmd = [sys.executable, "-m", "vime.cli", *arm_command(arm, staleness), "--config", config, "--run-name", run_name, "--runs-dir", runs_dir, *extra]
+    print(f"[ab] {arm}: {' '.join(cmd[1:])}", flush=True)
+    try:
+        res = subprocess.run(cmd, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"arm '{arm}' did not finish within {timeout:g} s; its log is in {runs_dir}/{run_name}/log.txt") from None
+    if res.returncode != 0:
+        raise RuntimeError(f"arm '{arm}' failed with exit code {res.returncode}; its log is in {runs_dir}/{run_name}/log.txt")
+    return Path(runs_dir) / run_name
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="vime bench ab", description="Run one config as several training modes, one after another, then print the speed and accuracy tables. Extra flags after the known ones go to every arm.")
+    p.add_argument("--config", required=True, help="YAML config shared by every arm")
+    p.add_argument("--arms", default="sync,one-step-off,fully-async", help="comma-separated: sync, one-step-off, fully-async, decoupled (first = speedup reference)")
+    p.add_argument("--staleness", type=int, default=2, help="--max-staleness of the decoupled arm")
+    p.add_argument("--runs-dir", default="runs", help="where the arms' run directories go")
+    p.add_argument("--name", default="ab", help="run names are <name>-<arm>")
+    a, extra = p.parse_known_args(argv)
+    if not Path(a.config).exists():
+        raise FileNotFoundError(f"config file {a.config} not found")
+    arms = [x.strip() for x in a.arms.split(",") if x.strip()]
+    for arm in arms:
+        arm_command(arm, a.staleness)  # reject a bad arm before anything runs
+    dirs = [run_arm(arm, a.config, f"{a.name}-{arm}", a.runs_dir, extra, a.staleness) for arm in arms]
+    from vime.report import main as report_main
+
+    return report_main([str(d) for d in dirs])

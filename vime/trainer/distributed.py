@@ -1,0 +1,171 @@
+"""Trainer ranks: start them, and drive them all from rank 0 with the one-process Actor API.
+
+The driver loop runs on rank 0 and calls `train_step`, `compute_log_probs`, `named_weights`,
+`save`, `load`, `sft_step` as if the trainer were one process. `DistributedActor` sends each
+call (method name and arguments, pickled, over a gloo group) to the other ranks, then makes it
+locally; every rank then runs the same Actor method on the same batch, which is SPMD. Ranks
+come from `torch.multiprocessing` (one machine, `python train.py`) or from `torchrun` (any
+number of machines: RANK/WORLD_SIZE/MASTER_ADDR are set, and ranks other than 0 never return
+from `launch_actor`).
+
+World size: `--actor-num-nodes × --actor-num-gpus-per-node` on CUDA; on CPU `actor_num_procs`
+(a test and CI knob; default 1), since CPU "GPUs per node" means nothing. On CUDA even one rank
+gets a process group, because FSDP2's mixed precision (bf16 compute, float32 master weights
+and optimizer state) is how the trainer runs there.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from vime.trainer.actor import Actor
+
+log = logging.getLogger("vime")
+
+TIMEOUT = timedelta(minutes=30)  # a rank waits this long for the others (long rollouts included)
+
+
+def world_size(args: Any, device: str) -> int:
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    if torch.device(device).type == "cuda":
+        return int(getattr(args, "actor_num_nodes", 1) or 1) * int(getattr(args, "actor_num_gpus_per_node", 1) or 1)
+    return int(getattr(args, "actor_num_procs", 1) or 1)
+
+
+def launch_actor(args: Any, model_dir: str | Path, device: str = "cpu") -> Actor | DistributedActor:
+    """The trainer for this run, as seen by the driver.
+
+    One CPU process: a plain `Actor`. Otherwise a `DistributedActor` on rank 0, after
+    spawning ranks 1..N-1 here (or joining the ones torchrun started). On a torchrun rank
+    other than 0 this serves rank 0's calls until it closes, then exits the process.
+    """
+    world = world_size(args, device)
+    is_cuda = torch.device(device).type == "cuda"
+    if world == 1 and not is_cuda:
+        return Actor(args, model_dir, device)
+    procs: list[Any] = []
+    if "RANK" in os.environ:  # torchrun: every rank runs the driver script up to here
+        rank = int(os.environ["RANK"])
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        _init(rank, world, "env://", device, local)
+        if rank != 0:
+            _serve(args, model_dir, _rank_device(device, local))
+            sys.exit(0)
+    else:
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        ctx = mp.get_context("spawn")  # a fresh interpreter: no CUDA context or threads inherited
+        for rank in range(1, world):
+            p = ctx.Process(target=_worker, args=(rank, world, init_method, args, str(model_dir), device), daemon=True)
+            p.start()
+            procs.append(p)
+        _init(0, world, init_method, device, 0)
+    return DistributedActor(args, model_dir, _rank_device(device, int(os.environ.get("LOCAL_RANK", 0))), procs)
+
+
+class DistributedActor:
+    """Rank 0's handle on all trainer ranks; same methods as `Actor`.
+
+    Each method call is broadcast to the other ranks first, then run here; collectives inside
+    the Actor keep the ranks together. Attributes not defined here (model, tokenizer, args)
+    are rank 0's Actor's.
+    """
+
+    def __init__(self, args: Any, model_dir: str | Path, device: str, procs: list[Any]) -> None:
+        self.cpu_group = _cpu_group()
+        self.local = Actor(args, model_dir, device, fsdp=True, cpu_group=self.cpu_group)
+        self.procs = procs
+        self._closed = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["local"], name)
+
+    def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        dist.broadcast_object_list([(name, args, kwargs)], src=0, group=self.cpu_group)
+        return getattr(self.local, name)(*args, **kwargs)
+
+    def train_step(self, samples: list, advantages: list[float]) -> dict[str, float]:
+        return self._call("train_step", samples, advantages)
+
+    def compute_log_probs(self, samples: list) -> list[torch.Tensor]:
+        return self._call("compute_log_probs", samples)
+
+    def sft_step(self, samples: list) -> dict[str, float]:
+        return self._call("sft_step", samples)
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full tensors, one at a time; iterate to the end (the other ranks gather with you)."""
+        return self._call("named_weights")
+
+    def save(self, ckpt_dir: str | Path, extra_state: dict[str, Any]) -> Path:
+        return self._call("save", ckpt_dir, extra_state)
+
+    def load(self, ckpt_dir: str | Path) -> dict[str, Any]:
+        return self._call("load", ckpt_dir)
+
+    def close(self) -> None:
+        """Stop the other ranks and leave the process group (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        dist.broadcast_object_list([("close", (), {})], src=0, group=self.cpu_group)
+        for p in self.procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.terminate()
+        dist.destroy_process_group()
+
+
+def _rank_device(device: str, local_rank: int) -> str:
+    return f"cuda:{local_rank}" if torch.device(device).type == "cuda" else "cpu"
+
+
+def _init(rank: int, world: int, init_method: str, device: str, local_rank: int) -> None:
+    is_cuda = torch.device(device).type == "cuda"
+    if is_cuda:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if is_cuda else "gloo", init_method=init_method, rank=rank, world_size=world, timeout=TIMEOUT)
+
+
+def _cpu_group() -> Any:
+    """A gloo group for pickled calls and metrics: on NCCL they would bounce through the GPU."""
+    return dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, init_method: str, args: Any, model_dir: str, device: str) -> None:
+    """Entry point of a spawned rank."""
+    _init(rank, world, init_method, device, rank)
+    _serve(args, model_dir, _rank_device(device, rank))
+
+
+def _serve(args: Any, model_dir: str | Path, device: str) -> None:
+    """Run rank 0's calls on this rank's Actor until it says close."""
+    torch.manual_seed(int(getattr(args, "seed", 0) or 0))
+    cpu_group = _cpu_group()
+    actor = Actor(args, model_dir, device, fsdp=True, cpu_group=cpu_group)
+    while True:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=cpu_group)
+        name, call_args, call_kwargs = box[0]
+        if name == "close":
+            break
+        result = getattr(actor, name)(*call_args, **call_kwargs)
+        if name == "named_weights":
+            for _ in result:  # take part in every gather; only rank 0 keeps the tensors
+                pass
+    dist.destroy_process_group()

@@ -1,0 +1,217 @@
+"""Packed micro-batches: sequences laid end to end in one row, no padding.
+
+A packed micro-batch is one row of `T = sum(len_i)` tokens. Position ids restart at 0 for each
+sequence and attention never crosses a sequence boundary, so every sequence sees exactly what it
+would see alone; `cu_seqlens` ([0, len_0, len_0 + len_1, ...]) tells the attention kernel where
+the boundaries are. Compared with right-padding to the longest sequence, no FLOPs go to pad
+tokens, and the micro-batch budget (`--max-tokens-per-gpu`) counts real tokens.
+
+The attention function registered here as `vime_packed` runs FlashAttention's varlen kernel on
+CUDA (bf16/fp16) and otherwise one causal SDPA call per sequence, which is exact in float32 and
+what the CPU tests check against padded batches.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+log = logging.getLogger("vime")
+
+ATTN_IMPLEMENTATION = "vime_packed"
+
+
+@dataclass
+class PackedBatch:
+    """One packed row plus where its scored (response) tokens are.
+
+    Token t of a sequence is predicted by the hidden state at t - 1, so `select[k]` is the row
+    position whose hidden state scores `targets[k]`, in sample order.
+    """
+
+    indices: list[int]  # positions of these samples in the caller's list
+    input_ids: Tensor  # [1, T]
+    position_ids: Tensor  # [1, T], restarting at 0 per sequence
+    cu_seqlens: Tensor  # [N + 1] int32, sequence boundaries in the row
+    max_seqlen: int
+    select: Tensor  # [R] positions whose hidden states score the response tokens
+    targets: Tensor  # [R] response token ids
+    response_lengths: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+
+def plan_packed_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Bin-pack sequence indices into micro-batches of at most `max_tokens` real tokens.
+
+    First-fit decreasing: few bins (so few forward passes, each large enough to fill the
+    device), deterministic (every rank can recompute every other rank's plan). A sequence longer
+    than the budget gets a micro-batch of its own rather than an error.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in order:
+        for b, load in enumerate(loads):
+            if load + lengths[i] <= max_tokens:
+                bins[b].append(i)
+                loads[b] += lengths[i]
+                break
+        else:
+            bins.append([i])
+            loads.append(lengths[i])
+    return [sorted(b) for b in bins]
+
+
+def shard_by_tokens(lengths: Sequence[int], world_size: int) -> list[list[int]]:
+    """Split sequence indices over ranks so each rank gets about the same number of tokens.
+
+    Longest first onto the least loaded rank (LPT): the step ends when the slowest rank ends,
+    and compute grows with tokens, not with sequences. Deterministic, so every rank derives the
+    same split from the same batch without talking to the others.
+    """
+    shards: list[list[int]] = [[] for _ in range(world_size)]
+    loads = [0] * world_size
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min(range(world_size), key=lambda r: (loads[r], r))
+        shards[r].append(i)
+        loads[r] += lengths[i]
+    return [sorted(s) for s in shards]
+
+
+def pack(token_lists: Sequence[Sequence[int]], response_lengths: Sequence[int], indices: list[int], device: torch.device) -> PackedBatch:
+    """Lay the sequences end to end; mark the positions that score each response token."""
+    ids: list[int] = []
+    pos: list[int] = []
+    select: list[int] = []
+    targets: list[int] = []
+    cu = [0]
+    for tokens, resp in zip(token_lists, response_lengths):
+        start, n = len(ids), len(tokens)
+        ids.extend(tokens)
+        pos.extend(range(n))
+        select.extend(range(start + n - resp - 1, start + n - 1))
+        targets.extend(tokens[n - resp :])
+        cu.append(cu[-1] + n)
+    lengths = [b - a for a, b in zip(cu, cu[1:])]
+    return PackedBatch(
+        indices=indices,
+        input_ids=torch.tensor([ids], dtype=torch.long, device=device),
+        position_ids=torch.tensor([pos], dtype=torch.long, device=device),
+        cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=device),
+        max_seqlen=max(lengths),
+        select=torch.tensor(select, dtype=torch.long, device=device),
+        targets=torch.tensor(targets, dtype=torch.long, device=device),
+        response_lengths=list(response_lengths),
+    )
+
+
+# ---- attention ---------------------------------------------------------------------------
+
+
+def _varlen_kwargs() -> dict[str, Any] | None:
+    """How to ask torch's varlen FlashAttention for causal GQA, or None where it is missing.
+
+    Its signature moved between torch releases (an `is_causal` flag, later a window of
+    (-1, 0)); reading it once here keeps the call site version-free.
+    """
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    kwargs: dict[str, Any] = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    if "enable_gqa" in params:
+        kwargs["enable_gqa"] = True
+    return kwargs
+
+
+_VARLEN = _varlen_kwargs()
+_varlen_ok: dict[torch.device, bool] = {}
+
+
+def _varlen_usable(device: torch.device) -> bool:
+    """Whether varlen FlashAttention runs forward *and* backward here, tried once per device on
+    a tiny input, so a build without the kernel (or its backward) falls back before training."""
+    if device not in _varlen_ok:
+        ok = _VARLEN is not None
+        if ok:
+            from torch.nn.attention.varlen import varlen_attn
+
+            try:
+                q = torch.randn(8, 2, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+                k = torch.randn(8, 1 if "enable_gqa" in _VARLEN else 2, 64, device=device, dtype=torch.bfloat16)
+                cu = torch.tensor([0, 3, 8], dtype=torch.int32, device=device)
+                with torch.enable_grad():
+                    varlen_attn(q, k, k, cu, cu, 5, 5, **_VARLEN).sum().backward()
+            except (RuntimeError, TypeError, ValueError, NotImplementedError) as e:
+                log.warning("varlen FlashAttention unavailable (%s); packed attention runs one SDPA call per sequence", e)
+                ok = False
+        _varlen_ok[device] = ok
+    return _varlen_ok[device]
+
+
+def packed_attention(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    cu_seq_lens_q: Tensor | None = None,
+    max_length_q: int | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """Causal attention within each packed sequence; transformers' attention-function contract.
+
+    query [1, H, T, D], key/value [1, Hkv, T, D] → output [1, T, H, D]. Without
+    `cu_seq_lens_q` the row is one sequence.
+    """
+    t = query.shape[2]
+    if cu_seq_lens_q is None:
+        cu_seq_lens_q = torch.tensor([0, t], dtype=torch.int32, device=query.device)
+        max_length_q = t
+    groups = query.shape[1] // key.shape[1]
+    if packed_attention_backend(query.device, query.dtype) == "varlen_flash":
+        from torch.nn.attention.varlen import varlen_attn
+
+        q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
+        if groups > 1 and "enable_gqa" not in _VARLEN:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling, **_VARLEN)
+        return out.unsqueeze(0), None
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    bounds = cu_seq_lens_q.tolist()
+    parts = [
+        F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True, scale=scaling)
+        for a, b in zip(bounds, bounds[1:])
+    ]
+    return torch.cat(parts, dim=2).transpose(1, 2), None
+
+
+def packed_attention_backend(device: torch.device, dtype: torch.dtype) -> str:
+    """Which kernel `packed_attention` uses for this device and dtype (for logs and benchmarks)."""
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and _varlen_usable(device):
+        return "varlen_flash"
+    return "sdpa_per_sequence"
+
+
+def register_packed_attention() -> str:
+    """Make `vime_packed` a transformers attention implementation; returns its name.
+
+    transformers builds no mask for an implementation it has no mask function for, so the
+    packed row costs no T × T mask either.
+    """
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, packed_attention)
+    return ATTN_IMPLEMENTATION
