@@ -81,6 +81,7 @@ def main() -> int:
             "rollout_batch_size": 16 if big else 4, "n_samples_per_prompt": 8 if big else 4,
             "rollout_max_response_len": 1024 if big else 64, "rollout_temperature": 1.0,
             "custom_generate_function_path": "bench.longtail_generate.generate",
+            "custom_rm_path": "bench.longtail_generate.zero_reward",
             "num_rollout": a.steps, "lr": 1e-6, "max_tokens_per_gpu": 16384 if big else 4096,
             "rollout_engine_urls": [engine.url], "weight_transport": "cuda_ipc" if a.device == "cuda" else "shm",
             "use_tensorboard": False, "rollout_seed": 7, "seed": 7,

@@ -25,3 +25,9 @@ def target_length(index: int, seed: int, max_len: int) -> int:
 async def generate(args, sample, params):
     n = target_length(sample.index, args.rollout_seed, args.rollout_max_response_len)
     return await default_generate(args, sample, dict(params, max_new_tokens=n, ignore_eos=True))
+
+
+async def zero_reward(args, sample) -> float:
+    """A random-weight model never answers right; scoring its text would only add grading
+    cost (and the math-verify import) to the rollout loop being timed."""
+    return 0.0

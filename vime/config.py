@@ -57,7 +57,7 @@ class Config:
     rollout_seed: int = _f(42, "seed of prompt order and sampling", group="rollout")
     # --- async training ---
     rollout_concurrency: int | None = _f(None, "fully-async: prompt groups in flight at once (default: 2 × --rollout-batch-size)", group="async")
-    max_staleness: int | None = _f(None, "decoupled mode: train on samples up to K policy versions old; weights pushed every step without waiting", group="async")
+    max_staleness: int | None = _f(None, "decoupled mode: train on samples up to K policy versions old; weights are pushed (every --update-weights-interval steps) without waiting for generation", group="async")
     partial_rollout: bool = _f(False, "decoupled mode: abort in-flight requests at each push and resume them from their tokens (instead of pausing in place)", group="async")
     # --- rewards ---
     rm_type: str = _f("math", "built-in reward: math (1/0), dapo (1/-1), boxed_math", group="rewards")

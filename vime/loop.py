@@ -55,14 +55,14 @@ class Trainer:
         if mode == "decoupled" and args.rollout_function_path != FULLY_ASYNC_FN:
             raise ValueError("--max-staleness needs the fully-async rollout function (leave --rollout-function-path at its default)")
         self.args, self.mode = args, mode
+        label = "fully-async" if mode == "one-step-off" and args.rollout_function_path == FULLY_ASYNC_FN else mode
         if args.run_name is None:
-            args.run_name = time.strftime("%Y%m%d-%H%M%S") + f"-{mode}"
+            args.run_name = time.strftime("%Y%m%d-%H%M%S") + f"-{label}"
         self.run_dir = args.run_dir
         if (self.run_dir / "metrics.jsonl").exists() and not args.load:
             raise FileExistsError(f"run directory {self.run_dir} already holds a run: pick another --run-name (or resume it with --load)")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         setup_logging(self.run_dir / "log.txt")
-        label = "fully-async" if mode == "one-step-off" and args.rollout_function_path == FULLY_ASYNC_FN else mode
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump({**args.to_dict(), "mode": label}, sort_keys=False))
         torch.manual_seed(args.seed)
 

@@ -79,6 +79,7 @@ class AsyncRolloutWorker:
 
     async def _one_group(self, group: list[Sample], fn, params) -> None:
         args = self.args
+        started = time.perf_counter()
         try:
             group = list(await asyncio.gather(*(fn(args, s, params) for s in group)))
             while any(s.status == Status.ABORTED for s in group):
@@ -91,6 +92,7 @@ class AsyncRolloutWorker:
                 self.counts["resumed"] += sum(s.status == Status.ABORTED for s in group)
                 group = list(await asyncio.gather(*(fn(args, s, params) if s.status == Status.ABORTED else _done(s) for s in group)))
             await score_samples(args, group)
+            group[0].metadata["gen_span"] = (started, time.perf_counter())
             with self.cond:
                 self.ready.append(group)
                 self.cond.notify_all()
@@ -200,4 +202,7 @@ def generate_rollout_fully_async(args, rollout_id: int, data_source, evaluation:
     groups, metrics = worker.drain(args.rollout_batch_size)
     metrics.update(rollout_metrics(groups))
     metrics["perf/rollout_drain_time"] = time.perf_counter() - t0
+    spans = [g[0].metadata.pop("gen_span") for g in groups if "gen_span" in g[0].metadata]
+    if spans:  # first request to last completion of this batch's samples (DESIGN.md, "Timing")
+        metrics["perf/rollout_time"] = max(e for _, e in spans) - min(s for s, _ in spans)
     return RolloutOutput(samples=groups, metrics=metrics)
