@@ -44,18 +44,20 @@ def warm_start(out: Path, train_path: Path, seed: int = 0) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["train.py", "train_async.py"])
-def test_grpo_gains_20_points_held_out(tmp_path, script):
+@pytest.mark.parametrize("script, steps", [("train.py", 40), ("train_async.py", 80)])
+def test_grpo_gains_20_points_held_out(tmp_path, script, steps):
+    """One-step-off trains on samples one policy version old and its batches depend on timing
+    (which requests share an engine step), so it gets more steps to clear the same bar."""
     from vime.datagen import write_dataset
 
     train, test = write_dataset("addition", tmp_path / "data", n_train=80, n_test=20, seed=0, digits=1)
     model = warm_start(tmp_path, train)
     res = run_cli(script, "--hf-checkpoint", str(model), "--prompt-data", str(train), "--eval-prompt-data", str(test),
                   "--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--rollout-max-response-len", "4",
-                  "--num-rollout", "40", "--eval-interval", "40", "--lr", "1e-3", "--rollout-shuffle",
+                  "--num-rollout", str(steps), "--eval-interval", str(steps), "--lr", "1e-3", "--rollout-shuffle",
                   "--runs-dir", str(tmp_path), "--run-name", "grpo", timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
     evals = {r["step"]: r["eval/accuracy"] for r in rows if "eval/accuracy" in r}
-    assert set(evals) == {0, 40}
-    assert evals[40] - evals[0] >= 0.20, f"held-out greedy accuracy {evals[0]:.2f} → {evals[40]:.2f}"
+    assert set(evals) == {0, steps}
+    assert evals[steps] - evals[0] >= 0.20, f"held-out greedy accuracy {evals[0]:.2f} → {evals[steps]:.2f}"
