@@ -5,9 +5,8 @@ import json
 import time
 from pathlib import Path
 
-import pytest
 
-from conftest import ROOT, run_cli
+from conftest import run_cli
 
 PERF_KEYS = ["perf/step_time", "perf/train_wait_time", "perf/train_time", "perf/update_weights_time", "perf/wall_clock", "perf/rollout_time", "perf/other_time"]
 
