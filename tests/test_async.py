@@ -186,3 +186,17 @@ def test_fully_async_refuses_evaluation(worker_env):
     args, ds, fa = worker_env
     with pytest.raises(ValueError, match="does not evaluate"):
         fa.generate_rollout_fully_async(args, 0, ds, evaluation=True)
+
+
+def test_bench_ab_runs_each_arm_on_one_config(tmp_path):
+    res = run_cli("-m", "vime.cli", "bench", "ab", "--config", "examples/tiny.yaml", "--arms", "sync,fully-async",
+                  "--runs-dir", str(tmp_path), "--name", "q", "--num-rollout", "2", "--no-plots")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "| q-sync | sync |" in res.stdout and "| q-fully-async | fully-async |" in res.stdout
+    assert all(len(rows(tmp_path / f"q-{arm}")) == 2 for arm in ("sync", "fully-async"))
+
+
+def test_bench_ab_rejects_an_unknown_arm(tmp_path):
+    res = run_cli("-m", "vime.cli", "bench", "ab", "--config", "examples/tiny.yaml", "--arms", "sync,warp-speed", "--runs-dir", str(tmp_path))
+    assert res.returncode == 2 and res.stderr.strip().splitlines()[-1].startswith("error: unknown arm 'warp-speed'")
+    assert not any(tmp_path.iterdir())  # nothing ran

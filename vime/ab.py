@@ -47,6 +47,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--staleness", type=int, default=2, help="--max-staleness of the decoupled arm")
     p.add_argument("--runs-dir", default="runs", help="where the arms' run directories go")
     p.add_argument("--name", default="ab", help="run names are <name>-<arm>")
+    p.add_argument("--no-plots", action="store_true", help="tables only (no PNG plots)")
     a, extra = p.parse_known_args(argv)
     if not Path(a.config).exists():
         raise FileNotFoundError(f"config file {a.config} not found")
@@ -56,4 +57,4 @@ def main(argv: list[str]) -> int:
     dirs = [run_arm(arm, a.config, f"{a.name}-{arm}", a.runs_dir, extra, a.staleness) for arm in arms]
     from vime.report import main as report_main
 
-    return report_main([str(d) for d in dirs])
+    return report_main([str(d) for d in dirs] + (["--no-plots"] if a.no_plots else []))
