@@ -146,13 +146,16 @@ def test_worker_requeues_aborted_groups_and_trains_them_later(worker_env, engine
 
     ds.add_samples = spy
     w = fa.get_worker(args, ds)
-    for _ in range(50):  # abort while something is in flight, until a group comes back aborted
-        _wait_for(lambda: w.inflight > 0)
-        EngineClient(engine.url).abort_request(abort_all=True)
-        time.sleep(0.1)
+    for _ in range(200):  # abort while something is in flight, until a group comes back aborted
         if w.counts["requeued"] > 0:
             break
-        fa.generate_rollout_fully_async(args, 0, ds)  # make room: back-pressure holds intake while a batch waits
+        if w.inflight > 0:
+            EngineClient(engine.url).abort_request(abort_all=True)
+            time.sleep(0.05)
+        elif len(w.ready) >= w.batch:
+            fa.generate_rollout_fully_async(args, 0, ds)  # make room: back-pressure holds intake while a batch waits
+        else:
+            time.sleep(0.01)
     assert w.counts["requeued"] > 0
     args.rollout_max_response_len = 6
     trained = []
@@ -200,3 +203,11 @@ def test_bench_ab_rejects_an_unknown_arm(tmp_path):
     res = run_cli("-m", "vime.cli", "bench", "ab", "--config", "examples/tiny.yaml", "--arms", "sync,warp-speed", "--runs-dir", str(tmp_path))
     assert res.returncode == 2 and res.stderr.strip().splitlines()[-1].startswith("error: unknown arm 'warp-speed'")
     assert not any(tmp_path.iterdir())  # nothing ran
+
+
+def test_fully_async_producer_failure_is_an_error_not_a_hang(tmp_path):
+    res = run_cli("train_async.py", *TINY, "--num-rollout", "2", "--runs-dir", str(tmp_path),
+                  "--rollout-function-path", "vime.rollout.fully_async_rollout.generate_rollout_fully_async",
+                  "--custom-generate-function-path", "nope.missing", timeout=90)
+    assert res.returncode == 2
+    assert "nope.missing" in res.stderr.strip().splitlines()[-1]

@@ -73,6 +73,8 @@ class Trainer:
         self.data_source = DataSource(args, self.tokenizer)
         self.num_rollout = args.num_rollout or math.ceil(args.num_epoch * len(self.data_source) / args.rollout_batch_size)
 
+        if args.load and latest_checkpoint(Path(args.load)) is None:
+            raise FileNotFoundError(f"--load {args.load}: no complete checkpoint inside (expected <step>/trainer_state.pt)")
         # the trainer first: under torchrun, ranks other than 0 serve rank 0 from inside this
         # call and never return, so they start no engines
         self.actor = launch_actor(args, args.model_dir, trainer_device(args))
@@ -104,6 +106,9 @@ class Trainer:
         self.data_source.load_state_dict(extra["data_source"])
         self.start_step = extra["step"]
         self.weight_version = extra["weight_version"]
+        from vime.rollout import fully_async_rollout  # staleness is measured against the resumed version
+
+        fully_async_rollout.set_trainer_version(self.weight_version)
         log.info("resumed from %s at step %d", ckpt, self.start_step)
         self.push_weights(bump=False)  # engines started from the base model; give them the resumed weights
 
@@ -126,12 +131,14 @@ class Trainer:
         self.weight_version += int(bump)
         t0 = time.perf_counter()
         pause_mode = "abort" if self.args.partial_rollout else "in_place"
-        for c in self.clients:
-            c.pause_generation(mode=pause_mode)
+        paused = []
         try:
+            for c in self.clients:
+                c.pause_generation(mode=pause_mode)
+                paused.append(c)
             metrics = self.pusher.push(self.actor.named_weights(), self.weight_version)
         finally:
-            for c in self.clients:
+            for c in paused:  # never leave an engine paused, also when a pause or the push failed
                 c.continue_generation()
         metrics["perf/update_weights_time"] = time.perf_counter() - t0
         metrics["train/weight_version"] = self.weight_version
@@ -161,13 +168,20 @@ class Trainer:
         return m
 
     def close(self) -> None:
+        """Each part is closed even if an earlier one fails, so no engine or rank outlives us."""
+        steps = []
         if "vime.rollout.fully_async_rollout" in sys.modules:
-            sys.modules["vime.rollout.fully_async_rollout"].shutdown()
-        close_clients()
-        self.actor.close()
-        self.placement.shutdown()
+            steps.append(sys.modules["vime.rollout.fully_async_rollout"].shutdown)
+        steps += [close_clients, self.actor.close]
+        if hasattr(self, "placement"):
+            steps.append(self.placement.shutdown)
         if hasattr(self, "metrics"):
-            self.metrics.close()
+            steps.append(self.metrics.close)
+        for step in steps:
+            try:
+                step()
+            except Exception:
+                log.exception("while closing the run (%s)", getattr(step, "__qualname__", step))
 
 
 def staleness_metrics(samples: list[Sample], trainer_version: int) -> dict[str, float]:

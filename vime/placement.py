@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from vime.config import ConfigError
 from vime.engine.client import EngineClient
 from vime.engine.server import EngineProcess, launch_engine
 
@@ -34,7 +35,7 @@ class Placement:
 
 def trainer_device(args) -> str:
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda but no CUDA device is visible: use --device cpu or auto")
+        raise ConfigError("--device cuda but no CUDA device is visible: use --device cpu or auto")
     if args.device == "auto":
         return "cuda:0" if torch.cuda.is_available() else "cpu"
     return "cuda:0" if args.device == "cuda" else "cpu"

@@ -43,20 +43,20 @@ class AsyncRolloutWorker:
         self.cond = threading.Condition()  # guards ready, counters, and data_source access
         self.inflight = 0
         self.counts = {"requeued": 0, "dropped_stale": 0, "resumed": 0}
-        self.trainer_version = 0  # set by the train loop after each push
+        self.trainer_version = _trainer_version  # kept current by set_trainer_version after each push
         self.max_inflight_seen = 0
         self._stop = False
         self._wake: asyncio.Event | None = None
-        self._task = async_loop.submit(self._run())
         self.error: BaseException | None = None
+        self._task = async_loop.submit(self._run())
 
     # ---- producer (rollout loop thread) ----
 
     async def _run(self) -> None:
         self._wake = asyncio.Event()
-        fn, params = generate_fn(self.args), sampling_params(self.args)
         tasks: set[asyncio.Task] = set()
         try:
+            fn, params = generate_fn(self.args), sampling_params(self.args)
             while not self._stop:
                 while self._may_start():
                     with self.cond:
@@ -68,6 +68,12 @@ class AsyncRolloutWorker:
                     task.add_done_callback(tasks.discard)
                 self._wake.clear()
                 await self._wake.wait()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # e.g. a bad custom generate function: fail drain(), never hang it
+            with self.cond:
+                self.error = e
+                self.cond.notify_all()
         finally:
             for t in tasks:
                 t.cancel()
@@ -179,17 +185,24 @@ def get_worker(args, data_source) -> AsyncRolloutWorker:
 
 def shutdown() -> None:
     """Stop the worker (idempotent): in-flight requests are cancelled, nothing is left running."""
-    global _worker
+    global _worker, _trainer_version
     with _worker_lock:
         if _worker is not None:
             _worker.stop()
             _worker = None
+        _trainer_version = 0
 
 
 atexit.register(shutdown)
 
 
+_trainer_version = 0
+
+
 def set_trainer_version(version: int) -> None:
+    """Called after every push (and on resume), also before the worker exists."""
+    global _trainer_version
+    _trainer_version = version
     if _worker is not None:
         _worker.trainer_version = version
 
