@@ -1,13 +1,19 @@
 """Async training: one-step-off versions, the fully-async worker, decoupled staleness, all modes."""
 from __future__ import annotations
 
+import copy
 import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import ROOT, run_cli
 
 TINY = ["--config", "examples/tiny.yaml"]
 
@@ -211,3 +217,86 @@ def test_fully_async_producer_failure_is_an_error_not_a_hang(tmp_path):
                   "--custom-generate-function-path", "nope.missing", timeout=90)
     assert res.returncode == 2
     assert "nope.missing" in res.stderr.strip().splitlines()[-1]
+
+
+# ---- checkpoints and stopping in async runs; the plug-ins load by dotted path (tests/ is on the runs' PYTHONPATH) ----
+
+
+def recorded_fully_async_rollout(args, rollout_id: int, data_source, evaluation: bool = False):
+    """The fully-async rollout function, also writing each batch it hands the trainer to
+    <run dir>/batches.jsonl, so a test can see which groups a run trained on."""
+    from vime.rollout.fully_async_rollout import generate_rollout_fully_async
+
+    out = generate_rollout_fully_async(args, rollout_id, data_source, evaluation)
+    with open(args.run_dir / "batches.jsonl", "a") as f:
+        f.write(json.dumps({"rollout_id": rollout_id, "groups": [[g[0].group_index, g[0].prompt] for g in out.samples]}) + "\n")
+    return out
+
+
+def batches(run_dir: Path) -> dict[int, list[tuple[int, str]]]:
+    lines = (json.loads(l) for l in (run_dir / "batches.jsonl").read_text().splitlines())
+    return {b["rollout_id"]: [tuple(g) for g in b["groups"]] for b in lines}
+
+
+def test_fully_async_checkpoint_saves_the_workers_groups_and_resume_trains_them(tmp_path):
+    import torch
+
+    common = [*TINY, "--runs-dir", str(tmp_path), "--rollout-function-path", "test_async.recorded_fully_async_rollout", "--rollout-concurrency", "4"]
+    first = run_cli("train_async.py", *common, "--num-rollout", "2", "--run-name", "a", "--save", str(tmp_path / "ckpt"), "--save-interval", "1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    trained = batches(tmp_path / "a")
+    state = torch.load(tmp_path / "ckpt" / "1" / "trainer_state.pt", weights_only=False)["extra"]["data_source"]
+    saved = [(g[0]["group_index"], g[0]["prompt"]) for g in state["requeued"]]
+    # at step 1 the worker held groups queued or in flight, and the batch of step 2 was already
+    # drained: every group handed out but not trained at step 1 is saved, once, from its prompt
+    assert sorted(gi for gi, _ in saved) == sorted(set(range(state["next_group"])) - {gi for gi, _ in trained[0]})
+    assert set(trained[1]) <= set(saved)
+    assert all(s["response_length"] == 0 and s["status"] == "pending" for g in state["requeued"] for s in g)
+
+    shutil.copytree(tmp_path / "ckpt" / "1", tmp_path / "load" / "1")
+    second = run_cli("train_async.py", *common, "--num-rollout", "2", "--run-name", "b", "--load", str(tmp_path / "load"))
+    assert second.returncode == 0, second.stderr[-3000:]
+    resumed = batches(tmp_path / "b")
+    assert list(resumed) == [1]  # only step 2 ran
+    # the resumed worker starts the saved groups first, --rollout-concurrency (4) at a time, so
+    # the first group it finishes is one of them, with its prompt
+    assert resumed[1][0] in saved[:4]
+    assert not set(resumed[1]) & set(trained[0])  # nothing trained twice
+
+
+async def stall_after_first_batch(args, sample, params):
+    """A generate function for the stop test: the first batch as usual, then requests that keep
+    the engines busy for minutes unless aborted, as a long tail would when a run is stopped."""
+    from vime.rollout.types import Status
+    from vime.rollout.vllm_rollout import generate
+
+    if sample.index < args.rollout_batch_size * args.n_samples_per_prompt:
+        return await generate(args, sample, params)
+    (args.run_dir / "stalling").touch()
+    deadline = time.monotonic() + 300
+    while True:
+        out = await generate(args, copy.copy(sample), params)
+        if out.status == Status.ABORTED or time.monotonic() > deadline:
+            return out
+
+
+def test_one_step_off_stops_at_once_while_a_generate_is_pending(tmp_path):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    argv = [sys.executable, "train_async.py", *TINY, "--num-rollout", "3", "--runs-dir", str(tmp_path), "--run-name", "s",
+            "--custom-generate-function-path", "test_async.stall_after_first_batch"]
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        t0 = time.monotonic()
+        while not (tmp_path / "s" / "stalling").exists():  # the generate for step 2 is pending now, for minutes
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.monotonic() - t0 < 120, "the stalling generate never started"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)  # Ctrl-C, to the trainer only: the engines stay up
+        stopped = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130 and err.strip().splitlines()[-1] == "interrupted", err[-3000:]
+    assert time.monotonic() - stopped < 30  # well before the pending generate's 300 s

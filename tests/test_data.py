@@ -1,6 +1,7 @@
 """Prompt loading, the data source (order, epochs, re-queue, resume), bad data, and `vime data`."""
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -206,7 +207,7 @@ def test_state_dict_round_trip_continues_at_same_prompt(tmp_path, tokenizer):
     f = numbered(tmp_path / "d.jsonl", 7)
     args = make_args(f, rollout_shuffle=True)
     ds = DataSource(args, tokenizer)
-    ds.get_samples(9)  # into the second epoch
+    ds.mark_trained(ds.get_samples(9))  # into the second epoch
     ds.add_samples([ds.get_samples(1)[0]])
     torch.save(ds.state_dict(), tmp_path / "state.pt")
     expected = ds.get_samples(10)
@@ -216,6 +217,76 @@ def test_state_dict_round_trip_continues_at_same_prompt(tmp_path, tokenizer):
     assert labels(got) == labels(expected)
     assert [s.index for g in got for s in g] == [s.index for g in expected for s in g]
     assert (resumed.epoch, resumed.offset) == (ds.epoch, ds.offset)
+
+
+def test_checkpoint_keeps_groups_handed_out_but_not_trained(tmp_path, tokenizer):
+    import torch
+
+    args = make_args(numbered(tmp_path / "d.jsonl", 7), rollout_shuffle=True)
+    ds = DataSource(args, tokenizer)
+    groups = ds.get_samples(5)  # as a rollout would: some get trained, the rest are still out
+    ds.mark_trained([groups[0], groups[2]])
+    groups[4][0].tokens = groups[4][0].tokens + [5, 6]  # one is mid-generation
+    groups[4][0].response_length, groups[4][0].status = 2, Status.ABORTED
+    ds.add_samples([groups[3]])  # re-queued by the rollout: saved once, behind the outstanding ones
+    torch.save(ds.state_dict(), tmp_path / "state.pt")
+
+    resumed = DataSource(args, tokenizer)
+    resumed.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+    got = resumed.get_samples(4)
+    assert [g[0].group_index for g in got] == [1, 4, 3, 5]  # untrained first (hand-out order, then re-queued), then the next prompt
+    assert [[s.index for s in g] for g in got[:3]] == [[s.index for s in groups[i]] for i in (1, 4, 3)]
+    assert labels(got[:3]) == labels([groups[1], groups[4], groups[3]])
+    r = got[1][0]  # saved fresh: the prompt only
+    assert (r.tokens, r.response_length, r.status) == (tokenizer.encode(r.prompt), 0, Status.PENDING)
+    assert got[3][0].index == 10
+    # state_dict left the live object alone: it goes on with the re-queued group, then the same
+    # next prompt as the resumed one
+    live = ds.get_samples(2)
+    assert [g[0].group_index for g in live] == [3, 5] and live[1][0].label == got[3][0].label
+
+
+def test_checkpoint_of_a_source_shared_with_a_rollout_thread(tmp_path, tokenizer):
+    """Train thread (mark_trained, state_dict) and rollout thread (get_samples, add_samples)
+    at once, as in the async modes: every snapshot accounts for each group handed out exactly
+    once, trained or saved for regeneration. (Under the GIL these short methods rarely
+    interleave badly even unlocked, so this checks the accounting, not the lock itself.)"""
+    import queue
+    import sys
+    import threading
+
+    ds = DataSource(make_args(numbered(tmp_path / "d.jsonl", 5), n_samples_per_prompt=1), tokenizer)
+    to_train: queue.Queue = queue.Queue(maxsize=8)  # back-pressure, like the worker's: both threads stay busy
+    stop = threading.Event()
+
+    def rollout() -> None:
+        i = 0
+        while not stop.is_set():
+            group = ds.get_samples(1)
+            i += 1
+            ds.add_samples(group) if i % 5 == 0 else to_train.put(group)
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads interleave inside the methods, where a missing lock would show
+    thread = threading.Thread(target=rollout)
+    thread.start()
+    trained: list[int] = []
+    try:
+        for _ in range(400):
+            group = to_train.get(timeout=10)
+            ds.mark_trained(group)
+            trained.append(group[0][0].group_index)
+            state = ds.state_dict()
+            saved = [g[0]["group_index"] for g in state["requeued"]]
+            assert sorted(trained + saved) == list(range(state["next_group"]))
+    finally:
+        sys.setswitchinterval(switch)
+        stop.set()
+        while thread.is_alive():  # unblock a put waiting on the full queue
+            with contextlib.suppress(queue.Empty):
+                to_train.get(timeout=0.1)
+        thread.join()
+    assert len(set(trained)) == len(trained) == 400
 
 
 def test_load_eval_samples(tmp_path, tokenizer):

@@ -9,6 +9,7 @@ Every loop measures the same things the same way (DESIGN.md, "Timing"):
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import re
@@ -16,7 +17,7 @@ import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import yaml
@@ -121,6 +122,7 @@ class Trainer:
         advantages = [float(a) for a in adv.flatten()]
         metrics = dict(out.metrics)
         metrics.update(self.actor.train_step(samples, advantages))
+        self.data_source.mark_trained(groups)  # from now on a checkpoint does not regenerate them
         metrics.update(staleness_metrics(samples, self.weight_version))
         return metrics
 
@@ -130,31 +132,45 @@ class Trainer:
         `bump=False` re-sends the current version (a resumed run's weights)."""
         self.weight_version += int(bump)
         t0 = time.perf_counter()
-        pause_mode = "abort" if self.args.partial_rollout else "in_place"
-        paused = []
-        try:
-            for c in self.clients:
-                c.pause_generation(mode=pause_mode)
-                paused.append(c)
+        with self.generation_paused("abort" if self.args.partial_rollout else "in_place"):
             metrics = self.pusher.push(self.actor.named_weights(), self.weight_version)
-        finally:
-            for c in paused:  # never leave an engine paused, also when a pause or the push failed
-                c.continue_generation()
         metrics["perf/update_weights_time"] = time.perf_counter() - t0
         metrics["train/weight_version"] = self.weight_version
         if "vime.rollout.fully_async_rollout" in sys.modules:
             sys.modules["vime.rollout.fully_async_rollout"].set_trainer_version(self.weight_version)
         return metrics
 
+    @contextlib.contextmanager
+    def generation_paused(self, mode: str) -> Iterator[None]:
+        """All engines paused for the block (`in_place`: requests keep their place and KV;
+        `abort`: they return with their partial tokens). Every engine paused is continued, also
+        when a later pause or the block fails, so none is ever left paused."""
+        paused = []
+        try:
+            for c in self.clients:
+                c.pause_generation(mode=mode)
+                paused.append(c)
+            yield
+        finally:
+            for c in paused:
+                c.continue_generation()
+
     def after_step(self, step: int, metrics: dict[str, float]) -> None:
-        """Eval and checkpoint; their time is logged apart and kept out of step time."""
+        """Eval and checkpoint; their time is logged apart and kept out of step time.
+
+        In async modes generation would go on during a save and shorten the next step's wait
+        by time no step was charged for, so the engines are paused in place while saving. Eval
+        cannot pause them (it uses the same engines) and overlaps with generation
+        (docs/architecture.md)."""
         a = self.args
         last = step == self.num_rollout
         if a.eval_interval and (step % a.eval_interval == 0 or last):
             metrics.update(self.evaluate(step))
         if a.save and ((a.save_interval and step % a.save_interval == 0) or last):
             t0 = time.perf_counter()
-            self.actor.save(Path(a.save) / str(step), {"step": step, "weight_version": self.weight_version, "data_source": self.data_source.state_dict()})
+            with self.generation_paused("in_place") if self.mode != "sync" else contextlib.nullcontext():
+                extra = {"step": step, "weight_version": self.weight_version, "data_source": self.data_source.state_dict()}
+                self.actor.save(Path(a.save) / str(step), extra)
             metrics["perf/save_time"] = time.perf_counter() - t0
         self.metrics.log(step, metrics)
         self.metrics.advance(metrics)
@@ -249,10 +265,14 @@ def _sequential_loop(t: Trainer) -> None:
 
 def _one_step_off_loop(t: Trainer) -> None:
     """generate(N+1) runs while step N trains; the in-flight generate finishes before any push,
-    so each batch is generated entirely by one policy version (one behind the trainer)."""
+    so each batch is generated entirely by one policy version (one behind the trainer).
+
+    On an error or Ctrl-C the pending generate may have minutes to go: its requests are aborted
+    and it is not waited for, so Trainer.close() stops the engines at once."""
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vime-generate")
     try:
-        pending: Future | None = pool.submit(t.rollout_fn, t.args, t.start_step, t.data_source)
+        # a run resumed at its last step has nothing to generate
+        pending: Future | None = pool.submit(t.rollout_fn, t.args, t.start_step, t.data_source) if t.start_step < t.num_rollout else None
         clock = StepClock()
         for rollout_id in range(t.start_step, t.num_rollout):
             ready = time.perf_counter()
@@ -263,8 +283,21 @@ def _one_step_off_loop(t: Trainer) -> None:
             clock.close(m)
             t.after_step(rollout_id + 1, m)
             clock.restart()
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+    except BaseException:
+        _abort_all_requests(t)
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()  # the last step submits no generate: nothing is left to wait for
+
+
+def _abort_all_requests(t: Trainer) -> None:
+    """Best effort on the way out of a failed run: an unreachable engine must not hide the
+    error that got us here."""
+    for c in t.clients:
+        try:
+            c.abort_request(abort_all=True)
+        except Exception as e:
+            log.debug("abort at %s while stopping failed: %r", c.url, e)
 
 
 def _train_and_push(t: Trainer, out: RolloutOutput, step: int, before_push: Callable[[], object] | None = None) -> dict[str, float]:

@@ -1,8 +1,8 @@
 """Prompt data: loading JSONL/Parquet, and the data source that hands out prompt groups.
 
 The data source is the only place that knows the data position (epoch, offset) and the
-prompts taken out but not trained on (re-queued groups), so it is also what a checkpoint must
-save for a resumed run to continue on exactly the next prompt.
+prompts taken out but not trained on (re-queued groups, and groups still out with a rollout),
+so it is also what a checkpoint must save for a resumed run to continue on exactly the next prompt.
 """
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import dataclasses
 import json
 import random
 import re
+import threading
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -214,6 +215,16 @@ class DataSource:
     Re-queued groups (aborted or too stale to train on) go out first, oldest first, so no
     prompt is skipped. With `--rollout-shuffle` every epoch has its own order, seeded by
     `rollout_seed + epoch`, so the order is reproducible and a resumed run can rebuild it.
+
+    A group handed out stays *outstanding* until the trainer marks it trained
+    (`mark_trained`) or a rollout hands it back (`add_samples`). In async modes a checkpoint
+    is taken while groups are queued, in flight or waiting in a pending generate; they are
+    already past the saved position, so `state_dict` saves them as re-queued and a resumed run
+    generates them again first instead of skipping them.
+
+    The train thread (mark_trained, state_dict) and a rollout thread (get_samples,
+    add_samples) share one instance, so every method that reads or changes the position holds
+    one lock.
     """
 
     def __init__(self, args, tokenizer) -> None:
@@ -226,11 +237,15 @@ class DataSource:
         self.next_index = 0  # Sample.index of the next fresh sample
         self.next_group = 0  # Sample.group_index of the next fresh group
         self.requeued: deque[list[Sample]] = deque()
+        # group_index → the group as handed out (own copies: the rollout mutates the originals),
+        # in hand-out order
+        self.outstanding: dict[int, list[Sample]] = {}
+        self._lock = threading.RLock()
         self._order = self._epoch_order(0)
         self.renderer.render(self.rows[0]["input"], f"{args.prompt_data} row 0")  # a bad template fails now, not mid-run
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.rows)  # rows never change after __init__: no lock needed
 
     def _epoch_order(self, epoch: int) -> list[int]:
         order = list(range(len(self.rows)))
@@ -260,31 +275,53 @@ class DataSource:
         return group
 
     def get_samples(self, n_groups: int) -> list[list[Sample]]:
-        """n_groups groups: re-queued ones first (FIFO), then the next prompts in order."""
-        groups = []
-        while len(groups) < n_groups and self.requeued:
-            groups.append(self.requeued.popleft())
-        while len(groups) < n_groups:
-            groups.append(self._new_group())
-        return groups
+        """n_groups groups: re-queued ones first (FIFO), then the next prompts in order.
+        Each stays outstanding until `mark_trained` or `add_samples`."""
+        with self._lock:
+            groups = []
+            while len(groups) < n_groups and self.requeued:
+                groups.append(self.requeued.popleft())
+            while len(groups) < n_groups:
+                groups.append(self._new_group())
+            for g in groups:
+                self.outstanding[g[0].group_index] = [_fresh(s) for s in g]
+            return groups
 
     def add_samples(self, groups: list[list[Sample]]) -> None:
         """Re-queue groups to be generated again from their prompts (response dropped)."""
-        self.requeued.extend([_fresh(s) for s in g] for g in groups)
+        with self._lock:
+            for g in groups:
+                self.outstanding.pop(g[0].group_index, None)
+                self.requeued.append([_fresh(s) for s in g])
+
+    def mark_trained(self, groups: list[list[Sample]]) -> None:
+        """The trainer took an optimizer step on these groups: a checkpoint no longer saves them.
+        Groups that did not come from this data source are ignored."""
+        with self._lock:
+            for g in groups:
+                self.outstanding.pop(g[0].group_index, None)
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "epoch": self.epoch,
-            "offset": self.offset,
-            "next_index": self.next_index,
-            "next_group": self.next_group,
-            "requeued": [[_sample_to_dict(s) for s in g] for g in self.requeued],
-        }
+        """Position and the groups to generate again on resume: the outstanding groups (fresh,
+        in hand-out order), then the re-queued ones. Outstanding groups are folded into
+        `requeued`, so the keys are the same as before they were tracked and older checkpoints
+        still load. The live object is not modified: a run goes on after saving."""
+        with self._lock:
+            pending = [*self.outstanding.values(), *self.requeued]
+            return {
+                "epoch": self.epoch,
+                "offset": self.offset,
+                "next_index": self.next_index,
+                "next_group": self.next_group,
+                "requeued": [[_sample_to_dict(s) for s in g] for g in pending],
+            }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.epoch = int(state["epoch"])
-        self.offset = int(state["offset"])
-        self.next_index = int(state["next_index"])
-        self.next_group = int(state["next_group"])
-        self.requeued = deque([_sample_from_dict(d) for d in g] for g in state["requeued"])
-        self._order = self._epoch_order(self.epoch)
+        with self._lock:
+            self.epoch = int(state["epoch"])
+            self.offset = int(state["offset"])
+            self.next_index = int(state["next_index"])
+            self.next_group = int(state["next_group"])
+            self.requeued = deque([_sample_from_dict(d) for d in g] for g in state["requeued"])
+            self.outstanding = {}
+            self._order = self._epoch_order(self.epoch)

@@ -13,6 +13,9 @@ Rules the worker keeps:
 * with `--max-staleness K` (decoupled mode), a group holding a token sampled more than K
   policy versions before the trainer's is not trained: it is dropped at drain time, its
   prompt re-queued, and counted.
+
+Every group the worker holds (queued, in flight, or drained but not yet trained) is still
+outstanding in the data source, so a checkpoint saves it for the resumed run to generate again.
 """
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ class AsyncRolloutWorker:
         self.concurrency = args.rollout_concurrency or 2 * args.rollout_batch_size
         self.batch = args.rollout_batch_size
         self.ready: deque[list[Sample]] = deque()
-        self.cond = threading.Condition()  # guards ready, counters, and data_source access
+        self.cond = threading.Condition()  # guards ready and the counters; the data source has its own lock
         self.inflight = 0
         self.counts = {"requeued": 0, "dropped_stale": 0, "resumed": 0}
         self.trainer_version = _trainer_version  # kept current by set_trainer_version after each push
