@@ -214,6 +214,22 @@ def test_n_samples_differ(client):
     assert all(len(o["output_ids"]) == 12 and o["meta_info"]["finish_reason"]["type"] == "length" for o in out)
 
 
+def test_sampling_seed_fixes_the_draws_whatever_the_batch(client):
+    """A seeded request gets the same tokens alone or among others (async runs are
+    reproducible only if a sample does not depend on which requests share its steps)."""
+    seeded = lambda seed, n=1: {"input_ids": PROMPTS[2], "sampling_params": {"max_new_tokens": 10, "temperature": 1.0, "ignore_eos": True, "sampling_seed": seed, "n": n}}
+    crowd = [{"input_ids": p, "sampling_params": {"max_new_tokens": 14, "temperature": 1.0, "ignore_eos": True}} for p in PROMPTS]
+    alone = generate_many(client, [seeded(123)])[0]["output_ids"]
+    together = generate_many(client, crowd + [seeded(123)] + crowd)[len(crowd)]["output_ids"]
+    assert together == alone
+    other = generate_many(client, [seeded(124)])[0]["output_ids"]
+    assert other != alone
+    pair = generate_many(client, [seeded(123, n=2)])[0]
+    assert pair[0]["output_ids"] == alone and pair[1]["output_ids"] != alone  # sample j of n has its own stream
+    status, text = post_raw(client.url + "/generate", json.dumps({"input_ids": [1], "sampling_params": {"sampling_seed": 1.5}}).encode())
+    assert status == 400 and "sampling_seed must be an integer" in text
+
+
 def test_stop_token_and_length(client, hf):
     ref = hf_greedy(hf, PROMPTS[2], 12)
     stop_tok = ref[5]
@@ -537,17 +553,41 @@ def interpreted_checks(model_dir: str) -> None:
     # The one-pass sampler draws from softmax(logits / T) and returns that distribution's
     # log-prob. Few draws: the interpreter runs one program per row (the GPU test draws more).
     check_sampler(kernels.sample, rows=48)
+    # Both sampler paths draw the same tokens from the same logits and seeds.
+    logits = torch.randn(16, 300) * 3
+    temps = torch.tensor([1.0, 0.7, 0.0, 1.3] * 4)
+    seeds = torch.randint(-2**31, 2**31 - 1, (16,), dtype=torch.int32)
+    a, lp_a = kernels.sample(logits, temps, seeds)
+    b, lp_b = torch_sample(logits, temps, seeds)
+    assert torch.equal(a, b) and torch.allclose(lp_a, lp_b, atol=1e-5)
 
 
 def check_sampler(sample, rows: int) -> None:
+    """sample(logits, temperatures, seeds) draws from softmax(logits / T), returns that
+    distribution's log-prob, and is a function of the row's seed alone."""
     logits = torch.tensor([0.0, -1.5, -3.0])
+    seeds = torch.arange(rows, dtype=torch.int32) * 7919 + 11
     for t in (1.0, 0.5):
-        tokens, lps = sample(logits.expand(rows, 3).contiguous(), torch.full((rows,), t), 3)
+        tokens, lps = sample(logits.expand(rows, 3).contiguous(), torch.full((rows,), t), seeds)
         p = torch.softmax(logits / t, -1)
         assert ((torch.bincount(tokens, minlength=3) / rows - p).abs() <= 4 * (p * (1 - p) / rows).sqrt() + 1 / rows).all()
         assert torch.allclose(lps, p.log()[tokens], atol=1e-5)
-    tokens, lps = sample(logits[None], torch.zeros(1), 3)  # temperature 0: argmax and the raw log-softmax
+        again, _ = sample(logits.expand(rows, 3).flip(0).contiguous(), torch.full((rows,), t), seeds.flip(0))
+        assert torch.equal(again.flip(0), tokens)  # same seed, same draw, whatever the row
+    tokens, lps = sample(logits[None], torch.zeros(1), seeds[:1])  # temperature 0: argmax and the raw log-softmax
     assert tokens.tolist() == [0] and torch.allclose(lps, logits.log_softmax(-1)[:1], atol=1e-6)
+
+
+def torch_sample(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor):
+    """The PyTorch path of the sampler (top-k = vocab size forces it even where kernels run)."""
+    from vime.engine.core.sampler import SamplingParams, sample
+
+    params = [SamplingParams(temperature=float(t), top_k=logits.shape[-1] if t > 0 else -1) for t in temps]
+    return sample(logits.float(), params, temps, seeds)
+
+
+def test_torch_sampler_distribution_and_seeds():
+    check_sampler(torch_sample, rows=4000)
 
 
 # ---- GPU (skipped without CUDA) --------------------------------------------------------
@@ -620,7 +660,11 @@ def test_gpu_graphs_match_eager_and_see_weight_updates(model_dir, hf):
     for p, x, y in zip(PROMPTS, a, b):
         assert x.output_ids == y.output_ids == hf_greedy(hf, p, 12)
         assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=ATOL)
-    check_sampler(lambda logits, temps, seed: [x.cpu() for x in kernels.sample(logits.cuda(), temps.cuda(), seed)], rows=20000)
+    check_sampler(lambda logits, temps, seeds: [x.cpu() for x in kernels.sample(logits.cuda(), temps.cuda(), seeds.cuda())], rows=20000)
+    logits = torch.randn(64, 151936, device="cuda") * 3  # a real vocabulary: both paths still agree
+    temps = torch.tensor([1.0, 0.7, 0.0, 1.3] * 16, device="cuda")
+    seeds = torch.randint(-2**31, 2**31 - 1, (64,), dtype=torch.int32, device="cuda")
+    assert torch.equal(kernels.sample(logits, temps, seeds)[0], torch_sample(logits, temps, seeds)[0])
     hf2 = perturbed(hf)
     state = {k: v.cuda() for k, v in hf2.state_dict().items()}
     (out, *_), _ = run(graphs, PROMPTS[1:3], 10, update_after=4, new_state=state)

@@ -549,8 +549,10 @@ def _log_tail(path: Path, lines: int = 20) -> str:
         return "(no log)"
 
 
-def launch_engine(model_path: str, *, port: int | None = None, device: str = "cpu", dtype: str = "float32", extra_args: Iterable[str] = (), log_path: str | Path | None = None, startup_timeout: float = 120.0) -> EngineProcess:
+def launch_engine(model_path: str, *, port: int | None = None, device: str = "cpu", dtype: str = "auto", extra_args: Iterable[str] = (), log_path: str | Path | None = None, startup_timeout: float = 120.0) -> EngineProcess:
     """Start `python -m vime.engine.server` and return once it answers /health.
+
+    dtype "auto" is bfloat16 on a GPU and float32 on CPU, as for the server itself.
 
     The server exits by itself when this process does (--parent-pid), so a crashed trainer
     leaves no engine behind.

@@ -83,15 +83,26 @@ def sampling_params(args, evaluation: bool = False) -> dict:
     }
 
 
+def sample_seed(args, sample: Sample) -> int:
+    """The engine's `sampling_seed` for a sample: fixed by --rollout-seed and the sample's index.
+
+    With it, a sample's tokens depend only on the weights and its prompt, never on which other
+    requests shared the engine's steps, so async runs (whose batches mix by timing) are as
+    reproducible as sync ones. A re-queued sample keeps its index and therefore its seed.
+    """
+    return (args.rollout_seed * 0x9E3779B1 + sample.index) & 0x7FFFFFFF
+
+
 async def generate(args, sample: Sample, params: dict) -> Sample:
     """Default per-sample generate: append the engine's tokens to the sample.
 
     A sample that already holds part of a response (an aborted one being resumed) continues
-    from where it stopped, with the remaining token budget.
+    from where it stopped, with the remaining token budget and the same seed (the engine seeds
+    each draw by token position, so the resumed draws are the ones it would have made).
     """
     clients = engine_clients(args)
     client = clients[sample.group_index % len(clients)]  # a group stays on one engine (prefix reuse)
-    params = dict(params, max_new_tokens=params["max_new_tokens"] - sample.response_length)
+    params = dict(params, max_new_tokens=params["max_new_tokens"] - sample.response_length, sampling_seed=sample_seed(args, sample))
     if params["max_new_tokens"] <= 0:
         sample.status = Status.TRUNCATED
         return sample

@@ -7,6 +7,7 @@ locks. Every generated token is stamped with the weight version that produced it
 from __future__ import annotations
 
 import logging
+import random
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -15,7 +16,7 @@ import torch
 from vime.engine.core.kv_cache import BlockAllocator, KVCache
 from vime.engine.core.model import load_model
 from vime.engine.core.runner import ModelRunner
-from vime.engine.core.sampler import Sampler, SamplingParams
+from vime.engine.core.sampler import M32, SamplingParams, mix32
 from vime.engine.core.scheduler import Scheduler, Sequence
 
 log = logging.getLogger(__name__)
@@ -96,13 +97,14 @@ class LLMEngine:
         self.scheduler = Scheduler(self.allocator, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         # A sequence may never outgrow the positions the model knows, the configured limit or the whole cache.
         self.max_seq_len = min(mc.max_position_embeddings, cfg.max_model_len or mc.max_position_embeddings, num_blocks * cfg.block_size)
-        self.runner = ModelRunner(self.model, self.kv_cache, Sampler(cfg.seed, self.device), cfg.block_size, cfg.max_num_seqs, self.max_seq_len, self.device, cfg.cuda_graphs)
+        self.runner = ModelRunner(self.model, self.kv_cache, cfg.block_size, cfg.max_num_seqs, self.max_seq_len, self.device, cfg.cuda_graphs)
         self.runner.capture()
         self.requests: dict[str, Request] = {}
         self.weight_version = 0
         self.paused = False
         self.stats = EngineStats()
         self._next_seq_id = 0
+        self._rng = random.Random(cfg.seed)  # seeds of requests that bring no sampling_seed
         log.info("engine: %s %s on %s, %d KV blocks of %d tokens, max sequence length %d", mc.model_type, cfg.dtype, self.device, num_blocks, cfg.block_size, self.max_seq_len)
 
     def _auto_num_blocks(self) -> int:
@@ -136,8 +138,11 @@ class LLMEngine:
             )
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.model_config.eos_token_ids))
         seqs = []
-        for _ in range(params.n):
-            seqs.append(Sequence(self._next_seq_id, rid, list(prompt_ids), len(prompt_ids), params, frozenset(stop)))
+        for j in range(params.n):
+            # A sampling_seed fixes the draws of sample j of this request; otherwise the engine's
+            # seeded RNG picks one (reproducible for the same arrival order).
+            seed = mix32(mix32(params.sampling_seed & M32) ^ j) if params.sampling_seed is not None else self._rng.getrandbits(32)
+            seqs.append(Sequence(self._next_seq_id, rid, list(prompt_ids), len(prompt_ids), params, frozenset(stop), seed=seed))
             self._next_seq_id += 1
         req = Request(rid, len(prompt_ids), seqs)
         if params.max_new_tokens == 0:

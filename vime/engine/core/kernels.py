@@ -134,6 +134,40 @@ if AVAILABLE:
         act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # silu, rounded as torch's is
         tl.store(out_ptr + row * n_cols + cols, (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=mask)
 
+    @triton.jit
+    def _paged_attend(
+        q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, ctx, end, scale,
+        HKV: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+        PREC: tl.constexpr, CAUSAL: tl.constexpr,
+    ):
+        """Attention of ROWS query rows (all on KV head kvh) over keys [0, end) of one sequence,
+        gathered BLOCK_N at a time through its block table (rows of D contiguous values, loaded
+        16 bytes wide and pipelined by the compiler), with the online softmax. CAUSAL: row r
+        sees keys up to q_pos[r] (decode needs no mask: its one query is the last position)."""
+        d = tl.arange(0, D)
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, D], tl.float32)
+        for start in range(0, end, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            valid = n < ctx
+            blk = tl.load(bt_row_ptr + n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+            kv_off = ((blk * BLOCK_SIZE + n % BLOCK_SIZE) * HKV + kvh) * D
+            k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
+            keep = valid[None, :]
+            if CAUSAL:
+                keep = keep & (n[None, :] <= q_pos[:, None])
+            s = tl.where(keep, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # key 0 is in the first block: never -inf after it
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+        return acc / l_i[:, None]
+
     # bt_stride (the block-table width) changes from step to step on the eager path: specializing
     # on its value (== 1, divisible by 16) would mean a JIT compile in the middle of serving.
     @triton.jit(do_not_specialize=["bt_stride"])
@@ -142,9 +176,7 @@ if AVAILABLE:
         H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
     ):
-        """One program per (sequence, KV head): its G query heads share each K/V load. Each
-        iteration gathers BLOCK_N tokens through the block table (rows of D contiguous values,
-        loaded 16 bytes wide and pipelined by the compiler)."""
+        """One program per (sequence, KV head): its G query heads share each K/V load."""
         b = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
         G = H // HKV
@@ -153,25 +185,8 @@ if AVAILABLE:
         d = tl.arange(0, D)
         gm = (g < G)[:, None]
         q = tl.load(q_ptr + b * (H * D) + (kvh * G + g)[:, None] * D + d[None, :], mask=gm, other=0.0)
-        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([G_PAD], tl.float32)
-        acc = tl.zeros([G_PAD, D], tl.float32)
-        for start in range(0, ctx, BLOCK_N):
-            n = start + tl.arange(0, BLOCK_N)
-            valid = n < ctx
-            blk = tl.load(bt_ptr + b * bt_stride + n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-            kv_off = ((blk * BLOCK_SIZE + n % BLOCK_SIZE) * HKV + kvh) * D
-            k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
-        out = acc / l_i[:, None]
+        out = _paged_attend(q, g, k_cache_ptr, v_cache_ptr, bt_ptr + b * bt_stride, kvh, ctx, ctx, scale,
+                            HKV, D, BLOCK_SIZE, G_PAD, BLOCK_N, PREC, False)
         tl.store(out_ptr + b * (H * D) + (kvh * G + g)[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=gm)
 
     @triton.jit(do_not_specialize=["bt_stride"])
@@ -190,41 +205,33 @@ if AVAILABLE:
         if tile * BLOCK_M >= q_len:
             return
         ctx = tl.load(ctx_ptr + b)
-        kvh = h // (H // HKV)
         m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         mm = m < q_len
-        q_pos = ctx - q_len + m  # absolute position of each query token
         d = tl.arange(0, D)
         tok = (q_start + m).to(tl.int64)
         q = tl.load(q_ptr + tok[:, None] * (H * D) + h * D + d[None, :], mask=mm[:, None], other=0.0)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, D], tl.float32)
         end = tl.minimum(ctx, ctx - q_len + (tile + 1) * BLOCK_M)  # keys past the tile's last query are never seen
-        for start in range(0, end, BLOCK_N):
-            n = start + tl.arange(0, BLOCK_N)
-            valid = n < ctx
-            blk = tl.load(bt_ptr + b * bt_stride + n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-            kv_off = ((blk * BLOCK_SIZE + n % BLOCK_SIZE) * HKV + kvh) * D
-            k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
-            s = tl.where(valid[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # key 0 is in the first block: never -inf after it
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
-        out = acc / l_i[:, None]
+        out = _paged_attend(q, ctx - q_len + m, k_cache_ptr, v_cache_ptr, bt_ptr + b * bt_stride, h // (H // HKV), ctx, end, scale,
+                            HKV, D, BLOCK_SIZE, BLOCK_M, BLOCK_N, PREC, True)
         tl.store(out_ptr + tok[:, None] * (H * D) + h * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=mm[:, None])
 
-    @triton.jit(do_not_specialize=["seed"])
-    def _sample_kernel(logits_ptr, temp_ptr, tok_ptr, lp_ptr, seed, V, BLOCK: tl.constexpr):
+    @triton.jit
+    def _mix32(x):
+        """`sampler.mix32` on int64 lanes holding 32-bit values (same constants, same result)."""
+        x = x ^ (x >> 16)
+        x = (x * 0x7FEB352D) & 0xFFFFFFFF
+        x = x ^ (x >> 15)
+        x = (x * 0x2C1B3C6D) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def _sample_kernel(logits_ptr, temp_ptr, seed_ptr, tok_ptr, lp_ptr, V, BLOCK: tl.constexpr):
         """One pass over a row: log-sum-exp of logits/T and the Gumbel-max draw (argmax of
-        logits/T + Gumbel noise samples softmax(logits/T) exactly); T == 0 takes the argmax."""
+        logits/T + Gumbel noise samples softmax(logits/T) exactly); T == 0 takes the argmax.
+        The noise is `sampler.uniform_noise` of the row's seed, so the PyTorch path agrees."""
         row = tl.program_id(0)
         t = tl.load(temp_ptr + row)
+        seed = tl.load(seed_ptr + row).to(tl.int64) & 0xFFFFFFFF
         greedy = t == 0.0
         inv_t = 1.0 / tl.where(greedy, 1.0, t)
         base = logits_ptr + row.to(tl.int64) * V
@@ -239,7 +246,8 @@ if AVAILABLE:
             m_new = tl.maximum(m_i, x)
             l_i = l_i * tl.exp(m_i - m_new) + tl.where(mask, tl.exp(x - m_new), 0.0)
             m_i = m_new
-            u = tl.rand(seed, row * V + cols)
+            h = _mix32((seed + cols.to(tl.int64) * 0x61C88647) & 0xFFFFFFFF)
+            u = ((h >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08  # 2^-24
             score = tl.where(greedy, x, x - tl.log(-tl.log(u)))
             take = score > best  # strict: the earliest index wins ties, as torch.argmax
             best = tl.where(take, score, best)
@@ -317,11 +325,11 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return out
 
 
-def sample(logits: torch.Tensor, temperatures: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids (int64) and their log-probs under softmax(logits / T) for each row (T == 0:
-    greedy, log-prob of the raw softmax); no host sync."""
+    greedy, log-prob of the raw softmax), drawn with each row's seed (int32 bits); no host sync."""
     b, v = logits.shape
     tokens = torch.empty(b, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(b, dtype=torch.float32, device=logits.device)
-    _sample_kernel[(b,)](logits.contiguous(), temperatures, tokens, logprobs, seed, v, BLOCK=min(1024, _pow2(v)))
+    _sample_kernel[(b,)](logits.contiguous(), temperatures, seeds, tokens, logprobs, v, BLOCK=min(1024, _pow2(v)))
     return tokens, logprobs

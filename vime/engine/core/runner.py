@@ -24,7 +24,7 @@ import torch
 from vime.engine.core import kernels
 from vime.engine.core.kv_cache import AttnMetadata, KVCache, make_group
 from vime.engine.core.model import CausalLM
-from vime.engine.core.sampler import Sampler
+from vime.engine.core.sampler import sample, step_seeds
 from vime.engine.core.scheduler import Sequence
 
 log = logging.getLogger(__name__)
@@ -43,8 +43,8 @@ class StepInfo:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_cache: KVCache, sampler: Sampler, block_size: int, max_num_seqs: int, max_seq_len: int, device: torch.device, cuda_graphs: bool):
-        self.model, self.kv_cache, self.sampler = model, kv_cache, sampler
+    def __init__(self, model: CausalLM, kv_cache: KVCache, block_size: int, max_num_seqs: int, max_seq_len: int, device: torch.device, cuda_graphs: bool):
+        self.model, self.kv_cache = model, kv_cache
         self.block_size, self.device = block_size, device
         self.kernels = kernels.enabled(device)
         # Graphs need the Triton path: the PyTorch attention sizes its tensors from the batch.
@@ -57,18 +57,21 @@ class ModelRunner:
         n = self.max_bs = self.batch_sizes[-1]
         self.width = -(-max_seq_len // block_size)  # block-table columns: a full-length sequence
         if self.kernels:
-            # One int32 staging buffer: ids | positions | slots | context lens | temperatures (float32 bits) | block tables.
-            self.host = torch.empty(5 * n + n * self.width, dtype=torch.int32, pin_memory=pin)
+            # One int32 staging buffer: ids | positions | slots | context lens | temperatures (float32 bits)
+            # | sampling seeds | block tables.
+            self.host = torch.empty(6 * n + n * self.width, dtype=torch.int32, pin_memory=pin)
             h = self.host.numpy()
             self.h_ids, self.h_pos, self.h_slot, self.h_ctx = h[:n], h[n : 2 * n], h[2 * n : 3 * n], h[3 * n : 4 * n]
             self.h_temp = h[4 * n : 5 * n].view(np.float32)
-            self.h_bt = h[5 * n :].reshape(n, self.width)
+            self.h_seed = h[5 * n : 6 * n]
+            self.h_bt = h[6 * n :].reshape(n, self.width)
             self.h_bt[:] = kv_cache.scratch_block
             self.dev = torch.zeros_like(self.host, device=device)
             d = self.dev
             self.d_ids, self.d_pos, self.d_slot, self.d_ctx = d[:n], d[n : 2 * n], d[2 * n : 3 * n], d[3 * n : 4 * n]
             self.d_temp = d[4 * n : 5 * n].view(torch.float32)
-            self.d_bt = d[5 * n :].view(n, self.width)
+            self.d_seed = d[5 * n : 6 * n]
+            self.d_bt = d[6 * n :].view(n, self.width)
             self._bt_rows: list[tuple[list[int], int] | None] = [None] * n  # (block table list, length) each row holds
         self.h_tok = torch.empty(max_num_seqs, dtype=torch.int64, pin_memory=pin)
         self.h_lp = torch.empty(max_num_seqs, dtype=torch.float32, pin_memory=pin)
@@ -109,13 +112,20 @@ class ModelRunner:
         tokens and their log-probs."""
         if self.kernels and len(scheduled) <= self.max_bs and all(n == 1 and s.num_computed + 1 == s.num_tokens for s, n in scheduled):
             seqs = [s for s, _ in scheduled]
-            logits, temps = self._decode(seqs)
+            logits, temps, seeds = self._decode(seqs)
         else:
-            seqs, logits, temps = self._eager(scheduled)
-        tokens, logprobs = self.sampler(logits, [s.params for s in seqs], temps)
+            seqs, logits = self._eager(scheduled)
+            temps = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32).to(self.device, non_blocking=True)
+            seeds = torch.from_numpy(self._seeds(seqs, np.array([s.num_tokens for s in seqs], dtype=np.int64))).to(self.device, non_blocking=True)
+        tokens, logprobs = sample(logits, [s.params for s in seqs], temps, seeds)
         return seqs, *self._download(tokens, logprobs)
 
-    def _decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    @staticmethod
+    def _seeds(seqs: list[Sequence], positions: np.ndarray) -> np.ndarray:
+        """Each row's sampling seed (int32 bits) for drawing the token at `positions`."""
+        return step_seeds(np.fromiter((s.seed for s in seqs), dtype=np.int64, count=len(seqs)), positions).astype(np.uint32).view(np.int32)
+
+    def _decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b = len(seqs)
         bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, b)]
         block = self.block_size
@@ -125,6 +135,7 @@ class ModelRunner:
         self.h_slot[:b] = [s.block_table[p // block] * block + p % block for s, p in zip(seqs, pos)]
         np.add(self.h_pos[:b], 1, out=self.h_ctx[:b])
         self.h_temp[:b] = [s.params.temperature for s in seqs]
+        self.h_seed[:b] = self._seeds(seqs, self.h_ctx[:b].astype(np.int64))  # the new token's position = context length
         self._set_padding(b, bs)
         # Block tables only grow by appending to the same list, so a row is rewritten only when
         # it holds another list (another sequence, or one re-admitted) or a shorter one.
@@ -143,7 +154,7 @@ class ModelRunner:
             out = self._decode_forward(bs)
             kind = "decode"
         self.last_step = StepInfo(kind, b, int(self.h_ctx[:b].sum()))
-        return out[:b], self.d_temp[:b]
+        return out[:b], self.d_temp[:b], self.d_seed[:b]
 
     def _set_padding(self, start: int, end: int) -> None:
         """Rows past the batch: one token at position 0 written to and read from the scratch block."""
@@ -154,10 +165,10 @@ class ModelRunner:
         self.h_temp[start:end] = 0.0
 
     def _upload(self, bs: int) -> None:
-        n = 5 * self.max_bs + bs * self.width
+        n = 6 * self.max_bs + bs * self.width
         self.dev[:n].copy_(self.host[:n], non_blocking=True)
 
-    def _eager(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor, None]:
+    def _eager(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -179,7 +190,7 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True)
         rows = torch.tensor(logit_rows, dtype=torch.long).to(dev, non_blocking=True)
         self.last_step = StepInfo("eager", len(scheduled), sum(s.num_computed + n for s, n in scheduled))
-        return to_sample, self.model(ids, pos, self.kv_cache.layers(), meta, rows), None
+        return to_sample, self.model(ids, pos, self.kv_cache.layers(), meta, rows)
 
     def _kernel_meta(self, scheduled: list[tuple[Sequence, int]], slot_mapping: torch.Tensor) -> AttnMetadata:
         width = max(len(s.block_table) for s, _ in scheduled)

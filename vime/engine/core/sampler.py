@@ -6,7 +6,6 @@ policy an off-policy correction (TIS) must divide by. Greedy returns the raw log
 """
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -23,6 +22,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     n: int = 1
+    sampling_seed: int | None = None  # fixes the draws (SGLang's name); sample j of n gets its own stream
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "SamplingParams":
@@ -46,6 +46,7 @@ class SamplingParams:
                 stop_token_ids=tuple(_int(t, "stop_token_ids") for t in d.get("stop_token_ids", ())),
                 ignore_eos=bool(d.get("ignore_eos", False)),
                 n=_int(d.get("n", 1), "n"),
+                sampling_seed=_int(d["sampling_seed"], "sampling_seed") if "sampling_seed" in d else None,
             )
         except TypeError as e:
             raise ValueError(f"bad sampling_params: {e}") from None
@@ -70,57 +71,78 @@ def _int(v: object, name: str) -> int:
     return int(v)
 
 
-class Sampler:
-    """Samples one token per row of logits with per-row parameters.
+M32 = 0xFFFFFFFF
+_GOLDEN = 0x61C88647  # 2^32 / golden ratio, mod 2^32: spreads consecutive columns apart
+
+
+def mix32(x):
+    """A 32-bit integer hash (xor-shift-multiply rounds), the same function on Python ints,
+    NumPy and torch int64 arrays, and inside the Triton sampler. The multipliers are below
+    2^31, so with x < 2^32 every product fits in int64 and no language's overflow rules matter."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & M32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & M32
+    return x ^ (x >> 16)
+
+
+def step_seeds(seq_seeds, positions):
+    """The RNG seed of each row of a step: a hash of the sequence's seed and the position of the
+    token being drawn. So a sequence's draws depend on nothing else in the batch, and a request
+    with `sampling_seed` gets the same tokens from the same logits however it was batched (or
+    resumed after an abort)."""
+    return mix32(seq_seeds ^ mix32(positions))
+
+
+def uniform_noise(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, V] uniforms in (0, 1) from per-row seeds: the PyTorch twin of the Triton sampler's
+    noise (one hash per (row, column), 24 bits kept, so the two paths draw identical tokens)."""
+    cols = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    x = mix32(((seeds.long()[:, None] & M32) + cols[None, :] * _GOLDEN) & M32)
+    return ((x >> 8).float() + 0.5) * 2.0**-24
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], temperatures: torch.Tensor, seeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of logits [B, V] with per-row parameters; temperatures [B] float32 and
+    seeds [B] (int32 bits of `step_seeds`) on the logits' device. Returns token ids (int64) and
+    their log-probs (float32), still on the device: the caller brings them back in one copy.
 
     Rows that only need temperature (or greedy) go through one Triton pass on GPU
     (`kernels.sample`); a batch where some row filters by top-k/top-p takes the PyTorch path
-    (sort). Either way the result stays on the device: the caller brings tokens and log-probs
-    back in one transfer.
+    (sort). Both draw by Gumbel-max with the same noise, so a row's token does not depend on
+    which path its batch took.
     """
+    filtered = any(not p.greedy and (p.top_k > 0 or p.top_p < 1) for p in params)
+    if kernels.enabled(logits.device) and not filtered:
+        return kernels.sample(logits, temperatures, seeds)
+    logits = logits.float()
+    greedy = temperatures == 0
+    scaled = logits * (1.0 / torch.where(greedy, 1.0, temperatures))[:, None]  # as the kernel: times 1/T
+    if filtered:
+        scaled = _top_k_top_p(scaled, params)
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    # Gumbel-max: argmax(x + G) with G = -log(-log U) draws from softmax(x); filtered-out
+    # tokens (-inf) can never win.
+    gumbel = -torch.log(-torch.log(uniform_noise(seeds, logits.shape[-1])))
+    sampled = (scaled + gumbel).argmax(dim=-1)
+    tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
+    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
 
-    def __init__(self, seed: int, device: torch.device):
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(seed)
-        self.kernel_seeds = random.Random(seed)  # one Triton RNG seed per step, drawn on the host
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], temperatures: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits: [B, V] (any float dtype); temperatures: [B] float32 on the logits' device when
-        the caller has them there already. Returns token ids (int64) and their log-probs (float32)."""
-        device = logits.device
-        filtered = any(not p.greedy and (p.top_k > 0 or p.top_p < 1) for p in params)
-        if temperatures is None:
-            temperatures = torch.tensor([p.temperature for p in params], dtype=torch.float32).to(device, non_blocking=True)
-        if kernels.enabled(device) and not filtered:
-            return kernels.sample(logits, temperatures, self.kernel_seeds.getrandbits(31))
-        logits = logits.float()
-        greedy = temperatures == 0
-        scaled = logits / torch.where(greedy, 1.0, temperatures)[:, None]
-        if filtered:
-            scaled = self._top_k_top_p(scaled, params)
-        logprobs = torch.log_softmax(scaled, dim=-1)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, batched, and rows with
-        # p = 0 (filtered out) can never win.
-        noise = torch.empty_like(logprobs).exponential_(generator=self.generator)
-        sampled = (logprobs.exp() / noise).argmax(dim=-1)
-        tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
-        return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
-
-    @staticmethod
-    def _top_k_top_p(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        vocab = scaled.shape[-1]
-        device = scaled.device
-        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab and not p.greedy else vocab for p in params], device=device)
-        top_p = torch.tensor([1.0 if p.greedy else p.top_p for p in params], device=device, dtype=scaled.dtype)
-        sorted_logits, order = scaled.sort(dim=-1, descending=True)
-        rank = torch.arange(vocab, device=device)[None, :]
-        drop = rank >= top_k[:, None]
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        probs = sorted_logits.softmax(dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p: drop a token if the mass before it
-        # already does. The top token is always kept.
-        # Rows without top-p are left alone: their cumulative sum may round past 1.0.
-        drop = ((probs.cumsum(dim=-1) - probs) >= top_p[:, None]) & (top_p < 1)[:, None]
-        drop[:, 0] = False
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        return torch.empty_like(scaled).scatter_(1, order, sorted_logits)
+def _top_k_top_p(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    vocab = scaled.shape[-1]
+    device = scaled.device
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab and not p.greedy else vocab for p in params], device=device)
+    top_p = torch.tensor([1.0 if p.greedy else p.top_p for p in params], device=device, dtype=scaled.dtype)
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=device)[None, :]
+    drop = rank >= top_k[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p: drop a token if the mass before it
+    # already does. The top token is always kept.
+    # Rows without top-p are left alone: their cumulative sum may round past 1.0.
+    drop = ((probs.cumsum(dim=-1) - probs) >= top_p[:, None]) & (top_p < 1)[:, None]
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(scaled).scatter_(1, order, sorted_logits)

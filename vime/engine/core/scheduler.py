@@ -29,6 +29,7 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     weight_versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # stop | length | abort
+    seed: int = 0  # 32-bit sampling seed: with the token position, it fixes the sequence's draws
 
     @property
     def num_tokens(self) -> int:
