@@ -24,6 +24,7 @@ import time
 import traceback
 from pathlib import Path
 
+import numpy as np
 import torch
 
 QWEN3_0_6B = dict(
@@ -159,7 +160,7 @@ def check_against_hf(engine, hf, prompts: list[list[int]], n_new: int, device: t
 def gpu_decode_step_ms(engine, batch: int, context: int) -> tuple[float, float]:
     """Median device time of one replayed decode graph (and of the sampler after it) for `batch`
     sequences of `context` cached tokens each; any blocks will do, the content is not read back."""
-    from vime.engine.core.sampler import SamplingParams
+    from vime.engine.core.sampler import SamplingParams, sample
 
     r = engine.runner
     nb = -(-context // r.block_size)
@@ -171,6 +172,7 @@ def gpu_decode_step_ms(engine, batch: int, context: int) -> tuple[float, float]:
     r.h_ctx[:batch] = context
     r.h_slot[:batch] = blocks.view(batch, nb)[:, -1].numpy() * r.block_size
     r.h_temp[:batch] = 1.0
+    r.h_seed[:batch] = np.arange(batch, dtype=np.int32)
     r._upload(batch)
     graph, out = r.graphs[batch]
     params = [SamplingParams(temperature=1.0)] * batch
@@ -180,7 +182,7 @@ def gpu_decode_step_ms(engine, batch: int, context: int) -> tuple[float, float]:
         e[0].record()
         graph.replay()
         e[1].record()
-        r.sampler(out, params, r.d_temp[:batch])
+        sample(out, params, r.d_temp[:batch], r.d_seed[:batch])
         e[2].record()
         torch.cuda.synchronize()
         if i >= 5:

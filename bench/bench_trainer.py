@@ -9,8 +9,8 @@ responses 100–2000, seeded), same token budget per micro-batch, in one run:
   state), packed micro-batches with varlen attention, chunked log-probs.
 
 Both are timed on forward + backward + optimizer step of a policy-gradient loss (old log-probs
-given), so tokens/s compare like for like; `vime train_step` also times the full step with
-its log-prob recompute. MFU counts the FLOPs the step needs (vime.trainer.perf: decoder on all
+given), so tokens/s compare like for like; `vime train_step` also times the full step (one
+optimizer step per rollout, so the old log-probs come from the training forward, no recompute). MFU counts the FLOPs the step needs (vime.trainer.perf: decoder on all
 tokens, LM head on response tokens, causal attention per sequence) over the 989 TFLOP/s dense
 bf16 peak of an H200, for both rows. Prints a markdown table last.
 
@@ -161,8 +161,7 @@ def main() -> None:
             local._clip_and_step()
 
         record("vime packed+chunked (fwd+bwd+opt)", *timed(vime_fwd_bwd_opt, device, a.steps), step_flops)
-        record("vime train_step (+log-prob recompute)", *timed(lambda: actor.train_step(samples, adv), device, a.steps),
-               train_flops(config, lengths, [s.response_length for s in samples], forwards=1))
+        record("vime train_step", *timed(lambda: actor.train_step(samples, adv), device, a.steps), step_flops)
         actor.close()
         del actor, local
         if device.type == "cuda":

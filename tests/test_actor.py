@@ -109,6 +109,27 @@ def test_gradients_do_not_depend_on_micro_batch_size(tiny_model):
     assert any(g.abs().sum() > 0 for g in grads[0].values())
 
 
+def test_one_step_rollout_uses_the_forward_as_old_log_probs(tiny_model):
+    """With one optimizer step per rollout the recompute pass is skipped: the training
+    forward's detached log-probs are the old ones, which must give the recompute's gradient
+    and metrics (TIS included) exactly."""
+    samples = make_samples(3)
+    results = []
+    for given in (True, False):
+        a = Actor(make_args(use_tis=True, entropy_coef=0.01), tiny_model)
+        for s in samples:
+            s.rollout_log_probs = [float(x) - 0.3 for x in a.compute_log_probs([s])[0]]  # an older policy sampled them
+        old = a.compute_log_probs(samples) if given else None
+        metrics = a.accumulate_gradients(samples, [1.0, -0.5, 2.0], old)
+        results.append(({n: p.grad.clone() for n, p in a.model.named_parameters()}, metrics))
+    (g_given, m_given), (g_fwd, m_fwd) = results
+    for name, g in g_given.items():
+        assert torch.allclose(g, g_fwd[name], atol=1e-6), name
+    for k in ("train/loss", "train/tis", "train/_lp_diff_sum"):
+        assert m_given[k] == pytest.approx(m_fwd[k], abs=1e-6), k
+    assert m_fwd["train/tis"] > 1.2  # the 0.3 nat gap was weighed in, truncated at 2
+
+
 def test_train_step_moves_log_probs_with_the_advantage(tiny_model):
     a = Actor(make_args(), tiny_model)
     samples = make_samples(2)

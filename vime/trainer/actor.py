@@ -179,9 +179,12 @@ class Actor:
     def train_step(self, samples: list[Sample], advantages: list[float]) -> dict[str, float]:
         """Train on one rollout: `len(samples) // global_batch_size` optimizer steps.
 
-        Old log-probs are recomputed once, before the first step, with the current weights; on
-        the first step they equal the new log-probs (ratio 1, on-policy), later steps of the
-        same rollout are off-policy by the earlier steps and the clip applies. Returns metrics
+        Old log-probs are those of the current weights. With several optimizer steps they are
+        recomputed once, before the first step, because later steps of the same rollout are
+        off-policy by the earlier ones and the clip applies. With one step (the usual GRPO
+        setting: --global-batch-size = all samples) they would equal the training forward's own
+        log-probs, so that forward's detached values serve and the recompute pass is skipped:
+        the same loss and gradient, a whole forward less. Returns metrics
         averaged over the steps, plus throughput (`perf/actor_train_tok_per_s`, and on CUDA
         `perf/mfu`).
         """
@@ -192,22 +195,26 @@ class Actor:
             raise ValueError(f"{len(samples)} samples do not split into optimizer steps of --global-batch-size {gbs}")
         self._sync()
         t0 = time.perf_counter()
-        old = self.compute_log_probs(samples)
+        old = None if gbs == len(samples) else self.compute_log_probs(samples)
         ref = self.compute_log_probs(samples, scorer=self.ref_scorer) if self.ref_scorer is not None else None
         steps = []
         for start in range(0, len(samples), gbs):
             sl = slice(start, start + gbs)
-            steps.append(self._optimizer_step(samples[sl], advantages[sl], old[sl], None if ref is None else ref[sl]))
+            steps.append(self._optimizer_step(samples[sl], advantages[sl], None if old is None else old[sl], None if ref is None else ref[sl]))
         self._sync()
         elapsed = time.perf_counter() - t0
         metrics = {k: sum(m[k] for m in steps) / len(steps) for k in steps[0]}
-        diff = rollout_logprob_abs_diff(samples, old)
-        if diff is not None:
-            metrics["train/train_rollout_logprob_abs_diff"] = diff
+        # the engine/trainer mismatch in one number (over the first step's proximal log-probs):
+        # ~0 when both run the same weights in the same precision; what TIS corrects for if not
+        diff_sum, diff_count = steps[0].get("train/_lp_diff_sum", 0.0), steps[0].get("train/_lp_diff_count", 0.0)
+        for k in ("train/_lp_diff_sum", "train/_lp_diff_count"):
+            metrics.pop(k, None)
+        if diff_count:
+            metrics["train/train_rollout_logprob_abs_diff"] = diff_sum / diff_count
         lengths = [len(s.tokens) for s in samples]
         metrics["perf/actor_train_tok_per_s"] = sum(lengths) / elapsed
         if self.device.type == "cuda":
-            flops = train_flops(self.model.config, lengths, [s.response_length for s in samples], forwards=1 + (ref is not None))
+            flops = train_flops(self.model.config, lengths, [s.response_length for s in samples], forwards=(old is not None) + (ref is not None))
             metrics["perf/mfu"] = mfu(flops, elapsed, self.world)
         return metrics
 
@@ -215,7 +222,7 @@ class Actor:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _optimizer_step(self, samples: list[Sample], advantages: list[float], old: list[Tensor], ref: list[Tensor] | None) -> dict[str, float]:
+    def _optimizer_step(self, samples: list[Sample], advantages: list[float], old: list[Tensor] | None, ref: list[Tensor] | None) -> dict[str, float]:
         self.scorer.train()
         self.optimizer.zero_grad(set_to_none=True)
         metrics = self.accumulate_gradients(samples, advantages, old, ref)
@@ -228,9 +235,11 @@ class Actor:
         return metrics
 
     def accumulate_gradients(
-        self, samples: list[Sample], advantages: list[float], old_log_probs: list[Tensor], ref_log_probs: list[Tensor] | None = None
+        self, samples: list[Sample], advantages: list[float], old_log_probs: list[Tensor] | None, ref_log_probs: list[Tensor] | None = None
     ) -> dict[str, float]:
         """Forward/backward this rank's micro-batches of one optimizer step into `.grad` (no step).
+        `old_log_probs` None: the weights have not moved since the rollout's first step, so the
+        forward's own detached log-probs are the old ones (see `train_step`).
 
         Each micro-batch's loss is divided by the step's loss-token count over all ranks (or
         the Dr.GRPO constant), so the accumulated gradient is that of the step's true token
@@ -259,15 +268,17 @@ class Actor:
                 return torch.cat([torch.as_tensor(per_sample[i], dtype=torch.float32) for i in mb.indices]).to(self.device)
 
             mask = flat(masks)
+            old = log_probs.detach() if old_log_probs is None else flat(old_log_probs)
+            rollout_lp = flat([s.rollout_log_probs or [0.0] * s.response_length for s in samples])
             adv = flat([[float(advantages[i])] * s.response_length for i, s in enumerate(samples)])
             pg, m = policy_loss(
                 log_probs,
-                flat(old_log_probs),
+                old,
                 adv,
                 mask,
                 eps_clip=_arg(a, "eps_clip", 0.2),
                 eps_clip_high=getattr(a, "eps_clip_high", None),
-                rollout_log_probs=flat([s.rollout_log_probs for s in samples]) if use_tis else None,
+                rollout_log_probs=rollout_lp if use_tis else None,
                 use_tis=use_tis,
                 tis_clip=_arg(a, "tis_clip", 2.0),
                 agg=agg,
@@ -284,6 +295,9 @@ class Actor:
                 loss = loss + kl_coef * kl
                 m["kl_loss"] = kl.detach()
             m["loss"] = loss.detach()
+            has_rollout = mask * flat([[float(s.rollout_log_probs is not None)] * s.response_length for s in samples])
+            m["_lp_diff_sum"] = ((old - rollout_lp).abs() * has_rollout).sum()
+            m["_lp_diff_count"] = has_rollout.sum()
             (loss * self.world).backward()
             for k, v in m.items():
                 totals[f"train/{k}"] = totals.get(f"train/{k}", 0.0) + float(v)
@@ -411,23 +425,6 @@ class Actor:
 
     def close(self) -> None:
         """Nothing to release for a single-process actor; the distributed one overrides this."""
-
-
-def rollout_logprob_abs_diff(samples: list[Sample], log_probs: list[Tensor]) -> float | None:
-    """Mean |trainer − engine| log-prob over the loss tokens of samples that carry engine log-probs.
-
-    The engine/trainer mismatch in one number: ~0 when both run the same weights in the same
-    precision, and what TIS corrects for when it is not.
-    """
-    total, count = 0.0, 0.0
-    for s, lp in zip(samples, log_probs):
-        if s.rollout_log_probs is None:
-            continue
-        mask = torch.tensor(s.effective_loss_mask(), dtype=torch.float32)
-        diff = (lp.float().cpu() - torch.tensor(s.rollout_log_probs, dtype=torch.float32)).abs()
-        total += float((diff * mask).sum())
-        count += float(mask.sum())
-    return total / count if count else None
 
 
 def _iter_checkpoint(ckpt: Path) -> Iterator[tuple[str, Tensor]]:
