@@ -1,4 +1,4 @@
-"""GRPO really learns: a tiny model's held-out greedy accuracy rises (sync: by ≥ 20 points).
+"""GRPO really learns: a tiny model's held-out greedy accuracy rises by ≥ 20 points, in sync and in async mode.
 
 The warm start is a short supervised run on the training prompts whose targets carry a
 systematic flaw: 70% of them append a stray "0" after the answer (so "6+9=" → "150"). The
@@ -18,6 +18,7 @@ from conftest import run_cli
 
 
 JUNK = 0.7  # share of warm-start targets with the stray "0": above 1/2, so greedy decoding keeps it
+STEPS = 80
 
 
 def warm_start(out: Path, train_path: Path, seed: int = 0) -> Path:
@@ -47,22 +48,22 @@ def warm_start(out: Path, train_path: Path, seed: int = 0) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script, steps, extra, min_gain", [("train.py", 40, [], 0.20), ("train_async.py", 120, ["--use-tis"], 0.10)])
-def test_grpo_gains_held_out(tmp_path, script, steps, extra, min_gain):
-    """Sync must gain 20 points. One-step-off trains on samples one policy version old (with
-    truncated importance sampling) and its batches depend on timing (which requests share an
-    engine step), so it is not reproducible run to run: observed gains 15–40 points, so the
-    bar for it is 10 points (20 points is not yet reliable in async mode)."""
+@pytest.mark.parametrize("script, extra", [("train.py", []), ("train_async.py", ["--use-tis"])])
+def test_grpo_gains_held_out(tmp_path, script, extra):
+    """Both modes must gain 20 points in 80 steps. One-step-off trains on samples one policy
+    version old, with truncated importance sampling. The learning rate matters for it: at 1e-3
+    stale samples made the gain erratic (15–55 points in 8 runs of 120 steps); at 5e-4 the
+    gain was 45–65 points over 7 seeds and sync's 50–60 (no run of either below 45)."""
     from vime.datagen import write_dataset
 
     train, test = write_dataset("addition", tmp_path / "data", n_train=80, n_test=20, seed=0, digits=1)
     model = warm_start(tmp_path, train)
     res = run_cli(script, "--hf-checkpoint", str(model), "--prompt-data", str(train), "--eval-prompt-data", str(test),
                   "--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--rollout-max-response-len", "4",
-                  "--num-rollout", str(steps), "--eval-interval", str(steps), "--lr", "1e-3", "--rollout-shuffle",
+                  "--num-rollout", str(STEPS), "--eval-interval", str(STEPS), "--lr", "5e-4", "--rollout-shuffle",
                   "--runs-dir", str(tmp_path), "--run-name", "grpo", *extra, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
     evals = {r["step"]: r["eval/accuracy"] for r in rows if "eval/accuracy" in r}
-    assert set(evals) == {0, steps}
-    assert evals[steps] - evals[0] >= min_gain, f"held-out greedy accuracy {evals[0]:.2f} → {evals[steps]:.2f}"
+    assert set(evals) == {0, STEPS}
+    assert evals[STEPS] - evals[0] >= 0.20, f"held-out greedy accuracy {evals[0]:.2f} → {evals[STEPS]:.2f}"
