@@ -103,15 +103,26 @@ def main() -> int:
         engine.shutdown()
 
     summaries = [summarize(d) for d in dirs]
-    lines = ["| arm | steady step time (s) | train + push (s) | one step's tokens at full load (s) | bound (s) | step / bound | response tokens / step |", "|---|---:|---:|---:|---:|---:|---:|"]
+
+    def steady(s) -> list[dict]:
+        return [r for r in s.rows if "perf/step_time" in r][1:] or [r for r in s.rows if "perf/step_time" in r]
+
+    # Trainer and engine share the GPU and take turns on it, so a step is also bounded by the sum
+    # of its GPU work: training alone (the sync arm's train time, when there is one) + push +
+    # generation at full load.
+    alone = next((mean([r["perf/train_time"] for r in steady(s)]) for s in summaries if s.mode == "sync"), None)
+    lines = ["| arm | steady step time (s) | train + push (s) | one step's tokens at full load (s) | bound (s) | step / bound | one-GPU sum bound (s) | step / sum | response tokens / step |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in summaries:
-        steps = [r for r in s.rows if "perf/step_time" in r][1:] or [r for r in s.rows if "perf/step_time" in r]
+        steps = steady(s)
         tokens = mean([r["rollout/response_len_mean"] * r["rollout/num_samples"] for r in steps])
-        train_push = mean([r["perf/train_time"] + r.get("perf/update_weights_time", 0.0) for r in steps])
+        push = mean([r.get("perf/update_weights_time", 0.0) for r in steps])
+        train_push = mean([r["perf/train_time"] for r in steps]) + push
         gen = tokens / full
         bound = max(train_push, gen)
         step = mean([r["perf/step_time"] for r in steps])
-        lines.append(f"| {s.mode} | {step:.2f} | {train_push:.2f} | {gen:.2f} | {bound:.2f} | {step / bound:.2f} | {tokens:,.0f} |")
+        total = f"{alone + push + gen:.2f} | {step / (alone + push + gen):.2f}" if alone is not None else "- | -"
+        lines.append(f"| {s.mode} | {step:.2f} | {train_push:.2f} | {gen:.2f} | {bound:.2f} | {step / bound:.2f} | {total} | {tokens:,.0f} |")
     report = "speed (all steps; first arm = speedup reference)\n" + speed_table(summaries) + "\n\nbound (steps 2..N)\n" + "\n".join(lines)
     report += f"\n\nengine at full load: {full:,.0f} output tok/s; total bench time {time.perf_counter() - t0:.0f} s"
     out.mkdir(parents=True, exist_ok=True)
