@@ -146,28 +146,36 @@ def main() -> None:
 
     # ---- vime first: its log-probs are the old log-probs of both loss computations ----
     old = [torch.full((s.response_length,), -1.0) for s in samples]  # replaced by vime's log-probs when it runs
-    try:
-        args = SimpleNamespace(lr=1e-6, clip_grad=1.0, max_tokens_per_gpu=budget, global_batch_size=n, rollout_temperature=1.0, seed=a.seed,
-                               actor_num_nodes=1, actor_num_gpus_per_node=1, gradient_checkpointing=False)
-        actor = launch_actor(args, model_dir, a.device)
-        local = getattr(actor, "local", actor)
-        old = [o.cpu() for o in actor.compute_log_probs(samples)]
-        print(f"vime attention backend: {packed_attention_backend(device, torch.bfloat16 if device.type == 'cuda' else torch.float32)}", flush=True)
+    for compiled in (False, True):
+        tag = " + compile" if compiled else ""
+        try:
+            args = SimpleNamespace(lr=1e-6, clip_grad=1.0, max_tokens_per_gpu=budget, global_batch_size=n, rollout_temperature=1.0, seed=a.seed,
+                                   actor_num_nodes=1, actor_num_gpus_per_node=1, gradient_checkpointing=False, compile=compiled)
+            actor = launch_actor(args, model_dir, a.device)
+            local = getattr(actor, "local", actor)
+            t0 = time.perf_counter()
+            log_probs = [o.cpu() for o in actor.compute_log_probs(samples)]
+            if compiled:  # the first call compiles (the forward; the backward compiles in the warm-up step)
+                diff = max(float((x - y).abs().max()) for x, y in zip(log_probs, old))
+                print(f"vime{tag}: first forward {time.perf_counter() - t0:.1f} s; max |log-prob difference| vs eager {diff:.2e}", flush=True)
+            else:
+                old = log_probs
+                print(f"vime attention backend: {packed_attention_backend(device, torch.bfloat16 if device.type == 'cuda' else torch.float32)}", flush=True)
 
-        def vime_fwd_bwd_opt() -> None:
-            local.scorer.train()
-            local.optimizer.zero_grad(set_to_none=True)
-            local.accumulate_gradients(samples, adv, old)
-            local._clip_and_step()
+            def vime_fwd_bwd_opt() -> None:
+                local.scorer.train()
+                local.optimizer.zero_grad(set_to_none=True)
+                local.accumulate_gradients(samples, adv, old)
+                local._clip_and_step()
 
-        record("vime packed+chunked (fwd+bwd+opt)", *timed(vime_fwd_bwd_opt, device, a.steps), step_flops)
-        record("vime train_step", *timed(lambda: actor.train_step(samples, adv), device, a.steps), step_flops)
-        actor.close()
-        del actor, local
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    except Exception:  # keep the baseline's numbers even if this path breaks on some build
-        traceback.print_exc()
+            record(f"vime packed+chunked{tag} (fwd+bwd+opt)", *timed(vime_fwd_bwd_opt, device, a.steps), step_flops)
+            record(f"vime train_step{tag}", *timed(lambda: actor.train_step(samples, adv), device, a.steps), step_flops)
+            actor.close()
+            del actor, local
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        except Exception:  # keep the other rows even if this path breaks on some build
+            traceback.print_exc()
 
     # ---- eager HF baseline ----
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

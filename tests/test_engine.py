@@ -560,6 +560,9 @@ def interpreted_checks(model_dir: str) -> None:
     a, lp_a = kernels.sample(logits, temps, seeds)
     b, lp_b = torch_sample(logits, temps, seeds)
     assert torch.equal(a, b) and torch.allclose(lp_a, lp_b, atol=1e-5)
+    edge = torch.full((1, 4096), -20.0)
+    edge[0, 0] = 20.0
+    assert kernels.sample(edge, torch.ones(1), torch.tensor([2290], dtype=torch.int32))[0].tolist() == [0]  # noise < 1 (see test_sampler_noise_stays_below_one)
 
 
 def check_sampler(sample, rows: int) -> None:
@@ -588,6 +591,23 @@ def torch_sample(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor)
 
 def test_torch_sampler_distribution_and_seeds():
     check_sampler(torch_sample, rows=4000)
+
+
+def test_sampler_noise_stays_below_one():
+    """Seed 2290 hashes column 3788 of a 4096-token vocabulary to the largest 32-bit values'
+    range, where 24-bit noise rounded to exactly 1.0: infinite Gumbel noise, and that column
+    won every draw (also when top-k had filtered it out)."""
+    from vime.engine.core.sampler import M32, SamplingParams, mix32, sample, unit_interval
+
+    assert int(mix32((2290 + 3788 * 0x61C88647) & M32)) >> 8 == 2**24 - 1  # the case is still the edge case
+    top = torch.tensor([M32, M32 - 511, 2**31, 511, 0])
+    u = unit_interval(top)
+    assert bool(((u > 0) & (u < 1)).all()) and u[0] == 1 - 2**-24
+    logits = torch.full((2, 4096), -20.0)
+    logits[:, 0] = 20.0
+    seeds = torch.tensor([2290, 2290], dtype=torch.int32)
+    tokens, lps = sample(logits, [SamplingParams(top_k=4096), SamplingParams(top_k=1)], torch.ones(2), seeds)
+    assert tokens.tolist() == [0, 0] and bool(torch.isfinite(lps).all())
 
 
 # ---- GPU (skipped without CUDA) --------------------------------------------------------

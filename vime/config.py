@@ -82,6 +82,7 @@ class Config:
     global_batch_size: int | None = _f(None, "samples per optimizer step (default: one step per rollout)", group="optimizer")
     max_tokens_per_gpu: int = _f(4096, "micro-batch token budget", group="optimizer")
     gradient_checkpointing: bool = _f(False, "recompute activations in backward", group="optimizer")
+    compile: bool = _f(False, "torch.compile each decoder layer of the trainer's model (one compile serves every layer; shapes dynamic)", group="optimizer")
     logprob_chunk_size: int = _f(1024, "tokens per chunk when log-probs are computed from hidden states (caps the logits memory)", group="optimizer")
     seed: int = _f(1234, "trainer seed", group="optimizer")
     # --- placement and engines ---

@@ -80,6 +80,11 @@ class Actor:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         all_names = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
         self._aliases = all_names - {n for n, _ in self.model.named_parameters()}  # tied names, e.g. lm_head.weight
+        if _arg(args, "compile", False):
+            # per layer, before FSDP wraps them (as torchtitan does): the layers share one code
+            # object, so one compile serves all of them, and packed lengths vary: dynamic shapes
+            for layer in self.model.get_decoder().layers:
+                layer.compile(dynamic=True)
         chunk = _arg(args, "logprob_chunk_size", DEFAULT_CHUNK)
         self.scorer = self._wrap(TokenScorer(self.model, chunk))
         self.tokenizer = load_tokenizer(model_path)
@@ -204,9 +209,9 @@ class Actor:
         self._sync()
         elapsed = time.perf_counter() - t0
         metrics = {k: sum(m[k] for m in steps) / len(steps) for k in steps[0]}
-        # the engine/trainer mismatch in one number (over the first step's proximal log-probs):
-        # ~0 when both run the same weights in the same precision; what TIS corrects for if not
-        diff_sum, diff_count = steps[0].get("train/_lp_diff_sum", 0.0), steps[0].get("train/_lp_diff_count", 0.0)
+        # the engine/trainer mismatch in one number, over all the rollout's tokens: ~0 when both
+        # run the same weights in the same precision; what TIS corrects for if not
+        diff_sum, diff_count = (sum(m.get(f"train/_lp_diff_{k}", 0.0) for m in steps) for k in ("sum", "count"))
         for k in ("train/_lp_diff_sum", "train/_lp_diff_count"):
             metrics.pop(k, None)
         if diff_count:

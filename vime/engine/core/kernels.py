@@ -247,7 +247,7 @@ if AVAILABLE:
             l_i = l_i * tl.exp(m_i - m_new) + tl.where(mask, tl.exp(x - m_new), 0.0)
             m_i = m_new
             h = _mix32((seed + cols.to(tl.int64) * 0x61C88647) & 0xFFFFFFFF)
-            u = ((h >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08  # 2^-24
+            u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2^-23: below 1, see sampler.unit_interval
             score = tl.where(greedy, x, x - tl.log(-tl.log(u)))
             take = score > best  # strict: the earliest index wins ties, as torch.argmax
             best = tl.where(take, score, best)

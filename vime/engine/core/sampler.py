@@ -96,10 +96,17 @@ def step_seeds(seq_seeds, positions):
 
 def uniform_noise(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
     """[B, V] uniforms in (0, 1) from per-row seeds: the PyTorch twin of the Triton sampler's
-    noise (one hash per (row, column), 24 bits kept, so the two paths draw identical tokens)."""
+    noise (one hash per (row, column), the same bits kept, so the two paths draw the same tokens)."""
     cols = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    x = mix32(((seeds.long()[:, None] & M32) + cols[None, :] * _GOLDEN) & M32)
-    return ((x >> 8).float() + 0.5) * 2.0**-24
+    return unit_interval(mix32(((seeds.long()[:, None] & M32) + cols[None, :] * _GOLDEN) & M32))
+
+
+def unit_interval(h: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes → float32 uniforms strictly inside (0, 1). 23 bits are kept: k + 0.5 with
+    k < 2^23 is exact in float32, so the largest value is 1 - 2^-24, never 1.0 (with 24 bits,
+    2^24 - 0.5 rounds up to 2^24, u would be 1.0, its Gumbel noise +inf, and ~V / 2^24 of all
+    draws, about 1% at a 152k vocabulary, would pick that column whatever its probability)."""
+    return ((h >> 9).float() + 0.5) * 2.0**-23
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], temperatures: torch.Tensor, seeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
