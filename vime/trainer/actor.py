@@ -253,7 +253,11 @@ class Actor:
         ranks for the same reason.
         """
         a = self.args
+        # per-sample token tensors, built once per step (each micro-batch concatenates its own)
         masks = [torch.tensor(s.effective_loss_mask(), dtype=torch.float32) for s in samples]
+        adv_tokens = [torch.full((s.response_length,), float(adv)) for s, adv in zip(samples, advantages)]
+        rollout_lps = [torch.tensor(s.rollout_log_probs if s.rollout_log_probs is not None else [0.0] * s.response_length, dtype=torch.float32) for s in samples]
+        has_rollout_lps = [m if s.rollout_log_probs is not None else torch.zeros_like(m) for s, m in zip(samples, masks)]
         num_tokens = float(sum(m.sum() for m in masks))
         agg = "seq_sum_const" if _arg(a, "advantage_estimator", "grpo") == "dr_grpo" else "token_mean"
         max_len = _arg(a, "rollout_max_response_len", max((s.response_length for s in samples), default=1))
@@ -274,8 +278,8 @@ class Actor:
 
             mask = flat(masks)
             old = log_probs.detach() if old_log_probs is None else flat(old_log_probs)
-            rollout_lp = flat([s.rollout_log_probs or [0.0] * s.response_length for s in samples])
-            adv = flat([[float(advantages[i])] * s.response_length for i, s in enumerate(samples)])
+            rollout_lp = flat(rollout_lps)
+            adv = flat(adv_tokens)
             pg, m = policy_loss(
                 log_probs,
                 old,
@@ -300,7 +304,7 @@ class Actor:
                 loss = loss + kl_coef * kl
                 m["kl_loss"] = kl.detach()
             m["loss"] = loss.detach()
-            has_rollout = mask * flat([[float(s.rollout_log_probs is not None)] * s.response_length for s in samples])
+            has_rollout = flat(has_rollout_lps)
             m["_lp_diff_sum"] = ((old - rollout_lp).abs() * has_rollout).sum()
             m["_lp_diff_count"] = has_rollout.sum()
             (loss * self.world).backward()
