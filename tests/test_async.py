@@ -298,5 +298,8 @@ def test_one_step_off_stops_at_once_while_a_generate_is_pending(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert proc.returncode == 130 and err.strip().splitlines()[-1] == "interrupted", err[-3000:]
+    # A sample of the stalled group may open a new HTTP session after the clients were closed;
+    # aiohttp then reports it unclosed at exit (two lines, after ours). Noise, not the error.
+    lines = [line for line in err.strip().splitlines() if not line.startswith(("Unclosed client session", "client_session:"))]
+    assert proc.returncode == 130 and lines[-1] == "interrupted", err[-3000:]
     assert time.monotonic() - stopped < 30  # well before the pending generate's 300 s
