@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 
-.PHONY: install test test-fast demo clean
+.PHONY: install test test-fast test-gpu demo clean
 
 install: $(VENV)/.installed
 
@@ -22,6 +22,11 @@ test: install
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"
+
+# On a GPU machine, from source under its own python3 and torch (no venv): the NCCL weight push,
+# FSDP2 over NCCL, CUDA graphs and Triton kernels. Two GPUs for the first two.
+test-gpu:
+	PYTHONPATH=. $(PYTHON) -m pytest -q -m gpu -p no:cacheprovider tests
 
 demo: install
 	$(BIN)/python examples/demo.py

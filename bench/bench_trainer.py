@@ -15,6 +15,7 @@ tokens, LM head on response tokens, causal attention per sequence) over the 989 
 bf16 peak of an H200, for both rows. Prints a markdown table last.
 
     PYTHONPATH=. python3 bench/bench_trainer.py --device cuda
+    PYTHONPATH=. python3 bench/bench_trainer.py --gpus 1,2 --no-compile --no-hf   # FSDP2 on 1 and 2 GPUs
     PYTHONPATH=. python3 bench/bench_trainer.py --device cpu --tiny     # smoke test
 """
 from __future__ import annotations
@@ -117,6 +118,9 @@ def main() -> None:
     ap.add_argument("--max-tokens-per-gpu", type=int, default=None, help="micro-batch token budget (default 16384; 512 with --tiny)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per variant (after one warm-up)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gpus", default="1", help="comma-separated trainer GPU counts (FSDP2 ranks over NCCL); more than 1 times train_step only")
+    ap.add_argument("--no-compile", action="store_true", help="skip the compiled variant")
+    ap.add_argument("--no-hf", action="store_true", help="skip the HF eager baseline")
     a = ap.parse_args()
     device = torch.device(a.device)
     shape = TINY if a.tiny else QWEN3_06B
@@ -139,18 +143,19 @@ def main() -> None:
     step_flops = train_flops(config, lengths, [s.response_length for s in samples], forwards=0)
     rows: list[tuple[str, float, float, float]] = []
 
-    def record(name: str, seconds: float, peak: float, flops: float) -> None:
-        m = mfu(flops, seconds) if device.type == "cuda" else float("nan")
+    def record(name: str, seconds: float, peak: float, flops: float, gpus: int = 1) -> None:
+        m = mfu(flops, seconds, gpus) if device.type == "cuda" else float("nan")
         rows.append((name, tokens / seconds, m, peak))
         print(f"{name}: {seconds * 1e3:.0f} ms/step, {tokens / seconds:,.0f} tok/s, MFU {m:.1%}, peak {peak:.1f} GiB", flush=True)
 
     # ---- vime first: its log-probs are the old log-probs of both loss computations ----
     old = [torch.full((s.response_length,), -1.0) for s in samples]  # replaced by vime's log-probs when it runs
-    for compiled in (False, True):
-        tag = " + compile" if compiled else ""
+    variants = [(g, c) for g in (int(x) for x in a.gpus.split(",")) for c in ((False,) if a.no_compile else (False, True))]
+    for gpus, compiled in variants:
+        tag = (" + compile" if compiled else "") + (f", {gpus} GPUs (FSDP2)" if gpus > 1 else "")
         try:
             args = SimpleNamespace(lr=1e-6, clip_grad=1.0, max_tokens_per_gpu=budget, global_batch_size=n, rollout_temperature=1.0, seed=a.seed,
-                                   actor_num_nodes=1, actor_num_gpus_per_node=1, gradient_checkpointing=False, compile=compiled)
+                                   actor_num_nodes=1, actor_num_gpus_per_node=gpus, gradient_checkpointing=False, compile=compiled)
             actor = launch_actor(args, model_dir, a.device)
             local = getattr(actor, "local", actor)
             t0 = time.perf_counter()
@@ -158,7 +163,7 @@ def main() -> None:
             if compiled:  # the first call compiles (the forward; the backward compiles in the warm-up step)
                 diff = max(float((x - y).abs().max()) for x, y in zip(log_probs, old))
                 print(f"vime{tag}: first forward {time.perf_counter() - t0:.1f} s; max |log-prob difference| vs eager {diff:.2e}", flush=True)
-            else:
+            elif gpus == 1:
                 old = log_probs
                 print(f"vime attention backend: {packed_attention_backend(device, torch.bfloat16 if device.type == 'cuda' else torch.float32)}", flush=True)
 
@@ -168,8 +173,9 @@ def main() -> None:
                 local.accumulate_gradients(samples, adv, old)
                 local._clip_and_step()
 
-            record(f"vime packed+chunked{tag} (fwd+bwd+opt)", *timed(vime_fwd_bwd_opt, device, a.steps), step_flops)
-            record(f"vime train_step{tag}", *timed(lambda: actor.train_step(samples, adv), device, a.steps), step_flops)
+            if gpus == 1:  # rank 0's Actor alone: only train_step drives every rank
+                record(f"vime packed+chunked{tag} (fwd+bwd+opt)", *timed(vime_fwd_bwd_opt, device, a.steps), step_flops)
+            record(f"vime train_step{tag}", *timed(lambda: actor.train_step(samples, adv), device, a.steps), step_flops, gpus)
             actor.close()
             del actor, local
             if device.type == "cuda":
@@ -177,6 +183,9 @@ def main() -> None:
         except Exception:  # keep the other rows even if this path breaks on some build
             traceback.print_exc()
 
+    if a.no_hf:
+        print_table(rows)
+        return
     # ---- eager HF baseline ----
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").to(device)
@@ -195,7 +204,12 @@ def main() -> None:
     except torch.OutOfMemoryError:
         print("HF eager padded: out of memory", flush=True)
 
-    print(f"\n| variant | tokens/s | MFU (of {PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s) | peak memory GiB |\n|---|---|---|---|")
+    print_table(rows)
+
+
+def print_table(rows: list[tuple[str, float, float, float]]) -> None:
+    """MFU is over every GPU the variant uses; peak memory is rank 0's."""
+    print(f"\n| variant | tokens/s | MFU (of {PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s per GPU) | peak memory GiB (rank 0) |\n|---|---|---|---|")
     for name, tps, m, peak in rows:
         print(f"| {name} | {tps:,.0f} | {m:.1%} | {peak:.1f} |")
 

@@ -337,11 +337,3 @@ def test_packed_batch_matches_padded_hf_forward_log_probs_and_gradients(tiny_mod
     ref_grads = dict(ref.named_parameters())
     for name, p in a.model.named_parameters():
         assert torch.allclose(p.grad, ref_grads[name].grad, atol=1e-5), name
-
-
-def test_nccl_push_buckets_are_flat_single_dtype_and_bounded():
-    from vime.trainer.weights import bucket_by_bytes
-
-    w = {"a": torch.zeros(10), "b": torch.zeros(10), "c": torch.zeros(10, dtype=torch.bfloat16), "d": torch.zeros(100), "e": torch.zeros(2)}
-    # 40 B + 40 B fit 80 B; a dtype change starts a new bucket; 400 B goes alone
-    assert bucket_by_bytes(w, 80) == [["a", "b"], ["c"], ["d"], ["e"]]

@@ -438,7 +438,7 @@ def test_client_errors(client, engine):
     status, body = post_raw(engine.url + "/generate", b'{"sampling_params": {}}')
     assert status == 400 and "missing field 'input_ids'" in body
     status, body = post_raw(engine.url + "/update_weights_from_distributed", b"{}")
-    assert status == 501 and "not implemented" in body
+    assert status == 400 and "call /init_weights_update_group first" in body
 
 
 def test_openai_routes(engine):
@@ -613,6 +613,7 @@ def test_sampler_noise_stays_below_one():
 # ---- GPU (skipped without CUDA) --------------------------------------------------------
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_greedy_cuda_ipc_update_and_memory_release(model_dir, hf, tmp_path):
     import base64
@@ -651,6 +652,7 @@ def test_gpu_greedy_cuda_ipc_update_and_memory_release(model_dir, hf, tmp_path):
         proc.shutdown()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_graphs_match_eager_and_see_weight_updates(model_dir, hf):
     """Replayed decode graphs compute what the eager path does, and weights copied in place

@@ -96,8 +96,13 @@ class Config:
     engine_max_num_seqs: int = _f(256, "max sequences the engine runs at once", group="placement")
     engine_num_kv_blocks: int | None = _f(None, "KV-cache blocks per engine (default: engine's choice)", group="placement")
     update_weights_interval: int = _f(1, "push weights to the engines every K steps", group="placement")
-    weight_transport: str = _f("auto", "how weights reach engines", ("auto", "shm", "disk", "cuda_ipc", "nccl"), group="placement")
+    weight_transport: str = _f(
+        "auto", "how weights reach engines; auto picks per engine: cuda_ipc on the trainer's GPU, nccl on another GPU, shm for a CPU engine here, gloo otherwise",
+        ("auto", "shm", "disk", "cuda_ipc", "nccl", "gloo"), group="placement",
+    )
     update_weight_buffer_size: int = _f(512 * 1024**2, "bytes per bucket when weights are gathered and broadcast", group="placement")
+    update_weights_timeout: float = _f(120.0, "seconds a weight push, or joining the weight group, may take before the run stops with the engine's URL", group="placement")
+    update_weights_master_address: str | None = _f(None, "an address of the trainer's machine that engines on other hosts can reach (nccl/gloo rendezvous); default: loopback, which suffices while every engine runs here", group="placement")
     actor_num_procs: int = _f(1, "CPU only: trainer processes (gloo), to run multi-rank training without GPUs", group="placement")
     # --- evaluation, checkpoints, logging ---
     eval_interval: int | None = _f(None, "evaluate every K steps (and before the first and after the last)", group="eval and output")
@@ -157,6 +162,8 @@ class Config:
             (self.partial_rollout and self.max_staleness is None, "--partial-rollout only applies to decoupled training: add --max-staleness K"),
             (self.rollout_concurrency is not None and self.rollout_concurrency < 1, "--rollout-concurrency must be at least 1"),
             (self.max_tokens_per_gpu < 1, "--max-tokens-per-gpu must be at least 1"),
+            (self.update_weights_timeout <= 0, "--update-weights-timeout must be > 0 seconds"),
+            (self.update_weight_buffer_size < 1, "--update-weight-buffer-size must be at least 1 byte"),
         ]
         if for_eval:
             checks = [c for c in checks if "--prompt-data" not in c[1] and "--num-rollout" not in c[1]]

@@ -22,6 +22,7 @@ from typing import Callable, Iterator
 import torch
 import yaml
 
+from vime.engine.client import EngineError
 from vime.metrics import MetricsLogger, setup_logging
 from vime.models import load_tokenizer, resolve_model
 from vime.placement import Placement, place, trainer_device
@@ -87,7 +88,11 @@ class Trainer:
         try:
             args.rollout_engine_urls = self.placement.urls
             self.clients = engine_clients(args)
-            self.pusher = WeightPusher(self.clients, transport=self.placement.transport, bucket_bytes=args.update_weight_buffer_size)
+            self.pusher = WeightPusher(
+                self.clients, transport=self.placement.transports, bucket_bytes=args.update_weight_buffer_size,
+                timeout=args.update_weights_timeout, master_address=self.placement.master_address,
+            )
+            self.pusher.connect(self.placement.trainer_device)  # a weight group, if any, is formed now, not in step 1
             self.weight_version = 0
             self.start_step = 0
             if args.load:
@@ -111,7 +116,7 @@ class Trainer:
 
         fully_async_rollout.set_trainer_version(self.weight_version)
         log.info("resumed from %s at step %d", ckpt, self.start_step)
-        self.push_weights(bump=False)  # engines started from the base model; give them the resumed weights
+        self.push_weights(self.start_step, bump=False)  # engines started from the base model; give them the resumed weights
 
     def train_on(self, out: RolloutOutput, step: int) -> dict[str, float]:
         """Advantages → optimizer step(s). Returns train metrics + rollout metrics of this batch."""
@@ -126,14 +131,18 @@ class Trainer:
         metrics.update(staleness_metrics(samples, self.weight_version))
         return metrics
 
-    def push_weights(self, bump: bool = True) -> dict[str, float]:
+    def push_weights(self, step: int, bump: bool = True) -> dict[str, float]:
         """pause → push → continue. In-flight requests wait in place (their next tokens come from
         the new weights), except with --partial-rollout, where they are aborted and resumed.
-        `bump=False` re-sends the current version (a resumed run's weights)."""
+        `bump=False` re-sends the current version (a resumed run's weights). A failed push
+        stops the run with the engine's URL and the step."""
         self.weight_version += int(bump)
         t0 = time.perf_counter()
-        with self.generation_paused("abort" if self.args.partial_rollout else "in_place"):
-            metrics = self.pusher.push(self.actor.named_weights(), self.weight_version)
+        try:
+            with self.generation_paused("abort" if self.args.partial_rollout else "in_place"):
+                metrics = self.pusher.push(self.actor.named_weights(), self.weight_version)
+        except EngineError as e:
+            raise EngineError(f"step {step}: {e}") from None
         metrics["perf/update_weights_time"] = time.perf_counter() - t0
         metrics["train/weight_version"] = self.weight_version
         if "vime.rollout.fully_async_rollout" in sys.modules:
@@ -188,6 +197,8 @@ class Trainer:
         steps = []
         if "vime.rollout.fully_async_rollout" in sys.modules:
             steps.append(sys.modules["vime.rollout.fully_async_rollout"].shutdown)
+        if hasattr(self, "pusher"):
+            steps.append(self.pusher.close)
         steps += [close_clients, self.actor.close]
         if hasattr(self, "placement"):
             steps.append(self.placement.shutdown)
@@ -315,5 +326,5 @@ def _train_and_push(t: Trainer, out: RolloutOutput, step: int, before_push: Call
             w0 = time.perf_counter()
             before_push()
             m["perf/push_wait_time"] = time.perf_counter() - w0
-        m.update(t.push_weights())
+        m.update(t.push_weights(step))
     return m

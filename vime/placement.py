@@ -1,12 +1,21 @@
 """Devices → trainer and engine processes, and how weights travel between them.
 
-One machine only for now: the trainer runs in this process, engines are launched as
-subprocesses (or reached by URL with --rollout-engine-urls). The weight transport follows from
-where the two sides sit: shared memory on CPU, CUDA IPC on one GPU, disk otherwise.
+The trainer runs in this process (its other ranks are spawned by it or started by torchrun);
+engines are launched as subprocesses, or reached by URL with --rollout-engine-urls. Each
+engine's weight transport follows from where it sits, as its `/get_model_info` reports it
+(host, device, GPU UUID), so engines given by URL are placed as well as launched ones:
+
+| engine                              | transport |
+|-------------------------------------|-----------|
+| on the trainer's GPU                | cuda_ipc (no copy on the trainer) |
+| on another GPU, this host or another| nccl (flat-bucket broadcast; another host needs --update-weights-master-address) |
+| on CPU, trainer on CPU, this host   | shm (one safetensors file in /dev/shm) |
+| on CPU otherwise                    | gloo (the same broadcast over TCP) |
 """
 from __future__ import annotations
 
 import logging
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,6 +24,7 @@ import torch
 from vime.config import ConfigError
 from vime.engine.client import EngineClient
 from vime.engine.server import EngineProcess, launch_engine
+from vime.engine.weight_sync import apply_gpu_safe_env
 
 log = logging.getLogger("vime")
 
@@ -24,7 +34,8 @@ class Placement:
     trainer_device: str
     engine_devices: list[str]
     urls: list[str]
-    transport: str
+    transports: list[str]  # one per engine
+    master_address: str = "127.0.0.1"  # where engines reach the trainer's weight-group rendezvous
     engines: list[EngineProcess] = field(default_factory=list)
 
     def shutdown(self) -> None:
@@ -57,36 +68,79 @@ def engine_devices(args, trainer: str) -> list[str]:
     return [f"cuda:{i % available}" for i in range(n_engines)]
 
 
-def choose_transport(args, trainer: str, engines: list[str]) -> str:
-    if args.weight_transport != "auto":
-        return args.weight_transport
-    if args.rollout_engine_urls:
-        return "disk"  # an engine we did not start may be on another machine
-    if trainer == "cpu":
-        return "shm"
-    return "cuda_ipc" if all(e == trainer for e in engines) else "disk"
+def choose_transports(args, trainer: str, infos: list[dict]) -> list[str]:
+    """One transport per engine, from where it runs (see the module docstring); an explicit
+    --weight-transport applies to all, checked against where they are."""
+    here = socket.gethostname()
+    trainer_uuid = str(torch.cuda.get_device_properties(torch.device(trainer)).uuid) if trainer.startswith("cuda") else None
+    out = []
+    for info in infos:
+        local = info.get("hostname") == here
+        on_gpu = str(info.get("device", "cpu")).startswith("cuda")
+        same_gpu = trainer_uuid is not None and info.get("device_uuid") == trainer_uuid and local
+        if args.weight_transport != "auto":
+            t = args.weight_transport
+            if t == "nccl" and (trainer == "cpu" or not on_gpu or same_gpu):
+                where = "the trainer runs on CPU" if trainer == "cpu" else f"engine at {info['url']} runs on {'the trainer GPU' if same_gpu else info.get('device')}"
+                raise ConfigError(f"--weight-transport nccl needs trainer and engine on different GPUs ({where}): leave --weight-transport at auto")
+            if t == "cuda_ipc" and not same_gpu:
+                raise ConfigError(f"--weight-transport cuda_ipc needs the engine on the trainer's GPU (engine at {info['url']} runs on {info.get('device')}): leave --weight-transport at auto")
+            if t == "shm" and not local:
+                raise ConfigError(f"--weight-transport shm needs the engine on this host (engine at {info['url']} runs on {info.get('hostname')}): use gloo, nccl or disk")
+            out.append(t)
+        elif same_gpu:
+            out.append("cuda_ipc")
+        elif on_gpu and trainer != "cpu":
+            out.append("nccl")
+        elif not on_gpu and trainer == "cpu" and local:
+            out.append("shm")
+        else:
+            out.append("gloo")
+    return out
+
+
+def master_address(args, infos: list[dict], transports: list[str]) -> str:
+    """The address engines dial for the weight-group rendezvous: loopback while they all run
+    here, else --update-weights-master-address (a one-line error names the engine when unset)."""
+    remote = [i for i, t in zip(infos, transports) if t in ("nccl", "gloo") and i.get("hostname") != socket.gethostname()]
+    if not remote:
+        return args.update_weights_master_address or "127.0.0.1"
+    if not args.update_weights_master_address:
+        i = remote[0]
+        raise ConfigError(f"engine at {i['url']} runs on host {i.get('hostname')}: give --update-weights-master-address, an address of this machine that host can reach")
+    return args.update_weights_master_address
 
 
 def place(args, model_dir: Path, run_dir: Path) -> Placement:
+    apply_gpu_safe_env()  # NVLink multicast off here and in every process started from here
     trainer = trainer_device(args)
     if args.rollout_engine_urls:
-        urls = list(args.rollout_engine_urls)
-        for u in urls:
-            EngineClient(u).health()  # an unreachable engine fails now, with its URL, not mid-run
-        return Placement(trainer, [], urls, choose_transport(args, trainer, []))
-    devices = engine_devices(args, trainer)
-    dtype = "float32" if trainer == "cpu" else "bfloat16"
-    engines = []
+        urls, devices, engines = list(args.rollout_engine_urls), [], []
+    else:
+        devices = engine_devices(args, trainer)
+        dtype = "float32" if trainer == "cpu" else "bfloat16"
+        engines = []
+        try:
+            for i, dev in enumerate(devices):
+                extra = ["--max-num-seqs", str(args.engine_max_num_seqs), "--seed", str(args.rollout_seed + i)]
+                if args.engine_num_kv_blocks:
+                    extra += ["--num-kv-blocks", str(args.engine_num_kv_blocks)]
+                log.info("starting engine %d on %s (log: %s)", i, dev, run_dir / f"engine{i}.log")
+                engines.append(launch_engine(str(model_dir), device=dev, dtype=dtype, extra_args=extra, log_path=run_dir / f"engine{i}.log"))
+        except BaseException:
+            for e in engines:
+                e.shutdown()
+            raise
+        urls = [e.url for e in engines]
     try:
-        for i, dev in enumerate(devices):
-            extra = ["--max-num-seqs", str(args.engine_max_num_seqs), "--seed", str(args.rollout_seed + i)]
-            if args.engine_num_kv_blocks:
-                extra += ["--num-kv-blocks", str(args.engine_num_kv_blocks)]
-            log.info("starting engine %d on %s (log: %s)", i, dev, run_dir / f"engine{i}.log")
-            engines.append(launch_engine(str(model_dir), device=dev, dtype=dtype, extra_args=extra, log_path=run_dir / f"engine{i}.log"))
+        # an unreachable engine fails now, with its URL, not mid-run
+        infos = [{**EngineClient(u, timeout=30).model_info(), "url": u} for u in urls]
+        transports = choose_transports(args, trainer, infos)
+        address = master_address(args, infos, transports)
     except BaseException:
         for e in engines:
             e.shutdown()
         raise
-    urls = [e.url for e in engines]
-    return Placement(trainer, devices, urls, choose_transport(args, trainer, devices), engines)
+    for u, t in zip(urls, transports):
+        log.info("engine %s: weights by %s", u, t)
+    return Placement(trainer, devices, urls, transports, address, engines)

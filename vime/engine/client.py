@@ -27,9 +27,11 @@ def _one_line(text: str, limit: int = 500) -> str:
 
 
 class EngineClient:
-    def __init__(self, url: str, timeout: float = 600.0, max_retries: int = 3, retry_backoff: float = 0.2):
+    def __init__(self, url: str, timeout: float = 600.0, max_retries: int = 3, retry_backoff: float = 0.2, control_timeout: float | None = None):
         self.url = url.rstrip("/")
-        self.timeout = timeout
+        self.timeout = timeout  # a generate: long responses take minutes
+        # everything else (pause, push, health): none may hang a run
+        self.control_timeout = min(timeout, 120.0) if control_timeout is None else control_timeout
         self.max_retries = max(1, max_retries)
         self.retry_backoff = retry_backoff
         # aiohttp sessions belong to the loop they were made on; a client may be used from
@@ -113,11 +115,16 @@ class EngineClient:
         return self._request("POST", "/update_weights_from_disk", {"model_path": str(model_path), "weight_version": weight_version})
 
     def init_weights_update_group(self, body: dict) -> dict:
-        """Join the trainer's NCCL group (the engine answers 501 until the NCCL push lands)."""
+        """Ask the engine to join a trainer's weight group (vime/engine/weight_sync.py); answers
+        once it has joined."""
         return self._request("POST", "/init_weights_update_group", body)
 
     def update_weights_from_distributed(self, body: dict) -> dict:
+        """Announce one bucket; answers once the engine has received it and copied it in."""
         return self._request("POST", "/update_weights_from_distributed", body)
+
+    def destroy_weights_update_group(self, body: dict) -> dict:
+        return self._request("POST", "/destroy_weights_update_group", body)
 
     def release_memory_occupation(self) -> dict:
         return self._request("POST", "/release_memory_occupation", {})
@@ -131,14 +138,14 @@ class EngineClient:
         for attempt in range(self.max_retries):
             req = urllib.request.Request(self.url + route, data=data, method=method, headers={"Content-Type": "application/json"})
             try:
-                with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                with urllib.request.urlopen(req, timeout=self.control_timeout) as resp:
                     return json.loads(resp.read() or b"{}")
             except urllib.error.HTTPError as e:
                 raise EngineError(f"engine at {self.url}{route}: HTTP {e.code}: {_one_line(e.read().decode(errors='replace'))}") from None
             except (TimeoutError, urllib.error.URLError) as e:
                 reason = getattr(e, "reason", e)
                 if isinstance(e, TimeoutError) or isinstance(reason, TimeoutError):
-                    raise EngineError(f"engine at {self.url}{route} timed out after {self.timeout:g}s") from None
+                    raise EngineError(f"engine at {self.url}{route} timed out after {self.control_timeout:g}s") from None
                 if not isinstance(reason, ConnectionError):
                     raise EngineError(f"engine at {self.url}{route}: {_one_line(str(reason))}") from None
                 last = reason

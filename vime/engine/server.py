@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterable
 
 from aiohttp import web
 
+from vime.engine import weight_sync
 from vime.engine.client import EngineClient, EngineError
 
 log = logging.getLogger("vime.engine")
@@ -95,6 +96,7 @@ class EngineServer:
         self.fatal: str | None = None  # set if a step raised: the engine state can no longer be trusted
         self._tokenizer = None
         self._tokenizer_lock = asyncio.Lock()
+        self.weight_groups: dict[str, weight_sync.WeightGroup] = {}  # group name → this engine's membership
 
     # ---- the engine thread -------------------------------------------------------------
 
@@ -252,8 +254,61 @@ class EngineServer:
         n = await self.call(lambda: self.engine.update_weights(iter_safetensors(path), version))
         return web.json_response({"success": True, "num_tensors": n, "weight_version": self.engine.weight_version, "time_s": time.perf_counter() - t0})
 
-    async def not_implemented(self, request: web.Request) -> web.Response:
-        return _json_error(501, f"{request.path} (NCCL weight sync) is not implemented in the vime engine yet: use update_weights_from_tensor or update_weights_from_disk")
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        """Join a trainer's weight group (vime/engine/weight_sync.py). Blocks this engine's steps
+        until every member has joined or the timeout passes; a group of the same name left by an
+        earlier trainer is torn down first."""
+        body = await _body(request)
+        address = _field(body, "master_address", str)
+        port = _field(body, "master_port", int)
+        rank = _field(body, "rank_offset", int)
+        world = _field(body, "world_size", int)
+        name = _field(body, "group_name", str, required=False, default="vime-weights")
+        backend = _field(body, "backend", str, required=False, default="nccl")
+        timeout = float(_field(body, "timeout", (int, float), required=False, default=120.0))
+        if backend not in ("nccl", "gloo"):
+            raise BadRequest(f"backend '{backend}': use nccl or gloo")
+        if backend == "nccl" and self.engine.device.type != "cuda":
+            raise BadRequest(f"backend nccl needs a GPU engine; this one runs on {self.engine.device}: use gloo")
+        if not 0 < rank < world:
+            raise BadRequest(f"rank_offset {rank} must be in [1, world_size) (rank 0 is the trainer), world_size {world}")
+        if timeout <= 0:
+            raise BadRequest("timeout must be > 0 seconds")
+        old = self.weight_groups.pop(name, None)
+        if old is not None:
+            old.abort("replaced by a new group of the same name")
+        group = await self.call(lambda: weight_sync.join(backend, address, port, rank, world, name, self.engine.device, timeout))
+        self.weight_groups[name] = group
+        return web.json_response({"success": True, "message": f"joined weight group '{name}' as rank {rank} of {world} ({backend})"})
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        """Receive one announced bucket by broadcast from the trainer and copy it in place. The
+        announced names and shapes are checked against the model before anything is received,
+        so a wrong bucket is a 400 that leaves the weights untouched."""
+        body = await _body(request)
+        name = _field(body, "group_name", str, required=False, default="vime-weights")
+        group = self.weight_groups.get(name)
+        if group is None:
+            raise BadRequest(f"no weight group '{name}': call /init_weights_update_group first")
+        layout = weight_sync.parse_layout(_field(body, "names", list), _field(body, "dtypes", list), _field(body, "shapes", list))
+        load_format = _field(body, "load_format", str, required=False)
+        if load_format not in (None, weight_sync.FLATTENED):
+            raise BadRequest(f"load_format '{load_format}': use {weight_sync.FLATTENED} or leave it out")
+        self.engine.check_weights([(n, s) for n, _, s in layout])
+        version = _field(body, "weight_version", int, required=False)
+        flush = _field(body, "flush_cache", bool, required=False, default=True)
+        t0 = time.perf_counter()
+        receive = weight_sync.receive(group, layout, flattened=load_format is not None)
+        n = await self.call(lambda: self.engine.update_weights(receive, version, flush=flush))
+        return web.json_response({"success": True, "num_tensors": n, "weight_version": self.engine.weight_version, "time_s": time.perf_counter() - t0})
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        name = _field(await _body(request), "group_name", str, required=False, default="vime-weights")
+        group = self.weight_groups.pop(name, None)
+        if group is None:
+            raise BadRequest(f"no weight group '{name}'")
+        await self.call(group.close)
+        return web.json_response({"success": True})
 
     async def release_memory_occupation(self, request: web.Request) -> web.Response:
         await self.call(self.engine.release_memory)
@@ -278,6 +333,9 @@ class EngineServer:
             "model_type": mc.model_type,
             "weight_version": e.weight_version,
             "device": str(e.device),
+            "device_uuid": _device_uuid(e.device),
+            "hostname": socket.gethostname(),
+            "tp_size": 1,
             "dtype": e.cfg.dtype,
             "vocab_size": mc.vocab_size,
             "eos_token_ids": list(mc.eos_token_ids),
@@ -395,8 +453,9 @@ class EngineServer:
             "/flush_cache": self.flush_cache,
             "/update_weights_from_tensor": self.update_weights_from_tensor,
             "/update_weights_from_disk": self.update_weights_from_disk,
-            "/init_weights_update_group": self.not_implemented,
-            "/update_weights_from_distributed": self.not_implemented,
+            "/init_weights_update_group": self.init_weights_update_group,
+            "/update_weights_from_distributed": self.update_weights_from_distributed,
+            "/destroy_weights_update_group": self.destroy_weights_update_group,
             "/release_memory_occupation": self.release_memory_occupation,
             "/resume_memory_occupation": self.resume_memory_occupation,
             "/v1/completions": self.completions,
@@ -407,6 +466,14 @@ class EngineServer:
         for path, handler in {"/health": self.health, "/get_model_info": self.model_info, "/metrics": self.metrics}.items():
             app.router.add_get(path, handler)
         return app
+
+
+def _device_uuid(device) -> str | None:
+    """The GPU's UUID (None on CPU): how a trainer tells whether it shares the engine's GPU, whatever
+    CUDA_VISIBLE_DEVICES each side was started with."""
+    import torch
+
+    return str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None
 
 
 def _sample_json(out, i: int, return_logprob: bool) -> dict:
@@ -569,6 +636,7 @@ def launch_engine(model_path: str, *, port: int | None = None, device: str = "cp
     ]
     root = str(Path(__file__).resolve().parents[2])  # so the child imports this same vime
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    weight_sync.apply_gpu_safe_env(env)  # NVLink multicast stays off in the engine's NCCL (device README)
     with open(log_path, "w") as logf:
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     deadline = time.monotonic() + startup_timeout

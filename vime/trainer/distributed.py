@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from vime.engine.weight_sync import apply_gpu_safe_env
 from vime.trainer.actor import Actor
 
 log = logging.getLogger("vime")
@@ -51,6 +52,7 @@ def launch_actor(args: Any, model_dir: str | Path, device: str = "cpu") -> Actor
     """
     world = world_size(args, device)
     is_cuda = torch.device(device).type == "cuda"
+    apply_gpu_safe_env()  # before any NCCL communicator, and inherited by the ranks spawned below
     if world == 1 and not is_cuda:
         return Actor(args, model_dir, device)
     procs: list[Any] = []

@@ -6,85 +6,111 @@
   disk, including engines on other machines when `tmp_dir` is on a shared filesystem).
 * cuda_ipc: CUDA IPC handles of the trainer's own tensors, for engines on the same GPU; no
   copy on the trainer side at all.
-* nccl: engines on other GPUs (or machines) join an NCCL group with the trainer's rank 0 once
-  (`/init_weights_update_group`); each push then broadcasts the weights in flat buckets of
-  `update_weight_buffer_size` bytes, one dtype per bucket, announcing each bucket's names,
-  dtypes and shapes with `/update_weights_from_distributed` so the engine can post the
-  matching receive. The announcement of bucket k + 1 goes out while bucket k is on the wire.
-  Not exercised by CI (no GPUs there); the engine side is the contract in docs/architecture.md.
+* nccl (GPUs) / gloo (CPU, and what `make test` runs): engines join a process group with the
+  trainer's rank 0 once (`connect`); each push then streams the weights, cast to the engines'
+  dtype, in flat buckets of `bucket_bytes`, each announced over HTTP and broadcast
+  (`vime/engine/weight_sync.py` has the protocol). Bounded: an engine that dies or hangs
+  mid-push fails the push with its URL within `timeout` seconds.
 
-Pausing generation around a push is the train loop's job; this module only moves tensors.
+Each engine has its own transport (a colocated run mixes cuda_ipc for the engine on the
+trainer's GPU with nccl for the others). Pausing generation around a push is the train loop's
+job; this module only moves tensors.
 """
 from __future__ import annotations
 
 import base64
+import logging
 import os
-import socket
 import pickle
 import shutil
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import Tensor
 
-TRANSPORTS = ("auto", "shm", "disk", "cuda_ipc", "nccl")
+from vime.engine import weight_sync
+from vime.engine.client import EngineError
+
+log = logging.getLogger("vime")
+
+TRANSPORTS = ("auto", "shm", "disk", "cuda_ipc", "nccl", "gloo")
+DISTRIBUTED = ("nccl", "gloo")
 DEFAULT_BUCKET_BYTES = 512 * 2**20  # large enough to hide per-bucket latency, small enough to stay cheap to stage
+GROUP_NAME = "vime-weights"
 
 
 class WeightPusher:
     """Pushes named weights to every engine client and stamps them with a weight version."""
 
     def __init__(
-        self, clients: list[Any], transport: str = "auto", tmp_dir: str | Path | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+        self, clients: list[Any], transport: str | list[str] = "auto", tmp_dir: str | Path | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout: float = 120.0, master_address: str = "127.0.0.1",
     ) -> None:
-        if transport not in TRANSPORTS:
-            raise ValueError(f"unknown weight transport {transport!r}: one of {TRANSPORTS}")
-        self.clients = clients
-        self.transport = transport
+        transports = [transport] * len(clients) if isinstance(transport, str) else list(transport)
+        if len(transports) != len(clients):
+            raise ValueError(f"{len(transports)} weight transports for {len(clients)} engines")
+        for t in transports:
+            if t not in TRANSPORTS:
+                raise ValueError(f"unknown weight transport {t!r}: one of {TRANSPORTS}")
+        self.clients = list(clients)
+        self.transports = transports
         self.tmp_dir = Path(tmp_dir) if tmp_dir is not None else None
         self.bucket_bytes = bucket_bytes
-        self._nccl_group: Any = None
+        self.timeout = timeout
+        self.master_address = master_address
+        self._group: weight_sync.WeightGroup | None = None
+        self._engine_dtype: torch.dtype | None = None
 
     def push(self, named_weights: Iterable[tuple[str, Tensor]], version: int) -> dict[str, float]:
-        """Send the weights to all engines; returns perf/update_weights_* metrics."""
-        weights = {name: t.detach().contiguous() for name, t in named_weights}
-        transport = self._resolve(weights)
+        """Send the weights to all engines; returns perf/update_weights_* metrics.
+
+        When every engine receives by broadcast the weights are streamed bucket by bucket (a
+        sharded trainer gathers one bucket at a time); otherwise they are held together once."""
         t0 = time.perf_counter()
-        if transport == "shm":
-            metrics = self._push_shm(weights, version)
-        elif transport == "disk":
-            metrics = self._push_disk(weights, version)
-        elif transport == "nccl":
-            metrics = self._push_nccl(weights, version)
+        if all(t in DISTRIBUTED for t in self.transports):
+            metrics = self._push_distributed(named_weights, version)
         else:
-            metrics = self._push_cuda_ipc(weights, version)
-        metrics["perf/update_weights_bytes"] = float(sum(t.numel() * t.element_size() for t in weights.values()))
+            weights = {name: t.detach().contiguous() for name, t in named_weights}
+            metrics = {}
+            for transport in dict.fromkeys(self._resolve(t, weights) for t in self.transports):
+                clients = [c for c, t in zip(self.clients, self.transports) if self._resolve(t, weights) == transport]
+                if transport == "shm":
+                    metrics.update(self._push_shm(weights, version, clients))
+                elif transport == "disk":
+                    metrics.update(self._push_disk(weights, version, clients))
+                elif transport == "cuda_ipc":
+                    self._push_cuda_ipc(weights, version, clients)
+                else:
+                    metrics.update(self._push_distributed(weights.items(), version))
+            metrics["perf/update_weights_bytes"] = float(sum(t.numel() * t.element_size() for t in weights.values()))
         metrics["perf/update_weights_push_time"] = time.perf_counter() - t0
         return metrics
 
-    def _resolve(self, weights: dict[str, Tensor]) -> str:
+    @staticmethod
+    def _resolve(transport: str, weights: dict[str, Tensor]) -> str:
         """auto: shm for CPU weights, disk for GPU ones (correct whichever GPU the engines use;
-        the placement picks cuda_ipc explicitly when it knows they share the trainer's GPU)."""
-        if self.transport != "auto":
-            return self.transport
-        on_cpu = all(t.device.type == "cpu" for t in weights.values())
-        return "shm" if on_cpu else "disk"
+        the placement picks cuda_ipc or nccl explicitly when it knows where the engines are)."""
+        if transport != "auto":
+            return transport
+        return "shm" if all(t.device.type == "cpu" for t in weights.values()) else "disk"
 
-    def _each_client(self, call: Callable[[Any], Any]) -> None:
+    def _each_client(self, call: Callable[[Any], Any], clients: list[Any] | None = None) -> None:
         """Run `call` on every client concurrently: engines load in parallel, not in turn."""
-        if len(self.clients) <= 1:
-            for c in self.clients:
+        clients = self.clients if clients is None else clients
+        if len(clients) <= 1:
+            for c in clients:
                 call(c)
             return
-        with ThreadPoolExecutor(len(self.clients)) as pool:
-            for future in [pool.submit(call, c) for c in self.clients]:
+        with ThreadPoolExecutor(len(clients)) as pool:
+            for future in [pool.submit(call, c) for c in clients]:
                 future.result()
 
-    def _push_shm(self, weights: dict[str, Tensor], version: int) -> dict[str, float]:
+    def _push_shm(self, weights: dict[str, Tensor], version: int, clients: list[Any]) -> dict[str, float]:
         from safetensors.torch import save_file
 
         base = self.tmp_dir or (Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir()))
@@ -94,12 +120,12 @@ class WeightPusher:
             save_file(weights, str(path), metadata={"format": "pt"})
             write_time = time.perf_counter() - t0
             payload = {"transport": "shm", "path": str(path), "weight_version": version}
-            self._each_client(lambda c: c.update_weights_from_tensor(payload))
+            self._each_client(lambda c: c.update_weights_from_tensor(payload), clients)
         finally:
             path.unlink(missing_ok=True)
         return {"perf/update_weights_write_time": write_time}
 
-    def _push_disk(self, weights: dict[str, Tensor], version: int) -> dict[str, float]:
+    def _push_disk(self, weights: dict[str, Tensor], version: int, clients: list[Any]) -> dict[str, float]:
         from safetensors.torch import save_file
 
         if self.tmp_dir is not None:
@@ -109,98 +135,164 @@ class WeightPusher:
         try:
             save_file({k: t.cpu() for k, t in weights.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
             write_time = time.perf_counter() - t0
-            self._each_client(lambda c: c.update_weights_from_disk(str(out), version))
+            self._each_client(lambda c: c.update_weights_from_disk(str(out), version), clients)
         finally:
             shutil.rmtree(out, ignore_errors=True)
         return {"perf/update_weights_write_time": write_time}
 
-    def _push_cuda_ipc(self, weights: dict[str, Tensor], version: int) -> dict[str, float]:
+    def _push_cuda_ipc(self, weights: dict[str, Tensor], version: int, clients: list[Any]) -> None:
         from torch.multiprocessing.reductions import reduce_tensor
 
         # `weights` keeps the tensors alive until every engine has copied from them.
         handles = [(name, reduce_tensor(t)) for name, t in weights.items()]
         payload = {"transport": "cuda_ipc", "handles": base64.b64encode(pickle.dumps(handles)).decode(), "weight_version": version}
-        self._each_client(lambda c: c.update_weights_from_tensor(payload))
-        return {}
+        self._each_client(lambda c: c.update_weights_from_tensor(payload), clients)
 
-    # ---- nccl ------------------------------------------------------------------------
+    # ---- nccl / gloo ---------------------------------------------------------------------
 
-    def _join_nccl_group(self, device: torch.device) -> Any:
-        """Form the trainer (rank 0) + engines NCCL group, once per run.
+    def connect(self, device: str | torch.device) -> None:
+        """Form the weight group with every engine that receives by broadcast, once per run (at
+        start-up, so NCCL's set-up is not charged to the first step's push). No-op otherwise.
 
-        A group of its own (TCPStore + ProcessGroupNCCL), apart from the trainer's FSDP group:
-        engines are not trainer ranks. Engine i holds ranks 1 + i·tp .. (i+1)·tp of it; each
-        engine's `/init_weights_update_group` returns once it has joined, so the calls run in
-        threads while this side joins.
-        """
-        if self._nccl_group is not None:
-            return self._nccl_group
-        from torch.distributed import ProcessGroupNCCL, TCPStore  # CUDA builds only
-
-        host = socket.gethostbyname(socket.gethostname())
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        infos = [c.model_info() for c in self.clients]
-        tp = [int(i.get("tp_size", 1)) for i in infos]
-        world = 1 + sum(tp)
-        store = TCPStore(host, port, world, is_master=True)
-        offsets = [1 + sum(tp[:i]) for i in range(len(tp))]
-        with ThreadPoolExecutor(len(self.clients)) as pool:
-            joins = [
-                pool.submit(c.init_weights_update_group, {
-                    "master_address": host, "master_port": port, "rank_offset": off, "world_size": world,
-                    "group_name": "vime-weights", "backend": "nccl",
+        The trainer's rank 0 is rank 0 of the group; engine i holds ranks `rank_offset` ..
+        `rank_offset + tp − 1`. The engines' join calls run in threads while this side joins;
+        any of them failing (an engine that died or refused) ends the wait at once."""
+        dist_clients = self._clients_of(DISTRIBUTED)
+        if not dist_clients or self._group is not None:
+            return
+        backend = self._backend()
+        device = torch.device(device) if backend == "nccl" else torch.device("cpu")
+        deadline = time.monotonic() + self.timeout
+        pool = ThreadPoolExecutor(len(dist_clients), thread_name_prefix="vime-weights")
+        try:
+            asked = {c: pool.submit(c.model_info) for c in dist_clients}
+            infos = [_result(c, f, "reading its model info", max(0.0, deadline - time.monotonic())) for c, f in asked.items()]
+            self._engine_dtype = _common_dtype(infos, [c.url for c in dist_clients])
+            tp = [int(i.get("tp_size", 1)) for i in infos]
+            world = 1 + sum(tp)
+            store = weight_sync.open_store(self.master_address, 0, world, self.timeout)
+            offsets = [1 + sum(tp[:i]) for i in range(len(tp))]
+            joins = {
+                c: pool.submit(c.init_weights_update_group, {
+                    "master_address": self.master_address, "master_port": store.port, "rank_offset": off, "world_size": world,
+                    "group_name": GROUP_NAME, "backend": backend, "timeout": self.timeout,
                 })
-                for c, off in zip(self.clients, offsets)
-            ]
-            torch.cuda.set_device(device)
-            self._nccl_group = ProcessGroupNCCL(store, 0, world)
-            for j in joins:
-                j.result()
-        return self._nccl_group
+                for c, off in zip(dist_clients, offsets)
+            }
+            check = _failed_calls(joins, "joining the weight group")
+            self._group = weight_sync.join(backend, self.master_address, store.port, 0, world, GROUP_NAME, device, self.timeout, store=store, check=check)
+            for c, f in joins.items():
+                _result(c, f, "joining the weight group", max(0.0, deadline - time.monotonic()))
+        except weight_sync.WeightSyncError as e:
+            raise EngineError(f"weight group ({backend}) with {', '.join(c.url for c in dist_clients)}: {e}") from None
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
 
-    def _push_nccl(self, weights: dict[str, Tensor], version: int) -> dict[str, float]:
-        device = next(iter(weights.values())).device
-        if device.type != "cuda":
-            raise ValueError("the nccl weight transport needs the weights on a CUDA device")
-        group = self._join_nccl_group(device)
-        buckets = bucket_by_bytes(weights, self.bucket_bytes)
-        with ThreadPoolExecutor(max(1, len(self.clients))) as pool:
-            def announce(k: int) -> list[Any]:
-                names = buckets[k]
+    def _push_distributed(self, weights: Iterable[tuple[str, Tensor]], version: int) -> dict[str, float]:
+        """Broadcast flat buckets (`load_format: flattened_bucket`) to every engine of the group.
+
+        Per bucket: announce it to the engines (HTTP, in threads), broadcast it, then wait for the
+        broadcast and for every engine's answer together. An engine that dies or refuses ends the
+        wait at once and aborts the group; the whole push is bounded by the timeout."""
+        stream = iter(weights)
+        first = next(stream, None)
+        if first is None:
+            return {}
+        if self._group is None:
+            self.connect(first[1].device)
+        group = self._group
+        assert group is not None and self._engine_dtype is not None
+        clients = self._clients_of(DISTRIBUTED)
+        device = group.device
+        deadline = time.monotonic() + self.timeout
+        nbuckets = 0
+        nbytes = 0
+        pool = ThreadPoolExecutor(len(clients), thread_name_prefix="vime-weights")
+        try:
+            buckets = weight_sync.pack(_chain(first, stream), self.bucket_bytes, self._engine_dtype, device)
+            current = next(buckets)
+            while current is not None:
+                items, flat = current
+                following = next(buckets, None)  # staged now: the last bucket must say it is the last
+                nbuckets += 1
+                nbytes += flat.numel() * flat.element_size()
                 body = {
-                    "names": names,
-                    "dtypes": [str(weights[n].dtype).removeprefix("torch.") for n in names],
-                    "shapes": [list(weights[n].shape) for n in names],
+                    "names": [n for n, _ in items],
+                    "dtypes": [str(self._engine_dtype).removeprefix("torch.")] * len(items),
+                    "shapes": [list(t.shape) for _, t in items],
+                    "group_name": GROUP_NAME,
                     "weight_version": version,
-                    "flush_cache": k == len(buckets) - 1,  # the new version is complete with the last bucket
+                    "flush_cache": following is None,  # cached prefixes hold KV of the old weights
+                    "load_format": weight_sync.FLATTENED,
                 }
-                return [pool.submit(c.update_weights_from_distributed, body) for c in self.clients]
+                what = f"weight push v{version}, bucket {nbuckets}"
+                calls = {c: pool.submit(c.update_weights_from_distributed, body) for c in clients}
+                group.wait(group.broadcast(flat), what, _failed_calls(calls, what), deadline)
+                for c, f in calls.items():
+                    _result(c, f, what, max(0.0, deadline - time.monotonic()))
+                current = following
+        except (weight_sync.WeightSyncError, EngineError) as e:
+            group.abort(str(e))
+            for _ in stream:  # a sharded trainer's other ranks gather every tensor: go along to the end
+                pass
+            if isinstance(e, EngineError):
+                raise
+            raise EngineError(f"weight push v{version} to {', '.join(c.url for c in clients)}: {e}") from None
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+        return {"perf/update_weights_buckets": float(nbuckets), "perf/update_weights_bytes": float(nbytes)}
 
-            pending = announce(0)
-            for k, names in enumerate(buckets):
-                flat = torch.cat([weights[n].reshape(-1) for n in names])
-                work = group.broadcast([flat], torch.distributed.BroadcastOptions())
-                following = announce(k + 1) if k + 1 < len(buckets) else []
-                work.wait()
-                for f in pending:
-                    f.result()  # the engine has copied bucket k into its parameters
-                pending = following
-        return {"perf/update_weights_buckets": float(len(buckets))}
+    def _clients_of(self, transports: tuple[str, ...]) -> list[Any]:
+        return [c for c, t in zip(self.clients, self.transports) if t in transports]
+
+    def _backend(self) -> str:
+        kinds = {t for t in self.transports if t in DISTRIBUTED}
+        if len(kinds) > 1:
+            raise ValueError("one weight group per run: the engines' transports mix nccl and gloo")
+        return kinds.pop()
+
+    def close(self) -> None:
+        """Leave the weight group (engines forget it, so another trainer can join them later)."""
+        if self._group is None:
+            return
+        group, self._group = self._group, None
+        for c in self._clients_of(DISTRIBUTED):
+            try:
+                c.destroy_weights_update_group({"group_name": GROUP_NAME})
+            except EngineError as e:
+                log.debug("leaving the weight group at %s: %s", c.url, e)
+        group.close()
 
 
-def bucket_by_bytes(weights: dict[str, Tensor], bucket_bytes: int) -> list[list[str]]:
-    """Names in order, cut into runs of one dtype and at most `bucket_bytes` (a larger tensor
-    goes alone): each bucket is one flat buffer, one broadcast."""
-    buckets: list[list[str]] = []
-    size = 0
-    for name, t in weights.items():
-        nbytes = t.numel() * t.element_size()
-        if buckets and size + nbytes <= bucket_bytes and weights[buckets[-1][0]].dtype == t.dtype:
-            buckets[-1].append(name)
-            size += nbytes
-        else:
-            buckets.append([name])
-            size = nbytes
-    return buckets
+def _chain(first: tuple[str, Tensor], rest: Iterator[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+    yield first
+    yield from rest
+
+
+def _common_dtype(infos: list[dict], urls: list[str]) -> torch.dtype:
+    """The dtype the engines hold their weights in (pushed in it, so no engine casts)."""
+    names = {str(i.get("dtype", "bfloat16")) for i in infos}
+    if len(names) != 1 or next(iter(names)) not in weight_sync.DTYPES:
+        raise EngineError(f"engines at {', '.join(urls)} report weight dtypes {sorted(names)}: start them with one --dtype (float32, bfloat16 or float16)")
+    return weight_sync.DTYPES[names.pop()]
+
+
+def _failed_calls(calls: dict[Any, Future], what: str) -> Callable[[], None]:
+    """A check for WeightGroup.wait: raises as soon as any engine's HTTP call has failed."""
+
+    def check() -> None:
+        for client, f in calls.items():
+            if f.done() and f.exception() is not None:
+                _result(client, f, what, 0)
+
+    return check
+
+
+def _result(client: Any, f: Future, what: str, timeout: float) -> Any:
+    """The call's answer, or an EngineError naming the engine and what it was doing."""
+    try:
+        return f.result(timeout=timeout)
+    except FutureTimeout:
+        raise EngineError(f"engine at {client.url} did not answer ({what}) in time") from None
+    except EngineError as e:
+        raise EngineError(f"{what}: {e}") from None

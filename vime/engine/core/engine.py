@@ -229,16 +229,29 @@ class LLMEngine:
         self.paused = False
 
     @torch.no_grad()
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], weight_version: int | None = None) -> int:
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], weight_version: int | None = None, flush: bool = True) -> int:
         """Copy HF-named tensors into the model in place; cached prefixes computed with the old
-        weights are forgotten. Returns the number of tensors loaded. If a tensor is refused
-        part-way, the weights are a mix and the version is left as it was: push again."""
+        weights are forgotten (`flush=False`: not yet, more buckets of the same update follow).
+        Returns the number of tensors loaded. If a tensor is refused part-way, the weights are a
+        mix and the version is left as it was: push again."""
         try:
             n = len(self.model.load_weights(weights))
         finally:
-            self.allocator.flush()
+            if flush:
+                self.allocator.flush()
         self.weight_version = self.weight_version + 1 if weight_version is None else int(weight_version)
         return n
+
+    def check_weights(self, layout: Iterable[tuple[str, tuple[int, ...]]]) -> None:
+        """KeyError / ValueError naming the first announced weight this model does not have, or
+        has in another shape: checked before a broadcast is received, so nothing is half-loaded."""
+        params = self.model.named_weights()
+        for name, shape in layout:
+            p = params.get(name)
+            if p is None:
+                raise KeyError(f"weight '{name}' does not exist in this {self.model_config.model_type} model")
+            if tuple(p.shape) != tuple(shape):
+                raise ValueError(f"weight '{name}' has shape {tuple(shape)}, the model expects {tuple(p.shape)}")
 
     def flush_cache(self) -> None:
         self.allocator.flush()

@@ -1,0 +1,100 @@
+"""GPU checks, run on a GPU machine with `make test-gpu` (never in CI, which has no GPU; here
+every test skips). With two GPUs: the NCCL weight push into an engine on the other GPU, and
+FSDP2 on two ranks over NCCL against one rank. The CUDA-graph and CUDA-IPC checks live beside
+the rest of the engine's tests (tests/test_engine.py, marked `gpu` as well).
+"""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from vime.engine.client import EngineClient
+from vime.engine.core.model import iter_safetensors
+from vime.engine.server import launch_engine
+from vime.models import make_tiny_model
+
+pytestmark = pytest.mark.gpu
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+
+PROMPTS = [[40, 41, 42], [50, 60, 70, 80, 90], list(range(10, 33))]
+
+
+def greedy(url: str, n: int = 16) -> list[tuple[list[int], list[float]]]:
+    client = EngineClient(url)
+
+    async def main():  # one request at a time: the same batches in both engines
+        try:
+            return [await client.generate(p, {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}) for p in PROMPTS]
+        finally:
+            await client.close()
+
+    return [(o["output_ids"], o["meta_info"]["output_token_logprobs"]) for o in asyncio.run(main())]
+
+
+@two_gpus
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_nccl_push_equals_loading_from_disk(tmp_path, dtype):
+    """Trainer tensors on GPU 0 (float32, as FSDP2's master copy) → engine on GPU 1 over NCCL,
+    cast to the engine's dtype on the way; the engine then generates what an engine loaded
+    from those weights on disk (on the same GPU) generates."""
+    from vime.trainer.weights import WeightPusher
+
+    a = make_tiny_model(tmp_path / "a", arch="qwen3", seed=0, vocab_size=4096)
+    b = make_tiny_model(tmp_path / "b", arch="qwen3", seed=1, vocab_size=4096)
+    pushed = launch_engine(str(a), device="cuda:1", dtype=dtype, extra_args=["--num-kv-blocks", "512"], log_path=tmp_path / "pushed.log")
+    try:
+        reference = launch_engine(str(b), device="cuda:1", dtype=dtype, extra_args=["--num-kv-blocks", "512"], log_path=tmp_path / "ref.log")
+        try:
+            expected = greedy(reference.url)
+        finally:
+            reference.shutdown()
+        client = EngineClient(pushed.url)
+        assert greedy(pushed.url) != expected
+        pusher = WeightPusher([client], "nccl", bucket_bytes=256 * 1024, timeout=60)
+        pusher.connect("cuda:0")
+        weights = [(n, t.to("cuda:0", torch.float32)) for n, t in iter_safetensors(b)]
+        m = pusher.push(iter(weights), version=3)
+        assert m["perf/update_weights_buckets"] > 1
+        assert client.model_info()["weight_version"] == 3
+        got = greedy(pushed.url)
+        for (t1, lp1), (t2, lp2) in zip(got, expected):
+            assert t1 == t2
+            assert torch.allclose(torch.tensor(lp1), torch.tensor(lp2), atol=1e-5)
+        pusher.close()
+    finally:
+        pushed.shutdown()
+
+
+@two_gpus
+def test_fsdp2_two_ranks_match_one_rank(tmp_path):
+    """The same GRPO step on FSDP2 over 1 and 2 NCCL ranks: same loss and log-probs within
+    bfloat16 tolerance (bf16 compute, float32 master weights on both)."""
+    from test_actor import make_args, make_samples
+
+    from vime.trainer.distributed import launch_actor
+
+    model = make_tiny_model(tmp_path / "m", arch="qwen3", seed=0)
+    samples = make_samples(6)
+    advantages = [1.0, -0.5, 0.25, -1.0, 2.0, -0.75]
+    results = []
+    for gpus in (1, 2):
+        actor = launch_actor(make_args(actor_num_gpus_per_node=gpus, global_batch_size=6, max_tokens_per_gpu=64), model, "cuda:0")
+        try:
+            lp = [t.float().cpu() for t in actor.compute_log_probs(samples)]
+            m = actor.train_step(samples, advantages)
+            w = {n: t.float().cpu() for n, t in actor.named_weights()}
+        finally:
+            actor.close()
+        results.append((lp, m, w))
+    (lp1, m1, w1), (lp2, m2, w2) = results
+    for x, y in zip(lp1, lp2):
+        assert torch.allclose(x, y, atol=2e-2)
+    for k in ("train/loss", "train/pg_loss", "train/grad_norm"):
+        assert abs(m1[k] - m2[k]) <= 2e-2 * max(1.0, abs(m1[k])), (k, m1[k], m2[k])
+    moved = [n for n in w1 if not torch.equal(w1[n], w2[n])]
+    assert sorted(w1) == sorted(w2)
+    # float32 master weights after one AdamW step of lr 1e-3: within a step's size of each other
+    for n in w1:
+        assert torch.allclose(w1[n], w2[n], atol=2.5e-3), (n, moved[:3])

@@ -1,0 +1,217 @@
+"""The distributed weight push (trainer rank 0 → engines by broadcast) on CPU over gloo: the same
+code path NCCL takes between GPUs (`vime/engine/weight_sync.py`), with real engine servers.
+
+An engine that received a push must generate exactly what an engine loaded from the same
+weights on disk generates: same greedy tokens, same log-probs (float32, both on CPU: equal,
+not close). Failures end in bounded time with the engine's URL.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+
+import pytest
+import torch
+
+from vime.config import ConfigError, Config
+from vime.engine.client import EngineClient, EngineError
+from vime.engine.core.model import iter_safetensors
+from vime.engine.server import launch_engine
+from vime.engine.weight_sync import WeightSyncError, join, open_store, pack
+from vime.models import make_tiny_model
+from vime.placement import choose_transports, master_address
+from vime.trainer.weights import WeightPusher
+
+PROMPTS = [[40, 41, 42], [50, 60, 70, 80, 90], list(range(10, 33))]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Two tiny models of one shape and different weights: the engines start from `a`, the
+    trainer pushes `b`."""
+    root = tmp_path_factory.mktemp("sync")
+    return make_tiny_model(root / "a", arch="qwen3", seed=0), make_tiny_model(root / "b", arch="qwen3", seed=1)
+
+
+def greedy_outputs(url: str) -> list[tuple[list[int], list[float], list[int]]]:
+    """(tokens, log-probs, weight versions) of 12 greedy tokens for each prompt, one request at a
+    time: the same batches in every engine, so equal weights give equal floats."""
+    client = EngineClient(url)
+
+    async def main():
+        try:
+            outs = [await client.generate(p, {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}) for p in PROMPTS]
+        finally:
+            await client.close()
+        return [(o["output_ids"], o["meta_info"]["output_token_logprobs"], o["meta_info"]["output_weight_versions"]) for o in outs]
+
+    return asyncio.run(main())
+
+
+def test_gloo_push_into_two_engines_equals_loading_from_disk(models):
+    a, b = models
+    engines = [launch_engine(str(a)) for _ in range(2)]
+    reference = launch_engine(str(b))
+    try:
+        before = greedy_outputs(engines[0].url)
+        expected = greedy_outputs(reference.url)
+        assert [t for t, _, _ in before] != [t for t, _, _ in expected]  # the push has something to change
+
+        clients = [EngineClient(e.url) for e in engines]
+        # 64 KiB buckets: the 0.35 MB model goes in several, so bucket boundaries are exercised
+        pusher = WeightPusher(clients, "gloo", bucket_bytes=64 * 1024, timeout=30)
+        pusher.connect("cpu")
+        weights = list(iter_safetensors(b))
+        metrics = pusher.push(iter(weights), version=7)
+        assert metrics["perf/update_weights_buckets"] > 1
+        assert metrics["perf/update_weights_bytes"] == sum(t.numel() * t.element_size() for _, t in weights)
+        for c in clients:
+            assert c.model_info()["weight_version"] == 7
+            got = greedy_outputs(c.url)
+            assert [(t, lp) for t, lp, _ in got] == [(t, lp) for t, lp, _ in expected]  # bit for bit
+            assert all(v == [7] * 12 for _, _, v in got)
+
+        # a second push on the same group: the group lives across pushes
+        pusher.push(iter_safetensors(a), version=8)
+        assert greedy_outputs(clients[1].url) == [(t, lp, [8] * 12) for t, lp, _ in before]
+        pusher.close()
+        with pytest.raises(EngineError, match="no weight group"):  # the engines left the group
+            clients[0].update_weights_from_distributed({"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[1]]})
+    finally:
+        for e in [*engines, reference]:
+            e.shutdown()
+
+
+def test_announced_bucket_is_checked_before_anything_is_received(models):
+    a, _ = models
+    engine = launch_engine(str(a))
+    try:
+        client = EngineClient(engine.url)
+        body = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]], "load_format": "flattened_bucket"}
+        with pytest.raises(EngineError, match="HTTP 400.*init_weights_update_group first"):
+            client.update_weights_from_distributed(body)
+        pusher = WeightPusher([client], "gloo", timeout=20)
+        pusher.connect("cpu")
+        for bad, match in [
+            ({"names": ["model.nope.weight"]}, "does not exist"),
+            ({"shapes": [[65]]}, r"shape \(65,\)"),
+            ({"dtypes": ["int8"]}, "dtype 'int8'"),
+            ({"load_format": "zip"}, "load_format 'zip'"),
+            ({"names": ["model.norm.weight", "x"]}, "one length"),
+        ]:
+            with pytest.raises(EngineError, match=f"HTTP 400.*{match}"):
+                client.update_weights_from_distributed({**body, "group_name": "vime-weights", **bad})
+        # nothing was received or changed, and the group still works
+        assert client.model_info()["weight_version"] == 0
+        pusher.push(iter_safetensors(a), version=1)
+        assert client.model_info()["weight_version"] == 1
+        pusher.close()
+    finally:
+        engine.shutdown()
+
+
+def test_engine_killed_mid_push_stops_the_push_in_bounded_time_naming_it(models):
+    a, b = models
+    engine = launch_engine(str(a))
+    try:
+        client = EngineClient(engine.url)
+        pusher = WeightPusher([client], "gloo", bucket_bytes=16 * 1024, timeout=60)
+        pusher.connect("cpu")
+
+        def weights_then_kill():
+            for i, item in enumerate(iter_safetensors(b)):
+                if i == 6:  # a few buckets are through: the engine dies mid-push
+                    engine.proc.send_signal(signal.SIGKILL)
+                    engine.proc.wait()
+                yield item
+
+        t0 = time.monotonic()
+        with pytest.raises(EngineError) as err:
+            pusher.push(weights_then_kill(), version=1)
+        assert time.monotonic() - t0 < 30  # the dead engine is noticed, not waited out (timeout 60 s)
+        assert engine.url in str(err.value) and "weight push v1" in str(err.value)
+        with pytest.raises(EngineError, match="unusable"):  # the group was aborted: no silent reuse
+            pusher.push(iter_safetensors(b), version=2)
+    finally:
+        engine.shutdown()
+
+
+def test_engine_that_hangs_fails_the_join_within_the_timeout(models):
+    a, _ = models
+    engine = launch_engine(str(a))
+    try:
+        engine.proc.send_signal(signal.SIGSTOP)  # alive, but answers nothing
+        pusher = WeightPusher([EngineClient(engine.url, control_timeout=60)], "gloo", timeout=3)
+        t0 = time.monotonic()
+        with pytest.raises(EngineError, match=f"engine at {engine.url} did not answer"):
+            pusher.connect("cpu")
+        assert time.monotonic() - t0 < 20  # the pusher's 3 s, not the client's 60 s
+    finally:
+        engine.proc.send_signal(signal.SIGCONT)
+        engine.shutdown()
+
+
+def test_a_member_that_never_comes_ends_the_rendezvous_at_the_timeout():
+    store = open_store("127.0.0.1", 0, 2, timeout=2)
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncError, match="1 of 2 members joined within 2s"):
+        join("gloo", "127.0.0.1", store.port, 0, 2, "lonely", torch.device("cpu"), 2, store=store)
+    assert time.monotonic() - t0 < 10
+
+
+def test_train_loop_pushes_over_gloo(tmp_path, tiny_model, addition_data):
+    """train.py with --weight-transport gloo: after every push the engine samples from the
+    trainer's new weights (its log-probs match the trainer's recompute), and the weights did
+    move (so a missing push would show as a log-prob gap)."""
+    from conftest import run_cli
+    from test_train import read_rows
+
+    train, _ = addition_data
+    out = run_cli(
+        "train.py", "--hf-checkpoint", str(tiny_model), "--prompt-data", str(train), "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
+        "--rollout-max-response-len", "6", "--lr", "2e-2", "--num-rollout", "3", "--custom-rm-path", "varied_reward.digit_share",
+        "--weight-transport", "gloo", "--update-weight-buffer-size", "65536", "--runs-dir", str(tmp_path), "--run-name", "g", timeout=180,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [r for r in read_rows(tmp_path / "g") if "perf/step_time" in r]
+    assert [r["train/weight_version"] for r in rows] == [1, 2, 3]
+    assert all(r["perf/update_weights_buckets"] > 1 for r in rows)
+    assert all(r["train/grad_norm"] > 0 for r in rows)
+    for r in rows[1:]:  # generated after a push
+        assert r["train/train_rollout_logprob_abs_diff"] < 1e-4, r["train/train_rollout_logprob_abs_diff"]
+    assert "weights by gloo" in (tmp_path / "g" / "log.txt").read_text()
+
+
+# ---- placement: which transport for which engine -------------------------------------------
+
+
+def _info(url: str, device: str = "cpu", host: str | None = None) -> dict:
+    return {"url": url, "device": device, "device_uuid": None, "hostname": host or socket.gethostname()}
+
+
+def test_placement_picks_a_transport_per_engine():
+    cfg = Config()
+    assert choose_transports(cfg, "cpu", [_info("u0"), _info("u1", host="elsewhere")]) == ["shm", "gloo"]
+    assert master_address(Config(update_weights_master_address="10.0.0.5"), [_info("u1", host="elsewhere")], ["gloo"]) == "10.0.0.5"
+    assert master_address(cfg, [_info("u0")], ["shm"]) == "127.0.0.1"
+    with pytest.raises(ConfigError, match="u1 runs on host elsewhere: give --update-weights-master-address"):
+        master_address(cfg, [_info("u1", host="elsewhere")], ["gloo"])
+    with pytest.raises(ConfigError, match="nccl needs trainer and engine on different GPUs"):
+        choose_transports(Config(weight_transport="nccl"), "cpu", [_info("u0")])
+    with pytest.raises(ConfigError, match="cuda_ipc needs the engine on the trainer's GPU"):
+        choose_transports(Config(weight_transport="cuda_ipc"), "cpu", [_info("u0")])
+    assert choose_transports(Config(weight_transport="disk"), "cpu", [_info("u0")]) == ["disk"]
+
+
+def test_buckets_are_flat_bounded_and_cast_to_the_engine_dtype():
+    g = torch.Generator().manual_seed(0)
+    w = [("a", torch.randn(10, generator=g)), ("b", torch.randn(2, 5, generator=g)), ("c", torch.randn(100, generator=g)), ("d", torch.randn(3, generator=g))]
+    # 40 elements of bfloat16 per bucket: a+b fit, c (100) goes alone, d starts the next
+    buckets = list(pack(iter(w), 80, torch.bfloat16, torch.device("cpu")))
+    assert [[n for n, _ in items] for items, _ in buckets] == [["a", "b"], ["c"], ["d"]]
+    for items, flat in buckets:
+        assert flat.dtype == torch.bfloat16 and flat.dim() == 1
+        assert torch.equal(flat, torch.cat([t.reshape(-1) for _, t in items]).to(torch.bfloat16))
