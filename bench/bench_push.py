@@ -166,10 +166,13 @@ def main() -> int:
             print(f"[push] joined the {transport} weight group in {time.perf_counter() - t0:.2f} s", flush=True)
             timed_pushes(actor, client, pusher, 2, 1000)  # warm-up: allocator, first buckets
             results[f"idle, {bucket_mib} MiB buckets"] = timed_pushes(actor, client, pusher, a.pushes, 1)
+            print_row(f"idle, {bucket_mib} MiB buckets", results[f"idle, {bucket_mib} MiB buckets"], gpu)
             load = Load(engine.url, 256, 1024 if not a.tiny else 64)
             load.thread.start()
             time.sleep(3.0 if gpu else 1.0)  # the batch is full and decoding
-            results[f"generating (256 requests), {bucket_mib} MiB buckets"] = timed_pushes(actor, client, pusher, a.pushes, 100)
+            name = f"generating (256 requests), {bucket_mib} MiB buckets"
+            results[name] = timed_pushes(actor, client, pusher, a.pushes, 100)
+            print_row(name, results[name], gpu)
             load.stop.set()
             client.abort_request(abort_all=True)
             load.thread.join(60)
@@ -188,12 +191,16 @@ def main() -> int:
         print(f"floor, {name}: {s * 1e3:.2f} ms ({nbytes / s / 1e9:.0f} GB/s)")
     print("\n| case | pushes | pause (ms) | push (ms) | continue (ms) | pause → continue, median (ms) | max (ms) | ms per 1B params |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    params = nbytes / (2 if gpu else 4)
     for name, rows in results.items():
-        med = lambda k: statistics.median(r[k] for r in rows) * 1e3  # noqa: E731
-        total = med("total")
-        print(f"| {name} | {len(rows)} | {med('pause'):.2f} | {med('push'):.2f} | {med('continue'):.2f} | {total:.2f} | {max(r['total'] for r in rows) * 1e3:.2f} | {total / (params / 1e9):.1f} |")
+        print_row(name, rows, gpu)
     return 0
+
+
+def print_row(name: str, rows: list[dict[str, float]], gpu: bool) -> None:
+    params = rows[0]["bytes"] / (2 if gpu else 4)
+    med = lambda k: statistics.median(r[k] for r in rows) * 1e3  # noqa: E731
+    total = med("total")
+    print(f"| {name} | {len(rows)} | {med('pause'):.2f} | {med('push'):.2f} | {med('continue'):.2f} | {total:.2f} | {max(r['total'] for r in rows) * 1e3:.2f} | {total / (params / 1e9):.1f} |", flush=True)
 
 
 if __name__ == "__main__":

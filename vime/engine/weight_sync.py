@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 import time
 from datetime import timedelta
 from typing import Callable, Iterable, Iterator
@@ -100,20 +101,31 @@ class WeightGroup:
         """Tear the group down so no process stays blocked in it (NCCL kernels waiting for a dead
         peer would otherwise hold the device until the watchdog fires)."""
         if self.broken is None:
-            self.broken = reason
             log.error("weight group aborted: %s", reason)
-            try:
-                self.pg.abort()
-            except Exception as e:  # the group is unusable either way
-                log.debug("abort of the weight group failed: %r", e)
+            self._tear_down(reason)
 
     def close(self) -> None:
+        """Leave the group. Each member tears down its own side, whenever it likes: an abort, not
+        NCCL's graceful shutdown, which waits for every member to shut down too (a trainer that
+        waited for an engine's answer before its own shutdown would wait for ever)."""
         if self.broken is None:
-            self.broken = "closed"
-            try:
-                self.pg.shutdown()
-            except Exception as e:
-                log.debug("shutdown of the weight group failed: %r", e)
+            self._tear_down("closed")
+
+    def _tear_down(self, reason: str) -> None:
+        self.broken = reason
+        # abort() returns at once with no collective in flight; bounded anyway, since a driver
+        # that blocks here would take the caller (an engine's step thread) with it
+        t = threading.Thread(target=self._abort_backend, name="vime-weights-abort", daemon=True)
+        t.start()
+        t.join(10.0)
+        if t.is_alive():
+            log.warning("tearing down the weight group did not finish within 10 s; left to finish in the background")
+
+    def _abort_backend(self) -> None:
+        try:
+            self.pg.abort()
+        except Exception as e:  # the group is unusable either way
+            log.debug("abort of the weight group failed: %r", e)
 
 
 def open_store(master_address: str, master_port: int, world_size: int, timeout: float):
