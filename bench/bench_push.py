@@ -134,6 +134,30 @@ def timed_pushes(actor, client: EngineClient, pusher: WeightPusher, n: int, firs
     return rows
 
 
+def breakdown(actor, pusher: WeightPusher, gpu: bool, n: int = 5) -> None:
+    """Where a push's time goes on the trainer: gathering the named tensors, and packing them
+    into cast flat buckets (the rest is HTTP, the broadcast and the engine's copy)."""
+    from vime.engine import weight_sync
+
+    def sync() -> None:
+        if gpu:
+            torch.cuda.synchronize()
+
+    gather, packing = [], []
+    for _ in range(n):
+        sync()
+        t0 = time.perf_counter()
+        tensors = list(actor.named_weights())
+        sync()
+        t1 = time.perf_counter()
+        for _ in weight_sync.pack(iter(tensors), pusher.bucket_bytes, torch.bfloat16 if gpu else torch.float32, torch.device("cuda:0" if gpu else "cpu")):
+            pass
+        sync()
+        gather.append(t1 - t0)
+        packing.append(time.perf_counter() - t1)
+    print(f"[push] trainer side: named_weights {statistics.median(gather) * 1e3:.2f} ms, pack {statistics.median(packing) * 1e3:.2f} ms ({len(tensors)} tensors)", flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -166,6 +190,8 @@ def main() -> int:
             print(f"[push] joined the {transport} weight group in {time.perf_counter() - t0:.2f} s", flush=True)
             timed_pushes(actor, client, pusher, 2, 1000)  # warm-up: allocator, first buckets
             results[f"idle, {bucket_mib} MiB buckets"] = timed_pushes(actor, client, pusher, a.pushes, 1)
+            if bucket_mib == 512:
+                breakdown(actor, pusher, gpu)
             print_row(f"idle, {bucket_mib} MiB buckets", results[f"idle, {bucket_mib} MiB buckets"], gpu)
             load = Load(engine.url, 256, 1024 if not a.tiny else 64)
             load.thread.start()

@@ -100,6 +100,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, cfg.block_size, cfg.max_num_seqs, self.max_seq_len, self.device, cfg.cuda_graphs)
         self.runner.capture()
         self.requests: dict[str, Request] = {}
+        self._views: dict[str, torch.Tensor] | None = None
         self.weight_version = 0
         self.paused = False
         self.stats = EngineStats()
@@ -235,7 +236,7 @@ class LLMEngine:
         Returns the number of tensors loaded. If a tensor is refused part-way, the weights are a
         mix and the version is left as it was: push again."""
         try:
-            n = len(self.model.load_weights(weights))
+            n = len(self.model.load_weights(weights, self._weight_views()))
         finally:
             if flush:
                 self.allocator.flush()
@@ -245,13 +246,20 @@ class LLMEngine:
     def check_weights(self, layout: Iterable[tuple[str, tuple[int, ...]]]) -> None:
         """KeyError / ValueError naming the first announced weight this model does not have, or
         has in another shape: checked before a broadcast is received, so nothing is half-loaded."""
-        params = self.model.named_weights()
+        params = self._weight_views()
         for name, shape in layout:
             p = params.get(name)
             if p is None:
                 raise KeyError(f"weight '{name}' does not exist in this {self.model_config.model_type} model")
             if tuple(p.shape) != tuple(shape):
                 raise ValueError(f"weight '{name}' has shape {tuple(shape)}, the model expects {tuple(p.shape)}")
+
+    def _weight_views(self) -> dict[str, torch.Tensor]:
+        """HF name → parameter (or fused slice), built once: a bucketed push looks names up per
+        bucket. Rebuilt after release/resume, which give the parameters new storage."""
+        if self._views is None:
+            self._views = self.model.named_weights()
+        return self._views
 
     def flush_cache(self) -> None:
         self.allocator.flush()
@@ -268,6 +276,7 @@ class LLMEngine:
         if self.device.type == "cuda":
             for p in self.model.parameters():
                 p.data = p.data.to("cpu")
+            self._views = None
             torch.cuda.empty_cache()
 
     def resume_memory(self) -> None:
@@ -277,5 +286,6 @@ class LLMEngine:
         if self.device.type == "cuda":
             for p in self.model.parameters():
                 p.data = p.data.to(self.device)
+            self._views = None
         self.kv_cache.allocate()
         self.runner.capture()

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+COPY_BATCH_BYTES = 256 * 2**20  # same-device weights copied per _foreach_copy_
+
 from vime.engine.core import kernels
 from vime.engine.core.kv_cache import AttnMetadata, paged_attention
 
@@ -260,22 +262,37 @@ class CausalLM(nn.Module):
         return out
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], params: dict[str, torch.Tensor] | None = None) -> set[str]:
         """Copy HF-named tensors into the existing parameters, in place.
 
         In place (never rebinding `.data`) so that anything holding the parameter storage, such
         as a captured CUDA graph, sees the new values. Returns the names loaded.
         """
-        params = self.named_weights()
+        params = self.named_weights() if params is None else params
         loaded: set[str] = set()
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        pending = 0
         for name, tensor in weights:
             p = params.get(name)
             if p is None:
                 raise KeyError(f"weight '{name}' does not exist in this {self.config.model_type} model")
             if tuple(p.shape) != tuple(tensor.shape):
                 raise ValueError(f"weight '{name}' has shape {tuple(tensor.shape)}, the model expects {tuple(p.shape)}")
-            p.copy_(tensor)
             loaded.add(name)
+            if tensor.device != p.device or tensor.dtype != p.dtype:  # from disk or another dtype: one by one
+                p.copy_(tensor)
+                continue
+            dst.append(p)
+            src.append(tensor)
+            pending += tensor.numel() * tensor.element_size()
+            if pending >= COPY_BATCH_BYTES:
+                torch._foreach_copy_(dst, src)
+                dst, src, pending = [], [], 0
+        if dst:
+            # a few launches per bucket instead of one per tensor: at 0.6B the per-tensor
+            # launches cost more than the bytes on a slow host
+            torch._foreach_copy_(dst, src)
         return loaded
 
 
