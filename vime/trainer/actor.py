@@ -12,6 +12,8 @@ batch × vocabulary logits ever exist.
 """
 from __future__ import annotations
 
+import itertools
+
 import json
 import os
 import random
@@ -79,7 +81,10 @@ class Actor:
         if _arg(args, "gradient_checkpointing", False):
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         all_names = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
-        self._aliases = all_names - {n for n, _ in self.model.named_parameters()}  # tied names, e.g. lm_head.weight
+        param_names = {n for n, _ in self.model.named_parameters()}
+        self._aliases = all_names - param_names  # tied names, e.g. lm_head.weight
+        # what a checkpoint holds besides parameters (none in Llama/Qwen: their rotary tables are not persistent)
+        self._buffers = [n for n in self.model.state_dict() if n not in all_names]
         if _arg(args, "compile", False):
             # per layer, before FSDP wraps them (as torchtitan does): the layers share one code
             # object, so one compile serves all of them, and packed lengths vary: dynamic shapes
@@ -358,15 +363,18 @@ class Actor:
         anything. A tensor shared by several names (tied embeddings) is yielded once, under its
         first name (`model.embed_tokens.weight`), which is the one save_pretrained keeps.
         """
-        for name, tensor in self.model.state_dict().items():
-            if name in self._aliases:
-                continue
-            if hasattr(tensor, "full_tensor"):
-                # one rank holds the whole tensor already: a gather per tensor would cost a
-                # collective and a copy each, most of a push's time at 0.6B
-                tensor = tensor.to_local() if tensor.device_mesh.size() == 1 else tensor.full_tensor()
-            if self.rank == 0:
-                yield name, tensor
+        # named_parameters, not state_dict(): FSDP2's state-dict hooks cost ~45 µs a tensor on the
+        # H200 host, 14 ms of a 0.6B push (bench/RESULTS.md)
+        tensors = itertools.chain(self.model.named_parameters(), ((n, self.model.get_buffer(n)) for n in self._buffers))
+        with torch.no_grad():
+            for name, tensor in tensors:
+                tensor = tensor.detach()
+                if hasattr(tensor, "full_tensor"):
+                    # one rank holds the whole tensor already: a gather per tensor would cost a
+                    # collective and a copy each
+                    tensor = tensor.to_local() if tensor.device_mesh.size() == 1 else tensor.full_tensor()
+                if self.rank == 0:
+                    yield name, tensor
 
     def save(self, ckpt_dir: str | Path, extra_state: dict[str, Any]) -> Path:
         """Write an HF directory (+ trainer_state.pt) at `ckpt_dir`, atomically; every rank calls.
