@@ -68,6 +68,10 @@ def choose_transport(args, trainer: str, engines: list[str]) -> str:
 
 
 def place(args, model_dir: Path, run_dir: Path) -> Placement:
+    if args.rollout_backend == "vllm":
+        from vime.engine.vllm import place_vllm
+
+        return place_vllm(args, model_dir, run_dir)
     trainer = trainer_device(args)
     if args.rollout_engine_urls:
         urls = list(args.rollout_engine_urls)
