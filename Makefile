@@ -34,10 +34,10 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
-# tests/test_vllm.py against a real vLLM server on CPU (marker `vllm`, skipped by `make test`
-# where vllm is not importable)
+# tests/test_vllm.py against a real vLLM server on CPU (its server tests are marked `vllm` and
+# skipped by `make test`, whose environment has no vllm)
 test-vllm: install-vllm
-	$(VLLM_BIN)/python -m pytest -q -m vllm tests/test_vllm.py
+	$(VLLM_BIN)/python -m pytest -q tests/test_vllm.py
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"
