@@ -4,7 +4,7 @@ rounds, one compute thread each.
     make install-vllm && .venv-vllm/bin/python bench/bench_cpu_engines.py        # bench/RESULTS.md
 
 Workload: SmolLM2-135M-Instruct (`vime.models.resolve_model("smollm2")`) in float32 (both
-engines; `--vime-dtype bfloat16` for the built-in engine's bf16 arm), `--requests` concurrent
+engines; `--dtype bfloat16` runs both in bf16), `--requests` concurrent
 requests of seeded random prompt ids (`--prompt-len` tokens), `--output-len` sampled tokens each
 (temperature 1, EOS ignored, per-request seeds), sent through each backend's client
 (`EngineClient` / `VLLMClient`, HTTP, so both pay the same client cost). Both servers are up for
@@ -41,7 +41,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--rounds", type=int, default=4, help="timed rounds per engine (after one warm-up round each)")
-    p.add_argument("--vime-dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both engines")
     p.add_argument("--engines", default="vime,vllm")
     p.add_argument("--out", default="bench_out")
     return p.parse_args()
@@ -103,12 +103,12 @@ def main() -> None:
     try:
         # vime on core 0, vLLM on core 1: each has one compute thread and a core of its own
         if "vime" in engines:
-            procs["vime"] = launch_engine(str(model), dtype=args.vime_dtype, extra_args=["--num-threads", "1", "--max-num-seqs", str(args.requests)],
+            procs["vime"] = launch_engine(str(model), dtype=args.dtype, extra_args=["--num-threads", "1", "--max-num-seqs", str(args.requests)],
                                           log_path=out / "vime_engine.log")
             pin(procs["vime"].proc.pid, 0)
             clients["vime"] = EngineClient(procs["vime"].url)
         if "vllm" in engines:
-            procs["vllm"] = launch_vllm(str(model), dtype="float32", cpu_cores="1", max_num_seqs=args.requests, log_path=out / "vllm.log")
+            procs["vllm"] = launch_vllm(str(model), dtype=args.dtype, cpu_cores="1", max_num_seqs=args.requests, log_path=out / "vllm.log")
             pin_tree(procs["vllm"].proc.pid, 1)
             clients["vllm"] = VLLMClient(procs["vllm"].url)
         rates: dict[str, list[float]] = {e: [] for e in engines}
@@ -123,14 +123,14 @@ def main() -> None:
             p.shutdown()
     cmd = " ".join([Path(sys.executable).name, "bench/bench_cpu_engines.py", *sys.argv[1:]])
     print(f"\n`{cmd}` on {cpu_name()}, {os.cpu_count()} cores; {args.requests} requests × {args.prompt_len} prompt + "
-          f"{args.output_len} output tokens, float32 (vime: {args.vime_dtype}), one compute thread each, {args.rounds} interleaved rounds\n")
+          f"{args.output_len} output tokens, {args.dtype}, one compute thread each, {args.rounds} interleaved rounds\n")
     print("| engine | output tok/s (median) | range | vs vime |")
     print("|---|---|---|---|")
     base = statistics.median(rates["vime"]) if "vime" in rates else None
     for e in engines:
         med = statistics.median(rates[e])
         ratio = f"{med / base:.2f}×" if base else "-"
-        print(f"| {e} ({args.vime_dtype if e == 'vime' else 'float32'}) | {med:.1f} | {min(rates[e]):.1f}–{max(rates[e]):.1f} | {ratio} |")
+        print(f"| {e} ({args.dtype}) | {med:.1f} | {min(rates[e]):.1f}–{max(rates[e]):.1f} | {ratio} |")
 
 
 if __name__ == "__main__":
