@@ -106,7 +106,10 @@ def _version_number(label: str, url: str) -> int:
 
 
 def from_vllm_choice(choice: dict, response: dict, rid: str, return_logprob: bool, url: str) -> dict:
-    """One vLLM choice → vime's `{output_ids, meta_info}` (docs/architecture.md, protocol)."""
+    """One vLLM choice → vime's `{output_ids, meta_info}` (docs/architecture.md, protocol).
+
+    `weight_version` is that of the last token; vLLM reports versions per token only, so an
+    answer without tokens has `None` there (the built-in engine gives its current version)."""
     ids = list(choice.get("token_ids") or [])
     reason = choice.get("finish_reason")
     if reason not in _FINISH_REASONS:
@@ -157,11 +160,11 @@ class VLLMClient(EngineClient):
         rid = rid or os.urandom(16).hex()
         n = int(params.get("n", 1))
         if params["max_tokens"] == 0:  # vLLM refuses max_tokens 0; vime's engine answers at once
-            empty = {"output_ids": [], "meta_info": {
+            empty = [{"output_ids": [], "meta_info": {
                 "id": rid, "finish_reason": {"type": "length"}, "prompt_tokens": len(input_ids), "completion_tokens": 0,
                 "weight_version": None, "output_weight_versions": [], **({"output_token_logprobs": []} if return_logprob else {}),
-            }}
-            return empty if n == 1 else [empty] * n
+            }} for _ in range(n)]
+            return empty[0] if n == 1 else empty
         body = {"token_ids": list(input_ids), "request_id": rid, "sampling_params": params}
         resp = await self.apost("/inference/v1/generate", body)
         choices = sorted(resp["choices"], key=lambda c: c["index"])
@@ -498,6 +501,8 @@ def place_vllm(args, model_dir: Path, run_dir: Path):
     try:
         for i, dev in enumerate(devices):
             extra = ["--enable-sleep-mode"] if args.colocate else []
+            if dev == trainer:  # vLLM takes 90% of a GPU by default; the trainer shares this one
+                extra += ["--gpu-memory-utilization", "0.45"]
             log.info("starting vLLM engine %d on %s (log: %s)", i, dev, run_dir / f"engine{i}.log")
             engines.append(launch_vllm(
                 str(model_dir), device=dev, dtype="float32" if dev == "cpu" else "bfloat16", max_num_seqs=args.engine_max_num_seqs,
