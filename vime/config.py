@@ -91,6 +91,7 @@ class Config:
     actor_num_gpus_per_node: int = _f(1, "trainer GPUs per node", group="placement")
     rollout_num_gpus: int | None = _f(None, "GPUs for rollout engines (default: 1 engine)", group="placement")
     rollout_num_gpus_per_engine: int = _f(1, "GPUs per engine (tensor parallel)", group="placement")
+    rollout_backend: str = _f("vime", "rollout engine: vime (built-in) or vllm (a vLLM server per engine; install the vllm extra)", ("vime", "vllm"), group="placement")
     rollout_engine_urls: list = _f([], "use running engines at these URLs instead of launching (JSON list or comma-separated)", group="placement")
     device: str = _f("auto", "trainer device: auto, cpu, cuda", ("auto", "cpu", "cuda"), group="placement")
     engine_max_num_seqs: int = _f(256, "max sequences the engine runs at once", group="placement")
@@ -164,6 +165,7 @@ class Config:
             (self.max_tokens_per_gpu < 1, "--max-tokens-per-gpu must be at least 1"),
             (self.update_weights_timeout <= 0, "--update-weights-timeout must be > 0 seconds"),
             (self.update_weight_buffer_size < 1, "--update-weight-buffer-size must be at least 1 byte"),
+            (self.rollout_backend not in ("vime", "vllm"), f"--rollout-backend {self.rollout_backend!r}: use vime or vllm"),
         ]
         if for_eval:
             checks = [c for c in checks if "--prompt-data" not in c[1] and "--num-rollout" not in c[1]]

@@ -113,6 +113,10 @@ def master_address(args, infos: list[dict], transports: list[str]) -> str:
 
 def place(args, model_dir: Path, run_dir: Path) -> Placement:
     apply_gpu_safe_env()  # NVLink multicast off here and in every process started from here
+    if args.rollout_backend == "vllm":
+        from vime.engine.vllm import place_vllm
+
+        return place_vllm(args, model_dir, run_dir)
     trainer = trainer_device(args)
     if args.rollout_engine_urls:
         urls, devices, engines = list(args.rollout_engine_urls), [], []

