@@ -84,6 +84,15 @@ def test_choice_translation_expands_version_spans():
 # ---- fixtures ------------------------------------------------------------------------------
 
 
+def test_weights_reach_vllm_by_disk_and_nccl_is_refused_in_one_line(tmp_path):
+    from vime.config import Config, ConfigError
+    from vime.engine.vllm import place_vllm
+
+    for transport, match in [("nccl", "does not reach vLLM engines yet"), ("shm", "does not reach vLLM engines: leave it at auto")]:
+        with pytest.raises(ConfigError, match=match):  # refused before any server starts
+            place_vllm(Config(rollout_backend="vllm", weight_transport=transport, device="cpu"), tmp_path, tmp_path)
+
+
 @pytest.fixture(scope="session")
 def model32(tmp_path_factory) -> Path:
     from vime.models import make_tiny_model
@@ -253,7 +262,7 @@ def test_disk_push_changes_outputs_flushes_the_cache_and_stamps_versions(client,
     assert out["meta_info"]["output_weight_versions"] == [7] * 16 and client.model_info()["weight_version"] == 7
     client.update_weights_from_disk(str(model_mid), 8)
     assert run(client, {"input_ids": PROBE, "sampling_params": greedy})[0]["output_ids"] == base
-    with pytest.raises(EngineError, match="use --weight-transport disk"):
+    with pytest.raises(EngineError, match=r"leave --weight-transport at auto \(disk\)"):
         client.update_weights_from_tensor({"transport": "shm", "path": "/dev/shm/x"})
     with pytest.raises(EngineError, match="runs on CPU"):  # GPU-only routes are never sent to a CPU server
         client.init_weights_update_group({"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2})
