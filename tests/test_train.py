@@ -36,6 +36,28 @@ def test_tiny_yaml_two_rollouts_under_a_minute(tmp_path):
     assert elapsed < 90, f"train.py --config examples/tiny.yaml --num-rollout 2 took {elapsed:.0f}s"
 
 
+def test_progress_lines_on_redirected_output_and_in_log_txt(tmp_path):
+    """Output that is no terminal gets one plain line per step (and the eval lines); log.txt always
+    does; --quiet keeps them off stderr only."""
+    common = ["--config", "examples/tiny.yaml", "--num-rollout", "2", "--eval-interval", "2", "--eval-limit", "4", "--runs-dir", str(tmp_path)]
+    out = run_cli("train.py", *common, "--run-name", "p", timeout=150)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for text in (out.stderr, (tmp_path / "p" / "log.txt").read_text()):
+        for step in (1, 2):
+            line = next(ln for ln in text.splitlines() if f"step {step}/2 | reward " in ln)
+            assert " | len " in line and " | wait " in line and " | ETA " in line, line
+        assert "eval step 2: accuracy" in text and "eval step 0: accuracy" in text
+    quiet = run_cli("train.py", *common, "--run-name", "q", "--quiet", timeout=150)
+    assert quiet.returncode == 0, quiet.stderr[-2000:]
+    assert "step 1/2 |" not in quiet.stderr and "eval step 2" not in quiet.stderr
+    assert "step 1/2 |" in (tmp_path / "q" / "log.txt").read_text()
+
+
+def test_python_dash_m_vime_is_the_vime_command():
+    out = run_cli("-m", "vime", "--help", timeout=60)
+    assert out.returncode == 0 and "train-async" in out.stdout
+
+
 def test_checkpoint_and_resume(tmp_path, tiny_model, addition_data):
     train, test = addition_data
     common = ["--hf-checkpoint", str(tiny_model), "--prompt-data", str(train), "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",

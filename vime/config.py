@@ -117,6 +117,7 @@ class Config:
     run_name: str | None = _f(None, "run name (default: timestamp)", group="eval and output")
     runs_dir: str = _f("runs", "where runs/<name>/ is written", group="eval and output")
     use_tensorboard: bool = _f(True, "write TensorBoard events when tensorboard is installed", group="eval and output")
+    quiet: bool = _f(False, "no progress bar or per-step lines on stderr (log.txt and metrics.jsonl still get them)", group="eval and output")
 
     # ---- derived values, so no caller recomputes them ----
     @property

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 from pathlib import Path
 
+from vime.metrics import progress
 from vime.rollout import async_loop
 from vime.rollout.data_source import load_eval_samples
 from vime.rollout.rewards import extract_answer, grade
@@ -18,11 +20,31 @@ from vime.rollout.types import RolloutOutput, Sample
 from vime.rollout.vllm_rollout import generate_fn, sampling_params, tokenizer_for
 
 
-async def _run(args, samples: list[Sample]) -> list[Sample]:
+async def _run(args, samples: list[Sample], step: int) -> list[Sample]:
+    """Every sample at once; a bar counts finished ones on a terminal, and a plain line goes out
+    at each quarter elsewhere (eval of hundreds of prompts takes minutes on a CPU)."""
+    from tqdm import tqdm
+
     fn, params = generate_fn(args), sampling_params(args, evaluation=True)
     if args.n_samples_per_eval_prompt > 1:
         params["temperature"] = args.rollout_temperature
-    return list(await asyncio.gather(*(fn(args, s, params) for s in samples)))
+    bar = tqdm(total=len(samples), desc=f"eval {step}", unit="sample", leave=False, file=sys.stderr, disable=True if args.quiet else None)
+    quarter = max(1, len(samples) // 4)
+    done = 0
+
+    async def one(s: Sample) -> Sample:
+        nonlocal done
+        out = await fn(args, s, params)
+        done += 1
+        bar.update(1)
+        if bar.disable and done % quarter == 0 and done < len(samples):
+            progress.info(f"eval {step}: {done}/{len(samples)} samples")
+        return out
+
+    try:
+        return list(await asyncio.gather(*(one(s) for s in samples)))
+    finally:
+        bar.close()
 
 
 def evaluate(args, step: int, out_path: Path | None = None) -> RolloutOutput:
@@ -31,7 +53,7 @@ def evaluate(args, step: int, out_path: Path | None = None) -> RolloutOutput:
     n = args.n_samples_per_eval_prompt
     samples = [Sample(**{**s.__dict__, "index": s.index * n + k, "tokens": list(s.tokens), "metadata": dict(s.metadata)}) for s in base for k in range(n)]
     t0 = time.perf_counter()
-    samples = async_loop.run(_run(args, samples))
+    samples = async_loop.run(_run(args, samples, step))
     correct = 0
     rows = []
     for s in samples:

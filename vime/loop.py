@@ -64,7 +64,7 @@ class Trainer:
         if (self.run_dir / "metrics.jsonl").exists() and not args.load:
             raise FileExistsError(f"run directory {self.run_dir} already holds a run: pick another --run-name (or resume it with --load)")
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        setup_logging(self.run_dir / "log.txt")
+        setup_logging(self.run_dir / "log.txt", quiet=args.quiet)
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump({**args.to_dict(), "mode": label}, sort_keys=False))
         torch.manual_seed(args.seed)
 
@@ -97,7 +97,7 @@ class Trainer:
             self.start_step = 0
             if args.load:
                 self._resume(Path(args.load))
-            self.metrics = MetricsLogger(self.run_dir, self.num_rollout, self.start_step, args.use_tensorboard)
+            self.metrics = MetricsLogger(self.run_dir, self.num_rollout, self.start_step, args.use_tensorboard, quiet=args.quiet)
         except BaseException:
             self.close()  # never leave engine or trainer processes behind
             raise

@@ -15,6 +15,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 log = logging.getLogger("vime")
+# One plain line per step: always in log.txt; on stderr too when it is no terminal (under make,
+# nohup, CI or a scheduler, where a bar would print nothing useful), unless --quiet.
+progress = logging.getLogger("vime.progress")
 
 
 @contextmanager
@@ -34,7 +37,9 @@ def mean(xs: list[float]) -> float:
 class MetricsLogger:
     """Append-only metrics.jsonl (+ TensorBoard when installed) and a live progress bar."""
 
-    def __init__(self, run_dir: Path, total_steps: int, start_step: int = 0, use_tensorboard: bool = True) -> None:
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int = 0, use_tensorboard: bool = True, quiet: bool = False) -> None:
+        self.total, self.step = total_steps, start_step
+        self._step_times: list[float] = []
         self.path = run_dir / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a")
@@ -48,7 +53,8 @@ class MetricsLogger:
                 self._tb = None
         from tqdm import tqdm
 
-        self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr, disable=None)
+        # disable=None: a bar only on a terminal (the plain lines above serve everywhere else)
+        self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr, disable=True if quiet else None)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
@@ -69,9 +75,38 @@ class MetricsLogger:
             post["eval"] = f"{metrics['eval/accuracy']:.3f}"
         self._bar.set_postfix(post, refresh=False)
         self._bar.update(1)
+        self.step += 1
+        if "perf/step_time" in metrics:
+            self._step_times.append(float(metrics["perf/step_time"]))
+        progress.info(self.progress_line(metrics))
+
+    def progress_line(self, m: dict[str, Any]) -> str:
+        """`step 3/20 | reward 0.125 | len 34.2 | step 2.31s | wait 0.10s | stale 0.8 (max 2) | ETA 0:00:39`;
+        fields a step does not have (staleness in sync mode) are left out. The ETA is the mean
+        step time of this run so far times the steps left (eval and checkpoints excluded)."""
+        parts = [f"step {self.step}/{self.total}"]
+        if "rollout/reward_mean" in m:
+            parts.append(f"reward {m['rollout/reward_mean']:.3f}")
+        if "rollout/response_len_mean" in m:
+            parts.append(f"len {m['rollout/response_len_mean']:.1f}")
+        if "perf/step_time" in m:
+            parts.append(f"step {m['perf/step_time']:.2f}s")
+        if "perf/train_wait_time" in m:
+            parts.append(f"wait {m['perf/train_wait_time']:.2f}s")
+        if "rollout/staleness_mean" in m:
+            parts.append(f"stale {m['rollout/staleness_mean']:.1f} (max {m['rollout/staleness_max']:.0f})")
+        if "eval/accuracy" in m:
+            parts.append(f"eval {m['eval/accuracy']:.3f}")
+        if self._step_times:
+            left = max(0, self.total - self.step) * mean(self._step_times)
+            parts.append(f"ETA {time.strftime('%H:%M:%S', time.gmtime(left))}")
+        return " | ".join(parts)
 
     def write_line(self, text: str) -> None:
-        self._bar.write(text)
+        """A line for people (eval results): above the bar on a terminal, and in log.txt."""
+        if not self._bar.disable:
+            self._bar.write(text)
+        progress.info(text)
 
     def close(self) -> None:
         self._bar.close()
@@ -95,8 +130,18 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def setup_logging(log_file: Path | None = None) -> None:
-    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+class _NoProgress(logging.Filter):
+    """Keeps the per-step lines off a stream that shows the bar (a terminal) or asked for quiet."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.name != progress.name
+
+
+def setup_logging(log_file: Path | None = None, quiet: bool = False) -> None:
+    stream = logging.StreamHandler(sys.stderr)
+    if quiet or sys.stderr.isatty():
+        stream.addFilter(_NoProgress())
+    handlers: list[logging.Handler] = [stream]
     if log_file is not None:
         log_file.parent.mkdir(parents=True, exist_ok=True)
         handlers.append(logging.FileHandler(log_file))
