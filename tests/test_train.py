@@ -32,6 +32,7 @@ def test_tiny_yaml_two_rollouts_under_a_minute(tmp_path):
         assert r["rollout/staleness_max"] == 0  # sync: every token from the trainer's current policy
     # the engine's log-probs come from the same weights the trainer recomputes with
     assert steps[0]["train/train_rollout_logprob_abs_diff"] < 1e-3
+    assert any(r["train/grad_norm"] > 0 for r in steps)  # the example's reward varies: the weights move
     assert (tmp_path / "t" / "config.yaml").exists() and (tmp_path / "t" / "log.txt").exists()
     assert elapsed < 90, f"train.py --config examples/tiny.yaml --num-rollout 2 took {elapsed:.0f}s"
 

@@ -60,7 +60,7 @@ class Config:
     max_staleness: int | None = _f(None, "decoupled mode: train on samples up to K policy versions old; weights are pushed (every --update-weights-interval steps) without waiting for generation", group="async")
     partial_rollout: bool = _f(False, "decoupled mode: abort in-flight requests at each push and resume them from their tokens (instead of pausing in place)", group="async")
     # --- rewards ---
-    rm_type: str = _f("math", "built-in reward: math (1/0), dapo (1/-1), boxed_math", group="rewards")
+    rm_type: str = _f("math", "built-in reward: math (1/0), dapo (1/-1), boxed_math, math_shaped (1, or up to 0.5 for a wrong number by its closeness)", group="rewards")
     custom_rm_path: str | None = _f(None, "dotted path of a reward fn(args, sample) -> float, sync or async", group="rewards")
     reward_timeout: float = _f(10.0, "seconds before a reward call scores 0", group="rewards")
     # --- algorithm ---
