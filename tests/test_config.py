@@ -34,6 +34,8 @@ def test_json_and_list_flags():
         (["--apply-chat-template-kwargs", "{not json"], "--apply-chat-template-kwargs"),
         (["--num-rollout", "two"], "--num-rollout"),
         (["--partial-rollout"], "--max-staleness"),
+        (["--max-staleness", "0", "--update-weights-interval", "2"], "raise --max-staleness to 1"),
+        (["--max-staleness", "1", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "4"], "raise --max-staleness to 3"),
         (["--use-rollout-logprobs", "--use-tis"], "drop one"),
         (["--use-tis", "--tis-clip-low", "2"], "--tis-clip-low"),
         (["--use-rs", "--rs-lower-bound", "3"], "--rs-lower-bound"),

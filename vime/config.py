@@ -57,7 +57,7 @@ class Config:
     rollout_seed: int = _f(42, "seed of prompt order and sampling", group="rollout")
     # --- async training ---
     rollout_concurrency: int | None = _f(None, "fully-async: prompt groups in flight at once (default: 2 × --rollout-batch-size)", group="async")
-    max_staleness: int | None = _f(None, "decoupled mode: train on samples up to K policy versions old; weights are pushed (every --update-weights-interval steps) without waiting for generation", group="async")
+    max_staleness: int | None = _f(None, "train on tokens at most K optimizer steps older than the weights that train them; the fully-async worker then never waits for training (decoupled); 0 trains exactly what sync trains", group="async")
     partial_rollout: bool = _f(False, "decoupled mode: abort in-flight requests at each push and resume them from their tokens (instead of pausing in place)", group="async")
     # --- rewards ---
     rm_type: str = _f("math", "built-in reward: math (1/0), dapo (1/-1), boxed_math, math_shaped (1, or up to 0.5 for a wrong number by its closeness)", group="rewards")
@@ -134,6 +134,18 @@ class Config:
         return self.rollout_batch_size * self.n_samples_per_prompt
 
     @property
+    def steps_per_rollout(self) -> int:
+        """Optimizer steps per rollout batch; the policy version advances by this much per step."""
+        return self.samples_per_rollout // (self.global_batch_size or self.samples_per_rollout)
+
+    @property
+    def min_staleness(self) -> int:
+        """The largest staleness even sync training has, in optimizer steps: the last optimizer
+        step of a rollout is steps_per_rollout - 1 past the weights that generated it, and
+        engines lag up to --update-weights-interval - 1 rollouts more."""
+        return self.update_weights_interval * self.steps_per_rollout - 1
+
+    @property
     def run_dir(self) -> Path:
         return Path(self.runs_dir) / (self.run_name or "run")
 
@@ -166,6 +178,12 @@ class Config:
             (self.update_weights_interval < 1, "--update-weights-interval must be at least 1"),
             (self.lr < 0, "--lr must be >= 0"),
             (self.max_staleness is not None and self.max_staleness < 0, "--max-staleness must be >= 0"),
+            (
+                self.max_staleness is not None and self.max_staleness < self.min_staleness,
+                f"--max-staleness {self.max_staleness} cannot hold: with --update-weights-interval {self.update_weights_interval} and "
+                f"{self.steps_per_rollout} optimizer step(s) per rollout even sync training trains tokens {self.min_staleness} steps old; "
+                f"raise --max-staleness to {self.min_staleness} or push and step once per rollout",
+            ),
             (self.use_rollout_logprobs and (self.use_tis or self.use_rs), "--use-tis/--use-rs weigh π_old against the engine's log-probs, which --use-rollout-logprobs makes π_old: drop one"),
             (not 0 <= self.tis_clip_low < self.tis_clip, f"--tis-clip-low {self.tis_clip_low} must be >= 0 and below --tis-clip {self.tis_clip}"),
             (not 0 <= self.rs_lower_bound < self.rs_upper_bound, f"--rs-lower-bound {self.rs_lower_bound} must be >= 0 and below --rs-upper-bound {self.rs_upper_bound}"),
