@@ -146,6 +146,8 @@ def test_use_rollout_logprobs_takes_the_ratio_against_the_engine(tiny_model):
     (m, grad), (m_prox, grad_prox) = out[True], out[False]
     assert m["train/pg_loss"] == pytest.approx(-1.2, abs=1e-5) and m["train/pg_clipfrac"] == 1.0
     assert m["train/ppo_kl"] == pytest.approx(-0.3, abs=1e-5) and grad == 0.0
+    # the trainer/engine gap is still measured against the trainer's own log-probs
+    assert m["train/_lp_diff_sum"] / m["train/_lp_diff_count"] == pytest.approx(0.3, abs=1e-5)
     assert m_prox["train/pg_loss"] == pytest.approx(-1.0, abs=1e-5) and m_prox["train/pg_clipfrac"] == 0.0 and grad_prox > 0
 
 

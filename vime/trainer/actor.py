@@ -322,7 +322,8 @@ class Actor:
                 m["kl_loss"] = kl.detach()
             m["loss"] = loss.detach()
             has_rollout = flat(has_rollout_lps)
-            m["_lp_diff_sum"] = ((old - rollout_lp).abs() * has_rollout).sum()
+            trainer_lp = log_probs.detach() if self.use_rollout_logprobs else old  # coupled: old is the engine's own
+            m["_lp_diff_sum"] = ((trainer_lp - rollout_lp).abs() * has_rollout).sum()
             m["_lp_diff_count"] = has_rollout.sum()
             (loss * self.world).backward()
             for k, v in m.items():
