@@ -130,6 +130,27 @@ def test_one_step_rollout_uses_the_forward_as_old_log_probs(tiny_model):
     assert m_fwd["train/tis"] > 1.2  # the 0.3 nat gap was weighed in, truncated at 2
 
 
+def test_use_rollout_logprobs_takes_the_ratio_against_the_engine(tiny_model):
+    """Coupled PPO: with the engine's log-probs 0.3 nat below the trainer's, the ratio is
+    e^0.3 = 1.35 on every token; with A = +1 the clip (1.2) is the active side everywhere, so
+    pg_loss = -1.2, clipfrac 1, ppo_kl = mean(old - new) = -0.3 and no gradient. Against the
+    trainer's own weights (the default) the ratio is 1: pg_loss -1, nothing clipped."""
+    samples = make_samples(3)
+    out = {}
+    for coupled in (True, False):
+        a = Actor(make_args(use_rollout_logprobs=coupled), tiny_model)
+        for s in samples:
+            s.rollout_log_probs = [float(x) - 0.3 for x in a.compute_log_probs([s])[0]]
+        m = a.accumulate_gradients(samples, [1.0, 1.0, 1.0], None)
+        out[coupled] = (m, sum(float(p.grad.abs().sum()) for p in a.model.parameters() if p.grad is not None))
+    (m, grad), (m_prox, grad_prox) = out[True], out[False]
+    assert m["train/pg_loss"] == pytest.approx(-1.2, abs=1e-5) and m["train/pg_clipfrac"] == 1.0
+    assert m["train/ppo_kl"] == pytest.approx(-0.3, abs=1e-5) and grad == 0.0
+    # the trainer/engine gap is still measured against the trainer's own log-probs
+    assert m["train/_lp_diff_sum"] / m["train/_lp_diff_count"] == pytest.approx(0.3, abs=1e-5)
+    assert m_prox["train/pg_loss"] == pytest.approx(-1.0, abs=1e-5) and m_prox["train/pg_clipfrac"] == 0.0 and grad_prox > 0
+
+
 @pytest.mark.slow
 def test_compiled_layers_match_eager(tiny_model):
     """--compile (torch.compile per decoder layer, dynamic shapes) changes speed, not results:

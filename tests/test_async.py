@@ -34,7 +34,8 @@ def mode_runs(tmp_path_factory) -> dict[str, Path]:
     }
     out = {}
     for name, (script, extra) in arms.items():
-        res = run_cli(script, *TINY, "--num-rollout", "3", "--runs-dir", str(base), "--run-name", name, "--eval-interval", "3", "--eval-limit", "8", *extra)
+        res = run_cli(script, *TINY, "--num-rollout", "3", "--runs-dir", str(base), "--run-name", name, "--eval-interval", "3", "--eval-limit", "8",
+                      "--save", str(base / name / "ckpt"), *extra)
         assert res.returncode == 0, f"{name}: {res.stderr[-3000:]}"
         out[name] = base / name
     return out
@@ -42,10 +43,18 @@ def mode_runs(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.mark.parametrize("mode", ["sync", "one-step-off", "fully-async", "decoupled"])
 def test_each_mode_trains(mode_runs, mode):
+    import torch
+
+    from vime.models import resolve_model
+
     r = rows(mode_runs[mode])
     assert [x["step"] for x in r] == [1, 2, 3]
-    assert all(x["train/weight_version"] == x["step"] for x in r)
+    assert all(x["train/policy_version"] == x["train/weight_version"] == x["train/weight_pushes"] == x["step"] for x in r)
     assert all("perf/train_wait_time" in x and "perf/update_weights_time" in x for x in r)
+    # examples/tiny.yaml's reward varies within groups: the weights really moved
+    assert any(x["train/grad_norm"] > 0 for x in r)
+    initial, final = final_weights(resolve_model("tiny")), final_weights(mode_runs[mode] / "ckpt" / "3")
+    assert any(not torch.equal(initial[k], final[k]) for k in initial)
 
 
 def test_one_step_off_trains_on_the_previous_version(mode_runs):
@@ -125,7 +134,7 @@ def test_worker_warm_queue_batch_size_and_cap(worker_env):
     args, ds, fa = worker_env
     first = fa.generate_rollout_fully_async(args, 0, ds)
     assert len(first.samples) == 2 and all(len(g) == 2 for g in first.samples)
-    w = fa.get_worker(args, ds)
+    w = fa.get_worker(args, ds, 0)
     # between calls the worker keeps working: a batch is being (or has been) generated already
     _wait_for(lambda: len(w.ready) >= 2)
     assert w.inflight + len(w.ready) >= 2
@@ -151,7 +160,7 @@ def test_worker_requeues_aborted_groups_and_trains_them_later(worker_env, engine
         original(groups)
 
     ds.add_samples = spy
-    w = fa.get_worker(args, ds)
+    w = fa.get_worker(args, ds, 0)
     for _ in range(200):  # abort while something is in flight, until a group comes back aborted
         if w.counts["requeued"] > 0:
             break
@@ -176,7 +185,7 @@ def test_worker_requeues_aborted_groups_and_trains_them_later(worker_env, engine
 
 def test_worker_shuts_down_cleanly(worker_env, engine):
     args, ds, fa = worker_env
-    w = fa.get_worker(args, ds)
+    w = fa.get_worker(args, ds, 0)
     _wait_for(lambda: w.inflight > 0 or len(w.ready) > 0)
     fa.shutdown()
     assert w._task.done()
@@ -222,20 +231,107 @@ def test_fully_async_producer_failure_is_an_error_not_a_hang(tmp_path):
 # ---- checkpoints and stopping in async runs; the plug-ins load by dotted path (tests/ is on the runs' PYTHONPATH) ----
 
 
+def _record(args, rollout_id: int, out):
+    """Append the batch a rollout function hands the trainer to <run dir>/batches.jsonl: its
+    groups (index, prompt) in order, and every sample's index, tokens and reward."""
+    samples = [[s.index, s.tokens, s.reward] for g in out.samples for s in g]
+    with open(args.run_dir / "batches.jsonl", "a") as f:
+        f.write(json.dumps({"rollout_id": rollout_id, "groups": [[g[0].group_index, g[0].prompt] for g in out.samples], "samples": samples}) + "\n")
+    return out
+
+
 def recorded_fully_async_rollout(args, rollout_id: int, data_source, evaluation: bool = False):
-    """The fully-async rollout function, also writing each batch it hands the trainer to
-    <run dir>/batches.jsonl, so a test can see which groups a run trained on."""
+    """The fully-async rollout function, recording each batch (so a test sees what a run trained on)."""
     from vime.rollout.fully_async_rollout import generate_rollout_fully_async
 
-    out = generate_rollout_fully_async(args, rollout_id, data_source, evaluation)
-    with open(args.run_dir / "batches.jsonl", "a") as f:
-        f.write(json.dumps({"rollout_id": rollout_id, "groups": [[g[0].group_index, g[0].prompt] for g in out.samples]}) + "\n")
-    return out
+    return _record(args, rollout_id, generate_rollout_fully_async(args, rollout_id, data_source, evaluation))
+
+
+def recorded_rollout(args, rollout_id: int, data_source, evaluation: bool = False):
+    """The default rollout function, recording each batch. Being a rollout function of its own,
+    it keeps train_async.py --max-staleness in the one-step-off loop."""
+    from vime.rollout.vllm_rollout import generate_rollout
+
+    return _record(args, rollout_id, generate_rollout(args, rollout_id, data_source, evaluation))
+
+
+async def recorded_generate(args, sample, params):
+    """The default per-sample generate, appending each finished sample to <run dir>/generated.jsonl."""
+    from vime.rollout.vllm_rollout import generate
+
+    sample = await generate(args, sample, params)
+    with open(args.run_dir / "generated.jsonl", "a") as f:
+        f.write(json.dumps([sample.index, sample.tokens, sample.weight_versions]) + "\n")
+    return sample
 
 
 def batches(run_dir: Path) -> dict[int, list[tuple[int, str]]]:
     lines = (json.loads(l) for l in (run_dir / "batches.jsonl").read_text().splitlines())
     return {b["rollout_id"]: [tuple(g) for g in b["groups"]] for b in lines}
+
+
+def batch_samples(run_dir: Path) -> list[list]:
+    """[rollout_id, sample index, tokens, reward] of every trained sample, in training order."""
+    lines = (json.loads(l) for l in (run_dir / "batches.jsonl").read_text().splitlines())
+    return [[b["rollout_id"], *smp] for b in lines for smp in b["samples"]]
+
+
+def final_weights(ckpt_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(ckpt_dir / "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_zero_staleness_trains_exactly_what_sync_trains(tmp_path):
+    """Sync, decoupled at --max-staleness 0 and one-step-off at --max-staleness 0 (a rollout
+    function of its own, so generation waits for the push) train the same samples in the same
+    order: per-step losses and final weights bit for bit, with a reward that moves them."""
+    import torch
+
+    from vime.models import resolve_model
+
+    arms = {
+        "sync": ("train.py", ["--rollout-function-path", "test_async.recorded_rollout"]),
+        "one-step-off": ("train_async.py", ["--max-staleness", "0", "--rollout-function-path", "test_async.recorded_rollout"]),
+        "decoupled": ("train_async.py", ["--max-staleness", "0", "--custom-generate-function-path", "test_async.recorded_generate"]),
+    }
+    for name, (script, extra) in arms.items():
+        res = run_cli(script, *TINY, "--num-rollout", "4", "--runs-dir", str(tmp_path), "--run-name", name, "--save", str(tmp_path / f"ckpt-{name}"), *extra)
+        assert res.returncode == 0, f"{name}: {res.stderr[-3000:]}"
+    keys = ("train/loss", "train/pg_loss", "train/grad_norm", "rollout/reward_mean", "rollout/staleness_max")
+    steps = {name: [[r[k] for k in keys] for r in rows(tmp_path / name)] for name in arms}
+    assert len(steps["sync"]) == 4 and steps["one-step-off"] == steps["sync"] and steps["decoupled"] == steps["sync"]
+    assert all(s[-1] == 0 for s in steps["sync"])  # every token on-policy
+    # the same samples, tokens and rewards in the same order (one-step-off records its batches;
+    # decoupled's worker records what it generated, which must be exactly what sync trained)
+    trained = batch_samples(tmp_path / "sync")
+    assert batch_samples(tmp_path / "one-step-off") == trained
+    generated = {i: tokens for i, tokens, _ in (json.loads(l) for l in (tmp_path / "decoupled" / "generated.jsonl").read_text().splitlines())}
+    assert generated == {i: tokens for _, i, tokens, _ in trained}
+    weights = {name: final_weights(tmp_path / f"ckpt-{name}" / "4") for name in arms}
+    for name in ("one-step-off", "decoupled"):
+        assert all(torch.equal(weights["sync"][k], weights[name][k]) for k in weights["sync"]), name
+    # the reward moved the weights, so the equality above says something
+    assert sum(1 for s in steps["sync"] if s[2] > 0) >= 2
+    initial = final_weights(resolve_model("tiny"))
+    assert any(not torch.equal(initial[k], weights["sync"][k]) for k in initial)
+
+
+def test_staleness_counts_optimizer_steps(tmp_path):
+    """Pushing every other step, sync's second step trains tokens one optimizer step old; with two
+    optimizer steps per rollout, the second half of each rollout is one step old. The push
+    count is kept apart from the policy version."""
+    for name, extra in {"interval": ["--update-weights-interval", "2"], "half": ["--global-batch-size", "8"]}.items():
+        res = run_cli("train.py", *TINY, "--num-rollout", "2", "--runs-dir", str(tmp_path), "--run-name", name, *extra)
+        assert res.returncode == 0, f"{name}: {res.stderr[-3000:]}"
+    r = rows(tmp_path / "interval")
+    assert [x["rollout/staleness_max"] for x in r] == [0, 1] and [x["rollout/staleness_mean"] for x in r] == [0, 1]
+    assert [(x["train/policy_version"], x["train/weight_version"], x["train/weight_pushes"]) for x in r] == [(1, 0, 0), (2, 2, 1)]
+    r = rows(tmp_path / "half")
+    assert [x["rollout/staleness_max"] for x in r] == [1, 1]
+    assert [x["rollout/staleness_mean"] for x in r] == pytest.approx([0.5, 0.5], abs=0.1)  # tokens split about evenly
+    assert [(x["train/policy_version"], x["train/weight_version"], x["train/weight_pushes"]) for x in r] == [(2, 2, 1), (4, 4, 2)]
 
 
 def test_fully_async_checkpoint_saves_the_workers_groups_and_resume_trains_them(tmp_path):

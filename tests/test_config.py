@@ -34,6 +34,11 @@ def test_json_and_list_flags():
         (["--apply-chat-template-kwargs", "{not json"], "--apply-chat-template-kwargs"),
         (["--num-rollout", "two"], "--num-rollout"),
         (["--partial-rollout"], "--max-staleness"),
+        (["--max-staleness", "0", "--update-weights-interval", "2"], "raise --max-staleness to 1"),
+        (["--max-staleness", "1", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "4"], "raise --max-staleness to 3"),
+        (["--use-rollout-logprobs", "--use-tis"], "drop one"),
+        (["--use-tis", "--tis-clip-low", "2"], "--tis-clip-low"),
+        (["--use-rs", "--rs-lower-bound", "3"], "--rs-lower-bound"),
     ],
 )
 def test_inconsistent_settings_fail_with_one_line(extra, fragment):
@@ -46,6 +51,13 @@ def test_unknown_yaml_key_suggests_the_right_one(tmp_path):
     cfg = tmp_path / "run.yaml"
     cfg.write_text("rollout_batchsize: 4\n")
     with pytest.raises(ConfigError, match="did you mean rollout-batch-size"):
+        parse_args(["--config", str(cfg), *BASE])
+
+
+def test_yaml_values_are_checked_against_the_choices_too(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("tis_mode: clip\n")
+    with pytest.raises(ConfigError, match="--tis-mode 'clip': use one of truncate, mask"):
         parse_args(["--config", str(cfg), *BASE])
 
 

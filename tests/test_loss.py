@@ -6,7 +6,9 @@ import math
 import pytest
 import torch
 
-from vime.trainer.loss import aggregate, compute_advantages, entropy_from_logits, kl_penalty, policy_loss
+from vime.trainer.loss import OffPolicyCorrection, aggregate, behaviour_weights, compute_advantages, entropy_from_logits, kl_penalty, policy_loss
+
+TIS = OffPolicyCorrection(use_tis=True, tis_clip=2.0)
 
 
 def close(a, b, atol=1e-5):
@@ -131,13 +133,97 @@ def test_tis_weight_truncated_and_detached():
     log_probs = torch.zeros(2, requires_grad=True)
     old = torch.zeros(2)
     rollout = torch.tensor([-math.log(3.0), -math.log(0.5)])
-    loss, m = policy_loss(log_probs, old, torch.ones(2), torch.ones(2), eps_clip=0.2, rollout_log_probs=rollout, use_tis=True, tis_clip=2.0)
+    loss, m = policy_loss(log_probs, old, torch.ones(2), torch.ones(2), eps_clip=0.2, rollout_log_probs=rollout, correction=TIS)
     assert close(loss, -1.25)
     assert close(m["tis"], 1.25) and close(m["tis_clipfrac"], 0.5)
     loss.backward()
     assert close(log_probs.grad, [-1.0, -0.25])  # weights scale the gradient but carry none themselves
     with pytest.raises(ValueError):
-        policy_loss(log_probs, old, torch.ones(2), torch.ones(2), eps_clip=0.2, use_tis=True)
+        policy_loss(log_probs, old, torch.ones(2), torch.ones(2), eps_clip=0.2, correction=TIS)
+
+
+def rollout_for(*weights: float) -> torch.Tensor:
+    """Engine log-probs that make w = π_old / π_rollout the given values against old log-probs of 0."""
+    return torch.tensor([-math.log(w) for w in weights])
+
+
+def test_tis_with_a_lower_bound_by_hand():
+    # w = (3, 0.5, 0.1) clamped to [0.2, 2] → (2, 0.5, 0.2); ratio 1, A = 1 → per-token -w,
+    # mean -(2 + 0.5 + 0.2) / 3 = -0.9; two of three weights were outside the band
+    log_probs = torch.zeros(3, requires_grad=True)
+    correction = OffPolicyCorrection(use_tis=True, tis_clip=2.0, tis_clip_low=0.2)
+    loss, m = policy_loss(log_probs, torch.zeros(3), torch.ones(3), torch.ones(3), eps_clip=0.2, rollout_log_probs=rollout_for(3, 0.5, 0.1), correction=correction)
+    assert close(loss, -0.9)
+    assert close(m["tis"], 0.9) and close(m["tis_clipfrac"], 2 / 3)
+    loss.backward()
+    assert close(log_probs.grad, [-2 / 3, -0.5 / 3, -0.2 / 3])  # d(-A r w / 3)/d log π at r = 1
+
+
+def test_tis_mask_mode_is_icepop():
+    # band [0.5, 2]: w = (3, 0.6, 0.1, 1.5) → (0, 0.6, 0, 1.5): out-of-band tokens weigh nothing,
+    # in-band ones keep their weight; loss -(0.6 + 1.5) / 4 = -0.525, denominator still 4 tokens
+    correction = OffPolicyCorrection(use_tis=True, tis_mode="mask", tis_clip=2.0, tis_clip_low=0.5)
+    loss, m = policy_loss(torch.zeros(4), torch.zeros(4), torch.ones(4), torch.ones(4), eps_clip=0.2, rollout_log_probs=rollout_for(3, 0.6, 0.1, 1.5), correction=correction)
+    assert close(loss, -0.525)
+    assert close(m["tis"], 2.1 / 4) and close(m["tis_clipfrac"], 0.5)
+
+
+def test_decoupled_ppo_clip_against_the_proximal_policy_weight_against_the_behaviour():
+    # proximal log-probs 0; two tokens:
+    #   A = +1, π/π_prox = 1.5, π_prox/π_behav = 0.5: clip term max(-1.5, -1.2) = -1.2, × 0.5 = -0.6
+    #   A = -1, π/π_prox = 0.5, π_prox/π_behav = 4:   clip term max(0.5, 0.8) = 0.8
+    # TIS truncates 4 to 2: (−0.6 + 1.6) / 2 = 0.5; AReaL's cap-5 mask keeps 4: (−0.6 + 3.2) / 2 = 1.3;
+    # with weight 6 instead of 4 the cap drops the token: −0.6 / 2 = −0.3
+    args = (lp(1.5, 0.5), torch.zeros(2), torch.tensor([1.0, -1.0]), torch.ones(2))
+    tis, _ = policy_loss(*args, eps_clip=0.2, rollout_log_probs=rollout_for(0.5, 4), correction=OffPolicyCorrection(use_tis=True, tis_clip=2.0))
+    capped = OffPolicyCorrection(use_tis=True, tis_mode="mask", tis_clip=5.0)
+    kept, m = policy_loss(*args, eps_clip=0.2, rollout_log_probs=rollout_for(0.5, 4), correction=capped)
+    dropped, _ = policy_loss(*args, eps_clip=0.2, rollout_log_probs=rollout_for(0.5, 6), correction=capped)
+    assert close(tis, 0.5) and close(kept, 1.3) and close(dropped, -0.3)
+    assert close(m["pg_clipfrac"], 1.0)  # both tokens on the clipped side: the clip acts on π/π_prox
+
+
+def test_token_rejection_drops_without_reweighting():
+    # band [0.5, 2]: w = (3, 1, 0.4, 1.2) → keep (0, 1, 0, 1); kept tokens weigh 1, not w:
+    # loss -(1 + 1) / 4 = -0.5; half the tokens dropped
+    correction = OffPolicyCorrection(use_rs=True, rs_lower_bound=0.5, rs_upper_bound=2.0)
+    loss, m = policy_loss(torch.zeros(4), torch.zeros(4), torch.ones(4), torch.ones(4), eps_clip=0.2, rollout_log_probs=rollout_for(3, 1, 0.4, 1.2), correction=correction)
+    assert close(loss, -0.5) and close(m["rs_dropfrac"], 0.5)
+    assert "tis" not in m
+
+
+def test_sequence_and_geometric_rejection_by_hand():
+    # seq 0: w = (1.5, 1.5)        product 2.25 (> 2: dropped), geometric mean 1.5 (kept)
+    # seq 1: w = (1.5, 0.8, [10])  the third token is masked out of the loss and of the product:
+    #        product 1.2, geometric mean sqrt(1.2) = 1.095: kept either way
+    # ratio 1, A = 1, 4 loss tokens: sequence level -(1 + 1) / 4 = -0.5 (2 of 4 dropped); geometric -4 / 4 = -1
+    rollout = rollout_for(1.5, 1.5, 1.5, 0.8, 10)
+    mask = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0])
+    seq_ids = torch.tensor([0, 0, 1, 1, 1])
+    out = {}
+    for level in ("sequence", "geometric"):
+        correction = OffPolicyCorrection(use_rs=True, rs_level=level, rs_lower_bound=0.5, rs_upper_bound=2.0)
+        out[level] = policy_loss(torch.zeros(5), torch.zeros(5), torch.ones(5), mask, eps_clip=0.2, rollout_log_probs=rollout, correction=correction, seq_ids=seq_ids)
+    assert close(out["sequence"][0], -0.5) and close(out["sequence"][1]["rs_dropfrac"], 0.5)
+    assert close(out["geometric"][0], -1.0) and close(out["geometric"][1]["rs_dropfrac"], 0.0)
+    factor, _ = behaviour_weights(torch.zeros(5), rollout, mask, OffPolicyCorrection(use_rs=True, rs_level="sequence"), seq_ids)
+    assert factor.tolist() == [0.0, 0.0, 1.0, 1.0, 1.0]
+    with pytest.raises(ValueError, match="seq_ids"):
+        behaviour_weights(torch.zeros(5), rollout, mask, OffPolicyCorrection(use_rs=True, rs_level="sequence"))
+
+
+def test_sequence_rejection_does_not_overflow_on_long_sequences():
+    # 200 tokens of w = e: the product e^200 overflows float32, its log (200) does not
+    rollout = torch.full((200,), -1.0)
+    factor, sums = behaviour_weights(torch.zeros(200), rollout, torch.ones(200), OffPolicyCorrection(use_rs=True, rs_level="sequence", rs_upper_bound=1e30), torch.zeros(200, dtype=torch.long))
+    assert factor.sum() == 0 and float(sums["rs_dropfrac"]) == 200
+
+
+def test_bad_corrections_are_refused():
+    with pytest.raises(ValueError):
+        OffPolicyCorrection(use_tis=True, tis_clip=2.0, tis_clip_low=3.0)
+    with pytest.raises(ValueError):
+        OffPolicyCorrection(rs_level="batch")
 
 
 # ---- KL, entropy, aggregation --------------------------------------------------------

@@ -101,6 +101,20 @@ def test_boxed_math_counts_only_boxes():
     assert [s.reward for s in samples] == [1.0, 0.0]
 
 
+def test_math_shaped_gives_wrong_numbers_credit_by_closeness():
+    # right → 1; 41 for 42: 0.5 × (1 − 1/42) = 0.488095; 3/4 for 1/2: 0.5 × (1 − 0.25/1) = 0.375
+    # (|label| < 1 counts as 1); 100 for 42 is off by more than 42 → 0; no number → 0
+    samples = [
+        Sample(index=0, response="\\boxed{42}", label="42"),
+        Sample(index=1, response="the answer is 41", label="42"),
+        Sample(index=2, response="3/4", label="1/2"),
+        Sample(index=3, response="100", label="42"),
+        Sample(index=4, response="no idea", label="42"),
+    ]
+    score(make_args(rm_type="math_shaped"), samples)
+    assert [round(s.reward, 6) for s in samples] == [1.0, 0.488095, 0.375, 0.0, 0.0]
+
+
 def test_unknown_rm_type_lists_the_known_ones():
     with pytest.raises(RewardError) as e:
         get_reward_fn(make_args(rm_type="nonsense"))

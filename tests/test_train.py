@@ -32,6 +32,7 @@ def test_tiny_yaml_two_rollouts_under_a_minute(tmp_path):
         assert r["rollout/staleness_max"] == 0  # sync: every token from the trainer's current policy
     # the engine's log-probs come from the same weights the trainer recomputes with
     assert steps[0]["train/train_rollout_logprob_abs_diff"] < 1e-3
+    assert any(r["train/grad_norm"] > 0 for r in steps)  # the example's reward varies: the weights move
     assert (tmp_path / "t" / "config.yaml").exists() and (tmp_path / "t" / "log.txt").exists()
     assert elapsed < 90, f"train.py --config examples/tiny.yaml --num-rollout 2 took {elapsed:.0f}s"
 
@@ -60,8 +61,10 @@ def test_python_dash_m_vime_is_the_vime_command():
 
 def test_checkpoint_and_resume(tmp_path, tiny_model, addition_data):
     train, test = addition_data
+    # pushing every other step, so the policy version (optimizer steps) and the push count differ
     common = ["--hf-checkpoint", str(tiny_model), "--prompt-data", str(train), "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
-              "--rollout-max-response-len", "4", "--lr", "1e-3", "--runs-dir", str(tmp_path), "--save", str(tmp_path / "ckpt"), "--save-interval", "1"]
+              "--rollout-max-response-len", "4", "--lr", "1e-3", "--runs-dir", str(tmp_path), "--save", str(tmp_path / "ckpt"), "--save-interval", "1",
+              "--rm-type", "math_shaped", "--update-weights-interval", "2"]
     first = run_cli("train.py", *common, "--num-rollout", "2", "--run-name", "a")
     assert first.returncode == 0, first.stderr[-2000:]
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["1", "2"]
@@ -72,11 +75,17 @@ def test_checkpoint_and_resume(tmp_path, tiny_model, addition_data):
     assert second.returncode == 0, second.stderr[-2000:]
     rows = [r for r in read_rows(tmp_path / "b") if "perf/step_time" in r]
     assert [r["step"] for r in rows] == [3]  # continued after step 2, not from scratch
-    assert rows[0]["train/weight_version"] == 3
+    # three optimizer steps; the engines hold the weights of step 2 (re-sent on resume, not
+    # counted), pushed once so far
+    assert (rows[0]["train/policy_version"], rows[0]["train/weight_version"], rows[0]["train/weight_pushes"]) == (3, 2, 1)
     import torch
 
     state = torch.load(tmp_path / "ckpt" / "2" / "trainer_state.pt", weights_only=False)
     resumed = torch.load(tmp_path / "ckpt" / "3" / "trainer_state.pt", weights_only=False)
+    assert (state["extra"]["policy_version"], state["extra"]["weight_pushes"]) == (2, 1)
+    assert (resumed["extra"]["policy_version"], resumed["extra"]["weight_pushes"]) == (3, 1)
+    first_rows = [r for r in read_rows(tmp_path / "a") if "perf/step_time" in r]
+    assert any(r["train/grad_norm"] > 0 for r in first_rows + rows)
     # data position moved on by exactly one rollout batch from where step 2 left it
     assert resumed["extra"]["data_source"]["offset"] == state["extra"]["data_source"]["offset"] + 2
 

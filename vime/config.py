@@ -57,10 +57,10 @@ class Config:
     rollout_seed: int = _f(42, "seed of prompt order and sampling", group="rollout")
     # --- async training ---
     rollout_concurrency: int | None = _f(None, "fully-async: prompt groups in flight at once (default: 2 × --rollout-batch-size)", group="async")
-    max_staleness: int | None = _f(None, "decoupled mode: train on samples up to K policy versions old; weights are pushed (every --update-weights-interval steps) without waiting for generation", group="async")
+    max_staleness: int | None = _f(None, "train on tokens at most K optimizer steps older than the weights that train them; the fully-async worker then never waits for training (decoupled); 0 trains exactly what sync trains", group="async")
     partial_rollout: bool = _f(False, "decoupled mode: abort in-flight requests at each push and resume them from their tokens (instead of pausing in place)", group="async")
     # --- rewards ---
-    rm_type: str = _f("math", "built-in reward: math (1/0), dapo (1/-1), boxed_math", group="rewards")
+    rm_type: str = _f("math", "built-in reward: math (1/0), dapo (1/-1), boxed_math, math_shaped (1, or up to 0.5 for a wrong number by its closeness)", group="rewards")
     custom_rm_path: str | None = _f(None, "dotted path of a reward fn(args, sample) -> float, sync or async", group="rewards")
     reward_timeout: float = _f(10.0, "seconds before a reward call scores 0", group="rewards")
     # --- algorithm ---
@@ -71,8 +71,15 @@ class Config:
     kl_loss_coef: float = _f(0.0, "weight of the KL loss to a frozen reference (0 = no reference model)", group="algorithm")
     kl_loss_type: str = _f("low_var_kl", "KL estimator", ("low_var_kl", "k1", "k2"), group="algorithm")
     entropy_coef: float = _f(0.0, "entropy bonus weight (the entropy is always logged)", group="algorithm")
-    use_tis: bool = _f(False, "truncated importance sampling between rollout and trainer log-probs", group="algorithm")
+    use_rollout_logprobs: bool = _f(False, "take the PPO ratio against the engine's log-probs (the behaviour policy) instead of the trainer's current weights: coupled PPO, no recompute", group="algorithm")
+    use_tis: bool = _f(False, "weight each token's loss by π_old/π_rollout (truncated importance sampling; with stale samples this is decoupled PPO)", group="algorithm")
+    tis_mode: str = _f("truncate", "truncate: clamp the TIS weight to [--tis-clip-low, --tis-clip]; mask: weight 0 outside that band (IcePop)", ("truncate", "mask"), group="algorithm")
     tis_clip: float = _f(2.0, "upper bound of the TIS weight", group="algorithm")
+    tis_clip_low: float = _f(0.0, "lower bound of the TIS weight", group="algorithm")
+    use_rs: bool = _f(False, "rejection (masked importance sampling): drop tokens or sequences whose π_old/π_rollout leaves [--rs-lower-bound, --rs-upper-bound]", group="algorithm")
+    rs_level: str = _f("token", "what --use-rs drops: token, or sequence (product of its token ratios) or geometric (their geometric mean) for whole sequences", ("token", "sequence", "geometric"), group="algorithm")
+    rs_lower_bound: float = _f(0.5, "lower bound of the ratio --use-rs keeps", group="algorithm")
+    rs_upper_bound: float = _f(2.0, "upper bound of the ratio --use-rs keeps", group="algorithm")
     # --- optimizer ---
     lr: float = _f(1e-6, "AdamW learning rate", group="optimizer")
     weight_decay: float = _f(0.0, "AdamW weight decay", group="optimizer")
@@ -129,6 +136,18 @@ class Config:
         return self.rollout_batch_size * self.n_samples_per_prompt
 
     @property
+    def steps_per_rollout(self) -> int:
+        """Optimizer steps per rollout batch; the policy version advances by this much per step."""
+        return self.samples_per_rollout // (self.global_batch_size or self.samples_per_rollout)
+
+    @property
+    def min_staleness(self) -> int:
+        """The largest staleness even sync training has, in optimizer steps: the last optimizer
+        step of a rollout is steps_per_rollout - 1 past the weights that generated it, and
+        engines lag up to --update-weights-interval - 1 rollouts more."""
+        return self.update_weights_interval * self.steps_per_rollout - 1
+
+    @property
     def run_dir(self) -> Path:
         return Path(self.runs_dir) / (self.run_name or "run")
 
@@ -161,6 +180,15 @@ class Config:
             (self.update_weights_interval < 1, "--update-weights-interval must be at least 1"),
             (self.lr < 0, "--lr must be >= 0"),
             (self.max_staleness is not None and self.max_staleness < 0, "--max-staleness must be >= 0"),
+            (
+                self.max_staleness is not None and self.max_staleness < self.min_staleness,
+                f"--max-staleness {self.max_staleness} cannot hold: with --update-weights-interval {self.update_weights_interval} and "
+                f"{self.steps_per_rollout} optimizer step(s) per rollout even sync training trains tokens {self.min_staleness} steps old; "
+                f"raise --max-staleness to {self.min_staleness} or push and step once per rollout",
+            ),
+            (self.use_rollout_logprobs and (self.use_tis or self.use_rs), "--use-tis/--use-rs weigh π_old against the engine's log-probs, which --use-rollout-logprobs makes π_old: drop one"),
+            (not 0 <= self.tis_clip_low < self.tis_clip, f"--tis-clip-low {self.tis_clip_low} must be >= 0 and below --tis-clip {self.tis_clip}"),
+            (not 0 <= self.rs_lower_bound < self.rs_upper_bound, f"--rs-lower-bound {self.rs_lower_bound} must be >= 0 and below --rs-upper-bound {self.rs_upper_bound}"),
             (self.partial_rollout and self.max_staleness is None, "--partial-rollout only applies to decoupled training: add --max-staleness K"),
             (self.rollout_concurrency is not None and self.rollout_concurrency < 1, "--rollout-concurrency must be at least 1"),
             (self.max_tokens_per_gpu < 1, "--max-tokens-per-gpu must be at least 1"),
@@ -171,6 +199,10 @@ class Config:
         if for_eval:
             checks = [c for c in checks if "--prompt-data" not in c[1] and "--num-rollout" not in c[1]]
             checks.append((self.eval_prompt_data is None, "--eval-prompt-data is required (the held-out prompts)"))
+        for name, f in _FIELDS.items():  # argparse checks choices on the command line; a YAML value gets here unchecked
+            value, choices = getattr(self, name), f.metadata["choices"]
+            if choices is not None and value not in choices:
+                checks.append((True, f"--{name.replace('_', '-')} {value!r}: use one of {', '.join(choices)}"))
         for bad, msg in checks:
             if bad:
                 raise ConfigError(msg)

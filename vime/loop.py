@@ -1,5 +1,9 @@
 """The train loops. `train.py` runs `sync`; `train_async.py` runs `one-step-off` (and, with the
-fully-async rollout function, fully-async).
+fully-async rollout function, fully-async), or with `--max-staleness` `decoupled`.
+
+The policy version is the number of optimizer steps taken; every push gives the engines the
+current one, they stamp it on each token, and staleness is always the version of the
+optimizer step that trains a token minus the version that sampled it.
 
 Every loop measures the same things the same way (DESIGN.md, "Timing"):
   train_wait_time   trainer ready for the batch → batch in hand (the bubble)
@@ -55,7 +59,7 @@ class Trainer:
         if mode == "decoupled" and args.rollout_function_path == DEFAULT_FN:
             args.rollout_function_path = FULLY_ASYNC_FN  # decoupled training needs the continuous worker
         if mode == "decoupled" and args.rollout_function_path != FULLY_ASYNC_FN:
-            raise ValueError("--max-staleness needs the fully-async rollout function (leave --rollout-function-path at its default)")
+            mode = "one-step-off"  # a rollout function of one's own: one-step-off, overlapping only as far as --max-staleness allows
         self.args, self.mode = args, mode
         label = "fully-async" if mode == "one-step-off" and args.rollout_function_path == FULLY_ASYNC_FN else mode
         if args.run_name is None:
@@ -93,7 +97,9 @@ class Trainer:
                 timeout=args.update_weights_timeout, master_address=self.placement.master_address,
             )
             self.pusher.connect(self.placement.trainer_device)  # a weight group, if any, is formed now, not in step 1
-            self.weight_version = 0
+            self.policy_version = 0  # optimizer steps taken (every step of a rollout counts, also one with nothing to learn)
+            self.engine_version = 0  # the policy version the engines hold
+            self.weight_pushes = 0
             self.start_step = 0
             if args.load:
                 self._resume(Path(args.load))
@@ -111,12 +117,16 @@ class Trainer:
         extra = self.actor.load(ckpt)
         self.data_source.load_state_dict(extra["data_source"])
         self.start_step = extra["step"]
-        self.weight_version = extra["weight_version"]
-        from vime.rollout import fully_async_rollout  # staleness is measured against the resumed version
-
-        fully_async_rollout.set_trainer_version(self.weight_version)
-        log.info("resumed from %s at step %d", ckpt, self.start_step)
-        self.push_weights(self.start_step, bump=False)  # engines started from the base model; give them the resumed weights
+        # checkpoints before versions counted optimizer steps saved the push count as weight_version
+        self.weight_pushes = extra.get("weight_pushes", extra.get("weight_version", 0))
+        self.policy_version = extra.get("policy_version", self.start_step * self.args.steps_per_rollout)
+        if self.policy_version != self.start_step * self.args.steps_per_rollout:
+            raise ValueError(
+                f"--load {load_dir}: the checkpoint took {self.policy_version} optimizer steps in {self.start_step} rollouts, "
+                f"this run takes {self.args.steps_per_rollout} per rollout: resume with the --global-batch-size it was trained with"
+            )
+        log.info("resumed from %s at step %d (policy version %d)", ckpt, self.start_step, self.policy_version)
+        self.push_weights(self.start_step, count=False)  # engines started from the base model; give them the resumed weights
 
     def train_on(self, out: RolloutOutput, step: int) -> dict[str, float]:
         """Advantages → optimizer step(s). Returns train metrics + rollout metrics of this batch."""
@@ -128,26 +138,34 @@ class Trainer:
         metrics = dict(out.metrics)
         metrics.update(self.actor.train_step(samples, advantages))
         self.data_source.mark_trained(groups)  # from now on a checkpoint does not regenerate them
-        metrics.update(staleness_metrics(samples, self.weight_version))
+        metrics.update(staleness_metrics(samples, self.policy_version, self.args.global_batch_size))
+        self.policy_version += self.args.steps_per_rollout
         return metrics
 
-    def push_weights(self, step: int, bump: bool = True) -> dict[str, float]:
-        """pause → push → continue. In-flight requests wait in place (their next tokens come from
-        the new weights), except with --partial-rollout, where they are aborted and resumed.
-        `bump=False` re-sends the current version (a resumed run's weights). A failed push
-        stops the run with the engine's URL and the step."""
-        self.weight_version += int(bump)
+    def push_weights(self, step: int, count: bool = True) -> dict[str, float]:
+        """pause → push → continue: the engines get the current policy version, which they
+        stamp on every token from now on. In-flight requests wait in place (their next tokens
+        come from the new weights), except with --partial-rollout, where they are aborted and
+        resumed. `count=False`: a resumed run's weights re-sent, not a push of training. A failed
+        push stops the run with the engine's URL and the step."""
         t0 = time.perf_counter()
         try:
             with self.generation_paused("abort" if self.args.partial_rollout else "in_place"):
-                metrics = self.pusher.push(self.actor.named_weights(), self.weight_version)
+                metrics = self.pusher.push(self.actor.named_weights(), self.policy_version)
         except EngineError as e:
             raise EngineError(f"step {step}: {e}") from None
         metrics["perf/update_weights_time"] = time.perf_counter() - t0
-        metrics["train/weight_version"] = self.weight_version
-        if "vime.rollout.fully_async_rollout" in sys.modules:
-            sys.modules["vime.rollout.fully_async_rollout"].set_trainer_version(self.weight_version)
+        self.engine_version = self.policy_version
+        self.weight_pushes += int(count)
+        from vime.rollout import fully_async_rollout  # a worker bounded by --max-staleness waits for this
+
+        fully_async_rollout.set_engine_version(self.engine_version)
         return metrics
+
+    def version_metrics(self) -> dict[str, float]:
+        """Versions after a step: the trainer's, the engines' (behind it between pushes with
+        --update-weights-interval > 1), and the pushes so far."""
+        return {"train/policy_version": self.policy_version, "train/weight_version": self.engine_version, "train/weight_pushes": self.weight_pushes}
 
     @contextlib.contextmanager
     def generation_paused(self, mode: str) -> Iterator[None]:
@@ -178,7 +196,7 @@ class Trainer:
         if a.save and ((a.save_interval and step % a.save_interval == 0) or last):
             t0 = time.perf_counter()
             with self.generation_paused("in_place") if self.mode != "sync" else contextlib.nullcontext():
-                extra = {"step": step, "weight_version": self.weight_version, "data_source": self.data_source.state_dict()}
+                extra = {"step": step, "policy_version": self.policy_version, "weight_pushes": self.weight_pushes, "data_source": self.data_source.state_dict()}
                 self.actor.save(Path(a.save) / str(step), extra)
             metrics["perf/save_time"] = time.perf_counter() - t0
         self.metrics.log(step, metrics)
@@ -211,9 +229,11 @@ class Trainer:
                 log.exception("while closing the run (%s)", getattr(step, "__qualname__", step))
 
 
-def staleness_metrics(samples: list[Sample], trainer_version: int) -> dict[str, float]:
-    """Trainer version − weight version of each trained token (0 = fully on-policy)."""
-    lags = [trainer_version - v for s in samples for v in (s.weight_versions or [])]
+def staleness_metrics(samples: list[Sample], first_version: int, global_batch_size: int) -> dict[str, float]:
+    """Staleness of each trained token, in optimizer steps: the policy version of the optimizer
+    step that trains it (`first_version` for the rollout's first `global_batch_size` samples,
+    one more for each later slice) minus the version that sampled it. 0 = on-policy."""
+    lags = [first_version + i // global_batch_size - v for i, s in enumerate(samples) for v in (s.weight_versions or [])]
     if not lags:
         return {}
     return {"rollout/staleness_mean": sum(lags) / len(lags), "rollout/staleness_max": float(max(lags))}
@@ -276,21 +296,35 @@ def _sequential_loop(t: Trainer) -> None:
 
 def _one_step_off_loop(t: Trainer) -> None:
     """generate(N+1) runs while step N trains; the in-flight generate finishes before any push,
-    so each batch is generated entirely by one policy version (one behind the trainer).
+    so each batch is generated entirely by one policy version (one rollout behind the trainer).
+
+    Under a --max-staleness too small for that (a rollout function of one's own; 0 with one
+    step per rollout), generate(N+1) is submitted only after step N's push: nothing overlaps,
+    and the run trains what sync trains.
 
     On an error or Ctrl-C the pending generate may have minutes to go: its requests are aborted
     and it is not waited for, so Trainer.close() stops the engines at once."""
+    a = t.args
+    overlap = a.max_staleness is None or a.max_staleness >= a.min_staleness + a.steps_per_rollout
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vime-generate")
-    try:
+
+    def submit(rollout_id: int) -> Future | None:
         # a run resumed at its last step has nothing to generate
-        pending: Future | None = pool.submit(t.rollout_fn, t.args, t.start_step, t.data_source) if t.start_step < t.num_rollout else None
+        return pool.submit(t.rollout_fn, a, rollout_id, t.data_source) if rollout_id < t.num_rollout else None
+
+    try:
+        pending = submit(t.start_step)
         clock = StepClock()
         for rollout_id in range(t.start_step, t.num_rollout):
             ready = time.perf_counter()
             out = pending.result()
             m = {"perf/train_wait_time": time.perf_counter() - ready}
-            pending = pool.submit(t.rollout_fn, t.args, rollout_id + 1, t.data_source) if rollout_id + 1 < t.num_rollout else None
-            m.update(_train_and_push(t, out, rollout_id + 1, before_push=pending.result if pending else None))
+            if overlap:
+                pending = submit(rollout_id + 1)
+                m.update(_train_and_push(t, out, rollout_id + 1, before_push=pending.result if pending else None))
+            else:
+                m.update(_train_and_push(t, out, rollout_id + 1))
+                pending = submit(rollout_id + 1)
             clock.close(m)
             t.after_step(rollout_id + 1, m)
             clock.restart()
@@ -327,4 +361,5 @@ def _train_and_push(t: Trainer, out: RolloutOutput, step: int, before_push: Call
             before_push()
             m["perf/push_wait_time"] = time.perf_counter() - w0
         m.update(t.push_weights(step))
+    m.update(t.version_metrics())
     return m

@@ -7,12 +7,19 @@ slow requests (the long tail) never hold a step up.
 
 Rules the worker keeps:
 * at most `--rollout-concurrency` groups in flight (default: 2 × rollout-batch-size);
-* back-pressure: no new prompt is taken while a full batch of finished groups is waiting;
 * a group with an aborted sample goes back to the data source (or, with `--partial-rollout`,
   its aborted samples resume from the tokens they already have);
-* with `--max-staleness K` (decoupled mode), a group holding a token sampled more than K
-  policy versions before the trainer's is not trained: it is dropped at drain time, its
-  prompt re-queued, and counted.
+* a batch is the finished groups of lowest group index (the data order), handed out sorted
+  by it, never in the order they happened to finish;
+* without a staleness bound, back-pressure: no new prompt is taken while a full batch of
+  finished groups is waiting;
+* with `--max-staleness K` (decoupled mode), admission instead (AReaL's rule): a prompt is
+  started only if, trained in the rollout its place in the queue gives it, its tokens would be
+  at most K optimizer steps old. So at K = 0 the worker holds exactly the next batch of the
+  data order and starts it only once the weights that sync would generate it with are pushed:
+  the same groups, seeds and order as sync, by construction. A group that still ends up
+  staler than K (a slow one overtaken by later groups) is dropped when drained, its prompt
+  re-queued, and counted.
 
 Every group the worker holds (queued, in flight, or drained but not yet trained) is still
 outstanding in the data source, so a checkpoint saves it for the resumed run to generate again.
@@ -21,10 +28,11 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import heapq
+import itertools
 import logging
 import threading
 import time
-from collections import deque
 
 from vime.rollout import async_loop
 from vime.rollout.types import RolloutOutput, Sample, Status
@@ -37,16 +45,23 @@ log = logging.getLogger("vime")
 class AsyncRolloutWorker:
     """Producer side of the fully-async pipeline; lives on the shared rollout event loop."""
 
-    def __init__(self, args, data_source) -> None:
+    def __init__(self, args, data_source, first_rollout: int) -> None:
         self.args = args
         self.data_source = data_source
         self.concurrency = args.rollout_concurrency or 2 * args.rollout_batch_size
         self.batch = args.rollout_batch_size
-        self.ready: deque[list[Sample]] = deque()
-        self.cond = threading.Condition()  # guards ready and the counters; the data source has its own lock
+        self.max_staleness: int | None = args.max_staleness
+        self.steps_per_rollout: int = args.steps_per_rollout
+        # finished groups as a heap on group index (the data order), with a tie-breaker so
+        # groups themselves are never compared
+        self.ready: list[tuple[int, int, list[Sample]]] = []
+        self._arrival = itertools.count()
+        self.cond = threading.Condition()  # guards everything below; the data source has its own lock
         self.inflight = 0
         self.counts = {"requeued": 0, "dropped_stale": 0, "resumed": 0}
-        self.trainer_version = _trainer_version  # kept current by set_trainer_version after each push
+        self.engine_version = _engine_version  # kept current by set_engine_version after each push
+        self.next_rollout = first_rollout  # the rollout the next (or current) drain hands out
+        self.taken = 0  # groups the drain in progress has taken: still that rollout's
         self.max_inflight_seen = 0
         self._stop = False
         self._wake: asyncio.Event | None = None
@@ -84,7 +99,24 @@ class AsyncRolloutWorker:
 
     def _may_start(self) -> bool:
         with self.cond:
-            return not self._stop and self.inflight < self.concurrency and len(self.ready) < self.batch
+            if self._stop or self.inflight >= self.concurrency:
+                return False
+            if self.max_staleness is None:
+                return len(self.ready) < self.batch
+            queued = self.taken + len(self.ready) + self.inflight  # untrained groups ahead of a new one
+            return self._lag(self.next_rollout + queued // self.batch, self.engine_version) <= self.max_staleness
+
+    def _lag(self, rollout: int, version: int) -> int:
+        """Staleness in optimizer steps of a token sampled by weights `version` when the last
+        optimizer step of `rollout` trains it (the policy version is then
+        (rollout + 1) × steps_per_rollout − 1)."""
+        return (rollout + 1) * self.steps_per_rollout - 1 - version
+
+    def _stale(self, group: list[Sample], rollout: int) -> bool:
+        if self.max_staleness is None:
+            return False
+        oldest = min((v for s in group for v in (s.weight_versions or [])), default=self.engine_version)
+        return self._lag(rollout, oldest) > self.max_staleness
 
     async def _one_group(self, group: list[Sample], fn, params) -> None:
         args = self.args
@@ -92,7 +124,7 @@ class AsyncRolloutWorker:
         try:
             group = list(await asyncio.gather(*(fn(args, s, params) for s in group)))
             while any(s.status == Status.ABORTED for s in group):
-                if not args.partial_rollout or self._stale(group):
+                if not args.partial_rollout or self._stale(group, self.next_rollout):
                     with self.cond:
                         self.data_source.add_samples([group])
                         self.counts["requeued"] += 1
@@ -103,7 +135,7 @@ class AsyncRolloutWorker:
             await score_samples(args, group)
             group[0].metadata["gen_span"] = (started, time.perf_counter())
             with self.cond:
-                self.ready.append(group)
+                heapq.heappush(self.ready, (group[0].group_index, next(self._arrival), group))
                 self.cond.notify_all()
         except asyncio.CancelledError:
             raise
@@ -116,35 +148,32 @@ class AsyncRolloutWorker:
                 self.inflight -= 1
             self._poke()
 
-    def _stale(self, group: list[Sample]) -> bool:
-        k = self.args.max_staleness
-        if k is None:
-            return False
-        oldest = min((v for s in group for v in (s.weight_versions or [])), default=self.trainer_version)
-        return self.trainer_version - oldest > k
-
     def _poke(self) -> None:
         if self._wake is not None:
             async_loop.get_loop().call_soon_threadsafe(self._wake.set)
 
     # ---- consumer (train thread) ----
 
-    def drain(self, n: int) -> tuple[list[list[Sample]], dict[str, float]]:
-        """Block until n trainable groups are ready; return them FIFO with queue metrics."""
+    def drain(self, rollout: int, n: int) -> tuple[list[list[Sample]], dict[str, float]]:
+        """Block until n trainable groups are ready; return those of lowest group index, in
+        group-index order, with queue metrics. `rollout` is the index of the batch being drained."""
         out: list[list[Sample]] = []
         with self.cond:
+            self.next_rollout, self.taken = rollout, 0
             while len(out) < n:
                 while not self.ready and self.error is None:
                     self._poke()  # the producer may be holding back (back-pressure) on groups we just dropped
                     self.cond.wait(timeout=1.0)
                 if self.error is not None:
                     raise self.error
-                group = self.ready.popleft()
-                if self._stale(group):
+                group = heapq.heappop(self.ready)[-1]
+                if self._stale(group, rollout):
                     self.counts["dropped_stale"] += 1
                     self.data_source.add_samples([group])
                     continue
                 out.append(group)
+                self.taken += 1
+            self.next_rollout, self.taken = rollout + 1, 0
             metrics = {
                 "rollout/queue_depth": float(len(self.ready)),
                 "rollout/inflight": float(self.inflight),
@@ -152,6 +181,8 @@ class AsyncRolloutWorker:
                 **{f"rollout/{k}": float(v) for k, v in self.counts.items()},
             }
         self._poke()
+        # the heap hands out the lowest index first, but a lower one may have finished mid-drain
+        out.sort(key=lambda g: g[0].group_index)
         return out, metrics
 
     def stop(self) -> None:
@@ -178,44 +209,49 @@ _worker: AsyncRolloutWorker | None = None
 _worker_lock = threading.Lock()
 
 
-def get_worker(args, data_source) -> AsyncRolloutWorker:
+def get_worker(args, data_source, first_rollout: int = 0) -> AsyncRolloutWorker:
+    """The process-wide worker, started on first use with the index of the first rollout it serves."""
     global _worker
     with _worker_lock:
         if _worker is None:
-            _worker = AsyncRolloutWorker(args, data_source)
+            _worker = AsyncRolloutWorker(args, data_source, first_rollout)
         return _worker
 
 
 def shutdown() -> None:
     """Stop the worker (idempotent): in-flight requests are cancelled, nothing is left running."""
-    global _worker, _trainer_version
+    global _worker, _engine_version
     with _worker_lock:
         if _worker is not None:
             _worker.stop()
             _worker = None
-        _trainer_version = 0
+        _engine_version = 0
 
 
 atexit.register(shutdown)
 
 
-_trainer_version = 0
+_engine_version = 0
 
 
-def set_trainer_version(version: int) -> None:
-    """Called after every push (and on resume), also before the worker exists."""
-    global _trainer_version
-    _trainer_version = version
+def set_engine_version(version: int) -> None:
+    """The policy version the engines generate with now (optimizer steps of the pushed
+    weights). Called after every push (and on resume), also before the worker exists; a
+    worker held back by the staleness bound starts its next groups at once."""
+    global _engine_version
+    _engine_version = version
     if _worker is not None:
-        _worker.trainer_version = version
+        with _worker.cond:
+            _worker.engine_version = version
+        _worker._poke()
 
 
 def generate_rollout_fully_async(args, rollout_id: int, data_source, evaluation: bool = False) -> RolloutOutput:
     if evaluation:
         raise ValueError("the fully-async rollout function does not evaluate: evaluation runs through vime.eval (greedy, one batch)")
-    worker = get_worker(args, data_source)
+    worker = get_worker(args, data_source, rollout_id)
     t0 = time.perf_counter()
-    groups, metrics = worker.drain(args.rollout_batch_size)
+    groups, metrics = worker.drain(rollout_id, args.rollout_batch_size)
     metrics.update(rollout_metrics(groups))
     metrics["perf/rollout_drain_time"] = time.perf_counter() - t0
     spans = [g[0].metadata.pop("gen_span") for g in groups if "gen_span" in g[0].metadata]

@@ -24,6 +24,7 @@ import threading
 import weakref
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from fractions import Fraction
 from functools import lru_cache
 from typing import Any, Awaitable, Callable
 
@@ -38,6 +39,7 @@ BUILTIN_RM_TYPES: dict[str, tuple[float, float, bool]] = {
     "math": (1.0, 0.0, False),
     "dapo": (1.0, -1.0, False),  # DAPO's verifier: wrong and unanswered both score -1
     "boxed_math": (1.0, 0.0, True),
+    "math_shaped": (1.0, 0.0, False),  # a wrong numeric answer earns partial credit: see numeric_credit
 }
 POOL_WORKERS = 2
 DEFAULT_TIMEOUT_S = 10.0
@@ -162,6 +164,22 @@ def grade(pred: str | None, label: str | None) -> bool:
     return bool(gold and target and verify(gold, target, timeout_seconds=None))
 
 
+def numeric_credit(pred: str | None, label: str | None) -> float:
+    """Partial credit of a wrong numeric answer: 0.5 × (1 − relative error), floored at 0, so
+    any right answer (1) beats every wrong one and an answer off by the label's size or more
+    earns nothing; 0 when either side is not a plain number or fraction.
+
+    Why it exists: with exact-match rewards a model that never answers right gets the same
+    score on every sample, so GRPO's advantages are all 0 and nothing trains. The closeness of
+    a numeric answer differs between samples long before any is right, which gives small or
+    random models (the tiny example, tests) a signal; on a real run it is a shaping term."""
+    try:
+        p, y = Fraction(str(pred).strip()), Fraction(str(label).strip())
+    except (TypeError, ValueError, ZeroDivisionError):
+        return 0.0
+    return 0.5 * max(0.0, 1.0 - float(abs(p - y) / max(abs(y), 1)))
+
+
 def builtin_score(rm_type: str, response: str, label: str | None) -> float:
     """Score of one response under a built-in rm type (see BUILTIN_RM_TYPES)."""
     right, wrong, boxed_only = BUILTIN_RM_TYPES[rm_type]
@@ -170,7 +188,9 @@ def builtin_score(rm_type: str, response: str, label: str | None) -> float:
         pred = boxes[-1] if boxes else None
     else:
         pred = extract_answer(response)
-    return right if grade(pred, label) else wrong
+    if grade(pred, label):
+        return right
+    return numeric_credit(pred, label) if rm_type == "math_shaped" else wrong
 
 
 # ---------------------------------------------------------------- the process pool

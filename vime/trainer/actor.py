@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from vime.models import load_tokenizer
 from vime.rollout.types import Sample
 from vime.trainer.logprobs import DEFAULT_CHUNK, chunked_log_probs
-from vime.trainer.loss import aggregate, kl_penalty, policy_loss
+from vime.trainer.loss import OffPolicyCorrection, aggregate, kl_penalty, policy_loss
 from vime.trainer.packing import PackedBatch, pack, plan_packed_micro_batches, register_packed_attention, shard_by_tokens
 from vime.trainer.perf import mfu, train_flops
 
@@ -102,6 +102,13 @@ class Actor:
             weight_decay=_arg(args, "weight_decay", 0.0),
             fused=self.device.type == "cuda",  # one kernel for all parameters instead of a launch per tensor
         )
+        self.correction = OffPolicyCorrection(
+            use_tis=_arg(args, "use_tis", False), tis_mode=_arg(args, "tis_mode", "truncate"), tis_clip=_arg(args, "tis_clip", 2.0),
+            tis_clip_low=_arg(args, "tis_clip_low", 0.0), use_rs=_arg(args, "use_rs", False), rs_level=_arg(args, "rs_level", "token"),
+            rs_lower_bound=_arg(args, "rs_lower_bound", 0.5), rs_upper_bound=_arg(args, "rs_upper_bound", 2.0),
+        )
+        # coupled PPO: the engine's log-probs are π_old, so nothing is recomputed
+        self.use_rollout_logprobs: bool = _arg(args, "use_rollout_logprobs", False)
         self.ref_scorer = None
         if _arg(args, "kl_loss_coef", 0.0) > 0:
             ref = self._load(model_path)
@@ -189,7 +196,8 @@ class Actor:
     def train_step(self, samples: list[Sample], advantages: list[float]) -> dict[str, float]:
         """Train on one rollout: `len(samples) // global_batch_size` optimizer steps.
 
-        Old log-probs are those of the current weights. With several optimizer steps they are
+        Old log-probs are those of the current weights (the proximal policy), or with
+        --use-rollout-logprobs the engine's. With several optimizer steps the proximal ones are
         recomputed once, before the first step, because later steps of the same rollout are
         off-policy by the earlier ones and the clip applies. With one step (the usual GRPO
         setting: --global-batch-size = all samples) they would equal the training forward's own
@@ -205,7 +213,7 @@ class Actor:
             raise ValueError(f"{len(samples)} samples do not split into optimizer steps of --global-batch-size {gbs}")
         self._sync()
         t0 = time.perf_counter()
-        old = None if gbs == len(samples) else self.compute_log_probs(samples)
+        old = None if gbs == len(samples) or self.use_rollout_logprobs else self.compute_log_probs(samples)
         ref = self.compute_log_probs(samples, scorer=self.ref_scorer) if self.ref_scorer is not None else None
         steps = []
         for start in range(0, len(samples), gbs):
@@ -249,7 +257,8 @@ class Actor:
     ) -> dict[str, float]:
         """Forward/backward this rank's micro-batches of one optimizer step into `.grad` (no step).
         `old_log_probs` None: the weights have not moved since the rollout's first step, so the
-        forward's own detached log-probs are the old ones (see `train_step`).
+        forward's own detached log-probs are the old ones (see `train_step`); with
+        --use-rollout-logprobs the engine's are.
 
         Each micro-batch's loss is divided by the step's loss-token count over all ranks (or
         the Dr.GRPO constant), so the accumulated gradient is that of the step's true token
@@ -267,9 +276,8 @@ class Actor:
         agg = "seq_sum_const" if _arg(a, "advantage_estimator", "grpo") == "dr_grpo" else "token_mean"
         max_len = _arg(a, "rollout_max_response_len", max((s.response_length for s in samples), default=1))
         const = float(max_len * len(samples))
-        use_tis = _arg(a, "use_tis", False)
-        if use_tis and any(s.rollout_log_probs is None for s in samples):
-            raise ValueError("--use-tis needs the engine's log-probs on every sample (rollout_log_probs)")
+        if (self.correction.active or self.use_rollout_logprobs) and any(s.rollout_log_probs is None for s in samples):
+            raise ValueError("--use-tis, --use-rs and --use-rollout-logprobs need the engine's log-probs on every sample (rollout_log_probs)")
         kl_coef = _arg(a, "kl_loss_coef", 0.0)
         ent_coef = _arg(a, "entropy_coef", 0.0)
         totals: dict[str, float] = {}
@@ -282,9 +290,13 @@ class Actor:
                 return torch.cat([torch.as_tensor(per_sample[i], dtype=torch.float32) for i in mb.indices]).to(self.device)
 
             mask = flat(masks)
-            old = log_probs.detach() if old_log_probs is None else flat(old_log_probs)
             rollout_lp = flat(rollout_lps)
+            if self.use_rollout_logprobs:
+                old = rollout_lp
+            else:
+                old = log_probs.detach() if old_log_probs is None else flat(old_log_probs)
             adv = flat(adv_tokens)
+            seq_ids = torch.repeat_interleave(torch.arange(len(mb.response_lengths), device=self.device), torch.tensor(mb.response_lengths, device=self.device))
             pg, m = policy_loss(
                 log_probs,
                 old,
@@ -292,9 +304,9 @@ class Actor:
                 mask,
                 eps_clip=_arg(a, "eps_clip", 0.2),
                 eps_clip_high=getattr(a, "eps_clip_high", None),
-                rollout_log_probs=rollout_lp if use_tis else None,
-                use_tis=use_tis,
-                tis_clip=_arg(a, "tis_clip", 2.0),
+                rollout_log_probs=rollout_lp,
+                correction=self.correction,
+                seq_ids=seq_ids,
                 agg=agg,
                 const=const,
                 num_tokens=num_tokens,
@@ -310,7 +322,8 @@ class Actor:
                 m["kl_loss"] = kl.detach()
             m["loss"] = loss.detach()
             has_rollout = flat(has_rollout_lps)
-            m["_lp_diff_sum"] = ((old - rollout_lp).abs() * has_rollout).sum()
+            trainer_lp = log_probs.detach() if self.use_rollout_logprobs else old  # coupled: old is the engine's own
+            m["_lp_diff_sum"] = ((trainer_lp - rollout_lp).abs() * has_rollout).sum()
             m["_lp_diff_count"] = has_rollout.sum()
             (loss * self.world).backward()
             for k, v in m.items():

@@ -8,6 +8,7 @@ step, whatever the micro-batch split.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -16,6 +17,8 @@ from torch import Tensor
 Estimator = Literal["grpo", "dr_grpo"]
 Aggregation = Literal["token_mean", "seq_sum_const"]
 KLKind = Literal["low_var_kl", "k1", "k2"]
+TISMode = Literal["truncate", "mask"]
+RSLevel = Literal["token", "sequence", "geometric"]
 
 
 def compute_advantages(rewards: Tensor, estimator: Estimator = "grpo", std_normalize: bool = True, eps: float = 1e-6) -> Tensor:
@@ -59,6 +62,93 @@ def aggregate(
     raise ValueError(f"unknown loss aggregation {agg!r}: use token_mean or seq_sum_const")
 
 
+@dataclass(frozen=True, kw_only=True)
+class OffPolicyCorrection:
+    """How the engine's log-probs (the behaviour policy, π_behav) enter the policy loss.
+
+    The PPO ratio is always taken against the old log-probs the caller passes (π_old: the
+    trainer's own log-probs of the current weights, the *proximal* policy, unless the actor
+    was told to use the engine's). Samples that are stale, or drawn by other kernels, come from
+    π_behav ≠ π_old; the ratio w = π_old / π_behav per token is what these corrections read.
+    Names are slime's (TIS in its core, the rest in its MIS example's config):
+
+    * `use_tis`: multiply each token's loss by w. `tis_mode="truncate"` clamps w to
+      [tis_clip_low, tis_clip] (truncated IS; with a lower bound above 0 no token is silenced
+      entirely); `"mask"` keeps w inside that band and sets it to 0 outside (IcePop; with
+      tis_clip_low 0 and tis_clip = C it is AReaL's decoupled PPO with behaviour-weight cap C).
+    * `use_rs`: rejection, i.e. masked IS without reweighting: drop a token (`rs_level="token"`)
+      or a whole sequence whose w leaves [rs_lower_bound, rs_upper_bound]; a sequence's w is the
+      product of its tokens' (`"sequence"`) or their geometric mean (`"geometric"`).
+
+    A dropped token weighs 0 in the step's token mean; the denominator stays the step's
+    loss-token count (IcePop's zero weight), because renormalizing over the kept tokens would
+    need every micro-batch's mask before the first backward.
+    """
+
+    use_tis: bool = False
+    tis_mode: TISMode = "truncate"
+    tis_clip: float = 2.0
+    tis_clip_low: float = 0.0
+    use_rs: bool = False
+    rs_level: RSLevel = "token"
+    rs_lower_bound: float = 0.5
+    rs_upper_bound: float = 2.0
+
+    def __post_init__(self) -> None:
+        """The flags are checked with their names in `Config.validate`; this guards direct use."""
+        if self.tis_mode not in ("truncate", "mask") or self.rs_level not in ("token", "sequence", "geometric"):
+            raise ValueError(f"tis_mode {self.tis_mode!r} / rs_level {self.rs_level!r}: use truncate|mask and token|sequence|geometric")
+        if not (0 <= self.tis_clip_low < self.tis_clip and 0 <= self.rs_lower_bound < self.rs_upper_bound):
+            raise ValueError(f"empty band: TIS [{self.tis_clip_low}, {self.tis_clip}], rejection [{self.rs_lower_bound}, {self.rs_upper_bound}]")
+
+    @property
+    def active(self) -> bool:
+        return self.use_tis or self.use_rs
+
+
+def _in_band(log_w: Tensor, low: float, high: float) -> Tensor:
+    """low <= exp(log_w) <= high, compared in log space so a sequence's product never overflows."""
+    lo = torch.log(torch.tensor(low, dtype=log_w.dtype))  # -inf for a lower bound of 0
+    return (log_w >= lo) & (log_w <= torch.log(torch.tensor(high, dtype=log_w.dtype)))
+
+
+def behaviour_weights(
+    old_log_probs: Tensor, rollout_log_probs: Tensor, loss_mask: Tensor, correction: OffPolicyCorrection, seq_ids: Tensor | None = None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-token factor (detached) that `correction` puts on the policy loss, and its metrics.
+
+    `seq_ids` [T] numbers the sequence each token belongs to (0..S-1); sequence and geometric
+    rejection need it. Metrics are masked sums (the caller divides by its token count):
+    tis (weight after truncation/masking), tis_clipfrac (share of tokens outside the TIS band),
+    rs_dropfrac (share of tokens rejected).
+    """
+    mask = loss_mask.to(old_log_probs.dtype)
+    log_w = (old_log_probs - rollout_log_probs).detach()
+    factor = torch.ones_like(log_w)
+    sums: dict[str, Tensor] = {}
+    if correction.use_tis:
+        inside = _in_band(log_w, correction.tis_clip_low, correction.tis_clip)
+        w = torch.exp(log_w)
+        w = w.clamp(correction.tis_clip_low, correction.tis_clip) if correction.tis_mode == "truncate" else torch.where(inside, w, torch.zeros_like(w))
+        factor = factor * w
+        sums["tis"] = (w * mask).sum()
+        sums["tis_clipfrac"] = ((~inside).to(mask.dtype) * mask).sum()
+    if correction.use_rs:
+        level_log_w = log_w
+        if correction.rs_level != "token":
+            if seq_ids is None:
+                raise ValueError(f"rs_level {correction.rs_level!r} needs seq_ids (the sequence of each token)")
+            n_seq = int(seq_ids.max()) + 1 if seq_ids.numel() else 0
+            seq_sum = torch.zeros(n_seq, dtype=log_w.dtype, device=log_w.device).index_add_(0, seq_ids, log_w * mask)
+            if correction.rs_level == "geometric":
+                seq_sum = seq_sum / torch.zeros_like(seq_sum).index_add_(0, seq_ids, mask).clamp(min=1)
+            level_log_w = seq_sum[seq_ids]
+        keep = _in_band(level_log_w, correction.rs_lower_bound, correction.rs_upper_bound).to(mask.dtype)
+        factor = factor * keep
+        sums["rs_dropfrac"] = ((1 - keep) * mask).sum()
+    return factor, sums
+
+
 def policy_loss(
     log_probs: Tensor,
     old_log_probs: Tensor,
@@ -67,26 +157,23 @@ def policy_loss(
     eps_clip: float,
     eps_clip_high: float | None = None,
     rollout_log_probs: Tensor | None = None,
-    use_tis: bool = False,
-    tis_clip: float = 2.0,
+    correction: OffPolicyCorrection = OffPolicyCorrection(),
+    seq_ids: Tensor | None = None,
     agg: Aggregation = "token_mean",
     const: float | None = None,
     num_tokens: float | Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO-clip loss over flat per-token tensors; returns (loss, metrics).
 
-    The ratio is clipped to [1 - eps_clip, 1 + eps_clip_high] (DAPO's clip-higher when the two
-    differ) and the pessimistic (larger) of the clipped and unclipped losses is kept.
-
-    With `use_tis`, each token's loss is multiplied by the truncated importance weight
-    min(exp(old_log_probs - rollout_log_probs), tis_clip), detached: it corrects for the engine
-    sampling from a slightly different distribution than the trainer computes (other kernels,
-    other precision, or older weights), while the truncation bounds the variance.
+    The ratio π/π_old is clipped to [1 - eps_clip, 1 + eps_clip_high] (DAPO's clip-higher when
+    the two differ) and the pessimistic (larger) of the clipped and unclipped losses is kept.
+    With π_old the proximal policy and a `correction` that reweights by π_old/π_behav, this is
+    the decoupled PPO objective: the clip bounds the step from the current weights, the weight
+    corrects for who sampled (see `OffPolicyCorrection`).
 
     Metrics are token means over `num_tokens` (default: this call's mask sum), so they too add
     up over the micro-batches of one step: pg_loss, pg_clipfrac (share of tokens whose clipped
-    term was the active one), ppo_kl (mean old − new log-prob), and with TIS tis (mean weight)
-    and tis_clipfrac (share of weights truncated).
+    term was the active one), ppo_kl (mean old − new log-prob), and those of the correction.
     """
     if eps_clip_high is None:
         eps_clip_high = eps_clip
@@ -99,14 +186,12 @@ def policy_loss(
     clipped = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
     per_token = torch.maximum(unclipped, clipped)
     metrics: dict[str, Tensor] = {}
-    if use_tis:
+    if correction.active:
         if rollout_log_probs is None:
-            raise ValueError("use_tis needs rollout_log_probs (the engine's log-probs of the sampled tokens)")
-        raw = torch.exp(old_log_probs - rollout_log_probs).detach()
-        weight = raw.clamp(max=tis_clip)
-        per_token = per_token * weight
-        metrics["tis"] = (weight * mask).sum() / n
-        metrics["tis_clipfrac"] = ((raw > tis_clip).to(mask.dtype) * mask).sum() / n
+            raise ValueError("TIS and rejection need rollout_log_probs (the engine's log-probs of the sampled tokens)")
+        factor, sums = behaviour_weights(old_log_probs, rollout_log_probs, mask, correction, seq_ids)
+        per_token = per_token * factor
+        metrics.update({k: v / n for k, v in sums.items()})
     loss = aggregate(per_token, mask, agg, num_tokens=n, const=const)
     with torch.no_grad():
         metrics["pg_loss"] = loss.detach()
