@@ -1,9 +1,11 @@
 """Fault injection: nothing lost, nothing hung, nothing run that should not be (issue 12).
 
-The engine's side, against a real engine server and the tiny model: a control plane that runs
-no code sent to it and answers only to its key; weight loads that are all or nothing; a client
-that turns a dropped connection into one line. Killing an engine in the middle of a broadcast
-push is test_weight_sync.py's.
+Against the real parts (engine server, tiny model, reward pool, actor): a control plane that
+runs no code sent to it and answers only to its key; weight loads that are all or nothing; a
+client that turns a dropped connection into one line; rewards that hang or fail without holding
+anything up; reward workers that ignore Ctrl-C and end with the trainer; a rollout loop that a
+stray KeyboardInterrupt cannot kill; a non-finite loss that never reaches the weights. Killing
+an engine in the middle of a broadcast push is test_weight_sync.py's.
 """
 from __future__ import annotations
 
@@ -12,19 +14,27 @@ import base64
 import json
 import os
 import pickle
+import signal
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from conftest import ROOT
 from vime.engine import cuda_ipc
 from vime.engine.client import EngineClient, EngineError
 from vime.engine.server import launch_engine
 from vime.engine.server import parse_args as engine_args
+from vime.rollout.rewards import score_samples
+from vime.rollout.types import Sample
+from vime.rollout.vllm_rollout import rollout_metrics
 
 
 def post(url: str, body: bytes, headers: dict | None = None) -> tuple[int, str]:
@@ -224,3 +234,168 @@ def test_a_connection_reset_is_an_engine_error_not_a_traceback():
         greedy(client)
     with pytest.raises(EngineError, match="unreachable after 3 tries \\(connection reset\\)"):
         client.pause_generation()
+
+
+# ---- rewards -------------------------------------------------------------------------------
+
+HANG_RM = '''
+import threading
+release = threading.Event()
+calls = []
+
+def hang_first_20(args, sample):
+    calls.append(sample.index)
+    if sample.index < 20:
+        release.wait()
+    return 1.0
+
+def not_finite(args, sample):
+    return [float("inf"), float("-inf"), float("nan"), 0.5][sample.index]
+'''
+
+
+@pytest.fixture
+def fault_rm(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "fault_rm.py").write_text(HANG_RM)
+    import importlib
+
+    import fault_rm
+
+    module = importlib.reload(fault_rm)
+    yield module
+    module.release.set()
+
+
+def rm_args(**kw) -> SimpleNamespace:
+    return SimpleNamespace(**{"rm_type": "math", "custom_rm_path": None, "reward_timeout": 10.0, **kw})
+
+
+def test_non_finite_rewards_score_zero_and_are_counted(fault_rm):
+    samples = [Sample(index=i) for i in range(4)]
+    metrics = asyncio.run(score_samples(rm_args(custom_rm_path="fault_rm:not_finite"), samples))
+    assert [s.reward for s in samples] == [0.0, 0.0, 0.0, 0.5]
+    assert metrics == {"rollout/reward_errors": 3.0, "rollout/reward_timeouts": 0.0}
+    assert rollout_metrics([samples])["rollout/reward_errors"] == 3  # what reaches metrics.jsonl
+
+
+def test_hung_sync_rewards_are_abandoned_counted_and_starve_nothing(fault_rm):
+    """20 calls that never return (more than the reward threads) time out and are counted; the
+    calls after them run at once, and the hung threads cannot keep the process alive."""
+    args = rm_args(custom_rm_path="fault_rm:hang_first_20", reward_timeout=0.5)
+    hung = [Sample(index=i) for i in range(20)]
+    metrics = asyncio.run(score_samples(args, hung))
+    assert metrics == {"rollout/reward_errors": 0.0, "rollout/reward_timeouts": 20.0}
+    assert all(s.reward == 0.0 and s.reward_error == "timeout" for s in hung)
+    later = [Sample(index=i) for i in range(20, 30)]
+    # had they queued behind the hung calls for a thread, they would have timed out too
+    assert asyncio.run(score_samples(args, later)) == {"rollout/reward_errors": 0.0, "rollout/reward_timeouts": 0.0}
+    assert all(s.reward == 1.0 for s in later)
+    threads = [t for t in threading.enumerate() if t.name == "vime-reward"]
+    assert len(threads) >= 20 and all(t.daemon for t in threads)  # the hung ones, which exit cannot wait for
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[1] == str(pid) and fields[0] != "Z":
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            alive.append(pid)
+    return alive
+
+
+POOL_USER = """
+import asyncio, os, sys, time
+from types import SimpleNamespace
+from vime.rollout.rewards import score_samples
+from vime.rollout.types import Sample
+args = SimpleNamespace(rm_type="math", custom_rm_path=None, reward_timeout=10.0)
+if __name__ == "__main__":
+    print(asyncio.run(score_samples(args, [Sample(index=0, response="\\\\boxed{2}", label="2")])), flush=True)
+    time.sleep(600)
+"""
+
+
+def test_reward_workers_ignore_ctrl_c_and_die_with_their_parent(tmp_path):
+    """A Ctrl-C reaches the pool workers too: they go on grading (the trainer decides); a
+    SIGKILLed trainer takes them and multiprocessing's resource tracker along within seconds."""
+    script = tmp_path / "pool_user.py"
+    script.write_text(POOL_USER)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "{'rollout/reward_errors': 0.0, 'rollout/reward_timeouts': 0.0}"
+        children = _children(proc.pid)  # multiprocessing's resource tracker and the worker(s) started so far
+        assert len(children) >= 2, children
+        for pid in children:
+            os.kill(pid, signal.SIGINT)
+        time.sleep(1)
+        assert _alive(children) == children
+        proc.kill()
+        deadline = time.monotonic() + 10
+        while _alive(children) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _alive(children) == []
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_the_rollout_loop_outlives_a_task_that_raises_keyboard_interrupt():
+    """asyncio lets KeyboardInterrupt escape run_forever; the loop used to die with it and every
+    later call (closing the clients) waited for ever."""
+    from vime.rollout import async_loop
+
+    async def interrupted():
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        async_loop.submit(interrupted()).result(timeout=10)
+    assert async_loop.submit(asyncio.sleep(0, result=7)).result(timeout=10) == 7
+    pending = async_loop.submit(asyncio.sleep(600))
+    async_loop.cancel_all(timeout=5)
+    assert pending.cancelled()
+
+
+# ---- non-finite numbers and the weights ----------------------------------------------------
+
+
+@pytest.fixture
+def actor(tiny_model):
+    from vime.trainer.actor import Actor
+
+    args = SimpleNamespace(lr=1e-2, global_batch_size=None, max_tokens_per_gpu=512, rollout_temperature=1.0)
+    return Actor(args, tiny_model)
+
+
+def _batch() -> list[Sample]:
+    return [Sample(index=i, tokens=[5, 6, 7, 8 + i, 9], response_length=2, rollout_log_probs=[-1.0, -1.0]) for i in range(4)]
+
+
+def _weights(actor) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for n, t in actor.named_weights()}
+
+
+def test_a_non_finite_loss_skips_the_step_and_the_weights_stay(actor):
+    before = _weights(actor)
+    m = actor.train_step(_batch(), [1.0, float("nan"), -1.0, 0.0])
+    assert m["train/skipped_steps"] == 1
+    assert all(torch.equal(before[n], t) for n, t in actor.named_weights())
+    assert not actor.optimizer.state  # AdamW's moments never saw the NaN
+    m = actor.train_step(_batch(), [1.0, -1.0, 1.0, -1.0])
+    assert m["train/skipped_steps"] == 0 and any(not torch.equal(before[n], t) for n, t in actor.named_weights())

@@ -29,13 +29,26 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from vime.models import ModelError
     from vime.rollout.data_source import DataError
     from vime.rollout.rewards import RewardError
+    from vime.trainer.actor import CheckpointError
+    from vime.trainer.nonfinite import NonFiniteError
 
-    return (ConfigError, ModelError, DataError, RewardError, EngineError, FileNotFoundError, FileExistsError, ValueError, NotImplementedError)
+    return (
+        ConfigError, ModelError, DataError, RewardError, EngineError, CheckpointError, NonFiniteError, FileNotFoundError, FileExistsError,
+        ValueError, NotImplementedError,
+    )
 
 
 def guarded(fn: Callable[[list[str]], int], argv: list[str]) -> int:
+    """Run a command: SIGTERM and Ctrl-C unwind it (engines and workers stopped) and exit 143 /
+    130; a user's mistake is one line on stderr and exit 2."""
+    from vime.lifetime import Terminated, stop_on_sigterm
+
+    stop_on_sigterm()
     try:
         return fn(argv)
+    except Terminated:
+        print("terminated", file=sys.stderr)
+        return 143
     except (KeyboardInterrupt, SystemExit) as e:
         if isinstance(e, SystemExit):
             raise

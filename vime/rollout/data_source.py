@@ -204,6 +204,7 @@ def _fresh(s: Sample) -> Sample:
         rollout_log_probs=None,
         weight_versions=None,
         reward=None,
+        reward_error=None,
         status=Status.PENDING,
         metadata=dict(s.metadata),
     )
