@@ -17,6 +17,7 @@ import os
 import pickle
 import re
 import resource
+import select
 import shutil
 import signal
 import socket
@@ -349,6 +350,7 @@ def test_reward_workers_ignore_ctrl_c_and_die_with_their_parent(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:
+        assert select.select([proc.stdout], [], [], 120)[0], "the pool never graded"
         assert proc.stdout.readline().strip() == "{'rollout/reward_errors': 0.0, 'rollout/reward_timeouts': 0.0}"
         children = _children(proc.pid)  # multiprocessing's resource tracker and the worker(s) started so far
         assert len(children) >= 2, children

@@ -185,7 +185,7 @@ def fit_prompts(rows: list[dict[str, Any]], renderer: PromptRenderer, source: st
                 "shorten or remove it, or pass --skip-overlong-prompts"
             )
     if not kept:
-        raise DataError(f"{source}: every prompt is longer than {max_prompt_len} tokens, the most the model takes before its answer")
+        raise DataError(f"{source}: every prompt is longer than {max_prompt_len} tokens, the most the model takes before its answer: shorten them or use a model of a longer context")
     return kept, len(rows) - len(kept)
 
 
