@@ -368,6 +368,30 @@ def test_reward_workers_ignore_ctrl_c_and_die_with_their_parent(tmp_path):
         proc.wait()
 
 
+def test_a_reward_worker_that_dies_mid_sample_costs_that_sample_only():
+    """A grading worker killed (OOM, say) while it grades: that sample scores 0 as an error, at
+    once, and the next one is graded by a fresh pool."""
+    from fault_plugins import SLOW_TO_GRADE
+
+    args = rm_args(reward_timeout=60.0)
+
+    async def main() -> tuple[dict, list[Sample]]:
+        slow = [Sample(index=0, response=SLOW_TO_GRADE, label="3")]
+        task = asyncio.create_task(score_samples(args, slow))
+        while not (workers := [pid for pid in _children(os.getpid()) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]):
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(1)  # grading (seconds for this response) is under way
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)
+        return await asyncio.wait_for(task, 30), slow
+
+    metrics, slow = asyncio.run(main())
+    assert metrics == {"rollout/reward_errors": 1.0, "rollout/reward_timeouts": 0.0} and slow[0].reward_error == "error"
+    fine = [Sample(index=1, response="\\boxed{2}", label="2")]
+    assert asyncio.run(score_samples(args, fine)) == {"rollout/reward_errors": 0.0, "rollout/reward_timeouts": 0.0}
+    assert fine[0].reward == 1.0
+
+
 def test_the_rollout_loop_outlives_a_task_that_raises_keyboard_interrupt():
     """asyncio lets KeyboardInterrupt escape run_forever; the loop used to die with it and every
     later call (closing the clients) waited for ever."""
