@@ -616,10 +616,7 @@ def test_sampler_noise_stays_below_one():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_greedy_cuda_ipc_update_and_memory_release(model_dir, hf, tmp_path):
-    import base64
-    import pickle
-
-    from torch.multiprocessing.reductions import reduce_tensor
+    from vime.engine import cuda_ipc
 
     args = ["--block-size", "4", "--num-kv-blocks", "256"]
     proc = launch_engine(str(model_dir), device="cuda", dtype="float32", extra_args=args, log_path=tmp_path / "gpu.log")
@@ -632,8 +629,7 @@ def test_gpu_greedy_cuda_ipc_update_and_memory_release(model_dir, hf, tmp_path):
 
         hf2 = perturbed(hf)
         tensors = {k: v.cuda() for k, v in hf2.state_dict().items()}  # the trainer's GPU copies
-        handles = base64.b64encode(pickle.dumps([(k, reduce_tensor(t)) for k, t in tensors.items()])).decode()
-        res = gpu.update_weights_from_tensor({"transport": "cuda_ipc", "handles": handles, "weight_version": 7})
+        res = gpu.update_weights_from_tensor({"transport": "cuda_ipc", "handles": cuda_ipc.share(list(tensors.items())), "weight_version": 7})
         assert res["weight_version"] == 7 and res["num_tensors"] == len(tensors)
         gpu.release_memory_occupation()
         assert gpu.model_info()["memory_released"] is True

@@ -88,7 +88,7 @@ def test_math_and_dapo_scores_through_the_pool():
         ]
 
     math = batch()
-    assert score(make_args(), math) == {"rollout/reward_errors": 0.0}
+    assert score(make_args(), math) == {"rollout/reward_errors": 0.0, "rollout/reward_timeouts": 0.0}
     assert [s.reward for s in math] == [1.0, 1.0, 0.0, 0.0, 0.0]
     dapo = batch()
     score(make_args(rm_type="dapo"), dapo)
@@ -184,7 +184,7 @@ def test_failing_rewards_score_zero_and_are_counted(custom_module, caplog, monke
         metrics = score(make_args(custom_rm_path="my_custom_rm:broken_rm"), samples)
         score(make_args(custom_rm_path="my_custom_rm:broken_rm"), [Sample(index=1)])
     assert [s.reward for s in samples] == [1.0, 0.0, 1.0, 1.0]
-    assert metrics == {"rollout/reward_errors": 1.0}
+    assert metrics == {"rollout/reward_errors": 1.0, "rollout/reward_timeouts": 0.0}
     assert sum("KeyError" in r.getMessage() for r in caplog.records) == 1  # logged once per exception type
 
 
@@ -192,7 +192,7 @@ def test_slow_reward_times_out(custom_module):
     samples = [Sample(index=0), Sample(index=1)]
     metrics = score(make_args(custom_rm_path="my_custom_rm:slow_rm", reward_timeout=0.2), samples)
     assert [s.reward for s in samples] == [0.0, 1.0]
-    assert metrics == {"rollout/reward_errors": 1.0}
+    assert metrics == {"rollout/reward_errors": 0.0, "rollout/reward_timeouts": 1.0}
 
 
 def test_inline_fallback_without_a_pool(monkeypatch):
@@ -200,7 +200,7 @@ def test_inline_fallback_without_a_pool(monkeypatch):
 
     monkeypatch.setattr(rewards, "_get_pool", lambda: None)
     samples = [Sample(index=0, response="\\boxed{2}", label="2"), Sample(index=1, response="\\boxed{3}", label="2")]
-    assert score(make_args(), samples) == {"rollout/reward_errors": 0.0}
+    assert score(make_args(), samples) == {"rollout/reward_errors": 0.0, "rollout/reward_timeouts": 0.0}
     assert [s.reward for s in samples] == [1.0, 0.0]
 
 

@@ -29,13 +29,26 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from vime.models import ModelError
     from vime.rollout.data_source import DataError
     from vime.rollout.rewards import RewardError
+    from vime.trainer.actor import CheckpointError
+    from vime.trainer.nonfinite import NonFiniteError
 
-    return (ConfigError, ModelError, DataError, RewardError, EngineError, FileNotFoundError, FileExistsError, ValueError, NotImplementedError)
+    return (
+        ConfigError, ModelError, DataError, RewardError, EngineError, CheckpointError, NonFiniteError, FileNotFoundError, FileExistsError,
+        ValueError, NotImplementedError,
+    )
 
 
 def guarded(fn: Callable[[list[str]], int], argv: list[str]) -> int:
+    """Run a command: SIGTERM and Ctrl-C unwind it (engines and workers stopped) and exit 143 /
+    130; a user's mistake is one line on stderr and exit 2."""
+    from vime.lifetime import Terminated, stop_on_sigterm
+
+    stop_on_sigterm()
     try:
         return fn(argv)
+    except Terminated:
+        print("terminated", file=sys.stderr)
+        return 143
     except (KeyboardInterrupt, SystemExit) as e:
         if isinstance(e, SystemExit):
             raise
@@ -72,17 +85,21 @@ def eval_main(argv: list[str]) -> int:
 
     from vime.config import parse_args
     from vime.eval import evaluate
-    from vime.models import resolve_model
+    from vime.models import context_length, load_tokenizer, resolve_model
     from vime.placement import place
+    from vime.rollout.data_source import load_eval_samples
     from vime.rollout.vllm_rollout import close_clients
 
     args = parse_args(argv, prog="vime eval", description="Greedy evaluation: accuracy on held-out prompts (writes per-sample JSONL).", for_eval=True)
     args.model_dir = resolve_model(args.hf_checkpoint)
+    # the prompts are checked before an engine starts
+    load_eval_samples(args, load_tokenizer(args.model_dir), args.eval_prompt_data, args.eval_limit, context_length(args.model_dir) - 1)
     run_dir = args.run_dir if args.run_name else Path(args.runs_dir) / "eval"
     run_dir.mkdir(parents=True, exist_ok=True)
     placement = place(args, args.model_dir, run_dir)
     try:
         args.rollout_engine_urls = placement.urls
+        args.api_key = placement.api_key or args.api_key
         out_path = run_dir / "eval.jsonl"
         m = evaluate(args, 0, out_path).metrics
     finally:

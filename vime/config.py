@@ -11,6 +11,8 @@ import argparse
 import dataclasses
 import difflib
 import json
+import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -55,6 +57,7 @@ class Config:
     rollout_stop_token_ids: list = _f([], "extra token ids that end a response (JSON list)", group="rollout")
     rollout_shuffle: bool = _f(False, "shuffle prompts every epoch (seeded by --rollout-seed)", group="rollout")
     rollout_seed: int = _f(42, "seed of prompt order and sampling", group="rollout")
+    skip_overlong_prompts: bool = _f(False, "drop prompts too long for the model's context (counted in rollout/skipped_prompts) instead of refusing the data at start-up", group="rollout")
     # --- async training ---
     rollout_concurrency: int | None = _f(None, "fully-async: prompt groups in flight at once (default: 2 × --rollout-batch-size)", group="async")
     max_staleness: int | None = _f(None, "train on tokens at most K optimizer steps older than the weights that train them; the fully-async worker then never waits for training (decoupled); 0 trains exactly what sync trains", group="async")
@@ -92,6 +95,7 @@ class Config:
     compile: bool = _f(False, "torch.compile each decoder layer of the trainer's model (one compile serves every layer; shapes dynamic)", group="optimizer")
     logprob_chunk_size: int = _f(1024, "tokens per chunk when log-probs are computed from hidden states (caps the logits memory)", group="optimizer")
     seed: int = _f(1234, "trainer seed", group="optimizer")
+    max_bad_steps: int = _f(3, "stop the run after this many steps in a row whose rewards, advantages, loss or gradient norm were not finite (each such optimizer step is skipped)", group="optimizer")
     # --- placement and engines ---
     colocate: bool = _f(False, "trainer and engine share devices (engine releases memory while training)", group="placement")
     actor_num_nodes: int = _f(1, "trainer nodes", group="placement")
@@ -112,6 +116,7 @@ class Config:
     update_weights_timeout: float = _f(120.0, "seconds a weight push, or joining the weight group, may take before the run stops with the engine's URL", group="placement")
     update_weights_master_address: str | None = _f(None, "an address of the trainer's machine that engines on other hosts can reach (nccl/gloo rendezvous); default: loopback, which suffices while every engine runs here", group="placement")
     actor_num_procs: int = _f(1, "CPU only: trainer processes (gloo), to run multi-rank training without GPUs", group="placement")
+    api_key: str | None = _f(None, "token of engines given by --rollout-engine-urls that were started with --api-key (sent as Authorization: Bearer; default $VIME_API_KEY); engines vime starts get a fresh one per run", group="placement")
     # --- evaluation, checkpoints, logging ---
     eval_interval: int | None = _f(None, "evaluate every K steps (and before the first and after the last)", group="eval and output")
     eval_prompt_data: str | None = _f(None, "held-out prompts (JSONL/Parquet, path@[a:b])", group="eval and output")
@@ -166,7 +171,7 @@ class Config:
             (self.n_samples_per_prompt < 1, "--n-samples-per-prompt must be at least 1"),
             (self.global_batch_size < 1, "--global-batch-size must be at least 1"),
             (
-                self.samples_per_rollout % self.global_batch_size != 0,
+                self.global_batch_size >= 1 and self.samples_per_rollout % self.global_batch_size != 0,
                 f"--rollout-batch-size × --n-samples-per-prompt = {self.samples_per_rollout} is not a multiple of "
                 f"--global-batch-size {self.global_batch_size}: pick a global batch size that divides it",
             ),
@@ -196,6 +201,7 @@ class Config:
             (self.update_weight_buffer_size < 1, "--update-weight-buffer-size must be at least 1 byte"),
             (self.rollout_backend not in ("vime", "vllm"), f"--rollout-backend {self.rollout_backend!r}: use vime or vllm"),
         ]
+        checks += [(self.max_bad_steps < 1, "--max-bad-steps must be at least 1"), *_non_finite(self)]
         if for_eval:
             checks = [c for c in checks if "--prompt-data" not in c[1] and "--num-rollout" not in c[1]]
             checks.append((self.eval_prompt_data is None, "--eval-prompt-data is required (the held-out prompts)"))
@@ -206,10 +212,27 @@ class Config:
         for bad, msg in checks:
             if bad:
                 raise ConfigError(msg)
+        if self.api_key is None:
+            self.api_key = os.environ.get("VIME_API_KEY") or None
         return self
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every setting, for config.yaml; a secret shows only that it was set."""
+        d = dataclasses.asdict(self)
+        if d["api_key"]:
+            d["api_key"] = "<set>"
+        return d
+
+
+def _non_finite(cfg: Config) -> list[tuple[bool, str]]:
+    """NaN passes every `<` and `>` check (`--rollout-temperature nan` sampled garbage), and inf
+    most of them: no float setting may be either."""
+    out = []
+    for name in _FIELDS:
+        value = getattr(cfg, name)
+        if isinstance(value, float) and not math.isfinite(value):
+            out.append((True, f"--{name.replace('_', '-')} {value}: give a finite number"))
+    return out
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from vime.metrics import progress
+from vime.models import context_length
 from vime.rollout import async_loop
 from vime.rollout.data_source import load_eval_samples
 from vime.rollout.rewards import extract_answer, grade
@@ -49,7 +50,7 @@ async def _run(args, samples: list[Sample], step: int) -> list[Sample]:
 
 def evaluate(args, step: int, out_path: Path | None = None) -> RolloutOutput:
     """Generate on the eval prompts and grade; writes one JSON line per sample to out_path."""
-    base = load_eval_samples(args, tokenizer_for(args), args.eval_prompt_data, limit=args.eval_limit)
+    base = load_eval_samples(args, tokenizer_for(args), args.eval_prompt_data, limit=args.eval_limit, max_prompt_len=context_length(args.model_dir) - 1)
     n = args.n_samples_per_eval_prompt
     samples = [Sample(**{**s.__dict__, "index": s.index * n + k, "tokens": list(s.tokens), "metadata": dict(s.metadata)}) for s in base for k in range(n)]
     t0 = time.perf_counter()

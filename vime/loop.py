@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import re
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,14 +27,16 @@ import yaml
 
 from vime.engine.client import EngineError
 from vime.metrics import MetricsLogger, setup_logging
-from vime.models import load_tokenizer, resolve_model
-from vime.placement import Placement, place, trainer_device
-from vime.rollout.data_source import DataSource
-from vime.rollout.rewards import get_reward_fn
+from vime.placement import Placement, fresh_path, place, trainer_device
+from vime.preflight import check_inputs
+from vime.rollout import async_loop
+from vime.rollout.rewards import close_pool
 from vime.rollout.types import RolloutOutput, Sample
-from vime.rollout.vllm_rollout import close_clients, engine_clients, load_function
+from vime.rollout.vllm_rollout import close_clients, engine_clients
+from vime.trainer.checkpoint import latest_checkpoint
 from vime.trainer.distributed import launch_actor
 from vime.trainer.loss import compute_advantages
+from vime.trainer.nonfinite import BadSteps, bad_inputs
 from vime.trainer.weights import WeightPusher
 
 log = logging.getLogger("vime")
@@ -65,22 +66,25 @@ class Trainer:
         if args.run_name is None:
             args.run_name = time.strftime("%Y%m%d-%H%M%S") + f"-{label}"
         self.run_dir = args.run_dir
-        if (self.run_dir / "metrics.jsonl").exists() and not args.load:
+        if _holds_a_run(self.run_dir) and not args.load:
             raise FileExistsError(f"run directory {self.run_dir} already holds a run: pick another --run-name (or resume it with --load)")
+        inputs = check_inputs(args)  # every input, before anything starts or is written
         self.run_dir.mkdir(parents=True, exist_ok=True)
         setup_logging(self.run_dir / "log.txt", quiet=args.quiet)
-        (self.run_dir / "config.yaml").write_text(yaml.safe_dump({**args.to_dict(), "mode": label}, sort_keys=False))
+        for note in inputs.notes:
+            log.warning("%s", note)
+        # a resumed run keeps the config of the run it resumes (config.1.yaml, ...: one per resume)
+        (fresh_path(self.run_dir / "config.yaml") if args.load else self.run_dir / "config.yaml").write_text(yaml.safe_dump({**args.to_dict(), "mode": label}, sort_keys=False))
         torch.manual_seed(args.seed)
 
-        args.model_dir = resolve_model(args.hf_checkpoint)
-        get_reward_fn(args)  # fail on a bad --rm-type / --custom-rm-path before any model loads
-        self.rollout_fn: Callable[..., RolloutOutput] = load_function(args.rollout_function_path, "--rollout-function-path")
-        self.tokenizer = load_tokenizer(args.model_dir)
-        self.data_source = DataSource(args, self.tokenizer)
+        args.model_dir = inputs.model_dir
+        self.rollout_fn: Callable[..., RolloutOutput] = inputs.rollout_fn
+        self.tokenizer = inputs.tokenizer
+        self.data_source = inputs.data_source
         self.num_rollout = args.num_rollout or math.ceil(args.num_epoch * len(self.data_source) / args.rollout_batch_size)
+        self.bad_steps = BadSteps(args.max_bad_steps)
+        self.wall_clock_offset = 0.0  # a resumed run's clock goes on from its checkpoint's
 
-        if args.load and latest_checkpoint(Path(args.load)) is None:
-            raise FileNotFoundError(f"--load {args.load}: no complete checkpoint inside (expected <step>/trainer_state.pt)")
         # the trainer first: under torchrun, ranks other than 0 serve rank 0 from inside this
         # call and never return, so they start no engines
         self.actor = launch_actor(args, args.model_dir, trainer_device(args))
@@ -91,6 +95,7 @@ class Trainer:
             raise
         try:
             args.rollout_engine_urls = self.placement.urls
+            args.api_key = self.placement.api_key or args.api_key
             self.clients = engine_clients(args)
             self.pusher = WeightPusher(
                 self.clients, transport=self.placement.transports, bucket_bytes=args.update_weight_buffer_size,
@@ -119,6 +124,7 @@ class Trainer:
         self.start_step = extra["step"]
         # checkpoints before versions counted optimizer steps saved the push count as weight_version
         self.weight_pushes = extra.get("weight_pushes", extra.get("weight_version", 0))
+        self.wall_clock_offset = extra.get("wall_clock", 0.0)
         self.policy_version = extra.get("policy_version", self.start_step * self.args.steps_per_rollout)
         if self.policy_version != self.start_step * self.args.steps_per_rollout:
             raise ValueError(
@@ -134,9 +140,8 @@ class Trainer:
         rewards = torch.tensor([[s.reward or 0.0 for s in g] for g in groups], dtype=torch.float32)
         adv = compute_advantages(rewards, self.args.advantage_estimator, std_normalize=self.args.normalize_advantages_std)
         samples = [s for g in groups for s in g]
-        advantages = [float(a) for a in adv.flatten()]
         metrics = dict(out.metrics)
-        metrics.update(self.actor.train_step(samples, advantages))
+        metrics.update(self.guarded_train_step(step, samples, rewards, adv))
         self.data_source.mark_trained(groups)  # from now on a checkpoint does not regenerate them
         metrics.update(staleness_metrics(samples, self.policy_version, self.args.global_batch_size))
         self.policy_version += self.args.steps_per_rollout
@@ -191,12 +196,17 @@ class Trainer:
         (docs/architecture.md)."""
         a = self.args
         last = step == self.num_rollout
+        metrics["perf/wall_clock"] = metrics.get("perf/wall_clock", 0.0) + self.wall_clock_offset
+        metrics["rollout/skipped_prompts"] = float(self.data_source.skipped_prompts)
         if a.eval_interval and (step % a.eval_interval == 0 or last):
             metrics.update(self.evaluate(step))
         if a.save and ((a.save_interval and step % a.save_interval == 0) or last):
             t0 = time.perf_counter()
             with self.generation_paused("in_place") if self.mode != "sync" else contextlib.nullcontext():
-                extra = {"step": step, "policy_version": self.policy_version, "weight_pushes": self.weight_pushes, "data_source": self.data_source.state_dict()}
+                extra = {
+                    "step": step, "policy_version": self.policy_version, "weight_pushes": self.weight_pushes,
+                    "data_source": self.data_source.state_dict(), "wall_clock": metrics["perf/wall_clock"],
+                }
                 self.actor.save(Path(a.save) / str(step), extra)
             metrics["perf/save_time"] = time.perf_counter() - t0
         self.metrics.log(step, metrics)
@@ -217,7 +227,7 @@ class Trainer:
             steps.append(sys.modules["vime.rollout.fully_async_rollout"].shutdown)
         if hasattr(self, "pusher"):
             steps.append(self.pusher.close)
-        steps += [close_clients, self.actor.close]
+        steps += [async_loop.cancel_all, close_clients, close_pool, self.actor.close]
         if hasattr(self, "placement"):
             steps.append(self.placement.shutdown)
         if hasattr(self, "metrics"):
@@ -227,6 +237,18 @@ class Trainer:
                 step()
             except Exception:
                 log.exception("while closing the run (%s)", getattr(step, "__qualname__", step))
+
+    def guarded_train_step(self, step: int, samples: list[Sample], rewards: torch.Tensor, advantages: torch.Tensor) -> dict[str, float]:
+        """actor.train_step, unless a reward or advantage is not finite (then no optimizer step is
+        taken); either way counted towards --max-bad-steps (vime/trainer/nonfinite.py)."""
+        why = bad_inputs(rewards, advantages)
+        if why is None:
+            metrics = self.actor.train_step(samples, [float(a) for a in advantages.flatten()])
+            why = f"loss {metrics.get('train/loss')}, gradient norm {metrics.get('train/grad_norm')}"
+        else:
+            metrics = {"train/skipped_steps": float(len(samples) // self.args.global_batch_size)}
+        self.bad_steps.record(step, metrics["train/skipped_steps"], why)
+        return metrics
 
 
 def staleness_metrics(samples: list[Sample], first_version: int, global_batch_size: int) -> dict[str, float]:
@@ -239,9 +261,10 @@ def staleness_metrics(samples: list[Sample], first_version: int, global_batch_si
     return {"rollout/staleness_mean": sum(lags) / len(lags), "rollout/staleness_max": float(max(lags))}
 
 
-def latest_checkpoint(save_dir: Path) -> Path | None:
-    steps = [int(p.name) for p in save_dir.glob("*") if p.is_dir() and re.fullmatch(r"\d+", p.name) and (p / "trainer_state.pt").exists()]
-    return save_dir / str(max(steps)) if steps else None
+def _holds_a_run(run_dir: Path) -> bool:
+    """A run logged a step there (a start that failed before its first row does not count)."""
+    metrics = run_dir / "metrics.jsonl"
+    return metrics.exists() and metrics.stat().st_size > 0
 
 
 def run(args, mode: str = "sync") -> Path:

@@ -34,14 +34,30 @@ def mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
 
+# Counters shown in the progress line whenever they are not zero: each is a failure absorbed
+# (reward errors, timeouts, prompts left out, optimizer steps skipped) that a user should see.
+COUNTERS = {
+    "rollout/reward_errors": "reward_err",
+    "rollout/reward_timeouts": "reward_timeout",
+    "rollout/skipped_prompts": "skipped_prompts",
+    "train/skipped_steps": "skipped_steps",
+}
+
+
 class MetricsLogger:
-    """Append-only metrics.jsonl (+ TensorBoard when installed) and a live progress bar."""
+    """Append-only metrics.jsonl (+ TensorBoard when installed) and a live progress bar.
+
+    A run resumed from step N into its own directory trains steps N+1... again: their rows from
+    before the resume move to metrics.superseded.jsonl, so metrics.jsonl holds each step once
+    and nothing logged is lost."""
 
     def __init__(self, run_dir: Path, total_steps: int, start_step: int = 0, use_tensorboard: bool = True, quiet: bool = False) -> None:
         self.total, self.step = total_steps, start_step
         self._step_times: list[float] = []
         self.path = run_dir / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if start_step > 0 and self.path.exists():
+            _supersede_rows_after(self.path, start_step)
         self._file = self.path.open("a")
         self._tb = None
         if use_tensorboard:
@@ -66,14 +82,7 @@ class MetricsLogger:
                     self._tb.add_scalar(k, v, step)
 
     def advance(self, metrics: dict[str, Any]) -> None:
-        post = {}
-        if "perf/step_time" in metrics:
-            post["step_s"] = f"{metrics['perf/step_time']:.2f}"
-        if "rollout/reward_mean" in metrics:
-            post["reward"] = f"{metrics['rollout/reward_mean']:.3f}"
-        if "eval/accuracy" in metrics:
-            post["eval"] = f"{metrics['eval/accuracy']:.3f}"
-        self._bar.set_postfix(post, refresh=False)
+        self._bar.set_postfix(progress_postfix(metrics), refresh=False)
         self._bar.update(1)
         self.step += 1
         if "perf/step_time" in metrics:
@@ -115,12 +124,43 @@ class MetricsLogger:
             self._tb.close()
 
 
+def progress_postfix(metrics: dict[str, Any]) -> dict[str, str]:
+    """What the progress line shows after a step: its time, reward and eval accuracy, and every
+    counter of COUNTERS that is not zero."""
+    post = {}
+    if "perf/step_time" in metrics:
+        post["step_s"] = f"{metrics['perf/step_time']:.2f}"
+    if "rollout/reward_mean" in metrics:
+        post["reward"] = f"{metrics['rollout/reward_mean']:.3f}"
+    if "eval/accuracy" in metrics:
+        post["eval"] = f"{metrics['eval/accuracy']:.3f}"
+    post.update({short: f"{metrics[key]:g}" for key, short in COUNTERS.items() if metrics.get(key)})
+    return post
+
+
 def _jsonable(v: Any) -> Any:
     if hasattr(v, "item"):
         v = v.item()
     if isinstance(v, float) and not math.isfinite(v):
         return None
     return v
+
+
+def _supersede_rows_after(path: Path, step: int) -> None:
+    """Move rows of steps after `step` from `path` to metrics.superseded.jsonl (appended);
+    `path` is replaced whole, so a crash here leaves one of the two versions."""
+    keep, later = [], []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            (later if json.loads(line).get("step", 0) > step else keep).append(line + "\n")
+    if not later:
+        return
+    with (path.parent / "metrics.superseded.jsonl").open("a") as f:
+        f.write("".join(later))
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(keep))
+    tmp.replace(path)
+    log.info("resumed at step %d: %d rows of later steps moved from %s to metrics.superseded.jsonl", step, len(later), path.name)
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:

@@ -39,6 +39,7 @@ def resolve_model(name_or_path: str) -> Path:
     if p.is_dir():
         if not (p / "config.json").exists():
             raise ModelError(f"{p} is a directory but has no config.json: point --hf-checkpoint at an HF model directory")
+        read_config(p)  # a damaged config.json fails here in one line, not deep inside transformers
         return p
     if p.exists():
         raise ModelError(f"{p} is a file: --hf-checkpoint needs an HF model directory (or 'smollm2')")
@@ -175,4 +176,19 @@ def load_tokenizer(model_dir: str | Path):
 
 
 def read_config(model_dir: str | Path) -> dict:
-    return json.loads((Path(model_dir) / "config.json").read_text())
+    """config.json as a dict; ModelError naming the file when it is not JSON or names no model_type."""
+    path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelError(f"{path} is not valid JSON ({e.msg}, line {e.lineno}): repair it or copy the model again") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ModelError(f"{path} cannot be read ({e}): repair it or copy the model again") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise ModelError(f"{path} names no model_type: is {path.parent} an HF model directory?")
+    return config
+
+
+def context_length(model_dir: str | Path) -> int:
+    """The longest sequence the model takes (max_position_embeddings; the engine's default limit too)."""
+    return int(read_config(model_dir).get("max_position_embeddings", 2048))

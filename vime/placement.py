@@ -15,6 +15,7 @@ engine's weight transport follows from where it sits, as its `/get_model_info` r
 from __future__ import annotations
 
 import logging
+import secrets
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,7 @@ class Placement:
     transports: list[str]  # one per engine
     master_address: str = "127.0.0.1"  # where engines reach the trainer's weight-group rendezvous
     engines: list[EngineProcess] = field(default_factory=list)
+    api_key: str | None = None  # what the engines' clients send (launched engines get a fresh one)
 
     def shutdown(self) -> None:
         for e in self.engines:
@@ -118,9 +120,12 @@ def place(args, model_dir: Path, run_dir: Path) -> Placement:
 
         return place_vllm(args, model_dir, run_dir)
     trainer = trainer_device(args)
+    api_key = args.api_key
     if args.rollout_engine_urls:
         urls, devices, engines = list(args.rollout_engine_urls), [], []
     else:
+        # engines we start answer only to this run, whatever else can reach 127.0.0.1
+        api_key = api_key or secrets.token_urlsafe(24)
         devices = engine_devices(args, trainer)
         dtype = "float32" if trainer == "cpu" else "bfloat16"
         engines = []
@@ -129,8 +134,9 @@ def place(args, model_dir: Path, run_dir: Path) -> Placement:
                 extra = ["--max-num-seqs", str(args.engine_max_num_seqs), "--seed", str(args.rollout_seed + i)]
                 if args.engine_num_kv_blocks:
                     extra += ["--num-kv-blocks", str(args.engine_num_kv_blocks)]
-                log.info("starting engine %d on %s (log: %s)", i, dev, run_dir / f"engine{i}.log")
-                engines.append(launch_engine(str(model_dir), device=dev, dtype=dtype, extra_args=extra, log_path=run_dir / f"engine{i}.log"))
+                log_path = fresh_path(run_dir / f"engine{i}.log")
+                log.info("starting engine %d on %s (log: %s)", i, dev, log_path)
+                engines.append(launch_engine(str(model_dir), device=dev, dtype=dtype, extra_args=extra, log_path=log_path, api_key=api_key))
         except BaseException:
             for e in engines:
                 e.shutdown()
@@ -138,7 +144,7 @@ def place(args, model_dir: Path, run_dir: Path) -> Placement:
         urls = [e.url for e in engines]
     try:
         # an unreachable engine fails now, with its URL, not mid-run
-        infos = [{**EngineClient(u, timeout=30).model_info(), "url": u} for u in urls]
+        infos = [{**EngineClient(u, timeout=30, api_key=api_key).model_info(), "url": u} for u in urls]
         transports = choose_transports(args, trainer, infos)
         address = master_address(args, infos, transports)
     except BaseException:
@@ -147,4 +153,15 @@ def place(args, model_dir: Path, run_dir: Path) -> Placement:
         raise
     for u, t in zip(urls, transports):
         log.info("engine %s: weights by %s", u, t)
-    return Placement(trainer, devices, urls, transports, address, engines)
+    return Placement(trainer, devices, urls, transports, address, engines, api_key)
+
+
+def fresh_path(path: Path) -> Path:
+    """`path`, or `name.1.ext`, `name.2.ext`, ... if taken: a resumed run keeps the logs of the
+    run it resumes."""
+    k = 0
+    candidate = path
+    while candidate.exists():
+        k += 1
+        candidate = path.with_name(f"{path.stem}.{k}{path.suffix}")
+    return candidate

@@ -8,6 +8,7 @@ a generate that reached the server may already be running.
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import time
 import urllib.error
@@ -27,8 +28,13 @@ def _one_line(text: str, limit: int = 500) -> str:
 
 
 class EngineClient:
-    def __init__(self, url: str, timeout: float = 600.0, max_retries: int = 3, retry_backoff: float = 0.2, control_timeout: float | None = None):
+    def __init__(
+        self, url: str, timeout: float = 600.0, max_retries: int = 3, retry_backoff: float = 0.2, control_timeout: float | None = None,
+        api_key: str | None = None,
+    ):
         self.url = url.rstrip("/")
+        # the engine's --api-key, sent with every request (vLLM and OpenAI servers read the same header)
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = timeout  # a generate: long responses take minutes
         # everything else (pause, push, health): none may hang a run
         self.control_timeout = min(timeout, 120.0) if control_timeout is None else control_timeout
@@ -60,12 +66,15 @@ class EngineClient:
                     if resp.status != 200:
                         raise EngineError(f"engine at {self.url}{route}: HTTP {resp.status}: {_one_line(text)}")
                     return json.loads(text)
-            except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as e:
+            except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as e:
+                # refused, closed or reset (an engine that died or restarted): worth another try
                 last = e
                 if attempt + 1 < self.max_retries:
                     await asyncio.sleep(self.retry_backoff * 2**attempt)
             except asyncio.TimeoutError:
                 raise EngineError(f"engine at {self.url}{route} timed out after {self.timeout:g}s") from None
+            except (aiohttp.ClientError, json.JSONDecodeError) as e:  # a broken answer: no retry, one line
+                raise EngineError(f"engine at {self.url}{route}: {type(e).__name__}: {_one_line(str(e), 200)}") from None
         raise EngineError(f"engine at {self.url} unreachable after {self.max_retries} tries ({_reason(last)}): is the server running?") from None
 
     def _session(self) -> aiohttp.ClientSession:
@@ -75,7 +84,9 @@ class EngineClient:
         session = self._sessions.get(loop)
         if session is None or session.closed:
             # No connection limit: a rollout keeps hundreds of generations in flight at once.
-            session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout), connector=aiohttp.TCPConnector(limit=0))
+            session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.timeout), connector=aiohttp.TCPConnector(limit=0), headers=self.headers
+            )
             self._sessions[loop] = session
         return session
 
@@ -136,7 +147,7 @@ class EngineClient:
         data = None if body is None else json.dumps(body).encode()
         last: Exception | None = None
         for attempt in range(self.max_retries):
-            req = urllib.request.Request(self.url + route, data=data, method=method, headers={"Content-Type": "application/json"})
+            req = urllib.request.Request(self.url + route, data=data, method=method, headers={"Content-Type": "application/json", **self.headers})
             try:
                 with urllib.request.urlopen(req, timeout=self.control_timeout) as resp:
                     return json.loads(resp.read() or b"{}")
@@ -151,6 +162,8 @@ class EngineClient:
                 last = reason
             except ConnectionError as e:  # reset or closed mid-request
                 last = e
+            except (http.client.HTTPException, json.JSONDecodeError) as e:  # a broken answer: no retry, one line
+                raise EngineError(f"engine at {self.url}{route}: {type(e).__name__}: {_one_line(str(e), 200)}") from None
             if attempt + 1 < self.max_retries:
                 time.sleep(self.retry_backoff * 2**attempt)
         raise EngineError(f"engine at {self.url} unreachable after {self.max_retries} tries ({_reason(last)}): is the server running?")
@@ -163,4 +176,6 @@ def _reason(e: BaseException | None) -> str:
         return "connection refused"
     if isinstance(e, aiohttp.ServerDisconnectedError):
         return "server disconnected"
+    if isinstance(e, (ConnectionResetError, aiohttp.ClientOSError)) and "reset" in str(e).lower():
+        return "connection reset"
     return _one_line(str(e) or type(e).__name__, 200)

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
+import hmac
+import ipaddress
 import json
 import logging
 import os
-import pickle
 import queue
 import re
 import signal
@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable
 
 from aiohttp import web
 
-from vime.engine import weight_sync
+from vime.engine import cuda_ipc, weight_sync
 from vime.engine.client import EngineClient, EngineError
 
 log = logging.getLogger("vime.engine")
@@ -54,12 +54,47 @@ async def _errors(request: web.Request, handler: Callable) -> web.StreamResponse
         return await handler(request)
     except web.HTTPException:
         raise
+    except RuntimeError as e:
+        if getattr(e, "http_status", None) is None:  # ours: a 500 below
+            return await _internal_error(request, e)
+        return _json_error(e.http_status, " ".join(str(e).split()))
     except (BadRequest, ValueError, KeyError, FileNotFoundError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         return _json_error(400, " ".join(str(msg).split()))
     except Exception as e:
-        log.exception("error in %s", request.path)
-        return _json_error(500, f"{type(e).__name__}: {' '.join(str(e).split())}")
+        return await _internal_error(request, e)
+
+
+async def _internal_error(request: web.Request, e: Exception) -> web.Response:
+    log.exception("error in %s", request.path, exc_info=e)
+    return _json_error(500, f"{type(e).__name__}: {' '.join(str(e).split())}")
+
+
+API_KEY_ENV = "VIME_API_KEY"
+OPEN_ROUTES = ("/health",)  # liveness probes need no key; it reveals nothing but ok / not ok
+
+
+def _auth(api_key: str) -> Callable:
+    """Every route but /health needs `Authorization: Bearer <api_key>` (what vime's client, vLLM's
+    and OpenAI's send). Compared in constant time."""
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler: Callable) -> web.StreamResponse:
+        if request.path not in OPEN_ROUTES and not hmac.compare_digest(request.headers.get("Authorization", "").encode(), expected):
+            return _json_error(401, "missing or wrong API key: send 'Authorization: Bearer <key>' (the engine's --api-key)")
+        return await handler(request)
+
+    return check
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
 
 
 async def _body(request: web.Request) -> dict:
@@ -87,9 +122,10 @@ def _field(body: dict, name: str, kind: type | tuple[type, ...], required: bool 
 class EngineServer:
     """Owns the engine thread and the aiohttp routes."""
 
-    def __init__(self, engine, model_path: str):
+    def __init__(self, engine, model_path: str, api_key: str | None = None):
         self.engine = engine
         self.model_path = model_path
+        self.api_key = api_key
         self.loop: asyncio.AbstractEventLoop | None = None
         self.commands: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.Future]] = queue.SimpleQueue()
         self.pending: dict[str, asyncio.Future] = {}  # rid → future; touched by the engine thread only
@@ -225,6 +261,11 @@ class EngineServer:
         return web.json_response({"success": True})
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        """A whole update from a safetensors file in shared memory, or from CUDA IPC handles
+        (plain JSON data, `vime/engine/cuda_ipc.py`: nothing in a request is ever unpickled).
+        All or nothing: `LLMEngine.replace_weights`."""
+        from vime.engine.core.model import iter_safetensors_files, safetensors_layout
+
         body = await _body(request)
         transport = _field(body, "transport", str, required=False, default="shm")
         version = _field(body, "weight_version", int, required=False)
@@ -232,26 +273,32 @@ class EngineServer:
             path = _field(body, "path", str)
             if not Path(path).is_file():
                 raise BadRequest(f"weights file {path} does not exist")
-            load: Callable[[], Iterable] = lambda: _iter_safetensors_file(path)
-        elif transport == "cuda_ipc":
-            handles = _field(body, "handles", str)
-            load = lambda: _iter_cuda_ipc(handles)
-        else:
-            raise BadRequest(f"transport '{transport}': use shm or cuda_ipc")
-        t0 = time.perf_counter()
-        n = await self.call(lambda: self.engine.update_weights(load(), version))
-        return web.json_response({"success": True, "num_tensors": n, "weight_version": self.engine.weight_version, "time_s": time.perf_counter() - t0})
+            return await self._replace_weights(lambda: safetensors_layout([path]), lambda: iter_safetensors_files([path]), version)
+        if transport == "cuda_ipc":
+            handles = cuda_ipc.parse(_field(body, "handles", list))
+            if self.engine.device.type != "cuda":
+                raise BadRequest(f"transport cuda_ipc needs a GPU engine; this one runs on {self.engine.device}: use shm")
+            return await self._replace_weights(
+                lambda: [(h.name, h.shape, cuda_ipc.DTYPES[h.dtype]) for h in handles],
+                lambda: [(h.name, h.rebuild()) for h in handles],  # every handle opened before the first copy
+                version,
+            )
+        raise BadRequest(f"transport '{transport}': use shm or cuda_ipc")
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        from vime.engine.core.model import iter_safetensors
+        from vime.engine.core.model import iter_safetensors_files, safetensors_files, safetensors_layout
 
         body = await _body(request)
         path = _field(body, "model_path", str)
         version = _field(body, "weight_version", int, required=False)
         if not Path(path).is_dir():
             raise BadRequest(f"model_path {path} is not a directory")
+        files = safetensors_files(path)
+        return await self._replace_weights(lambda: safetensors_layout(files), lambda: iter_safetensors_files(files), version)
+
+    async def _replace_weights(self, layout: Callable[[], list], tensors: Callable[[], Iterable], version: int | None) -> web.Response:
         t0 = time.perf_counter()
-        n = await self.call(lambda: self.engine.update_weights(iter_safetensors(path), version))
+        n = await self.call(lambda: self.engine.replace_weights(layout(), tensors, version))
         return web.json_response({"success": True, "num_tensors": n, "weight_version": self.engine.weight_version, "time_s": time.perf_counter() - t0})
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
@@ -277,6 +324,7 @@ class EngineServer:
         old = self.weight_groups.pop(name, None)
         if old is not None:
             old.abort("replaced by a new group of the same name")
+            await self.call(lambda: self.engine.abandon_update(f"weight group '{name}' replaced"))
         group = await self.call(lambda: weight_sync.join(backend, address, port, rank, world, name, self.engine.device, timeout))
         self.weight_groups[name] = group
         return web.json_response({"success": True, "message": f"joined weight group '{name}' as rank {rank} of {world} ({backend})"})
@@ -294,7 +342,7 @@ class EngineServer:
         load_format = _field(body, "load_format", str, required=False)
         if load_format not in (None, weight_sync.FLATTENED):
             raise BadRequest(f"load_format '{load_format}': use {weight_sync.FLATTENED} or leave it out")
-        self.engine.check_weights([(n, s) for n, _, s in layout])
+        self.engine.check_weights([(n, s, d) for n, d, s in layout])
         version = _field(body, "weight_version", int, required=False)
         flush = _field(body, "flush_cache", bool, required=False, default=True)
         t0 = time.perf_counter()
@@ -308,6 +356,7 @@ class EngineServer:
         if group is None:
             raise BadRequest(f"no weight group '{name}'")
         await asyncio.to_thread(group.close)  # local and quick: no step needs to wait for it
+        await self.call(lambda: self.engine.abandon_update(f"weight group '{name}' closed"))
         return web.json_response({"success": True})
 
     async def release_memory_occupation(self, request: web.Request) -> web.Response:
@@ -321,8 +370,9 @@ class EngineServer:
     # ---- introspection -----------------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
-        if self.fatal is not None:
-            return _json_error(503, self.fatal)
+        problem = self.fatal or self.engine.weights_incomplete
+        if problem is not None:
+            return _json_error(503, problem)
         return web.json_response({"status": "ok"})
 
     async def model_info(self, request: web.Request) -> web.Response:
@@ -444,7 +494,8 @@ class EngineServer:
         })
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[_errors], client_max_size=256 * 2**20)
+        middlewares = [_auth(self.api_key), _errors] if self.api_key else [_errors]
+        app = web.Application(middlewares=middlewares, client_max_size=256 * 2**20)
         post = {
             "/generate": self.generate,
             "/pause_generation": self.pause_generation,
@@ -491,36 +542,14 @@ def _sample_json(out, i: int, return_logprob: bool) -> dict:
     return {"output_ids": o.output_ids, "meta_info": meta}
 
 
-def _iter_safetensors_file(path: str) -> Iterable:
-    """Tensors of one safetensors file, read through mmap (a /dev/shm file is never copied whole)."""
-    from safetensors import safe_open
-
-    with safe_open(path, framework="pt") as f:
-        for name in f.keys():
-            yield name, f.get_tensor(name)
-
-
-def _iter_cuda_ipc(handles_b64: str) -> Iterable:
-    """Rebuild tensors from `torch.multiprocessing.reductions.reduce_tensor` handles.
-
-    The payload is a pickle: only a trainer on the same machine (already trusted to change the
-    weights) can send it, as with SGLang's equivalent route.
-    """
-    try:
-        items = pickle.loads(base64.b64decode(handles_b64))
-    except Exception as e:
-        raise BadRequest(f"handles is not a base64 pickle of (name, handle) pairs: {type(e).__name__}") from None
-    for name, (rebuild, args) in items:
-        yield name, rebuild(*args)
-
-
 # ---- process entry point ---------------------------------------------------------------
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m vime.engine.server", description="the vime rollout engine (HTTP)")
     p.add_argument("--model-path", required=True, help="HF model directory (or 'smollm2' / 'tiny')")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="an address other than loopback needs --api-key")
+    p.add_argument("--api-key", default=None, help=f"token every route but /health requires (Authorization: Bearer); default: ${API_KEY_ENV}, which keeps it out of the process list")
     p.add_argument("--port", type=int, default=30000, help="0 picks a free port (printed in the ready line)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="auto: bfloat16 on GPU, float32 on CPU")
@@ -540,6 +569,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("max_num_seqs", "block_size", "max_num_batched_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    args.api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if not args.api_key and not is_loopback(args.host):
+        raise ValueError(
+            f"--host {args.host} would let anyone who reaches it change the weights: set --api-key (or ${API_KEY_ENV}), or bind 127.0.0.1"
+        )
     return args
 
 
@@ -560,7 +594,7 @@ def main(argv: list[str] | None = None) -> None:
         block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         cuda_graphs=not args.enforce_eager, seed=args.seed,
     ))
-    asyncio.run(_serve(EngineServer(engine, model_path), args.host, args.port, args.parent_pid))
+    asyncio.run(_serve(EngineServer(engine, model_path, args.api_key), args.host, args.port, args.parent_pid))
 
 
 async def _serve(server: EngineServer, host: str, port: int, parent_pid: int | None) -> None:
@@ -598,6 +632,7 @@ class EngineProcess:
     url: str
     proc: subprocess.Popen
     log_path: Path
+    api_key: str | None = None
 
     def shutdown(self, timeout: float = 10.0) -> None:
         if self.proc.poll() is None:
@@ -616,10 +651,15 @@ def _log_tail(path: Path, lines: int = 20) -> str:
         return "(no log)"
 
 
-def launch_engine(model_path: str, *, port: int | None = None, device: str = "cpu", dtype: str = "auto", extra_args: Iterable[str] = (), log_path: str | Path | None = None, startup_timeout: float = 120.0) -> EngineProcess:
+def launch_engine(
+    model_path: str, *, port: int | None = None, device: str = "cpu", dtype: str = "auto", extra_args: Iterable[str] = (),
+    log_path: str | Path | None = None, startup_timeout: float = 120.0, api_key: str | None = None,
+) -> EngineProcess:
     """Start `python -m vime.engine.server` and return once it answers /health.
 
-    dtype "auto" is bfloat16 on a GPU and float32 on CPU, as for the server itself.
+    dtype "auto" is bfloat16 on a GPU and float32 on CPU, as for the server itself. `api_key`
+    reaches the server through its environment, never its command line (which any local user
+    can read).
 
     The server exits by itself when this process does (--parent-pid), so a crashed trainer
     leaves no engine behind.
@@ -636,6 +676,9 @@ def launch_engine(model_path: str, *, port: int | None = None, device: str = "cp
     ]
     root = str(Path(__file__).resolve().parents[2])  # so the child imports this same vime
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    env.pop(API_KEY_ENV, None)
+    if api_key:
+        env[API_KEY_ENV] = api_key
     weight_sync.apply_gpu_safe_env(env)  # NVLink multicast stays off in the engine's NCCL (device README)
     with open(log_path, "w") as logf:
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
@@ -651,9 +694,9 @@ def launch_engine(model_path: str, *, port: int | None = None, device: str = "cp
             EngineProcess("", proc, log_path).shutdown()
             raise EngineError(f"engine did not start within {startup_timeout:g}s (log {log_path}):\n{_log_tail(log_path)}")
         time.sleep(0.1)
-    engine = EngineProcess(m.group(1), proc, log_path)
+    engine = EngineProcess(m.group(1), proc, log_path, api_key)
     try:
-        EngineClient(engine.url, timeout=10).health()
+        EngineClient(engine.url, timeout=10, api_key=api_key).health()
     except EngineError:
         engine.shutdown()
         raise

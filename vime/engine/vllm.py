@@ -476,7 +476,7 @@ def place_vllm(args, model_dir: Path, run_dir: Path):
     trainer's side joins vLLM's rendezvous (see `VLLMClient.init_weights_update_group`).
     """
     from vime.config import ConfigError
-    from vime.placement import Placement, engine_devices, trainer_device
+    from vime.placement import Placement, engine_devices, fresh_path, trainer_device
 
     trainer = trainer_device(args)
     transport = "disk" if args.weight_transport == "auto" else args.weight_transport
@@ -503,10 +503,11 @@ def place_vllm(args, model_dir: Path, run_dir: Path):
             extra = ["--enable-sleep-mode"] if args.colocate else []
             if dev == trainer:  # vLLM takes 90% of a GPU by default; the trainer shares this one
                 extra += ["--gpu-memory-utilization", "0.45"]
-            log.info("starting vLLM engine %d on %s (log: %s)", i, dev, run_dir / f"engine{i}.log")
+            log_path = fresh_path(run_dir / f"engine{i}.log")  # a resumed run keeps the earlier run's log
+            log.info("starting vLLM engine %d on %s (log: %s)", i, dev, log_path)
             engines.append(launch_vllm(
                 str(model_dir), device=dev, dtype="float32" if dev == "cpu" else "bfloat16", max_num_seqs=args.engine_max_num_seqs,
-                seed=args.rollout_seed + i, extra_args=extra, log_path=run_dir / f"engine{i}.log",
+                seed=args.rollout_seed + i, extra_args=extra, log_path=log_path,
             ))
     except BaseException:
         for e in engines:

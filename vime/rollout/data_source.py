@@ -169,10 +169,33 @@ class PromptRenderer:
         return text, list(self.tokenizer.encode(text, add_special_tokens=False))
 
 
-def load_eval_samples(args, tokenizer, path: str | Path, limit: int | None = None) -> list[Sample]:
-    """The first `limit` rows of an eval set as tokenized Samples (index = group_index = row)."""
+def fit_prompts(rows: list[dict[str, Any]], renderer: PromptRenderer, source: str, max_prompt_len: int, skip: bool) -> tuple[list[dict[str, Any]], int]:
+    """(the rows whose prompt fits, how many did not). A prompt of `max_prompt_len` tokens or
+    fewer leaves room for a response. Every row is rendered now, so a long or malformed prompt
+    fails at start-up, not when its turn comes hours in. Without `skip`, the first prompt that
+    does not fit is a DataError naming its row."""
+    kept = []
+    for i, row in enumerate(rows):
+        n = len(renderer.render(row["input"], f"{source} row {i}")[1])
+        if n <= max_prompt_len:
+            kept.append(row)
+        elif not skip:
+            raise DataError(
+                f"{source} row {i}: the prompt is {n} tokens, the model takes at most {max_prompt_len} before its answer: "
+                "shorten or remove it, or pass --skip-overlong-prompts"
+            )
+    if not kept:
+        raise DataError(f"{source}: every prompt is longer than {max_prompt_len} tokens, the most the model takes before its answer: shorten them or use a model of a longer context")
+    return kept, len(rows) - len(kept)
+
+
+def load_eval_samples(args, tokenizer, path: str | Path, limit: int | None = None, max_prompt_len: int | None = None) -> list[Sample]:
+    """The first `limit` rows of an eval set as tokenized Samples (index = group_index = row);
+    prompts longer than `max_prompt_len` refused or, with --skip-overlong-prompts, left out."""
     rows = load_prompts(path, args.input_key, args.label_key, args.metadata_key)
     renderer = PromptRenderer(args, tokenizer, str(path))
+    if max_prompt_len is not None:
+        rows, _ = fit_prompts(rows, renderer, str(path), max_prompt_len, bool(getattr(args, "skip_overlong_prompts", False)))
     samples = []
     for i, row in enumerate(rows[:limit]):
         text, ids = renderer.render(row["input"], f"{path} row {i}")
@@ -204,6 +227,7 @@ def _fresh(s: Sample) -> Sample:
         rollout_log_probs=None,
         weight_versions=None,
         reward=None,
+        reward_error=None,
         status=Status.PENDING,
         metadata=dict(s.metadata),
     )
@@ -227,10 +251,13 @@ class DataSource:
     one lock.
     """
 
-    def __init__(self, args, tokenizer) -> None:
+    def __init__(self, args, tokenizer, max_prompt_len: int | None = None) -> None:
         self.args = args
         self.rows = load_prompts(args.prompt_data, args.input_key, args.label_key, args.metadata_key)
         self.renderer = PromptRenderer(args, tokenizer, str(args.prompt_data))
+        self.skipped_prompts = 0  # left out by --skip-overlong-prompts (fit_prompts)
+        if max_prompt_len is not None:
+            self.rows, self.skipped_prompts = fit_prompts(self.rows, self.renderer, str(args.prompt_data), max_prompt_len, args.skip_overlong_prompts)
         self.n_per_prompt = int(args.n_samples_per_prompt)
         self.epoch = 0
         self.offset = 0  # position in this epoch's order

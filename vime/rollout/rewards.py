@@ -5,8 +5,13 @@ Three rules shape this module:
   trailing number), so training rewards and eval accuracy read a response the same way;
 * grading is CPU work (sympy) that must not stall generation: built-in rewards run in a small
   process pool, each with its own timeout;
-* a reward never stops a run: one that raises or times out scores 0, is counted in
-  `rollout/reward_errors`, and its exception type is logged once.
+* a reward never stops a run: one that raises or returns a non-finite number scores 0 and is
+  counted in `rollout/reward_errors`, one that takes longer than `--reward-timeout` scores 0
+  and is counted in `rollout/reward_timeouts`, and each kind of failure is logged once;
+* a reward never holds a run up: a synchronous custom reward runs in a daemon thread of its
+  own, abandoned at its timeout (a hung one cannot take the workers of later samples, nor keep
+  the process alive at exit); pool workers ignore Ctrl-C (the trainer handles it) and exit
+  when the trainer is gone.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ from fractions import Fraction
 from functools import lru_cache
 from typing import Any, Awaitable, Callable
 
+from vime.lifetime import exit_with_parent
 from vime.rollout.types import Sample, Status
 
 log = logging.getLogger("vime")
@@ -228,7 +234,11 @@ def _score_with_timeout(rm_type: str, response: str, label: str | None, timeout:
         signal.signal(signal.SIGALRM, previous)
 
 
-def _init_worker() -> None:
+def _init_worker(parent_pid: int) -> None:
+    # Ctrl-C reaches the whole process group; a worker interrupted mid-sample returned the
+    # KeyboardInterrupt as its result, which killed the rollout loop and hung the trainer
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    exit_with_parent(parent_pid)  # a SIGKILLed trainer runs no cleanup
     _math_verify()  # pay the sympy import once per worker, not inside the first sample's timeout
 
 
@@ -238,6 +248,10 @@ _pool_lock = threading.Lock()
 # One slot per worker and event loop: a sample's timer starts when a worker is free for it,
 # so a long queue never reads as a timeout.
 _slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = weakref.WeakKeyDictionary()
+# Synchronous custom rewards running at once, per event loop. An abandoned (timed-out) call
+# gives its slot back, so hung calls never starve later ones.
+CUSTOM_THREADS = 16
+_custom_slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = weakref.WeakKeyDictionary()
 
 
 def _get_pool() -> ProcessPoolExecutor | None:
@@ -248,7 +262,9 @@ def _get_pool() -> ProcessPoolExecutor | None:
             try:
                 # spawn, not fork: the parent has threads (event loop, torch) that fork would copy
                 # mid-state. Like any spawn pool, a driver script needs an `if __name__ == "__main__"` guard.
-                _pool = ProcessPoolExecutor(POOL_WORKERS, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker)
+                _pool = ProcessPoolExecutor(
+                    POOL_WORKERS, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker, initargs=(os.getpid(),)
+                )
             except Exception as e:  # e.g. no /dev/shm semaphores in a sandbox
                 _mark_pool_unavailable(e)
         return _pool
@@ -280,6 +296,15 @@ def _discard_pool(pool: ProcessPoolExecutor, kill: bool = False) -> None:
     pool.shutdown(wait=False, cancel_futures=True)
 
 
+def close_pool() -> None:
+    """Kill the grading workers (end of a run): at interpreter exit Python would otherwise wait
+    for any sample still being graded."""
+    with _pool_lock:
+        pool = _pool
+    if pool is not None:
+        _discard_pool(pool, kill=True)
+
+
 def _submit(pool: ProcessPoolExecutor, call: tuple) -> Future | None:
     """Hand one sample to the pool; None when the pool cannot run at all (grade inline then)."""
     try:
@@ -302,7 +327,7 @@ async def _score_builtin(rm_type: str, sample: Sample, timeout: float) -> float:
         pool = _get_pool()
         fut = _submit(pool, call) if pool is not None else None
         if fut is None:
-            return await asyncio.wait_for(asyncio.to_thread(_score_with_timeout, *call), timeout)
+            return await asyncio.wait_for(_in_daemon_thread(_score_with_timeout, *call), timeout)
         try:
             # the worker's own timer fires at `timeout`; this backstop catches a worker stuck
             # where signals cannot reach it (C code), which is then killed
@@ -313,6 +338,37 @@ async def _score_builtin(rm_type: str, sample: Sample, timeout: float) -> float:
         except asyncio.TimeoutError:
             _discard_pool(pool, kill=True)
             raise
+        except (KeyboardInterrupt, SystemExit) as e:  # a worker's, sent back as its result: never the loop's to raise
+            raise RuntimeError(f"grading worker stopped by {type(e).__name__}") from None
+
+
+async def _in_daemon_thread(fn: Callable, *args: Any) -> Any:
+    """fn(*args) in a daemon thread of its own. Unlike asyncio.to_thread (a shared pool of
+    non-daemon threads), a call that never returns can be abandoned: it holds no worker that a
+    later call needs, and the interpreter does not wait for it at exit."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if fut.done():  # abandoned: the caller timed out
+            return
+        if error is not None:
+            fut.set_exception(error if isinstance(error, Exception) else RuntimeError(f"reward stopped by {type(error).__name__}"))
+        else:
+            fut.set_result(result)
+
+    def work() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as e:  # SystemExit from user code too: it must reach the caller, not end the thread silently
+            result, error = None, e
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    threading.Thread(target=work, name="vime-reward", daemon=True).start()
+    return await fut
 
 
 # ---------------------------------------------------------------- reward functions
@@ -347,8 +403,9 @@ def _timeout(args) -> float:
 def get_reward_fn(args) -> RewardFn:
     """The async per-sample reward `fn(sample) -> float`; raises RewardError on a bad setting.
 
-    Call it once at start-up so a typo fails before any model loads. Timeouts and error
-    counting are score_samples' job, not the returned function's.
+    Call it once at start-up so a typo fails before any model loads. The returned function
+    enforces --reward-timeout, each sample timed from when it starts (a long queue for the
+    pool or the threads is not a timeout); error counting is score_samples' job.
     """
     rm_type, custom_rm_path = getattr(args, "rm_type", "math"), getattr(args, "custom_rm_path", None)
     if custom_rm_path:
@@ -356,14 +413,16 @@ def get_reward_fn(args) -> RewardFn:
         if _is_async(fn):
 
             async def custom_async(sample: Sample) -> float:
-                return float(await fn(args, sample))
+                return float(await asyncio.wait_for(fn(args, sample), _timeout(args)))
 
             return custom_async
 
         async def custom_sync(sample: Sample) -> float:
             # in a thread, so a slow synchronous reward does not stall every in-flight request
-            out = await asyncio.to_thread(fn, args, sample)
-            return float(await out) if inspect.isawaitable(out) else float(out)
+            slots = _custom_slots.setdefault(asyncio.get_running_loop(), asyncio.Semaphore(CUSTOM_THREADS))
+            async with slots:
+                out = await asyncio.wait_for(_in_daemon_thread(fn, args, sample), _timeout(args))
+            return float(await asyncio.wait_for(out, _timeout(args))) if inspect.isawaitable(out) else float(out)
 
         return custom_sync
     if rm_type not in BUILTIN_RM_TYPES:
@@ -380,24 +439,30 @@ def get_reward_fn(args) -> RewardFn:
 _logged_error_types: set[str] = set()
 
 
-async def _safe_reward(fn: RewardFn, sample: Sample, timeout: float | None) -> tuple[float, bool]:
-    """(score, failed): a failure of any kind scores 0; each exception type is logged once."""
+async def _safe_reward(fn: RewardFn, sample: Sample) -> tuple[float, str | None]:
+    """(score, failure): a failure of any kind scores 0 and is "timeout" or "error"; each
+    exception type is logged once. A non-finite score (inf turned every loss of a run into NaN)
+    is an error like a raised one."""
     try:
-        score = await asyncio.wait_for(fn(sample), timeout)
-        if math.isnan(score):
-            raise ValueError("reward is NaN")
-        return score, False
-    except Exception as e:  # anything a reward can throw; cancellation still propagates
+        score = await fn(sample)
+        if not math.isfinite(score):
+            raise ValueError(f"reward is {score}, not a finite number")
+        return score, None
+    except (Exception, KeyboardInterrupt, SystemExit) as e:  # anything a reward can throw; cancellation still propagates
+        timed_out = isinstance(e, (asyncio.TimeoutError, GradingTimeout))
         name = type(e).__name__
-        detail = "no result in time, see --reward-timeout" if isinstance(e, asyncio.TimeoutError) else str(e)
+        detail = "no result in time, see --reward-timeout" if timed_out else str(e)
+        counter = "rollout/reward_timeouts" if timed_out else "rollout/reward_errors"
         if name not in _logged_error_types:
             _logged_error_types.add(name)
-            log.warning("reward of sample %d failed (%s: %s); it scores 0, further %s errors are only counted in rollout/reward_errors", sample.index, name, detail, name)
-        return 0.0, True
+            log.warning("reward of sample %d failed (%s: %s); it scores 0, further %s failures are only counted in %s", sample.index, name, detail, name, counter)
+        return 0.0, "timeout" if timed_out else "error"
 
 
 async def score_samples(args, samples: list[Sample]) -> dict[str, float]:
-    """Set `sample.reward` on every sample, concurrently; returns `{"rollout/reward_errors": n}`.
+    """Set `sample.reward` (and `sample.reward_error`) on every sample, concurrently; returns
+    `{"rollout/reward_errors": n, "rollout/reward_timeouts": m}` (`rollout_metrics` counts the
+    same from the samples, so every rollout function reports them).
 
     FAILED samples score 0 without calling the reward: they have no trustworthy response.
     """
@@ -405,10 +470,11 @@ async def score_samples(args, samples: list[Sample]) -> dict[str, float]:
     todo = [s for s in samples if s.status != Status.FAILED]
     for s in samples:
         if s.status == Status.FAILED:
-            s.reward = 0.0
-    # built-in rewards time each sample once a worker takes it, so a long queue is not a timeout
-    outer = _timeout(args) if getattr(args, "custom_rm_path", None) else None
-    results = await asyncio.gather(*(_safe_reward(fn, s, outer) for s in todo))
-    for s, (score, _) in zip(todo, results):
-        s.reward = score
-    return {"rollout/reward_errors": float(sum(failed for _, failed in results))}
+            s.reward, s.reward_error = 0.0, None
+    results = await asyncio.gather(*(_safe_reward(fn, s) for s in todo))
+    for s, (score, failure) in zip(todo, results):
+        s.reward, s.reward_error = score, failure
+    return {
+        "rollout/reward_errors": float(sum(f == "error" for _, f in results)),
+        "rollout/reward_timeouts": float(sum(f == "timeout" for _, f in results)),
+    }

@@ -31,6 +31,7 @@ class Sample:
     rollout_log_probs: list[float] | None = None  # one per response token
     weight_versions: list[int] | None = None  # one per response token
     reward: float | None = None
+    reward_error: str | None = None  # "error" or "timeout" when the reward failed and 0 stood in for it
     status: Status = Status.PENDING
     metadata: dict[str, Any] = field(default_factory=dict)
 

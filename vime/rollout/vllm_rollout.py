@@ -39,14 +39,14 @@ def load_function(path: str, what: str) -> Callable:
 _CLIENTS: dict[tuple[str, ...], tuple[EngineClient, ...]] = {}
 
 
-def _clients(urls: tuple[str, ...], backend: str = "vime") -> tuple[EngineClient, ...]:
+def _clients(urls: tuple[str, ...], backend: str = "vime", api_key: str | None = None) -> tuple[EngineClient, ...]:
     if urls not in _CLIENTS:
         if backend == "vllm":
             from vime.engine.vllm import VLLMClient
 
             _CLIENTS[urls] = tuple(VLLMClient(u) for u in urls)
         else:
-            _CLIENTS[urls] = tuple(EngineClient(u) for u in urls)
+            _CLIENTS[urls] = tuple(EngineClient(u, api_key=api_key) for u in urls)
     return _CLIENTS[urls]
 
 
@@ -61,7 +61,7 @@ def close_clients() -> None:
 def engine_clients(args) -> tuple[EngineClient, ...]:
     if not args.rollout_engine_urls:
         raise RuntimeError("no rollout engines: the train loop sets args.rollout_engine_urls before the first rollout")
-    return _clients(tuple(args.rollout_engine_urls), args.rollout_backend)
+    return _clients(tuple(args.rollout_engine_urls), args.rollout_backend, getattr(args, "api_key", None))
 
 
 @functools.lru_cache(maxsize=None)
@@ -149,6 +149,8 @@ def rollout_metrics(groups: list[list[Sample]], prefix: str = "rollout") -> dict
         f"{prefix}/response_len_max": max(s.response_length for s in flat),
         f"{prefix}/truncated_ratio": sum(s.status == Status.TRUNCATED for s in flat) / n,
         f"{prefix}/num_samples": n,
+        f"{prefix}/reward_errors": sum(s.reward_error == "error" for s in flat),
+        f"{prefix}/reward_timeouts": sum(s.reward_error == "timeout" for s in flat),
     }
 
 

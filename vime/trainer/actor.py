@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 
 import json
+import math
 import os
 import random
 import shutil
@@ -35,6 +36,10 @@ from vime.trainer.packing import PackedBatch, pack, plan_packed_micro_batches, r
 from vime.trainer.perf import mfu, train_flops
 
 TRAINER_STATE = "trainer_state.pt"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written; one line naming it and the cause."""
 
 
 def _arg(args: Any, name: str, default: Any) -> Any:
@@ -222,6 +227,7 @@ class Actor:
         self._sync()
         elapsed = time.perf_counter() - t0
         metrics = {k: sum(m[k] for m in steps) / len(steps) for k in steps[0]}
+        metrics["train/skipped_steps"] = sum(m["train/skipped_steps"] for m in steps)  # a count, not a mean
         # the engine/trainer mismatch in one number, over all the rollout's tokens: ~0 when both
         # run the same weights in the same precision; what TIS corrects for if not
         diff_sum, diff_count = (sum(m.get(f"train/_lp_diff_{k}", 0.0) for m in steps) for k in ("sum", "count"))
@@ -248,8 +254,8 @@ class Actor:
             # nothing to learn from (e.g. every response aborted): AdamW's momentum would still
             # move the weights on zero gradients, so skip the step (every rank sees the same batch)
             self.optimizer.zero_grad(set_to_none=True)
-            return {**metrics, "train/grad_norm": 0.0, "train/lr": float(self.optimizer.param_groups[0]["lr"])}
-        metrics.update(self._clip_and_step())
+            return {**metrics, "train/grad_norm": 0.0, "train/lr": float(self.optimizer.param_groups[0]["lr"]), "train/skipped_steps": 0.0}
+        metrics.update(self._clip_and_step(loss_finite=math.isfinite(metrics["train/loss"])))
         return metrics
 
     def accumulate_gradients(
@@ -338,18 +344,26 @@ class Actor:
         dist.all_reduce(t, group=self.cpu_group)
         return dict(zip(keys, t.tolist()))
 
-    def _clip_and_step(self) -> dict[str, float]:
-        """Clip by the norm of the whole gradient, all shards together, then step."""
+    def _clip_and_step(self, loss_finite: bool = True) -> dict[str, float]:
+        """Clip by the norm of the whole gradient, all shards together, then step; unless the
+        loss or the norm is not finite, when the step is skipped and counted
+        (`train/skipped_steps`): clipping scales a NaN gradient to NaN weights, and AdamW's
+        moments would carry it into every later step. Loss and norm are the same on every
+        rank (summed and reduced), so all ranks skip together."""
         clip = _arg(self.args, "clip_grad", 1.0)
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
         if hasattr(grad_norm, "full_tensor"):  # a DTensor: the partial norms of each shard, reduced here
             grad_norm = grad_norm.full_tensor()
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        if not (loss_finite and math.isfinite(float(grad_norm))):
+            self.optimizer.zero_grad(set_to_none=True)
+            return {"train/grad_norm": float(grad_norm), "train/lr": lr, "train/skipped_steps": 1.0}
         if clip > 0:
             torch.nn.utils.clip_grads_with_norm_(params, clip, grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)  # gradients are not needed until the next step
-        return {"train/grad_norm": float(grad_norm), "train/lr": float(self.optimizer.param_groups[0]["lr"])}
+        return {"train/grad_norm": float(grad_norm), "train/lr": lr, "train/skipped_steps": 0.0}
 
     def sft_step(self, samples: list[Sample]) -> dict[str, float]:
         """One optimizer step of cross-entropy on the loss-masked response tokens (token mean)."""
@@ -402,13 +416,37 @@ class Actor:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         final = Path(ckpt_dir)
+        self._check_finite(final)
         weights = {name: t.detach().cpu() for name, t in self.named_weights()}
         optim = get_optimizer_state_dict(self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        error: BaseException | None = None
         if self.rank == 0:
-            self._write(final, weights, {"optimizer": optim, "rng": _rng_state(), "extra": extra_state})
+            try:
+                self._write(final, weights, {"optimizer": optim, "rng": _rng_state(), "extra": extra_state})
+            except BaseException as e:  # every rank must hear of it, or they would wait for rank 0 at the next collective
+                error = e
         if self.world > 1:
-            dist.barrier(group=self.cpu_group)  # the checkpoint exists for everyone once save returns
+            # also the barrier: the checkpoint exists for everyone once save returns
+            failed = torch.tensor([int(error is not None)])
+            dist.all_reduce(failed, group=self.cpu_group)
+            if int(failed) and error is None:
+                raise CheckpointError(f"writing checkpoint {final} failed on rank 0")
+        if error is not None:
+            raise error
         return final
+
+    def _check_finite(self, final: Path) -> None:
+        """Refuse to save non-finite weights (NonFiniteError on every rank alike): a checkpoint
+        of NaNs would replace the last good one as the newest. Each rank checks its own shards."""
+        from vime.trainer.nonfinite import NonFiniteError
+
+        bad = [n for n, p in self.model.named_parameters() if not bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all())]
+        count = torch.tensor([len(bad)], dtype=torch.int64)
+        if self.world > 1:
+            dist.all_reduce(count, group=self.cpu_group)
+        if int(count):
+            where = f" (e.g. {bad[0]})" if bad else ""
+            raise NonFiniteError(f"not writing checkpoint {final}: {int(count)} weight tensors hold non-finite values{where}; the last checkpoint written is intact")
 
     def _write(self, final: Path, weights: dict[str, Tensor], state: dict[str, Any]) -> None:
         tmp, old = final.with_name(final.name + ".tmp"), final.with_name(final.name + ".old")
@@ -420,6 +458,14 @@ class Actor:
                 torch.save(state, f)
                 f.flush()
                 os.fsync(f.fileno())
+        except Exception as e:  # a full disk, a directory made read-only mid-run (safetensors and torch raise their own types)
+            shutil.rmtree(tmp, ignore_errors=True)
+            free = shutil.disk_usage(final.parent).free / 2**20
+            detail = " ".join((getattr(e, "strerror", None) or str(e)).split())[:200]
+            raise CheckpointError(
+                f"writing checkpoint {final} failed ({detail}; {free:.0f} MiB free there): free some space or pick another --save; "
+                "the checkpoints written before are intact"
+            ) from None
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -443,14 +489,15 @@ class Actor:
         state_file = ckpt / TRAINER_STATE
         if not state_file.exists():
             raise FileNotFoundError(f"{ckpt} is not a complete checkpoint (no {TRAINER_STATE})")
+        # both files read before either is applied: one that fails to load changes nothing
         weights = dict(_iter_checkpoint(ckpt))
         expected = set(self.model.state_dict()) - self._aliases
         missing, unexpected = expected - set(weights), set(weights) - expected
         if missing or unexpected:
             raise ValueError(f"checkpoint {ckpt} does not match the model: missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}")
+        state = torch.load(state_file, map_location="cpu", weights_only=False)  # our own file: holds python objects
         options = StateDictOptions(full_state_dict=True, strict=False)
         set_model_state_dict(self.model, weights, options=options)
-        state = torch.load(state_file, map_location="cpu", weights_only=False)  # our own file: holds python objects
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
         _set_rng_state(state["rng"])
         return state["extra"]

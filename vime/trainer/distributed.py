@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import sys
 from datetime import timedelta
@@ -28,6 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from vime.engine.weight_sync import apply_gpu_safe_env
+from vime.lifetime import exit_with_parent
 from vime.trainer.actor import Actor
 
 log = logging.getLogger("vime")
@@ -67,7 +69,7 @@ def launch_actor(args: Any, model_dir: str | Path, device: str = "cpu") -> Actor
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         ctx = mp.get_context("spawn")  # a fresh interpreter: no CUDA context or threads inherited
         for rank in range(1, world):
-            p = ctx.Process(target=_worker, args=(rank, world, init_method, args, str(model_dir), device), daemon=True)
+            p = ctx.Process(target=_worker, args=(rank, world, init_method, args, str(model_dir), device, os.getpid()), daemon=True)
             p.start()
             procs.append(p)
         _init(0, world, init_method, device, 0)
@@ -149,8 +151,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, init_method: str, args: Any, model_dir: str, device: str) -> None:
-    """Entry point of a spawned rank."""
+def _worker(rank: int, world: int, init_method: str, args: Any, model_dir: str, device: str, parent_pid: int) -> None:
+    """Entry point of a spawned rank. It ends with rank 0's process: a SIGKILLed trainer runs no
+    cleanup, and a rank waiting in a collective would otherwise hold its device for the
+    collective timeout (30 min)."""
+    exit_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle; it stops this rank with "close"
     _init(rank, world, init_method, device, rank)
     _serve(args, model_dir, _rank_device(device, rank))
 

@@ -18,10 +18,8 @@ job; this module only moves tensors.
 """
 from __future__ import annotations
 
-import base64
 import logging
 import os
-import pickle
 import shutil
 import tempfile
 import time
@@ -33,7 +31,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch import Tensor
 
-from vime.engine import weight_sync
+from vime.engine import cuda_ipc, weight_sync
 from vime.engine.client import EngineError
 
 log = logging.getLogger("vime")
@@ -141,11 +139,9 @@ class WeightPusher:
         return {"perf/update_weights_write_time": write_time}
 
     def _push_cuda_ipc(self, weights: dict[str, Tensor], version: int, clients: list[Any]) -> None:
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        # `weights` keeps the tensors alive until every engine has copied from them.
-        handles = [(name, reduce_tensor(t)) for name, t in weights.items()]
-        payload = {"transport": "cuda_ipc", "handles": base64.b64encode(pickle.dumps(handles)).decode(), "weight_version": version}
+        # `weights` keeps the tensors alive until every engine has copied from them. The handles
+        # travel as plain JSON data (vime/engine/cuda_ipc.py), never as a pickle.
+        payload = {"transport": "cuda_ipc", "handles": cuda_ipc.share(list(weights.items())), "weight_version": version}
         self._each_client(lambda c: c.update_weights_from_tensor(payload), clients)
 
     # ---- nccl / gloo ---------------------------------------------------------------------

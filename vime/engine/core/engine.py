@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -78,6 +78,13 @@ class EngineStats:
     aborted_requests: int = 0
 
 
+class WeightsIncomplete(RuntimeError):
+    """An update failed after some tensors were copied: the weights are a mix of two versions,
+    so the engine generates nothing (HTTP 503) until a complete update succeeds."""
+
+    http_status = 503
+
+
 class LLMEngine:
     def __init__(self, cfg: EngineConfig):
         if cfg.dtype not in DTYPES:
@@ -102,6 +109,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._views: dict[str, torch.Tensor] | None = None
         self.weight_version = 0
+        self.weights_incomplete: str | None = None  # why the weights are a mix, after a failed update (WeightsIncomplete)
+        self._update_open = False  # buckets of an update arrived, its last one (flush) not yet
         self.paused = False
         self.stats = EngineStats()
         self._next_seq_id = 0
@@ -125,6 +134,8 @@ class LLMEngine:
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> RequestOutput | None:
         """Queue a request (n sequences). Returns its output at once if there is nothing to
         generate (max_new_tokens == 0). Raises ValueError for a request that can never run."""
+        if self.weights_incomplete is not None:
+            raise WeightsIncomplete(self.weights_incomplete)
         if rid in self.requests:
             raise ValueError(f"request id '{rid}' is already in flight")
         if not prompt_ids:
@@ -157,11 +168,15 @@ class LLMEngine:
         return None
 
     def has_work(self) -> bool:
-        return not self.paused and self.kv_cache.allocated and bool(self.scheduler.waiting or self.scheduler.running)
+        return self._may_step() and bool(self.scheduler.waiting or self.scheduler.running)
+
+    def _may_step(self) -> bool:
+        """Requests kept in place through a failed update wait: no token comes from mixed weights."""
+        return not self.paused and self.kv_cache.allocated and self.weights_incomplete is None
 
     def step(self) -> list[RequestOutput]:
         """Run one model step; returns the requests that finished in it."""
-        if self.paused or not self.kv_cache.allocated:
+        if not self._may_step():
             return []
         scheduled = self.scheduler.schedule()
         if not scheduled:
@@ -229,30 +244,85 @@ class LLMEngine:
     def unpause(self) -> None:
         self.paused = False
 
+    def replace_weights(self, layout: list[tuple[str, tuple[int, ...], torch.dtype | str]], tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]], weight_version: int | None = None) -> int:
+        """A whole update (from disk, shared memory or CUDA IPC): all or nothing. The announced
+        layout must name every weight of the model, each once, in its shape and a float dtype;
+        it is checked before `tensors()` is asked for anything, so a wrong update (another
+        architecture, a missing shard, only `lm_head`) leaves weights and version untouched."""
+        self.check_weights(layout, complete=True)
+        return self.update_weights(tensors(), weight_version)
+
     @torch.no_grad()
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], weight_version: int | None = None, flush: bool = True) -> int:
         """Copy HF-named tensors into the model in place; cached prefixes computed with the old
         weights are forgotten (`flush=False`: not yet, more buckets of the same update follow).
-        Returns the number of tensors loaded. If a tensor is refused part-way, the weights are a
-        mix and the version is left as it was: push again."""
+        Returns the number of tensors loaded.
+
+        Callers check the update first (`replace_weights`, `check_weights`), so what can still
+        fail here is reading the data (an I/O error, a broadcast whose sender died). If that
+        happens after a tensor was copied, or between two buckets of one update, the weights
+        are a mix: the engine says so (`weights_incomplete`) and generates nothing until an
+        update completes, rather than sample from weights that no trainer ever had."""
+        copied = 0
+
+        def counted() -> Iterable[tuple[str, torch.Tensor]]:
+            nonlocal copied
+            for item in weights:
+                copied += 1
+                yield item
+
         try:
-            n = len(self.model.load_weights(weights, self._weight_views()))
+            n = len(self.model.load_weights(counted(), self._weight_views()))
+        except BaseException as e:
+            if copied or self._update_open:
+                self.weights_incomplete = (
+                    f"a weight update failed part-way ({type(e).__name__}: {' '.join(str(e).split())[:200]}), so the weights mix two versions: "
+                    "push a complete update"
+                )
+                log.error("%s", self.weights_incomplete)
+            raise
         finally:
             if flush:
                 self.allocator.flush()
+        self._update_open = not flush
+        if flush:
+            self.weights_incomplete = None
         self.weight_version = self.weight_version + 1 if weight_version is None else int(weight_version)
         return n
 
-    def check_weights(self, layout: Iterable[tuple[str, tuple[int, ...]]]) -> None:
-        """KeyError / ValueError naming the first announced weight this model does not have, or
-        has in another shape: checked before a broadcast is received, so nothing is half-loaded."""
+    def abandon_update(self, reason: str) -> None:
+        """The sender of a bucketed update left before its last bucket (its weight group was
+        torn down): the buckets that arrived are a part of the weights, not a version."""
+        if self._update_open:
+            self._update_open = False
+            self.weights_incomplete = f"a bucketed weight update stopped before its last bucket ({reason}): push a complete update"
+            log.error("%s", self.weights_incomplete)
+
+    def check_weights(self, layout: Iterable[tuple[str, tuple[int, ...], torch.dtype | str]], complete: bool = False) -> None:
+        """KeyError / ValueError naming the first announced weight this model does not have, has
+        in another shape, or that is not floating point (an integer tensor would be cast without
+        a word); with `complete`, also any weight missing or named twice. Checked before anything
+        is received or read, so a refused update changes nothing."""
         params = self._weight_views()
-        for name, shape in layout:
+        seen: set[str] = set()
+        for name, shape, dtype in layout:
             p = params.get(name)
             if p is None:
                 raise KeyError(f"weight '{name}' does not exist in this {self.model_config.model_type} model")
             if tuple(p.shape) != tuple(shape):
                 raise ValueError(f"weight '{name}' has shape {tuple(shape)}, the model expects {tuple(p.shape)}")
+            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+                raise ValueError(f"weight '{name}' has dtype {str(dtype).removeprefix('torch.')}: weights must be floating point")
+            if complete and name in seen:
+                raise ValueError(f"weight '{name}' appears twice in the update")
+            seen.add(name)
+        if complete:
+            missing = self.model.missing_weights(seen)
+            if missing:
+                raise ValueError(
+                    f"the update lacks {len(missing)} of the model's weights, e.g. {sorted(missing)[:3]} (another architecture, "
+                    "or a partial checkpoint?): nothing was loaded"
+                )
 
     def _weight_views(self) -> dict[str, torch.Tensor]:
         """HF name → parameter (or fused slice), built once: a bucketed push looks names up per

@@ -7,6 +7,7 @@ policy an off-policy correction (TIS) must divide by. Greedy returns the raw log
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -53,8 +54,8 @@ class SamplingParams:
             raise ValueError(f"bad sampling_params: {e}") from None
         if p.max_new_tokens < 0:
             raise ValueError("max_new_tokens must be >= 0")
-        if p.temperature < 0:
-            raise ValueError("temperature must be >= 0 (0 = greedy)")
+        if not math.isfinite(p.temperature) or p.temperature < 0:  # NaN passes `< 0` and samples garbage
+            raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {p.temperature}")
         if not 0 < p.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
         if p.n < 1:

@@ -1,0 +1,678 @@
+"""Fault injection: nothing lost, nothing hung, nothing run that should not be (issue 12).
+
+Every class of fault on CPU, against the real parts (engine server, tiny model, reward pool,
+train loop): a control plane that runs no code sent to it and answers only to its key; weight
+loads that are all or nothing; non-finite numbers that never reach the weights or a checkpoint;
+rewards that hang or fail without holding anything up; every input checked before anything
+starts; resumes that keep the record; and runs that end within seconds on a signal or a dead
+engine, in one line, with their checkpoints intact and no process left behind. Killing an
+engine in the middle of a broadcast push is test_weight_sync.py's.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import pickle
+import re
+import resource
+import select
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+
+from conftest import ROOT, run_cli
+from vime.engine import cuda_ipc
+from vime.engine.client import EngineClient, EngineError
+from vime.engine.server import launch_engine
+from vime.engine.server import parse_args as engine_args
+from vime.metrics import progress_postfix
+from vime.rollout.rewards import score_samples
+from vime.rollout.types import Sample
+from vime.rollout.vllm_rollout import rollout_metrics
+
+TINY = ["--config", "examples/tiny.yaml", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2"]
+FULLY_ASYNC = ["--rollout-function-path", "vime.rollout.fully_async_rollout.generate_rollout_fully_async"]
+EXIT_BOUND_S = 30  # seconds a run may take to stop after a fault (observed: 2-3 s)
+
+
+def post(url: str, body: bytes, headers: dict | None = None) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def greedy(client: EngineClient) -> list[int]:
+    async def main() -> list[int]:
+        try:
+            return (await client.generate([40, 41, 42], {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}))["output_ids"]
+        finally:
+            await client.close()
+
+    return asyncio.run(main())
+
+
+# ---- the control plane -------------------------------------------------------------------
+
+KEY = "test-key-not-secret"
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model, tmp_path_factory):
+    e = launch_engine(str(tiny_model), api_key=KEY, log_path=tmp_path_factory.mktemp("logs") / "engine.log")
+    yield e
+    e.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(engine) -> EngineClient:
+    return EngineClient(engine.url, api_key=KEY)
+
+
+def test_cuda_ipc_handles_travel_as_plain_data():
+    """The trainer's side of a CUDA tensor's handle (the arguments reduce_tensor gives
+    rebuild_cuda_tensor, written here as it would for a GPU tensor) survives JSON exactly."""
+    args = (torch.Tensor, torch.Size([4, 8]), (8, 1), 2, torch.storage.TypedStorage, torch.bfloat16, 0, b"\x01" * 66, 128, 64, False, b"\x02" * 66, 3, None, False)
+    handle = cuda_ipc.from_reduce_args("model.norm.weight", args)
+    wire = json.loads(json.dumps([handle.to_json()]))
+    assert cuda_ipc.parse(wire) == [handle]
+    with pytest.raises(ValueError, match="dtype int64"):
+        cuda_ipc.from_reduce_args("x", (*args[:5], torch.int64, *args[6:]))
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"storage_cls": "os.system"}, "unknown fields"),
+        ({"dtype": "object"}, "dtype 'object'"),
+        ({"shape": [4, "8"]}, "shape must be a list of integers"),
+        ({"offset": -1}, "offset must be an integer >= 0"),
+        ({"handle": "not base64!"}, "handle is not valid base64"),
+        ({"storage_size_bytes": 63}, "reach past the 63-byte storage"),
+        ({"event_sync_required": "yes"}, "true or false"),
+    ],
+)
+def test_a_malformed_ipc_handle_is_refused(change, match):
+    good = cuda_ipc.IpcHandle("w", (4, 8), (8, 1), 0, "float16", 0, b"h", 64, 0, b"r", 0, None, False).to_json()
+    with pytest.raises(ValueError, match=match):
+        cuda_ipc.parse([{**good, **change}])
+
+
+def test_the_engine_runs_nothing_sent_to_it(engine, client, tmp_path):
+    """A pickle that would run a command when loaded is a 400, and nothing ran; so is a well-typed
+    handle sent to a CPU engine."""
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    auth = {"Authorization": f"Bearer {KEY}"}
+    evil = json.dumps({"transport": "cuda_ipc", "handles": base64.b64encode(pickle.dumps(Payload())).decode(), "weight_version": 9}).encode()
+    status, body = post(engine.url + "/update_weights_from_tensor", evil, auth)
+    assert status == 400 and "handles" in body
+    handle = cuda_ipc.IpcHandle("lm_head.weight", (4,), (1,), 0, "float32", 0, b"h", 16, 0, b"r", 0, None, False).to_json()
+    status, body = post(engine.url + "/update_weights_from_tensor", json.dumps({"transport": "cuda_ipc", "handles": [handle]}).encode(), auth)
+    assert status == 400 and "needs a GPU engine" in body
+    time.sleep(0.5)
+    assert not marker.exists()
+    assert client.model_info()["weight_version"] == 0
+
+
+def test_every_route_but_health_needs_the_key(engine, client):
+    assert KEY not in " ".join(engine.proc.args)  # through the environment: the process list shows no key
+    for route, body in [("/generate", {"input_ids": [5]}), ("/update_weights_from_disk", {"model_path": "/"}), ("/pause_generation", {})]:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            status, text = post(engine.url + route, json.dumps(body).encode(), headers)
+            assert status == 401 and "API key" in text, (route, headers)
+    with pytest.raises(EngineError, match="HTTP 401"):
+        EngineClient(engine.url).model_info()
+    assert EngineClient(engine.url).health() == {"status": "ok"}
+    assert len(greedy(client)) == 8  # vime's client sends the key
+    with pytest.raises(ValueError, match="--host 0.0.0.0 .* --api-key"):
+        engine_args(["--model-path", "tiny", "--host", "0.0.0.0"])
+    assert engine_args(["--model-path", "tiny", "--host", "0.0.0.0", "--api-key", "k"]).api_key == "k"
+    status, text = post(engine.url + "/generate", json.dumps({"input_ids": [5], "sampling_params": {"temperature": float("nan")}}).encode(), {"Authorization": f"Bearer {KEY}"})
+    assert status == 400 and "temperature" in text
+
+
+# ---- weight loads --------------------------------------------------------------------------
+
+
+def test_weight_updates_are_all_or_nothing(tiny_model, client, tmp_path):
+    """Another architecture with matching names, an update that would fail part-way, a file with
+    only lm_head, a tensor of integers: each refused before anything is copied, leaving weights
+    and version as they were. A complete update then goes through."""
+    from safetensors.torch import load_file, save_file
+
+    from vime.models import make_tiny_model
+
+    before, version = greedy(client), client.model_info()["weight_version"]
+    weights = load_file(str(tiny_model / "model.safetensors"))
+    last = sorted(weights)[-1]
+
+    def write(name: str, tensors: dict) -> Path:
+        (tmp_path / name).mkdir()
+        save_file(tensors, str(tmp_path / name / "model.safetensors"))
+        return tmp_path / name
+
+    cases = {
+        make_tiny_model(tmp_path / "llama", arch="llama", seed=3): "lacks 4 of the model's weights",  # no q_norm/k_norm
+        # bfloat16 tensors were copied one by one as they came: the bad last one left a mix
+        write("part", {**{k: (t + 1).to(torch.bfloat16) for k, t in weights.items()}, last: torch.zeros(3)}): f"'{last}' has shape",
+        write("lm_head", {"lm_head.weight": weights["lm_head.weight"] + 1}): "lacks 24",
+        write("ints", {**weights, "model.norm.weight": torch.ones(64, dtype=torch.int64)}): "dtype int64",
+    }
+    for path, match in cases.items():
+        with pytest.raises(EngineError, match=f"HTTP 400.*{match}"):
+            client.update_weights_from_disk(str(path), version + 1)
+        assert client.model_info()["weight_version"] == version
+        assert greedy(client) == before, path.name
+    shm = write("shm", {k: t + 1 for k, t in weights.items() if k != last}) / "model.safetensors"
+    with pytest.raises(EngineError, match="HTTP 400.*lacks 1"):
+        client.update_weights_from_tensor({"transport": "shm", "path": str(shm), "weight_version": version + 1})
+    assert greedy(client) == before
+    res = client.update_weights_from_disk(str(write("whole", {k: t + 0.5 for k, t in weights.items()})), version + 1)
+    assert res["weight_version"] == version + 1 and greedy(client) != before
+    client.update_weights_from_disk(str(tiny_model), version + 2)
+    assert greedy(client) == before
+
+
+def test_an_update_that_breaks_off_after_copying_stops_generation_until_a_whole_one(tiny_model):
+    """What validation cannot see (a read error mid-file, a sender gone between two buckets)
+    leaves mixed weights: the engine then generates nothing, in one line, until an update
+    completes."""
+    from vime.engine.core.engine import EngineConfig, LLMEngine, WeightsIncomplete
+    from vime.engine.core.model import iter_safetensors
+    from vime.engine.core.sampler import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model_path=str(tiny_model), num_kv_blocks=64, cuda_graphs=False))
+
+    def breaks_off():
+        for i, item in enumerate(iter_safetensors(tiny_model)):
+            if i == 3:
+                raise OSError(5, "Input/output error")
+            yield item
+
+    with pytest.raises(OSError):
+        engine.update_weights(breaks_off(), 1)
+    assert engine.weight_version == 0 and "push a complete update" in engine.weights_incomplete
+    with pytest.raises(WeightsIncomplete):
+        engine.add_request("r", [5, 6], SamplingParams(max_new_tokens=2))
+    layout = [(n, tuple(t.shape), t.dtype) for n, t in iter_safetensors(tiny_model)]
+    engine.replace_weights(layout, lambda: iter_safetensors(tiny_model), 2)
+    assert engine.weights_incomplete is None and engine.add_request("r", [5, 6], SamplingParams(max_new_tokens=2)) is None
+    # a bucketed update whose sender leaves before the last bucket
+    engine.update_weights(list(iter_safetensors(tiny_model))[:5], 3, flush=False)
+    engine.abandon_update("weight group closed")
+    assert "before its last bucket" in engine.weights_incomplete and engine.weight_version == 3
+
+
+def test_a_connection_reset_is_an_engine_error_not_a_traceback():
+    """An engine that drops the connection after reading a request (as one killed mid-step does)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+
+    def serve() -> None:
+        while True:
+            conn, _ = server.accept()
+            conn.recv(65536)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with RST
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    client = EngineClient(f"http://127.0.0.1:{server.getsockname()[1]}", retry_backoff=0.01)
+    with pytest.raises(EngineError, match="unreachable after 3 tries \\(connection reset\\)"):
+        greedy(client)
+    with pytest.raises(EngineError, match="unreachable after 3 tries \\(connection reset\\)"):
+        client.pause_generation()
+
+
+# ---- rewards -------------------------------------------------------------------------------
+
+HANG_RM = '''
+import threading
+release = threading.Event()
+calls = []
+
+def hang_first_20(args, sample):
+    calls.append(sample.index)
+    if sample.index < 20:
+        release.wait()
+    return 1.0
+
+def not_finite(args, sample):
+    return [float("inf"), float("-inf"), float("nan"), 0.5][sample.index]
+'''
+
+
+@pytest.fixture
+def fault_rm(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "fault_rm.py").write_text(HANG_RM)
+    import importlib
+
+    import fault_rm
+
+    module = importlib.reload(fault_rm)
+    yield module
+    module.release.set()
+
+
+def rm_args(**kw) -> SimpleNamespace:
+    return SimpleNamespace(**{"rm_type": "math", "custom_rm_path": None, "reward_timeout": 10.0, **kw})
+
+
+def test_non_finite_rewards_score_zero_and_are_counted(fault_rm):
+    samples = [Sample(index=i) for i in range(4)]
+    metrics = asyncio.run(score_samples(rm_args(custom_rm_path="fault_rm:not_finite"), samples))
+    assert [s.reward for s in samples] == [0.0, 0.0, 0.0, 0.5]
+    assert metrics == {"rollout/reward_errors": 3.0, "rollout/reward_timeouts": 0.0}
+    assert rollout_metrics([samples])["rollout/reward_errors"] == 3  # what reaches metrics.jsonl
+
+
+def test_hung_sync_rewards_are_abandoned_counted_and_starve_nothing(fault_rm):
+    """20 calls that never return (more than the reward threads) time out and are counted; the
+    calls after them run at once, and the hung threads cannot keep the process alive."""
+    args = rm_args(custom_rm_path="fault_rm:hang_first_20", reward_timeout=0.5)
+    hung = [Sample(index=i) for i in range(20)]
+    metrics = asyncio.run(score_samples(args, hung))
+    assert metrics == {"rollout/reward_errors": 0.0, "rollout/reward_timeouts": 20.0}
+    assert all(s.reward == 0.0 and s.reward_error == "timeout" for s in hung)
+    later = [Sample(index=i) for i in range(20, 30)]
+    # had they queued behind the hung calls for a thread, they would have timed out too
+    assert asyncio.run(score_samples(args, later)) == {"rollout/reward_errors": 0.0, "rollout/reward_timeouts": 0.0}
+    assert all(s.reward == 1.0 for s in later)
+    threads = [t for t in threading.enumerate() if t.name == "vime-reward"]
+    assert len(threads) >= 20 and all(t.daemon for t in threads)  # the hung ones, which exit cannot wait for
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[1] == str(pid) and fields[0] != "Z":
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            alive.append(pid)
+    return alive
+
+
+POOL_USER = """
+import asyncio, os, sys, time
+from types import SimpleNamespace
+from vime.rollout.rewards import score_samples
+from vime.rollout.types import Sample
+args = SimpleNamespace(rm_type="math", custom_rm_path=None, reward_timeout=10.0)
+if __name__ == "__main__":
+    print(asyncio.run(score_samples(args, [Sample(index=0, response="\\\\boxed{2}", label="2")])), flush=True)
+    time.sleep(600)
+"""
+
+
+def test_reward_workers_ignore_ctrl_c_and_die_with_their_parent(tmp_path):
+    """A Ctrl-C reaches the pool workers too: they go on grading (the trainer decides); a
+    SIGKILLed trainer takes them and multiprocessing's resource tracker along within seconds."""
+    script = tmp_path / "pool_user.py"
+    script.write_text(POOL_USER)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        assert select.select([proc.stdout], [], [], 120)[0], "the pool never graded"
+        assert proc.stdout.readline().strip() == "{'rollout/reward_errors': 0.0, 'rollout/reward_timeouts': 0.0}"
+        children = _children(proc.pid)  # multiprocessing's resource tracker and the worker(s) started so far
+        assert len(children) >= 2, children
+        for pid in children:
+            os.kill(pid, signal.SIGINT)
+        time.sleep(1)
+        assert _alive(children) == children
+        proc.kill()
+        deadline = time.monotonic() + 10
+        while _alive(children) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _alive(children) == []
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_reward_worker_that_dies_mid_sample_costs_that_sample_only():
+    """A grading worker killed (OOM, say) while it grades: that sample scores 0 as an error, at
+    once, and the next one is graded by a fresh pool."""
+    from fault_plugins import SLOW_TO_GRADE
+
+    args = rm_args(reward_timeout=60.0)
+
+    async def main() -> tuple[dict, list[Sample]]:
+        slow = [Sample(index=0, response=SLOW_TO_GRADE, label="3")]
+        task = asyncio.create_task(score_samples(args, slow))
+        while not (workers := [pid for pid in _children(os.getpid()) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]):
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(1)  # grading (seconds for this response) is under way
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)
+        return await asyncio.wait_for(task, 30), slow
+
+    metrics, slow = asyncio.run(main())
+    assert metrics == {"rollout/reward_errors": 1.0, "rollout/reward_timeouts": 0.0} and slow[0].reward_error == "error"
+    fine = [Sample(index=1, response="\\boxed{2}", label="2")]
+    assert asyncio.run(score_samples(args, fine)) == {"rollout/reward_errors": 0.0, "rollout/reward_timeouts": 0.0}
+    assert fine[0].reward == 1.0
+
+
+def test_the_rollout_loop_outlives_a_task_that_raises_keyboard_interrupt():
+    """asyncio lets KeyboardInterrupt escape run_forever; the loop used to die with it and every
+    later call (closing the clients) waited for ever."""
+    from vime.rollout import async_loop
+
+    async def interrupted():
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        async_loop.submit(interrupted()).result(timeout=10)
+    assert async_loop.submit(asyncio.sleep(0, result=7)).result(timeout=10) == 7
+    pending = async_loop.submit(asyncio.sleep(600))
+    async_loop.cancel_all(timeout=5)
+    assert pending.cancelled()
+
+
+# ---- non-finite numbers and the weights ----------------------------------------------------
+
+
+@pytest.fixture
+def actor(tiny_model):
+    from vime.trainer.actor import Actor
+
+    args = SimpleNamespace(lr=1e-2, global_batch_size=None, max_tokens_per_gpu=512, rollout_temperature=1.0)
+    return Actor(args, tiny_model)
+
+
+def _batch() -> list[Sample]:
+    return [Sample(index=i, tokens=[5, 6, 7, 8 + i, 9], response_length=2, rollout_log_probs=[-1.0, -1.0]) for i in range(4)]
+
+
+def _weights(actor) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for n, t in actor.named_weights()}
+
+
+def test_a_non_finite_loss_skips_the_step_and_the_weights_stay(actor):
+    before = _weights(actor)
+    m = actor.train_step(_batch(), [1.0, float("nan"), -1.0, 0.0])
+    assert m["train/skipped_steps"] == 1
+    assert all(torch.equal(before[n], t) for n, t in actor.named_weights())
+    assert not actor.optimizer.state  # AdamW's moments never saw the NaN
+    m = actor.train_step(_batch(), [1.0, -1.0, 1.0, -1.0])
+    assert m["train/skipped_steps"] == 0 and any(not torch.equal(before[n], t) for n, t in actor.named_weights())
+
+
+def test_no_checkpoint_from_non_finite_weights_and_a_full_disk_keeps_the_last_one(actor, tmp_path):
+    from vime.trainer.actor import CheckpointError
+    from vime.trainer.checkpoint import latest_checkpoint, problem
+    from vime.trainer.nonfinite import NonFiniteError
+
+    actor.save(tmp_path / "1", {"step": 1})
+    # a full disk, as a file size limit (works unprivileged): the save fails in one line
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, hard))
+    try:
+        with pytest.raises(CheckpointError, match="writing checkpoint .*/2 failed \\(.*File too large") as e:
+            actor.save(tmp_path / "2", {"step": 2})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+    assert "\n" not in str(e.value)
+    with torch.no_grad():
+        next(actor.model.parameters())[0] = float("inf")
+    with pytest.raises(NonFiniteError, match="not writing checkpoint .*/3: 1 weight tensors hold non-finite values"):
+        actor.save(tmp_path / "3", {"step": 3})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["1"]  # no debris of the refused saves
+    assert problem(tmp_path / "1") is None and latest_checkpoint(tmp_path) == tmp_path / "1"
+
+
+# ---- inputs checked before anything starts -------------------------------------------------
+
+
+def _refused(tmp_path: Path, *argv: str) -> str:
+    """Start a run in-process; it must fail with a user error before creating anything."""
+    from vime.cli import _user_errors, train_main
+
+    runs = tmp_path / "runs"
+    with pytest.raises(_user_errors()) as e:
+        train_main(["--config", "examples/tiny.yaml", "--num-rollout", "1", "--runs-dir", str(runs), "--run-name", "r", *argv])
+    assert not (runs / "r").exists()  # no run directory, no engine log, no locked run name
+    msg = str(e.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_every_input_is_checked_before_anything_starts(tmp_path, tiny_model, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model, broken)
+    (broken / "config.json").write_text('{"model_type": "qwen3", oops')
+    long_rows = tmp_path / "long.jsonl"
+    long_rows.write_text("".join(json.dumps({"input": "9" * (600 if i == 3 else 3), "label": "9"}) + "\n" for i in range(6)))
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    damaged = tmp_path / "ckpt" / "1"
+    damaged.mkdir(parents=True)
+    (damaged / "trainer_state.pt").write_bytes(b"PK\x03\x04 cut short")
+    cases = [
+        (["--hf-checkpoint", str(broken)], "config.json is not valid JSON"),
+        (["--n-samples-per-prompt", "0"], "--n-samples-per-prompt must be at least 1"),
+        (["--rollout-temperature", "nan"], "--rollout-temperature nan: give a finite number"),
+        (["--custom-generate-function-path", "nope.missing"], "--custom-generate-function-path 'nope.missing' cannot be loaded"),
+        (["--eval-interval", "1", "--eval-prompt-data", str(tmp_path / "nope.jsonl")], "nope.jsonl not found"),
+        (["--save", str(a_file / "ckpt")], f"--save {a_file}/ckpt is not writable"),
+        (["--prompt-data", str(long_rows)], "long.jsonl row 3: the prompt is 600 tokens, the model takes at most 511 .* --skip-overlong-prompts"),
+        (["--eval-interval", "1", "--eval-prompt-data", str(long_rows)], "long.jsonl row 3"),
+        (["--load", str(tmp_path / "ckpt")], "no intact checkpoint"),
+    ]
+    for argv, match in cases:
+        assert re.search(match, _refused(tmp_path, *argv)), argv
+    if os.geteuid() != 0:  # root writes through file modes
+        read_only = tmp_path / "ro"
+        read_only.mkdir(mode=0o555)
+        assert "is not writable (Permission denied)" in _refused(tmp_path, "--save", str(read_only / "ckpt"))
+
+
+def test_skip_overlong_prompts_leaves_them_out_and_counts_them(tmp_path, tiny_model):
+    from vime.config import parse_args
+    from vime.models import load_tokenizer
+    from vime.rollout.data_source import DataError, DataSource
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"input": "9" * n, "label": "9"}) + "\n" for n in (3, 50, 4, 60)))
+    args = parse_args(["--hf-checkpoint", str(tiny_model), "--prompt-data", str(rows), "--num-rollout", "1", "--skip-overlong-prompts"])
+    ds = DataSource(args, load_tokenizer(tiny_model), max_prompt_len=20)
+    assert len(ds) == 2 and ds.skipped_prompts == 2
+    assert {g[0].prompt for g in ds.get_samples(2)} == {"999", "9999"}
+    args.skip_overlong_prompts = False
+    with pytest.raises(DataError, match="row 1: the prompt is 50 tokens"):
+        DataSource(args, load_tokenizer(tiny_model), max_prompt_len=20)
+
+
+# ---- whole runs: faults, signals, resume ---------------------------------------------------
+
+
+def _group_alive(pgid: int) -> list[str]:
+    """Processes of a process group that still run (zombies waiting for a reaper do not)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+            fields = text.rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[2] == str(pgid) and fields[0] != "Z":
+            out.append(text.split(")")[0])
+    return out
+
+
+def _start(script: str, tmp_path: Path, *argv: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, script, *TINY, "--runs-dir", str(tmp_path), "--run-name", "r", "--save", str(tmp_path / "ckpt"), "--save-interval", "1", *argv]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _wait_for(proc: subprocess.Popen, path: Path, timeout: float = 120) -> None:
+    """Until `path` holds something (a metrics row, a plug-in's marker); the run may end meanwhile."""
+    def there() -> bool:
+        return path.exists() and path.stat().st_size > 0
+
+    t0 = time.monotonic()
+    while not there():
+        if proc.poll() is not None and not there():
+            pytest.fail(f"the run ended before {path.name}: {proc.stderr.read()[-3000:]}")
+        assert time.monotonic() - t0 < timeout, f"{path} never came"
+        time.sleep(0.1)
+
+
+def _ended(proc: subprocess.Popen, since: float) -> tuple[int, list[str]]:
+    """Exit code and stderr lines of a run that must end within EXIT_BOUND_S of `since` (wall
+    clock, time.time()), leaving no process."""
+    try:
+        _, err = proc.communicate(timeout=EXIT_BOUND_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"still running {EXIT_BOUND_S} s after the fault")
+    assert time.time() - since < EXIT_BOUND_S
+    deadline = time.monotonic() + 10  # children notice their parent is gone within a second or two
+    while _group_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = _group_alive(proc.pid)
+    if left:
+        os.killpg(proc.pid, signal.SIGKILL)
+    assert not left, f"left behind: {left}"
+    assert "Traceback" not in err, err[-3000:]
+    # aiohttp may report a session a cancelled request reopened (test_async.py has the story)
+    noise = ("Unclosed client session", "Unclosed connector", "client_session:", "connector:", "connections:")
+    return proc.returncode, [line for line in err.strip().splitlines() if not line.split("asyncio: ")[-1].startswith(noise)]
+
+
+def _intact_checkpoints(save: Path, at_least: int) -> None:
+    """Every checkpoint written is whole and finite, and no half-written one is left."""
+    from safetensors.torch import load_file
+
+    from vime.trainer.checkpoint import problem
+
+    written = [p for p in save.glob("*") if p.name.isdigit()]
+    assert len(written) >= at_least
+    for ckpt in written:
+        assert problem(ckpt) is None
+        assert all(torch.isfinite(t).all() for t in load_file(str(ckpt / "model.safetensors")).values())
+    assert not list(save.glob("*.tmp"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "script, extra, fault, marker",
+    [
+        ("train.py", [], "SIGTERM", "metrics.jsonl"),
+        # Ctrl-C while the pool grades batch 2 (seconds a sample) and step 1 trains
+        ("train_async.py", ["--custom-generate-function-path", "fault_plugins.slow_grading"], "SIGINT", "grading"),
+        ("train_async.py", FULLY_ASYNC, "SIGTERM", "metrics.jsonl"),
+        ("train_async.py", ["--max-staleness", "1"], "SIGINT", "metrics.jsonl"),
+    ],
+    ids=["sync-sigterm", "one-step-off-ctrl-c-while-grading", "fully-async-sigterm", "decoupled-ctrl-c"],
+)
+def test_a_signal_stops_every_mode_within_seconds(tmp_path, script, extra, fault, marker):
+    """SIGTERM to the trainer (what `kill` and schedulers send) or Ctrl-C (SIGINT to the whole
+    process group, engine and reward workers included): out within seconds, one line, the
+    checkpoint of step 1 intact, no process left."""
+    proc = _start(script, tmp_path, "--num-rollout", "20", *extra)
+    _wait_for(proc, tmp_path / "r" / marker)
+    time.sleep(1)  # the group's generation ends, its grading begins
+    if fault == "SIGINT":
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        proc.send_signal(signal.SIGTERM)
+    code, lines = _ended(proc, time.time())
+    assert (code, lines[-1]) == ((130, "interrupted") if fault == "SIGINT" else (143, "terminated")), lines[-5:]
+    _intact_checkpoints(tmp_path / "ckpt", at_least=1 if marker == "metrics.jsonl" else 0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plugin", ["--custom-generate-function-path fault_plugins.kill_engine_mid_step", "--rollout-function-path fault_plugins.kill_engine_after_rollout"],
+                         ids=["mid-generation", "before-the-push"])
+def test_an_engine_killed_mid_step_ends_the_run_in_one_line(tmp_path, plugin):
+    proc = _start("train.py", tmp_path, "--num-rollout", "4", *plugin.split())
+    _wait_for(proc, tmp_path / "r" / "engine-killed")
+    code, lines = _ended(proc, (tmp_path / "r" / "engine-killed").stat().st_mtime)
+    assert code == 2 and lines[-1].startswith("error: ") and "unreachable after 3 tries" in lines[-1], lines[-5:]
+    assert (lines[-1].startswith("error: step 2: ")) == ("after" in plugin)  # a failed push names its step
+    _intact_checkpoints(tmp_path / "ckpt", at_least=1)
+
+
+@pytest.mark.slow
+def test_non_finite_rewards_skip_steps_and_stop_the_run_with_finite_checkpoints(tmp_path):
+    proc = _start("train.py", tmp_path, "--num-rollout", "6", "--max-bad-steps", "2", "--rollout-function-path", "fault_plugins.inf_rewards_from_step_two")
+    code, lines = _ended(proc, time.time())
+    assert code == 2 and lines[-1].startswith("error: step 3: 2 steps in a row had non-finite numbers (2 rewards are not finite"), lines[-5:]
+    rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["train/skipped_steps"]) for r in rows] == [(1, 0), (2, 1)]  # step 3 stopped the run before its row
+    assert progress_postfix(rows[1])["skipped_steps"] == "1"  # and the progress line shows it
+    # step 2 skipped its optimizer step: its checkpoint holds step 1's (finite) weights
+    _intact_checkpoints(tmp_path / "ckpt", at_least=2)
+
+
+@pytest.mark.slow
+def test_a_resume_keeps_the_record_and_steps_past_a_damaged_checkpoint(tmp_path):
+    """Run 3 steps (checkpoints 2 and 3), cut the newest checkpoint short, resume in the same run
+    directory: it starts from step 2 with a warning, each step is in metrics.jsonl once (the
+    replaced row kept aside), the wall clock goes on, and no log or config is overwritten."""
+    rows_file = tmp_path / "rows.jsonl"
+    rows_file.write_text("".join(json.dumps({"input": f"{i}+1=" if i != 2 else "9" * 600, "label": str(i + 1)}) + "\n" for i in range(12)))
+    common = ["train.py", *TINY, "--prompt-data", str(rows_file), "--skip-overlong-prompts", "--runs-dir", str(tmp_path), "--run-name", "r", "--save", str(tmp_path / "ckpt")]
+    first = run_cli(*common, "--num-rollout", "3", "--save-interval", "2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    newest = tmp_path / "ckpt" / "3" / "model.safetensors"
+    with open(newest, "r+b") as f:
+        f.truncate(newest.stat().st_size // 2)
+    second = run_cli(*common, "--num-rollout", "4", "--load", str(tmp_path / "ckpt"))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "checkpoint " + str(tmp_path / "ckpt" / "3") + " is damaged" in second.stderr and "resumed from " + str(tmp_path / "ckpt" / "2") in second.stderr
+    rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [json.loads(line)["step"] for line in (tmp_path / "r" / "metrics.superseded.jsonl").read_text().splitlines()] == [3]
+    clock = [r["perf/wall_clock"] for r in rows]
+    assert clock[:2] == [r["perf/wall_clock"] for r in before[:2]] and clock == sorted(clock) and clock[2] > clock[1]
+    assert all(r["rollout/skipped_prompts"] == 1 for r in rows)
+    files = {p.name for p in (tmp_path / "r").iterdir()}
+    assert {"config.yaml", "config.1.yaml", "engine0.log", "engine0.1.log"} <= files
+    assert yaml.safe_load((tmp_path / "r" / "config.yaml").read_text())["api_key"] is None  # the key made for the engines is not written

@@ -1,0 +1,48 @@
+"""How processes end: children never outlive the trainer, and SIGTERM stops a run as Ctrl-C does.
+
+A killed trainer (SIGKILL, OOM) runs no cleanup at all, so every child must notice on its own
+that its parent is gone: engines have `--parent-pid`, and the processes Python starts for us
+(reward-pool workers, trainer ranks) call `exit_with_parent`. Once they are gone,
+multiprocessing's resource tracker sees its last user leave and exits too.
+
+Python's default SIGTERM handling kills the process without unwinding, which skips every
+`finally:` that stops engines and workers; `stop_on_sigterm` turns it into an exception that
+unwinds like Ctrl-C.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+PARENT_POLL_S = 0.5
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread: every handler that stops a run on Ctrl-C stops it the same way."""
+
+
+def stop_on_sigterm() -> None:
+    """From now on SIGTERM raises `Terminated` in the main thread (call from the main thread)."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def exit_with_parent(parent_pid: int | None = None) -> None:
+    """End this process within PARENT_POLL_S of its parent's death, however it died.
+
+    Polls `getppid()` (a dead parent's children are re-parented) from a daemon thread; Linux's
+    PR_SET_PDEATHSIG would tie the child to the parent *thread* that started it, which for a
+    process pool is whichever thread submitted first."""
+    parent = os.getppid() if parent_pid is None else parent_pid
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="vime-parent-watch", daemon=True).start()

@@ -1,0 +1,88 @@
+"""Every input checked before anything starts.
+
+A run used to find a bad `--custom-generate-function-path`, a missing eval file, a read-only
+`--save` or a prompt too long for the model only when it reached them: after the engines had
+started, after steps had trained, or hours in when the row came up. `check_inputs` reads and
+checks all of them first, each failure one line naming the flag, file or row and the fix, and
+hands the loop what it built on the way (model directory, tokenizer, data source), so
+nothing is read twice. It writes nothing but a probe file in the output directories.
+"""
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from vime.config import ConfigError
+from vime.models import ModelError, context_length, load_tokenizer, resolve_model
+from vime.rollout.data_source import DataSource, load_eval_samples
+from vime.rollout.rewards import get_reward_fn
+from vime.rollout.vllm_rollout import load_function
+
+
+@dataclass
+class Inputs:
+    """What the checks built, for the run to use."""
+
+    model_dir: Path
+    tokenizer: Any
+    rollout_fn: Callable
+    data_source: DataSource
+    notes: list[str] = field(default_factory=list)  # warnings to log once the run's log exists
+
+
+def check_inputs(args: Any) -> Inputs:
+    """Check output directories, model, plug-ins and data, in that order (cheapest first)."""
+    from vime.trainer.checkpoint import latest_checkpoint
+
+    _writable(Path(args.runs_dir), "--runs-dir")
+    if args.save:
+        _writable(Path(args.save), "--save")
+    if args.load and latest_checkpoint(Path(args.load), warn=False) is None:
+        raise FileNotFoundError(f"--load {args.load}: no intact checkpoint inside (expected <step>/trainer_state.pt and the model's safetensors)")
+
+    model_dir = resolve_model(args.hf_checkpoint)
+    try:
+        tokenizer = load_tokenizer(model_dir)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"cannot load the tokenizer of {model_dir} ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
+    if args.save:
+        _room_for_checkpoints(Path(args.save), model_dir)
+
+    get_reward_fn(args)
+    rollout_fn = load_function(args.rollout_function_path, "--rollout-function-path")
+    if args.custom_generate_function_path:
+        load_function(args.custom_generate_function_path, "--custom-generate-function-path")
+
+    max_prompt_len = context_length(model_dir) - 1  # room for at least one response token
+    data_source = DataSource(args, tokenizer, max_prompt_len=max_prompt_len)
+    notes = []
+    if data_source.skipped_prompts:
+        notes.append(
+            f"--skip-overlong-prompts: left out {data_source.skipped_prompts} of {data_source.skipped_prompts + len(data_source)} prompts of "
+            f"{args.prompt_data} longer than {max_prompt_len} tokens (rollout/skipped_prompts)"
+        )
+    if args.eval_prompt_data:
+        load_eval_samples(args, tokenizer, args.eval_prompt_data, limit=args.eval_limit, max_prompt_len=max_prompt_len)
+    return Inputs(model_dir, tokenizer, rollout_fn, data_source, notes)
+
+
+def _writable(path: Path, flag: str) -> None:
+    """Make the directory if need be and write a probe file in it."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".vime-probe-"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{flag} {path} is not writable ({e.strerror or e}): pick a directory you can write to") from None
+
+
+def _room_for_checkpoints(save: Path, model_dir: Path) -> None:
+    """A checkpoint holds the weights and AdamW's two moments: at least three times the model's
+    files. A disk without room for one fails now, not at the first save after hours of steps."""
+    need = 3 * sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+    free = shutil.disk_usage(save).free
+    if free < need:
+        raise ConfigError(f"--save {save} has {free / 2**30:.2f} GiB free, a checkpoint of this model takes about {need / 2**30:.2f} GiB: free some space or pick another directory")
