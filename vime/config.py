@@ -143,7 +143,8 @@ class Config:
     @property
     def steps_per_rollout(self) -> int:
         """Optimizer steps per rollout batch; the policy version advances by this much per step."""
-        return self.samples_per_rollout // (self.global_batch_size or self.samples_per_rollout)
+        # max(1, ...): validate() reports a zero batch size in one line; this must not divide by it first
+        return self.samples_per_rollout // max(1, self.global_batch_size or self.samples_per_rollout)
 
     @property
     def min_staleness(self) -> int:
