@@ -157,6 +157,106 @@ def test_numeric_credit_reads_currency_and_separators():
     assert numeric_credit("x", "1234") == 0.0
 
 
+# ---------------------------------------------------------------- slime's reward cases
+# The cases of slime's public reward tests (THUDM/slime tests/test_rm_math.py and
+# tests/test_rm_math_dapo.py), restated against vime's functions. Cases on slime's internal
+# helpers (remove_boxed, _strip_string, normalize_final_answer) are kept where vime has the
+# same meaning: an extraction, or two answers graded equal. DIFFERS marks a case where vime
+# scores otherwise on purpose; docs/architecture.md (rewards.py) gives the reasons.
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("first attempt \\boxed{wrong}, final \\boxed{42}", "42"),
+        ("\\boxed{first}, then \\boxed{42}", "42"),
+        ("answer: \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+        ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+        ("answer: \\fbox{7}", "7"),
+        ("Solution: \\fbox{42}", "42"),
+        ("Solution: \\boxed{42}", "42"),
+        ("\\boxed{x+1}", "x+1"),
+        ("plain text, no box", None),
+        ("not boxed at all", None),
+        (None, None),
+        ("start \\boxed{never closes", None),
+        ("just 42", "42"),  # DIFFERS: slime's boxed extractor finds nothing; vime falls back to the trailing number
+    ],
+)
+def test_slime_extraction_cases(text, expected):
+    assert extract_answer(text) == expected
+
+
+@pytest.mark.parametrize(
+    "pred, label, same",
+    [
+        ("\\frac12", "\\frac{1}{2}", True),
+        ("\\tfrac{1}{2}", "\\frac{1}{2}", True),
+        ("\\left(1\\right)", "(1)", True),
+        ("45^{\\circ}", "45", True),
+        ("45^\\circ", "45", True),
+        (".7", "0.7", True),
+        ("0.5", "\\frac{1}{2}", True),
+        (".5", "\\frac{1}{2}", True),
+        ("3/4", "\\frac{3}{4}", True),
+        ("1 + 1", "1+1", True),
+        ("\\frac{1}{2}", "0.5", True),
+        ("\\text{42}", "42", True),
+        ("x+1", "1+x", True),
+        ("x = 42", "42", True),
+        ("42 square", "42", True),
+        ("100 dollars", "100", True),
+        ("\\text{hello}", "hello", True),
+        ("\\boxed{42}", "42", True),
+        ("1,234,567", "1234567", True),
+        ("42<|endoftext|>", "42", True),
+        ("42<|im_end|>", "42", True),
+        ("42", "43", False),
+        (None, "42", False),
+        ("\\frac{2}{4}", "\\frac{1}{2}", True),  # DIFFERS: slime wants the reduced fraction; vime grades the value
+        ("an answer", "answer", False),  # DIFFERS: slime drops English articles and spaces; vime reads no prose
+        ("a b c", "bc", False),  # DIFFERS: as above
+    ],
+)
+def test_slime_grading_cases(pred, label, same):
+    assert grade(pred, label) is same
+
+
+@pytest.mark.parametrize(
+    "rm_type, response, label, expected",
+    [
+        ("math", "answer: \\boxed{42}", "\\boxed{42}", 1.0),
+        ("math", "answer: \\fbox{42}", "\\fbox{42}", 1.0),
+        ("math", "\\boxed{42}", "", 0.0),
+        ("boxed_math", "long preamble … \\boxed{42}", "42", 1.0),
+        ("boxed_math", "\\boxed{42}", "42", 1.0),
+        ("dapo", "\\boxed{42}", "42", 1.0),
+        ("dapo", "\\boxed{43}", "42", -1.0),
+        ("dapo", "Long solution. Answer: 42", "42", 1.0),
+        ("dapo", "Answer: 42", "42", 1.0),
+        ("dapo", "Answer: 42", "42.0", 1.0),
+        ("dapo", "Answer: 42", "4.2e1", 1.0),
+        ("dapo", "Answer: 9007199254740993", "9007199254740993", 1.0),
+        ("dapo", "Answer: 9007199254740992", "9007199254740993", -1.0),  # not slime's: the neighbour shows no float rounding
+        ("dapo", "Answer: 41 was a wrong guess.\nAnswer: 42", "42", 1.0),
+        ("math", "just 42", "42", 1.0),  # DIFFERS: slime needs a box; vime's `boxed_math` is that rule, below
+        ("boxed_math", "just 42", "42", 0.0),  # not slime's: the rule slime applies, as vime spells it
+        ("dapo", "just a number 42", "42", 1.0),  # DIFFERS: slime's dapo needs `Answer:`; vime falls back to the trailing number
+        ("boxed_math", "plain 42", "42", 0.0),  # DIFFERS: slime's strict box scores -1; vime's boxed_math scores wrong as 0
+        ("dapo", "\\boxed{42}" + " filler" * 60, "42", 1.0),  # DIFFERS: slime reads only the last 300 characters
+        # DIFFERS: slime's dapo raises on a label that is not an integer; vime grades any label
+        ("dapo", "Answer: 0", "0.5", -1.0),
+        ("dapo", "Answer: 0", "1/2", -1.0),
+        ("dapo", "Answer: 0", "1+2", -1.0),
+        ("dapo", "Answer: 0", "NaN", -1.0),
+        ("dapo", "Answer: 0", "Infinity", -1.0),
+        ("dapo", "Answer: 1/2", "0.5", 1.0),  # not slime's: a fraction label is graded by value
+    ],
+)
+def test_slime_scoring_cases(rm_type, response, label, expected):
+    assert builtin_score(rm_type, response, label) == expected
+
+
 def test_math_and_dapo_scores_through_the_pool():
     def batch():
         return [
