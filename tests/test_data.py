@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -384,3 +385,49 @@ def test_gsm8k_layout_by_key_flags(tmp_path):
     msg = str(e.value)
     assert "bad.jsonl row 1" in msg and "'answer'" in msg and "####" in msg and "--label-format gsm8k" in msg and "\n" not in msg
 
+
+# ---------------------------------------------------------------- vime data --task rg:<name>
+
+
+def test_rg_task_split_is_deterministic_disjoint_and_keeps_the_entry(tmp_path):
+    a = write_dataset("rg:chain_sum", tmp_path / "a", n_train=40, n_test=10, seed=3)
+    b = write_dataset("rg:chain_sum", tmp_path / "b", n_train=40, n_test=10, seed=3)
+    assert [p.read_text() for p in a] == [p.read_text() for p in b]
+    train, test = (load_prompts(p) for p in a)
+    assert (len(train), len(test)) == (40, 10)
+    train_q, test_q = {r["input"] for r in train}, {r["input"] for r in test}
+    assert len(train_q) == 40 and len(test_q) == 10 and not train_q & test_q
+    for r in train + test:
+        spec = r["metadata"]["reasoning_gym"]
+        assert r["metadata"]["task"] == "rg:chain_sum" and spec["task"] == "chain_sum" and spec["config"] == {}
+        assert r["input"].startswith(spec["entry"]["question"]) and r["input"].endswith("Give the final answer after 'Answer:'.")
+        assert r["label"] == spec["entry"]["answer"] and int(r["label"]) == eval(spec["entry"]["metadata"]["expression"])  # noqa: S307
+
+
+def test_rg_task_config_flag(tmp_path, capsys):
+    out = tmp_path / "ba"
+    argv = ["--task", "rg:basic_arithmetic", "--out", str(out), "--n-train", "6", "--n-test", "2", "--rg-config", '{"min_terms": 2, "max_terms": 2}']
+    assert datagen_main(argv) == 0
+    assert "6 rows" in capsys.readouterr().out
+    rows = load_prompts(out / "train.jsonl")
+    assert all(r["metadata"]["reasoning_gym"]["config"] == {"min_terms": 2, "max_terms": 2} for r in rows)
+    assert all(r["metadata"]["reasoning_gym"]["entry"]["metadata"]["num_terms"] == 2 for r in rows)
+
+
+def test_rg_bad_task_or_config_is_one_line(tmp_path, capsys):
+    from vime.cli import main as cli_main
+
+    out = str(tmp_path / "x")
+    cases = [
+        (["--task", "rg:chain_su"], r"unknown reasoning-gym task 'chain_su' \(did you mean rg:chain_sum.*`vime data --list`"),
+        (["--task", "chain_su"], r"unknown task 'chain_su'.*rg:<name>.*`vime data --list`"),
+        (["--task", "rg:chain_sum", "--rg-config", '{"nope": 1}'], r"rg:chain_sum: cannot build the task from --rg-config.*nope"),
+        (["--task", "rg:arc_agi", "--n-train", "2", "--n-test", "0"], r"rg:arc_agi: its scorer grades the entry differently once it went through JSON"),
+    ]
+    for argv, match in cases:
+        assert cli_main(["data", *argv, "--out", out]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and re.search(match, err), err
+    assert cli_main(["data", "--list"]) == 0
+    names = capsys.readouterr().out.split()
+    assert {"addition", "rg:chain_sum", "rg:basic_arithmetic", "rg:gsm_symbolic"} <= set(names)

@@ -64,7 +64,7 @@ class Config:
     max_staleness: int | None = _f(None, "train on tokens at most K optimizer steps older than the weights that train them; the fully-async worker then never waits for training (decoupled); 0 trains exactly what sync trains", group="async")
     partial_rollout: bool = _f(False, "decoupled mode: abort in-flight requests at each push and resume them from their tokens (instead of pausing in place)", group="async")
     # --- rewards ---
-    rm_type: str = _f("math", "built-in reward: math (1/0), dapo (1/-1), boxed_math, math_shaped (1, or up to 0.5 for a wrong number by its closeness)", group="rewards")
+    rm_type: str = _f("math", "built-in reward: math (1/0), dapo (1/-1), boxed_math, math_shaped (1, or up to 0.5 for a wrong number by its closeness), reasoning_gym (the task's own scorer, for rows of `vime data --task rg:<name>`)", group="rewards")
     custom_rm_path: str | None = _f(None, "dotted path of a reward fn(args, sample) -> float, sync or async", group="rewards")
     reward_timeout: float = _f(10.0, "seconds before a reward call scores 0", group="rewards")
     # --- algorithm ---
