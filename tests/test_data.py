@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -30,7 +31,7 @@ def numbered(path: Path, n: int = 10) -> Path:
 
 def make_args(prompt_data, **kw) -> SimpleNamespace:
     base = dict(
-        prompt_data=str(prompt_data), input_key="input", label_key="label", metadata_key="metadata", apply_chat_template=False,
+        prompt_data=str(prompt_data), input_key="input", label_key="label", metadata_key="metadata", label_format="text", apply_chat_template=False,
         apply_chat_template_kwargs={}, rollout_shuffle=False, rollout_seed=42, n_samples_per_prompt=2,
     )
     return SimpleNamespace(**{**base, **kw})
@@ -333,3 +334,100 @@ def test_datagen_cli_and_too_small_task(tmp_path, capsys):
     assert "train.jsonl" in out and "20 rows" in out and "test.jsonl" in out and "5 rows" in out
     with pytest.raises(DataError, match="distinct questions"):
         write_dataset("addition", tmp_path / "x", n_train=100, n_test=10, seed=0, digits=1)  # only 100 exist
+
+
+# ---------------------------------------------------------------- common math sets, by key flags
+
+DAPO_ROWS = [  # slime's dapo-math-17k: a chat-message prompt and a plain label
+    {"prompt": [{"role": "user", "content": "Solve 2x = 68. Answer: $Answer"}], "label": "34"},
+    {"prompt": [{"role": "user", "content": "What is 3^4?"}], "label": "81"},
+]
+DAPO_ORIGINAL_ROWS = [  # BytedTsinghua-SIA/DAPO-Math-17k: the answer nested in reward_model
+    {"data_source": "math_dapo", "prompt": [{"role": "user", "content": "What is 3^4?"}], "reward_model": {"ground_truth": "81", "style": "rule"}},
+]
+GSM8K_ROWS = [
+    {"question": "Ann has 3 pens and buys 4 more. How many pens?", "answer": "She has 3 + 4 = <<3+4=7>>7 pens.\n#### 7"},
+    {"question": "A farm sells 1,200 eggs a day. How many in 2 days?", "answer": "1,200 * 2 = <<1200*2=2400>>2,400\n#### 2,400"},
+]
+
+
+def write_both(tmp_path: Path, name: str, rows: list[dict]) -> list[Path]:
+    """The same rows as JSONL and as Parquet."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / f"{name}.parquet")
+    return [write_jsonl(tmp_path / f"{name}.jsonl", rows), tmp_path / f"{name}.parquet"]
+
+
+def test_dapo_math_layout_by_key_flags(tmp_path, tokenizer):
+    for path in write_both(tmp_path, "dapo", DAPO_ROWS):
+        rows = load_prompts(path, input_key="prompt", label_key="label")
+        assert rows == [{"input": r["prompt"], "label": r["label"], "metadata": {}} for r in DAPO_ROWS]
+        ds = DataSource(make_args(path, input_key="prompt", apply_chat_template=True), tokenizer)
+        assert ds.get_samples(1)[0][0].prompt == "<|im_start|>user\nSolve 2x = 68. Answer: $Answer<|im_end|>\n<|im_start|>assistant\n"
+    for path in write_both(tmp_path, "dapo_original", DAPO_ORIGINAL_ROWS):
+        assert load_prompts(path, input_key="prompt", label_key="reward_model.ground_truth")[0]["label"] == "81"
+        with pytest.raises(DataError, match=r"row 0.* has no key 'reward_model\.answer'.*--label-key"):
+            load_prompts(path, input_key="prompt", label_key="reward_model.answer")
+
+
+def test_gsm8k_layout_by_key_flags(tmp_path):
+    for path in write_both(tmp_path, "gsm8k", GSM8K_ROWS):
+        rows = load_prompts(path, input_key="question", label_key="answer", label_format="gsm8k")
+        assert [(r["input"], r["label"]) for r in rows] == [(GSM8K_ROWS[0]["question"], "7"), (GSM8K_ROWS[1]["question"], "2400")]
+        assert load_prompts(path, input_key="question", label_key="answer")[0]["label"] == GSM8K_ROWS[0]["answer"]  # text: as it is
+        with pytest.raises(DataError, match="has no key 'input'.*question, answer.*--input-key"):
+            load_prompts(path, label_key="answer")
+    bad = write_jsonl(tmp_path / "bad.jsonl", [GSM8K_ROWS[0], {"question": "q", "answer": "no marker here"}])
+    with pytest.raises(DataError) as e:
+        load_prompts(bad, input_key="question", label_key="answer", label_format="gsm8k")
+    msg = str(e.value)
+    assert "bad.jsonl row 1" in msg and "'answer'" in msg and "####" in msg and "--label-format gsm8k" in msg and "\n" not in msg
+
+
+# ---------------------------------------------------------------- vime data --task rg:<name>
+
+
+def test_rg_task_split_is_deterministic_disjoint_and_keeps_the_entry(tmp_path):
+    a = write_dataset("rg:chain_sum", tmp_path / "a", n_train=40, n_test=10, seed=3)
+    b = write_dataset("rg:chain_sum", tmp_path / "b", n_train=40, n_test=10, seed=3)
+    assert [p.read_text() for p in a] == [p.read_text() for p in b]
+    train, test = (load_prompts(p) for p in a)
+    assert (len(train), len(test)) == (40, 10)
+    train_q, test_q = {r["input"] for r in train}, {r["input"] for r in test}
+    assert len(train_q) == 40 and len(test_q) == 10 and not train_q & test_q
+    for r in train + test:
+        spec = r["metadata"]["reasoning_gym"]
+        assert r["metadata"]["task"] == "rg:chain_sum" and spec["task"] == "chain_sum" and spec["config"] == {}
+        assert r["input"].startswith(spec["entry"]["question"]) and r["input"].endswith("Give the final answer after 'Answer:'.")
+        assert r["label"] == spec["entry"]["answer"] and int(r["label"]) == eval(spec["entry"]["metadata"]["expression"])  # noqa: S307
+
+
+def test_rg_task_config_flag(tmp_path, capsys):
+    out = tmp_path / "ba"
+    argv = ["--task", "rg:basic_arithmetic", "--out", str(out), "--n-train", "6", "--n-test", "2", "--rg-config", '{"min_terms": 2, "max_terms": 2}']
+    assert datagen_main(argv) == 0
+    assert "6 rows" in capsys.readouterr().out
+    rows = load_prompts(out / "train.jsonl")
+    assert all(r["metadata"]["reasoning_gym"]["config"] == {"min_terms": 2, "max_terms": 2} for r in rows)
+    assert all(r["metadata"]["reasoning_gym"]["entry"]["metadata"]["num_terms"] == 2 for r in rows)
+
+
+def test_rg_bad_task_or_config_is_one_line(tmp_path, capsys):
+    from vime.cli import main as cli_main
+
+    out = str(tmp_path / "x")
+    cases = [
+        (["--task", "rg:chain_su"], r"unknown reasoning-gym task 'chain_su' \(did you mean rg:chain_sum.*`vime data --list`"),
+        (["--task", "chain_su"], r"unknown task 'chain_su'.*rg:<name>.*`vime data --list`"),
+        (["--task", "rg:chain_sum", "--rg-config", '{"nope": 1}'], r"rg:chain_sum: cannot build the task from --rg-config.*nope"),
+        (["--task", "rg:arc_agi", "--n-train", "2", "--n-test", "0"], r"rg:arc_agi: its scorer grades the entry differently once it went through JSON"),
+    ]
+    for argv, match in cases:
+        assert cli_main(["data", *argv, "--out", out]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and re.search(match, err), err
+    assert cli_main(["data", "--list"]) == 0
+    names = capsys.readouterr().out.split()
+    assert {"addition", "rg:chain_sum", "rg:basic_arithmetic", "rg:gsm_symbolic"} <= set(names)

@@ -394,3 +394,29 @@ def test_worker_timer_interrupts_slow_grading(monkeypatch):
     with pytest.raises(rewards.GradingTimeout):
         rewards._score_with_timeout("math", "", "1", 0.1)  # as in a pool worker: the main thread
     assert time.perf_counter() - t0 < 2
+
+
+def test_reasoning_gym_reward_uses_the_tasks_own_scorer(tmp_path):
+    from vime.datagen import write_dataset
+    from vime.rollout.data_source import load_prompts
+
+    row = load_prompts(write_dataset("rg:chain_sum", tmp_path, n_train=1, n_test=0, seed=0)[0])[0]
+    answer = row["metadata"]["reasoning_gym"]["entry"]["answer"]
+    responses = [f"Adding up: Answer: {answer}", f"so \\boxed{{{answer}}}", f"Answer: {int(answer) + 1}", "no idea", f"Answer: {answer}"]
+    samples = [Sample(index=i, response=r, label=row["label"], metadata=row["metadata"]) for i, r in enumerate(responses)]
+    samples[-1].metadata = {}  # not a reasoning-gym row: an error, counted, never a crash
+    metrics = score(make_args(rm_type="reasoning_gym"), samples)
+    assert [s.reward for s in samples] == [1.0, 1.0, 0.0, 0.0, 0.0]
+    assert metrics == {"rollout/reward_errors": 1.0, "rollout/reward_timeouts": 0.0} and samples[-1].reward_error == "error"
+
+
+def test_reasoning_gym_scores_are_the_tasks_own():
+    from vime.rollout import rg
+
+    # gcd keeps reasoning-gym's default scorer: an answer that contains the right one earns
+    # len(right) / len(answer), partial credit no label match gives
+    entry = {"question": "Find the GCD of 12, 18.", "answer": "6", "metadata": {}}
+    metadata = {"reasoning_gym": {"task": "gcd", "config": {}, "entry": entry}}
+    assert [rg.score(r, metadata) for r in ["Answer: 6", "Answer: 6 apples", "Answer: 3"]] == [1.0, 1 / 8, 0.0]
+    with pytest.raises(RewardError, match="reasoning_gym"):
+        get_reward_fn(make_args(rm_type="reasoning-gym"))  # the unknown-type message lists it

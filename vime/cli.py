@@ -16,7 +16,7 @@ commands:
   train-async  one-step-off / fully-async training (same as train_async.py)
   eval      greedy evaluation of a model or checkpoint on held-out prompts
   serve     run the built-in rollout engine as an HTTP server
-  data      write synthetic verifiable math data (train/test JSONL)
+  data      write a verifiable task's train/test JSONL (built-in, or rg:<name> from reasoning-gym)
   report    print the speed and accuracy tables of run directories, write plots
   bench ab  one config through several modes (sync, one-step-off, fully-async, decoupled), then report
 

@@ -39,7 +39,8 @@ class Config:
     hf_checkpoint: str | None = _f(None, "HF model directory, a hub id (online only), or 'smollm2' (embedded SmolLM2-135M-Instruct)", group="model and data")
     prompt_data: str | None = _f(None, "training prompts: JSONL or Parquet, optionally sliced as path@[a:b]", group="model and data")
     input_key: str = _f("input", "key of the prompt (a string or a list of chat messages)", group="model and data")
-    label_key: str = _f("label", "key of the reference answer", group="model and data")
+    label_key: str = _f("label", "key of the reference answer (a dotted key reads nested dicts: reward_model.ground_truth)", group="model and data")
+    label_format: str = _f("text", "text (the label as it is), or gsm8k (the answer after the label's last '####', as in GSM8K's answer column)", ("text", "gsm8k"), group="model and data")
     metadata_key: str = _f("metadata", "key of a per-row dict passed to rewards", group="model and data")
     apply_chat_template: bool = _f(False, "render prompts with the tokenizer's chat template", group="model and data")
     apply_chat_template_kwargs: dict = _f({}, 'JSON dict passed to the chat template, e.g. \'{"enable_thinking": false}\'', group="model and data")
@@ -63,7 +64,7 @@ class Config:
     max_staleness: int | None = _f(None, "train on tokens at most K optimizer steps older than the weights that train them; the fully-async worker then never waits for training (decoupled); 0 trains exactly what sync trains", group="async")
     partial_rollout: bool = _f(False, "decoupled mode: abort in-flight requests at each push and resume them from their tokens (instead of pausing in place)", group="async")
     # --- rewards ---
-    rm_type: str = _f("math", "built-in reward: math (1/0), dapo (1/-1), boxed_math, math_shaped (1, or up to 0.5 for a wrong number by its closeness)", group="rewards")
+    rm_type: str = _f("math", "built-in reward: math (1/0), dapo (1/-1), boxed_math, math_shaped (1, or up to 0.5 for a wrong number by its closeness), reasoning_gym (the task's own scorer, for rows of `vime data --task rg:<name>`)", group="rewards")
     custom_rm_path: str | None = _f(None, "dotted path of a reward fn(args, sample) -> float, sync or async", group="rewards")
     reward_timeout: float = _f(10.0, "seconds before a reward call scores 0", group="rewards")
     # --- algorithm ---

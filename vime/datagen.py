@@ -1,9 +1,12 @@
-"""`vime data`: synthetic verifiable math tasks, generated offline, with a held-out split.
+"""`vime data`: verifiable tasks, generated offline, with a held-out split.
 
-Tasks in the spirit of reasoning-gym's basic_arithmetic, chain_sum and gsm_symbolic, plus a
-toy `addition` small enough for a random tiny model to learn in a test. Every answer is an
-integer computed alongside the question, so rewards are exact. Generation is deterministic
-in the seed, and train and test never share a question.
+`--task rg:<name>` takes any task of reasoning-gym, a maintained library of procedural
+reasoning tasks, each with its own scorer (`--rm-type reasoning_gym` grades with it). The
+built-in tasks stay for what needs something smaller or fixed: `addition` is small enough for
+a random tiny model to learn in a test, and the demo and benchmarks were calibrated and measured
+on basic_arithmetic, chain_sum and gsm_symbolic (look-alikes of reasoning-gym's, with integer
+answers computed alongside the question). Generation is deterministic in the seed, and train
+and test never share a question.
 """
 from __future__ import annotations
 
@@ -11,8 +14,9 @@ import argparse
 import json
 import random
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
+from vime.rollout import rg
 from vime.rollout.data_source import DataError
 
 INSTRUCTION = "Give the final answer after 'Answer:'."
@@ -113,24 +117,36 @@ TASKS: dict[str, Callable[..., Question]] = {
 }
 
 
-def generate(task: str, n: int, seed: int, **task_kwargs: Any) -> list[dict[str, Any]]:
-    """n rows with distinct questions, deterministic in (task, seed, task_kwargs)."""
-    if task not in TASKS:
-        raise DataError(f"unknown task '{task}': use one of {', '.join(TASKS)}")
+def _builtin_rows(task: str, seed: int, task_kwargs: dict[str, Any]) -> Iterator[dict[str, Any]]:
     make = TASKS[task]
     rng = random.Random(f"{task}:{seed}")  # a string seed hashes the same in every process
+    while True:
+        question, answer = make(rng, **task_kwargs)
+        yield {"input": question, "label": str(answer), "metadata": {"task": task}}
+
+
+def generate(task: str, n: int, seed: int, **task_kwargs: Any) -> list[dict[str, Any]]:
+    """n rows with distinct questions, deterministic in (task, seed, task_kwargs). For an
+    `rg:<name>` task, task_kwargs are fields of the task's reasoning-gym config."""
+    if task.startswith(rg.PREFIX):
+        # twice the entries asked for: room to skip repeated questions in tasks with a fixed list
+        candidates = rg.rows(task.removeprefix(rg.PREFIX), seed, 2 * n, task_kwargs, INSTRUCTION)
+    elif task in TASKS:
+        candidates = _builtin_rows(task, seed, task_kwargs)
+    else:
+        raise DataError(f"unknown task '{task}': use one of {', '.join(TASKS)}, or rg:<name> for a reasoning-gym task (`vime data --list` prints every name)")
     seen: set[str] = set()
-    rows = []
+    rows: list[dict[str, Any]] = []
     misses = 0
     while len(rows) < n:
-        question, answer = make(rng, **task_kwargs)
-        if question in seen:
-            misses += 1
-            if misses > 100 * n + 1000:  # the task has fewer distinct questions than asked for
-                raise DataError(f"task '{task}' gave only {len(rows)} distinct questions of the {n} asked; ask for fewer or widen it (e.g. --digits)")
+        row = next(candidates, None)
+        if row is not None and row["input"] not in seen:
+            seen.add(row["input"])
+            rows.append(row)
             continue
-        seen.add(question)
-        rows.append({"input": question, "label": str(answer), "metadata": {"task": task}})
+        misses += 1
+        if row is None or misses > 100 * n + 1000:  # the task has fewer distinct questions than asked for
+            raise DataError(f"task '{task}' gave only {len(rows)} distinct questions of the {n} asked; ask for fewer or widen it (e.g. --digits, --rg-config)")
     return rows
 
 
@@ -147,20 +163,41 @@ def write_dataset(task: str, out_dir: str | Path, n_train: int, n_test: int, see
     return paths
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e.msg}): {text}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"give a JSON object, e.g. '{{\"max_terms\": 3}}', not {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="vime data", description="Write a synthetic verifiable math dataset (train.jsonl + held-out test.jsonl).")
-    p.add_argument("--task", required=True, choices=list(TASKS), help="which generator: " + ", ".join(TASKS))
-    p.add_argument("--out", required=True, help="output directory (created if missing)")
+    p = argparse.ArgumentParser(prog="vime data", description="Write a verifiable task's dataset (train.jsonl + held-out test.jsonl).")
+    p.add_argument("--task", help=f"a built-in task ({', '.join(TASKS)}) or rg:<name>, a reasoning-gym task (--list prints them)")
+    p.add_argument("--out", help="output directory (created if missing)")
+    p.add_argument("--list", action="store_true", help="print every task name and exit")
     p.add_argument("--n-train", type=int, default=2000, help="training rows (default 2000)")
     p.add_argument("--n-test", type=int, default=200, help="held-out rows, disjoint from train (default 200)")
-    p.add_argument("--seed", type=int, default=0, help="random seed; same seed, same files (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="random seed; same seed, same files (default 0). rg:<name> seeds entry i with seed + i, so nearby seeds share most questions")
     p.add_argument("--digits", type=int, default=None, help="addition only: digits per operand (default 2)")
+    p.add_argument("--rg-config", type=_json_object, default=None, help='rg:<name> only: JSON object of the task\'s reasoning-gym config fields, e.g. \'{"min_terms": 2, "max_terms": 3}\'')
     a = p.parse_args(argv)
-    kwargs = {}
+    if a.list:
+        print("\n".join([*TASKS, *(rg.PREFIX + name for name in rg.task_names())]))
+        return 0
+    if not a.task or not a.out:
+        p.error("--task and --out are required (--list prints the task names)")
+    kwargs: dict[str, Any] = {}
     if a.digits is not None:
         if a.task != "addition":
             p.error("--digits applies to --task addition only")
         kwargs["digits"] = a.digits
+    if a.rg_config is not None:
+        if not a.task.startswith(rg.PREFIX):
+            p.error("--rg-config applies to --task rg:<name> only")
+        kwargs.update(a.rg_config)
     train, test = write_dataset(a.task, a.out, a.n_train, a.n_test, a.seed, **kwargs)
     print(f"{train}  {a.n_train} rows")
     print(f"{test}  {a.n_test} rows")

@@ -114,10 +114,34 @@ def _label_text(value: Any) -> str | None:
     return json.dumps(value)
 
 
-def load_prompts(spec: str | Path, input_key: str = "input", label_key: str = "label", metadata_key: str = "metadata") -> list[dict[str, Any]]:
+def _lookup(row: dict[str, Any], key: str) -> tuple[bool, Any]:
+    """(found, value) of `row[key]`. A dotted key that is not a column reads nested dicts, e.g.
+    `reward_model.ground_truth` (the original DAPO-Math-17k layout)."""
+    if key in row:
+        return True, row[key]
+    value: Any = row
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return False, None
+        value = value[part]
+    return True, value
+
+
+def _gsm8k_label(value: Any, where: str, key: str) -> str:
+    """GSM8K's `answer` is a worked solution ending in `#### 72`; the label is what follows."""
+    _, sep, tail = str(value).rpartition("####")
+    if not sep or not tail.strip():
+        raise DataError(f"{where}: '{key}' does not end in '#### <answer>', which --label-format gsm8k reads; drop the flag if the labels are plain answers")
+    return tail.strip().replace(",", "")
+
+
+def load_prompts(
+    spec: str | Path, input_key: str = "input", label_key: str = "label", metadata_key: str = "metadata", label_format: str = "text"
+) -> list[dict[str, Any]]:
     """Rows of a JSONL/Parquet file (optionally `path@[a:b]`) as `{"input", "label", "metadata"}`.
 
     Only the rows inside the slice are checked, so a slice can step around a bad tail.
+    `label_format` "gsm8k" keeps only the answer after the label's last `####`.
     """
     path, rows_slice = _split_spec(str(spec))
     raw = _read_rows(path)
@@ -130,14 +154,18 @@ def load_prompts(spec: str | Path, input_key: str = "input", label_key: str = "l
         where = _where(path, row_index, lineno)
         if not isinstance(row, dict):
             raise DataError(f"{where}: each row must be a JSON object, got {type(row).__name__}")
+        values = []
         for key, flag in ((input_key, "--input-key"), (label_key, "--label-key")):
-            if key not in row:
+            found, value = _lookup(row, key)
+            if not found:
                 raise DataError(f"{where} has no key '{key}' (keys: {', '.join(map(str, row)) or 'none'}); set {flag}")
+            values.append(value)
+        prompt, label = values
         out.append(
             {
-                "input": _check_input(row[input_key], where, input_key),
-                "label": _label_text(row[label_key]),
-                "metadata": _check_metadata(row.get(metadata_key), where, metadata_key),
+                "input": _check_input(prompt, where, input_key),
+                "label": _gsm8k_label(label, where, label_key) if label_format == "gsm8k" else _label_text(label),
+                "metadata": _check_metadata(_lookup(row, metadata_key)[1], where, metadata_key),
             }
         )
     return out
@@ -192,7 +220,7 @@ def fit_prompts(rows: list[dict[str, Any]], renderer: PromptRenderer, source: st
 def load_eval_samples(args, tokenizer, path: str | Path, limit: int | None = None, max_prompt_len: int | None = None) -> list[Sample]:
     """The first `limit` rows of an eval set as tokenized Samples (index = group_index = row);
     prompts longer than `max_prompt_len` refused or, with --skip-overlong-prompts, left out."""
-    rows = load_prompts(path, args.input_key, args.label_key, args.metadata_key)
+    rows = load_prompts(path, args.input_key, args.label_key, args.metadata_key, args.label_format)
     renderer = PromptRenderer(args, tokenizer, str(path))
     if max_prompt_len is not None:
         rows, _ = fit_prompts(rows, renderer, str(path), max_prompt_len, bool(getattr(args, "skip_overlong_prompts", False)))
@@ -253,7 +281,7 @@ class DataSource:
 
     def __init__(self, args, tokenizer, max_prompt_len: int | None = None) -> None:
         self.args = args
-        self.rows = load_prompts(args.prompt_data, args.input_key, args.label_key, args.metadata_key)
+        self.rows = load_prompts(args.prompt_data, args.input_key, args.label_key, args.metadata_key, args.label_format)
         self.renderer = PromptRenderer(args, tokenizer, str(args.prompt_data))
         self.skipped_prompts = 0  # left out by --skip-overlong-prompts (fit_prompts)
         if max_prompt_len is not None:

@@ -50,6 +50,8 @@ BUILTIN_RM_TYPES: dict[str, tuple[float, float, bool]] = {
     "boxed_math": (1.0, 0.0, True),
     "math_shaped": (1.0, 0.0, False),  # a wrong numeric answer earns partial credit: see numeric_credit
 }
+# rm types defined in a module of their own: name -> "module:factory", factory(args) -> RewardFn
+MODULE_RM_TYPES: dict[str, str] = {"reasoning_gym": "vime.rollout.rg:make_reward"}
 POOL_WORKERS = 2
 DEFAULT_TIMEOUT_S = 10.0
 
@@ -501,8 +503,11 @@ def get_reward_fn(args) -> RewardFn:
             return float(await asyncio.wait_for(out, _timeout(args))) if inspect.isawaitable(out) else float(out)
 
         return custom_sync
+    if rm_type in MODULE_RM_TYPES:
+        module_name, _, factory = MODULE_RM_TYPES[rm_type].partition(":")
+        return getattr(importlib.import_module(module_name), factory)(args)
     if rm_type not in BUILTIN_RM_TYPES:
-        raise RewardError(f"unknown --rm-type '{rm_type}': use one of {', '.join(BUILTIN_RM_TYPES)}, or --custom-rm-path module:func")
+        raise RewardError(f"unknown --rm-type '{rm_type}': use one of {', '.join([*BUILTIN_RM_TYPES, *MODULE_RM_TYPES])}, or --custom-rm-path module:func")
 
     timeout = _timeout(args)
 

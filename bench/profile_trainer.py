@@ -1,0 +1,196 @@
+"""Where a train step's time goes: a per-category GPU profile of vime's trainer (issue 16).
+
+The batch and model are bench_trainer.py's (Qwen3-0.6B shape, 64 GRPO-shaped sequences, ~90k
+tokens). For each variant (eager, compiled) one fwd + bwd + optimizer step is traced with the
+torch profiler after a warm-up, and each GPU kernel is put in one category:
+
+* LM head + log-probs: every kernel inside the chunked head's forward or backward (split
+  into its GEMMs and the rest: float32 log-softmax, exp, gather, scatter);
+* optimizer + clip: every kernel inside the gradient-norm clip and AdamW step;
+* elsewhere by kernel name: GEMM, attention, fused Triton (what compile makes of norms, RoPE,
+  SwiGLU), copies/casts (incl. FSDP's all-gather copy-in/out), other elementwise/reductions;
+* idle: wall time of the step when no kernel runs (host gaps: Python, launches, syncs).
+
+Prints a markdown table per variant, then tokens/s and MFU from untraced timed steps.
+
+    PYTHONPATH=. python3 bench/profile_trainer.py
+    PYTHONPATH=. python3 bench/profile_trainer.py --device cpu --tiny   # smoke test of the script
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable, Iterator
+
+import torch
+import torch._dynamo.utils
+
+from bench.bench_trainer import QWEN3_06B, TINY, make_batch, make_model
+from vime.trainer import logprobs
+from vime.trainer.perf import mfu, train_flops
+
+GEMM_NAMES = ("gemm", "cutlass", "nvjet", "xmma", "cublas", "splitk", "gemv", "matmul")
+ATTN_NAMES = ("flash", "fmha", "attn")
+COPY_NAMES = ("copy", "cast", "chunk_cat", "split_with_sizes", "cat_", "catarray", "memcpy")
+
+
+@contextlib.contextmanager
+def annotated_head() -> Iterator[None]:
+    """Mark the chunked LM head's forward and backward as ranges the trace shows on the GPU
+    (patched on the autograd Function's class, which autograd reads at call time)."""
+    cls = logprobs._ChunkedLogProbs
+    fwd, bwd = cls.forward, cls.backward
+
+    def forward(ctx: Any, *a: Any) -> Any:
+        with torch.profiler.record_function("vime/lm_head"):
+            return fwd(ctx, *a)
+
+    def backward(ctx: Any, *a: Any) -> Any:
+        with torch.profiler.record_function("vime/lm_head"):
+            return bwd(ctx, *a)
+
+    cls.forward, cls.backward = staticmethod(forward), staticmethod(backward)
+    try:
+        yield
+    finally:
+        cls.forward, cls.backward = staticmethod(fwd), staticmethod(bwd)
+
+
+def categorize(trace: dict, wall_us: float) -> dict[str, float]:
+    """Microseconds per category from a Chrome trace of one step."""
+    events = trace["traceEvents"]
+    ranges: dict[str, list[tuple[float, float]]] = {}
+    for e in events:
+        if e.get("cat") == "gpu_user_annotation" and e.get("name", "").startswith("vime/"):
+            ranges.setdefault(e["name"], []).append((e["ts"], e["ts"] + e["dur"]))
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+
+    def inside(name: str, t: float) -> bool:
+        return any(a <= t <= b for a, b in ranges.get(name, ()))
+
+    out: dict[str, float] = {}
+    for k in kernels:
+        name, mid = k["name"].lower(), k["ts"] + k["dur"] / 2
+        gemm = any(s in name for s in GEMM_NAMES)
+        if inside("vime/lm_head", mid):
+            cat = "LM head + log-probs: GEMM" if gemm else "LM head + log-probs: other"
+        elif inside("vime/optimizer", mid):
+            cat = "optimizer + clip"
+        elif gemm:
+            cat = "GEMM (decoder)"
+        elif any(s in name for s in ATTN_NAMES):
+            cat = "attention"
+        elif k.get("cat") != "kernel" or any(s in name for s in COPY_NAMES):
+            cat = "copies / casts / memset"
+        elif name.startswith("triton"):
+            cat = "fused Triton (norm, RoPE, SwiGLU, ...)"
+        else:
+            cat = "other elementwise / reductions"
+        out[cat] = out.get(cat, 0.0) + k["dur"]
+    spans = sorted((k["ts"], k["ts"] + k["dur"]) for k in kernels)
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:  # union of kernel intervals
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    out["idle (no kernel running)"] = max(0.0, wall_us - busy)
+    return out
+
+
+def step_fn(local: Any, samples: list, adv: list[float], old: list[torch.Tensor]) -> Callable[[], None]:
+    def step() -> None:
+        local.scorer.train()
+        local.optimizer.zero_grad(set_to_none=True)
+        local.accumulate_gradients(samples, adv, old)
+        with torch.profiler.record_function("vime/optimizer"):
+            local._clip_and_step()
+
+    return step
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--tiny", action="store_true", help="a 2-layer model and short sequences (smoke test)")
+    ap.add_argument("--variants", default="eager,compile", help="comma-separated: eager, compile")
+    ap.add_argument("--max-tokens-per-gpu", type=int, default=None, help="micro-batch token budget (default 16384; 512 with --tiny)")
+    ap.add_argument("--steps", type=int, default=3, help="untraced timed steps per variant")
+    ap.add_argument("--trace-dir", default=None, help="also keep each variant's Chrome trace here")
+    a = ap.parse_args()
+    device = torch.device(a.device)
+    shape = TINY if a.tiny else QWEN3_06B
+    n, budget = (8, a.max_tokens_per_gpu or 512) if a.tiny else (64, a.max_tokens_per_gpu or 16384)
+    prompt, response = ((10, 50), (10, 200)) if a.tiny else ((100, 500), (100, 2000))
+    samples, adv = make_batch(n, shape["vocab_size"], prompt, response, 0)
+    lengths = [len(s.tokens) for s in samples]
+    tokens = sum(lengths)
+    print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}; {n} sequences, {tokens} tokens, budget {budget}", flush=True)
+
+    from transformers import AutoConfig
+
+    from vime.trainer.distributed import launch_actor
+
+    tmp = Path(tempfile.mkdtemp(prefix="vime-profile-"))
+    model_dir = make_model(tmp / "model", shape)
+    flops = train_flops(AutoConfig.from_pretrained(model_dir), lengths, [s.response_length for s in samples], forwards=0)
+    old = [torch.full((s.response_length,), -1.0) for s in samples]
+    summary: list[tuple[str, float, float]] = []
+    for variant in a.variants.split(","):
+        args = SimpleNamespace(lr=1e-6, clip_grad=1.0, max_tokens_per_gpu=budget, global_batch_size=n, rollout_temperature=1.0, seed=0,
+                               actor_num_nodes=1, actor_num_gpus_per_node=1, gradient_checkpointing=False, compile=variant == "compile")
+        actor = launch_actor(args, model_dir, a.device)
+        local = getattr(actor, "local", actor)
+        step = step_fn(local, samples, adv, old)
+        t0 = time.perf_counter()
+        step()  # warm-up (and compile)
+        step()
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        sync()
+        print(f"{variant}: warm-up {time.perf_counter() - t0:.1f} s", flush=True)
+        times = []
+        for _ in range(a.steps):
+            t0 = time.perf_counter()
+            step()
+            sync()
+            times.append(time.perf_counter() - t0)
+        seconds = statistics.median(times)
+        if variant == "compile":  # a step of other lengths must reuse the compiled graphs
+            before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            for seed in (1, 2, 3):
+                other, other_adv = make_batch(n, shape["vocab_size"], prompt, response, seed)
+                step_fn(local, other, other_adv, [torch.full((s.response_length,), -1.0) for s in other])()
+            print(f"compile: graphs compiled by 3 steps of other lengths after warm-up: {torch._dynamo.utils.counters['stats']['unique_graphs'] - before}", flush=True)
+        summary.append((variant, tokens / seconds, mfu(flops, seconds, 1) if device.type == "cuda" else float("nan")))
+        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with annotated_head(), torch.profiler.profile(activities=activities) as prof:
+            t0 = time.perf_counter()
+            step()
+            sync()
+            wall_us = (time.perf_counter() - t0) * 1e6
+        path = Path(a.trace_dir or tmp) / f"trace-{variant}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(path))
+        cats = categorize(json.loads(path.read_text()), wall_us)
+        print(f"\n{variant}: traced step {wall_us / 1e3:.0f} ms (untraced median {seconds * 1e3:.0f} ms)\n\n| category | ms | share of traced wall |\n|---|---:|---:|")
+        for cat, us in sorted(cats.items(), key=lambda kv: -kv[1]):
+            print(f"| {cat} | {us / 1e3:.1f} | {us / wall_us:.1%} |")
+        top = sorted(((e.key, e.self_device_time_total) for e in prof.key_averages() if e.self_device_time_total > 0), key=lambda kv: -kv[1])[:12]
+        if top:
+            print("\ntop kernels/ops by self GPU time (ms): " + "; ".join(f"{k[:60]} {t / 1e3:.1f}" for k, t in top), flush=True)
+        actor.close()
+        del actor, local
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    print("\n| variant | tokens/s | MFU |\n|---|---:|---:|")
+    for name, tps, m in summary:
+        print(f"| {name} | {tps:,.0f} | {m:.1%} |")
+
+
+if __name__ == "__main__":
+    main()
