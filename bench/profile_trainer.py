@@ -77,15 +77,16 @@ def categorize(trace: dict, wall_us: float) -> dict[str, float]:
     out: dict[str, float] = {}
     for k in kernels:
         name, mid = k["name"].lower(), k["ts"] + k["dur"] / 2
-        gemm = any(s in name for s in GEMM_NAMES)
+        attention = any(s in name for s in ATTN_NAMES)  # before GEMM: flash kernels' names hold "cutlass"
+        gemm = not attention and any(s in name for s in GEMM_NAMES)
         if inside("vime/lm_head", mid):
             cat = "LM head + log-probs: GEMM" if gemm else "LM head + log-probs: other"
         elif inside("vime/optimizer", mid):
             cat = "optimizer + clip"
+        elif attention:
+            cat = "attention"
         elif gemm:
             cat = "GEMM (decoder)"
-        elif any(s in name for s in ATTN_NAMES):
-            cat = "attention"
         elif k.get("cat") != "kernel" or any(s in name for s in COPY_NAMES):
             cat = "copies / casts / memset"
         elif name.startswith("triton"):
@@ -118,7 +119,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model and short sequences (smoke test)")
-    ap.add_argument("--variants", default="eager,compile", help="comma-separated: eager, compile")
+    ap.add_argument("--variants", default="eager,compile", help="comma-separated: eager, compile, each optionally @<log-prob chunk size>, e.g. compile@4096")
     ap.add_argument("--max-tokens-per-gpu", type=int, default=None, help="micro-batch token budget (default 16384; 512 with --tiny)")
     ap.add_argument("--steps", type=int, default=3, help="untraced timed steps per variant")
     ap.add_argument("--trace-dir", default=None, help="also keep each variant's Chrome trace here")
@@ -142,8 +143,9 @@ def main() -> None:
     old = [torch.full((s.response_length,), -1.0) for s in samples]
     summary: list[tuple[str, float, float]] = []
     for variant in a.variants.split(","):
-        args = SimpleNamespace(lr=1e-6, clip_grad=1.0, max_tokens_per_gpu=budget, global_batch_size=n, rollout_temperature=1.0, seed=0,
-                               actor_num_nodes=1, actor_num_gpus_per_node=1, gradient_checkpointing=False, compile=variant == "compile")
+        kind, _, chunk = variant.partition("@")
+        args = SimpleNamespace(logprob_chunk_size=int(chunk or 1024), lr=1e-6, clip_grad=1.0, max_tokens_per_gpu=budget, global_batch_size=n, rollout_temperature=1.0, seed=0,
+                               actor_num_nodes=1, actor_num_gpus_per_node=1, gradient_checkpointing=False, compile=kind == "compile")
         actor = launch_actor(args, model_dir, a.device)
         local = getattr(actor, "local", actor)
         step = step_fn(local, samples, adv, old)
@@ -160,7 +162,7 @@ def main() -> None:
             sync()
             times.append(time.perf_counter() - t0)
         seconds = statistics.median(times)
-        if variant == "compile":  # a step of other lengths must reuse the compiled graphs
+        if kind == "compile":  # a step of other lengths must reuse the compiled graphs
             before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
             for seed in (1, 2, 3):
                 other, other_adv = make_batch(n, shape["vocab_size"], prompt, response, seed)

@@ -294,3 +294,24 @@ def test_chunked_log_probs_equal_full_logits_and_gradients(with_entropy):
         assert ent is None
     gh, gw = torch.autograd.grad(loss, [hidden, weight])
     assert close(gh, ref_gh) and close(gw, ref_gw)
+
+
+@pytest.mark.slow
+def test_compiled_head_kernels_equal_eager():
+    """The head's per-chunk math as CUDA runs it (torch.compile, dynamic rows) equals the eager
+    math the test above checks, on chunks of two lengths and one compile each."""
+    import torch._dynamo.utils
+
+    from vime.trainer.logprobs import _grad_logits, _stats
+
+    stats, grad = torch.compile(_stats, dynamic=True), torch.compile(_grad_logits, dynamic=True)
+    g = torch.Generator().manual_seed(1)
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for rows in (7, 5):
+        logits, targets = torch.randn(rows, 50, generator=g) * 3, torch.randint(0, 50, (rows,), generator=g)
+        g_lp, g_ent = torch.randn(rows, generator=g), torch.randn(rows, generator=g)
+        eager = _stats(logits, targets, 1 / 0.7, True)
+        compiled = stats(logits, targets, 1 / 0.7, True)
+        assert all(close(a, b) for a, b in zip(eager, compiled))
+        assert close(grad(logits, targets, *eager[1:], g_lp, g_ent, 1 / 0.7), _grad_logits(logits, targets, *eager[1:], g_lp, g_ent, 1 / 0.7))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 2  # one graph each, reused for the second length

@@ -32,7 +32,7 @@ from vime.models import load_tokenizer
 from vime.rollout.types import Sample
 from vime.trainer.logprobs import DEFAULT_CHUNK, chunked_log_probs
 from vime.trainer.loss import OffPolicyCorrection, aggregate, kl_penalty, policy_loss
-from vime.trainer.packing import PackedBatch, pack, plan_packed_micro_batches, register_packed_attention, shard_by_tokens
+from vime.trainer.packing import PackedBatch, pack, plan_packed_micro_batches, register_packed_attention, shard_by_tokens, to_device
 from vime.trainer.perf import mfu, train_flops
 
 TRAINER_STATE = "trainer_state.pt"
@@ -138,8 +138,10 @@ class Actor:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.device.type == "cuda" else MixedPrecisionPolicy()
         layers = list(scorer.hf.get_decoder().layers)
         for i, layer in enumerate(layers):
-            # the last layer's parameters are needed again at once by the backward: keep them
-            fully_shard(layer, mp_policy=mp, reshard_after_forward=i < len(layers) - 1)
+            # the last layer's parameters are needed again at once by the backward: keep them; on
+            # one rank resharding frees nothing (the shard is the whole tensor) and the backward's
+            # re-gather would only cast every weight to bf16 again
+            fully_shard(layer, mp_policy=mp, reshard_after_forward=self.world > 1 and i < len(layers) - 1)
         fully_shard(scorer, mp_policy=mp, reshard_after_forward=False)
         return scorer
 
@@ -286,14 +288,14 @@ class Actor:
             raise ValueError("--use-tis, --use-rs and --use-rollout-logprobs need the engine's log-probs on every sample (rollout_log_probs)")
         kl_coef = _arg(a, "kl_loss_coef", 0.0)
         ent_coef = _arg(a, "entropy_coef", 0.0)
-        totals: dict[str, float] = {}
+        totals: dict[str, Tensor] = {}
         for mb in self._micro_batches(samples):
             log_probs, entropy = self._forward(self.scorer, mb, with_entropy=True)
 
             def flat(per_sample: list) -> Tensor:
                 if not mb.indices:  # an empty micro-batch: its one dummy token weighs nothing
                     return torch.zeros(len(mb.targets), device=self.device)
-                return torch.cat([torch.as_tensor(per_sample[i], dtype=torch.float32) for i in mb.indices]).to(self.device)
+                return to_device(torch.cat([torch.as_tensor(per_sample[i], dtype=torch.float32) for i in mb.indices]), self.device)
 
             mask = flat(masks)
             rollout_lp = flat(rollout_lps)
@@ -302,7 +304,7 @@ class Actor:
             else:
                 old = log_probs.detach() if old_log_probs is None else flat(old_log_probs)
             adv = flat(adv_tokens)
-            seq_ids = torch.repeat_interleave(torch.arange(len(mb.response_lengths), device=self.device), torch.tensor(mb.response_lengths, device=self.device))
+            seq_ids = to_device(torch.repeat_interleave(torch.arange(len(mb.response_lengths)), torch.tensor(mb.response_lengths)), self.device)
             pg, m = policy_loss(
                 log_probs,
                 old,
@@ -332,9 +334,11 @@ class Actor:
             m["_lp_diff_sum"] = ((trainer_lp - rollout_lp).abs() * has_rollout).sum()
             m["_lp_diff_count"] = has_rollout.sum()
             (loss * self.world).backward()
-            for k, v in m.items():
-                totals[f"train/{k}"] = totals.get(f"train/{k}", 0.0) + float(v)
-        return self._sum_over_ranks(totals)
+            for k, v in m.items():  # kept on the device: a float() per metric would stall the GPU each micro-batch
+                totals[f"train/{k}"] = totals.get(f"train/{k}", 0.0) + torch.as_tensor(v).detach().to(self.device, torch.float64)
+        keys = sorted(totals)
+        values = torch.stack([totals[k] for k in keys]).tolist() if keys else []  # the step's one wait for the GPU
+        return self._sum_over_ranks(dict(zip(keys, values)))
 
     def _sum_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
         if self.world == 1:

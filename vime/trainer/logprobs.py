@@ -7,7 +7,8 @@ again (recomputed) in the backward, so peak memory is chunk × V whatever the ba
 hidden states and the head's weight are kept for the backward.
 
 Gradients, per position with z = h Wᵀ / τ, p = softmax(z), y the chosen token and
-H = −Σ p log p:
+H = −Σ p log p (the forward keeps log Σ exp z per position, so the backward recomputes z but
+not its normalizer):
   d log p_y / dz = onehot(y) − p
   d H / dz       = −p ⊙ (log p + H)
 then dh = (dz / τ) W and dW = Σ (dz / τ)ᵀ h.
@@ -19,33 +20,63 @@ from typing import Any
 import torch
 from torch import Tensor
 
-DEFAULT_CHUNK = 1024
+DEFAULT_CHUNK = 4096
 
 
-def _chunk_stats(h: Tensor, weight: Tensor, targets: Tensor, temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor, Tensor | None]:
-    """log-softmax of one chunk in float32: (log_probs [n, V], chosen [n], entropy [n] | None)."""
-    logits = (h @ weight.t()).float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    log_p = torch.log_softmax(logits, dim=-1)
-    del logits
-    chosen = log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = -(log_p.exp() * log_p).sum(-1) if with_entropy else None
-    return log_p, chosen, entropy
+def _stats(logits: Tensor, targets: Tensor, inv_tau: float, with_entropy: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(chosen log-prob, log-sum-exp, entropy) of each row of a chunk's logits, in float32.
+
+    Written as reductions over z = logits / τ so that, compiled on CUDA, they read the
+    low-precision logits once or twice and never write a float32 [n, V] copy (eagerly, as on
+    CPU, the same arithmetic runs op by op)."""
+    z = logits.float() * inv_tau
+    lse = torch.logsumexp(z, dim=-1)
+    chosen = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    if with_entropy:
+        entropy = lse - (torch.exp(z - lse.unsqueeze(-1)) * z).sum(-1)  # −Σ p log p
+    else:
+        entropy = torch.zeros_like(lse)
+    return chosen, lse, entropy
+
+
+def _grad_logits(logits: Tensor, targets: Tensor, lse: Tensor, entropy: Tensor, g_chosen: Tensor, g_entropy: Tensor, inv_tau: float) -> Tensor:
+    """d loss / d logits of a chunk, in the logits' dtype: one pointwise pass when compiled."""
+    log_p = logits.float() * inv_tau - lse.unsqueeze(-1)
+    p = torch.exp(log_p)
+    onehot = torch.arange(logits.shape[-1], device=logits.device) == targets.unsqueeze(-1)
+    dz = (onehot.to(p.dtype) - p) * g_chosen.unsqueeze(-1) - g_entropy.unsqueeze(-1) * p * (log_p + entropy.unsqueeze(-1))
+    return (dz * inv_tau).to(logits.dtype)
+
+
+_kernels: dict[str, tuple] = {}
+
+
+def _fused(device: torch.device) -> tuple:
+    """(_stats, _grad_logits), compiled on CUDA (dynamic rows: the last chunk is shorter), where
+    the eager versions spend most of the head's time in float32 passes over [n, V]; eager on CPU."""
+    if device.type != "cuda":
+        return _stats, _grad_logits
+    if "cuda" not in _kernels:
+        _kernels["cuda"] = (torch.compile(_stats, dynamic=True), torch.compile(_grad_logits, dynamic=True))
+    return _kernels["cuda"]
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, with_entropy: bool, chunk: int) -> tuple[Tensor, Tensor]:
-        chosen = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-        entropy = torch.zeros_like(chosen)
-        for a in range(0, hidden.shape[0], chunk):
-            _, c, e = _chunk_stats(hidden[a : a + chunk], weight, targets[a : a + chunk], temperature, with_entropy)
-            chosen[a : a + chunk] = c
-            if e is not None:
+        stats, _ = _fused(hidden.device)
+        inv_tau = 1.0 / temperature
+        n = hidden.shape[0]
+        chosen = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        lse, entropy = torch.empty_like(chosen), torch.zeros_like(chosen)
+        for a in range(0, n, chunk):
+            c, l, e = stats(hidden[a : a + chunk] @ weight.t(), targets[a : a + chunk], inv_tau, with_entropy)
+            chosen[a : a + chunk], lse[a : a + chunk] = c, l
+            if with_entropy:
                 entropy[a : a + chunk] = e
-        ctx.save_for_backward(hidden, weight, targets)
-        ctx.temperature, ctx.chunk = temperature, chunk
+        # the backward recomputes each chunk's logits but not their normalizer
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
+        ctx.inv_tau, ctx.chunk = inv_tau, chunk
         ctx.set_materialize_grads(False)
         if not with_entropy:
             ctx.mark_non_differentiable(entropy)
@@ -53,28 +84,21 @@ class _ChunkedLogProbs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_chosen: Tensor | None, grad_entropy: Tensor | None) -> tuple[Tensor | None, ...]:
-        hidden, weight, targets = ctx.saved_tensors
-        temperature, chunk = ctx.temperature, ctx.chunk
+        hidden, weight, targets, lse, entropy = ctx.saved_tensors
+        _, grad_logits = _fused(hidden.device)
+        inv_tau, chunk = ctx.inv_tau, ctx.chunk
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        zeros = torch.zeros_like(lse)
+        g_chosen = zeros if grad_chosen is None else grad_chosen
+        g_entropy = zeros if grad_entropy is None else grad_entropy
         for a in range(0, hidden.shape[0], chunk):
-            h = hidden[a : a + chunk]
-            log_p, _, ent = _chunk_stats(h, weight, targets[a : a + chunk], temperature, grad_entropy is not None)
-            p = log_p.exp()
-            dz = torch.zeros_like(log_p)
-            if grad_chosen is not None:
-                g = grad_chosen[a : a + chunk].unsqueeze(-1)
-                dz -= p * g
-                dz.scatter_add_(-1, targets[a : a + chunk].unsqueeze(-1), g)
-            if grad_entropy is not None:
-                dz -= grad_entropy[a : a + chunk].unsqueeze(-1) * p * (log_p + ent.unsqueeze(-1))
-            del p, log_p
-            if temperature != 1.0:
-                dz /= temperature
-            dz = dz.to(weight.dtype)
+            sl = slice(a, a + chunk)
+            h = hidden[sl]
+            dz = grad_logits(h @ weight.t(), targets[sl], lse[sl], entropy[sl], g_chosen[sl], g_entropy[sl], inv_tau)
             if grad_h is not None:
-                grad_h[a : a + chunk] = dz @ weight
+                grad_h[sl] = dz @ weight
             if grad_w is not None:
                 if weight.dtype == torch.float32:
                     grad_w.addmm_(dz.t(), h)

@@ -103,14 +103,23 @@ def pack(token_lists: Sequence[Sequence[int]], response_lengths: Sequence[int], 
     lengths = [b - a for a, b in zip(cu, cu[1:])]
     return PackedBatch(
         indices=indices,
-        input_ids=torch.tensor([ids], dtype=torch.long, device=device),
-        position_ids=torch.tensor([pos], dtype=torch.long, device=device),
-        cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=device),
+        input_ids=to_device(torch.tensor([ids], dtype=torch.long), device),
+        position_ids=to_device(torch.tensor([pos], dtype=torch.long), device),
+        cu_seqlens=to_device(torch.tensor(cu, dtype=torch.int32), device),
         max_seqlen=max(lengths),
-        select=torch.tensor(select, dtype=torch.long, device=device),
-        targets=torch.tensor(targets, dtype=torch.long, device=device),
+        select=to_device(torch.tensor(select, dtype=torch.long), device),
+        targets=to_device(torch.tensor(targets, dtype=torch.long), device),
         response_lengths=list(response_lengths),
     )
+
+
+def to_device(t: Tensor, device: torch.device) -> Tensor:
+    """A host tensor on `device` without stalling the host: a copy from pageable memory to a GPU
+    waits for every kernel queued before it, so each one would drain the GPU while the (slow)
+    host builds the next micro-batch. From pinned memory the copy is queued like a kernel."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 # ---- attention ---------------------------------------------------------------------------
