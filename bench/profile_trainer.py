@@ -119,7 +119,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model and short sequences (smoke test)")
-    ap.add_argument("--variants", default="eager,compile", help="comma-separated: eager, compile, each optionally @<log-prob chunk size>, e.g. compile@4096")
+    ap.add_argument("--variants", default="eager,compile", help="comma-separated: eager, compile, each optionally @<log-prob chunk size>, and /nopad: compiled without padding micro-batches to the budget, e.g. compile@4096/nopad")
     ap.add_argument("--max-tokens-per-gpu", type=int, default=None, help="micro-batch token budget (default 16384; 512 with --tiny)")
     ap.add_argument("--steps", type=int, default=3, help="untraced timed steps per variant")
     ap.add_argument("--trace-dir", default=None, help="also keep each variant's Chrome trace here")
@@ -143,11 +143,14 @@ def main() -> None:
     old = [torch.full((s.response_length,), -1.0) for s in samples]
     summary: list[tuple[str, float, float]] = []
     for variant in a.variants.split(","):
-        kind, _, chunk = variant.partition("@")
+        spec, _, unpadded = variant.partition("/")
+        kind, _, chunk = spec.partition("@")
         args = SimpleNamespace(logprob_chunk_size=int(chunk or 1024), lr=1e-6, clip_grad=1.0, max_tokens_per_gpu=budget, global_batch_size=n, rollout_temperature=1.0, seed=0,
                                actor_num_nodes=1, actor_num_gpus_per_node=1, gradient_checkpointing=False, compile=kind == "compile")
         actor = launch_actor(args, model_dir, a.device)
         local = getattr(actor, "local", actor)
+        if unpadded:  # compiled layers fed micro-batches of their own lengths, as before padding
+            local.compiled = False
         step = step_fn(local, samples, adv, old)
         t0 = time.perf_counter()
         step()  # warm-up (and compile)
@@ -164,10 +167,10 @@ def main() -> None:
         seconds = statistics.median(times)
         if kind == "compile":  # a step of other lengths must reuse the compiled graphs
             before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-            for seed in (1, 2, 3):
-                other, other_adv = make_batch(n, shape["vocab_size"], prompt, response, seed)
+            for seed, count in ((1, n), (2, n), (3, 4)):  # the last: 4 short sequences, one small micro-batch
+                other, other_adv = make_batch(count, shape["vocab_size"], prompt, response if count == n else (10, 50), seed)
                 step_fn(local, other, other_adv, [torch.full((s.response_length,), -1.0) for s in other])()
-            print(f"compile: graphs compiled by 3 steps of other lengths after warm-up: {torch._dynamo.utils.counters['stats']['unique_graphs'] - before}", flush=True)
+            print(f"compile: graphs compiled by 3 steps of other lengths (one of a single short micro-batch) after warm-up: {torch._dynamo.utils.counters['stats']['unique_graphs'] - before}", flush=True)
         summary.append((variant, tokens / seconds, mfu(flops, seconds, 1) if device.type == "cuda" else float("nan")))
         activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
         with annotated_head(), torch.profiler.profile(activities=activities) as prof:
@@ -175,7 +178,7 @@ def main() -> None:
             step()
             sync()
             wall_us = (time.perf_counter() - t0) * 1e6
-        path = Path(a.trace_dir or tmp) / f"trace-{variant}.json"
+        path = Path(a.trace_dir or tmp) / f"trace-{variant.replace('/', '-')}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(path))
         cats = categorize(json.loads(path.read_text()), wall_us)

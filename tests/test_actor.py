@@ -358,3 +358,26 @@ def test_packed_batch_matches_padded_hf_forward_log_probs_and_gradients(tiny_mod
     ref_grads = dict(ref.named_parameters())
     for name, p in a.model.named_parameters():
         assert torch.allclose(p.grad, ref_grads[name].grad, atol=1e-5), name
+
+
+@pytest.mark.slow
+def test_compiled_trainer_compiles_once_for_any_lengths(tiny_model):
+    """--compile: micro-batches are padded to the budget and the per-sequence attention is one
+    opaque op, so steps of other lengths and sequence counts reuse the first step's graphs; and
+    padding changes no log-prob (pad tokens are sequences of their own that nothing scores)."""
+    import torch._dynamo.utils
+
+    eager = Actor(make_args(max_tokens_per_gpu=64), tiny_model)
+    compiled = Actor(make_args(max_tokens_per_gpu=64, compile=True), tiny_model)
+    counts = []
+    for step, n in enumerate((6, 3, 9, 2)):  # 6 to 9 sequences in 1 to 3 micro-batches of other lengths
+        samples = make_samples(n, seed=step)
+        before = [p.detach().clone() for p in compiled.model.parameters()]
+        compiled.train_step(samples, [1.0 if i % 2 else -1.0 for i in range(n)])
+        assert any(not torch.equal(b, p) for b, p in zip(before, compiled.model.parameters()))
+        counts.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    assert counts[0] > 0 and counts[1:] == counts[:1] * 3, counts  # graphs made in step 1 only
+    eager.model.load_state_dict(compiled.model.state_dict())
+    samples = make_samples(5, seed=9)
+    for a, b in zip(eager.compute_log_probs(samples), compiled.compute_log_probs(samples)):
+        assert torch.allclose(a, b, atol=1e-5)

@@ -93,7 +93,7 @@ class Config:
     global_batch_size: int | None = _f(None, "samples per optimizer step (default: one step per rollout)", group="optimizer")
     max_tokens_per_gpu: int = _f(4096, "micro-batch token budget", group="optimizer")
     gradient_checkpointing: bool = _f(False, "recompute activations in backward", group="optimizer")
-    compile: bool = _f(False, "torch.compile each decoder layer of the trainer's model (one compile serves every layer; shapes dynamic)", group="optimizer")
+    compile: bool = _f(False, "torch.compile each decoder layer of the trainer's model (one compile serves every layer; micro-batches padded to --max-tokens-per-gpu so nothing compiles again after step 1; numbers in bench/RESULTS.md)", group="optimizer")
     logprob_chunk_size: int = _f(4096, "tokens per chunk when log-probs are computed from hidden states: caps the logits memory at chunk x vocabulary (1.2 GB in bf16 for a 152k vocabulary); 1024 was 8% slower on the H200", group="optimizer")
     seed: int = _f(1234, "trainer seed", group="optimizer")
     max_bad_steps: int = _f(3, "stop the run after this many steps in a row whose rewards, advantages, loss or gradient norm were not finite (each such optimizer step is skipped)", group="optimizer")

@@ -90,7 +90,8 @@ class Actor:
         self._aliases = all_names - param_names  # tied names, e.g. lm_head.weight
         # what a checkpoint holds besides parameters (none in Llama/Qwen: their rotary tables are not persistent)
         self._buffers = [n for n in self.model.state_dict() if n not in all_names]
-        if _arg(args, "compile", False):
+        self.compiled: bool = _arg(args, "compile", False)
+        if self.compiled:
             # per layer, before FSDP wraps them (as torchtitan does): the layers share one code
             # object, so one compile serves all of them, and packed lengths vary: dynamic shapes
             for layer in self.model.get_decoder().layers:
@@ -155,10 +156,13 @@ class Actor:
         shards = shard_by_tokens(lengths, self.world)
         plans = [[[shard[j] for j in mb] for mb in plan_packed_micro_batches([lengths[i] for i in shard], budget)] for shard in shards]
         mine = plans[self.rank]
+        # compiled layers get one token count, the budget: each other count risks a compile of
+        # its own (inductor guards ranges of it, e.g. T >= 5120; bench/RESULTS.md, issue 16)
+        pad_to = budget if self.compiled else None
         for idx in mine:
-            yield pack([samples[i].tokens for i in idx], [samples[i].response_length for i in idx], idx, self.device)
+            yield pack([samples[i].tokens for i in idx], [samples[i].response_length for i in idx], idx, self.device, pad_to, self.pad_token_id)
         for _ in range(max(len(p) for p in plans) - len(mine)):
-            yield pack([[self.pad_token_id] * 2], [1], [], self.device)
+            yield pack([[self.pad_token_id] * 2], [1], [], self.device, pad_to, self.pad_token_id)
 
     def _forward(self, scorer: nn.Module, mb: PackedBatch, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
         """Log-probs (and entropies) of a micro-batch's response tokens, flat in sample order.

@@ -1,4 +1,4 @@
-"""Packed micro-batches: sequences laid end to end in one row, no padding.
+"""Packed micro-batches: sequences laid end to end in one row, no padding (but see `pack(pad_to=)`).
 
 A packed micro-batch is one row of `T = sum(len_i)` tokens. Position ids restart at 0 for each
 sequence and attention never crosses a sequence boundary, so every sequence sees exactly what it
@@ -86,8 +86,18 @@ def shard_by_tokens(lengths: Sequence[int], world_size: int) -> list[list[int]]:
     return [sorted(s) for s in shards]
 
 
-def pack(token_lists: Sequence[Sequence[int]], response_lengths: Sequence[int], indices: list[int], device: torch.device) -> PackedBatch:
-    """Lay the sequences end to end; mark the positions that score each response token."""
+PAD_SEGMENT = 256  # longest sequence of pad tokens: their attention costs next to nothing
+
+
+def pack(
+    token_lists: Sequence[Sequence[int]], response_lengths: Sequence[int], indices: list[int], device: torch.device,
+    pad_to: int | None = None, pad_id: int = 0,
+) -> PackedBatch:
+    """Lay the sequences end to end; mark the positions that score each response token.
+
+    `pad_to`: fill the row up to a multiple of this many tokens with short sequences of `pad_id`
+    that nothing scores, so that every micro-batch has the same length (see Actor: a compiled
+    layer sees one token count and never compiles again for another)."""
     ids: list[int] = []
     pos: list[int] = []
     select: list[int] = []
@@ -100,6 +110,14 @@ def pack(token_lists: Sequence[Sequence[int]], response_lengths: Sequence[int], 
         select.extend(range(start + n - resp - 1, start + n - 1))
         targets.extend(tokens[n - resp :])
         cu.append(cu[-1] + n)
+    if pad_to:
+        missing = -len(ids) % pad_to
+        while missing:
+            n = min(missing, PAD_SEGMENT)
+            ids.extend([pad_id] * n)
+            pos.extend(range(n))
+            cu.append(cu[-1] + n)
+            missing -= n
     lengths = [b - a for a, b in zip(cu, cu[1:])]
     return PackedBatch(
         indices=indices,
@@ -199,12 +217,71 @@ def packed_attention(
         return out.unsqueeze(0), None
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    bounds = cu_seq_lens_q.tolist()
+    # compiled, the loop over sequences runs as one opaque op: traced, its host-side bounds
+    # would break the graph and guard the sequence count, compiling again for every other count
+    attend = _sdpa_per_sequence if torch.compiler.is_compiling() else _sdpa_loop
+    return attend(query, key, value, cu_seq_lens_q, scaling).transpose(1, 2), None
+
+
+def _sdpa_loop(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, scale: float | None) -> Tensor:
+    """Causal SDPA per packed sequence, [1, H, T, D] in and out."""
+    bounds = cu_seqlens.tolist()
     parts = [
-        F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True, scale=scaling)
+        F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True, scale=scale)
         for a, b in zip(bounds, bounds[1:])
     ]
-    return torch.cat(parts, dim=2).transpose(1, 2), None
+    return torch.cat(parts, dim=2)
+
+
+@torch.library.custom_op("vime::sdpa_per_sequence", mutates_args=())
+def _sdpa_per_sequence(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, scale: float | None) -> Tensor:
+    return _sdpa_loop(query, key, value, cu_seqlens, scale).contiguous()
+
+
+@_sdpa_per_sequence.register_fake
+def _(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, scale: float | None) -> Tensor:
+    return query.new_empty(query.shape)
+
+
+@torch.library.custom_op("vime::sdpa_per_sequence_backward", mutates_args=())
+def _sdpa_per_sequence_backward(
+    grad: Tensor, query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, scale: float | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of causal attention per sequence, by formula (a custom op's body runs without
+    autograd). With P = softmax(S), S = q kᵀ·scale masked: dV = Pᵀ dO, dS = P ⊙ (dO vᵀ − rowsum(dO ⊙ O)),
+    dQ = dS k·scale, dK = dSᵀ q·scale. Attention is recomputed: only the CPU compiled path pays."""
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    gq, gk, gv = (t.new_zeros(t.shape) for t in (query, key, value))  # contiguous, as the fake says
+    bounds = cu_seqlens.tolist()
+    for a, b in zip(bounds, bounds[1:]):
+        q, k, v, d_out = (t[:, :, a:b].float() for t in (query, key, value, grad))
+        causal = torch.ones(b - a, b - a, dtype=torch.bool, device=q.device).tril()
+        p = torch.softmax((q @ k.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf")), dim=-1)
+        out = p @ v
+        d_s = p * (d_out @ v.transpose(-1, -2) - (d_out * out).sum(-1, keepdim=True))
+        gq[:, :, a:b] = (d_s @ k * scale).to(gq.dtype)
+        gk[:, :, a:b] = (d_s.transpose(-1, -2) @ q * scale).to(gk.dtype)
+        gv[:, :, a:b] = (p.transpose(-1, -2) @ d_out).to(gv.dtype)
+    return gq, gk, gv
+
+
+@_sdpa_per_sequence_backward.register_fake
+def _(grad: Tensor, query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, scale: float | None) -> tuple[Tensor, Tensor, Tensor]:
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
+
+
+def _sdpa_setup(ctx: Any, inputs: tuple, output: Tensor) -> None:
+    query, key, value, cu_seqlens, scale = inputs
+    ctx.save_for_backward(query, key, value, cu_seqlens)
+    ctx.scale = scale
+
+
+def _sdpa_backward(ctx: Any, grad: Tensor) -> tuple:
+    query, key, value, cu_seqlens = ctx.saved_tensors
+    return (*_sdpa_per_sequence_backward(grad, query, key, value, cu_seqlens, ctx.scale), None, None)
+
+
+_sdpa_per_sequence.register_autograd(_sdpa_backward, setup_context=_sdpa_setup)
 
 
 def packed_attention_backend(device: torch.device, dtype: torch.dtype) -> str:
