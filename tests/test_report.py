@@ -48,3 +48,17 @@ def test_report_main_prints_reward_line(tmp_path, capsys):
     assert main([str(d), "--no-plots"]) == 0
     out = capsys.readouterr().out
     assert "training reward per step" in out and "run-a: steps 1–2" in out
+
+
+def test_paired_change_and_eval_results(tmp_path):
+    from vime.report import eval_results, paired_change
+
+    assert paired_change({0: False, 1: False, 2: True, 3: True}, {0: True, 1: False, 2: True, 3: True}) == (25.0, 25.0)
+    change, se = paired_change({i: False for i in range(10)}, {i: True for i in range(10)})
+    assert change == 100.0 and se == 0.0
+    assert math.isnan(paired_change({0: True}, {0: True})[1])
+    d = tmp_path / "run" / "eval"
+    d.mkdir(parents=True)
+    for step, ok in ((0, [True, False]), (20, [True, True])):
+        (d / f"{step}.jsonl").write_text("".join(json.dumps({"index": i, "correct": c}) + "\n" for i, c in enumerate(ok)))
+    assert eval_results(tmp_path / "run") == {0: {0: True, 1: False}, 20: {0: True, 1: True}}

@@ -7,6 +7,7 @@ which is part of the real cost and is kept.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,6 +93,31 @@ def accuracy_table(runs: list[RunSummary]) -> str:
         delta = f"{100 * (last['eval/accuracy'] - base['eval/accuracy']):+.1f}" if base is not None else ""
         lines.append(f"| {r.name} | {r.mode} | {100 * last['eval/accuracy']:.1f}% | {last['eval/correct']}/{last['eval/total']} | {delta} |")
     return "\n".join(lines)
+
+
+def eval_results(run_dir: str | Path) -> dict[int, dict[int, bool]]:
+    """step -> {prompt index: correct}, from the per-sample files the run's evals wrote (eval/<step>.jsonl)."""
+    out = {}
+    for f in sorted((Path(run_dir) / "eval").glob("*.jsonl")):
+        if f.stem.isdigit():
+            rows = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+            out[int(f.stem)] = {r["index"]: bool(r["correct"]) for r in rows}
+    return out
+
+
+def paired_change(before: dict[int, bool], after: dict[int, bool]) -> tuple[float, float]:
+    """Change in accuracy from `before` to `after` on the prompts both graded, in points, and its
+    standard error paired over those prompts (the sd of the per-prompt differences / sqrt(n))."""
+    keys = sorted(before.keys() & after.keys())
+    d = [int(after[k]) - int(before[k]) for k in keys]
+    n = len(d)
+    if n == 0:
+        return 0.0, float("nan")
+    m = sum(d) / n
+    if n == 1:
+        return 100.0 * m, float("nan")
+    var = sum((x - m) ** 2 for x in d) / (n - 1)
+    return 100.0 * m, 100.0 * math.sqrt(var / n)
 
 
 SPARK_BLOCKS = "▁▂▃▄▅▆▇█"
