@@ -7,6 +7,8 @@ which is part of the real cost and is kept.
 from __future__ import annotations
 
 import argparse
+import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,6 +95,70 @@ def accuracy_table(runs: list[RunSummary]) -> str:
     return "\n".join(lines)
 
 
+def eval_results(run_dir: str | Path) -> dict[int, dict[int, bool]]:
+    """step -> {prompt index: correct}, from the per-sample files the run's evals wrote (eval/<step>.jsonl)."""
+    out = {}
+    for f in sorted((Path(run_dir) / "eval").glob("*.jsonl")):
+        if f.stem.isdigit():
+            rows = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+            out[int(f.stem)] = {r["index"]: bool(r["correct"]) for r in rows}
+    return out
+
+
+def paired_change(before: dict[int, bool], after: dict[int, bool]) -> tuple[float, float]:
+    """Change in accuracy from `before` to `after` on the prompts both graded, in points, and its
+    standard error paired over those prompts (the sd of the per-prompt differences / sqrt(n))."""
+    keys = sorted(before.keys() & after.keys())
+    d = [int(after[k]) - int(before[k]) for k in keys]
+    n = len(d)
+    if n == 0:
+        return 0.0, float("nan")
+    m = sum(d) / n
+    if n == 1:
+        return 100.0 * m, float("nan")
+    var = sum((x - m) ** 2 for x in d) / (n - 1)
+    return 100.0 * m, 100.0 * math.sqrt(var / n)
+
+
+SPARK_BLOCKS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[float], lo: float | None = None, hi: float | None = None) -> str:
+    """One block per value, from ▁ at `lo` to █ at `hi` (default: the values' min and max); a
+    non-finite value is a space. All values equal (and no range given) draw a flat ▄ line."""
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return " " * len(values)
+    lo = min(finite) if lo is None else lo
+    hi = max(finite) if hi is None else hi
+    top = len(SPARK_BLOCKS) - 1
+    out = []
+    for v in values:
+        if not math.isfinite(v):
+            out.append(" ")
+        elif hi <= lo:
+            out.append(SPARK_BLOCKS[top // 2])
+        else:
+            out.append(SPARK_BLOCKS[round(top * min(max((v - lo) / (hi - lo), 0.0), 1.0))])
+    return "".join(out)
+
+
+def reward_curve(run: RunSummary) -> str:
+    """The run's mean training reward per step as a text sparkline, scaled over [0, 1] when the
+    rewards lie in it (so two runs' lines compare), plus the means of the first and last quarter."""
+    pts = [(x["step"], x["rollout/reward_mean"]) for x in run.rows if "rollout/reward_mean" in x]
+    if not pts:
+        return f"{run.name}: no rewards logged"
+    values = [v for _, v in pts]
+    finite = [v for v in values if math.isfinite(v)] or [0.0]
+    lo, hi = min(0.0, min(finite)), max(1.0, max(finite))
+    q = max(1, len(values) // 4)
+    return (
+        f"{run.name}: steps {pts[0][0]}–{pts[-1][0]}  {sparkline(values, lo, hi)}  (scale {lo:g}…{hi:g}; "
+        f"mean reward first {q} steps {mean(values[:q]):.3f}, last {q} steps {mean(values[-q:]):.3f})"
+    )
+
+
 def plot(runs: list[RunSummary], out_dir: Path) -> list[Path]:
     import matplotlib
 
@@ -136,7 +202,8 @@ def main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     runs = [summarize(r) for r in a.runs]
     print("speed\n" + speed_table(runs) + "\n")
-    print("accuracy\n" + accuracy_table(runs))
+    print("accuracy\n" + accuracy_table(runs) + "\n")
+    print("training reward per step\n" + "\n".join(reward_curve(r) for r in runs))
     if not a.no_plots:
         out = Path(a.plots) if a.plots else Path(a.runs[0]).parent / "report"
         paths = plot(runs, out)

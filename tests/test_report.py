@@ -1,0 +1,64 @@
+"""vime report's text parts: the reward sparkline and the tables, on a hand-written run directory."""
+from __future__ import annotations
+
+import json
+import math
+
+import yaml
+
+from vime.report import SPARK_BLOCKS, accuracy_table, main, reward_curve, sparkline, summarize
+
+
+def _run_dir(tmp_path, rewards, evals=((0, 40, 200), (4, 70, 200))):
+    d = tmp_path / "run-a"
+    d.mkdir()
+    rows = [{"step": i + 1, "rollout/reward_mean": r, "perf/step_time": 2.0, "perf/train_wait_time": 1.0, "perf/wall_clock": 2.0 * (i + 1)} for i, r in enumerate(rewards)]
+    rows += [{"step": s, "eval/accuracy": c / t, "eval/correct": c, "eval/total": t} for s, c, t in evals]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "config.yaml").write_text(yaml.safe_dump({"mode": "sync"}))
+    return d
+
+
+def test_sparkline_scales_between_bounds():
+    assert sparkline([0.0, 0.5, 1.0], 0.0, 1.0) == SPARK_BLOCKS[0] + SPARK_BLOCKS[4] + SPARK_BLOCKS[-1]
+    assert sparkline([2.0, 3.0]) == SPARK_BLOCKS[0] + SPARK_BLOCKS[-1]  # default: the values' own range
+    assert sparkline([5.0, -1.0], 0.0, 1.0) == SPARK_BLOCKS[-1] + SPARK_BLOCKS[0]  # clamped
+    assert sparkline([0.3, 0.3, 0.3]) == SPARK_BLOCKS[3] * 3  # flat
+    assert sparkline([0.0, math.nan, 1.0]) == SPARK_BLOCKS[0] + " " + SPARK_BLOCKS[-1]
+    assert sparkline([]) == "" and sparkline([math.inf]) == " "
+
+
+def test_reward_curve_and_accuracy_table(tmp_path):
+    run = summarize(_run_dir(tmp_path, [0.0, 0.25, 0.5, 1.0]))
+    line = reward_curve(run)
+    assert sparkline([0.0, 0.25, 0.5, 1.0], 0.0, 1.0) in line
+    assert "first 1 steps 0.000" in line and "last 1 steps 1.000" in line
+    table = accuracy_table([run])
+    assert "| baseline | before training | 20.0% | 40/200 | |" in table
+    assert "| run-a | sync | 35.0% | 70/200 | +15.0 |" in table
+
+
+def test_reward_curve_scale_widens_for_negative_rewards(tmp_path):
+    line = reward_curve(summarize(_run_dir(tmp_path, [-1.0, 1.0])))
+    assert "scale -1…1" in line and SPARK_BLOCKS[0] + SPARK_BLOCKS[-1] in line
+
+
+def test_report_main_prints_reward_line(tmp_path, capsys):
+    d = _run_dir(tmp_path, [0.1, 0.2])
+    assert main([str(d), "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    assert "training reward per step" in out and "run-a: steps 1–2" in out
+
+
+def test_paired_change_and_eval_results(tmp_path):
+    from vime.report import eval_results, paired_change
+
+    assert paired_change({0: False, 1: False, 2: True, 3: True}, {0: True, 1: False, 2: True, 3: True}) == (25.0, 25.0)
+    change, se = paired_change({i: False for i in range(10)}, {i: True for i in range(10)})
+    assert change == 100.0 and se == 0.0
+    assert math.isnan(paired_change({0: True}, {0: True})[1])
+    d = tmp_path / "run" / "eval"
+    d.mkdir(parents=True)
+    for step, ok in ((0, [True, False]), (20, [True, True])):
+        (d / f"{step}.jsonl").write_text("".join(json.dumps({"index": i, "correct": c}) + "\n" for i, c in enumerate(ok)))
+    assert eval_results(tmp_path / "run") == {0: {0: True, 1: False}, 20: {0: True, 1: True}}
