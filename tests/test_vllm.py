@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -37,7 +38,7 @@ from vime.rollout.types import Sample
 ATOL = 1e-4
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 PROBE = list(range(10, 45))  # 35 tokens: two full KV blocks of 16, so the prefix cache holds them
-# Seconds of work for the server tests' model, so a pause or abort one second in lands mid-flight.
+# Seconds of work for the server tests' model (~10 s on one core), so a pause or abort lands mid-flight.
 LONG_TOKENS = 1900
 LONG = {"max_new_tokens": LONG_TOKENS, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 1}
 
@@ -193,36 +194,64 @@ def test_protocol_n_seeds_stop_ids_and_lengths(client):
         run(client, {"input_ids": PROBE, "sampling_params": {"repetition_penalty": 1.2}})
 
 
+def generated_tokens(url: str) -> int:
+    """The server's count of tokens generated so far (its Prometheus counter): it tells whether a
+    request is still in flight, and that nothing is generated while paused, without timing
+    guesses (on a busy 2-core CI machine a fixed sleep let a request finish before the pause)."""
+    for line in urllib.request.urlopen(url + "/metrics", timeout=30).read().decode().splitlines():
+        if line.startswith("vllm:generation_tokens_total"):
+            return int(float(line.rsplit(" ", 1)[1]))
+    raise AssertionError(f"{url}/metrics has no vllm:generation_tokens_total")
+
+
+async def until_generating(url: str, since: int) -> None:
+    """Return once the server has generated a token beyond `since` (a request is mid-flight)."""
+    for _ in range(600):
+        if await asyncio.to_thread(generated_tokens, url) > since:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{url} generated nothing in 30 s")
+
+
 @needs_vllm
 def test_pause_abort_in_place_and_abort_by_id(client):
+    url = client.url
+
     async def main() -> None:
         try:
             # abort: the request returns now, with its partial tokens
+            base = await asyncio.to_thread(generated_tokens, url)
             t = asyncio.create_task(client.generate(PROBE, LONG, rid="p1"))
-            await asyncio.sleep(1.0)
+            await until_generating(url, base)
             await asyncio.to_thread(client.pause_generation, "abort")
             out = await asyncio.wait_for(t, 30)
             assert out["meta_info"]["finish_reason"] == {"type": "abort"} and 0 < len(out["output_ids"]) < LONG_TOKENS, _brief(out)
             await asyncio.to_thread(client.continue_generation)
-            # in place: nothing returns while paused (also across a cache flush); all of it after
+            # in place: nothing is generated and nothing returns while paused (also across a
+            # cache flush, which preempts the request); all of it after
+            base = await asyncio.to_thread(generated_tokens, url)
             t = asyncio.create_task(client.generate(PROBE, LONG, rid="p2"))
-            await asyncio.sleep(1.0)
+            await until_generating(url, base)
             await asyncio.to_thread(client.pause_generation, "in_place")
             await asyncio.to_thread(client.flush_cache)
+            held = await asyncio.to_thread(generated_tokens, url)
+            assert held - base < LONG_TOKENS, f"the request finished before the pause landed ({held - base} tokens)"
             await asyncio.sleep(1.0)
+            assert await asyncio.to_thread(generated_tokens, url) == held, "tokens were generated while paused"
             assert not t.done(), _brief(t.result())
             await asyncio.to_thread(client.continue_generation)
-            out = await asyncio.wait_for(t, 60)
+            out = await asyncio.wait_for(t, 120)
             assert out["meta_info"]["finish_reason"] == {"type": "length"} and len(out["output_ids"]) == LONG_TOKENS, _brief(out)
             # abort by id hits that request only (the other, started with it, goes on generating);
             # abort_all then ends the other
+            base = await asyncio.to_thread(generated_tokens, url)
             t1 = asyncio.create_task(client.generate(PROBE, LONG, rid="q1"))
             t2 = asyncio.create_task(client.generate(PROBE[1:], LONG, rid="q2"))
-            await asyncio.sleep(1.0)
+            await until_generating(url, base + 1)  # both are generating
             await asyncio.to_thread(client.abort_request, "q1")
             o1 = await asyncio.wait_for(t1, 30)
             assert o1["meta_info"]["finish_reason"] == {"type": "abort"}, _brief(o1)
-            await asyncio.sleep(0.5)
+            await until_generating(url, await asyncio.to_thread(generated_tokens, url) + 1)
             await asyncio.to_thread(client.abort_request, None, True)
             o2 = await asyncio.wait_for(t2, 30)
             assert o2["meta_info"]["finish_reason"]["type"] in ("abort", "length") and len(o2["output_ids"]) > len(o1["output_ids"]), (_brief(o1), _brief(o2))
