@@ -8,4 +8,4 @@ import sys
 from vime.cli import guarded, train_main
 
 if __name__ == "__main__":
-    sys.exit(guarded(lambda argv: train_main(argv, "one-step-off"), sys.argv[1:]))
+    sys.exit(guarded(lambda argv: train_main(argv, "async"), sys.argv[1:]))

@@ -27,7 +27,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from types import SimpleNamespace
+from vime.config import Config
 from typing import Any, Callable
 
 import torch
@@ -154,7 +154,7 @@ def main() -> None:
     for gpus, compiled in variants:
         tag = (" + compile" if compiled else "") + (f", {gpus} GPUs (FSDP2)" if gpus > 1 else "")
         try:
-            args = SimpleNamespace(lr=1e-6, clip_grad=1.0, max_tokens_per_gpu=budget, global_batch_size=n, rollout_temperature=1.0, seed=a.seed,
+            args = Config(lr=1e-6, clip_grad=1.0, max_tokens_per_gpu=budget, global_batch_size=n, rollout_temperature=1.0, seed=a.seed,
                                    actor_num_nodes=1, actor_num_gpus_per_node=gpus, gradient_checkpointing=False, compile=compiled)
             actor = launch_actor(args, model_dir, a.device)
             local = getattr(actor, "local", actor)

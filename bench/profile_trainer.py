@@ -25,7 +25,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
+from vime.config import Config
 from typing import Any, Callable, Iterator
 
 import torch
@@ -145,7 +145,7 @@ def main() -> None:
     for variant in a.variants.split(","):
         spec, _, unpadded = variant.partition("/")
         kind, _, chunk = spec.partition("@")
-        args = SimpleNamespace(logprob_chunk_size=int(chunk or 1024), lr=1e-6, clip_grad=1.0, max_tokens_per_gpu=budget, global_batch_size=n, rollout_temperature=1.0, seed=0,
+        args = Config(logprob_chunk_size=int(chunk or 1024), lr=1e-6, clip_grad=1.0, max_tokens_per_gpu=budget, global_batch_size=n, rollout_temperature=1.0, seed=0,
                                actor_num_nodes=1, actor_num_gpus_per_node=1, gradient_checkpointing=False, compile=kind == "compile")
         actor = launch_actor(args, model_dir, a.device)
         local = getattr(actor, "local", actor)

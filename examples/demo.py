@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from vime.config import parse_args  # noqa: E402
 from vime.datagen import write_dataset  # noqa: E402
-from vime.loop import run  # noqa: E402
+from vime.run import train  # noqa: E402
 from vime.models import resolve_model  # noqa: E402
 from vime.report import accuracy_table, eval_results, paired_change, plot, reward_curve, speed_table, summarize  # noqa: E402
 
@@ -90,7 +90,7 @@ def main() -> int:
     print(f"[demo] task {TASK} {TASK_KWARGS}: {N_TRAIN} training prompts, {s['eval_limit']} held-out; reward = graded correctness (1/0)", flush=True)
     name = time.strftime("demo-%Y%m%d-%H%M%S")
     args = parse_args([], **demo_config(s, model_dir, train, test), runs_dir=str(runs), run_name=name)
-    run_dir = run(args, "sync")
+    run_dir = train(args)
     summary = summarize(run_dir)
     evals = eval_results(run_dir)
     change, se = paired_change(evals[0], evals[s["steps"]])

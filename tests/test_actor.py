@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from types import SimpleNamespace
+from vime.config import Config
 
 import pytest
 import torch
@@ -17,15 +17,15 @@ from vime.trainer.packing import plan_packed_micro_batches, shard_by_tokens
 from vime.trainer.weights import WeightPusher
 
 
-def make_args(**overrides) -> SimpleNamespace:
+def make_args(**overrides) -> Config:
     base = dict(
         lr=1e-3, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.98, clip_grad=1.0, eps_clip=0.2, eps_clip_high=None,
         kl_loss_coef=0.0, kl_loss_type="low_var_kl", entropy_coef=0.0, advantage_estimator="grpo", use_tis=False, tis_clip=2.0,
-        max_tokens_per_gpu=4096, global_batch_size=None, seed=0, gradient_checkpointing=False, dtype="float32",
+        max_tokens_per_gpu=4096, global_batch_size=None, seed=0, gradient_checkpointing=False,
         rollout_temperature=1.0, rollout_max_response_len=8,
     )
     base.update(overrides)
-    return SimpleNamespace(**base)
+    return Config(**base)
 
 
 def make_samples(n: int = 4, seed: int = 0) -> list[Sample]:

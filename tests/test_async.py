@@ -110,17 +110,27 @@ def worker_env(engine, tiny_model, addition_data):
     from vime.models import load_tokenizer
     from vime.rollout import fully_async_rollout
     from vime.rollout.data_source import DataSource
-    from vime.rollout.vllm_rollout import close_clients
+    from vime.rollout.runtime import RolloutRuntime, make_clients
 
     args = parse_args(["--hf-checkpoint", str(tiny_model), "--prompt-data", str(addition_data[0]), "--num-rollout", "1",
                        "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-concurrency", "3",
                        "--rollout-max-response-len", "6"])
-    args.model_dir = tiny_model
+    args.model_dir = str(tiny_model)
     args.rollout_engine_urls = [engine.url]
-    ds = DataSource(args, load_tokenizer(tiny_model))
+    tokenizer = load_tokenizer(tiny_model)
+    args.runtime = RolloutRuntime(make_clients([engine.url]), tokenizer)
+    ds = DataSource(args, tokenizer)
     yield args, ds, fully_async_rollout
-    fully_async_rollout.shutdown()
-    close_clients()
+    args.runtime.close()
+
+
+def _worker(args, ds):
+    """The run's worker, started here at rollout 0 if the rollout function has not yet."""
+    from vime.rollout.fully_async_rollout import AsyncRolloutWorker
+
+    if args.runtime.worker is None:
+        args.runtime.worker = AsyncRolloutWorker(args, ds, 0, args.runtime.engine_version)
+    return args.runtime.worker
 
 
 def _wait_for(cond, timeout=20.0):
@@ -134,7 +144,7 @@ def test_worker_warm_queue_batch_size_and_cap(worker_env):
     args, ds, fa = worker_env
     first = fa.generate_rollout_fully_async(args, 0, ds)
     assert len(first.samples) == 2 and all(len(g) == 2 for g in first.samples)
-    w = fa.get_worker(args, ds, 0)
+    w = _worker(args, ds)
     # between calls the worker keeps working: a batch is being (or has been) generated already
     _wait_for(lambda: len(w.ready) >= 2)
     assert w.inflight + len(w.ready) >= 2
@@ -160,7 +170,7 @@ def test_worker_requeues_aborted_groups_and_trains_them_later(worker_env, engine
         original(groups)
 
     ds.add_samples = spy
-    w = fa.get_worker(args, ds, 0)
+    w = _worker(args, ds)
     for _ in range(200):  # abort while something is in flight, until a group comes back aborted
         if w.counts["requeued"] > 0:
             break
@@ -185,9 +195,9 @@ def test_worker_requeues_aborted_groups_and_trains_them_later(worker_env, engine
 
 def test_worker_shuts_down_cleanly(worker_env, engine):
     args, ds, fa = worker_env
-    w = fa.get_worker(args, ds, 0)
+    w = _worker(args, ds)
     _wait_for(lambda: w.inflight > 0 or len(w.ready) > 0)
-    fa.shutdown()
+    args.runtime.close()
     assert w._task.done()
     # the worker's requests were aborted at the engine too: nothing keeps generating for it
     _wait_for(lambda: _running(engine.url) == 0, timeout=10)

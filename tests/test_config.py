@@ -1,7 +1,7 @@
 import pytest
 
 from conftest import run_cli
-from vime.config import ConfigError, parse_args
+from vime.config import DEFAULT_ROLLOUT_FN, FULLY_ASYNC_FN, ConfigError, parse_args
 
 BASE = ["--hf-checkpoint", "tiny", "--prompt-data", "x.jsonl", "--num-rollout", "2"]
 
@@ -39,12 +39,49 @@ def test_json_and_list_flags():
         (["--use-rollout-logprobs", "--use-tis"], "drop one"),
         (["--use-tis", "--tis-clip-low", "2"], "--tis-clip-low"),
         (["--use-rs", "--rs-lower-bound", "3"], "--rs-lower-bound"),
+        (["--max-staleness", "2"], "run it with train_async.py"),
+        (["--rollout-num-gpus-per-engine", "2"], "tensor-parallel engines"),
+        (["--rollout-backend", "vllm", "--weight-transport", "nccl"], "does not reach vLLM engines yet"),
+        (["--rollout-backend", "vllm", "--weight-transport", "shm"], "does not reach vLLM engines: leave it at auto"),
     ],
 )
 def test_inconsistent_settings_fail_with_one_line(extra, fragment):
     with pytest.raises(ConfigError) as e:
         parse_args([*BASE, *extra])
     assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_async_colocate_is_refused_by_the_async_entry_only():
+    assert parse_args([*BASE, "--colocate"]).colocate
+    with pytest.raises(ConfigError, match="train_async.py cannot --colocate"):
+        parse_args([*BASE, "--colocate"], entry="async")
+
+
+@pytest.mark.parametrize(
+    "entry, extra, mode, fn",
+    [
+        ("sync", [], "sync", DEFAULT_ROLLOUT_FN),
+        ("async", [], "one-step-off", DEFAULT_ROLLOUT_FN),
+        ("async", ["--rollout-function-path", FULLY_ASYNC_FN], "fully-async", FULLY_ASYNC_FN),
+        ("async", ["--max-staleness", "1"], "decoupled", FULLY_ASYNC_FN),  # decoupled needs the continuous worker
+        ("async", ["--max-staleness", "1", "--rollout-function-path", "my.rollout"], "one-step-off", "my.rollout"),
+    ],
+)
+def test_the_mode_is_derived_in_one_place(entry, extra, mode, fn):
+    args = parse_args([*BASE, *extra], entry=entry)
+    assert (args.mode, args.rollout_function_path) == (mode, fn)
+    assert args.to_dict()["mode"] == mode and "runtime" not in args.to_dict()
+
+
+def test_a_runs_config_yaml_reads_back_as_the_same_settings(tmp_path):
+    """config.yaml holds the derived values too; read back with --config they are derived again."""
+    import yaml
+
+    args = parse_args([*BASE, "--max-staleness", "1"], entry="async")
+    args.model_dir = "/somewhere"
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(args.to_dict()))
+    again = parse_args(["--config", str(tmp_path / "config.yaml")], entry="async")
+    assert again.to_dict() == {**args.to_dict(), "model_dir": None}
 
 
 def test_unknown_yaml_key_suggests_the_right_one(tmp_path):

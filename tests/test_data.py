@@ -5,7 +5,7 @@ import contextlib
 import json
 import re
 from pathlib import Path
-from types import SimpleNamespace
+from vime.config import Config
 
 import pytest
 
@@ -29,12 +29,12 @@ def numbered(path: Path, n: int = 10) -> Path:
     return write_jsonl(path, [{"input": f"q{i}", "label": str(i), "metadata": {"i": i}} for i in range(n)])
 
 
-def make_args(prompt_data, **kw) -> SimpleNamespace:
+def make_args(prompt_data, **kw) -> Config:
     base = dict(
         prompt_data=str(prompt_data), input_key="input", label_key="label", metadata_key="metadata", label_format="text", apply_chat_template=False,
         apply_chat_template_kwargs={}, rollout_shuffle=False, rollout_seed=42, n_samples_per_prompt=2,
     )
-    return SimpleNamespace(**{**base, **kw})
+    return Config(**{**base, **kw})
 
 
 def labels(groups: list[list[Sample]]) -> list[str]:

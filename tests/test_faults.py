@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
+from vime.config import Config
 
 import pytest
 import torch
@@ -278,8 +278,8 @@ def fault_rm(tmp_path, monkeypatch):
     module.release.set()
 
 
-def rm_args(**kw) -> SimpleNamespace:
-    return SimpleNamespace(**{"rm_type": "math", "custom_rm_path": None, "reward_timeout": 10.0, **kw})
+def rm_args(**kw) -> Config:
+    return Config(**{"rm_type": "math", "custom_rm_path": None, "reward_timeout": 10.0, **kw})
 
 
 def test_non_finite_rewards_score_zero_and_are_counted(fault_rm):
@@ -332,10 +332,10 @@ def _alive(pids: list[int]) -> list[int]:
 
 POOL_USER = """
 import asyncio, os, sys, time
-from types import SimpleNamespace
+from vime.config import Config
 from vime.rollout.rewards import score_samples
 from vime.rollout.types import Sample
-args = SimpleNamespace(rm_type="math", custom_rm_path=None, reward_timeout=10.0)
+args = Config(rm_type="math", custom_rm_path=None, reward_timeout=10.0)
 if __name__ == "__main__":
     print(asyncio.run(score_samples(args, [Sample(index=0, response="\\\\boxed{2}", label="2")])), flush=True)
     time.sleep(600)
@@ -415,7 +415,7 @@ def test_the_rollout_loop_outlives_a_task_that_raises_keyboard_interrupt():
 def actor(tiny_model):
     from vime.trainer.actor import Actor
 
-    args = SimpleNamespace(lr=1e-2, global_batch_size=None, max_tokens_per_gpu=512, rollout_temperature=1.0)
+    args = Config(lr=1e-2, global_batch_size=None, max_tokens_per_gpu=512, rollout_temperature=1.0)
     return Actor(args, tiny_model)
 
 
@@ -438,7 +438,7 @@ def test_a_non_finite_loss_skips_the_step_and_the_weights_stay(actor):
 
 
 def test_no_checkpoint_from_non_finite_weights_and_a_full_disk_keeps_the_last_one(actor, tmp_path):
-    from vime.trainer.actor import CheckpointError
+    from vime.trainer.checkpoint import CheckpointError
     from vime.trainer.checkpoint import latest_checkpoint, problem
     from vime.trainer.nonfinite import NonFiniteError
 
@@ -467,10 +467,11 @@ def test_no_checkpoint_from_non_finite_weights_and_a_full_disk_keeps_the_last_on
 
 def _refused(tmp_path: Path, *argv: str) -> str:
     """Start a run in-process; it must fail with a user error before creating anything."""
-    from vime.cli import _user_errors, train_main
+    from vime.cli import train_main
+    from vime.errors import VimeError
 
     runs = tmp_path / "runs"
-    with pytest.raises(_user_errors()) as e:
+    with pytest.raises(VimeError) as e:
         train_main(["--config", "examples/tiny.yaml", "--num-rollout", "1", "--runs-dir", str(runs), "--run-name", "r", *argv])
     assert not (runs / "r").exists()  # no run directory, no engine log, no locked run name
     msg = str(e.value)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from types import SimpleNamespace
+from vime.config import Config
 
 import pytest
 
@@ -13,8 +13,8 @@ from vime.rollout.rewards import RewardError, builtin_score, extract_answer, get
 from vime.rollout.types import Sample, Status
 
 
-def make_args(**kw) -> SimpleNamespace:
-    return SimpleNamespace(**{"rm_type": "math", "custom_rm_path": None, "reward_timeout": 10.0, **kw})
+def make_args(**kw) -> Config:
+    return Config(**{"rm_type": "math", "custom_rm_path": None, "reward_timeout": 10.0, **kw})
 
 
 def score(args, samples: list[Sample]) -> dict:

@@ -25,7 +25,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from types import SimpleNamespace
+from vime.config import Config
 
 import pytest
 import torch
@@ -147,7 +147,7 @@ def _brief(out: dict) -> str:
 def actor_for(model: Path, temperature: float):
     from vime.trainer.actor import Actor
 
-    args = SimpleNamespace(lr=1e-3, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.98, clip_grad=1.0, max_tokens_per_gpu=4096, seed=0,
+    args = Config(lr=1e-3, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.98, clip_grad=1.0, max_tokens_per_gpu=4096, seed=0,
                            rollout_temperature=temperature, kl_loss_coef=0.0)
     return Actor(args, model)
 
@@ -305,10 +305,10 @@ async def recording_generate(args, sample: Sample, params: dict) -> Sample:
     """Plug-in generate for the runs below: the default one, then a one-token greedy probe on a
     fixed prompt, recorded with its weight version in $VIME_TEST_RECORD, so the test can see
     the engine's output move with every push."""
-    from vime.rollout.vllm_rollout import engine_clients, generate
+    from vime.rollout.vllm_rollout import generate
 
     sample = await generate(args, sample, params)
-    probe = await engine_clients(args)[0].generate(PROBE, {"max_new_tokens": 1, "temperature": 0.0})
+    probe = await args.runtime.clients[0].generate(PROBE, {"max_new_tokens": 1, "temperature": 0.0})
     row = {"versions": sample.weight_versions, "probe_version": probe["meta_info"]["output_weight_versions"][0],
            "probe_logprob": probe["meta_info"]["output_token_logprobs"][0]}
     with open(os.environ["VIME_TEST_RECORD"], "a") as f:

@@ -12,7 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-FULLY_ASYNC_FN = "vime.rollout.fully_async_rollout.generate_rollout_fully_async"
+from vime.config import FULLY_ASYNC_FN, ConfigError
+from vime.errors import VimeError
 
 
 def arm_command(arm: str, staleness: int) -> list[str]:
@@ -24,7 +25,7 @@ def arm_command(arm: str, staleness: int) -> list[str]:
         "decoupled": ["train-async", "--max-staleness", str(staleness)],
     }
     if arm not in arms:
-        raise ValueError(f"unknown arm '{arm}': choose from {', '.join(arms)}")
+        raise ConfigError(f"unknown arm '{arm}': choose from {', '.join(arms)}")
     return arms[arm]
 
 
@@ -34,9 +35,9 @@ def run_arm(arm: str, config: str, run_name: str, runs_dir: str, extra: list[str
     try:
         res = subprocess.run(cmd, timeout=timeout)
     except subprocess.TimeoutExpired:
-        raise RuntimeError(f"arm '{arm}' did not finish within {timeout:g} s; its log is in {runs_dir}/{run_name}/log.txt") from None
+        raise VimeError(f"arm '{arm}' did not finish within {timeout:g} s; its log is in {runs_dir}/{run_name}/log.txt") from None
     if res.returncode != 0:
-        raise RuntimeError(f"arm '{arm}' failed with exit code {res.returncode}; its log is in {runs_dir}/{run_name}/log.txt")
+        raise VimeError(f"arm '{arm}' failed with exit code {res.returncode}; its log is in {runs_dir}/{run_name}/log.txt")
     return Path(runs_dir) / run_name
 
 
@@ -50,7 +51,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--no-plots", action="store_true", help="tables only (no PNG plots)")
     a, extra = p.parse_known_args(argv)
     if not Path(a.config).exists():
-        raise FileNotFoundError(f"config file {a.config} not found")
+        raise ConfigError(f"config file {a.config} not found")
     arms = [x.strip() for x in a.arms.split(",") if x.strip()]
     for arm in arms:
         arm_command(arm, a.staleness)  # reject a bad arm before anything runs

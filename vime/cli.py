@@ -1,7 +1,9 @@
 """`vime train | eval | serve | data | report` — one entry point for everything a user runs.
 
-User mistakes (bad flags, missing files, unreachable engines) end with one line on stderr and
-exit code 2; set VIME_DEBUG=1 to see the traceback instead.
+User mistakes and outside failures vime can name (bad flags, missing files, unreachable
+engines: every `VimeError`) end with one line on stderr and exit code 2; set VIME_DEBUG=1 to
+see the traceback instead. Any other exception is a bug, in vime or below it, and keeps its
+traceback.
 """
 from __future__ import annotations
 
@@ -23,24 +25,10 @@ commands:
 `vime <command> --help` explains each command's flags."""
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from vime.config import ConfigError
-    from vime.engine.client import EngineError
-    from vime.models import ModelError
-    from vime.rollout.data_source import DataError
-    from vime.rollout.rewards import RewardError
-    from vime.trainer.actor import CheckpointError
-    from vime.trainer.nonfinite import NonFiniteError
-
-    return (
-        ConfigError, ModelError, DataError, RewardError, EngineError, CheckpointError, NonFiniteError, FileNotFoundError, FileExistsError,
-        ValueError, NotImplementedError,
-    )
-
-
 def guarded(fn: Callable[[list[str]], int], argv: list[str]) -> int:
     """Run a command: SIGTERM and Ctrl-C unwind it (engines and workers stopped) and exit 143 /
     130; a user's mistake is one line on stderr and exit 2."""
+    from vime.errors import VimeError
     from vime.lifetime import Terminated, stop_on_sigterm
 
     stop_on_sigterm()
@@ -54,26 +42,24 @@ def guarded(fn: Callable[[list[str]], int], argv: list[str]) -> int:
             raise
         print("interrupted", file=sys.stderr)
         return 130
-    except _user_errors() as e:
+    except VimeError as e:
         if os.environ.get("VIME_DEBUG"):
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2
 
 
-def train_main(argv: list[str], mode: str = "sync") -> int:
+def train_main(argv: list[str], entry: str = "sync") -> int:
+    """`entry`: sync (train.py) or async (train_async.py); the run's mode follows from it and the
+    flags (`Config.validate`)."""
     from vime.config import parse_args
 
-    prog = "train.py" if mode == "sync" else "train_async.py"
-    desc = "GRPO training: generate → train → push weights, in sequence." if mode == "sync" else "Asynchronous GRPO training: generation overlaps training (one-step-off, or fully-async with its rollout function)."
-    args = parse_args(argv, prog=prog, description=desc)
-    if mode != "sync" and args.max_staleness is not None:
-        mode = "decoupled"
-    elif mode == "sync" and args.max_staleness is not None:
-        raise ValueError("--max-staleness is decoupled async training: run it with train_async.py")
-    from vime.loop import run  # heavy imports (torch, transformers) only once the flags are good
+    prog = "train.py" if entry == "sync" else "train_async.py"
+    desc = "GRPO training: generate → train → push weights, in sequence." if entry == "sync" else "Asynchronous GRPO training: generation overlaps training (one-step-off, or fully-async with its rollout function)."
+    args = parse_args(argv, prog=prog, description=desc, entry=entry)
+    from vime.run import train  # heavy imports (torch, transformers) only once the flags are good
 
-    run_dir = run(args, mode)
+    run_dir = train(args)
     print(f"run written to {run_dir}")
     return 0
 
@@ -85,25 +71,24 @@ def eval_main(argv: list[str]) -> int:
 
     from vime.config import parse_args
     from vime.eval import evaluate
-    from vime.models import context_length, load_tokenizer, resolve_model
     from vime.placement import place
-    from vime.rollout.data_source import load_eval_samples
-    from vime.rollout.vllm_rollout import close_clients
+    from vime.preflight import check_eval_inputs
+    from vime.rollout.runtime import RolloutRuntime, make_clients
 
-    args = parse_args(argv, prog="vime eval", description="Greedy evaluation: accuracy on held-out prompts (writes per-sample JSONL).", for_eval=True)
-    args.model_dir = resolve_model(args.hf_checkpoint)
-    # the prompts are checked before an engine starts
-    load_eval_samples(args, load_tokenizer(args.model_dir), args.eval_prompt_data, args.eval_limit, context_length(args.model_dir) - 1)
+    args = parse_args(argv, prog="vime eval", description="Greedy evaluation: accuracy on held-out prompts (writes per-sample JSONL).", entry="eval")
+    tokenizer = check_eval_inputs(args)  # the model and prompts are checked before an engine starts
     run_dir = args.run_dir if args.run_name else Path(args.runs_dir) / "eval"
     run_dir.mkdir(parents=True, exist_ok=True)
     placement = place(args, args.model_dir, run_dir)
     try:
         args.rollout_engine_urls = placement.urls
         args.api_key = placement.api_key or args.api_key
+        args.runtime = RolloutRuntime(make_clients(placement.urls, args.rollout_backend, args.api_key), tokenizer)
         out_path = run_dir / "eval.jsonl"
         m = evaluate(args, 0, out_path).metrics
     finally:
-        close_clients()
+        if args.runtime is not None:
+            args.runtime.close()
         placement.shutdown()
     print(f"accuracy {m['eval/accuracy']:.4f} ({m['eval/correct']}/{m['eval/total']})  per-sample results: {out_path}")
     print(json.dumps({k: m[k] for k in ("eval/accuracy", "eval/correct", "eval/total")}))
@@ -119,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "train":
         return guarded(lambda a: train_main(a, "sync"), rest)
     if cmd == "train-async":
-        return guarded(lambda a: train_main(a, "one-step-off"), rest)
+        return guarded(lambda a: train_main(a, "async"), rest)
     if cmd == "eval":
         return guarded(eval_main, rest)
     if cmd == "serve":

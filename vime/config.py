@@ -8,6 +8,7 @@ command line win over it.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import difflib
 import json
@@ -21,9 +22,20 @@ from typing import Any
 
 import yaml
 
+from vime.errors import VimeError
 
-class ConfigError(ValueError):
+
+class ConfigError(VimeError, ValueError):
     """Inconsistent or invalid settings; the message is one line saying what to change."""
+
+
+DEFAULT_ROLLOUT_FN = "vime.rollout.vllm_rollout.generate_rollout"
+FULLY_ASYNC_FN = "vime.rollout.fully_async_rollout.generate_rollout_fully_async"
+MODES = ("sync", "one-step-off", "fully-async", "decoupled")
+ENTRIES = ("sync", "async", "eval")  # train.py, train_async.py, vime eval
+
+
+DERIVED, RUNTIME = "derived", "runtime"  # field groups that are not flags
 
 
 def _f(default: Any, help: str, choices: tuple | None = None, group: str = "") -> Any:
@@ -49,7 +61,7 @@ class Config:
     n_samples_per_prompt: int = _f(4, "responses per prompt (the GRPO group size)", group="rollout")
     num_rollout: int | None = _f(None, "rollout steps to run (default: from --num-epoch)", group="rollout")
     num_epoch: int | None = _f(None, "passes over the prompt data when --num-rollout is not given", group="rollout")
-    rollout_function_path: str = _f("vime.rollout.vllm_rollout.generate_rollout", "dotted path of the rollout function", group="rollout")
+    rollout_function_path: str = _f(DEFAULT_ROLLOUT_FN, "dotted path of the rollout function", group="rollout")
     custom_generate_function_path: str | None = _f(None, "dotted path of an async per-sample generate(args, sample, sampling_params) -> Sample", group="rollout")
     rollout_max_response_len: int = _f(256, "max new tokens per response", group="rollout")
     rollout_temperature: float = _f(1.0, "sampling temperature (0 = greedy)", group="rollout")
@@ -131,6 +143,13 @@ class Config:
     runs_dir: str = _f("runs", "where runs/<name>/ is written", group="eval and output")
     use_tensorboard: bool = _f(True, "write TensorBoard events when tensorboard is installed", group="eval and output")
     quiet: bool = _f(False, "no progress bar or per-step lines on stderr (log.txt and metrics.jsonl still get them)", group="eval and output")
+    # --- derived: set by validate() or by the run, once; not flags (config.yaml records them) ---
+    mode: str | None = _f(None, "sync, one-step-off, fully-async or decoupled: from the entry point, --max-staleness and --rollout-function-path", group=DERIVED)
+    model_dir: str | None = _f(None, "the local directory --hf-checkpoint resolved to", group=DERIVED)
+    # --- the run's live objects (engine clients, tokenizer, fully-async worker): not settings,
+    # never written or pickled; slime's rollout signatures pass only args, so this is how the
+    # run hands them to rollout and generate functions ---
+    runtime: Any = field(default=None, repr=False, compare=False, metadata={"help": "", "choices": None, "group": RUNTIME})
 
     # ---- derived values, so no caller recomputes them ----
     @property
@@ -158,55 +177,19 @@ class Config:
     def run_dir(self) -> Path:
         return Path(self.runs_dir) / (self.run_name or "run")
 
-    def validate(self, for_eval: bool = False) -> "Config":
-        """Fail at start-up, not an hour in. `for_eval`: only what `vime eval` needs."""
+    def validate(self, entry: str = "sync") -> "Config":
+        """Fail at start-up, not an hour in; fill in the defaults that depend on other fields and
+        the derived `mode`. `entry`: sync (train.py), async (train_async.py) or eval (`vime eval`,
+        which checks only what evaluation needs). Every consistency check of the settings is here."""
+        if entry not in ENTRIES:
+            raise ValueError(f"validate(entry={entry!r}): one of {ENTRIES}")
         if self.eps_clip_high is None:
             self.eps_clip_high = self.eps_clip
         if self.global_batch_size is None:
             self.global_batch_size = self.samples_per_rollout
         if self.eval_max_response_len is None:
             self.eval_max_response_len = self.rollout_max_response_len
-        checks: list[tuple[bool, str]] = [
-            (self.hf_checkpoint is None, "--hf-checkpoint is required (an HF model directory, or 'smollm2')"),
-            (self.prompt_data is None, "--prompt-data is required (a JSONL or Parquet file of prompts)"),
-            (self.rollout_batch_size < 1, "--rollout-batch-size must be at least 1"),
-            (self.n_samples_per_prompt < 1, "--n-samples-per-prompt must be at least 1"),
-            (self.global_batch_size < 1, "--global-batch-size must be at least 1"),
-            (
-                self.global_batch_size >= 1 and self.samples_per_rollout % self.global_batch_size != 0,
-                f"--rollout-batch-size × --n-samples-per-prompt = {self.samples_per_rollout} is not a multiple of "
-                f"--global-batch-size {self.global_batch_size}: pick a global batch size that divides it",
-            ),
-            (self.num_rollout is None and self.num_epoch is None, "give --num-rollout (steps) or --num-epoch (passes over the data)"),
-            (self.num_rollout is not None and self.num_rollout < 1, "--num-rollout must be at least 1"),
-            (self.save_interval is not None and self.save is None, "--save-interval needs --save DIR (where to write checkpoints)"),
-            (self.eval_interval is not None and self.eval_prompt_data is None, "--eval-interval needs --eval-prompt-data (held-out prompts)"),
-            (self.rollout_temperature < 0, "--rollout-temperature must be >= 0 (0 = greedy)"),
-            (not 0 < self.rollout_top_p <= 1, "--rollout-top-p must be in (0, 1]"),
-            (self.rollout_max_response_len < 1, "--rollout-max-response-len must be at least 1"),
-            (self.update_weights_interval < 1, "--update-weights-interval must be at least 1"),
-            (self.lr < 0, "--lr must be >= 0"),
-            (self.max_staleness is not None and self.max_staleness < 0, "--max-staleness must be >= 0"),
-            (
-                self.max_staleness is not None and self.max_staleness < self.min_staleness,
-                f"--max-staleness {self.max_staleness} cannot hold: with --update-weights-interval {self.update_weights_interval} and "
-                f"{self.steps_per_rollout} optimizer step(s) per rollout even sync training trains tokens {self.min_staleness} steps old; "
-                f"raise --max-staleness to {self.min_staleness} or push and step once per rollout",
-            ),
-            (self.use_rollout_logprobs and (self.use_tis or self.use_rs), "--use-tis/--use-rs weigh π_old against the engine's log-probs, which --use-rollout-logprobs makes π_old: drop one"),
-            (not 0 <= self.tis_clip_low < self.tis_clip, f"--tis-clip-low {self.tis_clip_low} must be >= 0 and below --tis-clip {self.tis_clip}"),
-            (not 0 <= self.rs_lower_bound < self.rs_upper_bound, f"--rs-lower-bound {self.rs_lower_bound} must be >= 0 and below --rs-upper-bound {self.rs_upper_bound}"),
-            (self.partial_rollout and self.max_staleness is None, "--partial-rollout only applies to decoupled training: add --max-staleness K"),
-            (self.rollout_concurrency is not None and self.rollout_concurrency < 1, "--rollout-concurrency must be at least 1"),
-            (self.max_tokens_per_gpu < 1, "--max-tokens-per-gpu must be at least 1"),
-            (self.update_weights_timeout <= 0, "--update-weights-timeout must be > 0 seconds"),
-            (self.update_weight_buffer_size < 1, "--update-weight-buffer-size must be at least 1 byte"),
-            (self.rollout_backend not in ("vime", "vllm"), f"--rollout-backend {self.rollout_backend!r}: use vime or vllm"),
-        ]
-        checks += [(self.max_bad_steps < 1, "--max-bad-steps must be at least 1"), *_non_finite(self)]
-        if for_eval:
-            checks = [c for c in checks if "--prompt-data" not in c[1] and "--num-rollout" not in c[1]]
-            checks.append((self.eval_prompt_data is None, "--eval-prompt-data is required (the held-out prompts)"))
+        checks = _common_checks(self) + (_eval_checks(self) if entry == "eval" else _train_checks(self, entry))
         for name, f in _FIELDS.items():  # argparse checks choices on the command line; a YAML value gets here unchecked
             value, choices = getattr(self, name), f.metadata["choices"]
             if choices is not None and value not in choices:
@@ -214,16 +197,101 @@ class Config:
         for bad, msg in checks:
             if bad:
                 raise ConfigError(msg)
+        if entry != "eval":
+            self.mode = self._derive_mode(entry)
         if self.api_key is None:
             self.api_key = os.environ.get("VIME_API_KEY") or None
         return self
 
+    def _derive_mode(self, entry: str) -> str:
+        """The one place the training mode is decided. train_async.py with --max-staleness is
+        decoupled, which needs the continuous worker: the default rollout function becomes the
+        fully-async one; a rollout function of one's own runs one-step-off, overlapping only as
+        far as --max-staleness allows."""
+        if entry == "sync":
+            return "sync"
+        if self.max_staleness is not None:
+            if self.rollout_function_path == DEFAULT_ROLLOUT_FN:
+                self.rollout_function_path = FULLY_ASYNC_FN
+            return "decoupled" if self.rollout_function_path == FULLY_ASYNC_FN else "one-step-off"
+        return "fully-async" if self.rollout_function_path == FULLY_ASYNC_FN else "one-step-off"
+
     def to_dict(self) -> dict[str, Any]:
-        """Every setting, for config.yaml; a secret shows only that it was set."""
-        d = dataclasses.asdict(self)
+        """Every setting and derived value, for config.yaml; a secret shows only that it was set."""
+        d = {name: copy.deepcopy(getattr(self, name)) for name, f in _FIELDS.items() if f.metadata["group"] != RUNTIME}
         if d["api_key"]:
             d["api_key"] = "<set>"
         return d
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Trainer ranks are spawned with the config: the live objects stay in this process."""
+        return {**self.__dict__, "runtime": None}
+
+
+def _common_checks(c: Config) -> list[tuple[bool, str]]:
+    """What any entry point needs: the model, sampling, engines, and finite numbers."""
+    return [
+        (c.hf_checkpoint is None, "--hf-checkpoint is required (an HF model directory, or 'smollm2')"),
+        (c.rollout_temperature < 0, "--rollout-temperature must be >= 0 (0 = greedy)"),
+        (not 0 < c.rollout_top_p <= 1, "--rollout-top-p must be in (0, 1]"),
+        (c.rollout_max_response_len < 1, "--rollout-max-response-len must be at least 1"),
+        (c.rollout_num_gpus_per_engine != 1, "--rollout-num-gpus-per-engine > 1 (tensor-parallel engines) is not built yet: leave it at 1"),
+        (
+            c.rollout_backend == "vllm" and c.weight_transport == "nccl",
+            "--weight-transport nccl does not reach vLLM engines yet (vLLM's workers join their own rendezvous, which vime's trainer does not speak): leave it at auto (disk)",
+        ),
+        (
+            c.rollout_backend == "vllm" and c.weight_transport not in ("auto", "disk", "nccl"),
+            f"--weight-transport {c.weight_transport} does not reach vLLM engines: leave it at auto (disk)",
+        ),
+        *_non_finite(c),
+    ]
+
+
+def _eval_checks(c: Config) -> list[tuple[bool, str]]:
+    return [(c.eval_prompt_data is None, "--eval-prompt-data is required (the held-out prompts)")]
+
+
+def _train_checks(c: Config, entry: str) -> list[tuple[bool, str]]:
+    return [
+        (c.prompt_data is None, "--prompt-data is required (a JSONL or Parquet file of prompts)"),
+        (c.rollout_batch_size < 1, "--rollout-batch-size must be at least 1"),
+        (c.n_samples_per_prompt < 1, "--n-samples-per-prompt must be at least 1"),
+        (c.global_batch_size < 1, "--global-batch-size must be at least 1"),
+        (
+            c.global_batch_size >= 1 and c.samples_per_rollout % c.global_batch_size != 0,
+            f"--rollout-batch-size × --n-samples-per-prompt = {c.samples_per_rollout} is not a multiple of "
+            f"--global-batch-size {c.global_batch_size}: pick a global batch size that divides it",
+        ),
+        (c.num_rollout is None and c.num_epoch is None, "give --num-rollout (steps) or --num-epoch (passes over the data)"),
+        (c.num_rollout is not None and c.num_rollout < 1, "--num-rollout must be at least 1"),
+        (c.save_interval is not None and c.save is None, "--save-interval needs --save DIR (where to write checkpoints)"),
+        (c.eval_interval is not None and c.eval_prompt_data is None, "--eval-interval needs --eval-prompt-data (held-out prompts)"),
+        (c.update_weights_interval < 1, "--update-weights-interval must be at least 1"),
+        (c.lr < 0, "--lr must be >= 0"),
+        (
+            entry == "async" and c.colocate,
+            "train_async.py cannot --colocate: async training overlaps generation with training, so trainer and engine need their own "
+            "devices (or two processes on one GPU without --colocate); use train.py for colocated runs",
+        ),
+        (c.max_staleness is not None and c.max_staleness < 0, "--max-staleness must be >= 0"),
+        (
+            c.max_staleness is not None and c.max_staleness < c.min_staleness,
+            f"--max-staleness {c.max_staleness} cannot hold: with --update-weights-interval {c.update_weights_interval} and "
+            f"{c.steps_per_rollout} optimizer step(s) per rollout even sync training trains tokens {c.min_staleness} steps old; "
+            f"raise --max-staleness to {c.min_staleness} or push and step once per rollout",
+        ),
+        (entry == "sync" and c.max_staleness is not None, "--max-staleness is decoupled async training: run it with train_async.py"),
+        (c.use_rollout_logprobs and (c.use_tis or c.use_rs), "--use-tis/--use-rs weigh π_old against the engine's log-probs, which --use-rollout-logprobs makes π_old: drop one"),
+        (not 0 <= c.tis_clip_low < c.tis_clip, f"--tis-clip-low {c.tis_clip_low} must be >= 0 and below --tis-clip {c.tis_clip}"),
+        (not 0 <= c.rs_lower_bound < c.rs_upper_bound, f"--rs-lower-bound {c.rs_lower_bound} must be >= 0 and below --rs-upper-bound {c.rs_upper_bound}"),
+        (c.partial_rollout and c.max_staleness is None, "--partial-rollout only applies to decoupled training: add --max-staleness K"),
+        (c.rollout_concurrency is not None and c.rollout_concurrency < 1, "--rollout-concurrency must be at least 1"),
+        (c.max_tokens_per_gpu < 1, "--max-tokens-per-gpu must be at least 1"),
+        (c.update_weights_timeout <= 0, "--update-weights-timeout must be > 0 seconds"),
+        (c.update_weight_buffer_size < 1, "--update-weight-buffer-size must be at least 1 byte"),
+        (c.max_bad_steps < 1, "--max-bad-steps must be at least 1"),
+    ]
 
 
 def _non_finite(cfg: Config) -> list[tuple[bool, str]]:
@@ -238,6 +306,7 @@ def _non_finite(cfg: Config) -> list[tuple[bool, str]]:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+FLAGS = [name for name, f in _FIELDS.items() if f.metadata["group"] not in (DERIVED, RUNTIME)]
 
 
 def _base_type(tp: Any) -> Any:
@@ -293,7 +362,8 @@ def build_parser(prog: str = "train.py", description: str = "") -> argparse.Argu
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--config", help="YAML file of settings (keys as flag names, with - or _); flags override it")
     groups: dict[str, argparse._ArgumentGroup] = {}
-    for name, f in _FIELDS.items():
+    for name in FLAGS:
+        f = _FIELDS[name]
         g = f.metadata["group"]
         grp = groups.setdefault(g, parser.add_argument_group(g))
         flag = "--" + name.replace("_", "-")
@@ -319,6 +389,8 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     out = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
+        if _FIELDS.get(name) is not None and name not in FLAGS:
+            continue  # a derived value of a run's config.yaml: derived again
         if name not in _FIELDS:
             close = difflib.get_close_matches(name, list(_FIELDS), n=1)
             hint = f" (did you mean {close[0].replace('_', '-')}?)" if close else ""
@@ -327,8 +399,8 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return out
 
 
-def parse_args(argv: list[str] | None = None, prog: str = "train.py", description: str = "", for_eval: bool = False, **overrides: Any) -> Config:
-    """Flags > --config YAML > dataclass defaults; then validate()."""
+def parse_args(argv: list[str] | None = None, prog: str = "train.py", description: str = "", entry: str = "sync", **overrides: Any) -> Config:
+    """Flags > --config YAML > dataclass defaults; then validate(entry)."""
     ns = vars(build_parser(prog, description).parse_args(argv))
     values: dict[str, Any] = {}
     if ns.get("config"):
@@ -336,4 +408,4 @@ def parse_args(argv: list[str] | None = None, prog: str = "train.py", descriptio
     ns.pop("config", None)
     values.update({k: _coerce(k, v) for k, v in ns.items()})
     values.update(overrides)
-    return Config(**values).validate(for_eval=for_eval)
+    return Config(**values).validate(entry)

@@ -18,7 +18,8 @@ from vime.rollout import async_loop
 from vime.rollout.data_source import load_eval_samples
 from vime.rollout.rewards import extract_answer, grade
 from vime.rollout.types import RolloutOutput, Sample
-from vime.rollout.vllm_rollout import generate_fn, sampling_params, tokenizer_for
+from vime.rollout.runtime import runtime_of
+from vime.rollout.vllm_rollout import generate_fn, sampling_params
 
 
 async def _run(args, samples: list[Sample], step: int) -> list[Sample]:
@@ -50,7 +51,7 @@ async def _run(args, samples: list[Sample], step: int) -> list[Sample]:
 
 def evaluate(args, step: int, out_path: Path | None = None) -> RolloutOutput:
     """Generate on the eval prompts and grade; writes one JSON line per sample to out_path."""
-    base = load_eval_samples(args, tokenizer_for(args), args.eval_prompt_data, limit=args.eval_limit, max_prompt_len=context_length(args.model_dir) - 1)
+    base = load_eval_samples(args, runtime_of(args).tokenizer, args.eval_prompt_data, limit=args.eval_limit, max_prompt_len=context_length(args.model_dir) - 1)
     n = args.n_samples_per_eval_prompt
     samples = [Sample(**{**s.__dict__, "index": s.index * n + k, "tokens": list(s.tokens), "metadata": dict(s.metadata)}) for s in base for k in range(n)]
     t0 = time.perf_counter()

@@ -14,6 +14,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+from vime.errors import VimeError
+
 log = logging.getLogger("vime")
 # One plain line per step: always in log.txt; on stderr too when it is no terminal (under make,
 # nohup, CI or a scheduler, where a bar would print nothing useful), unless --quiet.
@@ -166,7 +168,7 @@ def _supersede_rows_after(path: Path, step: int) -> None:
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
-        raise FileNotFoundError(f"{path} not found: is {run_dir} a vime run directory?")
+        raise VimeError(f"{path} not found: is {run_dir} a vime run directory?")
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from vime.errors import VimeError
 
 SMOLLM2_ALIASES = ("smollm2", "smollm2-135m-instruct", "HuggingFaceTB/SmolLM2-135M-Instruct")
 
@@ -20,7 +21,7 @@ TINY_CHAT_TEMPLATE = (
 )
 
 
-class ModelError(ValueError):
+class ModelError(VimeError, ValueError):
     """A model name or directory that cannot be used; the message says what to do."""
 
 

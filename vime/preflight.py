@@ -4,8 +4,9 @@ A run used to find a bad `--custom-generate-function-path`, a missing eval file,
 `--save` or a prompt too long for the model only when it reached them: after the engines had
 started, after steps had trained, or hours in when the row came up. `check_inputs` reads and
 checks all of them first, each failure one line naming the flag, file or row and the fix, and
-hands the loop what it built on the way (model directory, tokenizer, data source), so
-nothing is read twice. It writes nothing but a probe file in the output directories.
+hands the run what it built on the way (tokenizer, rollout function, data source), so nothing
+is read twice. It is also the one place `args.model_dir` (the directory --hf-checkpoint
+resolves to) is set. It writes nothing but a probe file in the output directories.
 """
 from __future__ import annotations
 
@@ -19,14 +20,13 @@ from vime.config import ConfigError
 from vime.models import ModelError, context_length, load_tokenizer, resolve_model
 from vime.rollout.data_source import DataSource, load_eval_samples
 from vime.rollout.rewards import get_reward_fn
-from vime.rollout.vllm_rollout import load_function
+from vime.plugins import load_function
 
 
 @dataclass
 class Inputs:
     """What the checks built, for the run to use."""
 
-    model_dir: Path
     tokenizer: Any
     rollout_fn: Callable
     data_source: DataSource
@@ -41,13 +41,10 @@ def check_inputs(args: Any) -> Inputs:
     if args.save:
         _writable(Path(args.save), "--save")
     if args.load and latest_checkpoint(Path(args.load), warn=False) is None:
-        raise FileNotFoundError(f"--load {args.load}: no intact checkpoint inside (expected <step>/trainer_state.pt and the model's safetensors)")
+        raise ConfigError(f"--load {args.load}: no intact checkpoint inside (expected <step>/trainer_state.pt and the model's safetensors)")
 
-    model_dir = resolve_model(args.hf_checkpoint)
-    try:
-        tokenizer = load_tokenizer(model_dir)
-    except (OSError, ValueError) as e:
-        raise ModelError(f"cannot load the tokenizer of {model_dir} ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
+    tokenizer = _model(args)
+    model_dir = Path(args.model_dir)
     if args.save:
         _room_for_checkpoints(Path(args.save), model_dir)
 
@@ -66,7 +63,23 @@ def check_inputs(args: Any) -> Inputs:
         )
     if args.eval_prompt_data:
         load_eval_samples(args, tokenizer, args.eval_prompt_data, limit=args.eval_limit, max_prompt_len=max_prompt_len)
-    return Inputs(model_dir, tokenizer, rollout_fn, data_source, notes)
+    return Inputs(tokenizer, rollout_fn, data_source, notes)
+
+
+def check_eval_inputs(args: Any) -> Any:
+    """What `vime eval` reads, checked before an engine starts; returns the tokenizer."""
+    tokenizer = _model(args)
+    load_eval_samples(args, tokenizer, args.eval_prompt_data, limit=args.eval_limit, max_prompt_len=context_length(args.model_dir) - 1)
+    return tokenizer
+
+
+def _model(args: Any) -> Any:
+    """Resolve --hf-checkpoint into `args.model_dir` and load its tokenizer."""
+    args.model_dir = str(resolve_model(args.hf_checkpoint))
+    try:
+        return load_tokenizer(args.model_dir)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"cannot load the tokenizer of {args.model_dir} ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
 
 
 def _writable(path: Path, flag: str) -> None:

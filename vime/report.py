@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from vime.errors import VimeError
 from vime.metrics import mean, read_metrics
 
 
@@ -43,7 +44,7 @@ def summarize(run_dir: str | Path) -> RunSummary:
     cfg = yaml.safe_load(cfg_path.read_text()) if cfg_path.exists() else {}
     steps = [r for r in rows if "perf/step_time" in r]
     if not steps:
-        raise ValueError(f"{run_dir}/metrics.jsonl has no training steps yet")
+        raise VimeError(f"{run_dir}/metrics.jsonl has no training steps yet: report a run that has trained at least one step")
 
     def col(key: str) -> float:
         return mean([r.get(key, 0.0) or 0.0 for r in steps])

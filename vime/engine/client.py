@@ -16,9 +16,10 @@ import urllib.request
 from typing import Any
 
 import aiohttp
+from vime.errors import VimeError
 
 
-class EngineError(RuntimeError):
+class EngineError(VimeError, RuntimeError):
     """An engine that cannot be reached or that refused a request; one line naming its URL."""
 
 

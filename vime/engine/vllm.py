@@ -473,20 +473,14 @@ def place_vllm(args, model_dir: Path, run_dir: Path):
 
     Weights go by disk on every machine (`update_weights_from_disk`: vLLM reloads a directory;
     shm is one file, cuda_ipc and gloo have no vLLM counterpart). NCCL is refused until the
-    trainer's side joins vLLM's rendezvous (see `VLLMClient.init_weights_update_group`).
+    trainer's side joins vLLM's rendezvous (see `VLLMClient.init_weights_update_group`):
+    vLLM's workers join through their own rendezvous, which vime's trainer does not speak.
     """
     from vime.config import ConfigError
     from vime.placement import Placement, engine_devices, fresh_path, trainer_device
 
     trainer = trainer_device(args)
-    transport = "disk" if args.weight_transport == "auto" else args.weight_transport
-    if transport == "nccl":
-        raise ConfigError(
-            "--weight-transport nccl does not reach vLLM engines yet (vLLM's workers join through their own rendezvous, "
-            "which vime's trainer does not speak; docs/architecture.md): leave --weight-transport at auto (disk)"
-        )
-    if transport != "disk":
-        raise ConfigError(f"--weight-transport {args.weight_transport} does not reach vLLM engines: leave it at auto (disk)")
+    transport = "disk"  # Config.validate refuses the others for this backend
     if args.rollout_engine_urls:
         urls = list(args.rollout_engine_urls)
         for u in urls:  # an unreachable or wrong-version server fails now, with its URL

@@ -31,6 +31,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import Tensor
+from vime.errors import VimeError
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ def apply_gpu_safe_env(env: dict[str, str] | os._Environ = os.environ) -> dict[s
     return env
 
 
-class WeightSyncError(RuntimeError):
+class WeightSyncError(VimeError, RuntimeError):
     """The weight group failed (a peer died, never joined, or a collective timed out)."""
 
 

@@ -16,12 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from vime.rollout.types import Sample, Status
+from vime.errors import VimeError
 
 _SLICE_RE = re.compile(r"^(?P<path>.+)@\[(?P<a>[^\]:]*):(?P<b>[^\]:]*)\]$")
 JSON_SUFFIXES = (".jsonl", ".json")
 
 
-class DataError(ValueError):
+class DataError(VimeError, ValueError):
     """Unusable prompt data; the one-line message names the file (and row or line) and the fix."""
 
 
@@ -223,7 +224,7 @@ def load_eval_samples(args, tokenizer, path: str | Path, limit: int | None = Non
     rows = load_prompts(path, args.input_key, args.label_key, args.metadata_key, args.label_format)
     renderer = PromptRenderer(args, tokenizer, str(path))
     if max_prompt_len is not None:
-        rows, _ = fit_prompts(rows, renderer, str(path), max_prompt_len, bool(getattr(args, "skip_overlong_prompts", False)))
+        rows, _ = fit_prompts(rows, renderer, str(path), max_prompt_len, args.skip_overlong_prompts)
     samples = []
     for i, row in enumerate(rows[:limit]):
         text, ids = renderer.render(row["input"], f"{path} row {i}")

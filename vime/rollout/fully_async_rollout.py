@@ -23,11 +23,13 @@ Rules the worker keeps:
 
 Every group the worker holds (queued, in flight, or drained but not yet trained) is still
 outstanding in the data source, so a checkpoint saves it for the resumed run to generate again.
+
+The worker belongs to the run (`args.runtime.worker`): started by the first call, told of every
+push through `RolloutRuntime.set_engine_version`, stopped when the run closes.
 """
 from __future__ import annotations
 
 import asyncio
-import atexit
 import heapq
 import itertools
 import logging
@@ -35,9 +37,10 @@ import threading
 import time
 
 from vime.rollout import async_loop
-from vime.rollout.types import RolloutOutput, Sample, Status
 from vime.rollout.rewards import score_samples
-from vime.rollout.vllm_rollout import engine_clients, generate_fn, rollout_metrics, sampling_params
+from vime.rollout.runtime import runtime_of
+from vime.rollout.types import RolloutOutput, Sample, Status
+from vime.rollout.vllm_rollout import generate_fn, rollout_metrics, sampling_params
 
 log = logging.getLogger("vime")
 
@@ -45,7 +48,7 @@ log = logging.getLogger("vime")
 class AsyncRolloutWorker:
     """Producer side of the fully-async pipeline; lives on the shared rollout event loop."""
 
-    def __init__(self, args, data_source, first_rollout: int) -> None:
+    def __init__(self, args, data_source, first_rollout: int, engine_version: int = 0) -> None:
         self.args = args
         self.data_source = data_source
         self.concurrency = args.rollout_concurrency or 2 * args.rollout_batch_size
@@ -59,7 +62,8 @@ class AsyncRolloutWorker:
         self.cond = threading.Condition()  # guards everything below; the data source has its own lock
         self.inflight = 0
         self.counts = {"requeued": 0, "dropped_stale": 0, "resumed": 0}
-        self.engine_version = _engine_version  # kept current by set_engine_version after each push
+        self.engine_version = engine_version  # kept current by set_engine_version after each push
+        self.spans: dict[int, tuple[float, float]] = {}  # group index → (first request, scored): the batch's rollout time
         self.next_rollout = first_rollout  # the rollout the next (or current) drain hands out
         self.taken = 0  # groups the drain in progress has taken: still that rollout's
         self.max_inflight_seen = 0
@@ -133,8 +137,8 @@ class AsyncRolloutWorker:
                 self.counts["resumed"] += sum(s.status == Status.ABORTED for s in group)
                 group = list(await asyncio.gather(*(fn(args, s, params) if s.status == Status.ABORTED else _done(s) for s in group)))
             await score_samples(args, group)
-            group[0].metadata["gen_span"] = (started, time.perf_counter())
             with self.cond:
+                self.spans[group[0].group_index] = (started, time.perf_counter())
                 heapq.heappush(self.ready, (group[0].group_index, next(self._arrival), group))
                 self.cond.notify_all()
         except asyncio.CancelledError:
@@ -168,12 +172,14 @@ class AsyncRolloutWorker:
                     raise self.error
                 group = heapq.heappop(self.ready)[-1]
                 if self._stale(group, rollout):
+                    self.spans.pop(group[0].group_index, None)
                     self.counts["dropped_stale"] += 1
                     self.data_source.add_samples([group])
                     continue
                 out.append(group)
                 self.taken += 1
             self.next_rollout, self.taken = rollout + 1, 0
+            spans = [self.spans.pop(g[0].group_index) for g in out if g[0].group_index in self.spans]
             metrics = {
                 "rollout/queue_depth": float(len(self.ready)),
                 "rollout/inflight": float(self.inflight),
@@ -181,80 +187,42 @@ class AsyncRolloutWorker:
                 **{f"rollout/{k}": float(v) for k, v in self.counts.items()},
             }
         self._poke()
+        if spans:  # first request to last completion of this batch's samples (DESIGN.md, "Timing")
+            metrics["perf/rollout_time"] = max(e for _, e in spans) - min(b for b, _ in spans)
         # the heap hands out the lowest index first, but a lower one may have finished mid-drain
         out.sort(key=lambda g: g[0].group_index)
         return out, metrics
 
+    def set_engine_version(self, version: int) -> None:
+        """The policy version the engines generate with now; a worker held back by the
+        staleness bound starts its next groups at once."""
+        with self.cond:
+            self.engine_version = version
+        self._poke()
+
     def stop(self) -> None:
-        """Cancel the producer and its in-flight groups, and abort their requests at the engines
-        so nothing keeps generating for a worker that is gone."""
+        """Cancel the producer and its in-flight groups (the run then aborts their requests at the
+        engines, `RolloutRuntime.close`, so nothing keeps generating for a worker that is gone)."""
         self._stop = True
         self._poke()
         try:
             self._task.result(timeout=30)
         except Exception as e:  # a failed producer has already reported through drain()
             log.debug("rollout worker ended with %r", e)
-        for client in engine_clients(self.args):
-            try:
-                client.abort_request(abort_all=True)
-            except Exception as e:  # the engine may already be gone at exit
-                log.debug("abort at shutdown failed: %r", e)
 
 
 async def _done(sample: Sample) -> Sample:
     return sample
 
 
-_worker: AsyncRolloutWorker | None = None
-_worker_lock = threading.Lock()
-
-
-def get_worker(args, data_source, first_rollout: int = 0) -> AsyncRolloutWorker:
-    """The process-wide worker, started on first use with the index of the first rollout it serves."""
-    global _worker
-    with _worker_lock:
-        if _worker is None:
-            _worker = AsyncRolloutWorker(args, data_source, first_rollout)
-        return _worker
-
-
-def shutdown() -> None:
-    """Stop the worker (idempotent): in-flight requests are cancelled, nothing is left running."""
-    global _worker, _engine_version
-    with _worker_lock:
-        if _worker is not None:
-            _worker.stop()
-            _worker = None
-        _engine_version = 0
-
-
-atexit.register(shutdown)
-
-
-_engine_version = 0
-
-
-def set_engine_version(version: int) -> None:
-    """The policy version the engines generate with now (optimizer steps of the pushed
-    weights). Called after every push (and on resume), also before the worker exists; a
-    worker held back by the staleness bound starts its next groups at once."""
-    global _engine_version
-    _engine_version = version
-    if _worker is not None:
-        with _worker.cond:
-            _worker.engine_version = version
-        _worker._poke()
-
-
 def generate_rollout_fully_async(args, rollout_id: int, data_source, evaluation: bool = False) -> RolloutOutput:
     if evaluation:
         raise ValueError("the fully-async rollout function does not evaluate: evaluation runs through vime.eval (greedy, one batch)")
-    worker = get_worker(args, data_source, rollout_id)
+    runtime = runtime_of(args)
+    if runtime.worker is None:  # the first call starts the run's worker at the rollout it serves first
+        runtime.worker = AsyncRolloutWorker(args, data_source, rollout_id, runtime.engine_version)
     t0 = time.perf_counter()
-    groups, metrics = worker.drain(rollout_id, args.rollout_batch_size)
+    groups, metrics = runtime.worker.drain(rollout_id, args.rollout_batch_size)
     metrics.update(rollout_metrics(groups))
     metrics["perf/rollout_drain_time"] = time.perf_counter() - t0
-    spans = [g[0].metadata.pop("gen_span") for g in groups if "gen_span" in g[0].metadata]
-    if spans:  # first request to last completion of this batch's samples (DESIGN.md, "Timing")
-        metrics["perf/rollout_time"] = max(e for _, e in spans) - min(s for s, _ in spans)
     return RolloutOutput(samples=groups, metrics=metrics)

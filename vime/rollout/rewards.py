@@ -38,6 +38,8 @@ from typing import Any, Awaitable, Callable
 
 from vime.lifetime import exit_with_parent
 from vime.rollout.types import Sample, Status
+from vime.errors import VimeError
+from vime.plugins import load_function
 
 log = logging.getLogger("vime")
 
@@ -56,7 +58,7 @@ POOL_WORKERS = 2
 DEFAULT_TIMEOUT_S = 10.0
 
 
-class RewardError(ValueError):
+class RewardError(VimeError, ValueError):
     """A reward setting that cannot work (`--rm-type`, `--custom-rm-path`); raised at start-up."""
 
 
@@ -452,30 +454,12 @@ async def _in_daemon_thread(fn: Callable, *args: Any) -> Any:
 # ---------------------------------------------------------------- reward functions
 
 
-def _load_custom(path: str) -> Callable:
-    """Import `pkg.module:func` or `pkg.module.func`."""
-    module_name, sep, attr = path.partition(":")
-    if not sep:
-        module_name, _, attr = path.rpartition(".")
-    if not module_name or not attr:
-        raise RewardError(f"--custom-rm-path '{path}': give module.path:func or module.path.func")
-    if os.getcwd() not in sys.path:  # a reward file next to where the user runs vime should just work
-        sys.path.append(os.getcwd())
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise RewardError(f"--custom-rm-path '{path}' cannot be loaded ({type(e).__name__}: {e}); check the module is importable and defines '{attr}'") from None
-    if not callable(fn):
-        raise RewardError(f"--custom-rm-path '{path}' is not callable: it must be fn(args, sample) -> float")
-    return fn
-
-
 def _is_async(fn: Callable) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
 
 def _timeout(args) -> float:
-    return float(getattr(args, "reward_timeout", None) or DEFAULT_TIMEOUT_S)
+    return float(args.reward_timeout)
 
 
 def get_reward_fn(args) -> RewardFn:
@@ -485,9 +469,9 @@ def get_reward_fn(args) -> RewardFn:
     enforces --reward-timeout, each sample timed from when it starts (a long queue for the
     pool or the threads is not a timeout); error counting is score_samples' job.
     """
-    rm_type, custom_rm_path = getattr(args, "rm_type", "math"), getattr(args, "custom_rm_path", None)
+    rm_type, custom_rm_path = args.rm_type, args.custom_rm_path
     if custom_rm_path:
-        fn = _load_custom(custom_rm_path)
+        fn = load_function(custom_rm_path, "--custom-rm-path", RewardError, "fn(args, sample) -> float")
         if _is_async(fn):
 
             async def custom_async(sample: Sample) -> float:

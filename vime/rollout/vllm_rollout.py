@@ -3,76 +3,26 @@
 `generate_rollout(args, rollout_id, data_source, evaluation=False)` keeps slime's signature.
 It is synchronous for the train loop; the requests themselves run concurrently on the shared
 rollout event loop (`async_loop`). The name is slime's; it talks to any engine behind
-`EngineClient`, the built-in one by default.
+`EngineClient` (the built-in one, or vLLM), through the run's clients (`args.runtime`).
+The per-sample pieces here (`generate`, `generate_group`, `sampling_params`) are shared by the
+fully-async worker and by evaluation.
 """
 from __future__ import annotations
 
 import asyncio
-import functools
-import importlib
 import time
 import uuid
 from typing import Any, Awaitable, Callable
 
-from vime.engine.client import EngineClient
+from vime.plugins import load_function
 from vime.rollout import async_loop
 from vime.rollout.rewards import score_samples
+from vime.rollout.runtime import runtime_of
 from vime.rollout.types import RolloutOutput, Sample, Status
 
 GenerateFn = Callable[[Any, Sample, dict], Awaitable[Sample]]
 
 _FINISH_TO_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
-
-
-def load_function(path: str, what: str) -> Callable:
-    """Import `pkg.module.func` (or `pkg.module:func`) with a one-line error naming the flag."""
-    module_name, _, attr = path.replace(":", ".").rpartition(".")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ValueError(f"{what} '{path}' cannot be loaded ({type(e).__name__}: {e}): give a dotted path to a function") from None
-    if not callable(fn):
-        raise ValueError(f"{what} '{path}' is not callable")
-    return fn
-
-
-_CLIENTS: dict[tuple[str, ...], tuple[EngineClient, ...]] = {}
-
-
-def _clients(urls: tuple[str, ...], backend: str = "vime", api_key: str | None = None) -> tuple[EngineClient, ...]:
-    if urls not in _CLIENTS:
-        if backend == "vllm":
-            from vime.engine.vllm import VLLMClient
-
-            _CLIENTS[urls] = tuple(VLLMClient(u) for u in urls)
-        else:
-            _CLIENTS[urls] = tuple(EngineClient(u, api_key=api_key) for u in urls)
-    return _CLIENTS[urls]
-
-
-def close_clients() -> None:
-    """Close every cached client's HTTP session on the rollout loop (end of a run)."""
-    for clients in list(_CLIENTS.values()):
-        for c in clients:
-            async_loop.run(c.close())
-    _CLIENTS.clear()
-
-
-def engine_clients(args) -> tuple[EngineClient, ...]:
-    if not args.rollout_engine_urls:
-        raise RuntimeError("no rollout engines: the train loop sets args.rollout_engine_urls before the first rollout")
-    return _clients(tuple(args.rollout_engine_urls), args.rollout_backend, getattr(args, "api_key", None))
-
-
-@functools.lru_cache(maxsize=None)
-def _tokenizer(path: str):
-    from vime.models import load_tokenizer
-
-    return load_tokenizer(path)
-
-
-def tokenizer_for(args):
-    return _tokenizer(str(args.model_dir))
 
 
 def sampling_params(args, evaluation: bool = False) -> dict:
@@ -105,8 +55,8 @@ async def generate(args, sample: Sample, params: dict) -> Sample:
     from where it stopped, with the remaining token budget and the same seed (the engine seeds
     each draw by token position, so the resumed draws are the ones it would have made).
     """
-    clients = engine_clients(args)
-    client = clients[sample.group_index % len(clients)]  # a group stays on one engine (prefix reuse)
+    runtime = runtime_of(args)
+    client = runtime.clients[sample.group_index % len(runtime.clients)]  # a group stays on one engine (prefix reuse)
     params = dict(params, max_new_tokens=params["max_new_tokens"] - sample.response_length, sampling_seed=sample_seed(args, sample))
     if params["max_new_tokens"] <= 0:
         sample.status = Status.TRUNCATED
@@ -120,14 +70,14 @@ async def generate(args, sample: Sample, params: dict) -> Sample:
     sample.weight_versions = (sample.weight_versions or []) + list(meta["output_weight_versions"])
     if sample.loss_mask is not None:
         sample.loss_mask = sample.loss_mask + [1] * len(ids)
-    sample.response = tokenizer_for(args).decode(sample.response_tokens, skip_special_tokens=True)
+    sample.response = runtime.tokenizer.decode(sample.response_tokens, skip_special_tokens=True)
     sample.status = _FINISH_TO_STATUS[meta["finish_reason"]["type"]]
     return sample
 
 
 def generate_fn(args) -> GenerateFn:
     if args.custom_generate_function_path:
-        return load_function(args.custom_generate_function_path, "--custom-generate-function-path")
+        return load_function(args.custom_generate_function_path, "--custom-generate-function-path", signature="async generate(args, sample, sampling_params) -> Sample")
     return generate
 
 
@@ -166,7 +116,5 @@ async def _generate_batch(args, rollout_id: int, data_source) -> RolloutOutput:
 
 def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = False) -> RolloutOutput:
     if evaluation:
-        from vime.eval import evaluate
-
-        return evaluate(args, rollout_id)
+        raise ValueError("vime's rollout functions do not evaluate: evaluation runs through vime.eval.evaluate (greedy, graded the same way for every run)")
     return async_loop.run(_generate_batch(args, rollout_id, data_source))

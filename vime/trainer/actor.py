@@ -1,4 +1,5 @@
-"""The policy being trained: an HF causal LM, its AdamW optimizer, log-probs, steps, checkpoints.
+"""The policy being trained: an HF causal LM, its AdamW optimizer, log-probs and steps
+(checkpoints are written and read by `vime.trainer.checkpoint`).
 
 Runs as one process or as one rank of many (FSDP2, `vime.trainer.distributed` launches them).
 Every rank receives the whole batch and derives, without talking to the others, the same split:
@@ -13,38 +14,23 @@ batch × vocabulary logits ever exist.
 from __future__ import annotations
 
 import itertools
-
-import json
 import math
-import os
-import random
-import shutil
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from vime.config import Config
 from vime.models import load_tokenizer
 from vime.rollout.types import Sample
-from vime.trainer.logprobs import DEFAULT_CHUNK, chunked_log_probs
+from vime.trainer import checkpoint
+from vime.trainer.logprobs import chunked_log_probs
 from vime.trainer.loss import OffPolicyCorrection, aggregate, kl_penalty, policy_loss
 from vime.trainer.packing import PackedBatch, pack, plan_packed_micro_batches, register_packed_attention, shard_by_tokens, to_device
 from vime.trainer.perf import mfu, train_flops
-
-TRAINER_STATE = "trainer_state.pt"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written; one line naming it and the cause."""
-
-
-def _arg(args: Any, name: str, default: Any) -> Any:
-    value = getattr(args, name, default)
-    return default if value is None else value
 
 
 class TokenScorer(nn.Module):
@@ -76,47 +62,46 @@ class Actor:
     compute and float32 master weights on CUDA; `fsdp=False` is a plain single-device model.
     """
 
-    def __init__(self, args: Any, model_path: str | Path, device: str = "cpu", fsdp: bool = False, cpu_group: Any = None) -> None:
+    def __init__(self, args: Config, model_path: str | Path, device: str = "cpu", fsdp: bool = False, cpu_group: Any = None, tokenizer: Any = None) -> None:
         self.args = args
         self.cpu_group = cpu_group  # gloo group for Python objects and metrics (the default one on CPU)
         self.device = torch.device(device)
         self.fsdp = fsdp
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if fsdp else (0, 1)
         self.model = self._load(model_path)
-        if _arg(args, "gradient_checkpointing", False):
+        if args.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         all_names = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
         param_names = {n for n, _ in self.model.named_parameters()}
         self._aliases = all_names - param_names  # tied names, e.g. lm_head.weight
         # what a checkpoint holds besides parameters (none in Llama/Qwen: their rotary tables are not persistent)
         self._buffers = [n for n in self.model.state_dict() if n not in all_names]
-        self.compiled: bool = _arg(args, "compile", False)
+        self.compiled: bool = args.compile
         if self.compiled:
             # per layer, before FSDP wraps them (as torchtitan does): the layers share one code
             # object, so one compile serves all of them, and packed lengths vary: dynamic shapes
             for layer in self.model.get_decoder().layers:
                 layer.compile(dynamic=True)
-        chunk = _arg(args, "logprob_chunk_size", DEFAULT_CHUNK)
+        chunk = args.logprob_chunk_size
         self.scorer = self._wrap(TokenScorer(self.model, chunk))
-        self.tokenizer = load_tokenizer(model_path)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_path)  # the run's, or this rank's own
         pad = self.tokenizer.pad_token_id
         self.pad_token_id: int = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
-            lr=_arg(args, "lr", 1e-6),
-            betas=(_arg(args, "adam_beta1", 0.9), _arg(args, "adam_beta2", 0.98)),
-            weight_decay=_arg(args, "weight_decay", 0.0),
+            lr=args.lr,
+            betas=(args.adam_beta1, args.adam_beta2),
+            weight_decay=args.weight_decay,
             fused=self.device.type == "cuda",  # one kernel for all parameters instead of a launch per tensor
         )
         self.correction = OffPolicyCorrection(
-            use_tis=_arg(args, "use_tis", False), tis_mode=_arg(args, "tis_mode", "truncate"), tis_clip=_arg(args, "tis_clip", 2.0),
-            tis_clip_low=_arg(args, "tis_clip_low", 0.0), use_rs=_arg(args, "use_rs", False), rs_level=_arg(args, "rs_level", "token"),
-            rs_lower_bound=_arg(args, "rs_lower_bound", 0.5), rs_upper_bound=_arg(args, "rs_upper_bound", 2.0),
+            use_tis=args.use_tis, tis_mode=args.tis_mode, tis_clip=args.tis_clip, tis_clip_low=args.tis_clip_low,
+            use_rs=args.use_rs, rs_level=args.rs_level, rs_lower_bound=args.rs_lower_bound, rs_upper_bound=args.rs_upper_bound,
         )
         # coupled PPO: the engine's log-probs are π_old, so nothing is recomputed
-        self.use_rollout_logprobs: bool = _arg(args, "use_rollout_logprobs", False)
+        self.use_rollout_logprobs: bool = args.use_rollout_logprobs
         self.ref_scorer = None
-        if _arg(args, "kl_loss_coef", 0.0) > 0:
+        if args.kl_loss_coef > 0:
             ref = self._load(model_path)
             ref.requires_grad_(False)
             ref.eval()
@@ -125,8 +110,8 @@ class Actor:
     def _load(self, model_path: str | Path) -> nn.Module:
         from transformers import AutoModelForCausalLM
 
-        dtype = getattr(torch, _arg(self.args, "dtype", "float32"))
-        model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype, attn_implementation=register_packed_attention())
+        # float32 master weights everywhere; on CUDA, FSDP2 computes in bf16 (`_wrap`)
+        model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32, attn_implementation=register_packed_attention())
         model.config.use_cache = False  # training never decodes; a KV cache only costs memory
         return model.to(self.device)
 
@@ -152,7 +137,7 @@ class Actor:
         """This rank's packed micro-batches; every rank yields the same number (padding with
         empty ones, whose `indices` is empty), so FSDP's collectives pair up."""
         lengths = [len(s.tokens) for s in samples]
-        budget = _arg(self.args, "max_tokens_per_gpu", 4096)
+        budget = self.args.max_tokens_per_gpu
         shards = shard_by_tokens(lengths, self.world)
         plans = [[[shard[j] for j in mb] for mb in plan_packed_micro_batches([lengths[i] for i in shard], budget)] for shard in shards]
         mine = plans[self.rank]
@@ -171,11 +156,11 @@ class Actor:
         engine score the same distribution (top-p/top-k truncation is not reproduced). The
         entropy carries gradient only when the loss uses it.
         """
-        temperature = _arg(self.args, "rollout_temperature", 1.0)
+        temperature = self.args.rollout_temperature
         if not with_entropy:
             return scorer(mb, temperature, False)
         log_probs, entropy = scorer(mb, temperature, True)
-        if _arg(self.args, "entropy_coef", 0.0) == 0:
+        if self.args.entropy_coef == 0:
             entropy = entropy.detach()
         return log_probs, entropy
 
@@ -204,7 +189,7 @@ class Actor:
 
     # ---- training --------------------------------------------------------------------
 
-    def train_step(self, samples: list[Sample], advantages: list[float]) -> dict[str, float]:
+    def train_step(self, samples: list[Sample], advantages: Tensor | Sequence[float]) -> dict[str, float]:
         """Train on one rollout: `len(samples) // global_batch_size` optimizer steps.
 
         Old log-probs are those of the current weights (the proximal policy), or with
@@ -217,9 +202,10 @@ class Actor:
         averaged over the steps, plus throughput (`perf/actor_train_tok_per_s`, and on CUDA
         `perf/mfu`).
         """
+        advantages = torch.as_tensor(advantages, dtype=torch.float32).flatten()  # one per sample
         if len(samples) != len(advantages):
             raise ValueError(f"{len(samples)} samples but {len(advantages)} advantages")
-        gbs = _arg(self.args, "global_batch_size", len(samples))
+        gbs = self.args.global_batch_size or len(samples)
         if gbs < 1 or len(samples) % gbs != 0:
             raise ValueError(f"{len(samples)} samples do not split into optimizer steps of --global-batch-size {gbs}")
         self._sync()
@@ -252,7 +238,7 @@ class Actor:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _optimizer_step(self, samples: list[Sample], advantages: list[float], old: list[Tensor] | None, ref: list[Tensor] | None) -> dict[str, float]:
+    def _optimizer_step(self, samples: list[Sample], advantages: Tensor, old: list[Tensor] | None, ref: list[Tensor] | None) -> dict[str, float]:
         self.scorer.train()
         self.optimizer.zero_grad(set_to_none=True)
         metrics = self.accumulate_gradients(samples, advantages, old, ref)
@@ -265,7 +251,7 @@ class Actor:
         return metrics
 
     def accumulate_gradients(
-        self, samples: list[Sample], advantages: list[float], old_log_probs: list[Tensor] | None, ref_log_probs: list[Tensor] | None = None
+        self, samples: list[Sample], advantages: Tensor | Sequence[float], old_log_probs: list[Tensor] | None, ref_log_probs: list[Tensor] | None = None
     ) -> dict[str, float]:
         """Forward/backward this rank's micro-batches of one optimizer step into `.grad` (no step).
         `old_log_probs` None: the weights have not moved since the rollout's first step, so the
@@ -279,19 +265,18 @@ class Actor:
         ranks for the same reason.
         """
         a = self.args
+        advantages = torch.as_tensor(advantages, dtype=torch.float32).flatten()  # one per sample
         # per-sample token tensors, built once per step (each micro-batch concatenates its own)
         masks = [torch.tensor(s.effective_loss_mask(), dtype=torch.float32) for s in samples]
-        adv_tokens = [torch.full((s.response_length,), float(adv)) for s, adv in zip(samples, advantages)]
         rollout_lps = [torch.tensor(s.rollout_log_probs if s.rollout_log_probs is not None else [0.0] * s.response_length, dtype=torch.float32) for s in samples]
         has_rollout_lps = [m if s.rollout_log_probs is not None else torch.zeros_like(m) for s, m in zip(samples, masks)]
         num_tokens = float(sum(m.sum() for m in masks))
-        agg = "seq_sum_const" if _arg(a, "advantage_estimator", "grpo") == "dr_grpo" else "token_mean"
-        max_len = _arg(a, "rollout_max_response_len", max((s.response_length for s in samples), default=1))
+        agg = "seq_sum_const" if a.advantage_estimator == "dr_grpo" else "token_mean"
+        max_len = a.rollout_max_response_len
         const = float(max_len * len(samples))
         if (self.correction.active or self.use_rollout_logprobs) and any(s.rollout_log_probs is None for s in samples):
             raise ValueError("--use-tis, --use-rs and --use-rollout-logprobs need the engine's log-probs on every sample (rollout_log_probs)")
-        kl_coef = _arg(a, "kl_loss_coef", 0.0)
-        ent_coef = _arg(a, "entropy_coef", 0.0)
+        kl_coef, ent_coef = a.kl_loss_coef, a.entropy_coef
         totals: dict[str, Tensor] = {}
         for mb in self._micro_batches(samples):
             log_probs, entropy = self._forward(self.scorer, mb, with_entropy=True)
@@ -307,15 +292,16 @@ class Actor:
                 old = rollout_lp
             else:
                 old = log_probs.detach() if old_log_probs is None else flat(old_log_probs)
-            adv = flat(adv_tokens)
+            # a sample's advantage on each of its response tokens
+            adv = to_device(advantages[mb.indices].repeat_interleave(torch.tensor(mb.response_lengths)), self.device) if mb.indices else flat([])
             seq_ids = to_device(torch.repeat_interleave(torch.arange(len(mb.response_lengths)), torch.tensor(mb.response_lengths)), self.device)
             pg, m = policy_loss(
                 log_probs,
                 old,
                 adv,
                 mask,
-                eps_clip=_arg(a, "eps_clip", 0.2),
-                eps_clip_high=getattr(a, "eps_clip_high", None),
+                eps_clip=a.eps_clip,
+                eps_clip_high=a.eps_clip_high,
                 rollout_log_probs=rollout_lp,
                 correction=self.correction,
                 seq_ids=seq_ids,
@@ -329,7 +315,7 @@ class Actor:
             if ent_coef != 0:
                 loss = loss - ent_coef * aggregate(entropy, mask, agg, num_tokens=num_tokens, const=const)
             if ref_log_probs is not None:
-                kl = aggregate(kl_penalty(log_probs, flat(ref_log_probs), _arg(a, "kl_loss_type", "low_var_kl")), mask, agg, num_tokens=num_tokens, const=const)
+                kl = aggregate(kl_penalty(log_probs, flat(ref_log_probs), a.kl_loss_type), mask, agg, num_tokens=num_tokens, const=const)
                 loss = loss + kl_coef * kl
                 m["kl_loss"] = kl.detach()
             m["loss"] = loss.detach()
@@ -358,7 +344,7 @@ class Actor:
         (`train/skipped_steps`): clipping scales a NaN gradient to NaN weights, and AdamW's
         moments would carry it into every later step. Loss and norm are the same on every
         rank (summed and reduced), so all ranks skip together."""
-        clip = _arg(self.args, "clip_grad", 1.0)
+        clip = self.args.clip_grad
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
         if hasattr(grad_norm, "full_tensor"):  # a DTensor: the partial norms of each shard, reduced here
@@ -412,128 +398,12 @@ class Actor:
                     yield name, tensor
 
     def save(self, ckpt_dir: str | Path, extra_state: dict[str, Any]) -> Path:
-        """Write an HF directory (+ trainer_state.pt) at `ckpt_dir`, atomically; every rank calls.
-
-        Shards are gathered into full tensors and rank 0 writes, so the directory loads in
-        transformers, in vLLM, and in a trainer of any rank count. The optimizer state is
-        stored full and keyed by parameter name for the same reason. Everything goes to
-        `<dir>.tmp` first; only a complete copy replaces an existing checkpoint of the same
-        name, so a crash at any point leaves the previous one loadable (at worst renamed to
-        `<dir>.old` for the instant between the two renames).
-        """
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        final = Path(ckpt_dir)
-        self._check_finite(final)
-        weights = {name: t.detach().cpu() for name, t in self.named_weights()}
-        optim = get_optimizer_state_dict(self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        error: BaseException | None = None
-        if self.rank == 0:
-            try:
-                self._write(final, weights, {"optimizer": optim, "rng": _rng_state(), "extra": extra_state})
-            except BaseException as e:  # every rank must hear of it, or they would wait for rank 0 at the next collective
-                error = e
-        if self.world > 1:
-            # also the barrier: the checkpoint exists for everyone once save returns
-            failed = torch.tensor([int(error is not None)])
-            dist.all_reduce(failed, group=self.cpu_group)
-            if int(failed) and error is None:
-                raise CheckpointError(f"writing checkpoint {final} failed on rank 0")
-        if error is not None:
-            raise error
-        return final
-
-    def _check_finite(self, final: Path) -> None:
-        """Refuse to save non-finite weights (NonFiniteError on every rank alike): a checkpoint
-        of NaNs would replace the last good one as the newest. Each rank checks its own shards."""
-        from vime.trainer.nonfinite import NonFiniteError
-
-        bad = [n for n, p in self.model.named_parameters() if not bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all())]
-        count = torch.tensor([len(bad)], dtype=torch.int64)
-        if self.world > 1:
-            dist.all_reduce(count, group=self.cpu_group)
-        if int(count):
-            where = f" (e.g. {bad[0]})" if bad else ""
-            raise NonFiniteError(f"not writing checkpoint {final}: {int(count)} weight tensors hold non-finite values{where}; the last checkpoint written is intact")
-
-    def _write(self, final: Path, weights: dict[str, Tensor], state: dict[str, Any]) -> None:
-        tmp, old = final.with_name(final.name + ".tmp"), final.with_name(final.name + ".old")
-        shutil.rmtree(tmp, ignore_errors=True)  # debris of an earlier interrupted save
-        try:
-            self.model.save_pretrained(tmp, state_dict=weights)
-            self.tokenizer.save_pretrained(tmp)
-            with open(tmp / TRAINER_STATE, "wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
-        except Exception as e:  # a full disk, a directory made read-only mid-run (safetensors and torch raise their own types)
-            shutil.rmtree(tmp, ignore_errors=True)
-            free = shutil.disk_usage(final.parent).free / 2**20
-            detail = " ".join((getattr(e, "strerror", None) or str(e)).split())[:200]
-            raise CheckpointError(
-                f"writing checkpoint {final} failed ({detail}; {free:.0f} MiB free there): free some space or pick another --save; "
-                "the checkpoints written before are intact"
-            ) from None
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        if final.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(final)
+        """Write a checkpoint (every rank calls; `vime.trainer.checkpoint.save`)."""
+        return checkpoint.save(self, Path(ckpt_dir), extra_state)
 
     def load(self, ckpt_dir: str | Path) -> dict[str, Any]:
-        """Restore weights, optimizer and RNG from a `save` directory; returns its extra_state.
-
-        Every rank reads the full tensors and keeps its shard, so the checkpoint's rank count
-        does not matter.
-        """
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
-
-        ckpt = Path(ckpt_dir)
-        state_file = ckpt / TRAINER_STATE
-        if not state_file.exists():
-            raise FileNotFoundError(f"{ckpt} is not a complete checkpoint (no {TRAINER_STATE})")
-        # both files read before either is applied: one that fails to load changes nothing
-        weights = dict(_iter_checkpoint(ckpt))
-        expected = set(self.model.state_dict()) - self._aliases
-        missing, unexpected = expected - set(weights), set(weights) - expected
-        if missing or unexpected:
-            raise ValueError(f"checkpoint {ckpt} does not match the model: missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}")
-        state = torch.load(state_file, map_location="cpu", weights_only=False)  # our own file: holds python objects
-        options = StateDictOptions(full_state_dict=True, strict=False)
-        set_model_state_dict(self.model, weights, options=options)
-        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
-        _set_rng_state(state["rng"])
-        return state["extra"]
+        """Restore a checkpoint; returns its extra state (`vime.trainer.checkpoint.load`)."""
+        return checkpoint.load(self, Path(ckpt_dir))
 
     def close(self) -> None:
         """Nothing to release for a single-process actor; the distributed one overrides this."""
-
-
-def _iter_checkpoint(ckpt: Path) -> Iterator[tuple[str, Tensor]]:
-    """(name, tensor) of an HF safetensors directory, single file or sharded."""
-    from safetensors.torch import load_file
-
-    index = ckpt / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
-    for f in files:
-        yield from load_file(str(ckpt / f)).items()
-
-
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"].cpu())
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])

@@ -1,7 +1,8 @@
-"""Which checkpoint a resumed run loads: the newest one that is whole.
+"""Checkpoints: writing and reading them, and which one a resumed run loads.
 
-`Actor.save` writes `<dir>.tmp` and renames it only when complete, so a crash mid-save never
-leaves a half-written `<step>/`. A full disk, a copy cut short or a damaged volume still can
+A checkpoint is an HF directory (the weights as safetensors, the tokenizer) plus
+`trainer_state.pt` (optimizer, RNG, the run's extra state). `save` writes `<dir>.tmp` and
+renames it only when complete, so a crash mid-save never leaves a half-written `<step>/`. A full disk, a copy cut short or a damaged volume still can
 (the issue that led here: a truncated newest checkpoint made `--load` fail with a traceback,
 although an intact one sat next to it). So before loading, each candidate's files are checked
 from their headers, newest first, and a damaged one is skipped with a warning naming it.
@@ -10,13 +11,156 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import random
 import re
+import shutil
 import zipfile
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
 
-from vime.trainer.actor import TRAINER_STATE
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from vime.errors import VimeError
+from vime.trainer.nonfinite import NonFiniteError
+
+if TYPE_CHECKING:
+    from vime.trainer.actor import Actor
 
 log = logging.getLogger("vime")
+
+TRAINER_STATE = "trainer_state.pt"
+
+
+class CheckpointError(VimeError, RuntimeError):
+    """A checkpoint cannot be written or read; one line naming it and the cause."""
+
+
+def save(actor: Actor, final: Path, extra_state: dict[str, Any]) -> Path:
+    """Write an HF directory (+ trainer_state.pt) at `final`, atomically; every rank calls.
+
+    Shards are gathered into full tensors and rank 0 writes, so the directory loads in
+    transformers, in vLLM, and in a trainer of any rank count. The optimizer state is
+    stored full and keyed by parameter name for the same reason. Everything goes to
+    `<dir>.tmp` first; only a complete copy replaces an existing checkpoint of the same
+    name, so a crash at any point leaves the previous one loadable (at worst renamed to
+    `<dir>.old` for the instant between the two renames).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    _check_finite(actor, final)
+    weights = {name: t.detach().cpu() for name, t in actor.named_weights()}
+    optim = get_optimizer_state_dict(actor.model, actor.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    error: BaseException | None = None
+    if actor.rank == 0:
+        try:
+            _write(actor, final, weights, {"optimizer": optim, "rng": _rng_state(), "extra": extra_state})
+        except BaseException as e:  # every rank must hear of it, or they would wait for rank 0 at the next collective
+            error = e
+    if actor.world > 1:
+        # also the barrier: the checkpoint exists for everyone once save returns
+        failed = torch.tensor([int(error is not None)])
+        dist.all_reduce(failed, group=actor.cpu_group)
+        if int(failed) and error is None:
+            raise CheckpointError(f"writing checkpoint {final} failed on rank 0")
+    if error is not None:
+        raise error
+    return final
+
+
+def _check_finite(actor: Actor, final: Path) -> None:
+    """Refuse to save non-finite weights (NonFiniteError on every rank alike): a checkpoint
+    of NaNs would replace the last good one as the newest. Each rank checks its own shards."""
+    bad = [n for n, p in actor.model.named_parameters() if not bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all())]
+    count = torch.tensor([len(bad)], dtype=torch.int64)
+    if actor.world > 1:
+        dist.all_reduce(count, group=actor.cpu_group)
+    if int(count):
+        where = f" (e.g. {bad[0]})" if bad else ""
+        raise NonFiniteError(f"not writing checkpoint {final}: {int(count)} weight tensors hold non-finite values{where}; the last checkpoint written is intact")
+
+
+def _write(actor: Actor, final: Path, weights: dict[str, Tensor], state: dict[str, Any]) -> None:
+    tmp, old = final.with_name(final.name + ".tmp"), final.with_name(final.name + ".old")
+    shutil.rmtree(tmp, ignore_errors=True)  # debris of an earlier interrupted save
+    try:
+        actor.model.save_pretrained(tmp, state_dict=weights)
+        actor.tokenizer.save_pretrained(tmp)
+        with open(tmp / TRAINER_STATE, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except Exception as e:  # a full disk, a directory made read-only mid-run (safetensors and torch raise their own types)
+        shutil.rmtree(tmp, ignore_errors=True)
+        free = shutil.disk_usage(final.parent).free / 2**20
+        detail = " ".join((getattr(e, "strerror", None) or str(e)).split())[:200]
+        raise CheckpointError(
+            f"writing checkpoint {final} failed ({detail}; {free:.0f} MiB free there): free some space or pick another --save; "
+            "the checkpoints written before are intact"
+        ) from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(final)
+
+
+def load(actor: Actor, ckpt: Path) -> dict[str, Any]:
+    """Restore weights, optimizer and RNG from a `save` directory; returns its extra_state.
+
+    Every rank reads the full tensors and keeps its shard, so the checkpoint's rank count
+    does not matter.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    state_file = ckpt / TRAINER_STATE
+    if not state_file.exists():
+        raise CheckpointError(f"{ckpt} is not a complete checkpoint (no {TRAINER_STATE})")
+    # both files read before either is applied: one that fails to load changes nothing
+    weights = dict(iter_weights(ckpt))
+    expected = set(actor.model.state_dict()) - actor._aliases
+    missing, unexpected = expected - set(weights), set(weights) - expected
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint {ckpt} does not match the model: missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}")
+    state = torch.load(state_file, map_location="cpu", weights_only=False)  # our own file: holds python objects
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    set_model_state_dict(actor.model, weights, options=options)
+    set_optimizer_state_dict(actor.model, actor.optimizer, state["optimizer"], options=options)
+    _set_rng_state(state["rng"])
+    return state["extra"]
+
+
+def iter_weights(ckpt: Path) -> Iterator[tuple[str, Tensor]]:
+    """(name, tensor) of an HF safetensors directory, single file or sharded."""
+    from safetensors.torch import load_file
+
+    index = ckpt / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    for f in files:
+        yield from load_file(str(ckpt / f)).items()
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"].cpu())
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
 def problem(ckpt: Path) -> str | None:

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from vime.config import Config
 from vime.engine.weight_sync import apply_gpu_safe_env
 from vime.lifetime import exit_with_parent
 from vime.trainer.actor import Actor
@@ -37,26 +38,27 @@ log = logging.getLogger("vime")
 TIMEOUT = timedelta(minutes=30)  # a rank waits this long for the others (long rollouts included)
 
 
-def world_size(args: Any, device: str) -> int:
+def world_size(args: Config, device: str) -> int:
     if "WORLD_SIZE" in os.environ:
         return int(os.environ["WORLD_SIZE"])
     if torch.device(device).type == "cuda":
-        return int(getattr(args, "actor_num_nodes", 1) or 1) * int(getattr(args, "actor_num_gpus_per_node", 1) or 1)
-    return int(getattr(args, "actor_num_procs", 1) or 1)
+        return args.actor_num_nodes * args.actor_num_gpus_per_node
+    return args.actor_num_procs
 
 
-def launch_actor(args: Any, model_dir: str | Path, device: str = "cpu") -> Actor | DistributedActor:
+def launch_actor(args: Config, model_dir: str | Path, device: str = "cpu", tokenizer: Any = None) -> Actor | DistributedActor:
     """The trainer for this run, as seen by the driver.
 
     One CPU process: a plain `Actor`. Otherwise a `DistributedActor` on rank 0, after
     spawning ranks 1..N-1 here (or joining the ones torchrun started). On a torchrun rank
-    other than 0 this serves rank 0's calls until it closes, then exits the process.
+    other than 0 this serves rank 0's calls until it closes, then exits the process. `tokenizer`:
+    the run's, for rank 0 (the other ranks load their own).
     """
     world = world_size(args, device)
     is_cuda = torch.device(device).type == "cuda"
     apply_gpu_safe_env()  # before any NCCL communicator, and inherited by the ranks spawned below
     if world == 1 and not is_cuda:
-        return Actor(args, model_dir, device)
+        return Actor(args, model_dir, device, tokenizer=tokenizer)
     procs: list[Any] = []
     if "RANK" in os.environ:  # torchrun: every rank runs the driver script up to here
         rank = int(os.environ["RANK"])
@@ -73,7 +75,7 @@ def launch_actor(args: Any, model_dir: str | Path, device: str = "cpu") -> Actor
             p.start()
             procs.append(p)
         _init(0, world, init_method, device, 0)
-    return DistributedActor(args, model_dir, _rank_device(device, int(os.environ.get("LOCAL_RANK", 0))), procs)
+    return DistributedActor(args, model_dir, _rank_device(device, int(os.environ.get("LOCAL_RANK", 0))), procs, tokenizer)
 
 
 class DistributedActor:
@@ -84,9 +86,9 @@ class DistributedActor:
     are rank 0's Actor's.
     """
 
-    def __init__(self, args: Any, model_dir: str | Path, device: str, procs: list[Any]) -> None:
+    def __init__(self, args: Config, model_dir: str | Path, device: str, procs: list[Any], tokenizer: Any = None) -> None:
         self.cpu_group = _cpu_group()
-        self.local = Actor(args, model_dir, device, fsdp=True, cpu_group=self.cpu_group)
+        self.local = Actor(args, model_dir, device, fsdp=True, cpu_group=self.cpu_group, tokenizer=tokenizer)
         self.procs = procs
         self._closed = False
 
@@ -97,7 +99,7 @@ class DistributedActor:
         dist.broadcast_object_list([(name, args, kwargs)], src=0, group=self.cpu_group)
         return getattr(self.local, name)(*args, **kwargs)
 
-    def train_step(self, samples: list, advantages: list[float]) -> dict[str, float]:
+    def train_step(self, samples: list, advantages: torch.Tensor) -> dict[str, float]:
         return self._call("train_step", samples, advantages)
 
     def compute_log_probs(self, samples: list) -> list[torch.Tensor]:
@@ -151,7 +153,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, init_method: str, args: Any, model_dir: str, device: str, parent_pid: int) -> None:
+def _worker(rank: int, world: int, init_method: str, args: Config, model_dir: str, device: str, parent_pid: int) -> None:
     """Entry point of a spawned rank. It ends with rank 0's process: a SIGKILLed trainer runs no
     cleanup, and a rank waiting in a collective would otherwise hold its device for the
     collective timeout (30 min)."""
@@ -161,9 +163,9 @@ def _worker(rank: int, world: int, init_method: str, args: Any, model_dir: str, 
     _serve(args, model_dir, _rank_device(device, rank))
 
 
-def _serve(args: Any, model_dir: str | Path, device: str) -> None:
+def _serve(args: Config, model_dir: str | Path, device: str) -> None:
     """Run rank 0's calls on this rank's Actor until it says close."""
-    torch.manual_seed(int(getattr(args, "seed", 0) or 0))
+    torch.manual_seed(args.seed)
     cpu_group = _cpu_group()
     actor = Actor(args, model_dir, device, fsdp=True, cpu_group=cpu_group)
     while True:

@@ -9,7 +9,7 @@ step, whatever the micro-batch split.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -39,6 +39,13 @@ def compute_advantages(rewards: Tensor, estimator: Estimator = "grpo", std_norma
     if estimator == "dr_grpo" or not std_normalize:
         return centered
     return centered / (rewards.std(dim=1, correction=0, keepdim=True) + eps)
+
+
+def group_advantages(groups: list[list[Any]], estimator: Estimator = "grpo", std_normalize: bool = True) -> tuple[Tensor, Tensor]:
+    """A rollout's rewards and advantages as [num_groups, n] tensors, from its groups of samples
+    (a missing reward counts 0): what the actor trains on, kept as tensors end to end."""
+    rewards = torch.tensor([[s.reward or 0.0 for s in g] for g in groups], dtype=torch.float32)
+    return rewards, compute_advantages(rewards, estimator, std_normalize=std_normalize)
 
 
 def aggregate(

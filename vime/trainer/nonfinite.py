@@ -15,11 +15,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from vime.errors import VimeError
 
 log = logging.getLogger("vime")
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(VimeError, RuntimeError):
     """The run stops: non-finite numbers keep coming. One line naming the step and what to do."""
 
 

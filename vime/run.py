@@ -1,5 +1,9 @@
-"""The train loops. `train.py` runs `sync`; `train_async.py` runs `one-step-off` (and, with the
-fully-async rollout function, fully-async), or with `--max-staleness` `decoupled`.
+"""The run driver: one training run from start to end, and its loops.
+
+`Run` holds everything one run owns (data, actor, engines, their clients, the weight pusher,
+metrics) and closes all of it; the loops below drive it. The mode is `args.mode`, decided in
+`Config.validate`: sync and decoupled run `_sequential_loop`, one-step-off and fully-async
+`_one_step_off_loop` (the fully-async rollout function makes the difference).
 
 The policy version is the number of optimizer steps taken; every push gives the engines the
 current one, they stamp it on each token, and staleness is always the version of the
@@ -16,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -25,61 +28,44 @@ from typing import Callable, Iterator
 import torch
 import yaml
 
+from vime.config import Config, ConfigError
 from vime.engine.client import EngineError
 from vime.metrics import MetricsLogger, setup_logging
 from vime.placement import Placement, fresh_path, place, trainer_device
 from vime.preflight import check_inputs
 from vime.rollout import async_loop
 from vime.rollout.rewards import close_pool
+from vime.rollout.runtime import RolloutRuntime, make_clients
 from vime.rollout.types import RolloutOutput, Sample
-from vime.rollout.vllm_rollout import close_clients, engine_clients
 from vime.trainer.checkpoint import latest_checkpoint
 from vime.trainer.distributed import launch_actor
-from vime.trainer.loss import compute_advantages
+from vime.trainer.loss import group_advantages
 from vime.trainer.nonfinite import BadSteps, bad_inputs
 from vime.trainer.weights import WeightPusher
 
 log = logging.getLogger("vime")
 
-MODES = ("sync", "one-step-off", "decoupled")
-FULLY_ASYNC_FN = "vime.rollout.fully_async_rollout.generate_rollout_fully_async"
-DEFAULT_FN = "vime.rollout.vllm_rollout.generate_rollout"
 
+class Run:
+    """Everything one run owns: data, actor, engines and their clients, pusher, metrics."""
 
-class Trainer:
-    """Everything one run holds: data, actor, engines, pusher, metrics. The loops below drive it."""
-
-    def __init__(self, args, mode: str) -> None:
-        if mode not in MODES:
-            raise ValueError(f"unknown train mode {mode!r}; one of {MODES}")
-        if mode != "sync" and args.colocate:
-            raise ValueError(
-                "train_async.py cannot --colocate: async training overlaps generation with training, so trainer and "
-                "engine need their own devices (or two processes on one GPU without --colocate); use train.py for colocated runs"
-            )
-        if mode == "decoupled" and args.rollout_function_path == DEFAULT_FN:
-            args.rollout_function_path = FULLY_ASYNC_FN  # decoupled training needs the continuous worker
-        if mode == "decoupled" and args.rollout_function_path != FULLY_ASYNC_FN:
-            mode = "one-step-off"  # a rollout function of one's own: one-step-off, overlapping only as far as --max-staleness allows
-        self.args, self.mode = args, mode
-        label = "fully-async" if mode == "one-step-off" and args.rollout_function_path == FULLY_ASYNC_FN else mode
+    def __init__(self, args: Config) -> None:
+        self.args = args
         if args.run_name is None:
-            args.run_name = time.strftime("%Y%m%d-%H%M%S") + f"-{label}"
+            args.run_name = time.strftime("%Y%m%d-%H%M%S") + f"-{args.mode}"
         self.run_dir = args.run_dir
         if _holds_a_run(self.run_dir) and not args.load:
-            raise FileExistsError(f"run directory {self.run_dir} already holds a run: pick another --run-name (or resume it with --load)")
-        inputs = check_inputs(args)  # every input, before anything starts or is written
+            raise ConfigError(f"run directory {self.run_dir} already holds a run: pick another --run-name (or resume it with --load)")
+        inputs = check_inputs(args)  # every input, before anything starts or is written; sets args.model_dir
         self.run_dir.mkdir(parents=True, exist_ok=True)
         setup_logging(self.run_dir / "log.txt", quiet=args.quiet)
         for note in inputs.notes:
             log.warning("%s", note)
         # a resumed run keeps the config of the run it resumes (config.1.yaml, ...: one per resume)
-        (fresh_path(self.run_dir / "config.yaml") if args.load else self.run_dir / "config.yaml").write_text(yaml.safe_dump({**args.to_dict(), "mode": label}, sort_keys=False))
+        (fresh_path(self.run_dir / "config.yaml") if args.load else self.run_dir / "config.yaml").write_text(yaml.safe_dump(args.to_dict(), sort_keys=False))
         torch.manual_seed(args.seed)
 
-        args.model_dir = inputs.model_dir
         self.rollout_fn: Callable[..., RolloutOutput] = inputs.rollout_fn
-        self.tokenizer = inputs.tokenizer
         self.data_source = inputs.data_source
         self.num_rollout = args.num_rollout or math.ceil(args.num_epoch * len(self.data_source) / args.rollout_batch_size)
         self.bad_steps = BadSteps(args.max_bad_steps)
@@ -87,7 +73,7 @@ class Trainer:
 
         # the trainer first: under torchrun, ranks other than 0 serve rank 0 from inside this
         # call and never return, so they start no engines
-        self.actor = launch_actor(args, args.model_dir, trainer_device(args))
+        self.actor = launch_actor(args, args.model_dir, trainer_device(args), inputs.tokenizer)
         try:
             self.placement: Placement = place(args, args.model_dir, self.run_dir)
         except BaseException:
@@ -96,7 +82,8 @@ class Trainer:
         try:
             args.rollout_engine_urls = self.placement.urls
             args.api_key = self.placement.api_key or args.api_key
-            self.clients = engine_clients(args)
+            self.clients = make_clients(self.placement.urls, args.rollout_backend, args.api_key)
+            args.runtime = RolloutRuntime(self.clients, inputs.tokenizer)
             self.pusher = WeightPusher(
                 self.clients, transport=self.placement.transports, bucket_bytes=args.update_weight_buffer_size,
                 timeout=args.update_weights_timeout, master_address=self.placement.master_address,
@@ -118,7 +105,7 @@ class Trainer:
     def _resume(self, load_dir: Path) -> None:
         ckpt = latest_checkpoint(load_dir)
         if ckpt is None:
-            raise FileNotFoundError(f"--load {load_dir}: no complete checkpoint inside (expected <step>/trainer_state.pt)")
+            raise ConfigError(f"--load {load_dir}: no complete checkpoint inside (expected <step>/trainer_state.pt)")
         extra = self.actor.load(ckpt)
         self.data_source.load_state_dict(extra["data_source"])
         self.start_step = extra["step"]
@@ -127,7 +114,7 @@ class Trainer:
         self.wall_clock_offset = extra.get("wall_clock", 0.0)
         self.policy_version = extra.get("policy_version", self.start_step * self.args.steps_per_rollout)
         if self.policy_version != self.start_step * self.args.steps_per_rollout:
-            raise ValueError(
+            raise ConfigError(
                 f"--load {load_dir}: the checkpoint took {self.policy_version} optimizer steps in {self.start_step} rollouts, "
                 f"this run takes {self.args.steps_per_rollout} per rollout: resume with the --global-batch-size it was trained with"
             )
@@ -137,8 +124,7 @@ class Trainer:
     def train_on(self, out: RolloutOutput, step: int) -> dict[str, float]:
         """Advantages → optimizer step(s). Returns train metrics + rollout metrics of this batch."""
         groups = out.samples
-        rewards = torch.tensor([[s.reward or 0.0 for s in g] for g in groups], dtype=torch.float32)
-        adv = compute_advantages(rewards, self.args.advantage_estimator, std_normalize=self.args.normalize_advantages_std)
+        rewards, adv = group_advantages(groups, self.args.advantage_estimator, std_normalize=self.args.normalize_advantages_std)
         samples = [s for g in groups for s in g]
         metrics = dict(out.metrics)
         metrics.update(self.guarded_train_step(step, samples, rewards, adv))
@@ -162,9 +148,7 @@ class Trainer:
         metrics["perf/update_weights_time"] = time.perf_counter() - t0
         self.engine_version = self.policy_version
         self.weight_pushes += int(count)
-        from vime.rollout import fully_async_rollout  # a worker bounded by --max-staleness waits for this
-
-        fully_async_rollout.set_engine_version(self.engine_version)
+        self.args.runtime.set_engine_version(self.engine_version)  # a worker bounded by --max-staleness waits for this
         return metrics
 
     def version_metrics(self) -> dict[str, float]:
@@ -202,7 +186,7 @@ class Trainer:
             metrics.update(self.evaluate(step))
         if a.save and ((a.save_interval and step % a.save_interval == 0) or last):
             t0 = time.perf_counter()
-            with self.generation_paused("in_place") if self.mode != "sync" else contextlib.nullcontext():
+            with self.generation_paused("in_place") if a.mode != "sync" else contextlib.nullcontext():
                 extra = {
                     "step": step, "policy_version": self.policy_version, "weight_pushes": self.weight_pushes,
                     "data_source": self.data_source.state_dict(), "wall_clock": metrics["perf/wall_clock"],
@@ -222,12 +206,11 @@ class Trainer:
 
     def close(self) -> None:
         """Each part is closed even if an earlier one fails, so no engine or rank outlives us."""
-        steps = []
-        if "vime.rollout.fully_async_rollout" in sys.modules:
-            steps.append(sys.modules["vime.rollout.fully_async_rollout"].shutdown)
+        runtime = self.args.runtime
+        steps = [runtime.close] if runtime is not None else []  # the fully-async worker first: it stops generating
         if hasattr(self, "pusher"):
             steps.append(self.pusher.close)
-        steps += [async_loop.cancel_all, close_clients, close_pool, self.actor.close]
+        steps += [async_loop.cancel_all, close_pool, self.actor.close]
         if hasattr(self, "placement"):
             steps.append(self.placement.shutdown)
         if hasattr(self, "metrics"):
@@ -243,7 +226,7 @@ class Trainer:
         taken); either way counted towards --max-bad-steps (vime/trainer/nonfinite.py)."""
         why = bad_inputs(rewards, advantages)
         if why is None:
-            metrics = self.actor.train_step(samples, [float(a) for a in advantages.flatten()])
+            metrics = self.actor.train_step(samples, advantages.flatten())
             why = f"loss {metrics.get('train/loss')}, gradient norm {metrics.get('train/grad_norm')}"
         else:
             metrics = {"train/skipped_steps": float(len(samples) // self.args.global_batch_size)}
@@ -267,13 +250,14 @@ def _holds_a_run(run_dir: Path) -> bool:
     return metrics.exists() and metrics.stat().st_size > 0
 
 
-def run(args, mode: str = "sync") -> Path:
-    """Train for args.num_rollout steps in the given mode; returns the run directory."""
-    t = Trainer(args, mode)
+def train(args: Config) -> Path:
+    """Train for args.num_rollout steps in args.mode; returns the run directory."""
+    t = Run(args)
     try:
         if args.eval_interval and t.start_step == 0:
             t.metrics.log(0, t.evaluate(0))
-        {"sync": _sequential_loop, "one-step-off": _one_step_off_loop, "decoupled": _sequential_loop}[mode](t)
+        sequential = args.mode in ("sync", "decoupled")
+        (_sequential_loop if sequential else _one_step_off_loop)(t)
     finally:
         t.close()
     return t.run_dir
@@ -299,7 +283,7 @@ class StepClock:
         self.prev_end = time.perf_counter()
 
 
-def _sequential_loop(t: Trainer) -> None:
+def _sequential_loop(t: Run) -> None:
     """get batch → train → push, in sequence.
 
     sync: getting the batch *is* generating it, so the trainer waits for all of it.
@@ -317,7 +301,7 @@ def _sequential_loop(t: Trainer) -> None:
         clock.restart()
 
 
-def _one_step_off_loop(t: Trainer) -> None:
+def _one_step_off_loop(t: Run) -> None:
     """generate(N+1) runs while step N trains; the in-flight generate finishes before any push,
     so each batch is generated entirely by one policy version (one rollout behind the trainer).
 
@@ -326,7 +310,7 @@ def _one_step_off_loop(t: Trainer) -> None:
     and the run trains what sync trains.
 
     On an error or Ctrl-C the pending generate may have minutes to go: its requests are aborted
-    and it is not waited for, so Trainer.close() stops the engines at once."""
+    and it is not waited for, so Run.close() stops the engines at once."""
     a = t.args
     overlap = a.max_staleness is None or a.max_staleness >= a.min_staleness + a.steps_per_rollout
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vime-generate")
@@ -352,23 +336,13 @@ def _one_step_off_loop(t: Trainer) -> None:
             t.after_step(rollout_id + 1, m)
             clock.restart()
     except BaseException:
-        _abort_all_requests(t)
+        t.args.runtime.abort_all()
         pool.shutdown(wait=False, cancel_futures=True)
         raise
     pool.shutdown()  # the last step submits no generate: nothing is left to wait for
 
 
-def _abort_all_requests(t: Trainer) -> None:
-    """Best effort on the way out of a failed run: an unreachable engine must not hide the
-    error that got us here."""
-    for c in t.clients:
-        try:
-            c.abort_request(abort_all=True)
-        except Exception as e:
-            log.debug("abort at %s while stopping failed: %r", c.url, e)
-
-
-def _train_and_push(t: Trainer, out: RolloutOutput, step: int, before_push: Callable[[], object] | None = None) -> dict[str, float]:
+def _train_and_push(t: Run, out: RolloutOutput, step: int, before_push: Callable[[], object] | None = None) -> dict[str, float]:
     t0 = time.perf_counter()
     if t.args.colocate:
         for c in t.clients:

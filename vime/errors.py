@@ -1,0 +1,11 @@
+"""The base of every error vime reports as one line (`vime` prints it and exits 2).
+
+Each part raises its own subclass (ConfigError, DataError, EngineError, ...), each also a
+subclass of the builtin error it used to be, so callers catching ValueError or RuntimeError
+keep working. Anything not a VimeError is a bug, and `vime` shows its traceback.
+"""
+from __future__ import annotations
+
+
+class VimeError(Exception):
+    """A user's mistake or an outside failure vime can name, in one line with what to do."""
