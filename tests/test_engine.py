@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from vime.engine.client import EngineClient, EngineError
-from vime.engine.server import launch_engine
+from vime.engine.launch import launch_engine
 
 ATOL = 1e-4
 EOS_IDS = (3, 1)  # <|im_end|> (config) and <|endoftext|> (generation_config)
