@@ -496,8 +496,8 @@ def interpreted_checks(model_dir: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from vime.engine.core import kernels
+    from vime.engine.core.attention import AttnMetadata, make_group, paged_attention
     from vime.engine.core.engine import EngineConfig, LLMEngine
-    from vime.engine.core.kv_cache import AttnMetadata, make_group, paged_attention
     from vime.engine.core.sampler import SamplingParams
 
     _patch_triton_interpreter()
