@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 from vime.ab import run_arm  # noqa: E402
 from vime.datagen import write_dataset  # noqa: E402
 from vime.engine.client import EngineClient  # noqa: E402
-from vime.engine.server import launch_engine  # noqa: E402
+from vime.engine.launch import launch_engine  # noqa: E402
 from vime.metrics import mean  # noqa: E402
 from vime.models import make_tiny_model  # noqa: E402
 from vime.report import speed_table, summarize  # noqa: E402

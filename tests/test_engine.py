@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from vime.engine.client import EngineClient, EngineError
-from vime.engine.server import launch_engine
+from vime.engine.launch import launch_engine
 
 ATOL = 1e-4
 EOS_IDS = (3, 1)  # <|im_end|> (config) and <|endoftext|> (generation_config)
@@ -496,8 +496,8 @@ def interpreted_checks(model_dir: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from vime.engine.core import kernels
+    from vime.engine.core.attention import AttnMetadata, make_group, paged_attention
     from vime.engine.core.engine import EngineConfig, LLMEngine
-    from vime.engine.core.kv_cache import AttnMetadata, make_group, paged_attention
     from vime.engine.core.sampler import SamplingParams
 
     _patch_triton_interpreter()

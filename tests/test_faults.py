@@ -36,7 +36,7 @@ import yaml
 from conftest import ROOT, run_cli
 from vime.engine import cuda_ipc
 from vime.engine.client import EngineClient, EngineError
-from vime.engine.server import launch_engine
+from vime.engine.launch import launch_engine
 from vime.engine.server import parse_args as engine_args
 from vime.metrics import progress_postfix
 from vime.rollout.rewards import score_samples

@@ -12,7 +12,7 @@ import torch
 
 from vime.engine.client import EngineClient
 from vime.engine.core.model import iter_safetensors
-from vime.engine.server import launch_engine
+from vime.engine.launch import launch_engine
 from vime.models import make_tiny_model
 
 pytestmark = pytest.mark.gpu

@@ -19,7 +19,7 @@ import torch
 from vime.config import ConfigError, Config
 from vime.engine.client import EngineClient, EngineError
 from vime.engine.core.model import iter_safetensors
-from vime.engine.server import launch_engine
+from vime.engine.launch import launch_engine
 from vime.engine.weight_sync import WeightSyncError, join, open_store, pack
 from vime.models import make_tiny_model
 from vime.placement import choose_transports, master_address

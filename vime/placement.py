@@ -24,7 +24,7 @@ import torch
 
 from vime.config import ConfigError
 from vime.engine.client import EngineClient
-from vime.engine.server import EngineProcess, launch_engine
+from vime.engine.launch import EngineProcess, launch_engine
 from vime.engine.weight_sync import apply_gpu_safe_env
 
 log = logging.getLogger("vime")

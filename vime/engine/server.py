@@ -1,122 +1,37 @@
-"""The vime engine's HTTP server, and `launch_engine` to run it as a subprocess.
+"""The vime engine's HTTP server: `EngineServer` (engine thread + native protocol routes) and the
+process entry point `python -m vime.engine.server` (what `launch.py` starts).
 
 The engine steps in its own thread; aiohttp handlers never touch it directly. A handler puts a
 command (a function of the engine) on a queue and awaits an asyncio future; the engine thread
 runs commands between two steps and resolves futures with `loop.call_soon_threadsafe`. So
 control operations are ordered with respect to steps without any lock, and a long step never
-blocks the event loop (health checks answer while the engine works).
+blocks the event loop (health checks answer while the engine works). The OpenAI-compatible
+routes are in `openai_routes.py`, request parsing, errors and auth in `http_common.py`.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
-import ipaddress
-import json
 import logging
 import os
 import queue
-import re
 import signal
 import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from aiohttp import web
 
 from vime.engine import cuda_ipc, weight_sync
-from vime.engine.client import EngineClient, EngineError
+from vime.engine.http_common import API_KEY_ENV, BadRequest, auth_middleware, body_field, error_middleware, is_loopback, json_error, read_body
+from vime.engine.openai_routes import OpenAIRoutes
 
 log = logging.getLogger("vime.engine")
 
-READY_LINE = "vime-engine ready on"
-
-
-class BadRequest(ValueError):
-    """The request itself is wrong: answered with HTTP 400 and this one-line message."""
-
-
-def _json_error(status: int, msg: str) -> web.Response:
-    return web.json_response({"error": msg}, status=status)
-
-
-@web.middleware
-async def _errors(request: web.Request, handler: Callable) -> web.StreamResponse:
-    """Map exceptions to one-line JSON errors: the caller's fault is a 400, ours a 500."""
-    try:
-        return await handler(request)
-    except web.HTTPException:
-        raise
-    except RuntimeError as e:
-        if getattr(e, "http_status", None) is None:  # ours: a 500 below
-            return await _internal_error(request, e)
-        return _json_error(e.http_status, " ".join(str(e).split()))
-    except (BadRequest, ValueError, KeyError, FileNotFoundError) as e:
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-        return _json_error(400, " ".join(str(msg).split()))
-    except Exception as e:
-        return await _internal_error(request, e)
-
-
-async def _internal_error(request: web.Request, e: Exception) -> web.Response:
-    log.exception("error in %s", request.path, exc_info=e)
-    return _json_error(500, f"{type(e).__name__}: {' '.join(str(e).split())}")
-
-
-API_KEY_ENV = "VIME_API_KEY"
-OPEN_ROUTES = ("/health",)  # liveness probes need no key; it reveals nothing but ok / not ok
-
-
-def _auth(api_key: str) -> Callable:
-    """Every route but /health needs `Authorization: Bearer <api_key>` (what vime's client, vLLM's
-    and OpenAI's send). Compared in constant time."""
-    expected = f"Bearer {api_key}".encode()
-
-    @web.middleware
-    async def check(request: web.Request, handler: Callable) -> web.StreamResponse:
-        if request.path not in OPEN_ROUTES and not hmac.compare_digest(request.headers.get("Authorization", "").encode(), expected):
-            return _json_error(401, "missing or wrong API key: send 'Authorization: Bearer <key>' (the engine's --api-key)")
-        return await handler(request)
-
-    return check
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: it may resolve anywhere
-        return False
-
-
-async def _body(request: web.Request) -> dict:
-    try:
-        body = await request.json() if request.can_read_body else {}
-    except json.JSONDecodeError:
-        raise BadRequest("request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    return body
-
-
-def _field(body: dict, name: str, kind: type | tuple[type, ...], required: bool = True, default: Any = None) -> Any:
-    if name not in body or body[name] is None:
-        if required:
-            raise BadRequest(f"missing field '{name}'")
-        return default
-    value = body[name]
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        raise BadRequest(f"field '{name}' has the wrong type ({type(value).__name__})")
-    return value
+READY_LINE = "vime-engine ready on"  # printed once listening; `launch_engine` waits for it
 
 
 class EngineServer:
@@ -130,8 +45,7 @@ class EngineServer:
         self.commands: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.Future]] = queue.SimpleQueue()
         self.pending: dict[str, asyncio.Future] = {}  # rid → future; touched by the engine thread only
         self.fatal: str | None = None  # set if a step raised: the engine state can no longer be trusted
-        self._tokenizer = None
-        self._tokenizer_lock = asyncio.Lock()
+        self.openai = OpenAIRoutes(self._generate, model_path)
         self.weight_groups: dict[str, weight_sync.WeightGroup] = {}  # group name → this engine's membership
 
     # ---- the engine thread -------------------------------------------------------------
@@ -222,15 +136,15 @@ class EngineServer:
     def _parse_generate(self, body: dict):
         from vime.engine.core.sampler import SamplingParams
 
-        input_ids = _field(body, "input_ids", list)
+        input_ids = body_field(body, "input_ids", list)
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
             raise BadRequest("input_ids must be a list of integers")
-        params = SamplingParams.from_dict(_field(body, "sampling_params", dict, required=False, default={}))
-        rid = _field(body, "rid", str, required=False) or uuid.uuid4().hex
+        params = SamplingParams.from_dict(body_field(body, "sampling_params", dict, required=False, default={}))
+        rid = body_field(body, "rid", str, required=False) or uuid.uuid4().hex
         return input_ids, params, rid, bool(body.get("return_logprob", False))
 
     async def generate(self, request: web.Request) -> web.Response:
-        input_ids, params, rid, return_logprob = self._parse_generate(await _body(request))
+        input_ids, params, rid, return_logprob = self._parse_generate(await read_body(request))
         out = await self._generate(input_ids, params, rid)
         samples = [_sample_json(out, i, return_logprob) for i in range(len(out.outputs))]
         return web.json_response(samples[0] if params.n == 1 else samples)
@@ -238,7 +152,7 @@ class EngineServer:
     # ---- control -----------------------------------------------------------------------
 
     async def pause_generation(self, request: web.Request) -> web.Response:
-        mode = _field(await _body(request), "mode", str, required=False, default="abort")
+        mode = body_field(await read_body(request), "mode", str, required=False, default="abort")
         if mode not in ("abort", "in_place"):
             raise BadRequest(f"pause mode '{mode}': use abort or in_place")
         n = await self.call(lambda: self._deliver(self.engine.pause(mode)))
@@ -249,8 +163,8 @@ class EngineServer:
         return web.json_response({"success": True})
 
     async def abort_request(self, request: web.Request) -> web.Response:
-        body = await _body(request)
-        rid = _field(body, "rid", str, required=False)
+        body = await read_body(request)
+        rid = body_field(body, "rid", str, required=False)
         if rid is None and not body.get("abort_all"):
             raise BadRequest("give 'rid' or 'abort_all': true")
         n = await self.call(lambda: self._deliver(self.engine.abort(rid)))
@@ -266,16 +180,16 @@ class EngineServer:
         All or nothing: `LLMEngine.replace_weights`."""
         from vime.engine.core.model import iter_safetensors_files, safetensors_layout
 
-        body = await _body(request)
-        transport = _field(body, "transport", str, required=False, default="shm")
-        version = _field(body, "weight_version", int, required=False)
+        body = await read_body(request)
+        transport = body_field(body, "transport", str, required=False, default="shm")
+        version = body_field(body, "weight_version", int, required=False)
         if transport == "shm":
-            path = _field(body, "path", str)
+            path = body_field(body, "path", str)
             if not Path(path).is_file():
                 raise BadRequest(f"weights file {path} does not exist")
             return await self._replace_weights(lambda: safetensors_layout([path]), lambda: iter_safetensors_files([path]), version)
         if transport == "cuda_ipc":
-            handles = cuda_ipc.parse(_field(body, "handles", list))
+            handles = cuda_ipc.parse(body_field(body, "handles", list))
             if self.engine.device.type != "cuda":
                 raise BadRequest(f"transport cuda_ipc needs a GPU engine; this one runs on {self.engine.device}: use shm")
             return await self._replace_weights(
@@ -288,9 +202,9 @@ class EngineServer:
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         from vime.engine.core.model import iter_safetensors_files, safetensors_files, safetensors_layout
 
-        body = await _body(request)
-        path = _field(body, "model_path", str)
-        version = _field(body, "weight_version", int, required=False)
+        body = await read_body(request)
+        path = body_field(body, "model_path", str)
+        version = body_field(body, "weight_version", int, required=False)
         if not Path(path).is_dir():
             raise BadRequest(f"model_path {path} is not a directory")
         files = safetensors_files(path)
@@ -305,14 +219,14 @@ class EngineServer:
         """Join a trainer's weight group (vime/engine/weight_sync.py). Blocks this engine's steps
         until every member has joined or the timeout passes; a group of the same name left by an
         earlier trainer is torn down first."""
-        body = await _body(request)
-        address = _field(body, "master_address", str)
-        port = _field(body, "master_port", int)
-        rank = _field(body, "rank_offset", int)
-        world = _field(body, "world_size", int)
-        name = _field(body, "group_name", str, required=False, default="vime-weights")
-        backend = _field(body, "backend", str, required=False, default="nccl")
-        timeout = float(_field(body, "timeout", (int, float), required=False, default=120.0))
+        body = await read_body(request)
+        address = body_field(body, "master_address", str)
+        port = body_field(body, "master_port", int)
+        rank = body_field(body, "rank_offset", int)
+        world = body_field(body, "world_size", int)
+        name = body_field(body, "group_name", str, required=False, default="vime-weights")
+        backend = body_field(body, "backend", str, required=False, default="nccl")
+        timeout = float(body_field(body, "timeout", (int, float), required=False, default=120.0))
         if backend not in ("nccl", "gloo"):
             raise BadRequest(f"backend '{backend}': use nccl or gloo")
         if backend == "nccl" and self.engine.device.type != "cuda":
@@ -333,25 +247,25 @@ class EngineServer:
         """Receive one announced bucket by broadcast from the trainer and copy it in place. The
         announced names and shapes are checked against the model before anything is received,
         so a wrong bucket is a 400 that leaves the weights untouched."""
-        body = await _body(request)
-        name = _field(body, "group_name", str, required=False, default="vime-weights")
+        body = await read_body(request)
+        name = body_field(body, "group_name", str, required=False, default="vime-weights")
         group = self.weight_groups.get(name)
         if group is None:
             raise BadRequest(f"no weight group '{name}': call /init_weights_update_group first")
-        layout = weight_sync.parse_layout(_field(body, "names", list), _field(body, "dtypes", list), _field(body, "shapes", list))
-        load_format = _field(body, "load_format", str, required=False)
+        layout = weight_sync.parse_layout(body_field(body, "names", list), body_field(body, "dtypes", list), body_field(body, "shapes", list))
+        load_format = body_field(body, "load_format", str, required=False)
         if load_format not in (None, weight_sync.FLATTENED):
             raise BadRequest(f"load_format '{load_format}': use {weight_sync.FLATTENED} or leave it out")
         self.engine.check_weights([(n, s, d) for n, d, s in layout])
-        version = _field(body, "weight_version", int, required=False)
-        flush = _field(body, "flush_cache", bool, required=False, default=True)
+        version = body_field(body, "weight_version", int, required=False)
+        flush = body_field(body, "flush_cache", bool, required=False, default=True)
         t0 = time.perf_counter()
         receive = weight_sync.receive(group, layout, flattened=load_format is not None)
         n = await self.call(lambda: self.engine.update_weights(receive, version, flush=flush))
         return web.json_response({"success": True, "num_tensors": n, "weight_version": self.engine.weight_version, "time_s": time.perf_counter() - t0})
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
-        name = _field(await _body(request), "group_name", str, required=False, default="vime-weights")
+        name = body_field(await read_body(request), "group_name", str, required=False, default="vime-weights")
         group = self.weight_groups.pop(name, None)
         if group is None:
             raise BadRequest(f"no weight group '{name}'")
@@ -372,7 +286,7 @@ class EngineServer:
     async def health(self, request: web.Request) -> web.Response:
         problem = self.fatal or self.engine.weights_incomplete
         if problem is not None:
-            return _json_error(503, problem)
+            return json_error(503, problem)
         return web.json_response({"status": "ok"})
 
     async def model_info(self, request: web.Request) -> web.Response:
@@ -420,81 +334,8 @@ class EngineServer:
         text = "".join(f"# HELP vime_engine_{n} {h}\n# TYPE vime_engine_{n} {t}\nvime_engine_{n} {v}\n" for n, t, h, v in rows)
         return web.Response(text=text, content_type="text/plain")
 
-    # ---- OpenAI-compatible -------------------------------------------------------------
-
-    async def tokenizer(self):
-        async with self._tokenizer_lock:
-            if self._tokenizer is None:
-                from vime.models import load_tokenizer
-
-                self._tokenizer = await asyncio.to_thread(load_tokenizer, self.model_path)
-        return self._tokenizer
-
-    async def completions(self, request: web.Request) -> web.Response:
-        body = await _body(request)
-        tok = await self.tokenizer()
-        prompt = _field(body, "prompt", (str, list))
-        if isinstance(prompt, str):
-            ids = tok.encode(prompt, add_special_tokens=False)
-        elif all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = prompt
-        else:
-            raise BadRequest("prompt must be a string or a list of token ids (one prompt per request)")
-        return await self._openai(body, ids, chat=False)
-
-    async def chat_completions(self, request: web.Request) -> web.Response:
-        body = await _body(request)
-        tok = await self.tokenizer()
-        messages = _field(body, "messages", list)
-        if not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
-            raise BadRequest("messages must be a list of {role, content} objects")
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return await self._openai(body, tok.encode(text, add_special_tokens=False), chat=True)
-
-    async def _openai(self, body: dict, ids: list[int], chat: bool) -> web.Response:
-        from vime.engine.core.sampler import SamplingParams
-
-        if body.get("stream"):
-            raise BadRequest("stream=true is not supported by the vime engine")
-        stop = body.get("stop") or []
-        stop = [stop] if isinstance(stop, str) else stop
-        if not all(isinstance(s, str) for s in stop):
-            raise BadRequest("stop must be a string or a list of strings")
-        params = SamplingParams.from_dict({
-            "max_new_tokens": body.get("max_completion_tokens", body.get("max_tokens", 16)),
-            "temperature": body.get("temperature", 1.0),
-            "top_p": body.get("top_p", 1.0),
-            "top_k": body.get("top_k", -1),
-            "n": body.get("n", 1),
-            "stop_token_ids": body.get("stop_token_ids") or [],
-            "ignore_eos": body.get("ignore_eos", False),
-        })
-        rid = uuid.uuid4().hex
-        out = await self._generate(ids, params, rid)
-        tok = await self.tokenizer()
-        choices = []
-        for i, o in enumerate(out.outputs):
-            text = tok.decode(o.output_ids, skip_special_tokens=True)
-            reason = o.finish_reason
-            cut = min((p for p in (text.find(s) for s in stop) if p >= 0), default=-1)
-            if cut >= 0:  # stop strings are applied after generation; the text ends before them
-                text, reason = text[:cut], "stop"
-            if chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason})
-            else:
-                choices.append({"index": i, "text": text, "finish_reason": reason, "logprobs": None})
-        completion = sum(len(o.output_ids) for o in out.outputs)
-        return web.json_response({
-            "id": ("chatcmpl-" if chat else "cmpl-") + rid,
-            "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()),
-            "model": body.get("model") or self.model_path,
-            "choices": choices,
-            "usage": {"prompt_tokens": len(ids), "completion_tokens": completion, "total_tokens": len(ids) + completion},
-        })
-
     def app(self) -> web.Application:
-        middlewares = [_auth(self.api_key), _errors] if self.api_key else [_errors]
+        middlewares = [auth_middleware(self.api_key), error_middleware] if self.api_key else [error_middleware]
         app = web.Application(middlewares=middlewares, client_max_size=256 * 2**20)
         post = {
             "/generate": self.generate,
@@ -509,8 +350,8 @@ class EngineServer:
             "/destroy_weights_update_group": self.destroy_weights_update_group,
             "/release_memory_occupation": self.release_memory_occupation,
             "/resume_memory_occupation": self.resume_memory_occupation,
-            "/v1/completions": self.completions,
-            "/v1/chat/completions": self.chat_completions,
+            "/v1/completions": self.openai.completions,
+            "/v1/chat/completions": self.openai.chat_completions,
         }
         for path, handler in post.items():
             app.router.add_post(path, handler)
@@ -622,85 +463,6 @@ async def _serve(server: EngineServer, host: str, port: int, parent_pid: int | N
     if server.fatal is None:  # answer whoever is still waiting (partial outputs, finish reason abort)
         await server.call(lambda: server._deliver(server.engine.abort()))
     await runner.cleanup()
-
-
-# ---- launching from Python ---------------------------------------------------------------
-
-
-@dataclass
-class EngineProcess:
-    url: str
-    proc: subprocess.Popen
-    log_path: Path
-    api_key: str | None = None
-
-    def shutdown(self, timeout: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def _log_tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-def launch_engine(
-    model_path: str, *, port: int | None = None, device: str = "cpu", dtype: str = "auto", extra_args: Iterable[str] = (),
-    log_path: str | Path | None = None, startup_timeout: float = 120.0, api_key: str | None = None,
-) -> EngineProcess:
-    """Start `python -m vime.engine.server` and return once it answers /health.
-
-    dtype "auto" is bfloat16 on a GPU and float32 on CPU, as for the server itself. `api_key`
-    reaches the server through its environment, never its command line (which any local user
-    can read).
-
-    The server exits by itself when this process does (--parent-pid), so a crashed trainer
-    leaves no engine behind.
-    """
-    if log_path is None:
-        fd, name = tempfile.mkstemp(prefix="vime-engine-", suffix=".log")
-        os.close(fd)
-        log_path = name
-    log_path = Path(log_path)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        sys.executable, "-m", "vime.engine.server", "--model-path", str(model_path), "--host", "127.0.0.1",
-        "--port", str(port or 0), "--device", device, "--dtype", dtype, "--parent-pid", str(os.getpid()), *map(str, extra_args),
-    ]
-    root = str(Path(__file__).resolve().parents[2])  # so the child imports this same vime
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-    env.pop(API_KEY_ENV, None)
-    if api_key:
-        env[API_KEY_ENV] = api_key
-    weight_sync.apply_gpu_safe_env(env)  # NVLink multicast stays off in the engine's NCCL (device README)
-    with open(log_path, "w") as logf:
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-    deadline = time.monotonic() + startup_timeout
-    pattern = re.compile(re.escape(READY_LINE) + r" (http://\S+)")
-    while True:
-        m = pattern.search(log_path.read_text(errors="replace"))
-        if m:
-            break
-        if proc.poll() is not None:
-            raise EngineError(f"engine process exited with code {proc.returncode} during start (log {log_path}):\n{_log_tail(log_path)}")
-        if time.monotonic() > deadline:
-            EngineProcess("", proc, log_path).shutdown()
-            raise EngineError(f"engine did not start within {startup_timeout:g}s (log {log_path}):\n{_log_tail(log_path)}")
-        time.sleep(0.1)
-    engine = EngineProcess(m.group(1), proc, log_path, api_key)
-    try:
-        EngineClient(engine.url, timeout=10, api_key=api_key).health()
-    except EngineError:
-        engine.shutdown()
-        raise
-    return engine
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from torch import nn
 COPY_BATCH_BYTES = 256 * 2**20  # same-device weights copied per _foreach_copy_
 
 from vime.engine.core import kernels
-from vime.engine.core.kv_cache import AttnMetadata, paged_attention
+from vime.engine.core.attention import AttnMetadata, paged_attention
 
 SUPPORTED_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 

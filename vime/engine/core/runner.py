@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from vime.engine.core import kernels
-from vime.engine.core.kv_cache import AttnMetadata, KVCache, make_group
+from vime.engine.core.attention import AttnMetadata, make_group
+from vime.engine.core.kv_cache import KVCache
 from vime.engine.core.model import CausalLM
 from vime.engine.core.sampler import sample, step_seeds
 from vime.engine.core.scheduler import Sequence

@@ -1,0 +1,97 @@
+"""HTTP plumbing shared by the engine's routes (`server.py`, `openai_routes.py`).
+
+Request parsing (`read_body`, `body_field`, `BadRequest`), the error middleware that turns
+exceptions into one-line JSON errors, and API-key auth. Kept apart so both route modules use one
+copy without importing each other.
+"""
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import logging
+from typing import Any, Callable
+
+from aiohttp import web
+
+log = logging.getLogger("vime.engine")
+
+
+class BadRequest(ValueError):
+    """The request itself is wrong: answered with HTTP 400 and this one-line message."""
+
+
+def json_error(status: int, msg: str) -> web.Response:
+    return web.json_response({"error": msg}, status=status)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Callable) -> web.StreamResponse:
+    """Map exceptions to one-line JSON errors: the caller's fault is a 400, ours a 500."""
+    try:
+        return await handler(request)
+    except web.HTTPException:
+        raise
+    except RuntimeError as e:
+        if getattr(e, "http_status", None) is None:  # ours: a 500 below
+            return await _internal_error(request, e)
+        return json_error(e.http_status, " ".join(str(e).split()))
+    except (BadRequest, ValueError, KeyError, FileNotFoundError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+        return json_error(400, " ".join(str(msg).split()))
+    except Exception as e:
+        return await _internal_error(request, e)
+
+
+async def _internal_error(request: web.Request, e: Exception) -> web.Response:
+    log.exception("error in %s", request.path, exc_info=e)
+    return json_error(500, f"{type(e).__name__}: {' '.join(str(e).split())}")
+
+
+API_KEY_ENV = "VIME_API_KEY"
+OPEN_ROUTES = ("/health",)  # liveness probes need no key; it reveals nothing but ok / not ok
+
+
+def auth_middleware(api_key: str) -> Callable:
+    """Every route but /health needs `Authorization: Bearer <api_key>` (what vime's client, vLLM's
+    and OpenAI's send). Compared in constant time."""
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler: Callable) -> web.StreamResponse:
+        if request.path not in OPEN_ROUTES and not hmac.compare_digest(request.headers.get("Authorization", "").encode(), expected):
+            return json_error(401, "missing or wrong API key: send 'Authorization: Bearer <key>' (the engine's --api-key)")
+        return await handler(request)
+
+    return check
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
+
+
+async def read_body(request: web.Request) -> dict:
+    try:
+        body = await request.json() if request.can_read_body else {}
+    except json.JSONDecodeError:
+        raise BadRequest("request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return body
+
+
+def body_field(body: dict, name: str, kind: type | tuple[type, ...], required: bool = True, default: Any = None) -> Any:
+    if name not in body or body[name] is None:
+        if required:
+            raise BadRequest(f"missing field '{name}'")
+        return default
+    value = body[name]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise BadRequest(f"field '{name}' has the wrong type ({type(value).__name__})")
+    return value

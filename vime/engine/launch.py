@@ -1,0 +1,98 @@
+"""Start the engine server as a subprocess from Python: `launch_engine` and `EngineProcess`.
+
+Kept apart from `server.py` because it runs in the trainer's process, not the engine's: it execs
+`python -m vime.engine.server`, waits for the server's ready line and /health, and gives the
+log's tail when the start fails.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+from vime.engine import weight_sync
+from vime.engine.client import EngineClient, EngineError
+from vime.engine.http_common import API_KEY_ENV
+from vime.engine.server import READY_LINE
+
+
+@dataclass
+class EngineProcess:
+    url: str
+    proc: subprocess.Popen
+    log_path: Path
+    api_key: str | None = None
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _log_tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def launch_engine(
+    model_path: str, *, port: int | None = None, device: str = "cpu", dtype: str = "auto", extra_args: Iterable[str] = (),
+    log_path: str | Path | None = None, startup_timeout: float = 120.0, api_key: str | None = None,
+) -> EngineProcess:
+    """Start `python -m vime.engine.server` and return once it answers /health.
+
+    dtype "auto" is bfloat16 on a GPU and float32 on CPU, as for the server itself. `api_key`
+    reaches the server through its environment, never its command line (which any local user
+    can read).
+
+    The server exits by itself when this process does (--parent-pid), so a crashed trainer
+    leaves no engine behind.
+    """
+    if log_path is None:
+        fd, name = tempfile.mkstemp(prefix="vime-engine-", suffix=".log")
+        os.close(fd)
+        log_path = name
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        sys.executable, "-m", "vime.engine.server", "--model-path", str(model_path), "--host", "127.0.0.1",
+        "--port", str(port or 0), "--device", device, "--dtype", dtype, "--parent-pid", str(os.getpid()), *map(str, extra_args),
+    ]
+    root = str(Path(__file__).resolve().parents[2])  # so the child imports this same vime
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    env.pop(API_KEY_ENV, None)
+    if api_key:
+        env[API_KEY_ENV] = api_key
+    weight_sync.apply_gpu_safe_env(env)  # NVLink multicast stays off in the engine's NCCL (device README)
+    with open(log_path, "w") as logf:
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    deadline = time.monotonic() + startup_timeout
+    pattern = re.compile(re.escape(READY_LINE) + r" (http://\S+)")
+    while True:
+        m = pattern.search(log_path.read_text(errors="replace"))
+        if m:
+            break
+        if proc.poll() is not None:
+            raise EngineError(f"engine process exited with code {proc.returncode} during start (log {log_path}):\n{_log_tail(log_path)}")
+        if time.monotonic() > deadline:
+            EngineProcess("", proc, log_path).shutdown()
+            raise EngineError(f"engine did not start within {startup_timeout:g}s (log {log_path}):\n{_log_tail(log_path)}")
+        time.sleep(0.1)
+    engine = EngineProcess(m.group(1), proc, log_path, api_key)
+    try:
+        EngineClient(engine.url, timeout=10, api_key=api_key).health()
+    except EngineError:
+        engine.shutdown()
+        raise
+    return engine
