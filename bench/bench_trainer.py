@@ -177,7 +177,7 @@ def main() -> None:
                 record(f"vime packed+chunked{tag} (fwd+bwd+opt)", *timed(vime_fwd_bwd_opt, device, a.steps), step_flops)
             record(f"vime train_step{tag}", *timed(lambda: actor.train_step(samples, adv), device, a.steps), step_flops, gpus)
             actor.close()
-            del actor, local
+            actor = local = None  # free the model before the next variant
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         except Exception:  # keep the other rows even if this path breaks on some build

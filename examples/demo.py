@@ -66,10 +66,10 @@ def demo_data(out_dir: Path) -> tuple[Path, Path]:
     return write_dataset(TASK, out_dir, n_train=N_TRAIN, n_test=N_TEST, seed=0, **TASK_KWARGS)
 
 
-def demo_config(s: dict[str, Any], model_dir: Path, train: Path, test: Path) -> dict[str, Any]:
+def demo_config(s: dict[str, Any], model_dir: Path, train_data: Path, test_data: Path) -> dict[str, Any]:
     """The run's settings as config keys (the demo's and bench/real_ab.py's)."""
     return {
-        "hf_checkpoint": str(model_dir), "prompt_data": str(train), "eval_prompt_data": str(test),
+        "hf_checkpoint": str(model_dir), "prompt_data": str(train_data), "eval_prompt_data": str(test_data),
         "apply_chat_template": True, "rollout_shuffle": True,
         "rollout_batch_size": s["batch"], "n_samples_per_prompt": s["n"],
         "rollout_max_response_len": s["response_len"], "rollout_temperature": s["temperature"],
@@ -86,10 +86,10 @@ def main() -> int:
     print(f"[demo] device: {'cuda' if gpu else 'cpu'}; settings: {s}", flush=True)
     print("[demo] preparing SmolLM2-135M-Instruct (converted from the wheel's GGUF once, then cached)", flush=True)
     model_dir = resolve_model("smollm2")
-    train, test = demo_data(runs / "demo-data")
+    train_data, test_data = demo_data(runs / "demo-data")
     print(f"[demo] task {TASK} {TASK_KWARGS}: {N_TRAIN} training prompts, {s['eval_limit']} held-out; reward = graded correctness (1/0)", flush=True)
     name = time.strftime("demo-%Y%m%d-%H%M%S")
-    args = parse_args([], **demo_config(s, model_dir, train, test), runs_dir=str(runs), run_name=name)
+    args = parse_args([], **demo_config(s, model_dir, train_data, test_data), runs_dir=str(runs), run_name=name)
     run_dir = train(args)
     summary = summarize(run_dir)
     evals = eval_results(run_dir)

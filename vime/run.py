@@ -9,7 +9,7 @@ The policy version is the number of optimizer steps taken; every push gives the 
 current one, they stamp it on each token, and staleness is always the version of the
 optimizer step that trains a token minus the version that sampled it.
 
-Every loop measures the same things the same way (DESIGN.md, "Timing"):
+Every loop measures the same things the same way (docs/architecture.md, "vime/run.py"):
   train_wait_time   trainer ready for the batch → batch in hand (the bubble)
   train_time        log-prob recompute + forward/backward + optimizer
   update_weights_time  pause → push → resume, all engines
@@ -264,7 +264,7 @@ def train(args: Config) -> Path:
 
 
 class StepClock:
-    """Step and wall-clock time with eval/checkpoint time cut out (DESIGN.md, "Timing")."""
+    """Step and wall-clock time with eval/checkpoint time cut out (the timing above)."""
 
     def __init__(self) -> None:
         self.prev_end = time.perf_counter()

@@ -187,7 +187,7 @@ class AsyncRolloutWorker:
                 **{f"rollout/{k}": float(v) for k, v in self.counts.items()},
             }
         self._poke()
-        if spans:  # first request to last completion of this batch's samples (DESIGN.md, "Timing")
+        if spans:  # first request to last completion of this batch's samples (docs/architecture.md, timing)
             metrics["perf/rollout_time"] = max(e for _, e in spans) - min(b for b, _ in spans)
         # the heap hands out the lowest index first, but a lower one may have finished mid-drain
         out.sort(key=lambda g: g[0].group_index)
