@@ -27,7 +27,10 @@ $(VENV)/.installed: pyproject.toml requirements/cpu.lock
 lock:
 	PYTHON=$(PYTHON) TORCH="$(TORCH)" requirements/lock.sh
 
+# lint and format first (ruff, settings in pyproject.toml): seconds, and a failure names the line
 test: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q
 
 install-vllm: $(VLLM_VENV)/.installed

@@ -1,4 +1,5 @@
 """Synchronous GRPO: generate → train → push weights. `python train.py --help` lists the flags."""
+
 import sys
 
 from vime.cli import guarded, train_main

@@ -3,6 +3,7 @@
 With `--rollout-function-path vime.rollout.fully_async_rollout.generate_rollout_fully_async`
 a continuous worker keeps generations in flight across steps. `--help` lists the flags.
 """
+
 import sys
 
 from vime.cli import guarded, train_main

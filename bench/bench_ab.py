@@ -19,6 +19,7 @@ the bound of an async step, max(train + push, generation of one step's tokens at
     PYTHONPATH=. python3 bench/bench_ab.py                   # one H200 (engine beside the trainer)
     PYTHONPATH=. python3 bench/bench_ab.py --device cpu --tiny --steps 3   # smoke test
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,20 @@ from vime.metrics import mean  # noqa: E402
 from vime.models import make_tiny_model  # noqa: E402
 from vime.report import speed_table, summarize  # noqa: E402
 
-QWEN3_06B = dict(hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=4096)
-TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, max_position_embeddings=2048)
+QWEN3_06B = dict(
+    hidden_size=1024,
+    num_layers=28,
+    num_heads=16,
+    num_kv_heads=8,
+    head_dim=128,
+    intermediate_size=3072,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    max_position_embeddings=4096,
+)
+TINY = dict(
+    hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, max_position_embeddings=2048
+)
 
 
 async def full_load_tok_s(url: str, n: int, length: int) -> float:
@@ -58,7 +71,11 @@ async def full_load_tok_s(url: str, n: int, length: int) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="auto", help="the engine's device: auto = cuda:1 when two GPUs are visible, else cuda:0; or cpu")
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="the engine's device: auto = cuda:1 when two GPUs are visible, else cuda:0; or cpu",
+    )
     p.add_argument("--tiny", action="store_true", help="tiny model (CPU smoke test)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--arms", default="sync,one-step-off,fully-async,decoupled")
@@ -91,19 +108,29 @@ def main() -> int:
     second = None  # the colocated arm's engine on the trainer's GPU
     try:
         if "sync-colocated" in arms:
-            second = launch_engine(str(model), device="cuda:0", extra_args=engine_args, log_path=out / "engine-colocated.log")
+            second = launch_engine(
+                str(model), device="cuda:0", extra_args=engine_args, log_path=out / "engine-colocated.log"
+            )
         n_full, len_full = (256, 512) if big else (32, 64)
         full = asyncio.run(full_load_tok_s(engine.url, n_full, len_full))
         print(f"[ab] engine at full load: {full:,.0f} output tok/s ({n_full} × {len_full} tokens)", flush=True)
         cfg = {
-            "hf_checkpoint": str(model), "prompt_data": str(train),
-            "rollout_batch_size": 16 if big else 4, "n_samples_per_prompt": 8 if big else 4,
-            "rollout_max_response_len": 1024 if big else 64, "rollout_temperature": 1.0,
+            "hf_checkpoint": str(model),
+            "prompt_data": str(train),
+            "rollout_batch_size": 16 if big else 4,
+            "n_samples_per_prompt": 8 if big else 4,
+            "rollout_max_response_len": 1024 if big else 64,
+            "rollout_temperature": 1.0,
             "custom_generate_function_path": "bench.longtail_generate.generate",
             "custom_rm_path": "bench.longtail_generate.zero_reward",
-            "num_rollout": a.steps, "lr": 1e-6, "max_tokens_per_gpu": 16384 if big else 4096,
+            "num_rollout": a.steps,
+            "lr": 1e-6,
+            "max_tokens_per_gpu": 16384 if big else 4096,
             "rollout_engine_urls": [engine.url],
-            "use_tensorboard": False, "rollout_seed": 7, "seed": 7, "compile": a.compile,
+            "use_tensorboard": False,
+            "rollout_seed": 7,
+            "seed": 7,
+            "compile": a.compile,
         }
         cfg_path = work / "ab.yaml"
         cfg_path.write_text(yaml.safe_dump(cfg))
@@ -118,7 +145,15 @@ def main() -> int:
             if arm == "sync-colocated":  # trainer ranks on both GPUs, an engine beside each
                 extra = ["--actor-num-gpus-per-node", "2", "--rollout-engine-urls", f"{second.url},{engine.url}"]
             try:
-                d = run_arm(arm.removesuffix("-colocated"), str(cfg_path), f"{stamp}-{arm}", str(runs), extra, staleness=2, timeout=a.arm_timeout)
+                d = run_arm(
+                    arm.removesuffix("-colocated"),
+                    str(cfg_path),
+                    f"{stamp}-{arm}",
+                    str(runs),
+                    extra,
+                    staleness=2,
+                    timeout=a.arm_timeout,
+                )
             except RuntimeError as e:
                 print(f"[ab] {e}", flush=True)
                 continue
@@ -142,8 +177,10 @@ def main() -> int:
     # load. Not a hard bound: each part's wall time includes host gaps the other process can
     # fill. With the engine on its own GPU the bound is the max.
     alone = next((mean([r["perf/train_time"] for r in steady(s)]) for s in summaries if arm_of(s) == "sync"), None)
-    lines = ["| arm | steady step time (s) | train + push (s) | one step's tokens at full load (s) | bound (s) | step / bound | no-overlap sum (s) | step / sum | response tokens / step |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| arm | steady step time (s) | train + push (s) | one step's tokens at full load (s) | bound (s) | step / bound | no-overlap sum (s) | step / sum | response tokens / step |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     steady_step = {}
     for s in summaries:
         steps = steady(s)
@@ -154,15 +191,26 @@ def main() -> int:
         bound = max(train_push, gen)
         step = steady_step[arm_of(s)] = mean([r["perf/step_time"] for r in steps])
         total = f"{alone + push + gen:.2f} | {step / (alone + push + gen):.2f}" if alone is not None else "- | -"
-        lines.append(f"| {arm_of(s)} | {step:.2f} | {train_push:.2f} | {gen:.2f} | {bound:.2f} | {step / bound:.2f} | {total} | {tokens:,.0f} |")
+        lines.append(
+            f"| {arm_of(s)} | {step:.2f} | {train_push:.2f} | {gen:.2f} | {bound:.2f} | {step / bound:.2f} | {total} | {tokens:,.0f} |"
+        )
     refs = [r for r in ("sync", "sync-colocated") if r in steady_step]
-    speed = ["| arm | steady step (s) | wait share, steady | " + " | ".join(f"speedup over {r}" for r in refs) + " |", "|---|---:|---:|" + "---:|" * len(refs)]
+    speed = [
+        "| arm | steady step (s) | wait share, steady | " + " | ".join(f"speedup over {r}" for r in refs) + " |",
+        "|---|---:|---:|" + "---:|" * len(refs),
+    ]
     for s in summaries:
         steps = steady(s)
         share = sum(r["perf/train_wait_time"] for r in steps) / sum(r["perf/step_time"] for r in steps)
         step = steady_step[arm_of(s)]
-        speed.append(f"| {arm_of(s)} | {step:.2f} | {100 * share:.1f}% | " + " | ".join(f"{steady_step[r] / step:.2f}×" for r in refs) + " |")
-    where = f"trainer {'cuda:0' if gpus else 'cpu'}, engine {device}" + (", colocated arm: 2 trainer ranks + an engine on each GPU" if second is not None else "")
+        speed.append(
+            f"| {arm_of(s)} | {step:.2f} | {100 * share:.1f}% | "
+            + " | ".join(f"{steady_step[r] / step:.2f}×" for r in refs)
+            + " |"
+        )
+    where = f"trainer {'cuda:0' if gpus else 'cpu'}, engine {device}" + (
+        ", colocated arm: 2 trainer ranks + an engine on each GPU" if second is not None else ""
+    )
     report = f"{where}\n\nspeed (all steps; first arm = speedup reference)\n" + speed_table(summaries)
     report += "\n\nsteady steps (2..N)\n" + "\n".join(speed) + "\n\nbound (steps 2..N)\n" + "\n".join(lines)
     report += f"\n\nengine at full load: {full:,.0f} output tok/s; total bench time {time.perf_counter() - t0:.0f} s"

@@ -12,6 +12,7 @@ the whole run; rounds alternate vime, vLLM, vime, … so drift of the machine hi
 the idle server is pinned to the other core. Output tokens/s per round (first round of each
 discarded as warm-up); the table gives the median and the range.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,8 +67,10 @@ def pin_tree(pid: int, core: int) -> None:
 def workload(args: argparse.Namespace, vocab: int) -> list[tuple[list[int], dict]]:
     rng = random.Random(0)
     return [
-        ([rng.randrange(100, vocab) for _ in range(args.prompt_len)],
-         {"max_new_tokens": args.output_len, "temperature": 1.0, "ignore_eos": True, "sampling_seed": i})
+        (
+            [rng.randrange(100, vocab) for _ in range(args.prompt_len)],
+            {"max_new_tokens": args.output_len, "temperature": 1.0, "ignore_eos": True, "sampling_seed": i},
+        )
         for i in range(args.requests)
     ]
 
@@ -103,27 +106,38 @@ def main() -> None:
     try:
         # vime on core 0, vLLM on core 1: each has one compute thread and a core of its own
         if "vime" in engines:
-            procs["vime"] = launch_engine(str(model), dtype=args.dtype, extra_args=["--num-threads", "1", "--max-num-seqs", str(args.requests)],
-                                          log_path=out / "vime_engine.log")
+            procs["vime"] = launch_engine(
+                str(model),
+                dtype=args.dtype,
+                extra_args=["--num-threads", "1", "--max-num-seqs", str(args.requests)],
+                log_path=out / "vime_engine.log",
+            )
             pin(procs["vime"].proc.pid, 0)
             clients["vime"] = EngineClient(procs["vime"].url)
         if "vllm" in engines:
-            procs["vllm"] = launch_vllm(str(model), dtype=args.dtype, cpu_cores="1", max_num_seqs=args.requests, log_path=out / "vllm.log")
+            procs["vllm"] = launch_vllm(
+                str(model), dtype=args.dtype, cpu_cores="1", max_num_seqs=args.requests, log_path=out / "vllm.log"
+            )
             pin_tree(procs["vllm"].proc.pid, 1)
             clients["vllm"] = VLLMClient(procs["vllm"].url)
         rates: dict[str, list[float]] = {e: [] for e in engines}
         for r in range(args.rounds + 1):
             for e in engines:
                 elapsed, tokens = asyncio.run(one_round(clients[e], reqs))
-                print(f"round {r} {e}: {tokens} tokens in {elapsed:.2f}s = {tokens / elapsed:.1f} tok/s{' (warm-up)' if r == 0 else ''}", flush=True)
+                print(
+                    f"round {r} {e}: {tokens} tokens in {elapsed:.2f}s = {tokens / elapsed:.1f} tok/s{' (warm-up)' if r == 0 else ''}",
+                    flush=True,
+                )
                 if r:
                     rates[e].append(tokens / elapsed)
     finally:
         for p in procs.values():
             p.shutdown()
     cmd = " ".join([Path(sys.executable).name, "bench/bench_cpu_engines.py", *sys.argv[1:]])
-    print(f"\n`{cmd}` on {cpu_name()}, {os.cpu_count()} cores; {args.requests} requests × {args.prompt_len} prompt + "
-          f"{args.output_len} output tokens, {args.dtype}, one compute thread each, {args.rounds} interleaved rounds\n")
+    print(
+        f"\n`{cmd}` on {cpu_name()}, {os.cpu_count()} cores; {args.requests} requests × {args.prompt_len} prompt + "
+        f"{args.output_len} output tokens, {args.dtype}, one compute thread each, {args.rounds} interleaved rounds\n"
+    )
     print("| engine | output tok/s (median) | range | vs vime |")
     print("|---|---|---|---|")
     base = statistics.median(rates["vime"]) if "vime" in rates else None

@@ -11,6 +11,7 @@ far slower, so they run a stated subset with outputs capped. Before timing, the 
 output is compared with HF `generate` and its log-probs with a teacher-forced HF forward.
 Details (per-step log, every number) go to --out; the markdown table is printed last.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,13 +29,29 @@ import numpy as np
 import torch
 
 QWEN3_0_6B = dict(
-    vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-    num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
     tie_word_embeddings=True,
 )
 TINY = dict(
-    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-6,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=4096,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
     tie_word_embeddings=True,
 )
 
@@ -47,9 +64,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=1.0, help="vime sampling temperature (RL rollouts sample)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--hf-requests", type=int, default=64, help="subset (= batch) for HF generate with its default cache")
+    p.add_argument(
+        "--hf-requests", type=int, default=64, help="subset (= batch) for HF generate with its default cache"
+    )
     p.add_argument("--hf-cb-requests", type=int, default=32, help="subset for HF continuous batching (the slowest arm)")
-    p.add_argument("--hf-compile-requests", type=int, default=256, help="subset (= batch) for HF static cache + compile")
+    p.add_argument(
+        "--hf-compile-requests", type=int, default=256, help="subset (= batch) for HF static cache + compile"
+    )
     p.add_argument("--hf-max-new", type=int, default=256, help="output cap for the HF arms")
     p.add_argument("--arms", default="vime,hf,hf_compile,hf_cb")
     p.add_argument("--check-prompts", type=int, default=8)
@@ -117,7 +138,9 @@ def workload(n: int, lo: int, hi: int, vocab: int, seed: int) -> tuple[list[list
 # ---- vime --------------------------------------------------------------------------------
 
 
-def run_engine(engine, prompts: list[list[int]], max_new: list[int], temperature: float, log: list | None = None) -> list:
+def run_engine(
+    engine, prompts: list[list[int]], max_new: list[int], temperature: float, log: list | None = None
+) -> list:
     """All requests at once; steps until done. Returns the outputs in request order."""
     from vime.engine.core.sampler import SamplingParams
 
@@ -142,18 +165,22 @@ def check_against_hf(engine, hf, prompts: list[list[int]], n_new: int, device: t
     for p, o in zip(prompts, outs):
         ids = torch.tensor([p], device=device)
         with torch.no_grad():
-            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n_new, min_new_tokens=n_new)[0, len(p):].tolist()
+            ref = hf.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n_new, min_new_tokens=n_new
+            )[0, len(p) :].tolist()
             logits = hf(torch.tensor([p + o.output_ids], device=device)).logits[0, len(p) - 1 : -1].float()
         lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(o.output_ids, device=device)[:, None])[:, 0].cpu()
         lp_diffs.append((lp - torch.tensor(o.logprobs)).abs())
         first_diff.append(next((i for i, (a, b) in enumerate(zip(o.output_ids, ref)) if a != b), n_new))
     diffs = torch.cat(lp_diffs)
     return {
-        "prompts": len(prompts), "new_tokens": n_new,
+        "prompts": len(prompts),
+        "new_tokens": n_new,
         "exact_matches": sum(d == n_new for d in first_diff),
         "first_divergence": first_diff,
         "matched_prefix_rate": sum(first_diff) / (n_new * len(prompts)),
-        "logprob_max_abs_diff": diffs.max().item(), "logprob_mean_abs_diff": diffs.mean().item(),
+        "logprob_max_abs_diff": diffs.max().item(),
+        "logprob_mean_abs_diff": diffs.mean().item(),
     }
 
 
@@ -191,21 +218,32 @@ def gpu_decode_step_ms(engine, batch: int, context: int) -> tuple[float, float]:
     return statistics.median(times), statistics.median(samp)
 
 
-def bench_vime(args, model_dir: Path, hf, prompts, max_new, device, dtype_name, bw, weight_bytes, kv_bytes_per_token, res: dict) -> None:
+def bench_vime(
+    args, model_dir: Path, hf, prompts, max_new, device, dtype_name, bw, weight_bytes, kv_bytes_per_token, res: dict
+) -> None:
     from vime.engine.core.engine import EngineConfig, LLMEngine
 
     reset_peak(device)
     t0 = time.perf_counter()
-    engine = LLMEngine(EngineConfig(
-        str(model_dir), device=str(device), dtype=dtype_name, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=2 * max(map(len, prompts)) + 64, seed=args.seed,
-    ))
+    engine = LLMEngine(
+        EngineConfig(
+            str(model_dir),
+            device=str(device),
+            dtype=dtype_name,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=2 * max(map(len, prompts)) + 64,
+            seed=args.seed,
+        )
+    )
     sync(device)
     startup = time.perf_counter() - t0
     t0 = time.perf_counter()
     run_engine(engine, [p[:50] for p in prompts[:8]], [20] * 8, args.temperature)  # JIT the eager-path kernels
     warmup = time.perf_counter() - t0
-    res["vime_check"] = check_against_hf(engine, hf, [p[:200] for p in prompts[: args.check_prompts]], args.check_tokens, device)
+    res["vime_check"] = check_against_hf(
+        engine, hf, [p[:200] for p in prompts[: args.check_prompts]], args.check_tokens, device
+    )
     print("correctness vs HF:", json.dumps(res["vime_check"]), flush=True)
 
     step_log: list = []
@@ -220,10 +258,17 @@ def bench_vime(args, model_dir: Path, hf, prompts, max_new, device, dtype_name, 
     floor = [(weight_bytes + ctx * kv_bytes_per_token) / bw for _, _, ctx, _ in decode]
     full = [(s, f) for s, f in zip(decode, floor) if s[1] == args.max_num_seqs]
     v = {
-        "requests": len(prompts), "output_tokens": n_out, "wall_s": wall, "tok_s": n_out / wall,
-        "startup_s": startup, "graph_capture_s": engine.runner.capture_time, "warmup_s": warmup,
-        "steps": len(step_log), "eager_steps": len(step_log) - len(decode),
-        "eager_time_s": sum(s[3] for s in step_log if s[0] == "eager"), "decode_time_s": sum(s[3] for s in decode),
+        "requests": len(prompts),
+        "output_tokens": n_out,
+        "wall_s": wall,
+        "tok_s": n_out / wall,
+        "startup_s": startup,
+        "graph_capture_s": engine.runner.capture_time,
+        "warmup_s": warmup,
+        "steps": len(step_log),
+        "eager_steps": len(step_log) - len(decode),
+        "eager_time_s": sum(s[3] for s in step_log if s[0] == "eager"),
+        "decode_time_s": sum(s[3] for s in decode),
         "decode_step_ms_mean": 1e3 * statistics.fmean(s[3] for s in decode) if decode else None,
         "decode_floor_ms_mean": 1e3 * statistics.fmean(floor) if floor else None,
         "full_batch_steps": len(full),
@@ -235,8 +280,14 @@ def bench_vime(args, model_dir: Path, hf, prompts, max_new, device, dtype_name, 
     if device.type == "cuda" and engine.runner.graphs and args.max_num_seqs in engine.runner.graphs:
         ctx = sum(len(p) for p in prompts) // len(prompts) + sum(max_new) // (2 * len(max_new))
         g_ms, s_ms = gpu_decode_step_ms(engine, args.max_num_seqs, ctx)
-        v.update({"gpu_step_context": ctx, "gpu_graph_ms": g_ms, "gpu_sampler_ms": s_ms,
-                  "gpu_step_floor_ms": 1e3 * (weight_bytes + args.max_num_seqs * ctx * kv_bytes_per_token) / bw})
+        v.update(
+            {
+                "gpu_step_context": ctx,
+                "gpu_graph_ms": g_ms,
+                "gpu_sampler_ms": s_ms,
+                "gpu_step_floor_ms": 1e3 * (weight_bytes + args.max_num_seqs * ctx * kv_bytes_per_token) / bw,
+            }
+        )
     # Weight update: HF-named tensors on the same GPU (the trainer's copy), copied in place.
     state = hf.state_dict()
     times = []
@@ -286,7 +337,9 @@ def bench_hf_generate(hf, prompts, cap: int, device, static: bool) -> dict:
     sync(device)
     wall = time.perf_counter() - t0
     n = (gen.shape[1] - width) * len(prompts)
-    out.update({"requests": len(prompts), "output_tokens": n, "wall_s": wall, "tok_s": n / wall, "peak_gib": peak_gib(device)})
+    out.update(
+        {"requests": len(prompts), "output_tokens": n, "wall_s": wall, "tok_s": n / wall, "peak_gib": peak_gib(device)}
+    )
     return out
 
 
@@ -301,8 +354,14 @@ def bench_hf_cb(hf, prompts, cap: int, device) -> dict:
     sync(device)
     wall = time.perf_counter() - t0
     n = sum(len(r.generated_tokens) for r in results.values())
-    return {"requests": len(prompts), "output_tokens": n, "wall_s": wall, "tok_s": n / wall, "peak_gib": peak_gib(device),
-            "note": "wall includes the manager's warm-up"}
+    return {
+        "requests": len(prompts),
+        "output_tokens": n,
+        "wall_s": wall,
+        "tok_s": n / wall,
+        "peak_gib": peak_gib(device),
+        "note": "wall includes the manager's warm-up",
+    }
 
 
 # ---- main ----------------------------------------------------------------------------------
@@ -313,15 +372,24 @@ def fmt(x, spec: str = ".1f") -> str:
 
 
 def table(res: dict, args) -> str:
-    rows = ["| arm | requests (outputs) | output tok/s | decode step: measured / floor (ms) | peak GiB | start-up (s) |", "|---|---|---|---|---|---|"]
+    rows = [
+        "| arm | requests (outputs) | output tok/s | decode step: measured / floor (ms) | peak GiB | start-up (s) |",
+        "|---|---|---|---|---|---|",
+    ]
     v = res.get("vime")
     if v and "error" in v:
         rows.append(f"| vime | - | {v['error']} | - | - | - |")
         v = None
     if v:
         step = f"{fmt(v['decode_step_ms_mean'], '.2f')} / {fmt(v['decode_floor_ms_mean'], '.2f')} (mean); B={args.max_num_seqs}: {fmt(v['full_batch_step_ms'], '.2f')} / {fmt(v['full_batch_floor_ms'], '.2f')}"
-        rows.append(f"| vime (graphs + Triton) | {v['requests']} ({args.lengths}) | **{v['tok_s']:,.0f}** | {step} | {fmt(v['peak_gib'])} | {v['startup_s']:.1f} (capture {v['graph_capture_s']:.1f}) |")
-    names = {"hf": "HF generate, default cache, B={n}", "hf_compile": "HF generate, static cache + compile, B={n}", "hf_cb": "HF continuous batching (generate_batch)"}
+        rows.append(
+            f"| vime (graphs + Triton) | {v['requests']} ({args.lengths}) | **{v['tok_s']:,.0f}** | {step} | {fmt(v['peak_gib'])} | {v['startup_s']:.1f} (capture {v['graph_capture_s']:.1f}) |"
+        )
+    names = {
+        "hf": "HF generate, default cache, B={n}",
+        "hf_compile": "HF generate, static cache + compile, B={n}",
+        "hf_cb": "HF continuous batching (generate_batch)",
+    }
     for arm, label in names.items():
         r = res.get(arm)
         if r is None:
@@ -329,21 +397,23 @@ def table(res: dict, args) -> str:
         if "error" in r:
             rows.append(f"| {label.format(n='?')} | - | {r['error']} | - | - | - |")
             continue
-        rows.append(f"| {label.format(n=r['requests'])} | {r['requests']} (all {args.hf_max_new}) | {r['tok_s']:,.0f} | - | {fmt(r.get('peak_gib'))} | {fmt(r.get('startup_s'))} |")
+        rows.append(
+            f"| {label.format(n=r['requests'])} | {r['requests']} (all {args.hf_max_new}) | {r['tok_s']:,.0f} | - | {fmt(r.get('peak_gib'))} | {fmt(r.get('startup_s'))} |"
+        )
     hf_best = max((res[a]["tok_s"] for a in names if a in res and "tok_s" in res[a]), default=None)
     lines = ["\n".join(rows)]
     if v:
         c = res["vime_check"]
-        lines.append(
-            f"vime vs fastest HF path: {v['tok_s'] / hf_best:.2f}x. " if hf_best else ""
-        )
+        lines.append(f"vime vs fastest HF path: {v['tok_s'] / hf_best:.2f}x. " if hf_best else "")
         lines.append(
             f"weight update (copy_ of {v['weight_update_tensors']} HF-named same-GPU tensors): {v['weight_update_ms']:.1f} ms; "
             f"release + resume (incl. re-capture): {v['release_resume_s']:.2f} s; eager steps {v['eager_steps']} of {v['steps']} "
             f"({v['eager_time_s']:.2f} s of {v['wall_s']:.2f} s)"
         )
         if "gpu_graph_ms" in v:
-            lines.append(f"one B={args.max_num_seqs} decode graph at context {v['gpu_step_context']}: {v['gpu_graph_ms']:.2f} ms on the GPU (+ sampler {v['gpu_sampler_ms']:.3f} ms) vs floor {v['gpu_step_floor_ms']:.2f} ms")
+            lines.append(
+                f"one B={args.max_num_seqs} decode graph at context {v['gpu_step_context']}: {v['gpu_graph_ms']:.2f} ms on the GPU (+ sampler {v['gpu_sampler_ms']:.3f} ms) vs floor {v['gpu_step_floor_ms']:.2f} ms"
+            )
         lines.append(
             f"correctness ({c['prompts']} prompts x {c['new_tokens']} greedy tokens vs HF generate): exact {c['exact_matches']}/{c['prompts']}, "
             f"matched prefix {100 * c['matched_prefix_rate']:.0f}%, first divergence at {c['first_divergence']}; "
@@ -369,8 +439,13 @@ def main() -> None:
     prompts, max_new = workload(n_req, lo, hi, shape["vocab_size"], args.seed)
     import transformers
 
-    res: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "date": time.strftime("%Y-%m-%d"),
-                 "torch": torch.__version__, "transformers": transformers.__version__, "args": vars(args)}
+    res: dict = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "args": vars(args),
+    }
     res["copy_bandwidth_TBps"] = bw = copy_bandwidth(device) / 1e12
     bw = bw * 1e12 if bw == bw else 1e11  # NaN on CPU: a nominal 100 GB/s so the floor column is defined
     with tempfile.TemporaryDirectory() as tmp:
@@ -378,7 +453,9 @@ def main() -> None:
         hf = make_model(shape, device, dtype, args.seed, Path(tmp))
         res["model_build_s"] = time.perf_counter() - t0
         weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())  # tied embedding once
-        kv_bytes_per_token = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["head_dim"] * dtype.itemsize
+        kv_bytes_per_token = (
+            2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["head_dim"] * dtype.itemsize
+        )
         res["weight_bytes"], res["kv_bytes_per_token"] = weight_bytes, kv_bytes_per_token
         arms = args.arms.split(",")
         for arm in arms:
@@ -388,13 +465,27 @@ def main() -> None:
             print(f"--- {arm} ({time.perf_counter() - t_start:.0f}s)", flush=True)
             try:
                 if arm == "vime":
-                    bench_vime(args, Path(tmp), hf, prompts, max_new, device, dtype_name, bw, weight_bytes, kv_bytes_per_token, res)
+                    bench_vime(
+                        args,
+                        Path(tmp),
+                        hf,
+                        prompts,
+                        max_new,
+                        device,
+                        dtype_name,
+                        bw,
+                        weight_bytes,
+                        kv_bytes_per_token,
+                        res,
+                    )
                 elif arm == "hf":
                     res[arm] = bench_hf_generate(hf, prompts[: args.hf_requests], args.hf_max_new, device, static=False)
                 elif arm == "hf_compile":
                     if device.type != "cuda":
                         continue
-                    res[arm] = bench_hf_generate(hf, prompts[: args.hf_compile_requests], args.hf_max_new, device, static=True)
+                    res[arm] = bench_hf_generate(
+                        hf, prompts[: args.hf_compile_requests], args.hf_max_new, device, static=True
+                    )
                 elif arm == "hf_cb":
                     res[arm] = bench_hf_cb(hf, prompts[: args.hf_cb_requests], args.hf_max_new, device)
             except Exception as e:  # an arm that breaks is reported (traceback in the log), not fatal
@@ -404,7 +495,9 @@ def main() -> None:
             reset_peak(device)
     res["total_s"] = time.perf_counter() - t_start
     (Path(args.out) / "bench_engine.json").write_text(json.dumps(res, indent=1, default=str))
-    print(f"\n{res['device']}, {res['date']}, torch {res['torch']}, transformers {res['transformers']}; copy bandwidth {res['copy_bandwidth_TBps']:.2f} TB/s; total {res['total_s']:.0f} s")
+    print(
+        f"\n{res['device']}, {res['date']}, torch {res['torch']}, transformers {res['transformers']}; copy bandwidth {res['copy_bandwidth_TBps']:.2f} TB/s; total {res['total_s']:.0f} s"
+    )
     print(table(res, args))
 
 

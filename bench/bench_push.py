@@ -11,11 +11,11 @@ progress.
     PYTHONPATH=. python3 bench/bench_push.py                            # nvidia-h200-x2
     PYTHONPATH=. python3 bench/bench_push.py --device cpu --tiny         # smoke test (gloo)
 """
+
 from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import sys
 import threading
@@ -119,7 +119,9 @@ class Load:
         await client.close()
 
 
-def timed_pushes(actor, client: EngineClient, pusher: WeightPusher, n: int, first_version: int) -> list[dict[str, float]]:
+def timed_pushes(
+    actor, client: EngineClient, pusher: WeightPusher, n: int, first_version: int
+) -> list[dict[str, float]]:
     rows = []
     for i in range(n):
         t0 = time.perf_counter()
@@ -129,7 +131,16 @@ def timed_pushes(actor, client: EngineClient, pusher: WeightPusher, n: int, firs
         t2 = time.perf_counter()
         client.continue_generation()
         t3 = time.perf_counter()
-        rows.append({"pause": t1 - t0, "push": t2 - t1, "continue": t3 - t2, "total": t3 - t0, "buckets": m.get("perf/update_weights_buckets", 0), "bytes": m["perf/update_weights_bytes"]})
+        rows.append(
+            {
+                "pause": t1 - t0,
+                "push": t2 - t1,
+                "continue": t3 - t2,
+                "total": t3 - t0,
+                "buckets": m.get("perf/update_weights_buckets", 0),
+                "bytes": m["perf/update_weights_bytes"],
+            }
+        )
         time.sleep(0.05)
     return rows
 
@@ -150,12 +161,20 @@ def breakdown(actor, pusher: WeightPusher, gpu: bool, n: int = 5) -> None:
         tensors = list(actor.named_weights())
         sync()
         t1 = time.perf_counter()
-        for _ in weight_sync.pack(iter(tensors), pusher.bucket_bytes, torch.bfloat16 if gpu else torch.float32, torch.device("cuda:0" if gpu else "cpu")):
+        for _ in weight_sync.pack(
+            iter(tensors),
+            pusher.bucket_bytes,
+            torch.bfloat16 if gpu else torch.float32,
+            torch.device("cuda:0" if gpu else "cpu"),
+        ):
             pass
         sync()
         gather.append(t1 - t0)
         packing.append(time.perf_counter() - t1)
-    print(f"[push] trainer side: named_weights {statistics.median(gather) * 1e3:.2f} ms, pack {statistics.median(packing) * 1e3:.2f} ms ({len(tensors)} tensors)", flush=True)
+    print(
+        f"[push] trainer side: named_weights {statistics.median(gather) * 1e3:.2f} ms, pack {statistics.median(packing) * 1e3:.2f} ms ({len(tensors)} tensors)",
+        flush=True,
+    )
 
 
 def main() -> int:
@@ -174,9 +193,17 @@ def main() -> int:
     if not (model / "config.json").exists():
         make_tiny_model(model, arch="qwen3", seed=0, **(TINY if a.tiny else QWEN3_06B))
     trainer_dev, engine_dev = ("cuda:0", "cuda:1") if gpu else ("cpu", "cpu")
-    print(f"[push] {torch.cuda.get_device_name(0) if gpu else 'cpu'} ×{torch.cuda.device_count() if gpu else 1}, torch {torch.__version__}", flush=True)
+    print(
+        f"[push] {torch.cuda.get_device_name(0) if gpu else 'cpu'} ×{torch.cuda.device_count() if gpu else 1}, torch {torch.__version__}",
+        flush=True,
+    )
 
-    engine = launch_engine(str(model), device=engine_dev, extra_args=["--num-kv-blocks", "12000" if gpu else "2000", "--max-num-seqs", "256"], log_path=work / "engine.log")
+    engine = launch_engine(
+        str(model),
+        device=engine_dev,
+        extra_args=["--num-kv-blocks", "12000" if gpu else "2000", "--max-num-seqs", "256"],
+        log_path=work / "engine.log",
+    )
     try:
         client = EngineClient(engine.url)
         args = Config(hf_checkpoint=str(model), prompt_data="-", num_rollout=1, lr=1e-6, device=a.device).validate()
@@ -215,7 +242,9 @@ def main() -> int:
     print(f"\nweights on the wire: {nbytes / 1e9:.3f} GB ({'bfloat16' if gpu else 'float32'})")
     for name, s in floors.items():
         print(f"floor, {name}: {s * 1e3:.2f} ms ({nbytes / s / 1e9:.0f} GB/s)")
-    print("\n| case | pushes | pause (ms) | push (ms) | continue (ms) | pause → continue, median (ms) | max (ms) | ms per 1B params |")
+    print(
+        "\n| case | pushes | pause (ms) | push (ms) | continue (ms) | pause → continue, median (ms) | max (ms) | ms per 1B params |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, rows in results.items():
         print_row(name, rows, gpu)
@@ -226,7 +255,10 @@ def print_row(name: str, rows: list[dict[str, float]], gpu: bool) -> None:
     params = rows[0]["bytes"] / (2 if gpu else 4)
     med = lambda k: statistics.median(r[k] for r in rows) * 1e3  # noqa: E731
     total = med("total")
-    print(f"| {name} | {len(rows)} | {med('pause'):.2f} | {med('push'):.2f} | {med('continue'):.2f} | {total:.2f} | {max(r['total'] for r in rows) * 1e3:.2f} | {total / (params / 1e9):.1f} |", flush=True)
+    print(
+        f"| {name} | {len(rows)} | {med('pause'):.2f} | {med('push'):.2f} | {med('continue'):.2f} | {total:.2f} | {max(r['total'] for r in rows) * 1e3:.2f} | {total / (params / 1e9):.1f} |",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ bf16 peak of an H200, for both rows. Prints a markdown table last.
     PYTHONPATH=. python3 bench/bench_trainer.py --gpus 1,2 --no-compile --no-hf   # FSDP2 on 1 and 2 GPUs
     PYTHONPATH=. python3 bench/bench_trainer.py --device cpu --tiny     # smoke test
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,18 +27,35 @@ import statistics
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from vime.config import Config
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
+from vime.config import Config
 from vime.rollout.types import Sample
 from vime.trainer.packing import packed_attention_backend
 from vime.trainer.perf import PEAK_BF16_FLOPS, mfu, train_flops
 
-QWEN3_06B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936)
-TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=512)
+QWEN3_06B = dict(
+    hidden_size=1024,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=3072,
+    vocab_size=151936,
+)
+TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    vocab_size=512,
+)
 
 
 def make_model(out: Path, shape: dict[str, int]) -> Path:
@@ -45,14 +63,18 @@ def make_model(out: Path, shape: dict[str, int]) -> Path:
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config
 
     torch.manual_seed(0)
-    config = Qwen3Config(**shape, max_position_embeddings=4096, tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1e6)
+    config = Qwen3Config(
+        **shape, max_position_embeddings=4096, tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1e6
+    )
     AutoModelForCausalLM.from_config(config).save_pretrained(out)
     tok = Tokenizer(models.WordLevel({"<pad>": 0, "<eos>": 1}, unk_token="<pad>"))
     PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>").save_pretrained(out)
     return out
 
 
-def make_batch(n: int, vocab: int, prompt: tuple[int, int], response: tuple[int, int], seed: int) -> tuple[list[Sample], list[float]]:
+def make_batch(
+    n: int, vocab: int, prompt: tuple[int, int], response: tuple[int, int], seed: int
+) -> tuple[list[Sample], list[float]]:
     rng = random.Random(seed)
     samples = []
     for i in range(n):
@@ -78,7 +100,15 @@ def timed(fn: Callable[[], Any], device: torch.device, steps: int) -> tuple[floa
     return statistics.median(times), peak
 
 
-def hf_padded_step(model: torch.nn.Module, opt: torch.optim.Optimizer, samples: list[Sample], adv: list[float], old: list[torch.Tensor], budget: int, device: torch.device) -> None:
+def hf_padded_step(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    samples: list[Sample],
+    adv: list[float],
+    old: list[torch.Tensor],
+    budget: int,
+    device: torch.device,
+) -> None:
     """The eager baseline: padded micro-batches, full logits, token-mean PPO-style loss."""
     order = sorted(range(len(samples)), key=lambda i: -len(samples[i].tokens))
     batches: list[list[int]] = []
@@ -115,10 +145,16 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model and short sequences (CPU smoke test)")
     ap.add_argument("--samples", type=int, default=None, help="sequences per step (default 64; 8 with --tiny)")
-    ap.add_argument("--max-tokens-per-gpu", type=int, default=None, help="micro-batch token budget (default 16384; 512 with --tiny)")
+    ap.add_argument(
+        "--max-tokens-per-gpu", type=int, default=None, help="micro-batch token budget (default 16384; 512 with --tiny)"
+    )
     ap.add_argument("--steps", type=int, default=3, help="timed steps per variant (after one warm-up)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--gpus", default="1", help="comma-separated trainer GPU counts (FSDP2 ranks over NCCL); more than 1 times train_step only")
+    ap.add_argument(
+        "--gpus",
+        default="1",
+        help="comma-separated trainer GPU counts (FSDP2 ranks over NCCL); more than 1 times train_step only",
+    )
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled variant")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF eager baseline")
     a = ap.parse_args()
@@ -130,8 +166,11 @@ def main() -> None:
     samples, adv = make_batch(n, shape["vocab_size"], prompt, response, a.seed)
     lengths = [len(s.tokens) for s in samples]
     tokens = sum(lengths)
-    print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}; "
-          f"{n} sequences, {tokens} tokens ({sum(s.response_length for s in samples)} response), budget {budget}", flush=True)
+    print(
+        f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}; "
+        f"{n} sequences, {tokens} tokens ({sum(s.response_length for s in samples)} response), budget {budget}",
+        flush=True,
+    )
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -146,28 +185,49 @@ def main() -> None:
     def record(name: str, seconds: float, peak: float, flops: float, gpus: int = 1) -> None:
         m = mfu(flops, seconds, gpus) if device.type == "cuda" else float("nan")
         rows.append((name, tokens / seconds, m, peak))
-        print(f"{name}: {seconds * 1e3:.0f} ms/step, {tokens / seconds:,.0f} tok/s, MFU {m:.1%}, peak {peak:.1f} GiB", flush=True)
+        print(
+            f"{name}: {seconds * 1e3:.0f} ms/step, {tokens / seconds:,.0f} tok/s, MFU {m:.1%}, peak {peak:.1f} GiB",
+            flush=True,
+        )
 
     # ---- vime first: its log-probs are the old log-probs of both loss computations ----
     old = [torch.full((s.response_length,), -1.0) for s in samples]  # replaced by vime's log-probs when it runs
-    variants = [(g, c) for g in (int(x) for x in a.gpus.split(",")) for c in ((False,) if a.no_compile else (False, True))]
+    variants = [
+        (g, c) for g in (int(x) for x in a.gpus.split(",")) for c in ((False,) if a.no_compile else (False, True))
+    ]
     for gpus, compiled in variants:
         tag = (" + compile" if compiled else "") + (f", {gpus} GPUs (FSDP2)" if gpus > 1 else "")
         try:
-            args = Config(lr=1e-6, clip_grad=1.0, max_tokens_per_gpu=budget, global_batch_size=n, rollout_temperature=1.0, seed=a.seed,
-                                   actor_num_nodes=1, actor_num_gpus_per_node=gpus, gradient_checkpointing=False, compile=compiled)
+            args = Config(
+                lr=1e-6,
+                clip_grad=1.0,
+                max_tokens_per_gpu=budget,
+                global_batch_size=n,
+                rollout_temperature=1.0,
+                seed=a.seed,
+                actor_num_nodes=1,
+                actor_num_gpus_per_node=gpus,
+                gradient_checkpointing=False,
+                compile=compiled,
+            )
             actor = launch_actor(args, model_dir, a.device)
             local = getattr(actor, "local", actor)
             t0 = time.perf_counter()
             log_probs = [o.cpu() for o in actor.compute_log_probs(samples)]
             if compiled:  # the first call compiles (the forward; the backward compiles in the warm-up step)
                 diff = max(float((x - y).abs().max()) for x, y in zip(log_probs, old))
-                print(f"vime{tag}: first forward {time.perf_counter() - t0:.1f} s; max |log-prob difference| vs eager {diff:.2e}", flush=True)
+                print(
+                    f"vime{tag}: first forward {time.perf_counter() - t0:.1f} s; max |log-prob difference| vs eager {diff:.2e}",
+                    flush=True,
+                )
             elif gpus == 1:
                 old = log_probs
-                print(f"vime attention backend: {packed_attention_backend(device, torch.bfloat16 if device.type == 'cuda' else torch.float32)}", flush=True)
+                print(
+                    f"vime attention backend: {packed_attention_backend(device, torch.bfloat16 if device.type == 'cuda' else torch.float32)}",
+                    flush=True,
+                )
 
-            def vime_fwd_bwd_opt() -> None:
+            def vime_fwd_bwd_opt(local=local, old=old) -> None:
                 local.scorer.train()
                 local.optimizer.zero_grad(set_to_none=True)
                 local.accumulate_gradients(samples, adv, old)
@@ -175,7 +235,12 @@ def main() -> None:
 
             if gpus == 1:  # rank 0's Actor alone: only train_step drives every rank
                 record(f"vime packed+chunked{tag} (fwd+bwd+opt)", *timed(vime_fwd_bwd_opt, device, a.steps), step_flops)
-            record(f"vime train_step{tag}", *timed(lambda: actor.train_step(samples, adv), device, a.steps), step_flops, gpus)
+            record(
+                f"vime train_step{tag}",
+                *timed(lambda actor=actor: actor.train_step(samples, adv), device, a.steps),
+                step_flops,
+                gpus,
+            )
             actor.close()
             actor = local = None  # free the model before the next variant
             if device.type == "cuda":
@@ -194,13 +259,22 @@ def main() -> None:
     old_dev = [o.to(device) for o in old]
     with torch.no_grad():  # the two paths score the same tokens alike (bf16 noise on GPU)
         model.eval()
-        ref = [torch.log_softmax(model(torch.tensor([s.tokens], device=device)).logits[0].float(), -1)[
-            torch.arange(s.prompt_length - 1, len(s.tokens) - 1, device=device), torch.tensor(s.response_tokens, device=device)] for s in samples[:4]]
+        ref = [
+            torch.log_softmax(model(torch.tensor([s.tokens], device=device)).logits[0].float(), -1)[
+                torch.arange(s.prompt_length - 1, len(s.tokens) - 1, device=device),
+                torch.tensor(s.response_tokens, device=device),
+            ]
+            for s in samples[:4]
+        ]
         model.train()
     diff = max(float((r - c.to(device)).abs().max()) for r, c in zip(ref, old[:4]))
     print(f"max |log-prob difference| vime vs HF on 4 sequences (before training): {diff:.2e}", flush=True)
     try:
-        record("HF eager padded, full logits", *timed(lambda: hf_padded_step(model, opt, samples, adv, old_dev, budget, device), device, a.steps), step_flops)
+        record(
+            "HF eager padded, full logits",
+            *timed(lambda: hf_padded_step(model, opt, samples, adv, old_dev, budget, device), device, a.steps),
+            step_flops,
+        )
     except torch.OutOfMemoryError:
         print("HF eager padded: out of memory", flush=True)
 
@@ -209,7 +283,9 @@ def main() -> None:
 
 def print_table(rows: list[tuple[str, float, float, float]]) -> None:
     """MFU is over every GPU the variant uses; peak memory is rank 0's."""
-    print(f"\n| variant | tokens/s | MFU (of {PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s per GPU) | peak memory GiB (rank 0) |\n|---|---|---|---|")
+    print(
+        f"\n| variant | tokens/s | MFU (of {PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s per GPU) | peak memory GiB (rank 0) |\n|---|---|---|---|"
+    )
     for name, tps, m, peak in rows:
         print(f"| {name} | {tps:,.0f} | {m:.1%} | {peak:.1f} |")
 

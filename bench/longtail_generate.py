@@ -5,6 +5,7 @@ A random model never emits a meaningful EOS, so each sample's length is drawn in
 60% short (32–128 tokens), 30% medium (128–384), 10% long (768 – --rollout-max-response-len).
 The long 10% is the tail that a synchronous step waits for.
 """
+
 from __future__ import annotations
 
 import random

@@ -16,6 +16,7 @@ Prints a markdown table per variant, then tokens/s and MFU from untraced timed s
     PYTHONPATH=. python3 bench/profile_trainer.py
     PYTHONPATH=. python3 bench/profile_trainer.py --device cpu --tiny   # smoke test of the script
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,14 +25,15 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from vime.config import Config
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch._dynamo.utils
 
 from bench.bench_trainer import QWEN3_06B, TINY, make_batch, make_model
+from vime.config import Config
 from vime.trainer import logprobs
 from vime.trainer.perf import mfu, train_flops
 
@@ -119,8 +121,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model and short sequences (smoke test)")
-    ap.add_argument("--variants", default="eager,compile", help="comma-separated: eager, compile, each optionally @<log-prob chunk size>, and /nopad: compiled without padding micro-batches to the budget, e.g. compile@4096/nopad")
-    ap.add_argument("--max-tokens-per-gpu", type=int, default=None, help="micro-batch token budget (default 16384; 512 with --tiny)")
+    ap.add_argument(
+        "--variants",
+        default="eager,compile",
+        help="comma-separated: eager, compile, each optionally @<log-prob chunk size>, and /nopad: compiled without padding micro-batches to the budget, e.g. compile@4096/nopad",
+    )
+    ap.add_argument(
+        "--max-tokens-per-gpu", type=int, default=None, help="micro-batch token budget (default 16384; 512 with --tiny)"
+    )
     ap.add_argument("--steps", type=int, default=3, help="untraced timed steps per variant")
     ap.add_argument("--trace-dir", default=None, help="also keep each variant's Chrome trace here")
     a = ap.parse_args()
@@ -131,7 +139,10 @@ def main() -> None:
     samples, adv = make_batch(n, shape["vocab_size"], prompt, response, 0)
     lengths = [len(s.tokens) for s in samples]
     tokens = sum(lengths)
-    print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}; {n} sequences, {tokens} tokens, budget {budget}", flush=True)
+    print(
+        f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}; {n} sequences, {tokens} tokens, budget {budget}",
+        flush=True,
+    )
 
     from transformers import AutoConfig
 
@@ -139,14 +150,27 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="vime-profile-"))
     model_dir = make_model(tmp / "model", shape)
-    flops = train_flops(AutoConfig.from_pretrained(model_dir), lengths, [s.response_length for s in samples], forwards=0)
+    flops = train_flops(
+        AutoConfig.from_pretrained(model_dir), lengths, [s.response_length for s in samples], forwards=0
+    )
     old = [torch.full((s.response_length,), -1.0) for s in samples]
     summary: list[tuple[str, float, float]] = []
     for variant in a.variants.split(","):
         spec, _, unpadded = variant.partition("/")
         kind, _, chunk = spec.partition("@")
-        args = Config(logprob_chunk_size=int(chunk or 1024), lr=1e-6, clip_grad=1.0, max_tokens_per_gpu=budget, global_batch_size=n, rollout_temperature=1.0, seed=0,
-                               actor_num_nodes=1, actor_num_gpus_per_node=1, gradient_checkpointing=False, compile=kind == "compile")
+        args = Config(
+            logprob_chunk_size=int(chunk or 1024),
+            lr=1e-6,
+            clip_grad=1.0,
+            max_tokens_per_gpu=budget,
+            global_batch_size=n,
+            rollout_temperature=1.0,
+            seed=0,
+            actor_num_nodes=1,
+            actor_num_gpus_per_node=1,
+            gradient_checkpointing=False,
+            compile=kind == "compile",
+        )
         actor = launch_actor(args, model_dir, a.device)
         local = getattr(actor, "local", actor)
         if unpadded:  # compiled layers fed micro-batches of their own lengths, as before padding
@@ -168,11 +192,18 @@ def main() -> None:
         if kind == "compile":  # a step of other lengths must reuse the compiled graphs
             before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
             for seed, count in ((1, n), (2, n), (3, 4)):  # the last: 4 short sequences, one small micro-batch
-                other, other_adv = make_batch(count, shape["vocab_size"], prompt, response if count == n else (10, 50), seed)
+                other, other_adv = make_batch(
+                    count, shape["vocab_size"], prompt, response if count == n else (10, 50), seed
+                )
                 step_fn(local, other, other_adv, [torch.full((s.response_length,), -1.0) for s in other])()
-            print(f"compile: graphs compiled by 3 steps of other lengths (one of a single short micro-batch) after warm-up: {torch._dynamo.utils.counters['stats']['unique_graphs'] - before}", flush=True)
+            print(
+                f"compile: graphs compiled by 3 steps of other lengths (one of a single short micro-batch) after warm-up: {torch._dynamo.utils.counters['stats']['unique_graphs'] - before}",
+                flush=True,
+            )
         summary.append((variant, tokens / seconds, mfu(flops, seconds, 1) if device.type == "cuda" else float("nan")))
-        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        activities = [torch.profiler.ProfilerActivity.CPU] + (
+            [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []
+        )
         with annotated_head(), torch.profiler.profile(activities=activities) as prof:
             t0 = time.perf_counter()
             step()
@@ -182,12 +213,20 @@ def main() -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(path))
         cats = categorize(json.loads(path.read_text()), wall_us)
-        print(f"\n{variant}: traced step {wall_us / 1e3:.0f} ms (untraced median {seconds * 1e3:.0f} ms)\n\n| category | ms | share of traced wall |\n|---|---:|---:|")
+        print(
+            f"\n{variant}: traced step {wall_us / 1e3:.0f} ms (untraced median {seconds * 1e3:.0f} ms)\n\n| category | ms | share of traced wall |\n|---|---:|---:|"
+        )
         for cat, us in sorted(cats.items(), key=lambda kv: -kv[1]):
             print(f"| {cat} | {us / 1e3:.1f} | {us / wall_us:.1%} |")
-        top = sorted(((e.key, e.self_device_time_total) for e in prof.key_averages() if e.self_device_time_total > 0), key=lambda kv: -kv[1])[:12]
+        top = sorted(
+            ((e.key, e.self_device_time_total) for e in prof.key_averages() if e.self_device_time_total > 0),
+            key=lambda kv: -kv[1],
+        )[:12]
         if top:
-            print("\ntop kernels/ops by self GPU time (ms): " + "; ".join(f"{k[:60]} {t / 1e3:.1f}" for k, t in top), flush=True)
+            print(
+                "\ntop kernels/ops by self GPU time (ms): " + "; ".join(f"{k[:60]} {t / 1e3:.1f}" for k, t in top),
+                flush=True,
+            )
         actor.close()
         del actor, local
         if device.type == "cuda":

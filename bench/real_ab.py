@@ -16,6 +16,7 @@ A finished run (its final eval logged) is not run again, so a later call with mo
 arms and the same --out adds only what is missing; the table covers everything asked for.
 Writes <out>/real_ab.md (the table) and <out>/results.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
 
 from demo import demo_config, demo_data, demo_settings  # noqa: E402
+
 from vime.ab import run_arm  # noqa: E402
 from vime.models import resolve_model  # noqa: E402
 from vime.report import eval_results, paired_change  # noqa: E402
@@ -41,23 +43,29 @@ ARMS = ("sync", "one-step-off", "fully-async")
 def table(results: dict[str, dict], arms: list[str], seeds: list[int], base: dict[int, bool]) -> str:
     n = len(base)
     c0 = sum(base.values())
-    lines = ["| arm | seed | held-out correct/total | accuracy | change (points) | ± SE (paired) | wall time (s) |",
-             "|---|---:|---:|---:|---:|---:|---:|",
-             f"| baseline (before training) | – | {c0}/{n} | {100 * c0 / n:.1f}% | | | |"]
+    lines = [
+        "| arm | seed | held-out correct/total | accuracy | change (points) | ± SE (paired) | wall time (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+        f"| baseline (before training) | – | {c0}/{n} | {100 * c0 / n:.1f}% | | | |",
+    ]
     for arm in arms:
         for seed in seeds:
             r = results.get(f"{arm}|{seed}")
             if r is None:
                 lines.append(f"| {arm} | {seed} | (not run) | | | | |")
                 continue
-            lines.append(f"| {arm} | {seed} | {r['correct']}/{r['total']} | {100 * r['correct'] / r['total']:.1f}% | "
-                         f"{r['change']:+.1f} | {r['se']:.1f} | {r['wall']:.0f} |")
+            lines.append(
+                f"| {arm} | {seed} | {r['correct']}/{r['total']} | {100 * r['correct'] / r['total']:.1f}% | "
+                f"{r['change']:+.1f} | {r['se']:.1f} | {r['wall']:.0f} |"
+            )
         done = [results[f"{arm}|{s}"] for s in seeds if f"{arm}|{s}" in results]
         if len(done) > 1:
             c, t = sum(r["correct"] for r in done), sum(r["total"] for r in done)
             change = sum(r["change"] for r in done) / len(done)
             se = math.sqrt(sum(r["se"] ** 2 for r in done)) / len(done)
-            lines.append(f"| **{arm}, {len(done)} seeds** | all | {c}/{t} | {100 * c / t:.1f}% | **{change:+.1f}** | {se:.1f} | |")
+            lines.append(
+                f"| **{arm}, {len(done)} seeds** | all | {c}/{t} | {100 * c / t:.1f}% | **{change:+.1f}** | {se:.1f} | |"
+            )
     return "\n".join(lines)
 
 
@@ -67,12 +75,23 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
     p.add_argument("--seeds", default="1", help="comma-separated; each sets --seed and --rollout-seed of every arm")
-    p.add_argument("--steps", type=int, default=None, help="training steps per run (default: the demo's for this device)")
+    p.add_argument(
+        "--steps", type=int, default=None, help="training steps per run (default: the demo's for this device)"
+    )
     p.add_argument("--eval-limit", type=int, default=None, help="held-out prompts evaluated (default: the demo's, 200)")
     p.add_argument("--batch", type=int, default=None, help="prompts per step (default: the demo's for this device)")
-    p.add_argument("--n-samples", type=int, default=None, help="samples per prompt (default: the demo's for this device)")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="settings and trainer device (auto: cuda when visible)")
-    p.add_argument("--model", default="smollm2", help="HF model directory, or 'smollm2' (the embedded SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--n-samples", type=int, default=None, help="samples per prompt (default: the demo's for this device)"
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="settings and trainer device (auto: cuda when visible)",
+    )
+    p.add_argument(
+        "--model", default="smollm2", help="HF model directory, or 'smollm2' (the embedded SmolLM2-135M-Instruct)"
+    )
     p.add_argument("--out", default="/tmp/vime-real-ab", help="runs, table and results go here")
     p.add_argument("--arm-timeout", type=float, default=None, help="seconds before one run is given up")
     a = p.parse_args()
@@ -97,7 +116,9 @@ def main() -> int:
     cfg.update(device="cuda" if gpu else "cpu", use_tensorboard=False, quiet=True)
     cfg_path = out / "real_ab.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    print(f"[real-ab] {'GPU' if gpu else 'CPU'} settings {s}; arms {arms}; seeds {seeds}; config {cfg_path}", flush=True)
+    print(
+        f"[real-ab] {'GPU' if gpu else 'CPU'} settings {s}; arms {arms}; seeds {seeds}; config {cfg_path}", flush=True
+    )
 
     res_path = out / "results.json"
     results: dict[str, dict] = json.loads(res_path.read_text()) if res_path.exists() else {}
@@ -111,7 +132,14 @@ def main() -> int:
                 if run_dir.exists():  # an unfinished run of an earlier call: start it again
                     run_dir.rename(run_dir.with_name(f"{name}.unfinished-{time.strftime('%H%M%S')}"))
                 t0 = time.perf_counter()
-                run_arm(arm, str(cfg_path), name, str(out / "runs"), ["--seed", str(seed), "--rollout-seed", str(seed)], timeout=a.arm_timeout)
+                run_arm(
+                    arm,
+                    str(cfg_path),
+                    name,
+                    str(out / "runs"),
+                    ["--seed", str(seed), "--rollout-seed", str(seed)],
+                    timeout=a.arm_timeout,
+                )
                 wall = time.perf_counter() - t0
                 evals = eval_results(run_dir)
             else:
@@ -120,16 +148,32 @@ def main() -> int:
             if base is None:
                 base = before
             elif before != base:
-                print(f"[real-ab] note: {name}'s baseline eval differs from the first run's ({sum(before.values())} vs {sum(base.values())} correct)", flush=True)
+                print(
+                    f"[real-ab] note: {name}'s baseline eval differs from the first run's ({sum(before.values())} vs {sum(base.values())} correct)",
+                    flush=True,
+                )
             change, se = paired_change(before, after)
-            results[f"{arm}|{seed}"] = {"correct": sum(after.values()), "total": len(after), "before": sum(before.values()),
-                                        "change": change, "se": se, "wall": wall, "run_dir": str(run_dir)}
+            results[f"{arm}|{seed}"] = {
+                "correct": sum(after.values()),
+                "total": len(after),
+                "before": sum(before.values()),
+                "change": change,
+                "se": se,
+                "wall": wall,
+                "run_dir": str(run_dir),
+            }
             res_path.write_text(json.dumps(results, indent=1))
-            print(f"[real-ab] {name}: {sum(before.values())}/{len(before)} -> {sum(after.values())}/{len(after)} held-out "
-                  f"({change:+.1f} ± {se:.1f} points), {wall:.0f} s", flush=True)
+            print(
+                f"[real-ab] {name}: {sum(before.values())}/{len(before)} -> {sum(after.values())}/{len(after)} held-out "
+                f"({change:+.1f} ± {se:.1f} points), {wall:.0f} s",
+                flush=True,
+            )
     assert base is not None
-    report = (f"SmolLM2-135M-Instruct, {'GPU' if gpu else 'CPU'} settings {s}; greedy held-out accuracy after {s['steps']} steps\n\n"
-              + table(results, arms, seeds, base) + f"\n\ntotal time of this call {time.perf_counter() - t_all:.0f} s")
+    report = (
+        f"SmolLM2-135M-Instruct, {'GPU' if gpu else 'CPU'} settings {s}; greedy held-out accuracy after {s['steps']} steps\n\n"
+        + table(results, arms, seeds, base)
+        + f"\n\ntotal time of this call {time.perf_counter() - t_all:.0f} s"
+    )
     (out / "real_ab.md").write_text(report + "\n")
     print("\n" + report)
     return 0

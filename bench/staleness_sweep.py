@@ -22,6 +22,7 @@ Objectives (one optimizer step per rollout, so the ratio against the current wei
 Prints one line per run as it finishes, then the table (correct/total on the 20 held-out prompts,
 greedy, after the last step; staleness mean/max over all trained tokens).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from test_learning import STEPS, warm_start  # noqa: E402
+
 from vime.ab import run_arm  # noqa: E402
 from vime.datagen import write_dataset  # noqa: E402
 
@@ -54,14 +56,18 @@ def summarize(run_dir: Path) -> dict[str, float]:
     steps = [r for r in rows if "rollout/staleness_mean" in r]
     first, last = evals[min(evals)], evals[max(evals)]
     return {
-        "correct_before": first["eval/correct"], "correct": last["eval/correct"], "total": last["eval/total"],
+        "correct_before": first["eval/correct"],
+        "correct": last["eval/correct"],
+        "total": last["eval/total"],
         "staleness_mean": sum(r["rollout/staleness_mean"] for r in steps) / len(steps),
         "staleness_max": max(r["rollout/staleness_max"] for r in steps),
         "dropped_stale": max((r.get("rollout/dropped_stale", 0.0) for r in steps), default=0.0),
     }
 
 
-def table(results: dict[tuple[str, int, int], dict[str, float]], objectives: list[str], bounds: list[int], seeds: list[int]) -> str:
+def table(
+    results: dict[tuple[str, int, int], dict[str, float]], objectives: list[str], bounds: list[int], seeds: list[int]
+) -> str:
     head = "| objective | " + " | ".join(f"K={k}" for k in bounds) + " |"
     lines = [head, "|---|" + "---:|" * len(bounds)]
     for obj in objectives:
@@ -97,9 +103,16 @@ def main() -> int:
     train, test = write_dataset("addition", out / "data", n_train=80, n_test=20, seed=0, digits=1)
     model = out / "warm" if (out / "warm" / "model.safetensors").exists() else warm_start(out, train)
     cfg = {
-        "hf_checkpoint": str(model), "prompt_data": str(train), "eval_prompt_data": str(test),
-        "rollout_batch_size": 16, "n_samples_per_prompt": 8, "rollout_max_response_len": 4,
-        "num_rollout": a.steps, "eval_interval": a.steps, "lr": 5e-4, "rollout_shuffle": True,
+        "hf_checkpoint": str(model),
+        "prompt_data": str(train),
+        "eval_prompt_data": str(test),
+        "rollout_batch_size": 16,
+        "n_samples_per_prompt": 8,
+        "rollout_max_response_len": 4,
+        "num_rollout": a.steps,
+        "eval_interval": a.steps,
+        "lr": 5e-4,
+        "rollout_shuffle": True,
     }
     (out / "run.yaml").write_text(yaml.safe_dump(cfg))
     results: dict[tuple[str, int, int], dict[str, float]] = {}
@@ -111,13 +124,25 @@ def main() -> int:
                 run_dir = out / "runs" / name
                 if not (run_dir / "metrics.jsonl").exists():
                     t0 = time.perf_counter()
-                    run_arm("decoupled", str(out / "run.yaml"), name, str(out / "runs"), [*OBJECTIVES[obj], "--seed", str(seed), "--rollout-seed", str(seed)], staleness=k)
+                    run_arm(
+                        "decoupled",
+                        str(out / "run.yaml"),
+                        name,
+                        str(out / "runs"),
+                        [*OBJECTIVES[obj], "--seed", str(seed), "--rollout-seed", str(seed)],
+                        staleness=k,
+                    )
                     print(f"[sweep] {name} took {time.perf_counter() - t0:.0f} s", flush=True)
                 r = results[(obj, k, seed)] = summarize(run_dir)
-                print(f"[sweep] {name}: {r['correct_before']}/{r['total']} -> {r['correct']}/{r['total']} held-out, "
-                      f"staleness mean {r['staleness_mean']:.2f} max {r['staleness_max']:.0f}, dropped stale {r['dropped_stale']:.0f}", flush=True)
+                print(
+                    f"[sweep] {name}: {r['correct_before']}/{r['total']} -> {r['correct']}/{r['total']} held-out, "
+                    f"staleness mean {r['staleness_mean']:.2f} max {r['staleness_max']:.0f}, dropped stale {r['dropped_stale']:.0f}",
+                    flush=True,
+                )
     (out / "results.json").write_text(json.dumps({f"{o}|{k}|{s}": v for (o, k, s), v in results.items()}, indent=1))
-    print(f"\nheld-out greedy correct after {a.steps} steps, per seed ({', '.join(map(str, seeds))}) and summed; mean staleness in optimizer steps")
+    print(
+        f"\nheld-out greedy correct after {a.steps} steps, per seed ({', '.join(map(str, seeds))}) and summed; mean staleness in optimizer steps"
+    )
     print(table(results, objectives, bounds, seeds))
     print(f"\nsweep wall time {time.perf_counter() - t_all:.0f} s")
     return 0

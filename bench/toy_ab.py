@@ -7,6 +7,7 @@ tables. CPU speeds here are not the point (trainer and engine share two cores); 
 
     PYTHONPATH=. python3 bench/toy_ab.py [--out /tmp/vime-toy-ab]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from test_learning import STEPS, warm_start  # noqa: E402
+
 from vime.datagen import write_dataset  # noqa: E402
 
 
@@ -32,12 +34,32 @@ def main() -> int:
     train, test = write_dataset("addition", out / "data", n_train=80, n_test=20, seed=0, digits=1)
     model = warm_start(out, train)
     cfg = {
-        "hf_checkpoint": str(model), "prompt_data": str(train), "eval_prompt_data": str(test),
-        "rollout_batch_size": 16, "n_samples_per_prompt": 8, "rollout_max_response_len": 4,
-        "num_rollout": STEPS, "eval_interval": STEPS, "lr": 5e-4, "rollout_shuffle": True, "use_tis": True,
+        "hf_checkpoint": str(model),
+        "prompt_data": str(train),
+        "eval_prompt_data": str(test),
+        "rollout_batch_size": 16,
+        "n_samples_per_prompt": 8,
+        "rollout_max_response_len": 4,
+        "num_rollout": STEPS,
+        "eval_interval": STEPS,
+        "lr": 5e-4,
+        "rollout_shuffle": True,
+        "use_tis": True,
     }
     (out / "run.yaml").write_text(yaml.safe_dump(cfg))
-    cmd = [sys.executable, "-m", "vime.cli", "bench", "ab", "--config", str(out / "run.yaml"), "--arms", a.arms, "--runs-dir", str(out / "runs")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vime.cli",
+        "bench",
+        "ab",
+        "--config",
+        str(out / "run.yaml"),
+        "--arms",
+        a.arms,
+        "--runs-dir",
+        str(out / "runs"),
+    ]
     return subprocess.run(cmd).returncode
 
 

@@ -19,6 +19,7 @@ through answers that become right or wrong. The demo prints the change with its 
 Uses a GPU when one is visible (bigger batches); on 2 CPU cores it is sized to end within
 15 minutes when the cores are not shared. bench/real_ab.py imports the task and settings from here.
 """
+
 from __future__ import annotations
 
 import os
@@ -41,9 +42,9 @@ sys.path.insert(0, str(ROOT))
 
 from vime.config import parse_args  # noqa: E402
 from vime.datagen import write_dataset  # noqa: E402
-from vime.run import train  # noqa: E402
 from vime.models import resolve_model  # noqa: E402
 from vime.report import accuracy_table, eval_results, paired_change, plot, reward_curve, speed_table, summarize  # noqa: E402
+from vime.run import train  # noqa: E402
 
 TASK, TASK_KWARGS = "chain_sum", {"min_terms": 2, "max_terms": 2, "max_int": 30}
 N_TRAIN, N_TEST = 1000, 200
@@ -69,12 +70,21 @@ def demo_data(out_dir: Path) -> tuple[Path, Path]:
 def demo_config(s: dict[str, Any], model_dir: Path, train_data: Path, test_data: Path) -> dict[str, Any]:
     """The run's settings as config keys (the demo's and bench/real_ab.py's)."""
     return {
-        "hf_checkpoint": str(model_dir), "prompt_data": str(train_data), "eval_prompt_data": str(test_data),
-        "apply_chat_template": True, "rollout_shuffle": True,
-        "rollout_batch_size": s["batch"], "n_samples_per_prompt": s["n"],
-        "rollout_max_response_len": s["response_len"], "rollout_temperature": s["temperature"],
-        "num_rollout": s["steps"], "eval_interval": s["steps"], "eval_limit": s["eval_limit"],
-        "lr": s["lr"], "max_tokens_per_gpu": s["max_tokens"], "rm_type": "math",
+        "hf_checkpoint": str(model_dir),
+        "prompt_data": str(train_data),
+        "eval_prompt_data": str(test_data),
+        "apply_chat_template": True,
+        "rollout_shuffle": True,
+        "rollout_batch_size": s["batch"],
+        "n_samples_per_prompt": s["n"],
+        "rollout_max_response_len": s["response_len"],
+        "rollout_temperature": s["temperature"],
+        "num_rollout": s["steps"],
+        "eval_interval": s["steps"],
+        "eval_limit": s["eval_limit"],
+        "lr": s["lr"],
+        "max_tokens_per_gpu": s["max_tokens"],
+        "rm_type": "math",
     }
 
 
@@ -87,7 +97,10 @@ def main() -> int:
     print("[demo] preparing SmolLM2-135M-Instruct (converted from the wheel's GGUF once, then cached)", flush=True)
     model_dir = resolve_model("smollm2")
     train_data, test_data = demo_data(runs / "demo-data")
-    print(f"[demo] task {TASK} {TASK_KWARGS}: {N_TRAIN} training prompts, {s['eval_limit']} held-out; reward = graded correctness (1/0)", flush=True)
+    print(
+        f"[demo] task {TASK} {TASK_KWARGS}: {N_TRAIN} training prompts, {s['eval_limit']} held-out; reward = graded correctness (1/0)",
+        flush=True,
+    )
     name = time.strftime("demo-%Y%m%d-%H%M%S")
     args = parse_args([], **demo_config(s, model_dir, train_data, test_data), runs_dir=str(runs), run_name=name)
     run_dir = train(args)
@@ -97,10 +110,15 @@ def main() -> int:
     print("\n[demo] speed (mean per step)\n" + speed_table([summary]))
     print("\n[demo] held-out greedy accuracy, before → after\n" + accuracy_table([summary]))
     ratio = f"{change / se:.1f}× its standard error" if se > 0 else "no standard error (no prompt changed)"
-    print(f"[demo] change {change:+.1f} points ± {se:.1f} (standard error, paired over the same {len(evals[0])} prompts): {ratio}")
+    print(
+        f"[demo] change {change:+.1f} points ± {se:.1f} (standard error, paired over the same {len(evals[0])} prompts): {ratio}"
+    )
     print("\n[demo] mean training reward per step (▁ = 0, █ = 1)\n" + reward_curve(summary))
     paths = plot([summary], run_dir / "report")
-    print(f"\n[demo] plots (as `vime report {run_dir} --plots {run_dir / 'report'}` writes them): " + ", ".join(str(p) for p in paths))
+    print(
+        f"\n[demo] plots (as `vime report {run_dir} --plots {run_dir / 'report'}` writes them): "
+        + ", ".join(str(p) for p in paths)
+    )
     print(f"[demo] run directory: {run_dir}   total wall time: {time.perf_counter() - t0:.0f} s")
     return 0
 

@@ -1,4 +1,5 @@
 """Shared fixtures: a tiny real model and toy data, generated once per test session."""
+
 from __future__ import annotations
 
 import os
@@ -28,5 +29,9 @@ def addition_data(tmp_path_factory) -> tuple[Path, Path]:
 def run_cli(*argv: str, timeout: float = 180, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     """Run a vime entry point the way a user would (a fresh process), capturing its output."""
     # tests/ on the path so test-only plug-ins (custom generate/reward functions) load by dotted path
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
     return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)

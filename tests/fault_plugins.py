@@ -1,6 +1,7 @@
 """Plug-ins that inject faults into a real training run, loaded by dotted path (tests/ is on the
 runs' PYTHONPATH). Each leaves a marker file in the run directory once its fault is under way, so
 the test knows when to act or what happened."""
+
 from __future__ import annotations
 
 import os

@@ -3,6 +3,7 @@
 It asks for two tokens at a time and sleeps between requests, so one response spans several
 weight pushes and its tokens carry different policy versions.
 """
+
 import asyncio
 import random
 

@@ -1,15 +1,17 @@
 """Actor on the tiny model: log-probs, micro-batch invariance, a learning step, checkpoints,
 weight names, and the shm/disk weight pushes."""
+
 from __future__ import annotations
 
 import random
 from pathlib import Path
-from vime.config import Config
 
 import pytest
 import torch
 from safetensors import safe_open
+from warm_start import sft_step
 
+from vime.config import Config
 from vime.rollout.types import Sample
 from vime.trainer import actor as actor_mod
 from vime.trainer.actor import Actor
@@ -19,10 +21,25 @@ from vime.trainer.weights import WeightPusher
 
 def make_args(**overrides) -> Config:
     base = dict(
-        lr=1e-3, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.98, clip_grad=1.0, eps_clip=0.2, eps_clip_high=None,
-        kl_loss_coef=0.0, kl_loss_type="low_var_kl", entropy_coef=0.0, advantage_estimator="grpo", use_tis=False, tis_clip=2.0,
-        max_tokens_per_gpu=4096, global_batch_size=None, seed=0, gradient_checkpointing=False,
-        rollout_temperature=1.0, rollout_max_response_len=8,
+        lr=1e-3,
+        weight_decay=0.0,
+        adam_beta1=0.9,
+        adam_beta2=0.98,
+        clip_grad=1.0,
+        eps_clip=0.2,
+        eps_clip_high=None,
+        kl_loss_coef=0.0,
+        kl_loss_type="low_var_kl",
+        entropy_coef=0.0,
+        advantage_estimator="grpo",
+        use_tis=False,
+        tis_clip=2.0,
+        max_tokens_per_gpu=4096,
+        global_batch_size=None,
+        seed=0,
+        gradient_checkpointing=False,
+        rollout_temperature=1.0,
+        rollout_max_response_len=8,
     )
     base.update(overrides)
     return Config(**base)
@@ -148,7 +165,11 @@ def test_use_rollout_logprobs_takes_the_ratio_against_the_engine(tiny_model):
     assert m["train/ppo_kl"] == pytest.approx(-0.3, abs=1e-5) and grad == 0.0
     # the trainer/engine gap is still measured against the trainer's own log-probs
     assert m["train/_lp_diff_sum"] / m["train/_lp_diff_count"] == pytest.approx(0.3, abs=1e-5)
-    assert m_prox["train/pg_loss"] == pytest.approx(-1.0, abs=1e-5) and m_prox["train/pg_clipfrac"] == 0.0 and grad_prox > 0
+    assert (
+        m_prox["train/pg_loss"] == pytest.approx(-1.0, abs=1e-5)
+        and m_prox["train/pg_clipfrac"] == 0.0
+        and grad_prox > 0
+    )
 
 
 @pytest.mark.slow
@@ -177,8 +198,16 @@ def test_train_step_moves_log_probs_with_the_advantage(tiny_model):
     metrics = a.train_step(samples, [1.0, -1.0])
     after = [float(lp.sum()) for lp in a.compute_log_probs(samples)]
     assert after[0] > before[0] and after[1] < before[1]
-    for k in ["train/loss", "train/pg_loss", "train/pg_clipfrac", "train/ppo_kl", "train/entropy", "train/grad_norm", "train/lr",
-              "train/train_rollout_logprob_abs_diff"]:
+    for k in [
+        "train/loss",
+        "train/pg_loss",
+        "train/pg_clipfrac",
+        "train/ppo_kl",
+        "train/entropy",
+        "train/grad_norm",
+        "train/lr",
+        "train/train_rollout_logprob_abs_diff",
+    ]:
         assert k in metrics, k
     assert metrics["train/pg_clipfrac"] == 0.0 and abs(metrics["train/ppo_kl"]) < 1e-6  # one step: on-policy, ratio 1
     assert metrics["train/lr"] == 1e-3
@@ -201,9 +230,9 @@ def test_train_step_splits_into_global_batches_with_kl_tis_and_dr_grpo(tiny_mode
 def test_sft_step_lowers_the_loss(tiny_model):
     a = Actor(make_args(lr=1e-2), tiny_model)
     samples = make_samples(3)
-    first = a.sft_step(samples)["train/sft_loss"]
+    first = sft_step(a, samples)["train/sft_loss"]
     for _ in range(4):
-        last = a.sft_step(samples)["train/sft_loss"]
+        last = sft_step(a, samples)["train/sft_loss"]
     assert last < first
 
 
@@ -222,6 +251,7 @@ def test_save_load_roundtrip_and_hf_loadable(tiny_model, tmp_path):
     for n, t in b.model.state_dict().items():
         assert torch.equal(t, weights[n]), n
     got = b.optimizer.state_dict()
+
     def groups(sd):  # the name-keyed round trip may turn the betas tuple into a list
         return [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in sd["param_groups"]]
 
@@ -283,14 +313,20 @@ class RecordingClient:
 
     def _read(self, path: Path) -> dict[str, torch.Tensor]:
         with safe_open(str(path), framework="pt") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}
+            return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (a safetensors handle, not a dict)
 
     def update_weights_from_tensor(self, payload: dict) -> dict:
         self.calls.append({**payload, "tensors": self._read(Path(payload["path"]))})
         return {"success": True}
 
     def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> dict:
-        self.calls.append({"model_path": model_path, "weight_version": weight_version, "tensors": self._read(Path(model_path) / "model.safetensors")})
+        self.calls.append(
+            {
+                "model_path": model_path,
+                "weight_version": weight_version,
+                "tensors": self._read(Path(model_path) / "model.safetensors"),
+            }
+        )
         return {"success": True}
 
 
@@ -333,7 +369,9 @@ def test_packed_batch_matches_padded_hf_forward_log_probs_and_gradients(tiny_mod
     from transformers import AutoModelForCausalLM
 
     samples = make_samples(5)
-    weights = [torch.randn(s.response_length, generator=torch.Generator().manual_seed(i)) for i, s in enumerate(samples)]
+    weights = [
+        torch.randn(s.response_length, generator=torch.Generator().manual_seed(i)) for i, s in enumerate(samples)
+    ]
 
     a = Actor(make_args(max_tokens_per_gpu=100_000), tiny_model)
     (mb,) = list(a._micro_batches(samples))  # every sample in one packed micro-batch
@@ -350,7 +388,10 @@ def test_packed_batch_matches_padded_hf_forward_log_probs_and_gradients(tiny_mod
         ids[b, : len(s.tokens)] = torch.tensor(s.tokens)
         mask[b, : len(s.tokens)] = 1
     log_p = torch.log_softmax(ref(input_ids=ids, attention_mask=mask).logits.float(), -1)
-    per_sample = [log_p[b, torch.arange(s.prompt_length - 1, len(s.tokens) - 1), torch.tensor(s.response_tokens)] for b, s in enumerate(samples)]
+    per_sample = [
+        log_p[b, torch.arange(s.prompt_length - 1, len(s.tokens) - 1), torch.tensor(s.response_tokens)]
+        for b, s in enumerate(samples)
+    ]
     sum((lp * w).sum() for lp, w in zip(per_sample, weights)).backward()
 
     for got, i in zip(packed.split(mb.response_lengths), order):

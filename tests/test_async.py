@@ -1,4 +1,5 @@
 """Async training: one-step-off versions, the fully-async worker, decoupled staleness, all modes."""
+
 from __future__ import annotations
 
 import copy
@@ -12,14 +13,17 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, run_cli
 
 TINY = ["--config", "examples/tiny.yaml"]
 
 
 def rows(run_dir: Path) -> list[dict]:
-    return [r for r in (json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()) if "perf/step_time" in r]
+    return [
+        r
+        for r in (json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines())
+        if "perf/step_time" in r
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -29,13 +33,31 @@ def mode_runs(tmp_path_factory) -> dict[str, Path]:
     arms = {
         "sync": ("train.py", []),
         "one-step-off": ("train_async.py", []),
-        "fully-async": ("train_async.py", ["--rollout-function-path", "vime.rollout.fully_async_rollout.generate_rollout_fully_async"]),
+        "fully-async": (
+            "train_async.py",
+            ["--rollout-function-path", "vime.rollout.fully_async_rollout.generate_rollout_fully_async"],
+        ),
         "decoupled": ("train_async.py", ["--max-staleness", "1"]),
     }
     out = {}
     for name, (script, extra) in arms.items():
-        res = run_cli(script, *TINY, "--num-rollout", "3", "--runs-dir", str(base), "--run-name", name, "--eval-interval", "3", "--eval-limit", "8",
-                      "--save", str(base / name / "ckpt"), *extra)
+        res = run_cli(
+            script,
+            *TINY,
+            "--num-rollout",
+            "3",
+            "--runs-dir",
+            str(base),
+            "--run-name",
+            name,
+            "--eval-interval",
+            "3",
+            "--eval-limit",
+            "8",
+            "--save",
+            str(base / name / "ckpt"),
+            *extra,
+        )
         assert res.returncode == 0, f"{name}: {res.stderr[-3000:]}"
         out[name] = base / name
     return out
@@ -49,7 +71,9 @@ def test_each_mode_trains(mode_runs, mode):
 
     r = rows(mode_runs[mode])
     assert [x["step"] for x in r] == [1, 2, 3]
-    assert all(x["train/policy_version"] == x["train/weight_version"] == x["train/weight_pushes"] == x["step"] for x in r)
+    assert all(
+        x["train/policy_version"] == x["train/weight_version"] == x["train/weight_pushes"] == x["step"] for x in r
+    )
     assert all("perf/train_wait_time" in x and "perf/update_weights_time" in x for x in r)
     # examples/tiny.yaml's reward varies within groups: the weights really moved
     assert any(x["train/grad_norm"] > 0 for x in r)
@@ -71,8 +95,23 @@ def test_sync_is_on_policy(mode_runs):
 
 
 def test_decoupled_respects_staleness_under_a_slow_engine(tmp_path):
-    res = run_cli("train_async.py", *TINY, "--num-rollout", "5", "--max-staleness", "1", "--rollout-max-response-len", "8",
-                  "--custom-generate-function-path", "slow_generate.generate", "--runs-dir", str(tmp_path), "--run-name", "d", timeout=240)
+    res = run_cli(
+        "train_async.py",
+        *TINY,
+        "--num-rollout",
+        "5",
+        "--max-staleness",
+        "1",
+        "--rollout-max-response-len",
+        "8",
+        "--custom-generate-function-path",
+        "slow_generate.generate",
+        "--runs-dir",
+        str(tmp_path),
+        "--run-name",
+        "d",
+        timeout=240,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     r = rows(tmp_path / "d")
     assert len(r) == 5
@@ -95,6 +134,7 @@ def test_report_renders_from_real_runs(mode_runs, tmp_path):
 
 # ---- the fully-async worker, in process, against a real engine ----
 
+
 @pytest.fixture(scope="module")
 def engine(tiny_model):
     from vime.engine.launch import launch_engine
@@ -112,9 +152,24 @@ def worker_env(engine, tiny_model, addition_data):
     from vime.rollout.data_source import DataSource
     from vime.rollout.runtime import RolloutRuntime, make_clients
 
-    args = parse_args(["--hf-checkpoint", str(tiny_model), "--prompt-data", str(addition_data[0]), "--num-rollout", "1",
-                       "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-concurrency", "3",
-                       "--rollout-max-response-len", "6"])
+    args = parse_args(
+        [
+            "--hf-checkpoint",
+            str(tiny_model),
+            "--prompt-data",
+            str(addition_data[0]),
+            "--num-rollout",
+            "1",
+            "--rollout-batch-size",
+            "2",
+            "--n-samples-per-prompt",
+            "2",
+            "--rollout-concurrency",
+            "3",
+            "--rollout-max-response-len",
+            "6",
+        ]
+    )
     args.model_dir = str(tiny_model)
     args.rollout_engine_urls = [engine.url]
     tokenizer = load_tokenizer(tiny_model)
@@ -207,7 +262,11 @@ def _running(url: str) -> float:
     import urllib.request
 
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
-    return sum(float(l.split()[1]) for l in text.splitlines() if l.startswith(("vime_engine_num_running ", "vime_engine_num_waiting ")))
+    return sum(
+        float(line.split()[1])
+        for line in text.splitlines()
+        if line.startswith(("vime_engine_num_running ", "vime_engine_num_waiting "))
+    )
 
 
 def test_fully_async_refuses_evaluation(worker_env):
@@ -217,23 +276,59 @@ def test_fully_async_refuses_evaluation(worker_env):
 
 
 def test_bench_ab_runs_each_arm_on_one_config(tmp_path):
-    res = run_cli("-m", "vime.cli", "bench", "ab", "--config", "examples/tiny.yaml", "--arms", "sync,fully-async",
-                  "--runs-dir", str(tmp_path), "--name", "q", "--num-rollout", "2", "--no-plots")
+    res = run_cli(
+        "-m",
+        "vime.cli",
+        "bench",
+        "ab",
+        "--config",
+        "examples/tiny.yaml",
+        "--arms",
+        "sync,fully-async",
+        "--runs-dir",
+        str(tmp_path),
+        "--name",
+        "q",
+        "--num-rollout",
+        "2",
+        "--no-plots",
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert "| q-sync | sync |" in res.stdout and "| q-fully-async | fully-async |" in res.stdout
     assert all(len(rows(tmp_path / f"q-{arm}")) == 2 for arm in ("sync", "fully-async"))
 
 
 def test_bench_ab_rejects_an_unknown_arm(tmp_path):
-    res = run_cli("-m", "vime.cli", "bench", "ab", "--config", "examples/tiny.yaml", "--arms", "sync,warp-speed", "--runs-dir", str(tmp_path))
+    res = run_cli(
+        "-m",
+        "vime.cli",
+        "bench",
+        "ab",
+        "--config",
+        "examples/tiny.yaml",
+        "--arms",
+        "sync,warp-speed",
+        "--runs-dir",
+        str(tmp_path),
+    )
     assert res.returncode == 2 and res.stderr.strip().splitlines()[-1].startswith("error: unknown arm 'warp-speed'")
     assert not any(tmp_path.iterdir())  # nothing ran
 
 
 def test_fully_async_producer_failure_is_an_error_not_a_hang(tmp_path):
-    res = run_cli("train_async.py", *TINY, "--num-rollout", "2", "--runs-dir", str(tmp_path),
-                  "--rollout-function-path", "vime.rollout.fully_async_rollout.generate_rollout_fully_async",
-                  "--custom-generate-function-path", "nope.missing", timeout=90)
+    res = run_cli(
+        "train_async.py",
+        *TINY,
+        "--num-rollout",
+        "2",
+        "--runs-dir",
+        str(tmp_path),
+        "--rollout-function-path",
+        "vime.rollout.fully_async_rollout.generate_rollout_fully_async",
+        "--custom-generate-function-path",
+        "nope.missing",
+        timeout=90,
+    )
     assert res.returncode == 2
     assert "nope.missing" in res.stderr.strip().splitlines()[-1]
 
@@ -246,7 +341,16 @@ def _record(args, rollout_id: int, out):
     groups (index, prompt) in order, and every sample's index, tokens and reward."""
     samples = [[s.index, s.tokens, s.reward] for g in out.samples for s in g]
     with open(args.run_dir / "batches.jsonl", "a") as f:
-        f.write(json.dumps({"rollout_id": rollout_id, "groups": [[g[0].group_index, g[0].prompt] for g in out.samples], "samples": samples}) + "\n")
+        f.write(
+            json.dumps(
+                {
+                    "rollout_id": rollout_id,
+                    "groups": [[g[0].group_index, g[0].prompt] for g in out.samples],
+                    "samples": samples,
+                }
+            )
+            + "\n"
+        )
     return out
 
 
@@ -276,13 +380,13 @@ async def recorded_generate(args, sample, params):
 
 
 def batches(run_dir: Path) -> dict[int, list[tuple[int, str]]]:
-    lines = (json.loads(l) for l in (run_dir / "batches.jsonl").read_text().splitlines())
+    lines = (json.loads(line) for line in (run_dir / "batches.jsonl").read_text().splitlines())
     return {b["rollout_id"]: [tuple(g) for g in b["groups"]] for b in lines}
 
 
 def batch_samples(run_dir: Path) -> list[list]:
     """[rollout_id, sample index, tokens, reward] of every trained sample, in training order."""
-    lines = (json.loads(l) for l in (run_dir / "batches.jsonl").read_text().splitlines())
+    lines = (json.loads(line) for line in (run_dir / "batches.jsonl").read_text().splitlines())
     return [[b["rollout_id"], *smp] for b in lines for smp in b["samples"]]
 
 
@@ -303,11 +407,29 @@ def test_zero_staleness_trains_exactly_what_sync_trains(tmp_path):
 
     arms = {
         "sync": ("train.py", ["--rollout-function-path", "test_async.recorded_rollout"]),
-        "one-step-off": ("train_async.py", ["--max-staleness", "0", "--rollout-function-path", "test_async.recorded_rollout"]),
-        "decoupled": ("train_async.py", ["--max-staleness", "0", "--custom-generate-function-path", "test_async.recorded_generate"]),
+        "one-step-off": (
+            "train_async.py",
+            ["--max-staleness", "0", "--rollout-function-path", "test_async.recorded_rollout"],
+        ),
+        "decoupled": (
+            "train_async.py",
+            ["--max-staleness", "0", "--custom-generate-function-path", "test_async.recorded_generate"],
+        ),
     }
     for name, (script, extra) in arms.items():
-        res = run_cli(script, *TINY, "--num-rollout", "4", "--runs-dir", str(tmp_path), "--run-name", name, "--save", str(tmp_path / f"ckpt-{name}"), *extra)
+        res = run_cli(
+            script,
+            *TINY,
+            "--num-rollout",
+            "4",
+            "--runs-dir",
+            str(tmp_path),
+            "--run-name",
+            name,
+            "--save",
+            str(tmp_path / f"ckpt-{name}"),
+            *extra,
+        )
         assert res.returncode == 0, f"{name}: {res.stderr[-3000:]}"
     keys = ("train/loss", "train/pg_loss", "train/grad_norm", "rollout/reward_mean", "rollout/staleness_max")
     steps = {name: [[r[k] for k in keys] for r in rows(tmp_path / name)] for name in arms}
@@ -317,7 +439,12 @@ def test_zero_staleness_trains_exactly_what_sync_trains(tmp_path):
     # decoupled's worker records what it generated, which must be exactly what sync trained)
     trained = batch_samples(tmp_path / "sync")
     assert batch_samples(tmp_path / "one-step-off") == trained
-    generated = {i: tokens for i, tokens, _ in (json.loads(l) for l in (tmp_path / "decoupled" / "generated.jsonl").read_text().splitlines())}
+    generated = {
+        i: tokens
+        for i, tokens, _ in (
+            json.loads(line) for line in (tmp_path / "decoupled" / "generated.jsonl").read_text().splitlines()
+        )
+    }
     assert generated == {i: tokens for _, i, tokens, _ in trained}
     weights = {name: final_weights(tmp_path / f"ckpt-{name}" / "4") for name in arms}
     for name in ("one-step-off", "decoupled"):
@@ -337,18 +464,43 @@ def test_staleness_counts_optimizer_steps(tmp_path):
         assert res.returncode == 0, f"{name}: {res.stderr[-3000:]}"
     r = rows(tmp_path / "interval")
     assert [x["rollout/staleness_max"] for x in r] == [0, 1] and [x["rollout/staleness_mean"] for x in r] == [0, 1]
-    assert [(x["train/policy_version"], x["train/weight_version"], x["train/weight_pushes"]) for x in r] == [(1, 0, 0), (2, 2, 1)]
+    assert [(x["train/policy_version"], x["train/weight_version"], x["train/weight_pushes"]) for x in r] == [
+        (1, 0, 0),
+        (2, 2, 1),
+    ]
     r = rows(tmp_path / "half")
     assert [x["rollout/staleness_max"] for x in r] == [1, 1]
     assert [x["rollout/staleness_mean"] for x in r] == pytest.approx([0.5, 0.5], abs=0.1)  # tokens split about evenly
-    assert [(x["train/policy_version"], x["train/weight_version"], x["train/weight_pushes"]) for x in r] == [(2, 2, 1), (4, 4, 2)]
+    assert [(x["train/policy_version"], x["train/weight_version"], x["train/weight_pushes"]) for x in r] == [
+        (2, 2, 1),
+        (4, 4, 2),
+    ]
 
 
 def test_fully_async_checkpoint_saves_the_workers_groups_and_resume_trains_them(tmp_path):
     import torch
 
-    common = [*TINY, "--runs-dir", str(tmp_path), "--rollout-function-path", "test_async.recorded_fully_async_rollout", "--rollout-concurrency", "4"]
-    first = run_cli("train_async.py", *common, "--num-rollout", "2", "--run-name", "a", "--save", str(tmp_path / "ckpt"), "--save-interval", "1")
+    common = [
+        *TINY,
+        "--runs-dir",
+        str(tmp_path),
+        "--rollout-function-path",
+        "test_async.recorded_fully_async_rollout",
+        "--rollout-concurrency",
+        "4",
+    ]
+    first = run_cli(
+        "train_async.py",
+        *common,
+        "--num-rollout",
+        "2",
+        "--run-name",
+        "a",
+        "--save",
+        str(tmp_path / "ckpt"),
+        "--save-interval",
+        "1",
+    )
     assert first.returncode == 0, first.stderr[-3000:]
     trained = batches(tmp_path / "a")
     state = torch.load(tmp_path / "ckpt" / "1" / "trainer_state.pt", weights_only=False)["extra"]["data_source"]
@@ -360,7 +512,9 @@ def test_fully_async_checkpoint_saves_the_workers_groups_and_resume_trains_them(
     assert all(s["response_length"] == 0 and s["status"] == "pending" for g in state["requeued"] for s in g)
 
     shutil.copytree(tmp_path / "ckpt" / "1", tmp_path / "load" / "1")
-    second = run_cli("train_async.py", *common, "--num-rollout", "2", "--run-name", "b", "--load", str(tmp_path / "load"))
+    second = run_cli(
+        "train_async.py", *common, "--num-rollout", "2", "--run-name", "b", "--load", str(tmp_path / "load")
+    )
     assert second.returncode == 0, second.stderr[-3000:]
     resumed = batches(tmp_path / "b")
     assert list(resumed) == [1]  # only step 2 ran
@@ -387,10 +541,27 @@ async def stall_after_first_batch(args, sample, params):
 
 
 def test_one_step_off_stops_at_once_while_a_generate_is_pending(tmp_path):
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    argv = [sys.executable, "train_async.py", *TINY, "--num-rollout", "3", "--runs-dir", str(tmp_path), "--run-name", "s",
-            "--custom-generate-function-path", "test_async.stall_after_first_batch"]
-    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    env = dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
+    argv = [
+        sys.executable,
+        "train_async.py",
+        *TINY,
+        "--num-rollout",
+        "3",
+        "--runs-dir",
+        str(tmp_path),
+        "--run-name",
+        "s",
+        "--custom-generate-function-path",
+        "test_async.stall_after_first_batch",
+    ]
+    proc = subprocess.Popen(
+        argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         t0 = time.monotonic()
         while not (tmp_path / "s" / "stalling").exists():  # the generate for step 2 is pending now, for minutes

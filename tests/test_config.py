@@ -1,6 +1,6 @@
 import pytest
-
 from conftest import run_cli
+
 from vime.config import DEFAULT_ROLLOUT_FN, FULLY_ASYNC_FN, ConfigError, parse_args
 
 BASE = ["--hf-checkpoint", "tiny", "--prompt-data", "x.jsonl", "--num-rollout", "2"]
@@ -8,7 +8,9 @@ BASE = ["--hf-checkpoint", "tiny", "--prompt-data", "x.jsonl", "--num-rollout", 
 
 def test_flags_yaml_overlay_and_precedence(tmp_path):
     cfg = tmp_path / "run.yaml"
-    cfg.write_text("rollout-batch-size: 4\nn_samples_per_prompt: 2\nlr: 3.0e-6\napply_chat_template_kwargs: {enable_thinking: false}\n")
+    cfg.write_text(
+        "rollout-batch-size: 4\nn_samples_per_prompt: 2\nlr: 3.0e-6\napply_chat_template_kwargs: {enable_thinking: false}\n"
+    )
     args = parse_args(["--config", str(cfg), *BASE, "--lr", "1e-5", "--colocate"])
     assert args.rollout_batch_size == 4 and args.n_samples_per_prompt == 2
     assert args.lr == 1e-5  # the flag wins over the file
@@ -19,7 +21,9 @@ def test_flags_yaml_overlay_and_precedence(tmp_path):
 
 
 def test_json_and_list_flags():
-    args = parse_args([*BASE, "--apply-chat-template-kwargs", '{"enable_thinking": false}', "--rollout-stop-token-ids", "5,7"])
+    args = parse_args(
+        [*BASE, "--apply-chat-template-kwargs", '{"enable_thinking": false}', "--rollout-stop-token-ids", "5,7"]
+    )
     assert args.apply_chat_template_kwargs == {"enable_thinking": False}
     assert args.rollout_stop_token_ids == [5, 7]
 
@@ -27,7 +31,10 @@ def test_json_and_list_flags():
 @pytest.mark.parametrize(
     "extra, fragment",
     [
-        (["--rollout-batch-size", "3", "--n-samples-per-prompt", "2", "--global-batch-size", "4"], "not a multiple of --global-batch-size"),
+        (
+            ["--rollout-batch-size", "3", "--n-samples-per-prompt", "2", "--global-batch-size", "4"],
+            "not a multiple of --global-batch-size",
+        ),
         (["--save-interval", "2"], "--save-interval needs --save"),
         (["--eval-interval", "2"], "--eval-interval needs --eval-prompt-data"),
         (["--rollout-top-p", "0"], "--rollout-top-p"),
@@ -35,7 +42,19 @@ def test_json_and_list_flags():
         (["--num-rollout", "two"], "--num-rollout"),
         (["--partial-rollout"], "--max-staleness"),
         (["--max-staleness", "0", "--update-weights-interval", "2"], "raise --max-staleness to 1"),
-        (["--max-staleness", "1", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "4"], "raise --max-staleness to 3"),
+        (
+            [
+                "--max-staleness",
+                "1",
+                "--rollout-batch-size",
+                "4",
+                "--n-samples-per-prompt",
+                "4",
+                "--global-batch-size",
+                "4",
+            ],
+            "raise --max-staleness to 3",
+        ),
         (["--use-rollout-logprobs", "--use-tis"], "drop one"),
         (["--use-tis", "--tis-clip-low", "2"], "--tis-clip-low"),
         (["--use-rs", "--rs-lower-bound", "3"], "--rs-lower-bound"),
@@ -108,7 +127,14 @@ def test_required_flags():
 def test_help_explains_every_flag():
     out = run_cli("train.py", "--help", timeout=60)
     assert out.returncode == 0
-    for flag in ["--rollout-batch-size", "--n-samples-per-prompt", "--global-batch-size", "--eps-clip-high", "--apply-chat-template-kwargs", "--max-staleness"]:
+    for flag in [
+        "--rollout-batch-size",
+        "--n-samples-per-prompt",
+        "--global-batch-size",
+        "--eps-clip-high",
+        "--apply-chat-template-kwargs",
+        "--max-staleness",
+    ]:
         assert flag in out.stdout
     assert "GRPO group size" in out.stdout
 

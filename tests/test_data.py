@@ -1,15 +1,17 @@
 """Prompt loading, the data source (order, epochs, re-queue, resume), bad data, and `vime data`."""
+
 from __future__ import annotations
 
 import contextlib
 import json
 import re
 from pathlib import Path
-from vime.config import Config
 
 import pytest
 
-from vime.datagen import TASKS, main as datagen_main, write_dataset
+from vime.config import Config
+from vime.datagen import TASKS, write_dataset
+from vime.datagen import main as datagen_main
 from vime.models import make_tiny_tokenizer
 from vime.rollout.data_source import DataError, DataSource, load_eval_samples, load_prompts
 from vime.rollout.types import Sample, Status
@@ -31,8 +33,16 @@ def numbered(path: Path, n: int = 10) -> Path:
 
 def make_args(prompt_data, **kw) -> Config:
     base = dict(
-        prompt_data=str(prompt_data), input_key="input", label_key="label", metadata_key="metadata", label_format="text", apply_chat_template=False,
-        apply_chat_template_kwargs={}, rollout_shuffle=False, rollout_seed=42, n_samples_per_prompt=2,
+        prompt_data=str(prompt_data),
+        input_key="input",
+        label_key="label",
+        metadata_key="metadata",
+        label_format="text",
+        apply_chat_template=False,
+        apply_chat_template_kwargs={},
+        rollout_shuffle=False,
+        rollout_seed=42,
+        n_samples_per_prompt=2,
     )
     return Config(**{**base, **kw})
 
@@ -56,7 +66,10 @@ def test_load_jsonl_and_parquet(tmp_path):
     pq.write_table(pa.Table.from_pylist(chats), tmp_path / "c.parquet")
     for ext in ["jsonl", "parquet"]:
         got = load_prompts(tmp_path / f"d.{ext}", input_key="q", label_key="a", metadata_key="meta")
-        assert got == [{"input": "1+1=", "label": "2", "metadata": {"src": "x"}}, {"input": "2+2=", "label": "4", "metadata": {}}]
+        assert got == [
+            {"input": "1+1=", "label": "2", "metadata": {"src": "x"}},
+            {"input": "2+2=", "label": "4", "metadata": {}},
+        ]
         got = load_prompts(tmp_path / f"c.{ext}", input_key="q", label_key="a")
         assert got == [{"input": [{"role": "user", "content": "hi"}], "label": "b", "metadata": {}}]
 
@@ -94,7 +107,9 @@ def test_error_missing_key_names_key_file_row_and_keys(tmp_path):
     with pytest.raises(DataError) as e:
         load_prompts(f)
     msg = str(e.value)
-    assert "'input'" in msg and "d.jsonl" in msg and "row 1" in msg and "question, label" in msg and "--input-key" in msg
+    assert (
+        "'input'" in msg and "d.jsonl" in msg and "row 1" in msg and "question, label" in msg and "--input-key" in msg
+    )
     with pytest.raises(DataError, match="'answer'"):
         load_prompts(f, label_key="answer")
     assert len(load_prompts(f"{f}@[:1]")) == 1  # only rows inside the slice are checked
@@ -125,8 +140,16 @@ def test_error_bad_input_type(tmp_path):
 
 
 def test_chat_template_and_kwargs(tmp_path, tokenizer):
-    f = write_jsonl(tmp_path / "d.jsonl", [{"input": "1+1=", "label": "2"}, {"input": [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}], "label": "x"}])
-    ds = DataSource(make_args(f, apply_chat_template=True, apply_chat_template_kwargs={"enable_thinking": False}), tokenizer)
+    f = write_jsonl(
+        tmp_path / "d.jsonl",
+        [
+            {"input": "1+1=", "label": "2"},
+            {"input": [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}], "label": "x"},
+        ],
+    )
+    ds = DataSource(
+        make_args(f, apply_chat_template=True, apply_chat_template_kwargs={"enable_thinking": False}), tokenizer
+    )
     plain, chat = ds.get_samples(2)
     assert plain[0].prompt == "<|im_start|>user\n1+1=<|im_end|>\n<|im_start|>assistant\n"
     assert plain[0].tokens == tokenizer.encode(plain[0].prompt, add_special_tokens=False)
@@ -174,14 +197,21 @@ def test_wraps_to_next_epoch(tmp_path, tokenizer):
 
 def test_shuffle_is_seeded_and_differs_between_epochs(tmp_path, tokenizer):
     f = numbered(tmp_path / "d.jsonl", 20)
-    order = lambda seed: labels(DataSource(make_args(f, rollout_shuffle=True, rollout_seed=seed), tokenizer).get_samples(40))  # noqa: E731
+
+    def order(seed: int) -> list[str]:
+        return labels(DataSource(make_args(f, rollout_shuffle=True, rollout_seed=seed), tokenizer).get_samples(40))
+
     a = order(1)
     assert a == order(1)
     assert a != order(2)
     first, second = a[:20], a[20:]
-    assert sorted(first, key=int) == sorted(second, key=int) == [str(i) for i in range(20)]  # each epoch is a permutation
+    assert (
+        sorted(first, key=int) == sorted(second, key=int) == [str(i) for i in range(20)]
+    )  # each epoch is a permutation
     assert first != second
-    assert labels(DataSource(make_args(f), tokenizer).get_samples(20)) == [str(i) for i in range(20)]  # no shuffle: file order
+    assert labels(DataSource(make_args(f), tokenizer).get_samples(20)) == [
+        str(i) for i in range(20)
+    ]  # no shuffle: file order
 
 
 def test_requeued_groups_come_first_and_restart_from_the_prompt(tmp_path, tokenizer):
@@ -235,7 +265,12 @@ def test_checkpoint_keeps_groups_handed_out_but_not_trained(tmp_path, tokenizer)
     resumed = DataSource(args, tokenizer)
     resumed.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
     got = resumed.get_samples(4)
-    assert [g[0].group_index for g in got] == [1, 4, 3, 5]  # untrained first (hand-out order, then re-queued), then the next prompt
+    assert [g[0].group_index for g in got] == [
+        1,
+        4,
+        3,
+        5,
+    ]  # untrained first (hand-out order, then re-queued), then the next prompt
     assert [[s.index for s in g] for g in got[:3]] == [[s.index for s in groups[i]] for i in (1, 4, 3)]
     assert labels(got[:3]) == labels([groups[1], groups[4], groups[3]])
     r = got[1][0]  # saved fresh: the prompt only
@@ -329,7 +364,12 @@ def test_datagen_answers_are_right(tmp_path):
 
 
 def test_datagen_cli_and_too_small_task(tmp_path, capsys):
-    assert datagen_main(["--task", "gsm_symbolic", "--out", str(tmp_path / "g"), "--n-train", "20", "--n-test", "5", "--seed", "0"]) == 0
+    assert (
+        datagen_main(
+            ["--task", "gsm_symbolic", "--out", str(tmp_path / "g"), "--n-train", "20", "--n-test", "5", "--seed", "0"]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "train.jsonl" in out and "20 rows" in out and "test.jsonl" in out and "5 rows" in out
     with pytest.raises(DataError, match="distinct questions"):
@@ -343,11 +383,21 @@ DAPO_ROWS = [  # slime's dapo-math-17k: a chat-message prompt and a plain label
     {"prompt": [{"role": "user", "content": "What is 3^4?"}], "label": "81"},
 ]
 DAPO_ORIGINAL_ROWS = [  # BytedTsinghua-SIA/DAPO-Math-17k: the answer nested in reward_model
-    {"data_source": "math_dapo", "prompt": [{"role": "user", "content": "What is 3^4?"}], "reward_model": {"ground_truth": "81", "style": "rule"}},
+    {
+        "data_source": "math_dapo",
+        "prompt": [{"role": "user", "content": "What is 3^4?"}],
+        "reward_model": {"ground_truth": "81", "style": "rule"},
+    },
 ]
 GSM8K_ROWS = [
-    {"question": "Ann has 3 pens and buys 4 more. How many pens?", "answer": "She has 3 + 4 = <<3+4=7>>7 pens.\n#### 7"},
-    {"question": "A farm sells 1,200 eggs a day. How many in 2 days?", "answer": "1,200 * 2 = <<1200*2=2400>>2,400\n#### 2,400"},
+    {
+        "question": "Ann has 3 pens and buys 4 more. How many pens?",
+        "answer": "She has 3 + 4 = <<3+4=7>>7 pens.\n#### 7",
+    },
+    {
+        "question": "A farm sells 1,200 eggs a day. How many in 2 days?",
+        "answer": "1,200 * 2 = <<1200*2=2400>>2,400\n#### 2,400",
+    },
 ]
 
 
@@ -365,7 +415,10 @@ def test_dapo_math_layout_by_key_flags(tmp_path, tokenizer):
         rows = load_prompts(path, input_key="prompt", label_key="label")
         assert rows == [{"input": r["prompt"], "label": r["label"], "metadata": {}} for r in DAPO_ROWS]
         ds = DataSource(make_args(path, input_key="prompt", apply_chat_template=True), tokenizer)
-        assert ds.get_samples(1)[0][0].prompt == "<|im_start|>user\nSolve 2x = 68. Answer: $Answer<|im_end|>\n<|im_start|>assistant\n"
+        assert (
+            ds.get_samples(1)[0][0].prompt
+            == "<|im_start|>user\nSolve 2x = 68. Answer: $Answer<|im_end|>\n<|im_start|>assistant\n"
+        )
     for path in write_both(tmp_path, "dapo_original", DAPO_ORIGINAL_ROWS):
         assert load_prompts(path, input_key="prompt", label_key="reward_model.ground_truth")[0]["label"] == "81"
         with pytest.raises(DataError, match=r"row 0.* has no key 'reward_model\.answer'.*--label-key"):
@@ -375,15 +428,26 @@ def test_dapo_math_layout_by_key_flags(tmp_path, tokenizer):
 def test_gsm8k_layout_by_key_flags(tmp_path):
     for path in write_both(tmp_path, "gsm8k", GSM8K_ROWS):
         rows = load_prompts(path, input_key="question", label_key="answer", label_format="gsm8k")
-        assert [(r["input"], r["label"]) for r in rows] == [(GSM8K_ROWS[0]["question"], "7"), (GSM8K_ROWS[1]["question"], "2400")]
-        assert load_prompts(path, input_key="question", label_key="answer")[0]["label"] == GSM8K_ROWS[0]["answer"]  # text: as it is
+        assert [(r["input"], r["label"]) for r in rows] == [
+            (GSM8K_ROWS[0]["question"], "7"),
+            (GSM8K_ROWS[1]["question"], "2400"),
+        ]
+        assert (
+            load_prompts(path, input_key="question", label_key="answer")[0]["label"] == GSM8K_ROWS[0]["answer"]
+        )  # text: as it is
         with pytest.raises(DataError, match="has no key 'input'.*question, answer.*--input-key"):
             load_prompts(path, label_key="answer")
     bad = write_jsonl(tmp_path / "bad.jsonl", [GSM8K_ROWS[0], {"question": "q", "answer": "no marker here"}])
     with pytest.raises(DataError) as e:
         load_prompts(bad, input_key="question", label_key="answer", label_format="gsm8k")
     msg = str(e.value)
-    assert "bad.jsonl row 1" in msg and "'answer'" in msg and "####" in msg and "--label-format gsm8k" in msg and "\n" not in msg
+    assert (
+        "bad.jsonl row 1" in msg
+        and "'answer'" in msg
+        and "####" in msg
+        and "--label-format gsm8k" in msg
+        and "\n" not in msg
+    )
 
 
 # ---------------------------------------------------------------- vime data --task rg:<name>
@@ -400,13 +464,28 @@ def test_rg_task_split_is_deterministic_disjoint_and_keeps_the_entry(tmp_path):
     for r in train + test:
         spec = r["metadata"]["reasoning_gym"]
         assert r["metadata"]["task"] == "rg:chain_sum" and spec["task"] == "chain_sum" and spec["config"] == {}
-        assert r["input"].startswith(spec["entry"]["question"]) and r["input"].endswith("Give the final answer after 'Answer:'.")
-        assert r["label"] == spec["entry"]["answer"] and int(r["label"]) == eval(spec["entry"]["metadata"]["expression"])  # noqa: S307
+        assert r["input"].startswith(spec["entry"]["question"]) and r["input"].endswith(
+            "Give the final answer after 'Answer:'."
+        )
+        assert r["label"] == spec["entry"]["answer"] and int(r["label"]) == eval(
+            spec["entry"]["metadata"]["expression"]
+        )  # noqa: S307
 
 
 def test_rg_task_config_flag(tmp_path, capsys):
     out = tmp_path / "ba"
-    argv = ["--task", "rg:basic_arithmetic", "--out", str(out), "--n-train", "6", "--n-test", "2", "--rg-config", '{"min_terms": 2, "max_terms": 2}']
+    argv = [
+        "--task",
+        "rg:basic_arithmetic",
+        "--out",
+        str(out),
+        "--n-train",
+        "6",
+        "--n-test",
+        "2",
+        "--rg-config",
+        '{"min_terms": 2, "max_terms": 2}',
+    ]
     assert datagen_main(argv) == 0
     assert "6 rows" in capsys.readouterr().out
     rows = load_prompts(out / "train.jsonl")
@@ -419,10 +498,19 @@ def test_rg_bad_task_or_config_is_one_line(tmp_path, capsys):
 
     out = str(tmp_path / "x")
     cases = [
-        (["--task", "rg:chain_su"], r"unknown reasoning-gym task 'chain_su' \(did you mean rg:chain_sum.*`vime data --list`"),
+        (
+            ["--task", "rg:chain_su"],
+            r"unknown reasoning-gym task 'chain_su' \(did you mean rg:chain_sum.*`vime data --list`",
+        ),
         (["--task", "chain_su"], r"unknown task 'chain_su'.*rg:<name>.*`vime data --list`"),
-        (["--task", "rg:chain_sum", "--rg-config", '{"nope": 1}'], r"rg:chain_sum: cannot build the task from --rg-config.*nope"),
-        (["--task", "rg:arc_agi", "--n-train", "2", "--n-test", "0"], r"rg:arc_agi: its scorer grades the entry differently once it went through JSON"),
+        (
+            ["--task", "rg:chain_sum", "--rg-config", '{"nope": 1}'],
+            r"rg:chain_sum: cannot build the task from --rg-config.*nope",
+        ),
+        (
+            ["--task", "rg:arc_agi", "--n-train", "2", "--n-test", "0"],
+            r"rg:arc_agi: its scorer grades the entry differently once it went through JSON",
+        ),
     ]
     for argv, match in cases:
         assert cli_main(["data", *argv, "--out", out]) == 2

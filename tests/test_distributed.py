@@ -1,11 +1,12 @@
 """Two gloo ranks (FSDP2) against one plain rank on the same batches: same log-probs, losses,
 updated weights and optimizer state; a checkpoint written by two ranks loads in one rank and in
 transformers."""
+
 from __future__ import annotations
 
 import torch
-
 from test_actor import make_args, make_samples
+
 from vime.trainer.actor import Actor
 from vime.trainer.distributed import DistributedActor, launch_actor
 
@@ -27,7 +28,14 @@ def test_two_ranks_match_one_rank_and_checkpoint_loads_anywhere(tiny_model, tmp_
             assert torch.allclose(a, b, atol=1e-6)
         m1 = one.train_step(samples, advantages)
         m2 = two.train_step(samples, advantages)
-        for k in ("train/loss", "train/pg_loss", "train/pg_clipfrac", "train/ppo_kl", "train/entropy", "train/grad_norm"):
+        for k in (
+            "train/loss",
+            "train/pg_loss",
+            "train/pg_clipfrac",
+            "train/ppo_kl",
+            "train/entropy",
+            "train/grad_norm",
+        ):
             assert abs(m1[k] - m2[k]) < 1e-5, (k, m1[k], m2[k])
         w1, w2 = dict(one.named_weights()), dict(two.named_weights())
         assert sorted(w1) == sorted(w2)

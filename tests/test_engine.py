@@ -7,6 +7,7 @@ the observed difference is ~1e-6, the gap covers summation-order differences).
 The GPU path (Triton kernels, static decode buffers) is checked on CPU too, where Triton is
 installed, by running this file as a script under the Triton interpreter (`interpreted_checks`).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -51,7 +52,11 @@ def generate_many(client: EngineClient, requests: list[dict]) -> list:
 def engine_metrics(url: str) -> dict[str, float]:
     """/metrics as {name without the vime_engine_ prefix: value}."""
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
-    return {ln.split()[0].removeprefix("vime_engine_"): float(ln.split()[1]) for ln in text.splitlines() if ln and not ln.startswith("#")}
+    return {
+        ln.split()[0].removeprefix("vime_engine_"): float(ln.split()[1])
+        for ln in text.splitlines()
+        if ln and not ln.startswith("#")
+    }
 
 
 async def wait_for_tokens(url: str, at_least: float) -> None:
@@ -154,7 +159,12 @@ def client(engine) -> EngineClient:
 def test_greedy_matches_hf_generate(client, hf):
     outs = generate_many(client, [{"input_ids": p, "sampling_params": greedy(24)} for p in PROMPTS])
     for p, out in zip(PROMPTS, outs):
-        ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), do_sample=False, max_new_tokens=24)[0, len(p) :].tolist()
+        ref = hf.generate(
+            torch.tensor([p]),
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=24,
+        )[0, len(p) :].tolist()
         assert out["output_ids"] == ref
         meta = out["meta_info"]
         assert meta["finish_reason"]["type"] == ("stop" if ref[-1] in EOS_IDS else "length")
@@ -192,7 +202,9 @@ def test_model_code_matches_hf_other_archs(tmp_path, arch):
         outs.update((o.rid, o.outputs[0]) for o in eng.step())
     for i, p in enumerate(PROMPTS):
         assert outs[str(i)].output_ids == hf_greedy(ref_model, p, 10)
-        assert torch.allclose(torch.tensor(outs[str(i)].logprobs), hf_logprobs(ref_model, p, outs[str(i)].output_ids), atol=ATOL)
+        assert torch.allclose(
+            torch.tensor(outs[str(i)].logprobs), hf_logprobs(ref_model, p, outs[str(i)].output_ids), atol=ATOL
+        )
 
 
 @pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 0), (1.0, 5)])
@@ -208,7 +220,15 @@ def test_sampled_logprobs_match_teacher_forced_hf(client, hf, temperature, top_k
 
 
 def test_n_samples_differ(client):
-    out = generate_many(client, [{"input_ids": PROMPTS[1], "sampling_params": {"max_new_tokens": 12, "temperature": 1.0, "n": 4, "ignore_eos": True}}])[0]
+    out = generate_many(
+        client,
+        [
+            {
+                "input_ids": PROMPTS[1],
+                "sampling_params": {"max_new_tokens": 12, "temperature": 1.0, "n": 4, "ignore_eos": True},
+            }
+        ],
+    )[0]
     assert isinstance(out, list) and len(out) == 4
     assert len({tuple(o["output_ids"]) for o in out}) == 4
     assert all(len(o["output_ids"]) == 12 and o["meta_info"]["finish_reason"]["type"] == "length" for o in out)
@@ -217,8 +237,15 @@ def test_n_samples_differ(client):
 def test_sampling_seed_fixes_the_draws_whatever_the_batch(client):
     """A seeded request gets the same tokens alone or among others (async runs are
     reproducible only if a sample does not depend on which requests share its steps)."""
-    seeded = lambda seed, n=1: {"input_ids": PROMPTS[2], "sampling_params": {"max_new_tokens": 10, "temperature": 1.0, "ignore_eos": True, "sampling_seed": seed, "n": n}}
-    crowd = [{"input_ids": p, "sampling_params": {"max_new_tokens": 14, "temperature": 1.0, "ignore_eos": True}} for p in PROMPTS]
+
+    def seeded(seed: int, n: int = 1) -> dict:
+        sampling = {"max_new_tokens": 10, "temperature": 1.0, "ignore_eos": True, "sampling_seed": seed, "n": n}
+        return {"input_ids": PROMPTS[2], "sampling_params": sampling}
+
+    crowd = [
+        {"input_ids": p, "sampling_params": {"max_new_tokens": 14, "temperature": 1.0, "ignore_eos": True}}
+        for p in PROMPTS
+    ]
     alone = generate_many(client, [seeded(123)])[0]["output_ids"]
     together = generate_many(client, crowd + [seeded(123)] + crowd)[len(crowd)]["output_ids"]
     assert together == alone
@@ -226,18 +253,23 @@ def test_sampling_seed_fixes_the_draws_whatever_the_batch(client):
     assert other != alone
     pair = generate_many(client, [seeded(123, n=2)])[0]
     assert pair[0]["output_ids"] == alone and pair[1]["output_ids"] != alone  # sample j of n has its own stream
-    status, text = post_raw(client.url + "/generate", json.dumps({"input_ids": [1], "sampling_params": {"sampling_seed": 1.5}}).encode())
+    status, text = post_raw(
+        client.url + "/generate", json.dumps({"input_ids": [1], "sampling_params": {"sampling_seed": 1.5}}).encode()
+    )
     assert status == 400 and "sampling_seed must be an integer" in text
 
 
 def test_stop_token_and_length(client, hf):
     ref = hf_greedy(hf, PROMPTS[2], 12)
     stop_tok = ref[5]
-    stopped, capped, empty = generate_many(client, [
-        {"input_ids": PROMPTS[2], "sampling_params": greedy(12, stop_token_ids=[stop_tok], ignore_eos=True)},
-        {"input_ids": PROMPTS[2], "sampling_params": greedy(7, ignore_eos=True)},
-        {"input_ids": PROMPTS[2], "sampling_params": greedy(0)},
-    ])
+    stopped, capped, empty = generate_many(
+        client,
+        [
+            {"input_ids": PROMPTS[2], "sampling_params": greedy(12, stop_token_ids=[stop_tok], ignore_eos=True)},
+            {"input_ids": PROMPTS[2], "sampling_params": greedy(7, ignore_eos=True)},
+            {"input_ids": PROMPTS[2], "sampling_params": greedy(0)},
+        ],
+    )
     assert stopped["output_ids"] == ref[: ref.index(stop_tok) + 1]  # the stop token is kept
     assert stopped["meta_info"]["finish_reason"]["type"] == "stop"
     assert capped["output_ids"] == ref[:7] and capped["meta_info"]["finish_reason"]["type"] == "length"
@@ -274,7 +306,9 @@ def test_client_hanging_up_aborts_its_request(client, engine):
         task.cancel()
         await client.close()
         deadline = time.monotonic() + 10
-        while (m := await asyncio.to_thread(engine_metrics, engine.url))["requests_aborted_total"] == m0["requests_aborted_total"]:
+        while (m := await asyncio.to_thread(engine_metrics, engine.url))["requests_aborted_total"] == m0[
+            "requests_aborted_total"
+        ]:
             assert time.monotonic() < deadline, "the engine kept generating for a client that left"
             await asyncio.sleep(0.01)
         return m
@@ -296,7 +330,9 @@ def test_weight_update_in_place_and_from_disk(client, engine, hf, model_dir):
         task = asyncio.create_task(client.generate(PROMPTS[1], greedy(400, ignore_eos=True)))
         await wait_for_tokens(engine.url, before + 5)
         await asyncio.to_thread(client.pause_generation, "in_place")
-        res = await asyncio.to_thread(client.update_weights_from_tensor, {"transport": "shm", "path": shm, "weight_version": v0 + 1})
+        res = await asyncio.to_thread(
+            client.update_weights_from_tensor, {"transport": "shm", "path": shm, "weight_version": v0 + 1}
+        )
         await asyncio.to_thread(client.continue_generation)
         try:
             return res, await task
@@ -350,7 +386,12 @@ def test_stress_concurrent_aborts_and_pauses(client, engine):
     reqs = [
         {
             "input_ids": [rng.randrange(4, 100) for _ in range(rng.randint(1, 30))],
-            "sampling_params": {"max_new_tokens": rng.randint(1, 40), "temperature": rng.choice([0.0, 0.8, 1.0]), "top_p": rng.choice([1.0, 0.9]), "ignore_eos": rng.random() < 0.5},
+            "sampling_params": {
+                "max_new_tokens": rng.randint(1, 40),
+                "temperature": rng.choice([0.0, 0.8, 1.0]),
+                "top_p": rng.choice([1.0, 0.9]),
+                "ignore_eos": rng.random() < 0.5,
+            },
             "rid": f"stress-{i}",
         }
         for i in range(n_req)
@@ -385,12 +426,19 @@ def test_stress_concurrent_aborts_and_pauses(client, engine):
     for r, o in zip(reqs, outs):
         meta = o["meta_info"]
         assert meta["finish_reason"]["type"] in ("stop", "length", "abort")
-        assert len(o["output_ids"]) == len(meta["output_token_logprobs"]) == len(meta["output_weight_versions"]) <= r["sampling_params"]["max_new_tokens"]
+        assert (
+            len(o["output_ids"])
+            == len(meta["output_token_logprobs"])
+            == len(meta["output_weight_versions"])
+            <= r["sampling_params"]["max_new_tokens"]
+        )
         if meta["finish_reason"]["type"] == "length":
             assert len(o["output_ids"]) == r["sampling_params"]["max_new_tokens"]
     assert any(o["meta_info"]["finish_reason"]["type"] == "abort" for o in outs)
     m1 = engine_metrics(engine.url)
-    done = (m1["requests_finished_total"] - m0["requests_finished_total"]) + (m1["requests_aborted_total"] - m0["requests_aborted_total"])
+    done = (m1["requests_finished_total"] - m0["requests_finished_total"]) + (
+        m1["requests_aborted_total"] - m0["requests_aborted_total"]
+    )
     assert done == n_req  # each request ended once: none lost, none both finished and aborted
     assert m1["num_running"] == m1["num_waiting"] == 0 and m1["paused"] == 0
     assert m1["kv_blocks_free"] == m1["kv_blocks_total"]  # every block came back
@@ -427,14 +475,20 @@ def test_client_errors(client, engine):
     assert time.monotonic() - t0 < 5
 
     with pytest.raises(EngineError, match=f"engine at {engine.url}/generate timed out after 0.05s"):
-        generate_many(EngineClient(engine.url, timeout=0.05), [{"input_ids": [5], "sampling_params": {"max_new_tokens": 500, "n": 4, "ignore_eos": True}}])
+        generate_many(
+            EngineClient(engine.url, timeout=0.05),
+            [{"input_ids": [5], "sampling_params": {"max_new_tokens": 500, "n": 4, "ignore_eos": True}}],
+        )
     with pytest.raises(EngineError, match="HTTP 400.*unsupported sampling_params"):
         generate_many(client, [{"input_ids": [5], "sampling_params": {"repetition_penalty": 1.1}}])
     with pytest.raises(EngineError, match="HTTP 400.*can never fit"):
         generate_many(client, [{"input_ids": [5] * 600, "sampling_params": {}}])
     with pytest.raises(EngineError, match="HTTP 400.*pause mode"):
         client.pause_generation("sideways")
-    assert post_raw(engine.url + "/generate", b"{not json") == (400, json.dumps({"error": "request body is not valid JSON"}))
+    assert post_raw(engine.url + "/generate", b"{not json") == (
+        400,
+        json.dumps({"error": "request body is not valid JSON"}),
+    )
     status, body = post_raw(engine.url + "/generate", b'{"sampling_params": {}}')
     assert status == 400 and "missing field 'input_ids'" in body
     status, body = post_raw(engine.url + "/update_weights_from_distributed", b"{}")
@@ -442,15 +496,22 @@ def test_client_errors(client, engine):
 
 
 def test_openai_routes(engine):
-    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0, "ignore_eos": True}).encode()
+    body = json.dumps(
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    ).encode()
     status, text = post_raw(engine.url + "/v1/chat/completions", body)
     chat = json.loads(text)
-    assert status == 200 and chat["object"] == "chat.completion" and isinstance(chat["choices"][0]["message"]["content"], str)
+    assert (
+        status == 200
+        and chat["object"] == "chat.completion"
+        and isinstance(chat["choices"][0]["message"]["content"], str)
+    )
     assert chat["usage"]["completion_tokens"] == 5
-    status, text = post_raw(engine.url + "/v1/completions", json.dumps({"prompt": "1+1=", "max_tokens": 3, "n": 2}).encode())
+    status, text = post_raw(
+        engine.url + "/v1/completions", json.dumps({"prompt": "1+1=", "max_tokens": 3, "n": 2}).encode()
+    )
     comp = json.loads(text)
     assert status == 200 and len(comp["choices"]) == 2 and all(isinstance(c["text"], str) for c in comp["choices"])
-
 
 
 # ---- the GPU code path under the Triton interpreter ----------------------------------
@@ -460,8 +521,14 @@ def test_triton_path_in_interpreter(model_dir):
     """Kernels, static decode buffers and the one-pass sampler, on CPU tensors (a subprocess:
     the interpreter is chosen when Triton kernels are defined)."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, __file__, str(model_dir)], env=env, capture_output=True, text=True, timeout=120)
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])),
+    }
+    proc = subprocess.run(
+        [sys.executable, __file__, str(model_dir)], env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
@@ -481,7 +548,13 @@ def _patch_triton_interpreter() -> None:
 
     def convert_(data, src, dst, rounding):
         if src == tl.float32 and dst == tl.bfloat16:  # round to nearest even, as the GPU does
-            return torch.from_numpy(np.ascontiguousarray(data).view(np.float32).copy()).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+            return (
+                torch.from_numpy(np.ascontiguousarray(data).view(np.float32).copy())
+                .to(torch.bfloat16)
+                .view(torch.int16)
+                .numpy()
+                .view(np.uint16)
+            )
         return convert(data, src, dst, rounding)
 
     def dot_(self, a, b, d, *rest):
@@ -489,7 +562,11 @@ def _patch_triton_interpreter() -> None:
             a, b = (interp.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32), tl.float32) for x in (a, b))
         return dot(self, a, b, d, *rest)
 
-    interp._patch_lang_tensor, interp._convert_float, interp.InterpreterBuilder.create_dot = patch_tensor_, convert_, dot_
+    interp._patch_lang_tensor, interp._convert_float, interp.InterpreterBuilder.create_dot = (
+        patch_tensor_,
+        convert_,
+        dot_,
+    )
 
 
 def interpreted_checks(model_dir: str) -> None:
@@ -517,8 +594,12 @@ def interpreted_checks(model_dir: str) -> None:
     assert kinds == {"eager", "decode"}
     for i, p in enumerate(prompts):
         assert outs[str(i)].output_ids == hf_greedy(hf, p, 6)
-        assert torch.allclose(torch.tensor(outs[str(i)].logprobs), hf_logprobs(hf, p, outs[str(i)].output_ids), atol=ATOL)
-    assert torch.allclose(torch.tensor(outs["t"].logprobs), hf_logprobs(hf, PROMPTS[2], outs["t"].output_ids, 0.7), atol=ATOL)
+        assert torch.allclose(
+            torch.tensor(outs[str(i)].logprobs), hf_logprobs(hf, p, outs[str(i)].output_ids), atol=ATOL
+        )
+    assert torch.allclose(
+        torch.tensor(outs["t"].logprobs), hf_logprobs(hf, PROMPTS[2], outs["t"].output_ids, 0.7), atol=ATOL
+    )
 
     # A weight update lands between two decode steps and shows in the very next token.
     hf2 = perturbed(hf)
@@ -545,9 +626,26 @@ def interpreted_checks(model_dir: str) -> None:
         if q_lens[0] == 1:
             out = kernels.decode_attention(q, kc, vc, bt, torch.tensor(ctx, dtype=torch.int32), d**-0.5)
         else:
-            out = kernels.prefill_attention(q, kc, vc, bt, torch.tensor(ctx, dtype=torch.int32), torch.tensor(offsets, dtype=torch.int32), max(q_lens), d**-0.5)
-        group = make_group([list(range(offsets[i], offsets[i + 1])) for i in range(3)], [list(range(c - n, c)) for c, n in zip(ctx, q_lens)], tables, bs, torch.device("cpu"))
-        ref = paged_attention(q, none, none, kc, vc, AttnMetadata(torch.zeros(0, dtype=torch.long), [group]), d**-0.5).float()
+            out = kernels.prefill_attention(
+                q,
+                kc,
+                vc,
+                bt,
+                torch.tensor(ctx, dtype=torch.int32),
+                torch.tensor(offsets, dtype=torch.int32),
+                max(q_lens),
+                d**-0.5,
+            )
+        group = make_group(
+            [list(range(offsets[i], offsets[i + 1])) for i in range(3)],
+            [list(range(c - n, c)) for c, n in zip(ctx, q_lens)],
+            tables,
+            bs,
+            torch.device("cpu"),
+        )
+        ref = paged_attention(
+            q, none, none, kc, vc, AttnMetadata(torch.zeros(0, dtype=torch.long), [group]), d**-0.5
+        ).float()
         assert (out.float() - ref).norm() / ref.norm() < 1e-2
 
     # The one-pass sampler draws from softmax(logits / T) and returns that distribution's
@@ -556,13 +654,15 @@ def interpreted_checks(model_dir: str) -> None:
     # Both sampler paths draw the same tokens from the same logits and seeds.
     logits = torch.randn(16, 300) * 3
     temps = torch.tensor([1.0, 0.7, 0.0, 1.3] * 4)
-    seeds = torch.randint(-2**31, 2**31 - 1, (16,), dtype=torch.int32)
+    seeds = torch.randint(-(2**31), 2**31 - 1, (16,), dtype=torch.int32)
     a, lp_a = kernels.sample(logits, temps, seeds)
     b, lp_b = torch_sample(logits, temps, seeds)
     assert torch.equal(a, b) and torch.allclose(lp_a, lp_b, atol=1e-5)
     edge = torch.full((1, 4096), -20.0)
     edge[0, 0] = 20.0
-    assert kernels.sample(edge, torch.ones(1), torch.tensor([2290], dtype=torch.int32))[0].tolist() == [0]  # noise < 1 (see test_sampler_noise_stays_below_one)
+    assert kernels.sample(edge, torch.ones(1), torch.tensor([2290], dtype=torch.int32))[0].tolist() == [
+        0
+    ]  # noise < 1 (see test_sampler_noise_stays_below_one)
 
 
 def check_sampler(sample, rows: int) -> None:
@@ -573,7 +673,9 @@ def check_sampler(sample, rows: int) -> None:
     for t in (1.0, 0.5):
         tokens, lps = sample(logits.expand(rows, 3).contiguous(), torch.full((rows,), t), seeds)
         p = torch.softmax(logits / t, -1)
-        assert ((torch.bincount(tokens, minlength=3) / rows - p).abs() <= 4 * (p * (1 - p) / rows).sqrt() + 1 / rows).all()
+        assert (
+            (torch.bincount(tokens, minlength=3) / rows - p).abs() <= 4 * (p * (1 - p) / rows).sqrt() + 1 / rows
+        ).all()
         assert torch.allclose(lps, p.log()[tokens], atol=1e-5)
         again, _ = sample(logits.expand(rows, 3).flip(0).contiguous(), torch.full((rows,), t), seeds.flip(0))
         assert torch.equal(again.flip(0), tokens)  # same seed, same draw, whatever the row
@@ -625,11 +727,17 @@ def test_gpu_greedy_cuda_ipc_update_and_memory_release(model_dir, hf, tmp_path):
         reqs = [{"input_ids": p, "sampling_params": greedy(16, ignore_eos=True)} for p in PROMPTS]
         for p, out in zip(PROMPTS, generate_many(gpu, reqs)):
             assert out["output_ids"] == hf_greedy(hf, p, 16)
-            assert torch.allclose(torch.tensor(out["meta_info"]["output_token_logprobs"]), hf_logprobs(hf, p, out["output_ids"]), atol=ATOL)
+            assert torch.allclose(
+                torch.tensor(out["meta_info"]["output_token_logprobs"]),
+                hf_logprobs(hf, p, out["output_ids"]),
+                atol=ATOL,
+            )
 
         hf2 = perturbed(hf)
         tensors = {k: v.cuda() for k, v in hf2.state_dict().items()}  # the trainer's GPU copies
-        res = gpu.update_weights_from_tensor({"transport": "cuda_ipc", "handles": cuda_ipc.share(list(tensors.items())), "weight_version": 7})
+        res = gpu.update_weights_from_tensor(
+            {"transport": "cuda_ipc", "handles": cuda_ipc.share(list(tensors.items())), "weight_version": 7}
+        )
         assert res["weight_version"] == 7 and res["num_tensors"] == len(tensors)
         gpu.release_memory_occupation()
         assert gpu.model_info()["memory_released"] is True
@@ -642,8 +750,13 @@ def test_gpu_greedy_cuda_ipc_update_and_memory_release(model_dir, hf, tmp_path):
 
     proc = launch_engine(str(model_dir), device="cuda", dtype="bfloat16", log_path=tmp_path / "gpu-bf16.log")
     try:
-        out = generate_many(EngineClient(proc.url), [{"input_ids": PROMPTS[2], "sampling_params": {"max_new_tokens": 16, "n": 3, "ignore_eos": True}}])[0]
-        assert all(len(o["output_ids"]) == 16 and all(lp <= 0 for lp in o["meta_info"]["output_token_logprobs"]) for o in out)
+        out = generate_many(
+            EngineClient(proc.url),
+            [{"input_ids": PROMPTS[2], "sampling_params": {"max_new_tokens": 16, "n": 3, "ignore_eos": True}}],
+        )[0]
+        assert all(
+            len(o["output_ids"]) == 16 and all(lp <= 0 for lp in o["meta_info"]["output_token_logprobs"]) for o in out
+        )
     finally:
         proc.shutdown()
 
@@ -678,10 +791,13 @@ def test_gpu_graphs_match_eager_and_see_weight_updates(model_dir, hf):
     for p, x, y in zip(PROMPTS, a, b):
         assert x.output_ids == y.output_ids == hf_greedy(hf, p, 12)
         assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=ATOL)
-    check_sampler(lambda logits, temps, seeds: [x.cpu() for x in kernels.sample(logits.cuda(), temps.cuda(), seeds.cuda())], rows=20000)
+    check_sampler(
+        lambda logits, temps, seeds: [x.cpu() for x in kernels.sample(logits.cuda(), temps.cuda(), seeds.cuda())],
+        rows=20000,
+    )
     logits = torch.randn(64, 151936, device="cuda") * 3  # a real vocabulary: both paths still agree
     temps = torch.tensor([1.0, 0.7, 0.0, 1.3] * 16, device="cuda")
-    seeds = torch.randint(-2**31, 2**31 - 1, (64,), dtype=torch.int32, device="cuda")
+    seeds = torch.randint(-(2**31), 2**31 - 1, (64,), dtype=torch.int32, device="cuda")
     assert torch.equal(kernels.sample(logits, temps, seeds)[0], torch_sample(logits, temps, seeds)[0])
     hf2 = perturbed(hf)
     state = {k: v.cuda() for k, v in hf2.state_dict().items()}

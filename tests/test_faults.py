@@ -8,6 +8,7 @@ starts; resumes that keep the record; and runs that end within seconds on a sign
 engine, in one line, with their checkpoints intact and no process left behind. Killing an
 engine in the middle of a broadcast push is test_weight_sync.py's.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,13 +28,13 @@ import sys
 import threading
 import time
 from pathlib import Path
-from vime.config import Config
 
 import pytest
 import torch
 import yaml
-
 from conftest import ROOT, run_cli
+
+from vime.config import Config
 from vime.engine import cuda_ipc
 from vime.engine.client import EngineClient, EngineError
 from vime.engine.launch import launch_engine
@@ -52,7 +53,9 @@ def post(url: str, body: bytes, headers: dict | None = None) -> tuple[int, str]:
     import urllib.error
     import urllib.request
 
-    req = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json", **(headers or {})})
+    req = urllib.request.Request(
+        url, data=body, method="POST", headers={"Content-Type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
             return r.status, r.read().decode()
@@ -63,7 +66,9 @@ def post(url: str, body: bytes, headers: dict | None = None) -> tuple[int, str]:
 def greedy(client: EngineClient) -> list[int]:
     async def main() -> list[int]:
         try:
-            return (await client.generate([40, 41, 42], {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}))["output_ids"]
+            return (await client.generate([40, 41, 42], {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}))[
+                "output_ids"
+            ]
         finally:
             await client.close()
 
@@ -90,7 +95,23 @@ def client(engine) -> EngineClient:
 def test_cuda_ipc_handles_travel_as_plain_data():
     """The trainer's side of a CUDA tensor's handle (the arguments reduce_tensor gives
     rebuild_cuda_tensor, written here as it would for a GPU tensor) survives JSON exactly."""
-    args = (torch.Tensor, torch.Size([4, 8]), (8, 1), 2, torch.storage.TypedStorage, torch.bfloat16, 0, b"\x01" * 66, 128, 64, False, b"\x02" * 66, 3, None, False)
+    args = (
+        torch.Tensor,
+        torch.Size([4, 8]),
+        (8, 1),
+        2,
+        torch.storage.TypedStorage,
+        torch.bfloat16,
+        0,
+        b"\x01" * 66,
+        128,
+        64,
+        False,
+        b"\x02" * 66,
+        3,
+        None,
+        False,
+    )
     handle = cuda_ipc.from_reduce_args("model.norm.weight", args)
     wire = json.loads(json.dumps([handle.to_json()]))
     assert cuda_ipc.parse(wire) == [handle]
@@ -126,11 +147,19 @@ def test_the_engine_runs_nothing_sent_to_it(engine, client, tmp_path):
             return (os.system, (f"touch {marker}",))
 
     auth = {"Authorization": f"Bearer {KEY}"}
-    evil = json.dumps({"transport": "cuda_ipc", "handles": base64.b64encode(pickle.dumps(Payload())).decode(), "weight_version": 9}).encode()
+    evil = json.dumps(
+        {"transport": "cuda_ipc", "handles": base64.b64encode(pickle.dumps(Payload())).decode(), "weight_version": 9}
+    ).encode()
     status, body = post(engine.url + "/update_weights_from_tensor", evil, auth)
     assert status == 400 and "handles" in body
-    handle = cuda_ipc.IpcHandle("lm_head.weight", (4,), (1,), 0, "float32", 0, b"h", 16, 0, b"r", 0, None, False).to_json()
-    status, body = post(engine.url + "/update_weights_from_tensor", json.dumps({"transport": "cuda_ipc", "handles": [handle]}).encode(), auth)
+    handle = cuda_ipc.IpcHandle(
+        "lm_head.weight", (4,), (1,), 0, "float32", 0, b"h", 16, 0, b"r", 0, None, False
+    ).to_json()
+    status, body = post(
+        engine.url + "/update_weights_from_tensor",
+        json.dumps({"transport": "cuda_ipc", "handles": [handle]}).encode(),
+        auth,
+    )
     assert status == 400 and "needs a GPU engine" in body
     time.sleep(0.5)
     assert not marker.exists()
@@ -139,7 +168,11 @@ def test_the_engine_runs_nothing_sent_to_it(engine, client, tmp_path):
 
 def test_every_route_but_health_needs_the_key(engine, client):
     assert KEY not in " ".join(engine.proc.args)  # through the environment: the process list shows no key
-    for route, body in [("/generate", {"input_ids": [5]}), ("/update_weights_from_disk", {"model_path": "/"}), ("/pause_generation", {})]:
+    for route, body in [
+        ("/generate", {"input_ids": [5]}),
+        ("/update_weights_from_disk", {"model_path": "/"}),
+        ("/pause_generation", {}),
+    ]:
         for headers in ({}, {"Authorization": "Bearer wrong"}):
             status, text = post(engine.url + route, json.dumps(body).encode(), headers)
             assert status == 401 and "API key" in text, (route, headers)
@@ -150,7 +183,11 @@ def test_every_route_but_health_needs_the_key(engine, client):
     with pytest.raises(ValueError, match="--host 0.0.0.0 .* --api-key"):
         engine_args(["--model-path", "tiny", "--host", "0.0.0.0"])
     assert engine_args(["--model-path", "tiny", "--host", "0.0.0.0", "--api-key", "k"]).api_key == "k"
-    status, text = post(engine.url + "/generate", json.dumps({"input_ids": [5], "sampling_params": {"temperature": float("nan")}}).encode(), {"Authorization": f"Bearer {KEY}"})
+    status, text = post(
+        engine.url + "/generate",
+        json.dumps({"input_ids": [5], "sampling_params": {"temperature": float("nan")}}).encode(),
+        {"Authorization": f"Bearer {KEY}"},
+    )
     assert status == 400 and "temperature" in text
 
 
@@ -177,7 +214,9 @@ def test_weight_updates_are_all_or_nothing(tiny_model, client, tmp_path):
     cases = {
         make_tiny_model(tmp_path / "llama", arch="llama", seed=3): "lacks 4 of the model's weights",  # no q_norm/k_norm
         # bfloat16 tensors were copied one by one as they came: the bad last one left a mix
-        write("part", {**{k: (t + 1).to(torch.bfloat16) for k, t in weights.items()}, last: torch.zeros(3)}): f"'{last}' has shape",
+        write(
+            "part", {**{k: (t + 1).to(torch.bfloat16) for k, t in weights.items()}, last: torch.zeros(3)}
+        ): f"'{last}' has shape",
         write("lm_head", {"lm_head.weight": weights["lm_head.weight"] + 1}): "lacks 24",
         write("ints", {**weights, "model.norm.weight": torch.ones(64, dtype=torch.int64)}): "dtype int64",
     }
@@ -219,7 +258,9 @@ def test_an_update_that_breaks_off_after_copying_stops_generation_until_a_whole_
         engine.add_request("r", [5, 6], SamplingParams(max_new_tokens=2))
     layout = [(n, tuple(t.shape), t.dtype) for n, t in iter_safetensors(tiny_model)]
     engine.replace_weights(layout, lambda: iter_safetensors(tiny_model), 2)
-    assert engine.weights_incomplete is None and engine.add_request("r", [5, 6], SamplingParams(max_new_tokens=2)) is None
+    assert (
+        engine.weights_incomplete is None and engine.add_request("r", [5, 6], SamplingParams(max_new_tokens=2)) is None
+    )
     # a bucketed update whose sender leaves before the last bucket
     engine.update_weights(list(iter_safetensors(tiny_model))[:5], 3, flush=False)
     engine.abandon_update("weight group closed")
@@ -249,7 +290,7 @@ def test_a_connection_reset_is_an_engine_error_not_a_traceback():
 
 # ---- rewards -------------------------------------------------------------------------------
 
-HANG_RM = '''
+HANG_RM = """
 import threading
 release = threading.Event()
 calls = []
@@ -262,7 +303,7 @@ def hang_first_20(args, sample):
 
 def not_finite(args, sample):
     return [float("inf"), float("-inf"), float("nan"), 0.5][sample.index]
-'''
+"""
 
 
 @pytest.fixture
@@ -348,7 +389,9 @@ def test_reward_workers_ignore_ctrl_c_and_die_with_their_parent(tmp_path):
     script = tmp_path / "pool_user.py"
     script.write_text(POOL_USER)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
     try:
         assert select.select([proc.stdout], [], [], 120)[0], "the pool never graded"
         assert proc.stdout.readline().strip() == "{'rollout/reward_errors': 0.0, 'rollout/reward_timeouts': 0.0}"
@@ -378,7 +421,11 @@ def test_a_reward_worker_that_dies_mid_sample_costs_that_sample_only():
     async def main() -> tuple[dict, list[Sample]]:
         slow = [Sample(index=0, response=SLOW_TO_GRADE, label="3")]
         task = asyncio.create_task(score_samples(args, slow))
-        while not (workers := [pid for pid in _children(os.getpid()) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]):
+        while not (
+            workers := [
+                pid for pid in _children(os.getpid()) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+            ]
+        ):
             await asyncio.sleep(0.05)
         await asyncio.sleep(1)  # grading (seconds for this response) is under way
         for pid in workers:
@@ -420,7 +467,9 @@ def actor(tiny_model):
 
 
 def _batch() -> list[Sample]:
-    return [Sample(index=i, tokens=[5, 6, 7, 8 + i, 9], response_length=2, rollout_log_probs=[-1.0, -1.0]) for i in range(4)]
+    return [
+        Sample(index=i, tokens=[5, 6, 7, 8 + i, 9], response_length=2, rollout_log_probs=[-1.0, -1.0]) for i in range(4)
+    ]
 
 
 def _weights(actor) -> dict[str, torch.Tensor]:
@@ -438,8 +487,7 @@ def test_a_non_finite_loss_skips_the_step_and_the_weights_stay(actor):
 
 
 def test_no_checkpoint_from_non_finite_weights_and_a_full_disk_keeps_the_last_one(actor, tmp_path):
-    from vime.trainer.checkpoint import CheckpointError
-    from vime.trainer.checkpoint import latest_checkpoint, problem
+    from vime.trainer.checkpoint import CheckpointError, latest_checkpoint, problem
     from vime.trainer.nonfinite import NonFiniteError
 
     actor.save(tmp_path / "1", {"step": 1})
@@ -472,7 +520,9 @@ def _refused(tmp_path: Path, *argv: str) -> str:
 
     runs = tmp_path / "runs"
     with pytest.raises(VimeError) as e:
-        train_main(["--config", "examples/tiny.yaml", "--num-rollout", "1", "--runs-dir", str(runs), "--run-name", "r", *argv])
+        train_main(
+            ["--config", "examples/tiny.yaml", "--num-rollout", "1", "--runs-dir", str(runs), "--run-name", "r", *argv]
+        )
     assert not (runs / "r").exists()  # no run directory, no engine log, no locked run name
     msg = str(e.value)
     assert "\n" not in msg
@@ -485,7 +535,9 @@ def test_every_input_is_checked_before_anything_starts(tmp_path, tiny_model, mon
     shutil.copytree(tiny_model, broken)
     (broken / "config.json").write_text('{"model_type": "qwen3", oops')
     long_rows = tmp_path / "long.jsonl"
-    long_rows.write_text("".join(json.dumps({"input": "9" * (600 if i == 3 else 3), "label": "9"}) + "\n" for i in range(6)))
+    long_rows.write_text(
+        "".join(json.dumps({"input": "9" * (600 if i == 3 else 3), "label": "9"}) + "\n" for i in range(6))
+    )
     a_file = tmp_path / "file"
     a_file.write_text("")
     damaged = tmp_path / "ckpt" / "1"
@@ -495,10 +547,16 @@ def test_every_input_is_checked_before_anything_starts(tmp_path, tiny_model, mon
         (["--hf-checkpoint", str(broken)], "config.json is not valid JSON"),
         (["--n-samples-per-prompt", "0"], "--n-samples-per-prompt must be at least 1"),
         (["--rollout-temperature", "nan"], "--rollout-temperature nan: give a finite number"),
-        (["--custom-generate-function-path", "nope.missing"], "--custom-generate-function-path 'nope.missing' cannot be loaded"),
+        (
+            ["--custom-generate-function-path", "nope.missing"],
+            "--custom-generate-function-path 'nope.missing' cannot be loaded",
+        ),
         (["--eval-interval", "1", "--eval-prompt-data", str(tmp_path / "nope.jsonl")], "nope.jsonl not found"),
         (["--save", str(a_file / "ckpt")], f"--save {a_file}/ckpt is not writable"),
-        (["--prompt-data", str(long_rows)], "long.jsonl row 3: the prompt is 600 tokens, the model takes at most 511 .* --skip-overlong-prompts"),
+        (
+            ["--prompt-data", str(long_rows)],
+            "long.jsonl row 3: the prompt is 600 tokens, the model takes at most 511 .* --skip-overlong-prompts",
+        ),
         (["--eval-interval", "1", "--eval-prompt-data", str(long_rows)], "long.jsonl row 3"),
         (["--load", str(tmp_path / "ckpt")], "no intact checkpoint"),
     ]
@@ -517,7 +575,17 @@ def test_skip_overlong_prompts_leaves_them_out_and_counts_them(tmp_path, tiny_mo
 
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"input": "9" * n, "label": "9"}) + "\n" for n in (3, 50, 4, 60)))
-    args = parse_args(["--hf-checkpoint", str(tiny_model), "--prompt-data", str(rows), "--num-rollout", "1", "--skip-overlong-prompts"])
+    args = parse_args(
+        [
+            "--hf-checkpoint",
+            str(tiny_model),
+            "--prompt-data",
+            str(rows),
+            "--num-rollout",
+            "1",
+            "--skip-overlong-prompts",
+        ]
+    )
     ds = DataSource(args, load_tokenizer(tiny_model), max_prompt_len=20)
     assert len(ds) == 2 and ds.skipped_prompts == 2
     assert {g[0].prompt for g in ds.get_samples(2)} == {"999", "9999"}
@@ -544,13 +612,33 @@ def _group_alive(pgid: int) -> list[str]:
 
 
 def _start(script: str, tmp_path: Path, *argv: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, script, *TINY, "--runs-dir", str(tmp_path), "--run-name", "r", "--save", str(tmp_path / "ckpt"), "--save-interval", "1", *argv]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    env = dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
+    cmd = [
+        sys.executable,
+        script,
+        *TINY,
+        "--runs-dir",
+        str(tmp_path),
+        "--run-name",
+        "r",
+        "--save",
+        str(tmp_path / "ckpt"),
+        "--save-interval",
+        "1",
+        *argv,
+    ]
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
 
 
 def _wait_for(proc: subprocess.Popen, path: Path, timeout: float = 120) -> None:
     """Until `path` holds something (a metrics row, a plug-in's marker); the run may end meanwhile."""
+
     def there() -> bool:
         return path.exists() and path.stat().st_size > 0
 
@@ -582,7 +670,9 @@ def _ended(proc: subprocess.Popen, since: float) -> tuple[int, list[str]]:
     assert "Traceback" not in err, err[-3000:]
     # aiohttp may report a session a cancelled request reopened (test_async.py has the story)
     noise = ("Unclosed client session", "Unclosed connector", "client_session:", "connector:", "connections:")
-    return proc.returncode, [line for line in err.strip().splitlines() if not line.split("asyncio: ")[-1].startswith(noise)]
+    return proc.returncode, [
+        line for line in err.strip().splitlines() if not line.split("asyncio: ")[-1].startswith(noise)
+    ]
 
 
 def _intact_checkpoints(save: Path, at_least: int) -> None:
@@ -628,8 +718,14 @@ def test_a_signal_stops_every_mode_within_seconds(tmp_path, script, extra, fault
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("plugin", ["--custom-generate-function-path fault_plugins.kill_engine_mid_step", "--rollout-function-path fault_plugins.kill_engine_after_rollout"],
-                         ids=["mid-generation", "before-the-push"])
+@pytest.mark.parametrize(
+    "plugin",
+    [
+        "--custom-generate-function-path fault_plugins.kill_engine_mid_step",
+        "--rollout-function-path fault_plugins.kill_engine_after_rollout",
+    ],
+    ids=["mid-generation", "before-the-push"],
+)
 def test_an_engine_killed_mid_step_ends_the_run_in_one_line(tmp_path, plugin):
     proc = _start("train.py", tmp_path, "--num-rollout", "4", *plugin.split())
     _wait_for(proc, tmp_path / "r" / "engine-killed")
@@ -641,11 +737,25 @@ def test_an_engine_killed_mid_step_ends_the_run_in_one_line(tmp_path, plugin):
 
 @pytest.mark.slow
 def test_non_finite_rewards_skip_steps_and_stop_the_run_with_finite_checkpoints(tmp_path):
-    proc = _start("train.py", tmp_path, "--num-rollout", "6", "--max-bad-steps", "2", "--rollout-function-path", "fault_plugins.inf_rewards_from_step_two")
+    proc = _start(
+        "train.py",
+        tmp_path,
+        "--num-rollout",
+        "6",
+        "--max-bad-steps",
+        "2",
+        "--rollout-function-path",
+        "fault_plugins.inf_rewards_from_step_two",
+    )
     code, lines = _ended(proc, time.time())
-    assert code == 2 and lines[-1].startswith("error: step 3: 2 steps in a row had non-finite numbers (2 rewards are not finite"), lines[-5:]
+    assert code == 2 and lines[-1].startswith(
+        "error: step 3: 2 steps in a row had non-finite numbers (2 rewards are not finite"
+    ), lines[-5:]
     rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["step"], r["train/skipped_steps"]) for r in rows] == [(1, 0), (2, 1)]  # step 3 stopped the run before its row
+    assert [(r["step"], r["train/skipped_steps"]) for r in rows] == [
+        (1, 0),
+        (2, 1),
+    ]  # step 3 stopped the run before its row
     assert progress_postfix(rows[1])["skipped_steps"] == "1"  # and the progress line shows it
     # step 2 skipped its optimizer step: its checkpoint holds step 1's (finite) weights
     _intact_checkpoints(tmp_path / "ckpt", at_least=2)
@@ -657,8 +767,24 @@ def test_a_resume_keeps_the_record_and_steps_past_a_damaged_checkpoint(tmp_path)
     directory: it starts from step 2 with a warning, each step is in metrics.jsonl once (the
     replaced row kept aside), the wall clock goes on, and no log or config is overwritten."""
     rows_file = tmp_path / "rows.jsonl"
-    rows_file.write_text("".join(json.dumps({"input": f"{i}+1=" if i != 2 else "9" * 600, "label": str(i + 1)}) + "\n" for i in range(12)))
-    common = ["train.py", *TINY, "--prompt-data", str(rows_file), "--skip-overlong-prompts", "--runs-dir", str(tmp_path), "--run-name", "r", "--save", str(tmp_path / "ckpt")]
+    rows_file.write_text(
+        "".join(
+            json.dumps({"input": f"{i}+1=" if i != 2 else "9" * 600, "label": str(i + 1)}) + "\n" for i in range(12)
+        )
+    )
+    common = [
+        "train.py",
+        *TINY,
+        "--prompt-data",
+        str(rows_file),
+        "--skip-overlong-prompts",
+        "--runs-dir",
+        str(tmp_path),
+        "--run-name",
+        "r",
+        "--save",
+        str(tmp_path / "ckpt"),
+    ]
     first = run_cli(*common, "--num-rollout", "3", "--save-interval", "2")
     assert first.returncode == 0, first.stderr[-3000:]
     before = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
@@ -667,13 +793,20 @@ def test_a_resume_keeps_the_record_and_steps_past_a_damaged_checkpoint(tmp_path)
         f.truncate(newest.stat().st_size // 2)
     second = run_cli(*common, "--num-rollout", "4", "--load", str(tmp_path / "ckpt"))
     assert second.returncode == 0, second.stderr[-3000:]
-    assert "checkpoint " + str(tmp_path / "ckpt" / "3") + " is damaged" in second.stderr and "resumed from " + str(tmp_path / "ckpt" / "2") in second.stderr
+    assert (
+        "checkpoint " + str(tmp_path / "ckpt" / "3") + " is damaged" in second.stderr
+        and "resumed from " + str(tmp_path / "ckpt" / "2") in second.stderr
+    )
     rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert [json.loads(line)["step"] for line in (tmp_path / "r" / "metrics.superseded.jsonl").read_text().splitlines()] == [3]
+    assert [
+        json.loads(line)["step"] for line in (tmp_path / "r" / "metrics.superseded.jsonl").read_text().splitlines()
+    ] == [3]
     clock = [r["perf/wall_clock"] for r in rows]
     assert clock[:2] == [r["perf/wall_clock"] for r in before[:2]] and clock == sorted(clock) and clock[2] > clock[1]
     assert all(r["rollout/skipped_prompts"] == 1 for r in rows)
     files = {p.name for p in (tmp_path / "r").iterdir()}
     assert {"config.yaml", "config.1.yaml", "engine0.log", "engine0.1.log"} <= files
-    assert yaml.safe_load((tmp_path / "r" / "config.yaml").read_text())["api_key"] is None  # the key made for the engines is not written
+    assert (
+        yaml.safe_load((tmp_path / "r" / "config.yaml").read_text())["api_key"] is None
+    )  # the key made for the engines is not written

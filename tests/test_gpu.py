@@ -3,6 +3,7 @@ every test skips). With two GPUs: the NCCL weight push into an engine on the oth
 FSDP2 on two ranks over NCCL against one rank. The CUDA-graph and CUDA-IPC checks live beside
 the rest of the engine's tests (tests/test_engine.py, marked `gpu` as well).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -26,7 +27,9 @@ def greedy(url: str, n: int = 16) -> list[tuple[list[int], list[float]]]:
 
     async def main():  # one request at a time: the same batches in both engines
         try:
-            return [await client.generate(p, {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}) for p in PROMPTS]
+            return [
+                await client.generate(p, {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}) for p in PROMPTS
+            ]
         finally:
             await client.close()
 
@@ -43,9 +46,13 @@ def test_nccl_push_equals_loading_from_disk(tmp_path, dtype):
 
     a = make_tiny_model(tmp_path / "a", arch="qwen3", seed=0, vocab_size=4096)
     b = make_tiny_model(tmp_path / "b", arch="qwen3", seed=1, vocab_size=4096)
-    pushed = launch_engine(str(a), device="cuda:1", dtype=dtype, extra_args=["--num-kv-blocks", "512"], log_path=tmp_path / "pushed.log")
+    pushed = launch_engine(
+        str(a), device="cuda:1", dtype=dtype, extra_args=["--num-kv-blocks", "512"], log_path=tmp_path / "pushed.log"
+    )
     try:
-        reference = launch_engine(str(b), device="cuda:1", dtype=dtype, extra_args=["--num-kv-blocks", "512"], log_path=tmp_path / "ref.log")
+        reference = launch_engine(
+            str(b), device="cuda:1", dtype=dtype, extra_args=["--num-kv-blocks", "512"], log_path=tmp_path / "ref.log"
+        )
         try:
             expected = greedy(reference.url)
         finally:
@@ -80,7 +87,9 @@ def test_fsdp2_two_ranks_match_one_rank(tmp_path):
     advantages = [1.0, -0.5, 0.25, -1.0, 2.0, -0.75]
     results = []
     for gpus in (1, 2):
-        actor = launch_actor(make_args(actor_num_gpus_per_node=gpus, global_batch_size=6, max_tokens_per_gpu=64), model, "cuda:0")
+        actor = launch_actor(
+            make_args(actor_num_gpus_per_node=gpus, global_batch_size=6, max_tokens_per_gpu=64), model, "cuda:0"
+        )
         try:
             lp = [t.float().cpu() for t in actor.compute_log_probs(samples)]
             m = actor.train_step(samples, advantages)
@@ -113,7 +122,9 @@ def test_compiled_chunked_head_equals_eager_on_cuda(monkeypatch):
     up_lp, up_ent = torch.randn(3000, device="cuda", generator=g), torch.randn(3000, device="cuda", generator=g)
 
     def run():
-        lp, ent = logprobs.chunked_log_probs(hidden, weight, targets, temperature=0.7, with_entropy=True, chunk_size=1024)  # last chunk 952 rows
+        lp, ent = logprobs.chunked_log_probs(
+            hidden, weight, targets, temperature=0.7, with_entropy=True, chunk_size=1024
+        )  # last chunk 952 rows
         return (lp, ent, *torch.autograd.grad((lp * up_lp).sum() + (ent * up_ent).sum(), [hidden, weight]))
 
     compiled = run()

@@ -6,6 +6,7 @@ warm-started model therefore knows much of the table but, greedily, mostly answe
 GRPO on the same training prompts rewards only exact answers; the test checks that the
 behaviour it learns carries over to the 20 held-out prompts it never trains on. Seeded.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,15 +14,15 @@ import random
 from pathlib import Path
 
 import pytest
-
 from conftest import run_cli
-
 
 JUNK = 0.7  # share of warm-start targets with the stray "0": above 1/2, so greedy decoding keeps it
 STEPS = 80
 
 
 def warm_start(out: Path, train_path: Path, seed: int = 0) -> Path:
+    from warm_start import sft_step
+
     from vime.config import parse_args
     from vime.models import load_tokenizer, make_tiny_model
     from vime.rollout.types import Sample
@@ -31,8 +32,22 @@ def warm_start(out: Path, train_path: Path, seed: int = 0) -> Path:
     tok = load_tokenizer(base)
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     rows = [json.loads(line) for line in train_path.read_text().splitlines()]
-    args = parse_args(["--hf-checkpoint", str(base), "--prompt-data", str(train_path), "--num-rollout", "1", "--lr", "3e-3",
-                       "--rollout-batch-size", "32", "--n-samples-per-prompt", "1"])
+    args = parse_args(
+        [
+            "--hf-checkpoint",
+            str(base),
+            "--prompt-data",
+            str(train_path),
+            "--num-rollout",
+            "1",
+            "--lr",
+            "3e-3",
+            "--rollout-batch-size",
+            "32",
+            "--n-samples-per-prompt",
+            "1",
+        ]
+    )
     actor = Actor(args, base, "cpu")
     rng = random.Random(seed)
 
@@ -42,7 +57,7 @@ def warm_start(out: Path, train_path: Path, seed: int = 0) -> Path:
         return Sample(tokens=prompt + answer, response_length=len(answer), label=r["label"])
 
     for _ in range(200):
-        actor.sft_step([example(r) for r in rng.sample(rows, 32)])
+        sft_step(actor, [example(r) for r in rng.sample(rows, 32)])
     actor.save(out / "warm", {})
     return out / "warm"
 
@@ -58,10 +73,34 @@ def test_grpo_gains_held_out(tmp_path, script, extra):
 
     train, test = write_dataset("addition", tmp_path / "data", n_train=80, n_test=20, seed=0, digits=1)
     model = warm_start(tmp_path, train)
-    res = run_cli(script, "--hf-checkpoint", str(model), "--prompt-data", str(train), "--eval-prompt-data", str(test),
-                  "--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--rollout-max-response-len", "4",
-                  "--num-rollout", str(STEPS), "--eval-interval", str(STEPS), "--lr", "5e-4", "--rollout-shuffle",
-                  "--runs-dir", str(tmp_path), "--run-name", "grpo", *extra, timeout=300)
+    res = run_cli(
+        script,
+        "--hf-checkpoint",
+        str(model),
+        "--prompt-data",
+        str(train),
+        "--eval-prompt-data",
+        str(test),
+        "--rollout-batch-size",
+        "16",
+        "--n-samples-per-prompt",
+        "8",
+        "--rollout-max-response-len",
+        "4",
+        "--num-rollout",
+        str(STEPS),
+        "--eval-interval",
+        str(STEPS),
+        "--lr",
+        "5e-4",
+        "--rollout-shuffle",
+        "--runs-dir",
+        str(tmp_path),
+        "--run-name",
+        "grpo",
+        *extra,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
     evals = {r["step"]: r["eval/accuracy"] for r in rows if "eval/accuracy" in r}

@@ -1,4 +1,5 @@
 """Advantages, PPO-clip, aggregation, TIS, KL and entropy against values worked out by hand."""
+
 from __future__ import annotations
 
 import math
@@ -6,7 +7,14 @@ import math
 import pytest
 import torch
 
-from vime.trainer.loss import OffPolicyCorrection, aggregate, behaviour_weights, compute_advantages, entropy_from_logits, kl_penalty, policy_loss
+from vime.trainer.loss import (
+    OffPolicyCorrection,
+    aggregate,
+    behaviour_weights,
+    compute_advantages,
+    kl_penalty,
+    policy_loss,
+)
 
 TIS = OffPolicyCorrection(use_tis=True, tis_clip=2.0)
 
@@ -121,7 +129,9 @@ def test_dr_grpo_seq_sum_const():
     # two sequences, max response length 4 → const = 4 × 2 = 8; ratio 1 so per-token loss = -A
     # seq 1: 3 tokens with A = 1 → -3; seq 2: 1 token with A = -2 → +2; sum = -1; -1 / 8 = -0.125
     adv = torch.tensor([1.0, 1.0, 1.0, -2.0])
-    loss, _ = policy_loss(torch.zeros(4), torch.zeros(4), adv, torch.ones(4), eps_clip=0.2, agg="seq_sum_const", const=8)
+    loss, _ = policy_loss(
+        torch.zeros(4), torch.zeros(4), adv, torch.ones(4), eps_clip=0.2, agg="seq_sum_const", const=8
+    )
     assert close(loss, -0.125)
     with pytest.raises(ValueError):
         policy_loss(torch.zeros(4), torch.zeros(4), adv, torch.ones(4), eps_clip=0.2, agg="seq_sum_const")
@@ -133,7 +143,9 @@ def test_tis_weight_truncated_and_detached():
     log_probs = torch.zeros(2, requires_grad=True)
     old = torch.zeros(2)
     rollout = torch.tensor([-math.log(3.0), -math.log(0.5)])
-    loss, m = policy_loss(log_probs, old, torch.ones(2), torch.ones(2), eps_clip=0.2, rollout_log_probs=rollout, correction=TIS)
+    loss, m = policy_loss(
+        log_probs, old, torch.ones(2), torch.ones(2), eps_clip=0.2, rollout_log_probs=rollout, correction=TIS
+    )
     assert close(loss, -1.25)
     assert close(m["tis"], 1.25) and close(m["tis_clipfrac"], 0.5)
     loss.backward()
@@ -152,7 +164,15 @@ def test_tis_with_a_lower_bound_by_hand():
     # mean -(2 + 0.5 + 0.2) / 3 = -0.9; two of three weights were outside the band
     log_probs = torch.zeros(3, requires_grad=True)
     correction = OffPolicyCorrection(use_tis=True, tis_clip=2.0, tis_clip_low=0.2)
-    loss, m = policy_loss(log_probs, torch.zeros(3), torch.ones(3), torch.ones(3), eps_clip=0.2, rollout_log_probs=rollout_for(3, 0.5, 0.1), correction=correction)
+    loss, m = policy_loss(
+        log_probs,
+        torch.zeros(3),
+        torch.ones(3),
+        torch.ones(3),
+        eps_clip=0.2,
+        rollout_log_probs=rollout_for(3, 0.5, 0.1),
+        correction=correction,
+    )
     assert close(loss, -0.9)
     assert close(m["tis"], 0.9) and close(m["tis_clipfrac"], 2 / 3)
     loss.backward()
@@ -163,7 +183,15 @@ def test_tis_mask_mode_is_icepop():
     # band [0.5, 2]: w = (3, 0.6, 0.1, 1.5) → (0, 0.6, 0, 1.5): out-of-band tokens weigh nothing,
     # in-band ones keep their weight; loss -(0.6 + 1.5) / 4 = -0.525, denominator still 4 tokens
     correction = OffPolicyCorrection(use_tis=True, tis_mode="mask", tis_clip=2.0, tis_clip_low=0.5)
-    loss, m = policy_loss(torch.zeros(4), torch.zeros(4), torch.ones(4), torch.ones(4), eps_clip=0.2, rollout_log_probs=rollout_for(3, 0.6, 0.1, 1.5), correction=correction)
+    loss, m = policy_loss(
+        torch.zeros(4),
+        torch.zeros(4),
+        torch.ones(4),
+        torch.ones(4),
+        eps_clip=0.2,
+        rollout_log_probs=rollout_for(3, 0.6, 0.1, 1.5),
+        correction=correction,
+    )
     assert close(loss, -0.525)
     assert close(m["tis"], 2.1 / 4) and close(m["tis_clipfrac"], 0.5)
 
@@ -175,7 +203,12 @@ def test_decoupled_ppo_clip_against_the_proximal_policy_weight_against_the_behav
     # TIS truncates 4 to 2: (−0.6 + 1.6) / 2 = 0.5; AReaL's cap-5 mask keeps 4: (−0.6 + 3.2) / 2 = 1.3;
     # with weight 6 instead of 4 the cap drops the token: −0.6 / 2 = −0.3
     args = (lp(1.5, 0.5), torch.zeros(2), torch.tensor([1.0, -1.0]), torch.ones(2))
-    tis, _ = policy_loss(*args, eps_clip=0.2, rollout_log_probs=rollout_for(0.5, 4), correction=OffPolicyCorrection(use_tis=True, tis_clip=2.0))
+    tis, _ = policy_loss(
+        *args,
+        eps_clip=0.2,
+        rollout_log_probs=rollout_for(0.5, 4),
+        correction=OffPolicyCorrection(use_tis=True, tis_clip=2.0),
+    )
     capped = OffPolicyCorrection(use_tis=True, tis_mode="mask", tis_clip=5.0)
     kept, m = policy_loss(*args, eps_clip=0.2, rollout_log_probs=rollout_for(0.5, 4), correction=capped)
     dropped, _ = policy_loss(*args, eps_clip=0.2, rollout_log_probs=rollout_for(0.5, 6), correction=capped)
@@ -187,7 +220,15 @@ def test_token_rejection_drops_without_reweighting():
     # band [0.5, 2]: w = (3, 1, 0.4, 1.2) → keep (0, 1, 0, 1); kept tokens weigh 1, not w:
     # loss -(1 + 1) / 4 = -0.5; half the tokens dropped
     correction = OffPolicyCorrection(use_rs=True, rs_lower_bound=0.5, rs_upper_bound=2.0)
-    loss, m = policy_loss(torch.zeros(4), torch.zeros(4), torch.ones(4), torch.ones(4), eps_clip=0.2, rollout_log_probs=rollout_for(3, 1, 0.4, 1.2), correction=correction)
+    loss, m = policy_loss(
+        torch.zeros(4),
+        torch.zeros(4),
+        torch.ones(4),
+        torch.ones(4),
+        eps_clip=0.2,
+        rollout_log_probs=rollout_for(3, 1, 0.4, 1.2),
+        correction=correction,
+    )
     assert close(loss, -0.5) and close(m["rs_dropfrac"], 0.5)
     assert "tis" not in m
 
@@ -203,10 +244,21 @@ def test_sequence_and_geometric_rejection_by_hand():
     out = {}
     for level in ("sequence", "geometric"):
         correction = OffPolicyCorrection(use_rs=True, rs_level=level, rs_lower_bound=0.5, rs_upper_bound=2.0)
-        out[level] = policy_loss(torch.zeros(5), torch.zeros(5), torch.ones(5), mask, eps_clip=0.2, rollout_log_probs=rollout, correction=correction, seq_ids=seq_ids)
+        out[level] = policy_loss(
+            torch.zeros(5),
+            torch.zeros(5),
+            torch.ones(5),
+            mask,
+            eps_clip=0.2,
+            rollout_log_probs=rollout,
+            correction=correction,
+            seq_ids=seq_ids,
+        )
     assert close(out["sequence"][0], -0.5) and close(out["sequence"][1]["rs_dropfrac"], 0.5)
     assert close(out["geometric"][0], -1.0) and close(out["geometric"][1]["rs_dropfrac"], 0.0)
-    factor, _ = behaviour_weights(torch.zeros(5), rollout, mask, OffPolicyCorrection(use_rs=True, rs_level="sequence"), seq_ids)
+    factor, _ = behaviour_weights(
+        torch.zeros(5), rollout, mask, OffPolicyCorrection(use_rs=True, rs_level="sequence"), seq_ids
+    )
     assert factor.tolist() == [0.0, 0.0, 1.0, 1.0, 1.0]
     with pytest.raises(ValueError, match="seq_ids"):
         behaviour_weights(torch.zeros(5), rollout, mask, OffPolicyCorrection(use_rs=True, rs_level="sequence"))
@@ -215,7 +267,13 @@ def test_sequence_and_geometric_rejection_by_hand():
 def test_sequence_rejection_does_not_overflow_on_long_sequences():
     # 200 tokens of w = e: the product e^200 overflows float32, its log (200) does not
     rollout = torch.full((200,), -1.0)
-    factor, sums = behaviour_weights(torch.zeros(200), rollout, torch.ones(200), OffPolicyCorrection(use_rs=True, rs_level="sequence", rs_upper_bound=1e30), torch.zeros(200, dtype=torch.long))
+    factor, sums = behaviour_weights(
+        torch.zeros(200),
+        rollout,
+        torch.ones(200),
+        OffPolicyCorrection(use_rs=True, rs_level="sequence", rs_upper_bound=1e30),
+        torch.zeros(200, dtype=torch.long),
+    )
     assert factor.sum() == 0 and float(sums["rs_dropfrac"]) == 200
 
 
@@ -247,14 +305,6 @@ def test_kl_values_by_hand():
         kl_penalty(p, q, "k4")
 
 
-def test_entropy_from_logits():
-    # uniform over 8 → ln 8; one-hot-ish → ~0; invariant to a shift of the logits (so log-probs work too)
-    assert close(entropy_from_logits(torch.zeros(2, 8)), [math.log(8)] * 2)
-    assert float(entropy_from_logits(torch.tensor([[100.0, 0.0, 0.0]]))) < 1e-6
-    z = torch.randn(3, 5)
-    assert close(entropy_from_logits(z), entropy_from_logits(torch.log_softmax(z, -1)))
-
-
 def test_aggregate_token_mean_defaults_and_errors():
     v, mask = torch.tensor([1.0, 2.0, 4.0]), torch.tensor([1.0, 0.0, 1.0])
     assert close(aggregate(v, mask), 2.5)  # (1 + 4) / 2
@@ -284,7 +334,9 @@ def test_chunked_log_probs_equal_full_logits_and_gradients(with_entropy):
     ref_loss = (ref_lp * up_lp).sum() + ((ref_ent * up_ent).sum() if with_entropy else 0)
     ref_gh, ref_gw = torch.autograd.grad(ref_loss, [hidden, weight])
 
-    lp, ent = chunked_log_probs(hidden, weight, targets, temperature=0.7, with_entropy=with_entropy, chunk_size=3)  # 4 chunks, last of 1
+    lp, ent = chunked_log_probs(
+        hidden, weight, targets, temperature=0.7, with_entropy=with_entropy, chunk_size=3
+    )  # 4 chunks, last of 1
     assert close(lp, ref_lp)
     loss = (lp * up_lp).sum()
     if with_entropy:
@@ -313,5 +365,10 @@ def test_compiled_head_kernels_equal_eager():
         eager = _stats(logits, targets, 1 / 0.7, True)
         compiled = stats(logits, targets, 1 / 0.7, True)
         assert all(close(a, b) for a, b in zip(eager, compiled))
-        assert close(grad(logits, targets, *eager[1:], g_lp, g_ent, 1 / 0.7), _grad_logits(logits, targets, *eager[1:], g_lp, g_ent, 1 / 0.7))
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 2  # one graph each, reused for the second length
+        assert close(
+            grad(logits, targets, *eager[1:], g_lp, g_ent, 1 / 0.7),
+            _grad_logits(logits, targets, *eager[1:], g_lp, g_ent, 1 / 0.7),
+        )
+    assert (
+        torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 2
+    )  # one graph each, reused for the second length

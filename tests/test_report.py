@@ -1,4 +1,5 @@
 """vime report's text parts: the reward sparkline and the tables, on a hand-written run directory."""
+
 from __future__ import annotations
 
 import json
@@ -12,7 +13,16 @@ from vime.report import SPARK_BLOCKS, accuracy_table, main, reward_curve, sparkl
 def _run_dir(tmp_path, rewards, evals=((0, 40, 200), (4, 70, 200))):
     d = tmp_path / "run-a"
     d.mkdir()
-    rows = [{"step": i + 1, "rollout/reward_mean": r, "perf/step_time": 2.0, "perf/train_wait_time": 1.0, "perf/wall_clock": 2.0 * (i + 1)} for i, r in enumerate(rewards)]
+    rows = [
+        {
+            "step": i + 1,
+            "rollout/reward_mean": r,
+            "perf/step_time": 2.0,
+            "perf/train_wait_time": 1.0,
+            "perf/wall_clock": 2.0 * (i + 1),
+        }
+        for i, r in enumerate(rewards)
+    ]
     rows += [{"step": s, "eval/accuracy": c / t, "eval/correct": c, "eval/total": t} for s, c, t in evals]
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (d / "config.yaml").write_text(yaml.safe_dump({"mode": "sync"}))
@@ -60,5 +70,7 @@ def test_paired_change_and_eval_results(tmp_path):
     d = tmp_path / "run" / "eval"
     d.mkdir(parents=True)
     for step, ok in ((0, [True, False]), (20, [True, True])):
-        (d / f"{step}.jsonl").write_text("".join(json.dumps({"index": i, "correct": c}) + "\n" for i, c in enumerate(ok)))
+        (d / f"{step}.jsonl").write_text(
+            "".join(json.dumps({"index": i, "correct": c}) + "\n" for i, c in enumerate(ok))
+        )
     assert eval_results(tmp_path / "run") == {0: {0: True, 1: False}, 20: {0: True, 1: True}}

@@ -1,15 +1,25 @@
 """Answer extraction, grading, built-in rm types, custom rewards, and reward failures."""
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import re
-from vime.config import Config
 
 import pytest
 
+from vime.config import Config
 from vime.datagen import generate
-from vime.rollout.rewards import RewardError, builtin_score, extract_answer, get_reward_fn, grade, normalize, numeric_credit, score_samples
+from vime.rollout.rewards import (
+    RewardError,
+    builtin_score,
+    extract_answer,
+    get_reward_fn,
+    grade,
+    normalize,
+    numeric_credit,
+    score_samples,
+)
 from vime.rollout.types import Sample, Status
 
 
@@ -91,7 +101,9 @@ def test_grade_equivalent(pred, label):
     assert grade(pred, label)
 
 
-@pytest.mark.parametrize("pred, label", [("41", "42"), ("-5", "5"), ("0.51", "0.5"), (None, "1"), ("", "1"), ("1", None)])
+@pytest.mark.parametrize(
+    "pred, label", [("41", "42"), ("-5", "5"), ("0.51", "0.5"), (None, "1"), ("", "1"), ("1", None)]
+)
 def test_grade_different(pred, label):
     assert not grade(pred, label)
 
@@ -237,12 +249,27 @@ def test_slime_grading_cases(pred, label, same):
         ("dapo", "Answer: 42", "42.0", 1.0),
         ("dapo", "Answer: 42", "4.2e1", 1.0),
         ("dapo", "Answer: 9007199254740993", "9007199254740993", 1.0),
-        ("dapo", "Answer: 9007199254740992", "9007199254740993", -1.0),  # not slime's: the neighbour shows no float rounding
+        (
+            "dapo",
+            "Answer: 9007199254740992",
+            "9007199254740993",
+            -1.0,
+        ),  # not slime's: the neighbour shows no float rounding
         ("dapo", "Answer: 41 was a wrong guess.\nAnswer: 42", "42", 1.0),
         ("math", "just 42", "42", 1.0),  # DIFFERS: slime needs a box; vime's `boxed_math` is that rule, below
         ("boxed_math", "just 42", "42", 0.0),  # not slime's: the rule slime applies, as vime spells it
-        ("dapo", "just a number 42", "42", 1.0),  # DIFFERS: slime's dapo needs `Answer:`; vime falls back to the trailing number
-        ("boxed_math", "plain 42", "42", 0.0),  # DIFFERS: slime's strict box scores -1; vime's boxed_math scores wrong as 0
+        (
+            "dapo",
+            "just a number 42",
+            "42",
+            1.0,
+        ),  # DIFFERS: slime's dapo needs `Answer:`; vime falls back to the trailing number
+        (
+            "boxed_math",
+            "plain 42",
+            "42",
+            0.0,
+        ),  # DIFFERS: slime's strict box scores -1; vime's boxed_math scores wrong as 0
         ("dapo", "\\boxed{42}" + " filler" * 60, "42", 1.0),  # DIFFERS: slime reads only the last 300 characters
         # DIFFERS: slime's dapo raises on a label that is not an integer; vime grades any label
         ("dapo", "Answer: 0", "0.5", -1.0),
@@ -309,7 +336,7 @@ def test_bad_custom_rm_path(tmp_path, monkeypatch):
             get_reward_fn(make_args(custom_rm_path=path))
 
 
-CUSTOM_RM = '''
+CUSTOM_RM = """
 import asyncio
 
 calls = []
@@ -331,7 +358,7 @@ def broken_rm(args, sample):
 async def slow_rm(args, sample):
     await asyncio.sleep(5 if sample.index == 0 else 0)
     return 1.0
-'''
+"""
 
 
 @pytest.fixture
@@ -402,12 +429,23 @@ def test_reasoning_gym_reward_uses_the_tasks_own_scorer(tmp_path):
 
     row = load_prompts(write_dataset("rg:chain_sum", tmp_path, n_train=1, n_test=0, seed=0)[0])[0]
     answer = row["metadata"]["reasoning_gym"]["entry"]["answer"]
-    responses = [f"Adding up: Answer: {answer}", f"so \\boxed{{{answer}}}", f"Answer: {int(answer) + 1}", "no idea", f"Answer: {answer}"]
-    samples = [Sample(index=i, response=r, label=row["label"], metadata=row["metadata"]) for i, r in enumerate(responses)]
+    responses = [
+        f"Adding up: Answer: {answer}",
+        f"so \\boxed{{{answer}}}",
+        f"Answer: {int(answer) + 1}",
+        "no idea",
+        f"Answer: {answer}",
+    ]
+    samples = [
+        Sample(index=i, response=r, label=row["label"], metadata=row["metadata"]) for i, r in enumerate(responses)
+    ]
     samples[-1].metadata = {}  # not a reasoning-gym row: an error, counted, never a crash
     metrics = score(make_args(rm_type="reasoning_gym"), samples)
     assert [s.reward for s in samples] == [1.0, 1.0, 0.0, 0.0, 0.0]
-    assert metrics == {"rollout/reward_errors": 1.0, "rollout/reward_timeouts": 0.0} and samples[-1].reward_error == "error"
+    assert (
+        metrics == {"rollout/reward_errors": 1.0, "rollout/reward_timeouts": 0.0}
+        and samples[-1].reward_error == "error"
+    )
 
 
 def test_reasoning_gym_scores_are_the_tasks_own():
@@ -418,6 +456,11 @@ def test_reasoning_gym_scores_are_the_tasks_own():
     # whole through vime's extraction; a unit word after the number is dropped by it)
     entry = {"question": "Find the GCD of 12, 18.", "answer": "6", "metadata": {}}
     metadata = {"reasoning_gym": {"task": "gcd", "config": {}, "entry": entry}}
-    assert [rg.score(r, metadata) for r in ["Answer: 6", "Answer: 6 apples", "Answer: 6 or 7", "Answer: 3"]] == [1.0, 1.0, 1 / 6, 0.0]
+    assert [rg.score(r, metadata) for r in ["Answer: 6", "Answer: 6 apples", "Answer: 6 or 7", "Answer: 3"]] == [
+        1.0,
+        1.0,
+        1 / 6,
+        0.0,
+    ]
     with pytest.raises(RewardError, match="reasoning_gym"):
         get_reward_fn(make_args(rm_type="reasoning-gym"))  # the unknown-type message lists it

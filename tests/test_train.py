@@ -1,14 +1,22 @@
 """train.py end to end on the tiny model: metrics, checkpoints/resume, and bad input."""
+
 from __future__ import annotations
 
 import json
 import time
 from pathlib import Path
 
-
 from conftest import run_cli
 
-PERF_KEYS = ["perf/step_time", "perf/train_wait_time", "perf/train_time", "perf/update_weights_time", "perf/wall_clock", "perf/rollout_time", "perf/other_time"]
+PERF_KEYS = [
+    "perf/step_time",
+    "perf/train_wait_time",
+    "perf/train_time",
+    "perf/update_weights_time",
+    "perf/wall_clock",
+    "perf/rollout_time",
+    "perf/other_time",
+]
 
 
 def read_rows(run_dir: Path) -> list[dict]:
@@ -17,7 +25,18 @@ def read_rows(run_dir: Path) -> list[dict]:
 
 def test_tiny_yaml_two_rollouts_under_a_minute(tmp_path):
     t0 = time.perf_counter()
-    out = run_cli("train.py", "--config", "examples/tiny.yaml", "--num-rollout", "2", "--runs-dir", str(tmp_path), "--run-name", "t", timeout=120)
+    out = run_cli(
+        "train.py",
+        "--config",
+        "examples/tiny.yaml",
+        "--num-rollout",
+        "2",
+        "--runs-dir",
+        str(tmp_path),
+        "--run-name",
+        "t",
+        timeout=120,
+    )
     elapsed = time.perf_counter() - t0
     assert out.returncode == 0, out.stderr[-2000:]
     rows = read_rows(tmp_path / "t")
@@ -27,7 +46,15 @@ def test_tiny_yaml_two_rollouts_under_a_minute(tmp_path):
         for k in PERF_KEYS:
             assert k in r and r[k] >= 0, k
         assert r["perf/step_time"] >= r["perf/train_time"]
-        for k in ["rollout/reward_mean", "rollout/response_len_mean", "rollout/truncated_ratio", "train/loss", "train/pg_clipfrac", "train/grad_norm", "train/train_rollout_logprob_abs_diff"]:
+        for k in [
+            "rollout/reward_mean",
+            "rollout/response_len_mean",
+            "rollout/truncated_ratio",
+            "train/loss",
+            "train/pg_clipfrac",
+            "train/grad_norm",
+            "train/train_rollout_logprob_abs_diff",
+        ]:
             assert k in r, k
         assert r["rollout/staleness_max"] == 0  # sync: every token from the trainer's current policy
     # the engine's log-probs come from the same weights the trainer recomputes with
@@ -40,7 +67,18 @@ def test_tiny_yaml_two_rollouts_under_a_minute(tmp_path):
 def test_progress_lines_on_redirected_output_and_in_log_txt(tmp_path):
     """Output that is no terminal gets one plain line per step (and the eval lines); log.txt always
     does; --quiet keeps them off stderr only."""
-    common = ["--config", "examples/tiny.yaml", "--num-rollout", "2", "--eval-interval", "2", "--eval-limit", "4", "--runs-dir", str(tmp_path)]
+    common = [
+        "--config",
+        "examples/tiny.yaml",
+        "--num-rollout",
+        "2",
+        "--eval-interval",
+        "2",
+        "--eval-limit",
+        "4",
+        "--runs-dir",
+        str(tmp_path),
+    ]
     out = run_cli("train.py", *common, "--run-name", "p", timeout=150)
     assert out.returncode == 0, out.stderr[-2000:]
     for text in (out.stderr, (tmp_path / "p" / "log.txt").read_text()):
@@ -62,9 +100,30 @@ def test_python_dash_m_vime_is_the_vime_command():
 def test_checkpoint_and_resume(tmp_path, tiny_model, addition_data):
     train, test = addition_data
     # pushing every other step, so the policy version (optimizer steps) and the push count differ
-    common = ["--hf-checkpoint", str(tiny_model), "--prompt-data", str(train), "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
-              "--rollout-max-response-len", "4", "--lr", "1e-3", "--runs-dir", str(tmp_path), "--save", str(tmp_path / "ckpt"), "--save-interval", "1",
-              "--rm-type", "math_shaped", "--update-weights-interval", "2"]
+    common = [
+        "--hf-checkpoint",
+        str(tiny_model),
+        "--prompt-data",
+        str(train),
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "2",
+        "--rollout-max-response-len",
+        "4",
+        "--lr",
+        "1e-3",
+        "--runs-dir",
+        str(tmp_path),
+        "--save",
+        str(tmp_path / "ckpt"),
+        "--save-interval",
+        "1",
+        "--rm-type",
+        "math_shaped",
+        "--update-weights-interval",
+        "2",
+    ]
     first = run_cli("train.py", *common, "--num-rollout", "2", "--run-name", "a")
     assert first.returncode == 0, first.stderr[-2000:]
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["1", "2"]
@@ -77,7 +136,11 @@ def test_checkpoint_and_resume(tmp_path, tiny_model, addition_data):
     assert [r["step"] for r in rows] == [3]  # continued after step 2, not from scratch
     # three optimizer steps; the engines hold the weights of step 2 (re-sent on resume, not
     # counted), pushed once so far
-    assert (rows[0]["train/policy_version"], rows[0]["train/weight_version"], rows[0]["train/weight_pushes"]) == (3, 2, 1)
+    assert (rows[0]["train/policy_version"], rows[0]["train/weight_version"], rows[0]["train/weight_pushes"]) == (
+        3,
+        2,
+        1,
+    )
     import torch
 
     state = torch.load(tmp_path / "ckpt" / "2" / "trainer_state.pt", weights_only=False)
@@ -91,7 +154,9 @@ def test_checkpoint_and_resume(tmp_path, tiny_model, addition_data):
 
 
 def _bad(tmp_path, *argv):
-    out = run_cli("train.py", "--hf-checkpoint", "tiny", "--num-rollout", "1", "--runs-dir", str(tmp_path), *argv, timeout=120)
+    out = run_cli(
+        "train.py", "--hf-checkpoint", "tiny", "--num-rollout", "1", "--runs-dir", str(tmp_path), *argv, timeout=120
+    )
     assert out.returncode == 2, out.stderr[-2000:]
     msg = out.stderr.strip().splitlines()
     assert len(msg) >= 1 and msg[-1].startswith("error: "), out.stderr[-2000:]

@@ -13,6 +13,7 @@ Tolerance: the log-probs vLLM returns (processed, i.e. after temperature) must m
 trainer's recomputation (`Actor.compute_log_probs`) within ATOL = 1e-4, as for the built-in
 engine (float32 on CPU; the observed gap is ~1e-6).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,12 +26,12 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from vime.config import Config
 
 import pytest
 import torch
-
 from conftest import ROOT, run_cli
+
+from vime.config import Config
 from vime.engine.client import EngineError
 from vime.engine.vllm import VLLMClient, check_version, from_vllm_choice, to_vllm_sampling_params
 from vime.rollout.types import Sample
@@ -45,17 +46,39 @@ LONG = {"max_new_tokens": LONG_TOKENS, "temperature": 1.0, "ignore_eos": True, "
 
 def needs_vllm(fn):
     """A test against a real vLLM server: marked `vllm`, skipped where vllm is not installed."""
-    return pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed here: run make test-vllm")(pytest.mark.vllm(fn))
+    return pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed here: run make test-vllm")(
+        pytest.mark.vllm(fn)
+    )
 
 
 # ---- translation (no server) ----------------------------------------------------------------
 
 
 def test_sampling_params_are_mapped_key_by_key():
-    out = to_vllm_sampling_params({"max_new_tokens": 5, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "stop_token_ids": [3],
-                                   "ignore_eos": True, "n": 2, "sampling_seed": 11})
-    assert out == {"max_tokens": 5, "temperature": 0.7, "top_p": 0.9, "top_k": 0, "stop_token_ids": [3], "ignore_eos": True, "n": 2,
-                   "seed": 11, "logprobs": 0, "detokenize": False}
+    out = to_vllm_sampling_params(
+        {
+            "max_new_tokens": 5,
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "top_k": -1,
+            "stop_token_ids": [3],
+            "ignore_eos": True,
+            "n": 2,
+            "sampling_seed": 11,
+        }
+    )
+    assert out == {
+        "max_tokens": 5,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 0,
+        "stop_token_ids": [3],
+        "ignore_eos": True,
+        "n": 2,
+        "seed": 11,
+        "logprobs": 0,
+        "detokenize": False,
+    }
     assert to_vllm_sampling_params({})["max_tokens"] == 128  # the built-in engine's default, not vLLM's
     with pytest.raises(EngineError, match=r"unsupported sampling_params \['max_tokens', 'min_p'\]"):
         to_vllm_sampling_params({"max_tokens": 5, "min_p": 0.1})
@@ -71,13 +94,26 @@ def test_unsupported_versions_are_refused_in_one_line():
 
 
 def test_choice_translation_expands_version_spans():
-    choice = {"index": 0, "finish_reason": "abort", "token_ids": [7, 8, 9],
-              "weight_versions": [{"version": "default", "start": 0, "end": 1}, {"version": "4", "start": 1, "end": 3}],
-              "logprobs": {"content": [{"token_id": t, "logprob": -float(t)} for t in (7, 8, 9)]}}
+    choice = {
+        "index": 0,
+        "finish_reason": "abort",
+        "token_ids": [7, 8, 9],
+        "weight_versions": [{"version": "default", "start": 0, "end": 1}, {"version": "4", "start": 1, "end": 3}],
+        "logprobs": {"content": [{"token_id": t, "logprob": -float(t)} for t in (7, 8, 9)]},
+    }
     out = from_vllm_choice(choice, {"usage": {"prompt_tokens": 5}}, "r", True, "u")
-    assert out == {"output_ids": [7, 8, 9], "meta_info": {
-        "id": "r", "finish_reason": {"type": "abort"}, "prompt_tokens": 5, "completion_tokens": 3, "weight_version": 4,
-        "output_weight_versions": [0, 4, 4], "output_token_logprobs": [-7.0, -8.0, -9.0]}}
+    assert out == {
+        "output_ids": [7, 8, 9],
+        "meta_info": {
+            "id": "r",
+            "finish_reason": {"type": "abort"},
+            "prompt_tokens": 5,
+            "completion_tokens": 3,
+            "weight_version": 4,
+            "output_weight_versions": [0, 4, 4],
+            "output_token_logprobs": [-7.0, -8.0, -9.0],
+        },
+    }
     with pytest.raises(EngineError, match="'error'"):
         from_vllm_choice(dict(choice, finish_reason="error"), {"usage": {"prompt_tokens": 5}}, "r", True, "u")
 
@@ -85,28 +121,37 @@ def test_choice_translation_expands_version_spans():
 # ---- fixtures ------------------------------------------------------------------------------
 
 
-def test_weights_reach_vllm_by_disk_and_nccl_is_refused_in_one_line(tmp_path):
-    from vime.config import Config, ConfigError
-    from vime.engine.vllm import place_vllm
-
-    for transport, match in [("nccl", "does not reach vLLM engines yet"), ("shm", "does not reach vLLM engines: leave it at auto")]:
-        with pytest.raises(ConfigError, match=match):  # refused before any server starts
-            place_vllm(Config(rollout_backend="vllm", weight_transport=transport, device="cpu"), tmp_path, tmp_path)
-
-
 @pytest.fixture(scope="session")
 def model32(tmp_path_factory) -> Path:
     from vime.models import make_tiny_model
 
-    return make_tiny_model(tmp_path_factory.mktemp("tiny32") / "qwen3", arch="qwen3", seed=0, hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=32)
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny32") / "qwen3",
+        arch="qwen3",
+        seed=0,
+        hidden_size=64,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=32,
+    )
 
 
 @pytest.fixture(scope="session")
 def model_mid(tmp_path_factory) -> Path:
     from vime.models import make_tiny_model
 
-    return make_tiny_model(tmp_path_factory.mktemp("mid") / "qwen3", arch="qwen3", seed=0, hidden_size=512, num_layers=8, num_heads=16,
-                           num_kv_heads=4, head_dim=32, intermediate_size=1024, max_position_embeddings=2048)
+    return make_tiny_model(
+        tmp_path_factory.mktemp("mid") / "qwen3",
+        arch="qwen3",
+        seed=0,
+        hidden_size=512,
+        num_layers=8,
+        num_heads=16,
+        num_kv_heads=4,
+        head_dim=32,
+        intermediate_size=1024,
+        max_position_embeddings=2048,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -147,8 +192,17 @@ def _brief(out: dict) -> str:
 def actor_for(model: Path, temperature: float):
     from vime.trainer.actor import Actor
 
-    args = Config(lr=1e-3, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.98, clip_grad=1.0, max_tokens_per_gpu=4096, seed=0,
-                           rollout_temperature=temperature, kl_loss_coef=0.0)
+    args = Config(
+        lr=1e-3,
+        weight_decay=0.0,
+        adam_beta1=0.9,
+        adam_beta2=0.98,
+        clip_grad=1.0,
+        max_tokens_per_gpu=4096,
+        seed=0,
+        rollout_temperature=temperature,
+        kl_loss_coef=0.0,
+    )
     return Actor(args, model)
 
 
@@ -159,15 +213,22 @@ def actor_for(model: Path, temperature: float):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sampled_log_probs_match_the_trainer(client, model_mid, temperature):
     prompts = [PROBE[:5], PROBE, PROBE[3:20]]
-    outs = run(client, *[{"input_ids": p, "sampling_params": {"max_new_tokens": 24, "temperature": temperature, "sampling_seed": i}}
-                         for i, p in enumerate(prompts)])
-    samples = [Sample(index=i, tokens=p + o["output_ids"], response_length=len(o["output_ids"])) for i, (p, o) in enumerate(zip(prompts, outs))]
+    outs = run(
+        client,
+        *[
+            {"input_ids": p, "sampling_params": {"max_new_tokens": 24, "temperature": temperature, "sampling_seed": i}}
+            for i, p in enumerate(prompts)
+        ],
+    )
+    samples = [
+        Sample(index=i, tokens=p + o["output_ids"], response_length=len(o["output_ids"]))
+        for i, (p, o) in enumerate(zip(prompts, outs))
+    ]
     ref = actor_for(model_mid, temperature).compute_log_probs(samples)
     for o, r in zip(outs, ref):
         got = torch.tensor(o["meta_info"]["output_token_logprobs"])
         assert len(got) == len(o["output_ids"]) > 0
         assert torch.allclose(got, r.float(), atol=ATOL), (got - r).abs().max()
-
 
 
 @needs_vllm
@@ -176,18 +237,31 @@ def test_protocol_n_seeds_stop_ids_and_lengths(client):
     ids = greedy["output_ids"]
     assert greedy["meta_info"]["finish_reason"]["type"] in ("stop", "length") and len(ids) >= 2
     seeded = {"max_new_tokens": 12, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 5}
-    a, b, group = run(client, {"input_ids": PROBE, "sampling_params": seeded}, {"input_ids": PROBE, "sampling_params": seeded},
-                      {"input_ids": PROBE, "sampling_params": dict(seeded, n=3), "rid": "grp"})
+    a, b, group = run(
+        client,
+        {"input_ids": PROBE, "sampling_params": seeded},
+        {"input_ids": PROBE, "sampling_params": seeded},
+        {"input_ids": PROBE, "sampling_params": dict(seeded, n=3), "rid": "grp"},
+    )
     assert a["output_ids"] == b["output_ids"]  # the seed fixes the draws
-    assert isinstance(group, list) and len(group) == 3 and group[0]["output_ids"] == a["output_ids"]  # sample j gets seed + j
+    assert (
+        isinstance(group, list) and len(group) == 3 and group[0]["output_ids"] == a["output_ids"]
+    )  # sample j gets seed + j
     assert len({tuple(g["output_ids"]) for g in group}) == 3
     for g in group:
         m = g["meta_info"]
-        assert m["id"] == "grp" and m["finish_reason"] == {"type": "length"} and m["completion_tokens"] == 12 == len(g["output_ids"])
+        assert (
+            m["id"] == "grp"
+            and m["finish_reason"] == {"type": "length"}
+            and m["completion_tokens"] == 12 == len(g["output_ids"])
+        )
         assert m["prompt_tokens"] == len(PROBE) and m["output_weight_versions"] == [0] * 12 and m["weight_version"] == 0
     # a stop id ends the response on it (included, as EOS is); max_new_tokens 0 answers at once
-    stop, zero = run(client, {"input_ids": PROBE, "sampling_params": {"max_new_tokens": 30, "temperature": 0.0, "stop_token_ids": [ids[1]]}},
-                     {"input_ids": PROBE, "sampling_params": {"max_new_tokens": 0}})
+    stop, zero = run(
+        client,
+        {"input_ids": PROBE, "sampling_params": {"max_new_tokens": 30, "temperature": 0.0, "stop_token_ids": [ids[1]]}},
+        {"input_ids": PROBE, "sampling_params": {"max_new_tokens": 0}},
+    )
     assert stop["output_ids"] == ids[: ids.index(ids[1]) + 1] and stop["meta_info"]["finish_reason"] == {"type": "stop"}
     assert zero["output_ids"] == [] and zero["meta_info"]["finish_reason"] == {"type": "length"}
     with pytest.raises(EngineError, match="repetition_penalty"):
@@ -225,7 +299,9 @@ def test_pause_abort_in_place_and_abort_by_id(client):
             await until_generating(url, base)
             await asyncio.to_thread(client.pause_generation, "abort")
             out = await asyncio.wait_for(t, 30)
-            assert out["meta_info"]["finish_reason"] == {"type": "abort"} and 0 < len(out["output_ids"]) < LONG_TOKENS, _brief(out)
+            assert (
+                out["meta_info"]["finish_reason"] == {"type": "abort"} and 0 < len(out["output_ids"]) < LONG_TOKENS
+            ), _brief(out)
             await asyncio.to_thread(client.continue_generation)
             # in place: nothing is generated and nothing returns while paused (also across a
             # cache flush, which preempts the request); all of it after
@@ -241,7 +317,9 @@ def test_pause_abort_in_place_and_abort_by_id(client):
             assert not t.done(), _brief(t.result())
             await asyncio.to_thread(client.continue_generation)
             out = await asyncio.wait_for(t, 120)
-            assert out["meta_info"]["finish_reason"] == {"type": "length"} and len(out["output_ids"]) == LONG_TOKENS, _brief(out)
+            assert out["meta_info"]["finish_reason"] == {"type": "length"} and len(out["output_ids"]) == LONG_TOKENS, (
+                _brief(out)
+            )
             # abort by id hits that request only (the other, started with it, goes on generating);
             # abort_all then ends the other
             base = await asyncio.to_thread(generated_tokens, url)
@@ -254,7 +332,9 @@ def test_pause_abort_in_place_and_abort_by_id(client):
             await until_generating(url, await asyncio.to_thread(generated_tokens, url) + 1)
             await asyncio.to_thread(client.abort_request, None, True)
             o2 = await asyncio.wait_for(t2, 30)
-            assert o2["meta_info"]["finish_reason"]["type"] in ("abort", "length") and len(o2["output_ids"]) > len(o1["output_ids"]), (_brief(o1), _brief(o2))
+            assert o2["meta_info"]["finish_reason"]["type"] in ("abort", "length") and len(o2["output_ids"]) > len(
+                o1["output_ids"]
+            ), (_brief(o1), _brief(o2))
         finally:
             await client.close()
 
@@ -272,18 +352,36 @@ def test_disk_push_changes_outputs_flushes_the_cache_and_stamps_versions(client,
     from vime.models import make_tiny_model
     from vime.trainer.weights import WeightPusher
 
-    other = make_tiny_model(tmp_path / "other", arch="qwen3", seed=1, hidden_size=512, num_layers=8, num_heads=16, num_kv_heads=4,
-                            head_dim=32, intermediate_size=1024, max_position_embeddings=2048)
+    other = make_tiny_model(
+        tmp_path / "other",
+        arch="qwen3",
+        seed=1,
+        hidden_size=512,
+        num_layers=8,
+        num_heads=16,
+        num_kv_heads=4,
+        head_dim=32,
+        intermediate_size=1024,
+        max_position_embeddings=2048,
+    )
     greedy = {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}
 
     def hf_greedy(model_dir: Path) -> list[int]:
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        return hf.generate(torch.tensor([PROBE]), attention_mask=torch.ones(1, len(PROBE), dtype=torch.long), do_sample=False,
-                           max_new_tokens=16, eos_token_id=None, pad_token_id=0)[0, len(PROBE):].tolist()
+        return hf.generate(
+            torch.tensor([PROBE]),
+            attention_mask=torch.ones(1, len(PROBE), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=16,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(PROBE) :].tolist()
 
     base, new = hf_greedy(model_mid), hf_greedy(other)
     assert base != new
-    assert run(client, {"input_ids": PROBE, "sampling_params": greedy})[0]["output_ids"] == base  # its blocks are cached now
+    assert (
+        run(client, {"input_ids": PROBE, "sampling_params": greedy})[0]["output_ids"] == base
+    )  # its blocks are cached now
     weights = AutoModelForCausalLM.from_pretrained(other, dtype=torch.float32).state_dict().items()
     WeightPusher([client], transport="disk").push(weights, version=7)
     out = run(client, {"input_ids": PROBE, "sampling_params": greedy})[0]
@@ -294,8 +392,9 @@ def test_disk_push_changes_outputs_flushes_the_cache_and_stamps_versions(client,
     with pytest.raises(EngineError, match=r"leave --weight-transport at auto \(disk\)"):
         client.update_weights_from_tensor({"transport": "shm", "path": "/dev/shm/x"})
     with pytest.raises(EngineError, match="runs on CPU"):  # GPU-only routes are never sent to a CPU server
-        client.init_weights_update_group({"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2})
-
+        client.init_weights_update_group(
+            {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2}
+        )
 
 
 # ---- train.py / train_async.py / vime eval with --rollout-backend vllm --------------------
@@ -309,8 +408,11 @@ async def recording_generate(args, sample: Sample, params: dict) -> Sample:
 
     sample = await generate(args, sample, params)
     probe = await args.runtime.clients[0].generate(PROBE, {"max_new_tokens": 1, "temperature": 0.0})
-    row = {"versions": sample.weight_versions, "probe_version": probe["meta_info"]["output_weight_versions"][0],
-           "probe_logprob": probe["meta_info"]["output_token_logprobs"][0]}
+    row = {
+        "versions": sample.weight_versions,
+        "probe_version": probe["meta_info"]["output_weight_versions"][0],
+        "probe_logprob": probe["meta_info"]["output_token_logprobs"][0],
+    }
     with open(os.environ["VIME_TEST_RECORD"], "a") as f:
         f.write(json.dumps(row) + "\n")
     return sample
@@ -322,10 +424,32 @@ def parity_reward(args, sample: Sample) -> float:
 
 
 def _train_args(model: Path, data: Path, run_dir: Path, name: str) -> list[str]:
-    return ["--hf-checkpoint", str(model), "--prompt-data", str(data), "--rollout-backend", "vllm", "--rollout-batch-size", "4",
-            "--n-samples-per-prompt", "4", "--rollout-max-response-len", "6", "--lr", "1e-3", "--num-rollout", "3",
-            "--custom-rm-path", "test_vllm.parity_reward", "--custom-generate-function-path", "test_vllm.recording_generate",
-            "--runs-dir", str(run_dir), "--run-name", name]
+    return [
+        "--hf-checkpoint",
+        str(model),
+        "--prompt-data",
+        str(data),
+        "--rollout-backend",
+        "vllm",
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "4",
+        "--rollout-max-response-len",
+        "6",
+        "--lr",
+        "1e-3",
+        "--num-rollout",
+        "3",
+        "--custom-rm-path",
+        "test_vllm.parity_reward",
+        "--custom-generate-function-path",
+        "test_vllm.recording_generate",
+        "--runs-dir",
+        str(run_dir),
+        "--run-name",
+        name,
+    ]
 
 
 def _check_run(res, run_dir: Path, record: Path, sync: bool) -> None:
@@ -354,7 +478,9 @@ def _check_run(res, run_dir: Path, record: Path, sync: bool) -> None:
 
 
 def _servers_on(port: str) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", f"vllm.entrypoints.openai.api_server.*--port {port}"], capture_output=True, text=True)
+    out = subprocess.run(
+        ["pgrep", "-f", f"vllm.entrypoints.openai.api_server.*--port {port}"], capture_output=True, text=True
+    )
     return [int(p) for p in out.stdout.split()]
 
 
@@ -374,8 +500,15 @@ def test_fully_async_run_records_token_versions(model32, addition_data, tmp_path
     # one batch in flight at most, five steps: later batches are generated after pushes, so the
     # recorded versions span several pushes whatever the timing
     args[args.index("--num-rollout") + 1] = "5"
-    res = run_cli("train_async.py", *args, "--rollout-concurrency", "4", "--rollout-function-path",
-                  "vime.rollout.fully_async_rollout.generate_rollout_fully_async", timeout=600)
+    res = run_cli(
+        "train_async.py",
+        *args,
+        "--rollout-concurrency",
+        "4",
+        "--rollout-function-path",
+        "vime.rollout.fully_async_rollout.generate_rollout_fully_async",
+        timeout=600,
+    )
     _check_run(res, tmp_path / "fa", record, sync=False)
 
 
@@ -386,14 +519,18 @@ def test_server_dies_with_the_trainer(model32, addition_data, tmp_path, monkeypa
     args = _train_args(model32, addition_data[0], tmp_path, "killed")
     args[args.index("--num-rollout") + 1] = "1000"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
-    trainer = subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    trainer = subprocess.Popen(
+        [sys.executable, "train.py", *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     metrics = tmp_path / "killed" / "metrics.jsonl"
     try:
         deadline = time.monotonic() + 300
         while not (metrics.exists() and metrics.read_text().strip()):
             assert trainer.poll() is None and time.monotonic() < deadline, "the run never finished a step"
             time.sleep(1)
-        port = (tmp_path / "killed" / "log.txt").read_text().split("vLLM server ready at http://127.0.0.1:")[1].split()[0]
+        port = (
+            (tmp_path / "killed" / "log.txt").read_text().split("vLLM server ready at http://127.0.0.1:")[1].split()[0]
+        )
         pids = _servers_on(port)
         assert pids
         pgid = os.getpgid(pids[0])
@@ -422,12 +559,31 @@ def test_eval_matches_the_builtin_engine(model32, addition_data, tmp_path):
     the chat-template kwargs; the same responses as the built-in engine."""
     responses = {}
     for backend in ("vime", "vllm"):
-        res = run_cli("-m", "vime.cli", "eval", "--hf-checkpoint", str(model32), "--eval-prompt-data", str(addition_data[1]),
-                      "--eval-limit", "8", "--eval-max-response-len", "8", "--apply-chat-template", "--apply-chat-template-kwargs",
-                      '{"enable_thinking": false}', "--rollout-backend", backend, "--runs-dir", str(tmp_path), "--run-name", backend, timeout=600)
+        res = run_cli(
+            "-m",
+            "vime.cli",
+            "eval",
+            "--hf-checkpoint",
+            str(model32),
+            "--eval-prompt-data",
+            str(addition_data[1]),
+            "--eval-limit",
+            "8",
+            "--eval-max-response-len",
+            "8",
+            "--apply-chat-template",
+            "--apply-chat-template-kwargs",
+            '{"enable_thinking": false}',
+            "--rollout-backend",
+            backend,
+            "--runs-dir",
+            str(tmp_path),
+            "--run-name",
+            backend,
+            timeout=600,
+        )
         assert res.returncode == 0, res.stderr[-3000:]
         assert json.loads(res.stdout.strip().splitlines()[-1])["eval/total"] == 8
         rows = [json.loads(line) for line in (tmp_path / backend / "eval.jsonl").read_text().splitlines()]
         responses[backend] = [(r["index"], r["response"], r["response_length"]) for r in rows]
     assert responses["vllm"] == responses["vime"]
-

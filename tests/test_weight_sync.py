@@ -5,10 +5,10 @@ An engine that received a push must generate exactly what an engine loaded from 
 weights on disk generates: same greedy tokens, same log-probs (float32, both on CPU: equal,
 not close). Failures end in bounded time with the engine's URL.
 """
+
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import socket
 import time
@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from vime.config import ConfigError, Config
+from vime.config import Config, ConfigError
 from vime.engine.client import EngineClient, EngineError
 from vime.engine.core.model import iter_safetensors
 from vime.engine.launch import launch_engine
@@ -43,10 +43,16 @@ def greedy_outputs(url: str) -> list[tuple[list[int], list[float], list[int]]]:
 
     async def main():
         try:
-            outs = [await client.generate(p, {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}) for p in PROMPTS]
+            outs = [
+                await client.generate(p, {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True})
+                for p in PROMPTS
+            ]
         finally:
             await client.close()
-        return [(o["output_ids"], o["meta_info"]["output_token_logprobs"], o["meta_info"]["output_weight_versions"]) for o in outs]
+        return [
+            (o["output_ids"], o["meta_info"]["output_token_logprobs"], o["meta_info"]["output_weight_versions"])
+            for o in outs
+        ]
 
     return asyncio.run(main())
 
@@ -79,7 +85,9 @@ def test_gloo_push_into_two_engines_equals_loading_from_disk(models):
         assert greedy_outputs(clients[1].url) == [(t, lp, [8] * 12) for t, lp, _ in before]
         pusher.close()
         with pytest.raises(EngineError, match="no weight group"):  # the engines left the group
-            clients[0].update_weights_from_distributed({"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[1]]})
+            clients[0].update_weights_from_distributed(
+                {"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[1]]}
+            )
     finally:
         for e in [*engines, reference]:
             e.shutdown()
@@ -90,7 +98,12 @@ def test_announced_bucket_is_checked_before_anything_is_received(models):
     engine = launch_engine(str(a))
     try:
         client = EngineClient(engine.url)
-        body = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]], "load_format": "flattened_bucket"}
+        body = {
+            "names": ["model.norm.weight"],
+            "dtypes": ["float32"],
+            "shapes": [[64]],
+            "load_format": "flattened_bucket",
+        }
         with pytest.raises(EngineError, match="HTTP 400.*init_weights_update_group first"):
             client.update_weights_from_distributed(body)
         pusher = WeightPusher([client], "gloo", timeout=20)
@@ -171,9 +184,32 @@ def test_train_loop_pushes_over_gloo(tmp_path, tiny_model, addition_data):
 
     train, _ = addition_data
     out = run_cli(
-        "train.py", "--hf-checkpoint", str(tiny_model), "--prompt-data", str(train), "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
-        "--rollout-max-response-len", "6", "--lr", "2e-2", "--num-rollout", "3", "--custom-rm-path", "varied_reward.digit_share",
-        "--weight-transport", "gloo", "--update-weight-buffer-size", "65536", "--runs-dir", str(tmp_path), "--run-name", "g", timeout=180,
+        "train.py",
+        "--hf-checkpoint",
+        str(tiny_model),
+        "--prompt-data",
+        str(train),
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "4",
+        "--rollout-max-response-len",
+        "6",
+        "--lr",
+        "2e-2",
+        "--num-rollout",
+        "3",
+        "--custom-rm-path",
+        "varied_reward.digit_share",
+        "--weight-transport",
+        "gloo",
+        "--update-weight-buffer-size",
+        "65536",
+        "--runs-dir",
+        str(tmp_path),
+        "--run-name",
+        "g",
+        timeout=180,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [r for r in read_rows(tmp_path / "g") if "perf/step_time" in r]
@@ -195,7 +231,10 @@ def _info(url: str, device: str = "cpu", host: str | None = None) -> dict:
 def test_placement_picks_a_transport_per_engine():
     cfg = Config()
     assert choose_transports(cfg, "cpu", [_info("u0"), _info("u1", host="elsewhere")]) == ["shm", "gloo"]
-    assert master_address(Config(update_weights_master_address="10.0.0.5"), [_info("u1", host="elsewhere")], ["gloo"]) == "10.0.0.5"
+    assert (
+        master_address(Config(update_weights_master_address="10.0.0.5"), [_info("u1", host="elsewhere")], ["gloo"])
+        == "10.0.0.5"
+    )
     assert master_address(cfg, [_info("u0")], ["shm"]) == "127.0.0.1"
     with pytest.raises(ConfigError, match="u1 runs on host elsewhere: give --update-weights-master-address"):
         master_address(cfg, [_info("u1", host="elsewhere")], ["gloo"])
@@ -208,7 +247,12 @@ def test_placement_picks_a_transport_per_engine():
 
 def test_buckets_are_flat_bounded_and_cast_to_the_engine_dtype():
     g = torch.Generator().manual_seed(0)
-    w = [("a", torch.randn(10, generator=g)), ("b", torch.randn(2, 5, generator=g)), ("c", torch.randn(100, generator=g)), ("d", torch.randn(3, generator=g))]
+    w = [
+        ("a", torch.randn(10, generator=g)),
+        ("b", torch.randn(2, 5, generator=g)),
+        ("c", torch.randn(100, generator=g)),
+        ("d", torch.randn(3, generator=g)),
+    ]
     # 40 elements of bfloat16 per bucket: a+b fit, c (100) goes alone, d starts the next
     buckets = list(pack(iter(w), 80, torch.bfloat16, torch.device("cpu")))
     assert [[n for n, _ in items] for items, _ in buckets] == [["a", "b"], ["c"], ["d"]]

@@ -1,5 +1,6 @@
 """A reward that varies within a group even for a random model (the share of digits in the
 response), so GRPO advantages are non-zero and every training step moves the weights."""
+
 from __future__ import annotations
 
 

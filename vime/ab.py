@@ -5,6 +5,7 @@ Each arm is a fresh process (`vime train` / `vime train-async`) on the same conf
 step budget, so arms cannot leak state (caches, threads, engine processes) into each other.
 The first arm is the speedup reference.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,22 +30,53 @@ def arm_command(arm: str, staleness: int) -> list[str]:
     return arms[arm]
 
 
-def run_arm(arm: str, config: str, run_name: str, runs_dir: str, extra: list[str], staleness: int = 2, timeout: float | None = None) -> Path:
-    cmd = [sys.executable, "-m", "vime.cli", *arm_command(arm, staleness), "--config", config, "--run-name", run_name, "--runs-dir", runs_dir, *extra]
+def run_arm(
+    arm: str,
+    config: str,
+    run_name: str,
+    runs_dir: str,
+    extra: list[str],
+    staleness: int = 2,
+    timeout: float | None = None,
+) -> Path:
+    cmd = [
+        sys.executable,
+        "-m",
+        "vime.cli",
+        *arm_command(arm, staleness),
+        "--config",
+        config,
+        "--run-name",
+        run_name,
+        "--runs-dir",
+        runs_dir,
+        *extra,
+    ]
     print(f"[ab] {arm}: {' '.join(cmd[1:])}", flush=True)
     try:
         res = subprocess.run(cmd, timeout=timeout)
     except subprocess.TimeoutExpired:
-        raise VimeError(f"arm '{arm}' did not finish within {timeout:g} s; its log is in {runs_dir}/{run_name}/log.txt") from None
+        raise VimeError(
+            f"arm '{arm}' did not finish within {timeout:g} s; its log is in {runs_dir}/{run_name}/log.txt"
+        ) from None
     if res.returncode != 0:
-        raise VimeError(f"arm '{arm}' failed with exit code {res.returncode}; its log is in {runs_dir}/{run_name}/log.txt")
+        raise VimeError(
+            f"arm '{arm}' failed with exit code {res.returncode}; its log is in {runs_dir}/{run_name}/log.txt"
+        )
     return Path(runs_dir) / run_name
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="vime bench ab", description="Run one config as several training modes, one after another, then print the speed and accuracy tables. Extra flags after the known ones go to every arm.")
+    p = argparse.ArgumentParser(
+        prog="vime bench ab",
+        description="Run one config as several training modes, one after another, then print the speed and accuracy tables. Extra flags after the known ones go to every arm.",
+    )
     p.add_argument("--config", required=True, help="YAML config shared by every arm")
-    p.add_argument("--arms", default="sync,one-step-off,fully-async", help="comma-separated: sync, one-step-off, fully-async, decoupled (first = speedup reference)")
+    p.add_argument(
+        "--arms",
+        default="sync,one-step-off,fully-async",
+        help="comma-separated: sync, one-step-off, fully-async, decoupled (first = speedup reference)",
+    )
     p.add_argument("--staleness", type=int, default=2, help="--max-staleness of the decoupled arm")
     p.add_argument("--runs-dir", default="runs", help="where the arms' run directories go")
     p.add_argument("--name", default="ab", help="run names are <name>-<arm>")

@@ -5,11 +5,12 @@ engines: every `VimeError`) end with one line on stderr and exit code 2; set VIM
 see the traceback instead. Any other exception is a bug, in vime or below it, and keeps its
 traceback.
 """
+
 from __future__ import annotations
 
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 USAGE = """usage: vime <command> [flags]
 
@@ -55,7 +56,11 @@ def train_main(argv: list[str], entry: str = "sync") -> int:
     from vime.config import parse_args
 
     prog = "train.py" if entry == "sync" else "train_async.py"
-    desc = "GRPO training: generate → train → push weights, in sequence." if entry == "sync" else "Asynchronous GRPO training: generation overlaps training (one-step-off, or fully-async with its rollout function)."
+    desc = (
+        "GRPO training: generate → train → push weights, in sequence."
+        if entry == "sync"
+        else "Asynchronous GRPO training: generation overlaps training (one-step-off, or fully-async with its rollout function)."
+    )
     args = parse_args(argv, prog=prog, description=desc, entry=entry)
     from vime.run import train  # heavy imports (torch, transformers) only once the flags are good
 
@@ -75,7 +80,12 @@ def eval_main(argv: list[str]) -> int:
     from vime.preflight import check_eval_inputs
     from vime.rollout.runtime import RolloutRuntime, make_clients
 
-    args = parse_args(argv, prog="vime eval", description="Greedy evaluation: accuracy on held-out prompts (writes per-sample JSONL).", entry="eval")
+    args = parse_args(
+        argv,
+        prog="vime eval",
+        description="Greedy evaluation: accuracy on held-out prompts (writes per-sample JSONL).",
+        entry="eval",
+    )
     tokenizer = check_eval_inputs(args)  # the model and prompts are checked before an engine starts
     run_dir = args.run_dir if args.run_name else Path(args.runs_dir) / "eval"
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -117,7 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         return guarded(lambda a: data_main(a) or 0, rest)
     if cmd == "bench":
         if not rest or rest[0] != "ab":
-            print("usage: vime bench ab --config run.yaml --arms sync,one-step-off,fully-async[,decoupled]", file=sys.stderr)
+            print(
+                "usage: vime bench ab --config run.yaml --arms sync,one-step-off,fully-async[,decoupled]",
+                file=sys.stderr,
+            )
             return 2
         from vime.ab import main as ab_main
 

@@ -5,6 +5,7 @@ scripts read naturally. The parser is generated from the dataclass below: a fiel
 default and help are written once. `--config run.yaml` is applied first; flags given on the
 command line win over it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,7 +32,6 @@ class ConfigError(VimeError, ValueError):
 
 DEFAULT_ROLLOUT_FN = "vime.rollout.vllm_rollout.generate_rollout"
 FULLY_ASYNC_FN = "vime.rollout.fully_async_rollout.generate_rollout_fully_async"
-MODES = ("sync", "one-step-off", "fully-async", "decoupled")
 ENTRIES = ("sync", "async", "eval")  # train.py, train_async.py, vime eval
 
 
@@ -48,21 +48,40 @@ def _f(default: Any, help: str, choices: tuple | None = None, group: str = "") -
 @dataclass
 class Config:
     # --- model and data ---
-    hf_checkpoint: str | None = _f(None, "HF model directory, a hub id (online only), or 'smollm2' (embedded SmolLM2-135M-Instruct)", group="model and data")
-    prompt_data: str | None = _f(None, "training prompts: JSONL or Parquet, optionally sliced as path@[a:b]", group="model and data")
+    hf_checkpoint: str | None = _f(
+        None,
+        "HF model directory, a hub id (online only), or 'smollm2' (embedded SmolLM2-135M-Instruct)",
+        group="model and data",
+    )
+    prompt_data: str | None = _f(
+        None, "training prompts: JSONL or Parquet, optionally sliced as path@[a:b]", group="model and data"
+    )
     input_key: str = _f("input", "key of the prompt (a string or a list of chat messages)", group="model and data")
-    label_key: str = _f("label", "key of the reference answer (a dotted key reads nested dicts: reward_model.ground_truth)", group="model and data")
-    label_format: str = _f("text", "text (the label as it is), or gsm8k (the answer after the label's last '####', as in GSM8K's answer column)", ("text", "gsm8k"), group="model and data")
+    label_key: str = _f(
+        "label",
+        "key of the reference answer (a dotted key reads nested dicts: reward_model.ground_truth)",
+        group="model and data",
+    )
+    label_format: str = _f(
+        "text",
+        "text (the label as it is), or gsm8k (the answer after the label's last '####', as in GSM8K's answer column)",
+        ("text", "gsm8k"),
+        group="model and data",
+    )
     metadata_key: str = _f("metadata", "key of a per-row dict passed to rewards", group="model and data")
     apply_chat_template: bool = _f(False, "render prompts with the tokenizer's chat template", group="model and data")
-    apply_chat_template_kwargs: dict = _f({}, 'JSON dict passed to the chat template, e.g. \'{"enable_thinking": false}\'', group="model and data")
+    apply_chat_template_kwargs: dict = _f(
+        {}, "JSON dict passed to the chat template, e.g. '{\"enable_thinking\": false}'", group="model and data"
+    )
     # --- rollout ---
     rollout_batch_size: int = _f(8, "prompts per rollout step", group="rollout")
     n_samples_per_prompt: int = _f(4, "responses per prompt (the GRPO group size)", group="rollout")
     num_rollout: int | None = _f(None, "rollout steps to run (default: from --num-epoch)", group="rollout")
     num_epoch: int | None = _f(None, "passes over the prompt data when --num-rollout is not given", group="rollout")
     rollout_function_path: str = _f(DEFAULT_ROLLOUT_FN, "dotted path of the rollout function", group="rollout")
-    custom_generate_function_path: str | None = _f(None, "dotted path of an async per-sample generate(args, sample, sampling_params) -> Sample", group="rollout")
+    custom_generate_function_path: str | None = _f(
+        None, "dotted path of an async per-sample generate(args, sample, sampling_params) -> Sample", group="rollout"
+    )
     rollout_max_response_len: int = _f(256, "max new tokens per response", group="rollout")
     rollout_temperature: float = _f(1.0, "sampling temperature (0 = greedy)", group="rollout")
     rollout_top_p: float = _f(1.0, "nucleus sampling mass", group="rollout")
@@ -70,30 +89,81 @@ class Config:
     rollout_stop_token_ids: list = _f([], "extra token ids that end a response (JSON list)", group="rollout")
     rollout_shuffle: bool = _f(False, "shuffle prompts every epoch (seeded by --rollout-seed)", group="rollout")
     rollout_seed: int = _f(42, "seed of prompt order and sampling", group="rollout")
-    skip_overlong_prompts: bool = _f(False, "drop prompts too long for the model's context (counted in rollout/skipped_prompts) instead of refusing the data at start-up", group="rollout")
+    skip_overlong_prompts: bool = _f(
+        False,
+        "drop prompts too long for the model's context (counted in rollout/skipped_prompts) instead of refusing the data at start-up",
+        group="rollout",
+    )
     # --- async training ---
-    rollout_concurrency: int | None = _f(None, "fully-async: prompt groups in flight at once (default: 2 × --rollout-batch-size)", group="async")
-    max_staleness: int | None = _f(None, "train on tokens at most K optimizer steps older than the weights that train them; the fully-async worker then never waits for training (decoupled); 0 trains exactly what sync trains", group="async")
-    partial_rollout: bool = _f(False, "decoupled mode: abort in-flight requests at each push and resume them from their tokens (instead of pausing in place)", group="async")
+    rollout_concurrency: int | None = _f(
+        None, "fully-async: prompt groups in flight at once (default: 2 × --rollout-batch-size)", group="async"
+    )
+    max_staleness: int | None = _f(
+        None,
+        "train on tokens at most K optimizer steps older than the weights that train them; the fully-async worker then never waits for training (decoupled); 0 trains exactly what sync trains",
+        group="async",
+    )
+    partial_rollout: bool = _f(
+        False,
+        "decoupled mode: abort in-flight requests at each push and resume them from their tokens (instead of pausing in place)",
+        group="async",
+    )
     # --- rewards ---
-    rm_type: str = _f("math", "built-in reward: math (1/0), dapo (1/-1), boxed_math, math_shaped (1, or up to 0.5 for a wrong number by its closeness), reasoning_gym (the task's own scorer, for rows of `vime data --task rg:<name>`)", group="rewards")
-    custom_rm_path: str | None = _f(None, "dotted path of a reward fn(args, sample) -> float, sync or async", group="rewards")
+    rm_type: str = _f(
+        "math",
+        "built-in reward: math (1/0), dapo (1/-1), boxed_math, math_shaped (1, or up to 0.5 for a wrong number by its closeness), reasoning_gym (the task's own scorer, for rows of `vime data --task rg:<name>`)",
+        group="rewards",
+    )
+    custom_rm_path: str | None = _f(
+        None, "dotted path of a reward fn(args, sample) -> float, sync or async", group="rewards"
+    )
     reward_timeout: float = _f(10.0, "seconds before a reward call scores 0", group="rewards")
     # --- algorithm ---
-    advantage_estimator: str = _f("grpo", "grpo, or dr_grpo (no std normalization, constant-length loss normalizer)", ("grpo", "dr_grpo"), group="algorithm")
-    disable_grpo_std_normalization: bool = _f(False, "do not divide advantages by the group std (Dr.GRPO)", group="algorithm")
+    advantage_estimator: str = _f(
+        "grpo",
+        "grpo, or dr_grpo (no std normalization, constant-length loss normalizer)",
+        ("grpo", "dr_grpo"),
+        group="algorithm",
+    )
+    disable_grpo_std_normalization: bool = _f(
+        False, "do not divide advantages by the group std (Dr.GRPO)", group="algorithm"
+    )
     eps_clip: float = _f(0.2, "PPO clip range below 1", group="algorithm")
     eps_clip_high: float | None = _f(None, "PPO clip range above 1 (default: --eps-clip)", group="algorithm")
-    kl_loss_coef: float = _f(0.0, "weight of the KL loss to a frozen reference (0 = no reference model)", group="algorithm")
+    kl_loss_coef: float = _f(
+        0.0, "weight of the KL loss to a frozen reference (0 = no reference model)", group="algorithm"
+    )
     kl_loss_type: str = _f("low_var_kl", "KL estimator", ("low_var_kl", "k1", "k2"), group="algorithm")
     entropy_coef: float = _f(0.0, "entropy bonus weight (the entropy is always logged)", group="algorithm")
-    use_rollout_logprobs: bool = _f(False, "take the PPO ratio against the engine's log-probs (the behaviour policy) instead of the trainer's current weights: coupled PPO, no recompute", group="algorithm")
-    use_tis: bool = _f(False, "weight each token's loss by π_old/π_rollout (truncated importance sampling; with stale samples this is decoupled PPO)", group="algorithm")
-    tis_mode: str = _f("truncate", "truncate: clamp the TIS weight to [--tis-clip-low, --tis-clip]; mask: weight 0 outside that band (IcePop)", ("truncate", "mask"), group="algorithm")
+    use_rollout_logprobs: bool = _f(
+        False,
+        "take the PPO ratio against the engine's log-probs (the behaviour policy) instead of the trainer's current weights: coupled PPO, no recompute",
+        group="algorithm",
+    )
+    use_tis: bool = _f(
+        False,
+        "weight each token's loss by π_old/π_rollout (truncated importance sampling; with stale samples this is decoupled PPO)",
+        group="algorithm",
+    )
+    tis_mode: str = _f(
+        "truncate",
+        "truncate: clamp the TIS weight to [--tis-clip-low, --tis-clip]; mask: weight 0 outside that band (IcePop)",
+        ("truncate", "mask"),
+        group="algorithm",
+    )
     tis_clip: float = _f(2.0, "upper bound of the TIS weight", group="algorithm")
     tis_clip_low: float = _f(0.0, "lower bound of the TIS weight", group="algorithm")
-    use_rs: bool = _f(False, "rejection (masked importance sampling): drop tokens or sequences whose π_old/π_rollout leaves [--rs-lower-bound, --rs-upper-bound]", group="algorithm")
-    rs_level: str = _f("token", "what --use-rs drops: token, or sequence (product of its token ratios) or geometric (their geometric mean) for whole sequences", ("token", "sequence", "geometric"), group="algorithm")
+    use_rs: bool = _f(
+        False,
+        "rejection (masked importance sampling): drop tokens or sequences whose π_old/π_rollout leaves [--rs-lower-bound, --rs-upper-bound]",
+        group="algorithm",
+    )
+    rs_level: str = _f(
+        "token",
+        "what --use-rs drops: token, or sequence (product of its token ratios) or geometric (their geometric mean) for whole sequences",
+        ("token", "sequence", "geometric"),
+        group="algorithm",
+    )
     rs_lower_bound: float = _f(0.5, "lower bound of the ratio --use-rs keeps", group="algorithm")
     rs_upper_bound: float = _f(2.0, "upper bound of the ratio --use-rs keeps", group="algorithm")
     # --- optimizer ---
@@ -102,54 +172,113 @@ class Config:
     adam_beta1: float = _f(0.9, "AdamW beta1", group="optimizer")
     adam_beta2: float = _f(0.98, "AdamW beta2", group="optimizer")
     clip_grad: float = _f(1.0, "gradient norm clip", group="optimizer")
-    global_batch_size: int | None = _f(None, "samples per optimizer step (default: one step per rollout)", group="optimizer")
+    global_batch_size: int | None = _f(
+        None, "samples per optimizer step (default: one step per rollout)", group="optimizer"
+    )
     max_tokens_per_gpu: int = _f(4096, "micro-batch token budget", group="optimizer")
     gradient_checkpointing: bool = _f(False, "recompute activations in backward", group="optimizer")
-    compile: bool = _f(False, "torch.compile each decoder layer of the trainer's model (one compile serves every layer; micro-batches padded to --max-tokens-per-gpu so nothing compiles again after step 1; numbers in bench/RESULTS.md)", group="optimizer")
-    logprob_chunk_size: int = _f(4096, "tokens per chunk when log-probs are computed from hidden states: caps the logits memory at chunk x vocabulary (1.2 GB in bf16 for a 152k vocabulary); 1024 was 8% slower on the H200", group="optimizer")
+    compile: bool = _f(
+        False,
+        "torch.compile each decoder layer of the trainer's model (one compile serves every layer; micro-batches padded to --max-tokens-per-gpu so nothing compiles again after step 1; numbers in bench/RESULTS.md)",
+        group="optimizer",
+    )
+    logprob_chunk_size: int = _f(
+        4096,
+        "tokens per chunk when log-probs are computed from hidden states: caps the logits memory at chunk x vocabulary (1.2 GB in bf16 for a 152k vocabulary); 1024 was 8% slower on the H200",
+        group="optimizer",
+    )
     seed: int = _f(1234, "trainer seed", group="optimizer")
-    max_bad_steps: int = _f(3, "stop the run after this many steps in a row whose rewards, advantages, loss or gradient norm were not finite (each such optimizer step is skipped)", group="optimizer")
+    max_bad_steps: int = _f(
+        3,
+        "stop the run after this many steps in a row whose rewards, advantages, loss or gradient norm were not finite (each such optimizer step is skipped)",
+        group="optimizer",
+    )
     # --- placement and engines ---
-    colocate: bool = _f(False, "trainer and engine share devices (engine releases memory while training)", group="placement")
+    colocate: bool = _f(
+        False, "trainer and engine share devices (engine releases memory while training)", group="placement"
+    )
     actor_num_nodes: int = _f(1, "trainer nodes", group="placement")
     actor_num_gpus_per_node: int = _f(1, "trainer GPUs per node", group="placement")
     rollout_num_gpus: int | None = _f(None, "GPUs for rollout engines (default: 1 engine)", group="placement")
     rollout_num_gpus_per_engine: int = _f(1, "GPUs per engine (tensor parallel)", group="placement")
-    rollout_backend: str = _f("vime", "rollout engine: vime (built-in) or vllm (a vLLM server per engine; install the vllm extra)", ("vime", "vllm"), group="placement")
-    rollout_engine_urls: list = _f([], "use running engines at these URLs instead of launching (JSON list or comma-separated)", group="placement")
+    rollout_backend: str = _f(
+        "vime",
+        "rollout engine: vime (built-in) or vllm (a vLLM server per engine; install the vllm extra)",
+        ("vime", "vllm"),
+        group="placement",
+    )
+    rollout_engine_urls: list = _f(
+        [], "use running engines at these URLs instead of launching (JSON list or comma-separated)", group="placement"
+    )
     device: str = _f("auto", "trainer device: auto, cpu, cuda", ("auto", "cpu", "cuda"), group="placement")
     engine_max_num_seqs: int = _f(256, "max sequences the engine runs at once", group="placement")
-    engine_num_kv_blocks: int | None = _f(None, "KV-cache blocks per engine (default: engine's choice)", group="placement")
+    engine_num_kv_blocks: int | None = _f(
+        None, "KV-cache blocks per engine (default: engine's choice)", group="placement"
+    )
     update_weights_interval: int = _f(1, "push weights to the engines every K steps", group="placement")
     weight_transport: str = _f(
-        "auto", "how weights reach engines; auto picks per engine: cuda_ipc on the trainer's GPU, nccl on another GPU, shm for a CPU engine here, gloo otherwise",
-        ("auto", "shm", "disk", "cuda_ipc", "nccl", "gloo"), group="placement",
+        "auto",
+        "how weights reach engines; auto picks per engine: cuda_ipc on the trainer's GPU, nccl on another GPU, shm for a CPU engine here, gloo otherwise",
+        ("auto", "shm", "disk", "cuda_ipc", "nccl", "gloo"),
+        group="placement",
     )
-    update_weight_buffer_size: int = _f(512 * 1024**2, "bytes per bucket when weights are gathered and broadcast", group="placement")
-    update_weights_timeout: float = _f(120.0, "seconds a weight push, or joining the weight group, may take before the run stops with the engine's URL", group="placement")
-    update_weights_master_address: str | None = _f(None, "an address of the trainer's machine that engines on other hosts can reach (nccl/gloo rendezvous); default: loopback, which suffices while every engine runs here", group="placement")
-    actor_num_procs: int = _f(1, "CPU only: trainer processes (gloo), to run multi-rank training without GPUs", group="placement")
-    api_key: str | None = _f(None, "token of engines given by --rollout-engine-urls that were started with --api-key (sent as Authorization: Bearer; default $VIME_API_KEY); engines vime starts get a fresh one per run", group="placement")
+    update_weight_buffer_size: int = _f(
+        512 * 1024**2, "bytes per bucket when weights are gathered and broadcast", group="placement"
+    )
+    update_weights_timeout: float = _f(
+        120.0,
+        "seconds a weight push, or joining the weight group, may take before the run stops with the engine's URL",
+        group="placement",
+    )
+    update_weights_master_address: str | None = _f(
+        None,
+        "an address of the trainer's machine that engines on other hosts can reach (nccl/gloo rendezvous); default: loopback, which suffices while every engine runs here",
+        group="placement",
+    )
+    actor_num_procs: int = _f(
+        1, "CPU only: trainer processes (gloo), to run multi-rank training without GPUs", group="placement"
+    )
+    api_key: str | None = _f(
+        None,
+        "token of engines given by --rollout-engine-urls that were started with --api-key (sent as Authorization: Bearer; default $VIME_API_KEY); engines vime starts get a fresh one per run",
+        group="placement",
+    )
     # --- evaluation, checkpoints, logging ---
-    eval_interval: int | None = _f(None, "evaluate every K steps (and before the first and after the last)", group="eval and output")
+    eval_interval: int | None = _f(
+        None, "evaluate every K steps (and before the first and after the last)", group="eval and output"
+    )
     eval_prompt_data: str | None = _f(None, "held-out prompts (JSONL/Parquet, path@[a:b])", group="eval and output")
     n_samples_per_eval_prompt: int = _f(1, "responses per eval prompt (greedy when 1)", group="eval and output")
-    eval_max_response_len: int | None = _f(None, "max new tokens in eval (default: --rollout-max-response-len)", group="eval and output")
+    eval_max_response_len: int | None = _f(
+        None, "max new tokens in eval (default: --rollout-max-response-len)", group="eval and output"
+    )
     eval_limit: int | None = _f(None, "evaluate on the first N eval prompts only", group="eval and output")
     save: str | None = _f(None, "checkpoint directory", group="eval and output")
     save_interval: int | None = _f(None, "save every K steps (and at the end)", group="eval and output")
-    load: str | None = _f(None, "resume from this checkpoint directory (the latest step inside it)", group="eval and output")
+    load: str | None = _f(
+        None, "resume from this checkpoint directory (the latest step inside it)", group="eval and output"
+    )
     run_name: str | None = _f(None, "run name (default: timestamp)", group="eval and output")
     runs_dir: str = _f("runs", "where runs/<name>/ is written", group="eval and output")
     use_tensorboard: bool = _f(True, "write TensorBoard events when tensorboard is installed", group="eval and output")
-    quiet: bool = _f(False, "no progress bar or per-step lines on stderr (log.txt and metrics.jsonl still get them)", group="eval and output")
+    quiet: bool = _f(
+        False,
+        "no progress bar or per-step lines on stderr (log.txt and metrics.jsonl still get them)",
+        group="eval and output",
+    )
     # --- derived: set by validate() or by the run, once; not flags (config.yaml records them) ---
-    mode: str | None = _f(None, "sync, one-step-off, fully-async or decoupled: from the entry point, --max-staleness and --rollout-function-path", group=DERIVED)
+    mode: str | None = _f(
+        None,
+        "sync, one-step-off, fully-async or decoupled: from the entry point, --max-staleness and --rollout-function-path",
+        group=DERIVED,
+    )
     model_dir: str | None = _f(None, "the local directory --hf-checkpoint resolved to", group=DERIVED)
     # --- the run's live objects (engine clients, tokenizer, fully-async worker): not settings,
     # never written or pickled; slime's rollout signatures pass only args, so this is how the
     # run hands them to rollout and generate functions ---
-    runtime: Any = field(default=None, repr=False, compare=False, metadata={"help": "", "choices": None, "group": RUNTIME})
+    runtime: Any = field(
+        default=None, repr=False, compare=False, metadata={"help": "", "choices": None, "group": RUNTIME}
+    )
 
     # ---- derived values, so no caller recomputes them ----
     @property
@@ -177,7 +306,7 @@ class Config:
     def run_dir(self) -> Path:
         return Path(self.runs_dir) / (self.run_name or "run")
 
-    def validate(self, entry: str = "sync") -> "Config":
+    def validate(self, entry: str = "sync") -> Config:
         """Fail at start-up, not an hour in; fill in the defaults that depend on other fields and
         the derived `mode`. `entry`: sync (train.py), async (train_async.py) or eval (`vime eval`,
         which checks only what evaluation needs). Every consistency check of the settings is here."""
@@ -235,7 +364,10 @@ def _common_checks(c: Config) -> list[tuple[bool, str]]:
         (c.rollout_temperature < 0, "--rollout-temperature must be >= 0 (0 = greedy)"),
         (not 0 < c.rollout_top_p <= 1, "--rollout-top-p must be in (0, 1]"),
         (c.rollout_max_response_len < 1, "--rollout-max-response-len must be at least 1"),
-        (c.rollout_num_gpus_per_engine != 1, "--rollout-num-gpus-per-engine > 1 (tensor-parallel engines) is not built yet: leave it at 1"),
+        (
+            c.rollout_num_gpus_per_engine != 1,
+            "--rollout-num-gpus-per-engine > 1 (tensor-parallel engines) is not built yet: leave it at 1",
+        ),
         (
             c.rollout_backend == "vllm" and c.weight_transport == "nccl",
             "--weight-transport nccl does not reach vLLM engines yet (vLLM's workers join their own rendezvous, which vime's trainer does not speak): leave it at auto (disk)",
@@ -263,10 +395,19 @@ def _train_checks(c: Config, entry: str) -> list[tuple[bool, str]]:
             f"--rollout-batch-size × --n-samples-per-prompt = {c.samples_per_rollout} is not a multiple of "
             f"--global-batch-size {c.global_batch_size}: pick a global batch size that divides it",
         ),
-        (c.num_rollout is None and c.num_epoch is None, "give --num-rollout (steps) or --num-epoch (passes over the data)"),
+        (
+            c.num_rollout is None and c.num_epoch is None,
+            "give --num-rollout (steps) or --num-epoch (passes over the data)",
+        ),
         (c.num_rollout is not None and c.num_rollout < 1, "--num-rollout must be at least 1"),
-        (c.save_interval is not None and c.save is None, "--save-interval needs --save DIR (where to write checkpoints)"),
-        (c.eval_interval is not None and c.eval_prompt_data is None, "--eval-interval needs --eval-prompt-data (held-out prompts)"),
+        (
+            c.save_interval is not None and c.save is None,
+            "--save-interval needs --save DIR (where to write checkpoints)",
+        ),
+        (
+            c.eval_interval is not None and c.eval_prompt_data is None,
+            "--eval-interval needs --eval-prompt-data (held-out prompts)",
+        ),
         (c.update_weights_interval < 1, "--update-weights-interval must be at least 1"),
         (c.lr < 0, "--lr must be >= 0"),
         (
@@ -281,11 +422,26 @@ def _train_checks(c: Config, entry: str) -> list[tuple[bool, str]]:
             f"{c.steps_per_rollout} optimizer step(s) per rollout even sync training trains tokens {c.min_staleness} steps old; "
             f"raise --max-staleness to {c.min_staleness} or push and step once per rollout",
         ),
-        (entry == "sync" and c.max_staleness is not None, "--max-staleness is decoupled async training: run it with train_async.py"),
-        (c.use_rollout_logprobs and (c.use_tis or c.use_rs), "--use-tis/--use-rs weigh π_old against the engine's log-probs, which --use-rollout-logprobs makes π_old: drop one"),
-        (not 0 <= c.tis_clip_low < c.tis_clip, f"--tis-clip-low {c.tis_clip_low} must be >= 0 and below --tis-clip {c.tis_clip}"),
-        (not 0 <= c.rs_lower_bound < c.rs_upper_bound, f"--rs-lower-bound {c.rs_lower_bound} must be >= 0 and below --rs-upper-bound {c.rs_upper_bound}"),
-        (c.partial_rollout and c.max_staleness is None, "--partial-rollout only applies to decoupled training: add --max-staleness K"),
+        (
+            entry == "sync" and c.max_staleness is not None,
+            "--max-staleness is decoupled async training: run it with train_async.py",
+        ),
+        (
+            c.use_rollout_logprobs and (c.use_tis or c.use_rs),
+            "--use-tis/--use-rs weigh π_old against the engine's log-probs, which --use-rollout-logprobs makes π_old: drop one",
+        ),
+        (
+            not 0 <= c.tis_clip_low < c.tis_clip,
+            f"--tis-clip-low {c.tis_clip_low} must be >= 0 and below --tis-clip {c.tis_clip}",
+        ),
+        (
+            not 0 <= c.rs_lower_bound < c.rs_upper_bound,
+            f"--rs-lower-bound {c.rs_lower_bound} must be >= 0 and below --rs-upper-bound {c.rs_upper_bound}",
+        ),
+        (
+            c.partial_rollout and c.max_staleness is None,
+            "--partial-rollout only applies to decoupled training: add --max-staleness K",
+        ),
         (c.rollout_concurrency is not None and c.rollout_concurrency < 1, "--rollout-concurrency must be at least 1"),
         (c.max_tokens_per_gpu < 1, "--max-tokens-per-gpu must be at least 1"),
         (c.update_weights_timeout <= 0, "--update-weights-timeout must be > 0 seconds"),
@@ -370,9 +526,20 @@ def build_parser(prog: str = "train.py", description: str = "") -> argparse.Argu
         tp = _base_type(_HINTS[name])
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         if tp is bool:
-            grp.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=f.metadata["help"] + f" (default: {default})")
+            grp.add_argument(
+                flag,
+                action=argparse.BooleanOptionalAction,
+                default=argparse.SUPPRESS,
+                help=f.metadata["help"] + f" (default: {default})",
+            )
         else:
-            grp.add_argument(flag, default=argparse.SUPPRESS, metavar=tp.__name__.upper(), choices=f.metadata["choices"], help=f.metadata["help"] + f" (default: {default})")
+            grp.add_argument(
+                flag,
+                default=argparse.SUPPRESS,
+                metavar=tp.__name__.upper(),
+                choices=f.metadata["choices"],
+                help=f.metadata["help"] + f" (default: {default})",
+            )
     return parser
 
 
@@ -399,7 +566,9 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return out
 
 
-def parse_args(argv: list[str] | None = None, prog: str = "train.py", description: str = "", entry: str = "sync", **overrides: Any) -> Config:
+def parse_args(
+    argv: list[str] | None = None, prog: str = "train.py", description: str = "", entry: str = "sync", **overrides: Any
+) -> Config:
     """Flags > --config YAML > dataclass defaults; then validate(entry)."""
     ns = vars(build_parser(prog, description).parse_args(argv))
     values: dict[str, Any] = {}

@@ -8,13 +8,15 @@ on basic_arithmetic, chain_sum and gsm_symbolic (look-alikes of reasoning-gym's,
 answers computed alongside the question). Generation is deterministic in the seed, and train
 and test never share a question.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import random
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from vime.rollout import rg
 from vime.rollout.data_source import DataError
@@ -65,32 +67,47 @@ def _gsm_give_away(rng: random.Random) -> Question:
 def _gsm_packs(rng: random.Random) -> Question:
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
     packs, per, given = rng.randint(2, 9), rng.randint(3, 12), rng.randint(1, 10)
-    return f"{name} buys {packs} packs of {item} with {per} {item} in each pack, then gives away {given}. How many {item} does {name} keep?", packs * per - given
+    return (
+        f"{name} buys {packs} packs of {item} with {per} {item} in each pack, then gives away {given}. How many {item} does {name} keep?",
+        packs * per - given,
+    )
 
 
 def _gsm_change(rng: random.Random) -> Question:
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
     n, price = rng.randint(2, 9), rng.randint(1, 12)
     bill = next(b for b in (10, 20, 50, 100, 200) if b >= n * price)
-    return f"{name} buys {n} {item} at ${price} each and pays with a ${bill} bill. How many dollars of change does {name} get?", bill - n * price
+    return (
+        f"{name} buys {n} {item} at ${price} each and pays with a ${bill} bill. How many dollars of change does {name} get?",
+        bill - n * price,
+    )
 
 
 def _gsm_share(rng: random.Random) -> Question:
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
     friends, each = rng.randint(2, 8), rng.randint(2, 15)
-    return f"{name} shares {friends * each} {item} equally among {friends} friends. How many {item} does each friend get?", each
+    return (
+        f"{name} shares {friends * each} {item} equally among {friends} friends. How many {item} does each friend get?",
+        each,
+    )
 
 
 def _gsm_distance(rng: random.Random) -> Question:
     name = rng.choice(NAMES)
     speed, hours, back = rng.randint(3, 60), rng.randint(2, 6), rng.randint(1, 20)
-    return f"{name} travels at {speed} km per hour for {hours} hours, then walks back {back} km. How many km is {name} from the start?", speed * hours - back
+    return (
+        f"{name} travels at {speed} km per hour for {hours} hours, then walks back {back} km. How many km is {name} from the start?",
+        speed * hours - back,
+    )
 
 
 def _gsm_savings(rng: random.Random) -> Question:
     name = rng.choice(NAMES)
     start, weekly, weeks, spent = rng.randint(0, 100), rng.randint(5, 30), rng.randint(2, 10), rng.randint(1, 40)
-    return f"{name} has ${start} saved and adds ${weekly} every week for {weeks} weeks, then spends ${spent} on a gift. How many dollars does {name} have now?", start + weekly * weeks - spent
+    return (
+        f"{name} has ${start} saved and adds ${weekly} every week for {weeks} weeks, then spends ${spent} on a gift. How many dollars does {name} have now?",
+        start + weekly * weeks - spent,
+    )
 
 
 GSM_TEMPLATES = [_gsm_buy_more, _gsm_give_away, _gsm_packs, _gsm_change, _gsm_share, _gsm_distance, _gsm_savings]
@@ -134,7 +151,9 @@ def generate(task: str, n: int, seed: int, **task_kwargs: Any) -> list[dict[str,
     elif task in TASKS:
         candidates = _builtin_rows(task, seed, task_kwargs)
     else:
-        raise DataError(f"unknown task '{task}': use one of {', '.join(TASKS)}, or rg:<name> for a reasoning-gym task (`vime data --list` prints every name)")
+        raise DataError(
+            f"unknown task '{task}': use one of {', '.join(TASKS)}, or rg:<name> for a reasoning-gym task (`vime data --list` prints every name)"
+        )
     seen: set[str] = set()
     rows: list[dict[str, Any]] = []
     misses = 0
@@ -146,11 +165,15 @@ def generate(task: str, n: int, seed: int, **task_kwargs: Any) -> list[dict[str,
             continue
         misses += 1
         if row is None or misses > 100 * n + 1000:  # the task has fewer distinct questions than asked for
-            raise DataError(f"task '{task}' gave only {len(rows)} distinct questions of the {n} asked; ask for fewer or widen it (e.g. --digits, --rg-config)")
+            raise DataError(
+                f"task '{task}' gave only {len(rows)} distinct questions of the {n} asked; ask for fewer or widen it (e.g. --digits, --rg-config)"
+            )
     return rows
 
 
-def write_dataset(task: str, out_dir: str | Path, n_train: int, n_test: int, seed: int = 0, **task_kwargs: Any) -> tuple[Path, Path]:
+def write_dataset(
+    task: str, out_dir: str | Path, n_train: int, n_test: int, seed: int = 0, **task_kwargs: Any
+) -> tuple[Path, Path]:
     """Write `train.jsonl` and `test.jsonl` into out_dir; no question is in both."""
     if n_train < 1 or n_test < 0:
         raise DataError(f"--n-train must be at least 1 and --n-test at least 0 (got {n_train}, {n_test})")
@@ -174,15 +197,29 @@ def _json_object(text: str) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="vime data", description="Write a verifiable task's dataset (train.jsonl + held-out test.jsonl).")
-    p.add_argument("--task", help=f"a built-in task ({', '.join(TASKS)}) or rg:<name>, a reasoning-gym task (--list prints them)")
+    p = argparse.ArgumentParser(
+        prog="vime data", description="Write a verifiable task's dataset (train.jsonl + held-out test.jsonl)."
+    )
+    p.add_argument(
+        "--task", help=f"a built-in task ({', '.join(TASKS)}) or rg:<name>, a reasoning-gym task (--list prints them)"
+    )
     p.add_argument("--out", help="output directory (created if missing)")
     p.add_argument("--list", action="store_true", help="print every task name and exit")
     p.add_argument("--n-train", type=int, default=2000, help="training rows (default 2000)")
     p.add_argument("--n-test", type=int, default=200, help="held-out rows, disjoint from train (default 200)")
-    p.add_argument("--seed", type=int, default=0, help="random seed; same seed, same files (default 0). rg:<name> seeds entry i with seed + i, so nearby seeds share most questions")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="random seed; same seed, same files (default 0). rg:<name> seeds entry i with seed + i, so nearby seeds share most questions",
+    )
     p.add_argument("--digits", type=int, default=None, help="addition only: digits per operand (default 2)")
-    p.add_argument("--rg-config", type=_json_object, default=None, help='rg:<name> only: JSON object of the task\'s reasoning-gym config fields, e.g. \'{"min_terms": 2, "max_terms": 3}\'')
+    p.add_argument(
+        "--rg-config",
+        type=_json_object,
+        default=None,
+        help='rg:<name> only: JSON object of the task\'s reasoning-gym config fields, e.g. \'{"min_terms": 2, "max_terms": 3}\'',
+    )
     a = p.parse_args(argv)
     if a.list:
         print("\n".join([*TASKS, *(rg.PREFIX + name for name in rg.task_names())]))

@@ -4,6 +4,7 @@ Each part raises its own subclass (ConfigError, DataError, EngineError, ...), ea
 subclass of the builtin error it used to be, so callers catching ValueError or RuntimeError
 keep working. Anything not a VimeError is a bug, and `vime` shows its traceback.
 """
+
 from __future__ import annotations
 
 

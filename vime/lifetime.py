@@ -9,6 +9,7 @@ Python's default SIGTERM handling kills the process without unwinding, which ski
 `finally:` that stops engines and workers; `stop_on_sigterm` turns it into an exception that
 unwinds like Ctrl-C.
 """
+
 from __future__ import annotations
 
 import os

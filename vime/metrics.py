@@ -3,6 +3,7 @@
 One file of one JSON object per step is the source of truth: `vime report` reads it, and a
 crash loses at most the step in progress (each line is flushed as it is written).
 """
+
 from __future__ import annotations
 
 import json
@@ -10,9 +11,10 @@ import logging
 import math
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from vime.errors import VimeError
 
@@ -53,7 +55,9 @@ class MetricsLogger:
     before the resume move to metrics.superseded.jsonl, so metrics.jsonl holds each step once
     and nothing logged is lost."""
 
-    def __init__(self, run_dir: Path, total_steps: int, start_step: int = 0, use_tensorboard: bool = True, quiet: bool = False) -> None:
+    def __init__(
+        self, run_dir: Path, total_steps: int, start_step: int = 0, use_tensorboard: bool = True, quiet: bool = False
+    ) -> None:
         self.total, self.step = total_steps, start_step
         self._step_times: list[float] = []
         self.path = run_dir / "metrics.jsonl"
@@ -72,7 +76,15 @@ class MetricsLogger:
         from tqdm import tqdm
 
         # disable=None: a bar only on a terminal (the plain lines above serve everywhere else)
-        self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr, disable=True if quiet else None)
+        self._bar = tqdm(
+            total=total_steps,
+            initial=start_step,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+            file=sys.stderr,
+            disable=True if quiet else None,
+        )
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
@@ -162,7 +174,12 @@ def _supersede_rows_after(path: Path, step: int) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(keep))
     tmp.replace(path)
-    log.info("resumed at step %d: %d rows of later steps moved from %s to metrics.superseded.jsonl", step, len(later), path.name)
+    log.info(
+        "resumed at step %d: %d rows of later steps moved from %s to metrics.superseded.jsonl",
+        step,
+        len(later),
+        path.name,
+    )
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -187,4 +204,6 @@ def setup_logging(log_file: Path | None = None, quiet: bool = False) -> None:
     if log_file is not None:
         log_file.parent.mkdir(parents=True, exist_ok=True)
         handlers.append(logging.FileHandler(log_file))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", handlers=handlers, force=True)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", handlers=handlers, force=True
+    )

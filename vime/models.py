@@ -3,12 +3,14 @@
 Everything downstream (trainer, engine, eval) takes a plain HF directory. This module's job is
 to turn whatever the user named into one, without the internet.
 """
+
 from __future__ import annotations
 
 import json
 import os
 import shutil
 from pathlib import Path
+
 from vime.errors import VimeError
 
 SMOLLM2_ALIASES = ("smollm2", "smollm2-135m-instruct", "HuggingFaceTB/SmolLM2-135M-Instruct")
@@ -39,7 +41,9 @@ def resolve_model(name_or_path: str) -> Path:
     p = Path(name_or_path).expanduser()
     if p.is_dir():
         if not (p / "config.json").exists():
-            raise ModelError(f"{p} is a directory but has no config.json: point --hf-checkpoint at an HF model directory")
+            raise ModelError(
+                f"{p} is a directory but has no config.json: point --hf-checkpoint at an HF model directory"
+            )
         read_config(p)  # a damaged config.json fails here in one line, not deep inside transformers
         return p
     if p.exists():
@@ -125,7 +129,9 @@ def make_tiny_model(
     if model_type is None:
         raise ModelError(f"unknown tiny arch '{arch}': use qwen3, qwen2 or llama")
     cfg_kwargs = dict(
-        vocab_size=max(vocab_size or 0, len(tokenizer)),  # a larger vocab gives real-size shapes; extra ids decode to nothing
+        vocab_size=max(
+            vocab_size or 0, len(tokenizer)
+        ),  # a larger vocab gives real-size shapes; extra ids decode to nothing
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
@@ -182,7 +188,9 @@ def read_config(model_dir: str | Path) -> dict:
     try:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise ModelError(f"{path} is not valid JSON ({e.msg}, line {e.lineno}): repair it or copy the model again") from None
+        raise ModelError(
+            f"{path} is not valid JSON ({e.msg}, line {e.lineno}): repair it or copy the model again"
+        ) from None
     except (OSError, UnicodeDecodeError) as e:
         raise ModelError(f"{path} cannot be read ({e}): repair it or copy the model again") from None
     if not isinstance(config, dict) or "model_type" not in config:

@@ -12,6 +12,7 @@ engine's weight transport follows from where it sits, as its `/get_model_info` r
 | on CPU, trainer on CPU, this host   | shm (one safetensors file in /dev/shm) |
 | on CPU otherwise                    | gloo (the same broadcast over TCP) |
 """
+
 from __future__ import annotations
 
 import logging
@@ -74,7 +75,9 @@ def choose_transports(args, trainer: str, infos: list[dict]) -> list[str]:
     """One transport per engine, from where it runs (see the module docstring); an explicit
     --weight-transport applies to all, checked against where they are."""
     here = socket.gethostname()
-    trainer_uuid = str(torch.cuda.get_device_properties(torch.device(trainer)).uuid) if trainer.startswith("cuda") else None
+    trainer_uuid = (
+        str(torch.cuda.get_device_properties(torch.device(trainer)).uuid) if trainer.startswith("cuda") else None
+    )
     out = []
     for info in infos:
         local = info.get("hostname") == here
@@ -83,12 +86,22 @@ def choose_transports(args, trainer: str, infos: list[dict]) -> list[str]:
         if args.weight_transport != "auto":
             t = args.weight_transport
             if t == "nccl" and (trainer == "cpu" or not on_gpu or same_gpu):
-                where = "the trainer runs on CPU" if trainer == "cpu" else f"engine at {info['url']} runs on {'the trainer GPU' if same_gpu else info.get('device')}"
-                raise ConfigError(f"--weight-transport nccl needs trainer and engine on different GPUs ({where}): leave --weight-transport at auto")
+                where = (
+                    "the trainer runs on CPU"
+                    if trainer == "cpu"
+                    else f"engine at {info['url']} runs on {'the trainer GPU' if same_gpu else info.get('device')}"
+                )
+                raise ConfigError(
+                    f"--weight-transport nccl needs trainer and engine on different GPUs ({where}): leave --weight-transport at auto"
+                )
             if t == "cuda_ipc" and not same_gpu:
-                raise ConfigError(f"--weight-transport cuda_ipc needs the engine on the trainer's GPU (engine at {info['url']} runs on {info.get('device')}): leave --weight-transport at auto")
+                raise ConfigError(
+                    f"--weight-transport cuda_ipc needs the engine on the trainer's GPU (engine at {info['url']} runs on {info.get('device')}): leave --weight-transport at auto"
+                )
             if t == "shm" and not local:
-                raise ConfigError(f"--weight-transport shm needs the engine on this host (engine at {info['url']} runs on {info.get('hostname')}): use gloo, nccl or disk")
+                raise ConfigError(
+                    f"--weight-transport shm needs the engine on this host (engine at {info['url']} runs on {info.get('hostname')}): use gloo, nccl or disk"
+                )
             out.append(t)
         elif same_gpu:
             out.append("cuda_ipc")
@@ -104,12 +117,16 @@ def choose_transports(args, trainer: str, infos: list[dict]) -> list[str]:
 def master_address(args, infos: list[dict], transports: list[str]) -> str:
     """The address engines dial for the weight-group rendezvous: loopback while they all run
     here, else --update-weights-master-address (a one-line error names the engine when unset)."""
-    remote = [i for i, t in zip(infos, transports) if t in ("nccl", "gloo") and i.get("hostname") != socket.gethostname()]
+    remote = [
+        i for i, t in zip(infos, transports) if t in ("nccl", "gloo") and i.get("hostname") != socket.gethostname()
+    ]
     if not remote:
         return args.update_weights_master_address or "127.0.0.1"
     if not args.update_weights_master_address:
         i = remote[0]
-        raise ConfigError(f"engine at {i['url']} runs on host {i.get('hostname')}: give --update-weights-master-address, an address of this machine that host can reach")
+        raise ConfigError(
+            f"engine at {i['url']} runs on host {i.get('hostname')}: give --update-weights-master-address, an address of this machine that host can reach"
+        )
     return args.update_weights_master_address
 
 
@@ -136,7 +153,11 @@ def place(args, model_dir: Path, run_dir: Path) -> Placement:
                     extra += ["--num-kv-blocks", str(args.engine_num_kv_blocks)]
                 log_path = fresh_path(run_dir / f"engine{i}.log")
                 log.info("starting engine %d on %s (log: %s)", i, dev, log_path)
-                engines.append(launch_engine(str(model_dir), device=dev, dtype=dtype, extra_args=extra, log_path=log_path, api_key=api_key))
+                engines.append(
+                    launch_engine(
+                        str(model_dir), device=dev, dtype=dtype, extra_args=extra, log_path=log_path, api_key=api_key
+                    )
+                )
         except BaseException:
             for e in engines:
                 e.shutdown()

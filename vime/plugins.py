@@ -1,17 +1,20 @@
 """Dotted paths to user code (`--rollout-function-path`, `--custom-generate-function-path`,
 `--custom-rm-path`), loaded one way with one kind of error."""
+
 from __future__ import annotations
 
 import importlib
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from vime.config import ConfigError
 from vime.errors import VimeError
 
 
-def load_function(path: str, flag: str, error: type[VimeError] = ConfigError, signature: str = "a function") -> Callable:
+def load_function(
+    path: str, flag: str, error: type[VimeError] = ConfigError, signature: str = "a function"
+) -> Callable:
     """Import `pkg.module:func` or `pkg.module.func`; a failure is one line of `error` naming the
     flag. The working directory is importable, so a file next to where the user runs vime works."""
     module_name, sep, attr = path.partition(":")
@@ -24,7 +27,9 @@ def load_function(path: str, flag: str, error: type[VimeError] = ConfigError, si
     try:
         fn = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
-        raise error(f"{flag} '{path}' cannot be loaded ({type(e).__name__}: {e}): check the module is importable and defines '{attr}'") from None
+        raise error(
+            f"{flag} '{path}' cannot be loaded ({type(e).__name__}: {e}): check the module is importable and defines '{attr}'"
+        ) from None
     if not callable(fn):
         raise error(f"{flag} '{path}' is not callable: it must be {signature}")
     return fn

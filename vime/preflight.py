@@ -8,19 +8,21 @@ hands the run what it built on the way (tokenizer, rollout function, data source
 is read twice. It is also the one place `args.model_dir` (the directory --hf-checkpoint
 resolves to) is set. It writes nothing but a probe file in the output directories.
 """
+
 from __future__ import annotations
 
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from vime.config import ConfigError
 from vime.models import ModelError, context_length, load_tokenizer, resolve_model
+from vime.plugins import load_function
 from vime.rollout.data_source import DataSource, load_eval_samples
 from vime.rollout.rewards import get_reward_fn
-from vime.plugins import load_function
 
 
 @dataclass
@@ -41,7 +43,9 @@ def check_inputs(args: Any) -> Inputs:
     if args.save:
         _writable(Path(args.save), "--save")
     if args.load and latest_checkpoint(Path(args.load), warn=False) is None:
-        raise ConfigError(f"--load {args.load}: no intact checkpoint inside (expected <step>/trainer_state.pt and the model's safetensors)")
+        raise ConfigError(
+            f"--load {args.load}: no intact checkpoint inside (expected <step>/trainer_state.pt and the model's safetensors)"
+        )
 
     tokenizer = _model(args)
     model_dir = Path(args.model_dir)
@@ -69,7 +73,9 @@ def check_inputs(args: Any) -> Inputs:
 def check_eval_inputs(args: Any) -> Any:
     """What `vime eval` reads, checked before an engine starts; returns the tokenizer."""
     tokenizer = _model(args)
-    load_eval_samples(args, tokenizer, args.eval_prompt_data, limit=args.eval_limit, max_prompt_len=context_length(args.model_dir) - 1)
+    load_eval_samples(
+        args, tokenizer, args.eval_prompt_data, limit=args.eval_limit, max_prompt_len=context_length(args.model_dir) - 1
+    )
     return tokenizer
 
 
@@ -79,7 +85,9 @@ def _model(args: Any) -> Any:
     try:
         return load_tokenizer(args.model_dir)
     except (OSError, ValueError) as e:
-        raise ModelError(f"cannot load the tokenizer of {args.model_dir} ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
+        raise ModelError(
+            f"cannot load the tokenizer of {args.model_dir} ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+        ) from None
 
 
 def _writable(path: Path, flag: str) -> None:
@@ -89,7 +97,9 @@ def _writable(path: Path, flag: str) -> None:
         with tempfile.NamedTemporaryFile(dir=path, prefix=".vime-probe-"):
             pass
     except OSError as e:
-        raise ConfigError(f"{flag} {path} is not writable ({e.strerror or e}): pick a directory you can write to") from None
+        raise ConfigError(
+            f"{flag} {path} is not writable ({e.strerror or e}): pick a directory you can write to"
+        ) from None
 
 
 def _room_for_checkpoints(save: Path, model_dir: Path) -> None:
@@ -98,4 +108,6 @@ def _room_for_checkpoints(save: Path, model_dir: Path) -> None:
     need = 3 * sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
     free = shutil.disk_usage(save).free
     if free < need:
-        raise ConfigError(f"--save {save} has {free / 2**30:.2f} GiB free, a checkpoint of this model takes about {need / 2**30:.2f} GiB: free some space or pick another directory")
+        raise ConfigError(
+            f"--save {save} has {free / 2**30:.2f} GiB free, a checkpoint of this model takes about {need / 2**30:.2f} GiB: free some space or pick another directory"
+        )

@@ -4,6 +4,7 @@ The first run given is the reference of the speedup column (put the sync arm fir
 are over all logged training steps; the first step of an async run includes its pipeline fill,
 which is part of the real cost and is kept.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,7 +45,9 @@ def summarize(run_dir: str | Path) -> RunSummary:
     cfg = yaml.safe_load(cfg_path.read_text()) if cfg_path.exists() else {}
     steps = [r for r in rows if "perf/step_time" in r]
     if not steps:
-        raise VimeError(f"{run_dir}/metrics.jsonl has no training steps yet: report a run that has trained at least one step")
+        raise VimeError(
+            f"{run_dir}/metrics.jsonl has no training steps yet: report a run that has trained at least one step"
+        )
 
     def col(key: str) -> float:
         return mean([r.get(key, 0.0) or 0.0 for r in steps])
@@ -85,14 +88,18 @@ def accuracy_table(runs: list[RunSummary]) -> str:
     base = next((e for r in runs for e in r.evals if e["step"] == 0), None)
     lines = ["| run | mode | held-out accuracy | correct/total | change (points) |", "|---|---|---:|---:|---:|"]
     if base is not None:
-        lines.append(f"| baseline | before training | {100 * base['eval/accuracy']:.1f}% | {base['eval/correct']}/{base['eval/total']} | |")
+        lines.append(
+            f"| baseline | before training | {100 * base['eval/accuracy']:.1f}% | {base['eval/correct']}/{base['eval/total']} | |"
+        )
     for r in runs:
         if not r.evals:
             lines.append(f"| {r.name} | {r.mode} | (no eval) | | |")
             continue
         last = r.evals[-1]
         delta = f"{100 * (last['eval/accuracy'] - base['eval/accuracy']):+.1f}" if base is not None else ""
-        lines.append(f"| {r.name} | {r.mode} | {100 * last['eval/accuracy']:.1f}% | {last['eval/correct']}/{last['eval/total']} | {delta} |")
+        lines.append(
+            f"| {r.name} | {r.mode} | {100 * last['eval/accuracy']:.1f}% | {last['eval/correct']}/{last['eval/total']} | {delta} |"
+        )
     return "\n".join(lines)
 
 
@@ -169,8 +176,18 @@ def plot(runs: list[RunSummary], out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     charts = [
-        ("step_time.png", "step time (s)", lambda r: [(x["step"], x["perf/step_time"]) for x in r.rows if "perf/step_time" in x], "step"),
-        ("reward.png", "mean reward", lambda r: [(x["step"], x["rollout/reward_mean"]) for x in r.rows if "rollout/reward_mean" in x], "step"),
+        (
+            "step_time.png",
+            "step time (s)",
+            lambda r: [(x["step"], x["perf/step_time"]) for x in r.rows if "perf/step_time" in x],
+            "step",
+        ),
+        (
+            "reward.png",
+            "mean reward",
+            lambda r: [(x["step"], x["rollout/reward_mean"]) for x in r.rows if "rollout/reward_mean" in x],
+            "step",
+        ),
         ("accuracy_vs_wall_clock.png", "held-out accuracy", _accuracy_vs_wall, "wall clock (s)"),
     ]
     for fname, ylabel, series, xlabel in charts:
@@ -196,7 +213,10 @@ def _accuracy_vs_wall(r: RunSummary) -> list[tuple[float, float]]:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="vime report", description="Speed and accuracy tables of runs side by side (first run = speedup reference), plus PNG plots.")
+    p = argparse.ArgumentParser(
+        prog="vime report",
+        description="Speed and accuracy tables of runs side by side (first run = speedup reference), plus PNG plots.",
+    )
     p.add_argument("runs", nargs="+", help="run directories (runs/<name>)")
     p.add_argument("--plots", default=None, help="where to write PNG plots (default: <first run>/../report)")
     p.add_argument("--no-plots", action="store_true", help="tables only")

@@ -15,15 +15,16 @@ Every loop measures the same things the same way (docs/architecture.md, "vime/ru
   update_weights_time  pause → push → resume, all engines
   step_time         end of previous step → end of this one (eval and checkpoints excluded)
 """
+
 from __future__ import annotations
 
 import contextlib
 import logging
 import math
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 import yaml
@@ -55,19 +56,25 @@ class Run:
             args.run_name = time.strftime("%Y%m%d-%H%M%S") + f"-{args.mode}"
         self.run_dir = args.run_dir
         if _holds_a_run(self.run_dir) and not args.load:
-            raise ConfigError(f"run directory {self.run_dir} already holds a run: pick another --run-name (or resume it with --load)")
+            raise ConfigError(
+                f"run directory {self.run_dir} already holds a run: pick another --run-name (or resume it with --load)"
+            )
         inputs = check_inputs(args)  # every input, before anything starts or is written; sets args.model_dir
         self.run_dir.mkdir(parents=True, exist_ok=True)
         setup_logging(self.run_dir / "log.txt", quiet=args.quiet)
         for note in inputs.notes:
             log.warning("%s", note)
         # a resumed run keeps the config of the run it resumes (config.1.yaml, ...: one per resume)
-        (fresh_path(self.run_dir / "config.yaml") if args.load else self.run_dir / "config.yaml").write_text(yaml.safe_dump(args.to_dict(), sort_keys=False))
+        (fresh_path(self.run_dir / "config.yaml") if args.load else self.run_dir / "config.yaml").write_text(
+            yaml.safe_dump(args.to_dict(), sort_keys=False)
+        )
         torch.manual_seed(args.seed)
 
         self.rollout_fn: Callable[..., RolloutOutput] = inputs.rollout_fn
         self.data_source = inputs.data_source
-        self.num_rollout = args.num_rollout or math.ceil(args.num_epoch * len(self.data_source) / args.rollout_batch_size)
+        self.num_rollout = args.num_rollout or math.ceil(
+            args.num_epoch * len(self.data_source) / args.rollout_batch_size
+        )
         self.bad_steps = BadSteps(args.max_bad_steps)
         self.wall_clock_offset = 0.0  # a resumed run's clock goes on from its checkpoint's
 
@@ -85,17 +92,24 @@ class Run:
             self.clients = make_clients(self.placement.urls, args.rollout_backend, args.api_key)
             args.runtime = RolloutRuntime(self.clients, inputs.tokenizer)
             self.pusher = WeightPusher(
-                self.clients, transport=self.placement.transports, bucket_bytes=args.update_weight_buffer_size,
-                timeout=args.update_weights_timeout, master_address=self.placement.master_address,
+                self.clients,
+                transport=self.placement.transports,
+                bucket_bytes=args.update_weight_buffer_size,
+                timeout=args.update_weights_timeout,
+                master_address=self.placement.master_address,
             )
             self.pusher.connect(self.placement.trainer_device)  # a weight group, if any, is formed now, not in step 1
-            self.policy_version = 0  # optimizer steps taken (every step of a rollout counts, also one with nothing to learn)
+            self.policy_version = (
+                0  # optimizer steps taken (every step of a rollout counts, also one with nothing to learn)
+            )
             self.engine_version = 0  # the policy version the engines hold
             self.weight_pushes = 0
             self.start_step = 0
             if args.load:
                 self._resume(Path(args.load))
-            self.metrics = MetricsLogger(self.run_dir, self.num_rollout, self.start_step, args.use_tensorboard, quiet=args.quiet)
+            self.metrics = MetricsLogger(
+                self.run_dir, self.num_rollout, self.start_step, args.use_tensorboard, quiet=args.quiet
+            )
         except BaseException:
             self.close()  # never leave engine or trainer processes behind
             raise
@@ -119,12 +133,16 @@ class Run:
                 f"this run takes {self.args.steps_per_rollout} per rollout: resume with the --global-batch-size it was trained with"
             )
         log.info("resumed from %s at step %d (policy version %d)", ckpt, self.start_step, self.policy_version)
-        self.push_weights(self.start_step, count=False)  # engines started from the base model; give them the resumed weights
+        self.push_weights(
+            self.start_step, count=False
+        )  # engines started from the base model; give them the resumed weights
 
     def train_on(self, out: RolloutOutput, step: int) -> dict[str, float]:
         """Advantages → optimizer step(s). Returns train metrics + rollout metrics of this batch."""
         groups = out.samples
-        rewards, adv = group_advantages(groups, self.args.advantage_estimator, std_normalize=self.args.normalize_advantages_std)
+        rewards, adv = group_advantages(
+            groups, self.args.advantage_estimator, std_normalize=self.args.normalize_advantages_std
+        )
         samples = [s for g in groups for s in g]
         metrics = dict(out.metrics)
         metrics.update(self.guarded_train_step(step, samples, rewards, adv))
@@ -154,7 +172,11 @@ class Run:
     def version_metrics(self) -> dict[str, float]:
         """Versions after a step: the trainer's, the engines' (behind it between pushes with
         --update-weights-interval > 1), and the pushes so far."""
-        return {"train/policy_version": self.policy_version, "train/weight_version": self.engine_version, "train/weight_pushes": self.weight_pushes}
+        return {
+            "train/policy_version": self.policy_version,
+            "train/weight_version": self.engine_version,
+            "train/weight_pushes": self.weight_pushes,
+        }
 
     @contextlib.contextmanager
     def generation_paused(self, mode: str) -> Iterator[None]:
@@ -188,8 +210,11 @@ class Run:
             t0 = time.perf_counter()
             with self.generation_paused("in_place") if a.mode != "sync" else contextlib.nullcontext():
                 extra = {
-                    "step": step, "policy_version": self.policy_version, "weight_pushes": self.weight_pushes,
-                    "data_source": self.data_source.state_dict(), "wall_clock": metrics["perf/wall_clock"],
+                    "step": step,
+                    "policy_version": self.policy_version,
+                    "weight_pushes": self.weight_pushes,
+                    "data_source": self.data_source.state_dict(),
+                    "wall_clock": metrics["perf/wall_clock"],
                 }
                 self.actor.save(Path(a.save) / str(step), extra)
             metrics["perf/save_time"] = time.perf_counter() - t0
@@ -201,7 +226,9 @@ class Run:
 
         out = evaluate(self.args, step, self.run_dir / "eval" / f"{step}.jsonl")
         m = out.metrics
-        self.metrics.write_line(f"eval step {step}: accuracy {m['eval/accuracy']:.3f} ({m['eval/correct']}/{m['eval/total']})")
+        self.metrics.write_line(
+            f"eval step {step}: accuracy {m['eval/accuracy']:.3f} ({m['eval/correct']}/{m['eval/total']})"
+        )
         return m
 
     def close(self) -> None:
@@ -221,7 +248,9 @@ class Run:
             except Exception:
                 log.exception("while closing the run (%s)", getattr(step, "__qualname__", step))
 
-    def guarded_train_step(self, step: int, samples: list[Sample], rewards: torch.Tensor, advantages: torch.Tensor) -> dict[str, float]:
+    def guarded_train_step(
+        self, step: int, samples: list[Sample], rewards: torch.Tensor, advantages: torch.Tensor
+    ) -> dict[str, float]:
         """actor.train_step, unless a reward or advantage is not finite (then no optimizer step is
         taken); either way counted towards --max-bad-steps (vime/trainer/nonfinite.py)."""
         why = bad_inputs(rewards, advantages)
@@ -238,7 +267,9 @@ def staleness_metrics(samples: list[Sample], first_version: int, global_batch_si
     """Staleness of each trained token, in optimizer steps: the policy version of the optimizer
     step that trains it (`first_version` for the rollout's first `global_batch_size` samples,
     one more for each later slice) minus the version that sampled it. 0 = on-policy."""
-    lags = [first_version + i // global_batch_size - v for i, s in enumerate(samples) for v in (s.weight_versions or [])]
+    lags = [
+        first_version + i // global_batch_size - v for i, s in enumerate(samples) for v in (s.weight_versions or [])
+    ]
     if not lags:
         return {}
     return {"rollout/staleness_mean": sum(lags) / len(lags), "rollout/staleness_max": float(max(lags))}
@@ -342,7 +373,9 @@ def _one_step_off_loop(t: Run) -> None:
     pool.shutdown()  # the last step submits no generate: nothing is left to wait for
 
 
-def _train_and_push(t: Run, out: RolloutOutput, step: int, before_push: Callable[[], object] | None = None) -> dict[str, float]:
+def _train_and_push(
+    t: Run, out: RolloutOutput, step: int, before_push: Callable[[], object] | None = None
+) -> dict[str, float]:
     t0 = time.perf_counter()
     if t.args.colocate:
         for c in t.clients:

@@ -5,6 +5,7 @@ train loop calls the control methods synchronously (urllib, no event loop needed
 failures to connect are retried, never an answer: a 4xx means the request itself is wrong, and
 a generate that reached the server may already be running.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -16,6 +17,7 @@ import urllib.request
 from typing import Any
 
 import aiohttp
+
 from vime.errors import VimeError
 
 
@@ -30,7 +32,12 @@ def _one_line(text: str, limit: int = 500) -> str:
 
 class EngineClient:
     def __init__(
-        self, url: str, timeout: float = 600.0, max_retries: int = 3, retry_backoff: float = 0.2, control_timeout: float | None = None,
+        self,
+        url: str,
+        timeout: float = 600.0,
+        max_retries: int = 3,
+        retry_backoff: float = 0.2,
+        control_timeout: float | None = None,
         api_key: str | None = None,
     ):
         self.url = url.rstrip("/")
@@ -50,9 +57,15 @@ class EngineClient:
 
     # ---- async: generation -------------------------------------------------------------
 
-    async def generate(self, input_ids: list[int], sampling_params: dict, return_logprob: bool = True, rid: str | None = None) -> Any:
+    async def generate(
+        self, input_ids: list[int], sampling_params: dict, return_logprob: bool = True, rid: str | None = None
+    ) -> Any:
         """POST /generate; returns the response body (a dict, or a list of dicts when n > 1)."""
-        body: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": sampling_params, "return_logprob": return_logprob}
+        body: dict[str, Any] = {
+            "input_ids": list(input_ids),
+            "sampling_params": sampling_params,
+            "return_logprob": return_logprob,
+        }
         if rid is not None:
             body["rid"] = rid
         return await self.apost("/generate", body)
@@ -72,11 +85,15 @@ class EngineClient:
                 last = e
                 if attempt + 1 < self.max_retries:
                     await asyncio.sleep(self.retry_backoff * 2**attempt)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise EngineError(f"engine at {self.url}{route} timed out after {self.timeout:g}s") from None
             except (aiohttp.ClientError, json.JSONDecodeError) as e:  # a broken answer: no retry, one line
-                raise EngineError(f"engine at {self.url}{route}: {type(e).__name__}: {_one_line(str(e), 200)}") from None
-        raise EngineError(f"engine at {self.url} unreachable after {self.max_retries} tries ({_reason(last)}): is the server running?") from None
+                raise EngineError(
+                    f"engine at {self.url}{route}: {type(e).__name__}: {_one_line(str(e), 200)}"
+                ) from None
+        raise EngineError(
+            f"engine at {self.url} unreachable after {self.max_retries} tries ({_reason(last)}): is the server running?"
+        ) from None
 
     def _session(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
@@ -86,7 +103,9 @@ class EngineClient:
         if session is None or session.closed:
             # No connection limit: a rollout keeps hundreds of generations in flight at once.
             session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=self.timeout), connector=aiohttp.TCPConnector(limit=0), headers=self.headers
+                timeout=aiohttp.ClientTimeout(total=self.timeout),
+                connector=aiohttp.TCPConnector(limit=0),
+                headers=self.headers,
             )
             self._sessions[loop] = session
         return session
@@ -124,7 +143,9 @@ class EngineClient:
         return self._request("POST", "/update_weights_from_tensor", payload)
 
     def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> dict:
-        return self._request("POST", "/update_weights_from_disk", {"model_path": str(model_path), "weight_version": weight_version})
+        return self._request(
+            "POST", "/update_weights_from_disk", {"model_path": str(model_path), "weight_version": weight_version}
+        )
 
     def init_weights_update_group(self, body: dict) -> dict:
         """Ask the engine to join a trainer's weight group (vime/engine/weight_sync.py); answers
@@ -148,26 +169,36 @@ class EngineClient:
         data = None if body is None else json.dumps(body).encode()
         last: Exception | None = None
         for attempt in range(self.max_retries):
-            req = urllib.request.Request(self.url + route, data=data, method=method, headers={"Content-Type": "application/json", **self.headers})
+            req = urllib.request.Request(
+                self.url + route, data=data, method=method, headers={"Content-Type": "application/json", **self.headers}
+            )
             try:
                 with urllib.request.urlopen(req, timeout=self.control_timeout) as resp:
                     return json.loads(resp.read() or b"{}")
             except urllib.error.HTTPError as e:
-                raise EngineError(f"engine at {self.url}{route}: HTTP {e.code}: {_one_line(e.read().decode(errors='replace'))}") from None
+                raise EngineError(
+                    f"engine at {self.url}{route}: HTTP {e.code}: {_one_line(e.read().decode(errors='replace'))}"
+                ) from None
             except (TimeoutError, urllib.error.URLError) as e:
                 reason = getattr(e, "reason", e)
                 if isinstance(e, TimeoutError) or isinstance(reason, TimeoutError):
-                    raise EngineError(f"engine at {self.url}{route} timed out after {self.control_timeout:g}s") from None
+                    raise EngineError(
+                        f"engine at {self.url}{route} timed out after {self.control_timeout:g}s"
+                    ) from None
                 if not isinstance(reason, ConnectionError):
                     raise EngineError(f"engine at {self.url}{route}: {_one_line(str(reason))}") from None
                 last = reason
             except ConnectionError as e:  # reset or closed mid-request
                 last = e
             except (http.client.HTTPException, json.JSONDecodeError) as e:  # a broken answer: no retry, one line
-                raise EngineError(f"engine at {self.url}{route}: {type(e).__name__}: {_one_line(str(e), 200)}") from None
+                raise EngineError(
+                    f"engine at {self.url}{route}: {type(e).__name__}: {_one_line(str(e), 200)}"
+                ) from None
             if attempt + 1 < self.max_retries:
                 time.sleep(self.retry_backoff * 2**attempt)
-        raise EngineError(f"engine at {self.url} unreachable after {self.max_retries} tries ({_reason(last)}): is the server running?")
+        raise EngineError(
+            f"engine at {self.url} unreachable after {self.max_retries} tries ({_reason(last)}): is the server running?"
+        )
 
 
 def _reason(e: BaseException | None) -> str:

@@ -12,6 +12,7 @@ One handle per tensor:
 `{name, shape, stride, offset, dtype, device, handle, storage_size_bytes, storage_offset_bytes,
 ref_counter_handle, ref_counter_offset, event_handle, event_sync_required}`.
 """
+
 from __future__ import annotations
 
 import base64
@@ -56,22 +57,59 @@ class IpcHandle:
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
         return rebuild_cuda_tensor(
-            torch.Tensor, torch.Size(self.shape), self.stride, self.offset, torch.storage.TypedStorage, DTYPES[self.dtype],
-            self.device, self.handle, self.storage_size_bytes, self.storage_offset_bytes, False,
-            self.ref_counter_handle, self.ref_counter_offset, self.event_handle, self.event_sync_required,
+            torch.Tensor,
+            torch.Size(self.shape),
+            self.stride,
+            self.offset,
+            torch.storage.TypedStorage,
+            DTYPES[self.dtype],
+            self.device,
+            self.handle,
+            self.storage_size_bytes,
+            self.storage_offset_bytes,
+            False,
+            self.ref_counter_handle,
+            self.ref_counter_offset,
+            self.event_handle,
+            self.event_sync_required,
         )
 
 
 def from_reduce_args(name: str, args: tuple) -> IpcHandle:
     """The handle of one tensor from the arguments `reduce_tensor` gives `rebuild_cuda_tensor`."""
-    (_, size, stride, offset, _, dtype, device, handle, size_bytes, offset_bytes, _, ref_handle, ref_offset, event, event_sync) = args
+    (
+        _,
+        size,
+        stride,
+        offset,
+        _,
+        dtype,
+        device,
+        handle,
+        size_bytes,
+        offset_bytes,
+        _,
+        ref_handle,
+        ref_offset,
+        event,
+        event_sync,
+    ) = args
     dtype_name = str(dtype).removeprefix("torch.")
     if dtype_name not in DTYPES:
         raise ValueError(f"weight '{name}': dtype {dtype_name} cannot be pushed by cuda_ipc (use {', '.join(DTYPES)})")
     return IpcHandle(
-        name=name, shape=tuple(int(x) for x in size), stride=tuple(int(x) for x in stride), offset=int(offset), dtype=dtype_name,
-        device=int(device), handle=bytes(handle), storage_size_bytes=int(size_bytes), storage_offset_bytes=int(offset_bytes),
-        ref_counter_handle=bytes(ref_handle), ref_counter_offset=int(ref_offset), event_handle=None if event is None else bytes(event),
+        name=name,
+        shape=tuple(int(x) for x in size),
+        stride=tuple(int(x) for x in stride),
+        offset=int(offset),
+        dtype=dtype_name,
+        device=int(device),
+        handle=bytes(handle),
+        storage_size_bytes=int(size_bytes),
+        storage_offset_bytes=int(offset_bytes),
+        ref_counter_handle=bytes(ref_handle),
+        ref_counter_offset=int(ref_offset),
+        event_handle=None if event is None else bytes(event),
         event_sync_required=bool(event_sync),
     )
 
@@ -98,7 +136,9 @@ def parse(payload: Any) -> list[IpcHandle]:
     """The engine's side: validate a request's `handles`; ValueError (→ HTTP 400) naming the
     first thing wrong. Nothing in the payload is ever executed or used as a type."""
     if not isinstance(payload, list) or not payload:
-        raise ValueError("handles must be a non-empty JSON list of handle objects (the pickled format of earlier versions is refused)")
+        raise ValueError(
+            "handles must be a non-empty JSON list of handle objects (the pickled format of earlier versions is refused)"
+        )
     fields = set(IpcHandle.__dataclass_fields__)
     out = []
     for i, h in enumerate(payload):
@@ -125,7 +165,9 @@ def parse(payload: Any) -> list[IpcHandle]:
         if all(h["shape"]):  # the view must lie inside the shared storage, or it would read memory past it
             extent = h["offset"] + sum((n - 1) * st for n, st in zip(h["shape"], h["stride"])) + 1
             if extent * DTYPES[h["dtype"]].itemsize > h["storage_size_bytes"]:
-                raise ValueError(f"handles[{i}] ('{name}'): shape, stride and offset reach past the {h['storage_size_bytes']}-byte storage")
+                raise ValueError(
+                    f"handles[{i}] ('{name}'): shape, stride and offset reach past the {h['storage_size_bytes']}-byte storage"
+                )
         raw = {}
         for key in _BYTES_FIELDS:
             if h[key] is None and key == "event_handle":

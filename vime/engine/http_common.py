@@ -4,13 +4,15 @@ Request parsing (`read_body`, `body_field`, `BadRequest`), the error middleware 
 exceptions into one-line JSON errors, and API-key auth. Kept apart so both route modules use one
 copy without importing each other.
 """
+
 from __future__ import annotations
 
 import hmac
 import ipaddress
 import json
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -59,8 +61,12 @@ def auth_middleware(api_key: str) -> Callable:
 
     @web.middleware
     async def check(request: web.Request, handler: Callable) -> web.StreamResponse:
-        if request.path not in OPEN_ROUTES and not hmac.compare_digest(request.headers.get("Authorization", "").encode(), expected):
-            return json_error(401, "missing or wrong API key: send 'Authorization: Bearer <key>' (the engine's --api-key)")
+        if request.path not in OPEN_ROUTES and not hmac.compare_digest(
+            request.headers.get("Authorization", "").encode(), expected
+        ):
+            return json_error(
+                401, "missing or wrong API key: send 'Authorization: Bearer <key>' (the engine's --api-key)"
+            )
         return await handler(request)
 
     return check

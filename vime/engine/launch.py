@@ -4,6 +4,7 @@ Kept apart from `server.py` because it runs in the trainer's process, not the en
 `python -m vime.engine.server`, waits for the server's ready line and /health, and gives the
 log's tail when the start fails.
 """
+
 from __future__ import annotations
 
 import os
@@ -12,9 +13,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 from vime.engine import weight_sync
 from vime.engine.client import EngineClient, EngineError
@@ -47,8 +48,15 @@ def _log_tail(path: Path, lines: int = 20) -> str:
 
 
 def launch_engine(
-    model_path: str, *, port: int | None = None, device: str = "cpu", dtype: str = "auto", extra_args: Iterable[str] = (),
-    log_path: str | Path | None = None, startup_timeout: float = 120.0, api_key: str | None = None,
+    model_path: str,
+    *,
+    port: int | None = None,
+    device: str = "cpu",
+    dtype: str = "auto",
+    extra_args: Iterable[str] = (),
+    log_path: str | Path | None = None,
+    startup_timeout: float = 120.0,
+    api_key: str | None = None,
 ) -> EngineProcess:
     """Start `python -m vime.engine.server` and return once it answers /health.
 
@@ -66,11 +74,29 @@ def launch_engine(
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     cmd = [
-        sys.executable, "-m", "vime.engine.server", "--model-path", str(model_path), "--host", "127.0.0.1",
-        "--port", str(port or 0), "--device", device, "--dtype", dtype, "--parent-pid", str(os.getpid()), *map(str, extra_args),
+        sys.executable,
+        "-m",
+        "vime.engine.server",
+        "--model-path",
+        str(model_path),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port or 0),
+        "--device",
+        device,
+        "--dtype",
+        dtype,
+        "--parent-pid",
+        str(os.getpid()),
+        *map(str, extra_args),
     ]
     root = str(Path(__file__).resolve().parents[2])  # so the child imports this same vime
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    env = dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
+    )
     env.pop(API_KEY_ENV, None)
     if api_key:
         env[API_KEY_ENV] = api_key
@@ -84,10 +110,14 @@ def launch_engine(
         if m:
             break
         if proc.poll() is not None:
-            raise EngineError(f"engine process exited with code {proc.returncode} during start (log {log_path}):\n{_log_tail(log_path)}")
+            raise EngineError(
+                f"engine process exited with code {proc.returncode} during start (log {log_path}):\n{_log_tail(log_path)}"
+            )
         if time.monotonic() > deadline:
             EngineProcess("", proc, log_path).shutdown()
-            raise EngineError(f"engine did not start within {startup_timeout:g}s (log {log_path}):\n{_log_tail(log_path)}")
+            raise EngineError(
+                f"engine did not start within {startup_timeout:g}s (log {log_path}):\n{_log_tail(log_path)}"
+            )
         time.sleep(0.1)
     engine = EngineProcess(m.group(1), proc, log_path, api_key)
     try:

@@ -4,12 +4,14 @@ Separate from the native protocol (`server.py`) because only these routes deal i
 the tokenizer (loaded on first use) and map OpenAI's request and response fields onto one
 engine request. Non-streaming only; stop strings are applied after generation.
 """
+
 from __future__ import annotations
 
 import asyncio
 import time
 import uuid
-from typing import TYPE_CHECKING, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -68,15 +70,17 @@ class OpenAIRoutes:
         stop = [stop] if isinstance(stop, str) else stop
         if not all(isinstance(s, str) for s in stop):
             raise BadRequest("stop must be a string or a list of strings")
-        params = SamplingParams.from_dict({
-            "max_new_tokens": body.get("max_completion_tokens", body.get("max_tokens", 16)),
-            "temperature": body.get("temperature", 1.0),
-            "top_p": body.get("top_p", 1.0),
-            "top_k": body.get("top_k", -1),
-            "n": body.get("n", 1),
-            "stop_token_ids": body.get("stop_token_ids") or [],
-            "ignore_eos": body.get("ignore_eos", False),
-        })
+        params = SamplingParams.from_dict(
+            {
+                "max_new_tokens": body.get("max_completion_tokens", body.get("max_tokens", 16)),
+                "temperature": body.get("temperature", 1.0),
+                "top_p": body.get("top_p", 1.0),
+                "top_k": body.get("top_k", -1),
+                "n": body.get("n", 1),
+                "stop_token_ids": body.get("stop_token_ids") or [],
+                "ignore_eos": body.get("ignore_eos", False),
+            }
+        )
         rid = uuid.uuid4().hex
         out = await self._generate(ids, params, rid)
         tok = await self.tokenizer()
@@ -92,11 +96,17 @@ class OpenAIRoutes:
             else:
                 choices.append({"index": i, "text": text, "finish_reason": reason, "logprobs": None})
         completion = sum(len(o.output_ids) for o in out.outputs)
-        return web.json_response({
-            "id": ("chatcmpl-" if chat else "cmpl-") + rid,
-            "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()),
-            "model": body.get("model") or self.model_path,
-            "choices": choices,
-            "usage": {"prompt_tokens": len(ids), "completion_tokens": completion, "total_tokens": len(ids) + completion},
-        })
+        return web.json_response(
+            {
+                "id": ("chatcmpl-" if chat else "cmpl-") + rid,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": body.get("model") or self.model_path,
+                "choices": choices,
+                "usage": {
+                    "prompt_tokens": len(ids),
+                    "completion_tokens": completion,
+                    "total_tokens": len(ids) + completion,
+                },
+            }
+        )

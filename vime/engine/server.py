@@ -8,6 +8,7 @@ control operations are ordered with respect to steps without any lock, and a lon
 blocks the event loop (health checks answer while the engine works). The OpenAI-compatible
 routes are in `openai_routes.py`, request parsing, errors and auth in `http_common.py`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,13 +21,23 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from aiohttp import web
 
 from vime.engine import cuda_ipc, weight_sync
-from vime.engine.http_common import API_KEY_ENV, BadRequest, auth_middleware, body_field, error_middleware, is_loopback, json_error, read_body
+from vime.engine.http_common import (
+    API_KEY_ENV,
+    BadRequest,
+    auth_middleware,
+    body_field,
+    error_middleware,
+    is_loopback,
+    json_error,
+    read_body,
+)
 from vime.engine.openai_routes import OpenAIRoutes
 
 log = logging.getLogger("vime.engine")
@@ -187,11 +198,15 @@ class EngineServer:
             path = body_field(body, "path", str)
             if not Path(path).is_file():
                 raise BadRequest(f"weights file {path} does not exist")
-            return await self._replace_weights(lambda: safetensors_layout([path]), lambda: iter_safetensors_files([path]), version)
+            return await self._replace_weights(
+                lambda: safetensors_layout([path]), lambda: iter_safetensors_files([path]), version
+            )
         if transport == "cuda_ipc":
             handles = cuda_ipc.parse(body_field(body, "handles", list))
             if self.engine.device.type != "cuda":
-                raise BadRequest(f"transport cuda_ipc needs a GPU engine; this one runs on {self.engine.device}: use shm")
+                raise BadRequest(
+                    f"transport cuda_ipc needs a GPU engine; this one runs on {self.engine.device}: use shm"
+                )
             return await self._replace_weights(
                 lambda: [(h.name, h.shape, cuda_ipc.DTYPES[h.dtype]) for h in handles],
                 lambda: [(h.name, h.rebuild()) for h in handles],  # every handle opened before the first copy
@@ -208,12 +223,23 @@ class EngineServer:
         if not Path(path).is_dir():
             raise BadRequest(f"model_path {path} is not a directory")
         files = safetensors_files(path)
-        return await self._replace_weights(lambda: safetensors_layout(files), lambda: iter_safetensors_files(files), version)
+        return await self._replace_weights(
+            lambda: safetensors_layout(files), lambda: iter_safetensors_files(files), version
+        )
 
-    async def _replace_weights(self, layout: Callable[[], list], tensors: Callable[[], Iterable], version: int | None) -> web.Response:
+    async def _replace_weights(
+        self, layout: Callable[[], list], tensors: Callable[[], Iterable], version: int | None
+    ) -> web.Response:
         t0 = time.perf_counter()
         n = await self.call(lambda: self.engine.replace_weights(layout(), tensors, version))
-        return web.json_response({"success": True, "num_tensors": n, "weight_version": self.engine.weight_version, "time_s": time.perf_counter() - t0})
+        return web.json_response(
+            {
+                "success": True,
+                "num_tensors": n,
+                "weight_version": self.engine.weight_version,
+                "time_s": time.perf_counter() - t0,
+            }
+        )
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         """Join a trainer's weight group (vime/engine/weight_sync.py). Blocks this engine's steps
@@ -232,16 +258,22 @@ class EngineServer:
         if backend == "nccl" and self.engine.device.type != "cuda":
             raise BadRequest(f"backend nccl needs a GPU engine; this one runs on {self.engine.device}: use gloo")
         if not 0 < rank < world:
-            raise BadRequest(f"rank_offset {rank} must be in [1, world_size) (rank 0 is the trainer), world_size {world}")
+            raise BadRequest(
+                f"rank_offset {rank} must be in [1, world_size) (rank 0 is the trainer), world_size {world}"
+            )
         if timeout <= 0:
             raise BadRequest("timeout must be > 0 seconds")
         old = self.weight_groups.pop(name, None)
         if old is not None:
             old.abort("replaced by a new group of the same name")
             await self.call(lambda: self.engine.abandon_update(f"weight group '{name}' replaced"))
-        group = await self.call(lambda: weight_sync.join(backend, address, port, rank, world, name, self.engine.device, timeout))
+        group = await self.call(
+            lambda: weight_sync.join(backend, address, port, rank, world, name, self.engine.device, timeout)
+        )
         self.weight_groups[name] = group
-        return web.json_response({"success": True, "message": f"joined weight group '{name}' as rank {rank} of {world} ({backend})"})
+        return web.json_response(
+            {"success": True, "message": f"joined weight group '{name}' as rank {rank} of {world} ({backend})"}
+        )
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         """Receive one announced bucket by broadcast from the trainer and copy it in place. The
@@ -252,7 +284,9 @@ class EngineServer:
         group = self.weight_groups.get(name)
         if group is None:
             raise BadRequest(f"no weight group '{name}': call /init_weights_update_group first")
-        layout = weight_sync.parse_layout(body_field(body, "names", list), body_field(body, "dtypes", list), body_field(body, "shapes", list))
+        layout = weight_sync.parse_layout(
+            body_field(body, "names", list), body_field(body, "dtypes", list), body_field(body, "shapes", list)
+        )
         load_format = body_field(body, "load_format", str, required=False)
         if load_format not in (None, weight_sync.FLATTENED):
             raise BadRequest(f"load_format '{load_format}': use {weight_sync.FLATTENED} or leave it out")
@@ -262,7 +296,14 @@ class EngineServer:
         t0 = time.perf_counter()
         receive = weight_sync.receive(group, layout, flattened=load_format is not None)
         n = await self.call(lambda: self.engine.update_weights(receive, version, flush=flush))
-        return web.json_response({"success": True, "num_tensors": n, "weight_version": self.engine.weight_version, "time_s": time.perf_counter() - t0})
+        return web.json_response(
+            {
+                "success": True,
+                "num_tensors": n,
+                "weight_version": self.engine.weight_version,
+                "time_s": time.perf_counter() - t0,
+            }
+        )
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         name = body_field(await read_body(request), "group_name", str, required=False, default="vime-weights")
@@ -292,25 +333,27 @@ class EngineServer:
     async def model_info(self, request: web.Request) -> web.Response:
         e = self.engine
         mc = e.model_config
-        return web.json_response({
-            "model_path": self.model_path,
-            "model_type": mc.model_type,
-            "weight_version": e.weight_version,
-            "device": str(e.device),
-            "device_uuid": _device_uuid(e.device),
-            "hostname": socket.gethostname(),
-            "tp_size": 1,
-            "dtype": e.cfg.dtype,
-            "vocab_size": mc.vocab_size,
-            "eos_token_ids": list(mc.eos_token_ids),
-            "max_num_seqs": e.cfg.max_num_seqs,
-            "max_num_batched_tokens": e.cfg.max_num_batched_tokens,
-            "num_kv_blocks": e.allocator.num_blocks,
-            "block_size": e.cfg.block_size,
-            "max_seq_len": e.max_seq_len,
-            "paused": e.paused,
-            "memory_released": not e.kv_cache.allocated,
-        })
+        return web.json_response(
+            {
+                "model_path": self.model_path,
+                "model_type": mc.model_type,
+                "weight_version": e.weight_version,
+                "device": str(e.device),
+                "device_uuid": _device_uuid(e.device),
+                "hostname": socket.gethostname(),
+                "tp_size": 1,
+                "dtype": e.cfg.dtype,
+                "vocab_size": mc.vocab_size,
+                "eos_token_ids": list(mc.eos_token_ids),
+                "max_num_seqs": e.cfg.max_num_seqs,
+                "max_num_batched_tokens": e.cfg.max_num_batched_tokens,
+                "num_kv_blocks": e.allocator.num_blocks,
+                "block_size": e.cfg.block_size,
+                "max_seq_len": e.max_seq_len,
+                "paused": e.paused,
+                "memory_released": not e.kv_cache.allocated,
+            }
+        )
 
     async def metrics(self, request: web.Request) -> web.Response:
         e = self.engine
@@ -324,14 +367,26 @@ class EngineServer:
             ("paused", "gauge", "1 while generation is paused", int(e.paused)),
             ("steps_total", "counter", "model steps run", s.steps),
             ("prompt_tokens_total", "counter", "prompt tokens received (x n)", s.prompt_tokens),
-            ("computed_tokens_total", "counter", "tokens run through the model, recomputation included", s.computed_tokens),
+            (
+                "computed_tokens_total",
+                "counter",
+                "tokens run through the model, recomputation included",
+                s.computed_tokens,
+            ),
             ("generated_tokens_total", "counter", "tokens generated", s.generated_tokens),
             ("requests_finished_total", "counter", "requests finished (stop or length)", s.finished_requests),
             ("requests_aborted_total", "counter", "requests aborted", s.aborted_requests),
             ("preemptions_total", "counter", "sequences preempted for lack of KV blocks", e.scheduler.num_preemptions),
-            ("prefix_cache_hit_tokens_total", "counter", "tokens whose KV was reused from the prefix cache", e.scheduler.num_cached_tokens),
+            (
+                "prefix_cache_hit_tokens_total",
+                "counter",
+                "tokens whose KV was reused from the prefix cache",
+                e.scheduler.num_cached_tokens,
+            ),
         ]
-        text = "".join(f"# HELP vime_engine_{n} {h}\n# TYPE vime_engine_{n} {t}\nvime_engine_{n} {v}\n" for n, t, h, v in rows)
+        text = "".join(
+            f"# HELP vime_engine_{n} {h}\n# TYPE vime_engine_{n} {t}\nvime_engine_{n} {v}\n" for n, t, h, v in rows
+        )
         return web.Response(text=text, content_type="text/plain")
 
     def app(self) -> web.Application:
@@ -355,7 +410,11 @@ class EngineServer:
         }
         for path, handler in post.items():
             app.router.add_post(path, handler)
-        for path, handler in {"/health": self.health, "/get_model_info": self.model_info, "/metrics": self.metrics}.items():
+        for path, handler in {
+            "/health": self.health,
+            "/get_model_info": self.model_info,
+            "/metrics": self.metrics,
+        }.items():
             app.router.add_get(path, handler)
         return app
 
@@ -390,20 +449,46 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m vime.engine.server", description="the vime rollout engine (HTTP)")
     p.add_argument("--model-path", required=True, help="HF model directory (or 'smollm2' / 'tiny')")
     p.add_argument("--host", default="127.0.0.1", help="an address other than loopback needs --api-key")
-    p.add_argument("--api-key", default=None, help=f"token every route but /health requires (Authorization: Bearer); default: ${API_KEY_ENV}, which keeps it out of the process list")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"token every route but /health requires (Authorization: Bearer); default: ${API_KEY_ENV}, which keeps it out of the process list",
+    )
     p.add_argument("--port", type=int, default=30000, help="0 picks a free port (printed in the ready line)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="auto: bfloat16 on GPU, float32 on CPU")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: bfloat16 on GPU, float32 on CPU",
+    )
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="default: from --kv-cache-gb, or a share of free GPU memory")
+    p.add_argument(
+        "--num-kv-blocks", type=int, default=None, help="default: from --kv-cache-gb, or a share of free GPU memory"
+    )
     p.add_argument("--kv-cache-gb", type=float, default=None)
-    p.add_argument("--kv-cache-memory-fraction", type=float, default=0.5, help="GPU: share of the memory free after loading weights")
+    p.add_argument(
+        "--kv-cache-memory-fraction",
+        type=float,
+        default=0.5,
+        help="GPU: share of the memory free after loading weights",
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None, help="longest sequence (prompt + output); default: the model's max_position_embeddings")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest sequence (prompt + output); default: the model's max_position_embeddings",
+    )
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every step runs eagerly (debugging)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: half the cores, the trainer needs the rest)")
+    p.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: half the cores, the trainer needs the rest)",
+    )
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone (set by launch_engine)")
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
@@ -429,12 +514,22 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.num_threads or max(1, (os.cpu_count() or 2) // 2))
     model_path = str(resolve_model(args.model_path))
     dtype = args.dtype if args.dtype != "auto" else ("float32" if args.device == "cpu" else "bfloat16")
-    engine = LLMEngine(EngineConfig(
-        model_path=model_path, device=args.device, dtype=dtype, max_num_seqs=args.max_num_seqs,
-        num_kv_blocks=args.num_kv_blocks, kv_cache_gb=args.kv_cache_gb, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
-        block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        cuda_graphs=not args.enforce_eager, seed=args.seed,
-    ))
+    engine = LLMEngine(
+        EngineConfig(
+            model_path=model_path,
+            device=args.device,
+            dtype=dtype,
+            max_num_seqs=args.max_num_seqs,
+            num_kv_blocks=args.num_kv_blocks,
+            kv_cache_gb=args.kv_cache_gb,
+            kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+            block_size=args.block_size,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            cuda_graphs=not args.enforce_eager,
+            seed=args.seed,
+        )
+    )
     asyncio.run(_serve(EngineServer(engine, model_path, args.api_key), args.host, args.port, args.parent_pid))
 
 
@@ -458,7 +553,7 @@ async def _serve(server: EngineServer, host: str, port: int, parent_pid: int | N
             break
         try:
             await asyncio.wait_for(stop.wait(), timeout=1.0)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
     if server.fatal is None:  # answer whoever is still waiting (partial outputs, finish reason abort)
         await server.call(lambda: server._deliver(server.engine.abort()))

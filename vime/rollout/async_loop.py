@@ -9,13 +9,15 @@ task escape `run_forever`, which ended the thread and left every later `run()` (
 clients at the end of a run, say) waiting for ever. The exception still reaches whoever awaits
 that task; the loop just goes on.
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import threading
+from collections.abc import Coroutine
 from concurrent.futures import Future
-from typing import Any, Coroutine, TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -51,7 +53,9 @@ def submit(coro: Coroutine[Any, Any, T]) -> Future[T]:
 def run(coro: Coroutine[Any, Any, T]) -> T:
     """Run a coroutine on the rollout loop and block until it finishes."""
     if threading.current_thread().name == "vime-rollout-loop":
-        raise RuntimeError("vime.rollout.async_loop.run() called from the rollout loop itself; await the coroutine instead")
+        raise RuntimeError(
+            "vime.rollout.async_loop.run() called from the rollout loop itself; await the coroutine instead"
+        )
     return submit(coro).result()
 
 

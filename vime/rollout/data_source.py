@@ -4,6 +4,7 @@ The data source is the only place that knows the data position (epoch, offset) a
 prompts taken out but not trained on (re-queued groups, and groups still out with a rollout),
 so it is also what a checkpoint must save for a resumed run to continue on exactly the next prompt.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,8 +16,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from vime.rollout.types import Sample, Status
 from vime.errors import VimeError
+from vime.rollout.types import Sample, Status
 
 _SLICE_RE = re.compile(r"^(?P<path>.+)@\[(?P<a>[^\]:]*):(?P<b>[^\]:]*)\]$")
 JSON_SUFFIXES = (".jsonl", ".json")
@@ -42,7 +43,9 @@ def _split_spec(spec: str) -> tuple[Path, slice]:
         except ValueError:
             bounds = None
     if bounds is None:
-        raise DataError(f"bad row slice in '{spec}': write path@[start:end] with integer bounds, e.g. data.jsonl@[0:1000] or data.jsonl@[-100:]")
+        raise DataError(
+            f"bad row slice in '{spec}': write path@[start:end] with integer bounds, e.g. data.jsonl@[0:1000] or data.jsonl@[-100:]"
+        )
     return Path(m["path"]), slice(*bounds)
 
 
@@ -53,7 +56,9 @@ def _read_json_rows(path: Path) -> list[tuple[int, Any]]:
         try:
             return [(0, row) for row in json.loads(text)]
         except json.JSONDecodeError as e:
-            raise DataError(f"{path}: malformed JSON at line {e.lineno} ({e.msg}); fix the file or write one object per line (.jsonl)") from None
+            raise DataError(
+                f"{path}: malformed JSON at line {e.lineno} ({e.msg}); fix the file or write one object per line (.jsonl)"
+            ) from None
     rows = []
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -61,13 +66,17 @@ def _read_json_rows(path: Path) -> list[tuple[int, Any]]:
         try:
             rows.append((lineno, json.loads(line)))
         except json.JSONDecodeError as e:
-            raise DataError(f"{path}: malformed JSON on line {lineno} ({e.msg}); each line must be one JSON object") from None
+            raise DataError(
+                f"{path}: malformed JSON on line {lineno} ({e.msg}); each line must be one JSON object"
+            ) from None
     return rows
 
 
 def _read_rows(path: Path) -> list[tuple[int, Any]]:
     if not path.exists():
-        raise DataError(f"prompt data file {path} not found: check --prompt-data / --eval-prompt-data (make one with `vime data`)")
+        raise DataError(
+            f"prompt data file {path} not found: check --prompt-data / --eval-prompt-data (make one with `vime data`)"
+        )
     if path.is_dir():
         raise DataError(f"prompt data {path} is a directory: point at a .jsonl or .parquet file inside it")
     suffix = path.suffix.lower()
@@ -80,7 +89,9 @@ def _read_rows(path: Path) -> list[tuple[int, Any]]:
             return [(0, row) for row in pq.read_table(path).to_pylist()]
         except Exception as e:  # pyarrow raises several types for a damaged file
             raise DataError(f"{path}: cannot read Parquet ({type(e).__name__}: {e})") from None
-    raise DataError(f"prompt data {path}: unknown extension '{path.suffix}'; use .jsonl, .json (JSON lines) or .parquet")
+    raise DataError(
+        f"prompt data {path}: unknown extension '{path.suffix}'; use .jsonl, .json (JSON lines) or .parquet"
+    )
 
 
 def _where(path: Path, row: int, lineno: int) -> str:
@@ -92,7 +103,9 @@ def _check_input(value: Any, where: str, key: str) -> str | list[dict[str, Any]]
         return value
     if isinstance(value, list) and value and all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
         return [dict(m) for m in value]
-    raise DataError(f"{where}: '{key}' must be a string or a list of chat messages [{{role, content}}], got {type(value).__name__}")
+    raise DataError(
+        f"{where}: '{key}' must be a string or a list of chat messages [{{role, content}}], got {type(value).__name__}"
+    )
 
 
 def _check_metadata(value: Any, where: str, key: str) -> dict[str, Any]:
@@ -104,7 +117,9 @@ def _check_metadata(value: Any, where: str, key: str) -> dict[str, Any]:
         except json.JSONDecodeError:
             pass
     if not isinstance(value, dict):
-        raise DataError(f"{where}: '{key}' must be a dict (or JSON text of one), got {type(value).__name__}; set --metadata-key to another column")
+        raise DataError(
+            f"{where}: '{key}' must be a dict (or JSON text of one), got {type(value).__name__}; set --metadata-key to another column"
+        )
     return value
 
 
@@ -132,12 +147,18 @@ def _gsm8k_label(value: Any, where: str, key: str) -> str:
     """GSM8K's `answer` is a worked solution ending in `#### 72`; the label is what follows."""
     _, sep, tail = str(value).rpartition("####")
     if not sep or not tail.strip():
-        raise DataError(f"{where}: '{key}' does not end in '#### <answer>', which --label-format gsm8k reads; drop the flag if the labels are plain answers")
+        raise DataError(
+            f"{where}: '{key}' does not end in '#### <answer>', which --label-format gsm8k reads; drop the flag if the labels are plain answers"
+        )
     return tail.strip().replace(",", "")
 
 
 def load_prompts(
-    spec: str | Path, input_key: str = "input", label_key: str = "label", metadata_key: str = "metadata", label_format: str = "text"
+    spec: str | Path,
+    input_key: str = "input",
+    label_key: str = "label",
+    metadata_key: str = "metadata",
+    label_format: str = "text",
 ) -> list[dict[str, Any]]:
     """Rows of a JSONL/Parquet file (optionally `path@[a:b]`) as `{"input", "label", "metadata"}`.
 
@@ -148,7 +169,11 @@ def load_prompts(
     raw = _read_rows(path)
     numbered = list(enumerate(raw))[rows_slice]
     if not numbered:
-        sliced = "" if rows_slice == slice(None) else f" after slicing to [{rows_slice.start}:{rows_slice.stop}] of {len(raw)} rows"
+        sliced = (
+            ""
+            if rows_slice == slice(None)
+            else f" after slicing to [{rows_slice.start}:{rows_slice.stop}] of {len(raw)} rows"
+        )
         raise DataError(f"prompt data {spec} is empty{sliced}: it needs at least one row")
     out = []
     for row_index, (lineno, row) in numbered:
@@ -183,22 +208,30 @@ class PromptRenderer:
         self.use_template = bool(args.apply_chat_template)
         self.template_kwargs = dict(args.apply_chat_template_kwargs or {})
         if self.use_template and not getattr(tokenizer, "chat_template", None):
-            raise DataError(f"--apply-chat-template is set but the tokenizer of {source} has no chat template: drop the flag or use an instruct model")
+            raise DataError(
+                f"--apply-chat-template is set but the tokenizer of {source} has no chat template: drop the flag or use an instruct model"
+            )
 
     def render(self, prompt: str | list[dict[str, Any]], where: str) -> tuple[str, list[int]]:
         if not self.use_template:
             if not isinstance(prompt, str):
-                raise DataError(f"{where}: the input is a list of chat messages; pass --apply-chat-template to render it")
+                raise DataError(
+                    f"{where}: the input is a list of chat messages; pass --apply-chat-template to render it"
+                )
             # no template: plain text, so the tokenizer adds its usual BOS where it has one
             return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=True))
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         # render to text, then encode: transformers 5 returns a BatchEncoding for tokenize=True,
         # and the template already holds any BOS, so no special tokens are added again
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **self.template_kwargs)
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **self.template_kwargs
+        )
         return text, list(self.tokenizer.encode(text, add_special_tokens=False))
 
 
-def fit_prompts(rows: list[dict[str, Any]], renderer: PromptRenderer, source: str, max_prompt_len: int, skip: bool) -> tuple[list[dict[str, Any]], int]:
+def fit_prompts(
+    rows: list[dict[str, Any]], renderer: PromptRenderer, source: str, max_prompt_len: int, skip: bool
+) -> tuple[list[dict[str, Any]], int]:
     """(the rows whose prompt fits, how many did not). A prompt of `max_prompt_len` tokens or
     fewer leaves room for a response. Every row is rendered now, so a long or malformed prompt
     fails at start-up, not when its turn comes hours in. Without `skip`, the first prompt that
@@ -214,11 +247,15 @@ def fit_prompts(rows: list[dict[str, Any]], renderer: PromptRenderer, source: st
                 "shorten or remove it, or pass --skip-overlong-prompts"
             )
     if not kept:
-        raise DataError(f"{source}: every prompt is longer than {max_prompt_len} tokens, the most the model takes before its answer: shorten them or use a model of a longer context")
+        raise DataError(
+            f"{source}: every prompt is longer than {max_prompt_len} tokens, the most the model takes before its answer: shorten them or use a model of a longer context"
+        )
     return kept, len(rows) - len(kept)
 
 
-def load_eval_samples(args, tokenizer, path: str | Path, limit: int | None = None, max_prompt_len: int | None = None) -> list[Sample]:
+def load_eval_samples(
+    args, tokenizer, path: str | Path, limit: int | None = None, max_prompt_len: int | None = None
+) -> list[Sample]:
     """The first `limit` rows of an eval set as tokenized Samples (index = group_index = row);
     prompts longer than `max_prompt_len` refused or, with --skip-overlong-prompts, left out."""
     rows = load_prompts(path, args.input_key, args.label_key, args.metadata_key, args.label_format)
@@ -228,7 +265,9 @@ def load_eval_samples(args, tokenizer, path: str | Path, limit: int | None = Non
     samples = []
     for i, row in enumerate(rows[:limit]):
         text, ids = renderer.render(row["input"], f"{path} row {i}")
-        samples.append(Sample(index=i, group_index=i, prompt=text, label=row["label"], tokens=ids, metadata=dict(row["metadata"])))
+        samples.append(
+            Sample(index=i, group_index=i, prompt=text, label=row["label"], tokens=ids, metadata=dict(row["metadata"]))
+        )
     return samples
 
 
@@ -286,7 +325,9 @@ class DataSource:
         self.renderer = PromptRenderer(args, tokenizer, str(args.prompt_data))
         self.skipped_prompts = 0  # left out by --skip-overlong-prompts (fit_prompts)
         if max_prompt_len is not None:
-            self.rows, self.skipped_prompts = fit_prompts(self.rows, self.renderer, str(args.prompt_data), max_prompt_len, args.skip_overlong_prompts)
+            self.rows, self.skipped_prompts = fit_prompts(
+                self.rows, self.renderer, str(args.prompt_data), max_prompt_len, args.skip_overlong_prompts
+            )
         self.n_per_prompt = int(args.n_samples_per_prompt)
         self.epoch = 0
         self.offset = 0  # position in this epoch's order
@@ -298,7 +339,9 @@ class DataSource:
         self.outstanding: dict[int, list[Sample]] = {}
         self._lock = threading.RLock()
         self._order = self._epoch_order(0)
-        self.renderer.render(self.rows[0]["input"], f"{args.prompt_data} row 0")  # a bad template fails now, not mid-run
+        self.renderer.render(
+            self.rows[0]["input"], f"{args.prompt_data} row 0"
+        )  # a bad template fails now, not mid-run
 
     def __len__(self) -> int:
         return len(self.rows)  # rows never change after __init__: no lock needed
@@ -323,7 +366,14 @@ class DataSource:
         row = self.rows[row_index]
         text, ids = self.renderer.render(row["input"], f"{self.args.prompt_data} row {row_index}")
         group = [
-            Sample(index=self.next_index + k, group_index=self.next_group, prompt=text, label=row["label"], tokens=list(ids), metadata=dict(row["metadata"]))
+            Sample(
+                index=self.next_index + k,
+                group_index=self.next_group,
+                prompt=text,
+                label=row["label"],
+                tokens=list(ids),
+                metadata=dict(row["metadata"]),
+            )
             for k in range(self.n_per_prompt)
         ]
         self.next_index += self.n_per_prompt

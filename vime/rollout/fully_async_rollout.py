@@ -27,6 +27,7 @@ outstanding in the data source, so a checkpoint saves it for the resumed run to 
 The worker belongs to the run (`args.runtime.worker`): started by the first call, told of every
 push through `RolloutRuntime.set_engine_version`, stopped when the run closes.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -63,7 +64,9 @@ class AsyncRolloutWorker:
         self.inflight = 0
         self.counts = {"requeued": 0, "dropped_stale": 0, "resumed": 0}
         self.engine_version = engine_version  # kept current by set_engine_version after each push
-        self.spans: dict[int, tuple[float, float]] = {}  # group index → (first request, scored): the batch's rollout time
+        self.spans: dict[
+            int, tuple[float, float]
+        ] = {}  # group index → (first request, scored): the batch's rollout time
         self.next_rollout = first_rollout  # the rollout the next (or current) drain hands out
         self.taken = 0  # groups the drain in progress has taken: still that rollout's
         self.max_inflight_seen = 0
@@ -135,7 +138,11 @@ class AsyncRolloutWorker:
                     return
                 # partial rollout: aborted samples continue from the tokens they already have
                 self.counts["resumed"] += sum(s.status == Status.ABORTED for s in group)
-                group = list(await asyncio.gather(*(fn(args, s, params) if s.status == Status.ABORTED else _done(s) for s in group)))
+                group = list(
+                    await asyncio.gather(
+                        *(fn(args, s, params) if s.status == Status.ABORTED else _done(s) for s in group)
+                    )
+                )
             await score_samples(args, group)
             with self.cond:
                 self.spans[group[0].group_index] = (started, time.perf_counter())
@@ -217,7 +224,9 @@ async def _done(sample: Sample) -> Sample:
 
 def generate_rollout_fully_async(args, rollout_id: int, data_source, evaluation: bool = False) -> RolloutOutput:
     if evaluation:
-        raise ValueError("the fully-async rollout function does not evaluate: evaluation runs through vime.eval (greedy, one batch)")
+        raise ValueError(
+            "the fully-async rollout function does not evaluate: evaluation runs through vime.eval (greedy, one batch)"
+        )
     runtime = runtime_of(args)
     if runtime.worker is None:  # the first call starts the run's worker at the rollout it serves first
         runtime.worker = AsyncRolloutWorker(args, data_source, rollout_id, runtime.engine_version)

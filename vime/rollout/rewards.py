@@ -15,6 +15,7 @@ Three rules shape this module:
   the process alive at exit); pool workers ignore Ctrl-C (the trainer handles it) and exit
   when the trainer is gone.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -26,20 +27,20 @@ import multiprocessing
 import os
 import re
 import signal
-import sys
 import threading
 import weakref
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from decimal import Decimal
 from fractions import Fraction
 from functools import lru_cache
-from typing import Any, Awaitable, Callable
+from typing import Any
 
-from vime.lifetime import exit_with_parent
-from vime.rollout.types import Sample, Status
 from vime.errors import VimeError
+from vime.lifetime import exit_with_parent
 from vime.plugins import load_function
+from vime.rollout.types import Sample, Status
 
 log = logging.getLogger("vime")
 
@@ -55,7 +56,6 @@ BUILTIN_RM_TYPES: dict[str, tuple[float, float, bool]] = {
 # rm types defined in a module of their own: name -> "module:factory", factory(args) -> RewardFn
 MODULE_RM_TYPES: dict[str, str] = {"reasoning_gym": "vime.rollout.rg:make_reward"}
 POOL_WORKERS = 2
-DEFAULT_TIMEOUT_S = 10.0
 
 
 class RewardError(VimeError, ValueError):
@@ -86,7 +86,9 @@ def _boxed_contents(text: str) -> list[str]:
 
 # A sentence ends at . ! or ? followed by a capital: `8. I double checked` ends after 8, while
 # `3.5` does not end, and neither do `48. or 49` and `48. Or 49`, which must stay ambiguous.
-_SENTENCE_END_RE = re.compile(r"[.!?][*_]*\s+(?=[A-Z])(?!(?:Or|Maybe|Perhaps|Possibly|Alternatively|Otherwise|Unless|But|Either)\b)")
+_SENTENCE_END_RE = re.compile(
+    r"[.!?][*_]*\s+(?=[A-Z])(?!(?:Or|Maybe|Perhaps|Possibly|Alternatively|Otherwise|Unless|But|Either)\b)"
+)
 
 
 def _strip_markup(s: str) -> str:
@@ -104,7 +106,7 @@ def _answer_line(text: str) -> str | None:
             continue
         rest = lines[i][matches[-1].end() :]
         if not rest.strip().strip("*_"):  # "**Answer:**" on its own line, the answer below it
-            rest = next((l for l in lines[i + 1 :] if l.strip()), "")
+            rest = next((line for line in lines[i + 1 :] if line.strip()), "")
         rest = _strip_markup(_SENTENCE_END_RE.split(rest.strip(), maxsplit=1)[0])
         if rest:
             return rest
@@ -125,14 +127,110 @@ _LATEX_SPACE_RE = re.compile(r"\\[ ,;:!]|~")
 # Words that change the number before them (`48 thousand`, `3 and a half`, `4 squared`),
 # offer another (`48 or 49`, `48 to fifty`) or hedge it (`48 or more`, `48 at least`).
 _VALUE_WORDS = frozenset(
-    """or nor and to than not no more less fewer least most over under above below about around
-    approximately roughly nearly almost between plus minus negative positive divided squared cubed
-    power root sqrt pi point hundred hundreds thousand thousands million millions billion billions
-    trillion trillions dozen dozens half halves third thirds quarter quarters fourth fourths fifth
-    fifths sixth sixths seventh sevenths eighth eighths ninth ninths tenth tenths hundredth
-    hundredths thousandth thousandths zero one two three four five six seven eight nine ten eleven
-    twelve thirteen fourteen fifteen sixteen seventeen eighteen nineteen twenty thirty forty fifty
-    sixty seventy eighty ninety maybe perhaps possibly""".split()
+    [
+        "or",
+        "nor",
+        "and",
+        "to",
+        "than",
+        "not",
+        "no",
+        "more",
+        "less",
+        "fewer",
+        "least",
+        "most",
+        "over",
+        "under",
+        "above",
+        "below",
+        "about",
+        "around",
+        "approximately",
+        "roughly",
+        "nearly",
+        "almost",
+        "between",
+        "plus",
+        "minus",
+        "negative",
+        "positive",
+        "divided",
+        "squared",
+        "cubed",
+        "power",
+        "root",
+        "sqrt",
+        "pi",
+        "point",
+        "hundred",
+        "hundreds",
+        "thousand",
+        "thousands",
+        "million",
+        "millions",
+        "billion",
+        "billions",
+        "trillion",
+        "trillions",
+        "dozen",
+        "dozens",
+        "half",
+        "halves",
+        "third",
+        "thirds",
+        "quarter",
+        "quarters",
+        "fourth",
+        "fourths",
+        "fifth",
+        "fifths",
+        "sixth",
+        "sixths",
+        "seventh",
+        "sevenths",
+        "eighth",
+        "eighths",
+        "ninth",
+        "ninths",
+        "tenth",
+        "tenths",
+        "hundredth",
+        "hundredths",
+        "thousandth",
+        "thousandths",
+        "zero",
+        "one",
+        "two",
+        "three",
+        "four",
+        "five",
+        "six",
+        "seven",
+        "eight",
+        "nine",
+        "ten",
+        "eleven",
+        "twelve",
+        "thirteen",
+        "fourteen",
+        "fifteen",
+        "sixteen",
+        "seventeen",
+        "eighteen",
+        "nineteen",
+        "twenty",
+        "thirty",
+        "forty",
+        "fifty",
+        "sixty",
+        "seventy",
+        "eighty",
+        "ninety",
+        "maybe",
+        "perhaps",
+        "possibly",
+    ]
 )
 
 
@@ -343,7 +441,10 @@ def _get_pool() -> ProcessPoolExecutor | None:
                 # spawn, not fork: the parent has threads (event loop, torch) that fork would copy
                 # mid-state. Like any spawn pool, a driver script needs an `if __name__ == "__main__"` guard.
                 _pool = ProcessPoolExecutor(
-                    POOL_WORKERS, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker, initargs=(os.getpid(),)
+                    POOL_WORKERS,
+                    mp_context=multiprocessing.get_context("spawn"),
+                    initializer=_init_worker,
+                    initargs=(os.getpid(),),
                 )
             except Exception as e:  # e.g. no /dev/shm semaphores in a sandbox
                 _mark_pool_unavailable(e)
@@ -353,7 +454,11 @@ def _get_pool() -> ProcessPoolExecutor | None:
 def _mark_pool_unavailable(e: BaseException) -> None:
     global _pool_unavailable
     _pool_unavailable = True
-    log.warning("reward process pool unavailable (%s: %s); grading inline in this process", type(e).__name__, " ".join(str(e).split())[:200])
+    log.warning(
+        "reward process pool unavailable (%s: %s); grading inline in this process",
+        type(e).__name__,
+        " ".join(str(e).split())[:200],
+    )
 
 
 def _discard_pool(pool: ProcessPoolExecutor, kill: bool = False) -> None:
@@ -415,7 +520,7 @@ async def _score_builtin(rm_type: str, sample: Sample, timeout: float) -> float:
         except BrokenProcessPool:
             _discard_pool(pool)
             raise
-        except asyncio.TimeoutError:
+        except TimeoutError:
             _discard_pool(pool, kill=True)
             raise
         except (KeyboardInterrupt, SystemExit) as e:  # a worker's, sent back as its result: never the loop's to raise
@@ -433,14 +538,18 @@ async def _in_daemon_thread(fn: Callable, *args: Any) -> Any:
         if fut.done():  # abandoned: the caller timed out
             return
         if error is not None:
-            fut.set_exception(error if isinstance(error, Exception) else RuntimeError(f"reward stopped by {type(error).__name__}"))
+            fut.set_exception(
+                error if isinstance(error, Exception) else RuntimeError(f"reward stopped by {type(error).__name__}")
+            )
         else:
             fut.set_result(result)
 
     def work() -> None:
         try:
             result, error = fn(*args), None
-        except BaseException as e:  # SystemExit from user code too: it must reach the caller, not end the thread silently
+        except (
+            BaseException
+        ) as e:  # SystemExit from user code too: it must reach the caller, not end the thread silently
             result, error = None, e
         try:
             loop.call_soon_threadsafe(settle, result, error)
@@ -455,7 +564,8 @@ async def _in_daemon_thread(fn: Callable, *args: Any) -> Any:
 
 
 def _is_async(fn: Callable) -> bool:
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+    # an object whose __call__ is `async def` is awaited too
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
 def _timeout(args) -> float:
@@ -491,7 +601,9 @@ def get_reward_fn(args) -> RewardFn:
         module_name, _, factory = MODULE_RM_TYPES[rm_type].partition(":")
         return getattr(importlib.import_module(module_name), factory)(args)
     if rm_type not in BUILTIN_RM_TYPES:
-        raise RewardError(f"unknown --rm-type '{rm_type}': use one of {', '.join([*BUILTIN_RM_TYPES, *MODULE_RM_TYPES])}, or --custom-rm-path module:func")
+        raise RewardError(
+            f"unknown --rm-type '{rm_type}': use one of {', '.join([*BUILTIN_RM_TYPES, *MODULE_RM_TYPES])}, or --custom-rm-path module:func"
+        )
 
     timeout = _timeout(args)
 
@@ -513,14 +625,25 @@ async def _safe_reward(fn: RewardFn, sample: Sample) -> tuple[float, str | None]
         if not math.isfinite(score):
             raise ValueError(f"reward is {score}, not a finite number")
         return score, None
-    except (Exception, KeyboardInterrupt, SystemExit) as e:  # anything a reward can throw; cancellation still propagates
+    except (
+        Exception,
+        KeyboardInterrupt,
+        SystemExit,
+    ) as e:  # anything a reward can throw; cancellation still propagates
         timed_out = isinstance(e, (asyncio.TimeoutError, GradingTimeout))
         name = type(e).__name__
         detail = "no result in time, see --reward-timeout" if timed_out else str(e)
         counter = "rollout/reward_timeouts" if timed_out else "rollout/reward_errors"
         if name not in _logged_error_types:
             _logged_error_types.add(name)
-            log.warning("reward of sample %d failed (%s: %s); it scores 0, further %s failures are only counted in %s", sample.index, name, detail, name, counter)
+            log.warning(
+                "reward of sample %d failed (%s: %s); it scores 0, further %s failures are only counted in %s",
+                sample.index,
+                name,
+                detail,
+                name,
+                counter,
+            )
         return 0.0, "timeout" if timed_out else "error"
 
 

@@ -5,15 +5,17 @@ answer, metadata) and the task's config. `--rm-type reasoning_gym` hands that en
 task's `score_answer`, because many tasks cannot be graded by comparing with one label: a
 puzzle with several solutions, an answer whose order does not matter, partial credit.
 """
+
 from __future__ import annotations
 
 import asyncio
 import difflib
 import json
 import weakref
+from collections.abc import Callable, Iterator
 from functools import lru_cache
 from types import ModuleType
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from vime.rollout.data_source import DataError
 from vime.rollout.rewards import RewardError, RewardFn, _in_daemon_thread, _timeout, extract_answer
@@ -58,10 +60,14 @@ def _stored(name: str, entry: dict[str, Any], score: Callable[[str | None, dict[
     try:
         stored = json.loads(json.dumps(entry))
     except (TypeError, ValueError) as e:
-        raise DataError(f"rg:{name}: its entries are not JSON ({e}), so a row cannot carry them to the scorer; vime data cannot write this task") from None
+        raise DataError(
+            f"rg:{name}: its entries are not JSON ({e}), so a row cannot carry them to the scorer; vime data cannot write this task"
+        ) from None
     answer = entry.get("answer")
     if isinstance(answer, str) and score(answer, stored) != score(answer, entry):
-        raise DataError(f"rg:{name}: its scorer grades the entry differently once it went through JSON (tuples become lists); vime data cannot write this task")
+        raise DataError(
+            f"rg:{name}: its scorer grades the entry differently once it went through JSON (tuples become lists); vime data cannot write this task"
+        )
     return stored
 
 
@@ -75,13 +81,18 @@ def rows(name: str, seed: int, size: int, config: dict[str, Any], instruction: s
     try:
         dataset = rg.create_dataset(name, seed=seed, size=size, **config)
     except Exception as e:  # the task's config dataclass: unknown field, failed validation, ...
-        raise DataError(f"rg:{name}: cannot build the task from --rg-config {json.dumps(config)} ({type(e).__name__}: {e}); the fields are its config's, seed and size are vime data's") from None
+        raise DataError(
+            f"rg:{name}: cannot build the task from --rg-config {json.dumps(config)} ({type(e).__name__}: {e}); the fields are its config's, seed and size are vime data's"
+        ) from None
     for index in range(size):
         entry = dataset[index]
         yield {
             "input": f"{entry['question']}\n\n{instruction}",  # many questions end in a list or a board
             "label": entry["answer"],
-            "metadata": {"task": PREFIX + name, METADATA_KEY: {"task": name, "config": config, "entry": _stored(name, entry, dataset.score_answer)}},
+            "metadata": {
+                "task": PREFIX + name,
+                METADATA_KEY: {"task": name, "config": config, "entry": _stored(name, entry, dataset.score_answer)},
+            },
         }
 
 
@@ -100,7 +111,9 @@ def score(response: str | None, metadata: dict[str, Any]) -> float:
     last \\boxed{}, else the Answer: line, else the last number)."""
     spec = metadata.get(METADATA_KEY)
     if not isinstance(spec, dict) or not {"task", "entry"} <= spec.keys():
-        raise ValueError(f"the sample's metadata has no '{METADATA_KEY}' entry: --rm-type reasoning_gym grades rows written by `vime data --task rg:<name>`")
+        raise ValueError(
+            f"the sample's metadata has no '{METADATA_KEY}' entry: --rm-type reasoning_gym grades rows written by `vime data --task rg:<name>`"
+        )
     fn = _scorer(spec["task"], json.dumps(spec.get("config") or {}, sort_keys=True))
     return float(fn(extract_answer(response), spec["entry"]))
 

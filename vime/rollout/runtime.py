@@ -4,6 +4,7 @@ The run creates them once it has placed its engines and closes them at its end; 
 is process-wide. Rollout and generate functions keep slime's signatures, which pass `args`
 (and the data source) only, so they reach these objects as `args.runtime` (`runtime_of`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -64,5 +65,7 @@ def make_clients(urls: list[str], backend: str = "vime", api_key: str | None = N
 def runtime_of(args: Any) -> RolloutRuntime:
     runtime = args.runtime
     if runtime is None:
-        raise RuntimeError("no rollout runtime on args: rollout functions run inside a vime run (vime train / vime eval), which sets args.runtime")
+        raise RuntimeError(
+            "no rollout runtime on args: rollout functions run inside a vime run (vime train / vime eval), which sets args.runtime"
+        )
     return runtime

@@ -3,6 +3,7 @@
 A `Sample` is one prompt + one response. Groups of `--n-samples-per-prompt` samples share a
 prompt and are the unit GRPO normalizes over, so rollout functions return `list[list[Sample]]`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -7,12 +7,14 @@ rollout event loop (`async_loop`). The name is slime's; it talks to any engine b
 The per-sample pieces here (`generate`, `generate_group`, `sampling_params`) are shared by the
 fully-async worker and by evaluation.
 """
+
 from __future__ import annotations
 
 import asyncio
 import time
 import uuid
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from vime.plugins import load_function
 from vime.rollout import async_loop
@@ -27,7 +29,14 @@ _FINISH_TO_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abor
 
 def sampling_params(args, evaluation: bool = False) -> dict:
     if evaluation:
-        return {"max_new_tokens": args.eval_max_response_len, "temperature": 0.0, "top_p": 1.0, "top_k": -1, "stop_token_ids": list(args.rollout_stop_token_ids), "n": 1}
+        return {
+            "max_new_tokens": args.eval_max_response_len,
+            "temperature": 0.0,
+            "top_p": 1.0,
+            "top_k": -1,
+            "stop_token_ids": list(args.rollout_stop_token_ids),
+            "n": 1,
+        }
     return {
         "max_new_tokens": args.rollout_max_response_len,
         "temperature": args.rollout_temperature,
@@ -57,7 +66,11 @@ async def generate(args, sample: Sample, params: dict) -> Sample:
     """
     runtime = runtime_of(args)
     client = runtime.clients[sample.group_index % len(runtime.clients)]  # a group stays on one engine (prefix reuse)
-    params = dict(params, max_new_tokens=params["max_new_tokens"] - sample.response_length, sampling_seed=sample_seed(args, sample))
+    params = dict(
+        params,
+        max_new_tokens=params["max_new_tokens"] - sample.response_length,
+        sampling_seed=sample_seed(args, sample),
+    )
     if params["max_new_tokens"] <= 0:
         sample.status = Status.TRUNCATED
         return sample
@@ -77,7 +90,11 @@ async def generate(args, sample: Sample, params: dict) -> Sample:
 
 def generate_fn(args) -> GenerateFn:
     if args.custom_generate_function_path:
-        return load_function(args.custom_generate_function_path, "--custom-generate-function-path", signature="async generate(args, sample, sampling_params) -> Sample")
+        return load_function(
+            args.custom_generate_function_path,
+            "--custom-generate-function-path",
+            signature="async generate(args, sample, sampling_params) -> Sample",
+        )
     return generate
 
 
@@ -116,5 +133,7 @@ async def _generate_batch(args, rollout_id: int, data_source) -> RolloutOutput:
 
 def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = False) -> RolloutOutput:
     if evaluation:
-        raise ValueError("vime's rollout functions do not evaluate: evaluation runs through vime.eval.evaluate (greedy, graded the same way for every run)")
+        raise ValueError(
+            "vime's rollout functions do not evaluate: evaluation runs through vime.eval.evaluate (greedy, graded the same way for every run)"
+        )
     return async_loop.run(_generate_batch(args, rollout_id, data_source))

@@ -11,13 +11,15 @@ parallelism give the gradient of one big batch, whatever the budget or the rank 
 response positions go through the LM head, in token chunks (`vime.trainer.logprobs`), so no
 batch × vocabulary logits ever exist.
 """
+
 from __future__ import annotations
 
 import itertools
 import math
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,7 +31,14 @@ from vime.rollout.types import Sample
 from vime.trainer import checkpoint
 from vime.trainer.logprobs import chunked_log_probs
 from vime.trainer.loss import OffPolicyCorrection, aggregate, kl_penalty, policy_loss
-from vime.trainer.packing import PackedBatch, pack, plan_packed_micro_batches, register_packed_attention, shard_by_tokens, to_device
+from vime.trainer.packing import (
+    PackedBatch,
+    pack,
+    plan_packed_micro_batches,
+    register_packed_attention,
+    shard_by_tokens,
+    to_device,
+)
 from vime.trainer.perf import mfu, train_flops
 
 
@@ -47,7 +56,11 @@ class TokenScorer(nn.Module):
 
     def forward(self, mb: PackedBatch, temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
         hidden = self.hf.get_decoder()(
-            input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, cu_seq_lens_q=mb.cu_seqlens, max_length_q=mb.max_seqlen
+            input_ids=mb.input_ids,
+            position_ids=mb.position_ids,
+            use_cache=False,
+            cu_seq_lens_q=mb.cu_seqlens,
+            max_length_q=mb.max_seqlen,
         ).last_hidden_state[0]
         head = self.hf.get_output_embeddings()
         if getattr(head, "bias", None) is not None:
@@ -62,7 +75,15 @@ class Actor:
     compute and float32 master weights on CUDA; `fsdp=False` is a plain single-device model.
     """
 
-    def __init__(self, args: Config, model_path: str | Path, device: str = "cpu", fsdp: bool = False, cpu_group: Any = None, tokenizer: Any = None) -> None:
+    def __init__(
+        self,
+        args: Config,
+        model_path: str | Path,
+        device: str = "cpu",
+        fsdp: bool = False,
+        cpu_group: Any = None,
+        tokenizer: Any = None,
+    ) -> None:
         self.args = args
         self.cpu_group = cpu_group  # gloo group for Python objects and metrics (the default one on CPU)
         self.device = torch.device(device)
@@ -84,7 +105,9 @@ class Actor:
                 layer.compile(dynamic=True)
         chunk = args.logprob_chunk_size
         self.scorer = self._wrap(TokenScorer(self.model, chunk))
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_path)  # the run's, or this rank's own
+        self.tokenizer = (
+            tokenizer if tokenizer is not None else load_tokenizer(model_path)
+        )  # the run's, or this rank's own
         pad = self.tokenizer.pad_token_id
         self.pad_token_id: int = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
         self.optimizer = torch.optim.AdamW(
@@ -95,8 +118,14 @@ class Actor:
             fused=self.device.type == "cuda",  # one kernel for all parameters instead of a launch per tensor
         )
         self.correction = OffPolicyCorrection(
-            use_tis=args.use_tis, tis_mode=args.tis_mode, tis_clip=args.tis_clip, tis_clip_low=args.tis_clip_low,
-            use_rs=args.use_rs, rs_level=args.rs_level, rs_lower_bound=args.rs_lower_bound, rs_upper_bound=args.rs_upper_bound,
+            use_tis=args.use_tis,
+            tis_mode=args.tis_mode,
+            tis_clip=args.tis_clip,
+            tis_clip_low=args.tis_clip_low,
+            use_rs=args.use_rs,
+            rs_level=args.rs_level,
+            rs_lower_bound=args.rs_lower_bound,
+            rs_upper_bound=args.rs_upper_bound,
         )
         # coupled PPO: the engine's log-probs are π_old, so nothing is recomputed
         self.use_rollout_logprobs: bool = args.use_rollout_logprobs
@@ -111,7 +140,9 @@ class Actor:
         from transformers import AutoModelForCausalLM
 
         # float32 master weights everywhere; on CUDA, FSDP2 computes in bf16 (`_wrap`)
-        model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32, attn_implementation=register_packed_attention())
+        model = AutoModelForCausalLM.from_pretrained(
+            str(model_path), dtype=torch.float32, attn_implementation=register_packed_attention()
+        )
         model.config.use_cache = False  # training never decodes; a KV cache only costs memory
         return model.to(self.device)
 
@@ -121,7 +152,11 @@ class Actor:
             return scorer
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.device.type == "cuda" else MixedPrecisionPolicy()
+        mp = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if self.device.type == "cuda"
+            else MixedPrecisionPolicy()
+        )
         layers = list(scorer.hf.get_decoder().layers)
         for i, layer in enumerate(layers):
             # the last layer's parameters are needed again at once by the backward: keep them; on
@@ -139,13 +174,23 @@ class Actor:
         lengths = [len(s.tokens) for s in samples]
         budget = self.args.max_tokens_per_gpu
         shards = shard_by_tokens(lengths, self.world)
-        plans = [[[shard[j] for j in mb] for mb in plan_packed_micro_batches([lengths[i] for i in shard], budget)] for shard in shards]
+        plans = [
+            [[shard[j] for j in mb] for mb in plan_packed_micro_batches([lengths[i] for i in shard], budget)]
+            for shard in shards
+        ]
         mine = plans[self.rank]
         # compiled layers get one token count, the budget: each other count risks a compile of
         # its own (inductor guards ranges of it, e.g. T >= 5120; bench/RESULTS.md, issue 16)
         pad_to = budget if self.compiled else None
         for idx in mine:
-            yield pack([samples[i].tokens for i in idx], [samples[i].response_length for i in idx], idx, self.device, pad_to, self.pad_token_id)
+            yield pack(
+                [samples[i].tokens for i in idx],
+                [samples[i].response_length for i in idx],
+                idx,
+                self.device,
+                pad_to,
+                self.pad_token_id,
+            )
         for _ in range(max(len(p) for p in plans) - len(mine)):
             yield pack([[self.pad_token_id] * 2], [1], [], self.device, pad_to, self.pad_token_id)
 
@@ -215,7 +260,11 @@ class Actor:
         steps = []
         for start in range(0, len(samples), gbs):
             sl = slice(start, start + gbs)
-            steps.append(self._optimizer_step(samples[sl], advantages[sl], None if old is None else old[sl], None if ref is None else ref[sl]))
+            steps.append(
+                self._optimizer_step(
+                    samples[sl], advantages[sl], None if old is None else old[sl], None if ref is None else ref[sl]
+                )
+            )
         self._sync()
         elapsed = time.perf_counter() - t0
         metrics = {k: sum(m[k] for m in steps) / len(steps) for k in steps[0]}
@@ -230,7 +279,12 @@ class Actor:
         lengths = [len(s.tokens) for s in samples]
         metrics["perf/actor_train_tok_per_s"] = sum(lengths) / elapsed
         if self.device.type == "cuda":
-            flops = train_flops(self.model.config, lengths, [s.response_length for s in samples], forwards=(old is not None) + (ref is not None))
+            flops = train_flops(
+                self.model.config,
+                lengths,
+                [s.response_length for s in samples],
+                forwards=(old is not None) + (ref is not None),
+            )
             metrics["perf/mfu"] = mfu(flops, elapsed, self.world)
         return metrics
 
@@ -238,7 +292,9 @@ class Actor:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _optimizer_step(self, samples: list[Sample], advantages: Tensor, old: list[Tensor] | None, ref: list[Tensor] | None) -> dict[str, float]:
+    def _optimizer_step(
+        self, samples: list[Sample], advantages: Tensor, old: list[Tensor] | None, ref: list[Tensor] | None
+    ) -> dict[str, float]:
         self.scorer.train()
         self.optimizer.zero_grad(set_to_none=True)
         metrics = self.accumulate_gradients(samples, advantages, old, ref)
@@ -246,12 +302,21 @@ class Actor:
             # nothing to learn from (e.g. every response aborted): AdamW's momentum would still
             # move the weights on zero gradients, so skip the step (every rank sees the same batch)
             self.optimizer.zero_grad(set_to_none=True)
-            return {**metrics, "train/grad_norm": 0.0, "train/lr": float(self.optimizer.param_groups[0]["lr"]), "train/skipped_steps": 0.0}
+            return {
+                **metrics,
+                "train/grad_norm": 0.0,
+                "train/lr": float(self.optimizer.param_groups[0]["lr"]),
+                "train/skipped_steps": 0.0,
+            }
         metrics.update(self._clip_and_step(loss_finite=math.isfinite(metrics["train/loss"])))
         return metrics
 
     def accumulate_gradients(
-        self, samples: list[Sample], advantages: Tensor | Sequence[float], old_log_probs: list[Tensor] | None, ref_log_probs: list[Tensor] | None = None
+        self,
+        samples: list[Sample],
+        advantages: Tensor | Sequence[float],
+        old_log_probs: list[Tensor] | None,
+        ref_log_probs: list[Tensor] | None = None,
     ) -> dict[str, float]:
         """Forward/backward this rank's micro-batches of one optimizer step into `.grad` (no step).
         `old_log_probs` None: the weights have not moved since the rollout's first step, so the
@@ -268,23 +333,35 @@ class Actor:
         advantages = torch.as_tensor(advantages, dtype=torch.float32).flatten()  # one per sample
         # per-sample token tensors, built once per step (each micro-batch concatenates its own)
         masks = [torch.tensor(s.effective_loss_mask(), dtype=torch.float32) for s in samples]
-        rollout_lps = [torch.tensor(s.rollout_log_probs if s.rollout_log_probs is not None else [0.0] * s.response_length, dtype=torch.float32) for s in samples]
-        has_rollout_lps = [m if s.rollout_log_probs is not None else torch.zeros_like(m) for s, m in zip(samples, masks)]
+        rollout_lps = [
+            torch.tensor(
+                s.rollout_log_probs if s.rollout_log_probs is not None else [0.0] * s.response_length,
+                dtype=torch.float32,
+            )
+            for s in samples
+        ]
+        has_rollout_lps = [
+            m if s.rollout_log_probs is not None else torch.zeros_like(m) for s, m in zip(samples, masks)
+        ]
         num_tokens = float(sum(m.sum() for m in masks))
         agg = "seq_sum_const" if a.advantage_estimator == "dr_grpo" else "token_mean"
         max_len = a.rollout_max_response_len
         const = float(max_len * len(samples))
         if (self.correction.active or self.use_rollout_logprobs) and any(s.rollout_log_probs is None for s in samples):
-            raise ValueError("--use-tis, --use-rs and --use-rollout-logprobs need the engine's log-probs on every sample (rollout_log_probs)")
+            raise ValueError(
+                "--use-tis, --use-rs and --use-rollout-logprobs need the engine's log-probs on every sample (rollout_log_probs)"
+            )
         kl_coef, ent_coef = a.kl_loss_coef, a.entropy_coef
         totals: dict[str, Tensor] = {}
         for mb in self._micro_batches(samples):
             log_probs, entropy = self._forward(self.scorer, mb, with_entropy=True)
 
-            def flat(per_sample: list) -> Tensor:
+            def flat(per_sample: list, mb: PackedBatch = mb) -> Tensor:
                 if not mb.indices:  # an empty micro-batch: its one dummy token weighs nothing
                     return torch.zeros(len(mb.targets), device=self.device)
-                return to_device(torch.cat([torch.as_tensor(per_sample[i], dtype=torch.float32) for i in mb.indices]), self.device)
+                return to_device(
+                    torch.cat([torch.as_tensor(per_sample[i], dtype=torch.float32) for i in mb.indices]), self.device
+                )
 
             mask = flat(masks)
             rollout_lp = flat(rollout_lps)
@@ -293,8 +370,15 @@ class Actor:
             else:
                 old = log_probs.detach() if old_log_probs is None else flat(old_log_probs)
             # a sample's advantage on each of its response tokens
-            adv = to_device(advantages[mb.indices].repeat_interleave(torch.tensor(mb.response_lengths)), self.device) if mb.indices else flat([])
-            seq_ids = to_device(torch.repeat_interleave(torch.arange(len(mb.response_lengths)), torch.tensor(mb.response_lengths)), self.device)
+            adv = (
+                to_device(advantages[mb.indices].repeat_interleave(torch.tensor(mb.response_lengths)), self.device)
+                if mb.indices
+                else flat([])
+            )
+            seq_ids = to_device(
+                torch.repeat_interleave(torch.arange(len(mb.response_lengths)), torch.tensor(mb.response_lengths)),
+                self.device,
+            )
             pg, m = policy_loss(
                 log_probs,
                 old,
@@ -315,7 +399,13 @@ class Actor:
             if ent_coef != 0:
                 loss = loss - ent_coef * aggregate(entropy, mask, agg, num_tokens=num_tokens, const=const)
             if ref_log_probs is not None:
-                kl = aggregate(kl_penalty(log_probs, flat(ref_log_probs), a.kl_loss_type), mask, agg, num_tokens=num_tokens, const=const)
+                kl = aggregate(
+                    kl_penalty(log_probs, flat(ref_log_probs), a.kl_loss_type),
+                    mask,
+                    agg,
+                    num_tokens=num_tokens,
+                    const=const,
+                )
                 loss = loss + kl_coef * kl
                 m["kl_loss"] = kl.detach()
             m["loss"] = loss.detach()
@@ -325,7 +415,9 @@ class Actor:
             m["_lp_diff_count"] = has_rollout.sum()
             (loss * self.world).backward()
             for k, v in m.items():  # kept on the device: a float() per metric would stall the GPU each micro-batch
-                totals[f"train/{k}"] = totals.get(f"train/{k}", 0.0) + torch.as_tensor(v).detach().to(self.device, torch.float64)
+                totals[f"train/{k}"] = totals.get(f"train/{k}", 0.0) + torch.as_tensor(v).detach().to(
+                    self.device, torch.float64
+                )
         keys = sorted(totals)
         values = torch.stack([totals[k] for k in keys]).tolist() if keys else []  # the step's one wait for the GPU
         return self._sum_over_ranks(dict(zip(keys, values)))
@@ -358,21 +450,6 @@ class Actor:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)  # gradients are not needed until the next step
         return {"train/grad_norm": float(grad_norm), "train/lr": lr, "train/skipped_steps": 0.0}
-
-    def sft_step(self, samples: list[Sample]) -> dict[str, float]:
-        """One optimizer step of cross-entropy on the loss-masked response tokens (token mean)."""
-        self.scorer.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        masks = [torch.tensor(s.effective_loss_mask(), dtype=torch.float32) for s in samples]
-        num_tokens = float(sum(m.sum() for m in masks))
-        total = 0.0
-        for mb in self._micro_batches(samples):
-            log_probs, _ = self._forward(self.scorer, mb, with_entropy=False)
-            parts = [masks[i] for i in mb.indices] or [torch.zeros(len(mb.targets))]
-            loss = aggregate(-log_probs, torch.cat(parts).to(self.device), "token_mean", num_tokens=num_tokens)
-            (loss * self.world).backward()
-            total += float(loss.detach())
-        return {**self._sum_over_ranks({"train/sft_loss": total}), **self._clip_and_step()}
 
     # ---- weights and checkpoints -----------------------------------------------------
 

@@ -7,6 +7,7 @@ renames it only when complete, so a crash mid-save never leaves a half-written `
 although an intact one sat next to it). So before loading, each candidate's files are checked
 from their headers, newest first, and a damaged one is skipped with a warning naming it.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,9 @@ import random
 import re
 import shutil
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -53,7 +55,9 @@ def save(actor: Actor, final: Path, extra_state: dict[str, Any]) -> Path:
 
     _check_finite(actor, final)
     weights = {name: t.detach().cpu() for name, t in actor.named_weights()}
-    optim = get_optimizer_state_dict(actor.model, actor.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    optim = get_optimizer_state_dict(
+        actor.model, actor.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     error: BaseException | None = None
     if actor.rank == 0:
         try:
@@ -74,13 +78,19 @@ def save(actor: Actor, final: Path, extra_state: dict[str, Any]) -> Path:
 def _check_finite(actor: Actor, final: Path) -> None:
     """Refuse to save non-finite weights (NonFiniteError on every rank alike): a checkpoint
     of NaNs would replace the last good one as the newest. Each rank checks its own shards."""
-    bad = [n for n, p in actor.model.named_parameters() if not bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all())]
+    bad = [
+        n
+        for n, p in actor.model.named_parameters()
+        if not bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all())
+    ]
     count = torch.tensor([len(bad)], dtype=torch.int64)
     if actor.world > 1:
         dist.all_reduce(count, group=actor.cpu_group)
     if int(count):
         where = f" (e.g. {bad[0]})" if bad else ""
-        raise NonFiniteError(f"not writing checkpoint {final}: {int(count)} weight tensors hold non-finite values{where}; the last checkpoint written is intact")
+        raise NonFiniteError(
+            f"not writing checkpoint {final}: {int(count)} weight tensors hold non-finite values{where}; the last checkpoint written is intact"
+        )
 
 
 def _write(actor: Actor, final: Path, weights: dict[str, Tensor], state: dict[str, Any]) -> None:
@@ -93,7 +103,9 @@ def _write(actor: Actor, final: Path, weights: dict[str, Tensor], state: dict[st
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
-    except Exception as e:  # a full disk, a directory made read-only mid-run (safetensors and torch raise their own types)
+    except (
+        Exception
+    ) as e:  # a full disk, a directory made read-only mid-run (safetensors and torch raise their own types)
         shutil.rmtree(tmp, ignore_errors=True)
         free = shutil.disk_usage(final.parent).free / 2**20
         detail = " ".join((getattr(e, "strerror", None) or str(e)).split())[:200]
@@ -129,7 +141,9 @@ def load(actor: Actor, ckpt: Path) -> dict[str, Any]:
     expected = set(actor.model.state_dict()) - actor._aliases
     missing, unexpected = expected - set(weights), set(weights) - expected
     if missing or unexpected:
-        raise CheckpointError(f"checkpoint {ckpt} does not match the model: missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}")
+        raise CheckpointError(
+            f"checkpoint {ckpt} does not match the model: missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}"
+        )
     state = torch.load(state_file, map_location="cpu", weights_only=False)  # our own file: holds python objects
     options = StateDictOptions(full_state_dict=True, strict=False)
     set_model_state_dict(actor.model, weights, options=options)
@@ -143,13 +157,19 @@ def iter_weights(ckpt: Path) -> Iterator[tuple[str, Tensor]]:
     from safetensors.torch import load_file
 
     index = ckpt / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    )
     for f in files:
         yield from load_file(str(ckpt / f)).items()
 
 
 def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -181,7 +201,11 @@ def problem(ckpt: Path) -> str | None:
         return f"{TRAINER_STATE} is damaged ({e})"
     index = ckpt / "model.safetensors.index.json"
     try:
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+        files = (
+            sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            if index.exists()
+            else ["model.safetensors"]
+        )
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError, OSError) as e:
         return f"{index.name} is damaged ({type(e).__name__})"
     for name in files:
@@ -196,7 +220,9 @@ def problem(ckpt: Path) -> str | None:
 def latest_checkpoint(save_dir: Path, warn: bool = True) -> Path | None:
     """The newest `<step>/` in `save_dir` that is whole; each newer damaged one is named in a
     warning (`warn=False`: silently, for a check that runs before the run's log exists)."""
-    steps = sorted((int(p.name) for p in save_dir.glob("*") if p.is_dir() and re.fullmatch(r"\d+", p.name)), reverse=True)
+    steps = sorted(
+        (int(p.name) for p in save_dir.glob("*") if p.is_dir() and re.fullmatch(r"\d+", p.name)), reverse=True
+    )
     for step in steps:
         ckpt = save_dir / str(step)
         why = problem(ckpt)

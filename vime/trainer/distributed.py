@@ -1,7 +1,7 @@
 """Trainer ranks: start them, and drive them all from rank 0 with the one-process Actor API.
 
 The driver loop runs on rank 0 and calls `train_step`, `compute_log_probs`, `named_weights`,
-`save`, `load`, `sft_step` as if the trainer were one process. `DistributedActor` sends each
+`save`, `load` as if the trainer were one process. `DistributedActor` sends each
 call (method name and arguments, pickled, over a gloo group) to the other ranks, then makes it
 locally; every rank then runs the same Actor method on the same batch, which is SPMD. Ranks
 come from `torch.multiprocessing` (one machine, `python train.py`) or from `torchrun` (any
@@ -13,6 +13,7 @@ World size: `--actor-num-nodes × --actor-num-gpus-per-node` on CUDA; on CPU `ac
 gets a process group, because FSDP2's mixed precision (bf16 compute, float32 master weights
 and optimizer state) is how the trainer runs there.
 """
+
 from __future__ import annotations
 
 import logging
@@ -20,9 +21,10 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,7 +48,9 @@ def world_size(args: Config, device: str) -> int:
     return args.actor_num_procs
 
 
-def launch_actor(args: Config, model_dir: str | Path, device: str = "cpu", tokenizer: Any = None) -> Actor | DistributedActor:
+def launch_actor(
+    args: Config, model_dir: str | Path, device: str = "cpu", tokenizer: Any = None
+) -> Actor | DistributedActor:
     """The trainer for this run, as seen by the driver.
 
     One CPU process: a plain `Actor`. Otherwise a `DistributedActor` on rank 0, after
@@ -71,11 +75,15 @@ def launch_actor(args: Config, model_dir: str | Path, device: str = "cpu", token
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         ctx = mp.get_context("spawn")  # a fresh interpreter: no CUDA context or threads inherited
         for rank in range(1, world):
-            p = ctx.Process(target=_worker, args=(rank, world, init_method, args, str(model_dir), device, os.getpid()), daemon=True)
+            p = ctx.Process(
+                target=_worker, args=(rank, world, init_method, args, str(model_dir), device, os.getpid()), daemon=True
+            )
             p.start()
             procs.append(p)
         _init(0, world, init_method, device, 0)
-    return DistributedActor(args, model_dir, _rank_device(device, int(os.environ.get("LOCAL_RANK", 0))), procs, tokenizer)
+    return DistributedActor(
+        args, model_dir, _rank_device(device, int(os.environ.get("LOCAL_RANK", 0))), procs, tokenizer
+    )
 
 
 class DistributedActor:
@@ -86,7 +94,9 @@ class DistributedActor:
     are rank 0's Actor's.
     """
 
-    def __init__(self, args: Config, model_dir: str | Path, device: str, procs: list[Any], tokenizer: Any = None) -> None:
+    def __init__(
+        self, args: Config, model_dir: str | Path, device: str, procs: list[Any], tokenizer: Any = None
+    ) -> None:
         self.cpu_group = _cpu_group()
         self.local = Actor(args, model_dir, device, fsdp=True, cpu_group=self.cpu_group, tokenizer=tokenizer)
         self.procs = procs
@@ -104,9 +114,6 @@ class DistributedActor:
 
     def compute_log_probs(self, samples: list) -> list[torch.Tensor]:
         return self._call("compute_log_probs", samples)
-
-    def sft_step(self, samples: list) -> dict[str, float]:
-        return self._call("sft_step", samples)
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors, one at a time; iterate to the end (the other ranks gather with you)."""
@@ -139,7 +146,9 @@ def _init(rank: int, world: int, init_method: str, device: str, local_rank: int)
     is_cuda = torch.device(device).type == "cuda"
     if is_cuda:
         torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl" if is_cuda else "gloo", init_method=init_method, rank=rank, world_size=world, timeout=TIMEOUT)
+    dist.init_process_group(
+        "nccl" if is_cuda else "gloo", init_method=init_method, rank=rank, world_size=world, timeout=TIMEOUT
+    )
 
 
 def _cpu_group() -> Any:
@@ -153,7 +162,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, init_method: str, args: Config, model_dir: str, device: str, parent_pid: int) -> None:
+def _worker(
+    rank: int, world: int, init_method: str, args: Config, model_dir: str, device: str, parent_pid: int
+) -> None:
     """Entry point of a spawned rank. It ends with rank 0's process: a SIGKILLed trainer runs no
     cleanup, and a rank waiting in a collective would otherwise hold its device for the
     collective timeout (30 min)."""

@@ -13,6 +13,7 @@ not its normalizer):
   d H / dz       = −p ⊙ (log p + H)
 then dh = (dz / τ) W and dW = Σ (dz / τ)ᵀ h.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -32,19 +33,22 @@ def _stats(logits: Tensor, targets: Tensor, inv_tau: float, with_entropy: bool) 
     z = logits.float() * inv_tau
     lse = torch.logsumexp(z, dim=-1)
     chosen = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-    if with_entropy:
-        entropy = lse - (torch.exp(z - lse.unsqueeze(-1)) * z).sum(-1)  # −Σ p log p
-    else:
-        entropy = torch.zeros_like(lse)
+    entropy = (
+        lse - (torch.exp(z - lse.unsqueeze(-1)) * z).sum(-1) if with_entropy else torch.zeros_like(lse)
+    )  # −Σ p log p
     return chosen, lse, entropy
 
 
-def _grad_logits(logits: Tensor, targets: Tensor, lse: Tensor, entropy: Tensor, g_chosen: Tensor, g_entropy: Tensor, inv_tau: float) -> Tensor:
+def _grad_logits(
+    logits: Tensor, targets: Tensor, lse: Tensor, entropy: Tensor, g_chosen: Tensor, g_entropy: Tensor, inv_tau: float
+) -> Tensor:
     """d loss / d logits of a chunk, in the logits' dtype: one pointwise pass when compiled."""
     log_p = logits.float() * inv_tau - lse.unsqueeze(-1)
     p = torch.exp(log_p)
     onehot = torch.arange(logits.shape[-1], device=logits.device) == targets.unsqueeze(-1)
-    dz = (onehot.to(p.dtype) - p) * g_chosen.unsqueeze(-1) - g_entropy.unsqueeze(-1) * p * (log_p + entropy.unsqueeze(-1))
+    dz = (onehot.to(p.dtype) - p) * g_chosen.unsqueeze(-1) - g_entropy.unsqueeze(-1) * p * (
+        log_p + entropy.unsqueeze(-1)
+    )
     return (dz * inv_tau).to(logits.dtype)
 
 
@@ -63,15 +67,17 @@ def _fused(device: torch.device) -> tuple:
 
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, with_entropy: bool, chunk: int) -> tuple[Tensor, Tensor]:
+    def forward(
+        ctx: Any, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, with_entropy: bool, chunk: int
+    ) -> tuple[Tensor, Tensor]:
         stats, _ = _fused(hidden.device)
         inv_tau = 1.0 / temperature
         n = hidden.shape[0]
         chosen = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse, entropy = torch.empty_like(chosen), torch.zeros_like(chosen)
         for a in range(0, n, chunk):
-            c, l, e = stats(hidden[a : a + chunk] @ weight.t(), targets[a : a + chunk], inv_tau, with_entropy)
-            chosen[a : a + chunk], lse[a : a + chunk] = c, l
+            c, lse_c, e = stats(hidden[a : a + chunk] @ weight.t(), targets[a : a + chunk], inv_tau, with_entropy)
+            chosen[a : a + chunk], lse[a : a + chunk] = c, lse_c
             if with_entropy:
                 entropy[a : a + chunk] = e
         # the backward recomputes each chunk's logits but not their normalizer
@@ -108,7 +114,12 @@ class _ChunkedLogProbs(torch.autograd.Function):
 
 
 def chunked_log_probs(
-    hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0, with_entropy: bool = False, chunk_size: int = DEFAULT_CHUNK
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_size: int = DEFAULT_CHUNK,
 ) -> tuple[Tensor, Tensor | None]:
     """log softmax(h Wᵀ / τ)[y] for each row of `hidden` [R, H], and the entropy when asked.
 

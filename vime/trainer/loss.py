@@ -6,6 +6,7 @@ denominator the caller chooses*: the actor passes the token count (or Dr.GRPO co
 whole optimizer step, so summing the losses of its micro-batches gives exactly the loss of the
 step, whatever the micro-batch split.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,7 +22,9 @@ TISMode = Literal["truncate", "mask"]
 RSLevel = Literal["token", "sequence", "geometric"]
 
 
-def compute_advantages(rewards: Tensor, estimator: Estimator = "grpo", std_normalize: bool = True, eps: float = 1e-6) -> Tensor:
+def compute_advantages(
+    rewards: Tensor, estimator: Estimator = "grpo", std_normalize: bool = True, eps: float = 1e-6
+) -> Tensor:
     """Group-relative advantages for rewards shaped [num_groups, n_samples_per_prompt].
 
     The baseline is the group mean. GRPO also divides by the group's *population* std
@@ -41,7 +44,9 @@ def compute_advantages(rewards: Tensor, estimator: Estimator = "grpo", std_norma
     return centered / (rewards.std(dim=1, correction=0, keepdim=True) + eps)
 
 
-def group_advantages(groups: list[list[Any]], estimator: Estimator = "grpo", std_normalize: bool = True) -> tuple[Tensor, Tensor]:
+def group_advantages(
+    groups: list[list[Any]], estimator: Estimator = "grpo", std_normalize: bool = True
+) -> tuple[Tensor, Tensor]:
     """A rollout's rewards and advantages as [num_groups, n] tensors, from its groups of samples
     (a missing reward counts 0): what the actor trains on, kept as tensors end to end."""
     rewards = torch.tensor([[s.reward or 0.0 for s in g] for g in groups], dtype=torch.float32)
@@ -49,7 +54,11 @@ def group_advantages(groups: list[list[Any]], estimator: Estimator = "grpo", std
 
 
 def aggregate(
-    values: Tensor, loss_mask: Tensor, agg: Aggregation = "token_mean", num_tokens: float | Tensor | None = None, const: float | None = None
+    values: Tensor,
+    loss_mask: Tensor,
+    agg: Aggregation = "token_mean",
+    num_tokens: float | Tensor | None = None,
+    const: float | None = None,
 ) -> Tensor:
     """Masked sum of per-token `values` divided by the step's denominator.
 
@@ -64,7 +73,9 @@ def aggregate(
         return total / denom.clamp(min=1)
     if agg == "seq_sum_const":
         if const is None or const <= 0:
-            raise ValueError("seq_sum_const aggregation needs a positive const (max response length × number of sequences)")
+            raise ValueError(
+                "seq_sum_const aggregation needs a positive const (max response length × number of sequences)"
+            )
         return total / const
     raise ValueError(f"unknown loss aggregation {agg!r}: use token_mean or seq_sum_const")
 
@@ -104,9 +115,13 @@ class OffPolicyCorrection:
     def __post_init__(self) -> None:
         """The flags are checked with their names in `Config.validate`; this guards direct use."""
         if self.tis_mode not in ("truncate", "mask") or self.rs_level not in ("token", "sequence", "geometric"):
-            raise ValueError(f"tis_mode {self.tis_mode!r} / rs_level {self.rs_level!r}: use truncate|mask and token|sequence|geometric")
+            raise ValueError(
+                f"tis_mode {self.tis_mode!r} / rs_level {self.rs_level!r}: use truncate|mask and token|sequence|geometric"
+            )
         if not (0 <= self.tis_clip_low < self.tis_clip and 0 <= self.rs_lower_bound < self.rs_upper_bound):
-            raise ValueError(f"empty band: TIS [{self.tis_clip_low}, {self.tis_clip}], rejection [{self.rs_lower_bound}, {self.rs_upper_bound}]")
+            raise ValueError(
+                f"empty band: TIS [{self.tis_clip_low}, {self.tis_clip}], rejection [{self.rs_lower_bound}, {self.rs_upper_bound}]"
+            )
 
     @property
     def active(self) -> bool:
@@ -120,7 +135,11 @@ def _in_band(log_w: Tensor, low: float, high: float) -> Tensor:
 
 
 def behaviour_weights(
-    old_log_probs: Tensor, rollout_log_probs: Tensor, loss_mask: Tensor, correction: OffPolicyCorrection, seq_ids: Tensor | None = None
+    old_log_probs: Tensor,
+    rollout_log_probs: Tensor,
+    loss_mask: Tensor,
+    correction: OffPolicyCorrection,
+    seq_ids: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Per-token factor (detached) that `correction` puts on the policy loss, and its metrics.
 
@@ -136,7 +155,11 @@ def behaviour_weights(
     if correction.use_tis:
         inside = _in_band(log_w, correction.tis_clip_low, correction.tis_clip)
         w = torch.exp(log_w)
-        w = w.clamp(correction.tis_clip_low, correction.tis_clip) if correction.tis_mode == "truncate" else torch.where(inside, w, torch.zeros_like(w))
+        w = (
+            w.clamp(correction.tis_clip_low, correction.tis_clip)
+            if correction.tis_mode == "truncate"
+            else torch.where(inside, w, torch.zeros_like(w))
+        )
         factor = factor * w
         sums["tis"] = (w * mask).sum()
         sums["tis_clipfrac"] = ((~inside).to(mask.dtype) * mask).sum()
@@ -223,12 +246,3 @@ def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, kind: KLKind = "low_var
     if kind == "low_var_kl":
         return (torch.exp(-log_ratio) - 1.0 + log_ratio).clamp(min=-10.0, max=10.0)
     raise ValueError(f"unknown KL kind {kind!r}: use low_var_kl, k1 or k2")
-
-
-def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Entropy of the categorical distribution of each row of logits, in float32.
-
-    Works on log-probs too (log_softmax is shift invariant), which is how the actor calls it.
-    """
-    log_p = torch.log_softmax(logits.float(), dim=-1)
-    return -(log_p.exp() * log_p).sum(dim=-1)

@@ -8,6 +8,7 @@ optimizer moves (`Actor._clip_and_step`) and the weights before a checkpoint is 
 step with a bad number is skipped and counted (`train/skipped_steps`); `--max-bad-steps` such
 steps in a row stop the run (`BadSteps`), since by then the cause is not a stray sample.
 """
+
 from __future__ import annotations
 
 import logging
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
 from vime.errors import VimeError
 
 log = logging.getLogger("vime")
@@ -45,7 +47,13 @@ class BadSteps:
             self.in_a_row = 0
             return
         self.in_a_row += 1
-        log.warning("step %d: %s; the optimizer step was skipped (%d in a row, --max-bad-steps %d)", step, why, self.in_a_row, self.limit)
+        log.warning(
+            "step %d: %s; the optimizer step was skipped (%d in a row, --max-bad-steps %d)",
+            step,
+            why,
+            self.in_a_row,
+            self.limit,
+        )
         if self.in_a_row >= self.limit:
             raise NonFiniteError(
                 f"step {step}: {self.in_a_row} steps in a row had non-finite numbers ({why}); the weights and checkpoints are "

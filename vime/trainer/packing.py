@@ -10,12 +10,14 @@ The attention function registered here as `vime_packed` runs FlashAttention's va
 CUDA (bf16/fp16) and otherwise one causal SDPA call per sequence, which is exact in float32 and
 what the CPU tests check against padded batches.
 """
+
 from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -90,8 +92,12 @@ PAD_SEGMENT = 256  # longest sequence of pad tokens: their attention costs next 
 
 
 def pack(
-    token_lists: Sequence[Sequence[int]], response_lengths: Sequence[int], indices: list[int], device: torch.device,
-    pad_to: int | None = None, pad_id: int = 0,
+    token_lists: Sequence[Sequence[int]],
+    response_lengths: Sequence[int],
+    indices: list[int],
+    device: torch.device,
+    pad_to: int | None = None,
+    pad_id: int = 0,
 ) -> PackedBatch:
     """Lay the sequences end to end; mark the positions that score each response token.
 
@@ -179,7 +185,9 @@ def _varlen_usable(device: torch.device) -> bool:
                 with torch.enable_grad():
                     varlen_attn(q, k, k, cu, cu, 5, 5, **_VARLEN).sum().backward()
             except (RuntimeError, TypeError, ValueError, NotImplementedError) as e:
-                log.warning("varlen FlashAttention unavailable (%s); packed attention runs one SDPA call per sequence", e)
+                log.warning(
+                    "varlen FlashAttention unavailable (%s); packed attention runs one SDPA call per sequence", e
+                )
                 ok = False
         _varlen_ok[device] = ok
     return _varlen_ok[device]
@@ -266,7 +274,9 @@ def _sdpa_per_sequence_backward(
 
 
 @_sdpa_per_sequence_backward.register_fake
-def _(grad: Tensor, query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, scale: float | None) -> tuple[Tensor, Tensor, Tensor]:
+def _(
+    grad: Tensor, query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, scale: float | None
+) -> tuple[Tensor, Tensor, Tensor]:
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
 
 

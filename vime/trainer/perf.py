@@ -5,9 +5,11 @@ every token, the LM head on the scored (response) tokens only, causal attention 
 sequence (no cross-sequence or pad work). A padded full-logit trainer and a packed chunked one
 running the same batch are thus credited the same FLOPs, and MFU compares them directly.
 """
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 # Dense bf16 peak of one H100/H200 SXM (vendor datasheet, no sparsity). Measured cuBLAS bf16 on
 # this workplace's H200s is ~790 TFLOP/s, so MFU against 989 tops out near 80%.

@@ -16,6 +16,7 @@ Each engine has its own transport (a colocated run mixes cuda_ipc for the engine
 trainer's GPU with nccl for the others). Pausing generation around a push is the train loop's
 job; this module only moves tensors.
 """
+
 from __future__ import annotations
 
 import logging
@@ -23,10 +24,11 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -46,8 +48,13 @@ class WeightPusher:
     """Pushes named weights to every engine client and stamps them with a weight version."""
 
     def __init__(
-        self, clients: list[Any], transport: str | list[str] = "auto", tmp_dir: str | Path | None = None,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout: float = 120.0, master_address: str = "127.0.0.1",
+        self,
+        clients: list[Any],
+        transport: str | list[str] = "auto",
+        tmp_dir: str | Path | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        timeout: float = 120.0,
+        master_address: str = "127.0.0.1",
     ) -> None:
         transports = [transport] * len(clients) if isinstance(transport, str) else list(transport)
         if len(transports) != len(clients):
@@ -131,7 +138,9 @@ class WeightPusher:
         out = Path(tempfile.mkdtemp(prefix=f"vime-weights-v{version}-", dir=self.tmp_dir))
         t0 = time.perf_counter()
         try:
-            save_file({k: t.cpu() for k, t in weights.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+            save_file(
+                {k: t.cpu() for k, t in weights.items()}, str(out / "model.safetensors"), metadata={"format": "pt"}
+            )
             write_time = time.perf_counter() - t0
             self._each_client(lambda c: c.update_weights_from_disk(str(out), version), clients)
         finally:
@@ -162,21 +171,42 @@ class WeightPusher:
         pool = ThreadPoolExecutor(len(dist_clients), thread_name_prefix="vime-weights")
         try:
             asked = {c: pool.submit(c.model_info) for c in dist_clients}
-            infos = [_result(c, f, "reading its model info", max(0.0, deadline - time.monotonic())) for c, f in asked.items()]
+            infos = [
+                _result(c, f, "reading its model info", max(0.0, deadline - time.monotonic())) for c, f in asked.items()
+            ]
             self._engine_dtype = _common_dtype(infos, [c.url for c in dist_clients])
             tp = [int(i.get("tp_size", 1)) for i in infos]
             world = 1 + sum(tp)
             store = weight_sync.open_store(self.master_address, 0, world, self.timeout)
             offsets = [1 + sum(tp[:i]) for i in range(len(tp))]
             joins = {
-                c: pool.submit(c.init_weights_update_group, {
-                    "master_address": self.master_address, "master_port": store.port, "rank_offset": off, "world_size": world,
-                    "group_name": GROUP_NAME, "backend": backend, "timeout": self.timeout,
-                })
+                c: pool.submit(
+                    c.init_weights_update_group,
+                    {
+                        "master_address": self.master_address,
+                        "master_port": store.port,
+                        "rank_offset": off,
+                        "world_size": world,
+                        "group_name": GROUP_NAME,
+                        "backend": backend,
+                        "timeout": self.timeout,
+                    },
+                )
                 for c, off in zip(dist_clients, offsets)
             }
             check = _failed_calls(joins, "joining the weight group")
-            self._group = weight_sync.join(backend, self.master_address, store.port, 0, world, GROUP_NAME, device, self.timeout, store=store, check=check)
+            self._group = weight_sync.join(
+                backend,
+                self.master_address,
+                store.port,
+                0,
+                world,
+                GROUP_NAME,
+                device,
+                self.timeout,
+                store=store,
+                check=check,
+            )
             for c, f in joins.items():
                 _result(c, f, "joining the weight group", max(0.0, deadline - time.monotonic()))
         except weight_sync.WeightSyncError as e:
@@ -269,7 +299,9 @@ def _common_dtype(infos: list[dict], urls: list[str]) -> torch.dtype:
     """The dtype the engines hold their weights in (pushed in it, so no engine casts)."""
     names = {str(i.get("dtype", "bfloat16")) for i in infos}
     if len(names) != 1 or next(iter(names)) not in weight_sync.DTYPES:
-        raise EngineError(f"engines at {', '.join(urls)} report weight dtypes {sorted(names)}: start them with one --dtype (float32, bfloat16 or float16)")
+        raise EngineError(
+            f"engines at {', '.join(urls)} report weight dtypes {sorted(names)}: start them with one --dtype (float32, bfloat16 or float16)"
+        )
     return weight_sync.DTYPES[names.pop()]
 
 

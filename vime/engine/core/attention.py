@@ -4,6 +4,7 @@ Separate from `kv_cache.py`, which owns the memory (pools, block allocator): thi
 and writes it. On GPU `paged_attention` calls the Triton kernels (`kernels.py`); elsewhere it runs
 plain PyTorch (gather each sequence's blocks, masked SDPA) over the groups `make_group` builds.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -42,7 +43,13 @@ class AttnMetadata:
     max_q_len: int = 1
 
 
-def make_group(token_index: list[list[int]], q_positions: list[list[int]], block_tables: list[list[int]], block_size: int, device: torch.device) -> AttnGroup:
+def make_group(
+    token_index: list[list[int]],
+    q_positions: list[list[int]],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+) -> AttnGroup:
     """Pad a group's per-sequence lists into tensors and build its causal mask once per step."""
     q_len = max(len(r) for r in token_index)
     nb = max(len(t) for t in block_tables)
@@ -55,7 +62,15 @@ def make_group(token_index: list[list[int]], q_positions: list[list[int]], block
     return AttnGroup(idx.to(device), valid.to(device), tables.to(device), mask.to(device))
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMetadata, scale: float) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttnMetadata,
+    scale: float,
+) -> torch.Tensor:
     """Write this step's keys/values into their slots, then attend each group over its blocks.
 
     All writes of a layer happen before any read, so a sequence may read blocks that another
@@ -66,7 +81,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | N
     if meta.block_tables is not None:
         if meta.cu_q is None:
             return kernels.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
-        return kernels.prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.cu_q, meta.max_q_len, scale)
+        return kernels.prefill_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.cu_q, meta.max_q_len, scale
+        )
     n_kv, d = k.shape[1], k.shape[2]
     k_cache.view(-1, n_kv, d).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, n_kv, d).index_copy_(0, meta.slot_mapping, v)

@@ -4,12 +4,13 @@ Single-threaded by design: the server calls every method from its one engine thr
 control operations (abort, pause, weight update) always fall between two steps and need no
 locks. Every generated token is stamped with the weight version that produced it.
 """
+
 from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 import torch
 
@@ -98,24 +99,41 @@ class LLMEngine:
         mc = self.model_config = self.model.config
         num_blocks = cfg.num_kv_blocks or self._auto_num_blocks()
         if num_blocks < 1:
-            raise ValueError("the KV cache has no room for a single block: lower --max-num-seqs or raise --kv-cache-gb / --num-kv-blocks")
-        self.kv_cache = KVCache(mc.num_layers, num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
+            raise ValueError(
+                "the KV cache has no room for a single block: lower --max-num-seqs or raise --kv-cache-gb / --num-kv-blocks"
+            )
+        self.kv_cache = KVCache(
+            mc.num_layers, num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
+        )
         self.allocator = BlockAllocator(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.allocator, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         # A sequence may never outgrow the positions the model knows, the configured limit or the whole cache.
-        self.max_seq_len = min(mc.max_position_embeddings, cfg.max_model_len or mc.max_position_embeddings, num_blocks * cfg.block_size)
-        self.runner = ModelRunner(self.model, self.kv_cache, cfg.block_size, cfg.max_num_seqs, self.max_seq_len, self.device, cfg.cuda_graphs)
+        self.max_seq_len = min(
+            mc.max_position_embeddings, cfg.max_model_len or mc.max_position_embeddings, num_blocks * cfg.block_size
+        )
+        self.runner = ModelRunner(
+            self.model, self.kv_cache, cfg.block_size, cfg.max_num_seqs, self.max_seq_len, self.device, cfg.cuda_graphs
+        )
         self.runner.capture()
         self.requests: dict[str, Request] = {}
         self._views: dict[str, torch.Tensor] | None = None
         self.weight_version = 0
-        self.weights_incomplete: str | None = None  # why the weights are a mix, after a failed update (WeightsIncomplete)
+        self.weights_incomplete: str | None = (
+            None  # why the weights are a mix, after a failed update (WeightsIncomplete)
+        )
         self._update_open = False  # buckets of an update arrived, its last one (flush) not yet
         self.paused = False
         self.stats = EngineStats()
-        self._next_seq_id = 0
         self._rng = random.Random(cfg.seed)  # seeds of requests that bring no sampling_seed
-        log.info("engine: %s %s on %s, %d KV blocks of %d tokens, max sequence length %d", mc.model_type, cfg.dtype, self.device, num_blocks, cfg.block_size, self.max_seq_len)
+        log.info(
+            "engine: %s %s on %s, %d KV blocks of %d tokens, max sequence length %d",
+            mc.model_type,
+            cfg.dtype,
+            self.device,
+            num_blocks,
+            cfg.block_size,
+            self.max_seq_len,
+        )
 
     def _auto_num_blocks(self) -> int:
         mc, cfg = self.model_config, self.cfg
@@ -125,7 +143,9 @@ class LLMEngine:
         elif self.device.type == "cuda":
             budget = torch.cuda.mem_get_info(self.device)[0] * cfg.kv_cache_memory_fraction
         else:  # enough for max_num_seqs full-length sequences, within the CPU budget
-            full = cfg.max_num_seqs * -(-(cfg.max_model_len or mc.max_position_embeddings) // cfg.block_size) * per_block
+            full = (
+                cfg.max_num_seqs * -(-(cfg.max_model_len or mc.max_position_embeddings) // cfg.block_size) * per_block
+            )
             budget = min(full, CPU_KV_CACHE_GB * 2**30)
         return int(budget // per_block)
 
@@ -153,9 +173,12 @@ class LLMEngine:
         for j in range(params.n):
             # A sampling_seed fixes the draws of sample j of this request; otherwise the engine's
             # seeded RNG picks one (reproducible for the same arrival order).
-            seed = mix32(mix32(params.sampling_seed & M32) ^ j) if params.sampling_seed is not None else self._rng.getrandbits(32)
-            seqs.append(Sequence(self._next_seq_id, rid, list(prompt_ids), len(prompt_ids), params, frozenset(stop), seed=seed))
-            self._next_seq_id += 1
+            seed = (
+                mix32(mix32(params.sampling_seed & M32) ^ j)
+                if params.sampling_seed is not None
+                else self._rng.getrandbits(32)
+            )
+            seqs.append(Sequence(rid, list(prompt_ids), len(prompt_ids), params, frozenset(stop), seed=seed))
         req = Request(rid, len(prompt_ids), seqs)
         if params.max_new_tokens == 0:
             for s in seqs:
@@ -194,7 +217,10 @@ class LLMEngine:
             self.stats.generated_tokens += 1
             if tok in seq.stop_ids:
                 seq.finish_reason = "stop"
-            elif len(seq.token_ids) - seq.prompt_len >= seq.params.max_new_tokens or len(seq.token_ids) >= self.max_seq_len:
+            elif (
+                len(seq.token_ids) - seq.prompt_len >= seq.params.max_new_tokens
+                or len(seq.token_ids) >= self.max_seq_len
+            ):
                 seq.finish_reason = "length"
             if seq.finish_reason is not None:
                 self.scheduler.remove(seq)
@@ -212,7 +238,10 @@ class LLMEngine:
         return RequestOutput(
             rid=req.rid,
             prompt_tokens=req.prompt_len,
-            outputs=[SeqOutput(s.output_ids, list(s.logprobs), list(s.weight_versions), s.finish_reason or "abort") for s in req.seqs],
+            outputs=[
+                SeqOutput(s.output_ids, list(s.logprobs), list(s.weight_versions), s.finish_reason or "abort")
+                for s in req.seqs
+            ],
             weight_version=self.weight_version,
         )
 
@@ -244,7 +273,12 @@ class LLMEngine:
     def unpause(self) -> None:
         self.paused = False
 
-    def replace_weights(self, layout: list[tuple[str, tuple[int, ...], torch.dtype | str]], tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]], weight_version: int | None = None) -> int:
+    def replace_weights(
+        self,
+        layout: list[tuple[str, tuple[int, ...], torch.dtype | str]],
+        tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]],
+        weight_version: int | None = None,
+    ) -> int:
         """A whole update (from disk, shared memory or CUDA IPC): all or nothing. The announced
         layout must name every weight of the model, each once, in its shape and a float dtype;
         it is checked before `tensors()` is asked for anything, so a wrong update (another
@@ -253,7 +287,9 @@ class LLMEngine:
         return self.update_weights(tensors(), weight_version)
 
     @torch.no_grad()
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], weight_version: int | None = None, flush: bool = True) -> int:
+    def update_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], weight_version: int | None = None, flush: bool = True
+    ) -> int:
         """Copy HF-named tensors into the model in place; cached prefixes computed with the old
         weights are forgotten (`flush=False`: not yet, more buckets of the same update follow).
         Returns the number of tensors loaded.
@@ -295,10 +331,14 @@ class LLMEngine:
         torn down): the buckets that arrived are a part of the weights, not a version."""
         if self._update_open:
             self._update_open = False
-            self.weights_incomplete = f"a bucketed weight update stopped before its last bucket ({reason}): push a complete update"
+            self.weights_incomplete = (
+                f"a bucketed weight update stopped before its last bucket ({reason}): push a complete update"
+            )
             log.error("%s", self.weights_incomplete)
 
-    def check_weights(self, layout: Iterable[tuple[str, tuple[int, ...], torch.dtype | str]], complete: bool = False) -> None:
+    def check_weights(
+        self, layout: Iterable[tuple[str, tuple[int, ...], torch.dtype | str]], complete: bool = False
+    ) -> None:
         """KeyError / ValueError naming the first announced weight this model does not have, has
         in another shape, or that is not floating point (an integer tensor would be cast without
         a word); with `complete`, also any weight missing or named twice. Checked before anything
@@ -312,7 +352,9 @@ class LLMEngine:
             if tuple(p.shape) != tuple(shape):
                 raise ValueError(f"weight '{name}' has shape {tuple(shape)}, the model expects {tuple(p.shape)}")
             if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-                raise ValueError(f"weight '{name}' has dtype {str(dtype).removeprefix('torch.')}: weights must be floating point")
+                raise ValueError(
+                    f"weight '{name}' has dtype {str(dtype).removeprefix('torch.')}: weights must be floating point"
+                )
             if complete and name in seen:
                 raise ValueError(f"weight '{name}' appears twice in the update")
             seen.add(name)

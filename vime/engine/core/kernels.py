@@ -10,6 +10,7 @@ HF's token for token for as long as near-ties allow.
 The module imports only where Triton does; `AVAILABLE` says whether it did. The kernels also run
 under `TRITON_INTERPRET=1` on CPU tensors, which is how the CPU tests check them.
 """
+
 from __future__ import annotations
 
 import os
@@ -87,8 +88,22 @@ if AVAILABLE:
 
     @triton.jit
     def _qkv_rope_store_kernel(
-        qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, eps,
-        H: tl.constexpr, HKV: tl.constexpr, H_PAD: tl.constexpr, HKV_PAD: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
+        qkv_ptr,
+        cos_ptr,
+        sin_ptr,
+        qw_ptr,
+        kw_ptr,
+        slot_ptr,
+        q_out_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        eps,
+        H: tl.constexpr,
+        HKV: tl.constexpr,
+        H_PAD: tl.constexpr,
+        HKV_PAD: tl.constexpr,
+        D: tl.constexpr,
+        QK_NORM: tl.constexpr,
     ):
         t = tl.program_id(0).to(tl.int64)
         half = tl.arange(0, D // 2)
@@ -136,9 +151,22 @@ if AVAILABLE:
 
     @triton.jit
     def _paged_attend(
-        q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, ctx, end, scale,
-        HKV: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-        PREC: tl.constexpr, CAUSAL: tl.constexpr,
+        q,
+        q_pos,
+        k_cache_ptr,
+        v_cache_ptr,
+        bt_row_ptr,
+        kvh,
+        ctx,
+        end,
+        scale,
+        HKV: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        ROWS: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PREC: tl.constexpr,
+        CAUSAL: tl.constexpr,
     ):
         """Attention of ROWS query rows (all on KV head kvh) over keys [0, end) of one sequence,
         gathered BLOCK_N at a time through its block table (rows of D contiguous values, loaded
@@ -172,9 +200,21 @@ if AVAILABLE:
     # on its value (== 1, divisible by 16) would mean a JIT compile in the middle of serving.
     @triton.jit(do_not_specialize=["bt_stride"])
     def _decode_attn_kernel(
-        q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, out_ptr, scale, bt_stride,
-        H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+        q_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        bt_ptr,
+        ctx_ptr,
+        out_ptr,
+        scale,
+        bt_stride,
+        H: tl.constexpr,
+        HKV: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        G_PAD: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PREC: tl.constexpr,
     ):
         """One program per (sequence, KV head): its G query heads share each K/V load."""
         b = tl.program_id(0).to(tl.int64)
@@ -185,15 +225,46 @@ if AVAILABLE:
         d = tl.arange(0, D)
         gm = (g < G)[:, None]
         q = tl.load(q_ptr + b * (H * D) + (kvh * G + g)[:, None] * D + d[None, :], mask=gm, other=0.0)
-        out = _paged_attend(q, g, k_cache_ptr, v_cache_ptr, bt_ptr + b * bt_stride, kvh, ctx, ctx, scale,
-                            HKV, D, BLOCK_SIZE, G_PAD, BLOCK_N, PREC, False)
-        tl.store(out_ptr + b * (H * D) + (kvh * G + g)[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=gm)
+        out = _paged_attend(
+            q,
+            g,
+            k_cache_ptr,
+            v_cache_ptr,
+            bt_ptr + b * bt_stride,
+            kvh,
+            ctx,
+            ctx,
+            scale,
+            HKV,
+            D,
+            BLOCK_SIZE,
+            G_PAD,
+            BLOCK_N,
+            PREC,
+            False,
+        )
+        tl.store(
+            out_ptr + b * (H * D) + (kvh * G + g)[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=gm
+        )
 
     @triton.jit(do_not_specialize=["bt_stride"])
     def _prefill_attn_kernel(
-        q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, cu_q_ptr, out_ptr, scale, bt_stride,
-        H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+        q_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        bt_ptr,
+        ctx_ptr,
+        cu_q_ptr,
+        out_ptr,
+        scale,
+        bt_stride,
+        H: tl.constexpr,
+        HKV: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PREC: tl.constexpr,
     ):
         """One program per (sequence, head, tile of BLOCK_M new tokens); causal over the whole
         context (cached prefix + this chunk), read through the block table as in decode."""
@@ -211,9 +282,27 @@ if AVAILABLE:
         tok = (q_start + m).to(tl.int64)
         q = tl.load(q_ptr + tok[:, None] * (H * D) + h * D + d[None, :], mask=mm[:, None], other=0.0)
         end = tl.minimum(ctx, ctx - q_len + (tile + 1) * BLOCK_M)  # keys past the tile's last query are never seen
-        out = _paged_attend(q, ctx - q_len + m, k_cache_ptr, v_cache_ptr, bt_ptr + b * bt_stride, h // (H // HKV), ctx, end, scale,
-                            HKV, D, BLOCK_SIZE, BLOCK_M, BLOCK_N, PREC, True)
-        tl.store(out_ptr + tok[:, None] * (H * D) + h * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=mm[:, None])
+        out = _paged_attend(
+            q,
+            ctx - q_len + m,
+            k_cache_ptr,
+            v_cache_ptr,
+            bt_ptr + b * bt_stride,
+            h // (H // HKV),
+            ctx,
+            end,
+            scale,
+            HKV,
+            D,
+            BLOCK_SIZE,
+            BLOCK_M,
+            BLOCK_N,
+            PREC,
+            True,
+        )
+        tl.store(
+            out_ptr + tok[:, None] * (H * D) + h * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=mm[:, None]
+        )
 
     @triton.jit
     def _mix32(x):
@@ -265,26 +354,56 @@ if AVAILABLE:
 # ---- wrappers --------------------------------------------------------------------------
 
 
-def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(x + residual), x + residual); the residual is updated in place. Without a
     residual: (rmsnorm(x), x)."""
     x = x.contiguous()
     out = torch.empty_like(x)
     n = x.shape[-1]
-    _add_rmsnorm_kernel[(x.shape[0],)](x, residual if residual is not None else x, weight, out, n, eps, HAS_RES=residual is not None, BLOCK=_pow2(n))
+    _add_rmsnorm_kernel[(x.shape[0],)](
+        x, residual if residual is not None else x, weight, out, n, eps, HAS_RES=residual is not None, BLOCK=_pow2(n)
+    )
     return out, residual if residual is not None else x
 
 
-def qkv_rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
-                   slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+def qkv_rope_store(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    slots: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> torch.Tensor:
     """Split the fused q/k/v projection, apply per-head RMSNorm (Qwen3) and RoPE, write k and v
     into their cache slots and return q [T, H, D]. cos/sin: [T, D/2] float32."""
     t = qkv.shape[0]
     q = torch.empty(t, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     qk_norm = q_norm is not None
     _qkv_rope_store_kernel[(t,)](
-        qkv, cos, sin, q_norm if qk_norm else qkv, k_norm if qk_norm else qkv, slots, q, k_cache, v_cache, eps,
-        H=num_heads, HKV=num_kv_heads, H_PAD=_pow2(num_heads), HKV_PAD=_pow2(num_kv_heads), D=head_dim, QK_NORM=qk_norm,
+        qkv,
+        cos,
+        sin,
+        q_norm if qk_norm else qkv,
+        k_norm if qk_norm else qkv,
+        slots,
+        q,
+        k_cache,
+        v_cache,
+        eps,
+        H=num_heads,
+        HKV=num_kv_heads,
+        H_PAD=_pow2(num_heads),
+        HKV_PAD=_pow2(num_kv_heads),
+        D=head_dim,
+        QK_NORM=qk_norm,
     )
     return q
 
@@ -298,19 +417,48 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """One new token per sequence: q [B, H, D] → [B, H, D], over caches [blocks, block_size, Hkv, D]."""
     b, h, d = q.shape
     hkv, bs = k_cache.shape[2], k_cache.shape[1]
     out = torch.empty_like(q)
     _decode_attn_kernel[(b, hkv)](
-        q, k_cache, v_cache, block_tables, context_lens, out, scale, block_tables.stride(0),
-        H=h, HKV=hkv, D=d, BLOCK_SIZE=bs, G_PAD=max(16, _pow2(h // hkv)), BLOCK_N=64 if q.dtype != torch.float32 else 32, PREC=_precision(q.dtype),
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        out,
+        scale,
+        block_tables.stride(0),
+        H=h,
+        HKV=hkv,
+        D=d,
+        BLOCK_SIZE=bs,
+        G_PAD=max(16, _pow2(h // hkv)),
+        BLOCK_N=64 if q.dtype != torch.float32 else 32,
+        PREC=_precision(q.dtype),
     )
     return out
 
 
-def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, cu_q: torch.Tensor, max_q_len: int, scale: float) -> torch.Tensor:
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    cu_q: torch.Tensor,
+    max_q_len: int,
+    scale: float,
+) -> torch.Tensor:
     """Packed chunks of new tokens (sequence i owns q[cu_q[i]:cu_q[i+1]], the last tokens of its
     context_lens[i]); q [T, H, D] → [T, H, D]."""
     t, h, d = q.shape
@@ -319,8 +467,22 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     block_m = 64 if q.dtype != torch.float32 else 32  # float32 tiles take twice the shared memory
     grid = (context_lens.shape[0], h, triton.cdiv(max_q_len, block_m))
     _prefill_attn_kernel[grid](
-        q, k_cache, v_cache, block_tables, context_lens, cu_q, out, scale, block_tables.stride(0),
-        H=h, HKV=hkv, D=d, BLOCK_SIZE=bs, BLOCK_M=block_m, BLOCK_N=32, PREC=_precision(q.dtype),
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        cu_q,
+        out,
+        scale,
+        block_tables.stride(0),
+        H=h,
+        HKV=hkv,
+        D=d,
+        BLOCK_SIZE=bs,
+        BLOCK_M=block_m,
+        BLOCK_N=32,
+        PREC=_precision(q.dtype),
     )
     return out
 

@@ -5,6 +5,7 @@ is never fragmented or reserved for a maximum length. Full blocks are remembered
 (chained over the prefix), so requests that share a prompt, as the samples of a GRPO group do,
 compute its KV once. Attention over these blocks is in `attention.py`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,7 +20,16 @@ class KVCache:
     batch write their keys and values there, so they can never touch a live sequence's.
     """
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         self.shape = (num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim)
         self.scratch_block = num_blocks
         self.dtype, self.device = dtype, device

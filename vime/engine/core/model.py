@@ -7,21 +7,22 @@ forward takes a flat, packed batch of tokens (many sequences, each contributing 
 number of new tokens) and reads/writes past keys and values through the paged KV cache. On
 CUDA the elementwise chains run as fused Triton kernels (`kernels.py`), on CPU as PyTorch ops.
 """
+
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-COPY_BATCH_BYTES = 256 * 2**20  # same-device weights copied per _foreach_copy_
-
 from vime.engine.core import kernels
 from vime.engine.core.attention import AttnMetadata, paged_attention
+
+COPY_BATCH_BYTES = 256 * 2**20  # same-device weights copied per _foreach_copy_
 
 SUPPORTED_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
@@ -51,13 +52,15 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
 
     @classmethod
-    def from_hf_dir(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_hf_dir(cls, model_dir: str | Path) -> ModelConfig:
         """Read config.json (+ generation_config.json for extra eos ids); refuse what we cannot run."""
         model_dir = Path(model_dir)
         c = json.loads((model_dir / "config.json").read_text())
         mt = c.get("model_type")
         if mt not in SUPPORTED_ARCHS:
-            raise UnsupportedModelError(f"model_type '{mt}' in {model_dir}/config.json is not supported by the vime engine (supported: {', '.join(SUPPORTED_ARCHS)})")
+            raise UnsupportedModelError(
+                f"model_type '{mt}' in {model_dir}/config.json is not supported by the vime engine (supported: {', '.join(SUPPORTED_ARCHS)})"
+            )
         if c.get("hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"hidden_act '{c['hidden_act']}' is not supported (only silu)")
         if c.get("use_sliding_window") or any(t != "full_attention" for t in c.get("layer_types") or []):
@@ -98,7 +101,9 @@ def _rope_theta(c: dict) -> float:
     params = c.get("rope_parameters") or c.get("rope_scaling") or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default":
-        raise UnsupportedModelError(f"rope type '{rope_type}' is not supported by the vime engine yet (only default RoPE)")
+        raise UnsupportedModelError(
+            f"rope type '{rope_type}' is not supported by the vime engine yet (only default RoPE)"
+        )
     return float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
 
 
@@ -145,7 +150,9 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
-        self.register_buffer("inv_freq", 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), persistent=False)
+        self.register_buffer(
+            "inv_freq", 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), persistent=False
+        )
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [T, head_dim / 2] in float32 (HF duplicates them over both halves)."""
@@ -167,7 +174,9 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, bias=cfg.qkv_bias)
+        self.qkv_proj = Linear(
+            cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, bias=cfg.qkv_bias
+        )
         self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -175,15 +184,36 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.eps = cfg.rms_norm_eps
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: tuple[torch.Tensor, torch.Tensor], meta: AttnMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv: tuple[torch.Tensor, torch.Tensor],
+        meta: AttnMetadata,
+    ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         if kernels.enabled(x.device):
             qw, kw = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
-            q = kernels.qkv_rope_store(qkv, *rope, qw, kw, self.eps, meta.slot_mapping, kv[0], kv[1], self.num_heads, self.num_kv_heads, self.head_dim)
+            q = kernels.qkv_rope_store(
+                qkv,
+                *rope,
+                qw,
+                kw,
+                self.eps,
+                meta.slot_mapping,
+                kv[0],
+                kv[1],
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+            )
             out = paged_attention(q, None, None, kv[0], kv[1], meta, scale=self.head_dim**-0.5)
         else:
-            q, k, v = qkv.split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim], dim=-1)
+            q, k, v = qkv.split(
+                [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim],
+                dim=-1,
+            )
             q = q.reshape(t, self.num_heads, self.head_dim)
             k = k.reshape(t, self.num_kv_heads, self.head_dim)
             v = v.reshape(t, self.num_kv_heads, self.head_dim)
@@ -216,7 +246,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor], kv: tuple[torch.Tensor, torch.Tensor], meta: AttnMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv: tuple[torch.Tensor, torch.Tensor],
+        meta: AttnMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, the residual stream before adding it): the add is
         fused into the next norm."""
         x, residual = self.input_layernorm(h, residual)
@@ -252,7 +289,14 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttnMetadata, logit_rows: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttnMetadata,
+        logit_rows: torch.Tensor | None,
+    ) -> torch.Tensor:
         """logit_rows: which tokens get logits (None: all, as in a decode step)."""
         h = self.model.embed_tokens(input_ids)
         rope = self.model.rotary_emb(positions)
@@ -268,7 +312,10 @@ class CausalLM(nn.Module):
         """HF name → the tensor holding it: a parameter, or a row slice of a fused projection;
         tied weights are listed under both names (a trainer may send either)."""
         c = self.config
-        rows = {"qkv_proj": [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim], "gate_up_proj": [c.intermediate_size] * 2}
+        rows = {
+            "qkv_proj": [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim],
+            "gate_up_proj": [c.intermediate_size] * 2,
+        }
         out: dict[str, torch.Tensor] = {}
         for name, p in self.named_parameters(remove_duplicate=False):
             *prefix, module, kind = name.split(".")
@@ -291,7 +338,9 @@ class CausalLM(nn.Module):
         return expected - names
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], params: dict[str, torch.Tensor] | None = None) -> set[str]:
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], params: dict[str, torch.Tensor] | None = None
+    ) -> set[str]:
         """Copy HF-named tensors into the existing parameters, in place.
 
         In place (never rebinding `.data`) so that anything holding the parameter storage, such
@@ -336,14 +385,22 @@ def iter_safetensors_files(files: Iterable[str | Path]) -> Iterable[tuple[str, t
 
     for f in files:
         with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():
+            for name in st.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                 yield name, st.get_tensor(name)
 
 
 # safetensors header dtype → torch dtype, for checking an update before any tensor is read
 SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
 }
 
 
@@ -373,12 +430,14 @@ def safetensors_layout(files: Iterable[str | Path]) -> list[tuple[str, tuple[int
             raise FileNotFoundError(f"weights file {f} does not exist")
         try:
             with safe_open(str(f), framework="pt") as st:
-                for name in st.keys():
+                for name in st.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                     sl = st.get_slice(name)
                     dtype = sl.get_dtype()
                     out.append((name, tuple(sl.get_shape()), SAFETENSORS_DTYPES.get(dtype, dtype)))
         except Exception as e:  # safetensors raises its own error types for a bad header
-            raise ValueError(f"weights file {f} cannot be read ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
+            raise ValueError(
+                f"weights file {f} cannot be read ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+            ) from None
     return out
 
 

@@ -11,6 +11,7 @@ Graphs bake in the addresses of the weights, the KV pools and the static buffers
 updates therefore `copy_` into the parameters, and releasing memory drops the graphs, which
 `capture` makes again on resume.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -44,7 +45,16 @@ class StepInfo:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_cache: KVCache, block_size: int, max_num_seqs: int, max_seq_len: int, device: torch.device, cuda_graphs: bool):
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_cache: KVCache,
+        block_size: int,
+        max_num_seqs: int,
+        max_seq_len: int,
+        device: torch.device,
+        cuda_graphs: bool,
+    ):
         self.model, self.kv_cache = model, kv_cache
         self.block_size, self.device = block_size, device
         self.kernels = kernels.enabled(device)
@@ -111,20 +121,32 @@ class ModelRunner:
     def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], list[int], list[float]]:
         """Run the model over the scheduled chunks; returns the sequences that got a token, the
         tokens and their log-probs."""
-        if self.kernels and len(scheduled) <= self.max_bs and all(n == 1 and s.num_computed + 1 == s.num_tokens for s, n in scheduled):
+        if (
+            self.kernels
+            and len(scheduled) <= self.max_bs
+            and all(n == 1 and s.num_computed + 1 == s.num_tokens for s, n in scheduled)
+        ):
             seqs = [s for s, _ in scheduled]
             logits, temps, seeds = self._decode(seqs)
         else:
             seqs, logits = self._eager(scheduled)
-            temps = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32).to(self.device, non_blocking=True)
-            seeds = torch.from_numpy(self._seeds(seqs, np.array([s.num_tokens for s in seqs], dtype=np.int64))).to(self.device, non_blocking=True)
+            temps = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32).to(
+                self.device, non_blocking=True
+            )
+            seeds = torch.from_numpy(self._seeds(seqs, np.array([s.num_tokens for s in seqs], dtype=np.int64))).to(
+                self.device, non_blocking=True
+            )
         tokens, logprobs = sample(logits, [s.params for s in seqs], temps, seeds)
         return seqs, *self._download(tokens, logprobs)
 
     @staticmethod
     def _seeds(seqs: list[Sequence], positions: np.ndarray) -> np.ndarray:
         """Each row's sampling seed (int32 bits) for drawing the token at `positions`."""
-        return step_seeds(np.fromiter((s.seed for s in seqs), dtype=np.int64, count=len(seqs)), positions).astype(np.uint32).view(np.int32)
+        return (
+            step_seeds(np.fromiter((s.seed for s in seqs), dtype=np.int64, count=len(seqs)), positions)
+            .astype(np.uint32)
+            .view(np.int32)
+        )
 
     def _decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b = len(seqs)
@@ -136,7 +158,9 @@ class ModelRunner:
         self.h_slot[:b] = [s.block_table[p // block] * block + p % block for s, p in zip(seqs, pos)]
         np.add(self.h_pos[:b], 1, out=self.h_ctx[:b])
         self.h_temp[:b] = [s.params.temperature for s in seqs]
-        self.h_seed[:b] = self._seeds(seqs, self.h_ctx[:b].astype(np.int64))  # the new token's position = context length
+        self.h_seed[:b] = self._seeds(
+            seqs, self.h_ctx[:b].astype(np.int64)
+        )  # the new token's position = context length
         self._set_padding(b, bs)
         # Block tables only grow by appending to the same list, so a row is rewritten only when
         # it holds another list (another sequence, or one re-admitted) or a shorter one.
@@ -221,7 +245,10 @@ class ModelRunner:
             g[1].append(list(range(seq.num_computed, seq.num_computed + n)))
             g[2].append(seq.block_table)
             offset += n
-        return AttnMetadata(slot_mapping=slot_mapping, groups=[make_group(i, p, t, self.block_size, self.device) for i, p, t in groups.values()])
+        return AttnMetadata(
+            slot_mapping=slot_mapping,
+            groups=[make_group(i, p, t, self.block_size, self.device) for i, p, t in groups.values()],
+        )
 
     def _download(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
         """The step's one device → host transfer (and sync)."""

@@ -4,6 +4,7 @@ The log-prob returned with each token is that of the distribution the token was 
 from (after temperature and top-k/top-p renormalization), because that is the behaviour
 policy an off-policy correction (TIS) must divide by. Greedy returns the raw log-softmax.
 """
+
 from __future__ import annotations
 
 import functools
@@ -27,7 +28,7 @@ class SamplingParams:
     sampling_seed: int | None = None  # fixes the draws (SGLang's name); sample j of n gets its own stream
 
     @classmethod
-    def from_dict(cls, d: dict | None) -> "SamplingParams":
+    def from_dict(cls, d: dict | None) -> SamplingParams:
         """Validate a request's `sampling_params`; raises ValueError with a one-line message.
 
         Unknown keys are refused rather than ignored: silently dropping, say, a repetition
@@ -133,7 +134,9 @@ def unit_interval(h: torch.Tensor) -> torch.Tensor:
     return (h >> 9).float().add_(0.5).mul_(2.0**-23)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], temperatures: torch.Tensor, seeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], temperatures: torch.Tensor, seeds: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of logits [B, V] with per-row parameters; temperatures [B] float32 and
     seeds [B] (int32 bits of `step_seeds`) on the logits' device. Returns token ids (int64) and
     their log-probs (float32), still on the device: the caller brings them back in one copy.

@@ -5,6 +5,7 @@ first `num_computed` have KV in the cache; a step computes the next chunk. A fre
 long chunk (split over steps when it exceeds the token budget), a decode is a chunk of one, a
 preempted sequence is simply recomputed from scratch over prompt + generated tokens.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -16,7 +17,6 @@ from vime.engine.core.sampler import SamplingParams
 
 @dataclass(eq=False)
 class Sequence:
-    seq_id: int
     rid: str
     token_ids: list[int]
     prompt_len: int
@@ -142,7 +142,9 @@ class Scheduler:
         bs = self.allocator.block_size
         for b in range(len(seq.block_hashes), (seq.num_computed + n) // bs):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
-            seq.block_hashes.append(self.allocator.register(seq.block_table[b], parent, seq.token_ids[b * bs : (b + 1) * bs]))
+            seq.block_hashes.append(
+                self.allocator.register(seq.block_table[b], parent, seq.token_ids[b * bs : (b + 1) * bs])
+            )
 
     def _preempt(self, seq: Sequence) -> None:
         self.allocator.release(seq.block_table)
