@@ -2,8 +2,9 @@
 
 SmolLM2-135M-Instruct (`resolve_model("smollm2")`, or --model DIR) is trained with GRPO on the
 demo's task (examples/demo.py: its data, prompt wording, reward and settings, GPU or CPU ones)
-once per arm and seed: sync, one-step-off, fully-async, each a fresh `vime train` /
-`vime train-async` process on the same config, seeds and step budget (vime.ab.run_arm). Every
+once per arm and seed: sync, one-step-off, fully-async (and, asked for, decoupled with
+`--max-staleness --staleness`), each a fresh `vime train` / `vime train-async` process on the
+same config, seeds and step budget (vime.ab.run_arm). Every
 run evaluates greedily on the same held-out prompts before its first step (the baseline row:
 the same weights in every run) and after its last; the table gives correct/total, the change in
 points against the baseline, and the standard error of that change (paired over the prompts).
@@ -37,7 +38,7 @@ from vime.ab import run_arm  # noqa: E402
 from vime.models import resolve_model  # noqa: E402
 from vime.report import eval_results, paired_change  # noqa: E402
 
-ARMS = ("sync", "one-step-off", "fully-async")
+ARMS = ("sync", "one-step-off", "fully-async", "decoupled")
 
 
 def table(results: dict[str, dict], arms: list[str], seeds: list[int], base: dict[int, bool]) -> str:
@@ -73,7 +74,7 @@ def main() -> int:
     import torch
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
+    p.add_argument("--arms", default="sync,one-step-off,fully-async", help=f"comma-separated, of {', '.join(ARMS)}")
     p.add_argument("--seeds", default="1", help="comma-separated; each sets --seed and --rollout-seed of every arm")
     p.add_argument(
         "--steps", type=int, default=None, help="training steps per run (default: the demo's for this device)"
@@ -92,6 +93,7 @@ def main() -> int:
     p.add_argument(
         "--model", default="smollm2", help="HF model directory, or 'smollm2' (the embedded SmolLM2-135M-Instruct)"
     )
+    p.add_argument("--staleness", type=int, default=2, help="--max-staleness of the decoupled arm")
     p.add_argument("--out", default="/tmp/vime-real-ab", help="runs, table and results go here")
     p.add_argument("--arm-timeout", type=float, default=None, help="seconds before one run is given up")
     a = p.parse_args()
@@ -138,6 +140,7 @@ def main() -> int:
                     name,
                     str(out / "runs"),
                     ["--seed", str(seed), "--rollout-seed", str(seed)],
+                    staleness=a.staleness,
                     timeout=a.arm_timeout,
                 )
                 wall = time.perf_counter() - t0

@@ -361,6 +361,12 @@ def test_datagen_answers_are_right(tmp_path):
     for r in rows:
         expr = r["input"].removeprefix("Calculate ").split(".")[0]
         assert eval(expr) == int(r["label"])  # noqa: S307 — our own generated arithmetic
+    sums = load_prompts(
+        write_dataset("chain_sum", tmp_path / "s", n_train=50, n_test=0, seed=0, ops="+", max_terms=2)[0]
+    )
+    for r in sums:
+        expr = r["input"].removeprefix("Calculate ").split(".")[0]
+        assert "-" not in expr and eval(expr) == int(r["label"])  # noqa: S307
 
 
 def test_datagen_cli_and_too_small_task(tmp_path, capsys):

@@ -36,12 +36,14 @@ def basic_arithmetic(rng: random.Random, max_int: int = 100) -> Question:
     return f"What is {a} {op} {b}? {INSTRUCTION}", a + b if op == "+" else a - b
 
 
-def chain_sum(rng: random.Random, min_terms: int = 2, max_terms: int = 5, max_int: int = 100) -> Question:
-    """A sum of 2–5 integers joined by + and -."""
+def chain_sum(
+    rng: random.Random, min_terms: int = 2, max_terms: int = 5, max_int: int = 100, ops: str = "+-"
+) -> Question:
+    """A sum of 2–5 integers joined by the operators in `ops` (+ and -; "+" for sums alone)."""
     terms = [rng.randint(1, max_int) for _ in range(rng.randint(min_terms, max_terms))]
-    ops = [rng.choice("+-") for _ in terms[1:]]
+    signs = [rng.choice(ops) for _ in terms[1:]]
     expr, total = str(terms[0]), terms[0]
-    for op, t in zip(ops, terms[1:]):
+    for op, t in zip(signs, terms[1:]):
         expr += f" {op} {t}"
         total += t if op == "+" else -t
     return f"Calculate {expr}. {INSTRUCTION}", total
