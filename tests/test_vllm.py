@@ -41,6 +41,17 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 PROBE = list(range(10, 45))  # 35 tokens: two full KV blocks of 16, so the prefix cache holds them
 # Seconds of work for the server tests' model (~10 s on one core), so a pause or abort lands mid-flight.
 LONG_TOKENS = 1900
+# The server tests' model (~17M parameters): slow enough on CPU that a pause lands mid-request.
+MID_MODEL = dict(
+    arch="qwen3",
+    hidden_size=512,
+    num_layers=8,
+    num_heads=16,
+    num_kv_heads=4,
+    head_dim=32,
+    intermediate_size=1024,
+    max_position_embeddings=2048,
+)
 LONG = {"max_new_tokens": LONG_TOKENS, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 1}
 
 
@@ -140,18 +151,7 @@ def model32(tmp_path_factory) -> Path:
 def model_mid(tmp_path_factory) -> Path:
     from vime.models import make_tiny_model
 
-    return make_tiny_model(
-        tmp_path_factory.mktemp("mid") / "qwen3",
-        arch="qwen3",
-        seed=0,
-        hidden_size=512,
-        num_layers=8,
-        num_heads=16,
-        num_kv_heads=4,
-        head_dim=32,
-        intermediate_size=1024,
-        max_position_embeddings=2048,
-    )
+    return make_tiny_model(tmp_path_factory.mktemp("mid") / "qwen3", seed=0, **MID_MODEL)
 
 
 @pytest.fixture(scope="module")
@@ -352,18 +352,7 @@ def test_disk_push_changes_outputs_flushes_the_cache_and_stamps_versions(client,
     from vime.models import make_tiny_model
     from vime.trainer.weights import WeightPusher
 
-    other = make_tiny_model(
-        tmp_path / "other",
-        arch="qwen3",
-        seed=1,
-        hidden_size=512,
-        num_layers=8,
-        num_heads=16,
-        num_kv_heads=4,
-        head_dim=32,
-        intermediate_size=1024,
-        max_position_embeddings=2048,
-    )
+    other = make_tiny_model(tmp_path / "other", seed=1, **MID_MODEL)
     greedy = {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}
 
     def hf_greedy(model_dir: Path) -> list[int]:
