@@ -373,7 +373,7 @@ def _common_checks(c: Config) -> list[tuple[bool, str]]:
             "--weight-transport nccl does not reach vLLM engines yet (vLLM's workers join their own rendezvous, which vime's trainer does not speak): leave it at auto (disk)",
         ),
         (
-            c.rollout_backend == "vllm" and c.weight_transport not in ("auto", "disk", "nccl"),
+            c.rollout_backend == "vllm" and c.weight_transport not in ("auto", "disk"),  # nccl: the check above
             f"--weight-transport {c.weight_transport} does not reach vLLM engines: leave it at auto (disk)",
         ),
         *_non_finite(c),

@@ -102,7 +102,6 @@ class Run:
             self.policy_version = (
                 0  # optimizer steps taken (every step of a rollout counts, also one with nothing to learn)
             )
-            self.engine_version = 0  # the policy version the engines hold
             self.weight_pushes = 0
             self.start_step = 0
             if args.load:
@@ -164,9 +163,9 @@ class Run:
         except EngineError as e:
             raise EngineError(f"step {step}: {e}") from None
         metrics["perf/update_weights_time"] = time.perf_counter() - t0
-        self.engine_version = self.policy_version
         self.weight_pushes += int(count)
-        self.args.runtime.set_engine_version(self.engine_version)  # a worker bounded by --max-staleness waits for this
+        # the engines' version is kept in one place, the runtime; a worker bounded by --max-staleness waits for it
+        self.args.runtime.set_engine_version(self.policy_version)
         return metrics
 
     def version_metrics(self) -> dict[str, float]:
@@ -174,7 +173,7 @@ class Run:
         --update-weights-interval > 1), and the pushes so far."""
         return {
             "train/policy_version": self.policy_version,
-            "train/weight_version": self.engine_version,
+            "train/weight_version": self.args.runtime.engine_version,
             "train/weight_pushes": self.weight_pushes,
         }
 

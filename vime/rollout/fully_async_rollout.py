@@ -64,9 +64,8 @@ class AsyncRolloutWorker:
         self.inflight = 0
         self.counts = {"requeued": 0, "dropped_stale": 0, "resumed": 0}
         self.engine_version = engine_version  # kept current by set_engine_version after each push
-        self.spans: dict[
-            int, tuple[float, float]
-        ] = {}  # group index → (first request, scored): the batch's rollout time
+        # group index → (first request, scored), for the batch's rollout time
+        self.spans: dict[int, tuple[float, float]] = {}
         self.next_rollout = first_rollout  # the rollout the next (or current) drain hands out
         self.taken = 0  # groups the drain in progress has taken: still that rollout's
         self.max_inflight_seen = 0

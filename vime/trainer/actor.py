@@ -105,9 +105,8 @@ class Actor:
                 layer.compile(dynamic=True)
         chunk = args.logprob_chunk_size
         self.scorer = self._wrap(TokenScorer(self.model, chunk))
-        self.tokenizer = (
-            tokenizer if tokenizer is not None else load_tokenizer(model_path)
-        )  # the run's, or this rank's own
+        # the run's tokenizer on rank 0; other ranks load their own
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_path)
         pad = self.tokenizer.pad_token_id
         self.pad_token_id: int = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
         self.optimizer = torch.optim.AdamW(
