@@ -705,7 +705,9 @@ def test_a_signal_stops_every_mode_within_seconds(tmp_path, script, extra, fault
     """SIGTERM to the trainer (what `kill` and schedulers send) or Ctrl-C (SIGINT to the whole
     process group, engine and reward workers included): out within seconds, one line, the
     checkpoint of step 1 intact, no process left."""
-    proc = _start(script, tmp_path, "--num-rollout", "20", *extra)
+    # far more steps than run before the signal: the tiny model's async steps take ~20 ms, and 20
+    # of them ended before a signal sent 1 s after the first row (the test then raced the exit)
+    proc = _start(script, tmp_path, "--num-rollout", "100000", *extra)
     _wait_for(proc, tmp_path / "r" / marker)
     time.sleep(1)  # the group's generation ends, its grading begins
     if fault == "SIGINT":

@@ -545,8 +545,14 @@ async def _serve(server: EngineServer, host: str, port: int, parent_pid: int | N
     url_host = f"[{host}]" if ":" in host else host
     print(f"{READY_LINE} http://{url_host}:{port}", flush=True)
     stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    if parent_pid is None:
+        loop.add_signal_handler(signal.SIGINT, stop.set)
+    else:
+        # an engine a run started is the run's to stop: Ctrl-C reaches the whole process group,
+        # and an engine that quit first made the trainer end on "engine unreachable" instead of
+        # "interrupted" (as reward workers, it goes when the run closes it or its parent dies)
+        loop.add_signal_handler(signal.SIGINT, lambda: None)
     while not stop.is_set():
         if parent_pid is not None and os.getppid() != parent_pid:
             log.info("parent process %d is gone; shutting down", parent_pid)
