@@ -18,7 +18,8 @@ def sft_step(actor: Actor, samples: list[Sample]) -> dict[str, float]:
     masks = [torch.tensor(s.effective_loss_mask(), dtype=torch.float32) for s in samples]
     num_tokens = float(sum(m.sum() for m in masks))
     total = 0.0
-    for mb in actor._micro_batches(samples):
+    for idx in actor._plan(samples):
+        mb = actor._pack(samples, idx)
         log_probs, _ = actor._forward(actor.scorer, mb, with_entropy=False)
         parts = [masks[i] for i in mb.indices] or [torch.zeros(len(mb.targets))]
         loss = aggregate(-log_probs, torch.cat(parts).to(actor.device), "token_mean", num_tokens=num_tokens)

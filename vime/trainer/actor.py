@@ -15,6 +15,7 @@ batch × vocabulary logits ever exist.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import time
 from collections.abc import Iterator, Sequence
@@ -32,6 +33,8 @@ from vime.trainer import checkpoint
 from vime.trainer.logprobs import chunked_log_probs
 from vime.trainer.loss import OffPolicyCorrection, aggregate, kl_penalty, policy_loss
 from vime.trainer.packing import (
+    PAD_BUCKETS,
+    PAD_SEGMENT,
     PackedBatch,
     pack,
     plan_packed_micro_batches,
@@ -40,6 +43,8 @@ from vime.trainer.packing import (
     to_device,
 )
 from vime.trainer.perf import mfu, train_flops
+
+log = logging.getLogger("vime")
 
 
 class TokenScorer(nn.Module):
@@ -97,7 +102,13 @@ class Actor:
         self._aliases = all_names - param_names  # tied names, e.g. lm_head.weight
         # what a checkpoint holds besides parameters (none in Llama/Qwen: their rotary tables are not persistent)
         self._buffers = [n for n in self.model.state_dict() if n not in all_names]
-        self.compiled: bool = args.compile
+        # one rank: reduce-scattering (casting, copying) every layer's gradient after each
+        # micro-batch and re-casting its weights for the next buys nothing, since the shard is
+        # the whole tensor; so gradients accumulate unsharded (in float32, FSDP's reduce dtype)
+        # and are reduced once, after the last micro-batch. With several ranks that would hold
+        # a whole unsharded float32 gradient per rank, so they reduce per micro-batch.
+        self.defer_grad_sync: bool = fsdp and self.world == 1
+        self.compiled: bool = args.compile if args.compile is not None else self.device.type == "cuda"
         if self.compiled:
             # per layer, before FSDP wraps them (as torchtitan does): the layers share one code
             # object, so one compile serves all of them, and packed lengths vary: dynamic shapes
@@ -134,6 +145,9 @@ class Actor:
             ref.requires_grad_(False)
             ref.eval()
             self.ref_scorer = self._wrap(TokenScorer(ref, chunk))
+        self._bucket = -(-args.max_tokens_per_gpu // PAD_BUCKETS)
+        if self.compiled:
+            self._warm_up()
 
     def _load(self, model_path: str | Path) -> nn.Module:
         from transformers import AutoModelForCausalLM
@@ -167,31 +181,55 @@ class Actor:
 
     # ---- forward ---------------------------------------------------------------------
 
-    def _micro_batches(self, samples: list[Sample]) -> Iterator[PackedBatch]:
-        """This rank's packed micro-batches; every rank yields the same number (padding with
-        empty ones, whose `indices` is empty), so FSDP's collectives pair up."""
+    def _plan(self, samples: list[Sample]) -> list[list[int]]:
+        """This rank's micro-batches as indices into `samples`. Every rank gets the same number
+        (padding with empty ones), so FSDP's collectives pair up."""
         lengths = [len(s.tokens) for s in samples]
-        budget = self.args.max_tokens_per_gpu
         shards = shard_by_tokens(lengths, self.world)
         plans = [
-            [[shard[j] for j in mb] for mb in plan_packed_micro_batches([lengths[i] for i in shard], budget)]
+            [
+                [shard[j] for j in mb]
+                for mb in plan_packed_micro_batches([lengths[i] for i in shard], self.args.max_tokens_per_gpu)
+            ]
             for shard in shards
         ]
         mine = plans[self.rank]
-        # compiled layers get one token count, the budget: each other count risks a compile of
-        # its own (inductor guards ranges of it, e.g. T >= 5120; bench/RESULTS.md, issue 16)
-        pad_to = budget if self.compiled else None
-        for idx in mine:
-            yield pack(
-                [samples[i].tokens for i in idx],
-                [samples[i].response_length for i in idx],
-                idx,
-                self.device,
-                pad_to,
-                self.pad_token_id,
-            )
-        for _ in range(max(len(p) for p in plans) - len(mine)):
-            yield pack([[self.pad_token_id] * 2], [1], [], self.device, pad_to, self.pad_token_id)
+        return mine + [[] for _ in range(max(len(p) for p in plans) - len(mine))]
+
+    def _pack(self, samples: list[Sample], idx: list[int]) -> PackedBatch:
+        """One micro-batch on the device. Compiled layers get its length rounded up to one of
+        `PAD_BUCKETS` sizes, all of which `_warm_up` compiled: each other token count risks a
+        compile of its own mid-run (inductor guards ranges of it, e.g. T >= 5120; bench/RESULTS.md,
+        issue 16). An empty micro-batch is one dummy sequence that nothing scores."""
+        pad_to = self._bucket if self.compiled else None
+        if not idx:
+            return pack([[self.pad_token_id] * 2], [1], [], self.device, pad_to, self.pad_token_id)
+        return pack(
+            [samples[i].tokens for i in idx],
+            [samples[i].response_length for i in idx],
+            idx,
+            self.device,
+            pad_to,
+            self.pad_token_id,
+        )
+
+    def _warm_up(self) -> None:
+        """Compile every shape a step can meet before the first step: each bucket size, with and
+        without gradients (a scoring pass runs under no_grad, which is a graph of its own). The
+        batches are pad tokens; the gradients they leave are dropped."""
+        t0 = time.perf_counter()
+        for size in range(self._bucket, self._bucket * PAD_BUCKETS + 1, self._bucket):
+            lengths = [PAD_SEGMENT] * (size // PAD_SEGMENT) + ([size % PAD_SEGMENT] if size % PAD_SEGMENT else [])
+            mb = pack([[self.pad_token_id] * n for n in lengths], [1] * len(lengths), [], self.device, self._bucket)
+            self.scorer.eval()  # as `compute_log_probs` runs it: the layers' mode is guarded too
+            with torch.no_grad():
+                self._forward(self.scorer, mb, with_entropy=False)
+            self.scorer.train()
+            log_probs, entropy = self._forward(self.scorer, mb, with_entropy=True)
+            (log_probs.sum() + entropy.sum()).backward()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._sync()
+        log.info("compiled the trainer for %d micro-batch sizes in %.1f s", PAD_BUCKETS, time.perf_counter() - t0)
 
     def _forward(self, scorer: nn.Module, mb: PackedBatch, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
         """Log-probs (and entropies) of a micro-batch's response tokens, flat in sample order.
@@ -217,7 +255,8 @@ class Actor:
         scorer.eval()
         mine: dict[int, Tensor] = {}
         try:
-            for mb in self._micro_batches(samples):
+            for idx in self._plan(samples):
+                mb = self._pack(samples, idx)
                 flat, _ = self._forward(scorer, mb, with_entropy=False)
                 for i, part in zip(mb.indices, flat.split(mb.response_lengths)):
                     mine[i] = part.cpu() if self.world > 1 else part
@@ -352,7 +391,13 @@ class Actor:
             )
         kl_coef, ent_coef = a.kl_loss_coef, a.entropy_coef
         totals: dict[str, Tensor] = {}
-        for mb in self._micro_batches(samples):
+        plan = self._plan(samples)
+        for i, idx in enumerate(plan):
+            mb = self._pack(samples, idx)
+            if self.defer_grad_sync:
+                last = i == len(plan) - 1
+                self.scorer.set_requires_gradient_sync(last)
+                self.scorer.set_reshard_after_backward(last)
             log_probs, entropy = self._forward(self.scorer, mb, with_entropy=True)
 
             def flat(per_sample: list, mb: PackedBatch = mb) -> Tensor:

@@ -16,10 +16,17 @@ then dh = (dz / τ) W and dW = Σ (dz / τ)ᵀ h.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the head's arithmetic runs in PyTorch
+    triton = None
 
 DEFAULT_CHUNK = 4096
 
@@ -52,17 +59,93 @@ def _grad_logits(
     return (dz * inv_tau).to(logits.dtype)
 
 
-_kernels: dict[str, tuple] = {}
+if triton is not None:
+
+    @triton.jit
+    def _stats_kernel(
+        logits_ptr, stride, targets_ptr, chosen_ptr, lse_ptr, ent_ptr, n_cols, inv_tau,
+        WITH_ENTROPY: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        """One row per program, one pass over it: each lane keeps a running max m, Σ exp(z − m)
+        and Σ exp(z − m)·z (online softmax), merged across lanes at the end."""
+        row = tl.program_id(0).to(tl.int64)
+        base = logits_ptr + row * stride
+        cols = tl.arange(0, BLOCK)
+        m = tl.full((BLOCK,), -1e30, tl.float32)
+        s = tl.zeros((BLOCK,), tl.float32)
+        t = tl.zeros((BLOCK,), tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            mask = start + cols < n_cols
+            z = tl.load(base + start + cols, mask=mask, other=0.0).to(tl.float32) * inv_tau
+            z = tl.where(mask, z, -1e30)
+            m_new = tl.maximum(m, z)
+            scale = tl.exp(m - m_new)
+            e = tl.where(mask, tl.exp(z - m_new), 0.0)
+            s = s * scale + e
+            if WITH_ENTROPY:
+                t = t * scale + e * tl.where(mask, z, 0.0)
+            m = m_new
+        top = tl.max(m, axis=0)
+        scale = tl.exp(m - top)
+        total = tl.sum(s * scale, axis=0)
+        lse = top + tl.log(total)
+        y = tl.load(targets_ptr + row)
+        tl.store(chosen_ptr + row, tl.load(base + y).to(tl.float32) * inv_tau - lse)
+        tl.store(lse_ptr + row, lse)
+        if WITH_ENTROPY:  # H = lse − Σ p z
+            tl.store(ent_ptr + row, lse - tl.sum(t * scale, axis=0) / total)
+
+    @triton.jit
+    def _grad_kernel(
+        logits_ptr, stride, targets_ptr, lse_ptr, ent_ptr, g_chosen_ptr, g_entropy_ptr, n_cols, inv_tau,
+        BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        """d loss / d logits over one block of one row, written over the logits it read."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        ptr = logits_ptr + row * stride + cols
+        log_p = tl.load(ptr, mask=mask, other=0.0).to(tl.float32) * inv_tau - tl.load(lse_ptr + row)
+        p = tl.exp(log_p)
+        onehot = tl.where(cols == tl.load(targets_ptr + row), 1.0, 0.0)
+        dz = (onehot - p) * tl.load(g_chosen_ptr + row) - tl.load(g_entropy_ptr + row) * p * (
+            log_p + tl.load(ent_ptr + row)
+        )
+        tl.store(ptr, (dz * inv_tau).to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+def _stats_triton(logits: Tensor, targets: Tensor, inv_tau: float, with_entropy: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """`_stats` in one read of the logits."""
+    n, v = logits.shape
+    chosen = torch.empty(n, dtype=torch.float32, device=logits.device)
+    lse, entropy = torch.empty_like(chosen), torch.zeros_like(chosen)
+    if n:
+        _stats_kernel[(n,)](
+            logits, logits.stride(0), targets, chosen, lse, entropy, v, inv_tau, with_entropy, BLOCK=2048, num_warps=8
+        )
+    return chosen, lse, entropy
+
+
+def _grad_logits_triton(
+    logits: Tensor, targets: Tensor, lse: Tensor, entropy: Tensor, g_chosen: Tensor, g_entropy: Tensor, inv_tau: float
+) -> Tensor:
+    """`_grad_logits` in place: the chunk's logits are needed for nothing else."""
+    n, v = logits.shape
+    block = 4096
+    if n:
+        _grad_kernel[(n, triton.cdiv(v, block))](
+            logits, logits.stride(0), targets, lse, entropy, g_chosen, g_entropy, v, inv_tau, BLOCK=block, num_warps=8
+        )
+    return logits
 
 
 def _fused(device: torch.device) -> tuple:
-    """(_stats, _grad_logits), compiled on CUDA (dynamic rows: the last chunk is shorter), where
-    the eager versions spend most of the head's time in float32 passes over [n, V]; eager on CPU."""
-    if device.type != "cuda":
-        return _stats, _grad_logits
-    if "cuda" not in _kernels:
-        _kernels["cuda"] = (torch.compile(_stats, dynamic=True), torch.compile(_grad_logits, dynamic=True))
-    return _kernels["cuda"]
+    """(_stats, _grad_logits) as Triton kernels on CUDA (or anywhere under the Triton
+    interpreter), where PyTorch's would spend most of the head's time in float32 passes over
+    [n, V]; the PyTorch versions on CPU."""
+    if triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+        return _stats_triton, _grad_logits_triton
+    return _stats, _grad_logits
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
