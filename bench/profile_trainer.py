@@ -64,6 +64,31 @@ def annotated_head() -> Iterator[None]:
         cls.forward, cls.backward = staticmethod(fwd), staticmethod(bwd)
 
 
+@contextlib.contextmanager
+def annotated_host_work() -> Iterator[None]:
+    """Name the trainer's host-side work per micro-batch (packing, moving loss inputs, the loss)
+    as ranges, so GPU idle time can be put down to it (`idle_by_host_op`)."""
+    from vime.trainer import actor as actor_mod
+
+    names = ("pack", "to_device", "policy_loss")
+    saved = {n: getattr(actor_mod, n) for n in names}
+
+    def wrap(name: str, fn: Callable) -> Callable:
+        def inner(*a: Any, **k: Any) -> Any:
+            with torch.profiler.record_function(f"vime/host/{name}"):
+                return fn(*a, **k)
+
+        return inner
+
+    for n, fn in saved.items():
+        setattr(actor_mod, n, wrap(n, fn))
+    try:
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(actor_mod, n, fn)
+
+
 def categorize(trace: dict, wall_us: float) -> dict[str, float]:
     """Microseconds per category from a Chrome trace of one step."""
     events = trace["traceEvents"]
@@ -106,6 +131,46 @@ def categorize(trace: dict, wall_us: float) -> dict[str, float]:
     return out
 
 
+def idle_by_host_op(trace: dict, top: int = 8) -> list[tuple[str, float]]:
+    """GPU gaps between kernels, summed by what the host was doing at the gap's middle (the
+    innermost CPU op of any thread: the backward runs on autograd's own thread): the GPU idles
+    there because that op is slow to launch the next kernel, or waits on the GPU itself. Gaps
+    before the first kernel and after the last are reported as such."""
+    events = trace["traceEvents"]
+    kernels = sorted(
+        (e["ts"], e["ts"] + e["dur"])
+        for e in events
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e
+    )
+    ops = sorted(
+        (e["ts"], e["ts"] + e["dur"], e["name"][:70])
+        for e in events
+        if e.get("cat") in ("cpu_op", "python_function", "user_annotation") and "dur" in e
+    )
+    if not ops or not kernels:
+        return []
+    gaps, end = [], kernels[0][1]
+    for a, b in kernels:
+        if a > end + 20:  # gaps under 20 us are launch latency, not a stall
+            gaps.append((end, a))
+        end = max(end, b)
+    out = {
+        "(before the first kernel)": max(0.0, kernels[0][0] - ops[0][0]),
+        "(after the last kernel)": max(0.0, max(o[1] for o in ops) - end),
+    }
+    active: list[tuple[float, float, str]] = []  # ops open at the current gap, all threads
+    i = 0
+    for a, b in gaps:  # in time order: a sweep over the ops sorted by start
+        mid = (a + b) / 2
+        while i < len(ops) and ops[i][0] <= mid:
+            active.append(ops[i])
+            i += 1
+        active = [o for o in active if o[1] >= mid]
+        name = min(active, key=lambda o: o[1] - o[0])[2] if active else "(no host op)"
+        out[name] = out.get(name, 0.0) + (b - a)
+    return sorted(out.items(), key=lambda kv: -kv[1])[:top]
+
+
 def step_fn(local: Any, samples: list, adv: list[float], old: list[torch.Tensor]) -> Callable[[], None]:
     def step() -> None:
         local.scorer.train()
@@ -124,16 +189,24 @@ def main() -> None:
     ap.add_argument(
         "--variants",
         default="eager,compile",
-        help="comma-separated: eager, compile, each optionally @<log-prob chunk size>, and /nopad: compiled without padding micro-batches to the budget, e.g. compile@4096/nopad",
+        help="comma-separated: eager or compile, each optionally followed by @<log-prob chunk size>, "
+        ":<micro-batch token budget>, /nopad (compiled layers fed micro-batches of their own lengths) and "
+        "/fullpad (compiled, every micro-batch padded to the whole budget), "
+        "/compiledhead (the LM head's chunk math compiled by torch.compile, not Triton), "
+        "/syncall (one rank reduces gradients after every micro-batch, as several ranks do), "
+        "e.g. compile@4096:32768/nopad",
     )
     ap.add_argument(
         "--max-tokens-per-gpu", type=int, default=None, help="micro-batch token budget (default 16384; 512 with --tiny)"
     )
+    ap.add_argument("--vocab", type=int, default=None, help="vocabulary size (default the shape's: 151,936)")
     ap.add_argument("--steps", type=int, default=3, help="untraced timed steps per variant")
     ap.add_argument("--trace-dir", default=None, help="also keep each variant's Chrome trace here")
     a = ap.parse_args()
     device = torch.device(a.device)
-    shape = TINY if a.tiny else QWEN3_06B
+    shape = dict(TINY if a.tiny else QWEN3_06B)
+    if a.vocab:
+        shape["vocab_size"] = a.vocab
     n, budget = (8, a.max_tokens_per_gpu or 512) if a.tiny else (64, a.max_tokens_per_gpu or 16384)
     prompt, response = ((10, 50), (10, 200)) if a.tiny else ((100, 500), (100, 2000))
     samples, adv = make_batch(n, shape["vocab_size"], prompt, response, 0)
@@ -154,15 +227,16 @@ def main() -> None:
         AutoConfig.from_pretrained(model_dir), lengths, [s.response_length for s in samples], forwards=0
     )
     old = [torch.full((s.response_length,), -1.0) for s in samples]
-    summary: list[tuple[str, float, float]] = []
+    summary: list[tuple[str, float, float, float]] = []
     for variant in a.variants.split(","):
-        spec, _, unpadded = variant.partition("/")
+        spec, *flags = variant.split("/")
+        spec, _, mb_budget = spec.partition(":")
         kind, _, chunk = spec.partition("@")
         args = Config(
             logprob_chunk_size=int(chunk or 1024),
             lr=1e-6,
             clip_grad=1.0,
-            max_tokens_per_gpu=budget,
+            max_tokens_per_gpu=int(mb_budget or budget),
             global_batch_size=n,
             rollout_temperature=1.0,
             seed=0,
@@ -171,10 +245,22 @@ def main() -> None:
             gradient_checkpointing=False,
             compile=kind == "compile",
         )
+        t0 = time.perf_counter()
         actor = launch_actor(args, model_dir, a.device)
+        print(f"{variant}: trainer built in {time.perf_counter() - t0:.1f} s (with --compile: its warm-up compile)")
         local = getattr(actor, "local", actor)
-        if unpadded:  # compiled layers fed micro-batches of their own lengths, as before padding
+        if "nopad" in flags:  # compiled layers fed micro-batches of their own lengths, as before padding
             local.compiled = False
+        if "fullpad" in flags:  # every micro-batch padded to the whole budget (before buckets)
+            local._bucket = local.args.max_tokens_per_gpu
+        head = logprobs._fused
+        if "compiledhead" in flags:  # the LM head's chunk math compiled by torch.compile (before Triton)
+            kernels = (torch.compile(logprobs._stats, dynamic=True), torch.compile(logprobs._grad_logits, dynamic=True))
+            logprobs._fused = lambda device, kernels=kernels: kernels
+        if "syncall" in flags:
+            local.defer_grad_sync = False
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         step = step_fn(local, samples, adv, old)
         t0 = time.perf_counter()
         step()  # warm-up (and compile)
@@ -200,11 +286,14 @@ def main() -> None:
                 f"compile: graphs compiled by 3 steps of other lengths (one of a single short micro-batch) after warm-up: {torch._dynamo.utils.counters['stats']['unique_graphs'] - before}",
                 flush=True,
             )
-        summary.append((variant, tokens / seconds, mfu(flops, seconds, 1) if device.type == "cuda" else float("nan")))
+        peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+        summary.append(
+            (variant, tokens / seconds, mfu(flops, seconds, 1) if device.type == "cuda" else float("nan"), peak)
+        )
         activities = [torch.profiler.ProfilerActivity.CPU] + (
             [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []
         )
-        with annotated_head(), torch.profiler.profile(activities=activities) as prof:
+        with annotated_head(), annotated_host_work(), torch.profiler.profile(activities=activities) as prof:
             t0 = time.perf_counter()
             step()
             sync()
@@ -212,12 +301,16 @@ def main() -> None:
         path = Path(a.trace_dir or tmp) / f"trace-{variant.replace('/', '-')}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(path))
-        cats = categorize(json.loads(path.read_text()), wall_us)
+        trace = json.loads(path.read_text())
+        cats = categorize(trace, wall_us)
         print(
             f"\n{variant}: traced step {wall_us / 1e3:.0f} ms (untraced median {seconds * 1e3:.0f} ms)\n\n| category | ms | share of traced wall |\n|---|---:|---:|"
         )
         for cat, us in sorted(cats.items(), key=lambda kv: -kv[1]):
             print(f"| {cat} | {us / 1e3:.1f} | {us / wall_us:.1%} |")
+        gaps = idle_by_host_op(trace)
+        if gaps:
+            print("\nGPU idle by host op (ms): " + "; ".join(f"{k} {us / 1e3:.1f}" for k, us in gaps), flush=True)
         top = sorted(
             ((e.key, e.self_device_time_total) for e in prof.key_averages() if e.self_device_time_total > 0),
             key=lambda kv: -kv[1],
@@ -227,13 +320,14 @@ def main() -> None:
                 "\ntop kernels/ops by self GPU time (ms): " + "; ".join(f"{k[:60]} {t / 1e3:.1f}" for k, t in top),
                 flush=True,
             )
+        logprobs._fused = head
         actor.close()
         del actor, local
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    print("\n| variant | tokens/s | MFU |\n|---|---:|---:|")
-    for name, tps, m in summary:
-        print(f"| {name} | {tps:,.0f} | {m:.1%} |")
+    print(f"\nvocabulary {shape['vocab_size']:,}\n\n| variant | tokens/s | MFU | peak GiB |\n|---|---:|---:|---:|")
+    for name, tps, m, peak in summary:
+        print(f"| {name} | {tps:,.0f} | {m:.1%} | {peak:.1f} |")
 
 
 if __name__ == "__main__":
