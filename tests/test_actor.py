@@ -3,7 +3,10 @@ weight names, and the shm/disk weight pushes."""
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -426,3 +429,45 @@ def test_compiled_trainer_compiles_once_for_any_lengths(tiny_model):
         assert torch.allclose(a, b, atol=1e-5)
     counts.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     assert warm > 0 and counts == [warm] * 5, (warm, counts)  # every graph made by the warm-up
+
+
+def test_triton_head_in_interpreter():
+    """The LM head's Triton kernels (what CUDA runs) against its PyTorch math, float32 and
+    bfloat16, under the Triton interpreter on CPU tensors: log-probs, entropies and both
+    gradients, over chunks with a short last one and a vocabulary that no block size divides."""
+    pytest.importorskip("triton")
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), "tests", os.environ.get("PYTHONPATH")])),
+    }
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def _interpreted_head_checks() -> None:
+    from test_engine import _patch_triton_interpreter
+
+    from vime.trainer import logprobs
+
+    _patch_triton_interpreter()
+    torch.manual_seed(0)
+    for dtype, atol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-3)):
+        h = torch.randn(37, 16).to(dtype).requires_grad_()
+        w = (torch.randn(5003, 16) / 4).to(dtype).requires_grad_()
+        y = torch.randint(0, 5003, (37,))
+        up_lp, up_ent = torch.randn(37), torch.randn(37)
+        runs = []
+        for fns in ((logprobs._stats_triton, logprobs._grad_logits_triton), (logprobs._stats, logprobs._grad_logits)):
+            logprobs._fused = lambda device, fns=fns: fns
+            lp, ent = logprobs.chunked_log_probs(h, w, y, temperature=0.7, with_entropy=True, chunk_size=16)
+            runs.append((lp, ent, *torch.autograd.grad((lp * up_lp).sum() + (ent * up_ent).sum(), [h, w])))
+        for a, b in zip(*runs):
+            assert torch.allclose(a.float(), b.float(), atol=atol, rtol=1e-3), (
+                dtype,
+                (a.float() - b.float()).abs().max(),
+            )
+
+
+if __name__ == "__main__":
+    _interpreted_head_checks()
