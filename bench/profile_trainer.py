@@ -200,6 +200,7 @@ def main() -> None:
         "--max-tokens-per-gpu", type=int, default=None, help="micro-batch token budget (default 16384; 512 with --tiny)"
     )
     ap.add_argument("--vocab", type=int, default=None, help="vocabulary size (default the shape's: 151,936)")
+    ap.add_argument("--samples", type=int, default=None, help="sequences in the batch (default 64; 8 with --tiny)")
     ap.add_argument("--steps", type=int, default=3, help="untraced timed steps per variant")
     ap.add_argument("--trace-dir", default=None, help="also keep each variant's Chrome trace here")
     a = ap.parse_args()
@@ -208,6 +209,7 @@ def main() -> None:
     if a.vocab:
         shape["vocab_size"] = a.vocab
     n, budget = (8, a.max_tokens_per_gpu or 512) if a.tiny else (64, a.max_tokens_per_gpu or 16384)
+    n = a.samples or n
     prompt, response = ((10, 50), (10, 200)) if a.tiny else ((100, 500), (100, 2000))
     samples, adv = make_batch(n, shape["vocab_size"], prompt, response, 0)
     lengths = [len(s.tokens) for s in samples]

@@ -191,6 +191,8 @@ class _ChunkedLogProbs(torch.autograd.Function):
             if grad_w is not None:
                 if weight.dtype == torch.float32:
                     grad_w.addmm_(dz.t(), h)
+                elif grad_w.is_cuda:  # the GEMM accumulates its bf16 product into float32 itself
+                    torch.addmm(grad_w, dz.t(), h, torch.float32, out=grad_w)
                 else:  # low-precision product, float32 accumulation over chunks
                     grad_w += (dz.t() @ h).float()
         return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
