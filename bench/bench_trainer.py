@@ -140,6 +140,11 @@ def hf_padded_step(
     opt.zero_grad(set_to_none=True)
 
 
+def pct(m: float) -> str:
+    """MFU as a percentage; none on CPU, which has no bf16 peak to measure against."""
+    return "n/a" if m != m else f"{m:.1%}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -186,7 +191,7 @@ def main() -> None:
         m = mfu(flops, seconds, gpus) if device.type == "cuda" else float("nan")
         rows.append((name, tokens / seconds, m, peak))
         print(
-            f"{name}: {seconds * 1e3:.0f} ms/step, {tokens / seconds:,.0f} tok/s, MFU {m:.1%}, peak {peak:.1f} GiB",
+            f"{name}: {seconds * 1e3:.0f} ms/step, {tokens / seconds:,.0f} tok/s, MFU {pct(m)}, peak {peak:.1f} GiB",
             flush=True,
         )
 
@@ -287,7 +292,7 @@ def print_table(rows: list[tuple[str, float, float, float]]) -> None:
         f"\n| variant | tokens/s | MFU (of {PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s per GPU) | peak memory GiB (rank 0) |\n|---|---|---|---|"
     )
     for name, tps, m, peak in rows:
-        print(f"| {name} | {tps:,.0f} | {m:.1%} | {peak:.1f} |")
+        print(f"| {name} | {tps:,.0f} | {pct(m)} | {peak:.1f} |")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch._dynamo.utils
 
-from bench.bench_trainer import QWEN3_06B, TINY, make_batch, make_model
+from bench.bench_trainer import QWEN3_06B, TINY, make_batch, make_model, pct
 from vime.config import Config
 from vime.trainer import logprobs
 from vime.trainer.perf import mfu, train_flops
@@ -329,7 +329,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     print(f"\nvocabulary {shape['vocab_size']:,}\n\n| variant | tokens/s | MFU | peak GiB |\n|---|---:|---:|---:|")
     for name, tps, m, peak in summary:
-        print(f"| {name} | {tps:,.0f} | {m:.1%} | {peak:.1f} |")
+        print(f"| {name} | {tps:,.0f} | {pct(m)} | {peak:.1f} |")
 
 
 if __name__ == "__main__":

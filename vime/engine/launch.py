@@ -40,7 +40,8 @@ class EngineProcess:
                 self.proc.wait()
 
 
-def _log_tail(path: Path, lines: int = 20) -> str:
+def log_tail(path: Path, lines: int = 20) -> str:
+    """The last lines of a server's log, for the error that says why it did not start."""
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
@@ -111,12 +112,12 @@ def launch_engine(
             break
         if proc.poll() is not None:
             raise EngineError(
-                f"engine process exited with code {proc.returncode} during start (log {log_path}):\n{_log_tail(log_path)}"
+                f"engine process exited with code {proc.returncode} during start (log {log_path}):\n{log_tail(log_path)}"
             )
         if time.monotonic() > deadline:
             EngineProcess("", proc, log_path).shutdown()
             raise EngineError(
-                f"engine did not start within {startup_timeout:g}s (log {log_path}):\n{_log_tail(log_path)}"
+                f"engine did not start within {startup_timeout:g}s (log {log_path}):\n{log_tail(log_path)}"
             )
         time.sleep(0.1)
     engine = EngineProcess(m.group(1), proc, log_path, api_key)

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from vime.engine.client import EngineClient, EngineError
+from vime.engine.launch import log_tail
 
 log = logging.getLogger("vime")
 
@@ -430,13 +431,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _log_tail(path: Path, lines: int = 25) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
 def _get(url: str, timeout: float = 5.0) -> bytes | None:
     """The body of a GET, or None while the server does not answer 200 yet."""
     try:
@@ -526,12 +520,12 @@ def _wait_ready(server: VLLMProcess, timeout: float) -> None:
     while _get(server.url + "/health", timeout=2.0) is None:
         if server.proc.poll() is not None:
             raise EngineError(
-                f"vLLM server exited with code {server.proc.returncode} during start (log {server.log_path}):\n{_log_tail(server.log_path)}"
+                f"vLLM server exited with code {server.proc.returncode} during start (log {server.log_path}):\n{log_tail(server.log_path, 25)}"
             )
         now = time.monotonic()
         if now - t0 > timeout:
             raise EngineError(
-                f"vLLM server did not answer /health within {timeout:g}s (log {server.log_path}):\n{_log_tail(server.log_path)}"
+                f"vLLM server did not answer /health within {timeout:g}s (log {server.log_path}):\n{log_tail(server.log_path, 25)}"
             )
         if now - last_note >= 15:
             print(
