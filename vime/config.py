@@ -530,7 +530,7 @@ def build_parser(prog: str = "train.py", description: str = "") -> argparse.Argu
                 flag,
                 action=argparse.BooleanOptionalAction,
                 default=argparse.SUPPRESS,
-                help=f.metadata["help"] + f" (default: {default})",
+                help=f.metadata["help"] + f" (default: {'auto' if default is None else default})",
             )
         else:
             grp.add_argument(
