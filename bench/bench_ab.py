@@ -80,7 +80,12 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--arms", default="sync,one-step-off,fully-async,decoupled")
     p.add_argument("--arm-timeout", type=float, default=150.0, help="seconds before an arm is given up")
-    p.add_argument("--compile", action="store_true", help="trainer with --compile (torch.compile per decoder layer)")
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="trainer with or without --compile (default: vime's, on when the trainer is on CUDA)",
+    )
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/vime-ab"))
     a = p.parse_args()
     out = Path(a.out)

@@ -434,7 +434,8 @@ def test_compiled_trainer_compiles_once_for_any_lengths(tiny_model):
 def test_triton_head_in_interpreter():
     """The LM head's Triton kernels (what CUDA runs) against its PyTorch math, float32 and
     bfloat16, under the Triton interpreter on CPU tensors: log-probs, entropies and both
-    gradients, over chunks with a short last one and a vocabulary that no block size divides."""
+    gradients, over chunks with a short last one and a vocabulary that no block size divides; and
+    from a plain `.sum()`, whose gradient autograd hands over as one number of stride 0."""
     pytest.importorskip("triton")
     env = {
         **os.environ,
@@ -457,16 +458,19 @@ def _interpreted_head_checks() -> None:
         w = (torch.randn(5003, 16) / 4).to(dtype).requires_grad_()
         y = torch.randint(0, 5003, (37,))
         up_lp, up_ent = torch.randn(37), torch.randn(37)
-        runs = []
-        for fns in ((logprobs._stats_triton, logprobs._grad_logits_triton), (logprobs._stats, logprobs._grad_logits)):
-            logprobs._fused = lambda device, fns=fns: fns
-            lp, ent = logprobs.chunked_log_probs(h, w, y, temperature=0.7, with_entropy=True, chunk_size=16)
-            runs.append((lp, ent, *torch.autograd.grad((lp * up_lp).sum() + (ent * up_ent).sum(), [h, w])))
-        for a, b in zip(*runs):
-            assert torch.allclose(a.float(), b.float(), atol=atol, rtol=1e-3), (
-                dtype,
-                (a.float() - b.float()).abs().max(),
-            )
+        for weighted in (True, False):
+            runs = []
+            for fns in (
+                (logprobs._stats_triton, logprobs._grad_logits_triton),
+                (logprobs._stats, logprobs._grad_logits),
+            ):
+                logprobs._fused = lambda device, fns=fns: fns
+                lp, ent = logprobs.chunked_log_probs(h, w, y, temperature=0.7, with_entropy=True, chunk_size=16)
+                loss = (lp * up_lp).sum() + (ent * up_ent).sum() if weighted else lp.sum() + ent.sum()
+                runs.append((lp, ent, *torch.autograd.grad(loss, [h, w])))
+            for a, b in zip(*runs):
+                err = (a.float() - b.float()).abs().max()
+                assert torch.allclose(a.float(), b.float(), atol=atol, rtol=1e-3), (dtype, weighted, err)
 
 
 if __name__ == "__main__":

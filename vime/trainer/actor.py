@@ -4,12 +4,12 @@
 Runs as one process or as one rank of many (FSDP2, `vime.trainer.distributed` launches them).
 Every rank receives the whole batch and derives, without talking to the others, the same split:
 samples go to ranks balanced by tokens, each rank packs its share into micro-batches of at most
-`--max-tokens-per-gpu` real tokens (no padding), and ranks with fewer micro-batches run empty
-ones so the FSDP collectives stay in step. The loss of each micro-batch is divided by the
-loss-token count of the whole optimizer step on all ranks, so gradient accumulation and data
-parallelism give the gradient of one big batch, whatever the budget or the rank count. Only the
-response positions go through the LM head, in token chunks (`vime.trainer.logprobs`), so no
-batch × vocabulary logits ever exist.
+`--max-tokens-per-gpu` real tokens (padded only when compiled, see `_pack`), and ranks with fewer
+micro-batches run empty ones so the FSDP collectives stay in step. The loss of each micro-batch
+is divided by the loss-token count of the whole optimizer step on all ranks, so gradient
+accumulation and data parallelism give the gradient of one big batch, whatever the budget or the
+rank count. Only the response positions go through the LM head, in token chunks
+(`vime.trainer.logprobs`), so no batch × vocabulary logits ever exist.
 """
 
 from __future__ import annotations
@@ -146,6 +146,7 @@ class Actor:
             ref.eval()
             self.ref_scorer = self._wrap(TokenScorer(ref, chunk))
         self._bucket = -(-args.max_tokens_per_gpu // PAD_BUCKETS)
+        self._warned_oversize = False
         if self.compiled:
             self._warm_up()
 
@@ -200,8 +201,20 @@ class Actor:
         """One micro-batch on the device. Compiled layers get its length rounded up to one of
         `PAD_BUCKETS` sizes, all of which `_warm_up` compiled: each other token count risks a
         compile of its own mid-run (inductor guards ranges of it, e.g. T >= 5120; bench/RESULTS.md,
-        issue 16). An empty micro-batch is one dummy sequence that nothing scores."""
+        issue 16). A sequence longer than the budget gets a micro-batch of its own, of a size the
+        warm-up did not see (warned once). An empty micro-batch is one dummy sequence that nothing
+        scores."""
         pad_to = self._bucket if self.compiled else None
+        if pad_to and idx and not self._warned_oversize:
+            tokens = sum(len(samples[i].tokens) for i in idx)
+            if tokens > self.args.max_tokens_per_gpu:
+                self._warned_oversize = True
+                log.warning(
+                    "a %d-token sequence is longer than --max-tokens-per-gpu %d: its micro-batch may compile "
+                    "once more mid-run; raise the budget above prompt + response length",
+                    tokens,
+                    self.args.max_tokens_per_gpu,
+                )
         if not idx:
             return pack([[self.pad_token_id] * 2], [1], [], self.device, pad_to, self.pad_token_id)
         return pack(
@@ -218,6 +231,7 @@ class Actor:
         without gradients (a scoring pass runs under no_grad, which is a graph of its own). The
         batches are pad tokens; the gradients they leave are dropped."""
         t0 = time.perf_counter()
+        was_training = self.scorer.training
         for size in range(self._bucket, self._bucket * PAD_BUCKETS + 1, self._bucket):
             lengths = [PAD_SEGMENT] * (size // PAD_SEGMENT) + ([size % PAD_SEGMENT] if size % PAD_SEGMENT else [])
             mb = pack([[self.pad_token_id] * n for n in lengths], [1] * len(lengths), [], self.device, self._bucket)
@@ -227,6 +241,7 @@ class Actor:
             self.scorer.train()
             log_probs, entropy = self._forward(self.scorer, mb, with_entropy=True)
             (log_probs.sum() + entropy.sum()).backward()
+        self.scorer.train(was_training)
         self.optimizer.zero_grad(set_to_none=True)
         self._sync()
         log.info("compiled the trainer for %d micro-batch sizes in %.1f s", PAD_BUCKETS, time.perf_counter() - t0)
@@ -392,76 +407,84 @@ class Actor:
         kl_coef, ent_coef = a.kl_loss_coef, a.entropy_coef
         totals: dict[str, Tensor] = {}
         plan = self._plan(samples)
-        for i, idx in enumerate(plan):
-            mb = self._pack(samples, idx)
-            if self.defer_grad_sync:
-                last = i == len(plan) - 1
-                self.scorer.set_requires_gradient_sync(last)
-                self.scorer.set_reshard_after_backward(last)
-            log_probs, entropy = self._forward(self.scorer, mb, with_entropy=True)
+        try:
+            for i, idx in enumerate(plan):
+                mb = self._pack(samples, idx)
+                if self.defer_grad_sync:
+                    last = i == len(plan) - 1
+                    self.scorer.set_requires_gradient_sync(last)
+                    self.scorer.set_reshard_after_backward(last)
+                log_probs, entropy = self._forward(self.scorer, mb, with_entropy=True)
 
-            def flat(per_sample: list, mb: PackedBatch = mb) -> Tensor:
-                if not mb.indices:  # an empty micro-batch: its one dummy token weighs nothing
-                    return torch.zeros(len(mb.targets), device=self.device)
-                return to_device(
-                    torch.cat([torch.as_tensor(per_sample[i], dtype=torch.float32) for i in mb.indices]), self.device
+                def flat(per_sample: list, mb: PackedBatch = mb) -> Tensor:
+                    if not mb.indices:  # an empty micro-batch: its one dummy token weighs nothing
+                        return torch.zeros(len(mb.targets), device=self.device)
+                    return to_device(
+                        torch.cat([torch.as_tensor(per_sample[i], dtype=torch.float32) for i in mb.indices]),
+                        self.device,
+                    )
+
+                mask = flat(masks)
+                rollout_lp = flat(rollout_lps)
+                if self.use_rollout_logprobs:
+                    old = rollout_lp
+                else:
+                    old = log_probs.detach() if old_log_probs is None else flat(old_log_probs)
+                # a sample's advantage on each of its response tokens
+                adv = (
+                    to_device(advantages[mb.indices].repeat_interleave(torch.tensor(mb.response_lengths)), self.device)
+                    if mb.indices
+                    else flat([])
                 )
-
-            mask = flat(masks)
-            rollout_lp = flat(rollout_lps)
-            if self.use_rollout_logprobs:
-                old = rollout_lp
-            else:
-                old = log_probs.detach() if old_log_probs is None else flat(old_log_probs)
-            # a sample's advantage on each of its response tokens
-            adv = (
-                to_device(advantages[mb.indices].repeat_interleave(torch.tensor(mb.response_lengths)), self.device)
-                if mb.indices
-                else flat([])
-            )
-            seq_ids = to_device(
-                torch.repeat_interleave(torch.arange(len(mb.response_lengths)), torch.tensor(mb.response_lengths)),
-                self.device,
-            )
-            pg, m = policy_loss(
-                log_probs,
-                old,
-                adv,
-                mask,
-                eps_clip=a.eps_clip,
-                eps_clip_high=a.eps_clip_high,
-                rollout_log_probs=rollout_lp,
-                correction=self.correction,
-                seq_ids=seq_ids,
-                agg=agg,
-                const=const,
-                num_tokens=num_tokens,
-            )
-            loss = pg
-            # entropy is reported as a token mean whatever the loss aggregation
-            m["entropy"] = aggregate(entropy.detach(), mask, "token_mean", num_tokens=num_tokens)
-            if ent_coef != 0:
-                loss = loss - ent_coef * aggregate(entropy, mask, agg, num_tokens=num_tokens, const=const)
-            if ref_log_probs is not None:
-                kl = aggregate(
-                    kl_penalty(log_probs, flat(ref_log_probs), a.kl_loss_type),
+                seq_ids = to_device(
+                    torch.repeat_interleave(torch.arange(len(mb.response_lengths)), torch.tensor(mb.response_lengths)),
+                    self.device,
+                )
+                pg, m = policy_loss(
+                    log_probs,
+                    old,
+                    adv,
                     mask,
-                    agg,
-                    num_tokens=num_tokens,
+                    eps_clip=a.eps_clip,
+                    eps_clip_high=a.eps_clip_high,
+                    rollout_log_probs=rollout_lp,
+                    correction=self.correction,
+                    seq_ids=seq_ids,
+                    agg=agg,
                     const=const,
+                    num_tokens=num_tokens,
                 )
-                loss = loss + kl_coef * kl
-                m["kl_loss"] = kl.detach()
-            m["loss"] = loss.detach()
-            has_rollout = flat(has_rollout_lps)
-            trainer_lp = log_probs.detach() if self.use_rollout_logprobs else old  # coupled: old is the engine's own
-            m["_lp_diff_sum"] = ((trainer_lp - rollout_lp).abs() * has_rollout).sum()
-            m["_lp_diff_count"] = has_rollout.sum()
-            (loss * self.world).backward()
-            for k, v in m.items():  # kept on the device: a float() per metric would stall the GPU each micro-batch
-                totals[f"train/{k}"] = totals.get(f"train/{k}", 0.0) + torch.as_tensor(v).detach().to(
-                    self.device, torch.float64
-                )
+                loss = pg
+                # entropy is reported as a token mean whatever the loss aggregation
+                m["entropy"] = aggregate(entropy.detach(), mask, "token_mean", num_tokens=num_tokens)
+                if ent_coef != 0:
+                    loss = loss - ent_coef * aggregate(entropy, mask, agg, num_tokens=num_tokens, const=const)
+                if ref_log_probs is not None:
+                    kl = aggregate(
+                        kl_penalty(log_probs, flat(ref_log_probs), a.kl_loss_type),
+                        mask,
+                        agg,
+                        num_tokens=num_tokens,
+                        const=const,
+                    )
+                    loss = loss + kl_coef * kl
+                    m["kl_loss"] = kl.detach()
+                m["loss"] = loss.detach()
+                has_rollout = flat(has_rollout_lps)
+                trainer_lp = (
+                    log_probs.detach() if self.use_rollout_logprobs else old
+                )  # coupled: old is the engine's own
+                m["_lp_diff_sum"] = ((trainer_lp - rollout_lp).abs() * has_rollout).sum()
+                m["_lp_diff_count"] = has_rollout.sum()
+                (loss * self.world).backward()
+                for k, v in m.items():  # kept on the device: a float() per metric would stall the GPU each micro-batch
+                    totals[f"train/{k}"] = totals.get(f"train/{k}", 0.0) + torch.as_tensor(v).detach().to(
+                        self.device, torch.float64
+                    )
+        finally:  # a step that raised must not leave the next one without its reduction
+            if self.defer_grad_sync:
+                self.scorer.set_requires_gradient_sync(True)
+                self.scorer.set_reshard_after_backward(True)
         keys = sorted(totals)
         values = torch.stack([totals[k] for k in keys]).tolist() if keys else []  # the step's one wait for the GPU
         return self._sum_over_ranks(dict(zip(keys, values)))

@@ -34,9 +34,7 @@ DEFAULT_CHUNK = 4096
 def _stats(logits: Tensor, targets: Tensor, inv_tau: float, with_entropy: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(chosen log-prob, log-sum-exp, entropy) of each row of a chunk's logits, in float32.
 
-    Written as reductions over z = logits / τ so that, compiled on CUDA, they read the
-    low-precision logits once or twice and never write a float32 [n, V] copy (eagerly, as on
-    CPU, the same arithmetic runs op by op)."""
+    The PyTorch version, run on CPU; CUDA runs `_stats_kernel`, one read of the logits."""
     z = logits.float() * inv_tau
     lse = torch.logsumexp(z, dim=-1)
     chosen = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
@@ -49,7 +47,8 @@ def _stats(logits: Tensor, targets: Tensor, inv_tau: float, with_entropy: bool) 
 def _grad_logits(
     logits: Tensor, targets: Tensor, lse: Tensor, entropy: Tensor, g_chosen: Tensor, g_entropy: Tensor, inv_tau: float
 ) -> Tensor:
-    """d loss / d logits of a chunk, in the logits' dtype: one pointwise pass when compiled."""
+    """d loss / d logits of a chunk, in the logits' dtype. The PyTorch version, run on CPU; CUDA
+    runs `_grad_kernel`, in place."""
     log_p = logits.float() * inv_tau - lse.unsqueeze(-1)
     p = torch.exp(log_p)
     onehot = torch.arange(logits.shape[-1], device=logits.device) == targets.unsqueeze(-1)
@@ -117,6 +116,7 @@ if triton is not None:
 def _stats_triton(logits: Tensor, targets: Tensor, inv_tau: float, with_entropy: bool) -> tuple[Tensor, Tensor, Tensor]:
     """`_stats` in one read of the logits."""
     n, v = logits.shape
+    assert logits.stride(1) == 1 and targets.is_contiguous(), "the kernel reads rows of contiguous columns"
     chosen = torch.empty(n, dtype=torch.float32, device=logits.device)
     lse, entropy = torch.empty_like(chosen), torch.zeros_like(chosen)
     if n:
@@ -131,6 +131,7 @@ def _grad_logits_triton(
 ) -> Tensor:
     """`_grad_logits` in place: the chunk's logits are needed for nothing else."""
     n, v = logits.shape
+    assert logits.stride(1) == 1 and all(t.is_contiguous() for t in (targets, lse, entropy, g_chosen, g_entropy))
     block = 4096
     if n:
         _grad_kernel[(n, triton.cdiv(v, block))](
@@ -180,8 +181,10 @@ class _ChunkedLogProbs(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         zeros = torch.zeros_like(lse)
-        g_chosen = zeros if grad_chosen is None else grad_chosen
-        g_entropy = zeros if grad_entropy is None else grad_entropy
+        # contiguous: the Triton kernel reads one float per row, and autograd may hand over any
+        # strides (the gradient of `lp.sum()` is one number expanded to stride 0)
+        g_chosen = zeros if grad_chosen is None else grad_chosen.contiguous()
+        g_entropy = zeros if grad_entropy is None else grad_entropy.contiguous()
         for a in range(0, hidden.shape[0], chunk):
             sl = slice(a, a + chunk)
             h = hidden[sl]

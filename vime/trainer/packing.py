@@ -105,8 +105,8 @@ def pack(
     """Lay the sequences end to end; mark the positions that score each response token.
 
     `pad_to`: fill the row up to a multiple of this many tokens with short sequences of `pad_id`
-    that nothing scores, so that every micro-batch has the same length (see Actor: a compiled
-    layer sees one token count and never compiles again for another)."""
+    that nothing scores, so that micro-batches come in a few lengths (see `Actor._pack`: a
+    compiled layer sees only token counts its warm-up compiled)."""
     ids: list[int] = []
     pos: list[int] = []
     select: list[int] = []
