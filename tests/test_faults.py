@@ -719,6 +719,29 @@ def test_a_signal_stops_every_mode_within_seconds(tmp_path, script, extra, fault
     _intact_checkpoints(tmp_path / "ckpt", at_least=1 if marker == "metrics.jsonl" else 0)
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_signal_during_a_checkpoint_write_waits_for_it(sig):
+    """Every checkpoint is written under `signals_held`: a signal there neither cuts the write
+    short (it once failed a save as an I/O error, or hung it, when Ctrl-C landed inside torch's
+    writer) nor is lost; the write finishes, then the signal acts as it would have, and the
+    handlers are back as they were."""
+    from vime.lifetime import Terminated, signals_held, stop_on_sigterm
+
+    previous = signal.getsignal(signal.SIGTERM)
+    stop_on_sigterm()
+    steps = []
+    try:
+        with pytest.raises(KeyboardInterrupt) as raised, signals_held():
+            os.kill(os.getpid(), sig)
+            time.sleep(0.2)  # a system call the signal would otherwise have interrupted
+            steps.append("written")
+        assert raised.type is (Terminated if sig == signal.SIGTERM else KeyboardInterrupt)
+        assert steps == ["written"]
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "plugin",

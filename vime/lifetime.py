@@ -12,10 +12,12 @@ unwinds like Ctrl-C.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 
 PARENT_POLL_S = 0.5
 
@@ -31,6 +33,36 @@ def stop_on_sigterm() -> None:
         raise Terminated()
 
     signal.signal(signal.SIGTERM, handler)
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Ctrl-C and SIGTERM wait until the block is done, then act as they would have.
+
+    For writes that must finish once begun: a signal that lands inside torch's or safetensors'
+    writer interrupts its write() (Python's handlers do not restart system calls), and the save
+    fails with an I/O error, or hangs in a writer thread, instead of the run stopping. Blocked in
+    this thread, a signal either waits or goes to another thread, which only flags it for the main
+    thread's Python handler; so, in the main thread, the handlers are swapped for one that notes
+    the signal, and the noted one runs the real handler after the block."""
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    noted: list[int] = []
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        handlers = {s: signal.signal(s, lambda signum, frame: noted.append(signum)) for s in sigs}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # runs the handlers of pending signals
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+        if noted:
+            handler = handlers[noted[0]]
+            if callable(handler):  # Python's default_int_handler raises KeyboardInterrupt; ours, Terminated
+                handler(noted[0], None)
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(noted[0])
 
 
 def exit_with_parent(parent_pid: int | None = None) -> None:

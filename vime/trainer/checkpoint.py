@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from vime.errors import VimeError
+from vime.lifetime import signals_held
 from vime.trainer.nonfinite import NonFiniteError
 
 if TYPE_CHECKING:
@@ -94,35 +95,36 @@ def _check_finite(actor: Actor, final: Path) -> None:
 
 
 def _write(actor: Actor, final: Path, weights: dict[str, Tensor], state: dict[str, Any]) -> None:
-    tmp, old = final.with_name(final.name + ".tmp"), final.with_name(final.name + ".old")
-    shutil.rmtree(tmp, ignore_errors=True)  # debris of an earlier interrupted save
-    try:
-        actor.model.save_pretrained(tmp, state_dict=weights)
-        actor.tokenizer.save_pretrained(tmp)
-        with open(tmp / TRAINER_STATE, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-    except (
-        Exception
-    ) as e:  # a full disk, a directory made read-only mid-run (safetensors and torch raise their own types)
-        shutil.rmtree(tmp, ignore_errors=True)
-        free = shutil.disk_usage(final.parent).free / 2**20
-        detail = " ".join((getattr(e, "strerror", None) or str(e)).split())[:200]
-        raise CheckpointError(
-            f"writing checkpoint {final} failed ({detail}; {free:.0f} MiB free there): free some space or pick another --save; "
-            "the checkpoints written before are intact"
-        ) from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if final.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(final)
+    # a signal mid-write would fail or hang the save: it is acted on once the checkpoint is whole
+    with signals_held():
+        tmp, old = final.with_name(final.name + ".tmp"), final.with_name(final.name + ".old")
+        shutil.rmtree(tmp, ignore_errors=True)  # debris of an earlier interrupted save
+        try:
+            actor.model.save_pretrained(tmp, state_dict=weights)
+            actor.tokenizer.save_pretrained(tmp)
+            with open(tmp / TRAINER_STATE, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+        # a full disk, a directory made read-only mid-run (safetensors and torch raise their own types)
+        except Exception as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            free = shutil.disk_usage(final.parent).free / 2**20
+            detail = " ".join((getattr(e, "strerror", None) or str(e)).split())[:200]
+            raise CheckpointError(
+                f"writing checkpoint {final} failed ({detail}; {free:.0f} MiB free there): free some space or pick another --save; "
+                "the checkpoints written before are intact"
+            ) from None
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(final)
 
 
 def load(actor: Actor, ckpt: Path) -> dict[str, Any]:
