@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+# The Ctrl-C tests need SIGINT to reach the runs they start. A shell starts background jobs
+# (`make test &`, nohup, some CI runners) with SIGINT ignored, and an ignored signal stays ignored
+# across exec, so every run would ignore Ctrl-C and those tests would hang. A handled one is reset
+# to the default at exec: with Python's own handler here, the runs start as from a terminal.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 ROOT = Path(__file__).resolve().parents[1]
 
