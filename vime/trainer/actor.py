@@ -34,7 +34,6 @@ from vime.trainer.logprobs import chunked_log_probs
 from vime.trainer.loss import OffPolicyCorrection, aggregate, kl_penalty, policy_loss
 from vime.trainer.packing import (
     PAD_BUCKETS,
-    PAD_SEGMENT,
     PackedBatch,
     pack,
     plan_packed_micro_batches,
@@ -186,12 +185,18 @@ class Actor:
         """This rank's micro-batches as indices into `samples`. Every rank gets the same number
         (padding with empty ones), so FSDP's collectives pair up."""
         lengths = [len(s.tokens) for s in samples]
+        budget = self.args.max_tokens_per_gpu
+        if self.compiled and max(lengths, default=0) > budget and not self._warned_oversize:
+            self._warned_oversize = True
+            log.warning(
+                "a %d-token sequence is longer than --max-tokens-per-gpu %d: its micro-batch may compile once more "
+                "mid-run; raise the budget above prompt + response length",
+                max(lengths),
+                budget,
+            )
         shards = shard_by_tokens(lengths, self.world)
         plans = [
-            [
-                [shard[j] for j in mb]
-                for mb in plan_packed_micro_batches([lengths[i] for i in shard], self.args.max_tokens_per_gpu)
-            ]
+            [[shard[j] for j in mb] for mb in plan_packed_micro_batches([lengths[i] for i in shard], budget)]
             for shard in shards
         ]
         mine = plans[self.rank]
@@ -202,19 +207,9 @@ class Actor:
         `PAD_BUCKETS` sizes, all of which `_warm_up` compiled: each other token count risks a
         compile of its own mid-run (inductor guards ranges of it, e.g. T >= 5120; bench/RESULTS.md,
         issue 16). A sequence longer than the budget gets a micro-batch of its own, of a size the
-        warm-up did not see (warned once). An empty micro-batch is one dummy sequence that nothing
-        scores."""
+        warm-up did not see (`_plan` warns once). An empty micro-batch is one dummy sequence that
+        nothing scores."""
         pad_to = self._bucket if self.compiled else None
-        if pad_to and idx and not self._warned_oversize:
-            tokens = sum(len(samples[i].tokens) for i in idx)
-            if tokens > self.args.max_tokens_per_gpu:
-                self._warned_oversize = True
-                log.warning(
-                    "a %d-token sequence is longer than --max-tokens-per-gpu %d: its micro-batch may compile "
-                    "once more mid-run; raise the budget above prompt + response length",
-                    tokens,
-                    self.args.max_tokens_per_gpu,
-                )
         if not idx:
             return pack([[self.pad_token_id] * 2], [1], [], self.device, pad_to, self.pad_token_id)
         return pack(
@@ -229,12 +224,11 @@ class Actor:
     def _warm_up(self) -> None:
         """Compile every shape a step can meet before the first step: each bucket size, with and
         without gradients (a scoring pass runs under no_grad, which is a graph of its own). The
-        batches are pad tokens; the gradients they leave are dropped."""
+        batches are a dummy sequence padded to the size; the gradients they leave are dropped."""
         t0 = time.perf_counter()
         was_training = self.scorer.training
         for size in range(self._bucket, self._bucket * PAD_BUCKETS + 1, self._bucket):
-            lengths = [PAD_SEGMENT] * (size // PAD_SEGMENT) + ([size % PAD_SEGMENT] if size % PAD_SEGMENT else [])
-            mb = pack([[self.pad_token_id] * n for n in lengths], [1] * len(lengths), [], self.device, self._bucket)
+            mb = pack([[self.pad_token_id] * 2], [1], [], self.device, size, self.pad_token_id)
             self.scorer.eval()  # as `compute_log_probs` runs it: the layers' mode is guarded too
             with torch.no_grad():
                 self._forward(self.scorer, mb, with_entropy=False)
@@ -407,84 +401,76 @@ class Actor:
         kl_coef, ent_coef = a.kl_loss_coef, a.entropy_coef
         totals: dict[str, Tensor] = {}
         plan = self._plan(samples)
-        try:
-            for i, idx in enumerate(plan):
-                mb = self._pack(samples, idx)
-                if self.defer_grad_sync:
-                    last = i == len(plan) - 1
-                    self.scorer.set_requires_gradient_sync(last)
-                    self.scorer.set_reshard_after_backward(last)
-                log_probs, entropy = self._forward(self.scorer, mb, with_entropy=True)
-
-                def flat(per_sample: list, mb: PackedBatch = mb) -> Tensor:
-                    if not mb.indices:  # an empty micro-batch: its one dummy token weighs nothing
-                        return torch.zeros(len(mb.targets), device=self.device)
-                    return to_device(
-                        torch.cat([torch.as_tensor(per_sample[i], dtype=torch.float32) for i in mb.indices]),
-                        self.device,
-                    )
-
-                mask = flat(masks)
-                rollout_lp = flat(rollout_lps)
-                if self.use_rollout_logprobs:
-                    old = rollout_lp
-                else:
-                    old = log_probs.detach() if old_log_probs is None else flat(old_log_probs)
-                # a sample's advantage on each of its response tokens
-                adv = (
-                    to_device(advantages[mb.indices].repeat_interleave(torch.tensor(mb.response_lengths)), self.device)
-                    if mb.indices
-                    else flat([])
-                )
-                seq_ids = to_device(
-                    torch.repeat_interleave(torch.arange(len(mb.response_lengths)), torch.tensor(mb.response_lengths)),
-                    self.device,
-                )
-                pg, m = policy_loss(
-                    log_probs,
-                    old,
-                    adv,
-                    mask,
-                    eps_clip=a.eps_clip,
-                    eps_clip_high=a.eps_clip_high,
-                    rollout_log_probs=rollout_lp,
-                    correction=self.correction,
-                    seq_ids=seq_ids,
-                    agg=agg,
-                    const=const,
-                    num_tokens=num_tokens,
-                )
-                loss = pg
-                # entropy is reported as a token mean whatever the loss aggregation
-                m["entropy"] = aggregate(entropy.detach(), mask, "token_mean", num_tokens=num_tokens)
-                if ent_coef != 0:
-                    loss = loss - ent_coef * aggregate(entropy, mask, agg, num_tokens=num_tokens, const=const)
-                if ref_log_probs is not None:
-                    kl = aggregate(
-                        kl_penalty(log_probs, flat(ref_log_probs), a.kl_loss_type),
-                        mask,
-                        agg,
-                        num_tokens=num_tokens,
-                        const=const,
-                    )
-                    loss = loss + kl_coef * kl
-                    m["kl_loss"] = kl.detach()
-                m["loss"] = loss.detach()
-                has_rollout = flat(has_rollout_lps)
-                trainer_lp = (
-                    log_probs.detach() if self.use_rollout_logprobs else old
-                )  # coupled: old is the engine's own
-                m["_lp_diff_sum"] = ((trainer_lp - rollout_lp).abs() * has_rollout).sum()
-                m["_lp_diff_count"] = has_rollout.sum()
-                (loss * self.world).backward()
-                for k, v in m.items():  # kept on the device: a float() per metric would stall the GPU each micro-batch
-                    totals[f"train/{k}"] = totals.get(f"train/{k}", 0.0) + torch.as_tensor(v).detach().to(
-                        self.device, torch.float64
-                    )
-        finally:  # a step that raised must not leave the next one without its reduction
+        for i, idx in enumerate(plan):
+            mb = self._pack(samples, idx)
             if self.defer_grad_sync:
-                self.scorer.set_requires_gradient_sync(True)
-                self.scorer.set_reshard_after_backward(True)
+                last = i == len(plan) - 1  # set at every micro-batch: a step that raised leaves nothing to undo
+                self.scorer.set_requires_gradient_sync(last)
+                self.scorer.set_reshard_after_backward(last)
+            log_probs, entropy = self._forward(self.scorer, mb, with_entropy=True)
+
+            def flat(per_sample: list, mb: PackedBatch = mb) -> Tensor:
+                if not mb.indices:  # an empty micro-batch: its one dummy token weighs nothing
+                    return torch.zeros(len(mb.targets), device=self.device)
+                return to_device(
+                    torch.cat([torch.as_tensor(per_sample[i], dtype=torch.float32) for i in mb.indices]), self.device
+                )
+
+            mask = flat(masks)
+            rollout_lp = flat(rollout_lps)
+            if self.use_rollout_logprobs:
+                old = rollout_lp
+            else:
+                old = log_probs.detach() if old_log_probs is None else flat(old_log_probs)
+            # a sample's advantage on each of its response tokens
+            adv = (
+                to_device(advantages[mb.indices].repeat_interleave(torch.tensor(mb.response_lengths)), self.device)
+                if mb.indices
+                else flat([])
+            )
+            seq_ids = to_device(
+                torch.repeat_interleave(torch.arange(len(mb.response_lengths)), torch.tensor(mb.response_lengths)),
+                self.device,
+            )
+            pg, m = policy_loss(
+                log_probs,
+                old,
+                adv,
+                mask,
+                eps_clip=a.eps_clip,
+                eps_clip_high=a.eps_clip_high,
+                rollout_log_probs=rollout_lp,
+                correction=self.correction,
+                seq_ids=seq_ids,
+                agg=agg,
+                const=const,
+                num_tokens=num_tokens,
+            )
+            loss = pg
+            # entropy is reported as a token mean whatever the loss aggregation
+            m["entropy"] = aggregate(entropy.detach(), mask, "token_mean", num_tokens=num_tokens)
+            if ent_coef != 0:
+                loss = loss - ent_coef * aggregate(entropy, mask, agg, num_tokens=num_tokens, const=const)
+            if ref_log_probs is not None:
+                kl = aggregate(
+                    kl_penalty(log_probs, flat(ref_log_probs), a.kl_loss_type),
+                    mask,
+                    agg,
+                    num_tokens=num_tokens,
+                    const=const,
+                )
+                loss = loss + kl_coef * kl
+                m["kl_loss"] = kl.detach()
+            m["loss"] = loss.detach()
+            has_rollout = flat(has_rollout_lps)
+            trainer_lp = log_probs.detach() if self.use_rollout_logprobs else old  # coupled: old is the engine's own
+            m["_lp_diff_sum"] = ((trainer_lp - rollout_lp).abs() * has_rollout).sum()
+            m["_lp_diff_count"] = has_rollout.sum()
+            (loss * self.world).backward()
+            for k, v in m.items():  # kept on the device: a float() per metric would stall the GPU each micro-batch
+                totals[f"train/{k}"] = totals.get(f"train/{k}", 0.0) + torch.as_tensor(v).detach().to(
+                    self.device, torch.float64
+                )
         keys = sorted(totals)
         values = torch.stack([totals[k] for k in keys]).tolist() if keys else []  # the step's one wait for the GPU
         return self._sum_over_ranks(dict(zip(keys, values)))
