@@ -7,6 +7,7 @@ the rest of the engine's tests (tests/test_engine.py, marked `gpu` as well).
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 import torch
@@ -174,3 +175,55 @@ def test_one_rank_defers_gradient_reduction_exactly(tmp_path):
     assert all(per_mb[n].dtype == torch.float32 for n in per_mb)
     assert all(torch.equal(per_mb[n], deferred[n]) for n in per_mb)
     assert any(per_mb[n].abs().sum() > 0 for n in per_mb)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_non_finite_gradient_skips_the_fused_step_on_the_device(tmp_path):
+    """On CUDA the fused AdamW skips a step with a non-finite gradient norm itself (`found_inf`),
+    so the host never waits for the norm before the step. A skipped step must leave the weights
+    and AdamW's state as they were: the clean step after it gives bit for bit the weights of a
+    clean step taken first."""
+    from test_actor import make_args, make_samples
+
+    from vime.trainer.distributed import launch_actor
+
+    model = make_tiny_model(tmp_path / "m", arch="qwen3", seed=0)
+    samples = make_samples(4)
+    advantages = [1.0, -0.5, 0.25, -1.0]
+    actor = launch_actor(make_args(global_batch_size=4, max_tokens_per_gpu=64), model, "cuda:0")
+    local = actor.local
+    params = list(local.model.parameters())
+
+    def snapshot() -> list[torch.Tensor]:
+        return [p.detach().full_tensor().clone() for p in params]
+
+    def step(poison: bool) -> dict[str, float]:
+        local.optimizer.zero_grad(set_to_none=True)
+        local.accumulate_gradients(samples, advantages, None)
+        if poison:
+            with torch.no_grad():
+                params[0].grad.to_local().view(-1)[0] = float("inf")
+        return local._clip_and_step()
+
+    try:
+        assert local.optimizer.defaults["fused"]
+        start = snapshot()
+        clean = step(poison=False)
+        after_clean = snapshot()
+        with torch.no_grad():  # back to the start: weights and a fresh AdamW state
+            for p, w in zip(params, start):
+                p.to_local().copy_(w)
+        local.optimizer.state.clear()
+        skipped = step(poison=True)
+        after_skip = snapshot()
+        steps = [float(s["step"]) for s in local.optimizer.state.values()]
+        again = step(poison=False)
+        after_again = snapshot()
+    finally:
+        actor.close()
+    assert clean["train/skipped_steps"] == 0 and again["train/skipped_steps"] == 0
+    assert skipped["train/skipped_steps"] == 1 and not math.isfinite(skipped["train/grad_norm"])
+    assert all(torch.equal(a, b) for a, b in zip(start, after_skip))
+    assert steps and all(s == 0 for s in steps)  # AdamW's step counts were rolled back too
+    assert any(not torch.equal(a, b) for a, b in zip(start, after_clean))
+    assert all(torch.equal(a, b) for a, b in zip(after_clean, after_again))

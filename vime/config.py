@@ -179,7 +179,7 @@ class Config:
     gradient_checkpointing: bool = _f(False, "recompute activations in backward", group="optimizer")
     compile: bool | None = _f(
         None,
-        "torch.compile each decoder layer of the trainer's model: on by default when the trainer is on CUDA. One compile serves every layer; micro-batches are padded up to one of 8 sizes, all compiled in a warm-up before step 1 (about a minute for a 0.6B model on an H200), so nothing compiles mid-run; 1.8x eager's tokens/s on an H200, bench/RESULTS.md",
+        "torch.compile each decoder layer of the trainer's model: on by default when the trainer is on CUDA. One compile serves every layer; micro-batches are padded up to one of 16 sizes, all compiled in a warm-up before step 1 (about a minute for a 0.6B model on an H200), so nothing compiles mid-run; 1.8x eager's tokens/s on an H200, bench/RESULTS.md",
         group="optimizer",
     )
     logprob_chunk_size: int = _f(

@@ -19,6 +19,7 @@ import logging
 import math
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,29 @@ class TokenScorer(nn.Module):
         if getattr(head, "bias", None) is not None:
             raise NotImplementedError("the chunked LM head assumes no bias (true of the Llama/Qwen families)")
         return chunked_log_probs(hidden[mb.select], head.weight, mb.targets, temperature, with_entropy, self.chunk_size)
+
+
+@dataclass
+class _StepTokens:
+    """A step's per-sample token tensors, built once (each micro-batch concatenates its own)."""
+
+    masks: list[Tensor]
+    rollout_lps: list[Tensor]  # zeros where the engine sent none
+    has_rollout_lps: list[Tensor]  # the mask where it did, else zeros
+    num_tokens: float  # loss tokens in the step
+
+    @classmethod
+    def of(cls, samples: list[Sample]) -> _StepTokens:
+        masks = [torch.tensor(s.effective_loss_mask(), dtype=torch.float32) for s in samples]
+        rollout_lps = [
+            torch.tensor(
+                s.rollout_log_probs if s.rollout_log_probs is not None else [0.0] * s.response_length,
+                dtype=torch.float32,
+            )
+            for s in samples
+        ]
+        has = [m if s.rollout_log_probs is not None else torch.zeros_like(m) for s, m in zip(samples, masks)]
+        return cls(masks, rollout_lps, has, float(sum(m.sum() for m in masks)))
 
 
 class Actor:
@@ -378,19 +402,6 @@ class Actor:
         """
         a = self.args
         advantages = torch.as_tensor(advantages, dtype=torch.float32).flatten()  # one per sample
-        # per-sample token tensors, built once per step (each micro-batch concatenates its own)
-        masks = [torch.tensor(s.effective_loss_mask(), dtype=torch.float32) for s in samples]
-        rollout_lps = [
-            torch.tensor(
-                s.rollout_log_probs if s.rollout_log_probs is not None else [0.0] * s.response_length,
-                dtype=torch.float32,
-            )
-            for s in samples
-        ]
-        has_rollout_lps = [
-            m if s.rollout_log_probs is not None else torch.zeros_like(m) for s, m in zip(samples, masks)
-        ]
-        num_tokens = float(sum(m.sum() for m in masks))
         agg = "seq_sum_const" if a.advantage_estimator == "dr_grpo" else "token_mean"
         max_len = a.rollout_max_response_len
         const = float(max_len * len(samples))
@@ -401,13 +412,19 @@ class Actor:
         kl_coef, ent_coef = a.kl_loss_coef, a.entropy_coef
         totals: dict[str, Tensor] = {}
         plan = self._plan(samples)
+        tokens: _StepTokens | None = None
         for i, idx in enumerate(plan):
+            # packed while the GPU runs the previous micro-batch's backward: a long queue of
+            # kernels, where the short gap between a forward and its backward would idle it
             mb = self._pack(samples, idx)
             if self.defer_grad_sync:
                 last = i == len(plan) - 1  # set at every micro-batch: a step that raised leaves nothing to undo
                 self.scorer.set_requires_gradient_sync(last)
                 self.scorer.set_reshard_after_backward(last)
             log_probs, entropy = self._forward(self.scorer, mb, with_entropy=True)
+            if tokens is None:  # host work done while the GPU runs the first forward, not before it
+                tokens = _StepTokens.of(samples)
+            num_tokens = tokens.num_tokens
 
             def flat(per_sample: list, mb: PackedBatch = mb) -> Tensor:
                 if not mb.indices:  # an empty micro-batch: its one dummy token weighs nothing
@@ -416,8 +433,8 @@ class Actor:
                     torch.cat([torch.as_tensor(per_sample[i], dtype=torch.float32) for i in mb.indices]), self.device
                 )
 
-            mask = flat(masks)
-            rollout_lp = flat(rollout_lps)
+            mask = flat(tokens.masks)
+            rollout_lp = flat(tokens.rollout_lps)
             if self.use_rollout_logprobs:
                 old = rollout_lp
             else:
@@ -462,7 +479,7 @@ class Actor:
                 loss = loss + kl_coef * kl
                 m["kl_loss"] = kl.detach()
             m["loss"] = loss.detach()
-            has_rollout = flat(has_rollout_lps)
+            has_rollout = flat(tokens.has_rollout_lps)
             trainer_lp = log_probs.detach() if self.use_rollout_logprobs else old  # coupled: old is the engine's own
             m["_lp_diff_sum"] = ((trainer_lp - rollout_lp).abs() * has_rollout).sum()
             m["_lp_diff_count"] = has_rollout.sum()
@@ -495,14 +512,21 @@ class Actor:
         if hasattr(grad_norm, "full_tensor"):  # a DTensor: the partial norms of each shard, reduced here
             grad_norm = grad_norm.full_tensor()
         lr = float(self.optimizer.param_groups[0]["lr"])
-        if not (loss_finite and math.isfinite(float(grad_norm))):
+        fused = bool(self.optimizer.defaults.get("fused"))
+        if not (loss_finite and (fused or math.isfinite(float(grad_norm)))):
             self.optimizer.zero_grad(set_to_none=True)
             return {"train/grad_norm": float(grad_norm), "train/lr": lr, "train/skipped_steps": 1.0}
+        if fused:
+            # the fused AdamW skips itself on the device where `found_inf` is set (its step counts
+            # too), so the host queues clip and step without waiting for the norm first, and they
+            # overlap the backward's last kernels (GradScaler's mechanism, without the scaling)
+            self.optimizer.found_inf = (~torch.isfinite(grad_norm)).float()
         if clip > 0:
             torch.nn.utils.clip_grads_with_norm_(params, clip, grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)  # gradients are not needed until the next step
-        return {"train/grad_norm": float(grad_norm), "train/lr": lr, "train/skipped_steps": 0.0}
+        norm = float(grad_norm)
+        return {"train/grad_norm": norm, "train/lr": lr, "train/skipped_steps": 0.0 if math.isfinite(norm) else 1.0}
 
     # ---- weights and checkpoints -----------------------------------------------------
 

@@ -90,8 +90,9 @@ def shard_by_tokens(lengths: Sequence[int], world_size: int) -> list[list[int]]:
 
 PAD_SEGMENT = 256  # longest sequence of pad tokens: their attention costs next to nothing
 # compiled trainers round each micro-batch up to a multiple of budget / PAD_BUCKETS tokens: a few
-# shapes, all compiled before step 1, wasting at most one eighth of the budget per micro-batch
-PAD_BUCKETS = 8
+# shapes, all compiled before step 1, wasting at most a sixteenth of the budget per micro-batch
+# (with 8, the 2.5% of a GRPO batch's tokens that were padding cost 2.5% of a step: RESULTS.md)
+PAD_BUCKETS = 16
 
 
 def pack(
