@@ -34,6 +34,7 @@ import torch._dynamo.utils
 
 from bench.bench_trainer import QWEN3_06B, TINY, make_batch, make_model, pct
 from vime.config import Config
+from vime.trainer import actor as actor_mod
 from vime.trainer import logprobs
 from vime.trainer.perf import mfu, train_flops
 
@@ -68,8 +69,6 @@ def annotated_head() -> Iterator[None]:
 def annotated_host_work() -> Iterator[None]:
     """Name the trainer's host-side work per micro-batch (packing, moving loss inputs, the loss)
     as ranges, so GPU idle time can be put down to it (`idle_by_host_op`)."""
-    from vime.trainer import actor as actor_mod
-
     names = ("pack", "to_device", "policy_loss")
     saved = {n: getattr(actor_mod, n) for n in names}
 
@@ -114,10 +113,10 @@ def categorize(trace: dict, wall_us: float) -> dict[str, float]:
             cat = "attention"
         elif gemm:
             cat = "GEMM (decoder)"
+        elif name.startswith("triton"):  # inductor's: its norm kernels carry `_to_copy` in their names
+            cat = "fused Triton (norm, RoPE, SwiGLU, ...)"
         elif k.get("cat") != "kernel" or any(s in name for s in COPY_NAMES):
             cat = "copies / casts / memset"
-        elif name.startswith("triton"):
-            cat = "fused Triton (norm, RoPE, SwiGLU, ...)"
         else:
             cat = "other elementwise / reductions"
         out[cat] = out.get(cat, 0.0) + k["dur"]
@@ -169,6 +168,34 @@ def idle_by_host_op(trace: dict, top: int = 8) -> list[tuple[str, float]]:
         name = min(active, key=lambda o: o[1] - o[0])[2] if active else "(no host op)"
         out[name] = out.get(name, 0.0) + (b - a)
     return sorted(out.items(), key=lambda kv: -kv[1])[:top]
+
+
+def launched_by(trace: dict, names: set[str], depth: int = 3) -> dict[str, float]:
+    """Microseconds of the kernels named `names`, by the chain of host ops (outermost first, at
+    most `depth`) that launched them: to tell, say, which code path issues a device-to-device
+    memcpy. A kernel shares its "External id" with the op that launched it."""
+    events = trace["traceEvents"]
+    ops = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation", "python_function") and "dur" in e]
+    by_id = {
+        e["args"]["External id"]: e for e in ops if e.get("cat") == "cpu_op" and "External id" in e.get("args", {})
+    }
+    out: dict[str, float] = {}
+    for k in events:
+        if k.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset") or k.get("name", "")[:70] not in names:
+            continue
+        op = by_id.get(k.get("args", {}).get("External id"))
+        if op is None:
+            chain = "(unknown)"
+        else:
+            around = [
+                e
+                for e in ops
+                if e["tid"] == op["tid"] and e["ts"] <= op["ts"] and op["ts"] + op["dur"] <= e["ts"] + e["dur"]
+            ]
+            around.sort(key=lambda e: -e["dur"])
+            chain = " > ".join(e["name"][:40] for e in around[-depth:])
+        out[chain] = out.get(chain, 0.0) + k["dur"]
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def step_fn(local: Any, samples: list, adv: list[float], old: list[torch.Tensor]) -> Callable[[], None]:
@@ -310,6 +337,19 @@ def main() -> None:
         )
         for cat, us in sorted(cats.items(), key=lambda kv: -kv[1]):
             print(f"| {cat} | {us / 1e3:.1f} | {us / wall_us:.1%} |")
+        copies: dict[str, float] = {}
+        for e in trace["traceEvents"]:
+            if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
+                name = e["name"].lower()
+                if e.get("cat") != "kernel" or (not name.startswith("triton") and any(s in name for s in COPY_NAMES)):
+                    copies[e["name"][:70]] = copies.get(e["name"][:70], 0.0) + e["dur"]
+        print(
+            "\ncopies by kernel (ms): "
+            + "; ".join(f"{k} {us / 1e3:.1f}" for k, us in sorted(copies.items(), key=lambda kv: -kv[1])[:8])
+        )
+        top_copies = {k for k, _ in sorted(copies.items(), key=lambda kv: -kv[1])[:4]}
+        for chain, us in list(launched_by(trace, top_copies).items())[:10]:
+            print(f"  {us / 1e3:.1f} ms launched by {chain}")
         gaps = idle_by_host_op(trace)
         if gaps:
             print("\nGPU idle by host op (ms): " + "; ".join(f"{k} {us / 1e3:.1f}" for k, us in gaps), flush=True)
