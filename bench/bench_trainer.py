@@ -232,11 +232,8 @@ def main() -> None:
                     flush=True,
                 )
 
-            def vime_fwd_bwd_opt(local=local, old=old) -> None:
-                local.scorer.train()
-                local.optimizer.zero_grad(set_to_none=True)
-                local.accumulate_gradients(samples, adv, old)
-                local._clip_and_step()
+            def vime_fwd_bwd_opt(local=local, old=old) -> None:  # train_step's optimizer step alone
+                local._optimizer_step(samples, torch.tensor(adv), old, None)
 
             if gpus == 1:  # rank 0's Actor alone: only train_step drives every rank
                 record(f"vime packed+chunked{tag} (fwd+bwd+opt)", *timed(vime_fwd_bwd_opt, device, a.steps), step_flops)

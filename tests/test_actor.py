@@ -18,7 +18,7 @@ from vime.config import Config
 from vime.rollout.types import Sample
 from vime.trainer import actor as actor_mod
 from vime.trainer.actor import Actor
-from vime.trainer.packing import plan_packed_micro_batches, shard_by_tokens
+from vime.trainer.packing import PAD_SEGMENT, pack, plan_packed_micro_batches, shard_by_tokens
 from vime.trainer.weights import WeightPusher
 
 
@@ -73,6 +73,41 @@ def test_packed_plan_respects_budget_and_fills_bins():
         assert len(b) == 1 or sum(lengths[i] for i in b) <= 18
     # first-fit decreasing: 9+9, 5+3 → two bins besides the long one (padding would need three)
     assert len(batches) == 3
+
+
+def _pack_by_lists(token_lists, response_lengths, pad_to, pad_id):
+    """The row `pack` must build, written the plain way: sequence after sequence."""
+    ids, pos, select, targets, cu = [], [], [], [], [0]
+    for tokens, resp in zip(token_lists, response_lengths):
+        start, n = len(ids), len(tokens)
+        ids += tokens
+        pos += range(n)
+        select += range(start + n - resp - 1, start + n - 1)
+        targets += tokens[n - resp :]
+        cu.append(cu[-1] + n)
+    missing = -len(ids) % pad_to if pad_to else 0
+    while missing:  # pad sequences of at most PAD_SEGMENT tokens, which nothing scores
+        n = min(missing, PAD_SEGMENT)
+        ids += [pad_id] * n
+        pos += range(n)
+        cu.append(cu[-1] + n)
+        missing -= n
+    return ids, pos, cu, max(b - a for a, b in zip(cu, cu[1:])), select, targets
+
+
+@pytest.mark.parametrize("pad_to", [None, 7, 64, 1000])
+def test_pack_builds_the_row_sequence_by_sequence(pad_to):
+    rng = random.Random(pad_to)
+    for _ in range(20):
+        lengths = [rng.randint(2, 300) for _ in range(rng.randint(1, 6))]
+        token_lists = [[rng.randrange(2, 1000) for _ in range(n)] for n in lengths]
+        responses = [rng.randint(0, n - 1) for n in lengths]  # 0 (nothing scored) up to all but the first
+        mb = pack(token_lists, responses, list(range(len(lengths))), torch.device("cpu"), pad_to, pad_id=1)
+        ids, pos, cu, max_len, select, targets = _pack_by_lists(token_lists, responses, pad_to, 1)
+        assert mb.input_ids.tolist() == [ids] and mb.position_ids.tolist() == [pos]
+        assert mb.cu_seqlens.tolist() == cu and mb.cu_seqlens.dtype == torch.int32
+        assert mb.max_seqlen == max_len and mb.select.tolist() == select and mb.targets.tolist() == targets
+        assert pad_to is None or mb.num_tokens % pad_to == 0
 
 
 def test_shard_by_tokens_balances_tokens_not_sequences():

@@ -486,6 +486,31 @@ def test_a_non_finite_loss_skips_the_step_and_the_weights_stay(actor):
     assert m["train/skipped_steps"] == 0 and any(not torch.equal(before[n], t) for n, t in actor.named_weights())
 
 
+def test_the_fused_optimizer_skips_a_non_finite_step_without_the_host_checking_first(tiny_model):
+    """With a fused AdamW (as on CUDA) the loss and the norm are checked on the device and the
+    optimizer skips itself (`found_inf`), the step queued before any metric is read. A skipped
+    step must leave weights and AdamW's state as they were: the clean step after it gives bit
+    for bit the weights of a clean step taken first. (CPU's AdamW has the fused kernel too.)"""
+    from vime.trainer.actor import Actor
+
+    def fused_actor() -> Actor:
+        a = Actor(Config(lr=1e-2, global_batch_size=None, max_tokens_per_gpu=512, rollout_temperature=1.0), tiny_model)
+        a.optimizer = torch.optim.AdamW(a.model.parameters(), lr=1e-2, fused=True)
+        return a
+
+    clean, poisoned = fused_actor(), fused_actor()
+    start = _weights(poisoned)
+    assert clean.train_step(_batch(), [1.0, -1.0, 1.0, -1.0])["train/skipped_steps"] == 0
+    m = poisoned.train_step(_batch(), [1.0, float("nan"), -1.0, 0.0])
+    assert m["train/skipped_steps"] == 1 and poisoned.optimizer.found_inf.item() == 1.0
+    assert all(torch.equal(start[n], t) for n, t in poisoned.named_weights())
+    assert all(float(st["step"]) == 0 for st in poisoned.optimizer.state.values())  # rolled back on the device
+    assert poisoned.train_step(_batch(), [1.0, -1.0, 1.0, -1.0])["train/skipped_steps"] == 0
+    after = _weights(clean)
+    assert any(not torch.equal(start[n], after[n]) for n in start)
+    assert all(torch.equal(after[n], t) for n, t in poisoned.named_weights())
+
+
 def test_no_checkpoint_from_non_finite_weights_and_a_full_disk_keeps_the_last_one(actor, tmp_path):
     from vime.trainer.checkpoint import CheckpointError, latest_checkpoint, problem
     from vime.trainer.nonfinite import NonFiniteError

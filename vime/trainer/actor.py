@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -368,19 +367,24 @@ class Actor:
     ) -> dict[str, float]:
         self.scorer.train()
         self.optimizer.zero_grad(set_to_none=True)
-        metrics = self.accumulate_gradients(samples, advantages, old, ref)
+        totals = self._accumulate(samples, advantages, old, ref)
         if not any(sum(s.effective_loss_mask()) for s in samples):
             # nothing to learn from (e.g. every response aborted): AdamW's momentum would still
             # move the weights on zero gradients, so skip the step (every rank sees the same batch)
             self.optimizer.zero_grad(set_to_none=True)
             return {
-                **metrics,
+                **self._read(totals),
                 "train/grad_norm": 0.0,
                 "train/lr": float(self.optimizer.param_groups[0]["lr"]),
                 "train/skipped_steps": 0.0,
             }
-        metrics.update(self._clip_and_step(loss_finite=math.isfinite(metrics["train/loss"])))
-        return metrics
+        if self.world == 1:
+            # clip and step are queued before the step's one wait for the GPU (reading the
+            # metrics), so the host's optimizer work overlaps the backward's last kernels
+            step = self._clip_and_step(loss=totals["train/loss"])
+            return {**self._read(totals), **step}
+        metrics = self._read(totals)  # several ranks skip a step together: on the loss summed over them
+        return {**metrics, **self._clip_and_step(loss=metrics["train/loss"])}
 
     def accumulate_gradients(
         self,
@@ -389,6 +393,16 @@ class Actor:
         old_log_probs: list[Tensor] | None,
         ref_log_probs: list[Tensor] | None = None,
     ) -> dict[str, float]:
+        """`_accumulate`, its metrics read (summed over ranks)."""
+        return self._read(self._accumulate(samples, advantages, old_log_probs, ref_log_probs))
+
+    def _accumulate(
+        self,
+        samples: list[Sample],
+        advantages: Tensor | Sequence[float],
+        old_log_probs: list[Tensor] | None,
+        ref_log_probs: list[Tensor] | None = None,
+    ) -> dict[str, Tensor]:
         """Forward/backward this rank's micro-batches of one optimizer step into `.grad` (no step).
         `old_log_probs` None: the weights have not moved since the rollout's first step, so the
         forward's own detached log-probs are the old ones (see `train_step`); with
@@ -398,7 +412,7 @@ class Actor:
         the Dr.GRPO constant), so the accumulated gradient is that of the step's true token
         mean. FSDP averages gradients over ranks; the backward is scaled by the world size to
         turn that average into the sum the global normalizer calls for. Metrics are summed over
-        ranks for the same reason.
+        ranks for the same reason. Returns this rank's metric sums, on the device.
         """
         a = self.args
         advantages = torch.as_tensor(advantages, dtype=torch.float32).flatten()  # one per sample
@@ -488,8 +502,12 @@ class Actor:
                 totals[f"train/{k}"] = totals.get(f"train/{k}", 0.0) + torch.as_tensor(v).detach().to(
                     self.device, torch.float64
                 )
+        return totals
+
+    def _read(self, totals: dict[str, Tensor]) -> dict[str, float]:
+        """Metric sums from the device, summed over ranks: the step's one wait for the GPU."""
         keys = sorted(totals)
-        values = torch.stack([totals[k] for k in keys]).tolist() if keys else []  # the step's one wait for the GPU
+        values = torch.stack([totals[k] for k in keys]).tolist() if keys else []
         return self._sum_over_ranks(dict(zip(keys, values)))
 
     def _sum_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
@@ -500,33 +518,34 @@ class Actor:
         dist.all_reduce(t, group=self.cpu_group)
         return dict(zip(keys, t.tolist()))
 
-    def _clip_and_step(self, loss_finite: bool = True) -> dict[str, float]:
+    def _clip_and_step(self, loss: Tensor | float = 0.0) -> dict[str, float]:
         """Clip by the norm of the whole gradient, all shards together, then step; unless the
-        loss or the norm is not finite, when the step is skipped and counted
+        step's `loss` or the norm is not finite, when the step is skipped and counted
         (`train/skipped_steps`): clipping scales a NaN gradient to NaN weights, and AdamW's
         moments would carry it into every later step. Loss and norm are the same on every
-        rank (summed and reduced), so all ranks skip together."""
+        rank (summed and reduced), so all ranks skip together.
+
+        On CUDA the check runs on the device: the fused AdamW skips itself where `found_inf` is
+        set (its step counts too; GradScaler's mechanism, without the scaling), so clip and
+        step are queued without the host waiting for the norm or the loss first."""
         clip = self.args.clip_grad
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
         if hasattr(grad_norm, "full_tensor"):  # a DTensor: the partial norms of each shard, reduced here
             grad_norm = grad_norm.full_tensor()
         lr = float(self.optimizer.param_groups[0]["lr"])
-        fused = bool(self.optimizer.defaults.get("fused"))
-        if not (loss_finite and (fused or math.isfinite(float(grad_norm)))):
+        finite = torch.isfinite(grad_norm) & torch.isfinite(torch.as_tensor(loss, device=grad_norm.device))
+        if self.optimizer.defaults.get("fused"):
+            self.optimizer.found_inf = (~finite).float()
+        elif not bool(finite):
             self.optimizer.zero_grad(set_to_none=True)
             return {"train/grad_norm": float(grad_norm), "train/lr": lr, "train/skipped_steps": 1.0}
-        if fused:
-            # the fused AdamW skips itself on the device where `found_inf` is set (its step counts
-            # too), so the host queues clip and step without waiting for the norm first, and they
-            # overlap the backward's last kernels (GradScaler's mechanism, without the scaling)
-            self.optimizer.found_inf = (~torch.isfinite(grad_norm)).float()
         if clip > 0:
             torch.nn.utils.clip_grads_with_norm_(params, clip, grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)  # gradients are not needed until the next step
-        norm = float(grad_norm)
-        return {"train/grad_norm": norm, "train/lr": lr, "train/skipped_steps": 0.0 if math.isfinite(norm) else 1.0}
+        skipped = 0.0 if bool(finite) else 1.0  # read once the step is queued
+        return {"train/grad_norm": float(grad_norm), "train/lr": lr, "train/skipped_steps": skipped}
 
     # ---- weights and checkpoints -----------------------------------------------------
 
