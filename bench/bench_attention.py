@@ -2,7 +2,7 @@
 
 The trainer's packed attention (`vime.trainer.packing`) ran torch's varlen FlashAttention-2 until
 the profile of issue 16 put 27% of a step in it (bench/RESULTS.md). This times the kernels torch
-ships for the same packed row, on the micro-batches of `bench/bench_trainer.py`'s GRPO batch
+ships for the same packed row, on micro-batches of a GRPO batch drawn as `bench/bench_trainer.py` draws its own
 (Qwen3-0.6B heads: 16 query heads, 8 key/value heads, head dim 128), and checks each one's
 output and gradients against float32 attention per sequence:
 
@@ -10,6 +10,9 @@ output and gradients against float32 attention per sequence:
 * `cudnn`: `aten._cudnn_attention_forward` with cumulative sequence lengths (cuDNN's ragged
   SDPA), keys and values with their own 8 heads;
 * `cudnn-expanded`: the same with keys and values repeated to 16 heads first.
+
+`cudnn` is not in the default variants: in torch 2.11 it fails with an illegal memory access,
+which poisons the CUDA context, so it can only run alone (`--variants cudnn`).
 
 Run: PYTHONPATH=. python3 bench/bench_attention.py
 """
@@ -90,7 +93,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--budget", type=int, default=16384, help="micro-batch token budget")
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--variants", default="flash,cudnn,cudnn-expanded")
+    ap.add_argument("--variants", default="flash,cudnn-expanded", help="comma-separated: flash, cudnn, cudnn-expanded")
     a = ap.parse_args()
     torch.manual_seed(0)
     dev = torch.device("cuda")

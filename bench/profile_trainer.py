@@ -179,9 +179,9 @@ def idle_by_host_op(trace: dict, top: int = 8) -> list[tuple[str, float]]:
 
 
 def launched_by(trace: dict, names: set[str], depth: int = 3) -> dict[str, float]:
-    """Microseconds of the kernels named `names`, by the chain of host ops (outermost first, at
-    most `depth`) that launched them: to tell, say, which code path issues a device-to-device
-    memcpy. A kernel shares its "External id" with the op that launched it."""
+    """Microseconds of the kernels named `names`, by the host ops that launched them (the
+    innermost `depth` ops around the launch, outer first): to tell, say, which code path issues
+    a device-to-device memcpy. A kernel shares its "External id" with the op that launched it."""
     events = trace["traceEvents"]
     ops = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation", "python_function") and "dur" in e]
     by_id = {

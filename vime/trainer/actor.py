@@ -379,8 +379,8 @@ class Actor:
                 "train/skipped_steps": 0.0,
             }
         if self.world == 1:
-            # clip and step are queued before the step's one wait for the GPU (reading the
-            # metrics), so the host's optimizer work overlaps the backward's last kernels
+            # clip and step are queued before the host first waits for the GPU (reading the
+            # metrics, the norm), so the host's optimizer work overlaps the backward's last kernels
             step = self._clip_and_step(loss=totals["train/loss"])
             return {**self._read(totals), **step}
         metrics = self._read(totals)  # several ranks skip a step together: on the loss summed over them
@@ -505,7 +505,7 @@ class Actor:
         return totals
 
     def _read(self, totals: dict[str, Tensor]) -> dict[str, float]:
-        """Metric sums from the device, summed over ranks: the step's one wait for the GPU."""
+        """Metric sums from the device, summed over ranks: one wait for the GPU for all of them."""
         keys = sorted(totals)
         values = torch.stack([totals[k] for k in keys]).tolist() if keys else []
         return self._sum_over_ranks(dict(zip(keys, values)))
