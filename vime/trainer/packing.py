@@ -116,7 +116,7 @@ def pack(
         missing = -real % pad_to
         lengths += [PAD_SEGMENT] * (missing // PAD_SEGMENT) + [missing % PAD_SEGMENT] * bool(missing % PAD_SEGMENT)
     # tensor arithmetic, not Python lists: the host packs each micro-batch while the GPU runs the
-    # previous one, and built from lists a 32k-token row took 5.6 ms on a fast host core (~1 ms
+    # previous one, and built from lists a 32k-token row took 5.6 ms on a fast host core (0.5 ms
     # now), long enough on the GPU machine's slow host for the GPU to idle (bench/RESULTS.md)
     n = torch.tensor(lengths, dtype=torch.long)
     cu = torch.cat([n.new_zeros(1), n.cumsum(0)])
