@@ -210,6 +210,58 @@ def test_use_rollout_logprobs_takes_the_ratio_against_the_engine(tiny_model):
     )
 
 
+@pytest.mark.parametrize(
+    "global_batch_size, extra",
+    [
+        (None, {}),
+        (2, {"advantage_estimator": "dr_grpo", "tis_mode": "mask"}),
+        (None, {"use_rollout_logprobs": True, "use_tis": False, "use_rs": False}),
+    ],
+)
+def test_the_gradient_taken_in_the_head_forward_trains_the_same_weights(tiny_model, global_batch_size, extra):
+    """The default path (the loss's gradient taken per head chunk inside the forward,
+    `chunked_loss`) and log-probs first, loss after (the path sequence-level rejection needs)
+    train the same weights bit for bit, with every loss term on and several chunks per
+    micro-batch: with one optimizer step (old log-probs = the forward's own), with two (Dr.GRPO's
+    constant denominator, IcePop's TIS mask), and coupled to the engine's log-probs."""
+    assert not Actor(
+        make_args(use_rs=True, rs_level="sequence", rollout_max_response_len=16), tiny_model
+    ).grad_in_forward
+    samples = make_samples(4)
+    results = []
+    for in_forward in (True, False):
+        a = Actor(
+            make_args(
+                logprob_chunk_size=3,
+                global_batch_size=global_batch_size,
+                kl_loss_coef=0.1,
+                entropy_coef=0.01,
+                **{"use_tis": True, "use_rs": True, **extra},
+                max_tokens_per_gpu=30,
+            ),
+            tiny_model,
+        )
+        assert a.grad_in_forward
+        a.grad_in_forward = in_forward
+        before = {n: p.detach().clone() for n, p in a.model.named_parameters()}
+        g = torch.Generator().manual_seed(1)
+        for s in samples:  # an older policy sampled them: some tokens outside the rejection band
+            lp = a.compute_log_probs([s])[0]
+            s.rollout_log_probs = (lp + torch.randn(len(lp), generator=g)).tolist()
+        metrics = a.train_step(samples, [1.0, -0.5, 2.0, -1.0])
+        results.append((metrics, {n: p.detach().clone() for n, p in a.model.named_parameters()}))
+    (m_fwd, w_fwd), (m_after, w_after) = results
+    assert all(torch.equal(w, w_after[n]) for n, w in w_fwd.items())
+    assert any(not torch.equal(w, before[n]) for n, w in w_fwd.items())
+    if a.correction.use_rs:
+        assert 0 < m_fwd["train/rs_dropfrac"] < 1
+    if global_batch_size:  # the policy leaves the reference at the first of the two steps
+        assert m_fwd["train/kl_loss"] > 0
+    for k, v in m_after.items():
+        if k.startswith("train/"):  # not the timings
+            assert m_fwd[k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
+
+
 @pytest.mark.slow
 def test_compiled_layers_match_eager(tiny_model):
     """--compile (torch.compile per decoder layer, dynamic shapes) changes speed, not results:

@@ -178,6 +178,39 @@ def test_one_rank_defers_gradient_reduction_exactly(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_gradient_taken_in_the_head_forward_is_exact_on_cuda(tmp_path):
+    """On CUDA (Triton head kernels, bf16 compute, one FSDP2 rank) the loss's gradient taken
+    per head chunk in the forward (`chunked_loss`, the default) equals bit for bit the one
+    through log-probs first and the loss after, over several micro-batches and chunks. The
+    reference arm runs twice first, so a nondeterministic kernel would show as such."""
+    from test_actor import make_args, make_samples
+
+    from vime.trainer.distributed import launch_actor
+
+    model = make_tiny_model(tmp_path / "m", arch="qwen3", seed=0)
+    samples = make_samples(6)
+    advantages = [1.0, -0.5, 0.25, -1.0, 2.0, -0.75]
+    args = make_args(global_batch_size=6, max_tokens_per_gpu=24, logprob_chunk_size=5, entropy_coef=0.01)
+    actor = launch_actor(args, model, "cuda:0")
+    local = actor.local
+    try:
+        assert local.grad_in_forward and len(local._plan(samples)) >= 3
+
+        def grads(in_forward: bool) -> dict[str, torch.Tensor]:
+            local.grad_in_forward = in_forward
+            local.optimizer.zero_grad(set_to_none=True)
+            local.accumulate_gradients(samples, advantages, None)
+            return {n: p.grad.full_tensor().cpu() for n, p in local.model.named_parameters()}
+
+        after, again, in_forward = grads(False), grads(False), grads(True)
+    finally:
+        actor.close()
+    assert all(torch.equal(after[n], again[n]) for n in after), "kernels are not deterministic here"
+    assert all(torch.equal(after[n], in_forward[n]) for n in after)
+    assert any(after[n].abs().sum() > 0 for n in after)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_non_finite_gradient_skips_the_fused_step_on_the_device(tmp_path):
     """On CUDA the fused AdamW skips a step with a non-finite gradient norm itself (`found_inf`),
     so the host never waits for the norm before the step. A skipped step must leave the weights

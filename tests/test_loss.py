@@ -348,6 +348,46 @@ def test_chunked_log_probs_equal_full_logits_and_gradients(with_entropy):
     assert close(gh, ref_gh) and close(gw, ref_gw)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_loss_takes_the_gradient_of_log_probs_then_loss_bit_for_bit(dtype):
+    """The loss's gradient taken chunk by chunk in the head's forward equals the one autograd
+    finds through `chunked_log_probs` and the same loss afterwards, exactly: each token's
+    d loss / d log p is the same arithmetic either way, and so is everything downstream of it.
+    A factor on the loss (3 here, as three ranks' backward has) goes inside the loss."""
+    from vime.trainer.logprobs import chunked_log_probs, chunked_loss
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(10, 16, generator=g).to(dtype).requires_grad_()
+    weight = torch.randn(50, 16, generator=g).to(dtype).requires_grad_()
+    targets = torch.randint(0, 50, (10,), generator=g)
+    old, adv = torch.randn(10, generator=g) - 3, torch.randn(10, generator=g)
+    mask = (torch.rand(10, generator=g) > 0.2).float()
+
+    def loss_of(lp: torch.Tensor, ent: torch.Tensor, rows: slice) -> torch.Tensor:
+        pg, _ = policy_loss(lp, old[rows], adv[rows], mask[rows], eps_clip=0.2, num_tokens=7.0)
+        return pg - 0.01 * aggregate(ent, mask[rows], num_tokens=7.0)
+
+    lp, ent = chunked_log_probs(hidden, weight, targets, temperature=0.7, with_entropy=True, chunk_size=3)
+    ref = torch.autograd.grad(3 * loss_of(lp, ent, slice(None)), [hidden, weight])
+    calls = []
+
+    def counted(lp: torch.Tensor, ent: torch.Tensor, rows: slice) -> torch.Tensor:
+        calls.append(rows)
+        return 3 * loss_of(lp, ent, rows)
+
+    loss = chunked_loss(hidden, weight, targets, counted, temperature=0.7, with_entropy=True, chunk_size=3)
+    assert calls == [slice(0, 3), slice(3, 6), slice(6, 9), slice(9, 12)]  # 4 chunks, last of 1
+    assert close(loss, 3 * loss_of(lp, ent, slice(None)))
+    got = torch.autograd.grad(loss, [hidden, weight])
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    assert all(a.abs().sum() > 0 for a in got)
+    # and the backward scales by its upstream gradient
+    again = chunked_loss(hidden, weight, targets, counted, temperature=0.7, with_entropy=True, chunk_size=3)
+    assert all(torch.equal(2 * a, b) for a, b in zip(got, torch.autograd.grad(2 * again, [hidden, weight])))
+    with torch.no_grad(), pytest.raises(RuntimeError, match="autograd on"):
+        chunked_loss(hidden, weight, targets, counted)
+
+
 @pytest.mark.slow
 def test_compiled_head_kernels_equal_eager():
     """The head's per-chunk math as CUDA runs it (torch.compile, dynamic rows) equals the eager

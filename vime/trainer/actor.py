@@ -30,7 +30,7 @@ from vime.config import Config
 from vime.models import load_tokenizer
 from vime.rollout.types import Sample
 from vime.trainer import checkpoint
-from vime.trainer.logprobs import chunked_log_probs
+from vime.trainer.logprobs import ChunkLoss, chunked_log_probs, chunked_loss
 from vime.trainer.loss import OffPolicyCorrection, aggregate, kl_penalty, policy_loss
 from vime.trainer.packing import (
     PAD_BUCKETS,
@@ -58,7 +58,11 @@ class TokenScorer(nn.Module):
         self.hf = hf
         self.chunk_size = chunk_size
 
-    def forward(self, mb: PackedBatch, temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    def forward(
+        self, mb: PackedBatch, temperature: float, with_entropy: bool, loss_fn: ChunkLoss | None = None
+    ) -> tuple[Tensor, Tensor | None] | Tensor:
+        """(log-probs, entropies) of the scored tokens; given a `loss_fn`, that loss of them
+        instead, its gradient taken in the forward (`chunked_loss`)."""
         hidden = self.hf.get_decoder()(
             input_ids=mb.input_ids,
             position_ids=mb.position_ids,
@@ -69,6 +73,10 @@ class TokenScorer(nn.Module):
         head = self.hf.get_output_embeddings()
         if getattr(head, "bias", None) is not None:
             raise NotImplementedError("the chunked LM head assumes no bias (true of the Llama/Qwen families)")
+        if loss_fn is not None:
+            return chunked_loss(
+                hidden[mb.select], head.weight, mb.targets, loss_fn, temperature, with_entropy, self.chunk_size
+            )
         return chunked_log_probs(hidden[mb.select], head.weight, mb.targets, temperature, with_entropy, self.chunk_size)
 
 
@@ -93,6 +101,22 @@ class _StepTokens:
         ]
         has = [m if s.rollout_log_probs is not None else torch.zeros_like(m) for s, m in zip(samples, masks)]
         return cls(masks, rollout_lps, has, float(sum(m.sum() for m in masks)))
+
+
+@dataclass
+class _LossInputs:
+    """One micro-batch's per-token loss inputs, [R] each, in the order of its scored rows."""
+
+    mask: Tensor
+    advantages: Tensor
+    rollout_lp: Tensor
+    has_rollout: Tensor  # the mask where the engine sent log-probs, else zeros
+    seq_ids: Tensor  # the sequence of each token, 0..S-1
+    old: Tensor | None  # None: the forward's own log-probs, detached
+    ref: Tensor | None
+
+    def rows(self, sl: slice) -> _LossInputs:
+        return _LossInputs(**{k: None if v is None else v[sl] for k, v in vars(self).items()})
 
 
 class Actor:
@@ -159,6 +183,10 @@ class Actor:
             rs_lower_bound=args.rs_lower_bound,
             rs_upper_bound=args.rs_upper_bound,
         )
+        # the loss's gradient is taken chunk by chunk inside the head's forward, which saves the
+        # head's logits recomputation (`chunked_loss`), unless the loss mixes tokens: sequence-level
+        # rejection weighs each token by its whole sequence's log-ratio
+        self.grad_in_forward: bool = not (args.use_rs and args.rs_level != "token")
         # coupled PPO: the engine's log-probs are π_old, so nothing is recomputed
         self.use_rollout_logprobs: bool = args.use_rollout_logprobs
         self.ref_scorer = None
@@ -413,6 +441,11 @@ class Actor:
         mean. FSDP averages gradients over ranks; the backward is scaled by the world size to
         turn that average into the sum the global normalizer calls for. Metrics are summed over
         ranks for the same reason. Returns this rank's metric sums, on the device.
+
+        The same constant denominators make the loss a plain sum over tokens, so with
+        `grad_in_forward` the head computes it chunk by chunk (`loss_of` on a chunk's rows) and
+        takes its gradient there (`chunked_loss`); otherwise over the whole micro-batch after
+        the head.
         """
         a = self.args
         advantages = torch.as_tensor(advantages, dtype=torch.float32).flatten()  # one per sample
@@ -425,8 +458,79 @@ class Actor:
             )
         kl_coef, ent_coef = a.kl_loss_coef, a.entropy_coef
         totals: dict[str, Tensor] = {}
-        plan = self._plan(samples)
         tokens: _StepTokens | None = None
+
+        def inputs_of(mb: PackedBatch) -> _LossInputs:
+            nonlocal tokens
+            if tokens is None:  # host work done while the GPU runs the first forward, not before it
+                tokens = _StepTokens.of(samples)
+
+            def flat(per_sample: list) -> Tensor:
+                if not mb.indices:  # an empty micro-batch: its one dummy token weighs nothing
+                    return torch.zeros(len(mb.targets), device=self.device)
+                return to_device(
+                    torch.cat([torch.as_tensor(per_sample[i], dtype=torch.float32) for i in mb.indices]), self.device
+                )
+
+            rollout_lp = flat(tokens.rollout_lps)
+            lengths = torch.tensor(mb.response_lengths)
+            return _LossInputs(
+                mask=flat(tokens.masks),
+                # a sample's advantage on each of its response tokens
+                advantages=(
+                    to_device(advantages[mb.indices].repeat_interleave(lengths), self.device)
+                    if mb.indices
+                    else flat([])
+                ),
+                rollout_lp=rollout_lp,
+                has_rollout=flat(tokens.has_rollout_lps),
+                seq_ids=to_device(torch.repeat_interleave(torch.arange(len(lengths)), lengths), self.device),
+                old=rollout_lp if self.use_rollout_logprobs else None if old_log_probs is None else flat(old_log_probs),
+                ref=None if ref_log_probs is None else flat(ref_log_probs),
+            )
+
+        def loss_of(log_probs: Tensor, entropy: Tensor, t: _LossInputs) -> Tensor:
+            """The loss of these tokens (a share of the step's), its metrics added to `totals`."""
+            assert tokens is not None
+            num_tokens = tokens.num_tokens
+            old = log_probs.detach() if t.old is None else t.old
+            pg, m = policy_loss(
+                log_probs,
+                old,
+                t.advantages,
+                t.mask,
+                eps_clip=a.eps_clip,
+                eps_clip_high=a.eps_clip_high,
+                rollout_log_probs=t.rollout_lp,
+                correction=self.correction,
+                seq_ids=t.seq_ids,
+                agg=agg,
+                const=const,
+                num_tokens=num_tokens,
+            )
+            loss = pg
+            # entropy is reported as a token mean whatever the loss aggregation
+            m["entropy"] = aggregate(entropy.detach(), t.mask, "token_mean", num_tokens=num_tokens)
+            if ent_coef != 0:
+                loss = loss - ent_coef * aggregate(entropy, t.mask, agg, num_tokens=num_tokens, const=const)
+            if t.ref is not None:
+                kl = aggregate(
+                    kl_penalty(log_probs, t.ref, a.kl_loss_type), t.mask, agg, num_tokens=num_tokens, const=const
+                )
+                loss = loss + kl_coef * kl
+                m["kl_loss"] = kl.detach()
+            m["loss"] = loss.detach()
+            trainer_lp = log_probs.detach() if self.use_rollout_logprobs else old  # coupled: old is the engine's own
+            m["_lp_diff_sum"] = ((trainer_lp - t.rollout_lp).abs() * t.has_rollout).sum()
+            m["_lp_diff_count"] = t.has_rollout.sum()
+            for k, v in m.items():  # kept on the device: a float() per metric would stall the GPU each micro-batch
+                totals[f"train/{k}"] = totals.get(f"train/{k}", 0.0) + torch.as_tensor(v).detach().to(
+                    self.device, torch.float64
+                )
+            return loss
+
+        temperature = a.rollout_temperature
+        plan = self._plan(samples)
         for i, idx in enumerate(plan):
             # packed while the GPU runs the previous micro-batch's backward: a long queue of
             # kernels, where the short gap between a forward and its backward would idle it
@@ -435,73 +539,24 @@ class Actor:
                 last = i == len(plan) - 1  # set at every micro-batch: a step that raised leaves nothing to undo
                 self.scorer.set_requires_gradient_sync(last)
                 self.scorer.set_reshard_after_backward(last)
-            log_probs, entropy = self._forward(self.scorer, mb, with_entropy=True)
-            if tokens is None:  # host work done while the GPU runs the first forward, not before it
-                tokens = _StepTokens.of(samples)
-            num_tokens = tokens.num_tokens
+            if self.grad_in_forward:
+                inputs: _LossInputs | None = None
 
-            def flat(per_sample: list, mb: PackedBatch = mb) -> Tensor:
-                if not mb.indices:  # an empty micro-batch: its one dummy token weighs nothing
-                    return torch.zeros(len(mb.targets), device=self.device)
-                return to_device(
-                    torch.cat([torch.as_tensor(per_sample[i], dtype=torch.float32) for i in mb.indices]), self.device
-                )
+                def chunk_loss(log_probs: Tensor, entropy: Tensor | None, rows: slice, mb: PackedBatch = mb) -> Tensor:
+                    nonlocal inputs
+                    if inputs is None:  # built at the first chunk, once the decoder's forward is queued
+                        inputs = inputs_of(mb)
+                    assert entropy is not None
+                    # the world's factor (see above) scales each token's gradient before the head
+                    # rounds the logits' gradient, as autograd does on the other path
+                    return loss_of(log_probs, entropy, inputs.rows(rows)) * self.world
 
-            mask = flat(tokens.masks)
-            rollout_lp = flat(tokens.rollout_lps)
-            if self.use_rollout_logprobs:
-                old = rollout_lp
+                scaled_loss = self.scorer(mb, temperature, True, chunk_loss)
             else:
-                old = log_probs.detach() if old_log_probs is None else flat(old_log_probs)
-            # a sample's advantage on each of its response tokens
-            adv = (
-                to_device(advantages[mb.indices].repeat_interleave(torch.tensor(mb.response_lengths)), self.device)
-                if mb.indices
-                else flat([])
-            )
-            seq_ids = to_device(
-                torch.repeat_interleave(torch.arange(len(mb.response_lengths)), torch.tensor(mb.response_lengths)),
-                self.device,
-            )
-            pg, m = policy_loss(
-                log_probs,
-                old,
-                adv,
-                mask,
-                eps_clip=a.eps_clip,
-                eps_clip_high=a.eps_clip_high,
-                rollout_log_probs=rollout_lp,
-                correction=self.correction,
-                seq_ids=seq_ids,
-                agg=agg,
-                const=const,
-                num_tokens=num_tokens,
-            )
-            loss = pg
-            # entropy is reported as a token mean whatever the loss aggregation
-            m["entropy"] = aggregate(entropy.detach(), mask, "token_mean", num_tokens=num_tokens)
-            if ent_coef != 0:
-                loss = loss - ent_coef * aggregate(entropy, mask, agg, num_tokens=num_tokens, const=const)
-            if ref_log_probs is not None:
-                kl = aggregate(
-                    kl_penalty(log_probs, flat(ref_log_probs), a.kl_loss_type),
-                    mask,
-                    agg,
-                    num_tokens=num_tokens,
-                    const=const,
-                )
-                loss = loss + kl_coef * kl
-                m["kl_loss"] = kl.detach()
-            m["loss"] = loss.detach()
-            has_rollout = flat(tokens.has_rollout_lps)
-            trainer_lp = log_probs.detach() if self.use_rollout_logprobs else old  # coupled: old is the engine's own
-            m["_lp_diff_sum"] = ((trainer_lp - rollout_lp).abs() * has_rollout).sum()
-            m["_lp_diff_count"] = has_rollout.sum()
-            (loss * self.world).backward()
-            for k, v in m.items():  # kept on the device: a float() per metric would stall the GPU each micro-batch
-                totals[f"train/{k}"] = totals.get(f"train/{k}", 0.0) + torch.as_tensor(v).detach().to(
-                    self.device, torch.float64
-                )
+                log_probs, entropy = self._forward(self.scorer, mb, with_entropy=True)
+                assert entropy is not None
+                scaled_loss = loss_of(log_probs, entropy, inputs_of(mb)) * self.world
+            scaled_loss.backward()
         return totals
 
     def _read(self, totals: dict[str, Tensor]) -> dict[str, float]:

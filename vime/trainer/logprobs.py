@@ -12,15 +12,23 @@ not its normalizer):
   d log p_y / dz = onehot(y) − p
   d H / dz       = −p ⊙ (log p + H)
 then dh = (dz / τ) W and dW = Σ (dz / τ)ᵀ h.
+
+Training does not need the log-probs themselves, only a loss of them; when that loss is a sum
+over positions (as every loss of `vime.trainer.loss` is, its denominators being the step's
+constants), `chunked_loss` takes d loss / d log p of each chunk while the chunk's logits still
+exist and finishes dh and dW in the forward: the backward's recomputation of the logits, one
+of the head's four [R, H] × [H, V] GEMMs, is never run.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 try:
     import triton
@@ -173,6 +181,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
         return chosen, entropy
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad_chosen: Tensor | None, grad_entropy: Tensor | None) -> tuple[Tensor | None, ...]:
         hidden, weight, targets, lse, entropy = ctx.saved_tensors
         _, grad_logits = _fused(hidden.device)
@@ -189,16 +198,73 @@ class _ChunkedLogProbs(torch.autograd.Function):
             sl = slice(a, a + chunk)
             h = hidden[sl]
             dz = grad_logits(h @ weight.t(), targets[sl], lse[sl], entropy[sl], g_chosen[sl], g_entropy[sl], inv_tau)
-            if grad_h is not None:
-                grad_h[sl] = dz @ weight
-            if grad_w is not None:
-                if weight.dtype == torch.float32:
-                    grad_w.addmm_(dz.t(), h)
-                elif grad_w.is_cuda:  # the GEMM accumulates its bf16 product into float32 itself
-                    torch.addmm(grad_w, dz.t(), h, torch.float32, out=grad_w)
-                else:  # low-precision product, float32 accumulation over chunks
-                    grad_w += (dz.t() @ h).float()
+            _backprop_chunk(dz, h, weight, sl, grad_h, grad_w)
         return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
+
+
+def _backprop_chunk(
+    dz: Tensor, h: Tensor, weight: Tensor, sl: slice, grad_h: Tensor | None, grad_w: Tensor | None
+) -> None:
+    """dh of a chunk's rows and its share of dW (float32, summed over chunks), from d loss / d logits."""
+    if grad_h is not None:
+        grad_h[sl] = dz @ weight
+    if grad_w is not None:
+        if weight.dtype == torch.float32:
+            grad_w.addmm_(dz.t(), h)
+        elif grad_w.is_cuda:  # the GEMM accumulates its bf16 product into float32 itself
+            torch.addmm(grad_w, dz.t(), h, torch.float32, out=grad_w)
+        else:  # low-precision product, float32 accumulation over chunks
+            grad_w += (dz.t() @ h).float()
+
+
+ChunkLoss = Callable[[Tensor, "Tensor | None", slice], Tensor]
+
+
+class _ChunkedLoss(torch.autograd.Function):
+    """Σ over row chunks of `loss_fn(log_probs, entropies, rows)`, its gradient taken in the forward."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: Tensor,
+        weight: Tensor,
+        targets: Tensor,
+        temperature: float,
+        with_entropy: bool,
+        chunk: int,
+        loss_fn: ChunkLoss,
+    ) -> Tensor:
+        stats, grad_logits = _fused(hidden.device)
+        inv_tau = 1.0 / temperature
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for a in range(0, hidden.shape[0], chunk):
+            sl = slice(a, a + chunk)
+            h = hidden[sl]
+            logits = h @ weight.t()
+            chosen, lse, entropy = stats(logits, targets[sl], inv_tau, with_entropy)
+            with torch.enable_grad():  # a Function's forward runs without autograd
+                leaves = [chosen.requires_grad_()] + ([entropy.requires_grad_()] if with_entropy else [])
+                loss = loss_fn(chosen, entropy if with_entropy else None, sl)
+                grads = torch.autograd.grad(loss, leaves, allow_unused=True, materialize_grads=True)
+            total += loss.detach()
+            g_chosen = grads[0].contiguous()
+            g_entropy = grads[1].contiguous() if with_entropy else torch.zeros_like(g_chosen)
+            dz = grad_logits(logits, targets[sl], lse, entropy.detach(), g_chosen, g_entropy, inv_tau)
+            _backprop_chunk(dz, h, weight, sl, grad_h, grad_w)
+        # the weight's gradient waits for the backward in the weight's dtype, as the backward of
+        # `chunked_log_probs` would return it
+        ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.to(weight.dtype))
+        return total
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_loss: Tensor) -> tuple[Tensor | None, ...]:
+        grad_h, grad_w = ctx.saved_tensors
+        scaled = [None if g is None else g * grad_loss for g in (grad_h, grad_w)]
+        return scaled[0], scaled[1], None, None, None, None, None
 
 
 def chunked_log_probs(
@@ -218,3 +284,32 @@ def chunked_log_probs(
     tau = float(temperature) if temperature > 0 else 1.0
     chosen, entropy = _ChunkedLogProbs.apply(hidden, weight, targets, tau, with_entropy, max(1, int(chunk_size)))
     return chosen, entropy if with_entropy else None
+
+
+def chunked_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    loss_fn: ChunkLoss,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_size: int = DEFAULT_CHUNK,
+) -> Tensor:
+    """A loss of the rows' log-probs (and entropies), with the gradient `chunked_log_probs`
+    followed by that loss would give, at three of its four GEMMs.
+
+    `loss_fn(log_probs, entropies, rows)` gets the float32 log-probs (entropies: None unless
+    asked) of the rows `rows` of `hidden` and returns their share of the loss, a scalar that
+    depends on those rows only: the loss is the sum of the shares, each differentiated on its
+    own while its chunk's logits exist. A loss that mixes rows (a mean over its own rows, a
+    sequence-level quantity of the current log-probs) does not split this way; use
+    `chunked_log_probs` for it. The backward only scales the gradient found in the forward, so
+    the head's gradient is held from forward to backward: dh [R, H] (in place of the hidden
+    states the other path keeps) and dW, the size of the head's weight. A factor on the loss
+    (e.g. a world size) belongs inside `loss_fn`: there it scales d loss / d log p before the
+    logits' gradient is rounded to their dtype, as autograd would after `chunked_log_probs`.
+    """
+    if not torch.is_grad_enabled():
+        raise RuntimeError("chunked_loss computes a gradient: call it with autograd on, or use chunked_log_probs")
+    tau = float(temperature) if temperature > 0 else 1.0
+    return _ChunkedLoss.apply(hidden, weight, targets, tau, with_entropy, max(1, int(chunk_size)), loss_fn)
