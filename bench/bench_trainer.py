@@ -153,6 +153,13 @@ def main() -> None:
     ap.add_argument(
         "--max-tokens-per-gpu", type=int, default=None, help="micro-batch token budget (default 16384; 512 with --tiny)"
     )
+    ap.add_argument(
+        "--hf-max-tokens-per-gpu",
+        type=int,
+        default=None,
+        help="the HF baseline's micro-batch budget (default: --max-tokens-per-gpu); its full logits "
+        "outgrow an H200 past 16384",
+    )
     ap.add_argument("--steps", type=int, default=3, help="timed steps per variant (after one warm-up)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
@@ -271,10 +278,11 @@ def main() -> None:
         model.train()
     diff = max(float((r - c.to(device)).abs().max()) for r, c in zip(ref, old[:4]))
     print(f"max |log-prob difference| vime vs HF on 4 sequences (before training): {diff:.2e}", flush=True)
+    hf_budget = a.hf_max_tokens_per_gpu or budget
     try:
         record(
-            "HF eager padded, full logits",
-            *timed(lambda: hf_padded_step(model, opt, samples, adv, old_dev, budget, device), device, a.steps),
+            "HF eager padded, full logits" + (f" (budget {hf_budget})" if hf_budget != budget else ""),
+            *timed(lambda: hf_padded_step(model, opt, samples, adv, old_dev, hf_budget, device), device, a.steps),
             step_flops,
         )
     except torch.OutOfMemoryError:

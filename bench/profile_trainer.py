@@ -5,7 +5,8 @@ tokens). For each variant (eager, compiled) one fwd + bwd + optimizer step is tr
 torch profiler after a warm-up, and each GPU kernel is put in one category:
 
 * LM head + log-probs: every kernel inside the chunked head's forward or backward (split
-  into its GEMMs and the rest: float32 log-softmax, exp, gather, scatter);
+  into its GEMMs and the rest: float32 log-softmax, exp, gather, scatter, and the policy
+  loss's per-token arithmetic, which runs inside the head when its gradient is taken there);
 * optimizer + clip: every kernel inside the gradient-norm clip and AdamW step;
 * elsewhere by kernel name: GEMM, attention, fused Triton (what compile makes of norms, RoPE,
   SwiGLU), copies/casts (incl. FSDP's all-gather copy-in/out), other elementwise/reductions;
@@ -46,23 +47,24 @@ COPY_NAMES = ("copy", "cast", "chunk_cat", "split_with_sizes", "cat_", "catarray
 @contextlib.contextmanager
 def annotated_head() -> Iterator[None]:
     """Mark the chunked LM head's forward and backward as ranges the trace shows on the GPU
-    (patched on the autograd Function's class, which autograd reads at call time)."""
-    cls = logprobs._ChunkedLogProbs
-    fwd, bwd = cls.forward, cls.backward
+    (patched on the autograd Functions' classes, which autograd reads at call time): the
+    log-probs path and the one that takes the loss's gradient in the forward."""
+    saved = [(cls, cls.forward, cls.backward) for cls in (logprobs._ChunkedLogProbs, logprobs._ChunkedLoss)]
 
-    def forward(ctx: Any, *a: Any) -> Any:
-        with torch.profiler.record_function("vime/lm_head"):
-            return fwd(ctx, *a)
+    def ranged(fn: Callable[..., Any]) -> Any:
+        def run(ctx: Any, *a: Any) -> Any:
+            with torch.profiler.record_function("vime/lm_head"):
+                return fn(ctx, *a)
 
-    def backward(ctx: Any, *a: Any) -> Any:
-        with torch.profiler.record_function("vime/lm_head"):
-            return bwd(ctx, *a)
+        return staticmethod(run)
 
-    cls.forward, cls.backward = staticmethod(forward), staticmethod(backward)
+    for cls, fwd, bwd in saved:
+        cls.forward, cls.backward = ranged(fwd), ranged(bwd)
     try:
         yield
     finally:
-        cls.forward, cls.backward = staticmethod(fwd), staticmethod(bwd)
+        for cls, fwd, bwd in saved:
+            cls.forward, cls.backward = staticmethod(fwd), staticmethod(bwd)
 
 
 @contextlib.contextmanager
@@ -223,6 +225,7 @@ def main() -> None:
         "/fullpad (compiled, every micro-batch padded to the whole budget), "
         "/compiledhead (the LM head's chunk math compiled by torch.compile, not Triton), "
         "/syncall (one rank reduces gradients after every micro-batch, as several ranks do), "
+        "/gradafter (log-probs first, the loss's gradient after: the head recomputes its logits in the backward), "
         "e.g. compile@4096:32768/nopad",
     )
     ap.add_argument(
@@ -290,6 +293,8 @@ def main() -> None:
             logprobs._fused = lambda device, kernels=kernels: kernels
         if "syncall" in flags:
             local.defer_grad_sync = False
+        if "gradafter" in flags:
+            local.grad_in_forward = False
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         step = step_fn(local, samples, adv, old)
