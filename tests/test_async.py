@@ -445,7 +445,10 @@ def test_zero_staleness_trains_exactly_what_sync_trains(tmp_path):
             json.loads(line) for line in (tmp_path / "decoupled" / "generated.jsonl").read_text().splitlines()
         )
     }
-    assert generated == {i: tokens for _, i, tokens, _ in trained}
+    trained_tokens = {i: tokens for _, i, tokens, _ in trained}
+    assert {i: generated.get(i) for i in trained_tokens} == trained_tokens
+    # the worker may finish samples of the next rollout before the run stops it: never trained
+    assert all(i > max(trained_tokens) for i in generated.keys() - trained_tokens.keys())
     weights = {name: final_weights(tmp_path / f"ckpt-{name}" / "4") for name in arms}
     for name in ("one-step-off", "decoupled"):
         assert all(torch.equal(weights["sync"][k], weights[name][k]) for k in weights["sync"]), name
