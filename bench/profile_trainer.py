@@ -98,6 +98,18 @@ def annotated_host_work() -> Iterator[None]:
         actor_mod.Actor._clip_and_step = clip_and_step
 
 
+def gpu_events(trace: dict) -> list[dict]:
+    """The trace's kernels, memcpys and memsets."""
+    return [e for e in trace["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+
+
+def is_copy(event: dict) -> bool:
+    """A memcpy or memset, or a copy/cast kernel by its name; not inductor's fused kernels, whose
+    norm kernels carry `_to_copy` in their names."""
+    name = event["name"].lower()
+    return event.get("cat") != "kernel" or (not name.startswith("triton") and any(s in name for s in COPY_NAMES))
+
+
 def categorize(trace: dict, wall_us: float) -> dict[str, float]:
     """Microseconds per category from a Chrome trace of one step."""
     events = trace["traceEvents"]
@@ -105,7 +117,7 @@ def categorize(trace: dict, wall_us: float) -> dict[str, float]:
     for e in events:
         if e.get("cat") == "gpu_user_annotation" and e.get("name", "").startswith("vime/"):
             ranges.setdefault(e["name"], []).append((e["ts"], e["ts"] + e["dur"]))
-    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    kernels = gpu_events(trace)
 
     def inside(name: str, t: float) -> bool:
         return any(a <= t <= b for a, b in ranges.get(name, ()))
@@ -123,10 +135,10 @@ def categorize(trace: dict, wall_us: float) -> dict[str, float]:
             cat = "attention"
         elif gemm:
             cat = "GEMM (decoder)"
-        elif name.startswith("triton"):  # inductor's: its norm kernels carry `_to_copy` in their names
-            cat = "fused Triton (norm, RoPE, SwiGLU, ...)"
-        elif k.get("cat") != "kernel" or any(s in name for s in COPY_NAMES):
+        elif is_copy(k):
             cat = "copies / casts / memset"
+        elif name.startswith("triton"):
+            cat = "fused Triton (norm, RoPE, SwiGLU, ...)"
         else:
             cat = "other elementwise / reductions"
         out[cat] = out.get(cat, 0.0) + k["dur"]
@@ -146,11 +158,7 @@ def idle_by_host_op(trace: dict, top: int = 8) -> list[tuple[str, float]]:
     there because that op is slow to launch the next kernel, or waits on the GPU itself. Gaps
     before the first kernel and after the last are reported as such."""
     events = trace["traceEvents"]
-    kernels = sorted(
-        (e["ts"], e["ts"] + e["dur"])
-        for e in events
-        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e
-    )
+    kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in gpu_events(trace))
     ops = sorted(
         (e["ts"], e["ts"] + e["dur"], e["name"][:70])
         for e in events
@@ -190,8 +198,8 @@ def launched_by(trace: dict, names: set[str], depth: int = 3) -> dict[str, float
         e["args"]["External id"]: e for e in ops if e.get("cat") == "cpu_op" and "External id" in e.get("args", {})
     }
     out: dict[str, float] = {}
-    for k in events:
-        if k.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset") or k.get("name", "")[:70] not in names:
+    for k in gpu_events(trace):
+        if k["name"][:70] not in names:
             continue
         op = by_id.get(k.get("args", {}).get("External id"))
         if op is None:
@@ -345,11 +353,8 @@ def main() -> None:
         for cat, us in sorted(cats.items(), key=lambda kv: -kv[1]):
             print(f"| {cat} | {us / 1e3:.1f} | {us / wall_us:.1%} |")
         copies: dict[str, float] = {}
-        for e in trace["traceEvents"]:
-            if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
-                name = e["name"].lower()
-                if e.get("cat") != "kernel" or (not name.startswith("triton") and any(s in name for s in COPY_NAMES)):
-                    copies[e["name"][:70]] = copies.get(e["name"][:70], 0.0) + e["dur"]
+        for e in filter(is_copy, gpu_events(trace)):
+            copies[e["name"][:70]] = copies.get(e["name"][:70], 0.0) + e["dur"]
         print(
             "\ncopies by kernel (ms): "
             + "; ".join(f"{k} {us / 1e3:.1f}" for k, us in sorted(copies.items(), key=lambda kv: -kv[1])[:8])
