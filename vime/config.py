@@ -35,7 +35,7 @@ FULLY_ASYNC_FN = "vime.rollout.fully_async_rollout.generate_rollout_fully_async"
 ENTRIES = ("sync", "async", "eval")  # train.py, train_async.py, vime eval
 
 
-DERIVED, RUNTIME = "derived", "runtime"  # field groups that are not flags
+DERIVED, RUNTIME, PASSTHROUGH = "derived", "runtime", "passthrough"  # field groups that are not flags
 
 
 def _f(default: Any, help: str, choices: tuple | None = None, group: str = "") -> Any:
@@ -69,6 +69,11 @@ class Config:
         group="model and data",
     )
     metadata_key: str = _f("metadata", "key of a per-row dict passed to rewards", group="model and data")
+    tool_key: str | None = _f(
+        None,
+        "key of a per-row list of OpenAI-style tool schemas, passed to the chat template as tools= (with --apply-chat-template)",
+        group="model and data",
+    )
     apply_chat_template: bool = _f(False, "render prompts with the tokenizer's chat template", group="model and data")
     apply_chat_template_kwargs: dict = _f(
         {}, "JSON dict passed to the chat template, e.g. '{\"enable_thinking\": false}'", group="model and data"
@@ -87,6 +92,19 @@ class Config:
     rollout_top_p: float = _f(1.0, "nucleus sampling mass", group="rollout")
     rollout_top_k: int = _f(-1, "top-k sampling (-1 = off)", group="rollout")
     rollout_stop_token_ids: list = _f([], "extra token ids that end a response (JSON list)", group="rollout")
+    rollout_stop: list = _f(
+        [], "strings that end a response, the string kept (JSON list or comma-separated)", group="rollout"
+    )
+    rollout_max_prompt_len: int | None = _f(
+        None,
+        "leave out prompts longer than this many tokens (counted in rollout/skipped_prompts), as slime filters its data",
+        group="rollout",
+    )
+    rollout_max_context_len: int | None = _f(
+        None,
+        "prompt + response tokens at most: a response stops where its sample reaches this length (default: the model's context)",
+        group="rollout",
+    )
     rollout_shuffle: bool = _f(False, "shuffle prompts every epoch (seeded by --rollout-seed)", group="rollout")
     rollout_seed: int = _f(42, "seed of prompt order and sampling", group="rollout")
     skip_overlong_prompts: bool = _f(
@@ -118,6 +136,11 @@ class Config:
         None, "dotted path of a reward fn(args, sample) -> float, sync or async", group="rewards"
     )
     reward_timeout: float = _f(10.0, "seconds before a reward call scores 0", group="rewards")
+    reward_key: str | None = _f(
+        None,
+        "a reward function that returns a dict is read at this key (default: 'score'); its other numeric values are logged as rollout/reward_<key>",
+        group="rewards",
+    )
     # --- algorithm ---
     advantage_estimator: str = _f(
         "grpo",
@@ -133,7 +156,27 @@ class Config:
     kl_loss_coef: float = _f(
         0.0, "weight of the KL loss to a frozen reference (0 = no reference model)", group="algorithm"
     )
-    kl_loss_type: str = _f("low_var_kl", "KL estimator", ("low_var_kl", "k1", "k2"), group="algorithm")
+    use_kl_loss: bool = _f(
+        False,
+        "slime's switch for the KL loss; vime applies any nonzero --kl-loss-coef with or without it, and with a coefficient of 0 loads no reference model",
+        group="algorithm",
+    )
+    kl_loss_type: str = _f(
+        "low_var_kl",
+        "KL estimator: k1 (log-ratio), k2 (half its square), k3 (exp(-r) - 1 + r), low_var_kl (k3 clamped to [-10, 10])",
+        ("low_var_kl", "k1", "k2", "k3"),
+        group="algorithm",
+    )
+    use_unbiased_kl: bool = _f(
+        False,
+        "weight each token's KL by the ratio of the current to the old policy (the unbiased estimate of the KL under the current policy)",
+        group="algorithm",
+    )
+    ref_load: str | None = _f(
+        None,
+        "the reference model of the KL loss: an HF model directory (default: --hf-checkpoint); read only when --kl-loss-coef > 0",
+        group="algorithm",
+    )
     entropy_coef: float = _f(0.0, "entropy bonus weight (the entropy is always logged)", group="algorithm")
     use_rollout_logprobs: bool = _f(
         False,
@@ -167,16 +210,56 @@ class Config:
     rs_lower_bound: float = _f(0.5, "lower bound of the ratio --use-rs keeps", group="algorithm")
     rs_upper_bound: float = _f(2.0, "upper bound of the ratio --use-rs keeps", group="algorithm")
     # --- optimizer ---
-    lr: float = _f(1e-6, "AdamW learning rate", group="optimizer")
-    weight_decay: float = _f(0.0, "AdamW weight decay", group="optimizer")
+    optimizer: str = _f(
+        "adam",
+        "adam (AdamW: Megatron's adam, weight decay decoupled) or sgd (with --sgd-momentum)",
+        ("adam", "sgd"),
+        group="optimizer",
+    )
+    lr: float = _f(1e-6, "peak learning rate", group="optimizer")
+    lr_decay_style: str = _f(
+        "constant",
+        "learning rate after warm-up: constant, or decayed to --min-lr over --lr-decay-iters, linearly or on a cosine",
+        ("constant", "linear", "cosine"),
+        group="optimizer",
+    )
+    lr_warmup_iters: int = _f(
+        0, "optimizer steps of linear warm-up from 0 to --lr (step 0 runs at 0, as in Megatron)", group="optimizer"
+    )
+    lr_decay_iters: int | None = _f(
+        None,
+        "optimizer steps over which the learning rate decays, warm-up included (default: every optimizer step of the run)",
+        group="optimizer",
+    )
+    min_lr: float = _f(0.0, "learning rate at the end of the decay", group="optimizer")
+    weight_decay: float = _f(
+        0.0, "decoupled weight decay of the weight matrices (not of biases and norm weights, as in Megatron)", group="optimizer"
+    )
     adam_beta1: float = _f(0.9, "AdamW beta1", group="optimizer")
     adam_beta2: float = _f(0.98, "AdamW beta2", group="optimizer")
+    adam_eps: float = _f(1e-8, "AdamW epsilon", group="optimizer")
+    sgd_momentum: float = _f(0.9, "momentum of --optimizer sgd", group="optimizer")
     clip_grad: float = _f(1.0, "gradient norm clip", group="optimizer")
     global_batch_size: int | None = _f(
         None, "samples per optimizer step (default: one step per rollout)", group="optimizer"
     )
+    num_steps_per_rollout: int | None = _f(
+        None,
+        "optimizer steps per rollout: sets --global-batch-size to the rollout's samples divided by it",
+        group="optimizer",
+    )
     max_tokens_per_gpu: int = _f(4096, "micro-batch token budget", group="optimizer")
+    micro_batch_size: int | None = _f(
+        None,
+        "samples per micro-batch at most, besides the --max-tokens-per-gpu budget (the gradient is the same for any split)",
+        group="optimizer",
+    )
     gradient_checkpointing: bool = _f(False, "recompute activations in backward", group="optimizer")
+    gradient_checkpointing_layers: int | None = _f(
+        None,
+        "with --gradient-checkpointing: recompute only the first N decoder layers (default: all of them)",
+        group="optimizer",
+    )
     compile: bool | None = _f(
         None,
         "torch.compile each decoder layer of the trainer's model: on by default when the trainer is on CUDA. One compile serves every layer; micro-batches are padded up to one of 16 sizes, all compiled in a warm-up before step 1 (about a minute for a 0.6B model on an H200), so nothing compiles mid-run; 1.8x eager's tokens/s on an H200, bench/RESULTS.md",
@@ -247,8 +330,26 @@ class Config:
     eval_interval: int | None = _f(
         None, "evaluate every K steps (and before the first and after the last)", group="eval and output"
     )
-    eval_prompt_data: str | None = _f(None, "held-out prompts (JSONL/Parquet, path@[a:b])", group="eval and output")
+    eval_prompt_data: str | None = _f(
+        None,
+        "held-out prompts (JSONL/Parquet, path@[a:b]); slime's NAME PATH form is read too",
+        group="eval and output",
+    )
+    eval_name: str | None = _f(None, "name of the held-out set (the NAME of --eval-prompt-data NAME PATH)", group="eval and output")
+    eval_input_key: str | None = _f(None, "key of the eval prompt (default: --input-key)", group="eval and output")
+    eval_label_key: str | None = _f(None, "key of the eval answer (default: --label-key)", group="eval and output")
     n_samples_per_eval_prompt: int = _f(1, "responses per eval prompt (greedy when 1)", group="eval and output")
+    eval_temperature: float | None = _f(
+        None,
+        "eval sampling temperature (default: 0, greedy, with one sample per prompt; --rollout-temperature with more)",
+        group="eval and output",
+    )
+    eval_top_p: float | None = _f(
+        None, "eval nucleus mass (default: 1 when greedy, --rollout-top-p otherwise)", group="eval and output"
+    )
+    skip_eval_before_train: bool = _f(
+        False, "with --eval-interval: no evaluation before the first step", group="eval and output"
+    )
     eval_max_response_len: int | None = _f(
         None, "max new tokens in eval (default: --rollout-max-response-len)", group="eval and output"
     )
@@ -261,10 +362,44 @@ class Config:
     run_name: str | None = _f(None, "run name (default: timestamp)", group="eval and output")
     runs_dir: str = _f("runs", "where runs/<name>/ is written", group="eval and output")
     use_tensorboard: bool = _f(True, "write TensorBoard events when tensorboard is installed", group="eval and output")
+    tb_project_name: str | None = _f(
+        None,
+        "TensorBoard events under $TENSORBOARD_DIR (default: <runs-dir>/tensorboard)/<this>/<run name>, as slime writes them, instead of the run directory",
+        group="eval and output",
+    )
+    use_wandb: bool = _f(
+        False, "log every metric to Weights & Biases too (pip install 'vime[wandb]')", group="eval and output"
+    )
+    wandb_project: str | None = _f(None, "W&B project (default: vime)", group="eval and output")
+    wandb_team: str | None = _f(None, "W&B entity (team or user)", group="eval and output")
+    wandb_group: str | None = _f(None, "W&B run group", group="eval and output")
+    wandb_run_id: str | None = _f(
+        None, "W&B run id: the same id resumes the same W&B run (default: the run name)", group="eval and output"
+    )
+    wandb_mode: str | None = _f(
+        None,
+        "online, offline (written to disk, no network; wandb sync uploads it later) or disabled (default: $WANDB_MODE, else online)",
+        ("online", "offline", "disabled"),
+        group="eval and output",
+    )
+    wandb_key: str | None = _f(None, "W&B API key (default: $WANDB_API_KEY or wandb login)", group="eval and output")
+    wandb_host: str | None = _f(None, "W&B server URL (a self-hosted one)", group="eval and output")
+    wandb_dir: str | None = _f(None, "where W&B writes its files (default: the run directory)", group="eval and output")
     quiet: bool = _f(
         False,
         "no progress bar or per-step lines on stderr (log.txt and metrics.jsonl still get them)",
         group="eval and output",
+    )
+    # --- pass-through: collected by parse_args from flags vime has no field for ---
+    vllm_args: dict = _f(
+        {},
+        "every --vllm-NAME VALUE flag as {NAME: VALUE} (True for a bare switch): the arguments of the vLLM servers vime starts",
+        group="passthrough",
+    )
+    slime_flags: dict = _f(
+        {},
+        "slime/Megatron flags vime reads but keeps no setting of its own for (model shape, parallel sizes, ...), as given: see vime/compat.py",
+        group="passthrough",
     )
     # --- derived: set by validate() or by the run, once; not flags (config.yaml records them) ---
     mode: str | None = _f(
@@ -321,7 +456,7 @@ class Config:
         checks = _common_checks(self) + (_eval_checks(self) if entry == "eval" else _train_checks(self, entry))
         for name, f in _FIELDS.items():  # argparse checks choices on the command line; a YAML value gets here unchecked
             value, choices = getattr(self, name), f.metadata["choices"]
-            if choices is not None and value not in choices:
+            if choices is not None and value is not None and value not in choices:
                 checks.append((True, f"--{name.replace('_', '-')} {value!r}: use one of {', '.join(choices)}"))
         for bad, msg in checks:
             if bad:
@@ -348,8 +483,9 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         """Every setting and derived value, for config.yaml; a secret shows only that it was set."""
         d = {name: copy.deepcopy(getattr(self, name)) for name, f in _FIELDS.items() if f.metadata["group"] != RUNTIME}
-        if d["api_key"]:
-            d["api_key"] = "<set>"
+        for secret in ("api_key", "wandb_key"):
+            if d[secret]:
+                d[secret] = "<set>"
         return d
 
     def __getstate__(self) -> dict[str, Any]:
@@ -462,7 +598,7 @@ def _non_finite(cfg: Config) -> list[tuple[bool, str]]:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
-FLAGS = [name for name, f in _FIELDS.items() if f.metadata["group"] not in (DERIVED, RUNTIME)]
+FLAGS = [name for name, f in _FIELDS.items() if f.metadata["group"] not in (DERIVED, RUNTIME, PASSTHROUGH)]
 
 
 def _base_type(tp: Any) -> Any:
