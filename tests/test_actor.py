@@ -75,6 +75,17 @@ def test_packed_plan_respects_budget_and_fills_bins():
     assert len(batches) == 3
 
 
+def test_packed_plan_caps_the_samples_per_micro_batch():
+    lengths = [5, 9, 3, 9, 20]
+    assert plan_packed_micro_batches(lengths, max_tokens=100, max_samples=None) == [[0, 1, 2, 3, 4]]
+    # first-fit decreasing, 2 a bin: 20+9, 9+5, 3
+    assert plan_packed_micro_batches(lengths, max_tokens=100, max_samples=2) == [[1, 4], [0, 3], [2]]
+    assert plan_packed_micro_batches(lengths, max_tokens=100, max_samples=1) == [[4], [1], [3], [0], [2]]
+    # both limits: the token budget of 18 splits 9+9 and 5+3 already; the cap of 1 splits them further
+    assert plan_packed_micro_batches(lengths, max_tokens=18, max_samples=2) == [[4], [1, 3], [0, 2]]
+    assert len(plan_packed_micro_batches(lengths, max_tokens=18, max_samples=1)) == 5
+
+
 def _pack_by_lists(token_lists, response_lengths, pad_to, pad_id):
     """The row `pack` must build, written the plain way: sequence after sequence."""
     ids, pos, select, targets, cu = [], [], [], [], [0]
@@ -154,14 +165,86 @@ def test_gradients_do_not_depend_on_micro_batch_size(tiny_model):
         s.loss_mask = [1] * (s.response_length - 1) + [0]
     advantages = [1.0, -0.5, 0.25, -1.0, 2.0]
     grads = []
-    for budget in (1, 100_000):
-        a = Actor(make_args(max_tokens_per_gpu=budget, entropy_coef=0.01), tiny_model)
+    # one sequence a micro-batch by the token budget, all in one, and 2 samples at most (--micro-batch-size)
+    for budget, cap, micro_batches in ((1, None, 5), (100_000, None, 1), (100_000, 2, 3)):
+        a = Actor(make_args(max_tokens_per_gpu=budget, micro_batch_size=cap, entropy_coef=0.01), tiny_model)
+        assert len(a._plan(samples)) == micro_batches
         old = [lp - 0.05 for lp in a.compute_log_probs(samples)]  # ratio ≠ 1, so the clip is exercised too
         a.accumulate_gradients(samples, advantages, old)
         grads.append({n: p.grad.clone() for n, p in a.model.named_parameters()})
-    for name, g in grads[0].items():
-        assert torch.allclose(g, grads[1][name], atol=1e-5), name
+    for other in grads[1:]:
+        for name, g in grads[0].items():
+            assert torch.allclose(g, other[name], atol=1e-5), name
     assert any(g.abs().sum() > 0 for g in grads[0].values())
+
+
+@pytest.fixture(scope="module")
+def three_layer_model(tmp_path_factory) -> Path:
+    from vime.models import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("three") / "qwen3", num_layers=3)
+
+
+def test_gradient_checkpointing_recomputes_the_first_n_layers_only(three_layer_model):
+    """--gradient-checkpointing-layers N: the first N decoder layers run their forward again in
+    the backward (their MLP is called twice), the others once; the gradients are those of no
+    checkpointing at all."""
+    samples = make_samples(3)
+    calls, grads = {}, {}
+    for n in ("off", None, 1, 2):
+        a = Actor(
+            make_args(gradient_checkpointing=n != "off", gradient_checkpointing_layers=None if n == "off" else n),
+            three_layer_model,
+        )
+        counts = [0, 0, 0]
+        for i, layer in enumerate(a.model.get_decoder().layers):
+            # a pre-hook: the recompute stops early, once it has made the last tensor the backward
+            # needs (inside the MLP), so the MLP's forward hook would not run a second time
+            layer.mlp.register_forward_pre_hook(lambda *_, i=i, c=counts: c.__setitem__(i, c[i] + 1))
+        a.scorer.train()  # as train_step runs it: checkpointing applies in training mode only
+        a.accumulate_gradients(samples, [1.0, -0.5, 2.0], None)
+        calls[n] = counts
+        grads[n] = {name: p.grad.clone() for name, p in a.model.named_parameters()}
+    assert calls == {"off": [1, 1, 1], None: [2, 2, 2], 1: [2, 1, 1], 2: [2, 2, 1]}
+    for n in (None, 1, 2):
+        for name, g in grads["off"].items():
+            assert torch.allclose(g, grads[n][name], atol=1e-6), (n, name)
+
+
+def test_ref_load_is_the_reference_model(tiny_model, tmp_path):
+    """--ref-load DIR: the KL's reference log-probs are DIR's model's, not the policy's start."""
+    from vime.models import make_tiny_model
+
+    other = make_tiny_model(tmp_path / "ref", seed=1)
+    samples = make_samples(3)
+    a = Actor(make_args(kl_loss_coef=0.1, ref_load=str(other)), tiny_model)
+    ref = a.compute_log_probs(samples, scorer=a.ref_scorer)
+    want = Actor(make_args(), other).compute_log_probs(samples)
+    policy = a.compute_log_probs(samples)
+    for r, w, p in zip(ref, want, policy):
+        assert torch.allclose(r, w, atol=1e-6) and not torch.allclose(r, p, atol=1e-3)
+    default = Actor(make_args(kl_loss_coef=0.1), tiny_model)
+    for r, p in zip(default.compute_log_probs(samples, scorer=default.ref_scorer), policy):
+        assert torch.allclose(r, p, atol=1e-6)
+
+
+def test_unbiased_kl_weighs_the_same_value_with_another_gradient(tiny_model, tmp_path):
+    """--use-unbiased-kl in one optimizer step: π_old is the forward's own log-probs, so ρ = 1
+    and the KL loss is the same number, but ρ's gradient makes it the KL's own (test_loss), so
+    the gradients differ."""
+    from vime.models import make_tiny_model
+
+    other = make_tiny_model(tmp_path / "ref", seed=1)
+    samples = make_samples(3)
+    out = []
+    for unbiased in (False, True):
+        a = Actor(make_args(kl_loss_coef=1.0, ref_load=str(other), use_unbiased_kl=unbiased), tiny_model)
+        ref = a.compute_log_probs(samples, scorer=a.ref_scorer)
+        m = a.accumulate_gradients(samples, [0.0, 0.0, 0.0], None, ref)  # no policy gradient: the KL's alone
+        out.append((m["train/kl_loss"], {n: p.grad.clone() for n, p in a.model.named_parameters()}))
+    (kl, g), (kl_unbiased, g_unbiased) = out
+    assert kl > 0 and kl_unbiased == pytest.approx(kl, rel=1e-6)
+    assert any(not torch.allclose(x, g_unbiased[n], atol=1e-6) for n, x in g.items())
 
 
 def test_one_step_rollout_uses_the_forward_as_old_log_probs(tiny_model):
@@ -214,7 +297,7 @@ def test_use_rollout_logprobs_takes_the_ratio_against_the_engine(tiny_model):
     "global_batch_size, extra",
     [
         (None, {}),
-        (2, {"advantage_estimator": "dr_grpo", "tis_mode": "mask"}),
+        (2, {"advantage_estimator": "dr_grpo", "tis_mode": "mask", "use_unbiased_kl": True}),
         (None, {"use_rollout_logprobs": True, "use_tis": False, "use_rs": False}),
     ],
 )

@@ -260,3 +260,33 @@ def test_a_non_finite_gradient_skips_the_fused_step_on_the_device(tmp_path):
     assert steps and all(s == 0 for s in steps)  # AdamW's step counts were rolled back too
     assert any(not torch.equal(a, b) for a, b in zip(start, after_clean))
     assert all(torch.equal(a, b) for a, b in zip(after_clean, after_again))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_kl_to_a_reference_with_two_optimizer_steps_per_rollout_on_cuda(tmp_path):
+    """The old and reference log-probs are computed on the GPU before the steps; packing them into
+    a micro-batch once pinned them as if they were host tensors, which crashed every CUDA run with
+    --kl-loss-coef > 0 or several optimizer steps per rollout. Both at once, from a separate
+    --ref-load directory, with the lr schedule stepping: the weights move, the KL is finite and
+    positive once the policy has left the reference."""
+    from test_actor import make_args, make_samples
+
+    from vime.trainer.distributed import launch_actor
+
+    model = make_tiny_model(tmp_path / "m", arch="qwen3", seed=0)
+    ref = make_tiny_model(tmp_path / "ref", arch="qwen3", seed=1)
+    samples = make_samples(4)
+    args = make_args(
+        global_batch_size=2, max_tokens_per_gpu=64, kl_loss_coef=0.1, ref_load=str(ref), lr=1e-3,
+        lr_warmup_iters=1, num_rollout=2,
+    )  # fmt: skip
+    actor = launch_actor(args, model, "cuda:0")
+    try:
+        before = [p.detach().full_tensor().clone() for p in actor.local.model.parameters()]
+        metrics = actor.train_step(samples, [1.0, -0.5, 0.25, -1.0])
+        after = [p.detach().full_tensor() for p in actor.local.model.parameters()]
+    finally:
+        actor.close()
+    assert math.isfinite(metrics["train/kl_loss"]) and metrics["train/kl_loss"] > 0
+    assert metrics["train/lr"] == pytest.approx(0.5e-3)  # steps 0 and 1 of a 1-step warm-up: lr 0, then 1e-3
+    assert any(not torch.equal(a, b) for a, b in zip(before, after))

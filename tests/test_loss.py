@@ -287,7 +287,7 @@ def test_bad_corrections_are_refused():
 # ---- KL, entropy, aggregation --------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["low_var_kl", "k1", "k2"])
+@pytest.mark.parametrize("kind", ["low_var_kl", "k1", "k2", "k3"])
 def test_kl_zero_at_equal_distributions(kind):
     x = torch.tensor([-0.1, -2.0, -7.5])
     assert close(kl_penalty(x, x.clone(), kind), torch.zeros(3))
@@ -300,9 +300,41 @@ def test_kl_values_by_hand():
     assert close(kl_penalty(p, q, "k1"), [0.693147])
     assert close(kl_penalty(p, q, "k2"), [0.240227])
     assert close(kl_penalty(p, q, "low_var_kl"), [0.193147])
-    assert float(kl_penalty(torch.tensor([0.0]), torch.tensor([-50.0]), "low_var_kl")) == 10.0  # clamped
+    assert close(kl_penalty(p, q, "k3"), [0.193147])
+    # log r = 50: k3 = e^-50 − 1 + 50 = 49.0; low_var_kl clamps it, k3 does not
+    assert float(kl_penalty(torch.tensor([0.0]), torch.tensor([-50.0]), "low_var_kl")) == 10.0
+    assert float(kl_penalty(torch.tensor([0.0]), torch.tensor([-50.0]), "k3")) == pytest.approx(49.0)
     with pytest.raises(ValueError):
         kl_penalty(p, q, "k4")
+
+
+def test_unbiased_kl_weights_by_the_ratio_to_the_old_policy_by_hand():
+    # p = 0.5, q = 0.25 (log r = ln 2) as above, sampled by π_old = 1/3: ρ = π/π_old = 1.5
+    p, q, old = torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)]), torch.tensor([math.log(1 / 3)])
+    assert close(kl_penalty(p, q, "k1", old), [1.5 * 0.693147])  # 1.039721
+    assert close(kl_penalty(p, q, "k2", old), [1.5 * 0.240227])  # 0.360340
+    assert close(kl_penalty(p, q, "k3", old), [1.5 * 0.193147])  # 0.289721
+    assert close(kl_penalty(p, q, "low_var_kl", old), [0.289721])
+    # low_var_kl clamps the weighted value, as slime does: log r = 50 (k3 = 49.0) with ρ = 0.1 is
+    # 4.9 (clamping first would give 1.0); with ρ = 10 it is 490, clamped to 10
+    zero, ref = torch.tensor([0.0]), torch.tensor([-50.0])
+    assert close(kl_penalty(zero, ref, "low_var_kl", torch.tensor([math.log(10.0)])), [4.9])
+    assert close(kl_penalty(zero, ref, "low_var_kl", torch.tensor([math.log(0.1)])), [10.0])
+
+
+def test_unbiased_kl_gradient_is_the_kl_gradient():
+    """ρ = π/π_old carries gradient (not detached, as in slime): d(ρ·k3)/d log π = ρ·k3 + ρ(1 − 1/r)
+    = ρ log r, the reverse KL's own per-token gradient. Here ρ = 1.5, log r = ln 2: 1.039721. At
+    ρ = 1 (π_old the current weights, detached) it is ln 2 = 0.693147, where plain k3 gives
+    1 − 1/r = 0.5."""
+    q, old = torch.tensor([math.log(0.25)]), torch.tensor([math.log(1 / 3)])
+    p = torch.tensor([math.log(0.5)], requires_grad=True)
+    (grad,) = torch.autograd.grad(kl_penalty(p, q, "k3", old).sum(), p)
+    assert close(grad, [1.5 * math.log(2)])
+    (grad,) = torch.autograd.grad(kl_penalty(p, q, "low_var_kl", p.detach()).sum(), p)
+    assert close(grad, [math.log(2)])
+    (grad,) = torch.autograd.grad(kl_penalty(p, q, "k3").sum(), p)
+    assert close(grad, [0.5])
 
 
 def test_aggregate_token_mean_defaults_and_errors():

@@ -1,15 +1,17 @@
-"""The policy being trained: an HF causal LM, its AdamW optimizer, log-probs and steps
-(checkpoints are written and read by `vime.trainer.checkpoint`).
+"""The policy being trained: an HF causal LM, its optimizer, log-probs and steps (the optimizer
+and learning-rate schedule are built by `vime.trainer.optim`; checkpoints are written and read
+by `vime.trainer.checkpoint`).
 
 Runs as one process or as one rank of many (FSDP2, `vime.trainer.distributed` launches them).
 Every rank receives the whole batch and derives, without talking to the others, the same split:
 samples go to ranks balanced by tokens, each rank packs its share into micro-batches of at most
-`--max-tokens-per-gpu` real tokens (padded only when compiled, see `_pack`), and ranks with fewer
-micro-batches run empty ones so the FSDP collectives stay in step. The loss of each micro-batch
-is divided by the loss-token count of the whole optimizer step on all ranks, so gradient
-accumulation and data parallelism give the gradient of one big batch, whatever the budget or the
-rank count. Only the response positions go through the LM head, in token chunks
-(`vime.trainer.logprobs`), so no batch × vocabulary logits ever exist.
+`--max-tokens-per-gpu` real tokens and `--micro-batch-size` samples (padded only when compiled,
+see `_pack`), and ranks with fewer micro-batches run empty ones so the FSDP collectives stay in
+step. The loss of each micro-batch is divided by the loss-token count of the whole optimizer step
+on all ranks, so gradient accumulation and data parallelism give the gradient of one big batch,
+whatever the budget, the sample cap or the rank count. Only the response positions go through
+the LM head, in token chunks (`vime.trainer.logprobs`), so no batch × vocabulary logits ever
+exist.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from vime.rollout.types import Sample
 from vime.trainer import checkpoint
 from vime.trainer.logprobs import ChunkLoss, chunked_log_probs, chunked_loss
 from vime.trainer.loss import OffPolicyCorrection, aggregate, kl_penalty, policy_loss
+from vime.trainer.optim import LRSchedule, make_optimizer, set_lr_and_decay
 from vime.trainer.packing import (
     PAD_BUCKETS,
     PackedBatch,
@@ -120,7 +123,8 @@ class _LossInputs:
 
 
 class Actor:
-    """Policy model + optimizer (+ frozen reference model when `kl_loss_coef > 0`).
+    """Policy model + optimizer (+ frozen reference model when `kl_loss_coef > 0`: `--ref-load`,
+    else the policy's own starting weights).
 
     `fsdp=True` shards both over the default process group (which must exist), with bf16
     compute and float32 master weights on CUDA; `fsdp=False` is a plain single-device model.
@@ -142,7 +146,7 @@ class Actor:
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if fsdp else (0, 1)
         self.model = self._load(model_path)
         if args.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self._checkpoint_layers(args.gradient_checkpointing_layers)
         all_names = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
         param_names = {n for n, _ in self.model.named_parameters()}
         self._aliases = all_names - param_names  # tied names, e.g. lm_head.weight
@@ -166,13 +170,13 @@ class Actor:
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_path)
         pad = self.tokenizer.pad_token_id
         self.pad_token_id: int = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=args.lr,
-            betas=(args.adam_beta1, args.adam_beta2),
-            weight_decay=args.weight_decay,
-            fused=self.device.type == "cuda",  # one kernel for all parameters instead of a launch per tensor
-        )
+        # fused on CUDA: one kernel for all parameters instead of a launch per tensor
+        self.optimizer = make_optimizer(args, self.model, fused=self.device.type == "cuda")
+        self.lr_schedule = LRSchedule.of(args)
+        # optimizer step slots so far, a skipped one too, as the run's policy version counts them:
+        # the index into the lr schedule, kept in checkpoints
+        self.optimizer_steps = 0
+        self._apply_schedule()
         self.correction = OffPolicyCorrection(
             use_tis=args.use_tis,
             tis_mode=args.tis_mode,
@@ -191,7 +195,7 @@ class Actor:
         self.use_rollout_logprobs: bool = args.use_rollout_logprobs
         self.ref_scorer = None
         if args.kl_loss_coef > 0:
-            ref = self._load(model_path)
+            ref = self._load(args.ref_load or model_path)
             ref.requires_grad_(False)
             ref.eval()
             self.ref_scorer = self._wrap(TokenScorer(ref, chunk))
@@ -209,6 +213,21 @@ class Actor:
         )
         model.config.use_cache = False  # training never decodes; a KV cache only costs memory
         return model.to(self.device)
+
+    def _checkpoint_layers(self, n: int | None) -> None:
+        """Recompute the activations of the first `n` decoder layers in the backward (all of them
+        when None): Megatron's `--recompute-method block --recompute-num-layers n`, which trades
+        less recompute for the memory of the later layers' activations. transformers' decoder
+        layers each carry their own `gradient_checkpointing` flag, which `*_checkpointing_enable`
+        sets on all of them; the later ones are turned off again."""
+        enable = getattr(self.model, "activation_checkpointing_enable", None)
+        if enable is not None:  # transformers 5's name; the old one warns there
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if n is not None:
+            for layer in self.model.get_decoder().layers[n:]:
+                layer.gradient_checkpointing = False
 
     def _wrap(self, scorer: TokenScorer) -> nn.Module:
         """FSDP2 the way torchtitan does it: one unit per decoder layer, the rest in the root."""
@@ -246,8 +265,9 @@ class Actor:
                 budget,
             )
         shards = shard_by_tokens(lengths, self.world)
+        cap = self.args.micro_batch_size
         plans = [
-            [[shard[j] for j in mb] for mb in plan_packed_micro_batches([lengths[i] for i in shard], budget)]
+            [[shard[j] for j in mb] for mb in plan_packed_micro_batches([lengths[i] for i in shard], budget, cap)]
             for shard in shards
         ]
         mine = plans[self.rank]
@@ -395,10 +415,12 @@ class Actor:
     ) -> dict[str, float]:
         self.scorer.train()
         self.optimizer.zero_grad(set_to_none=True)
+        self._apply_schedule()  # this slot's lr, counted whether or not the step is taken
+        self.optimizer_steps += 1
         totals = self._accumulate(samples, advantages, old, ref)
         if not any(sum(s.effective_loss_mask()) for s in samples):
-            # nothing to learn from (e.g. every response aborted): AdamW's momentum would still
-            # move the weights on zero gradients, so skip the step (every rank sees the same batch)
+            # nothing to learn from (e.g. every response aborted): the optimizer's momentum would
+            # still move the weights on zero gradients, so skip the step (every rank sees the same batch)
             self.optimizer.zero_grad(set_to_none=True)
             return {
                 **self._read(totals),
@@ -413,6 +435,17 @@ class Actor:
             return {**self._read(totals), **step}
         metrics = self._read(totals)  # several ranks skip a step together: on the loss summed over them
         return {**metrics, **self._clip_and_step(loss=metrics["train/loss"])}
+
+    def _apply_schedule(self) -> None:
+        """The learning rate (and weight decay) of the next optimizer step, `optimizer_steps`."""
+        set_lr_and_decay(self.optimizer, self.lr_schedule(self.optimizer_steps), self.args.weight_decay)
+
+    def skip_steps(self, n: int) -> None:
+        """Count `n` optimizer step slots that were never run (the run skips a rollout whose rewards
+        or advantages are not finite without calling `train_step`), so the lr schedule stays on
+        the run's policy version."""
+        self.optimizer_steps += n
+        self._apply_schedule()
 
     def accumulate_gradients(
         self,
@@ -514,9 +547,8 @@ class Actor:
             if ent_coef != 0:
                 loss = loss - ent_coef * aggregate(entropy, t.mask, agg, num_tokens=num_tokens, const=const)
             if t.ref is not None:
-                kl = aggregate(
-                    kl_penalty(log_probs, t.ref, a.kl_loss_type), t.mask, agg, num_tokens=num_tokens, const=const
-                )
+                per_token = kl_penalty(log_probs, t.ref, a.kl_loss_type, old if a.use_unbiased_kl else None)
+                kl = aggregate(per_token, t.mask, agg, num_tokens=num_tokens, const=const)
                 loss = loss + kl_coef * kl
                 m["kl_loss"] = kl.detach()
             m["loss"] = loss.detach()
@@ -576,13 +608,14 @@ class Actor:
     def _clip_and_step(self, loss: Tensor | float = 0.0) -> dict[str, float]:
         """Clip by the norm of the whole gradient, all shards together, then step; unless the
         step's `loss` or the norm is not finite, when the step is skipped and counted
-        (`train/skipped_steps`): clipping scales a NaN gradient to NaN weights, and AdamW's
-        moments would carry it into every later step. Loss and norm are the same on every
-        rank (summed and reduced), so all ranks skip together.
+        (`train/skipped_steps`): clipping scales a NaN gradient to NaN weights, and the
+        optimizer's moments would carry it into every later step. Loss and norm are the same on
+        every rank (summed and reduced), so all ranks skip together.
 
-        On CUDA the check runs on the device: the fused AdamW skips itself where `found_inf` is
-        set (its step counts too; GradScaler's mechanism, without the scaling), so clip and
-        step are queued without the host waiting for the norm or the loss first."""
+        With AdamW on CUDA the check runs on the device: the fused AdamW skips itself, moments and
+        step count included, where `found_inf` is set (GradScaler's mechanism, without the
+        scaling), so clip and step are queued without the host waiting for the norm or the loss
+        first. SGD is never fused (`optim.make_optimizer`): the host waits for the check."""
         clip = self.args.clip_grad
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)

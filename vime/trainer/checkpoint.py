@@ -1,8 +1,8 @@
 """Checkpoints: writing and reading them, and which one a resumed run loads.
 
 A checkpoint is an HF directory (the weights as safetensors, the tokenizer) plus
-`trainer_state.pt` (optimizer, RNG, the run's extra state). `save` writes `<dir>.tmp` and
-renames it only when complete, so a crash mid-save never leaves a half-written `<step>/`. A full disk, a copy cut short or a damaged volume still can
+`trainer_state.pt` (optimizer, the optimizer step count that indexes the lr schedule, RNG, the
+run's extra state). `save` writes `<dir>.tmp` and renames it only when complete, so a crash mid-save never leaves a half-written `<step>/`. A full disk, a copy cut short or a damaged volume still can
 (the issue that led here: a truncated newest checkpoint made `--load` fail with a traceback,
 although an intact one sat next to it). So before loading, each candidate's files are checked
 from their headers, newest first, and a damaged one is skipped with a warning naming it.
@@ -62,7 +62,13 @@ def save(actor: Actor, final: Path, extra_state: dict[str, Any]) -> Path:
     error: BaseException | None = None
     if actor.rank == 0:
         try:
-            _write(actor, final, weights, {"optimizer": optim, "rng": _rng_state(), "extra": extra_state})
+            state = {
+                "optimizer": optim,
+                "optimizer_steps": actor.optimizer_steps,
+                "rng": _rng_state(),
+                "extra": extra_state,
+            }
+            _write(actor, final, weights, state)
         except BaseException as e:  # every rank must hear of it, or they would wait for rank 0 at the next collective
             error = e
     if actor.world > 1:
@@ -128,10 +134,13 @@ def _write(actor: Actor, final: Path, weights: dict[str, Tensor], state: dict[st
 
 
 def load(actor: Actor, ckpt: Path) -> dict[str, Any]:
-    """Restore weights, optimizer and RNG from a `save` directory; returns its extra_state.
+    """Restore weights, optimizer, the optimizer step count and RNG from a `save` directory;
+    returns its extra_state.
 
     Every rank reads the full tensors and keeps its shard, so the checkpoint's rank count
-    does not matter.
+    does not matter; every rank restores the step count, so the lr schedule goes on where the
+    checkpoint's run left it. The run's current --lr*, --weight-decay settings apply from then
+    on (the optimizer's saved values are replaced, as Megatron's scheduler does each step).
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
@@ -147,11 +156,26 @@ def load(actor: Actor, ckpt: Path) -> dict[str, Any]:
             f"checkpoint {ckpt} does not match the model: missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}"
         )
     state = torch.load(state_file, map_location="cpu", weights_only=False)  # our own file: holds python objects
+    saved, running = (
+        _optimizer_kind(g) for g in (state["optimizer"]["param_groups"][0], actor.optimizer.param_groups[0])
+    )
+    if saved != running:
+        raise CheckpointError(
+            f"checkpoint {ckpt} holds the state of --optimizer {saved}, this run uses {running}: resume with --optimizer {saved}"
+        )
     options = StateDictOptions(full_state_dict=True, strict=False)
     set_model_state_dict(actor.model, weights, options=options)
-    set_optimizer_state_dict(actor.model, actor.optimizer, state["optimizer"], options=options)
+    if state["optimizer"]["state"]:  # SGD without momentum keeps none, and torch's loader then fails
+        set_optimizer_state_dict(actor.model, actor.optimizer, state["optimizer"], options=options)
+    # a checkpoint from before the count was kept: the run's policy version counts the same slots
+    actor.optimizer_steps = int(state.get("optimizer_steps", state["extra"].get("policy_version", 0)))
+    actor._apply_schedule()
     _set_rng_state(state["rng"])
     return state["extra"]
+
+
+def _optimizer_kind(group: dict[str, Any]) -> str:
+    return "sgd" if "momentum" in group else "adam"
 
 
 def iter_weights(ckpt: Path) -> Iterator[tuple[str, Tensor]]:

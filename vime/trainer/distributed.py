@@ -115,6 +115,9 @@ class DistributedActor:
     def compute_log_probs(self, samples: list) -> list[torch.Tensor]:
         return self._call("compute_log_probs", samples)
 
+    def skip_steps(self, n: int) -> None:
+        return self._call("skip_steps", n)
+
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors, one at a time; iterate to the end (the other ranks gather with you)."""
         return self._call("named_weights")

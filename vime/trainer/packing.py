@@ -52,8 +52,11 @@ class PackedBatch:
         return int(self.input_ids.shape[1])
 
 
-def plan_packed_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Bin-pack sequence indices into micro-batches of at most `max_tokens` real tokens.
+def plan_packed_micro_batches(
+    lengths: Sequence[int], max_tokens: int, max_samples: int | None = None
+) -> list[list[int]]:
+    """Bin-pack sequence indices into micro-batches of at most `max_tokens` real tokens and, if
+    given, at most `max_samples` sequences (`--micro-batch-size`).
 
     First-fit decreasing: few bins (so few forward passes, each large enough to fill the
     device), deterministic (every rank can recompute every other rank's plan). A sequence longer
@@ -64,7 +67,7 @@ def plan_packed_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[l
     loads: list[int] = []
     for i in order:
         for b, load in enumerate(loads):
-            if load + lengths[i] <= max_tokens:
+            if load + lengths[i] <= max_tokens and (max_samples is None or len(bins[b]) < max_samples):
                 bins[b].append(i)
                 loads[b] += lengths[i]
                 break
@@ -142,8 +145,10 @@ def pack(
 def to_device(t: Tensor, device: torch.device) -> Tensor:
     """A host tensor on `device` without stalling the host: a copy from pageable memory to a GPU
     waits for every kernel queued before it, so each one would drain the GPU while the (slow)
-    host builds the next micro-batch. From pinned memory the copy is queued like a kernel."""
-    if device.type != "cuda":
+    host builds the next micro-batch. From pinned memory the copy is queued like a kernel. A
+    tensor already on a device (the old and reference log-probs the actor computed) only moves
+    if it is on another one."""
+    if device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 

@@ -1,0 +1,114 @@
+"""How the weights move: the optimizer (`--optimizer adam|sgd`) and the learning rate of each
+optimizer step (Megatron's schedule), so slime/Megatron run scripts train as they did there.
+
+The learning rate is a pure function of the optimizer step's index (`LRSchedule`): the actor
+counts every optimizer step slot, a skipped one too, and keeps that count in its checkpoints,
+so a resumed run goes on with the schedule where it stopped.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from vime.config import Config
+
+DecayStyle = Literal["constant", "linear", "cosine"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LRSchedule:
+    """Megatron's learning-rate schedule (its `OptimizerParamScheduler`, in optimizer steps).
+
+    Step k (0-based) runs at `lr * k / warmup_iters` while k < warmup_iters (so step 0 runs at 0,
+    and the first step reaches `lr` at k = warmup_iters); then `constant` stays at `lr`, and
+    `linear` / `cosine` go from `lr` down to `min_lr` by the decay ratio
+    (k - warmup_iters) / (decay_iters - warmup_iters), i.e. over `decay_iters` steps counted from
+    step 0 with the warm-up inside them; after `decay_iters` the rate stays at `min_lr`.
+    """
+
+    lr: float
+    min_lr: float = 0.0
+    warmup_iters: int = 0
+    decay_iters: int | None = None  # needed by linear and cosine
+    decay_style: DecayStyle = "constant"
+
+    def __post_init__(self) -> None:
+        """The flags are checked with their names in `Config.validate`; this guards direct use."""
+        if self.decay_style not in ("constant", "linear", "cosine"):
+            raise ValueError(f"lr decay style {self.decay_style!r}: use constant, linear or cosine")
+        if self.warmup_iters < 0:
+            raise ValueError(f"lr warm-up of {self.warmup_iters} steps: give 0 or more")
+        if self.decay_style != "constant" and (self.decay_iters is None or self.decay_iters < 1):
+            raise ValueError(f"{self.decay_style} lr decay over {self.decay_iters} steps: give at least 1")
+
+    @classmethod
+    def of(cls, args: Config) -> LRSchedule:
+        """The run's schedule. The decay spans every optimizer step of the run unless
+        --lr-decay-iters says otherwise (`args.num_rollout` is resolved before the actor is built)."""
+        decay = args.lr_decay_iters
+        if decay is None and args.num_rollout is not None:
+            decay = args.num_rollout * args.steps_per_rollout
+        return cls(
+            lr=args.lr,
+            min_lr=args.min_lr,
+            warmup_iters=args.lr_warmup_iters,
+            decay_iters=decay,
+            decay_style=args.lr_decay_style,
+        )
+
+    def __call__(self, step: int) -> float:
+        """The learning rate of optimizer step `step` (0-based)."""
+        w = self.warmup_iters
+        if w > 0 and step <= w:  # at step w both branches give lr
+            return self.lr * step / w
+        if self.decay_style == "constant":
+            return self.lr
+        assert self.decay_iters is not None  # __post_init__
+        if step > self.decay_iters:  # also each step after a warm-up as long as the decay or longer: never 0 / 0
+            return self.min_lr
+        ratio = (step - w) / (self.decay_iters - w)
+        coeff = 1.0 - ratio if self.decay_style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        return self.min_lr + coeff * (self.lr - self.min_lr)
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two groups: the weight matrices, embeddings and LM head included (ndim >= 2), decay; biases
+    and norm weights do not, as in Megatron and HF's Trainer (decaying a norm's gain towards 0
+    shrinks the layer's output, which no data asks for). Always both groups, in this order, so a
+    checkpoint's layout does not depend on --weight-decay. Under FSDP2 a parameter is a DTensor,
+    whose ndim is the full tensor's."""
+    params = list(model.parameters())
+    return [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+
+
+def make_optimizer(args: Config, model: nn.Module, fused: bool) -> torch.optim.Optimizer:
+    """AdamW (Megatron's `adam`: decoupled weight decay) or SGD with momentum (its weight decay is
+    the L2 term added to the gradient, as in Megatron's SGD). `fused` (one kernel for all
+    parameters) applies to AdamW only: the fused SGD kernel has no sharding rule for FSDP2's
+    DTensors in torch 2.13, and with momentum it leaves the buffers it allocates uninitialized
+    when its first step is skipped for a non-finite gradient."""
+    groups = param_groups(model, args.weight_decay)
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=args.lr, momentum=args.sgd_momentum)
+    if args.optimizer != "adam":
+        raise ValueError(f"--optimizer {args.optimizer!r}: use adam or sgd")
+    return torch.optim.AdamW(
+        groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, fused=fused
+    )
+
+
+def set_lr_and_decay(optimizer: torch.optim.Optimizer, lr: float, weight_decay: float) -> None:
+    """Give every group the step's learning rate, and the decaying group (the first,
+    `param_groups`) the run's weight decay: also after a checkpoint load, which brings back the
+    values the checkpoint's run used (one group decaying everything, before the split)."""
+    for i, group in enumerate(optimizer.param_groups):
+        group["lr"] = lr
+        group["weight_decay"] = weight_decay if i == 0 else 0.0
