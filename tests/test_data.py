@@ -525,3 +525,95 @@ def test_rg_bad_task_or_config_is_one_line(tmp_path, capsys):
     assert cli_main(["data", "--list"]) == 0
     names = capsys.readouterr().out.split()
     assert {"addition", "rg:chain_sum", "rg:basic_arithmetic", "rg:gsm_symbolic"} <= set(names)
+
+
+# ---------------------------------------------------------------- slime's data flags
+
+
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}]
+
+
+def test_tool_key_passes_each_rows_tools_to_the_chat_template(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [
+        {"input": "1+1=", "label": "2", "tools": TOOLS},
+        {"input": "2+2=", "label": "4", "tools": json.dumps(TOOLS[:0])},  # JSON text, as Parquet often holds it
+    ]
+    f = write_jsonl(tmp_path / "d.jsonl", rows)
+    pq.write_table(
+        pa.Table.from_pylist([{**r, "tools": json.dumps(TOOLS[: 1 - i])} for i, r in enumerate(rows)]),
+        tmp_path / "d.parquet",
+    )
+    tok = make_tiny_tokenizer()
+    tok.chat_template = (
+        "{% if tools is defined and tools is not none %}[{{ tools | map(attribute='function.name') | join(',') }}]{% endif %}"
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
+    for data in (f, tmp_path / "d.parquet"):
+        ds = DataSource(make_args(data, apply_chat_template=True, tool_key="tools", n_samples_per_prompt=1), tok)
+        with_tools, without = ds.get_samples(2)
+        assert (with_tools[0].prompt, without[0].prompt) == ("[add]1+1=", "[]2+2=")
+        assert with_tools[0].metadata["tools"] == TOOLS  # rewards see them too, as in slime
+    assert (
+        DataSource(make_args(f, apply_chat_template=True), tok).get_samples(1)[0][0].prompt == "1+1="
+    )  # no flag, no tools
+    evals = load_eval_samples(make_args(f, apply_chat_template=True, tool_key="tools"), tok, f)
+    assert evals[0].prompt == "[add]1+1="
+
+
+@pytest.mark.parametrize(
+    "row, fragment",
+    [
+        ({"input": "q", "label": "1"}, "has no key 'tools' (keys: input, label); set --tool-key"),
+        ({"input": "q", "label": "1", "tools": {"name": "add"}}, "'tools' must be a list of OpenAI-style tool schemas"),
+        ({"input": "q", "label": "1", "tools": ["add"]}, "'tools' must be a list of OpenAI-style tool schemas"),
+        ({"input": "q", "label": "1", "tools": "not json"}, "got str; fix the row or set --tool-key"),
+    ],
+)
+def test_tool_key_errors_name_file_row_and_flag(tmp_path, row, fragment):
+    f = write_jsonl(tmp_path / "d.jsonl", [{"input": "a", "label": "0", "tools": []}, row])
+    with pytest.raises(DataError) as e:
+        load_prompts(f, tool_key="tools")
+    msg = str(e.value)
+    assert fragment in msg and "d.jsonl row 1 (line 2)" in msg and "--tool-key" in msg and "\n" not in msg
+
+
+def test_max_prompt_and_context_len_leave_long_prompts_out_and_count_them(tmp_path, tokenizer):
+    # the tiny tokenizer is one token per character: prompts of 2, 4, 6 and 8 tokens
+    f = write_jsonl(tmp_path / "d.jsonl", [{"input": "q" * n, "label": str(n)} for n in (2, 4, 6, 8)])
+    for flags, kept in [
+        ({"rollout_max_prompt_len": 4}, ["2", "4"]),  # at most 4 tokens
+        ({"rollout_max_context_len": 5}, ["2", "4"]),  # a prompt of 5 or more leaves no room for a response
+        ({"rollout_max_context_len": 8, "rollout_max_prompt_len": 10}, ["2", "4", "6"]),  # the tighter one
+        ({"rollout_max_context_len": 10, "rollout_max_prompt_len": 2}, ["2"]),
+    ]:
+        ds = DataSource(make_args(f, n_samples_per_prompt=1, **flags), tokenizer, max_prompt_len=100)
+        assert labels(ds.get_samples(len(kept))) == kept and len(ds) == len(kept), flags
+        assert ds.skipped_prompts == 4 - len(kept)
+        flag = (
+            "--rollout-max-prompt-len"
+            if flags.get("rollout_max_prompt_len", 99) < flags.get("rollout_max_context_len", 99)
+            else "--rollout-max-context-len"
+        )
+        assert ds.skipped_note.startswith(f"{flag}: left out {4 - len(kept)} of 4 prompts"), ds.skipped_note
+    # the flags leave prompts out without --skip-overlong-prompts; the model's own limit still refuses
+    ds = DataSource(make_args(f, rollout_max_prompt_len=6), tokenizer, max_prompt_len=7)
+    assert len(ds) == 3 and ds.skipped_prompts == 1
+    with pytest.raises(DataError, match="row 2: the prompt is 6 tokens, the model takes at most 5"):
+        DataSource(make_args(f, rollout_max_prompt_len=7), tokenizer, max_prompt_len=5)
+    with pytest.raises(
+        DataError, match="every prompt is longer than 1 tokens, the most --rollout-max-prompt-len leaves"
+    ):
+        DataSource(make_args(f, rollout_max_prompt_len=1), tokenizer, max_prompt_len=100)
+    assert DataSource(make_args(f), tokenizer, max_prompt_len=100).skipped_note is None
+
+
+def test_eval_input_and_label_keys(tmp_path, tokenizer):
+    f = write_jsonl(tmp_path / "e.jsonl", [{"problem": "p0", "answer": "a0"}, {"problem": "p1", "answer": "a1"}])
+    args = make_args(None, eval_input_key="problem", eval_label_key="answer")
+    samples = load_eval_samples(args, tokenizer, f)
+    assert [(s.prompt, s.label) for s in samples] == [("p0", "a0"), ("p1", "a1")]
+    with pytest.raises(DataError, match="no key 'input'.*--input-key"):  # default: the train keys
+        load_eval_samples(make_args(None), tokenizer, f)

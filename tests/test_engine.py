@@ -22,6 +22,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -274,6 +275,108 @@ def test_stop_token_and_length(client, hf):
     assert stopped["meta_info"]["finish_reason"]["type"] == "stop"
     assert capped["output_ids"] == ref[:7] and capped["meta_info"]["finish_reason"]["type"] == "length"
     assert empty["output_ids"] == [] and empty["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_stop_strings_end_the_response_right_after_their_first_occurrence(client, model_dir):
+    from vime.models import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    text = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731  (as the rollout reads a response)
+    prompt = PROMPTS[1]
+    ref = generate_many(client, [{"input_ids": prompt, "sampling_params": greedy(40, ignore_eos=True)}])[0][
+        "output_ids"
+    ]
+    full = text(ref)
+    assert len(full) >= 12, full
+    stop = full[8:11]  # from the greedy continuation: it occurs, maybe earlier than at 8 too
+    end = next(k for k in range(1, len(ref) + 1) if stop in text(ref[:k]))  # the token that completes it
+    never = "\x07never\x07"
+    reqs = [
+        greedy(40, ignore_eos=True, stop=[stop]),
+        greedy(40, ignore_eos=True, stop=stop),  # a single string works too
+        greedy(40, ignore_eos=True, stop=[never, stop]),
+        greedy(40, ignore_eos=True, stop=[never]),
+        greedy(3, ignore_eos=True, stop=[full[20:23]]),  # the length cap comes first
+    ]
+    outs = generate_many(client, [{"input_ids": prompt, "sampling_params": r} for r in reqs])
+    for out in outs[:3]:
+        assert out["output_ids"] == ref[:end] and out["meta_info"]["finish_reason"]["type"] == "stop"
+        assert text(out["output_ids"]).endswith(stop) and stop not in text(out["output_ids"][:-1])
+        assert len(out["meta_info"]["output_token_logprobs"]) == end == out["meta_info"]["completion_tokens"]
+    assert outs[3]["output_ids"] == ref and outs[3]["meta_info"]["finish_reason"]["type"] == "length"
+    assert outs[4]["output_ids"] == ref[:3] and outs[4]["meta_info"]["finish_reason"]["type"] == "length"
+    # sampled, n > 1: each sample ends at its own first occurrence, or runs to the cap without one
+    one = full[9]
+    group = generate_many(
+        client,
+        [
+            {
+                "input_ids": prompt,
+                "sampling_params": {
+                    "max_new_tokens": 30,
+                    "temperature": 1.0,
+                    "n": 4,
+                    "stop": [one],
+                    "ignore_eos": True,
+                },
+            }
+        ],
+    )[0]
+    for out in group:
+        ids, reason = out["output_ids"], out["meta_info"]["finish_reason"]["type"]
+        assert one not in text(ids[:-1]) and (one in text(ids)) == (reason == "stop") and len(ids) <= 30
+    for bad in ([""], [1], "", 5):
+        status, body = post_raw(
+            client.url + "/generate", json.dumps({"input_ids": [5], "sampling_params": {"stop": bad}}).encode()
+        )
+        assert status == 400 and "stop must be a non-empty string or a list of them" in body, (bad, body)
+
+
+def test_stop_strings_decode_only_a_tail_window():
+    """The check widens its window past tokens that decode to nothing, finds strings that span
+    tokens, and never looks at more than a short tail of a long output."""
+    from vime.engine.core.stop import StopStrings
+
+    pieces = {1: "ab", 2: "c", 3: "", 4: "d", 5: "xyz"}  # 3: a special token, skipped in the text
+    seen: list[int] = []
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=True):
+            seen.append(len(ids))
+            return "".join(pieces[i] for i in ids)
+
+    stops = StopStrings(lambda: Tok())
+    prompt = [5, 5]  # never part of the text
+
+    def first_stop(output: list[int], strings: tuple[str, ...]) -> int | None:
+        seq = SimpleNamespace(token_ids=list(prompt), prompt_len=len(prompt), stop_window=None)
+        for k, tok in enumerate(output, start=1):  # as the engine does: one token at a time
+            seq.token_ids.append(tok)
+            if stops.completed(seq, strings):
+                return k
+        return None
+
+    assert first_stop([1, 2, 4], ("bcd",)) == 3  # spans three tokens
+    assert first_stop([1, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 2], ("bc",)) == 14  # across twelve empty tokens
+    assert first_stop([2, 5, 5, 1], ("zx", "ca")) == 3  # whichever completes first: "cxyzxyz" holds "zx"
+    assert first_stop([2, 1, 5, 5], ("zx", "ca")) == 2  # "cab" holds "ca"
+    assert first_stop([5, 2], ("yz",)) == 1
+    assert first_stop([1, 2, 4], ("xyz",)) is None  # the prompt's text does not count
+    long = [2] * 2000 + [4]
+    assert first_stop(long, ("cd",)) == len(long)
+    # the cost: never the whole output, and about one decode per token
+    seen.clear()
+    assert first_stop([2] * 2000, ("cd",)) is None
+    assert max(seen) <= 2 * (2 + 2 * 4 + 1) and len(seen) < 1.15 * 2000
+
+
+def test_stop_string_decoder_reads_text_as_the_rollout_does():
+    from vime.engine.core.stop import decoder
+    from vime.models import make_tiny_tokenizer
+
+    tok = make_tiny_tokenizer()
+    ids = tok.encode("<|im_start|>a  b\n<|im_end|>c <|endoftext|>", add_special_tokens=False)
+    assert decoder(tok)(ids) == tok.decode(ids, skip_special_tokens=True) == "a  b\nc "
 
 
 # ---- control: abort, pause, weight updates, memory -------------------------------------

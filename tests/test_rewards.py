@@ -12,12 +12,14 @@ from vime.config import Config
 from vime.datagen import generate
 from vime.rollout.rewards import (
     RewardError,
+    RewardKeyError,
     builtin_score,
     extract_answer,
     get_reward_fn,
     grade,
     normalize,
     numeric_credit,
+    read_reward,
     score_samples,
 )
 from vime.rollout.types import Sample, Status
@@ -358,6 +360,12 @@ def broken_rm(args, sample):
 async def slow_rm(args, sample):
     await asyncio.sleep(5 if sample.index == 0 else 0)
     return 1.0
+
+def dict_rm(args, sample):
+    return {"score": 0.5 * sample.index, "r": 2.0, "acc": sample.index % 2 == 0, "pred": "x", "n": float("nan")}
+
+async def pred_rm(args, sample):
+    return {"score": "high", "pred": "x"} if sample.index == 1 else {"score": 1.0}
 """
 
 
@@ -416,7 +424,7 @@ def test_worker_timer_interrupts_slow_grading(monkeypatch):
 
     import vime.rollout.rewards as rewards
 
-    monkeypatch.setattr(rewards, "builtin_score", lambda *a: time.sleep(5))
+    monkeypatch.setattr(rewards, "builtin_result", lambda *a: time.sleep(5))
     t0 = time.perf_counter()
     with pytest.raises(rewards.GradingTimeout):
         rewards._score_with_timeout("math", "", "1", 0.1)  # as in a pool worker: the main thread
@@ -464,3 +472,104 @@ def test_reasoning_gym_scores_are_the_tasks_own():
     ]
     with pytest.raises(RewardError, match="reasoning_gym"):
         get_reward_fn(make_args(rm_type="reasoning-gym"))  # the unknown-type message lists it
+
+
+# ---------------------------------------------------------------- deepscaler and --reward-key
+
+
+@pytest.mark.parametrize(
+    "response, expected",
+    [
+        ("<think>so it is \\boxed{4}</think> I am not sure.", 0.0),  # a box inside the reasoning does not count
+        ("<think>maybe \\boxed{5}</think> So the answer is \\boxed{4}.", 1.0),  # after the marker it does
+        ("<think>\\boxed{4}</think> So the answer is \\boxed{5}.", 0.0),  # the box after the marker is graded
+        ("So the answer is \\boxed{4}.", 0.0),  # no marker: the reasoning never ended
+        ("<think>a</think> \\boxed{4} then </think> nothing", 0.0),  # only after the last </think>
+        ("<think>a</think> \\boxed{5} </think> \\boxed{4}", 1.0),
+        ("<think>a</think> Answer: 4", 0.0),  # only a box is an answer
+        ("plan ###Response the answer is \\boxed{4}", 1.0),  # slime's other marker
+        ("\\boxed{5} ###Response \\boxed{4} ###Response \\boxed{5}", 1.0),  # up to a second ###Response
+        ("<think>a</think> \\boxed{\\frac{8}{2}}", 1.0),  # graded by value
+    ],
+)
+def test_deepscaler_grades_only_the_text_after_the_reasoning(response, expected):
+    assert builtin_score("deepscaler", response, "4") == expected
+
+
+def test_deepscaler_through_the_pool():
+    samples = [
+        Sample(index=0, response="<think>\\boxed{7}</think>", label="7"),
+        Sample(index=1, response="<think>hmm</think>\\boxed{7}", label="7"),
+    ]
+    score(make_args(rm_type="deepscaler"), samples)
+    assert [s.reward for s in samples] == [0.0, 1.0]
+    assert [s.reward_extras for s in samples] == [{"acc": 0.0}, {"acc": 1.0}]
+
+
+def test_dapo_with_reward_key_score_is_slimes_plus_minus_one():
+    """slime's scripts pass `--rm-type dapo --reward-key score`: slime's dapo reward returns
+    {score: ±1, acc, pred} and trains on score; so does vime's, with acc logged."""
+    from vime.rollout.vllm_rollout import rollout_metrics
+
+    def batch() -> list[Sample]:
+        return [
+            Sample(index=0, response="Answer: 42", label="42"),
+            Sample(index=1, response="Answer: 41", label="42"),
+            Sample(index=2, response="no idea", label="42"),
+            Sample(index=3, response="\\boxed{42}", label="42"),
+        ]
+
+    dapo = batch()
+    assert score(make_args(rm_type="dapo", reward_key="score"), dapo) == {
+        "rollout/reward_errors": 0.0,
+        "rollout/reward_timeouts": 0.0,
+    }
+    assert [s.reward for s in dapo] == [1.0, -1.0, -1.0, 1.0]
+    metrics = rollout_metrics([dapo])
+    assert metrics["rollout/reward_mean"] == 0.0 and metrics["rollout/reward_acc"] == 0.5
+    acc = batch()
+    score(make_args(rm_type="dapo", reward_key="acc"), acc)  # slime's other key: 1 right, 0 wrong
+    assert [s.reward for s in acc] == [1.0, 0.0, 0.0, 1.0] and all("score" in s.reward_extras for s in acc)
+    with pytest.raises(
+        RewardKeyError,
+        match=r"--rm-type dapo returned a dict without the key 'pred' \(its keys: score, acc\): set --reward-key",
+    ):
+        score(make_args(rm_type="dapo", reward_key="pred"), batch())
+
+
+def test_dict_rewards_are_read_at_the_reward_key(custom_module):
+    from vime.rollout.vllm_rollout import rollout_metrics
+
+    samples = [Sample(index=i) for i in range(3)]
+    score(make_args(custom_rm_path="my_custom_rm:dict_rm"), samples)  # default key: score
+    assert [s.reward for s in samples] == [0.0, 0.5, 1.0]
+    # the other finite numbers are kept (bools as 1/0); strings and NaN are not
+    assert samples[1].reward_extras == {"r": 2.0, "acc": 0.0}
+    metrics = rollout_metrics([samples])
+    assert metrics["rollout/reward_r"] == 2.0 and metrics["rollout/reward_acc"] == pytest.approx(2 / 3)
+    score(make_args(custom_rm_path="my_custom_rm:dict_rm", reward_key="r"), samples)
+    assert [s.reward for s in samples] == [2.0] * 3 and samples[2].reward_extras == {"score": 1.0, "acc": 1.0}
+    # a dict without the key stops the run: every sample would score 0
+    with pytest.raises(RewardKeyError) as e:
+        score(make_args(custom_rm_path="my_custom_rm:dict_rm", reward_key="reward"), samples)
+    msg = str(e.value)
+    assert "'reward'" in msg and "score, r, acc, pred, n" in msg and "--reward-key" in msg and "\n" not in msg
+    # a value at the key that is not a number fails that sample only
+    samples = [Sample(index=0), Sample(index=1)]
+    assert score(make_args(custom_rm_path="my_custom_rm:pred_rm"), samples)["rollout/reward_errors"] == 1.0
+    assert [(s.reward, s.reward_error) for s in samples] == [(1.0, None), (0.0, "error")]
+
+
+def test_a_number_where_reward_key_asks_for_a_dict(custom_module):
+    samples = [Sample(index=0, label="a")]
+    score(make_args(custom_rm_path="my_custom_rm:sync_rm"), samples)  # no --reward-key: a number is the score
+    assert samples[0].reward == 0.25 and samples[0].reward_extras == {}
+    with pytest.raises(
+        RewardKeyError,
+        match=r"--reward-key score reads a dict, but --custom-rm-path my_custom_rm:sync_rm returned the number 0.25",
+    ):
+        score(make_args(custom_rm_path="my_custom_rm:sync_rm", reward_key="score"), samples)
+    # a built-in's number is its score: --reward-key score fits it, another key does not
+    assert read_reward(make_args(rm_type="reasoning_gym", reward_key="score"), 0.5) == (0.5, {})
+    with pytest.raises(RewardKeyError, match="--reward-key acc: --rm-type reasoning_gym returns one number"):
+        read_reward(make_args(rm_type="reasoning_gym", reward_key="acc"), 0.5)

@@ -33,7 +33,14 @@ from conftest import ROOT, run_cli
 
 from vime.config import Config
 from vime.engine.client import EngineError
-from vime.engine.vllm import VLLMClient, check_version, from_vllm_choice, to_vllm_sampling_params
+from vime.engine.vllm import (
+    VLLMClient,
+    check_version,
+    from_vllm_choice,
+    merge_vllm_args,
+    server_command,
+    to_vllm_sampling_params,
+)
 from vime.rollout.types import Sample
 
 ATOL = 1e-4
@@ -93,6 +100,98 @@ def test_sampling_params_are_mapped_key_by_key():
     assert to_vllm_sampling_params({})["max_tokens"] == 128  # the built-in engine's default, not vLLM's
     with pytest.raises(EngineError, match=r"unsupported sampling_params \['max_tokens', 'min_p'\]"):
         to_vllm_sampling_params({"max_tokens": 5, "min_p": 0.1})
+
+
+def test_stop_strings_are_matched_on_text_and_kept():
+    out = to_vllm_sampling_params({"max_new_tokens": 5, "stop": ["</answer>", "##"]})
+    assert out == {
+        "max_tokens": 5,
+        "stop": ["</answer>", "##"],
+        "logprobs": 0,
+        "detokenize": True,  # vLLM refuses stop strings without detokenizing
+        "include_stop_str_in_output": True,  # the string ends the response and stays in it, as in vime's engine
+    }
+    assert to_vllm_sampling_params({"stop": "##"})["stop"] == ["##"]
+    assert to_vllm_sampling_params({"stop": []}) == {"max_tokens": 128, "logprobs": 0, "detokenize": False}
+
+
+def command_flags(cmd: list[str]) -> list[str]:
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    return cmd[3:]
+
+
+def test_server_command_takes_the_users_vllm_args():
+    own = command_flags(server_command("/m", port=9, device="cuda:0", dtype="bfloat16", max_num_seqs=8, seed=3))
+    assert own == [
+        *("--model", "/m", "--host", "127.0.0.1", "--port", "9", "--enable-scale-out"),
+        *("--logprobs-mode", "processed_logprobs", "--dtype", "bfloat16", "--max-num-seqs", "8", "--seed", "3"),
+    ]
+    cmd = command_flags(
+        server_command(
+            "/m",
+            port=9,
+            device="cpu",
+            extra_args=["--enable-sleep-mode", "--gpu-memory-utilization", "0.45"],
+            vllm_args={
+                "gpu-memory-utilization": "0.55",  # vime's value for a shared GPU: the user's wins
+                "max_num_seqs": "64",  # vLLM reads _ and - alike: still vime's --max-num-seqs, replaced
+                "enforce-eager": True,  # a bare switch
+                "enable-prefix-caching": False,  # vLLM's --no- form
+                "kv-cache-memory-bytes": "123",  # vime's CPU default, replaced
+                "served-model-name": ["a", "b"],  # several values
+                "enable-sleep-mode": True,  # what vime passes already: not twice
+                "logprobs-mode": "processed_logprobs",
+            },
+        )
+    )
+    assert cmd == [
+        *("--model", "/m", "--host", "127.0.0.1", "--port", "9", "--enable-scale-out"),
+        *("--logprobs-mode", "processed_logprobs", "--dtype", "float32", "--max-num-seqs", "64", "--seed", "0"),
+        *("--enable-sleep-mode", "--gpu-memory-utilization", "0.55", "--kv-cache-memory-bytes", "123"),
+        *("--enforce-eager", "--no-enable-prefix-caching", "--served-model-name", "a", "b"),
+    ]
+    for flag in ("gpu-memory-utilization", "max-num-seqs", "seed", "dtype", "enable-sleep-mode", "logprobs-mode"):
+        assert cmd.count(f"--{flag}") <= 1, flag
+
+
+@pytest.mark.parametrize(
+    "name, value, shown",
+    [
+        ("port", "8000", "--port 9"),
+        ("host", "0.0.0.0", "--host 127.0.0.1"),
+        ("model", "/other", "--model /m"),
+        ("logprobs-mode", "raw_logprobs", "--logprobs-mode processed_logprobs"),
+        ("enable_scale_out", False, "--enable-scale-out"),
+        ("no-enable-sleep-mode", True, "--enable-sleep-mode"),
+    ],
+)
+def test_vllm_args_that_the_adapter_relies_on_are_refused(name, value, shown):
+    from vime.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        server_command("/m", port=9, extra_args=["--enable-sleep-mode"], vllm_args={name: value})
+    msg = str(e.value)
+    assert msg == f"--vllm-{name}: vime starts its vLLM servers with {shown} and relies on it: drop --vllm-{name}"
+
+
+def test_place_vllm_hands_the_vllm_args_to_every_server(monkeypatch, tmp_path):
+    import vime.engine.vllm as vllm_mod
+
+    seen = []
+
+    class Started:
+        url = "http://127.0.0.1:1"
+
+    def fake_launch(model_path, **kw):
+        seen.append(kw)
+        return Started()
+
+    monkeypatch.setattr(vllm_mod, "launch_vllm", fake_launch)
+    args = Config(rollout_backend="vllm", device="cpu", vllm_args={"gpu-memory-utilization": "0.55"})
+    placement = vllm_mod.place_vllm(args, tmp_path, tmp_path)
+    assert placement.urls == ["http://127.0.0.1:1"]
+    assert [kw["vllm_args"] for kw in seen] == [{"gpu-memory-utilization": "0.55"}]
+    assert merge_vllm_args(["--seed", "1"], {}) == ["--seed", "1"]
 
 
 def test_unsupported_versions_are_refused_in_one_line():
@@ -266,6 +365,28 @@ def test_protocol_n_seeds_stop_ids_and_lengths(client):
     assert zero["output_ids"] == [] and zero["meta_info"]["finish_reason"] == {"type": "length"}
     with pytest.raises(EngineError, match="repetition_penalty"):
         run(client, {"input_ids": PROBE, "sampling_params": {"repetition_penalty": 1.2}})
+
+
+@needs_vllm
+def test_stop_strings_end_the_response_after_their_first_occurrence(client, model_mid):
+    from vime.models import load_tokenizer
+
+    tok = load_tokenizer(model_mid)
+    text = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731  (as the rollout reads a response)
+    greedy = {"max_new_tokens": 40, "temperature": 0.0, "ignore_eos": True}
+    ref = run(client, {"input_ids": PROBE, "sampling_params": greedy})[0]["output_ids"]
+    full = text(ref)
+    assert len(full) >= 12, full
+    stop = full[8:11]
+    end = next(k for k in range(1, len(ref) + 1) if stop in text(ref[:k]))  # the token that completes it
+    out, never = run(
+        client,
+        {"input_ids": PROBE, "sampling_params": dict(greedy, stop=[stop])},
+        {"input_ids": PROBE, "sampling_params": dict(greedy, stop=["\x07never\x07"])},
+    )
+    assert out["output_ids"] == ref[:end] and out["meta_info"]["finish_reason"] == {"type": "stop"}
+    assert len(out["meta_info"]["output_token_logprobs"]) == end
+    assert never["output_ids"] == ref and never["meta_info"]["finish_reason"] == {"type": "length"}
 
 
 def generated_tokens(url: str) -> int:

@@ -1,4 +1,5 @@
-"""Greedy held-out evaluation with the math answer parser.
+"""Held-out evaluation with the math answer parser: greedy by default (sampling settings in
+`vllm_rollout.sampling_params`, --eval-temperature / --eval-top-p).
 
 Accuracy is always graded the same way (last `\\boxed{}` → `Answer:` line → trailing number,
 then math-verify / normalized match), whatever `--rm-type` trains with, so numbers from
@@ -29,8 +30,6 @@ async def _run(args, samples: list[Sample], step: int) -> list[Sample]:
     from tqdm import tqdm
 
     fn, params = generate_fn(args), sampling_params(args, evaluation=True)
-    if args.n_samples_per_eval_prompt > 1:
-        params["temperature"] = args.rollout_temperature
     bar = tqdm(
         total=len(samples),
         desc=f"eval {step}",

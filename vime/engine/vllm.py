@@ -53,6 +53,7 @@ _SAMPLING_KEYS = {
     "top_p": "top_p",
     "top_k": "top_k",
     "stop_token_ids": "stop_token_ids",
+    "stop": "stop",
     "ignore_eos": "ignore_eos",
     "n": "n",
     "sampling_seed": "seed",
@@ -69,6 +70,12 @@ _FINISH_REASONS = ("stop", "length", "abort")
 # scale-out on; log-probs after temperature (what the sampler drew from, as vime's engine returns).
 SERVER_FLAGS = ("--enable-scale-out", "--logprobs-mode", "processed_logprobs")
 SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
+
+# Flags of a launched server that the adapter relies on (its address, the routes and log-probs
+# above, sleep mode for --colocate): a --vllm-NAME that would change one is refused. vime's
+# other flags (--dtype, --max-num-seqs, --seed, --gpu-memory-utilization,
+# --kv-cache-memory-bytes) are its defaults, and a --vllm-NAME of the same name replaces them.
+PINNED_FLAGS = frozenset({"model", "host", "port", "enable-scale-out", "logprobs-mode", "enable-sleep-mode"})
 
 
 def check_version(version: str, url: str) -> None:
@@ -95,6 +102,13 @@ def to_vllm_sampling_params(params: dict) -> dict:
         out["top_k"] = 0  # vime: <= 0 is off; vLLM: 0 is off, below -1 an error
     # the sampled token's log-prob only; token ids out, no detokenization (the rollout decodes)
     out.update(logprobs=0, detokenize=False)
+    if out.get("stop"):
+        # stop strings are matched on text, so vLLM must detokenize (it refuses stop without);
+        # the string stays in the output, as vime's engine keeps the token that completes it
+        out.update(stop=[out["stop"]] if isinstance(out["stop"], str) else list(out["stop"]))
+        out.update(detokenize=True, include_stop_str_in_output=True)
+    else:
+        out.pop("stop", None)
     return out
 
 
@@ -440,38 +454,69 @@ def _get(url: str, timeout: float = 5.0) -> bytes | None:
         return None
 
 
-def launch_vllm(
+def _flag_tokens(name: str, value: Any) -> list[str]:
+    """One `--vllm-NAME VALUE` as vLLM's command line takes it: True a bare switch, False its
+    `--no-` form (vLLM's boolean flags have both), a list several values."""
+    if value is True:
+        return [f"--{name}"]
+    if value is False:
+        return [f"--no-{name}"]
+    if isinstance(value, (list, tuple)):
+        return [f"--{name}", *map(str, value)]
+    return [f"--{name}", str(value)]
+
+
+def _split_flags(tokens: list[str]) -> dict[str, list[str]]:
+    """vime's own command line (flags and their values) as {name: tokens}, in order."""
+    flags: dict[str, list[str]] = {}
+    name = None
+    for tok in tokens:
+        if tok.startswith("--"):
+            name = tok[2:]
+            flags[name] = [tok]
+        else:
+            assert name is not None, f"a value without a flag: {tok}"
+            flags[name].append(tok)
+    return flags
+
+
+def merge_vllm_args(own: list[str], vllm_args: dict[str, Any]) -> list[str]:
+    """vime's server flags `own` with the user's `--vllm-NAME VALUE` flags (`Config.vllm_args`):
+    a NAME vime does not set is added; one it sets is replaced by the user's value, except the
+    PINNED_FLAGS, which are refused in one line unless the value is vime's own (then it is
+    simply not passed twice). Names are compared as vLLM reads them (`_` and `-` alike)."""
+    from vime.config import ConfigError
+
+    flags = _split_flags(own)
+    for raw, value in vllm_args.items():
+        name = str(raw).replace("_", "-")
+        if name.startswith("no-") and value is True:  # --vllm-no-X: the X switch, off
+            name, value = name[len("no-") :], False
+        tokens = _flag_tokens(name, value)
+        mine = flags.get(name)
+        if name in PINNED_FLAGS and mine is not None and mine != tokens:
+            raise ConfigError(
+                f"--vllm-{raw}: vime starts its vLLM servers with {' '.join(mine)} and relies on it: drop --vllm-{raw}"
+            )
+        flags[name] = tokens
+    return [tok for tokens in flags.values() for tok in tokens]
+
+
+def server_command(
     model_path: str,
     *,
+    port: int,
     device: str = "cpu",
     dtype: str = "float32",
-    port: int | None = None,
     max_num_seqs: int = 256,
     seed: int = 0,
-    cpu_cores: str | None = None,
     kv_cache_bytes: int = 1 << 30,
     extra_args: Iterable[str] = (),
-    log_path: str | Path | None = None,
-    startup_timeout: float = 900.0,
+    vllm_args: dict[str, Any] | None = None,
     python: str = sys.executable,
-) -> VLLMProcess:
-    """Start `python -m vllm.entrypoints.openai.api_server` for one engine and return once it
-    answers /health at a supported version (its weight version set to 0, as vime counts).
-
-    Start-up takes a minute or more on CPU (imports, model load, warm-up), hence the long
-    timeout; progress is printed every 15 s. `device` "cpu" or "cuda:N" (the server sees only
-    GPU N). On CPU, vLLM reserves `--gpu-memory-utilization` of the node's *CPU* memory unless
-    the KV cache is sized, so it is sized (`kv_cache_bytes`); its OpenMP threads are pinned to
-    `cpu_cores` ("1", "0-3"; default: the second half of the cores, the trainer has the first).
-    """
-    log_path = Path(log_path) if log_path is not None else Path(tempfile.mkstemp(prefix="vime-vllm-", suffix=".log")[1])
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    port = port or _free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [
-        python,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
+) -> list[str]:
+    """The command line of one vLLM server (launch_vllm's; see merge_vllm_args for `vllm_args`)."""
+    own = [
         "--model",
         str(model_path),
         "--host",
@@ -487,9 +532,55 @@ def launch_vllm(
         str(seed),
         *map(str, extra_args),
     ]
+    if device == "cpu":
+        own += ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
+    return [python, "-m", "vllm.entrypoints.openai.api_server", *merge_vllm_args(own, vllm_args or {})]
+
+
+def launch_vllm(
+    model_path: str,
+    *,
+    device: str = "cpu",
+    dtype: str = "float32",
+    port: int | None = None,
+    max_num_seqs: int = 256,
+    seed: int = 0,
+    cpu_cores: str | None = None,
+    kv_cache_bytes: int = 1 << 30,
+    extra_args: Iterable[str] = (),
+    vllm_args: dict[str, Any] | None = None,
+    log_path: str | Path | None = None,
+    startup_timeout: float = 900.0,
+    python: str = sys.executable,
+) -> VLLMProcess:
+    """Start `python -m vllm.entrypoints.openai.api_server` for one engine and return once it
+    answers /health at a supported version (its weight version set to 0, as vime counts).
+
+    Start-up takes a minute or more on CPU (imports, model load, warm-up), hence the long
+    timeout; progress is printed every 15 s. `device` "cpu" or "cuda:N" (the server sees only
+    GPU N). On CPU, vLLM reserves `--gpu-memory-utilization` of the node's *CPU* memory unless
+    the KV cache is sized, so it is sized (`kv_cache_bytes`); its OpenMP threads are pinned to
+    `cpu_cores` ("1", "0-3"; default: the second half of the cores, the trainer has the first).
+    `vllm_args` (`--vllm-NAME VALUE` flags) go on its command line: `merge_vllm_args`.
+    """
+    port = port or _free_port()
+    cmd = server_command(
+        model_path,
+        port=port,
+        device=device,
+        dtype=dtype,
+        max_num_seqs=max_num_seqs,
+        seed=seed,
+        kv_cache_bytes=kv_cache_bytes,
+        extra_args=extra_args,
+        vllm_args=vllm_args,
+        python=python,
+    )  # a refused --vllm-NAME fails here, before anything starts
+    log_path = Path(log_path) if log_path is not None else Path(tempfile.mkstemp(prefix="vime-vllm-", suffix=".log")[1])
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, **SERVER_ENV, PYTHONUNBUFFERED="1")
     if device == "cpu":
-        cmd += ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
         n = os.cpu_count() or 2
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores or (str(n - 1) if n <= 2 else f"{n // 2}-{n - 1}")
     else:
@@ -583,6 +674,7 @@ def place_vllm(args, model_dir: Path, run_dir: Path):
                     max_num_seqs=args.engine_max_num_seqs,
                     seed=args.rollout_seed + i,
                     extra_args=extra,
+                    vllm_args=args.vllm_args,
                     log_path=log_path,
                 )
             )

@@ -123,6 +123,20 @@ def _check_metadata(value: Any, where: str, key: str) -> dict[str, Any]:
     return value
 
 
+def _check_tools(value: Any, where: str, key: str) -> list[dict[str, Any]]:
+    if isinstance(value, str):  # Parquet writers often store nested lists as JSON text
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            pass
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        got = type(value).__name__ if not isinstance(value, list) else "a list with items that are not objects"
+        raise DataError(
+            f"{where}: '{key}' must be a list of OpenAI-style tool schemas (JSON objects), got {got}; fix the row or set --tool-key"
+        )
+    return [dict(t) for t in value]
+
+
 def _label_text(value: Any) -> str | None:
     """Labels become text, the form graders compare; 42 and "42" are the same label."""
     if value is None or isinstance(value, str):
@@ -159,11 +173,14 @@ def load_prompts(
     label_key: str = "label",
     metadata_key: str = "metadata",
     label_format: str = "text",
+    tool_key: str | None = None,
 ) -> list[dict[str, Any]]:
     """Rows of a JSONL/Parquet file (optionally `path@[a:b]`) as `{"input", "label", "metadata"}`.
 
     Only the rows inside the slice are checked, so a slice can step around a bad tail.
     `label_format` "gsm8k" keeps only the answer after the label's last `####`.
+    With `tool_key` every row must hold a list of tool schemas there: it comes out as
+    `"tools"` (for the chat template) and, as slime keeps it, as `metadata["tools"]` (for rewards).
     """
     path, rows_slice = _split_spec(str(spec))
     raw = _read_rows(path)
@@ -187,13 +204,20 @@ def load_prompts(
                 raise DataError(f"{where} has no key '{key}' (keys: {', '.join(map(str, row)) or 'none'}); set {flag}")
             values.append(value)
         prompt, label = values
-        out.append(
-            {
-                "input": _check_input(prompt, where, input_key),
-                "label": _gsm8k_label(label, where, label_key) if label_format == "gsm8k" else _label_text(label),
-                "metadata": _check_metadata(_lookup(row, metadata_key)[1], where, metadata_key),
-            }
-        )
+        item = {
+            "input": _check_input(prompt, where, input_key),
+            "label": _gsm8k_label(label, where, label_key) if label_format == "gsm8k" else _label_text(label),
+            "metadata": _check_metadata(_lookup(row, metadata_key)[1], where, metadata_key),
+        }
+        if tool_key is not None:
+            found, tools = _lookup(row, tool_key)
+            if not found:
+                raise DataError(
+                    f"{where} has no key '{tool_key}' (keys: {', '.join(map(str, row)) or 'none'}); set --tool-key"
+                )
+            item["tools"] = _check_tools(tools, where, tool_key)
+            item["metadata"] = {**item["metadata"], "tools": item["tools"]}
+        out.append(item)
     return out
 
 
@@ -212,7 +236,11 @@ class PromptRenderer:
                 f"--apply-chat-template is set but the tokenizer of {source} has no chat template: drop the flag or use an instruct model"
             )
 
-    def render(self, prompt: str | list[dict[str, Any]], where: str) -> tuple[str, list[int]]:
+    def render(
+        self, prompt: str | list[dict[str, Any]], where: str, tools: list[dict[str, Any]] | None = None
+    ) -> tuple[str, list[int]]:
+        """`tools` (a row's --tool-key schemas) go to the chat template as `tools=`; plain text
+        without a template has nowhere to put them (they still reach rewards in the metadata)."""
         if not self.use_template:
             if not isinstance(prompt, str):
                 raise DataError(
@@ -223,22 +251,45 @@ class PromptRenderer:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         # render to text, then encode: transformers 5 returns a BatchEncoding for tokenize=True,
         # and the template already holds any BOS, so no special tokens are added again
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, **self.template_kwargs
-        )
+        kwargs = dict(self.template_kwargs, tools=tools) if tools is not None else self.template_kwargs
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
         return text, list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def render_row(self, row: dict[str, Any], where: str) -> tuple[str, list[int]]:
+        return self.render(row["input"], where, row.get("tools"))
+
+
+def prompt_limit(args) -> tuple[int, str] | None:
+    """(the most tokens a training prompt may have, the flag that says so) under
+    --rollout-max-prompt-len and --rollout-max-context-len (a prompt must leave room for one
+    response token), or None when neither is given. Longer prompts are left out, as slime
+    filters its data, whatever --skip-overlong-prompts says."""
+    limits = []
+    if args.rollout_max_prompt_len is not None:
+        limits.append((int(args.rollout_max_prompt_len), "--rollout-max-prompt-len"))
+    if args.rollout_max_context_len is not None:
+        limits.append((int(args.rollout_max_context_len) - 1, "--rollout-max-context-len"))
+    return min(limits) if limits else None
 
 
 def fit_prompts(
-    rows: list[dict[str, Any]], renderer: PromptRenderer, source: str, max_prompt_len: int, skip: bool
+    rows: list[dict[str, Any]],
+    renderer: PromptRenderer,
+    source: str,
+    max_prompt_len: int,
+    skip: bool,
+    limit: tuple[int, str] | None = None,
 ) -> tuple[list[dict[str, Any]], int]:
     """(the rows whose prompt fits, how many did not). A prompt of `max_prompt_len` tokens or
     fewer leaves room for a response. Every row is rendered now, so a long or malformed prompt
     fails at start-up, not when its turn comes hours in. Without `skip`, the first prompt that
-    does not fit is a DataError naming its row."""
+    does not fit is a DataError naming its row. A prompt longer than `limit` (`prompt_limit`:
+    the flag's own bound) is always left out, and counted."""
     kept = []
     for i, row in enumerate(rows):
-        n = len(renderer.render(row["input"], f"{source} row {i}")[1])
+        n = len(renderer.render_row(row, f"{source} row {i}")[1])
+        if limit is not None and n > limit[0]:
+            continue
         if n <= max_prompt_len:
             kept.append(row)
         elif not skip:
@@ -247,6 +298,10 @@ def fit_prompts(
                 "shorten or remove it, or pass --skip-overlong-prompts"
             )
     if not kept:
+        if limit is not None and limit[0] < max_prompt_len:
+            raise DataError(
+                f"{source}: every prompt is longer than {limit[0]} tokens, the most {limit[1]} leaves: raise {limit[1]} or use shorter prompts"
+            )
         raise DataError(
             f"{source}: every prompt is longer than {max_prompt_len} tokens, the most the model takes before its answer: shorten them or use a model of a longer context"
         )
@@ -257,14 +312,22 @@ def load_eval_samples(
     args, tokenizer, path: str | Path, limit: int | None = None, max_prompt_len: int | None = None
 ) -> list[Sample]:
     """The first `limit` rows of an eval set as tokenized Samples (index = group_index = row);
-    prompts longer than `max_prompt_len` refused or, with --skip-overlong-prompts, left out."""
-    rows = load_prompts(path, args.input_key, args.label_key, args.metadata_key, args.label_format)
+    prompts longer than `max_prompt_len` refused or, with --skip-overlong-prompts, left out.
+    Prompt and answer are read at --eval-input-key / --eval-label-key (default: the train keys)."""
+    rows = load_prompts(
+        path,
+        args.eval_input_key or args.input_key,
+        args.eval_label_key or args.label_key,
+        args.metadata_key,
+        args.label_format,
+        args.tool_key,
+    )
     renderer = PromptRenderer(args, tokenizer, str(path))
     if max_prompt_len is not None:
         rows, _ = fit_prompts(rows, renderer, str(path), max_prompt_len, args.skip_overlong_prompts)
     samples = []
     for i, row in enumerate(rows[:limit]):
-        text, ids = renderer.render(row["input"], f"{path} row {i}")
+        text, ids = renderer.render_row(row, f"{path} row {i}")
         samples.append(
             Sample(index=i, group_index=i, prompt=text, label=row["label"], tokens=ids, metadata=dict(row["metadata"]))
         )
@@ -296,6 +359,7 @@ def _fresh(s: Sample) -> Sample:
         weight_versions=None,
         reward=None,
         reward_error=None,
+        reward_extras={},
         status=Status.PENDING,
         metadata=dict(s.metadata),
     )
@@ -321,13 +385,26 @@ class DataSource:
 
     def __init__(self, args, tokenizer, max_prompt_len: int | None = None) -> None:
         self.args = args
-        self.rows = load_prompts(args.prompt_data, args.input_key, args.label_key, args.metadata_key, args.label_format)
+        self.rows = load_prompts(
+            args.prompt_data, args.input_key, args.label_key, args.metadata_key, args.label_format, args.tool_key
+        )
         self.renderer = PromptRenderer(args, tokenizer, str(args.prompt_data))
-        self.skipped_prompts = 0  # left out by --skip-overlong-prompts (fit_prompts)
-        if max_prompt_len is not None:
+        # left out by --skip-overlong-prompts, --rollout-max-prompt-len or --rollout-max-context-len (fit_prompts)
+        self.skipped_prompts = 0
+        self.skipped_note: str | None = None  # one line saying which and why, for the run's log
+        limit = prompt_limit(args)
+        if max_prompt_len is not None or limit is not None:
+            bound = max_prompt_len if max_prompt_len is not None else limit[0]
+            total = len(self.rows)
             self.rows, self.skipped_prompts = fit_prompts(
-                self.rows, self.renderer, str(args.prompt_data), max_prompt_len, args.skip_overlong_prompts
+                self.rows, self.renderer, str(args.prompt_data), bound, args.skip_overlong_prompts, limit
             )
+            if self.skipped_prompts:
+                most, flag = limit if limit is not None and limit[0] <= bound else (bound, "--skip-overlong-prompts")
+                self.skipped_note = (
+                    f"{flag}: left out {self.skipped_prompts} of {total} prompts of {args.prompt_data} "
+                    f"longer than {most} tokens (rollout/skipped_prompts)"
+                )
         self.n_per_prompt = int(args.n_samples_per_prompt)
         self.epoch = 0
         self.offset = 0  # position in this epoch's order
@@ -339,9 +416,7 @@ class DataSource:
         self.outstanding: dict[int, list[Sample]] = {}
         self._lock = threading.RLock()
         self._order = self._epoch_order(0)
-        self.renderer.render(
-            self.rows[0]["input"], f"{args.prompt_data} row 0"
-        )  # a bad template fails now, not mid-run
+        self.renderer.render_row(self.rows[0], f"{args.prompt_data} row 0")  # a bad template fails now, not mid-run
 
     def __len__(self) -> int:
         return len(self.rows)  # rows never change after __init__: no lock needed
@@ -364,7 +439,7 @@ class DataSource:
     def _new_group(self) -> list[Sample]:
         row_index = self._next_row()
         row = self.rows[row_index]
-        text, ids = self.renderer.render(row["input"], f"{self.args.prompt_data} row {row_index}")
+        text, ids = self.renderer.render_row(row, f"{self.args.prompt_data} row {row_index}")
         group = [
             Sample(
                 index=self.next_index + k,

@@ -9,7 +9,10 @@ Three rules shape this module:
   process pool, each with its own timeout;
 * a reward never stops a run: one that raises or returns a non-finite number scores 0 and is
   counted in `rollout/reward_errors`, one that takes longer than `--reward-timeout` scores 0
-  and is counted in `rollout/reward_timeouts`, and each kind of failure is logged once;
+  and is counted in `rollout/reward_timeouts`, and each kind of failure is logged once. The
+  one exception is a result that does not fit the settings (a dict without the `--reward-key`
+  key, a number where `--reward-key` asks for a dict): every later sample would fail the same
+  way, so it stops the run with one line (`RewardKeyError`);
 * a reward never holds a run up: a synchronous custom reward runs in a daemon thread of its
   own, abandoned at its timeout (a hung one cannot take the workers of later samples, nor keep
   the process alive at exit); pool workers ignore Ctrl-C (the trainer handles it) and exit
@@ -24,6 +27,7 @@ import inspect
 import logging
 import math
 import multiprocessing
+import numbers
 import os
 import re
 import signal
@@ -35,7 +39,7 @@ from concurrent.futures.process import BrokenProcessPool
 from decimal import Decimal
 from fractions import Fraction
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
 from vime.errors import VimeError
 from vime.lifetime import exit_with_parent
@@ -44,15 +48,29 @@ from vime.rollout.types import Sample, Status
 
 log = logging.getLogger("vime")
 
-RewardFn = Callable[[Sample], Awaitable[float]]
+# A reward function's result: a number, or a dict read at --reward-key (see read_reward).
+RewardFn = Callable[[Sample], Awaitable[Any]]
 
-# rm type -> (score when correct, score when wrong or unanswered, only \boxed answers count)
-BUILTIN_RM_TYPES: dict[str, tuple[float, float, bool]] = {
-    "math": (1.0, 0.0, False),
-    "dapo": (1.0, -1.0, False),  # DAPO's verifier: wrong and unanswered both score -1
-    "boxed_math": (1.0, 0.0, True),
-    "math_shaped": (1.0, 0.0, False),  # a wrong numeric answer earns partial credit: see numeric_credit
+
+class RmRule(NamedTuple):
+    """How a built-in rm type grades: one row of BUILTIN_RM_TYPES."""
+
+    right: float  # score of a right answer
+    wrong: float  # score of a wrong or missing one
+    boxed_only: bool = False  # only a `\boxed{}` answer counts
+    after_thinking: bool = False  # only the text after the reasoning is graded (final_section)
+    partial_credit: bool = False  # a wrong number earns up to 0.5 by its closeness (numeric_credit)
+
+
+BUILTIN_RM_TYPES: dict[str, RmRule] = {
+    "math": RmRule(1.0, 0.0),
+    "dapo": RmRule(1.0, -1.0),  # DAPO's verifier: wrong and unanswered both score -1
+    "boxed_math": RmRule(1.0, 0.0, boxed_only=True),
+    "math_shaped": RmRule(1.0, 0.0, partial_credit=True),
+    # DeepScaleR's rule (slime's `deepscaler`): the last box after the reasoning, 1 or 0
+    "deepscaler": RmRule(1.0, 0.0, boxed_only=True, after_thinking=True),
 }
+DEFAULT_REWARD_KEY = "score"  # where a dict reward is read without --reward-key (builtin_result's keys: score, acc)
 # rm types defined in a module of their own: name -> "module:factory", factory(args) -> RewardFn
 MODULE_RM_TYPES: dict[str, str] = {"reasoning_gym": "vime.rollout.rg:make_reward"}
 POOL_WORKERS = 2
@@ -60,6 +78,11 @@ POOL_WORKERS = 2
 
 class RewardError(VimeError, ValueError):
     """A reward setting that cannot work (`--rm-type`, `--custom-rm-path`); raised at start-up."""
+
+
+class RewardKeyError(RewardError):
+    """A reward result that does not fit `--reward-key`: raised by the first sample that shows
+    it, and not absorbed like other reward failures (every sample would score 0)."""
 
 
 # ---------------------------------------------------------------- answer extraction
@@ -364,17 +387,42 @@ def numeric_credit(pred: str | None, label: str | None) -> float:
     return 0.5 * max(0.0, 1.0 - float(abs(p - y) / max(abs(y), 1)))
 
 
-def builtin_score(rm_type: str, response: str, label: str | None) -> float:
-    """Score of one response under a built-in rm type (see BUILTIN_RM_TYPES)."""
-    right, wrong, boxed_only = BUILTIN_RM_TYPES[rm_type]
-    if boxed_only:
-        boxes = _boxed_contents(response or "")
+THINK_END, RESPONSE_MARK = "</think>", "###Response"
+
+
+def final_section(response: str) -> str | None:
+    """The part of a response that holds its final answer when the model reasons first
+    (slime's deepscaler rule): the text after the last `</think>`, else the text after the
+    first `###Response` (up to a second one); None when neither marker is there, i.e. the
+    reasoning never ended, so a box inside it is not an answer."""
+    if THINK_END in response:
+        return response.rpartition(THINK_END)[2]
+    if RESPONSE_MARK in response:
+        return response.split(RESPONSE_MARK, 2)[1]
+    return None
+
+
+def builtin_result(rm_type: str, response: str, label: str | None) -> dict[str, float]:
+    """`{"score": ..., "acc": 1.0 or 0.0}` of one response under a built-in rm type (see
+    BUILTIN_RM_TYPES): `score` trains (the default --reward-key), `acc` says whether the
+    answer was right (it differs from the score for dapo and math_shaped)."""
+    rule = BUILTIN_RM_TYPES[rm_type]
+    text = final_section(response or "") if rule.after_thinking else response or ""
+    if text is None:
+        pred = None
+    elif rule.boxed_only:
+        boxes = _boxed_contents(text)
         pred = boxes[-1] if boxes else None
     else:
-        pred = extract_answer(response)
+        pred = extract_answer(text)
     if grade(pred, label):
-        return right
-    return numeric_credit(pred, label) if rm_type == "math_shaped" else wrong
+        return {"score": rule.right, "acc": 1.0}
+    return {"score": numeric_credit(pred, label) if rule.partial_credit else rule.wrong, "acc": 0.0}
+
+
+def builtin_score(rm_type: str, response: str, label: str | None) -> float:
+    """Score of one response under a built-in rm type (see BUILTIN_RM_TYPES)."""
+    return builtin_result(rm_type, response, label)["score"]
 
 
 # ---------------------------------------------------------------- the process pool
@@ -393,18 +441,18 @@ def _on_alarm(signum: int, frame: Any) -> None:
     raise _GradeTimeout()
 
 
-def _score_with_timeout(rm_type: str, response: str, label: str | None, timeout: float) -> float:
-    """builtin_score bounded by a SIGALRM timer where that is possible (a main thread).
+def _score_with_timeout(rm_type: str, response: str, label: str | None, timeout: float) -> dict[str, float]:
+    """builtin_result bounded by a SIGALRM timer where that is possible (a main thread).
 
     In a pool worker this is the real timeout: it interrupts sympy and frees the worker for
     the next sample. In the inline fallback (a helper thread) the caller's wait is the bound.
     """
     if threading.current_thread() is not threading.main_thread() or timeout <= 0:
-        return builtin_score(rm_type, response, label)
+        return builtin_result(rm_type, response, label)
     previous = signal.signal(signal.SIGALRM, _on_alarm)
     signal.setitimer(signal.ITIMER_REAL, timeout)
     try:
-        return builtin_score(rm_type, response, label)
+        return builtin_result(rm_type, response, label)
     except _GradeTimeout:
         raise GradingTimeout(f"grading took longer than {timeout:g}s (--reward-timeout)") from None
     finally:
@@ -505,7 +553,7 @@ def _submit(pool: ProcessPoolExecutor, call: tuple) -> Future | None:
         return None
 
 
-async def _score_builtin(rm_type: str, sample: Sample, timeout: float) -> float:
+async def _score_builtin(rm_type: str, sample: Sample, timeout: float) -> dict[str, float]:
     call = (rm_type, sample.response, sample.label, timeout)
     slots = _slots.setdefault(asyncio.get_running_loop(), asyncio.Semaphore(POOL_WORKERS))
     async with slots:
@@ -573,7 +621,8 @@ def _timeout(args) -> float:
 
 
 def get_reward_fn(args) -> RewardFn:
-    """The async per-sample reward `fn(sample) -> float`; raises RewardError on a bad setting.
+    """The async per-sample reward `fn(sample) -> number or dict` (read by read_reward); raises
+    RewardError on a bad setting.
 
     Call it once at start-up so a typo fails before any model loads. The returned function
     enforces --reward-timeout, each sample timed from when it starts (a long queue for the
@@ -581,20 +630,20 @@ def get_reward_fn(args) -> RewardFn:
     """
     rm_type, custom_rm_path = args.rm_type, args.custom_rm_path
     if custom_rm_path:
-        fn = load_function(custom_rm_path, "--custom-rm-path", RewardError, "fn(args, sample) -> float")
+        fn = load_function(custom_rm_path, "--custom-rm-path", RewardError, "fn(args, sample) -> float or dict")
         if _is_async(fn):
 
-            async def custom_async(sample: Sample) -> float:
-                return float(await asyncio.wait_for(fn(args, sample), _timeout(args)))
+            async def custom_async(sample: Sample) -> Any:
+                return await asyncio.wait_for(fn(args, sample), _timeout(args))
 
             return custom_async
 
-        async def custom_sync(sample: Sample) -> float:
+        async def custom_sync(sample: Sample) -> Any:
             # in a thread, so a slow synchronous reward does not stall every in-flight request
             slots = _custom_slots.setdefault(asyncio.get_running_loop(), asyncio.Semaphore(CUSTOM_THREADS))
             async with slots:
                 out = await asyncio.wait_for(_in_daemon_thread(fn, args, sample), _timeout(args))
-            return float(await asyncio.wait_for(out, _timeout(args))) if inspect.isawaitable(out) else float(out)
+            return await asyncio.wait_for(out, _timeout(args)) if inspect.isawaitable(out) else out
 
         return custom_sync
     if rm_type in MODULE_RM_TYPES:
@@ -607,24 +656,79 @@ def get_reward_fn(args) -> RewardFn:
 
     timeout = _timeout(args)
 
-    async def builtin(sample: Sample) -> float:
+    async def builtin(sample: Sample) -> dict[str, float]:
         return await _score_builtin(rm_type, sample, timeout)
 
     return builtin
 
 
+def _is_number(v: Any) -> bool:
+    return isinstance(v, numbers.Real)  # NumPy scalars too; a bool is an int (slime's dapo `acc` is one)
+
+
+def read_reward(args, value: Any) -> tuple[float, dict[str, float]]:
+    """(the score, the result's other numeric values) of what a reward function returned.
+
+    A dict is read at `--reward-key` (default "score"), as slime reads it: `--rm-type dapo
+    --reward-key score` trains on DAPO's ±1. Its other finite numeric values come back to be
+    logged as `rollout/reward_<key>` means (the built-ins' `acc`, 1 when right).
+
+    A number is the score, with one exception: from `--custom-rm-path` while `--reward-key` is
+    given. The key then says the function returns a dict; a number means it is not the
+    function the flag was written for (slime fails on it too), and quietly training on it
+    would hide that. A built-in rm type's number is its `score` (reasoning_gym has no other).
+
+    Raises RewardKeyError (which stops the run) when the result does not fit the settings, and
+    ValueError (which scores the sample 0, counted) for a value that is not a number.
+    """
+    key, custom = args.reward_key, args.custom_rm_path
+    source = f"--custom-rm-path {custom}" if custom else f"--rm-type {args.rm_type}"
+    name = key or DEFAULT_REWARD_KEY
+    if not isinstance(value, dict):
+        if custom and key is not None and _is_number(value):
+            raise RewardKeyError(
+                f"--reward-key {key} reads a dict, but {source} returned the number {value!r}: "
+                f"drop --reward-key, or return a dict with the key '{key}'"
+            )
+        if custom or not _is_number(value):
+            return float(value), {}  # a string or None is an error of this sample (ValueError/TypeError)
+        if name != DEFAULT_REWARD_KEY:
+            raise RewardKeyError(
+                f"--reward-key {key}: {source} returns one number, its score: drop --reward-key or set it to score"
+            )
+        value = {DEFAULT_REWARD_KEY: value}
+    if name not in value:
+        keys = ", ".join(map(str, value)) or "none"
+        fix = "set --reward-key to" if key else "pass --reward-key with"
+        raise RewardKeyError(
+            f"{source} returned a dict without the key '{name}' (its keys: {keys}): {fix} the key that holds the reward"
+        )
+    score = value[name]
+    if not _is_number(score):
+        raise ValueError(f"the reward at key '{name}' is {score!r}, not a number")
+    extras = {
+        str(k): float(v)
+        for k, v in value.items()
+        if k != name and _is_number(v) and math.isfinite(v)  # strings (slime's `pred`) are not logged
+    }
+    return float(score), extras
+
+
 _logged_error_types: set[str] = set()
 
 
-async def _safe_reward(fn: RewardFn, sample: Sample) -> tuple[float, str | None]:
-    """(score, failure): a failure of any kind scores 0 and is "timeout" or "error"; each
-    exception type is logged once. A non-finite score (inf turned every loss of a run into NaN)
-    is an error like a raised one."""
+async def _safe_reward(args, fn: RewardFn, sample: Sample) -> tuple[float, dict[str, float], str | None]:
+    """(score, other values, failure): a failure of any kind scores 0 and is "timeout" or
+    "error"; each exception type is logged once. A non-finite score (inf turned every loss of a
+    run into NaN) is an error like a raised one. A RewardKeyError is a setting that cannot
+    work, so it is raised."""
     try:
-        score = await fn(sample)
+        score, extras = read_reward(args, await fn(sample))
         if not math.isfinite(score):
             raise ValueError(f"reward is {score}, not a finite number")
-        return score, None
+        return score, extras, None
+    except RewardKeyError:
+        raise
     except (
         Exception,
         KeyboardInterrupt,
@@ -644,13 +748,13 @@ async def _safe_reward(fn: RewardFn, sample: Sample) -> tuple[float, str | None]
                 name,
                 counter,
             )
-        return 0.0, "timeout" if timed_out else "error"
+        return 0.0, {}, "timeout" if timed_out else "error"
 
 
 async def score_samples(args, samples: list[Sample]) -> dict[str, float]:
-    """Set `sample.reward` (and `sample.reward_error`) on every sample, concurrently; returns
-    `{"rollout/reward_errors": n, "rollout/reward_timeouts": m}` (`rollout_metrics` counts the
-    same from the samples, so every rollout function reports them).
+    """Set `sample.reward`, `sample.reward_error` and `sample.reward_extras` on every sample,
+    concurrently; returns `{"rollout/reward_errors": n, "rollout/reward_timeouts": m}`
+    (`rollout_metrics` counts the same from the samples, so every rollout function reports them).
 
     FAILED samples score 0 without calling the reward: they have no trustworthy response.
     """
@@ -658,11 +762,11 @@ async def score_samples(args, samples: list[Sample]) -> dict[str, float]:
     todo = [s for s in samples if s.status != Status.FAILED]
     for s in samples:
         if s.status == Status.FAILED:
-            s.reward, s.reward_error = 0.0, None
-    results = await asyncio.gather(*(_safe_reward(fn, s) for s in todo))
-    for s, (score, failure) in zip(todo, results):
-        s.reward, s.reward_error = score, failure
+            s.reward, s.reward_error, s.reward_extras = 0.0, None, {}
+    results = await asyncio.gather(*(_safe_reward(args, fn, s) for s in todo))
+    for s, (score, extras, failure) in zip(todo, results):
+        s.reward, s.reward_extras, s.reward_error = score, extras, failure
     return {
-        "rollout/reward_errors": float(sum(f == "error" for _, f in results)),
-        "rollout/reward_timeouts": float(sum(f == "timeout" for _, f in results)),
+        "rollout/reward_errors": float(sum(f == "error" for _, _, f in results)),
+        "rollout/reward_timeouts": float(sum(f == "timeout" for _, _, f in results)),
     }

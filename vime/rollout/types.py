@@ -33,6 +33,9 @@ class Sample:
     weight_versions: list[int] | None = None  # one per response token
     reward: float | None = None
     reward_error: str | None = None  # "error" or "timeout" when the reward failed and 0 stood in for it
+    # the reward's other numeric values (a dict reward's keys besides --reward-key), logged as
+    # rollout/reward_<key> means
+    reward_extras: dict[str, float] = field(default_factory=dict)
     status: Status = Status.PENDING
     metadata: dict[str, Any] = field(default_factory=dict)
 

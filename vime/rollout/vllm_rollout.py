@@ -28,23 +28,37 @@ _FINISH_TO_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abor
 
 
 def sampling_params(args, evaluation: bool = False) -> dict:
+    """The engine protocol's sampling_params of a rollout (or, with `evaluation`, of eval).
+
+    Eval is greedy with one sample per prompt; with more it samples at the rollout's settings.
+    --eval-temperature / --eval-top-p override either (top-k follows the rollout when eval
+    samples). Stop strings (--rollout-stop) are sent only when given, so a request without
+    them is the same as before they existed.
+    """
     if evaluation:
-        return {
+        temperature = args.eval_temperature
+        if temperature is None:
+            temperature = 0.0 if args.n_samples_per_eval_prompt == 1 else args.rollout_temperature
+        top_p = args.eval_top_p
+        if top_p is None:
+            top_p = 1.0 if temperature == 0 else args.rollout_top_p
+        params = {
             "max_new_tokens": args.eval_max_response_len,
-            "temperature": 0.0,
-            "top_p": 1.0,
-            "top_k": -1,
-            "stop_token_ids": list(args.rollout_stop_token_ids),
-            "n": 1,
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": -1 if temperature == 0 else args.rollout_top_k,
         }
-    return {
-        "max_new_tokens": args.rollout_max_response_len,
-        "temperature": args.rollout_temperature,
-        "top_p": args.rollout_top_p,
-        "top_k": args.rollout_top_k,
-        "stop_token_ids": list(args.rollout_stop_token_ids),
-        "n": 1,
-    }
+    else:
+        params = {
+            "max_new_tokens": args.rollout_max_response_len,
+            "temperature": args.rollout_temperature,
+            "top_p": args.rollout_top_p,
+            "top_k": args.rollout_top_k,
+        }
+    params.update(stop_token_ids=list(args.rollout_stop_token_ids), n=1)
+    if args.rollout_stop:
+        params["stop"] = list(args.rollout_stop)
+    return params
 
 
 def sample_seed(args, sample: Sample) -> int:
@@ -57,18 +71,30 @@ def sample_seed(args, sample: Sample) -> int:
     return (args.rollout_seed * 0x9E3779B1 + sample.index) & 0x7FFFFFFF
 
 
+def max_new_tokens(args, sample: Sample, budget: int) -> int:
+    """Tokens a sample may still generate: what is left of the response budget (`budget`, the
+    whole response's) after the tokens it already has, and at most what --rollout-max-context-len
+    leaves after its prompt and partial response. 0 or less: nothing more."""
+    left = budget - sample.response_length
+    if args.rollout_max_context_len is not None:
+        left = min(left, args.rollout_max_context_len - len(sample.tokens))
+    return left
+
+
 async def generate(args, sample: Sample, params: dict) -> Sample:
     """Default per-sample generate: append the engine's tokens to the sample.
 
     A sample that already holds part of a response (an aborted one being resumed) continues
     from where it stopped, with the remaining token budget and the same seed (the engine seeds
     each draw by token position, so the resumed draws are the ones it would have made).
+    With --rollout-max-context-len the budget also stops where prompt + response reach it; a
+    sample with no room left is TRUNCATED without a request.
     """
     runtime = runtime_of(args)
     client = runtime.clients[sample.group_index % len(runtime.clients)]  # a group stays on one engine (prefix reuse)
     params = dict(
         params,
-        max_new_tokens=params["max_new_tokens"] - sample.response_length,
+        max_new_tokens=max_new_tokens(args, sample, params["max_new_tokens"]),
         sampling_seed=sample_seed(args, sample),
     )
     if params["max_new_tokens"] <= 0:
@@ -106,11 +132,18 @@ async def generate_group(args, group: list[Sample], params: dict, fn: GenerateFn
 
 
 def rollout_metrics(groups: list[list[Sample]], prefix: str = "rollout") -> dict[str, float]:
+    """Means and counts of a batch; a dict reward's other values (`Sample.reward_extras`) as
+    `<prefix>/reward_<key>` means over the samples that have them (the fixed names win a clash)."""
     flat = [s for g in groups for s in g]
     if not flat:
         return {}
     n = len(flat)
+    extras: dict[str, list[float]] = {}
+    for s in flat:
+        for k, v in s.reward_extras.items():
+            extras.setdefault(k, []).append(v)
     return {
+        **{f"{prefix}/reward_{k}": sum(vs) / len(vs) for k, vs in extras.items()},
         f"{prefix}/reward_mean": sum(s.reward or 0.0 for s in flat) / n,
         f"{prefix}/response_len_mean": sum(s.response_length for s in flat) / n,
         f"{prefix}/response_len_max": max(s.response_length for s in flat),

@@ -11,6 +11,7 @@ import logging
 import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -19,6 +20,7 @@ from vime.engine.core.model import load_model
 from vime.engine.core.runner import ModelRunner
 from vime.engine.core.sampler import M32, SamplingParams, mix32
 from vime.engine.core.scheduler import Scheduler, Sequence
+from vime.engine.core.stop import StopStrings
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +127,7 @@ class LLMEngine:
         self.paused = False
         self.stats = EngineStats()
         self._rng = random.Random(cfg.seed)  # seeds of requests that bring no sampling_seed
+        self.stop_strings = StopStrings(lambda: _load_tokenizer(cfg.model_path))
         log.info(
             "engine: %s %s on %s, %d KV blocks of %d tokens, max sequence length %d",
             mc.model_type,
@@ -169,6 +172,8 @@ class LLMEngine:
                 f"(max_position_embeddings {self.model_config.max_position_embeddings}, KV cache {self.allocator.num_blocks} blocks x {self.cfg.block_size})"
             )
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.model_config.eos_token_ids))
+        if params.stop:
+            self.stop_strings.ready()
         seqs = []
         for j in range(params.n):
             # A sampling_seed fixes the draws of sample j of this request; otherwise the engine's
@@ -215,7 +220,7 @@ class LLMEngine:
             seq.logprobs.append(lp)
             seq.weight_versions.append(self.weight_version)
             self.stats.generated_tokens += 1
-            if tok in seq.stop_ids:
+            if tok in seq.stop_ids or (seq.params.stop and self.stop_strings.completed(seq, seq.params.stop)):
                 seq.finish_reason = "stop"
             elif (
                 len(seq.token_ids) - seq.prompt_len >= seq.params.max_new_tokens
@@ -401,3 +406,9 @@ class LLMEngine:
             self._views = None
         self.kv_cache.allocate()
         self.runner.capture()
+
+
+def _load_tokenizer(model_path: str) -> Any:
+    from vime.models import load_tokenizer
+
+    return load_tokenizer(model_path)

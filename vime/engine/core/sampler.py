@@ -23,6 +23,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1  # <= 0: off
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    stop: tuple[str, ...] = field(default_factory=tuple)  # strings that end a response, kept in it (stop.py)
     ignore_eos: bool = False
     n: int = 1
     sampling_seed: int | None = None  # fixes the draws (SGLang's name); sample j of n gets its own stream
@@ -47,6 +48,7 @@ class SamplingParams:
                 top_p=float(d.get("top_p", cls.top_p)),
                 top_k=_int(d.get("top_k", cls.top_k), "top_k"),
                 stop_token_ids=tuple(_int(t, "stop_token_ids") for t in d.get("stop_token_ids", ())),
+                stop=_strings(d.get("stop", ()), "stop"),
                 ignore_eos=bool(d.get("ignore_eos", False)),
                 n=_int(d.get("n", 1), "n"),
                 sampling_seed=_int(d["sampling_seed"], "sampling_seed") if "sampling_seed" in d else None,
@@ -66,6 +68,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _strings(v: object, name: str) -> tuple[str, ...]:
+    """A string or a list of non-empty strings (an empty one would stop at once), as a tuple."""
+    v = [v] if isinstance(v, str) else v
+    if not isinstance(v, (list, tuple)) or not all(isinstance(x, str) and x for x in v):
+        raise ValueError(f"{name} must be a non-empty string or a list of them, got {v!r}")
+    return tuple(v)
 
 
 def _int(v: object, name: str) -> int:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from vime.engine.core.kv_cache import BlockAllocator
 from vime.engine.core.sampler import SamplingParams
+from vime.engine.core.stop import StopWindow
 
 
 @dataclass(eq=False)
@@ -30,6 +31,7 @@ class Sequence:
     weight_versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # stop | length | abort
     seed: int = 0  # 32-bit sampling seed: with the token position, it fixes the sequence's draws
+    stop_window: StopWindow | None = None  # the output's tail as its last stop-string check decoded it (stop.py)
 
     @property
     def num_tokens(self) -> int:
