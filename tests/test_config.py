@@ -59,7 +59,7 @@ def test_json_and_list_flags():
         (["--use-tis", "--tis-clip-low", "2"], "--tis-clip-low"),
         (["--use-rs", "--rs-lower-bound", "3"], "--rs-lower-bound"),
         (["--max-staleness", "2"], "run it with train_async.py"),
-        (["--rollout-num-gpus-per-engine", "2"], "tensor-parallel engines"),
+        (["--rollout-num-gpus-per-engine", "2"], "has no tensor parallelism"),
         (["--rollout-backend", "vllm", "--weight-transport", "nccl"], "does not reach vLLM engines yet"),
         (["--rollout-backend", "vllm", "--weight-transport", "shm"], "does not reach vLLM engines: leave it at auto"),
     ],

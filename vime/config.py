@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from vime import compat
 from vime.errors import VimeError
 
 
@@ -38,8 +39,17 @@ ENTRIES = ("sync", "async", "eval")  # train.py, train_async.py, vime eval
 DERIVED, RUNTIME, PASSTHROUGH = "derived", "runtime", "passthrough"  # field groups that are not flags
 
 
-def _f(default: Any, help: str, choices: tuple | None = None, group: str = "") -> Any:
-    meta = {"help": help, "choices": choices, "group": group}
+def _f(
+    default: Any,
+    help: str,
+    choices: tuple | None = None,
+    group: str = "",
+    nargs: str | None = None,
+    sep: str | None = ",",
+) -> Any:
+    """A field and its flag. `nargs="+"`: the flag takes several values, as slime's does; `sep`:
+    a single value of a list flag is split on it (None: kept whole)."""
+    meta = {"help": help, "choices": choices, "group": group, "nargs": nargs, "sep": sep}
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     return field(default=default, metadata=meta)
@@ -91,9 +101,18 @@ class Config:
     rollout_temperature: float = _f(1.0, "sampling temperature (0 = greedy)", group="rollout")
     rollout_top_p: float = _f(1.0, "nucleus sampling mass", group="rollout")
     rollout_top_k: int = _f(-1, "top-k sampling (-1 = off)", group="rollout")
-    rollout_stop_token_ids: list = _f([], "extra token ids that end a response (JSON list)", group="rollout")
+    rollout_stop_token_ids: list = _f(
+        [],
+        "extra token ids that end a response (several values, a JSON list or comma-separated)",
+        group="rollout",
+        nargs="+",
+    )
     rollout_stop: list = _f(
-        [], "strings that end a response, the string kept (JSON list or comma-separated)", group="rollout"
+        [],
+        "strings that end a response, the string kept (several values, or a JSON list)",
+        group="rollout",
+        nargs="+",
+        sep=None,
     )
     rollout_max_prompt_len: int | None = _f(
         None,
@@ -233,7 +252,9 @@ class Config:
     )
     min_lr: float = _f(0.0, "learning rate at the end of the decay", group="optimizer")
     weight_decay: float = _f(
-        0.0, "decoupled weight decay of the weight matrices (not of biases and norm weights, as in Megatron)", group="optimizer"
+        0.0,
+        "weight decay of the weight matrices, not of biases and norm weights, as in Megatron (decoupled with adam, an L2 term with sgd)",
+        group="optimizer",
     )
     adam_beta1: float = _f(0.9, "AdamW beta1", group="optimizer")
     adam_beta2: float = _f(0.98, "AdamW beta2", group="optimizer")
@@ -334,8 +355,11 @@ class Config:
         None,
         "held-out prompts (JSONL/Parquet, path@[a:b]); slime's NAME PATH form is read too",
         group="eval and output",
+        nargs="+",
     )
-    eval_name: str | None = _f(None, "name of the held-out set (the NAME of --eval-prompt-data NAME PATH)", group="eval and output")
+    eval_name: str | None = _f(
+        None, "name of the held-out set (the NAME of --eval-prompt-data NAME PATH)", group="eval and output"
+    )
     eval_input_key: str | None = _f(None, "key of the eval prompt (default: --input-key)", group="eval and output")
     eval_label_key: str | None = _f(None, "key of the eval answer (default: --label-key)", group="eval and output")
     n_samples_per_eval_prompt: int = _f(1, "responses per eval prompt (greedy when 1)", group="eval and output")
@@ -364,8 +388,11 @@ class Config:
     use_tensorboard: bool = _f(True, "write TensorBoard events when tensorboard is installed", group="eval and output")
     tb_project_name: str | None = _f(
         None,
-        "TensorBoard events under $TENSORBOARD_DIR (default: <runs-dir>/tensorboard)/<this>/<run name>, as slime writes them, instead of the run directory",
+        "TensorBoard events where slime writes them instead of the run directory: $TENSORBOARD_DIR when set, else tensorboard_log/<this>/<--tb-experiment-name>",
         group="eval and output",
+    )
+    tb_experiment_name: str | None = _f(
+        None, "with --tb-project-name: the events' directory name (default: the run name)", group="eval and output"
     )
     use_wandb: bool = _f(
         False, "log every metric to Weights & Biases too (pip install 'vime[wandb]')", group="eval and output"
@@ -449,6 +476,15 @@ class Config:
             raise ValueError(f"validate(entry={entry!r}): one of {ENTRIES}")
         if self.eps_clip_high is None:
             self.eps_clip_high = self.eps_clip
+        steps = self.num_steps_per_rollout
+        if steps is not None and steps >= 1 and self.samples_per_rollout % steps == 0:
+            gbs = self.samples_per_rollout // steps
+            if self.global_batch_size not in (None, gbs):
+                raise ConfigError(
+                    f"--num-steps-per-rollout {steps} makes the global batch {gbs} samples, but --global-batch-size is "
+                    f"{self.global_batch_size}: give only one of them"
+                )
+            self.global_batch_size = gbs
         if self.global_batch_size is None:
             self.global_batch_size = self.samples_per_rollout
         if self.eval_max_response_len is None:
@@ -502,8 +538,28 @@ def _common_checks(c: Config) -> list[tuple[bool, str]]:
         (c.rollout_max_response_len < 1, "--rollout-max-response-len must be at least 1"),
         (
             c.rollout_num_gpus_per_engine != 1,
-            "--rollout-num-gpus-per-engine > 1 (tensor-parallel engines) is not built yet: leave it at 1",
+            f"--rollout-num-gpus-per-engine {c.rollout_num_gpus_per_engine}: the built-in engine has no tensor parallelism "
+            "and vLLM's is not wired up yet; use 1 (--rollout-num-gpus N then runs N engines of one GPU each)",
         ),
+        (c.eval_temperature is not None and c.eval_temperature < 0, "--eval-temperature must be >= 0 (0 = greedy)"),
+        (c.eval_top_p is not None and not 0 < c.eval_top_p <= 1, "--eval-top-p must be in (0, 1]"),
+        (
+            c.rollout_max_context_len is not None and c.rollout_max_context_len < 2,
+            "--rollout-max-context-len must be at least 2 (a prompt token and a response token)",
+        ),
+        (
+            c.rollout_max_prompt_len is not None
+            and c.rollout_max_context_len is not None
+            and c.rollout_max_prompt_len >= c.rollout_max_context_len,
+            f"--rollout-max-prompt-len {c.rollout_max_prompt_len} leaves no room for a response in "
+            f"--rollout-max-context-len {c.rollout_max_context_len}: set it below {c.rollout_max_context_len}",
+        ),
+        (
+            any(not isinstance(s, str) or not s for s in c.rollout_stop),
+            "--rollout-stop: every stop string must be non-empty text",
+        ),
+        (c.reward_key == "", "--reward-key needs a key name, e.g. score"),
+        *compat.checks(c),
         (
             c.rollout_backend == "vllm" and c.weight_transport == "nccl",
             "--weight-transport nccl does not reach vLLM engines yet (vLLM's workers join their own rendezvous, which vime's trainer does not speak): leave it at auto (disk)",
@@ -580,6 +636,35 @@ def _train_checks(c: Config, entry: str) -> list[tuple[bool, str]]:
         ),
         (c.rollout_concurrency is not None and c.rollout_concurrency < 1, "--rollout-concurrency must be at least 1"),
         (c.max_tokens_per_gpu < 1, "--max-tokens-per-gpu must be at least 1"),
+        (c.micro_batch_size is not None and c.micro_batch_size < 1, "--micro-batch-size must be at least 1"),
+        (
+            c.num_steps_per_rollout is not None
+            and (c.num_steps_per_rollout < 1 or c.samples_per_rollout % c.num_steps_per_rollout != 0),
+            f"--num-steps-per-rollout {c.num_steps_per_rollout} must be at least 1 and divide the rollout's "
+            f"{c.samples_per_rollout} samples (--rollout-batch-size × --n-samples-per-prompt)",
+        ),
+        (
+            c.gradient_checkpointing_layers is not None and c.gradient_checkpointing_layers < 1,
+            "--gradient-checkpointing-layers must be at least 1",
+        ),
+        (
+            c.gradient_checkpointing_layers is not None and not c.gradient_checkpointing,
+            "--gradient-checkpointing-layers needs --gradient-checkpointing",
+        ),
+        (c.lr_warmup_iters < 0, "--lr-warmup-iters must be >= 0"),
+        (not 0 <= c.min_lr <= c.lr, f"--min-lr {c.min_lr} must be between 0 and --lr {c.lr}"),
+        (c.lr_decay_iters is not None and c.lr_decay_iters < 1, "--lr-decay-iters must be at least 1"),
+        (
+            c.lr_decay_style != "constant" and c.lr_decay_iters is not None and c.lr_decay_iters <= c.lr_warmup_iters,
+            f"--lr-decay-iters {c.lr_decay_iters} must be above --lr-warmup-iters {c.lr_warmup_iters}: the decay counts the warm-up's steps",
+        ),
+        (c.weight_decay < 0, "--weight-decay must be >= 0"),
+        (c.optimizer == "sgd" and not 0 <= c.sgd_momentum < 1, "--sgd-momentum must be in [0, 1)"),
+        (c.adam_eps <= 0, "--adam-eps must be > 0"),
+        (
+            c.rollout_max_prompt_len is not None and c.rollout_max_prompt_len < 1,
+            "--rollout-max-prompt-len must be at least 1",
+        ),
         (c.update_weights_timeout <= 0, "--update-weights-timeout must be > 0 seconds"),
         (c.update_weight_buffer_size < 1, "--update-weight-buffer-size must be at least 1 byte"),
         (c.max_bad_steps < 1, "--max-bad-steps must be at least 1"),
@@ -616,6 +701,7 @@ def _coerce(name: str, value: Any) -> Any:
     """Turn a YAML or CLI value into the field's type, or raise a one-line ConfigError."""
     tp = _base_type(_HINTS[name])
     flag = "--" + name.replace("_", "-")
+    sep = _FIELDS[name].metadata["sep"]
     if value is None:
         return None
     try:
@@ -627,12 +713,18 @@ def _coerce(name: str, value: Any) -> Any:
             if str(value).lower() in ("0", "false", "no", "off"):
                 return False
             raise ValueError(value)
+        if tp is list and isinstance(value, list) and _FIELDS[name].metadata["nargs"]:
+            if len(value) != 1:  # several values on the command line (or a YAML list): each one item
+                return [_maybe_int(v) if isinstance(v, str) and sep else v for v in value]
+            value = value[0]  # one value: a JSON list, a comma-separated list or one item
         if tp in (dict, list):
             if isinstance(value, tp):
                 return value
             text = str(value).strip()
             if tp is list and text and not text.startswith("["):
-                return [_maybe_int(v.strip()) for v in text.split(",") if v.strip()]
+                if sep is None:
+                    return [text]
+                return [_maybe_int(v.strip()) for v in text.split(sep) if v.strip()]
             parsed = json.loads(text) if text else tp()
             if not isinstance(parsed, tp):
                 raise ValueError(value)
@@ -674,8 +766,10 @@ def build_parser(prog: str = "train.py", description: str = "") -> argparse.Argu
                 default=argparse.SUPPRESS,
                 metavar=tp.__name__.upper(),
                 choices=f.metadata["choices"],
+                nargs=f.metadata["nargs"],
                 help=f.metadata["help"] + f" (default: {default})",
             )
+    compat.add_arguments(parser)
     return parser
 
 
@@ -689,28 +783,66 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {p} is not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {p} must hold a mapping of flag names to values")
-    out = {}
+    out: dict[str, Any] = {"slime_flags": {}, "vllm_args": {}}
     for key, value in data.items():
         name = str(key).replace("-", "_")
+        if name in ("slime_flags", "vllm_args") and isinstance(value, dict):  # as a run's config.yaml records them
+            out[name].update(value)
+            continue
+        if name in compat.FLAGS:
+            out["slime_flags"][name] = value
+            continue
+        if name.startswith("vllm_"):
+            out["vllm_args"][str(key)[len("vllm-") :]] = value
+            continue
         if _FIELDS.get(name) is not None and name not in FLAGS:
             continue  # a derived value of a run's config.yaml: derived again
         if name not in _FIELDS:
             close = difflib.get_close_matches(name, list(_FIELDS), n=1)
             hint = f" (did you mean {close[0].replace('_', '-')}?)" if close else ""
             raise ConfigError(f"config file {p}: unknown key '{key}'{hint}")
+        if name == "eval_prompt_data" and isinstance(value, list):
+            out.update(_eval_data(value))
+            continue
         out[name] = _coerce(name, value)
-    return out
+    return {k: v for k, v in out.items() if v != {} or k not in ("slime_flags", "vllm_args")}
 
 
 def parse_args(
     argv: list[str] | None = None, prog: str = "train.py", description: str = "", entry: str = "sync", **overrides: Any
 ) -> Config:
-    """Flags > --config YAML > dataclass defaults; then validate(entry)."""
-    ns = vars(build_parser(prog, description).parse_args(argv))
+    """Flags > --config YAML > dataclass defaults; then validate(entry).
+
+    slime's and Megatron's flags (vime/compat.py) land in `slime_flags`, `--vllm-*` flags in
+    `vllm_args`; any other flag argparse does not know gets argparse's own error."""
+    parser = build_parser(prog, description)
+    parsed, rest = parser.parse_known_args(argv)
+    vllm_args, unknown = compat.split_vllm_args(rest)
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    ns = vars(parsed)
+    ns.pop("_vllm_help", None)  # the help line of --vllm-NAME; given literally, argparse took it
     values: dict[str, Any] = {}
     if ns.get("config"):
         values.update(load_yaml(ns.pop("config")))
     ns.pop("config", None)
+    foreign = {k: ns.pop(k) for k in list(ns) if k in compat.FLAGS}
+    values["slime_flags"] = {**values.get("slime_flags", {}), **foreign}
+    values["vllm_args"] = {**values.get("vllm_args", {}), **vllm_args}
+    if "eval_prompt_data" in ns:
+        values.update(_eval_data(ns.pop("eval_prompt_data")))
     values.update({k: _coerce(k, v) for k, v in ns.items()})
     values.update(overrides)
+    compat.translate(values)
     return Config(**values).validate(entry)
+
+
+def _eval_data(value: list[str] | str) -> dict[str, Any]:
+    """--eval-prompt-data PATH, or slime's NAME PATH."""
+    if isinstance(value, str) or len(value) == 1:
+        return {"eval_prompt_data": value if isinstance(value, str) else value[0]}
+    if len(value) == 2:
+        return {"eval_name": value[0], "eval_prompt_data": value[1]}
+    raise ConfigError(
+        f"--eval-prompt-data {' '.join(value)}: vime evaluates one held-out set per run; give PATH or one NAME PATH pair"
+    )

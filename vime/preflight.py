@@ -11,6 +11,7 @@ resolves to) is set. It writes nothing but a probe file in the output directorie
 
 from __future__ import annotations
 
+import math
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -18,8 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vime import compat
 from vime.config import ConfigError
-from vime.models import ModelError, context_length, load_tokenizer, resolve_model
+from vime.metrics import check_sinks
+from vime.models import ModelError, context_length, load_tokenizer, read_config, resolve_model
 from vime.plugins import load_function
 from vime.rollout.data_source import DataSource, load_eval_samples
 from vime.rollout.rewards import get_reward_fn
@@ -42,6 +45,11 @@ def check_inputs(args: Any) -> Inputs:
     _writable(Path(args.runs_dir), "--runs-dir")
     if args.save:
         _writable(Path(args.save), "--save")
+    notes = compat.notes(args) + check_sinks(args)
+    if args.load and not _holds_checkpoints(Path(args.load)):
+        # slime's scripts pass the same directory to --load and --save: the first run starts fresh
+        notes.append(f"--load {args.load} holds no checkpoint yet: starting from --hf-checkpoint {args.hf_checkpoint}")
+        args.load = None
     if args.load and latest_checkpoint(Path(args.load), warn=False) is None:
         raise ConfigError(
             f"--load {args.load}: no intact checkpoint inside (expected <step>/trainer_state.pt and the model's safetensors)"
@@ -49,6 +57,7 @@ def check_inputs(args: Any) -> Inputs:
 
     tokenizer = _model(args)
     model_dir = Path(args.model_dir)
+    _check_model_flags(args, model_dir)
     if args.save:
         _room_for_checkpoints(Path(args.save), model_dir)
 
@@ -59,12 +68,10 @@ def check_inputs(args: Any) -> Inputs:
 
     max_prompt_len = context_length(model_dir) - 1  # room for at least one response token
     data_source = DataSource(args, tokenizer, max_prompt_len=max_prompt_len)
-    notes = []
-    if data_source.skipped_prompts:
-        notes.append(
-            f"--skip-overlong-prompts: left out {data_source.skipped_prompts} of {data_source.skipped_prompts + len(data_source)} prompts of "
-            f"{args.prompt_data} longer than {max_prompt_len} tokens (rollout/skipped_prompts)"
-        )
+    if args.num_rollout is None:  # from --num-epoch, once the data's size is known (the LR schedule needs it)
+        args.num_rollout = math.ceil(args.num_epoch * len(data_source) / args.rollout_batch_size)
+    if data_source.skipped_note:
+        notes.append(data_source.skipped_note)
     if args.eval_prompt_data:
         load_eval_samples(args, tokenizer, args.eval_prompt_data, limit=args.eval_limit, max_prompt_len=max_prompt_len)
     return Inputs(tokenizer, rollout_fn, data_source, notes)
@@ -73,6 +80,7 @@ def check_inputs(args: Any) -> Inputs:
 def check_eval_inputs(args: Any) -> Any:
     """What `vime eval` reads, checked before an engine starts; returns the tokenizer."""
     tokenizer = _model(args)
+    _check_model_flags(args, Path(args.model_dir))
     load_eval_samples(
         args, tokenizer, args.eval_prompt_data, limit=args.eval_limit, max_prompt_len=context_length(args.model_dir) - 1
     )
@@ -88,6 +96,33 @@ def _model(args: Any) -> Any:
         raise ModelError(
             f"cannot load the tokenizer of {args.model_dir} ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
         ) from None
+
+
+def _holds_checkpoints(load: Path) -> bool:
+    """A `<step>/` directory inside, intact or not (a damaged one is an error, not a fresh start)."""
+    return load.is_dir() and any(p.is_dir() and p.name.isdigit() for p in load.iterdir())
+
+
+def _check_model_flags(args: Any, model_dir: Path) -> None:
+    """slime's model-shape and parallel flags against the checkpoint, and the reference model."""
+    gpu_bytes = None
+    if args.device != "cpu":
+        import torch
+
+        if torch.cuda.is_available():
+            gpu_bytes = torch.cuda.get_device_properties(0).total_memory
+    refusals = compat.check_model(args, model_dir, read_config, gpu_bytes)
+    if refusals:
+        raise ConfigError(refusals[0])
+    if args.ref_load and args.kl_loss_coef > 0:
+        ref = Path(args.ref_load)
+        if not (ref / "config.json").exists():
+            what = "a Megatron torch_dist checkpoint" if ref.is_dir() else "not a directory"
+            raise ConfigError(
+                f"--ref-load {ref} is {what}: vime reads the reference model from an HF directory; pass the HF "
+                "model it was converted from, or leave --ref-load out to use --hf-checkpoint"
+            )
+        resolve_model(str(ref))
 
 
 def _writable(path: Path, flag: str) -> None:

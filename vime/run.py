@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -72,9 +71,7 @@ class Run:
 
         self.rollout_fn: Callable[..., RolloutOutput] = inputs.rollout_fn
         self.data_source = inputs.data_source
-        self.num_rollout = args.num_rollout or math.ceil(
-            args.num_epoch * len(self.data_source) / args.rollout_batch_size
-        )
+        self.num_rollout: int = args.num_rollout  # resolved from --num-epoch by check_inputs
         self.bad_steps = BadSteps(args.max_bad_steps)
         self.wall_clock_offset = 0.0  # a resumed run's clock goes on from its checkpoint's
 
@@ -106,9 +103,7 @@ class Run:
             self.start_step = 0
             if args.load:
                 self._resume(Path(args.load))
-            self.metrics = MetricsLogger(
-                self.run_dir, self.num_rollout, self.start_step, args.use_tensorboard, quiet=args.quiet
-            )
+            self.metrics = MetricsLogger.for_run(args, self.num_rollout, self.start_step)
         except BaseException:
             self.close()  # never leave engine or trainer processes behind
             raise
@@ -126,6 +121,7 @@ class Run:
         self.weight_pushes = extra.get("weight_pushes", extra.get("weight_version", 0))
         self.wall_clock_offset = extra.get("wall_clock", 0.0)
         self.policy_version = extra.get("policy_version", self.start_step * self.args.steps_per_rollout)
+        assert self.actor.optimizer_steps == self.policy_version, "the lr schedule and the policy version disagree"
         if self.policy_version != self.start_step * self.args.steps_per_rollout:
             raise ConfigError(
                 f"--load {load_dir}: the checkpoint took {self.policy_version} optimizer steps in {self.start_step} rollouts, "
@@ -226,7 +222,7 @@ class Run:
         out = evaluate(self.args, step, self.run_dir / "eval" / f"{step}.jsonl")
         m = out.metrics
         self.metrics.write_line(
-            f"eval step {step}: accuracy {m['eval/accuracy']:.3f} ({m['eval/correct']}/{m['eval/total']})"
+            f"eval{' ' + self.args.eval_name if self.args.eval_name else ''} step {step}: accuracy {m['eval/accuracy']:.3f} ({m['eval/correct']}/{m['eval/total']})"
         )
         return m
 
@@ -258,6 +254,7 @@ class Run:
             why = f"loss {metrics.get('train/loss')}, gradient norm {metrics.get('train/grad_norm')}"
         else:
             metrics = {"train/skipped_steps": float(len(samples) // self.args.global_batch_size)}
+            self.actor.skip_steps(self.args.steps_per_rollout)  # the lr schedule stays on the policy version
         self.bad_steps.record(step, metrics["train/skipped_steps"], why)
         return metrics
 
@@ -284,7 +281,7 @@ def train(args: Config) -> Path:
     """Train for args.num_rollout steps in args.mode; returns the run directory."""
     t = Run(args)
     try:
-        if args.eval_interval and t.start_step == 0:
+        if args.eval_interval and t.start_step == 0 and not args.skip_eval_before_train:
             t.metrics.log(0, t.evaluate(0))
         sequential = args.mode in ("sync", "decoupled")
         (_sequential_loop if sequential else _one_step_off_loop)(t)

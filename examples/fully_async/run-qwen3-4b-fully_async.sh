@@ -1,0 +1,109 @@
+#!/bin/bash
+# Fully-async GRPO on Qwen3-4B with dapo-math-17k: the seed system's example of the same name,
+# flag for flag, running on vime (TIS on, as the seed had it). Paths come from the environment:
+#   MODEL_DIR    an HF model directory (default /root/Qwen3-4B)
+#   DATA_PATH    dapo-math-17k as JSONL: `prompt` (chat messages) and `label`
+#   CKPT_DIR     checkpoints; a rerun resumes from the newest (default /root/Qwen3-4B_vime/)
+#   MODEL_SHAPE  which scripts/models/<name>.sh describes MODEL_DIR (default qwen3-4B)
+#   ACTOR_GPUS / ROLLOUT_GPUS  trainer and engine GPUs (default 4 and 4, as the seed ran it)
+# Extra arguments are appended, so they override the flags below (argparse keeps the last).
+# The seed started this as `ray job submit ... -- python3 train_async.py ...`, which works the same
+# (docs/slime-flags.md); on one machine vime needs no Ray.
+set -euo pipefail
+
+SCRIPT_DIR="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" &>/dev/null && pwd)"
+VIME_ROOT="$(cd -- "${SCRIPT_DIR}/../.." &>/dev/null && pwd)"
+source "${VIME_ROOT}/scripts/models/${MODEL_SHAPE:-qwen3-4B}.sh"
+
+MODEL_DIR=${MODEL_DIR:-/root/Qwen3-4B}
+DATA_PATH=${DATA_PATH:-/root/dapo-math-17k/dapo-math-17k.jsonl}
+CKPT_DIR=${CKPT_DIR:-/root/Qwen3-4B_vime/}
+ACTOR_GPUS=${ACTOR_GPUS:-4}
+ROLLOUT_GPUS=${ROLLOUT_GPUS:-4}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+CKPT_ARGS=(
+   --hf-checkpoint "${MODEL_DIR}"
+   --ref-load "${MODEL_DIR}_torch_dist"   # not read: --kl-loss-coef 0 needs no reference model
+   --load "${CKPT_DIR}"                   # empty on the first run: it starts from --hf-checkpoint
+   --save "${CKPT_DIR}"
+   --save-interval 20
+)
+
+ROLLOUT_ARGS=(
+   --rollout-function-path vime.rollout.fully_async_rollout.generate_rollout_fully_async
+   --prompt-data "${DATA_PATH}"
+   --input-key prompt
+   --label-key label
+   --apply-chat-template
+   --rollout-shuffle
+   --rm-type dapo
+   --reward-key score
+   --num-rollout 3000
+   --rollout-batch-size 32
+   --n-samples-per-prompt 8
+   --rollout-max-response-len 8192
+   --rollout-temperature 1
+   --global-batch-size 256
+   --balance-data
+)
+
+PERF_ARGS=(
+   --tensor-model-parallel-size 2
+   --sequence-parallel
+   --pipeline-model-parallel-size 1
+   --context-parallel-size 1
+   --expert-model-parallel-size 1
+   --expert-tensor-parallel-size 1
+   --recompute-granularity full
+   --recompute-method uniform
+   --recompute-num-layers 1
+   --use-dynamic-batch-size
+   --max-tokens-per-gpu 9216
+)
+
+GRPO_ARGS=(
+   --advantage-estimator grpo
+   --use-kl-loss
+   --kl-loss-coef 0.00
+   --kl-loss-type low_var_kl
+   --entropy-coef 0.00
+   --eps-clip 0.2
+   --eps-clip-high 0.28
+   --use-tis
+)
+
+OPTIMIZER_ARGS=(
+   --optimizer adam
+   --lr 1e-6
+   --lr-decay-style constant
+   --weight-decay 0.1
+   --adam-beta1 0.9
+   --adam-beta2 0.98
+)
+
+VLLM_ARGS=(
+   --rollout-num-gpus-per-engine 1
+)
+
+MISC_ARGS=(
+   --attention-dropout 0.0
+   --hidden-dropout 0.0
+   --accumulate-allreduce-grads-in-fp32
+   --attention-softmax-in-fp32
+   --attention-backend flash
+)
+
+exec "${PYTHON:-python3}" "${VIME_ROOT}/train_async.py" \
+   --actor-num-nodes 1 \
+   --actor-num-gpus-per-node "${ACTOR_GPUS}" \
+   --rollout-num-gpus "${ROLLOUT_GPUS}" \
+   "${MODEL_ARGS[@]}" \
+   "${CKPT_ARGS[@]}" \
+   "${ROLLOUT_ARGS[@]}" \
+   "${OPTIMIZER_ARGS[@]}" \
+   "${GRPO_ARGS[@]}" \
+   "${PERF_ARGS[@]}" \
+   "${VLLM_ARGS[@]}" \
+   "${MISC_ARGS[@]}" \
+   "$@"
