@@ -8,6 +8,7 @@ traceback.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Callable
@@ -30,7 +31,7 @@ def guarded(fn: Callable[[list[str]], int], argv: list[str]) -> int:
     """Run a command: SIGTERM and Ctrl-C unwind it (engines and workers stopped) and exit 143 /
     130; a user's mistake is one line on stderr and exit 2."""
     from vime.errors import VimeError
-    from vime.lifetime import Terminated, stop_on_sigterm
+    from vime.lifetime import Terminated, sigterm_received, stop_on_sigterm
 
     stop_on_sigterm()
     try:
@@ -46,8 +47,30 @@ def guarded(fn: Callable[[list[str]], int], argv: list[str]) -> int:
     except VimeError as e:
         if os.environ.get("VIME_DEBUG"):
             raise
+        if sigterm_received():  # e.g. its engine went down with the same signal first
+            print(f"terminated ({e})", file=sys.stderr)
+            return 143
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def _undo_ray_thread_cap() -> None:
+    """A Ray job's entrypoint gets OMP_NUM_THREADS=1 from Ray (meant for its many small workers),
+    which would run every CPU op of vime's trainer and engines on one thread. Unless the job's
+    runtime env set it, drop it before torch is imported."""
+    job = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    if job is None or os.environ.get("OMP_NUM_THREADS") != "1":
+        return
+    try:
+        env_vars = json.loads(job).get("runtime_env", {}).get("env_vars", {})
+    except (ValueError, AttributeError):
+        env_vars = {}
+    if "OMP_NUM_THREADS" not in env_vars:
+        del os.environ["OMP_NUM_THREADS"]
+        print(
+            "running as a Ray job: dropped Ray's OMP_NUM_THREADS=1 (set it in the job's env_vars to keep it)",
+            file=sys.stderr,
+        )
 
 
 def train_main(argv: list[str], entry: str = "sync") -> int:
@@ -62,6 +85,7 @@ def train_main(argv: list[str], entry: str = "sync") -> int:
         else "Asynchronous GRPO training: generation overlaps training (one-step-off, or fully-async with its rollout function)."
     )
     args = parse_args(argv, prog=prog, description=desc, entry=entry)
+    _undo_ray_thread_cap()
     from vime.run import train  # heavy imports (torch, transformers) only once the flags are good
 
     run_dir = train(args)

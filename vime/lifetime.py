@@ -26,10 +26,21 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, raised in the main thread: every handler that stops a run on Ctrl-C stops it the same way."""
 
 
+_sigterm_received = False
+
+
+def sigterm_received() -> bool:
+    """A SIGTERM came: an error that follows it (an engine killed by the same signal, as Ray's
+    `job stop` sends it to the whole job) is the termination, not a failure of its own."""
+    return _sigterm_received
+
+
 def stop_on_sigterm() -> None:
     """From now on SIGTERM raises `Terminated` in the main thread (call from the main thread)."""
 
     def handler(signum: int, frame: object) -> None:
+        global _sigterm_received
+        _sigterm_received = True
         raise Terminated()
 
     signal.signal(signal.SIGTERM, handler)
