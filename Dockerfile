@@ -1,6 +1,6 @@
 # vime on a CUDA machine: the pinned CUDA environment (requirements/cuda.lock: torch's CUDA wheels
 # bring their own CUDA runtime, so the host needs only the NVIDIA driver and the container
-# toolkit) with the vLLM extra, and vime from this checkout.
+# toolkit) with the vLLM, W&B and Ray extras, and vime from this checkout.
 #   docker build -t vime .
 #   docker run --gpus all --shm-size 16g -v $PWD/runs:/vime/runs vime train --hf-checkpoint smollm2 ...
 # Not built here (no Docker engine on the development machines); checked with hadolint.
