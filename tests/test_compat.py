@@ -192,7 +192,7 @@ def test_shape_flags_are_checked_against_the_checkpoint(tiny_model, addition_dat
     from vime.models import read_config
 
     config = read_config(tiny_model)
-    facts = compat.model_facts(tiny_model, config, compat.weight_names(tiny_model))
+    facts = compat.model_facts(config, compat.weight_names(tiny_model))
     assert facts["qk_layernorm"] and facts["num_layers"] == config["num_hidden_layers"]
     shape = [
         "--num-layers", str(config["num_hidden_layers"]), "--hidden-size", str(config["hidden_size"]),

@@ -272,7 +272,7 @@ def notes(cfg: Any) -> list[str]:
 # ---- the model-shape check ------------------------------------------------------------
 
 
-def model_facts(model_dir: Path, config: dict[str, Any], weight_names: set[str]) -> dict[str, Any]:
+def model_facts(config: dict[str, Any], weight_names: set[str]) -> dict[str, Any]:
     """What each shape flag would have to say for this checkpoint, keyed by the flag's dest."""
     heads = config.get("num_attention_heads")
     kv_heads = config.get("num_key_value_heads") or heads
@@ -404,7 +404,7 @@ def check_model(cfg: Any, model_dir: Path, read_config: Callable[[Path], dict], 
     if any(FLAGS[n].kind == "shape" for n in g):
         line = shape_contradictions(
             {n: v for n, v in g.items() if n in FLAGS and FLAGS[n].kind == "shape"},
-            model_facts(model_dir, config, weight_names(model_dir)),
+            model_facts(config, weight_names(model_dir)),
             str(model_dir / "config.json"),
         )
         if line:
