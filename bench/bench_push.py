@@ -6,9 +6,11 @@ weights cast to the engine's bfloat16 and broadcast in flat buckets). Beside it,
 moving those bytes between the two GPUs, measured in the same run: a bucketed NCCL broadcast
 between two bare processes, and a peer-to-peer copy. Pushes are timed on an idle engine and on
 one generating at full load (256 long requests), where the pause also waits for the step in
-progress.
+progress. First, pushes with the proof of arrival (`WeightPusher.check`: the engine's checksums
+of what it holds against the trainer's) on and off, alternating, for its cost. On a machine with
+one GPU the engine shares it and the push goes by CUDA IPC (no floors then).
 
-    PYTHONPATH=. python3 bench/bench_push.py                            # nvidia-h200-x2
+    PYTHONPATH=. python3 bench/bench_push.py                            # nvidia-h200-x2 (one GPU: CUDA IPC)
     PYTHONPATH=. python3 bench/bench_push.py --device cpu --tiny         # smoke test (gloo)
 """
 
@@ -138,6 +140,7 @@ def timed_pushes(
                 "continue": t3 - t2,
                 "total": t3 - t0,
                 "buckets": m.get("perf/update_weights_buckets", 0),
+                "check": m.get("perf/update_weights_check_time", 0.0),
                 "bytes": m["perf/update_weights_bytes"],
             }
         )
@@ -185,14 +188,12 @@ def main() -> int:
     a = p.parse_args()
     apply_gpu_safe_env()
     gpu = a.device == "cuda"
-    if gpu and torch.cuda.device_count() < 2:
-        print("needs two GPUs (trainer on cuda:0, engine on cuda:1)")
-        return 1
+    one_gpu = gpu and torch.cuda.device_count() < 2  # engine beside the trainer: CUDA IPC, no NCCL
     work = Path("/tmp/vime-push")
     model = work / ("tiny" if a.tiny else "qwen3-0.6b")
     if not (model / "config.json").exists():
         make_tiny_model(model, arch="qwen3", seed=0, **(TINY if a.tiny else QWEN3_06B))
-    trainer_dev, engine_dev = ("cuda:0", "cuda:1") if gpu else ("cpu", "cpu")
+    trainer_dev, engine_dev = ("cuda:0", "cuda:0" if one_gpu else "cuda:1") if gpu else ("cpu", "cpu")
     print(
         f"[push] {torch.cuda.get_device_name(0) if gpu else 'cpu'} ×{torch.cuda.device_count() if gpu else 1}, torch {torch.__version__}",
         flush=True,
@@ -201,17 +202,28 @@ def main() -> int:
     engine = launch_engine(
         str(model),
         device=engine_dev,
-        extra_args=["--num-kv-blocks", "12000" if gpu else "2000", "--max-num-seqs", "256"],
+        extra_args=["--num-kv-blocks", "6000" if one_gpu else "12000" if gpu else "2000", "--max-num-seqs", "256"],
         log_path=work / "engine.log",
     )
     try:
         client = EngineClient(engine.url)
         args = Config(hf_checkpoint=str(model), prompt_data="-", num_rollout=1, lr=1e-6, device=a.device).validate()
         actor = launch_actor(args, model, trainer_dev)
-        transport = "nccl" if gpu else "gloo"
+        transport = "cuda_ipc" if one_gpu else "nccl" if gpu else "gloo"
+        print(f"[push] transport {transport}", flush=True)
         results: dict[str, list[dict[str, float]]] = {}
+        # the proof of arrival (engine checksums against the trainer's) on and off, side by side
+        pusher = WeightPusher([client], transport, timeout=120)
+        timed_pushes(actor, client, pusher, 2, 2000)
+        for check in (False, True, False, True):
+            pusher.check = check
+            name = f"idle, 512 MiB buckets, {'checked' if check else 'unchecked'}"
+            results.setdefault(name, []).extend(timed_pushes(actor, client, pusher, a.pushes // 2, 3000))
+        for name in [n for n in results if n.endswith("checked")]:
+            print_row(name, results[name], gpu)
+        pusher.close()
         for bucket_mib in (512, 2048):
-            pusher = WeightPusher([client], transport, bucket_bytes=bucket_mib * 2**20, timeout=120)
+            pusher = WeightPusher([client], transport, bucket_bytes=bucket_mib * 2**20, timeout=120, check=False)
             t0 = time.perf_counter()
             pusher.connect(trainer_dev)
             print(f"[push] joined the {transport} weight group in {time.perf_counter() - t0:.2f} s", flush=True)
@@ -232,7 +244,7 @@ def main() -> int:
             pusher.close()
         nbytes = int(results["idle, 512 MiB buckets"][0]["bytes"])
         floors = {}
-        if gpu:
+        if gpu and not one_gpu:
             floors["NCCL broadcast, 512 MiB buckets"] = nccl_broadcast_floor(nbytes, 512 * 2**20)
             floors["peer-to-peer copy"] = p2p_copy_floor(nbytes, "cuda:0", "cuda:1")
         actor.close()
@@ -243,9 +255,9 @@ def main() -> int:
     for name, s in floors.items():
         print(f"floor, {name}: {s * 1e3:.2f} ms ({nbytes / s / 1e9:.0f} GB/s)")
     print(
-        "\n| case | pushes | pause (ms) | push (ms) | continue (ms) | pause → continue, median (ms) | max (ms) | ms per 1B params |"
+        "\n| case | pushes | pause (ms) | push (ms) | continue (ms) | pause → continue, median (ms) | max (ms) | ms per 1B params | check (ms) |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, rows in results.items():
         print_row(name, rows, gpu)
     return 0
@@ -256,7 +268,7 @@ def print_row(name: str, rows: list[dict[str, float]], gpu: bool) -> None:
     med = lambda k: statistics.median(r[k] for r in rows) * 1e3  # noqa: E731
     total = med("total")
     print(
-        f"| {name} | {len(rows)} | {med('pause'):.2f} | {med('push'):.2f} | {med('continue'):.2f} | {total:.2f} | {max(r['total'] for r in rows) * 1e3:.2f} | {total / (params / 1e9):.1f} |",
+        f"| {name} | {len(rows)} | {med('pause'):.2f} | {med('push'):.2f} | {med('continue'):.2f} | {total:.2f} | {max(r['total'] for r in rows) * 1e3:.2f} | {total / (params / 1e9):.1f} | {med('check'):.2f} |",
         flush=True,
     )
 

@@ -73,3 +73,25 @@ def inf_rewards_from_step_two(args, rollout_id: int, data_source, evaluation: bo
 
 def inf_reward(args, sample) -> float:
     return float("inf")
+
+
+async def kill_engine_one(args, sample, params):
+    """Two engines: in step 2, engine 1 is killed (SIGKILL) while requests are in flight; step 3
+    waits until it is back, so the push after step 3 re-syncs it and later steps use it again."""
+    import asyncio
+    import time
+
+    runtime = args.runtime
+    step = sample.index // (args.rollout_batch_size * args.n_samples_per_prompt) + 1
+    marker = args.run_dir / "engine-killed"
+    if step == 2 and not marker.exists():
+        marker.write_text("killed")
+        for pid in engine_pids():  # engine i runs with --seed rollout_seed + i (its port is its own pick)
+            if f"--seed\0{args.rollout_seed + 1}\0".encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(pid, signal.SIGKILL)
+    if step == 3:
+        deadline = time.monotonic() + 120
+        while runtime.engines[1].state != "unsynced":
+            assert time.monotonic() < deadline, "engine 1 did not come back"
+            await asyncio.sleep(0.1)
+    return await default_generate(args, sample, params)

@@ -60,8 +60,11 @@ def test_json_and_list_flags():
         (["--use-rs", "--rs-lower-bound", "3"], "--rs-lower-bound"),
         (["--max-staleness", "2"], "run it with train_async.py"),
         (["--rollout-num-gpus-per-engine", "2"], "has no tensor parallelism"),
-        (["--rollout-backend", "vllm", "--weight-transport", "nccl"], "does not reach vLLM engines yet"),
-        (["--rollout-backend", "vllm", "--weight-transport", "shm"], "does not reach vLLM engines: leave it at auto"),
+        (["--rollout-num-gpus-per-engine", "0"], "must be at least 1"),
+        (
+            ["--rollout-backend", "vllm", "--weight-transport", "shm"],
+            "does not reach vLLM engines (they receive by nccl",
+        ),
     ],
 )
 def test_inconsistent_settings_fail_with_one_line(extra, fragment):

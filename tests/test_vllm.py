@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -115,6 +116,12 @@ def test_stop_strings_are_matched_on_text_and_kept():
     assert to_vllm_sampling_params({"stop": []}) == {"max_tokens": 128, "logprobs": 0, "detokenize": False}
 
 
+EXTENSION = (
+    *("--worker-extension-cls", "vime.engine.vllm_ext.WeightReceiver"),
+    *("--middleware", "vime.engine.vllm_ext.require_api_key"),
+)
+
+
 def command_flags(cmd: list[str]) -> list[str]:
     assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     return cmd[3:]
@@ -124,8 +131,11 @@ def test_server_command_takes_the_users_vllm_args():
     own = command_flags(server_command("/m", port=9, device="cuda:0", dtype="bfloat16", max_num_seqs=8, seed=3))
     assert own == [
         *("--model", "/m", "--host", "127.0.0.1", "--port", "9", "--enable-scale-out"),
-        *("--logprobs-mode", "processed_logprobs", "--dtype", "bfloat16", "--max-num-seqs", "8", "--seed", "3"),
+        *("--logprobs-mode", "processed_logprobs", *EXTENSION),
+        *("--dtype", "bfloat16", "--max-num-seqs", "8", "--seed", "3"),
     ]
+    tp = command_flags(server_command("/m", port=9, device="cuda:0", tp_size=2))
+    assert tp[tp.index("--tensor-parallel-size") + 1] == "2"
     cmd = command_flags(
         server_command(
             "/m",
@@ -146,7 +156,8 @@ def test_server_command_takes_the_users_vllm_args():
     )
     assert cmd == [
         *("--model", "/m", "--host", "127.0.0.1", "--port", "9", "--enable-scale-out"),
-        *("--logprobs-mode", "processed_logprobs", "--dtype", "float32", "--max-num-seqs", "64", "--seed", "0"),
+        *("--logprobs-mode", "processed_logprobs", *EXTENSION),
+        *("--dtype", "float32", "--max-num-seqs", "64", "--seed", "0"),
         *("--enable-sleep-mode", "--gpu-memory-utilization", "0.55", "--kv-cache-memory-bytes", "123"),
         *("--enforce-eager", "--no-enable-prefix-caching", "--served-model-name", "a", "b"),
     ]
@@ -163,6 +174,8 @@ def test_server_command_takes_the_users_vllm_args():
         ("logprobs-mode", "raw_logprobs", "--logprobs-mode processed_logprobs"),
         ("enable_scale_out", False, "--enable-scale-out"),
         ("no-enable-sleep-mode", True, "--enable-sleep-mode"),
+        ("worker-extension-cls", "my.Ext", "--worker-extension-cls vime.engine.vllm_ext.WeightReceiver"),
+        ("middleware", "my.mw", "--middleware vime.engine.vllm_ext.require_api_key"),
     ],
 )
 def test_vllm_args_that_the_adapter_relies_on_are_refused(name, value, shown):
@@ -174,23 +187,7 @@ def test_vllm_args_that_the_adapter_relies_on_are_refused(name, value, shown):
     assert msg == f"--vllm-{name}: vime starts its vLLM servers with {shown} and relies on it: drop --vllm-{name}"
 
 
-def test_place_vllm_hands_the_vllm_args_to_every_server(monkeypatch, tmp_path):
-    import vime.engine.vllm as vllm_mod
-
-    seen = []
-
-    class Started:
-        url = "http://127.0.0.1:1"
-
-    def fake_launch(model_path, **kw):
-        seen.append(kw)
-        return Started()
-
-    monkeypatch.setattr(vllm_mod, "launch_vllm", fake_launch)
-    args = Config(rollout_backend="vllm", device="cpu", vllm_args={"gpu-memory-utilization": "0.55"})
-    placement = vllm_mod.place_vllm(args, tmp_path, tmp_path)
-    assert placement.urls == ["http://127.0.0.1:1"]
-    assert [kw["vllm_args"] for kw in seen] == [{"gpu-memory-utilization": "0.55"}]
+def test_vllm_args_merge_keeps_vimes_own_when_none_are_given():
     assert merge_vllm_args(["--seed", "1"], {}) == ["--seed", "1"]
 
 
@@ -264,7 +261,7 @@ def server(model_mid, tmp_path_factory):
 
 @pytest.fixture()
 def client(server) -> VLLMClient:
-    c = VLLMClient(server.url)
+    c = VLLMClient(server.url, api_key=server.api_key)
     yield c
     # a failed test must not leave the shared server paused, busy or relabelled
     c.continue_generation()
@@ -389,35 +386,34 @@ def test_stop_strings_end_the_response_after_their_first_occurrence(client, mode
     assert never["output_ids"] == ref and never["meta_info"]["finish_reason"] == {"type": "length"}
 
 
-def generated_tokens(url: str) -> int:
+def generated_tokens(client: VLLMClient) -> int:
     """The server's count of tokens generated so far (its Prometheus counter): it tells whether a
     request is still in flight, and that nothing is generated while paused, without timing
     guesses (on a busy 2-core CI machine a fixed sleep let a request finish before the pause)."""
-    for line in urllib.request.urlopen(url + "/metrics", timeout=30).read().decode().splitlines():
+    req = urllib.request.Request(client.url + "/metrics", headers=client.headers)  # every route needs the key
+    for line in urllib.request.urlopen(req, timeout=30).read().decode().splitlines():
         if line.startswith("vllm:generation_tokens_total"):
             return int(float(line.rsplit(" ", 1)[1]))
-    raise AssertionError(f"{url}/metrics has no vllm:generation_tokens_total")
+    raise AssertionError(f"{client.url}/metrics has no vllm:generation_tokens_total")
 
 
-async def until_generating(url: str, since: int) -> None:
+async def until_generating(client: VLLMClient, since: int) -> None:
     """Return once the server has generated a token beyond `since` (a request is mid-flight)."""
     for _ in range(600):
-        if await asyncio.to_thread(generated_tokens, url) > since:
+        if await asyncio.to_thread(generated_tokens, client) > since:
             return
         await asyncio.sleep(0.05)
-    raise AssertionError(f"{url} generated nothing in 30 s")
+    raise AssertionError(f"{client.url} generated nothing in 30 s")
 
 
 @needs_vllm
 def test_pause_abort_in_place_and_abort_by_id(client):
-    url = client.url
-
     async def main() -> None:
         try:
             # abort: the request returns now, with its partial tokens
-            base = await asyncio.to_thread(generated_tokens, url)
+            base = await asyncio.to_thread(generated_tokens, client)
             t = asyncio.create_task(client.generate(PROBE, LONG, rid="p1"))
-            await until_generating(url, base)
+            await until_generating(client, base)
             await asyncio.to_thread(client.pause_generation, "abort")
             out = await asyncio.wait_for(t, 30)
             assert (
@@ -426,15 +422,15 @@ def test_pause_abort_in_place_and_abort_by_id(client):
             await asyncio.to_thread(client.continue_generation)
             # in place: nothing is generated and nothing returns while paused (also across a
             # cache flush, which preempts the request); all of it after
-            base = await asyncio.to_thread(generated_tokens, url)
+            base = await asyncio.to_thread(generated_tokens, client)
             t = asyncio.create_task(client.generate(PROBE, LONG, rid="p2"))
-            await until_generating(url, base)
+            await until_generating(client, base)
             await asyncio.to_thread(client.pause_generation, "in_place")
             await asyncio.to_thread(client.flush_cache)
-            held = await asyncio.to_thread(generated_tokens, url)
+            held = await asyncio.to_thread(generated_tokens, client)
             assert held - base < LONG_TOKENS, f"the request finished before the pause landed ({held - base} tokens)"
             await asyncio.sleep(1.0)
-            assert await asyncio.to_thread(generated_tokens, url) == held, "tokens were generated while paused"
+            assert await asyncio.to_thread(generated_tokens, client) == held, "tokens were generated while paused"
             assert not t.done(), _brief(t.result())
             await asyncio.to_thread(client.continue_generation)
             out = await asyncio.wait_for(t, 120)
@@ -443,14 +439,14 @@ def test_pause_abort_in_place_and_abort_by_id(client):
             )
             # abort by id hits that request only (the other, started with it, goes on generating);
             # abort_all then ends the other
-            base = await asyncio.to_thread(generated_tokens, url)
+            base = await asyncio.to_thread(generated_tokens, client)
             t1 = asyncio.create_task(client.generate(PROBE, LONG, rid="q1"))
             t2 = asyncio.create_task(client.generate(PROBE[1:], LONG, rid="q2"))
-            await until_generating(url, base + 1)  # both are generating
+            await until_generating(client, base + 1)  # both are generating
             await asyncio.to_thread(client.abort_request, "q1")
             o1 = await asyncio.wait_for(t1, 30)
             assert o1["meta_info"]["finish_reason"] == {"type": "abort"}, _brief(o1)
-            await until_generating(url, await asyncio.to_thread(generated_tokens, url) + 1)
+            await until_generating(client, await asyncio.to_thread(generated_tokens, client) + 1)
             await asyncio.to_thread(client.abort_request, None, True)
             o2 = await asyncio.wait_for(t2, 30)
             assert o2["meta_info"]["finish_reason"]["type"] in ("abort", "length") and len(o2["output_ids"]) > len(
@@ -499,12 +495,132 @@ def test_disk_push_changes_outputs_flushes_the_cache_and_stamps_versions(client,
     assert out["meta_info"]["output_weight_versions"] == [7] * 16 and client.model_info()["weight_version"] == 7
     client.update_weights_from_disk(str(model_mid), 8)
     assert run(client, {"input_ids": PROBE, "sampling_params": greedy})[0]["output_ids"] == base
-    with pytest.raises(EngineError, match=r"leave --weight-transport at auto \(disk\)"):
+    with pytest.raises(EngineError, match=r"it receives by nccl, gloo or disk\): leave --weight-transport at auto"):
         client.update_weights_from_tensor({"transport": "shm", "path": "/dev/shm/x"})
-    with pytest.raises(EngineError, match="runs on CPU"):  # GPU-only routes are never sent to a CPU server
+    with pytest.raises(EngineError, match="runs on CPU: its weight group must use gloo"):  # never sent
         client.init_weights_update_group(
-            {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2}
+            {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2, "backend": "nccl"}
         )
+
+
+# ---- the collective push, against servers started from the same weights ------------------------
+
+# Servers the newer tests start skip torch.compile, which takes minutes on two cores; what it
+# compiles is the same computation (the older tests run vLLM's default).
+EAGER = {"enforce-eager": True}
+
+# random Llama-style models: SmolLM2's layout (tied embeddings) and an untied one
+PAIR_SHAPE = dict(arch="llama", hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=32, num_layers=2)
+
+
+def trainer_weights(model_dir: Path) -> list[tuple[str, torch.Tensor]]:
+    """What the trainer pushes (Actor.named_weights): each tensor once, a tied one under
+    model.embed_tokens.weight only."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return [(n, p.detach()) for n, p in model.named_parameters()]
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    """For a tied and an untied model: a server started from weights A (to be pushed B) and one
+    started from B (the reference), the four launched at once."""
+    from vime.engine.vllm import launch_vllm
+    from vime.models import make_tiny_model
+    from vime.placement import launch_all
+
+    root = tmp_path_factory.mktemp("pairs")
+    dirs = {}
+    for kind, tied in (("tied", True), ("untied", False)):
+        for w, seed in (("A", 0), ("B", 1)):
+            dirs[kind, w] = make_tiny_model(root / f"{kind}{w}", seed=seed, tie_word_embeddings=tied, **PAIR_SHAPE)
+    keys = list(dirs)
+    servers = launch_all(
+        lambda i: launch_vllm(
+            str(dirs[keys[i]]), max_num_seqs=8, log_path=root / f"{'-'.join(keys[i])}.log", vllm_args=EAGER
+        ),
+        len(keys),
+    )
+    yield {k: (dirs[k], srv) for k, srv in zip(keys, servers)}
+    for srv in servers:
+        srv.shutdown()
+
+
+def _outputs(srv) -> tuple[list[int], list[float], list[float]]:
+    """Greedy tokens, and log-probs of a seeded sampled continuation, on a fixed prompt."""
+    c = VLLMClient(srv.url, api_key=srv.api_key)
+    greedy, sampled = run(
+        c,
+        {"input_ids": PROBE, "sampling_params": {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}},
+        {"input_ids": PROBE, "sampling_params": {"max_new_tokens": 12, "temperature": 1.0, "sampling_seed": 3, "ignore_eos": True}},
+    )  # fmt: skip
+    return (
+        greedy["output_ids"],
+        greedy["meta_info"]["output_token_logprobs"],
+        sampled["meta_info"]["output_token_logprobs"],
+    )
+
+
+@needs_vllm
+@pytest.mark.parametrize("kind", ["tied", "untied"])
+def test_a_collective_push_makes_the_server_compute_what_a_server_of_those_weights_does(pairs, kind):
+    """Weights B pushed by broadcast (gloo: the code NCCL runs on GPUs) into a server of A: it
+    then generates exactly what a server started from B does, tied output layer included; the
+    trainer's checksums match the server's; and a push back by disk restores A's outputs."""
+    from vime.trainer.weights import WeightPusher
+
+    (a_dir, a), (b_dir, b) = pairs[kind, "A"], pairs[kind, "B"]
+    client = VLLMClient(a.url, api_key=a.api_key)
+    before, want = _outputs(a), _outputs(b)
+    assert before[2] != want[2]
+    pusher = WeightPusher([client], transport="gloo", timeout=60)
+    try:
+        metrics = pusher.push(trainer_weights(b_dir), version=5)
+        got = _outputs(a)
+        assert got[0] == want[0]  # greedy tokens
+        assert max(abs(x - y) for x, y in zip(got[1] + got[2], want[1] + want[2])) < ATOL
+        assert metrics["perf/update_weights_buckets"] >= 1 and "perf/update_weights_check_time" in metrics
+        assert client.model_info()["weight_version"] == 5
+        # the proof is the server's: a checksum the trainer did not send is a one-line error
+        sent = pusher._sent[torch.float32]
+        name = next(iter(sent))
+        sent[name] = [sent[name][0] + 1, sent[name][1]]  # one bit of one element
+        with pytest.raises(
+            EngineError, match=f"does not hold what the trainer sent, 1 of {len(sent)} tensors differ: {name}"
+        ):
+            pusher.verify(5)
+        # a push that leaves a layer out is refused, naming it, and the next whole push works
+        partial = [(n, t) for n, t in trainer_weights(b_dir) if ".layers.1.mlp.down_proj" not in n]
+        with pytest.raises(EngineError, match=r"reached no weight of 1 layer\(s\).*layers\.1\.mlp\.down_proj"):
+            pusher.push(partial, version=6)
+        WeightPusher([client], transport="disk").push(trainer_weights(a_dir), version=7)
+        assert _outputs(a)[0] == before[0]
+        assert max(abs(x - y) for x, y in zip(_outputs(a)[2], before[2])) < ATOL
+    finally:
+        pusher.close()
+        client.update_weights_from_disk(str(a_dir), 0)
+
+
+@needs_vllm
+def test_servers_refuse_callers_without_the_key_and_other_models(pairs):
+    """Every route but /health needs the run's key (vLLM's own --api-key leaves the dev routes
+    open), and a server of another model is named in one line before anything is pushed."""
+    from vime.engine.vllm import check_same_model, model_facts
+
+    (a_dir, a), (b_dir, _) = pairs["tied", "A"], pairs["untied", "B"]
+    for route, body in (("/collective_rpc", b'{"method": "vime_hello"}'), ("/pause?mode=abort", b"{}")):
+        req = urllib.request.Request(
+            a.url + route, data=body, method="POST", headers={"Content-Type": "application/json"}
+        )
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=10)
+        assert e.value.code == 401
+    assert urllib.request.urlopen(a.url + "/health", timeout=10).status == 200
+    facts = VLLMClient(a.url, api_key=a.api_key).hello()
+    check_same_model(model_facts(a_dir), facts, a.url)
+    with pytest.raises(EngineError, match="serves another model than --hf-checkpoint: tie_word_embeddings True"):
+        check_same_model(model_facts(b_dir), facts, a.url)
 
 
 # ---- train.py / train_async.py / vime eval with --rollout-backend vllm --------------------
@@ -664,11 +780,13 @@ def _group_alive(pgid: int) -> bool:
 
 
 @needs_vllm
-def test_eval_matches_the_builtin_engine(model32, addition_data, tmp_path):
+def test_eval_matches_the_builtin_engine(model32, addition_data, tmp_path, user_server):
     """`vime eval --rollout-backend vllm` (the seed's eval path): greedy, thinking off through
-    the chat-template kwargs; the same responses as the built-in engine."""
+    the chat-template kwargs; the same responses as the built-in engine, also from a server the
+    user started with other weights (eval pushes --hf-checkpoint into it first)."""
     responses = {}
-    for backend in ("vime", "vllm"):
+    url = ["--rollout-engine-urls", user_server.url, "--api-key", user_server.api_key]
+    for name, backend, extra in (("vime", "vime", []), ("vllm", "vllm", []), ("url", "vllm", url)):
         res = run_cli(
             "-m",
             "vime.cli",
@@ -686,14 +804,159 @@ def test_eval_matches_the_builtin_engine(model32, addition_data, tmp_path):
             '{"enable_thinking": false}',
             "--rollout-backend",
             backend,
+            *extra,
             "--runs-dir",
             str(tmp_path),
             "--run-name",
-            backend,
+            name,
             timeout=600,
         )
         assert res.returncode == 0, res.stderr[-3000:]
         assert json.loads(res.stdout.strip().splitlines()[-1])["eval/total"] == 8
-        rows = [json.loads(line) for line in (tmp_path / backend / "eval.jsonl").read_text().splitlines()]
-        responses[backend] = [(r["index"], r["response"], r["response_length"]) for r in rows]
-    assert responses["vllm"] == responses["vime"]
+        rows = [json.loads(line) for line in (tmp_path / name / "eval.jsonl").read_text().splitlines()]
+        responses[name] = [(r["index"], r["response"], r["response_length"]) for r in rows]
+    assert responses["vllm"] == responses["vime"] == responses["url"]
+
+
+# ---- several engines, one killed and back; engine arguments; a server the user started ---------
+
+
+async def kill_engine_one(args, sample: Sample, params: dict) -> Sample:
+    """Plug-in generate for the two-engine run: the default one, except that in step 2 engine 1's
+    server is killed (SIGKILL to its process group) while requests are in flight, and step 3
+    waits until it is back, so the push after step 3 re-syncs it and steps 4-5 use it again.
+    Each engine's --max-model-len is recorded in steps 1 and 5 (the --vllm-* pass-through)."""
+    runtime = args.runtime
+    step = sample.index // (args.rollout_batch_size * args.n_samples_per_prompt) + 1
+    marker = args.run_dir / "engine1-killed"
+    if step == 2 and not marker.exists():
+        marker.write_text("killed")
+        port = runtime.engines[1].client.url.rsplit(":", 1)[1]
+        os.killpg(os.getpgid(_servers_on(port)[0]), signal.SIGKILL)
+    if step == 3:
+        deadline = time.monotonic() + 400
+        while runtime.engines[1].state != "unsynced":
+            assert time.monotonic() < deadline, "engine 1 did not come back"
+            await asyncio.sleep(0.5)
+    if step in (1, 5) and sample.index % args.n_samples_per_prompt == 0:
+        lens = [(await asyncio.to_thread(e.client.model_info))["max_seq_len"] for e in runtime.engines]
+        with open(args.run_dir / "max_model_len.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "lens": lens}) + "\n")
+    from vime.rollout.vllm_rollout import generate
+
+    return await generate(args, sample, params)
+
+
+@needs_vllm
+def test_two_engines_share_a_run_and_a_killed_one_comes_back(model32, addition_data, tmp_path):
+    """Two launched vLLM engines; one killed mid-rollout: its requests finish on the other, it is
+    started again, re-synced by the next push, and gets work again; every step's samples come
+    from exactly the trainer's weights (sync: log-probs equal), and --vllm-* reaches every server."""
+    args = _train_args(model32, addition_data[0], tmp_path, "two")
+    args[args.index("--num-rollout") + 1] = "5"
+    args[args.index("--custom-generate-function-path") + 1] = "test_vllm.kill_engine_one"
+    res = run_cli(
+        "train.py", *args, "--rollout-num-engines", "2", "--vllm-max-model-len", "512", "--vllm-enforce-eager",
+        timeout=900,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    run_dir = tmp_path / "two"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "perf/step_time" in r]
+    assert [r["rollout/engines_up"] for r in steps] == [2, 1, 2, 2, 2]
+    assert [r["rollout/engine_restarts"] for r in steps] == [0, 1, 1, 1, 1]
+    for r in steps:  # the restarted engine too held exactly the pushed weights
+        assert r["rollout/staleness_max"] == 0 and r["train/train_rollout_logprob_abs_diff"] < 1e-3, r
+    served = [r["rollout/engine1_requests"] for r in steps]
+    assert served[0] > 0 and served[4] > served[3] > served[2], served  # both engines take work, before and after
+    lens = [json.loads(line) for line in (run_dir / "max_model_len.jsonl").read_text().splitlines()]
+    assert {tuple(r["lens"]) for r in lens} == {(512, 512)} and {r["step"] for r in lens} == {1, 5}
+    log_text = (run_dir / "log.txt").read_text()
+    assert "engine 1 is back at" in log_text and "holds the current weights again" in log_text
+    assert (run_dir / "engine1.1.log").exists()  # the restarted engine's log beside the first
+
+
+@needs_vllm
+def test_a_vllm_arg_vllm_does_not_know_is_one_line(model32, addition_data, tmp_path):
+    args = _train_args(model32, addition_data[0], tmp_path, "typo")
+    res = run_cli("train.py", *args, "--vllm-max-modle-len", "512", timeout=600)
+    assert res.returncode == 2
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: vLLM refused its command line (unrecognized arguments: --max-modle-len"), last
+
+
+def user_server_command(model: Path, port: int) -> list[str]:
+    """The README's command for a vLLM server started by hand (section "vLLM as the rollout engine")."""
+    return [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
+        "--enable-scale-out", "--logprobs-mode", "processed_logprobs",
+        "--worker-extension-cls", "vime.engine.vllm_ext.WeightReceiver",
+        "--middleware", "vime.engine.vllm_ext.require_api_key",
+        "--dtype", "float32", "--kv-cache-memory-bytes", str(1 << 30),
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def user_server(tmp_path_factory):
+    """A server started as the README says, from weights the run does not train (model32's
+    shape, another seed), with its own key."""
+    from vime.engine.vllm import VLLMProcess, _free_port, _wait_ready
+    from vime.models import make_tiny_model
+
+    root = tmp_path_factory.mktemp("user")
+    other = make_tiny_model(
+        root / "other", arch="qwen3", seed=7, hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=32
+    )
+    port, key = _free_port(), "user-key-123"
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VIME_VLLM_API_KEY=key, VLLM_CPU_OMP_THREADS_BIND="1")
+    log = root / "server.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            [*user_server_command(other, port), "--enforce-eager"],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    server = VLLMProcess(f"http://127.0.0.1:{port}", proc, subprocess.Popen(["true"]), log, key)
+    try:
+        _wait_ready(server, 600)
+        yield server
+    finally:
+        server.shutdown()
+
+
+@needs_vllm
+def test_a_user_started_server_gets_the_runs_weights_before_step_one(
+    user_server, model32, addition_data, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("VIME_TEST_RECORD", str(tmp_path / "record.jsonl"))
+    args = _train_args(model32, addition_data[0], tmp_path, "user")
+    args[args.index("--num-rollout") + 1] = "2"
+    res = run_cli(
+        "train.py", *args, "--rollout-engine-urls", user_server.url, "--api-key", user_server.api_key, timeout=600
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "user" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "perf/step_time" in r]
+    # the server held other weights: without the start push, step 1 was sampled from them (gap ~0.5)
+    assert steps[0]["train/train_rollout_logprob_abs_diff"] < 1e-3 and steps[0]["rollout/staleness_max"] == 0
+    args[args.index("--run-name") + 1] = "wrong-key"
+    res = run_cli("train.py", *args, "--rollout-engine-urls", user_server.url, "--api-key", "wrong", timeout=300)
+    assert res.returncode == 2 and "401" in res.stderr.strip().splitlines()[-1]
+
+
+@needs_vllm
+def test_a_model_vllm_cannot_run_is_refused_at_start_with_vllms_reason(tmp_path):
+    """vLLM's CPU attention refuses head_dim 16 only at the first request (the server starts
+    fine): launch_vllm generates one token before it returns, so the run stops at start-up with
+    vLLM's own reason instead of an HTTP 500 at its first rollout."""
+    from vime.engine.vllm import launch_vllm
+    from vime.models import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "hd16", arch="qwen3", seed=0, hidden_size=64, num_heads=4, num_kv_heads=2)
+    with pytest.raises(EngineError) as e:
+        launch_vllm(str(model), max_num_seqs=4, log_path=tmp_path / "server.log", vllm_args=EAGER)
+    msg = str(e.value)
+    assert msg.startswith(f"vLLM cannot run {model}: ") and "\n" not in msg, msg
+    assert "head" in msg.lower(), msg  # vLLM's reason, from its log

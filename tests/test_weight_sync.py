@@ -259,3 +259,86 @@ def test_buckets_are_flat_bounded_and_cast_to_the_engine_dtype():
     for items, flat in buckets:
         assert flat.dtype == torch.bfloat16 and flat.dim() == 1
         assert torch.equal(flat, torch.cat([t.reshape(-1) for _, t in items]).to(torch.bfloat16))
+
+
+# ---- proof of arrival, routing, and an engine that dies ----------------------------------------
+
+
+def test_every_push_is_checked_against_what_the_engine_holds(models):
+    """The engine reads its parameters back (GET /weight_checksums) and the trainer compares them
+    with what it sent, per tensor, on every transport: a difference is one line naming the engine
+    and the tensor, never a silent mix."""
+    a, b = models
+    engine = launch_engine(str(a))
+    try:
+        client = EngineClient(engine.url)
+        held_a = client.weight_checksums()
+        for transport in ("shm", "gloo"):
+            pusher = WeightPusher([client], transport, timeout=30)
+            metrics = pusher.push(iter_safetensors(b), version=1)
+            assert metrics["perf/update_weights_check_time"] > 0
+            sent = pusher._sent[torch.float32]
+            assert set(sent) == {n for n, _ in iter_safetensors(b)}
+            name = "model.layers.1.mlp.down_proj.weight"
+            assert sent[name] != held_a[name]  # the engine's answer changed with the push
+            sent[name] = [sent[name][0] + 1, sent[name][1]]  # one bit of one element
+            with pytest.raises(EngineError, match=f"engine at {engine.url} does not hold what the trainer sent, 1 of"):
+                pusher.verify(1)
+            pusher.close()
+        # a trainer whose weights never reached the engine (pushed elsewhere) is caught the same way
+        pusher = WeightPusher([client], "shm", timeout=30)
+        pusher._sent = {torch.float32: dict(held_a)}  # what it would have sent had it pushed a
+        with pytest.raises(EngineError, match="tensors differ"):
+            pusher.verify(2)
+    finally:
+        engine.shutdown()
+
+
+def test_requests_go_to_the_least_loaded_engine_and_a_group_stays_on_one():
+    from vime.rollout.runtime import RolloutRuntime
+
+    rt = RolloutRuntime([EngineClient("http://127.0.0.1:1"), EngineClient("http://127.0.0.1:2")], None)
+    first = rt.pick(group_index=0, cost=100)
+    assert first.index == 0 and rt.pick(group_index=0, cost=100) is first  # the group's prefix is cached there
+    other = rt.pick(group_index=1, cost=10)
+    assert other.index == 1  # engine 0 holds 200 tokens in flight, engine 1 none
+    assert rt.pick(group_index=2, cost=10).index == 1  # 200 against 10
+    rt.release(first, 100)
+    rt.release(first, 100)
+    assert rt.pick(group_index=3, cost=10).index == 0  # 0 against 20
+    rt.engines[1].state = "restarting"
+    assert rt.pick(group_index=1, cost=5).index == 0  # an engine that is not up gets nothing
+    rt.engines[0].state = "down"
+    with pytest.raises(EngineError, match="no engine left to generate with"):
+        rt.pick(group_index=4, cost=1)
+    assert rt.metrics()["rollout/engine0_requests"] == 4
+
+
+@pytest.mark.slow
+def test_two_engines_share_a_run_and_a_killed_one_comes_back(tmp_path, tiny_model, addition_data):
+    """--rollout-num-engines 2; engine 1 SIGKILLed mid-rollout: its requests finish on engine 0,
+    it is started again, re-synced by the next push, and takes work again; sync's log-probs
+    equal the trainer's at every step, so no sample came from old weights."""
+    from conftest import run_cli
+    from test_train import read_rows
+
+    train, _ = addition_data
+    out = run_cli(
+        "train.py", "--hf-checkpoint", str(tiny_model), "--prompt-data", str(train),
+        "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "6",
+        "--lr", "2e-2", "--num-rollout", "5", "--custom-rm-path", "varied_reward.digit_share",
+        "--custom-generate-function-path", "fault_plugins.kill_engine_one", "--rollout-num-engines", "2",
+        "--runs-dir", str(tmp_path), "--run-name", "two",
+        timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [r for r in read_rows(tmp_path / "two") if "perf/step_time" in r]
+    assert [r["rollout/engines_up"] for r in rows] == [2, 1, 2, 2, 2]
+    assert [r["rollout/engine_restarts"] for r in rows] == [0, 1, 1, 1, 1]
+    for r in rows:
+        assert r["rollout/staleness_max"] == 0 and r["train/train_rollout_logprob_abs_diff"] < 1e-4, r
+    served = [r["rollout/engine1_requests"] for r in rows]
+    assert served[0] > 0 and served[4] > served[3] > served[2], served
+    log_text = (tmp_path / "two" / "log.txt").read_text()
+    assert "engine 1 is back at" in log_text and "holds the current weights again" in log_text
+    assert (tmp_path / "two" / "engine1.1.log").exists()

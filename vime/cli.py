@@ -117,7 +117,10 @@ def eval_main(argv: list[str]) -> int:
     try:
         args.rollout_engine_urls = placement.urls
         args.api_key = placement.api_key or args.api_key
-        args.runtime = RolloutRuntime(make_clients(placement.urls, args.rollout_backend, args.api_key), tokenizer)
+        clients = make_clients(placement.urls, args.rollout_backend, args.api_key)
+        args.runtime = RolloutRuntime(clients, tokenizer, placement.transports)
+        if not placement.engines:  # engines given by URL: they evaluate --hf-checkpoint, not what they hold
+            push_checkpoint(args, placement, clients)
         out_path = run_dir / "eval.jsonl"
         m = evaluate(args, 0, out_path).metrics
     finally:
@@ -127,6 +130,25 @@ def eval_main(argv: list[str]) -> int:
     print(f"accuracy {m['eval/accuracy']:.4f} ({m['eval/correct']}/{m['eval/total']})  per-sample results: {out_path}")
     print(json.dumps({k: m[k] for k in ("eval/accuracy", "eval/correct", "eval/total")}))
     return 0
+
+
+def push_checkpoint(args, placement, clients) -> None:
+    """Give engines the weights of --hf-checkpoint (version 0), checked as a run's pushes are."""
+    from vime.engine.core.model import iter_safetensors
+    from vime.trainer.weights import WeightPusher
+
+    pusher = WeightPusher(
+        list(clients),
+        placement.transports,
+        timeout=args.update_weights_timeout,
+        master_address=placement.master_address,
+        check=args.check_weight_push,
+    )
+    device = placement.trainer_device
+    try:
+        pusher.push(((n, t.to(device)) for n, t in iter_safetensors(args.model_dir)), version=0)
+    finally:
+        pusher.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -304,7 +304,12 @@ class Config:
     actor_num_nodes: int = _f(1, "trainer nodes", group="placement")
     actor_num_gpus_per_node: int = _f(1, "trainer GPUs per node", group="placement")
     rollout_num_gpus: int | None = _f(None, "GPUs for rollout engines (default: 1 engine)", group="placement")
-    rollout_num_gpus_per_engine: int = _f(1, "GPUs per engine (tensor parallel)", group="placement")
+    rollout_num_gpus_per_engine: int = _f(1, "GPUs per engine (vLLM's tensor parallel size)", group="placement")
+    rollout_num_engines: int | None = _f(
+        None,
+        "engines to launch (default: --rollout-num-gpus / --rollout-num-gpus-per-engine on GPUs, 1 on CPU)",
+        group="placement",
+    )
     rollout_backend: str = _f(
         "vime",
         "rollout engine: vime (built-in) or vllm (a vLLM server per engine; install the vllm extra)",
@@ -332,6 +337,11 @@ class Config:
     update_weights_timeout: float = _f(
         120.0,
         "seconds a weight push, or joining the weight group, may take before the run stops with the engine's URL",
+        group="placement",
+    )
+    check_weight_push: bool = _f(
+        True,
+        "after every push, compare a checksum of each weight the engines got with the trainer's; a mismatch stops the run",
         group="placement",
     )
     update_weights_master_address: str | None = _f(
@@ -536,10 +546,19 @@ def _common_checks(c: Config) -> list[tuple[bool, str]]:
         (c.rollout_temperature < 0, "--rollout-temperature must be >= 0 (0 = greedy)"),
         (not 0 < c.rollout_top_p <= 1, "--rollout-top-p must be in (0, 1]"),
         (c.rollout_max_response_len < 1, "--rollout-max-response-len must be at least 1"),
+        (c.rollout_num_gpus_per_engine < 1, "--rollout-num-gpus-per-engine must be at least 1"),
+        (c.rollout_num_engines is not None and c.rollout_num_engines < 1, "--rollout-num-engines must be at least 1"),
         (
-            c.rollout_num_gpus_per_engine != 1,
-            f"--rollout-num-gpus-per-engine {c.rollout_num_gpus_per_engine}: the built-in engine has no tensor parallelism "
-            "and vLLM's is not wired up yet; use 1 (--rollout-num-gpus N then runs N engines of one GPU each)",
+            c.rollout_num_engines is not None
+            and c.rollout_num_gpus is not None
+            and c.rollout_num_engines * c.rollout_num_gpus_per_engine != c.rollout_num_gpus,
+            f"--rollout-num-engines {c.rollout_num_engines} × --rollout-num-gpus-per-engine {c.rollout_num_gpus_per_engine} "
+            f"is not --rollout-num-gpus {c.rollout_num_gpus}: give the two that you mean",
+        ),
+        (
+            c.rollout_num_gpus_per_engine != 1 and c.rollout_backend != "vllm",
+            f"--rollout-num-gpus-per-engine {c.rollout_num_gpus_per_engine}: the built-in engine has no tensor parallelism; "
+            "use 1 (--rollout-num-gpus N then runs N engines of one GPU each) or --rollout-backend vllm",
         ),
         (c.eval_temperature is not None and c.eval_temperature < 0, "--eval-temperature must be >= 0 (0 = greedy)"),
         (c.eval_top_p is not None and not 0 < c.eval_top_p <= 1, "--eval-top-p must be in (0, 1]"),
@@ -561,12 +580,8 @@ def _common_checks(c: Config) -> list[tuple[bool, str]]:
         (c.reward_key == "", "--reward-key needs a key name, e.g. score"),
         *compat.checks(c),
         (
-            c.rollout_backend == "vllm" and c.weight_transport == "nccl",
-            "--weight-transport nccl does not reach vLLM engines yet (vLLM's workers join their own rendezvous, which vime's trainer does not speak): leave it at auto (disk)",
-        ),
-        (
-            c.rollout_backend == "vllm" and c.weight_transport not in ("auto", "disk"),  # nccl: the check above
-            f"--weight-transport {c.weight_transport} does not reach vLLM engines: leave it at auto (disk)",
+            c.rollout_backend == "vllm" and c.weight_transport in ("shm", "cuda_ipc"),
+            f"--weight-transport {c.weight_transport} does not reach vLLM engines (they receive by nccl, gloo or disk): leave it at auto",
         ),
         *_non_finite(c),
     ]

@@ -44,6 +44,7 @@ async def _run(args, samples: list[Sample], step: int) -> list[Sample]:
     async def one(s: Sample) -> Sample:
         nonlocal done
         out = await fn(args, s, params)
+        runtime_of(args).forget_group(s.group_index)  # an eval row needs no engine of its own later
         done += 1
         bar.update(1)
         if bar.disable and done % quarter == 0 and done < len(samples):

@@ -18,8 +18,10 @@ from __future__ import annotations
 import logging
 import secrets
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -40,11 +42,45 @@ class Placement:
     master_address: str = "127.0.0.1"  # where engines reach the trainer's weight-group rendezvous
     engines: list[EngineProcess] = field(default_factory=list)
     api_key: str | None = None  # what the engines' clients send (launched engines get a fresh one)
+    launch_one: Callable[[int], Any] | None = None  # starts engine i on its device (launched engines only)
+    closed: bool = False
+
+    def relaunch(self, i: int) -> str:
+        """Engine i started again on its device, its old process ended first; returns its URL
+        (RolloutRuntime restarts engines that died with it)."""
+        if self.closed or self.launch_one is None:
+            raise RuntimeError("the run launched no engines or has ended")
+        self.engines[i].shutdown()
+        new = self.launch_one(i)
+        if self.closed:  # the run ended while the engine started
+            new.shutdown()
+            raise RuntimeError("the run ended while the engine started")
+        self.engines[i] = new
+        self.urls[i] = new.url
+        return new.url
 
     def shutdown(self) -> None:
+        self.closed = True
         for e in self.engines:
             e.shutdown()
         self.engines.clear()
+
+
+def launch_all(launch_one: Callable[[int], Any], n: int) -> list[Any]:
+    """Engines 0..n-1 started at once (each takes a while to load; none waits for another); if
+    any fails, the others are shut down and its error raised."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max(1, n), thread_name_prefix="vime-launch") as pool:
+        futures = [pool.submit(launch_one, i) for i in range(n)]
+        errors = [f.exception() for f in futures]
+    started = [f.result() for f, e in zip(futures, errors) if e is None]
+    failed = [e for e in errors if e is not None]
+    if failed:
+        for e in started:
+            e.shutdown()
+        raise failed[0]
+    return started
 
 
 def trainer_device(args) -> str:
@@ -56,19 +92,32 @@ def trainer_device(args) -> str:
 
 
 def engine_devices(args, trainer: str) -> list[str]:
-    """One device string per engine. Engines take the GPUs after the trainer's when there are
-    enough; otherwise they share the trainer's GPU (two processes on one device)."""
-    if trainer == "cpu":
-        return ["cpu"]
+    """One device string per engine: "cuda:N", or "cuda:N,M" for an engine of several GPUs
+    (--rollout-num-gpus-per-engine, vLLM's tensor parallelism). Engines take the GPUs after the
+    trainer's when there are enough; engines of one GPU otherwise share the trainer's GPUs (two
+    processes on one device)."""
+    if trainer == "cpu":  # no GPUs to count: --rollout-num-engines, else one
+        if args.rollout_num_gpus_per_engine > 1:
+            raise ConfigError(
+                f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine}: tensor-parallel engines need GPUs; use 1 on CPU"
+            )
+        return ["cpu"] * (args.rollout_num_engines or 1)
     per_engine = args.rollout_num_gpus_per_engine
-    if per_engine != 1:
-        raise NotImplementedError("--rollout-num-gpus-per-engine > 1 (tensor parallel engines) is not built yet")
-    n_engines = max(1, (args.rollout_num_gpus or 1) // per_engine)
+    n_engines = args.rollout_num_engines or max(1, (args.rollout_num_gpus or per_engine) // per_engine)
     n_trainer = 0 if args.colocate else args.actor_num_gpus_per_node
     available = torch.cuda.device_count()
-    if n_trainer + n_engines <= available:
-        return [f"cuda:{n_trainer + i}" for i in range(n_engines)]
-    return [f"cuda:{i % available}" for i in range(n_engines)]
+    if n_trainer + n_engines * per_engine <= available:
+        first = n_trainer
+    elif per_engine == 1:
+        return [f"cuda:{i % available}" for i in range(n_engines)]
+    elif n_engines * per_engine <= available:
+        first = 0  # tensor-parallel engines on the trainer's GPUs too
+    else:
+        raise ConfigError(
+            f"{n_engines} engine(s) of {per_engine} GPUs need {n_engines * per_engine} GPUs, {available} are here: "
+            "lower --rollout-num-gpus or --rollout-num-gpus-per-engine"
+        )
+    return ["cuda:" + ",".join(str(first + e * per_engine + g) for g in range(per_engine)) for e in range(n_engines)]
 
 
 def choose_transports(args, trainer: str, infos: list[dict]) -> list[str]:
@@ -140,28 +189,24 @@ def place(args, model_dir: Path, run_dir: Path) -> Placement:
     api_key = args.api_key
     if args.rollout_engine_urls:
         urls, devices, engines = list(args.rollout_engine_urls), [], []
+        launch_one = None
     else:
         # engines we start answer only to this run, whatever else can reach 127.0.0.1
         api_key = api_key or secrets.token_urlsafe(24)
         devices = engine_devices(args, trainer)
         dtype = "float32" if trainer == "cpu" else "bfloat16"
-        engines = []
-        try:
-            for i, dev in enumerate(devices):
-                extra = ["--max-num-seqs", str(args.engine_max_num_seqs), "--seed", str(args.rollout_seed + i)]
-                if args.engine_num_kv_blocks:
-                    extra += ["--num-kv-blocks", str(args.engine_num_kv_blocks)]
-                log_path = fresh_path(run_dir / f"engine{i}.log")
-                log.info("starting engine %d on %s (log: %s)", i, dev, log_path)
-                engines.append(
-                    launch_engine(
-                        str(model_dir), device=dev, dtype=dtype, extra_args=extra, log_path=log_path, api_key=api_key
-                    )
-                )
-        except BaseException:
-            for e in engines:
-                e.shutdown()
-            raise
+
+        def launch_one(i: int) -> EngineProcess:  # type: ignore[no-redef]
+            extra = ["--max-num-seqs", str(args.engine_max_num_seqs), "--seed", str(args.rollout_seed + i)]
+            if args.engine_num_kv_blocks:
+                extra += ["--num-kv-blocks", str(args.engine_num_kv_blocks)]
+            log_path = fresh_path(run_dir / f"engine{i}.log")  # a restarted engine keeps its earlier log
+            log.info("starting engine %d on %s (log: %s)", i, devices[i], log_path)
+            return launch_engine(
+                str(model_dir), device=devices[i], dtype=dtype, extra_args=extra, log_path=log_path, api_key=api_key
+            )
+
+        engines = launch_all(launch_one, len(devices))
         urls = [e.url for e in engines]
     try:
         # an unreachable engine fails now, with its URL, not mid-run
@@ -174,7 +219,7 @@ def place(args, model_dir: Path, run_dir: Path) -> Placement:
         raise
     for u, t in zip(urls, transports):
         log.info("engine %s: weights by %s", u, t)
-    return Placement(trainer, devices, urls, transports, address, engines, api_key)
+    return Placement(trainer, devices, urls, transports, address, engines, api_key, launch_one)
 
 
 def fresh_path(path: Path) -> Path:

@@ -29,13 +29,13 @@ import torch
 import yaml
 
 from vime.config import Config, ConfigError
-from vime.engine.client import EngineError
+from vime.engine.client import EngineClient, EngineError
 from vime.metrics import MetricsLogger, setup_logging
 from vime.placement import Placement, fresh_path, place, trainer_device
 from vime.preflight import check_inputs
 from vime.rollout import async_loop
 from vime.rollout.rewards import close_pool
-from vime.rollout.runtime import RolloutRuntime, make_clients
+from vime.rollout.runtime import RolloutRuntime, make_client, make_clients
 from vime.rollout.types import RolloutOutput, Sample
 from vime.trainer.checkpoint import latest_checkpoint
 from vime.trainer.distributed import launch_actor
@@ -86,14 +86,21 @@ class Run:
         try:
             args.rollout_engine_urls = self.placement.urls
             args.api_key = self.placement.api_key or args.api_key
-            self.clients = make_clients(self.placement.urls, args.rollout_backend, args.api_key)
-            args.runtime = RolloutRuntime(self.clients, inputs.tokenizer)
+            clients = make_clients(self.placement.urls, args.rollout_backend, args.api_key)
+            relaunch = None
+            if self.placement.launch_one is not None:
+
+                def relaunch(i: int) -> EngineClient:
+                    return make_client(self.placement.relaunch(i), args.rollout_backend, args.api_key)
+
+            args.runtime = RolloutRuntime(clients, inputs.tokenizer, self.placement.transports, relaunch)
             self.pusher = WeightPusher(
-                self.clients,
+                clients,
                 transport=self.placement.transports,
                 bucket_bytes=args.update_weight_buffer_size,
                 timeout=args.update_weights_timeout,
                 master_address=self.placement.master_address,
+                check=args.check_weight_push,
             )
             self.pusher.connect(self.placement.trainer_device)  # a weight group, if any, is formed now, not in step 1
             self.policy_version = (
@@ -103,6 +110,10 @@ class Run:
             self.start_step = 0
             if args.load:
                 self._resume(Path(args.load))
+            elif not self.placement.engines:
+                # engines given by URL hold whatever they were started with: the run's starting
+                # weights and version 0 go to them before step 1
+                self.push_weights(0, count=False)
             self.metrics = MetricsLogger.for_run(args, self.num_rollout, self.start_step)
         except BaseException:
             self.close()  # never leave engine or trainer processes behind
@@ -153,15 +164,28 @@ class Run:
         resumed. `count=False`: a resumed run's weights re-sent, not a push of training. A failed
         push stops the run with the engine's URL and the step."""
         t0 = time.perf_counter()
-        try:
-            with self.generation_paused("abort" if self.args.partial_rollout else "in_place"):
-                metrics = self.pusher.push(self.actor.named_weights(), self.policy_version)
-        except EngineError as e:
-            raise EngineError(f"step {step}: {e}") from None
+        runtime = self.args.runtime
+        for attempt in range(3):
+            engines = runtime.reachable()  # engines back from a restart get the weights here
+            if not engines:
+                raise EngineError(f"step {step}: {runtime.no_engine_message()}")
+            self.pusher.set_engines([e.client for e in engines], [e.transport for e in engines])
+            try:
+                with self.generation_paused("abort" if self.args.partial_rollout else "in_place"):
+                    metrics = self.pusher.push(self.actor.named_weights(), self.policy_version)
+                break
+            except EngineError as e:
+                gone = [x for x in engines if runtime.engine_failed(x, e)]
+                if not gone or attempt == 2:
+                    raise EngineError(f"step {step}: {e}") from None
+                log.warning(
+                    "step %d: %d engine(s) went away during the weight push; pushing to the others", step, len(gone)
+                )
+        runtime.mark_synced(engines)
         metrics["perf/update_weights_time"] = time.perf_counter() - t0
         self.weight_pushes += int(count)
         # the engines' version is kept in one place, the runtime; a worker bounded by --max-staleness waits for it
-        self.args.runtime.set_engine_version(self.policy_version)
+        runtime.set_engine_version(self.policy_version)
         return metrics
 
     def version_metrics(self) -> dict[str, float]:
@@ -171,6 +195,7 @@ class Run:
             "train/policy_version": self.policy_version,
             "train/weight_version": self.args.runtime.engine_version,
             "train/weight_pushes": self.weight_pushes,
+            **self.args.runtime.metrics(),
         }
 
     @contextlib.contextmanager
@@ -178,11 +203,16 @@ class Run:
         """All engines paused for the block (`in_place`: requests keep their place and KV;
         `abort`: they return with their partial tokens). Every engine paused is continued, also
         when a later pause or the block fails, so none is ever left paused."""
+        runtime = self.args.runtime
         paused = []
         try:
-            for c in self.clients:
-                c.pause_generation(mode=mode)
-                paused.append(c)
+            for e in runtime.reachable():
+                try:
+                    e.client.pause_generation(mode=mode)
+                    paused.append(e.client)
+                except EngineError as err:
+                    if not runtime.engine_failed(e, err):  # one that is gone has nothing to pause
+                        raise
             yield
         finally:
             for c in paused:
@@ -374,13 +404,13 @@ def _train_and_push(
 ) -> dict[str, float]:
     t0 = time.perf_counter()
     if t.args.colocate:
-        for c in t.clients:
-            c.release_memory_occupation()
+        for e in t.args.runtime.reachable():
+            e.client.release_memory_occupation()
     m = t.train_on(out, step)
     m["perf/train_time"] = time.perf_counter() - t0
     if t.args.colocate:
-        for c in t.clients:
-            c.resume_memory_occupation()
+        for e in t.args.runtime.reachable():
+            e.client.resume_memory_occupation()
     if step % t.args.update_weights_interval == 0:
         if before_push is not None:
             w0 = time.perf_counter()

