@@ -481,8 +481,13 @@ def test_named_weights_match_checkpoint_keys(actor, tiny_model, tmp_path):
 class RecordingClient:
     """Stands in for EngineClient: records each push and reads the weights while they exist."""
 
+    url = "recording"
+
     def __init__(self) -> None:
         self.calls: list[dict] = []
+
+    def model_info(self) -> dict:
+        return {"dtype": "float32"}  # a disk push is written in the engines' dtype
 
     def _read(self, path: Path) -> dict[str, torch.Tensor]:
         with safe_open(str(path), framework="pt") as f:
