@@ -159,8 +159,8 @@ class EngineClient:
     def destroy_weights_update_group(self, body: dict) -> dict:
         return self._request("POST", "/destroy_weights_update_group", body)
 
-    def weight_checksums(self) -> dict[str, list[float]]:
-        """weight_sync.checksum of each weight the engine holds, by HF name (the proof a push
+    def weight_checksums(self) -> dict[str, list[int]]:
+        """weight_sync.checksums (bit sum, count) of each weight the engine holds, by HF name (the proof a push
         arrived: WeightPusher compares them with the trainer's)."""
         return self._request("GET", "/weight_checksums")["checksums"]
 

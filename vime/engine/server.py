@@ -356,7 +356,7 @@ class EngineServer:
         )
 
     async def weight_checksums(self, request: web.Request) -> web.Response:
-        """weight_sync.checksum of every weight the engine holds, by HF name (a tied weight under
+        """weight_sync.checksums (bit sum, count) of every weight the engine holds, by HF name (a tied weight under
         both names): read back from the parameters, so the trainer sees what was loaded."""
         sums = await self.call(self.engine.weight_checksums)
         return web.json_response({"weight_version": self.engine.weight_version, "checksums": sums})

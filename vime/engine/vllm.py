@@ -426,7 +426,7 @@ class VLLMClient(EngineClient):
         self._in_update = False
         return {"success": True}
 
-    def weight_checksums(self) -> dict[str, list[float]]:
+    def weight_checksums(self) -> dict[str, list[int]]:
         """The checksums of the last push's tensors as each worker received them; the workers of
         a tensor-parallel engine must all agree (each got every tensor)."""
         results = self._rpc("vime_checksums")

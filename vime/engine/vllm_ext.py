@@ -173,8 +173,8 @@ class WeightReceiver:
                 self._vime_load((name, st.get_tensor(name)) for name in st.keys())  # noqa: SIM118
         return self._vime_end()
 
-    def vime_checksums(self) -> dict[str, list[float]]:
-        """weight_sync.checksum of every tensor of the last complete push, as received."""
+    def vime_checksums(self) -> dict[str, list[int]]:
+        """weight_sync.checksums (bit sum, count) of every tensor of the last complete push, as received."""
         return dict(getattr(self, "_vime_sums", {}))
 
     def _vime_model(self) -> torch.nn.Module:
@@ -191,7 +191,7 @@ class WeightReceiver:
                 # keeps the old tensors of every layer it did not finish), then start over
                 finalize_layerwise_reload(model, self.vllm_config.model_config)
             initialize_layerwise_reload(model)
-        self._vime_open: dict[str, list[float]] | None = {}
+        self._vime_open: dict[str, list[int]] | None = {}
 
     def _vime_load(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         from vllm.config import set_current_vllm_config

@@ -75,7 +75,7 @@ class WeightPusher:
         self._dtypes: dict[str, torch.dtype] = {}  # engine URL → the dtype it holds weights in
         # the last push's checksums as the engines should hold them: by dtype (what a broadcast
         # sent is in the group's dtype; other transports send the trainer's, cast by the engine)
-        self._sent: dict[torch.dtype, dict[str, list[float]]] = {}
+        self._sent: dict[torch.dtype, dict[str, list[int]]] = {}
 
     def push(self, named_weights: Iterable[tuple[str, Tensor]], version: int) -> dict[str, float]:
         """Send the weights to all engines; returns perf/update_weights_* metrics.

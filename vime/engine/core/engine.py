@@ -372,8 +372,8 @@ class LLMEngine:
                     "or a partial checkpoint?): nothing was loaded"
                 )
 
-    def weight_checksums(self) -> dict[str, list[float]]:
-        """weight_sync.checksum of every weight by HF name, read back from the parameters."""
+    def weight_checksums(self) -> dict[str, list[int]]:
+        """weight_sync.checksums (bit sum, count) of every weight by HF name, read back from the parameters."""
         views = self._weight_views()
         return dict(zip(views, weight_sync.checksums(views.values())))
 
