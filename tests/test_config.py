@@ -1,7 +1,8 @@
 import pytest
+import yaml
 from conftest import run_cli
 
-from vime.config import DEFAULT_ROLLOUT_FN, FULLY_ASYNC_FN, ConfigError, parse_args
+from vime.config import ASYNC_CORRECTION, DEFAULT_ROLLOUT_FN, FULLY_ASYNC_FN, ConfigError, parse_args
 
 BASE = ["--hf-checkpoint", "tiny", "--prompt-data", "x.jsonl", "--num-rollout", "2"]
 
@@ -146,3 +147,56 @@ def test_cli_reports_config_error_as_one_line():
     out = run_cli("train.py", *BASE, "--global-batch-size", "3", timeout=60)
     assert out.returncode == 2
     assert out.stderr.strip().startswith("error: ") and len(out.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "entry, extra, chosen, use_tis, band",
+    [
+        ("sync", [], "none", False, None),  # sync is unchanged: nothing is stale
+        ("async", [], ASYNC_CORRECTION, True, None),  # one-step-off
+        ("async", ["--rollout-function-path", FULLY_ASYNC_FN], ASYNC_CORRECTION, True, None),
+        ("async", ["--max-staleness", "2"], ASYNC_CORRECTION, True, None),  # decoupled
+        ("async", ["--max-staleness", "0"], "none", False, None),  # trains what sync trains
+        ("async", ["--use-rollout-logprobs"], "none", False, None),  # coupled PPO is its own choice
+        ("async", ["--off-policy-correction", "none"], "none", False, None),  # the old behaviour, one flag away
+        ("async", ["--use-tis", "--tis-clip", "3"], "custom", True, ("truncate", 0.0, 3.0)),  # slime's flags as given
+        ("sync", ["--off-policy-correction", "tis"], "tis", True, ("truncate", 0.0, 2.0)),
+        ("async", ["--off-policy-correction", "icepop"], "icepop", True, ("mask", 0.5, 5.0)),
+        ("async", ["--off-policy-correction", "decoupled-ppo"], "decoupled-ppo", True, ("mask", 0.0, 5.0)),
+    ],
+)
+def test_off_policy_correction_is_resolved_and_recorded(tmp_path, entry, extra, chosen, use_tis, band):
+    args = parse_args([*BASE, *extra], entry=entry)
+    assert args.off_policy_correction == chosen  # what config.yaml records: never "auto"
+    assert args.use_tis is use_tis
+    if band is not None:
+        assert (args.tis_mode, args.tis_clip_low, args.tis_clip) == band
+    line = args.correction_summary()
+    assert line.startswith(f"off-policy correction: {chosen}" if use_tis else "off-policy correction: none")
+    # a run's own config.yaml, given back as --config, resolves to the same settings
+    saved = tmp_path / "config.yaml"
+    saved.write_text(yaml.safe_dump({k: v for k, v in args.to_dict().items() if k != "mode" and v is not None}))
+    again = parse_args(["--config", str(saved)], entry=entry)
+    assert (again.off_policy_correction, again.use_tis, again.tis_mode, again.tis_clip) == (
+        args.off_policy_correction,
+        args.use_tis,
+        args.tis_mode,
+        args.tis_clip,
+    )
+
+
+@pytest.mark.parametrize(
+    "extra, fragment",
+    [
+        (
+            ["--off-policy-correction", "tis", "--tis-clip", "3"],
+            "--tis-clip 3.0 contradicts --off-policy-correction tis",
+        ),
+        (["--off-policy-correction", "none", "--use-tis"], "--use-tis True contradicts --off-policy-correction none"),
+        (["--off-policy-correction", "icepop", "--use-rollout-logprobs"], "drop one"),
+    ],
+)
+def test_off_policy_correction_conflicts_fail_with_one_line(extra, fragment):
+    with pytest.raises(ConfigError) as e:
+        parse_args([*BASE, *extra], entry="async")
+    assert fragment in str(e.value) and "\n" not in str(e.value)

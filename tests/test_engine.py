@@ -563,6 +563,28 @@ def test_preemption_keeps_greedy_outputs(model_dir, hf, tmp_path):
         assert out["output_ids"] == hf_greedy(hf, p, 20)
 
 
+def test_a_lower_priority_value_is_admitted_first_and_changes_no_output(model_dir, hf):
+    """Eval's requests (priority -1) overtake the rollout backlog waiting for a seat, FIFO
+    within a priority, and a request's tokens do not depend on when it was admitted."""
+    from vime.engine.core.engine import EngineConfig, LLMEngine
+    from vime.engine.core.sampler import SamplingParams
+
+    eng = LLMEngine(EngineConfig(str(model_dir), max_num_seqs=1, block_size=4, num_kv_blocks=64))
+    prompts = {"a": PROMPTS[1], "b": [11, 12, 13], "c": [60] * 9, "eval1": [90, 80, 70], "eval2": PROMPTS[2][:11]}
+    finished = []
+    for rid, prompt in prompts.items():
+        params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True, priority=-1 if "eval" in rid else 0)
+        eng.add_request(rid, prompt, params)
+        if rid == "a":
+            finished += eng.step()  # "a" takes the one seat before the others arrive
+    while eng.has_work():
+        finished += eng.step()
+    # then both evals, in their order, ahead of the rollouts that were waiting before them
+    assert [o.rid for o in finished] == ["a", "eval1", "eval2", "b", "c"]
+    for o in finished:
+        assert o.outputs[0].output_ids == hf_greedy(hf, prompts[o.rid], 6)
+
+
 # ---- protocol errors and OpenAI routes -------------------------------------------------
 
 

@@ -35,6 +35,19 @@ DEFAULT_ROLLOUT_FN = "vime.rollout.vllm_rollout.generate_rollout"
 FULLY_ASYNC_FN = "vime.rollout.fully_async_rollout.generate_rollout_fully_async"
 ENTRIES = ("sync", "async", "eval")  # train.py, train_async.py, vime eval
 
+# What each --off-policy-correction sets (the flags are slime's); "none" turns both off.
+# tis: slime's --use-tis defaults; icepop: IcePop's band [0.5, 5]; decoupled-ppo: AReaL's
+# behaviour-weight cap of 5, nothing below it touched.
+_NO_CORRECTION = {"use_tis": False, "use_rs": False}
+CORRECTIONS: dict[str, dict[str, Any]] = {
+    "none": _NO_CORRECTION,
+    "tis": {**_NO_CORRECTION, "use_tis": True, "tis_mode": "truncate", "tis_clip": 2.0, "tis_clip_low": 0.0},
+    "icepop": {**_NO_CORRECTION, "use_tis": True, "tis_mode": "mask", "tis_clip": 5.0, "tis_clip_low": 0.5},
+    "decoupled-ppo": {**_NO_CORRECTION, "use_tis": True, "tis_mode": "mask", "tis_clip": 5.0, "tis_clip_low": 0.0},
+}
+# the correction auto picks in every mode that can train stale samples
+ASYNC_CORRECTION = "tis"
+
 
 DERIVED, RUNTIME, PASSTHROUGH = "derived", "runtime", "passthrough"  # field groups that are not flags
 
@@ -200,6 +213,16 @@ class Config:
     use_rollout_logprobs: bool = _f(
         False,
         "take the PPO ratio against the engine's log-probs (the behaviour policy) instead of the trainer's current weights: coupled PPO, no recompute",
+        group="algorithm",
+    )
+    off_policy_correction: str = _f(
+        "auto",
+        "how samples from older weights (or other kernels) are corrected: auto = none in sync and at --max-staleness 0, "
+        f"else {ASYNC_CORRECTION} (chosen by a sweep over seeds: bench/RESULTS.md); none; "
+        "tis = --use-tis, weight π_old/π_rollout clamped to [0, 2]; icepop = weight kept in [0.5, 5], tokens outside it "
+        "masked; decoupled-ppo = AReaL's, weight kept up to 5, tokens above it masked; custom = exactly what "
+        "--use-tis/--use-rs and their bounds say (auto becomes custom when either is given)",
+        ("auto", "none", "tis", "icepop", "decoupled-ppo", "custom"),
         group="algorithm",
     )
     use_tis: bool = _f(
@@ -509,6 +532,7 @@ class Config:
                 raise ConfigError(msg)
         if entry != "eval":
             self.mode = self._derive_mode(entry)
+            self._resolve_correction()
         if self.api_key is None:
             self.api_key = os.environ.get("VIME_API_KEY") or None
         return self
@@ -525,6 +549,54 @@ class Config:
                 self.rollout_function_path = FULLY_ASYNC_FN
             return "decoupled" if self.rollout_function_path == FULLY_ASYNC_FN else "one-step-off"
         return "fully-async" if self.rollout_function_path == FULLY_ASYNC_FN else "one-step-off"
+
+    def _resolve_correction(self) -> None:
+        """Turn --off-policy-correction into the TIS/rejection fields the loss reads, and record
+        which one was taken (config.yaml and the start-up line show it). Async runs train on
+        samples up to several versions old, and uncorrected they lost ~20 points of held-out
+        accuracy on the demo task at staleness 4 (bench/RESULTS.md), so auto corrects wherever a
+        sample can be stale; sync and --max-staleness 0 train what sync trains, uncorrected."""
+        chosen = self.off_policy_correction
+        if chosen == "auto":
+            if self.use_tis or self.use_rs:
+                chosen = "custom"
+            elif self.mode == "sync" or self.max_staleness == 0 or self.use_rollout_logprobs:
+                chosen = "none"
+            else:
+                chosen = ASYNC_CORRECTION
+        if chosen != "custom":
+            for name, value in CORRECTIONS[chosen].items():
+                if getattr(self, name) not in (value, _FIELDS[name].default):
+                    flag = "--" + name.replace("_", "-")
+                    raise ConfigError(
+                        f"{flag} {getattr(self, name)} contradicts --off-policy-correction {chosen}, which sets it to {value}: "
+                        f"give --off-policy-correction custom to use your own {flag}, or drop it"
+                    )
+                setattr(self, name, value)
+            if chosen != "none" and self.use_rollout_logprobs:
+                raise ConfigError(
+                    f"--off-policy-correction {chosen} weighs π_old against the engine's log-probs, which "
+                    "--use-rollout-logprobs makes π_old: drop one"
+                )
+        self.off_policy_correction = chosen
+
+    def correction_summary(self) -> str:
+        """One line for the start of a run: which correction, and what it does to a token."""
+        if not (self.use_tis or self.use_rs):
+            return "off-policy correction: none"
+        parts = []
+        if self.use_tis:
+            band = f"[{self.tis_clip_low:g}, {self.tis_clip:g}]"
+            parts.append(
+                f"π_old/π_rollout clamped to {band}"
+                if self.tis_mode == "truncate"
+                else f"tokens with π_old/π_rollout outside {band} masked"
+            )
+        if self.use_rs:
+            parts.append(
+                f"{self.rs_level}s with a ratio outside [{self.rs_lower_bound:g}, {self.rs_upper_bound:g}] dropped"
+            )
+        return f"off-policy correction: {self.off_policy_correction} ({'; '.join(parts)}); --off-policy-correction none turns it off"
 
     def to_dict(self) -> dict[str, Any]:
         """Every setting and derived value, for config.yaml; a secret shows only that it was set."""

@@ -63,6 +63,7 @@ class Run:
         setup_logging(self.run_dir / "log.txt", quiet=args.quiet)
         for note in inputs.notes:
             log.warning("%s", note)
+        log.info("mode %s; %s", args.mode, args.correction_summary())
         # a resumed run keeps the config of the run it resumes (config.1.yaml, ...: one per resume)
         (fresh_path(self.run_dir / "config.yaml") if args.load else self.run_dir / "config.yaml").write_text(
             yaml.safe_dump(args.to_dict(), sort_keys=False)
@@ -324,7 +325,7 @@ class StepClock:
     """Step and wall-clock time with eval/checkpoint time cut out (the timing above)."""
 
     def __init__(self) -> None:
-        self.prev_end = time.perf_counter()
+        self.start = self.prev_end = time.perf_counter()
         self.wall = 0.0
 
     def close(self, m: dict[str, float]) -> None:
@@ -332,6 +333,9 @@ class StepClock:
         m["perf/step_time"] = end - self.prev_end
         self.wall += m["perf/step_time"]
         m["perf/wall_clock"] = self.wall
+        # what a stopwatch would show since the loop began (evals and saves included): in async
+        # modes generation goes on during an eval, so only this clock charges every second
+        m["perf/elapsed"] = end - self.start
         parts = ("perf/train_wait_time", "perf/train_time", "perf/update_weights_time", "perf/push_wait_time")
         m["perf/other_time"] = max(0.0, m["perf/step_time"] - sum(m.get(k, 0.0) for k in parts))
 

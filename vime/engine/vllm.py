@@ -63,6 +63,7 @@ _SAMPLING_KEYS = {
     "ignore_eos": "ignore_eos",
     "n": "n",
     "sampling_seed": "seed",
+    "priority": None,  # not sent: a server on vLLM's default first-come scheduling refuses any priority
 }
 
 # The built-in engine's default, so a request without max_new_tokens means the same on both
@@ -124,7 +125,7 @@ def to_vllm_sampling_params(params: dict) -> dict:
         raise EngineError(
             f"unsupported sampling_params {unknown} for the vLLM backend (supported: {sorted(_SAMPLING_KEYS)})"
         )
-    out = {_SAMPLING_KEYS[k]: v for k, v in params.items() if v is not None}
+    out = {_SAMPLING_KEYS[k]: v for k, v in params.items() if v is not None and _SAMPLING_KEYS[k] is not None}
     out.setdefault("max_tokens", DEFAULT_MAX_NEW_TOKENS)
     if "top_k" in out and out["top_k"] <= 0:
         out["top_k"] = 0  # vime: <= 0 is off; vLLM: 0 is off, below -1 an error

@@ -48,6 +48,9 @@ def sampling_params(args, evaluation: bool = False) -> dict:
             "temperature": temperature,
             "top_p": top_p,
             "top_k": -1 if temperature == 0 else args.rollout_top_k,
+            # ahead of waiting rollout requests: an eval during async training waits for seats,
+            # not for the worker's whole backlog (bench/real_ab.py's eval column shows it)
+            "priority": -1,
         }
     else:
         params = {

@@ -27,6 +27,9 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     sampling_seed: int | None = None  # fixes the draws (SGLang's name); sample j of n gets its own stream
+    # scheduling, not sampling: a waiting request of lower priority is admitted first (vLLM's
+    # convention). Eval asks -1, so in an async run it does not queue behind the worker's backlog.
+    priority: int = 0
 
     @classmethod
     def from_dict(cls, d: dict | None) -> SamplingParams:
@@ -52,6 +55,7 @@ class SamplingParams:
                 ignore_eos=bool(d.get("ignore_eos", False)),
                 n=_int(d.get("n", 1), "n"),
                 sampling_seed=_int(d["sampling_seed"], "sampling_seed") if "sampling_seed" in d else None,
+                priority=_int(d.get("priority", 0), "priority"),
             )
         except TypeError as e:
             raise ValueError(f"bad sampling_params: {e}") from None

@@ -53,7 +53,12 @@ class Scheduler:
         self.num_cached_tokens = 0  # prompt tokens whose KV was found in the prefix cache
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        """Queue behind every waiting sequence of the same or a lower priority value (FIFO
+        within a priority); running sequences are never preempted for it."""
+        i = len(self.waiting)
+        while i > 0 and self.waiting[i - 1].params.priority > seq.params.priority:
+            i -= 1
+        self.waiting.insert(i, seq)
 
     def schedule(self) -> list[tuple[Sequence, int]]:
         """Pick (sequence, number of new tokens) for one step.
