@@ -1,21 +1,39 @@
-"""The seed's accuracy table on a real model: does async training cost accuracy?
+"""The seed's two tables, speed and accuracy, on a real model: is async faster, and as accurate?
 
-SmolLM2-135M-Instruct (`resolve_model("smollm2")`, or --model DIR) is trained with GRPO on the
-demo's task (examples/demo.py: its data, prompt wording, reward and settings, GPU or CPU ones)
-once per arm and seed: sync, one-step-off, fully-async (and, asked for, decoupled with
-`--max-staleness --staleness`), each a fresh `vime train` / `vime train-async` process on the
-same config, seeds and step budget (vime.ab.run_arm). Every
-run evaluates greedily on the same held-out prompts before its first step (the baseline row:
-the same weights in every run) and after its last; the table gives correct/total, the change in
-points against the baseline, and the standard error of that change (paired over the prompts).
+SmolLM2-135M-Instruct (`resolve_model("smollm2")`, or --model DIR) is trained with GRPO once per
+arm and seed, each run a fresh `vime train` / `vime train-async` process on the same config,
+seeds and step budget (vime.ab.run_arm), with default flags unless --arm-args adds some. Every
+run evaluates greedily on the same held-out prompts before its first step (the baseline: the
+same weights in every run), every --eval-interval steps and after its last.
 
-    PYTHONPATH=. python3 bench/real_ab.py                      # GPU settings when CUDA is visible, else CPU
-    PYTHONPATH=. python3 bench/real_ab.py --seeds 1,2 --steps 40 --out /tmp/vime-real-ab
+Presets (the GPU settings when CUDA is visible, else small CPU ones):
+* `demo`: the demo's task and settings (examples/demo.py): two-term sums answered in ~11
+  tokens. Rollouts are short and even, so async has little to hide there.
+* `longtail`: the same sums, but the prompt asks for the working and responses may run to 256
+  tokens: most end within ~80, a few run to the cap, and a sync step waits for the longest. The
+  workload where async should pay, as in the seed (its trainer waited 66% of each step).
+
+Printed last, per arm (each seed a row, then their mean):
+* speed: step time, train wait and its share, train, update weights (means per step, evals
+  excluded), wall clock (sum of step times), elapsed (the stopwatch from the first step to the
+  last, evals included: in async modes generation goes on during an eval, so only this clock
+  charges every second), and the speedup in elapsed time against the first arm;
+* accuracy: correct/total after the last step, the change in points against the baseline with
+  its standard error (paired over the prompts), the mean over seeds with the spread of the seeds
+  and the pooled standard error, and points gained per elapsed minute;
+* a PNG of held-out accuracy against elapsed time, one line per arm and seed (matplotlib).
+
+    PYTHONPATH=. python3 bench/real_ab.py --preset longtail --seeds 1,2,3      # the seed's two tables
+    PYTHONPATH=. python3 bench/real_ab.py --arms fully-async --seeds 1,2,3 \\
+        --corrections none,tis,icepop,decoupled-ppo --parallel 4                # the correction sweep
     PYTHONPATH=. python3 bench/real_ab.py --steps 1 --eval-limit 4 --batch 2 --n-samples 2   # smoke test
+    PYTHONPATH=. python3 bench/real_ab.py --report-only --out DIR [--merge a.json b.json]
 
 A finished run (its final eval logged) is not run again, so a later call with more seeds or
-arms and the same --out adds only what is missing; the table covers everything asked for.
-Writes <out>/real_ab.md (the table) and <out>/results.json.
+arms and the same --out adds only what is missing. `--parallel N` runs N at once: for accuracy
+sweeps only, as runs sharing a device slow each other (their speed columns are then not
+comparable with a quiet machine's). Writes <out>/real_ab.md, <out>/results.json and
+<out>/accuracy_vs_elapsed.png.
 """
 
 from __future__ import annotations
@@ -23,9 +41,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
+import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -35,55 +57,222 @@ sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
 from demo import demo_config, demo_data, demo_settings  # noqa: E402
 
 from vime.ab import run_arm  # noqa: E402
+from vime.datagen import INSTRUCTION  # noqa: E402
 from vime.models import resolve_model  # noqa: E402
-from vime.report import eval_results, paired_change  # noqa: E402
+from vime.report import eval_results, paired_change, summarize  # noqa: E402
 
 ARMS = ("sync", "one-step-off", "fully-async", "decoupled")
+WORKING = "Work it out step by step, then give the final answer after 'Answer:'."
+# longtail, GPU: the demo's batch, 256 tokens of room; lr 2e-5 over 40 steps is the demo's lr × steps
+LONGTAIL_GPU = dict(steps=40, response_len=256, lr=2e-5, eval_interval=10)
+LONGTAIL_CPU = dict(steps=6, batch=4, n=4, response_len=96, eval_limit=40, eval_interval=3)
 
 
-def table(results: dict[str, dict], arms: list[str], seeds: list[int], base: dict[int, bool]) -> str:
-    n = len(base)
-    c0 = sum(base.values())
+def settings(preset: str, gpu: bool) -> dict[str, Any]:
+    s = demo_settings(gpu)
+    if preset == "longtail":
+        s.update(LONGTAIL_GPU if gpu else LONGTAIL_CPU)
+    return s
+
+
+def write_data(preset: str, out: Path) -> tuple[Path, Path]:
+    """The demo's train/test split; `longtail` asks each question for its working."""
+    train, test = demo_data(out / "data")
+    if preset == "demo":
+        return train, test
+    paths = []
+    for src in (train, test):
+        rows = [json.loads(line) for line in src.read_text().splitlines() if line.strip()]
+        for r in rows:
+            r["input"] = r["input"].replace(INSTRUCTION, WORKING)
+        dst = out / "data-longtail" / src.name
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        paths.append(dst)
+    return paths[0], paths[1]
+
+
+def summary(run_dir: Path, steps: int) -> dict[str, Any]:
+    """What the tables need from one finished run."""
+    s = summarize(run_dir)
+    evals = eval_results(run_dir)
+    before, after = evals[0], evals[steps]
+    change, se = paired_change(before, after)
+    step_rows = [r for r in s.rows if "perf/step_time" in r]
+    elapsed = {r["step"]: r.get("perf/elapsed", r["perf/wall_clock"]) for r in step_rows}
+    eval_times = [r["eval/time"] for r in s.rows if "eval/time" in r and r["step"] > 0]
+    stale = [r["rollout/staleness_max"] for r in s.rows if "rollout/staleness_max" in r]
+    return {
+        "correct": sum(after.values()),
+        "total": len(after),
+        "before": sum(before.values()),
+        "change": change,
+        "se": se,
+        "step_time": s.step_time,
+        "wait_time": s.wait_time,
+        "train_time": s.train_time,
+        "update_time": s.update_time,
+        "wall_clock": s.wall_clock,
+        "elapsed": elapsed[steps],
+        "eval_time": statistics.mean(eval_times) if eval_times else float("nan"),
+        "eval_time_first": next((r["eval/time"] for r in s.rows if r["step"] == 0 and "eval/time" in r), float("nan")),
+        "staleness_max": max(stale, default=0.0),
+        "response_len": statistics.mean(
+            r["rollout/response_len_mean"] for r in step_rows if "rollout/response_len_mean" in r
+        )
+        if any("rollout/response_len_mean" in r for r in step_rows)
+        else float("nan"),
+        "curve": [(0.0 if k == 0 else elapsed[k], sum(v.values()) / len(v)) for k, v in sorted(evals.items())],
+        "run_dir": str(run_dir),
+    }
+
+
+def _mean_sd(xs: list[float]) -> tuple[float, float]:
+    return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else float("nan"))
+
+
+def speed_table(results: dict[str, dict], labels: list[str], seeds: list[int]) -> str:
     lines = [
-        "| arm | seed | held-out correct/total | accuracy | change (points) | ± SE (paired) | wall time (s) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-        f"| baseline (before training) | – | {c0}/{n} | {100 * c0 / n:.1f}% | | | |",
+        "| arm | seed | step time (s) | train wait (s) | wait share | train (s) | update weights (s) | wall clock (s) | elapsed (s) | speedup (elapsed) | eval (s) | max staleness |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for arm in arms:
+    ref = [results[f"{labels[0]}|{s}"]["elapsed"] for s in seeds if f"{labels[0]}|{s}" in results]
+    ref_mean = statistics.mean(ref) if ref else float("nan")
+
+    def row(name: str, seed: str, rs: list[dict]) -> str:
+        m = {
+            k: statistics.mean(r[k] for r in rs)
+            for k in ("step_time", "wait_time", "train_time", "update_time", "wall_clock", "elapsed", "eval_time")
+        }
+        share = m["wait_time"] / m["step_time"] if m["step_time"] else 0.0
+        return (
+            f"| {name} | {seed} | {m['step_time']:.2f} | {m['wait_time']:.2f} | {100 * share:.0f}% | {m['train_time']:.2f} | "
+            f"{m['update_time']:.3f} | {m['wall_clock']:.1f} | {m['elapsed']:.1f} | {ref_mean / m['elapsed']:.2f}× | "
+            f"{m['eval_time']:.2f} | {max(r['staleness_max'] for r in rs):.0f} |"
+        )
+
+    for label in labels:
+        rs = [results[f"{label}|{s}"] for s in seeds if f"{label}|{s}" in results]
+        lines += [row(label, str(s), [results[f"{label}|{s}"]]) for s in seeds if f"{label}|{s}" in results]
+        if len(rs) > 1:
+            lines.append(row(f"**{label}**", f"mean of {len(rs)}", rs))
+    return "\n".join(lines)
+
+
+def accuracy_table(results: dict[str, dict], labels: list[str], seeds: list[int], base: tuple[int, int]) -> str:
+    c0, n = base
+    lines = [
+        "| arm | seed | held-out correct/total | accuracy | change (points) | ± SE (paired) | spread of seeds (sd) | points per elapsed minute |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        f"| baseline (before training) | – | {c0}/{n} | {100 * c0 / n:.1f}% | | | | |",
+    ]
+    for label in labels:
+        rs = []
         for seed in seeds:
-            r = results.get(f"{arm}|{seed}")
+            r = results.get(f"{label}|{seed}")
             if r is None:
-                lines.append(f"| {arm} | {seed} | (not run) | | | | |")
+                lines.append(f"| {label} | {seed} | (not run) | | | | | |")
                 continue
+            rs.append(r)
             lines.append(
-                f"| {arm} | {seed} | {r['correct']}/{r['total']} | {100 * r['correct'] / r['total']:.1f}% | "
-                f"{r['change']:+.1f} | {r['se']:.1f} | {r['wall']:.0f} |"
+                f"| {label} | {seed} | {r['correct']}/{r['total']} | {100 * r['correct'] / r['total']:.1f}% | "
+                f"{r['change']:+.1f} | {r['se']:.1f} | | {r['change'] / (r['elapsed'] / 60):+.1f} |"
             )
-        done = [results[f"{arm}|{s}"] for s in seeds if f"{arm}|{s}" in results]
-        if len(done) > 1:
-            c, t = sum(r["correct"] for r in done), sum(r["total"] for r in done)
-            change = sum(r["change"] for r in done) / len(done)
-            se = math.sqrt(sum(r["se"] ** 2 for r in done)) / len(done)
+        if len(rs) > 1:
+            mean, sd = _mean_sd([r["change"] for r in rs])
+            pooled = math.sqrt(sum(r["se"] ** 2 for r in rs)) / len(rs)
+            c, t = sum(r["correct"] for r in rs), sum(r["total"] for r in rs)
+            per_min = mean / (statistics.mean(r["elapsed"] for r in rs) / 60)
             lines.append(
-                f"| **{arm}, {len(done)} seeds** | all | {c}/{t} | {100 * c / t:.1f}% | **{change:+.1f}** | {se:.1f} | |"
+                f"| **{label}** | mean of {len(rs)} | {c}/{t} | {100 * c / t:.1f}% | **{mean:+.1f}** | {pooled:.1f} | {sd:.1f} | {per_min:+.1f} |"
             )
     return "\n".join(lines)
+
+
+def verdict(results: dict[str, dict], labels: list[str], seeds: list[int]) -> str:
+    """The issue's targets, read off the tables: fully-async ≥ 1.8× sync in elapsed time, and each
+    async arm's mean change at most one pooled standard error below sync's."""
+
+    def arm(label: str) -> list[dict]:
+        return [results[f"{label}|{s}"] for s in seeds if f"{label}|{s}" in results]
+
+    sync = arm("sync")
+    if not sync or len(labels) < 2:
+        return ""
+    s_change = statistics.mean(r["change"] for r in sync)
+    s_elapsed = statistics.mean(r["elapsed"] for r in sync)
+    out = []
+    for label in labels[1:]:
+        rs = arm(label)
+        if not rs:
+            continue
+        change = statistics.mean(r["change"] for r in rs)
+        pooled = math.sqrt(
+            (sum(r["se"] ** 2 for r in rs) / len(rs) ** 2) + (sum(r["se"] ** 2 for r in sync) / len(sync) ** 2)
+        )
+        speed = s_elapsed / statistics.mean(r["elapsed"] for r in rs)
+        ok = "within" if change >= s_change - pooled else "BELOW"
+        out.append(
+            f"* {label}: {speed:.2f}× sync's elapsed time; mean change {change:+.1f} against sync's {s_change:+.1f} "
+            f"({change - s_change:+.1f}, pooled SE {pooled:.1f}: {ok} one SE)"
+        )
+    return "\n".join(out)
+
+
+def plot(results: dict[str, dict], labels: list[str], seeds: list[int], path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("[real-ab] matplotlib is not installed: no PNG (pip install matplotlib)", flush=True)
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, label in enumerate(labels):
+        color = f"C{i}"
+        for j, seed in enumerate(seeds):
+            r = results.get(f"{label}|{seed}")
+            if r:
+                xs, ys = zip(*r["curve"])
+                ax.plot(
+                    xs, [100 * y for y in ys], marker="o", ms=3, color=color, alpha=0.8, label=label if j == 0 else None
+                )
+    ax.set_xlabel("elapsed training time (s), evals included")
+    ax.set_ylabel("held-out greedy accuracy (%)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def main() -> int:
     import torch
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--arms", default="sync,one-step-off,fully-async", help=f"comma-separated, of {', '.join(ARMS)}")
+    p.add_argument("--preset", default="demo", choices=("demo", "longtail"), help="the workload (see above)")
+    p.add_argument(
+        "--arms",
+        default=None,
+        help=f"comma-separated, of {', '.join(ARMS)}; the first is the speedup reference "
+        "(default: all four for longtail, the first three for demo)",
+    )
     p.add_argument("--seeds", default="1", help="comma-separated; each sets --seed and --rollout-seed of every arm")
     p.add_argument(
-        "--steps", type=int, default=None, help="training steps per run (default: the demo's for this device)"
+        "--corrections",
+        default=None,
+        help="comma-separated --off-policy-correction values: every arm runs once per value (a sweep); default: the arms' defaults",
     )
-    p.add_argument("--eval-limit", type=int, default=None, help="held-out prompts evaluated (default: the demo's, 200)")
-    p.add_argument("--batch", type=int, default=None, help="prompts per step (default: the demo's for this device)")
+    p.add_argument("--arm-args", default="", help="extra flags for every run, one string (e.g. '--eps-clip 0.1')")
+    p.add_argument("--steps", type=int, default=None, help="training steps per run (default: the preset's)")
+    p.add_argument("--eval-interval", type=int, default=None, help="steps between evals (default: the preset's)")
     p.add_argument(
-        "--n-samples", type=int, default=None, help="samples per prompt (default: the demo's for this device)"
+        "--eval-limit", type=int, default=None, help="held-out prompts evaluated (default: the preset's, 200)"
     )
+    p.add_argument("--batch", type=int, default=None, help="prompts per step (default: the preset's)")
+    p.add_argument("--n-samples", type=int, default=None, help="samples per prompt (default: the preset's)")
     p.add_argument(
         "--device",
         default="auto",
@@ -94,87 +283,115 @@ def main() -> int:
         "--model", default="smollm2", help="HF model directory, or 'smollm2' (the embedded SmolLM2-135M-Instruct)"
     )
     p.add_argument("--staleness", type=int, default=2, help="--max-staleness of the decoupled arm")
-    p.add_argument("--out", default="/tmp/vime-real-ab", help="runs, table and results go here")
+    p.add_argument("--parallel", type=int, default=1, help="runs at once (accuracy sweeps only: see above)")
+    p.add_argument("--out", default="/tmp/vime-real-ab", help="runs, tables and results go here")
     p.add_argument("--arm-timeout", type=float, default=None, help="seconds before one run is given up")
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="print the tables of --out's results.json (and --merge's) without running",
+    )
+    p.add_argument("--merge", nargs="*", default=[], help="more results.json files to add before the report")
     a = p.parse_args()
-    arms = [x.strip() for x in a.arms.split(",") if x.strip()]
+    arms = [
+        x.strip()
+        for x in (
+            a.arms
+            or (
+                "sync,one-step-off,fully-async,decoupled" if a.preset == "longtail" else "sync,one-step-off,fully-async"
+            )
+        ).split(",")
+        if x.strip()
+    ]
     bad = set(arms) - set(ARMS)
     if bad:
         p.error(f"unknown arm(s) {', '.join(sorted(bad))}: choose from {', '.join(ARMS)}")
+    corrections = [x.strip() for x in a.corrections.split(",")] if a.corrections else [None]
+    labels = [arm if c is None else f"{arm} / {c}" for arm in arms for c in corrections]
     seeds = [int(x) for x in a.seeds.split(",") if x.strip()]
     gpu = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
-    s = demo_settings(gpu)
-    if a.steps is not None:
-        s["steps"] = a.steps
-    for key, value in (("eval_limit", a.eval_limit), ("batch", a.batch), ("n", a.n_samples)):
+    s = settings(a.preset, gpu)
+    for key, value in (
+        ("steps", a.steps),
+        ("eval_interval", a.eval_interval),
+        ("eval_limit", a.eval_limit),
+        ("batch", a.batch),
+        ("n", a.n_samples),
+    ):
         if value is not None:
             s[key] = value
+    s.setdefault("eval_interval", s["steps"])  # demo: before the first step and after the last
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    t_all = time.perf_counter()
-    model_dir = resolve_model(a.model)
-    train, test = demo_data(out / "data")
-    cfg = demo_config(s, model_dir, train, test)
-    cfg.update(device="cuda" if gpu else "cpu", use_tensorboard=False, quiet=True)
-    cfg_path = out / "real_ab.yaml"
-    cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    print(
-        f"[real-ab] {'GPU' if gpu else 'CPU'} settings {s}; arms {arms}; seeds {seeds}; config {cfg_path}", flush=True
-    )
-
     res_path = out / "results.json"
     results: dict[str, dict] = json.loads(res_path.read_text()) if res_path.exists() else {}
-    base: dict[int, bool] | None = None
-    for seed in seeds:
-        for arm in arms:
-            name = f"{arm}-s{seed}-n{s['steps']}"
+    for extra in a.merge:
+        results.update(json.loads(Path(extra).read_text()))
+    meta_path = out / "settings.json"  # what the runs were made with, for --report-only elsewhere
+    t_all = time.perf_counter()
+    if not a.report_only:
+        model_dir = resolve_model(a.model)
+        train, test = write_data(a.preset, out)
+        cfg = demo_config(s, model_dir, train, test)
+        cfg.update(device="cuda" if gpu else "cpu", use_tensorboard=False, quiet=True, eval_interval=s["eval_interval"])
+        cfg_path = out / "real_ab.yaml"
+        cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        meta_path.write_text(json.dumps({"preset": a.preset, "device": "GPU" if gpu else "CPU", "settings": s}))
+        print(
+            f"[real-ab] {a.preset}, {'GPU' if gpu else 'CPU'} settings {s}; arms {labels}; seeds {seeds}; config {cfg_path}",
+            flush=True,
+        )
+
+        def one(arm: str, correction: str | None, seed: int) -> None:
+            label = arm if correction is None else f"{arm} / {correction}"
+            name = f"{arm}{'' if correction is None else '-' + correction}-s{seed}-n{s['steps']}"
             run_dir = out / "runs" / name
-            evals = eval_results(run_dir) if run_dir.exists() else {}
-            if s["steps"] not in evals:
+            if not (run_dir.exists() and s["steps"] in eval_results(run_dir)):
                 if run_dir.exists():  # an unfinished run of an earlier call: start it again
                     run_dir.rename(run_dir.with_name(f"{name}.unfinished-{time.strftime('%H%M%S')}"))
-                t0 = time.perf_counter()
+                extra = ["--seed", str(seed), "--rollout-seed", str(seed), *shlex.split(a.arm_args)]
+                if correction is not None:
+                    extra += ["--off-policy-correction", correction]
                 run_arm(
-                    arm,
-                    str(cfg_path),
-                    name,
-                    str(out / "runs"),
-                    ["--seed", str(seed), "--rollout-seed", str(seed)],
-                    staleness=a.staleness,
-                    timeout=a.arm_timeout,
+                    arm, str(cfg_path), name, str(out / "runs"), extra, staleness=a.staleness, timeout=a.arm_timeout
                 )
-                wall = time.perf_counter() - t0
-                evals = eval_results(run_dir)
-            else:
-                wall = results.get(f"{arm}|{seed}", {}).get("wall", float("nan"))
-            before, after = evals[0], evals[s["steps"]]
-            if base is None:
-                base = before
-            elif before != base:
-                print(
-                    f"[real-ab] note: {name}'s baseline eval differs from the first run's ({sum(before.values())} vs {sum(base.values())} correct)",
-                    flush=True,
-                )
-            change, se = paired_change(before, after)
-            results[f"{arm}|{seed}"] = {
-                "correct": sum(after.values()),
-                "total": len(after),
-                "before": sum(before.values()),
-                "change": change,
-                "se": se,
-                "wall": wall,
-                "run_dir": str(run_dir),
-            }
+            r = summary(run_dir, s["steps"])
+            results[f"{label}|{seed}"] = r
             res_path.write_text(json.dumps(results, indent=1))
             print(
-                f"[real-ab] {name}: {sum(before.values())}/{len(before)} -> {sum(after.values())}/{len(after)} held-out "
-                f"({change:+.1f} ± {se:.1f} points), {wall:.0f} s",
+                f"[real-ab] {name}: {r['before']}/{r['total']} -> {r['correct']}/{r['total']} held-out "
+                f"({r['change']:+.1f} ± {r['se']:.1f} points), step {r['step_time']:.2f} s, elapsed {r['elapsed']:.0f} s",
                 flush=True,
             )
-    assert base is not None
+
+        jobs = [(arm, c, seed) for seed in seeds for arm in arms for c in corrections]
+        with ThreadPoolExecutor(max_workers=max(1, a.parallel)) as pool:
+            for f in [pool.submit(one, *job) for job in jobs]:
+                f.result()
+    done = [r for r in results.values()]
+    if not done:
+        p.error(f"no results in {res_path}: run without --report-only first")
+    first = done[0]
+    base = (first["before"], first["total"])
+    if any(r["before"] != base[0] for r in done):
+        print(
+            "[real-ab] note: the baseline evals of the runs differ: " + ", ".join(str(r["before"]) for r in done),
+            flush=True,
+        )
+    png = plot(results, labels, seeds, out / "accuracy_vs_elapsed.png")
+    meta = (
+        json.loads(meta_path.read_text()) if meta_path.exists() else {"preset": a.preset, "device": "?", "settings": s}
+    )
+    s = meta["settings"]
     report = (
-        f"SmolLM2-135M-Instruct, {'GPU' if gpu else 'CPU'} settings {s}; greedy held-out accuracy after {s['steps']} steps\n\n"
-        + table(results, arms, seeds, base)
+        f"SmolLM2-135M-Instruct, preset {meta['preset']}, {meta['device']} settings {s}\n\n"
+        "speed (means per step, evals excluded; elapsed includes evals; speedup = first arm's elapsed / this one's)\n\n"
+        + speed_table(results, labels, seeds)
+        + f"\n\nheld-out greedy accuracy after {s['steps']} steps\n\n"
+        + accuracy_table(results, labels, seeds, base)
+        + "\n\n"
+        + verdict(results, labels, seeds)
+        + (f"\n\nplot: {png}" if png else "")
         + f"\n\ntotal time of this call {time.perf_counter() - t_all:.0f} s"
     )
     (out / "real_ab.md").write_text(report + "\n")
