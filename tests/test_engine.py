@@ -464,6 +464,28 @@ def test_weight_update_in_place_and_from_disk(client, engine, hf, model_dir):
     assert client.model_info()["weight_version"] == v0 + 2
 
 
+def test_a_weight_update_holding_nan_is_refused_and_nothing_is_sampled_until_a_whole_one(client, engine, hf, model_dir):
+    from safetensors.torch import save_file
+
+    v0 = client.model_info()["weight_version"]
+    bad = {k: v.contiguous().clone() for k, v in hf.state_dict().items()}
+    name = next(k for k in bad if k.endswith("mlp.down_proj.weight"))
+    bad[name][0, 0] = float("nan")
+    shm = f"/dev/shm/vime-test-nan-{os.getpid()}.safetensors"
+    save_file(bad, shm)
+    try:
+        with pytest.raises(EngineError, match=f"HTTP 400.*weight '{name}' holds non-finite values"):
+            client.update_weights_from_tensor({"transport": "shm", "path": shm, "weight_version": v0 + 1})
+    finally:
+        os.unlink(shm)
+    assert client.model_info()["weight_version"] == v0  # not taken as a version
+    with pytest.raises(EngineError, match="weights mix two versions: push a complete update"):
+        generate_many(client, [{"input_ids": PROMPTS[2], "sampling_params": greedy(4)}])
+    client.update_weights_from_disk(str(model_dir), v0 + 1)  # a whole, finite update restores it
+    out = generate_many(client, [{"input_ids": PROMPTS[2], "sampling_params": greedy(6, ignore_eos=True)}])[0]
+    assert out["output_ids"] == hf_greedy(hf, PROMPTS[2], 6)
+
+
 def test_release_and_resume_memory_recomputes_in_flight(client, engine, hf):
     async def main():
         before = (await asyncio.to_thread(engine_metrics, engine.url))["generated_tokens_total"]
@@ -610,6 +632,10 @@ def test_client_errors(client, engine):
         generate_many(client, [{"input_ids": [5] * 600, "sampling_params": {}}])
     with pytest.raises(EngineError, match="HTTP 400.*pause mode"):
         client.pause_generation("sideways")
+    with pytest.raises(
+        EngineError, match=r"HTTP 400.*n 1000000 is more samples than this engine runs at once \(--max-num-seqs 64\)"
+    ):
+        generate_many(client, [{"input_ids": [5], "sampling_params": {"n": 1000000}}])
     assert post_raw(engine.url + "/generate", b"{not json") == (
         400,
         json.dumps({"error": "request body is not valid JSON"}),
@@ -632,6 +658,9 @@ def test_openai_routes(engine):
         and isinstance(chat["choices"][0]["message"]["content"], str)
     )
     assert chat["usage"]["completion_tokens"] == 5
+    body = json.dumps({"messages": [{"role": "wizard", "content": "hi"}], "max_tokens": 5}).encode()
+    status, text = post_raw(engine.url + "/v1/chat/completions", body)
+    assert status == 400 and "unknown message role(s) ['wizard']" in text
     status, text = post_raw(
         engine.url + "/v1/completions", json.dumps({"prompt": "1+1=", "max_tokens": 3, "n": 2}).encode()
     )
@@ -936,3 +965,29 @@ def test_gpu_graphs_match_eager_and_see_weight_updates(model_dir, hf):
 
 if __name__ == "__main__":  # run by test_triton_path_in_interpreter under TRITON_INTERPRET=1
     interpreted_checks(sys.argv[1])
+
+
+def test_an_engine_bound_beyond_loopback_without_a_key_is_refused_in_one_line(model_dir):
+    env = {k: v for k, v in os.environ.items() if k != "VIME_API_KEY"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vime.engine.server",
+            "--model-path",
+            str(model_dir),
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**env, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))},
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert (
+        "--host 0.0.0.0 would let anyone who reaches it change the weights: set --api-key"
+        in proc.stderr.strip().splitlines()[-1]
+    )

@@ -21,6 +21,9 @@ if TYPE_CHECKING:
     from vime.engine.core.engine import RequestOutput
     from vime.engine.core.sampler import SamplingParams
 
+# the roles of OpenAI's chat API that chat templates know
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
 
 class OpenAIRoutes:
     """Handlers for the OpenAI routes; `generate` queues one request on the engine and awaits
@@ -58,6 +61,9 @@ class OpenAIRoutes:
         messages = body_field(body, "messages", list)
         if not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
             raise BadRequest("messages must be a list of {role, content} objects")
+        roles = {m["role"] for m in messages} - CHAT_ROLES
+        if roles:  # a chat template renders an unknown role as it likes, or not at all
+            raise BadRequest(f"unknown message role(s) {sorted(map(str, roles))}: use {', '.join(sorted(CHAT_ROLES))}")
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return await self._openai(body, tok.encode(text, add_special_tokens=False), chat=True)
 

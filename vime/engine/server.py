@@ -501,10 +501,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     for name in ("max_num_seqs", "block_size", "max_num_batched_tokens"):
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+            p.error(f"--{name.replace('_', '-')} must be >= 1")  # usage, then one line; exit 2
     args.api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if not args.api_key and not is_loopback(args.host):
-        raise ValueError(
+        p.error(
             f"--host {args.host} would let anyone who reaches it change the weights: set --api-key (or ${API_KEY_ENV}), or bind 127.0.0.1"
         )
     return args

@@ -164,6 +164,10 @@ class LLMEngine:
             raise ValueError(f"request id '{rid}' is already in flight")
         if not prompt_ids:
             raise ValueError("input_ids is empty")
+        if params.n > self.cfg.max_num_seqs:  # each sample is a sequence held in memory until it finishes
+            raise ValueError(
+                f"n {params.n} is more samples than this engine runs at once (--max-num-seqs {self.cfg.max_num_seqs}): send several requests"
+            )
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in prompt_ids):
             raise ValueError(f"input_ids must be integers in [0, {vocab})")

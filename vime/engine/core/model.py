@@ -371,6 +371,16 @@ class CausalLM(nn.Module):
             # a few launches per bucket instead of one per tensor: at 0.6B the per-tensor
             # launches cost more than the bytes on a slow host
             torch._foreach_copy_(dst, src)
+        if loaded:
+            # one fused norm over what arrived, one sync: a NaN or inf anywhere makes its norm
+            # non-finite. The caller then marks the weights incomplete, so nothing is sampled from them.
+            names = sorted(loaded)
+            norms = torch.stack([n.float() for n in torch._foreach_norm([params[n] for n in names])])
+            bad = (~torch.isfinite(norms)).nonzero()
+            if bad.numel():
+                raise ValueError(
+                    f"weight '{names[int(bad[0])]}' holds non-finite values (NaN or inf): push finite weights"
+                )
         return loaded
 
 
