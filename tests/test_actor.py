@@ -443,6 +443,45 @@ def test_save_load_roundtrip_and_hf_loadable(tiny_model, tmp_path):
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["1"]  # no .tmp / .old left
 
 
+class _RunsCode:
+    """Unpickling it makes a directory: a stand-in for whatever command a crafted file would run."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.mkdir, (str(self.path),))
+
+
+def test_a_crafted_trainer_state_is_refused_before_it_runs_anything(tiny_model, tmp_path):
+    from vime.trainer.checkpoint import CheckpointError
+
+    ckpt = Actor(make_args(), tiny_model).save(tmp_path / "ckpt" / "1", {"step": 1})
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=True)  # what vime writes is plain data
+    marker = tmp_path / "ran"
+    torch.save({**state, "extra": _RunsCode(marker)}, ckpt / "trainer_state.pt")
+    with pytest.raises(
+        CheckpointError, match=r"asks to run \S*mkdir when loaded; vime loads checkpoints as plain data"
+    ) as e:
+        Actor(make_args(), tiny_model).load(ckpt)
+    assert "\n" not in str(e.value)
+    assert not marker.exists()
+
+
+def test_a_checkpoint_of_an_older_vime_with_numpys_rng_array_still_resumes(tiny_model, tmp_path):
+    import numpy as np
+
+    ckpt = Actor(make_args(), tiny_model).save(tmp_path / "ckpt" / "1", {"step": 1})
+    np.random.seed(5)
+    expected = np.random.rand(3)
+    np.random.seed(5)
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
+    torch.save({**state, "rng": {**state["rng"], "numpy": np.random.get_state()}}, ckpt / "trainer_state.pt")
+    np.random.seed(6)
+    assert Actor(make_args(), tiny_model).load(ckpt) == {"step": 1}
+    assert np.array_equal(np.random.rand(3), expected)
+
+
 def test_interrupted_save_keeps_the_previous_checkpoint(tiny_model, tmp_path, monkeypatch):
     a = Actor(make_args(), tiny_model)
     ckpt = a.save(tmp_path / "5", {"step": 5})

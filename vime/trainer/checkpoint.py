@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
@@ -155,7 +156,7 @@ def load(actor: Actor, ckpt: Path) -> dict[str, Any]:
         raise CheckpointError(
             f"checkpoint {ckpt} does not match the model: missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}"
         )
-    state = torch.load(state_file, map_location="cpu", weights_only=False)  # our own file: holds python objects
+    state = _read_state(state_file)
     saved, running = (
         _optimizer_kind(g) for g in (state["optimizer"]["param_groups"][0], actor.optimizer.param_groups[0])
     )
@@ -172,6 +173,28 @@ def load(actor: Actor, ckpt: Path) -> dict[str, Any]:
     actor._apply_schedule()
     _set_rng_state(state["rng"])
     return state["extra"]
+
+
+def _numpy_globals() -> list[Any]:
+    """What an older trainer_state.pt needs besides plain data: numpy's RNG key was saved as an
+    array. Rebuilding an array runs no code of the file's choosing."""
+    core = getattr(np, "_core", None) or np.core  # numpy 2 renamed it
+    return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def _read_state(state_file: Path) -> dict[str, Any]:
+    """trainer_state.pt as plain data (tensors, numbers, strings, lists, dicts). Unpickling may
+    call anything the file names, so a file that names anything else (a crafted checkpoint that
+    would run a command on `--load`) is refused before any of it runs."""
+    try:
+        with torch.serialization.safe_globals(_numpy_globals()):
+            return torch.load(state_file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        named = re.search(r"GLOBAL (\S+)", str(e))
+        raise CheckpointError(
+            f"{state_file} asks to run {named.group(1) if named else 'code'} when loaded; vime loads checkpoints as "
+            "plain data only: resume from a checkpoint vime wrote"
+        ) from None
 
 
 def _optimizer_kind(group: dict[str, Any]) -> str:
@@ -193,7 +216,7 @@ def iter_weights(ckpt: Path) -> Iterator[tuple[str, Tensor]]:
 def _rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": _plain_numpy_state(),
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -201,9 +224,16 @@ def _rng_state() -> dict[str, Any]:
     return state
 
 
+def _plain_numpy_state() -> tuple[Any, ...]:
+    """numpy's RNG state with its key array as a list, so the file holds plain data only."""
+    name, keys, *rest = np.random.get_state()
+    return (name, keys.tolist(), *rest)
+
+
 def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
     torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
