@@ -62,6 +62,10 @@ def test_json_and_list_flags():
         (["--max-staleness", "2"], "run it with train_async.py"),
         (["--rollout-num-gpus-per-engine", "2"], "has no tensor parallelism"),
         (["--rollout-num-gpus-per-engine", "0"], "must be at least 1"),
+        (["--reward-timeout", "0"], "--reward-timeout 0 must be > 0 seconds"),
+        (["--rollout-engine-urls", "not a url"], "--rollout-engine-urls: 'not a url' is not an engine URL"),
+        (["--rollout-engine-urls", "http://h:port"], "'http://h:port' is not an engine URL"),
+        (["--reward-timeout", "-1"], "--reward-timeout -1 must be > 0 seconds"),
         (
             ["--rollout-backend", "vllm", "--weight-transport", "shm"],
             "does not reach vLLM engines (they receive by nccl",

@@ -380,6 +380,10 @@ def test_datagen_cli_and_too_small_task(tmp_path, capsys):
     assert "train.jsonl" in out and "20 rows" in out and "test.jsonl" in out and "5 rows" in out
     with pytest.raises(DataError, match="distinct questions"):
         write_dataset("addition", tmp_path / "x", n_train=100, n_test=10, seed=0, digits=1)  # only 100 exist
+    (tmp_path / "afile").write_text("keep me")
+    with pytest.raises(DataError, match=r"--out .*afile is a file: give a directory"):
+        datagen_main(["--task", "addition", "--out", str(tmp_path / "afile")])
+    assert (tmp_path / "afile").read_text() == "keep me"
 
 
 # ---------------------------------------------------------------- common math sets, by key flags

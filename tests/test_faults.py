@@ -302,7 +302,7 @@ def hang_first_20(args, sample):
     return 1.0
 
 def not_finite(args, sample):
-    return [float("inf"), float("-inf"), float("nan"), 0.5][sample.index]
+    return [float("inf"), float("-inf"), float("nan"), 0.5, 1e300][sample.index]
 """
 
 
@@ -324,11 +324,12 @@ def rm_args(**kw) -> Config:
 
 
 def test_non_finite_rewards_score_zero_and_are_counted(fault_rm):
-    samples = [Sample(index=i) for i in range(4)]
+    samples = [Sample(index=i) for i in range(5)]
     metrics = asyncio.run(score_samples(rm_args(custom_rm_path="fault_rm:not_finite"), samples))
-    assert [s.reward for s in samples] == [0.0, 0.0, 0.0, 0.5]
-    assert metrics == {"rollout/reward_errors": 3.0, "rollout/reward_timeouts": 0.0}
-    assert rollout_metrics([samples])["rollout/reward_errors"] == 3  # what reaches metrics.jsonl
+    # 1e300 is finite, but inf in the float32 advantages: an error too, and said to be too large
+    assert [s.reward for s in samples] == [0.0, 0.0, 0.0, 0.5, 0.0]
+    assert metrics == {"rollout/reward_errors": 4.0, "rollout/reward_timeouts": 0.0}
+    assert rollout_metrics([samples])["rollout/reward_errors"] == 4  # what reaches metrics.jsonl
 
 
 def test_hung_sync_rewards_are_abandoned_counted_and_starve_nothing(fault_rm):
@@ -860,3 +861,21 @@ def test_a_resume_keeps_the_record_and_steps_past_a_damaged_checkpoint(tmp_path)
     assert (
         yaml.safe_load((tmp_path / "r" / "config.yaml").read_text())["api_key"] is None
     )  # the key made for the engines is not written
+
+
+def test_a_plugin_module_that_does_not_import_is_one_line_naming_where(tmp_path, monkeypatch):
+    from vime.config import ConfigError
+    from vime.plugins import load_function
+
+    (tmp_path / "rm_syntax.py").write_text("def reward(args, sample):\n    return 1 +\n")
+    (tmp_path / "rm_raises.py").write_text("import os\nKEY = os.environ['VIME_NO_SUCH_VARIABLE']\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(
+        ConfigError, match=r"--custom-rm-path 'rm_syntax:reward': .*rm_syntax.py:2: invalid syntax \(fix the module\)$"
+    ) as e:
+        load_function("rm_syntax:reward", "--custom-rm-path")
+    assert "\n" not in str(e.value)
+    with pytest.raises(
+        ConfigError, match=r"importing rm_raises raised KeyError: 'VIME_NO_SUCH_VARIABLE' \(fix the module\)$"
+    ):
+        load_function("rm_raises:reward", "--custom-rm-path")

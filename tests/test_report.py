@@ -74,3 +74,36 @@ def test_paired_change_and_eval_results(tmp_path):
             "".join(json.dumps({"index": i, "correct": c}) + "\n" for i, c in enumerate(ok))
         )
     assert eval_results(tmp_path / "run") == {0: {0: True, 1: False}, 20: {0: True, 1: True}}
+
+
+def test_a_torn_last_row_is_skipped_and_a_bad_middle_row_or_config_is_one_line(tmp_path, caplog):
+    import pytest
+
+    from vime.errors import VimeError
+
+    d = _run_dir(tmp_path, [0.1, 0.2])
+    good = (d / "metrics.jsonl").read_text()
+    (d / "metrics.jsonl").write_text(good + '{"step": 3, "rollout/rew')  # killed mid-write
+    run = summarize(d)
+    assert run.steps == 2 and "the last row (line 5) is cut short and is skipped" in caplog.text
+    (d / "metrics.jsonl").write_text('{"step": 1, "perf/st\n' + good)
+    with pytest.raises(VimeError, match=r"metrics.jsonl line 1 is not a metrics row .*: repair or remove that line$"):
+        summarize(d)
+    (d / "metrics.jsonl").write_text(good)
+    (d / "config.yaml").write_bytes(b"mode: \xff\xfe sync\n")
+    with pytest.raises(VimeError, match=r"config.yaml is not a config vime wrote \(UnicodeDecodeError\)"):
+        summarize(d)
+
+
+def test_a_resume_drops_a_torn_last_row_before_it_appends(tmp_path):
+    from vime.metrics import MetricsLogger, read_metrics
+
+    d = tmp_path / "run"
+    d.mkdir()
+    rows = "".join(json.dumps({"step": s, "x": float(s)}) + "\n" for s in (1, 2, 3))
+    (d / "metrics.jsonl").write_text(rows + '{"step": 4, "x"')  # the trainer died writing step 4
+    logger = MetricsLogger(d, total_steps=5, start_step=2, quiet=True)  # resumed from the step-2 checkpoint
+    logger.log(3, {"x": 30.0})
+    logger.close()
+    assert [(r["step"], r["x"]) for r in read_metrics(d)] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+    assert [json.loads(line)["step"] for line in (d / "metrics.superseded.jsonl").read_text().splitlines()] == [3]

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
+import pytest
 from conftest import run_cli
 
 PERF_KEYS = [
@@ -126,12 +128,26 @@ def test_checkpoint_and_resume(tmp_path, tiny_model, addition_data):
     ]
     first = run_cli("train.py", *common, "--num-rollout", "2", "--run-name", "a")
     assert first.returncode == 0, first.stderr[-2000:]
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["1", "2"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        ".vime.lock",
+        "1",
+        "2",
+    ]  # the lock of the run that owned it, and its checkpoints
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "2")  # checkpoints are plain HF directories
     second = run_cli("train.py", *common, "--num-rollout", "3", "--run-name", "b", "--load", str(tmp_path / "ckpt"))
     assert second.returncode == 0, second.stderr[-2000:]
+    # resuming a run that is already at its last step would train nothing: refused before it starts
+    third = run_cli("train.py", *common, "--num-rollout", "3", "--run-name", "c", "--load", str(tmp_path / "ckpt"))
+    assert third.returncode != 0
+    assert "resumes after step 3, and this run ends at step 3" in third.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "c").exists() and sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        ".vime.lock",
+        "1",
+        "2",
+        "3",
+    ]
     rows = [r for r in read_rows(tmp_path / "b") if "perf/step_time" in r]
     assert [r["step"] for r in rows] == [3]  # continued after step 2, not from scratch
     # three optimizer steps; the engines hold the weights of step 2 (re-sent on resume, not
@@ -143,8 +159,8 @@ def test_checkpoint_and_resume(tmp_path, tiny_model, addition_data):
     )
     import torch
 
-    state = torch.load(tmp_path / "ckpt" / "2" / "trainer_state.pt", weights_only=False)
-    resumed = torch.load(tmp_path / "ckpt" / "3" / "trainer_state.pt", weights_only=False)
+    state = torch.load(tmp_path / "ckpt" / "2" / "trainer_state.pt", weights_only=True)  # plain data only
+    resumed = torch.load(tmp_path / "ckpt" / "3" / "trainer_state.pt", weights_only=True)
     assert (state["extra"]["policy_version"], state["extra"]["weight_pushes"]) == (2, 1)
     assert (resumed["extra"]["policy_version"], resumed["extra"]["weight_pushes"]) == (3, 1)
     first_rows = [r for r in read_rows(tmp_path / "a") if "perf/step_time" in r]
@@ -179,6 +195,30 @@ def test_bad_input_empty_dataset(tmp_path):
     assert "empty" in _bad(tmp_path, "--prompt-data", str(f)).lower()
 
 
+@pytest.mark.parametrize(
+    "row, fragment",
+    [
+        ({"input": "  ", "label": "1"}, "row 1 (line 2): 'input' is empty: every row needs a prompt"),
+        ({"input": "1+1=", "label": None}, "row 1 (line 2): 'label' is null, and --rm-type math grades against it"),
+        ({"input": "1+1=", "label": ""}, "row 1 (line 2): 'label' is empty, and --rm-type math grades against it"),
+    ],
+)
+def test_bad_input_empty_prompt_or_label_is_named_before_anything_starts(tmp_path, row, fragment):
+    f = tmp_path / "d.jsonl"
+    f.write_text(json.dumps({"input": "2+2=", "label": "4"}) + "\n" + json.dumps(row) + "\n")
+    msg = _bad(tmp_path, "--prompt-data", str(f))
+    assert fragment in msg and str(f) in msg
+    assert not any(tmp_path.glob("*/metrics.jsonl"))  # refused before a run directory was used
+
+
+def test_bad_input_not_utf8(tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_bytes(b'{"input": "1+1=", "label": "2"}\n{"input": "caf\xe9", "label": "1"}\n')
+    assert f"{f}: not UTF-8 text (byte 46, line 2: invalid continuation byte)" in _bad(
+        tmp_path, "--prompt-data", str(f)
+    )
+
+
 def test_bad_input_malformed_json_line(tmp_path):
     f = tmp_path / "d.jsonl"
     f.write_text('{"input": "1+1=", "label": "2"}\n{"input": "2+2=", "label": \n')
@@ -192,3 +232,52 @@ def test_bad_input_unknown_rm_type(tmp_path, addition_data):
 def test_bad_input_engine_unreachable(tmp_path, addition_data):
     msg = _bad(tmp_path, "--prompt-data", str(addition_data[0]), "--rollout-engine-urls", "http://127.0.0.1:9")
     assert "127.0.0.1:9" in msg and "unreachable" in msg
+
+
+def test_a_second_vime_eval_keeps_the_first_ones_results(tmp_path, tiny_model, addition_data):
+    common = ["-m", "vime", "eval", "--hf-checkpoint", str(tiny_model), "--eval-prompt-data", str(addition_data[1])]
+    common += ["--eval-limit", "2", "--eval-max-response-len", "2", "--runs-dir", str(tmp_path), "--run-name", "ev"]
+    first = run_cli(*common)
+    assert first.returncode == 0, first.stderr[-2000:]
+    before = (tmp_path / "ev" / "eval.jsonl").read_text()
+    second = run_cli(*common)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert (tmp_path / "ev" / "eval.jsonl").read_text() == before  # the first result is untouched
+    assert "per-sample results: " + str(tmp_path / "ev" / "eval.1.jsonl") in second.stdout
+    assert len((tmp_path / "ev" / "eval.1.jsonl").read_text().splitlines()) == 2
+
+
+def test_a_run_whose_save_or_run_directory_another_run_holds_is_refused(tmp_path, tiny_model, addition_data):
+    """The lock is the one a running `train.py` takes (held here by the test process, so which
+    run comes first is not left to timing); the held directories are left as they were."""
+    from vime.lifetime import owned
+
+    save = tmp_path / "ckpt"
+    (save / "1").mkdir(parents=True)
+    (save / "1" / "keep").write_text("a checkpoint of the first run")
+    argv = ["train.py", "--hf-checkpoint", str(tiny_model), "--prompt-data", str(addition_data[0])]
+    argv += [
+        "--num-rollout",
+        "1",
+        "--runs-dir",
+        str(tmp_path),
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "2",
+    ]
+    with owned([(save / ".vime.lock", "the first run's save")]):
+        out = run_cli(*argv, "--run-name", "second", "--save", str(save))
+    assert out.returncode == 2
+    assert (
+        out.stderr.strip().splitlines()[-1]
+        == f"error: --save {save} is in use by another vime run (pid {os.getpid()}): give this run its own"
+    )
+    assert sorted(p.name for p in save.iterdir()) == [".vime.lock", "1"] and (save / "1" / "keep").exists()
+    with owned([(tmp_path / ".first.lock", "the first run's directory")]):
+        out = run_cli(*argv, "--run-name", "first")
+    assert (
+        out.returncode == 2
+        and "error: run directory " + str(tmp_path / "first") + " is in use by another vime run" in out.stderr
+    )
+    assert not (tmp_path / "first" / "metrics.jsonl").exists()

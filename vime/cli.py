@@ -12,6 +12,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 USAGE = """usage: vime <command> [flags]
 
@@ -76,7 +77,7 @@ def _undo_ray_thread_cap() -> None:
 def train_main(argv: list[str], entry: str = "sync") -> int:
     """`entry`: sync (train.py) or async (train_async.py); the run's mode follows from it and the
     flags (`Config.validate`)."""
-    from vime.config import parse_args
+    from vime.config import ConfigError, parse_args
 
     prog = "train.py" if entry == "sync" else "train_async.py"
     desc = (
@@ -86,9 +87,19 @@ def train_main(argv: list[str], entry: str = "sync") -> int:
     )
     args = parse_args(argv, prog=prog, description=desc, entry=entry)
     _undo_ray_thread_cap()
+    from vime.lifetime import InUse, owned
     from vime.run import train  # heavy imports (torch, transformers) only once the flags are good
 
-    run_dir = train(args)
+    locks = []
+    if args.run_name is not None:  # a name of the run's own (the default one is a fresh timestamp)
+        locks.append((Path(args.runs_dir) / f".{args.run_name}.lock", f"run directory {args.run_dir}"))
+    if args.save:
+        locks.append((Path(args.save) / ".vime.lock", f"--save {args.save}"))
+    try:
+        with owned(locks):
+            run_dir = train(args)
+    except InUse as e:
+        raise ConfigError(str(e)) from None
     print(f"run written to {run_dir}")
     return 0
 
@@ -96,11 +107,10 @@ def train_main(argv: list[str], entry: str = "sync") -> int:
 def eval_main(argv: list[str]) -> int:
     """Greedy accuracy of a model/checkpoint on the first N eval prompts."""
     import json
-    from pathlib import Path
 
     from vime.config import parse_args
     from vime.eval import evaluate
-    from vime.placement import place
+    from vime.placement import fresh_path, place
     from vime.preflight import check_eval_inputs
     from vime.rollout.runtime import RolloutRuntime, make_clients
 
@@ -121,7 +131,7 @@ def eval_main(argv: list[str]) -> int:
         args.runtime = RolloutRuntime(clients, tokenizer, placement.transports)
         if not placement.engines:  # engines given by URL: they evaluate --hf-checkpoint, not what they hold
             push_checkpoint(args, placement, clients)
-        out_path = run_dir / "eval.jsonl"
+        out_path = fresh_path(run_dir / "eval.jsonl")  # an earlier eval's results stay: eval.1.jsonl, ...
         m = evaluate(args, 0, out_path).metrics
     finally:
         if args.runtime is not None:

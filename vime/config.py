@@ -618,6 +618,18 @@ def _common_checks(c: Config) -> list[tuple[bool, str]]:
         (c.rollout_temperature < 0, "--rollout-temperature must be >= 0 (0 = greedy)"),
         (not 0 < c.rollout_top_p <= 1, "--rollout-top-p must be in (0, 1]"),
         (c.rollout_max_response_len < 1, "--rollout-max-response-len must be at least 1"),
+        *(
+            (
+                True,
+                f"--rollout-engine-urls: {u!r} is not an engine URL; give http://host:port (comma-separated for several)",
+            )
+            for u in c.rollout_engine_urls
+            if not _is_engine_url(u)
+        ),
+        (
+            c.reward_timeout <= 0,
+            f"--reward-timeout {c.reward_timeout:g} must be > 0 seconds (it bounds each reward call; a hung one scores 0)",
+        ),
         (c.rollout_num_gpus_per_engine < 1, "--rollout-num-gpus-per-engine must be at least 1"),
         (c.rollout_num_engines is not None and c.rollout_num_engines < 1, "--rollout-num-engines must be at least 1"),
         (
@@ -756,6 +768,19 @@ def _train_checks(c: Config, entry: str) -> list[tuple[bool, str]]:
         (c.update_weight_buffer_size < 1, "--update-weight-buffer-size must be at least 1 byte"),
         (c.max_bad_steps < 1, "--max-bad-steps must be at least 1"),
     ]
+
+
+def _is_engine_url(u: Any) -> bool:
+    from urllib.parse import urlsplit
+
+    if not isinstance(u, str):
+        return False
+    try:
+        parts = urlsplit(u)
+        parts.port  # noqa: B018 (raises on a port that is not a number)
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname)
 
 
 def _non_finite(cfg: Config) -> list[tuple[bool, str]]:

@@ -179,8 +179,10 @@ def write_dataset(
     """Write `train.jsonl` and `test.jsonl` into out_dir; no question is in both."""
     if n_train < 1 or n_test < 0:
         raise DataError(f"--n-train must be at least 1 and --n-test at least 0 (got {n_train}, {n_test})")
-    rows = generate(task, n_train + n_test, seed, **task_kwargs)
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise DataError(f"--out {out} is a file: give a directory (train.jsonl and test.jsonl are written into it)")
+    rows = generate(task, n_train + n_test, seed, **task_kwargs)
     out.mkdir(parents=True, exist_ok=True)
     paths = out / "train.jsonl", out / "test.jsonl"
     for path, part in zip(paths, (rows[:n_train], rows[n_train:])):

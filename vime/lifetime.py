@@ -13,11 +13,13 @@ unwinds like Ctrl-C.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import signal
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 PARENT_POLL_S = 0.5
 
@@ -90,3 +92,37 @@ def exit_with_parent(parent_pid: int | None = None) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="vime-parent-watch", daemon=True).start()
+
+
+class InUse(RuntimeError):
+    """Another live process holds a directory this run would write."""
+
+
+@contextlib.contextmanager
+def owned(locks: list[tuple[Path, str]]) -> Iterator[None]:
+    """Hold an exclusive lock on each (lock file, what it guards) for the block: two runs given
+    the same --save or --run-name would overwrite each other's checkpoints and interleave their
+    metrics, so the second is refused. The kernel drops a lock when its process dies (even by
+    SIGKILL), so a crashed run never leaves its directories locked. Trainer ranks other than 0
+    belong to rank 0's run and take none."""
+    if os.environ.get("RANK", "0") != "0":
+        yield
+        return
+    fds: list[int] = []
+    try:
+        for path, what in locks:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                raise InUse(f"{what} is in use by another vime run (pid {holder}): give this run its own") from None
+            os.ftruncate(fd, 0)
+            os.write(fd, str(os.getpid()).encode())
+            fds.append(fd)
+        yield
+    finally:
+        for fd in fds:
+            os.close(fd)

@@ -413,13 +413,15 @@ def _supersede_rows_after(path: Path, step: int) -> None:
     """Move rows of steps after `step` from `path` to metrics.superseded.jsonl (appended);
     `path` is replaced whole, so a crash here leaves one of the two versions."""
     keep, later = [], []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            (later if json.loads(line).get("step", 0) > step else keep).append(line + "\n")
-    if not later:
+    rows = parse_rows(path)  # a torn last row (the process that wrote it was killed) is dropped
+    for row in rows:
+        (later if row.get("step", 0) > step else keep).append(json.dumps(row) + "\n")
+    torn = len(rows) < sum(1 for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
+    if not later and not torn:
         return
-    with (path.parent / "metrics.superseded.jsonl").open("a") as f:
-        f.write("".join(later))
+    if later:
+        with (path.parent / "metrics.superseded.jsonl").open("a") as f:
+            f.write("".join(later))
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(keep))
     tmp.replace(path)
@@ -435,7 +437,34 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         raise VimeError(f"{path} not found: is {run_dir} a vime run directory?")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return parse_rows(path)
+
+
+def parse_rows(path: Path) -> list[dict[str, Any]]:
+    """The JSON rows of a metrics file. A last row cut short (a run killed mid-write, a full
+    disk) is skipped with a warning; a bad row anywhere else is an error naming its line."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise VimeError(
+            f"{path} is not UTF-8 text ({e.reason} at byte {e.start}): not a metrics file vime wrote"
+        ) from None
+    rows: list[dict[str, Any]] = []
+    numbered = [(i + 1, line) for i, line in enumerate(lines) if line.strip()]
+    for k, (lineno, line) in enumerate(numbered):
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict):
+                raise ValueError(f"a {type(row).__name__}, not an object")
+        except ValueError as e:
+            if k == len(numbered) - 1:
+                log.warning("%s: the last row (line %d) is cut short and is skipped (%s)", path, lineno, _first_line(e))
+                break
+            raise VimeError(
+                f"{path} line {lineno} is not a metrics row ({_first_line(e)}): repair or remove that line"
+            ) from None
+        rows.append(row)
+    return rows
 
 
 class _NoProgress(logging.Filter):

@@ -26,9 +26,16 @@ def load_function(
         sys.path.append(os.getcwd())
     try:
         fn = getattr(importlib.import_module(module_name), attr)
+    except SyntaxError as e:  # the module's own code, not the path: say where
+        raise error(f"{flag} '{path}': {e.filename}:{e.lineno}: {e.msg} (fix the module)") from None
     except (ImportError, AttributeError) as e:
         raise error(
             f"{flag} '{path}' cannot be loaded ({type(e).__name__}: {e}): check the module is importable and defines '{attr}'"
+        ) from None
+    except Exception as e:  # the module raised while it was imported
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise error(
+            f"{flag} '{path}': importing {module_name} raised {type(e).__name__}: {first} (fix the module)"
         ) from None
     if not callable(fn):
         raise error(f"{flag} '{path}' is not callable: it must be {signature}")

@@ -70,6 +70,13 @@ def check_inputs(args: Any) -> Inputs:
     data_source = DataSource(args, tokenizer, max_prompt_len=max_prompt_len)
     if args.num_rollout is None:  # from --num-epoch, once the data's size is known (the LR schedule needs it)
         args.num_rollout = math.ceil(args.num_epoch * len(data_source) / args.rollout_batch_size)
+    if args.load:
+        done = int(latest_checkpoint(Path(args.load), warn=False).name)
+        if done >= args.num_rollout:
+            raise ConfigError(
+                f"--load {args.load} resumes after step {done}, and this run ends at step {args.num_rollout} "
+                f"(--num-rollout/--num-epoch): nothing is left to train; raise it above {done}"
+            )
     if data_source.skipped_note:
         notes.append(data_source.skipped_note)
     if args.eval_prompt_data:

@@ -42,7 +42,10 @@ def summarize(run_dir: str | Path) -> RunSummary:
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir)
     cfg_path = run_dir / "config.yaml"
-    cfg = yaml.safe_load(cfg_path.read_text()) if cfg_path.exists() else {}
+    try:
+        cfg = yaml.safe_load(cfg_path.read_text(encoding="utf-8")) if cfg_path.exists() else {}
+    except (UnicodeDecodeError, yaml.YAMLError) as e:
+        raise VimeError(f"{cfg_path} is not a config vime wrote ({type(e).__name__}): repair or remove it") from None
     steps = [r for r in rows if "perf/step_time" in r]
     if not steps:
         raise VimeError(

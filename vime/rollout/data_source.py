@@ -51,7 +51,13 @@ def _split_spec(spec: str) -> tuple[Path, slice]:
 
 def _read_json_rows(path: Path) -> list[tuple[int, Any]]:
     """(line number, parsed value) per non-blank line; a `.json` holding one array also works."""
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise DataError(
+            f"{path}: not UTF-8 text (byte {e.start}, line {line}: {e.reason}); re-encode the file as UTF-8"
+        ) from None
     if path.suffix == ".json" and text.lstrip().startswith("["):
         try:
             return [(0, row) for row in json.loads(text)]
@@ -100,6 +106,8 @@ def _where(path: Path, row: int, lineno: int) -> str:
 
 def _check_input(value: Any, where: str, key: str) -> str | list[dict[str, Any]]:
     if isinstance(value, str):
+        if not value.strip():  # it would reach the engine as a prompt of no tokens, mid-run
+            raise DataError(f"{where}: '{key}' is empty: every row needs a prompt")
         return value
     if isinstance(value, list) and value and all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
         return [dict(m) for m in value]
@@ -174,6 +182,7 @@ def load_prompts(
     metadata_key: str = "metadata",
     label_format: str = "text",
     tool_key: str | None = None,
+    grader: str | None = None,
 ) -> list[dict[str, Any]]:
     """Rows of a JSONL/Parquet file (optionally `path@[a:b]`) as `{"input", "label", "metadata"}`.
 
@@ -181,6 +190,8 @@ def load_prompts(
     `label_format` "gsm8k" keeps only the answer after the label's last `####`.
     With `tool_key` every row must hold a list of tool schemas there: it comes out as
     `"tools"` (for the chat template) and, as slime keeps it, as `metadata["tools"]` (for rewards).
+    `grader` names what compares answers with the labels (a built-in reward, or eval): every row
+    then needs a label, since one missing would score every sample of its prompt 0, silently.
     """
     path, rows_slice = _split_spec(str(spec))
     raw = _read_rows(path)
@@ -204,6 +215,11 @@ def load_prompts(
                 raise DataError(f"{where} has no key '{key}' (keys: {', '.join(map(str, row)) or 'none'}); set {flag}")
             values.append(value)
         prompt, label = values
+        if grader is not None and (label is None or (isinstance(label, str) and not label.strip())):
+            raise DataError(
+                f"{where}: '{label_key}' is {'null' if label is None else 'empty'}, and {grader} grades against it: "
+                "fill it in (or, for a reward that needs no label, give --custom-rm-path)"
+            )
         item = {
             "input": _check_input(prompt, where, input_key),
             "label": _gsm8k_label(label, where, label_key) if label_format == "gsm8k" else _label_text(label),
@@ -321,6 +337,7 @@ def load_eval_samples(
         args.metadata_key,
         args.label_format,
         args.tool_key,
+        grader="eval",
     )
     renderer = PromptRenderer(args, tokenizer, str(path))
     if max_prompt_len is not None:
@@ -386,7 +403,13 @@ class DataSource:
     def __init__(self, args, tokenizer, max_prompt_len: int | None = None) -> None:
         self.args = args
         self.rows = load_prompts(
-            args.prompt_data, args.input_key, args.label_key, args.metadata_key, args.label_format, args.tool_key
+            args.prompt_data,
+            args.input_key,
+            args.label_key,
+            args.metadata_key,
+            args.label_format,
+            args.tool_key,
+            grader=None if args.custom_rm_path else f"--rm-type {args.rm_type}",
         )
         self.renderer = PromptRenderer(args, tokenizer, str(args.prompt_data))
         # left out by --skip-overlong-prompts, --rollout-max-prompt-len or --rollout-max-context-len (fit_prompts)

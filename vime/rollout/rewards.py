@@ -51,6 +51,8 @@ log = logging.getLogger("vime")
 # A reward function's result: a number, or a dict read at --reward-key (see read_reward).
 RewardFn = Callable[[Sample], Awaitable[Any]]
 
+FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32 (torch.finfo(torch.float32).max)
+
 
 class RmRule(NamedTuple):
     """How a built-in rm type grades: one row of BUILTIN_RM_TYPES."""
@@ -726,6 +728,8 @@ async def _safe_reward(args, fn: RewardFn, sample: Sample) -> tuple[float, dict[
         score, extras = read_reward(args, await fn(sample))
         if not math.isfinite(score):
             raise ValueError(f"reward is {score}, not a finite number")
+        if abs(score) > FLOAT32_MAX:  # finite here, inf in the float32 tensors advantages are computed in
+            raise ValueError(f"reward is {score:g}, beyond float32's range (±{FLOAT32_MAX:.3g}): scale it down")
         return score, extras, None
     except RewardKeyError:
         raise
