@@ -879,3 +879,31 @@ def test_a_plugin_module_that_does_not_import_is_one_line_naming_where(tmp_path,
         ConfigError, match=r"importing rm_raises raised KeyError: 'VIME_NO_SUCH_VARIABLE' \(fix the module\)$"
     ):
         load_function("rm_raises:reward", "--custom-rm-path")
+
+
+def test_ctrl_c_during_a_checkpoint_keeps_that_steps_metrics_row(tmp_path, tiny_model, addition_data, monkeypatch):
+    """The checkpoint of step 2 and step 2's metrics row are written together: a signal that
+    lands while the checkpoint is written acts after the row (it used to act in between, and a
+    run resumed from that checkpoint never logged step 2)."""
+    from vime.config import parse_args
+    from vime.run import train
+    from vime.trainer.actor import Actor
+
+    real_save = Actor.save
+
+    def save_then_interrupt(self, final, extra):
+        if extra["step"] == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)
+        return real_save(self, final, extra)
+
+    monkeypatch.setattr(Actor, "save", save_then_interrupt)
+    argv = ["--hf-checkpoint", str(tiny_model), "--prompt-data", str(addition_data[0]), "--num-rollout", "4"]
+    argv += ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4"]
+    argv += ["--runs-dir", str(tmp_path), "--run-name", "r", "--save", str(tmp_path / "ckpt"), "--save-interval", "1"]
+    argv += ["--device", "cpu", "--quiet"]
+    with pytest.raises(KeyboardInterrupt):
+        train(parse_args(argv))
+    rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "perf/step_time" in r] == [1, 2]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["1", "2"]

@@ -30,6 +30,7 @@ import yaml
 
 from vime.config import Config, ConfigError
 from vime.engine.client import EngineClient, EngineError
+from vime.lifetime import signals_held
 from vime.metrics import MetricsLogger, setup_logging
 from vime.placement import Placement, fresh_path, place, trainer_device
 from vime.preflight import check_inputs
@@ -232,19 +233,22 @@ class Run:
         metrics["rollout/skipped_prompts"] = float(self.data_source.skipped_prompts)
         if a.eval_interval and (step % a.eval_interval == 0 or last):
             metrics.update(self.evaluate(step))
-        if a.save and ((a.save_interval and step % a.save_interval == 0) or last):
-            t0 = time.perf_counter()
-            with self.generation_paused("in_place") if a.mode != "sync" else contextlib.nullcontext():
-                extra = {
-                    "step": step,
-                    "policy_version": self.policy_version,
-                    "weight_pushes": self.weight_pushes,
-                    "data_source": self.data_source.state_dict(),
-                    "wall_clock": metrics["perf/wall_clock"],
-                }
-                self.actor.save(Path(a.save) / str(step), extra)
-            metrics["perf/save_time"] = time.perf_counter() - t0
-        self.metrics.log(step, metrics)
+        # the step's checkpoint and its metrics row are one record: Ctrl-C or SIGTERM waits until
+        # both are written (a resume from that checkpoint would otherwise never log the step)
+        with signals_held():
+            if a.save and ((a.save_interval and step % a.save_interval == 0) or last):
+                t0 = time.perf_counter()
+                with self.generation_paused("in_place") if a.mode != "sync" else contextlib.nullcontext():
+                    extra = {
+                        "step": step,
+                        "policy_version": self.policy_version,
+                        "weight_pushes": self.weight_pushes,
+                        "data_source": self.data_source.state_dict(),
+                        "wall_clock": metrics["perf/wall_clock"],
+                    }
+                    self.actor.save(Path(a.save) / str(step), extra)
+                metrics["perf/save_time"] = time.perf_counter() - t0
+            self.metrics.log(step, metrics)
         self.metrics.advance(metrics)
 
     def evaluate(self, step: int) -> dict[str, float]:
