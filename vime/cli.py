@@ -92,7 +92,8 @@ def train_main(argv: list[str], entry: str = "sync") -> int:
 
     locks = []
     if args.run_name is not None:  # a name of the run's own (the default one is a fresh timestamp)
-        locks.append((Path(args.runs_dir) / f".{args.run_name}.lock", f"run directory {args.run_dir}"))
+        run_dir = Path(args.run_dir)
+        locks.append((run_dir.parent / f".{run_dir.name}.lock", f"run directory {run_dir}"))
     if args.save:
         locks.append((Path(args.save) / ".vime.lock", f"--save {args.save}"))
     try:

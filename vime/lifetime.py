@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import signal
 import threading
@@ -22,6 +23,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 PARENT_POLL_S = 0.5
+
+log = logging.getLogger("vime")
 
 
 class Terminated(KeyboardInterrupt):
@@ -111,14 +114,21 @@ def owned(locks: list[tuple[Path, str]]) -> Iterator[None]:
     fds: list[int] = []
     try:
         for path, what in locks:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError:  # not a writable directory: the run's input checks say so in one line
+                continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
                 os.close(fd)
                 raise InUse(f"{what} is in use by another vime run (pid {holder}): give this run its own") from None
+            except OSError as e:  # a filesystem without flock (some Lustre mounts): run unguarded
+                os.close(fd)
+                log.warning("cannot lock %s (%s): a second run given it would not be refused", what, e.strerror)
+                continue
             os.ftruncate(fd, 0)
             os.write(fd, str(os.getpid()).encode())
             fds.append(fd)

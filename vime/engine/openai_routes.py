@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from vime.engine.core.sampler import SamplingParams
 
 # the roles of OpenAI's chat API that chat templates know
-CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function", "ipython"})
 
 
 class OpenAIRoutes:
@@ -61,9 +61,11 @@ class OpenAIRoutes:
         messages = body_field(body, "messages", list)
         if not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
             raise BadRequest("messages must be a list of {role, content} objects")
-        roles = {m["role"] for m in messages} - CHAT_ROLES
+        roles = sorted(
+            {str(m["role"]) for m in messages if not isinstance(m["role"], str) or m["role"] not in CHAT_ROLES}
+        )
         if roles:  # a chat template renders an unknown role as it likes, or not at all
-            raise BadRequest(f"unknown message role(s) {sorted(map(str, roles))}: use {', '.join(sorted(CHAT_ROLES))}")
+            raise BadRequest(f"unknown message role(s) {roles}: use {', '.join(sorted(CHAT_ROLES))}")
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return await self._openai(body, tok.encode(text, add_special_tokens=False), chat=True)
 

@@ -324,6 +324,19 @@ def fit_prompts(
     return kept, len(rows) - len(kept)
 
 
+def _label_grader(args) -> str | None:
+    """What grades the training rows against their labels, if anything: the built-in rewards but
+    reasoning_gym (its scorer reads the row's metadata); not a reward or rollout of one's own."""
+    from vime.config import DEFAULT_ROLLOUT_FN, FULLY_ASYNC_FN
+    from vime.rollout.rewards import MODULE_RM_TYPES
+
+    if args.custom_rm_path or args.rm_type in MODULE_RM_TYPES:
+        return None
+    if args.rollout_function_path not in (DEFAULT_ROLLOUT_FN, FULLY_ASYNC_FN):
+        return None
+    return f"--rm-type {args.rm_type}"
+
+
 def load_eval_samples(
     args, tokenizer, path: str | Path, limit: int | None = None, max_prompt_len: int | None = None
 ) -> list[Sample]:
@@ -409,7 +422,7 @@ class DataSource:
             args.metadata_key,
             args.label_format,
             args.tool_key,
-            grader=None if args.custom_rm_path else f"--rm-type {args.rm_type}",
+            grader=_label_grader(args),
         )
         self.renderer = PromptRenderer(args, tokenizer, str(args.prompt_data))
         # left out by --skip-overlong-prompts, --rollout-max-prompt-len or --rollout-max-context-len (fit_prompts)

@@ -179,7 +179,15 @@ def _numpy_globals() -> list[Any]:
     """What an older trainer_state.pt needs besides plain data: numpy's RNG key was saved as an
     array. Rebuilding an array runs no code of the file's choosing."""
     core = getattr(np, "_core", None) or np.core  # numpy 2 renamed it
-    return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    rebuild = core.multiarray._reconstruct
+    # a file names the function as the numpy that wrote it did: allow both names
+    return [
+        (rebuild, "numpy.core.multiarray._reconstruct"),
+        (rebuild, "numpy._core.multiarray._reconstruct"),
+        np.ndarray,
+        np.dtype,
+        type(np.dtype(np.uint32)),
+    ]
 
 
 def _read_state(state_file: Path) -> dict[str, Any]:

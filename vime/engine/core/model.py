@@ -375,7 +375,7 @@ class CausalLM(nn.Module):
             # one fused norm over what arrived, one sync: a NaN or inf anywhere makes its norm
             # non-finite. The caller then marks the weights incomplete, so nothing is sampled from them.
             names = sorted(loaded)
-            norms = torch.stack([n.float() for n in torch._foreach_norm([params[n] for n in names])])
+            norms = torch.stack(torch._foreach_norm([params[n] for n in names], dtype=torch.float32))
             bad = (~torch.isfinite(norms)).nonzero()
             if bad.numel():
                 raise ValueError(
