@@ -368,7 +368,7 @@ def main() -> int:
         with ThreadPoolExecutor(max_workers=max(1, a.parallel)) as pool:
             for f in [pool.submit(one, *job) for job in jobs]:
                 f.result()
-    done = [r for r in results.values()]
+    done = list(results.values())
     if not done:
         p.error(f"no results in {res_path}: run without --report-only first")
     first = done[0]
