@@ -77,7 +77,7 @@ def _undo_ray_thread_cap() -> None:
 def train_main(argv: list[str], entry: str = "sync") -> int:
     """`entry`: sync (train.py) or async (train_async.py); the run's mode follows from it and the
     flags (`Config.validate`)."""
-    from vime.config import ConfigError, parse_args
+    from vime.config import parse_args
 
     prog = "train.py" if entry == "sync" else "train_async.py"
     desc = (
@@ -87,7 +87,7 @@ def train_main(argv: list[str], entry: str = "sync") -> int:
     )
     args = parse_args(argv, prog=prog, description=desc, entry=entry)
     _undo_ray_thread_cap()
-    from vime.lifetime import InUse, owned
+    from vime.lifetime import owned
     from vime.run import train  # heavy imports (torch, transformers) only once the flags are good
 
     locks = []
@@ -96,11 +96,8 @@ def train_main(argv: list[str], entry: str = "sync") -> int:
         locks.append((run_dir.parent / f".{run_dir.name}.lock", f"run directory {run_dir}"))
     if args.save:
         locks.append((Path(args.save) / ".vime.lock", f"--save {args.save}"))
-    try:
-        with owned(locks):
-            run_dir = train(args)
-    except InUse as e:
-        raise ConfigError(str(e)) from None
+    with owned(locks):
+        run_dir = train(args)
     print(f"run written to {run_dir}")
     return 0
 

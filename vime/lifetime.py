@@ -22,6 +22,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from vime.errors import VimeError
+
 PARENT_POLL_S = 0.5
 
 log = logging.getLogger("vime")
@@ -97,8 +99,8 @@ def exit_with_parent(parent_pid: int | None = None) -> None:
     threading.Thread(target=watch, name="vime-parent-watch", daemon=True).start()
 
 
-class InUse(RuntimeError):
-    """Another live process holds a directory this run would write."""
+class InUse(VimeError):
+    """Another live process holds a directory this run would write (one line, exit 2)."""
 
 
 @contextlib.contextmanager
