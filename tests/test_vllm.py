@@ -594,6 +594,12 @@ def test_a_collective_push_makes_the_server_compute_what_a_server_of_those_weigh
         partial = [(n, t) for n, t in trainer_weights(b_dir) if ".layers.1.mlp.down_proj" not in n]
         with pytest.raises(EngineError, match=r"reached no weight of 1 layer\(s\).*layers\.1\.mlp\.down_proj"):
             pusher.push(partial, version=6)
+        # and so is one holding a NaN (the group is unusable after a failure: by disk), before any
+        # of that file is loaded
+        poisoned = [(n, t.clone()) for n, t in trainer_weights(b_dir)]
+        poisoned[-1][1].view(-1)[0] = float("nan")
+        with pytest.raises(EngineError, match=f"weight '{poisoned[-1][0]}' holds non-finite values"):
+            WeightPusher([client], transport="disk").push(poisoned, version=6)
         WeightPusher([client], transport="disk").push(trainer_weights(a_dir), version=7)
         assert _outputs(a)[0] == before[0]
         assert max(abs(x - y) for x, y in zip(_outputs(a)[2], before[2])) < ATOL

@@ -200,6 +200,9 @@ class WeightReceiver:
         assert sums is not None
 
         items = list(tensors)  # one bucket (or file): its checksums in one pass
+        bad = weight_sync.non_finite(items)  # refused before any of it is loaded, like a wrong shape
+        if bad is not None:
+            raise ValueError(f"weight '{bad}' holds non-finite values (NaN or inf): push finite weights")
         sums.update(zip([n for n, _ in items], weight_sync.checksums(t for _, t in items)))
         with set_current_vllm_config(self.vllm_config):
             self._vime_model().load_weights(iter(items))

@@ -289,6 +289,17 @@ def _flatten(items: list[tuple[str, Tensor]], size: int, dtype: torch.dtype, dev
 # ---- proof of arrival -------------------------------------------------------------------------
 
 
+def non_finite(named: list[tuple[str, Tensor]]) -> str | None:
+    """The name of the first tensor holding a NaN or inf, else None: one fused float32 norm
+    over them all and one sync (a NaN or inf anywhere makes its tensor's norm non-finite)."""
+    floats = [(n, t) for n, t in named if t.is_floating_point()]
+    if not floats:
+        return None
+    norms = torch.stack(torch._foreach_norm([t for _, t in floats], dtype=torch.float32))
+    bad = (~torch.isfinite(norms)).nonzero()
+    return floats[int(bad[0])][0] if bad.numel() else None
+
+
 def checksums(tensors: Iterable[Tensor]) -> list[list[int]]:
     """[bit sum, element count] of each tensor (`bit_sum`).
 

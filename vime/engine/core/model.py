@@ -21,6 +21,7 @@ from torch import nn
 
 from vime.engine.core import kernels
 from vime.engine.core.attention import AttnMetadata, paged_attention
+from vime.engine.weight_sync import non_finite
 
 COPY_BATCH_BYTES = 256 * 2**20  # same-device weights copied per _foreach_copy_
 
@@ -371,16 +372,11 @@ class CausalLM(nn.Module):
             # a few launches per bucket instead of one per tensor: at 0.6B the per-tensor
             # launches cost more than the bytes on a slow host
             torch._foreach_copy_(dst, src)
-        if loaded:
-            # one fused norm over what arrived, one sync: a NaN or inf anywhere makes its norm
-            # non-finite. The caller then marks the weights incomplete, so nothing is sampled from them.
-            names = sorted(loaded)
-            norms = torch.stack(torch._foreach_norm([params[n] for n in names], dtype=torch.float32))
-            bad = (~torch.isfinite(norms)).nonzero()
-            if bad.numel():
-                raise ValueError(
-                    f"weight '{names[int(bad[0])]}' holds non-finite values (NaN or inf): push finite weights"
-                )
+        # checked as copied (in the engine's dtype); the caller then marks the weights
+        # incomplete, so nothing is sampled from them
+        bad = non_finite([(n, params[n]) for n in sorted(loaded)])
+        if bad is not None:
+            raise ValueError(f"weight '{bad}' holds non-finite values (NaN or inf): push finite weights")
         return loaded
 
 
