@@ -95,3 +95,14 @@ async def kill_engine_one(args, sample, params):
             assert time.monotonic() < deadline, "engine 1 did not come back"
             await asyncio.sleep(0.1)
     return await default_generate(args, sample, params)
+
+
+async def stop_engine_mid_step(args, sample, params):
+    """Once the first checkpoint is written (fully-async generates ahead of it), the engine is
+    stopped (SIGSTOP: alive, holding its port, answering nothing) while requests are in flight."""
+    saved = any(p.name.isdigit() for p in Path(args.save).glob("*"))
+    if saved and not _first_batch(args, sample) and not (args.run_dir / "engine-stopped").exists():
+        for pid in engine_pids():
+            os.kill(pid, signal.SIGSTOP)
+        (args.run_dir / "engine-stopped").write_text("stopped")
+    return await default_generate(args, sample, params)

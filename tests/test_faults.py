@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
+import logging
 import os
 import pickle
 import re
@@ -185,6 +187,9 @@ def test_every_route_but_health_needs_the_key(engine, client, capsys):
     assert refused.value.code == 2
     assert "error: --host 0.0.0.0 would let anyone" in capsys.readouterr().err.strip().splitlines()[-1]
     assert engine_args(["--model-path", "tiny", "--host", "0.0.0.0", "--api-key", "k"]).api_key == "k"
+    with pytest.raises(SystemExit) as refused:
+        engine_args(["--model-path", "tiny", "--port", "99999"])
+    assert refused.value.code == 2 and "error: --port 99999: give 0-65535" in capsys.readouterr().err
     status, text = post(
         engine.url + "/generate",
         json.dumps({"input_ids": [5], "sampling_params": {"temperature": float("nan")}}).encode(),
@@ -267,6 +272,55 @@ def test_an_update_that_breaks_off_after_copying_stops_generation_until_a_whole_
     engine.update_weights(list(iter_safetensors(tiny_model))[:5], 3, flush=False)
     engine.abandon_update("weight group closed")
     assert "before its last bucket" in engine.weights_incomplete and engine.weight_version == 3
+
+
+def test_a_port_in_use_is_one_line_before_the_model_loads(tiny_model):
+    from vime.engine.server import main as serve_main
+    from vime.errors import VimeError
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        t0 = time.monotonic()
+        with pytest.raises(
+            VimeError, match=rf"^cannot listen on 127.0.0.1:{port} \(Address already in use\): pick another"
+        ):
+            serve_main(["--model-path", str(tiny_model), "--port", str(port)])
+        assert time.monotonic() - t0 < 5
+
+
+def test_a_silent_engine_fails_its_requests_at_the_health_timeout_and_a_live_one_none(tiny_model, tmp_path):
+    """The health watch: requests on an engine that answers (probed many times while they run)
+    get their answers; requests on a stopped one (SIGSTOP: its port still takes connections)
+    fail one interval + timeout later (EngineSilent: the engine is down without a second probe,
+    and with no other engine that ends them), and it is ended at once at shutdown (SIGCONT lets
+    it act on the SIGTERM)."""
+    from vime.rollout.runtime import HealthCheck, RolloutRuntime
+    from vime.rollout.vllm_rollout import generate_on_engines
+
+    e = launch_engine(str(tiny_model), log_path=tmp_path / "engine.log")
+    try:
+        rt = RolloutRuntime([EngineClient(e.url)], None, health=HealthCheck(interval=0.01, timeout=1.0))
+        params = {"max_new_tokens": 32, "temperature": 1.0, "ignore_eos": True}
+
+        async def generate(n: int) -> list:
+            try:
+                return await asyncio.gather(*(generate_on_engines(rt, i, [40, 41, 42], params) for i in range(n)))
+            finally:
+                await rt.engines[0].client.close()
+
+        assert [len(o["output_ids"]) for o in asyncio.run(generate(8))] == [32] * 8
+
+        rt.health = HealthCheck(interval=0.5, timeout=1.0)
+        os.kill(e.proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(EngineError, match=r"no engine left.* stopped answering \(no answer to /health within 1s\)"):
+            asyncio.run(generate(2))
+        assert time.monotonic() - t0 < 1.5 + 2.0  # interval + timeout, and slack for this machine
+        assert rt.engines[0].state == "down" and "no engine left" in rt.no_engine_message()
+    finally:
+        t0 = time.monotonic()
+        e.shutdown()
+        assert e.proc.poll() is not None and time.monotonic() - t0 < 5  # without SIGCONT: the 10 s kill
 
 
 def test_a_connection_reset_is_an_engine_error_not_a_traceback():
@@ -479,6 +533,51 @@ def _weights(actor) -> dict[str, torch.Tensor]:
     return {n: t.clone() for n, t in actor.named_weights()}
 
 
+@pytest.mark.slow
+def test_trainer_ranks_that_fall_out_of_step_end_in_seconds_in_one_line(tiny_model, monkeypatch):
+    """Two gloo ranks. Rank 0 interrupted inside a step (Ctrl-C or SIGTERM between two of its
+    collectives) leaves rank 1 waiting in the next one, where a "close" never matches: close
+    ends it instead, within seconds (it used to wait out the 30-minute collective timeout). And
+    a rank killed between steps makes the next call one line naming it, not gloo's error."""
+    import vime.trainer.actor as actor_module
+    from vime.trainer.distributed import TrainerRankError, launch_actor
+
+    args = Config(lr=1e-2, global_batch_size=None, max_tokens_per_gpu=512, rollout_temperature=1.0, actor_num_procs=2)
+    adv = [1.0, -1.0, 0.5, -0.5]
+
+    two = launch_actor(args, tiny_model, "cpu")
+    try:
+        two.train_step(_batch(), adv)  # in step once
+
+        def interrupted(*a, **k):
+            raise KeyboardInterrupt  # here only: rank 1 computes its loss and waits for the gradients
+
+        monkeypatch.setattr(actor_module, "policy_loss", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            two.train_step(_batch(), adv)
+    finally:
+        t0 = time.monotonic()
+        two.close()
+        assert time.monotonic() - t0 < 15 and not any(p.is_alive() for p in two.procs)
+    monkeypatch.undo()
+
+    two = launch_actor(args, tiny_model, "cpu")
+    try:
+        two.train_step(_batch(), adv)
+        os.kill(two.procs[0].pid, signal.SIGKILL)
+        two.procs[0].join(10)
+        with pytest.raises(
+            TrainerRankError, match=r"^trainer rank 1 ended \(killed by signal 9\) during train_step: resume"
+        ):
+            two.train_step(_batch(), adv)
+        with pytest.raises(TrainerRankError, match="during named_weights"):
+            dict(two.named_weights())
+    finally:
+        t0 = time.monotonic()
+        two.close()
+        assert time.monotonic() - t0 < 15
+
+
 def test_a_non_finite_loss_skips_the_step_and_the_weights_stay(actor):
     before = _weights(actor)
     m = actor.train_step(_batch(), [1.0, float("nan"), -1.0, 0.0])
@@ -514,21 +613,72 @@ def test_the_fused_optimizer_skips_a_non_finite_step_without_the_host_checking_f
     assert all(torch.equal(after[n], t) for n, t in poisoned.named_weights())
 
 
+@contextlib.contextmanager
+def _disk_full_at(size: int):
+    """A full disk, as a file size limit (works unprivileged): writes past `size` bytes fail
+    with EFBIG, as they would with ENOSPC."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+
+
+def test_a_full_disk_under_metrics_the_log_or_a_weight_push_is_one_line_and_tears_nothing(
+    actor, client, tmp_path, capsys
+):
+    """metrics.jsonl: the row that does not fit is taken back whole and the run stops in one
+    line; log.txt: one warning, not a traceback per record; a push through shared memory: one
+    line, and no partial weights file left to fill the disk further."""
+    from vime.metrics import MetricsError, MetricsLogger, parse_rows, setup_logging
+    from vime.trainer.weights import WeightPusher, WeightWriteError
+
+    metrics = MetricsLogger(tmp_path / "run", total_steps=3, quiet=True)
+    metrics.log(1, {"rollout/reward_mean": 0.5})
+    path = tmp_path / "run" / "metrics.jsonl"
+    size = path.stat().st_size
+    with _disk_full_at(size + 10), pytest.raises(MetricsError) as e:
+        metrics.log(2, {"rollout/reward_mean": 0.25, "note": "x" * 100})
+    assert re.fullmatch(
+        r"cannot write step 2's metrics to .*metrics.jsonl \(File too large\): make room .*", str(e.value)
+    )
+    metrics.close()
+    assert path.stat().st_size == size and [r["step"] for r in parse_rows(path)] == [1]
+
+    setup_logging(tmp_path / "run" / "log.txt")
+    try:
+        with _disk_full_at((tmp_path / "run" / "log.txt").stat().st_size + 10):
+            for _ in range(3):
+                logging.getLogger("vime").info("a line longer than the room left " * 3)
+    finally:
+        setup_logging()
+    err = capsys.readouterr().err
+    assert err.count("warning: cannot write") == 1 and "log.txt (File too large)" in err and "Traceback" not in err
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    pusher = WeightPusher([client], transport="shm", tmp_dir=shm)
+    with _disk_full_at(64 * 1024), pytest.raises(WeightWriteError) as e:
+        pusher.push(actor.named_weights(), 1)
+    assert re.fullmatch(
+        r"cannot write the weights for the engines to .*shm \(.*File too large.*\): make room .*", str(e.value)
+    )
+    assert not list(shm.iterdir())
+
+
 def test_no_checkpoint_from_non_finite_weights_and_a_full_disk_keeps_the_last_one(actor, tmp_path):
     from vime.trainer.checkpoint import CheckpointError, latest_checkpoint, problem
     from vime.trainer.nonfinite import NonFiniteError
 
     actor.save(tmp_path / "1", {"step": 1})
-    # a full disk, as a file size limit (works unprivileged): the save fails in one line
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, hard))
-    try:
-        with pytest.raises(CheckpointError, match="writing checkpoint .*/2 failed \\(.*File too large") as e:
-            actor.save(tmp_path / "2", {"step": 2})
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-        signal.signal(signal.SIGXFSZ, previous)
+    with (
+        _disk_full_at(64 * 1024),
+        pytest.raises(CheckpointError, match="writing checkpoint .*/2 failed \\(.*File too large") as e,
+    ):
+        actor.save(tmp_path / "2", {"step": 2})
     assert "\n" not in str(e.value)
     with torch.no_grad():
         next(actor.model.parameters())[0] = float("inf")
@@ -571,8 +721,22 @@ def test_every_input_is_checked_before_anything_starts(tmp_path, tiny_model, mon
     damaged = tmp_path / "ckpt" / "1"
     damaged.mkdir(parents=True)
     (damaged / "trainer_state.pt").write_bytes(b"PK\x03\x04 cut short")
+    cut_short, unweighted = tmp_path / "cut_short", tmp_path / "unweighted"
+    for d in (cut_short, unweighted):
+        shutil.copytree(tiny_model, d)
+    weights = cut_short / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)  # a copy or download that stopped halfway
+    (unweighted / "model.safetensors").unlink()
     cases = [
         (["--hf-checkpoint", str(broken)], "config.json is not valid JSON"),
+        (
+            ["--hf-checkpoint", str(cut_short)],
+            "cut_short: model.safetensors is damaged .*: --hf-checkpoint needs a whole",
+        ),
+        (["--hf-checkpoint", str(unweighted)], "unweighted: no model.safetensors: --hf-checkpoint needs a whole"),
+        (["--rollout-health-check-timeout", "0"], "--rollout-health-check-timeout must be > 0 seconds"),
+        (["--eval-limit", "-1"], "--eval-limit -1: give at least 1"),
+        (["--rollout-health-check-interval", "-1"], "--rollout-health-check-interval must be >= 0 seconds"),
         (["--n-samples-per-prompt", "0"], "--n-samples-per-prompt must be at least 1"),
         (["--rollout-temperature", "nan"], "--rollout-temperature nan: give a finite number"),
         (
@@ -590,6 +754,15 @@ def test_every_input_is_checked_before_anything_starts(tmp_path, tiny_model, mon
     ]
     for argv, match in cases:
         assert re.search(match, _refused(tmp_path, *argv)), argv
+
+    from vime.cli import eval_main
+    from vime.errors import VimeError
+
+    with pytest.raises(VimeError, match="cut_short: model.safetensors is damaged") as e:  # `vime eval` of it too
+        eval_main(
+            ["--config", "examples/tiny.yaml", "--hf-checkpoint", str(cut_short), "--runs-dir", str(tmp_path / "ev")]
+        )
+    assert "\n" not in str(e.value) and not (tmp_path / "ev").exists()
     if os.geteuid() != 0:  # root writes through file modes
         read_only = tmp_path / "ro"
         read_only.mkdir(mode=0o555)
@@ -726,8 +899,15 @@ def _intact_checkpoints(save: Path, at_least: int) -> None:
         ("train_async.py", ["--custom-generate-function-path", "fault_plugins.slow_grading"], "SIGINT", "grading"),
         ("train_async.py", FULLY_ASYNC, "SIGTERM", "metrics.jsonl"),
         ("train_async.py", ["--max-staleness", "1"], "SIGINT", "metrics.jsonl"),
+        ("train.py", ["--actor-num-procs", "2"], "SIGTERM", "metrics.jsonl"),
     ],
-    ids=["sync-sigterm", "one-step-off-ctrl-c-while-grading", "fully-async-sigterm", "decoupled-ctrl-c"],
+    ids=[
+        "sync-sigterm",
+        "one-step-off-ctrl-c-while-grading",
+        "fully-async-sigterm",
+        "decoupled-ctrl-c",
+        "two-ranks-sigterm",
+    ],
 )
 def test_a_signal_stops_every_mode_within_seconds(tmp_path, script, extra, fault, marker):
     """SIGTERM to the trainer (what `kill` and schedulers send) or Ctrl-C (SIGINT to the whole
@@ -785,6 +965,35 @@ def test_an_engine_killed_mid_step_ends_the_run_in_one_line(tmp_path, plugin):
     code, lines = _ended(proc, (tmp_path / "r" / "engine-killed").stat().st_mtime)
     assert code == 2 and lines[-1].startswith("error: ") and "unreachable after 3 tries" in lines[-1], lines[-5:]
     assert (lines[-1].startswith("error: step 2: ")) == ("after" in plugin)  # a failed push names its step
+    _intact_checkpoints(tmp_path / "ckpt", at_least=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "script, extra", [("train.py", []), ("train_async.py", FULLY_ASYNC)], ids=["sync", "fully-async"]
+)
+def test_an_engine_that_stops_answering_ends_the_run_in_one_line(tmp_path, script, extra):
+    """SIGSTOP leaves the engine's port open and its requests waiting for ever (the run used to
+    stall for the 600 s request timeout): the health watch finds it silent within interval +
+    timeout, and with no other engine the run stops in one line, its checkpoints intact and the
+    stopped engine ended."""
+    # fully-async generates through the push, so the stop may land in one: bounded by its own flag
+    probes = [
+        "--rollout-health-check-interval",
+        "1",
+        "--rollout-health-check-timeout",
+        "2",
+        "--update-weights-timeout",
+        "5",
+    ]
+    plugin = ["--custom-generate-function-path", "fault_plugins.stop_engine_mid_step"]
+    proc = _start(script, tmp_path, "--num-rollout", "8", *probes, *plugin, *extra)
+    marker = tmp_path / "r" / "engine-stopped"
+    _wait_for(proc, marker)
+    code, lines = _ended(proc, marker.stat().st_mtime)
+    assert code == 2 and lines[-1].startswith("error: "), lines[-5:]
+    assert re.search(r"stopped answering \(no answer to /health within 2s\)|timed out after 5s", lines[-1]), lines[-5:]
+    assert "resume the run with --load" in lines[-1]
     _intact_checkpoints(tmp_path / "ckpt", at_least=1)
 
 

@@ -110,7 +110,7 @@ def eval_main(argv: list[str]) -> int:
     from vime.eval import evaluate
     from vime.placement import fresh_path, place
     from vime.preflight import check_eval_inputs
-    from vime.rollout.runtime import RolloutRuntime, make_clients
+    from vime.rollout.runtime import HealthCheck, RolloutRuntime, make_clients
 
     args = parse_args(
         argv,
@@ -126,7 +126,7 @@ def eval_main(argv: list[str]) -> int:
         args.rollout_engine_urls = placement.urls
         args.api_key = placement.api_key or args.api_key
         clients = make_clients(placement.urls, args.rollout_backend, args.api_key)
-        args.runtime = RolloutRuntime(clients, tokenizer, placement.transports)
+        args.runtime = RolloutRuntime(clients, tokenizer, placement.transports, health=HealthCheck.of(args))
         if not placement.engines:  # engines given by URL: they evaluate --hf-checkpoint, not what they hold
             push_checkpoint(args, placement, clients)
         out_path = fresh_path(run_dir / "eval.jsonl")  # an earlier eval's results stay: eval.1.jsonl, ...

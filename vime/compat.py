@@ -105,6 +105,18 @@ FLAGS: dict[str, Flag] = {
         Flag("disable_wandb_random_suffix", "same", bool, "the W&B run id is the run name, no random suffix"),
         Flag("wandb_always_use_train_step", "same", bool, "W&B rows are logged at the training step"),
         Flag("seq_length", "inert", int, "sequence lengths come from the data"),
+        Flag(
+            "use_fault_tolerance",
+            "same",
+            bool,
+            "engines that die or fall silent are always found (--rollout-health-check-*) and those vime launched restarted",
+        ),
+        Flag(
+            "rollout_health_check_first_wait",
+            "inert",
+            float,
+            "an engine is probed only once it has answered at start-up, so a slow first load never counts against it",
+        ),
         Flag("make_vocab_size_divisible_by", "inert", int, "vime keeps the checkpoint's vocabulary"),
         *_rows(
             "zero",

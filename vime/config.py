@@ -362,6 +362,16 @@ class Config:
         "seconds a weight push, or joining the weight group, may take before the run stops with the engine's URL",
         group="placement",
     )
+    rollout_health_check_interval: float = _f(
+        10.0,
+        "seconds between /health probes of an engine while requests wait on it; 0: no probes (a request then waits up to its own 600 s timeout)",
+        group="placement",
+    )
+    rollout_health_check_timeout: float = _f(
+        30.0,
+        "seconds a probe waits: an engine silent this long is gone, its requests go to the other engines (it is restarted if the run launched it), or the run stops in one line when none is left",
+        group="placement",
+    )
     check_weight_push: bool = _f(
         True,
         "after every push, compare a checksum of each weight the engines got with the trainer's; a mismatch stops the run",
@@ -618,6 +628,12 @@ def _common_checks(c: Config) -> list[tuple[bool, str]]:
         (c.rollout_temperature < 0, "--rollout-temperature must be >= 0 (0 = greedy)"),
         (not 0 < c.rollout_top_p <= 1, "--rollout-top-p must be in (0, 1]"),
         (c.rollout_max_response_len < 1, "--rollout-max-response-len must be at least 1"),
+        (c.rollout_health_check_interval < 0, "--rollout-health-check-interval must be >= 0 seconds (0: no probes)"),
+        (c.rollout_health_check_timeout <= 0, "--rollout-health-check-timeout must be > 0 seconds"),
+        (
+            c.eval_limit is not None and c.eval_limit < 1,
+            f"--eval-limit {c.eval_limit}: give at least 1 (leave it out to evaluate every prompt)",
+        ),
         *(
             (
                 True,

@@ -54,6 +54,10 @@ COUNTERS = {
 }
 
 
+class MetricsError(VimeError, OSError):
+    """metrics.jsonl cannot take a row (a full disk, a quota): the run stops in one line."""
+
+
 class MetricsLogger:
     """Append-only metrics.jsonl, the same rows to every sink, and a live progress bar.
 
@@ -71,7 +75,9 @@ class MetricsLogger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if start_step > 0 and self.path.exists():
             _supersede_rows_after(self.path, start_step)
-        self._file = self.path.open("a")
+        # rows go out with os.write, unbuffered: a row the disk has no room for is cut off at
+        # once (and taken back), not left in a buffer that a later flush half-writes
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         from tqdm import tqdm
 
         # disable=None: a bar only on a terminal (the plain lines above serve everywhere else)
@@ -97,8 +103,7 @@ class MetricsLogger:
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
-        self._file.write(json.dumps(row) + "\n")
-        self._file.flush()
+        self._append(step, (json.dumps(row) + "\n").encode())
         for sink in list(self.sinks):
             try:
                 sink.log(step, row)
@@ -111,6 +116,24 @@ class MetricsLogger:
                 )
                 self.sinks.remove(sink)
                 _close_all([sink], failed=True)
+
+    def _append(self, step: int, data: bytes) -> None:
+        """One whole row or none: a write the disk cannot take (full, quota, file size limit) is
+        truncated away, so metrics.jsonl never ends in a torn row, and the run stops in one line."""
+        end = os.lseek(self._fd, 0, os.SEEK_END)
+        try:
+            done = 0
+            while done < len(data):
+                done += os.write(self._fd, data[done:])
+        except OSError as e:
+            try:
+                os.ftruncate(self._fd, end)  # freeing needs no room
+            except OSError:
+                pass  # a torn row left behind is repaired on resume and skipped by `vime report`
+            raise MetricsError(
+                f"cannot write step {step}'s metrics to {self.path} ({e.strerror}): make room there, then resume "
+                "with --load (the rows before it are intact)"
+            ) from None
 
     def advance(self, metrics: dict[str, Any]) -> None:
         self._bar.set_postfix(progress_postfix(metrics), refresh=False)
@@ -152,7 +175,7 @@ class MetricsLogger:
         """Closed while an exception unwinds the run (run.py closes it in `finally:`), the run
         is recorded as failed where a sink keeps that (W&B)."""
         self._bar.close()
-        self._file.close()
+        os.close(self._fd)
         _close_all(self.sinks, failed=sys.exc_info()[0] is not None)
 
 
@@ -467,6 +490,20 @@ def parse_rows(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+class _RunLog(logging.FileHandler):
+    """The run's log.txt. A disk that fills makes each record's write fail, and logging would
+    print a traceback for every one; this says so once on stderr and stops writing the file
+    (the terminal still gets every line, and the run stops at its next metrics row or save)."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        err = sys.exc_info()[1]
+        if self.stream is not None or not getattr(self, "_failed", False):
+            self._failed = True
+            why = getattr(err, "strerror", None) or type(err).__name__
+            sys.stderr.write(f"warning: cannot write {self.baseFilename} ({why}): it gets no more lines\n")
+            logging.getLogger().removeHandler(self)
+
+
 class _NoProgress(logging.Filter):
     """Keeps the per-step lines off a stream that shows the bar (a terminal) or asked for quiet."""
 
@@ -481,7 +518,7 @@ def setup_logging(log_file: Path | None = None, quiet: bool = False) -> None:
     handlers: list[logging.Handler] = [stream]
     if log_file is not None:
         log_file.parent.mkdir(parents=True, exist_ok=True)
-        handlers.append(logging.FileHandler(log_file))
+        handlers.append(_RunLog(log_file))
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", handlers=handlers, force=True
     )

@@ -45,6 +45,9 @@ def resolve_model(name_or_path: str) -> Path:
                 f"{p} is a directory but has no config.json: point --hf-checkpoint at an HF model directory"
             )
         read_config(p)  # a damaged config.json fails here in one line, not deep inside transformers
+        why = weights_problem(p)
+        if why is not None:
+            raise ModelError(f"{p}: {why}: --hf-checkpoint needs a whole HF model directory with safetensors weights")
         return p
     if p.exists():
         raise ModelError(f"{p} is a file: --hf-checkpoint needs an HF model directory (or 'smollm2')")
@@ -59,6 +62,30 @@ def resolve_model(name_or_path: str) -> Path:
                 f"HF directory or 'smollm2' (the embedded SmolLM2-135M-Instruct)"
             ) from None
     raise ModelError(f"model '{name_or_path}' not found: pass an HF model directory or 'smollm2'")
+
+
+def weights_problem(model_dir: Path) -> str | None:
+    """What is wrong with a directory's safetensors weights (the only format vime's engines
+    load), or None if they look whole.
+
+    Headers only: a file cut short (a copy or download that stopped, a disk that filled) no
+    longer covers its own header's offsets, and a shard the index names may be missing."""
+    from safetensors import safe_open
+
+    index = model_dir / "model.safetensors.index.json"
+    try:
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else None
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError, OSError) as e:
+        return f"{index.name} is damaged ({type(e).__name__})"
+    for name in files or ["model.safetensors"]:
+        if not (model_dir / name).is_file():
+            return f"no {name}" + (" (its index names it)" if files else "")
+        try:
+            with safe_open(str(model_dir / name), framework="pt"):
+                pass
+        except Exception as e:  # safetensors' own error type, or an OSError
+            return f"{name} is damaged ({' '.join(str(e).split())[:120]})"
+    return None
 
 
 def smollm2_dir() -> Path:

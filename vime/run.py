@@ -36,7 +36,7 @@ from vime.placement import Placement, fresh_path, place, trainer_device
 from vime.preflight import check_inputs
 from vime.rollout import async_loop
 from vime.rollout.rewards import close_pool
-from vime.rollout.runtime import RolloutRuntime, make_client, make_clients
+from vime.rollout.runtime import HealthCheck, RolloutRuntime, make_client, make_clients
 from vime.rollout.types import RolloutOutput, Sample
 from vime.trainer.checkpoint import latest_checkpoint
 from vime.trainer.distributed import launch_actor
@@ -76,6 +76,7 @@ class Run:
         self.num_rollout: int = args.num_rollout  # resolved from --num-epoch by check_inputs
         self.bad_steps = BadSteps(args.max_bad_steps)
         self.wall_clock_offset = 0.0  # a resumed run's clock goes on from its checkpoint's
+        self.last_save_time: float | None = None  # logged in the next row: a step's row precedes its checkpoint
 
         # the trainer first: under torchrun, ranks other than 0 serve rank 0 from inside this
         # call and never return, so they start no engines
@@ -95,7 +96,9 @@ class Run:
                 def relaunch(i: int) -> EngineClient:
                     return make_client(self.placement.relaunch(i), args.rollout_backend, args.api_key)
 
-            args.runtime = RolloutRuntime(clients, inputs.tokenizer, self.placement.transports, relaunch)
+            args.runtime = RolloutRuntime(
+                clients, inputs.tokenizer, self.placement.transports, relaunch, HealthCheck.of(args)
+            )
             self.pusher = WeightPusher(
                 clients,
                 transport=self.placement.transports,
@@ -233,9 +236,14 @@ class Run:
         metrics["rollout/skipped_prompts"] = float(self.data_source.skipped_prompts)
         if a.eval_interval and (step % a.eval_interval == 0 or last):
             metrics.update(self.evaluate(step))
-        # the step's checkpoint and its metrics row are one record: Ctrl-C or SIGTERM waits until
-        # both are written (a resume from that checkpoint would otherwise never log the step)
+        # the step's metrics row and its checkpoint are one record: Ctrl-C or SIGTERM waits until
+        # both are written, and the row goes first (a resume from a checkpoint whose row was never
+        # written would never log that step; a row whose checkpoint failed is superseded on resume)
+        if self.last_save_time is not None:
+            metrics["perf/save_time"] = self.last_save_time  # the checkpoint after the step before
+            self.last_save_time = None
         with signals_held():
+            self.metrics.log(step, metrics)
             if a.save and ((a.save_interval and step % a.save_interval == 0) or last):
                 t0 = time.perf_counter()
                 with self.generation_paused("in_place") if a.mode != "sync" else contextlib.nullcontext():
@@ -247,8 +255,7 @@ class Run:
                         "wall_clock": metrics["perf/wall_clock"],
                     }
                     self.actor.save(Path(a.save) / str(step), extra)
-                metrics["perf/save_time"] = time.perf_counter() - t0
-            self.metrics.log(step, metrics)
+                self.last_save_time = time.perf_counter() - t0
         self.metrics.advance(metrics)
 
     def evaluate(self, step: int) -> dict[str, float]:

@@ -25,6 +25,11 @@ class EngineError(VimeError, RuntimeError):
     """An engine that cannot be reached or that refused a request; one line naming its URL."""
 
 
+class EngineSilent(EngineError):
+    """An engine whose process no longer answers at all (stopped, wedged, its host gone): the
+    verdict of the runtime's health watch (vime/rollout/runtime.py), needing no second probe."""
+
+
 def _one_line(text: str, limit: int = 500) -> str:
     text = " ".join(text.split())
     return text if len(text) <= limit else text[:limit] + "..."
@@ -46,6 +51,9 @@ class EngineClient:
         self.timeout = timeout  # a generate: long responses take minutes
         # everything else (pause, push, health): none may hang a run
         self.control_timeout = min(timeout, 120.0) if control_timeout is None else control_timeout
+        # requests an engine answers between two steps (health, pause, continue, abort): a live
+        # engine answers within seconds, so the runtime bounds them by its health check's timeout
+        self.quick_timeout = self.control_timeout
         self.max_retries = max(1, max_retries)
         self.retry_backoff = retry_backoff
         # aiohttp sessions belong to the loop they were made on; a client may be used from
@@ -110,6 +118,18 @@ class EngineClient:
             self._sessions[loop] = session
         return session
 
+    async def unanswered(self, timeout: float) -> str | None:
+        """Why /health got no answer within `timeout` s, or None when it got one. Any answer,
+        503 included, proves the process alive: the requests it holds fail by themselves."""
+        try:
+            async with self._session().get(self.url + "/health", timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                await resp.read()
+                return None
+        except TimeoutError:
+            return f"no answer to /health within {timeout:g}s"
+        except aiohttp.ClientError as e:
+            return _reason(e)
+
     async def close(self) -> None:
         """Close this loop's session (call before the loop ends to avoid aiohttp warnings)."""
         session = self._sessions.pop(asyncio.get_running_loop(), None)
@@ -119,33 +139,36 @@ class EngineClient:
     # ---- sync: control -----------------------------------------------------------------
 
     def health(self) -> dict:
-        return self._request("GET", "/health")
+        return self._request("GET", "/health", timeout=self.quick_timeout)
 
     def model_info(self) -> dict:
         return self._request("GET", "/get_model_info")
 
     def pause_generation(self, mode: str = "abort") -> dict:
-        return self._request("POST", "/pause_generation", {"mode": mode})
+        return self._request("POST", "/pause_generation", {"mode": mode}, timeout=self.quick_timeout)
 
     def continue_generation(self) -> dict:
-        return self._request("POST", "/continue_generation", {})
+        return self._request("POST", "/continue_generation", {}, timeout=self.quick_timeout)
 
     def abort_request(self, rid: str | None = None, abort_all: bool = False) -> dict:
         if (rid is None) == (not abort_all):
             raise ValueError("abort_request: give either rid or abort_all=True")
-        return self._request("POST", "/abort_request", {"abort_all": True} if abort_all else {"rid": rid})
+        body = {"abort_all": True} if abort_all else {"rid": rid}
+        return self._request("POST", "/abort_request", body, timeout=self.quick_timeout)
 
     def flush_cache(self) -> dict:
         return self._request("POST", "/flush_cache", {})
 
-    def update_weights_from_tensor(self, payload: dict) -> dict:
-        """payload: {transport: "shm", path, weight_version} or {transport: "cuda_ipc", handles, weight_version}."""
-        return self._request("POST", "/update_weights_from_tensor", payload)
+    def update_weights_from_tensor(self, payload: dict, timeout: float | None = None) -> dict:
+        """payload: {transport: "shm", path, weight_version} or {transport: "cuda_ipc", handles, weight_version}.
+        `timeout`: the push's (--update-weights-timeout), else the control timeout."""
+        return self._request("POST", "/update_weights_from_tensor", payload, timeout=timeout)
 
-    def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> dict:
-        return self._request(
-            "POST", "/update_weights_from_disk", {"model_path": str(model_path), "weight_version": weight_version}
-        )
+    def update_weights_from_disk(
+        self, model_path: str, weight_version: int | None = None, timeout: float | None = None
+    ) -> dict:
+        body = {"model_path": str(model_path), "weight_version": weight_version}
+        return self._request("POST", "/update_weights_from_disk", body, timeout=timeout)
 
     def init_weights_update_group(self, body: dict) -> dict:
         """Ask the engine to join a trainer's weight group (vime/engine/weight_sync.py); answers
@@ -170,7 +193,8 @@ class EngineClient:
     def resume_memory_occupation(self) -> dict:
         return self._request("POST", "/resume_memory_occupation", {})
 
-    def _request(self, method: str, route: str, body: dict | None = None) -> dict:
+    def _request(self, method: str, route: str, body: dict | None = None, timeout: float | None = None) -> dict:
+        timeout = self.control_timeout if timeout is None else timeout
         data = None if body is None else json.dumps(body).encode()
         last: Exception | None = None
         for attempt in range(self.max_retries):
@@ -178,7 +202,7 @@ class EngineClient:
                 self.url + route, data=data, method=method, headers={"Content-Type": "application/json", **self.headers}
             )
             try:
-                with urllib.request.urlopen(req, timeout=self.control_timeout) as resp:
+                with urllib.request.urlopen(req, timeout=timeout) as resp:
                     return json.loads(resp.read() or b"{}")
             except urllib.error.HTTPError as e:
                 raise EngineError(
@@ -187,9 +211,7 @@ class EngineClient:
             except (TimeoutError, urllib.error.URLError) as e:
                 reason = getattr(e, "reason", e)
                 if isinstance(e, TimeoutError) or isinstance(reason, TimeoutError):
-                    raise EngineError(
-                        f"engine at {self.url}{route} timed out after {self.control_timeout:g}s"
-                    ) from None
+                    raise EngineError(f"engine at {self.url}{route} timed out after {timeout:g}s") from None
                 if not isinstance(reason, ConnectionError):
                     raise EngineError(f"engine at {self.url}{route}: {_one_line(str(reason))}") from None
                 last = reason

@@ -7,8 +7,10 @@ log's tail when the start fails.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -33,6 +35,8 @@ class EngineProcess:
     def shutdown(self, timeout: float = 10.0) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGCONT)  # a stopped engine (SIGSTOP) acts on the SIGTERM now
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:

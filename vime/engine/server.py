@@ -39,6 +39,7 @@ from vime.engine.http_common import (
     read_body,
 )
 from vime.engine.openai_routes import OpenAIRoutes
+from vime.errors import VimeError
 
 log = logging.getLogger("vime.engine")
 
@@ -499,6 +500,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone (set by launch_engine)")
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        p.error(f"--port {args.port}: give 0-65535 (0 picks a free port)")
     for name in ("max_num_seqs", "block_size", "max_num_batched_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")  # usage, then one line; exit 2
@@ -520,6 +523,14 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(args.num_threads or max(1, (os.cpu_count() or 2) // 2))
     model_path = str(resolve_model(args.model_path))
+    try:  # before the model loads: a port in use is known at once, not after a minute of loading
+        sock = socket.create_server(
+            (args.host, args.port), family=socket.AF_INET6 if ":" in args.host else socket.AF_INET
+        )
+    except OSError as e:
+        raise VimeError(
+            f"cannot listen on {args.host}:{args.port} ({(e.strerror or str(e)).split(' (while')[0]}): pick another --port (0 picks a free one)"
+        ) from None
     dtype = args.dtype if args.dtype != "auto" else ("float32" if args.device == "cpu" else "bfloat16")
     engine = LLMEngine(
         EngineConfig(
@@ -537,16 +548,15 @@ def main(argv: list[str] | None = None) -> None:
             seed=args.seed,
         )
     )
-    asyncio.run(_serve(EngineServer(engine, model_path, args.api_key), args.host, args.port, args.parent_pid))
+    asyncio.run(_serve(EngineServer(engine, model_path, args.api_key), sock, args.host, args.parent_pid))
 
 
-async def _serve(server: EngineServer, host: str, port: int, parent_pid: int | None) -> None:
+async def _serve(server: EngineServer, sock: socket.socket, host: str, parent_pid: int | None) -> None:
     loop = asyncio.get_running_loop()
     server.start(loop)
     # handler_cancellation: a client that hangs up cancels its handler, which aborts the request.
     runner = web.AppRunner(server.app(), access_log=None, shutdown_timeout=2.0, handler_cancellation=True)
     await runner.setup()
-    sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
     await web.SockSite(runner, sock).start()
     port = sock.getsockname()[1]
     url_host = f"[{host}]" if ":" in host else host

@@ -246,7 +246,7 @@ class VLLMClient(EngineClient):
     # ---- control -----------------------------------------------------------------------
 
     def health(self) -> dict:
-        self._request("GET", "/health")  # 200 with an empty body
+        self._request("GET", "/health", timeout=self.quick_timeout)  # 200 with an empty body
         return {"status": "ok"}
 
     def version(self) -> str:
@@ -285,18 +285,18 @@ class VLLMClient(EngineClient):
         vllm_mode = {"abort": "abort", "in_place": "keep"}.get(mode)
         if vllm_mode is None:
             raise EngineError(f"pause mode '{mode}': use abort or in_place")
-        self._request("POST", f"/pause?mode={vllm_mode}", {})
+        self._request("POST", f"/pause?mode={vllm_mode}", {}, timeout=self.quick_timeout)
         return {"success": True}
 
     def continue_generation(self) -> dict:
-        self._request("POST", "/resume", {})
+        self._request("POST", "/resume", {}, timeout=self.quick_timeout)
         return {"success": True}
 
     def abort_request(self, rid: str | None = None, abort_all: bool = False) -> dict:
         if (rid is None) == (not abort_all):
             raise ValueError("abort_request: give either rid or abort_all=True")
         body = {} if abort_all else {"request_ids": [REQUEST_ID_PREFIX + rid]}  # an empty list aborts everything
-        out = self._request("POST", "/abort_requests", body)
+        out = self._request("POST", "/abort_requests", body, timeout=self.quick_timeout)
         return {"success": True, "aborted": out.get("aborted", 0)}
 
     def flush_cache(self) -> dict:
@@ -347,14 +347,16 @@ class VLLMClient(EngineClient):
             )
         return facts
 
-    def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> dict:
+    def update_weights_from_disk(
+        self, model_path: str, weight_version: int | None = None, timeout: float | None = None
+    ) -> dict:
         """Load every weight from a safetensors directory (the extension's `vime_load_files`:
         the same load and checks as a collective push), flush the prefix cache (vLLM keeps
         cached KV of the old weights otherwise, which changed greedy tokens), stamp the version."""
         if not Path(model_path).is_dir():
             raise EngineError(f"model_path {model_path} is not a directory (vLLM loads a safetensors directory)")
         t0 = time.perf_counter()
-        self._rpc("vime_load_files", path=str(model_path))
+        self._rpc("vime_load_files", rpc_timeout=timeout, path=str(model_path))
         self.flush_cache()
         if weight_version is not None:
             self.set_weight_version(weight_version)
@@ -364,7 +366,7 @@ class VLLMClient(EngineClient):
         """Label the weights in use (vLLM keeps a string; vime reads it back as an int)."""
         self._request("POST", "/update_weight_version", {"new_version": str(int(version))})
 
-    def update_weights_from_tensor(self, payload: dict) -> dict:
+    def update_weights_from_tensor(self, payload: dict, timeout: float | None = None) -> dict:
         raise EngineError(
             f"vLLM server at {self.url} cannot take weights by {payload.get('transport')!r} (it receives by nccl, gloo or "
             "disk): leave --weight-transport at auto"
@@ -493,6 +495,7 @@ class VLLMProcess:
                 break
             try:
                 os.killpg(self.proc.pid, sig)
+                os.killpg(self.proc.pid, signal.SIGCONT)  # a stopped server acts on the SIGTERM now
             except ProcessLookupError:
                 break
             deadline = time.monotonic() + timeout

@@ -15,18 +15,23 @@ Engines and what happens when one fails (docs/architecture.md, "Engines that fai
   background (`relaunch`) and is `unsynced` once it answers: it gets no work until the next
   push has given it the current weights and version (`Run.push_weights`). One given by URL
   stays down, with a warning.
+* An engine that stops answering altogether (its process stopped, wedged or cut off) would
+  keep its requests waiting until their own timeout: while any request waits on it, its
+  /health is probed every `HealthCheck.interval` s, and one probe without an answer within
+  `HealthCheck.timeout` s fails those requests at once (`EngineSilent`), as if it had died.
 * Only when no engine is up does a request fail, and with it the run.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from vime.engine.client import EngineClient, EngineError
+from vime.engine.client import EngineClient, EngineError, EngineSilent
 from vime.rollout import async_loop
 
 if TYPE_CHECKING:
@@ -35,6 +40,33 @@ if TYPE_CHECKING:
 log = logging.getLogger("vime")
 
 MAX_RESTARTS = 3  # per engine and run: an engine that keeps dying has a cause a restart will not fix
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class HealthCheck:
+    """How long a silent engine may keep requests waiting (--rollout-health-check-*): probed
+    every `interval` s while requests wait on it, gone after a probe unanswered for `timeout` s.
+    interval 0: no probes, a request waits for its own timeout."""
+
+    interval: float = 10.0
+    timeout: float = 30.0
+
+    @classmethod
+    def of(cls, args: Any) -> HealthCheck:
+        return cls(args.rollout_health_check_interval, args.rollout_health_check_timeout)
+
+
+@dataclass
+class _Watch:
+    """The probes of one engine's client while requests wait on it (on the rollout loop)."""
+
+    client: EngineClient
+    loop: asyncio.AbstractEventLoop  # the run has one; tests may run several, one after another
+    silent: asyncio.Future  # set to an EngineSilent once a probe goes unanswered
+    task: asyncio.Task | None = None
+    waiters: int = 0
 
 
 @dataclass
@@ -58,6 +90,7 @@ class RolloutRuntime:
         tokenizer: Any,
         transports: list[str] | None = None,
         relaunch: Callable[[int], EngineClient] | None = None,
+        health: HealthCheck | None = None,
     ) -> None:
         """`relaunch(i)` starts engine i again and returns a client for it (launched engines
         only; None: engines are not restarted)."""
@@ -65,6 +98,10 @@ class RolloutRuntime:
         self.engines = [Engine(i, c, t) for i, (c, t) in enumerate(zip(clients, transports))]
         self.tokenizer = tokenizer
         self.relaunch = relaunch
+        self.health = health or HealthCheck()
+        for e in self.engines:
+            e.client.quick_timeout = self.health.timeout
+        self._watches: dict[int, _Watch] = {}  # engine index → its probes (rollout loop only)
         self.engine_version = 0  # the policy version the engines hold (optimizer steps of the pushed weights)
         self.worker: AsyncRolloutWorker | None = (
             None  # the fully-async worker, started by its rollout function's first call
@@ -133,17 +170,52 @@ class RolloutRuntime:
 
     # ---- failures ----------------------------------------------------------------------------
 
+    async def watched(self, engine: Engine, request: Awaitable[T]) -> T:
+        """`request`'s answer, or EngineSilent as soon as a probe of `engine` goes unanswered
+        (the module docstring). One probe loop per engine serves all its waiting requests."""
+        if self.health.interval <= 0:
+            return await request
+        loop = asyncio.get_running_loop()
+        watch = self._watches.get(engine.index)
+        if watch is None or watch.client is not engine.client or watch.silent.done() or watch.loop is not loop:
+            watch = _Watch(engine.client, loop, loop.create_future())
+            self._watches[engine.index] = watch
+        if watch.task is None or watch.task.done():
+            watch.task = asyncio.ensure_future(self._probe(watch))
+        answer = asyncio.ensure_future(request)
+        watch.waiters += 1
+        try:
+            await asyncio.wait([answer, watch.silent], return_when=asyncio.FIRST_COMPLETED)
+            if answer.done():
+                return answer.result()
+            raise EngineSilent(str(watch.silent.exception()))
+        finally:
+            watch.waiters -= 1
+            answer.cancel()  # no-op once done; on EngineSilent or our own cancellation it ends the request
+
+    async def _probe(self, watch: _Watch) -> None:
+        while True:
+            await asyncio.sleep(self.health.interval)
+            if watch.waiters == 0:
+                return  # nothing waits: the next request starts the probes again
+            why = await watch.client.unanswered(self.health.timeout)
+            if why is not None:
+                watch.silent.set_exception(EngineSilent(f"engine at {watch.client.url} stopped answering ({why})"))
+                watch.silent.exception()  # retrieved: asyncio need not warn when no waiter is left to see it
+                return
+
     def engine_failed(self, engine: Engine, error: BaseException) -> bool:
         """After a request to `engine` failed: True when the engine is gone (now marked down,
         and restarted if the run launched it), so the request may go to another engine; False
         when it still answers (the error was the request's own)."""
         if engine.state not in ("up", "unsynced"):
             return True  # already handled by another request's failure
-        try:
-            engine.client.health()
-            return False
-        except EngineError:
-            pass
+        if not isinstance(error, EngineSilent):  # silent was the watch's verdict: no second wait
+            try:
+                engine.client.health()
+                return False
+            except EngineError:
+                pass
         with self._lock:
             if engine.state not in ("up", "unsynced"):
                 return True
@@ -180,6 +252,7 @@ class RolloutRuntime:
             with self._lock:
                 engine.state = "down"
             return
+        client.quick_timeout = self.health.timeout
         with self._lock:
             engine.client = client
             engine.state = "unsynced"

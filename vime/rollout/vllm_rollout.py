@@ -124,7 +124,8 @@ async def generate_on_engines(runtime, group_index: int, input_ids: list[int], p
     while True:
         engine = runtime.pick(group_index, cost)
         try:
-            return await engine.client.generate(input_ids, params, return_logprob=True, rid=uuid.uuid4().hex)
+            request = engine.client.generate(input_ids, params, return_logprob=True, rid=uuid.uuid4().hex)
+            return await runtime.watched(engine, request)
         except EngineError as e:
             if not await asyncio.to_thread(runtime.engine_failed, engine, e):
                 raise

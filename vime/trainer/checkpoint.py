@@ -29,6 +29,7 @@ from torch import Tensor
 
 from vime.errors import VimeError
 from vime.lifetime import signals_held
+from vime.models import weights_problem
 from vime.trainer.nonfinite import NonFiniteError
 
 if TYPE_CHECKING:
@@ -250,11 +251,9 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 def problem(ckpt: Path) -> str | None:
     """What is wrong with a checkpoint directory, or None if it looks whole.
 
-    Reads headers only: each safetensors file's (a truncated one does not cover its own
-    header's offsets) and the zip directory of trainer_state.pt (at the end of the file, so
-    any truncation loses it). Damage in the middle of the data shows when it is loaded."""
-    from safetensors import safe_open
-
+    Reads headers only: the zip directory of trainer_state.pt (at the end of the file, so any
+    truncation loses it) and the weights' (`vime.models.weights_problem`). Damage in the middle
+    of the data shows when it is loaded."""
     state = ckpt / TRAINER_STATE
     if not state.is_file():
         return f"no {TRAINER_STATE}"
@@ -263,22 +262,7 @@ def problem(ckpt: Path) -> str | None:
             pass
     except (zipfile.BadZipFile, OSError) as e:
         return f"{TRAINER_STATE} is damaged ({e})"
-    index = ckpt / "model.safetensors.index.json"
-    try:
-        files = (
-            sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            if index.exists()
-            else ["model.safetensors"]
-        )
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError, OSError) as e:
-        return f"{index.name} is damaged ({type(e).__name__})"
-    for name in files:
-        try:
-            with safe_open(str(ckpt / name), framework="pt"):
-                pass
-        except Exception as e:  # safetensors' own error type, or an OSError
-            return f"{name} is damaged ({' '.join(str(e).split())[:120]})"
-    return None
+    return weights_problem(ckpt)
 
 
 def latest_checkpoint(save_dir: Path, warn: bool = True) -> Path | None:

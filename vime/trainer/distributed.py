@@ -16,11 +16,13 @@ and optimizer state) is how the trainer runs there.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import socket
 import sys
+import threading
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -29,15 +31,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tqdm import tqdm
 
 from vime.config import Config
 from vime.engine.weight_sync import apply_gpu_safe_env
+from vime.errors import VimeError
 from vime.lifetime import exit_with_parent
 from vime.trainer.actor import Actor
 
 log = logging.getLogger("vime")
 
 TIMEOUT = timedelta(minutes=30)  # a rank waits this long for the others (long rollouts included)
+
+
+class TrainerRankError(VimeError, RuntimeError):
+    """Another trainer rank died or failed: one line naming it, instead of gloo's or NCCL's error."""
 
 
 def world_size(args: Config, device: str) -> int:
@@ -101,13 +109,44 @@ class DistributedActor:
         self.local = Actor(args, model_dir, device, fsdp=True, cpu_group=self.cpu_group, tokenizer=tokenizer)
         self.procs = procs
         self._closed = False
+        # the call this rank left before its end (Ctrl-C, SIGTERM, a dead rank): the other ranks
+        # are then somewhere inside it, in a collective no "close" would ever match
+        self._broken_off: str | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["local"], name)
 
+    @contextlib.contextmanager
+    def _together(self, name: str) -> Iterator[None]:
+        """The ranks are in step after the block only if it ends normally. A rank that is gone
+        turns the collective's error into one line naming it."""
+        self._broken_off = name
+        try:
+            yield
+        except RuntimeError as e:  # gloo and NCCL raise dist.DistError, a RuntimeError
+            failure = self._rank_failure(name, e)
+            if failure is None:
+                raise
+            raise failure from None
+        self._broken_off = None
+
+    def _rank_failure(self, name: str, error: BaseException) -> TrainerRankError | None:
+        dead = [(rank, p.exitcode) for rank, p in enumerate(self.procs, start=1) if not p.is_alive()]
+        if dead:
+            rank, code = dead[0]
+            how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+            return TrainerRankError(
+                f"trainer rank {rank} ended ({how}) during {name}: resume the run with --load from its last checkpoint"
+            )
+        if isinstance(error, dist.DistError):  # under torchrun the ranks are not ours to watch
+            first = " ".join(str(error).split())[:300]
+            return TrainerRankError(f"a trainer rank failed during {name} ({first}): see that rank's log")
+        return None
+
     def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        dist.broadcast_object_list([(name, args, kwargs)], src=0, group=self.cpu_group)
-        return getattr(self.local, name)(*args, **kwargs)
+        with self._together(name):
+            dist.broadcast_object_list([(name, args, kwargs)], src=0, group=self.cpu_group)
+            return getattr(self.local, name)(*args, **kwargs)
 
     def train_step(self, samples: list, advantages: torch.Tensor) -> dict[str, float]:
         return self._call("train_step", samples, advantages)
@@ -120,7 +159,9 @@ class DistributedActor:
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors, one at a time; iterate to the end (the other ranks gather with you)."""
-        return self._call("named_weights")
+        weights = self._call("named_weights")
+        with self._together("named_weights"):  # the gathers happen as the caller iterates
+            yield from weights
 
     def save(self, ckpt_dir: str | Path, extra_state: dict[str, Any]) -> Path:
         return self._call("save", ckpt_dir, extra_state)
@@ -129,16 +170,29 @@ class DistributedActor:
         return self._call("load", ckpt_dir)
 
     def close(self) -> None:
-        """Stop the other ranks and leave the process group (idempotent)."""
+        """Stop the other ranks and leave the process group (idempotent). Ranks in step are told
+        to close; ranks left inside a call (this rank broke off it) are ended with SIGTERM, as
+        waiting for them would last the collective timeout (30 min)."""
         if self._closed:
             return
         self._closed = True
-        dist.broadcast_object_list([("close", (), {})], src=0, group=self.cpu_group)
+        if self._broken_off is None:
+            try:
+                dist.broadcast_object_list([("close", (), {})], src=0, group=self.cpu_group)
+            except RuntimeError as e:  # a rank is gone; end the rest below
+                log.debug("telling the trainer ranks to close: %r", e)
+                self._broken_off = "close"
         for p in self.procs:
-            p.join(timeout=60)
+            p.join(timeout=60 if self._broken_off is None else 0)
             if p.is_alive():
                 p.terminate()
-        dist.destroy_process_group()
+                p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        # NCCL kernels left waiting on a rank now gone may block the teardown; gloo has none pending
+        if self._broken_off is None or dist.get_backend() == "gloo":
+            dist.destroy_process_group()
 
 
 def _rank_device(device: str, local_rank: int) -> str:
@@ -173,6 +227,10 @@ def _worker(
     collective timeout (30 min)."""
     exit_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle; it stops this rank with "close"
+    # tqdm's default lock is a multiprocessing semaphore; a rank ended by a signal (close() does
+    # that to ranks left inside a collective) never releases it, and multiprocessing's resource
+    # tracker then warns of a leak after the run's last line. This rank prints no bars of its own.
+    tqdm.set_lock(threading.RLock())
     _init(rank, world, init_method, device, rank)
     _serve(args, model_dir, _rank_device(device, rank))
 

@@ -35,6 +35,7 @@ from torch import Tensor
 
 from vime.engine import cuda_ipc, weight_sync
 from vime.engine.client import EngineError
+from vime.errors import VimeError
 
 log = logging.getLogger("vime")
 
@@ -166,23 +167,19 @@ class WeightPusher:
                 future.result()
 
     def _push_shm(self, weights: dict[str, Tensor], version: int, clients: list[Any]) -> dict[str, float]:
-        from safetensors.torch import save_file
-
         base = self.tmp_dir or (Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir()))
         path = base / f"vime-weights-{os.getpid()}-v{version}.safetensors"
         t0 = time.perf_counter()
         try:
-            save_file(weights, str(path), metadata={"format": "pt"})
+            _write(weights, path)
             write_time = time.perf_counter() - t0
             payload = {"transport": "shm", "path": str(path), "weight_version": version}
-            self._each_client(lambda c: c.update_weights_from_tensor(payload), clients)
+            self._each_client(lambda c: c.update_weights_from_tensor(payload, self.timeout), clients)
         finally:
             path.unlink(missing_ok=True)
         return {"perf/update_weights_write_time": write_time}
 
     def _push_disk(self, weights: dict[str, Tensor], version: int, clients: list[Any]) -> dict[str, float]:
-        from safetensors.torch import save_file
-
         if self.tmp_dir is not None:
             self.tmp_dir.mkdir(parents=True, exist_ok=True)
         out = Path(tempfile.mkdtemp(prefix=f"vime-weights-v{version}-", dir=self.tmp_dir))
@@ -192,13 +189,11 @@ class WeightPusher:
         cast = dtypes.pop() if len(dtypes) == 1 else None
         t0 = time.perf_counter()
         try:
-            save_file(
-                {k: (t if cast is None else t.to(cast)).cpu() for k, t in weights.items()},
-                str(out / "model.safetensors"),
-                metadata={"format": "pt"},
+            _write(
+                {k: (t if cast is None else t.to(cast)).cpu() for k, t in weights.items()}, out / "model.safetensors"
             )
             write_time = time.perf_counter() - t0
-            self._each_client(lambda c: c.update_weights_from_disk(str(out), version), clients)
+            self._each_client(lambda c: c.update_weights_from_disk(str(out), version, self.timeout), clients)
         finally:
             shutil.rmtree(out, ignore_errors=True)
         return {"perf/update_weights_write_time": write_time}
@@ -207,7 +202,7 @@ class WeightPusher:
         # `weights` keeps the tensors alive until every engine has copied from them. The handles
         # travel as plain JSON data (vime/engine/cuda_ipc.py), never as a pickle.
         payload = {"transport": "cuda_ipc", "handles": cuda_ipc.share(list(weights.items())), "weight_version": version}
-        self._each_client(lambda c: c.update_weights_from_tensor(payload), clients)
+        self._each_client(lambda c: c.update_weights_from_tensor(payload, self.timeout), clients)
 
     # ---- nccl / gloo ---------------------------------------------------------------------
 
@@ -374,6 +369,24 @@ def _failed_calls(calls: dict[Any, Future], what: str) -> Callable[[], None]:
                 _result(client, f, what, 0)
 
     return check
+
+
+class WeightWriteError(VimeError, OSError):
+    """The weights could not be written where the engines read them (shm or disk push)."""
+
+
+def _write(weights: dict[str, Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    try:
+        save_file(weights, str(path), metadata={"format": "pt"})
+    except Exception as e:  # an OSError, or safetensors' own error type holding one
+        path.unlink(missing_ok=True)
+        detail = " ".join((getattr(e, "strerror", None) or str(e)).split())[:200]
+        raise WeightWriteError(
+            f"cannot write the weights for the engines to {path.parent} ({detail}): make room there "
+            "(a push needs the model's size free), or choose another --weight-transport"
+        ) from None
 
 
 def _result(client: Any, f: Future, what: str, timeout: float) -> Any:
