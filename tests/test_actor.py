@@ -532,11 +532,13 @@ class RecordingClient:
         with safe_open(str(path), framework="pt") as f:
             return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (a safetensors handle, not a dict)
 
-    def update_weights_from_tensor(self, payload: dict) -> dict:
+    def update_weights_from_tensor(self, payload: dict, timeout: float | None = None) -> dict:
         self.calls.append({**payload, "tensors": self._read(Path(payload["path"]))})
         return {"success": True}
 
-    def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> dict:
+    def update_weights_from_disk(
+        self, model_path: str, weight_version: int | None = None, timeout: float | None = None
+    ) -> dict:
         self.calls.append(
             {
                 "model_path": model_path,

@@ -175,7 +175,9 @@ class MetricsLogger:
         """Closed while an exception unwinds the run (run.py closes it in `finally:`), the run
         is recorded as failed where a sink keeps that (W&B)."""
         self._bar.close()
-        os.close(self._fd)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
         _close_all(self.sinks, failed=sys.exc_info()[0] is not None)
 
 
@@ -497,11 +499,11 @@ class _RunLog(logging.FileHandler):
 
     def handleError(self, record: logging.LogRecord) -> None:
         err = sys.exc_info()[1]
-        if self.stream is not None or not getattr(self, "_failed", False):
-            self._failed = True
-            why = getattr(err, "strerror", None) or type(err).__name__
-            sys.stderr.write(f"warning: cannot write {self.baseFilename} ({why}): it gets no more lines\n")
-            logging.getLogger().removeHandler(self)
+        if not isinstance(err, OSError):  # a record that does not format is that record's bug, not the disk's
+            super().handleError(record)
+            return
+        sys.stderr.write(f"warning: cannot write {self.baseFilename} ({err.strerror or err}): it gets no more lines\n")
+        logging.getLogger().removeHandler(self)
 
 
 class _NoProgress(logging.Filter):

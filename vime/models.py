@@ -47,7 +47,7 @@ def resolve_model(name_or_path: str) -> Path:
         read_config(p)  # a damaged config.json fails here in one line, not deep inside transformers
         why = weights_problem(p)
         if why is not None:
-            raise ModelError(f"{p}: {why}: --hf-checkpoint needs a whole HF model directory with safetensors weights")
+            raise ModelError(f"{p}: {why}: give a whole HF model directory, with safetensors weights")
         return p
     if p.exists():
         raise ModelError(f"{p} is a file: --hf-checkpoint needs an HF model directory (or 'smollm2')")

@@ -19,11 +19,13 @@ Every loop measures the same things the same way (docs/architecture.md, "vime/ru
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
@@ -175,11 +177,13 @@ class Run:
             if not engines:
                 raise EngineError(f"step {step}: {runtime.no_engine_message()}")
             self.pusher.set_engines([e.client for e in engines], [e.transport for e in engines])
+            weights = self.actor.named_weights()
             try:
                 with self.generation_paused("abort" if self.args.partial_rollout else "in_place"):
-                    metrics = self.pusher.push(self.actor.named_weights(), self.policy_version)
+                    metrics = self.pusher.push(weights, self.policy_version)
                 break
             except EngineError as e:
+                _read_to_end(weights)
                 gone = [x for x in engines if runtime.engine_failed(x, e)]
                 if not gone or attempt == 2:
                     raise EngineError(f"step {step}: {e}") from None
@@ -256,6 +260,7 @@ class Run:
                     }
                     self.actor.save(Path(a.save) / str(step), extra)
                 self.last_save_time = time.perf_counter() - t0
+                log.info("checkpoint %s written in %.1f s", Path(a.save) / str(step), self.last_save_time)
         self.metrics.advance(metrics)
 
     def evaluate(self, step: int) -> dict[str, float]:
@@ -317,6 +322,15 @@ def _holds_a_run(run_dir: Path) -> bool:
     """A run logged a step there (a start that failed before its first row does not count)."""
     metrics = run_dir / "metrics.jsonl"
     return metrics.exists() and metrics.stat().st_size > 0
+
+
+def _read_to_end(weights: Iterator[Any]) -> None:
+    """A push that broke off stopped reading the trainer's weights part way; a sharded
+    trainer's other ranks are still inside the gathers of the rest, where the next call to them
+    (a retried push) would never match. Reading the rest brings them back in step."""
+    if inspect.isgenerator(weights) and inspect.getgeneratorstate(weights) == inspect.GEN_SUSPENDED:
+        for _ in weights:
+            pass
 
 
 def train(args: Config) -> Path:

@@ -120,15 +120,26 @@ class EngineClient:
 
     async def unanswered(self, timeout: float) -> str | None:
         """Why /health got no answer within `timeout` s, or None when it got one. Any answer,
-        503 included, proves the process alive: the requests it holds fail by themselves."""
-        try:
-            async with self._session().get(self.url + "/health", timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-                await resp.read()
-                return None
-        except TimeoutError:
-            return f"no answer to /health within {timeout:g}s"
-        except aiohttp.ClientError as e:
-            return _reason(e)
+        503 included, proves the process alive: the requests it holds fail by themselves. A
+        pooled connection the server had closed (servers drop idle ones) is tried again on a
+        new one, not taken for silence; a refused connection is (nothing listens there)."""
+        for attempt in range(2):
+            try:
+                async with self._session().get(
+                    self.url + "/health", timeout=aiohttp.ClientTimeout(total=timeout)
+                ) as resp:
+                    await resp.read()
+                    return None
+            except TimeoutError:
+                return f"no answer to /health within {timeout:g}s"
+            except aiohttp.ClientConnectorError as e:  # refused, unreachable: no process answers there
+                return _reason(e)
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+                if attempt == 1:
+                    return _reason(e)
+            except aiohttp.ClientError:
+                return None  # an answer, if a broken one: the process is there
+        return None
 
     async def close(self) -> None:
         """Close this loop's session (call before the loop ends to avoid aiohttp warnings)."""

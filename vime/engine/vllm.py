@@ -315,11 +315,7 @@ class VLLMClient(EngineClient):
         tensor-parallel rank); returns their answers in rank order."""
         wait = max(self.control_timeout, (rpc_timeout or 0) + 30)
         body = {"method": method, "kwargs": kwargs, **({"timeout": rpc_timeout} if rpc_timeout else {})}
-        saved, self.control_timeout = self.control_timeout, wait
-        try:
-            out = self._request("POST", "/collective_rpc", body)
-        finally:
-            self.control_timeout = saved
+        out = self._request("POST", "/collective_rpc", body, timeout=wait)
         return list(out.get("results") or [])
 
     def _get_open(self, route: str) -> bool:

@@ -191,6 +191,8 @@ class RolloutRuntime:
             raise EngineSilent(str(watch.silent.exception()))
         finally:
             watch.waiters -= 1
+            if answer.done() and not answer.cancelled():
+                answer.exception()  # read, so an error that lost the race to a cancellation is not reported as unread
             answer.cancel()  # no-op once done; on EngineSilent or our own cancellation it ends the request
 
     async def _probe(self, watch: _Watch) -> None:
@@ -198,7 +200,11 @@ class RolloutRuntime:
             await asyncio.sleep(self.health.interval)
             if watch.waiters == 0:
                 return  # nothing waits: the next request starts the probes again
-            why = await watch.client.unanswered(self.health.timeout)
+            try:
+                why = await watch.client.unanswered(self.health.timeout)
+            except Exception as e:  # a probe that cannot even be made proves nothing: the engine stays up
+                log.debug("health probe of %s: %r", watch.client.url, e)
+                continue
             if why is not None:
                 watch.silent.set_exception(EngineSilent(f"engine at {watch.client.url} stopped answering ({why})"))
                 watch.silent.exception()  # retrieved: asyncio need not warn when no waiter is left to see it

@@ -138,7 +138,8 @@ class DistributedActor:
             return TrainerRankError(
                 f"trainer rank {rank} ended ({how}) during {name}: resume the run with --load from its last checkpoint"
             )
-        if isinstance(error, dist.DistError):  # under torchrun the ranks are not ours to watch
+        # under torchrun the ranks are not ours to watch (DistError: torch >= 2.3)
+        if isinstance(error, getattr(dist, "DistError", ())):
             first = " ".join(str(error).split())[:300]
             return TrainerRankError(f"a trainer rank failed during {name} ({first}): see that rank's log")
         return None

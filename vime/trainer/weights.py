@@ -382,6 +382,8 @@ def _write(weights: dict[str, Tensor], path: Path) -> None:
         save_file(weights, str(path), metadata={"format": "pt"})
     except Exception as e:  # an OSError, or safetensors' own error type holding one
         path.unlink(missing_ok=True)
+        if not isinstance(e, OSError) and "I/O error" not in str(e):
+            raise
         detail = " ".join((getattr(e, "strerror", None) or str(e)).split())[:200]
         raise WeightWriteError(
             f"cannot write the weights for the engines to {path.parent} ({detail}): make room there "
