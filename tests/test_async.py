@@ -146,11 +146,12 @@ def engine(tiny_model):
 
 @pytest.fixture
 def worker_env(engine, tiny_model, addition_data):
+    from vime.backends import BACKENDS
     from vime.config import parse_args
     from vime.models import load_tokenizer
     from vime.rollout import fully_async_rollout
     from vime.rollout.data_source import DataSource
-    from vime.rollout.runtime import RolloutRuntime, make_clients
+    from vime.rollout.runtime import RolloutRuntime
 
     args = parse_args(
         [
@@ -173,7 +174,7 @@ def worker_env(engine, tiny_model, addition_data):
     args.model_dir = str(tiny_model)
     args.rollout_engine_urls = [engine.url]
     tokenizer = load_tokenizer(tiny_model)
-    args.runtime = RolloutRuntime(make_clients([engine.url]), tokenizer)
+    args.runtime = RolloutRuntime([BACKENDS["vime"].make_client(engine.url)], tokenizer)
     ds = DataSource(args, tokenizer)
     yield args, ds, fully_async_rollout
     args.runtime.close()

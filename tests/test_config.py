@@ -68,7 +68,7 @@ def test_json_and_list_flags():
         (["--reward-timeout", "-1"], "--reward-timeout -1 must be > 0 seconds"),
         (
             ["--rollout-backend", "vllm", "--weight-transport", "shm"],
-            "does not reach vLLM engines (they receive by nccl",
+            "does not reach vllm engines (they receive by nccl",
         ),
     ],
 )

@@ -151,7 +151,7 @@ def test_a_non_finite_gradient_moves_neither_weights_nor_optimizer_state(tiny_mo
     a = Actor(args, tiny_model)
     if kind == "adam_fused":
         a.optimizer = make_optimizer(args, a.model, fused=True)
-        a._apply_schedule()
+        a.apply_schedule()
     if kind == "adam":
         a.train_step(make_samples(2), [1.0, -1.0])  # moments exist: a skipped step must keep them
     weights = {n: p.detach().clone() for n, p in a.model.named_parameters()}

@@ -449,9 +449,9 @@ def test_pause_abort_in_place_and_abort_by_id(client):
             await until_generating(client, await asyncio.to_thread(generated_tokens, client) + 1)
             await asyncio.to_thread(client.abort_request, None, True)
             o2 = await asyncio.wait_for(t2, 30)
-            assert o2["meta_info"]["finish_reason"]["type"] in ("abort", "length") and len(o2["output_ids"]) > len(
-                o1["output_ids"]
-            ), (_brief(o1), _brief(o2))
+            # ended by abort_all, not by its length: it outlived q1 and stopped short of its budget
+            assert o2["meta_info"]["finish_reason"] == {"type": "abort"}, _brief(o2)
+            assert len(o1["output_ids"]) < len(o2["output_ids"]) < LONG_TOKENS, (_brief(o1), _brief(o2))
         finally:
             await client.close()
 
@@ -526,9 +526,9 @@ def trainer_weights(model_dir: Path) -> list[tuple[str, torch.Tensor]]:
 def pairs(tmp_path_factory):
     """For a tied and an untied model: a server started from weights A (to be pushed B) and one
     started from B (the reference), the four launched at once."""
+    from vime.engine.placement import launch_all
     from vime.engine.vllm import launch_vllm
     from vime.models import make_tiny_model
-    from vime.placement import launch_all
 
     root = tmp_path_factory.mktemp("pairs")
     dirs = {}

@@ -20,9 +20,9 @@ from vime.config import Config, ConfigError
 from vime.engine.client import EngineClient, EngineError
 from vime.engine.core.model import iter_safetensors
 from vime.engine.launch import launch_engine
+from vime.engine.placement import choose_transports, master_address
 from vime.engine.weight_sync import WeightSyncError, join, open_store, pack
 from vime.models import make_tiny_model
-from vime.placement import choose_transports, master_address
 from vime.trainer.weights import WeightPusher
 
 PROMPTS = [[40, 41, 42], [50, 60, 70, 80, 90], list(range(10, 33))]

@@ -106,11 +106,12 @@ def eval_main(argv: list[str]) -> int:
     """Greedy accuracy of a model/checkpoint on the first N eval prompts."""
     import json
 
+    from vime.backends import BACKENDS
     from vime.config import parse_args
+    from vime.engine.placement import fresh_path
     from vime.eval import evaluate
-    from vime.placement import fresh_path, place
     from vime.preflight import check_eval_inputs
-    from vime.rollout.runtime import HealthCheck, RolloutRuntime, make_clients
+    from vime.rollout.runtime import HealthCheck, RolloutRuntime
 
     args = parse_args(
         argv,
@@ -121,11 +122,12 @@ def eval_main(argv: list[str]) -> int:
     tokenizer = check_eval_inputs(args)  # the model and prompts are checked before an engine starts
     run_dir = args.run_dir if args.run_name else Path(args.runs_dir) / "eval"
     run_dir.mkdir(parents=True, exist_ok=True)
-    placement = place(args, args.model_dir, run_dir)
+    backend = BACKENDS[args.rollout_backend]
+    placement = backend.place_engines(args, args.model_dir, run_dir)
     try:
         args.rollout_engine_urls = placement.urls
         args.api_key = placement.api_key or args.api_key
-        clients = make_clients(placement.urls, args.rollout_backend, args.api_key)
+        clients = [backend.make_client(u, args.api_key) for u in placement.urls]
         args.runtime = RolloutRuntime(clients, tokenizer, placement.transports, health=HealthCheck.of(args))
         if not placement.engines:  # engines given by URL: they evaluate --hf-checkpoint, not what they hold
             push_checkpoint(args, placement, clients)

@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from vime import compat
+from vime.backends import BACKENDS, TRANSPORTS, Backend
 from vime.errors import VimeError
 
 
@@ -306,12 +307,12 @@ class Config:
     )
     compile: bool | None = _f(
         None,
-        "torch.compile each decoder layer of the trainer's model: on by default when the trainer is on CUDA. One compile serves every layer; micro-batches are padded up to one of 16 sizes, all compiled in a warm-up before step 1 (about a minute for a 0.6B model on an H200), so nothing compiles mid-run; 1.8x eager's tokens/s on an H200, bench/RESULTS.md",
+        "torch.compile each decoder layer of the trainer's model: on by default when the trainer is on CUDA. One compile serves every layer; micro-batches are padded up to one of 16 sizes, all compiled in a warm-up before step 1, so nothing compiles mid-run (speed: bench/RESULTS.md)",
         group="optimizer",
     )
     logprob_chunk_size: int = _f(
         4096,
-        "tokens per chunk when log-probs are computed from hidden states: caps the logits memory at chunk x vocabulary (1.2 GB in bf16 for a 152k vocabulary); 1024 was 8% slower on the H200",
+        "tokens per chunk when log-probs are computed from hidden states: caps the logits memory at chunk x vocabulary (bf16: 2 bytes each); smaller chunks are slower (bench/RESULTS.md)",
         group="optimizer",
     )
     seed: int = _f(1234, "trainer seed", group="optimizer")
@@ -335,8 +336,8 @@ class Config:
     )
     rollout_backend: str = _f(
         "vime",
-        "rollout engine: vime (built-in) or vllm (a vLLM server per engine; install the vllm extra)",
-        ("vime", "vllm"),
+        "rollout engine: " + "; ".join(f"{b.name}, {b.what}" for b in BACKENDS.values()),
+        tuple(BACKENDS),
         group="placement",
     )
     rollout_engine_urls: list = _f(
@@ -351,7 +352,7 @@ class Config:
     weight_transport: str = _f(
         "auto",
         "how weights reach engines; auto picks per engine: cuda_ipc on the trainer's GPU, nccl on another GPU, shm for a CPU engine here, gloo otherwise",
-        ("auto", "shm", "disk", "cuda_ipc", "nccl", "gloo"),
+        TRANSPORTS,
         group="placement",
     )
     update_weight_buffer_size: int = _f(
@@ -656,9 +657,10 @@ def _common_checks(c: Config) -> list[tuple[bool, str]]:
             f"is not --rollout-num-gpus {c.rollout_num_gpus}: give the two that you mean",
         ),
         (
-            c.rollout_num_gpus_per_engine != 1 and c.rollout_backend != "vllm",
-            f"--rollout-num-gpus-per-engine {c.rollout_num_gpus_per_engine}: the built-in engine has no tensor parallelism; "
-            "use 1 (--rollout-num-gpus N then runs N engines of one GPU each) or --rollout-backend vllm",
+            c.rollout_num_gpus_per_engine != 1 and not _backend(c).tensor_parallel,
+            f"--rollout-num-gpus-per-engine {c.rollout_num_gpus_per_engine}: --rollout-backend {c.rollout_backend} has no "
+            "tensor parallelism; use 1 (--rollout-num-gpus N then runs N engines of one GPU each) or --rollout-backend "
+            + " / ".join(b.name for b in BACKENDS.values() if b.tensor_parallel),
         ),
         (c.eval_temperature is not None and c.eval_temperature < 0, "--eval-temperature must be >= 0 (0 = greedy)"),
         (c.eval_top_p is not None and not 0 < c.eval_top_p <= 1, "--eval-top-p must be in (0, 1]"),
@@ -680,11 +682,17 @@ def _common_checks(c: Config) -> list[tuple[bool, str]]:
         (c.reward_key == "", "--reward-key needs a key name, e.g. score"),
         *compat.checks(c),
         (
-            c.rollout_backend == "vllm" and c.weight_transport in ("shm", "cuda_ipc"),
-            f"--weight-transport {c.weight_transport} does not reach vLLM engines (they receive by nccl, gloo or disk): leave it at auto",
+            c.weight_transport not in _backend(c).transports,
+            f"--weight-transport {c.weight_transport} does not reach {c.rollout_backend} engines (they receive by "
+            f"{', '.join(t for t in _backend(c).transports if t != 'auto')}): leave it at auto",
         ),
         *_non_finite(c),
     ]
+
+
+def _backend(c: Config) -> Backend:
+    # an unknown name is refused by the choices check; until then, check as the default would
+    return BACKENDS.get(c.rollout_backend, BACKENDS["vime"])
 
 
 def _eval_checks(c: Config) -> list[tuple[bool, str]]:
@@ -886,7 +894,7 @@ def build_parser(prog: str = "train.py", description: str = "") -> argparse.Argu
                 flag,
                 action=argparse.BooleanOptionalAction,
                 default=argparse.SUPPRESS,
-                help=f.metadata["help"] + f" (default: {'auto' if default is None else default})",
+                help=_literal(f.metadata["help"]) + f" (default: {'auto' if default is None else default})",
             )
         else:
             grp.add_argument(
@@ -895,10 +903,16 @@ def build_parser(prog: str = "train.py", description: str = "") -> argparse.Argu
                 metavar=tp.__name__.upper(),
                 choices=f.metadata["choices"],
                 nargs=f.metadata["nargs"],
-                help=f.metadata["help"] + f" (default: {default})",
+                help=_literal(f.metadata["help"]) + _literal(f" (default: {default})"),
             )
     compat.add_arguments(parser)
     return parser
+
+
+def _literal(help_text: str) -> str:
+    """argparse formats help with `%`: a bare one (a percentage, a default holding one) would
+    print a dict of the parser's fields in the middle of the text."""
+    return help_text.replace("%", "%%")
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

@@ -30,15 +30,16 @@ from typing import Any
 import torch
 import yaml
 
+from vime.backends import BACKENDS
 from vime.config import Config, ConfigError
 from vime.engine.client import EngineClient, EngineError
+from vime.engine.placement import Placement, fresh_path, trainer_device
 from vime.lifetime import signals_held
 from vime.metrics import MetricsLogger, setup_logging
-from vime.placement import Placement, fresh_path, place, trainer_device
 from vime.preflight import check_inputs
 from vime.rollout import async_loop
 from vime.rollout.rewards import close_pool
-from vime.rollout.runtime import HealthCheck, RolloutRuntime, make_client, make_clients
+from vime.rollout.runtime import HealthCheck, RolloutRuntime
 from vime.rollout.types import RolloutOutput, Sample
 from vime.trainer.checkpoint import latest_checkpoint
 from vime.trainer.distributed import launch_actor
@@ -83,20 +84,21 @@ class Run:
         # the trainer first: under torchrun, ranks other than 0 serve rank 0 from inside this
         # call and never return, so they start no engines
         self.actor = launch_actor(args, args.model_dir, trainer_device(args), inputs.tokenizer)
+        backend = BACKENDS[args.rollout_backend]
         try:
-            self.placement: Placement = place(args, args.model_dir, self.run_dir)
+            self.placement: Placement = backend.place_engines(args, args.model_dir, self.run_dir)
         except BaseException:
             self.actor.close()
             raise
         try:
             args.rollout_engine_urls = self.placement.urls
             args.api_key = self.placement.api_key or args.api_key
-            clients = make_clients(self.placement.urls, args.rollout_backend, args.api_key)
+            clients = [backend.make_client(u, args.api_key) for u in self.placement.urls]
             relaunch = None
             if self.placement.launch_one is not None:
 
                 def relaunch(i: int) -> EngineClient:
-                    return make_client(self.placement.relaunch(i), args.rollout_backend, args.api_key)
+                    return backend.make_client(self.placement.relaunch(i), args.api_key)
 
             args.runtime = RolloutRuntime(
                 clients, inputs.tokenizer, self.placement.transports, relaunch, HealthCheck.of(args)

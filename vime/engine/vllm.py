@@ -35,8 +35,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vime.config import ConfigError
 from vime.engine.client import EngineClient, EngineError
 from vime.engine.launch import log_tail
+from vime.engine.placement import (
+    Placement,
+    choose_transports,
+    engine_devices,
+    fresh_path,
+    launch_all,
+    master_address,
+    trainer_device,
+)
 from vime.engine.vllm_ext import API_KEY_ENV, PROTOCOL
 
 log = logging.getLogger("vime")
@@ -782,26 +792,16 @@ def check_same_model(trainer: dict[str, Any], served: dict[str, Any], url: str) 
         )
 
 
-def place_vllm(args, model_dir: Path, run_dir: Path):
-    """`place()` for --rollout-backend vllm: launch one server per engine (or check the ones at
+def place_vllm(args, model_dir: Path, run_dir: Path) -> Placement:
+    """The placement of --rollout-backend vllm (`vime/backends.py`): launch one server per engine (or check the ones at
     --rollout-engine-urls) and pick how weights reach them.
 
     Every server must run vime's worker extension (launched ones do), serve the trainer's model
     (architecture, vocabulary, sizes: compared now) and answer to the run's API key. Transports
-    follow the built-in engine's table (vime.placement), with vLLM's counterparts: gloo where
+    follow the built-in engine's table (vime.engine.placement), with vLLM's counterparts: gloo where
     the built-in engine would use shm (vLLM has no shared-memory load), disk where it would use
     cuda_ipc (an engine on the trainer's own GPU: NCCL cannot join two ranks on one device).
     """
-    from vime.config import ConfigError
-    from vime.placement import (
-        Placement,
-        choose_transports,
-        engine_devices,
-        launch_all,
-        master_address,
-        trainer_device,
-    )
-
     trainer = trainer_device(args)
     want = model_facts(model_dir)
     engines: list[VLLMProcess] = []
@@ -850,8 +850,6 @@ def place_vllm(args, model_dir: Path, run_dir: Path):
 
 def _launch_for_run(args, model_dir: Path, run_dir: Path, i: int, dev: str, trainer: str, api_key: str) -> VLLMProcess:
     """Engine i of a run on `dev` (also how a dead one is started again)."""
-    from vime.placement import fresh_path
-
     extra = ["--enable-sleep-mode"] if args.colocate else []
     shared = trainer != "cpu" and trainer.split(":")[1] in dev.split(":")[1].split(",")
     if shared:  # vLLM takes 90% of a GPU by default; the trainer shares this one

@@ -29,19 +29,24 @@ import logging
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from vime.engine.client import EngineClient, EngineError, EngineSilent
 from vime.rollout import async_loop
-
-if TYPE_CHECKING:
-    from vime.rollout.fully_async_rollout import AsyncRolloutWorker
 
 log = logging.getLogger("vime")
 
 MAX_RESTARTS = 3  # per engine and run: an engine that keeps dying has a cause a restart will not fix
 
 T = TypeVar("T")
+
+
+class Worker(Protocol):
+    """What the runtime asks of the fully-async worker (`fully_async_rollout.AsyncRolloutWorker`)."""
+
+    def set_engine_version(self, version: int) -> None: ...
+
+    def stop(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -103,9 +108,7 @@ class RolloutRuntime:
             e.client.quick_timeout = self.health.timeout
         self._watches: dict[int, _Watch] = {}  # engine index → its probes (rollout loop only)
         self.engine_version = 0  # the policy version the engines hold (optimizer steps of the pushed weights)
-        self.worker: AsyncRolloutWorker | None = (
-            None  # the fully-async worker, started by its rollout function's first call
-        )
+        self.worker: Worker | None = None  # the fully-async worker, started by its rollout function's first call
         self._groups: dict[int, Engine] = {}  # group index → the engine its samples go to
         self._lock = threading.Lock()
         self._restart_threads: list[threading.Thread] = []
@@ -290,19 +293,6 @@ class RolloutRuntime:
             self.abort_all()
         for e in self.engines:
             async_loop.run(e.client.close())
-
-
-def make_clients(urls: list[str], backend: str = "vime", api_key: str | None = None) -> tuple[EngineClient, ...]:
-    """One client per engine URL, of the backend's kind (both speak vime's engine protocol)."""
-    return tuple(make_client(u, backend, api_key) for u in urls)
-
-
-def make_client(url: str, backend: str = "vime", api_key: str | None = None) -> EngineClient:
-    if backend == "vllm":
-        from vime.engine.vllm import VLLMClient
-
-        return VLLMClient(url, api_key=api_key)
-    return EngineClient(url, api_key=api_key)
 
 
 def runtime_of(args: Any) -> RolloutRuntime:

@@ -149,7 +149,7 @@ class Actor:
             self._checkpoint_layers(args.gradient_checkpointing_layers)
         all_names = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
         param_names = {n for n, _ in self.model.named_parameters()}
-        self._aliases = all_names - param_names  # tied names, e.g. lm_head.weight
+        self.tied_aliases = all_names - param_names  # tied names, e.g. lm_head.weight
         # what a checkpoint holds besides parameters (none in Llama/Qwen: their rotary tables are not persistent)
         self._buffers = [n for n in self.model.state_dict() if n not in all_names]
         # one rank: reduce-scattering (casting, copying) every layer's gradient after each
@@ -176,7 +176,7 @@ class Actor:
         # optimizer step slots so far, a skipped one too, as the run's policy version counts them:
         # the index into the lr schedule, kept in checkpoints
         self.optimizer_steps = 0
-        self._apply_schedule()
+        self.apply_schedule()
         self.correction = OffPolicyCorrection(
             use_tis=args.use_tis,
             tis_mode=args.tis_mode,
@@ -415,7 +415,7 @@ class Actor:
     ) -> dict[str, float]:
         self.scorer.train()
         self.optimizer.zero_grad(set_to_none=True)
-        self._apply_schedule()  # this slot's lr, counted whether or not the step is taken
+        self.apply_schedule()  # this slot's lr, counted whether or not the step is taken
         self.optimizer_steps += 1
         totals = self._accumulate(samples, advantages, old, ref)
         if not any(sum(s.effective_loss_mask()) for s in samples):
@@ -436,7 +436,7 @@ class Actor:
         metrics = self._read(totals)  # several ranks skip a step together: on the loss summed over them
         return {**metrics, **self._clip_and_step(loss=metrics["train/loss"])}
 
-    def _apply_schedule(self) -> None:
+    def apply_schedule(self) -> None:
         """The learning rate (and weight decay) of the next optimizer step, `optimizer_steps`."""
         set_lr_and_decay(self.optimizer, self.lr_schedule(self.optimizer_steps), self.args.weight_decay)
 
@@ -445,7 +445,7 @@ class Actor:
         or advantages are not finite without calling `train_step`), so the lr schedule stays on
         the run's policy version."""
         self.optimizer_steps += n
-        self._apply_schedule()
+        self.apply_schedule()
 
     def accumulate_gradients(
         self,

@@ -20,31 +20,45 @@ import shutil
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from vime.errors import VimeError
 from vime.lifetime import signals_held
 from vime.models import weights_problem
 from vime.trainer.nonfinite import NonFiniteError
 
-if TYPE_CHECKING:
-    from vime.trainer.actor import Actor
-
 log = logging.getLogger("vime")
 
 TRAINER_STATE = "trainer_state.pt"
+
+
+class Trainer(Protocol):
+    """What a checkpoint reads from and restores into the trainer (`vime.trainer.actor.Actor`)."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    tokenizer: Any
+    rank: int
+    world: int
+    cpu_group: Any
+    optimizer_steps: int
+    tied_aliases: set[str]  # names the state dict repeats for a tied weight (lm_head.weight)
+
+    def named_weights(self) -> Iterator[tuple[str, Tensor]]: ...
+
+    def apply_schedule(self) -> None: ...
 
 
 class CheckpointError(VimeError, RuntimeError):
     """A checkpoint cannot be written or read; one line naming it and the cause."""
 
 
-def save(actor: Actor, final: Path, extra_state: dict[str, Any]) -> Path:
+def save(actor: Trainer, final: Path, extra_state: dict[str, Any]) -> Path:
     """Write an HF directory (+ trainer_state.pt) at `final`, atomically; every rank calls.
 
     Shards are gathered into full tensors and rank 0 writes, so the directory loads in
@@ -84,7 +98,7 @@ def save(actor: Actor, final: Path, extra_state: dict[str, Any]) -> Path:
     return final
 
 
-def _check_finite(actor: Actor, final: Path) -> None:
+def _check_finite(actor: Trainer, final: Path) -> None:
     """Refuse to save non-finite weights (NonFiniteError on every rank alike): a checkpoint
     of NaNs would replace the last good one as the newest. Each rank checks its own shards."""
     bad = [
@@ -102,7 +116,7 @@ def _check_finite(actor: Actor, final: Path) -> None:
         )
 
 
-def _write(actor: Actor, final: Path, weights: dict[str, Tensor], state: dict[str, Any]) -> None:
+def _write(actor: Trainer, final: Path, weights: dict[str, Tensor], state: dict[str, Any]) -> None:
     # a signal mid-write would fail or hang the save: it is acted on once the checkpoint is whole
     with signals_held():
         tmp, old = final.with_name(final.name + ".tmp"), final.with_name(final.name + ".old")
@@ -135,7 +149,7 @@ def _write(actor: Actor, final: Path, weights: dict[str, Tensor], state: dict[st
             tmp.rename(final)
 
 
-def load(actor: Actor, ckpt: Path) -> dict[str, Any]:
+def load(actor: Trainer, ckpt: Path) -> dict[str, Any]:
     """Restore weights, optimizer, the optimizer step count and RNG from a `save` directory;
     returns its extra_state.
 
@@ -151,7 +165,7 @@ def load(actor: Actor, ckpt: Path) -> dict[str, Any]:
         raise CheckpointError(f"{ckpt} is not a complete checkpoint (no {TRAINER_STATE})")
     # both files read before either is applied: one that fails to load changes nothing
     weights = dict(iter_weights(ckpt))
-    expected = set(actor.model.state_dict()) - actor._aliases
+    expected = set(actor.model.state_dict()) - actor.tied_aliases
     missing, unexpected = expected - set(weights), set(weights) - expected
     if missing or unexpected:
         raise CheckpointError(
@@ -171,7 +185,7 @@ def load(actor: Actor, ckpt: Path) -> dict[str, Any]:
         set_optimizer_state_dict(actor.model, actor.optimizer, state["optimizer"], options=options)
     # a checkpoint from before the count was kept: the run's policy version counts the same slots
     actor.optimizer_steps = int(state.get("optimizer_steps", state["extra"].get("policy_version", 0)))
-    actor._apply_schedule()
+    actor.apply_schedule()
     _set_rng_state(state["rng"])
     return state["extra"]
 

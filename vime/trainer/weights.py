@@ -33,13 +33,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from vime.backends import TRANSPORTS
 from vime.engine import cuda_ipc, weight_sync
 from vime.engine.client import EngineError
 from vime.errors import VimeError
 
 log = logging.getLogger("vime")
 
-TRANSPORTS = ("auto", "shm", "disk", "cuda_ipc", "nccl", "gloo")
 DISTRIBUTED = ("nccl", "gloo")
 DEFAULT_BUCKET_BYTES = 512 * 2**20  # large enough to hide per-bucket latency, small enough to stay cheap to stage
 GROUP_NAME = "vime-weights"

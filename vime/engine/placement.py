@@ -180,11 +180,9 @@ def master_address(args, infos: list[dict], transports: list[str]) -> str:
 
 
 def place(args, model_dir: Path, run_dir: Path) -> Placement:
+    """The built-in engine's placement (`vime/backends.py`): launch one engine per device
+    (or check the ones at --rollout-engine-urls) and pick how weights reach each."""
     apply_gpu_safe_env()  # NVLink multicast off here and in every process started from here
-    if args.rollout_backend == "vllm":
-        from vime.engine.vllm import place_vllm
-
-        return place_vllm(args, model_dir, run_dir)
     trainer = trainer_device(args)
     api_key = args.api_key
     if args.rollout_engine_urls:

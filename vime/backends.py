@@ -1,0 +1,67 @@
+"""The rollout backends, one row each: what differs between engines a run can generate with.
+
+Every backend speaks vime's engine protocol (`vime/engine/client.py`) through a client class of
+its own, and places its engines with a `place(args, model_dir, run_dir) -> Placement`
+(`vime/engine/placement.py`). A new backend is one module holding those two, plus one row here.
+
+Rows name their client and placement function by import path, resolved when a run uses them:
+the table is plain data, so `vime.config` reads it for `--rollout-backend`'s choices and checks
+without importing any engine code (and a backend's module, which imports the placement
+helpers, never has to be imported by them).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# every --weight-transport value; `auto` lets the placement pick per engine
+TRANSPORTS = ("auto", "shm", "disk", "cuda_ipc", "nccl", "gloo")
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str  # --rollout-backend's value
+    what: str  # for --help
+    client: str  # "module:Class": the client of one engine, Class(url, api_key=...)
+    place: str  # "module:function": place(args, model_dir, run_dir) -> Placement
+    transports: tuple[str, ...]  # the --weight-transport values that reach its engines
+    tensor_parallel: bool  # an engine may span several GPUs (--rollout-num-gpus-per-engine > 1)
+
+    def make_client(self, url: str, api_key: str | None = None) -> Any:
+        """A client of the engine at `url` (an `EngineClient`)."""
+        return _load(self.client)(url, api_key=api_key)
+
+    def place_engines(self, args: Any, model_dir: Path, run_dir: Path) -> Any:
+        """Launch the run's engines (or check those given by URL): a `vime.engine.placement.Placement`."""
+        return _load(self.place)(args, model_dir, run_dir)
+
+
+BACKENDS: dict[str, Backend] = {
+    b.name: b
+    for b in [
+        Backend(
+            "vime",
+            "the built-in engine",
+            client="vime.engine.client:EngineClient",
+            place="vime.engine.placement:place",
+            transports=TRANSPORTS,
+            tensor_parallel=False,
+        ),
+        Backend(
+            "vllm",
+            "a vLLM server per engine (install the vllm extra)",
+            client="vime.engine.vllm:VLLMClient",
+            place="vime.engine.vllm:place_vllm",
+            transports=("auto", "nccl", "gloo", "disk"),  # no shared-memory or CUDA IPC load
+            tensor_parallel=True,
+        ),
+    ]
+}
+
+
+def _load(path: str) -> Any:
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
