@@ -13,21 +13,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-from vime.config import FULLY_ASYNC_FN, ConfigError
+from vime.config import ConfigError
 from vime.errors import VimeError
+from vime.modes import MODES
 
 
 def arm_command(arm: str, staleness: int) -> list[str]:
-    """The CLI words that make one arm."""
-    arms = {
-        "sync": ["train"],
-        "one-step-off": ["train-async"],
-        "fully-async": ["train-async", "--rollout-function-path", FULLY_ASYNC_FN],
-        "decoupled": ["train-async", "--max-staleness", str(staleness)],
-    }
-    if arm not in arms:
-        raise ConfigError(f"unknown arm '{arm}': choose from {', '.join(arms)}")
-    return arms[arm]
+    """The CLI words that make one arm: its mode's row (vime/modes.py)."""
+    if arm not in MODES:
+        raise ConfigError(f"unknown arm '{arm}': choose from {', '.join(MODES)}")
+    return [w.format(staleness=staleness) for w in MODES[arm].arm]
 
 
 def run_arm(
@@ -75,7 +70,7 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--arms",
         default="sync,one-step-off,fully-async",
-        help="comma-separated: sync, one-step-off, fully-async, decoupled (first = speedup reference)",
+        help=f"comma-separated: {', '.join(MODES)} (first = speedup reference)",
     )
     p.add_argument("--staleness", type=int, default=2, help="--max-staleness of the decoupled arm")
     p.add_argument("--runs-dir", default="runs", help="where the arms' run directories go")

@@ -26,14 +26,13 @@ import yaml
 from vime import compat
 from vime.backends import BACKENDS, TRANSPORTS, Backend
 from vime.errors import VimeError
+from vime.modes import DEFAULT_ROLLOUT_FN, FULLY_ASYNC_FN, MODES
 
 
 class ConfigError(VimeError, ValueError):
     """Inconsistent or invalid settings; the message is one line saying what to change."""
 
 
-DEFAULT_ROLLOUT_FN = "vime.rollout.vllm_rollout.generate_rollout"
-FULLY_ASYNC_FN = "vime.rollout.fully_async_rollout.generate_rollout_fully_async"
 ENTRIES = ("sync", "async", "eval")  # train.py, train_async.py, vime eval
 
 # What each --off-policy-correction sets (the flags are slime's); "none" turns both off.
@@ -552,7 +551,7 @@ class Config:
         """The one place the training mode is decided. train_async.py with --max-staleness is
         decoupled, which needs the continuous worker: the default rollout function becomes the
         fully-async one; a rollout function of one's own runs one-step-off, overlapping only as
-        far as --max-staleness allows."""
+        far as --max-staleness allows. The names are rows of `vime.modes.MODES`."""
         if entry == "sync":
             return "sync"
         if self.max_staleness is not None:
@@ -571,7 +570,7 @@ class Config:
         if chosen == "auto":
             if self.use_tis or self.use_rs:
                 chosen = "custom"
-            elif self.mode == "sync" or self.max_staleness == 0 or self.use_rollout_logprobs:
+            elif not MODES[self.mode].overlaps or self.max_staleness == 0 or self.use_rollout_logprobs:
                 chosen = "none"
             else:
                 chosen = ASYNC_CORRECTION

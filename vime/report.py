@@ -18,6 +18,7 @@ import yaml
 
 from vime.errors import VimeError
 from vime.metrics import mean, read_metrics
+from vime.modes import FULLY_ASYNC_FN
 
 
 @dataclass
@@ -56,8 +57,8 @@ def summarize(run_dir: str | Path) -> RunSummary:
         return mean([r.get(key, 0.0) or 0.0 for r in steps])
 
     mode = cfg.get("mode", "?")
-    if mode == "one-step-off" and "fully_async" in str(cfg.get("rollout_function_path", "")):
-        mode = "fully-async"
+    if mode == "one-step-off" and cfg.get("rollout_function_path") == FULLY_ASYNC_FN:
+        mode = "fully-async"  # config.yaml of a vime before fully-async was a mode of its own
     return RunSummary(
         name=run_dir.name,
         mode=mode,

@@ -36,6 +36,7 @@ from vime.engine.client import EngineClient, EngineError
 from vime.engine.placement import Placement, fresh_path, trainer_device
 from vime.lifetime import signals_held
 from vime.metrics import MetricsLogger, setup_logging
+from vime.modes import MODES
 from vime.preflight import check_inputs
 from vime.rollout import async_loop
 from vime.rollout.rewards import close_pool
@@ -252,7 +253,7 @@ class Run:
             self.metrics.log(step, metrics)
             if a.save and ((a.save_interval and step % a.save_interval == 0) or last):
                 t0 = time.perf_counter()
-                with self.generation_paused("in_place") if a.mode != "sync" else contextlib.nullcontext():
+                with self.generation_paused("in_place") if MODES[a.mode].overlaps else contextlib.nullcontext():
                     extra = {
                         "step": step,
                         "policy_version": self.policy_version,
@@ -341,8 +342,8 @@ def train(args: Config) -> Path:
     try:
         if args.eval_interval and t.start_step == 0 and not args.skip_eval_before_train:
             t.metrics.log(0, t.evaluate(0))
-        sequential = args.mode in ("sync", "decoupled")
-        (_sequential_loop if sequential else _one_step_off_loop)(t)
+        loop = {"sequential": _sequential_loop, "one-step-off": _one_step_off_loop}[MODES[args.mode].loop]
+        loop(t)
     finally:
         t.close()
     return t.run_dir

@@ -327,7 +327,7 @@ def fit_prompts(
 def _label_grader(args) -> str | None:
     """What grades the training rows against their labels, if anything: the built-in rewards but
     reasoning_gym (its scorer reads the row's metadata); not a reward or rollout of one's own."""
-    from vime.config import DEFAULT_ROLLOUT_FN, FULLY_ASYNC_FN
+    from vime.modes import DEFAULT_ROLLOUT_FN, FULLY_ASYNC_FN
     from vime.rollout.rewards import MODULE_RM_TYPES
 
     if args.custom_rm_path or args.rm_type in MODULE_RM_TYPES:
