@@ -539,7 +539,7 @@ def test_trainer_ranks_that_fall_out_of_step_end_in_seconds_in_one_line(tiny_mod
     collectives) leaves rank 1 waiting in the next one, where a "close" never matches: close
     ends it instead, within seconds (it used to wait out the 30-minute collective timeout). And
     a rank killed between steps makes the next call one line naming it, not gloo's error."""
-    import vime.trainer.actor as actor_module
+    import vime.trainer.loss as loss_module
     from vime.trainer.distributed import TrainerRankError, launch_actor
 
     args = Config(lr=1e-2, global_batch_size=None, max_tokens_per_gpu=512, rollout_temperature=1.0, actor_num_procs=2)
@@ -552,7 +552,7 @@ def test_trainer_ranks_that_fall_out_of_step_end_in_seconds_in_one_line(tiny_mod
         def interrupted(*a, **k):
             raise KeyboardInterrupt  # here only: rank 1 computes its loss and waits for the gradients
 
-        monkeypatch.setattr(actor_module, "policy_loss", interrupted)
+        monkeypatch.setattr(loss_module, "policy_loss", interrupted)
         with pytest.raises(KeyboardInterrupt):
             two.train_step(_batch(), adv)
     finally:

@@ -33,7 +33,7 @@ from vime.models import load_tokenizer
 from vime.rollout.types import Sample
 from vime.trainer import checkpoint
 from vime.trainer.logprobs import ChunkLoss, chunked_log_probs, chunked_loss
-from vime.trainer.loss import OffPolicyCorrection, aggregate, kl_penalty, policy_loss
+from vime.trainer.loss import LossInputs, Objective
 from vime.trainer.optim import LRSchedule, make_optimizer, set_lr_and_decay
 from vime.trainer.packing import (
     PAD_BUCKETS,
@@ -106,22 +106,6 @@ class _StepTokens:
         return cls(masks, rollout_lps, has, float(sum(m.sum() for m in masks)))
 
 
-@dataclass
-class _LossInputs:
-    """One micro-batch's per-token loss inputs, [R] each, in the order of its scored rows."""
-
-    mask: Tensor
-    advantages: Tensor
-    rollout_lp: Tensor
-    has_rollout: Tensor  # the mask where the engine sent log-probs, else zeros
-    seq_ids: Tensor  # the sequence of each token, 0..S-1
-    old: Tensor | None  # None: the forward's own log-probs, detached
-    ref: Tensor | None
-
-    def rows(self, sl: slice) -> _LossInputs:
-        return _LossInputs(**{k: None if v is None else v[sl] for k, v in vars(self).items()})
-
-
 class Actor:
     """Policy model + optimizer (+ frozen reference model when `kl_loss_coef > 0`: `--ref-load`,
     else the policy's own starting weights).
@@ -177,16 +161,7 @@ class Actor:
         # the index into the lr schedule, kept in checkpoints
         self.optimizer_steps = 0
         self.apply_schedule()
-        self.correction = OffPolicyCorrection(
-            use_tis=args.use_tis,
-            tis_mode=args.tis_mode,
-            tis_clip=args.tis_clip,
-            tis_clip_low=args.tis_clip_low,
-            use_rs=args.use_rs,
-            rs_level=args.rs_level,
-            rs_lower_bound=args.rs_lower_bound,
-            rs_upper_bound=args.rs_upper_bound,
-        )
+        self.objective = Objective.of(args)  # the loss of a micro-batch's tokens
         # the loss's gradient is taken chunk by chunk inside the head's forward, which saves the
         # head's logits recomputation (`chunked_loss`), unless the loss mixes tokens: sequence-level
         # rejection weighs each token by its whole sequence's log-ratio
@@ -482,18 +457,17 @@ class Actor:
         """
         a = self.args
         advantages = torch.as_tensor(advantages, dtype=torch.float32).flatten()  # one per sample
-        agg = "seq_sum_const" if a.advantage_estimator == "dr_grpo" else "token_mean"
-        max_len = a.rollout_max_response_len
-        const = float(max_len * len(samples))
-        if (self.correction.active or self.use_rollout_logprobs) and any(s.rollout_log_probs is None for s in samples):
+        const = float(a.rollout_max_response_len * len(samples))  # Dr.GRPO's denominator
+        if (self.objective.correction.active or self.use_rollout_logprobs) and any(
+            s.rollout_log_probs is None for s in samples
+        ):
             raise ValueError(
                 "--use-tis, --use-rs and --use-rollout-logprobs need the engine's log-probs on every sample (rollout_log_probs)"
             )
-        kl_coef, ent_coef = a.kl_loss_coef, a.entropy_coef
         totals: dict[str, Tensor] = {}
         tokens: _StepTokens | None = None
 
-        def inputs_of(mb: PackedBatch) -> _LossInputs:
+        def inputs_of(mb: PackedBatch) -> LossInputs:
             nonlocal tokens
             if tokens is None:  # host work done while the GPU runs the first forward, not before it
                 tokens = _StepTokens.of(samples)
@@ -507,7 +481,7 @@ class Actor:
 
             rollout_lp = flat(tokens.rollout_lps)
             lengths = torch.tensor(mb.response_lengths)
-            return _LossInputs(
+            return LossInputs(
                 mask=flat(tokens.masks),
                 # a sample's advantage on each of its response tokens
                 advantages=(
@@ -522,39 +496,10 @@ class Actor:
                 ref=None if ref_log_probs is None else flat(ref_log_probs),
             )
 
-        def loss_of(log_probs: Tensor, entropy: Tensor, t: _LossInputs) -> Tensor:
+        def loss_of(log_probs: Tensor, entropy: Tensor, t: LossInputs) -> Tensor:
             """The loss of these tokens (a share of the step's), its metrics added to `totals`."""
             assert tokens is not None
-            num_tokens = tokens.num_tokens
-            old = log_probs.detach() if t.old is None else t.old
-            pg, m = policy_loss(
-                log_probs,
-                old,
-                t.advantages,
-                t.mask,
-                eps_clip=a.eps_clip,
-                eps_clip_high=a.eps_clip_high,
-                rollout_log_probs=t.rollout_lp,
-                correction=self.correction,
-                seq_ids=t.seq_ids,
-                agg=agg,
-                const=const,
-                num_tokens=num_tokens,
-            )
-            loss = pg
-            # entropy is reported as a token mean whatever the loss aggregation
-            m["entropy"] = aggregate(entropy.detach(), t.mask, "token_mean", num_tokens=num_tokens)
-            if ent_coef != 0:
-                loss = loss - ent_coef * aggregate(entropy, t.mask, agg, num_tokens=num_tokens, const=const)
-            if t.ref is not None:
-                per_token = kl_penalty(log_probs, t.ref, a.kl_loss_type, old if a.use_unbiased_kl else None)
-                kl = aggregate(per_token, t.mask, agg, num_tokens=num_tokens, const=const)
-                loss = loss + kl_coef * kl
-                m["kl_loss"] = kl.detach()
-            m["loss"] = loss.detach()
-            trainer_lp = log_probs.detach() if self.use_rollout_logprobs else old  # coupled: old is the engine's own
-            m["_lp_diff_sum"] = ((trainer_lp - t.rollout_lp).abs() * t.has_rollout).sum()
-            m["_lp_diff_count"] = t.has_rollout.sum()
+            loss, m = self.objective(log_probs, entropy, t, num_tokens=tokens.num_tokens, const=const)
             for k, v in m.items():  # kept on the device: a float() per metric would stall the GPU each micro-batch
                 totals[f"train/{k}"] = totals.get(f"train/{k}", 0.0) + torch.as_tensor(v).detach().to(
                     self.device, torch.float64
@@ -572,7 +517,7 @@ class Actor:
                 self.scorer.set_requires_gradient_sync(last)
                 self.scorer.set_reshard_after_backward(last)
             if self.grad_in_forward:
-                inputs: _LossInputs | None = None
+                inputs: LossInputs | None = None
 
                 def chunk_loss(log_probs: Tensor, entropy: Tensor | None, rows: slice, mb: PackedBatch = mb) -> Tensor:
                     nonlocal inputs

@@ -260,3 +260,97 @@ def kl_penalty(
     if kind == "low_var_kl":
         kl = kl.clamp(min=-10.0, max=10.0)
     return kl
+
+
+@dataclass
+class LossInputs:
+    """One micro-batch's per-token loss inputs, [R] each, in the order of its scored rows."""
+
+    mask: Tensor
+    advantages: Tensor
+    rollout_lp: Tensor
+    has_rollout: Tensor  # the mask where the engine sent log-probs, else zeros
+    seq_ids: Tensor  # the sequence of each token, 0..S-1
+    old: Tensor | None  # None: the forward's own log-probs, detached
+    ref: Tensor | None
+
+    def rows(self, sl: slice) -> LossInputs:
+        return LossInputs(**{k: None if v is None else v[sl] for k, v in vars(self).items()})
+
+
+@dataclass(frozen=True)
+class Objective:
+    """The loss of some of a step's tokens, built once from the config: PPO-clip with the
+    off-policy correction, the entropy bonus and the KL to the reference model.
+
+    Denominators are the step's (`num_tokens`, or Dr.GRPO's constant `const`), never the
+    tokens' own, so the loss of a micro-batch, or of one chunk of it, is its share of the
+    step's: the trainer sums shares as it goes (actor.py, `_accumulate`)."""
+
+    eps_clip: float
+    eps_clip_high: float
+    correction: OffPolicyCorrection
+    agg: str  # token_mean, or seq_sum_const for Dr.GRPO
+    entropy_coef: float
+    kl_coef: float
+    kl_type: str
+    unbiased_kl: bool  # each token's KL weighted by the current-to-old ratio
+    coupled: bool  # --use-rollout-logprobs: the engine's log-probs are π_old
+
+    @classmethod
+    def of(cls, args: Any) -> Objective:
+        return cls(
+            eps_clip=args.eps_clip,
+            eps_clip_high=args.eps_clip_high,
+            correction=OffPolicyCorrection(
+                use_tis=args.use_tis,
+                tis_mode=args.tis_mode,
+                tis_clip=args.tis_clip,
+                tis_clip_low=args.tis_clip_low,
+                use_rs=args.use_rs,
+                rs_level=args.rs_level,
+                rs_lower_bound=args.rs_lower_bound,
+                rs_upper_bound=args.rs_upper_bound,
+            ),
+            agg="seq_sum_const" if args.advantage_estimator == "dr_grpo" else "token_mean",
+            entropy_coef=args.entropy_coef,
+            kl_coef=args.kl_loss_coef,
+            kl_type=args.kl_loss_type,
+            unbiased_kl=args.use_unbiased_kl,
+            coupled=args.use_rollout_logprobs,
+        )
+
+    def __call__(
+        self, log_probs: Tensor, entropy: Tensor, t: LossInputs, num_tokens: float, const: float
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """(loss, metrics) of these tokens; the metrics are sums the trainer adds up over a step."""
+        old = log_probs.detach() if t.old is None else t.old
+        pg, m = policy_loss(
+            log_probs,
+            old,
+            t.advantages,
+            t.mask,
+            eps_clip=self.eps_clip,
+            eps_clip_high=self.eps_clip_high,
+            rollout_log_probs=t.rollout_lp,
+            correction=self.correction,
+            seq_ids=t.seq_ids,
+            agg=self.agg,
+            const=const,
+            num_tokens=num_tokens,
+        )
+        loss = pg
+        # entropy is reported as a token mean whatever the loss aggregation
+        m["entropy"] = aggregate(entropy.detach(), t.mask, "token_mean", num_tokens=num_tokens)
+        if self.entropy_coef != 0:
+            loss = loss - self.entropy_coef * aggregate(entropy, t.mask, self.agg, num_tokens=num_tokens, const=const)
+        if t.ref is not None:
+            per_token = kl_penalty(log_probs, t.ref, self.kl_type, old if self.unbiased_kl else None)
+            kl = aggregate(per_token, t.mask, self.agg, num_tokens=num_tokens, const=const)
+            loss = loss + self.kl_coef * kl
+            m["kl_loss"] = kl.detach()
+        m["loss"] = loss.detach()
+        trainer_lp = log_probs.detach() if self.coupled else old  # coupled: old is the engine's own
+        m["_lp_diff_sum"] = ((trainer_lp - t.rollout_lp).abs() * t.has_rollout).sum()
+        m["_lp_diff_count"] = t.has_rollout.sum()
+        return loss, m
