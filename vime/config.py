@@ -657,7 +657,7 @@ def _common_checks(c: Config) -> list[tuple[bool, str]]:
         ),
         (
             c.rollout_num_gpus_per_engine != 1 and not _backend(c).tensor_parallel,
-            f"--rollout-num-gpus-per-engine {c.rollout_num_gpus_per_engine}: --rollout-backend {c.rollout_backend} has no "
+            f"--rollout-num-gpus-per-engine {c.rollout_num_gpus_per_engine}: {_backend(c).what} has no "
             "tensor parallelism; use 1 (--rollout-num-gpus N then runs N engines of one GPU each) or --rollout-backend "
             + " / ".join(b.name for b in BACKENDS.values() if b.tensor_parallel),
         ),
