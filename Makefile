@@ -15,7 +15,7 @@ VLLM_BIN := $(VLLM_VENV)/bin
 RAY_VENV ?= .venv-ray
 RAY_BIN := $(RAY_VENV)/bin
 
-.PHONY: install install-vllm install-ray lock test test-vllm test-ray test-fast test-gpu demo clean
+.PHONY: install install-vllm install-ray lock test test-slow test-vllm test-ray test-gpu demo clean
 
 install: $(VENV)/.installed
 
@@ -32,11 +32,15 @@ $(VENV)/.installed: pyproject.toml requirements/cpu.lock
 lock:
 	PYTHON=$(PYTHON) TORCH="$(TORCH)" requirements/lock.sh
 
-# lint and format first (ruff, settings in pyproject.toml): seconds, and a failure names the line
+# lint and format first (ruff, settings in pyproject.toml): seconds, and a failure names the line;
+# then every test but the long whole-run cases marked `slow` (make test-slow; CI runs both)
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not slow"
+
+test-slow: install
+	$(BIN)/python -m pytest -q -m slow
 
 install-vllm: $(VLLM_VENV)/.installed
 
@@ -72,9 +76,6 @@ $(RAY_VENV)/.installed: requirements/ray.lock $(VENV)/.installed
 # (marked `ray`; skipped by `make test`, whose environment has no ray)
 test-ray: install-ray
 	$(RAY_BIN)/python -m pytest -q -m ray tests/test_ray_launch.py
-
-test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow"
 
 # On a GPU machine, from source under its own python3 and torch (no venv): the NCCL weight push,
 # FSDP2 over NCCL, CUDA graphs and Triton kernels. Two GPUs for the first two.

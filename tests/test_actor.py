@@ -691,3 +691,26 @@ def _interpreted_head_checks() -> None:
 
 if __name__ == "__main__":
     _interpreted_head_checks()
+
+
+def test_a_step_is_scored_at_the_temperature_its_samples_were_drawn_at(tiny_model):
+    """The temperature is the sample's (stamped by the generate that drew it), not the
+    trainer's own reading of --rollout-temperature: a sample drawn at 0.5 scores as an actor
+    configured for 0.5 scores it, unstamped samples fall back to the flag, and a step drawn at
+    two temperatures is refused in one line."""
+    from vime.config import ConfigError
+
+    at_one, at_half = (
+        Actor(make_args(rollout_temperature=1.0), tiny_model),
+        Actor(make_args(rollout_temperature=0.5), tiny_model),
+    )
+    stamped = make_samples(3)
+    for s in stamped:
+        s.temperature = 0.5
+    want = at_half.compute_log_probs(make_samples(3))
+    got = at_one.compute_log_probs(stamped)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not all(torch.equal(a, b) for a, b in zip(at_one.compute_log_probs(make_samples(3)), want))
+    stamped[0].temperature = 0.7
+    with pytest.raises(ConfigError, match=r"drawn at temperatures \[0.5, 0.7\]"):
+        at_one.train_step(stamped, [1.0, -1.0, 0.5])

@@ -94,6 +94,7 @@ def test_sync_is_on_policy(mode_runs):
     assert all(x["rollout/staleness_max"] == 0 for x in rows(mode_runs["sync"]))
 
 
+@pytest.mark.slow
 def test_decoupled_respects_staleness_under_a_slow_engine(tmp_path):
     res = run_cli(
         "train_async.py",
@@ -200,6 +201,8 @@ def test_worker_warm_queue_batch_size_and_cap(worker_env):
     args, ds, fa = worker_env
     first = fa.generate_rollout_fully_async(args, 0, ds)
     assert len(first.samples) == 2 and all(len(g) == 2 for g in first.samples)
+    # each sample carries the temperature it was drawn at, which the trainer scores it at
+    assert {s.temperature for g in first.samples for s in g} == {args.rollout_temperature}
     w = _worker(args, ds)
     # between calls the worker keeps working: a batch is being (or has been) generated already
     _wait_for(lambda: len(w.ready) >= 2)
@@ -276,6 +279,7 @@ def test_fully_async_refuses_evaluation(worker_env):
         fa.generate_rollout_fully_async(args, 0, ds, evaluation=True)
 
 
+@pytest.mark.slow
 def test_bench_ab_runs_each_arm_on_one_config(tmp_path):
     res = run_cli(
         "-m",
@@ -459,6 +463,7 @@ def test_zero_staleness_trains_exactly_what_sync_trains(tmp_path):
     assert any(not torch.equal(initial[k], weights["sync"][k]) for k in initial)
 
 
+@pytest.mark.slow
 def test_staleness_counts_optimizer_steps(tmp_path):
     """Pushing every other step, sync's second step trains tokens one optimizer step old; with two
     optimizer steps per rollout, the second half of each rollout is one step old. The push
@@ -481,6 +486,7 @@ def test_staleness_counts_optimizer_steps(tmp_path):
     ]
 
 
+@pytest.mark.slow
 def test_fully_async_checkpoint_saves_the_workers_groups_and_resume_trains_them(tmp_path):
     import torch
 
@@ -544,6 +550,7 @@ async def stall_after_first_batch(args, sample, params):
             return out
 
 
+@pytest.mark.slow
 def test_one_step_off_stops_at_once_while_a_generate_is_pending(tmp_path):
     env = dict(
         os.environ,

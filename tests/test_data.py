@@ -221,14 +221,14 @@ def test_requeued_groups_come_first_and_restart_from_the_prompt(tmp_path, tokeni
     for s in g0 + g1:  # as if partly generated, then aborted
         s.tokens = s.tokens + [5, 6, 7]
         s.response_length, s.response, s.status, s.reward = 3, "abc", Status.ABORTED, 1.0
-        s.rollout_log_probs, s.weight_versions, s.loss_mask = [-0.1] * 3, [0] * 3, [1] * 3
+        s.rollout_log_probs, s.weight_versions, s.loss_mask, s.temperature = [-0.1] * 3, [0] * 3, [1] * 3, 0.7
     ds.add_samples([g1])
     ds.add_samples([g0])
     out = ds.get_samples(3)
     assert labels(out) == ["1", "0", "2"]  # FIFO re-queue, then the next prompt
     r = out[1][0]
     assert (r.tokens, r.response_length, r.response, r.status, r.reward) == (prompt_ids, 0, "", Status.PENDING, None)
-    assert r.rollout_log_probs is None and r.weight_versions is None and r.loss_mask is None
+    assert r.rollout_log_probs is None and r.weight_versions is None and r.loss_mask is None and r.temperature is None
     assert [s.index for s in out[1]] == [0, 1]  # same samples, not new ones
 
 

@@ -66,6 +66,7 @@ def test_tiny_yaml_two_rollouts_under_a_minute(tmp_path):
     assert elapsed < 90, f"train.py --config examples/tiny.yaml --num-rollout 2 took {elapsed:.0f}s"
 
 
+@pytest.mark.slow
 def test_progress_lines_on_redirected_output_and_in_log_txt(tmp_path):
     """Output that is no terminal gets one plain line per step (and the eval lines); log.txt always
     does; --quiet keeps them off stderr only."""
@@ -99,6 +100,7 @@ def test_python_dash_m_vime_is_the_vime_command():
     assert out.returncode == 0 and "train-async" in out.stdout
 
 
+@pytest.mark.slow
 def test_checkpoint_and_resume(tmp_path, tiny_model, addition_data):
     train, test = addition_data
     # pushing every other step, so the policy version (optimizer steps) and the push count differ
@@ -234,6 +236,7 @@ def test_bad_input_engine_unreachable(tmp_path, addition_data):
     assert "127.0.0.1:9" in msg and "unreachable" in msg
 
 
+@pytest.mark.slow
 def test_a_second_vime_eval_keeps_the_first_ones_results(tmp_path, tiny_model, addition_data):
     common = ["-m", "vime", "eval", "--hf-checkpoint", str(tiny_model), "--eval-prompt-data", str(addition_data[1])]
     common += ["--eval-limit", "2", "--eval-max-response-len", "2", "--runs-dir", str(tmp_path), "--run-name", "ev"]

@@ -175,6 +175,7 @@ def test_a_member_that_never_comes_ends_the_rendezvous_at_the_timeout():
     assert time.monotonic() - t0 < 10
 
 
+@pytest.mark.slow
 def test_train_loop_pushes_over_gloo(tmp_path, tiny_model, addition_data):
     """train.py with --weight-transport gloo: after every push the engine samples from the
     trainer's new weights (its log-probs match the trainer's recompute), and the weights did

@@ -387,6 +387,7 @@ def _fresh(s: Sample) -> Sample:
         loss_mask=None,
         rollout_log_probs=None,
         weight_versions=None,
+        temperature=None,
         reward=None,
         reward_error=None,
         reward_extras={},

@@ -31,6 +31,7 @@ class Sample:
     loss_mask: list[int] | None = None  # one per response token; None means all ones
     rollout_log_probs: list[float] | None = None  # one per response token
     weight_versions: list[int] | None = None  # one per response token
+    temperature: float | None = None  # what its response was drawn at, stamped by the generate that drew it
     reward: float | None = None
     reward_error: str | None = None  # "error" or "timeout" when the reward failed and 0 stood in for it
     # the reward's other numeric values (a dict reward's keys besides --reward-key), logged as

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from vime.config import Config
+from vime.config import Config, ConfigError
 from vime.models import load_tokenizer
 from vime.rollout.types import Sample
 from vime.trainer import checkpoint
@@ -286,14 +286,17 @@ class Actor:
         self._sync()
         log.info("compiled the trainer for %d micro-batch sizes in %.1f s", PAD_BUCKETS, time.perf_counter() - t0)
 
-    def _forward(self, scorer: nn.Module, mb: PackedBatch, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    def _forward(
+        self, scorer: nn.Module, mb: PackedBatch, with_entropy: bool, temperature: float | None = None
+    ) -> tuple[Tensor, Tensor | None]:
         """Log-probs (and entropies) of a micro-batch's response tokens, flat in sample order.
 
-        Scored at the rollout temperature, as the engine did when it sampled, so trainer and
-        engine score the same distribution (top-p/top-k truncation is not reproduced). The
-        entropy carries gradient only when the loss uses it.
+        Scored at the temperature the responses were drawn at (`temperature_of`; the warm-up
+        uses --rollout-temperature), so trainer and engine score the same distribution
+        (top-p/top-k truncation is not reproduced). The entropy carries gradient only when the
+        loss uses it.
         """
-        temperature = self.args.rollout_temperature
+        temperature = self.args.rollout_temperature if temperature is None else temperature
         if not with_entropy:
             return scorer(mb, temperature, False)
         log_probs, entropy = scorer(mb, temperature, True)
@@ -309,10 +312,11 @@ class Actor:
         was_training = scorer.training
         scorer.eval()
         mine: dict[int, Tensor] = {}
+        temperature = self.temperature_of(samples)
         try:
             for idx in self._plan(samples):
                 mb = self._pack(samples, idx)
-                flat, _ = self._forward(scorer, mb, with_entropy=False)
+                flat, _ = self._forward(scorer, mb, with_entropy=False, temperature=temperature)
                 for i, part in zip(mb.indices, flat.split(mb.response_lengths)):
                     mine[i] = part.cpu() if self.world > 1 else part
         finally:
@@ -324,6 +328,18 @@ class Actor:
                 mine.update(part)
             return [mine[i].to(self.device) for i in range(len(samples))]
         return [mine[i] for i in range(len(samples))]
+
+    def temperature_of(self, samples: list[Sample]) -> float:
+        """The temperature a step's responses were drawn at: what the generate that drew each
+        stamped on it (`Sample.temperature`), or --rollout-temperature for a sample nothing
+        stamped (a custom generate function of slime's signature). One step is scored at one."""
+        drawn = {self.args.rollout_temperature if s.temperature is None else s.temperature for s in samples}
+        if len(drawn) > 1:
+            raise ConfigError(
+                f"one step's samples were drawn at temperatures {sorted(drawn)}, and the trainer scores a step at one: "
+                "generate a rollout at a single temperature"
+            )
+        return drawn.pop() if drawn else self.args.rollout_temperature
 
     # ---- training --------------------------------------------------------------------
 
@@ -506,7 +522,7 @@ class Actor:
                 )
             return loss
 
-        temperature = a.rollout_temperature
+        temperature = self.temperature_of(samples)
         plan = self._plan(samples)
         for i, idx in enumerate(plan):
             # packed while the GPU runs the previous micro-batch's backward: a long queue of
@@ -530,7 +546,7 @@ class Actor:
 
                 scaled_loss = self.scorer(mb, temperature, True, chunk_loss)
             else:
-                log_probs, entropy = self._forward(self.scorer, mb, with_entropy=True)
+                log_probs, entropy = self._forward(self.scorer, mb, with_entropy=True, temperature=temperature)
                 assert entropy is not None
                 scaled_loss = loss_of(log_probs, entropy, inputs_of(mb)) * self.world
             scaled_loss.backward()
