@@ -37,6 +37,7 @@ from bench.bench_trainer import QWEN3_06B, TINY, make_batch, make_model, pct
 from vime.config import Config
 from vime.trainer import actor as actor_mod
 from vime.trainer import logprobs
+from vime.trainer import loss as loss_mod
 from vime.trainer.perf import mfu, train_flops
 
 GEMM_NAMES = ("gemm", "cutlass", "nvjet", "xmma", "cublas", "splitk", "gemv", "matmul")
@@ -72,8 +73,9 @@ def annotated_host_work() -> Iterator[None]:
     """Name the trainer's host-side work per micro-batch (packing, moving loss inputs, the loss)
     and the optimizer's clip and step as ranges, so GPU idle time can be put down to them
     (`idle_by_host_op`) and the optimizer's kernels counted as such (`categorize`)."""
-    names = ("pack", "to_device", "policy_loss")
+    names = ("pack", "to_device")
     saved = {n: getattr(actor_mod, n) for n in names}
+    policy_loss = loss_mod.policy_loss  # Objective looks it up in its module at each call
     clip_and_step = actor_mod.Actor._clip_and_step
 
     def optimizer(self: Any, *a: Any, **k: Any) -> Any:
@@ -89,12 +91,14 @@ def annotated_host_work() -> Iterator[None]:
 
     for n, fn in saved.items():
         setattr(actor_mod, n, wrap(n, fn))
+    loss_mod.policy_loss = wrap("policy_loss", policy_loss)
     actor_mod.Actor._clip_and_step = optimizer
     try:
         yield
     finally:
         for n, fn in saved.items():
             setattr(actor_mod, n, fn)
+        loss_mod.policy_loss = policy_loss
         actor_mod.Actor._clip_and_step = clip_and_step
 
 

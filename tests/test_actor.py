@@ -689,10 +689,6 @@ def _interpreted_head_checks() -> None:
                 assert torch.allclose(a.float(), b.float(), atol=atol, rtol=1e-3), (dtype, weighted, err)
 
 
-if __name__ == "__main__":
-    _interpreted_head_checks()
-
-
 def test_a_step_is_scored_at_the_temperature_its_samples_were_drawn_at(tiny_model):
     """The temperature is the sample's (stamped by the generate that drew it), not the
     trainer's own reading of --rollout-temperature: a sample drawn at 0.5 scores as an actor
@@ -714,3 +710,7 @@ def test_a_step_is_scored_at_the_temperature_its_samples_were_drawn_at(tiny_mode
     stamped[0].temperature = 0.7
     with pytest.raises(ConfigError, match=r"drawn at temperatures \[0.5, 0.7\]"):
         at_one.train_step(stamped, [1.0, -1.0, 0.5])
+
+
+if __name__ == "__main__":
+    _interpreted_head_checks()

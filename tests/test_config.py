@@ -100,6 +100,31 @@ def test_the_mode_is_derived_in_one_place(entry, extra, mode, fn):
     assert args.to_dict()["mode"] == mode and "runtime" not in args.to_dict()
 
 
+def test_every_modes_ab_arm_runs_that_mode_and_every_backend_row_resolves():
+    """The tables are data naming code: each mode's `vime bench ab` words give that mode, and
+    each backend's client and placement import (a typo would otherwise surface mid-run)."""
+    from vime.ab import arm_command
+    from vime.backends import BACKENDS, _load
+    from vime.engine.client import EngineClient
+    from vime.modes import MODES
+
+    for name in MODES:
+        words = arm_command(name, 3)
+        entry = {"train": "sync", "train-async": "async"}[words[0]]
+        assert parse_args([*BASE, *words[1:]], entry=entry).mode == name, words
+    assert arm_command("decoupled", 3)[-2:] == ["--max-staleness", "3"]
+    for b in BACKENDS.values():
+        assert isinstance(b.make_client("http://127.0.0.1:1", "k"), EngineClient) and callable(_load(b.place))
+        assert set(b.transports) <= set(BACKENDS["vime"].transports) and "auto" in b.transports
+
+
+def test_an_unknown_value_in_yaml_is_named_before_any_check_that_assumes_a_known_one(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"weight_transport": "pigeon", "rollout_backend": "vllm"}))
+    with pytest.raises(ConfigError, match=r"^--weight-transport 'pigeon': use one of auto, shm"):
+        parse_args([*BASE, "--config", str(cfg)])
+
+
 def test_a_runs_config_yaml_reads_back_as_the_same_settings(tmp_path):
     """config.yaml holds the derived values too; read back with --config they are derived again."""
     import yaml

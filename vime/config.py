@@ -532,11 +532,12 @@ class Config:
             self.global_batch_size = self.samples_per_rollout
         if self.eval_max_response_len is None:
             self.eval_max_response_len = self.rollout_max_response_len
-        checks = _common_checks(self) + (_eval_checks(self) if entry == "eval" else _train_checks(self, entry))
+        checks = []
         for name, f in _FIELDS.items():  # argparse checks choices on the command line; a YAML value gets here unchecked
             value, choices = getattr(self, name), f.metadata["choices"]
             if choices is not None and value is not None and value not in choices:
                 checks.append((True, f"--{name.replace('_', '-')} {value!r}: use one of {', '.join(choices)}"))
+        checks += _common_checks(self) + (_eval_checks(self) if entry == "eval" else _train_checks(self, entry))
         for bad, msg in checks:
             if bad:
                 raise ConfigError(msg)

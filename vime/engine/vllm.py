@@ -2,7 +2,7 @@
 
 `VLLMClient` speaks vime's engine protocol (`EngineClient`'s methods, its request and response
 shapes) to a vLLM server's own routes; `launch_vllm` starts such a server; `place_vllm` is the
-placement branch for `--rollout-backend vllm`. Nothing here imports vLLM: the trainer talks to
+placement of `--rollout-backend vllm` (its row in vime/backends.py). Nothing here imports vLLM: the trainer talks to
 the server over HTTP only, so this module loads in any environment, and every vLLM quirk that
 the adapter absorbs lives in this one file (the list, with the reasons, is in
 docs/architecture.md, "vLLM backend").
@@ -48,6 +48,7 @@ from vime.engine.placement import (
     trainer_device,
 )
 from vime.engine.vllm_ext import API_KEY_ENV, PROTOCOL
+from vime.engine.weight_sync import apply_gpu_safe_env
 
 log = logging.getLogger("vime")
 
@@ -802,6 +803,7 @@ def place_vllm(args, model_dir: Path, run_dir: Path) -> Placement:
     the built-in engine would use shm (vLLM has no shared-memory load), disk where it would use
     cuda_ipc (an engine on the trainer's own GPU: NCCL cannot join two ranks on one device).
     """
+    apply_gpu_safe_env()  # NVLink multicast off here and in every server started from here (vime eval too)
     trainer = trainer_device(args)
     want = model_facts(model_dir)
     engines: list[VLLMProcess] = []

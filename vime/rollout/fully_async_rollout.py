@@ -228,10 +228,13 @@ def generate_rollout_fully_async(args, rollout_id: int, data_source, evaluation:
             "the fully-async rollout function does not evaluate: evaluation runs through vime.eval (greedy, one batch)"
         )
     runtime = runtime_of(args)
-    if runtime.worker is None:  # the first call starts the run's worker at the rollout it serves first
-        runtime.worker = AsyncRolloutWorker(args, data_source, rollout_id, runtime.engine_version)
+    worker = runtime.worker
+    if not isinstance(
+        worker, AsyncRolloutWorker
+    ):  # the first call starts the run's worker at the rollout it serves first
+        worker = runtime.worker = AsyncRolloutWorker(args, data_source, rollout_id, runtime.engine_version)
     t0 = time.perf_counter()
-    groups, metrics = runtime.worker.drain(rollout_id, args.rollout_batch_size)
+    groups, metrics = worker.drain(rollout_id, args.rollout_batch_size)
     metrics.update(rollout_metrics(groups))
     metrics["perf/rollout_drain_time"] = time.perf_counter() - t0
     return RolloutOutput(samples=groups, metrics=metrics)

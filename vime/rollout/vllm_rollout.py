@@ -110,7 +110,7 @@ async def generate(args, sample: Sample, params: dict) -> Sample:
     sample.response_length += len(ids)
     sample.rollout_log_probs = (sample.rollout_log_probs or []) + list(meta["output_token_logprobs"])
     sample.weight_versions = (sample.weight_versions or []) + list(meta["output_weight_versions"])
-    sample.temperature = params["temperature"]  # the trainer scores the tokens at it (Actor.temperature_of)
+    sample.temperature = params.get("temperature", 1.0)  # the engine's default; the trainer scores at it
     if sample.loss_mask is not None:
         sample.loss_mask = sample.loss_mask + [1] * len(ids)
     sample.response = runtime.tokenizer.decode(sample.response_tokens, skip_special_tokens=True)

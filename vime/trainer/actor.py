@@ -333,7 +333,11 @@ class Actor:
         """The temperature a step's responses were drawn at: what the generate that drew each
         stamped on it (`Sample.temperature`), or --rollout-temperature for a sample nothing
         stamped (a custom generate function of slime's signature). One step is scored at one."""
-        drawn = {self.args.rollout_temperature if s.temperature is None else s.temperature for s in samples}
+        drawn = {
+            self.args.rollout_temperature if s.temperature is None else s.temperature
+            for s in samples
+            if s.response_length  # a sample with nothing drawn scores nothing
+        }
         if len(drawn) > 1:
             raise ConfigError(
                 f"one step's samples were drawn at temperatures {sorted(drawn)}, and the trainer scores a step at one: "
