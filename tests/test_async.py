@@ -152,6 +152,7 @@ def worker_env(engine, tiny_model, addition_data):
     from vime.models import load_tokenizer
     from vime.rollout import fully_async_rollout
     from vime.rollout.data_source import DataSource
+    from vime.rollout.rewards import Rewards
     from vime.rollout.runtime import RolloutRuntime
 
     args = parse_args(
@@ -175,10 +176,12 @@ def worker_env(engine, tiny_model, addition_data):
     args.model_dir = str(tiny_model)
     args.rollout_engine_urls = [engine.url]
     tokenizer = load_tokenizer(tiny_model)
-    args.runtime = RolloutRuntime([BACKENDS["vime"].make_client(engine.url)], tokenizer)
+    rewards = Rewards(args)
+    args.runtime = RolloutRuntime([BACKENDS["vime"].make_client(engine.url)], tokenizer, rewards=rewards)
     ds = DataSource(args, tokenizer)
     yield args, ds, fully_async_rollout
     args.runtime.close()
+    rewards.close()
 
 
 def _worker(args, ds):

@@ -42,7 +42,7 @@ from vime.engine.client import EngineClient, EngineError
 from vime.engine.launch import launch_engine
 from vime.engine.server import parse_args as engine_args
 from vime.metrics import progress_postfix
-from vime.rollout.rewards import score_samples
+from vime.rollout.rewards import Rewards
 from vime.rollout.types import Sample
 from vime.rollout.vllm_rollout import rollout_metrics
 
@@ -381,7 +381,7 @@ def rm_args(**kw) -> Config:
 
 def test_non_finite_rewards_score_zero_and_are_counted(fault_rm):
     samples = [Sample(index=i) for i in range(5)]
-    metrics = asyncio.run(score_samples(rm_args(custom_rm_path="fault_rm:not_finite"), samples))
+    metrics = asyncio.run(Rewards(rm_args(custom_rm_path="fault_rm:not_finite")).score(samples))
     # 1e300 is finite, but inf in the float32 advantages: an error too, and said to be too large
     assert [s.reward for s in samples] == [0.0, 0.0, 0.0, 0.5, 0.0]
     assert metrics == {"rollout/reward_errors": 4.0, "rollout/reward_timeouts": 0.0}
@@ -391,14 +391,14 @@ def test_non_finite_rewards_score_zero_and_are_counted(fault_rm):
 def test_hung_sync_rewards_are_abandoned_counted_and_starve_nothing(fault_rm):
     """20 calls that never return (more than the reward threads) time out and are counted; the
     calls after them run at once, and the hung threads cannot keep the process alive."""
-    args = rm_args(custom_rm_path="fault_rm:hang_first_20", reward_timeout=0.5)
+    rewards = Rewards(rm_args(custom_rm_path="fault_rm:hang_first_20", reward_timeout=0.5))
     hung = [Sample(index=i) for i in range(20)]
-    metrics = asyncio.run(score_samples(args, hung))
+    metrics = asyncio.run(rewards.score(hung))
     assert metrics == {"rollout/reward_errors": 0.0, "rollout/reward_timeouts": 20.0}
     assert all(s.reward == 0.0 and s.reward_error == "timeout" for s in hung)
     later = [Sample(index=i) for i in range(20, 30)]
     # had they queued behind the hung calls for a thread, they would have timed out too
-    assert asyncio.run(score_samples(args, later)) == {"rollout/reward_errors": 0.0, "rollout/reward_timeouts": 0.0}
+    assert asyncio.run(rewards.score(later)) == {"rollout/reward_errors": 0.0, "rollout/reward_timeouts": 0.0}
     assert all(s.reward == 1.0 for s in later)
     threads = [t for t in threading.enumerate() if t.name == "vime-reward"]
     assert len(threads) >= 20 and all(t.daemon for t in threads)  # the hung ones, which exit cannot wait for
@@ -431,11 +431,11 @@ def _alive(pids: list[int]) -> list[int]:
 POOL_USER = """
 import asyncio, os, sys, time
 from vime.config import Config
-from vime.rollout.rewards import score_samples
+from vime.rollout.rewards import Rewards
 from vime.rollout.types import Sample
-args = Config(rm_type="math", custom_rm_path=None, reward_timeout=10.0)
+rewards = Rewards(Config(rm_type="math", custom_rm_path=None, reward_timeout=10.0))  # held, as a run holds it
 if __name__ == "__main__":
-    print(asyncio.run(score_samples(args, [Sample(index=0, response="\\\\boxed{2}", label="2")])), flush=True)
+    print(asyncio.run(rewards.score([Sample(index=0, response="\\\\boxed{2}", label="2")])), flush=True)
     time.sleep(600)
 """
 
@@ -473,11 +473,11 @@ def test_a_reward_worker_that_dies_mid_sample_costs_that_sample_only():
     once, and the next one is graded by a fresh pool."""
     from fault_plugins import SLOW_TO_GRADE
 
-    args = rm_args(reward_timeout=60.0)
+    rewards = Rewards(rm_args(reward_timeout=60.0))
 
     async def main() -> tuple[dict, list[Sample]]:
         slow = [Sample(index=0, response=SLOW_TO_GRADE, label="3")]
-        task = asyncio.create_task(score_samples(args, slow))
+        task = asyncio.create_task(rewards.score(slow))
         while not (
             workers := [
                 pid for pid in _children(os.getpid()) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -492,8 +492,9 @@ def test_a_reward_worker_that_dies_mid_sample_costs_that_sample_only():
     metrics, slow = asyncio.run(main())
     assert metrics == {"rollout/reward_errors": 1.0, "rollout/reward_timeouts": 0.0} and slow[0].reward_error == "error"
     fine = [Sample(index=1, response="\\boxed{2}", label="2")]
-    assert asyncio.run(score_samples(args, fine)) == {"rollout/reward_errors": 0.0, "rollout/reward_timeouts": 0.0}
+    assert asyncio.run(rewards.score(fine)) == {"rollout/reward_errors": 0.0, "rollout/reward_timeouts": 0.0}
     assert fine[0].reward == 1.0
+    rewards.close()
 
 
 def test_the_rollout_loop_outlives_a_task_that_raises_keyboard_interrupt():

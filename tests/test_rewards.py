@@ -13,15 +13,15 @@ from vime.datagen import generate
 from vime.rollout.rewards import (
     RewardError,
     RewardKeyError,
+    Rewards,
     builtin_score,
     extract_answer,
-    get_reward_fn,
     grade,
     normalize,
     numeric_credit,
     read_reward,
-    score_samples,
 )
+from vime.rollout.rewards.runner import RewardRunner
 from vime.rollout.types import Sample, Status
 
 
@@ -29,8 +29,22 @@ def make_args(**kw) -> Config:
     return Config(**{"rm_type": "math", "custom_rm_path": None, "reward_timeout": 10.0, **kw})
 
 
+# One runner per timeout for the whole module, as a run has one: its grading pool starts once
+# (spawn and the sympy import take seconds), not once per test.
+_RUNNERS: dict[float, RewardRunner] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_runners():
+    yield
+    for runner in _RUNNERS.values():
+        runner.close()
+
+
 def score(args, samples: list[Sample]) -> dict:
-    return asyncio.run(score_samples(args, samples))
+    timeout = float(args.reward_timeout)
+    runner = _RUNNERS.setdefault(timeout, RewardRunner(timeout))
+    return asyncio.run(Rewards(args, runner).score(samples))
 
 
 @pytest.mark.parametrize(
@@ -326,7 +340,7 @@ def test_math_shaped_gives_wrong_numbers_credit_by_closeness():
 
 def test_unknown_rm_type_lists_the_known_ones():
     with pytest.raises(RewardError) as e:
-        get_reward_fn(make_args(rm_type="nonsense"))
+        Rewards(make_args(rm_type="nonsense"))
     assert "nonsense" in str(e.value) and "math" in str(e.value) and "dapo" in str(e.value)
 
 
@@ -335,7 +349,7 @@ def test_bad_custom_rm_path(tmp_path, monkeypatch):
     (tmp_path / "rm_missing_attr.py").write_text("x = 1\n")
     for path in ["no_such_module_xyz.fn", "rm_missing_attr:reward", "rm_missing_attr.x", "noseparator"]:
         with pytest.raises(RewardError, match="custom-rm-path"):
-            get_reward_fn(make_args(custom_rm_path=path))
+            Rewards(make_args(custom_rm_path=path))
 
 
 CUSTOM_RM = """
@@ -390,14 +404,12 @@ def test_custom_rm_sync_and_async(custom_module):
     assert [s.reward for s in samples] == [3.0, 0.0]
 
 
-def test_failing_rewards_score_zero_and_are_counted(custom_module, caplog, monkeypatch):
-    import vime.rollout.rewards as rewards
-
-    monkeypatch.setattr(rewards, "_logged_error_types", set())
+def test_failing_rewards_score_zero_and_are_counted(custom_module, caplog):
+    rewards = Rewards(make_args(custom_rm_path="my_custom_rm:broken_rm"))
     samples = [Sample(index=i) for i in range(4)]
     with caplog.at_level(logging.WARNING, logger="vime"):
-        metrics = score(make_args(custom_rm_path="my_custom_rm:broken_rm"), samples)
-        score(make_args(custom_rm_path="my_custom_rm:broken_rm"), [Sample(index=1)])
+        metrics = asyncio.run(rewards.score(samples))
+        asyncio.run(rewards.score([Sample(index=1)]))
     assert [s.reward for s in samples] == [1.0, 0.0, 1.0, 1.0]
     assert metrics == {"rollout/reward_errors": 1.0, "rollout/reward_timeouts": 0.0}
     assert sum("KeyError" in r.getMessage() for r in caplog.records) == 1  # logged once per exception type
@@ -410,24 +422,25 @@ def test_slow_reward_times_out(custom_module):
     assert metrics == {"rollout/reward_errors": 0.0, "rollout/reward_timeouts": 1.0}
 
 
-def test_inline_fallback_without_a_pool(monkeypatch):
-    import vime.rollout.rewards as rewards
-
-    monkeypatch.setattr(rewards, "_get_pool", lambda: None)
+def test_inline_fallback_without_a_pool():
+    runner = RewardRunner(10.0)
+    runner.pool_unavailable = True  # as after a pool that could not start (no /dev/shm semaphores)
     samples = [Sample(index=0, response="\\boxed{2}", label="2"), Sample(index=1, response="\\boxed{3}", label="2")]
-    assert score(make_args(), samples) == {"rollout/reward_errors": 0.0, "rollout/reward_timeouts": 0.0}
+    metrics = asyncio.run(Rewards(make_args(), runner).score(samples))
+    assert metrics == {"rollout/reward_errors": 0.0, "rollout/reward_timeouts": 0.0}
+    assert runner._pool is None  # graded in this process
     assert [s.reward for s in samples] == [1.0, 0.0]
 
 
 def test_worker_timer_interrupts_slow_grading(monkeypatch):
     import time
 
-    import vime.rollout.rewards as rewards
+    import vime.rollout.rewards.runner as runner
 
-    monkeypatch.setattr(rewards, "builtin_result", lambda *a: time.sleep(5))
+    monkeypatch.setattr(runner, "builtin_result", lambda *a: time.sleep(5))
     t0 = time.perf_counter()
-    with pytest.raises(rewards.GradingTimeout):
-        rewards._score_with_timeout("math", "", "1", 0.1)  # as in a pool worker: the main thread
+    with pytest.raises(runner.GradingTimeout):
+        runner.score_with_timeout("math", "", "1", 0.1)  # as in a pool worker: the main thread
     assert time.perf_counter() - t0 < 2
 
 
@@ -457,7 +470,7 @@ def test_reasoning_gym_reward_uses_the_tasks_own_scorer(tmp_path):
 
 
 def test_reasoning_gym_scores_are_the_tasks_own():
-    from vime.rollout import rg
+    from vime.rollout import reasoning_gym_tasks as rg
 
     # gcd keeps reasoning-gym's default scorer: an answer that contains the right one earns
     # len(right) / len(answer), partial credit no label match gives (a hedged answer stays
@@ -471,7 +484,7 @@ def test_reasoning_gym_scores_are_the_tasks_own():
         0.0,
     ]
     with pytest.raises(RewardError, match="reasoning_gym"):
-        get_reward_fn(make_args(rm_type="reasoning-gym"))  # the unknown-type message lists it
+        Rewards(make_args(rm_type="reasoning-gym"))  # the unknown-type message lists it
 
 
 # ---------------------------------------------------------------- deepscaler and --reward-key

@@ -46,9 +46,10 @@ class FakeClient:
 
 
 def with_runtime(args: Config, client: FakeClient) -> Config:
+    from vime.rollout.rewards import Rewards
     from vime.rollout.runtime import RolloutRuntime
 
-    args.runtime = RolloutRuntime((client,), make_tiny_tokenizer())
+    args.runtime = RolloutRuntime((client,), make_tiny_tokenizer(), rewards=Rewards(args))
     return args
 
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from vime.rollout import rg
+from vime.rollout import reasoning_gym_tasks as rg
 from vime.rollout.data_source import DataError
 
 INSTRUCTION = "Give the final answer after 'Answer:'."

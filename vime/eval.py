@@ -18,7 +18,8 @@ from vime.metrics import progress
 from vime.models import context_length
 from vime.rollout import async_loop
 from vime.rollout.data_source import load_eval_samples
-from vime.rollout.rewards import extract_answer, grade
+from vime.rollout.rewards.answers import extract_answer
+from vime.rollout.rewards.grading import grade
 from vime.rollout.runtime import runtime_of
 from vime.rollout.types import RolloutOutput, Sample
 from vime.rollout.vllm_rollout import generate_fn, sampling_params

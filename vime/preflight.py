@@ -25,7 +25,7 @@ from vime.metrics import check_sinks
 from vime.models import ModelError, context_length, load_tokenizer, read_config, resolve_model
 from vime.plugins import load_function
 from vime.rollout.data_source import DataSource, load_eval_samples
-from vime.rollout.rewards import get_reward_fn
+from vime.rollout.rewards import Rewards
 
 
 @dataclass
@@ -35,6 +35,7 @@ class Inputs:
     tokenizer: Any
     rollout_fn: Callable
     data_source: DataSource
+    rewards: Rewards  # its pool starts at the first sample; the run closes it
     notes: list[str] = field(default_factory=list)  # warnings to log once the run's log exists
 
 
@@ -61,7 +62,7 @@ def check_inputs(args: Any) -> Inputs:
     if args.save:
         _room_for_checkpoints(Path(args.save), model_dir)
 
-    get_reward_fn(args)
+    rewards = Rewards(args)
     rollout_fn = load_function(args.rollout_function_path, "--rollout-function-path")
     if args.custom_generate_function_path:
         load_function(args.custom_generate_function_path, "--custom-generate-function-path")
@@ -81,7 +82,7 @@ def check_inputs(args: Any) -> Inputs:
         notes.append(data_source.skipped_note)
     if args.eval_prompt_data:
         load_eval_samples(args, tokenizer, args.eval_prompt_data, limit=args.eval_limit, max_prompt_len=max_prompt_len)
-    return Inputs(tokenizer, rollout_fn, data_source, notes)
+    return Inputs(tokenizer, rollout_fn, data_source, rewards, notes)
 
 
 def check_eval_inputs(args: Any) -> Any:

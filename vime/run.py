@@ -39,7 +39,6 @@ from vime.metrics import MetricsLogger, setup_logging
 from vime.modes import MODES
 from vime.preflight import check_inputs
 from vime.rollout import async_loop
-from vime.rollout.rewards import close_pool
 from vime.rollout.runtime import HealthCheck, RolloutRuntime
 from vime.rollout.types import RolloutOutput, Sample
 from vime.trainer.checkpoint import latest_checkpoint
@@ -77,6 +76,7 @@ class Run:
 
         self.rollout_fn: Callable[..., RolloutOutput] = inputs.rollout_fn
         self.data_source = inputs.data_source
+        self.rewards = inputs.rewards  # its grading pool starts with the first sample; close() ends it
         self.num_rollout: int = args.num_rollout  # resolved from --num-epoch by check_inputs
         self.bad_steps = BadSteps(args.max_bad_steps)
         self.wall_clock_offset = 0.0  # a resumed run's clock goes on from its checkpoint's
@@ -102,7 +102,7 @@ class Run:
                     return backend.make_client(self.placement.relaunch(i), args.api_key)
 
             args.runtime = RolloutRuntime(
-                clients, inputs.tokenizer, self.placement.transports, relaunch, HealthCheck.of(args)
+                clients, inputs.tokenizer, self.placement.transports, relaunch, HealthCheck.of(args), self.rewards
             )
             self.pusher = WeightPusher(
                 clients,
@@ -282,7 +282,7 @@ class Run:
         steps = [runtime.close] if runtime is not None else []  # the fully-async worker first: it stops generating
         if hasattr(self, "pusher"):
             steps.append(self.pusher.close)
-        steps += [async_loop.cancel_all, close_pool, self.actor.close]
+        steps += [async_loop.cancel_all, self.rewards.close, self.actor.close]
         if hasattr(self, "placement"):
             steps.append(self.placement.shutdown)
         if hasattr(self, "metrics"):
@@ -338,15 +338,15 @@ def _read_to_end(weights: Iterator[Any]) -> None:
 
 def train(args: Config) -> Path:
     """Train for args.num_rollout steps in args.mode; returns the run directory."""
-    t = Run(args)
+    run = Run(args)
     try:
-        if args.eval_interval and t.start_step == 0 and not args.skip_eval_before_train:
-            t.metrics.log(0, t.evaluate(0))
+        if args.eval_interval and run.start_step == 0 and not args.skip_eval_before_train:
+            run.metrics.log(0, run.evaluate(0))
         loop = {"sequential": _sequential_loop, "one-step-off": _one_step_off_loop}[MODES[args.mode].loop]
-        loop(t)
+        loop(run)
     finally:
-        t.close()
-    return t.run_dir
+        run.close()
+    return run.run_dir
 
 
 class StepClock:
@@ -372,7 +372,7 @@ class StepClock:
         self.prev_end = time.perf_counter()
 
 
-def _sequential_loop(t: Run) -> None:
+def _sequential_loop(run: Run) -> None:
     """get batch → train → push, in sequence.
 
     sync: getting the batch *is* generating it, so the trainer waits for all of it.
@@ -380,17 +380,17 @@ def _sequential_loop(t: Run) -> None:
     --max-staleness versions old), and weights are pushed right after every step without
     waiting for generation; the worker is paused only for the push itself."""
     clock = StepClock()
-    for rollout_id in range(t.start_step, t.num_rollout):
+    for rollout_id in range(run.start_step, run.num_rollout):
         ready = time.perf_counter()
-        out = t.rollout_fn(t.args, rollout_id, t.data_source)
+        out = run.rollout_fn(run.args, rollout_id, run.data_source)
         m = {"perf/train_wait_time": time.perf_counter() - ready}
-        m.update(_train_and_push(t, out, rollout_id + 1))
+        m.update(_train_and_push(run, out, rollout_id + 1))
         clock.close(m)
-        t.after_step(rollout_id + 1, m)
+        run.after_step(rollout_id + 1, m)
         clock.restart()
 
 
-def _one_step_off_loop(t: Run) -> None:
+def _one_step_off_loop(run: Run) -> None:
     """generate(N+1) runs while step N trains; the in-flight generate finishes before any push,
     so each batch is generated entirely by one policy version (one rollout behind the trainer).
 
@@ -400,54 +400,54 @@ def _one_step_off_loop(t: Run) -> None:
 
     On an error or Ctrl-C the pending generate may have minutes to go: its requests are aborted
     and it is not waited for, so Run.close() stops the engines at once."""
-    a = t.args
+    a = run.args
     overlap = a.max_staleness is None or a.max_staleness >= a.min_staleness + a.steps_per_rollout
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vime-generate")
 
     def submit(rollout_id: int) -> Future | None:
         # a run resumed at its last step has nothing to generate
-        return pool.submit(t.rollout_fn, a, rollout_id, t.data_source) if rollout_id < t.num_rollout else None
+        return pool.submit(run.rollout_fn, a, rollout_id, run.data_source) if rollout_id < run.num_rollout else None
 
     try:
-        pending = submit(t.start_step)
+        pending = submit(run.start_step)
         clock = StepClock()
-        for rollout_id in range(t.start_step, t.num_rollout):
+        for rollout_id in range(run.start_step, run.num_rollout):
             ready = time.perf_counter()
             out = pending.result()
             m = {"perf/train_wait_time": time.perf_counter() - ready}
             if overlap:
                 pending = submit(rollout_id + 1)
-                m.update(_train_and_push(t, out, rollout_id + 1, before_push=pending.result if pending else None))
+                m.update(_train_and_push(run, out, rollout_id + 1, before_push=pending.result if pending else None))
             else:
-                m.update(_train_and_push(t, out, rollout_id + 1))
+                m.update(_train_and_push(run, out, rollout_id + 1))
                 pending = submit(rollout_id + 1)
             clock.close(m)
-            t.after_step(rollout_id + 1, m)
+            run.after_step(rollout_id + 1, m)
             clock.restart()
     except BaseException:
-        t.args.runtime.abort_all()
+        run.args.runtime.abort_all()
         pool.shutdown(wait=False, cancel_futures=True)
         raise
     pool.shutdown()  # the last step submits no generate: nothing is left to wait for
 
 
 def _train_and_push(
-    t: Run, out: RolloutOutput, step: int, before_push: Callable[[], object] | None = None
+    run: Run, out: RolloutOutput, step: int, before_push: Callable[[], object] | None = None
 ) -> dict[str, float]:
     t0 = time.perf_counter()
-    if t.args.colocate:
-        for e in t.args.runtime.reachable():
+    if run.args.colocate:
+        for e in run.args.runtime.reachable():
             e.client.release_memory_occupation()
-    m = t.train_on(out, step)
+    m = run.train_on(out, step)
     m["perf/train_time"] = time.perf_counter() - t0
-    if t.args.colocate:
-        for e in t.args.runtime.reachable():
+    if run.args.colocate:
+        for e in run.args.runtime.reachable():
             e.client.resume_memory_occupation()
-    if step % t.args.update_weights_interval == 0:
+    if step % run.args.update_weights_interval == 0:
         if before_push is not None:
             w0 = time.perf_counter()
             before_push()
             m["perf/push_wait_time"] = time.perf_counter() - w0
-        m.update(t.push_weights(step))
-    m.update(t.version_metrics())
+        m.update(run.push_weights(step))
+    m.update(run.version_metrics())
     return m

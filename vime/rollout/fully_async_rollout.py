@@ -38,10 +38,9 @@ import threading
 import time
 
 from vime.rollout import async_loop
-from vime.rollout.rewards import score_samples
 from vime.rollout.runtime import runtime_of
 from vime.rollout.types import RolloutOutput, Sample, Status
-from vime.rollout.vllm_rollout import generate_fn, rollout_metrics, sampling_params
+from vime.rollout.vllm_rollout import generate_fn, generate_samples, rollout_metrics, sampling_params, score_group
 
 log = logging.getLogger("vime")
 
@@ -128,7 +127,7 @@ class AsyncRolloutWorker:
         args = self.args
         started = time.perf_counter()
         try:
-            group = list(await asyncio.gather(*(fn(args, s, params) for s in group)))
+            group = await generate_samples(args, group, params, fn)
             while any(s.status == Status.ABORTED for s in group):
                 if not args.partial_rollout or self._stale(group, self.next_rollout):
                     with self.cond:
@@ -137,13 +136,8 @@ class AsyncRolloutWorker:
                     return
                 # partial rollout: aborted samples continue from the tokens they already have
                 self.counts["resumed"] += sum(s.status == Status.ABORTED for s in group)
-                group = list(
-                    await asyncio.gather(
-                        *(fn(args, s, params) if s.status == Status.ABORTED else _done(s) for s in group)
-                    )
-                )
-            runtime_of(args).forget_group(group[0].group_index)
-            await score_samples(args, group)
+                group = await generate_samples(args, group, params, fn, resume=True)
+            await score_group(args, group)
             with self.cond:
                 self.spans[group[0].group_index] = (started, time.perf_counter())
                 heapq.heappush(self.ready, (group[0].group_index, next(self._arrival), group))
@@ -216,10 +210,6 @@ class AsyncRolloutWorker:
             self._task.result(timeout=30)
         except Exception as e:  # a failed producer has already reported through drain()
             log.debug("rollout worker ended with %r", e)
-
-
-async def _done(sample: Sample) -> Sample:
-    return sample
 
 
 def generate_rollout_fully_async(args, rollout_id: int, data_source, evaluation: bool = False) -> RolloutOutput:

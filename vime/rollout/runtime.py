@@ -33,6 +33,7 @@ from typing import Any, Protocol, TypeVar
 
 from vime.engine.client import EngineClient, EngineError, EngineSilent
 from vime.rollout import async_loop
+from vime.rollout.rewards import Rewards
 
 log = logging.getLogger("vime")
 
@@ -96,14 +97,17 @@ class RolloutRuntime:
         transports: list[str] | None = None,
         relaunch: Callable[[int], EngineClient] | None = None,
         health: HealthCheck | None = None,
+        rewards: Rewards | None = None,
     ) -> None:
         """`relaunch(i)` starts engine i again and returns a client for it (launched engines
-        only; None: engines are not restarted)."""
+        only; None: engines are not restarted). `rewards` scores what the rollout functions
+        generate (score_samples); the run owns and closes it (None: evaluation, nothing scored)."""
         transports = transports or ["auto"] * len(clients)
         self.engines = [Engine(i, c, t) for i, (c, t) in enumerate(zip(clients, transports))]
         self.tokenizer = tokenizer
         self.relaunch = relaunch
         self.health = health or HealthCheck()
+        self.rewards = rewards
         for e in self.engines:
             e.client.quick_timeout = self.health.timeout
         self._watches: dict[int, _Watch] = {}  # engine index → its probes (rollout loop only)

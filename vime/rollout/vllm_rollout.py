@@ -2,10 +2,12 @@
 
 `generate_rollout(args, rollout_id, data_source, evaluation=False)` keeps slime's signature.
 It is synchronous for the train loop; the requests themselves run concurrently on the shared
-rollout event loop (`async_loop`). The name is slime's; it talks to any engine behind
-`EngineClient` (the built-in one, or vLLM), through the run's clients (`args.runtime`).
-The per-sample pieces here (`generate`, `generate_group`, `sampling_params`) are shared by the
-fully-async worker and by evaluation.
+rollout event loop (`async_loop`). It talks to any engine behind `EngineClient` (the built-in
+one, or vLLM) through the run's clients (`args.runtime`). The module's name says vLLM but it
+serves every backend: `vime.rollout.vllm_rollout.generate_rollout` is the path the seed
+system's scripts pass (`--rollout-function-path`, `--eval-function-path`) and its plug-ins
+import from, so the name stays. The per-sample pieces here (`generate`, `generate_samples`,
+`score_group`, `sampling_params`) are shared by the fully-async worker and by evaluation.
 """
 
 from __future__ import annotations
@@ -144,12 +146,31 @@ def generate_fn(args) -> GenerateFn:
     return generate
 
 
-async def generate_group(args, group: list[Sample], params: dict, fn: GenerateFn) -> list[Sample]:
-    """Generate every sample of a group, then score them together."""
-    group = list(await asyncio.gather(*(fn(args, s, params) for s in group)))
+async def generate_samples(
+    args, group: list[Sample], params: dict, fn: GenerateFn, resume: bool = False
+) -> list[Sample]:
+    """Run `fn` on every sample of a group, concurrently; with `resume`, only on those the engine
+    aborted (each continues from the tokens it has), the others passed through as they are."""
+
+    async def one(s: Sample) -> Sample:
+        return await fn(args, s, params) if not resume or s.status == Status.ABORTED else s
+
+    return list(await asyncio.gather(*(one(s) for s in group)))
+
+
+async def score_group(args, group: list[Sample]) -> None:
+    """A generated group: its engine may drop it from its prefix bookkeeping, and its samples are
+    scored together."""
     if group:
         runtime_of(args).forget_group(group[0].group_index)
     await score_samples(args, group)
+
+
+async def generate_group(args, group: list[Sample], params: dict, fn: GenerateFn) -> list[Sample]:
+    """Generate every sample of a group, then score them together (the fully-async worker does
+    the same in two parts, with aborted samples resumed or re-queued in between)."""
+    group = await generate_samples(args, group, params, fn)
+    await score_group(args, group)
     return group
 
 

@@ -8,25 +8,21 @@ puzzle with several solutions, an answer whose order does not matter, partial cr
 
 from __future__ import annotations
 
-import asyncio
 import difflib
 import json
-import weakref
 from collections.abc import Callable, Iterator
 from functools import lru_cache
 from types import ModuleType
 from typing import Any
 
 from vime.rollout.data_source import DataError
-from vime.rollout.rewards import RewardError, RewardFn, _in_daemon_thread, _timeout, extract_answer
+from vime.rollout.rewards import RewardError, RewardFn
+from vime.rollout.rewards.answers import extract_answer
+from vime.rollout.rewards.runner import RewardRunner
 from vime.rollout.types import Sample
 
 PREFIX = "rg:"
 METADATA_KEY = "reasoning_gym"  # where a row's metadata keeps {"task", "config", "entry"}
-# Scorers running at once, per event loop; a hung one is abandoned at --reward-timeout and
-# gives its slot back.
-THREADS = 16
-_slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = weakref.WeakKeyDictionary()
 
 
 def _library(error: type[Exception]) -> ModuleType:
@@ -118,16 +114,13 @@ def score(response: str | None, metadata: dict[str, Any]) -> float:
     return float(fn(extract_answer(response), spec["entry"]))
 
 
-def make_reward(args) -> RewardFn:
-    """`--rm-type reasoning_gym`. Each score runs in a daemon thread, not the reward pool (whose
-    calls carry a response and a label, not the entry the scorer needs): a slow scorer must not
-    stall generation, and a hung one is abandoned at --reward-timeout."""
+def make_reward(args, runner: RewardRunner) -> RewardFn:
+    """`--rm-type reasoning_gym`. Each score runs in one of the runner's daemon threads, not its
+    pool (whose calls carry a response and a label, not the entry the scorer needs): a slow
+    scorer must not stall generation, and a hung one is abandoned at --reward-timeout."""
     _library(RewardError)  # a missing package fails at start-up, not at the first sample
-    timeout = _timeout(args)
 
     async def reward(sample: Sample) -> float:
-        slots = _slots.setdefault(asyncio.get_running_loop(), asyncio.Semaphore(THREADS))
-        async with slots:
-            return await asyncio.wait_for(_in_daemon_thread(score, sample.response, sample.metadata), timeout)
+        return await runner.in_thread(score, sample.response, sample.metadata)
 
     return reward

@@ -1,0 +1,235 @@
+"""Rewards: the reward a run trains on, looked up once from its settings and run by its runner.
+
+The package's parts: `answers` (reading the answer a response commits to), `grading` (is it the
+label's, and the built-in rm types' scores), both pure; `runner` (the process pool and threads
+that bound each call's time, owned by the run); and here, the registry and the scoring of
+samples.
+
+A reward never stops a run: one that raises or returns a non-finite number scores 0 and is
+counted in `rollout/reward_errors`, one that takes longer than `--reward-timeout` scores 0 and
+is counted in `rollout/reward_timeouts`, and each kind of failure is logged once. The one
+exception is a result that does not fit the settings (a dict without the `--reward-key` key, a
+number where `--reward-key` asks for a dict): every later sample would fail the same way, so it
+stops the run with one line (`RewardKeyError`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import logging
+import math
+import numbers
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from vime.errors import VimeError
+from vime.plugins import load_function
+from vime.rollout.rewards.answers import extract_answer, normalize
+from vime.rollout.rewards.grading import BUILTIN_RM_TYPES, builtin_score, grade, numeric_credit
+from vime.rollout.rewards.runner import GradingTimeout, RewardRunner
+from vime.rollout.types import Sample, Status
+
+__all__ = [
+    "BUILTIN_RM_TYPES",
+    "RewardError",
+    "RewardKeyError",
+    "Rewards",
+    "builtin_score",
+    "extract_answer",
+    "grade",
+    "normalize",
+    "numeric_credit",
+    "read_reward",
+    "score_samples",
+]
+
+log = logging.getLogger("vime")
+
+# A reward function's result: a number, or a dict read at --reward-key (see read_reward).
+RewardFn = Callable[[Sample], Awaitable[Any]]
+
+FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32 (torch.finfo(torch.float32).max)
+DEFAULT_REWARD_KEY = "score"  # where a dict reward is read without --reward-key (builtin_result's keys: score, acc)
+# rm types defined in a module of their own: name -> "module:factory", factory(args, runner) -> RewardFn
+MODULE_RM_TYPES: dict[str, str] = {"reasoning_gym": "vime.rollout.reasoning_gym_tasks:make_reward"}
+
+
+class RewardError(VimeError, ValueError):
+    """A reward setting that cannot work (`--rm-type`, `--custom-rm-path`); raised at start-up."""
+
+
+class RewardKeyError(RewardError):
+    """A reward result that does not fit `--reward-key`: raised by the first sample that shows
+    it, and not absorbed like other reward failures (every sample would score 0)."""
+
+
+def _is_async(fn: Callable) -> bool:
+    # an object whose __call__ is `async def` is awaited too
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
+def _lookup(args, runner: RewardRunner) -> RewardFn:
+    """The async per-sample reward `fn(sample) -> number or dict` of the settings; RewardError
+    on one that cannot work. Every call is bounded by the runner's timeout."""
+    rm_type, custom_rm_path = args.rm_type, args.custom_rm_path
+    if custom_rm_path:
+        fn = load_function(custom_rm_path, "--custom-rm-path", RewardError, "fn(args, sample) -> float or dict")
+        if _is_async(fn):
+
+            async def custom_async(sample: Sample) -> Any:
+                return await asyncio.wait_for(fn(args, sample), runner.timeout)
+
+            return custom_async
+
+        async def custom_sync(sample: Sample) -> Any:
+            # in a thread, so a slow synchronous reward does not stall every in-flight request
+            out = await runner.in_thread(fn, args, sample)
+            return await asyncio.wait_for(out, runner.timeout) if inspect.isawaitable(out) else out
+
+        return custom_sync
+    if rm_type in MODULE_RM_TYPES:
+        module_name, _, factory = MODULE_RM_TYPES[rm_type].partition(":")
+        return getattr(importlib.import_module(module_name), factory)(args, runner)
+    if rm_type not in BUILTIN_RM_TYPES:
+        raise RewardError(
+            f"unknown --rm-type '{rm_type}': use one of {', '.join([*BUILTIN_RM_TYPES, *MODULE_RM_TYPES])}, or --custom-rm-path module:func"
+        )
+
+    async def builtin(sample: Sample) -> dict[str, float]:
+        return await runner.grade(rm_type, sample.response, sample.label)
+
+    return builtin
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, numbers.Real)  # NumPy scalars too; a bool is an int (slime's dapo `acc` is one)
+
+
+def read_reward(args, value: Any) -> tuple[float, dict[str, float]]:
+    """(the score, the result's other numeric values) of what a reward function returned.
+
+    A dict is read at `--reward-key` (default "score"), as slime reads it: `--rm-type dapo
+    --reward-key score` trains on DAPO's ±1. Its other finite numeric values come back to be
+    logged as `rollout/reward_<key>` means (the built-ins' `acc`, 1 when right).
+
+    A number is the score, with one exception: from `--custom-rm-path` while `--reward-key` is
+    given. The key then says the function returns a dict; a number means it is not the
+    function the flag was written for (slime fails on it too), and quietly training on it
+    would hide that. A built-in rm type's number is its `score` (reasoning_gym has no other).
+
+    Raises RewardKeyError (which stops the run) when the result does not fit the settings, and
+    ValueError (which scores the sample 0, counted) for a value that is not a number.
+    """
+    key, custom = args.reward_key, args.custom_rm_path
+    source = f"--custom-rm-path {custom}" if custom else f"--rm-type {args.rm_type}"
+    name = key or DEFAULT_REWARD_KEY
+    if not isinstance(value, dict):
+        if custom and key is not None and _is_number(value):
+            raise RewardKeyError(
+                f"--reward-key {key} reads a dict, but {source} returned the number {value!r}: "
+                f"drop --reward-key, or return a dict with the key '{key}'"
+            )
+        if custom or not _is_number(value):
+            return float(value), {}  # a string or None is an error of this sample (ValueError/TypeError)
+        if name != DEFAULT_REWARD_KEY:
+            raise RewardKeyError(
+                f"--reward-key {key}: {source} returns one number, its score: drop --reward-key or set it to score"
+            )
+        value = {DEFAULT_REWARD_KEY: value}
+    if name not in value:
+        keys = ", ".join(map(str, value)) or "none"
+        fix = "set --reward-key to" if key else "pass --reward-key with"
+        raise RewardKeyError(
+            f"{source} returned a dict without the key '{name}' (its keys: {keys}): {fix} the key that holds the reward"
+        )
+    score = value[name]
+    if not _is_number(score):
+        raise ValueError(f"the reward at key '{name}' is {score!r}, not a number")
+    extras = {
+        str(k): float(v)
+        for k, v in value.items()
+        if k != name and _is_number(v) and math.isfinite(v)  # strings (slime's `pred`) are not logged
+    }
+    return float(score), extras
+
+
+class Rewards:
+    """The run's reward: its function, looked up once at start-up (so a typo fails before any
+    model loads), and the runner its calls go through. The run builds it, the rollout functions
+    reach it through `args.runtime.rewards` (score_samples), and the run closes it."""
+
+    def __init__(self, args, runner: RewardRunner | None = None) -> None:
+        self.args = args
+        self.runner = runner or RewardRunner(float(args.reward_timeout))
+        self.fn = _lookup(args, self.runner)
+        self._logged: set[str] = set()  # exception types already logged once
+
+    async def score(self, samples: list[Sample]) -> dict[str, float]:
+        """Set `sample.reward`, `sample.reward_error` and `sample.reward_extras` on every sample,
+        concurrently; returns `{"rollout/reward_errors": n, "rollout/reward_timeouts": m}`
+        (`rollout_metrics` counts the same from the samples, so every rollout function reports them).
+
+        FAILED samples score 0 without calling the reward: they have no trustworthy response.
+        """
+        todo = [s for s in samples if s.status != Status.FAILED]
+        for s in samples:
+            if s.status == Status.FAILED:
+                s.reward, s.reward_error, s.reward_extras = 0.0, None, {}
+        results = await asyncio.gather(*(self._safe(s) for s in todo))
+        for s, (score, extras, failure) in zip(todo, results):
+            s.reward, s.reward_extras, s.reward_error = score, extras, failure
+        return {
+            "rollout/reward_errors": float(sum(f == "error" for _, _, f in results)),
+            "rollout/reward_timeouts": float(sum(f == "timeout" for _, _, f in results)),
+        }
+
+    async def _safe(self, sample: Sample) -> tuple[float, dict[str, float], str | None]:
+        """(score, other values, failure): a failure of any kind scores 0 and is "timeout" or
+        "error"; each exception type is logged once. A non-finite score (inf turned every loss of a
+        run into NaN) is an error like a raised one. A RewardKeyError is a setting that cannot
+        work, so it is raised."""
+        try:
+            score, extras = read_reward(self.args, await self.fn(sample))
+            if not math.isfinite(score):
+                raise ValueError(f"reward is {score}, not a finite number")
+            if abs(score) > FLOAT32_MAX:  # finite here, inf in the float32 tensors advantages are computed in
+                raise ValueError(f"reward is {score:g}, beyond float32's range (±{FLOAT32_MAX:.3g}): scale it down")
+            return score, extras, None
+        except RewardKeyError:
+            raise
+        except (
+            Exception,
+            KeyboardInterrupt,
+            SystemExit,
+        ) as e:  # anything a reward can throw; cancellation still propagates
+            timed_out = isinstance(e, (asyncio.TimeoutError, GradingTimeout))
+            name = type(e).__name__
+            detail = "no result in time, see --reward-timeout" if timed_out else str(e)
+            counter = "rollout/reward_timeouts" if timed_out else "rollout/reward_errors"
+            if name not in self._logged:
+                self._logged.add(name)
+                log.warning(
+                    "reward of sample %d failed (%s: %s); it scores 0, further %s failures are only counted in %s",
+                    sample.index,
+                    name,
+                    detail,
+                    name,
+                    counter,
+                )
+            return 0.0, {}, "timeout" if timed_out else "error"
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+async def score_samples(args, samples: list[Sample]) -> dict[str, float]:
+    """Score `samples` with the run's rewards (`args.runtime.rewards`): the call for a rollout
+    function, built-in or custom (see Rewards.score for what it sets and returns)."""
+    rewards = getattr(getattr(args, "runtime", None), "rewards", None)
+    if rewards is None:
+        raise RuntimeError(
+            "no rewards on args.runtime: score_samples runs inside a vime run (vime train), which builds them; elsewhere use Rewards(args).score"
+        )
+    return await rewards.score(samples)

@@ -1,0 +1,116 @@
+"""Grading: is an answer the label's, and what a built-in rm type scores. Pure functions; the
+pool that bounds their time is runner.py's."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from fractions import Fraction
+from functools import lru_cache
+from typing import NamedTuple
+
+from vime.rollout.rewards.answers import boxed_contents, extract_answer, final_section, hedged, normalize
+
+
+class RmRule(NamedTuple):
+    """How a built-in rm type grades: one row of BUILTIN_RM_TYPES."""
+
+    right: float  # score of a right answer
+    wrong: float  # score of a wrong or missing one
+    boxed_only: bool = False  # only a `\boxed{}` answer counts
+    after_thinking: bool = False  # only the text after the reasoning is graded (final_section)
+    partial_credit: bool = False  # a wrong number earns up to 0.5 by its closeness (numeric_credit)
+
+
+BUILTIN_RM_TYPES: dict[str, RmRule] = {
+    "math": RmRule(1.0, 0.0),
+    "dapo": RmRule(1.0, -1.0),  # DAPO's verifier: wrong and unanswered both score -1
+    "boxed_math": RmRule(1.0, 0.0, boxed_only=True),
+    "math_shaped": RmRule(1.0, 0.0, partial_credit=True),
+    # DeepScaleR's rule (slime's `deepscaler`): the last box after the reasoning, 1 or 0
+    "deepscaler": RmRule(1.0, 0.0, boxed_only=True, after_thinking=True),
+}
+
+
+class _MathVerifyQuiet(logging.Filter):
+    """Drop math-verify's warning that its signal timeouts are off: we turn them off on purpose."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Timeout is disabled")
+
+
+@lru_cache(maxsize=1)
+def math_verify() -> tuple[Callable, Callable]:
+    from math_verify import parse, verify
+
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logging.getLogger(name).addFilter(_MathVerifyQuiet())
+    return parse, verify
+
+
+def _as_latex(s: str) -> str:
+    """math-verify reads delimited LaTeX most reliably; bare text like `1+x` would parse as 1."""
+    return s if ("$" in s or "\\boxed" in s or "\\(" in s or "\\[" in s) else f"${s}$"
+
+
+def grade(pred: str | None, label: str | None) -> bool:
+    """Is `pred` the same answer as `label`? Normalized string match, then math-verify.
+
+    The cheap string match runs first only because it is cheap: the result is their OR either
+    way. math-verify's own timeouts use signals, which fail outside the main thread, so they
+    are off here; callers bound the time instead (the pool's per-sample timeout).
+    """
+    if pred is None or label is None or not str(pred).strip() or not str(label).strip():
+        return False
+    pred, label = str(pred), str(label)
+    if normalize(pred) == normalize(label):
+        return True
+    if hedged(pred):
+        return False
+    parse, verify = math_verify()
+    # math-verify reads `\\$` as a stray command, so `\\$18.90` would not be 18.9
+    gold = parse(_as_latex(label.replace("\\$", "")), parsing_timeout=None)
+    target = parse(_as_latex(pred.replace("\\$", "")), parsing_timeout=None)
+    return bool(gold and target and verify(gold, target, timeout_seconds=None))
+
+
+def numeric_credit(pred: str | None, label: str | None) -> float:
+    """Partial credit of a wrong numeric answer: 0.5 × (1 − relative error), floored at 0, so
+    any right answer (1) beats every wrong one and an answer off by the label's size or more
+    earns nothing; 0 when either side is not a plain number or fraction.
+
+    Why it exists: with exact-match rewards a model that never answers right gets the same
+    score on every sample, so GRPO's advantages are all 0 and nothing trains. The closeness of
+    a numeric answer differs between samples long before any is right, which gives small or
+    random models (the tiny example, tests) a signal; on a real run it is a shaping term."""
+    try:
+        p, y = Fraction(normalize(str(pred))), Fraction(normalize(str(label)))  # `$1,234` is a number too
+    except (TypeError, ValueError, ZeroDivisionError):
+        return 0.0
+    return 0.5 * max(0.0, 1.0 - float(abs(p - y) / max(abs(y), 1)))
+
+
+def builtin_result(rm_type: str, response: str, label: str | None) -> dict[str, float]:
+    """`{"score": ..., "acc": 1.0 or 0.0}` of one response under a built-in rm type (see
+    BUILTIN_RM_TYPES): `score` trains (the default --reward-key), `acc` says whether the
+    answer was right (it differs from the score for dapo and math_shaped)."""
+    rule = BUILTIN_RM_TYPES[rm_type]
+    text = final_section(response or "") if rule.after_thinking else response or ""
+    if text is None:
+        pred = None
+    elif rule.boxed_only:
+        boxes = boxed_contents(text)
+        pred = boxes[-1] if boxes else None
+    else:
+        pred = extract_answer(text)
+    if grade(pred, label):
+        return {"score": rule.right, "acc": 1.0}
+    return {"score": numeric_credit(pred, label) if rule.partial_credit else rule.wrong, "acc": 0.0}
+
+
+def builtin_score(rm_type: str, response: str, label: str | None) -> float:
+    """Score of one response under a built-in rm type (see BUILTIN_RM_TYPES)."""
+    return builtin_result(rm_type, response, label)["score"]
+
+
+# ---------------------------------------------------------------- the process pool
