@@ -59,9 +59,10 @@ from demo import demo_config, demo_data, demo_settings  # noqa: E402
 from vime.ab import run_arm  # noqa: E402
 from vime.datagen import INSTRUCTION  # noqa: E402
 from vime.models import resolve_model  # noqa: E402
+from vime.modes import MODES  # noqa: E402
 from vime.report import eval_results, paired_change, summarize  # noqa: E402
 
-ARMS = ("sync", "one-step-off", "fully-async", "decoupled")
+ARMS = tuple(MODES)  # one arm per training mode (vime.modes)
 WORKING = "Work it out step by step, then give the final answer after 'Answer:'."
 # longtail, GPU: the demo's batch, 256 tokens of room; lr 2e-5 over 40 steps is the demo's lr × steps
 LONGTAIL_GPU = dict(steps=40, response_len=256, lr=2e-5, eval_interval=10)

@@ -91,7 +91,7 @@ def train_main(argv: list[str], entry: str = "sync") -> int:
     from vime.run import train  # heavy imports (torch, transformers) only once the flags are good
 
     locks = []
-    if args.run_name is not None:  # a name of the run's own (the default one is a fresh timestamp)
+    if args.run_name is not None:  # set by validation for training (a fresh timestamp by default)
         run_dir = Path(args.run_dir)
         locks.append((run_dir.parent / f".{run_dir.name}.lock", f"run directory {run_dir}"))
     if args.save:
@@ -125,9 +125,8 @@ def eval_main(argv: list[str]) -> int:
     backend = BACKENDS[args.rollout_backend]
     placement = backend.place_engines(args, args.model_dir, run_dir)
     try:
-        args.rollout_engine_urls = placement.urls
-        args.api_key = placement.api_key or args.api_key
-        clients = [backend.make_client(u, args.api_key) for u in placement.urls]
+        api_key = placement.api_key or args.api_key
+        clients = [backend.make_client(u, api_key) for u in placement.urls]
         args.runtime = RolloutRuntime(clients, tokenizer, placement.transports, health=HealthCheck.of(args))
         if not placement.engines:  # engines given by URL: they evaluate --hf-checkpoint, not what they hold
             push_checkpoint(args, placement, clients)

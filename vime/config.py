@@ -15,6 +15,7 @@ import difflib
 import json
 import math
 import os
+import time
 import types
 import typing
 from dataclasses import dataclass, field
@@ -544,6 +545,8 @@ class Config:
         if entry != "eval":
             self.mode = self._derive_mode(entry)
             self._resolve_correction()
+            if self.run_name is None:  # a run needs its directory's name from the start (locks, logs)
+                self.run_name = time.strftime("%Y%m%d-%H%M%S") + f"-{self.mode}"
         if self.api_key is None:
             self.api_key = os.environ.get("VIME_API_KEY") or None
         return self

@@ -55,8 +55,6 @@ class Run:
 
     def __init__(self, args: Config) -> None:
         self.args = args
-        if args.run_name is None:
-            args.run_name = time.strftime("%Y%m%d-%H%M%S") + f"-{args.mode}"
         self.run_dir = args.run_dir
         if _holds_a_run(self.run_dir) and not args.load:
             raise ConfigError(
@@ -92,14 +90,13 @@ class Run:
             self.actor.close()
             raise
         try:
-            args.rollout_engine_urls = self.placement.urls
-            args.api_key = self.placement.api_key or args.api_key
-            clients = [backend.make_client(u, args.api_key) for u in self.placement.urls]
+            api_key = self.placement.api_key or args.api_key  # the key of engines we launch is the placement's
+            clients = [backend.make_client(u, api_key) for u in self.placement.urls]
             relaunch = None
             if self.placement.launch_one is not None:
 
                 def relaunch(i: int) -> EngineClient:
-                    return backend.make_client(self.placement.relaunch(i), args.api_key)
+                    return backend.make_client(self.placement.relaunch(i), api_key)
 
             args.runtime = RolloutRuntime(
                 clients, inputs.tokenizer, self.placement.transports, relaunch, HealthCheck.of(args), self.rewards

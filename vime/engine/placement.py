@@ -206,17 +206,39 @@ def place(args, model_dir: Path, run_dir: Path) -> Placement:
 
         engines = launch_all(launch_one, len(devices))
         urls = [e.url for e in engines]
+
+    def facts(url: str) -> dict:
+        return EngineClient(url, timeout=30, api_key=api_key).model_info()
+
+    return placed(args, trainer, devices, urls, engines, api_key, launch_one, facts, "engine")
+
+
+def placed(
+    args,
+    trainer: str,
+    devices: list[str],
+    urls: list[str],
+    engines: list,
+    api_key: str | None,
+    launch_one: Callable[[int], Any] | None,
+    facts: Callable[[str], dict],
+    label: str,
+    substitute: dict[str, str] | None = None,
+) -> Placement:
+    """The end of every backend's placement: each engine's facts (`facts(url)`; an unreachable
+    or wrong engine fails now, with its URL, not mid-run, and the engines launched are shut
+    down), its transport by this module's table (`substitute` swaps in a backend's counterpart
+    of a transport it lacks) and the rendezvous address."""
     try:
-        # an unreachable engine fails now, with its URL, not mid-run
-        infos = [{**EngineClient(u, timeout=30, api_key=api_key).model_info(), "url": u} for u in urls]
-        transports = choose_transports(args, trainer, infos)
+        infos = [{**facts(u), "url": u} for u in urls]
+        transports = [(substitute or {}).get(t, t) for t in choose_transports(args, trainer, infos)]
         address = master_address(args, infos, transports)
     except BaseException:
         for e in engines:
             e.shutdown()
         raise
     for u, t in zip(urls, transports):
-        log.info("engine %s: weights by %s", u, t)
+        log.info("%s %s: weights by %s", label, u, t)
     return Placement(trainer, devices, urls, transports, address, engines, api_key, launch_one)
 
 

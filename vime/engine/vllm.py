@@ -40,11 +40,10 @@ from vime.engine.client import EngineClient, EngineError
 from vime.engine.launch import log_tail
 from vime.engine.placement import (
     Placement,
-    choose_transports,
     engine_devices,
     fresh_path,
     launch_all,
-    master_address,
+    placed,
     trainer_device,
 )
 from vime.engine.vllm_ext import API_KEY_ENV, PROTOCOL
@@ -56,6 +55,9 @@ log = logging.getLogger("vime")
 # extras in pyproject.toml pin the same range). vLLM renames routes and fields between minor
 # versions, so a server outside it is refused at start-up instead of misbehaving mid-run.
 SUPPORTED_VERSIONS = ((0, 32), (0, 33))
+# The built-in engine's transports vLLM lacks, and what it uses instead: it has no shared-memory
+# load (gloo), and NCCL cannot join two ranks on one GPU, where the built-in engine uses CUDA IPC (disk).
+VLLM_TRANSPORTS = {"shm": "gloo", "cuda_ipc": "disk"}
 
 # vLLM's /inference/v1/generate runs a request under this prefix + the caller's request_id, and
 # /abort_requests matches that full id (the bare one is answered "aborted: 1" and does nothing).
@@ -807,47 +809,39 @@ def place_vllm(args, model_dir: Path, run_dir: Path) -> Placement:
     trainer = trainer_device(args)
     want = model_facts(model_dir)
     engines: list[VLLMProcess] = []
-    try:
-        if args.rollout_engine_urls:
-            urls, devices, api_key, launch_one = list(args.rollout_engine_urls), [], args.api_key, None
-            for u in urls:  # an unreachable or wrong-version server fails now, with its URL
-                client = VLLMClient(u, timeout=30, api_key=api_key)
-                client.health()
-                check_version(client.version(), u)
-                if VLLMClient(u, timeout=30, max_retries=1)._get_open("/version"):
-                    log.warning(
-                        "vLLM server at %s answers without an API key: anyone who can reach it can push weights "
-                        "(start it with --middleware vime.engine.vllm_ext.require_api_key and $%s)",
-                        u,
-                        API_KEY_ENV,
-                    )
-        else:
-            devices = engine_devices(args, trainer)
-            if args.colocate and trainer == "cpu":
-                raise ConfigError(
-                    "--colocate with --rollout-backend vllm needs GPUs (vLLM's sleep mode frees GPU memory only): leave --colocate off on CPU"
+    if args.rollout_engine_urls:
+        urls, devices, api_key, launch_one = list(args.rollout_engine_urls), [], args.api_key, None
+        for u in urls:  # an unreachable or wrong-version server fails now, with its URL
+            client = VLLMClient(u, timeout=30, api_key=api_key)
+            client.health()
+            check_version(client.version(), u)
+            if VLLMClient(u, timeout=30, max_retries=1)._get_open("/version"):
+                log.warning(
+                    "vLLM server at %s answers without an API key: anyone who can reach it can push weights "
+                    "(start it with --middleware vime.engine.vllm_ext.require_api_key and $%s)",
+                    u,
+                    API_KEY_ENV,
                 )
-            api_key = args.api_key or secrets.token_urlsafe(24)  # engines we start answer only to this run
+    else:
+        devices = engine_devices(args, trainer)
+        if args.colocate and trainer == "cpu":
+            raise ConfigError(
+                "--colocate with --rollout-backend vllm needs GPUs (vLLM's sleep mode frees GPU memory only): leave --colocate off on CPU"
+            )
+        api_key = args.api_key or secrets.token_urlsafe(24)  # engines we start answer only to this run
 
-            def launch_one(i: int) -> VLLMProcess:
-                return _launch_for_run(args, model_dir, run_dir, i, devices[i], trainer, api_key)
+        def launch_one(i: int) -> VLLMProcess:
+            return _launch_for_run(args, model_dir, run_dir, i, devices[i], trainer, api_key)
 
-            engines = launch_all(launch_one, len(devices))
-            urls = [e.url for e in engines]
-        infos = []
-        for u in urls:
-            facts = VLLMClient(u, timeout=60, api_key=api_key).hello()
-            check_same_model(want, facts, u)
-            infos.append({**facts, "url": u})
-        transports = [{"shm": "gloo", "cuda_ipc": "disk"}.get(t, t) for t in choose_transports(args, trainer, infos)]
-        address = master_address(args, infos, transports)
-    except BaseException:
-        for e in engines:
-            e.shutdown()
-        raise
-    for u, t in zip(urls, transports):
-        log.info("vLLM engine %s: weights by %s", u, t)
-    return Placement(trainer, devices, urls, transports, address, engines, api_key, launch_one)
+        engines = launch_all(launch_one, len(devices))
+        urls = [e.url for e in engines]
+
+    def facts(url: str) -> dict:
+        found = VLLMClient(url, timeout=60, api_key=api_key).hello()
+        check_same_model(want, found, url)
+        return found
+
+    return placed(args, trainer, devices, urls, engines, api_key, launch_one, facts, "vLLM engine", VLLM_TRANSPORTS)
 
 
 def _launch_for_run(args, model_dir: Path, run_dir: Path, i: int, dev: str, trainer: str, api_key: str) -> VLLMProcess:
