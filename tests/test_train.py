@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -171,18 +174,37 @@ def test_checkpoint_and_resume(tmp_path, tiny_model, addition_data):
     assert resumed["extra"]["data_source"]["offset"] == state["extra"]["data_source"]["offset"] + 2
 
 
+BAD_BASE = ("--hf-checkpoint", "tiny", "--num-rollout", "1")
+
+
 def _bad(tmp_path, *argv):
-    out = run_cli(
-        "train.py", "--hf-checkpoint", "tiny", "--num-rollout", "1", "--runs-dir", str(tmp_path), *argv, timeout=120
-    )
-    assert out.returncode == 2, out.stderr[-2000:]
-    msg = out.stderr.strip().splitlines()
-    assert len(msg) >= 1 and msg[-1].startswith("error: "), out.stderr[-2000:]
+    """The last stderr line of train.py's own entry (`guarded(train_main)`) on bad input, which
+    must exit 2 with one `error:` line. Run in this process: a subprocess per case cost ~10 s of
+    imports each; test_bad_input_missing_file runs the script itself."""
+    from vime.cli import guarded, train_main
+
+    err, sigterm = io.StringIO(), signal.getsignal(signal.SIGTERM)
+    try:
+        with contextlib.redirect_stderr(err):
+            code = guarded(lambda a: train_main(a, "sync"), [*BAD_BASE, "--runs-dir", str(tmp_path), *argv])
+    except SystemExit as e:  # argparse's exit
+        code = e.code
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)  # guarded() installs vime's handler
+    assert code == 2, err.getvalue()[-2000:]
+    msg = err.getvalue().strip().splitlines()
+    assert len(msg) >= 1 and msg[-1].startswith("error: "), err.getvalue()[-2000:]
     return msg[-1]
 
 
 def test_bad_input_missing_file(tmp_path):
-    assert "nope.jsonl" in _bad(tmp_path, "--prompt-data", str(tmp_path / "nope.jsonl"))
+    """Through the script itself, in its own process, as a user runs it."""
+    out = run_cli(
+        "train.py", *BAD_BASE, "--runs-dir", str(tmp_path), "--prompt-data", str(tmp_path / "nope.jsonl"), timeout=120
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "nope.jsonl" in last, out.stderr[-2000:]
 
 
 def test_bad_input_missing_key(tmp_path):
