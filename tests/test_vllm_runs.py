@@ -1,0 +1,388 @@
+"""Training runs and evaluation with `--rollout-backend vllm`, against real vLLM servers on CPU
+(`make test-vllm`; no mocks): sync and fully-async runs whose every push shows in what the
+server computes, a server started by hand, two launched engines with one killed and restarted,
+a launched server's death with its launcher, and the one-line refusals. The server-level tests
+are in test_vllm.py.
+
+Model: a random Qwen3 with head_dim 32 (vLLM's CPU attention refuses the default tiny model's
+head_dim 16), float32.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, run_cli
+from test_vllm import ATOL, PROBE, needs_vllm
+
+from vime.engine.vllm import VLLMClient
+from vime.rollout.types import Sample
+
+
+@pytest.fixture(scope="session")
+def model32(tmp_path_factory) -> Path:
+    from vime.models import make_tiny_model
+
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny32") / "qwen3",
+        arch="qwen3",
+        seed=0,
+        hidden_size=64,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=32,
+    )
+
+
+# ---- train.py / train_async.py / vime eval with --rollout-backend vllm --------------------
+
+
+async def recording_generate(args, sample: Sample, params: dict) -> Sample:
+    """Plug-in generate for the runs below: the default one, then a one-token greedy probe on a
+    fixed prompt, recorded with its weight version in $VIME_TEST_RECORD, so the test can see
+    the engine's output move with every push."""
+    from vime.rollout.vllm_rollout import generate
+
+    sample = await generate(args, sample, params)
+    probe = await args.runtime.clients[0].generate(PROBE, {"max_new_tokens": 1, "temperature": 0.0})
+    row = {
+        "versions": sample.weight_versions,
+        "probe_version": probe["meta_info"]["output_weight_versions"][0],
+        "probe_logprob": probe["meta_info"]["output_token_logprobs"][0],
+    }
+    with open(os.environ["VIME_TEST_RECORD"], "a") as f:
+        f.write(json.dumps(row) + "\n")
+    return sample
+
+
+def parity_reward(args, sample: Sample) -> float:
+    """A reward that varies inside a group (random tokens), so every step changes the weights."""
+    return float(sample.tokens[-1] % 2)
+
+
+def _train_args(model: Path, data: Path, run_dir: Path, name: str) -> list[str]:
+    return [
+        "--hf-checkpoint",
+        str(model),
+        "--prompt-data",
+        str(data),
+        "--rollout-backend",
+        "vllm",
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "4",
+        "--rollout-max-response-len",
+        "6",
+        "--lr",
+        "1e-3",
+        "--num-rollout",
+        "3",
+        "--custom-rm-path",
+        "test_vllm_runs.parity_reward",
+        "--custom-generate-function-path",
+        "test_vllm_runs.recording_generate",
+        "--runs-dir",
+        str(run_dir),
+        "--run-name",
+        name,
+    ]
+
+
+def _check_run(res, run_dir: Path, record: Path, sync: bool) -> None:
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "perf/step_time" in r]
+    assert [r["train/weight_version"] for r in steps] == list(range(1, len(steps) + 1)) and len(steps) >= 3
+    for r in steps:
+        assert "rollout/staleness_mean" in r and r["perf/update_weights_time"] > 0
+        if sync:  # the engine sampled with exactly the weights the trainer holds: each push landed
+            assert r["rollout/staleness_max"] == 0 and r["train/train_rollout_logprob_abs_diff"] < 1e-3
+    recs = [json.loads(line) for line in record.read_text().splitlines()]
+    assert all(isinstance(v, int) for r in recs for v in r["versions"]) and all(len(r["versions"]) > 0 for r in recs)
+    by_version: dict[int, list[float]] = {}
+    for r in recs:
+        by_version.setdefault(r["probe_version"], []).append(r["probe_logprob"])
+    versions = sorted(by_version)
+    assert versions == ([0, 1, 2] if sync else versions) and len(versions) >= 2, versions
+    for v in versions:  # one version, one output …
+        assert max(by_version[v]) - min(by_version[v]) < ATOL
+    for u, v in zip(versions, versions[1:]):  # … and each push changes it
+        assert abs(by_version[u][0] - by_version[v][0]) > 10 * ATOL
+
+
+def _launched_servers_left(run_dir: Path) -> list[int]:
+    """vLLM processes still up of the servers a finished run launched (their ports are in its log)."""
+    text = (run_dir / "log.txt").read_text()
+    ports = [part.split()[0] for part in text.split("vLLM server ready at http://127.0.0.1:")[1:]]
+    assert ports, "the run launched no vLLM server"
+    return [pid for port in ports for pid in _servers_on(port)]
+
+
+def _servers_on(port: str) -> list[int]:
+    out = subprocess.run(
+        ["pgrep", "-f", f"vllm.entrypoints.openai.api_server.*--port {port}"], capture_output=True, text=True
+    )
+    return [int(p) for p in out.stdout.split()]
+
+
+@needs_vllm
+def test_sync_run_pushes_every_step(model32, addition_data, tmp_path, monkeypatch, fresh_user_server):
+    """Against the shared server started by hand from other weights (a launched server's whole
+    life is the two-engine test's): the run's weights go in before step 1 (without that push,
+    step 1 was sampled from the other weights, a log-prob gap of ~0.5) and after every step."""
+    record = tmp_path / "record.jsonl"
+    monkeypatch.setenv("VIME_TEST_RECORD", str(record))
+    res = run_cli(
+        "train.py", *_train_args(model32, addition_data[0], tmp_path, "sync"), *fresh_user_server, timeout=600
+    )
+    _check_run(res, tmp_path / "sync", record, sync=True)
+
+
+@needs_vllm
+def test_fully_async_run_records_token_versions(model32, addition_data, tmp_path, monkeypatch, fresh_user_server):
+    record = tmp_path / "record.jsonl"
+    monkeypatch.setenv("VIME_TEST_RECORD", str(record))
+    args = _train_args(model32, addition_data[0], tmp_path, "fa") + fresh_user_server
+    # one batch in flight at most, five steps: later batches are generated after pushes, so the
+    # recorded versions span several pushes whatever the timing
+    args[args.index("--num-rollout") + 1] = "5"
+    res = run_cli(
+        "train_async.py",
+        *args,
+        "--rollout-concurrency",
+        "4",
+        "--rollout-function-path",
+        "vime.rollout.fully_async_rollout.generate_rollout_fully_async",
+        timeout=600,
+    )
+    _check_run(res, tmp_path / "fa", record, sync=False)
+
+
+LAUNCHER = """
+import os, sys, time
+from pathlib import Path
+from vime.engine.vllm import launch_vllm
+server = launch_vllm(sys.argv[1], max_num_seqs=4, log_path=Path(sys.argv[2]), vllm_args={"enforce-eager": True})
+print(os.getpgid(server.proc.pid), flush=True)
+time.sleep(600)
+"""
+
+
+@needs_vllm
+def test_server_dies_with_the_trainer(model32, tmp_path):
+    """SIGKILL the process that launched a server (a run's trainer launches them the same way,
+    through launch_vllm): the watcher ends the server's whole process group."""
+    script = tmp_path / "launcher.py"
+    script.write_text(LAUNCHER)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    trainer = subprocess.Popen(
+        [sys.executable, str(script), str(model32), str(tmp_path / "server.log")],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        line = trainer.stdout.readline()  # once the server answers
+        assert line.strip(), "the launcher ended before its server was up"
+        pgid = int(line)
+        assert _group_alive(pgid)
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait()
+        deadline = time.monotonic() + 60
+        while _group_alive(pgid):
+            assert time.monotonic() < deadline, "the vLLM server outlived its trainer"
+            time.sleep(0.5)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+@needs_vllm
+def test_eval_matches_the_builtin_engine(model32, addition_data, tmp_path, fresh_user_server):
+    """`vime eval --rollout-backend vllm` (the seed's eval path): greedy, thinking off through
+    the chat-template kwargs; the same responses as the built-in engine, from a server the user
+    started with other weights (eval pushes --hf-checkpoint into it first). Eval places its
+    engines with the backend's own placement, which the training runs here launch with."""
+    responses = {}
+    url = fresh_user_server
+    for name, backend, extra in (("vime", "vime", []), ("url", "vllm", url)):
+        res = run_cli(
+            "-m",
+            "vime.cli",
+            "eval",
+            "--hf-checkpoint",
+            str(model32),
+            "--eval-prompt-data",
+            str(addition_data[1]),
+            "--eval-limit",
+            "8",
+            "--eval-max-response-len",
+            "8",
+            "--apply-chat-template",
+            "--apply-chat-template-kwargs",
+            '{"enable_thinking": false}',
+            "--rollout-backend",
+            backend,
+            *extra,
+            "--runs-dir",
+            str(tmp_path),
+            "--run-name",
+            name,
+            timeout=600,
+        )
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert json.loads(res.stdout.strip().splitlines()[-1])["eval/total"] == 8
+        rows = [json.loads(line) for line in (tmp_path / name / "eval.jsonl").read_text().splitlines()]
+        responses[name] = [(r["index"], r["response"], r["response_length"]) for r in rows]
+    assert responses["vime"] == responses["url"]
+
+
+# ---- several engines, one killed and back; engine arguments; a server the user started ---------
+
+
+async def kill_engine_one(args, sample: Sample, params: dict) -> Sample:
+    """Plug-in generate for the two-engine run: the default one, except that in step 2 engine 1's
+    server is killed (SIGKILL to its process group) while requests are in flight, and step 3
+    waits until it is back, so the push after step 3 re-syncs it and steps 4-5 use it again.
+    Each engine's --max-model-len is recorded in steps 1 and 5 (the --vllm-* pass-through)."""
+    runtime = args.runtime
+    step = sample.index // (args.rollout_batch_size * args.n_samples_per_prompt) + 1
+    marker = args.run_dir / "engine1-killed"
+    if step == 2 and not marker.exists():
+        marker.write_text("killed")
+        port = runtime.engines[1].client.url.rsplit(":", 1)[1]
+        os.killpg(os.getpgid(_servers_on(port)[0]), signal.SIGKILL)
+    if step == 3:
+        deadline = time.monotonic() + 400
+        while runtime.engines[1].state != "unsynced":
+            assert time.monotonic() < deadline, "engine 1 did not come back"
+            await asyncio.sleep(0.5)
+    if step in (1, 5) and sample.index % args.n_samples_per_prompt == 0:
+        lens = [(await asyncio.to_thread(e.client.model_info))["max_seq_len"] for e in runtime.engines]
+        with open(args.run_dir / "max_model_len.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "lens": lens}) + "\n")
+    from vime.rollout.vllm_rollout import generate
+
+    return await generate(args, sample, params)
+
+
+@needs_vllm
+def test_two_engines_share_a_run_and_a_killed_one_comes_back(model32, addition_data, tmp_path):
+    """Two launched vLLM engines; one killed mid-rollout: its requests finish on the other, it is
+    started again, re-synced by the next push, and gets work again; every step's samples come
+    from exactly the trainer's weights (sync: log-probs equal), and --vllm-* reaches every server."""
+    args = _train_args(model32, addition_data[0], tmp_path, "two")
+    args[args.index("--num-rollout") + 1] = "5"
+    args[args.index("--custom-generate-function-path") + 1] = "test_vllm_runs.kill_engine_one"
+    res = run_cli(
+        "train.py", *args, "--rollout-num-engines", "2", "--vllm-max-model-len", "512", "--vllm-enforce-eager",
+        timeout=900,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    run_dir = tmp_path / "two"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "perf/step_time" in r]
+    assert [r["rollout/engines_up"] for r in steps] == [2, 1, 2, 2, 2]
+    assert [r["rollout/engine_restarts"] for r in steps] == [0, 1, 1, 1, 1]
+    for r in steps:  # the restarted engine too held exactly the pushed weights
+        assert r["rollout/staleness_max"] == 0 and r["train/train_rollout_logprob_abs_diff"] < 1e-3, r
+    served = [r["rollout/engine1_requests"] for r in steps]
+    assert served[0] > 0 and served[4] > served[3] > served[2], served  # both engines take work, before and after
+    lens = [json.loads(line) for line in (run_dir / "max_model_len.jsonl").read_text().splitlines()]
+    assert {tuple(r["lens"]) for r in lens} == {(512, 512)} and {r["step"] for r in lens} == {1, 5}
+    log_text = (run_dir / "log.txt").read_text()
+    assert "engine 1 is back at" in log_text and "holds the current weights again" in log_text
+    assert (run_dir / "engine1.1.log").exists()  # the restarted engine's log beside the first
+    assert not _launched_servers_left(run_dir)  # the restarted one included
+
+
+@needs_vllm
+def test_a_vllm_arg_vllm_does_not_know_is_one_line(model32, addition_data, tmp_path):
+    args = _train_args(model32, addition_data[0], tmp_path, "typo")
+    res = run_cli("train.py", *args, "--vllm-max-modle-len", "512", timeout=600)
+    assert res.returncode == 2
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: vLLM refused its command line (unrecognized arguments: --max-modle-len"), last
+
+
+def user_server_command(model: Path, port: int) -> list[str]:
+    """The README's command for a vLLM server started by hand (section "vLLM as the rollout engine")."""
+    return [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
+        "--enable-scale-out", "--logprobs-mode", "processed_logprobs",
+        "--worker-extension-cls", "vime.engine.vllm_ext.WeightReceiver",
+        "--middleware", "vime.engine.vllm_ext.require_api_key",
+        "--dtype", "float32", "--kv-cache-memory-bytes", str(1 << 30),
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def other_weights(tmp_path_factory) -> Path:
+    """model32's shape, another seed: weights no run here trains."""
+    from vime.models import make_tiny_model
+
+    return make_tiny_model(
+        tmp_path_factory.mktemp("user") / "other",
+        arch="qwen3",
+        seed=7,
+        hidden_size=64,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=32,
+    )
+
+
+@pytest.fixture(scope="module")
+def user_server(tmp_path_factory, other_weights):
+    """A server started as the README says, from weights the run does not train, with its own
+    key; shared by the tests that run against a server given by URL."""
+    from vime.engine.vllm import VLLMProcess, _free_port, _wait_ready
+
+    root, other = tmp_path_factory.mktemp("user-server"), other_weights
+    port, key = _free_port(), "user-key-123"
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VIME_VLLM_API_KEY=key, VLLM_CPU_OMP_THREADS_BIND="1")
+    log = root / "server.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            [*user_server_command(other, port), "--enforce-eager"],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    server = VLLMProcess(f"http://127.0.0.1:{port}", proc, subprocess.Popen(["true"]), log, key)
+    try:
+        _wait_ready(server, 600)
+        yield server
+    finally:
+        server.shutdown()
+
+
+@pytest.fixture()
+def fresh_user_server(user_server, other_weights) -> list[str]:
+    """The flags of a run against the shared server, which holds the other weights again
+    afterwards: the next test's start push must change what it computes."""
+    yield ["--rollout-engine-urls", user_server.url, "--api-key", user_server.api_key]
+    VLLMClient(user_server.url, api_key=user_server.api_key).update_weights_from_disk(str(other_weights), 0)
+
+
+@needs_vllm
+def test_a_wrong_key_for_a_user_started_server_is_one_line(user_server, model32, addition_data, tmp_path):
+    args = _train_args(model32, addition_data[0], tmp_path, "wrong-key")
+    res = run_cli("train.py", *args, "--rollout-engine-urls", user_server.url, "--api-key", "wrong", timeout=300)
+    assert res.returncode == 2 and "401" in res.stderr.strip().splitlines()[-1]
