@@ -39,8 +39,10 @@ test: install
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q -m "not slow"
 
+# two pytest-xdist workers: a whole run keeps about one core busy (its trainer and engine take
+# turns), so two at once use both (tests/conftest.py gives each process one thread)
 test-slow: install
-	$(BIN)/python -m pytest -q -m slow
+	$(BIN)/python -m pytest -q -m slow -n 2
 
 install-vllm: $(VLLM_VENV)/.installed
 
@@ -52,10 +54,11 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
-# tests/test_vllm.py against a real vLLM server on CPU (its server tests are marked `vllm` and
-# skipped by `make test`, whose environment has no vllm)
+# tests/test_vllm.py and test_vllm_runs.py against real vLLM servers on CPU (their server tests are
+# marked `vllm` and skipped by `make test`, whose environment has no vllm); one xdist worker per
+# file, so each file's shared servers start once
 test-vllm: install-vllm
-	$(VLLM_BIN)/python -m pytest -q tests/test_vllm.py
+	$(VLLM_BIN)/python -m pytest -q -n 2 --dist loadfile tests/test_vllm.py tests/test_vllm_runs.py
 
 install-ray: $(RAY_VENV)/.installed
 

@@ -18,6 +18,13 @@ signal.signal(signal.SIGINT, signal.default_int_handler)
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# Under pytest-xdist (`-n 2`: make test-slow, make test-vllm) two workers share the machine's
+# cores: a run with torch's default of one thread per core in each of its processes, twice over,
+# oversubscribed them so badly that the learning runs took four times as long. One thread per
+# process, for the workers and every process they start (torch reads this at import).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:

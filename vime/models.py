@@ -37,7 +37,15 @@ def resolve_model(name_or_path: str) -> Path:
         return smollm2_dir()
     if name_or_path == "tiny":  # the random test model, made once per cache dir
         out = cache_dir() / "tiny-qwen3"
-        return out if (out / "model.safetensors").exists() else make_tiny_model(out)
+        if not (out / "model.safetensors").exists():
+            # built beside it and renamed into place: parallel test workers may race for it
+            tmp = make_tiny_model(out.with_name(out.name + f".tmp{os.getpid()}"))
+            if (out / "model.safetensors").exists():  # another process won the race; its copy is identical (seeded)
+                shutil.rmtree(tmp)
+            else:
+                shutil.rmtree(out, ignore_errors=True)  # what a process killed mid-write left
+                tmp.rename(out)
+        return out
     p = Path(name_or_path).expanduser()
     if p.is_dir():
         if not (p / "config.json").exists():
