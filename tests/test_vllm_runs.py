@@ -23,23 +23,18 @@ import pytest
 from conftest import ROOT, run_cli
 from test_vllm import ATOL, PROBE, needs_vllm
 
-from vime.engine.vllm import VLLMClient
+from vime.engine.vllm import VLLMClient, _group_alive
 from vime.rollout.types import Sample
+
+# The tiny model's shape with head_dim 32, which vLLM's CPU attention accepts.
+SHAPE32 = dict(arch="qwen3", hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=32)
 
 
 @pytest.fixture(scope="session")
 def model32(tmp_path_factory) -> Path:
     from vime.models import make_tiny_model
 
-    return make_tiny_model(
-        tmp_path_factory.mktemp("tiny32") / "qwen3",
-        arch="qwen3",
-        seed=0,
-        hidden_size=64,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=32,
-    )
+    return make_tiny_model(tmp_path_factory.mktemp("tiny32") / "qwen3", seed=0, **SHAPE32)
 
 
 # ---- train.py / train_async.py / vime eval with --rollout-backend vllm --------------------
@@ -204,14 +199,6 @@ def test_server_dies_with_the_trainer(model32, tmp_path):
             trainer.kill()
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-
-
 @needs_vllm
 def test_eval_matches_the_builtin_engine(model32, addition_data, tmp_path, fresh_user_server):
     """`vime eval --rollout-backend vllm` (the seed's eval path): greedy, thinking off through
@@ -336,15 +323,7 @@ def other_weights(tmp_path_factory) -> Path:
     """model32's shape, another seed: weights no run here trains."""
     from vime.models import make_tiny_model
 
-    return make_tiny_model(
-        tmp_path_factory.mktemp("user") / "other",
-        arch="qwen3",
-        seed=7,
-        hidden_size=64,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=32,
-    )
+    return make_tiny_model(tmp_path_factory.mktemp("user") / "other", seed=7, **SHAPE32)
 
 
 @pytest.fixture(scope="module")
