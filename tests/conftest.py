@@ -22,8 +22,12 @@ ROOT = Path(__file__).resolve().parents[1]
 # cores: a run with torch's default of one thread per core in each of its processes, twice over,
 # oversubscribed them so badly that the learning runs took four times as long. One thread per
 # process, for the workers and every process they start (torch reads this at import).
+# vLLM's CPU servers are pinned to cores; each worker's to its own (gw0: core 0, gw1: core 1),
+# or the servers of both workers would share one core.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"
+    worker = int(os.environ["PYTEST_XDIST_WORKER"].removeprefix("gw") or 0)
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(worker % (os.cpu_count() or 1)))
 
 
 @pytest.fixture(scope="session")

@@ -334,7 +334,8 @@ def user_server(tmp_path_factory, other_weights):
 
     root, other = tmp_path_factory.mktemp("user-server"), other_weights
     port, key = _free_port(), "user-key-123"
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VIME_VLLM_API_KEY=key, VLLM_CPU_OMP_THREADS_BIND="1")
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VIME_VLLM_API_KEY=key)
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", str((os.cpu_count() or 2) - 1))  # as launch_vllm picks
     log = root / "server.log"
     with open(log, "w") as f:
         proc = subprocess.Popen(

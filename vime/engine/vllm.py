@@ -653,7 +653,8 @@ def launch_vllm(
     Once up, the server generates one token, so a model vLLM cannot run fails here with vLLM's
     reason, not at the first rollout. On CPU, vLLM reserves `--gpu-memory-utilization` of the node's *CPU* memory unless
     the KV cache is sized, so it is sized (`kv_cache_bytes`); its OpenMP threads are pinned to
-    `cpu_cores` ("1", "0-3"; default: the second half of the cores, the trainer has the first).
+    `cpu_cores` ("1", "0-3"; default: $VLLM_CPU_OMP_THREADS_BIND if set, else the second half of
+    the cores, the trainer has the first).
     `vllm_args` (`--vllm-NAME VALUE` flags) go on its command line: `merge_vllm_args`.
     """
     port = port or _free_port()
@@ -679,7 +680,9 @@ def launch_vllm(
     env[API_KEY_ENV] = api_key  # in the environment, not on the command line (ps shows that)
     if device == "cpu":
         n = os.cpu_count() or 2
-        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores or (str(n - 1) if n <= 2 else f"{n // 2}-{n - 1}")
+        # an explicit choice wins: the argument, then vLLM's own variable if the user set it
+        default = str(n - 1) if n <= 2 else f"{n // 2}-{n - 1}"
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores or os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or default
     else:
         env["CUDA_VISIBLE_DEVICES"] = gpus
     with open(log_path, "w") as logf:
