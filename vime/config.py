@@ -138,6 +138,25 @@ class Config:
         "prompt + response tokens at most: a response stops where its sample reaches this length (default: the model's context)",
         group="rollout",
     )
+    # --- multi-turn tool use ---
+    tools: list = _f(
+        [],
+        "tools the model may call: calculator, python, or module:name of a vime.rollout.tools.Tool; "
+        "turns on the built-in multi-turn generate (vime.rollout.multi_turn) and shows the tools' schemas to the chat template",
+        group="tools",
+        nargs="+",
+    )
+    max_turns: int = _f(
+        4, "model turns per sample at most with --tools (a tool's answer starts the next turn)", group="tools"
+    )
+    tool_timeout: float = _f(
+        10.0, "seconds a tool call may take; a slower one ends its turn with an error the model reads", group="tools"
+    )
+    tool_max_output_chars: int = _f(
+        2000,
+        "characters of a tool's answer kept in the conversation; a longer one is cut there and counted as an error",
+        group="tools",
+    )
     rollout_shuffle: bool = _f(False, "shuffle prompts every epoch (seeded by --rollout-seed)", group="rollout")
     rollout_seed: int = _f(42, "seed of prompt order and sampling", group="rollout")
     skip_overlong_prompts: bool = _f(
@@ -649,6 +668,13 @@ def _common_checks(c: Config) -> list[tuple[bool, str]]:
         (
             c.reward_timeout <= 0,
             f"--reward-timeout {c.reward_timeout:g} must be > 0 seconds (it bounds each reward call; a hung one scores 0)",
+        ),
+        (c.max_turns < 1, f"--max-turns {c.max_turns}: give at least 1"),
+        (c.tool_timeout <= 0, f"--tool-timeout {c.tool_timeout:g} must be > 0 seconds"),
+        (c.tool_max_output_chars < 1, "--tool-max-output-chars must be at least 1"),
+        (
+            bool(c.tools) and c.custom_generate_function_path is not None,
+            "--tools runs the built-in multi-turn generate, and --custom-generate-function-path replaces it: give one of them",
         ),
         (c.rollout_num_gpus_per_engine < 1, "--rollout-num-gpus-per-engine must be at least 1"),
         (c.rollout_num_engines is not None and c.rollout_num_engines < 1, "--rollout-num-engines must be at least 1"),

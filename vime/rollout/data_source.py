@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from vime.errors import VimeError
+from vime.rollout.tools import load_tools
 from vime.rollout.types import Sample, Status
 
 _SLICE_RE = re.compile(r"^(?P<path>.+)@\[(?P<a>[^\]:]*):(?P<b>[^\]:]*)\]$")
@@ -247,6 +248,8 @@ class PromptRenderer:
         self.tokenizer = tokenizer
         self.use_template = bool(args.apply_chat_template)
         self.template_kwargs = dict(args.apply_chat_template_kwargs or {})
+        # --tools: their schemas for the chat template, unless a row brings its own (--tool-key)
+        self.tools = [t.schema() for t in load_tools(list(args.tools)).values()] if args.tools else None
         if self.use_template and not getattr(tokenizer, "chat_template", None):
             raise DataError(
                 f"--apply-chat-template is set but the tokenizer of {source} has no chat template: drop the flag or use an instruct model"
@@ -272,7 +275,7 @@ class PromptRenderer:
         return text, list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def render_row(self, row: dict[str, Any], where: str) -> tuple[str, list[int]]:
-        return self.render(row["input"], where, row.get("tools"))
+        return self.render(row["input"], where, row.get("tools", self.tools))
 
 
 def prompt_limit(args) -> tuple[int, str] | None:

@@ -23,7 +23,7 @@ from vime.plugins import load_function
 from vime.rollout import async_loop
 from vime.rollout.rewards import score_samples
 from vime.rollout.runtime import runtime_of
-from vime.rollout.types import RolloutOutput, Sample, Status
+from vime.rollout.types import MULTI_TURN_STATE, RolloutOutput, Sample, Status
 
 GenerateFn = Callable[[Any, Sample, dict], Awaitable[Sample]]
 
@@ -136,6 +136,9 @@ async def generate_on_engines(runtime, group_index: int, input_ids: list[int], p
             runtime.release(engine, cost)
 
 
+MULTI_TURN_FN = "vime.rollout.multi_turn:generate"  # the generate of --tools (loaded by name: it builds on this module)
+
+
 def generate_fn(args) -> GenerateFn:
     if args.custom_generate_function_path:
         return load_function(
@@ -143,6 +146,8 @@ def generate_fn(args) -> GenerateFn:
             "--custom-generate-function-path",
             signature="async generate(args, sample, sampling_params) -> Sample",
         )
+    if args.tools:
+        return load_function(MULTI_TURN_FN, "--tools")
     return generate
 
 
@@ -187,6 +192,7 @@ def rollout_metrics(groups: list[list[Sample]], prefix: str = "rollout") -> dict
             extras.setdefault(k, []).append(v)
     return {
         **{f"{prefix}/reward_{k}": sum(vs) / len(vs) for k, vs in extras.items()},
+        **_multi_turn_metrics(flat, prefix),
         f"{prefix}/reward_mean": sum(s.reward or 0.0 for s in flat) / n,
         f"{prefix}/response_len_mean": sum(s.response_length for s in flat) / n,
         f"{prefix}/response_len_max": max(s.response_length for s in flat),
@@ -194,6 +200,24 @@ def rollout_metrics(groups: list[list[Sample]], prefix: str = "rollout") -> dict
         f"{prefix}/num_samples": n,
         f"{prefix}/reward_errors": sum(s.reward_error == "error" for s in flat),
         f"{prefix}/reward_timeouts": sum(s.reward_error == "timeout" for s in flat),
+    }
+
+
+def _multi_turn_metrics(flat: list[Sample], prefix: str) -> dict[str, float]:
+    """Of multi-turn samples (--tools): turns, tool calls and seconds per sample, tool errors, and
+    the share of response tokens the model did not generate (tool answers, out of the loss)."""
+    states = [s.metadata[MULTI_TURN_STATE] for s in flat if MULTI_TURN_STATE in s.metadata]
+    if not states:
+        return {}
+    n = len(states)
+    tokens = sum(s.response_length for s in flat)
+    masked = sum(s.response_length - sum(s.effective_loss_mask()) for s in flat)
+    return {
+        f"{prefix}/turns_mean": sum(st["turns"] for st in states) / n,
+        f"{prefix}/tool_calls_mean": sum(st["tool_calls"] for st in states) / n,
+        f"{prefix}/tool_errors": float(sum(st["tool_errors"] for st in states)),
+        f"{prefix}/tool_seconds_mean": sum(st["tool_seconds"] for st in states) / n,
+        f"{prefix}/masked_token_ratio": masked / tokens if tokens else 0.0,
     }
 
 

@@ -1,0 +1,333 @@
+"""Multi-turn tool use (`--tools`): the tools and how a call fails, the tool-call parser, and the
+trajectory the built-in multi-turn generate builds (token layout, loss mask, log-probs,
+versions, the gradient of the loss at tool tokens, resuming an aborted turn).
+
+The trajectory tests script the engine's output (a random tiny model writes no tool calls): the
+client below answers each request with the next scripted turn, as the engine protocol does,
+through the same runtime and generate path as a run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from vime.config import Config, ConfigError
+from vime.models import make_tiny_tokenizer
+from vime.rollout.multi_turn import CALL_END, answer_text, parse_call
+from vime.rollout.tools import BUILTIN_TOOLS, Tool, call_tool, load_tools
+from vime.rollout.types import Sample, Status
+from vime.rollout.vllm_rollout import generate_fn, rollout_metrics, sampling_params
+
+
+def call(name, arguments, tools=BUILTIN_TOOLS, timeout=5.0, max_chars=500):
+    return asyncio.run(call_tool(tools, name, arguments, timeout, max_chars))
+
+
+# ---- tools ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "expression, answer",
+    [
+        ("1234 * 5678 - 9", "7006643"),
+        ("(2 + 3) ** 2 / 5", "5"),
+        ("7 // 2 + 7 % 2", "4"),
+        ("2^10", "1024"),
+        ("-3.5*2", "-7"),
+    ],
+)
+def test_calculator_evaluates_arithmetic(expression, answer):
+    r = call("calculator", {"expression": expression})
+    assert (r.text, r.error) == (answer, False)
+
+
+@pytest.mark.parametrize(
+    "expression, fragment",
+    [
+        ("__import__('os').system('true')", "not arithmetic"),
+        ("9 ** 9 ** 9", "more than 1000 digits"),
+        ("1 / 0", "division by zero"),
+        ("2 +", "cannot parse"),
+    ],
+)
+def test_calculator_refuses_what_is_not_small_arithmetic(expression, fragment):
+    r = call("calculator", {"expression": expression})
+    assert r.error and r.text.startswith("error: ") and fragment in r.text
+
+
+def test_python_runs_a_program_in_an_empty_directory_without_the_environment():
+    r = call("python", {"code": "import os; print(sum(range(10)), os.listdir('.'), 'HOME' in os.environ)"})
+    assert (r.text, r.error) == ("45 [] False\n", False)
+
+
+@pytest.mark.parametrize(
+    "code, fragment",
+    [
+        ("raise ValueError('boom')", "ValueError: boom"),  # a crash: its last error line
+        ("import socket; socket.socket()", "'NoneType' object is not callable"),  # no network
+        ("x = bytearray(1 << 31)", "MemoryError"),  # over the memory limit
+        ("print('x' * 10_000_000)", "printed more than"),  # 10 MB: stopped, cut to the limit
+    ],
+)
+def test_python_failures_are_errors_the_model_reads(code, fragment):
+    r = call("python", {"code": code})
+    assert r.error and r.text.startswith("error: ") and fragment in r.text, r.text[:300]
+    assert len(r.text) < 600  # --tool-max-output-chars (500 here) and the note that says so
+
+
+def test_a_hanging_program_is_stopped_with_what_it_started():
+    t0 = time.perf_counter()
+    r = call(
+        "python", {"code": "import subprocess, time; subprocess.Popen(['sleep', '60']); time.sleep(60)"}, timeout=1
+    )
+    assert r.error and "longer than 1s" in r.text and time.perf_counter() - t0 < 5
+
+
+def hanging(arguments):
+    time.sleep(60)
+
+
+USER_TOOLS = {
+    "hang": Tool("hang", "never answers", {"type": "object"}, hanging),
+    "crash": Tool("crash", "raises", {"type": "object"}, lambda a: 1 / 0),
+    "number": Tool("number", "not text", {"type": "object"}, lambda a: 42),
+    "big": Tool("big", "10 MB", {"type": "object"}, lambda a: "y" * 10_000_000),
+}
+
+
+@pytest.mark.parametrize(
+    "name, fragment",
+    [
+        ("hang", "gave no answer within 0.5s"),
+        ("crash", "raised ZeroDivisionError"),
+        ("number", "returned int, not text"),
+        ("big", "[cut: 10000000 characters, the first 500 shown]"),
+        ("nope", "no tool named 'nope'"),
+    ],
+)
+def test_a_user_tool_that_hangs_crashes_or_returns_no_text_ends_its_turn_with_an_error(name, fragment):
+    t0 = time.perf_counter()
+    r = call(name, {}, tools=USER_TOOLS, timeout=0.5)
+    assert r.error and fragment in r.text and time.perf_counter() - t0 < 3
+
+
+def sum_tool() -> Tool:
+    return Tool("sum", "adds", {"type": "object"}, lambda a: str(sum(a["xs"])))
+
+
+def test_tools_load_by_name_and_dotted_path_and_bad_ones_are_one_line():
+    tools = load_tools(["calculator", "test_multi_turn:sum_tool"])
+    assert list(tools) == ["calculator", "sum"] and call("sum", {"xs": [1, 2]}, tools=tools).text == "3"
+    assert tools["calculator"].schema()["function"]["parameters"]["required"] == ["expression"]
+    with pytest.raises(ConfigError, match="--tools 'no_such_module.tool' cannot be loaded"):
+        load_tools(["no_such_module.tool"])
+    with pytest.raises(ConfigError, match="two tools are named 'calculator'"):
+        load_tools(["calculator", "calculator"])
+
+
+# ---- the call format -----------------------------------------------------------------------
+
+
+def test_a_turn_ending_in_a_call_is_parsed_and_a_malformed_one_is_an_error():
+    ok = 'I will compute. <tool_call>{"name": "calculator", "arguments": {"expression": "2*3"}}</tool_call>'
+    assert parse_call(ok) == ("calculator", {"expression": "2*3"})
+    as_string = '<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"print(1)\\"}"}</tool_call>'
+    assert parse_call(as_string) == ("python", {"code": "print(1)"})
+    assert parse_call("The answer is 6.") is None
+    assert parse_call("<tool_call>not json</tool_call>") == (None, "not json")
+
+
+def test_the_answer_follows_the_chat_template_or_the_tag_format():
+    tok = make_tiny_tokenizer()
+    assert answer_text(tok, "6", chat=True) == "<|im_end|>\n<|im_start|>tool\n6<|im_end|>\n<|im_start|>assistant\n"
+    assert answer_text(tok, "6", chat=False) == "\n<tool_response>\n6\n</tool_response>\n"
+
+
+# ---- the trajectory ------------------------------------------------------------------------
+
+
+class ScriptedEngine:
+    """An engine client that answers request k with turn k of a script (text, as the tiny
+    character-level tokenizer encodes it), ending on the request's stop string where the turn
+    holds one; or aborts after `abort_after` tokens of one request. Records every request."""
+
+    def __init__(self, tokenizer, turns: list[str], version: int = 3, abort_at: tuple[int, int] | None = None):
+        self.url = "fake://engine"
+        self.tok = tokenizer
+        self.turns = list(turns)
+        self.version = version
+        self.abort_at = abort_at  # (request number, tokens before the abort)
+        self.requests: list[tuple[list[int], dict]] = []
+
+    async def generate(self, input_ids, sampling_params, return_logprob=True, rid=None):
+        k = len(self.requests)
+        self.requests.append((list(input_ids), dict(sampling_params)))
+        text = self.turns.pop(0)
+        ids = list(self.tok.encode(text, add_special_tokens=False))[: sampling_params["max_new_tokens"]]
+        reason = "stop" if len(ids) < sampling_params["max_new_tokens"] or text.endswith(CALL_END) else "length"
+        if self.abort_at is not None and self.abort_at[0] == k:
+            self.turns.insert(0, self.tok.decode(ids[self.abort_at[1] :]))  # the rest, on resume
+            ids, reason = ids[: self.abort_at[1]], "abort"
+        return {
+            "output_ids": ids,
+            "meta_info": {
+                "finish_reason": {"type": reason},
+                "output_token_logprobs": [-0.5] * len(ids),
+                "output_weight_versions": [self.version + k] * len(ids),
+            },
+        }
+
+    def abort_request(self, rid=None, abort_all=False):
+        return {"success": True}
+
+    async def close(self):
+        pass
+
+
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>'
+
+
+def conversation(turns, chat=True, max_turns=4, response_len=400, abort_at=None):
+    from vime.rollout.runtime import RolloutRuntime
+
+    tok = make_tiny_tokenizer()
+    args = Config(
+        hf_checkpoint="tiny",
+        prompt_data="unused.jsonl",
+        num_rollout=1,
+        tools=["calculator"],
+        max_turns=max_turns,
+        apply_chat_template=chat,
+        rollout_max_response_len=response_len,
+    ).validate("sync")
+    engine = ScriptedEngine(tok, turns, abort_at=abort_at)
+    args.runtime = RolloutRuntime((engine,), tok)
+    prompt = list(tok.encode("<|im_start|>user\nwhat is 12*34?<|im_end|>\n<|im_start|>assistant\n"))
+    sample = Sample(index=0, tokens=prompt)
+    fn = generate_fn(args)
+    out = asyncio.run(fn(args, sample, sampling_params(args)))
+    return tok, engine, prompt, out, args
+
+
+def test_a_tool_turn_is_the_engines_tokens_then_the_answer_masked_out():
+    tok, engine, prompt, s, _ = conversation(["Let me compute. " + CALL, "So it is 408.<|im_end|>"])
+    answer = "<|im_end|>\n<|im_start|>tool\n408<|im_end|>\n<|im_start|>assistant\n"
+    turn1 = list(tok.encode("Let me compute. " + CALL, add_special_tokens=False))
+    turn2 = list(tok.encode("So it is 408.<|im_end|>", add_special_tokens=False))
+    tool = list(tok.encode(answer, add_special_tokens=False))
+    assert s.status == Status.COMPLETED
+    assert s.tokens == prompt + turn1 + tool + turn2  # exactly what the engine saw and sent, in order
+    assert s.response_length == len(turn1) + len(tool) + len(turn2)
+    assert s.loss_mask == [1] * len(turn1) + [0] * len(tool) + [1] * len(turn2)
+    assert s.rollout_log_probs == [-0.5] * len(turn1) + [0.0] * len(tool) + [-0.5] * len(turn2)
+    # the answer's tokens carry the version of the token before them: staleness counts generated ones
+    assert s.weight_versions == [3] * len(turn1) + [3] * len(tool) + [4] * len(turn2)
+    assert engine.requests[1][0] == prompt + turn1 + tool  # the second turn continues from those tokens
+    assert all(CALL_END in p["stop"] for _, p in engine.requests)
+    assert s.metadata["multi_turn"]["turns"] == 2 and s.metadata["multi_turn"]["tool_calls"] == 1
+    assert "408" in s.response and s.metadata["multi_turn"]["tool_errors"] == 0
+    m = rollout_metrics([[s]])
+    assert m["rollout/tool_calls_mean"] == 1.0 and m["rollout/turns_mean"] == 2.0
+    assert m["rollout/masked_token_ratio"] == pytest.approx(len(tool) / s.response_length)
+
+
+def test_tool_tokens_carry_no_gradient():
+    """The step's loss, built from the sample as the trainer builds it, has zero gradient at
+    every tool token and a nonzero one at every generated token."""
+    from vime.trainer.actor import _StepTokens
+    from vime.trainer.loss import LossInputs, Objective
+
+    _, _, _, s, args = conversation(["Let me compute. " + CALL, "So it is 408.<|im_end|>"])
+    step = _StepTokens.of([s])
+    n = s.response_length
+    log_probs = torch.full((n,), -0.7, requires_grad=True)
+    inputs = LossInputs(
+        mask=step.masks[0],
+        advantages=torch.ones(n),
+        rollout_lp=step.rollout_lps[0],
+        has_rollout=step.has_rollout_lps[0],
+        seq_ids=torch.zeros(n, dtype=torch.long),
+        old=None,
+        ref=None,
+    )
+    loss, _ = Objective.of(args)(log_probs, torch.zeros(n), inputs, step.num_tokens, float(n))
+    loss.backward()
+    mask = torch.tensor(s.loss_mask, dtype=torch.bool)
+    assert (log_probs.grad[~mask] == 0).all() and (~mask).sum() > 0
+    assert (log_probs.grad[mask] != 0).all()
+
+
+def test_max_turns_leaves_the_last_call_unanswered():
+    _, engine, _, s, _ = conversation([CALL, CALL, CALL], max_turns=2)
+    st = s.metadata["multi_turn"]
+    assert (st["turns"], st["tool_calls"], st["tool_errors"]) == (2, 1, 0)
+    assert len(engine.requests) == 2 and s.status == Status.COMPLETED
+
+
+def test_a_bad_call_is_answered_with_an_error_and_counted():
+    bad = '<tool_call>{"name": "calculator", "arguments": {"expression": "abs(-3)"}}</tool_call>'
+    _, _, _, s, _ = conversation([bad, "<tool_call>oops</tool_call>", "I give up.<|im_end|>"], chat=False)
+    st = s.metadata["multi_turn"]
+    assert st["tool_calls"] == 2 and st["tool_errors"] == 2
+    assert "<tool_response>\nerror: not arithmetic" in s.response and "error: not a tool call" in s.response
+
+
+def test_an_answer_that_does_not_fit_ends_the_sample_truncated():
+    tok = make_tiny_tokenizer()
+    n = len(tok.encode(CALL, add_special_tokens=False))
+    _, engine, _, s, _ = conversation([CALL, "never asked"], response_len=n + 5)
+    assert s.status == Status.TRUNCATED and len(engine.requests) == 1
+    assert s.response_length == n and s.loss_mask == [1] * n
+
+
+@pytest.mark.parametrize("aborted_turn", [0, 1])
+def test_an_aborted_turn_resumes_where_it_stopped_with_its_earlier_turns(aborted_turn):
+    """As after a weight update in the async modes: a turn is aborted after 4 tokens (the one
+    with the tool call, or the one after the tool's answer); generating the sample again
+    continues that turn, everything before it kept, and the call is still read whole."""
+    from vime.rollout.runtime import RolloutRuntime
+
+    tok, engine, prompt, s, args = conversation(["A " + CALL, "So 408.<|im_end|>"], abort_at=(aborted_turn, 4))
+    assert s.status == Status.ABORTED and s.metadata["multi_turn"]["tool_calls"] == aborted_turn
+    kept = list(s.tokens)
+    args.runtime = RolloutRuntime((engine,), tok)
+    s = asyncio.run(generate_fn(args)(args, s, sampling_params(args)))
+    assert s.status == Status.COMPLETED and s.tokens[: len(kept)] == kept
+    assert "<|im_start|>tool\n408<|im_end|>" in tok.decode(s.tokens) and s.response.endswith("So 408.")
+    st = s.metadata["multi_turn"]
+    assert (st["turns"], st["tool_calls"], st["tool_errors"]) == (2, 1, 0)
+    assert len(s.loss_mask) == s.response_length == len(s.rollout_log_probs) == len(s.weight_versions)
+    assert s.response_length - sum(s.loss_mask) == len(
+        tok.encode("<|im_end|>\n<|im_start|>tool\n408<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    )
+
+
+def test_tools_and_a_custom_generate_are_refused_together_in_one_line():
+    args = Config(hf_checkpoint="tiny", prompt_data="d.jsonl", num_rollout=1, tools=["calculator"])
+    args.custom_generate_function_path = "my.generate"
+    with pytest.raises(ConfigError, match="--tools runs the built-in multi-turn generate"):
+        args.validate("sync")
+
+
+@pytest.mark.slow
+def test_a_run_with_tools_trains_and_logs_its_conversations(tmp_path):
+    """train.py --tools through the real engine and trainer (the tiny random model never calls
+    a tool, so each sample is one turn): the run trains and every step logs the tool metrics."""
+    import json
+
+    from conftest import run_cli
+
+    res = run_cli(
+        "train.py", "--config", "examples/tiny.yaml", "--num-rollout", "2", "--tools", "calculator", "python",
+        "--max-turns", "3", "--runs-dir", str(tmp_path), "--run-name", "r", timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "perf/step_time" in r]
+    assert len(steps) == 2 and all(r["rollout/turns_mean"] == 1.0 for r in steps)
+    assert all(r["rollout/tool_calls_mean"] == 0.0 and r["rollout/masked_token_ratio"] == 0.0 for r in steps)
+    assert all(r["train/grad_norm"] > 0 for r in steps)

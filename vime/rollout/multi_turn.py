@@ -1,0 +1,142 @@
+"""The built-in multi-turn generate (`--tools`): the model calls tools across several turns.
+
+A turn is generated until it ends, or until it closes a tool call (`</tool_call>`, a stop string
+of the request). A call is the JSON object between the turn's last `<tool_call>` and that end,
+`{"name": ..., "arguments": {...}}` (the format of Qwen's and Hermes' chat templates; without a
+chat template the same tags are the documented format). The tool runs (`vime.rollout.tools`) and
+its answer is appended as the conversation's next message: with `--apply-chat-template` in the
+template's own form for a `tool` message (whatever closes the assistant's turn, the answer, and
+whatever opens the next assistant turn), without one as `<tool_response>...</tool_response>`.
+
+Token in, token out: the trajectory is the engine's tokens as it generated them, with the tool's
+answer tokenized and appended between turns; no generated text is ever re-tokenized. Appended
+tokens carry loss mask 0 (no gradient), log-prob 0 and the policy version of the token before
+them, so `--max-staleness` and the staleness metrics count only what the model generated.
+The sample's state (turns, calls, errors, tool seconds, where its turn began) lives in
+`sample.metadata["multi_turn"]`,
+so a sample aborted by a weight update in the async modes resumes at the turn it was in, its
+earlier turns kept. Rewards see the whole trajectory (`sample.response`) and that state.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from typing import Any
+
+from vime.rollout.runtime import runtime_of
+from vime.rollout.tools import Tool, call_tool, load_tools
+from vime.rollout.types import MULTI_TURN_STATE as STATE
+from vime.rollout.types import Sample, Status
+from vime.rollout.vllm_rollout import generate as generate_turn
+
+CALL_START, CALL_END = "<tool_call>", "</tool_call>"
+_SENTINEL = "\u2063vime-turn-end\u2063"  # marks where the assistant's text ends in a rendered template
+
+
+@lru_cache(maxsize=8)
+def _tools(specs: tuple[str, ...]) -> dict[str, Tool]:
+    return load_tools(list(specs))
+
+
+def parse_call(turn: str) -> tuple[Any, Any] | None:
+    """(name, arguments) of the call a turn ends with, None when it ends without one. A call
+    that is not a JSON object with a name comes back as (None, the text), an error the model
+    is told about."""
+    if not turn.rstrip().endswith(CALL_END):
+        return None
+    body = turn.rstrip()[: -len(CALL_END)]
+    start = body.rfind(CALL_START)
+    if start < 0:
+        return None, body
+    text = body[start + len(CALL_START) :].strip()
+    try:
+        call = json.loads(text)
+    except json.JSONDecodeError:
+        return None, text
+    if not isinstance(call, dict) or "name" not in call:
+        return None, text
+    arguments = call.get("arguments", {})
+    if isinstance(arguments, str):  # some templates write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass
+    return call["name"], arguments
+
+
+def answer_text(tokenizer: Any, answer: str, chat: bool, template_kwargs: dict | None = None) -> str:
+    """The text that follows a turn ending in a tool call: the tool's answer as the next message
+    and the opening of the model's next turn."""
+    if not chat:
+        return f"\n<tool_response>\n{answer}\n</tool_response>\n"
+    messages = [
+        {"role": "user", "content": "."},
+        {"role": "assistant", "content": _SENTINEL},
+        {"role": "tool", "content": answer},
+    ]
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
+    )
+    return text[text.index(_SENTINEL) + len(_SENTINEL) :]
+
+
+def _append(sample: Sample, ids: list[int]) -> None:
+    """Tokens the model did not generate: in the trajectory, out of the loss."""
+    version = (sample.weight_versions or [0])[-1]
+    sample.tokens = sample.tokens + ids
+    sample.response_length += len(ids)
+    sample.loss_mask = sample.effective_loss_mask() + [0] * len(ids)
+    sample.rollout_log_probs = (sample.rollout_log_probs or []) + [0.0] * len(ids)
+    sample.weight_versions = (sample.weight_versions or []) + [version] * len(ids)
+
+
+async def generate(args, sample: Sample, params: dict) -> Sample:
+    """Generate a sample's conversation: turns and tool calls until a turn ends without a call,
+    `--max-turns` turns, or no room is left (TRUNCATED)."""
+    runtime = runtime_of(args)
+    tokenizer = runtime.tokenizer
+    tools = _tools(tuple(args.tools))
+    state = sample.metadata.setdefault(
+        STATE,
+        {"turns": 0, "tool_calls": 0, "tool_errors": 0, "tool_seconds": 0.0, "turn_start": sample.response_length},
+    )
+    params = dict(params, stop=[*(params.get("stop") or []), CALL_END])
+    budget = params["max_new_tokens"]  # the whole response's, tool answers included
+    if sample.loss_mask is None:
+        sample.loss_mask = [1] * sample.response_length  # kept in step with every token appended
+    while True:
+        sample = await generate_turn(args, sample, params)
+        if sample.status in (Status.COMPLETED, Status.TRUNCATED):
+            state["turns"] += 1
+        if sample.status != Status.COMPLETED:  # aborted (resumed later, in this turn), truncated or failed
+            return sample
+        # the whole turn, also when it was aborted part way and resumed
+        turn = tokenizer.decode(sample.response_tokens[state["turn_start"] :], skip_special_tokens=False)
+        call = parse_call(turn)
+        if call is None or state["turns"] >= args.max_turns:
+            return sample
+        name, arguments = call
+        if name is None:
+            result_text, error, seconds = f"error: not a tool call: {str(arguments)[:200]!r}", True, 0.0
+        else:
+            result = await call_tool(tools, name, arguments, args.tool_timeout, args.tool_max_output_chars)
+            result_text, error, seconds = result.text, result.error, result.seconds
+        state["tool_calls"] += 1
+        state["tool_errors"] += int(error)
+        state["tool_seconds"] += seconds
+        ids = list(
+            tokenizer.encode(
+                answer_text(tokenizer, result_text, bool(args.apply_chat_template), args.apply_chat_template_kwargs),
+                add_special_tokens=False,
+            )
+        )
+        room = budget - sample.response_length
+        if args.rollout_max_context_len is not None:
+            room = min(room, args.rollout_max_context_len - len(sample.tokens))
+        if len(ids) >= room:  # the answer and at least one more token must fit
+            sample.status = Status.TRUNCATED
+            return sample
+        _append(sample, ids)
+        state["turn_start"] = sample.response_length
+        sample.response = tokenizer.decode(sample.response_tokens, skip_special_tokens=True)

@@ -1,0 +1,246 @@
+"""Tools a model may call during a multi-turn rollout (`--tools`), and how a call is run.
+
+A tool is a name, a description and an OpenAI-style JSON schema of its arguments (what the chat
+template shows the model), and a function from those arguments to text. Built in: `calculator`
+(arithmetic, evaluated from its syntax tree, never by `eval`) and `python` (a program run in a
+fresh interpreter). A user's tool is a dotted path to a `Tool`, or to a function returning one
+(`--tools mypkg.tools:search`).
+
+A tool never stops a run: one that raises, hangs past `--tool-timeout`, returns something other
+than text, or prints more than `--tool-max-output-chars` ends its turn with an error message in
+the conversation (the model sees it, as it would see a traceback) and is counted in the rollout
+metrics. The python tool runs in its own process, in an empty temporary directory, with a CPU
+time limit, a memory limit, no inherited environment and the socket module disabled: limits
+that keep a bad program from taking the machine down, not a security boundary against a
+hostile one (run untrusted tasks in a container).
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import math
+import operator
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from vime.config import ConfigError
+from vime.plugins import load_function
+from vime.rollout.rewards.runner import in_daemon_thread
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict[str, Any]  # JSON schema of the arguments object
+    fn: Callable[[dict[str, Any]], Any]  # arguments -> text
+    in_process: bool = True  # False: fn starts a process of its own and bounds it (python)
+
+    def schema(self) -> dict[str, Any]:
+        """The OpenAI-style schema a chat template renders (`tools=[...]`)."""
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
+
+
+@dataclass
+class ToolResult:
+    text: str  # what goes back into the conversation
+    error: bool  # the call failed (bad call, raised, timed out, non-text, too long): counted
+    seconds: float
+
+
+class ToolError(Exception):
+    """A call that failed; its message is what the model reads."""
+
+
+# ---------------------------------------------------------------- calculator
+
+_BINARY = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
+_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+MAX_DIGITS = 1000  # a result (or a power's operands) past this is refused: 9**9**9 would take minutes
+
+
+def _evaluate(node: ast.AST) -> int | float:
+    if isinstance(node, ast.Expression):
+        return _evaluate(node.body)
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+        return _UNARY[type(node.op)](_evaluate(node.operand))
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        left, right = _evaluate(node.left), _evaluate(node.right)
+        if isinstance(node.op, ast.Pow) and abs(right) * math.log10(max(abs(left), 2)) > MAX_DIGITS:
+            raise ToolError(f"the result would have more than {MAX_DIGITS} digits")
+        try:
+            value = _BINARY[type(node.op)](left, right)
+        except ZeroDivisionError:
+            raise ToolError("division by zero") from None
+        if isinstance(value, int) and value.bit_length() > MAX_DIGITS * 3.33:
+            raise ToolError(f"the result has more than {MAX_DIGITS} digits")
+        return value
+    raise ToolError(f"not arithmetic: {ast.unparse(node)!r} (numbers, + - * / // % ** and parentheses only)")
+
+
+def calculate(arguments: dict[str, Any]) -> str:
+    expression = arguments.get("expression")
+    if not isinstance(expression, str):
+        raise ToolError('calculator takes {"expression": "<arithmetic>"}')
+    try:
+        tree = ast.parse(expression.replace("^", "**").replace("×", "*").replace("÷", "/"), mode="eval")
+    except SyntaxError:
+        raise ToolError(f"cannot parse {expression!r}") from None
+    value = _evaluate(tree)
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        value = int(value)
+    return str(value)
+
+
+CALCULATOR = Tool(
+    "calculator",
+    "Evaluate an arithmetic expression exactly: numbers, + - * / // % ** and parentheses.",
+    {
+        "type": "object",
+        "properties": {"expression": {"type": "string", "description": "e.g. (1234 * 5678) - 9"}},
+        "required": ["expression"],
+    },
+    calculate,
+)
+
+
+# ---------------------------------------------------------------- python
+
+MEMORY_BYTES = 512 << 20
+OUTPUT_BYTES = 1 << 20  # what the program may print (a file-size limit: writes past it fail)
+
+
+def _prelude(cpu_seconds: int) -> str:
+    """Run before the program, in its process: its limits, and no network whatever it imports."""
+    return (
+        "import resource as _r, socket as _s\n"
+        f"_r.setrlimit(_r.RLIMIT_CPU, ({cpu_seconds}, {cpu_seconds}))\n"
+        f"_r.setrlimit(_r.RLIMIT_AS, ({MEMORY_BYTES}, {MEMORY_BYTES}))\n"
+        f"_r.setrlimit(_r.RLIMIT_FSIZE, ({OUTPUT_BYTES}, {OUTPUT_BYTES}))\n"
+        "_s.socket = _s.create_connection = None\n"
+        "del _r, _s\n"
+    )
+
+
+def run_python(arguments: dict[str, Any], timeout: float = 10.0) -> str:
+    """What the program prints (its last error line after it when it failed); the wall-clock
+    `timeout` ends it and anything it started."""
+    code = arguments.get("code")
+    if not isinstance(code, str):
+        raise ToolError('python takes {"code": "<program>"}')
+    with tempfile.TemporaryDirectory(prefix="vime-tool-") as cwd, tempfile.TemporaryDirectory() as outputs:
+        out_path, err_path = os.path.join(outputs, "stdout"), os.path.join(outputs, "stderr")
+        with open(out_path, "wb") as out, open(err_path, "wb") as err:
+            proc = subprocess.Popen(
+                [sys.executable, "-I", "-c", _prelude(max(1, math.ceil(timeout))) + code],
+                cwd=cwd,
+                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,  # its own group: a timeout ends whatever it started too
+            )
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise ToolError(f"the program ran longer than {timeout:g}s and was stopped") from None
+        too_much = os.path.getsize(out_path) >= OUTPUT_BYTES  # its writes past the limit failed (EFBIG)
+        with open(out_path, "rb") as f:
+            text = f.read(OUTPUT_BYTES).decode("utf-8", "replace")
+        with open(err_path, "rb") as f:
+            err_lines = f.read(OUTPUT_BYTES).decode("utf-8", "replace").strip().splitlines()
+    # what went wrong first, then what it printed: a long output is cut at its end
+    if too_much:
+        raise ToolError(f"the program printed more than {OUTPUT_BYTES} bytes and was stopped; it began:\n{text}")
+    if proc.returncode != 0:
+        last = err_lines[-1] if err_lines else f"exit status {proc.returncode}"
+        raise ToolError(last + (f"\nafter it printed:\n{text}" if text else ""))
+    return text
+
+
+PYTHON = Tool(
+    "python",
+    "Run a Python program and return what it prints.",
+    {
+        "type": "object",
+        "properties": {"code": {"type": "string", "description": "a program; print() the result"}},
+        "required": ["code"],
+    },
+    run_python,
+    in_process=False,
+)
+
+BUILTIN_TOOLS = {t.name: t for t in (CALCULATOR, PYTHON)}
+
+
+def load_tools(specs: list[str]) -> dict[str, Tool]:
+    """--tools: built-in names or dotted paths to a Tool (or a function returning one)."""
+    tools: dict[str, Tool] = {}
+    for spec in specs:
+        if spec in BUILTIN_TOOLS:
+            tool = BUILTIN_TOOLS[spec]
+        else:
+            found = load_function(spec, "--tools", ConfigError, "a Tool, or a function returning one")
+            tool = found if isinstance(found, Tool) else found()
+            if not isinstance(tool, Tool):
+                raise ConfigError(
+                    f"--tools {spec}: gave {type(tool).__name__}, not a vime.rollout.tools.Tool; "
+                    f"or use a built-in tool: {', '.join(BUILTIN_TOOLS)}"
+                )
+        if tool.name in tools:
+            raise ConfigError(f"--tools: two tools are named '{tool.name}': give each tool once")
+        tools[tool.name] = tool
+    return tools
+
+
+async def call_tool(tools: dict[str, Tool], name: Any, arguments: Any, timeout: float, max_chars: int) -> ToolResult:
+    """Run one call; every failure becomes an error result whose text the model reads."""
+    t0 = time.perf_counter()
+
+    def done(text: str, error: bool) -> ToolResult:
+        if len(text) > max_chars:  # an error's text too: a failed program's output comes with it
+            text, error = text[:max_chars] + f"\n[cut: {len(text)} characters, the first {max_chars} shown]", True
+        return ToolResult(text, error, time.perf_counter() - t0)
+
+    tool = tools.get(name) if isinstance(name, str) else None
+    if tool is None:
+        return done(f"error: no tool named {name!r} (tools: {', '.join(tools)})", True)
+    if not isinstance(arguments, dict):
+        return done(f"error: {tool.name}'s arguments must be a JSON object", True)
+    try:
+        if tool.in_process:
+            out = await asyncio.wait_for(in_daemon_thread(tool.fn, arguments), timeout)
+        else:
+            out = await asyncio.to_thread(tool.fn, arguments, timeout)
+    except ToolError as e:
+        return done(f"error: {e}", True)
+    except TimeoutError:
+        return done(f"error: {tool.name} gave no answer within {timeout:g}s", True)
+    except Exception as e:  # a tool's own bug: the model reads what went wrong, the run goes on
+        return done(f"error: {tool.name} raised {type(e).__name__}: {e}", True)
+    if not isinstance(out, str):
+        return done(f"error: {tool.name} returned {type(out).__name__}, not text", True)
+    return done(out, False)
