@@ -261,6 +261,24 @@ def test_tool_tokens_carry_no_gradient():
     assert (log_probs.grad[mask] != 0).all()
 
 
+def test_built_in_grading_reads_the_last_turn_not_a_tools_answer():
+    """A model that asks the calculator and then says nothing numeric must not be credited with
+    the number in the tool's answer: built-in rewards and eval grade the last turn."""
+    from vime.rollout.rewards import Rewards
+
+    _, _, _, s, args = conversation([CALL, "Done.<|im_end|>"])
+    assert "408" in s.response and s.final_response == "Done."
+    s.label = "408"
+    rewards = Rewards(args)
+    try:
+        asyncio.run(rewards.score([s]))
+    finally:
+        rewards.close()
+    assert s.reward == 0.0
+    _, _, _, right, _ = conversation([CALL, "Answer: 408<|im_end|>"])
+    assert right.final_response == "Answer: 408"
+
+
 def test_max_turns_leaves_the_last_call_unanswered():
     _, engine, _, s, _ = conversation([CALL, CALL, CALL], max_turns=2)
     st = s.metadata["multi_turn"]

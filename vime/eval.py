@@ -21,8 +21,8 @@ from vime.rollout.data_source import load_eval_samples
 from vime.rollout.rewards.answers import extract_answer
 from vime.rollout.rewards.grading import grade
 from vime.rollout.runtime import runtime_of
-from vime.rollout.types import RolloutOutput, Sample
-from vime.rollout.vllm_rollout import generate_fn, sampling_params
+from vime.rollout.types import MULTI_TURN_STATE, RolloutOutput, Sample
+from vime.rollout.vllm_rollout import generate_fn, multi_turn_metrics, sampling_params
 
 
 async def _run(args, samples: list[Sample], step: int) -> list[Sample]:
@@ -78,7 +78,7 @@ def evaluate(args, step: int, out_path: Path | None = None) -> RolloutOutput:
     correct = 0
     rows = []
     for s in samples:
-        pred = extract_answer(s.response)
+        pred = extract_answer(s.final_response)
         ok = pred is not None and s.label is not None and grade(pred, str(s.label))
         s.reward = 1.0 if ok else 0.0
         correct += ok
@@ -92,6 +92,7 @@ def evaluate(args, step: int, out_path: Path | None = None) -> RolloutOutput:
                 "correct": bool(ok),
                 "response_length": s.response_length,
                 "status": s.status.value,
+                **({"tools": s.metadata[MULTI_TURN_STATE]} if MULTI_TURN_STATE in s.metadata else {}),
             }
         )
     if out_path is not None:
@@ -104,6 +105,7 @@ def evaluate(args, step: int, out_path: Path | None = None) -> RolloutOutput:
         "eval/total": total,
         "eval/response_len_mean": sum(s.response_length for s in samples) / max(total, 1),
         "eval/time": time.perf_counter() - t0,
+        **multi_turn_metrics(samples, "eval"),  # with --tools: turns and tool calls per sample, ...
     }
     groups = [samples[i : i + n] for i in range(0, total, n)]
     return RolloutOutput(samples=groups, metrics=metrics)

@@ -15,7 +15,9 @@ them, so `--max-staleness` and the staleness metrics count only what the model g
 The sample's state (turns, calls, errors, tool seconds, where its turn began) lives in
 `sample.metadata["multi_turn"]`,
 so a sample aborted by a weight update in the async modes resumes at the turn it was in, its
-earlier turns kept. Rewards see the whole trajectory (`sample.response`) and that state.
+earlier turns kept. A custom reward sees the whole trajectory (`sample.response`) and that
+state; built-in rewards and eval grade the last turn (`Sample.final_response`), so a number
+in a tool's answer never stands in for the model's own.
 """
 
 from __future__ import annotations
@@ -107,13 +109,14 @@ async def generate(args, sample: Sample, params: dict) -> Sample:
         sample.loss_mask = [1] * sample.response_length  # kept in step with every token appended
     while True:
         sample = await generate_turn(args, sample, params)
+        # the whole turn, also when it was aborted part way and resumed
+        turn_tokens = sample.response_tokens[state["turn_start"] :]
+        state["last_turn"] = tokenizer.decode(turn_tokens, skip_special_tokens=True)  # what is graded
         if sample.status in (Status.COMPLETED, Status.TRUNCATED):
             state["turns"] += 1
         if sample.status != Status.COMPLETED:  # aborted (resumed later, in this turn), truncated or failed
             return sample
-        # the whole turn, also when it was aborted part way and resumed
-        turn = tokenizer.decode(sample.response_tokens[state["turn_start"] :], skip_special_tokens=False)
-        call = parse_call(turn)
+        call = parse_call(tokenizer.decode(turn_tokens, skip_special_tokens=False))
         if call is None or state["turns"] >= args.max_turns:
             return sample
         name, arguments = call

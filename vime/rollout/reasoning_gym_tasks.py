@@ -121,6 +121,6 @@ def make_reward(args, runner: RewardRunner) -> RewardFn:
     _library(RewardError)  # a missing package fails at start-up, not at the first sample
 
     async def reward(sample: Sample) -> float:
-        return await runner.in_thread(score, sample.response, sample.metadata)
+        return await runner.in_thread(score, sample.final_response, sample.metadata)
 
     return reward

@@ -50,6 +50,13 @@ class Sample:
     def response_tokens(self) -> list[int]:
         return self.tokens[self.prompt_length :]
 
+    @property
+    def final_response(self) -> str:
+        """What built-in rewards and eval grade: the response, or with --tools its last turn (a
+        number in a tool's answer earlier in the conversation is not the model's answer)."""
+        state = self.metadata.get(MULTI_TURN_STATE)
+        return state.get("last_turn", self.response) if state else self.response
+
     def effective_loss_mask(self) -> list[int]:
         return self.loss_mask if self.loss_mask is not None else [1] * self.response_length
 

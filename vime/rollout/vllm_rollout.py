@@ -192,7 +192,7 @@ def rollout_metrics(groups: list[list[Sample]], prefix: str = "rollout") -> dict
             extras.setdefault(k, []).append(v)
     return {
         **{f"{prefix}/reward_{k}": sum(vs) / len(vs) for k, vs in extras.items()},
-        **_multi_turn_metrics(flat, prefix),
+        **multi_turn_metrics(flat, prefix),
         f"{prefix}/reward_mean": sum(s.reward or 0.0 for s in flat) / n,
         f"{prefix}/response_len_mean": sum(s.response_length for s in flat) / n,
         f"{prefix}/response_len_max": max(s.response_length for s in flat),
@@ -203,7 +203,7 @@ def rollout_metrics(groups: list[list[Sample]], prefix: str = "rollout") -> dict
     }
 
 
-def _multi_turn_metrics(flat: list[Sample], prefix: str) -> dict[str, float]:
+def multi_turn_metrics(flat: list[Sample], prefix: str) -> dict[str, float]:
     """Of multi-turn samples (--tools): turns, tool calls and seconds per sample, tool errors, and
     the share of response tokens the model did not generate (tool answers, out of the loss)."""
     states = [s.metadata[MULTI_TURN_STATE] for s in flat if MULTI_TURN_STATE in s.metadata]

@@ -98,7 +98,7 @@ def _lookup(args, runner: RewardRunner) -> RewardFn:
         )
 
     async def builtin(sample: Sample) -> dict[str, float]:
-        return await runner.grade(rm_type, sample.response, sample.label)
+        return await runner.grade(rm_type, sample.final_response, sample.label)
 
     return builtin
 
