@@ -151,27 +151,36 @@ def test_the_answer_follows_the_chat_template_or_the_tag_format():
 
 
 class ScriptedEngine:
-    """An engine client that answers request k with turn k of a script (text, as the tiny
-    character-level tokenizer encodes it), ending on the request's stop string where the turn
-    holds one; or aborts after `abort_after` tokens of one request. Records every request."""
+    """An engine client that writes a scripted conversation: to a request in turn k (the number
+    of tool answers in its input) it answers with what is left of turn k's text (a resumed turn
+    has part of it already), as the tiny character-level tokenizer encodes it. The first
+    request in turn `abort_at[0]` is aborted after `abort_at[1]` tokens, as a weight update
+    aborts requests. Records every request."""
+
+    OPENERS = ("<|im_start|>assistant\n", "</tool_response>\n")  # where a turn starts, with or without a template
 
     def __init__(self, tokenizer, turns: list[str], version: int = 3, abort_at: tuple[int, int] | None = None):
         self.url = "fake://engine"
         self.tok = tokenizer
         self.turns = list(turns)
         self.version = version
-        self.abort_at = abort_at  # (request number, tokens before the abort)
+        self.abort_at = abort_at
         self.requests: list[tuple[list[int], dict]] = []
 
     async def generate(self, input_ids, sampling_params, return_logprob=True, rid=None):
-        k = len(self.requests)
         self.requests.append((list(input_ids), dict(sampling_params)))
-        text = self.turns.pop(0)
-        ids = list(self.tok.encode(text, add_special_tokens=False))[: sampling_params["max_new_tokens"]]
-        reason = "stop" if len(ids) < sampling_params["max_new_tokens"] or text.endswith(CALL_END) else "length"
+        seen = self.tok.decode(input_ids)
+        k = seen.count("<|im_start|>tool") + seen.count("<tool_response>")
+        start = max(seen.rfind(o) + len(o) for o in self.OPENERS if o in seen)
+        so_far = seen[start:]
+        assert self.turns[k].startswith(so_far), (self.turns[k], so_far)
+        ids = list(self.tok.encode(self.turns[k][len(so_far) :], add_special_tokens=False))
+        ids = ids[: sampling_params["max_new_tokens"]]
+        reason = "stop"
+        if len(ids) == sampling_params["max_new_tokens"] and not self.turns[k].endswith(CALL_END):
+            reason = "length"
         if self.abort_at is not None and self.abort_at[0] == k:
-            self.turns.insert(0, self.tok.decode(ids[self.abort_at[1] :]))  # the rest, on resume
-            ids, reason = ids[: self.abort_at[1]], "abort"
+            ids, reason, self.abort_at = ids[: self.abort_at[1]], "abort", None
         return {
             "output_ids": ids,
             "meta_info": {
@@ -322,6 +331,56 @@ def test_an_aborted_turn_resumes_where_it_stopped_with_its_earlier_turns(aborted
     assert s.response_length - sum(s.loss_mask) == len(
         tok.encode("<|im_end|>\n<|im_start|>tool\n408<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
     )
+
+
+def const_reward(args, sample) -> float:
+    return 1.0
+
+
+def test_the_continuous_worker_resumes_an_aborted_conversation(tmp_path):
+    """The continuous worker (decoupled mode, where --partial-rollout applies; fully-async runs
+    the same worker), as after a weight update: the turn
+    after the tool's answer is aborted; the worker resumes the sample (counted in
+    rollout/resumed) and trains a conversation whose earlier turn and answer are kept."""
+    import json
+
+    from vime.rollout.data_source import DataSource
+    from vime.rollout.fully_async_rollout import generate_rollout_fully_async
+    from vime.rollout.rewards import Rewards
+    from vime.rollout.runtime import RolloutRuntime
+
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"input": "what is 12*34?", "label": "408"}) + "\n")
+    tok = make_tiny_tokenizer()
+    args = Config(
+        hf_checkpoint="tiny",
+        prompt_data=str(data),
+        num_rollout=1,
+        rollout_batch_size=1,
+        n_samples_per_prompt=1,
+        rollout_max_response_len=400,
+        partial_rollout=True,
+        max_staleness=4,
+        rollout_concurrency=1,  # one conversation in flight: the one aborted is the one drained
+        apply_chat_template=True,
+        tools=["calculator"],
+        custom_rm_path="test_multi_turn:const_reward",
+    ).validate("async")
+    engine = ScriptedEngine(tok, ["A " + CALL, "So 408.<|im_end|>"], abort_at=(1, 4))
+    args.runtime = RolloutRuntime((engine,), tok, rewards=Rewards(args))
+    ds = DataSource(args, tok)
+    try:
+        out = generate_rollout_fully_async(args, 0, ds)
+    finally:
+        args.runtime.close()
+    (s,) = [s for g in out.samples for s in g]
+    assert s.status == Status.COMPLETED and out.metrics["rollout/resumed"] == 1
+    answer = "<|im_end|>\n<|im_start|>tool\n408<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(s.response_tokens) == "A " + CALL + answer + "So 408.<|im_end|>"
+    assert len(engine.requests) == 3 and engine.requests[2][0] == s.tokens[: len(engine.requests[2][0])]
+    st = s.metadata["multi_turn"]
+    assert (st["turns"], st["tool_calls"]) == (2, 1) and out.metrics["rollout/tool_calls_mean"] == 1.0
+    assert s.response_length - sum(s.loss_mask) == len(tok.encode(answer, add_special_tokens=False))
 
 
 def test_tools_and_a_custom_generate_are_refused_together_in_one_line():
