@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,6 +78,18 @@ def test_python_failures_are_errors_the_model_reads(code, fragment):
     r = call("python", {"code": code})
     assert r.error and r.text.startswith("error: ") and fragment in r.text, r.text[:300]
     assert len(r.text) < 600  # --tool-max-output-chars (500 here) and the note that says so
+
+
+def test_a_program_with_future_imports_runs_and_what_it_starts_ends_with_it(tmp_path):
+    marker = tmp_path / "alive"
+    code = (
+        "from __future__ import annotations\nimport subprocess\n"
+        f"subprocess.Popen(['sh', '-c', 'sleep 2; touch {marker}'])\nprint('started')"
+    )
+    r = call("python", {"code": code})
+    assert (r.text, r.error) == ("started\n", False)
+    time.sleep(3)
+    assert not marker.exists()  # the child it left behind was ended with the call
 
 
 def test_a_hanging_program_is_stopped_with_what_it_started():
@@ -200,7 +213,22 @@ class ScriptedEngine:
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>'
 
 
-def conversation(turns, chat=True, max_turns=4, response_len=400, abort_at=None):
+PROMPT = "<|im_start|>user\nwhat is 12*34?<|im_end|>\n<|im_start|>assistant\n"
+_MODELS: dict = {}
+
+
+def _model(context: int):
+    """A tiny model directory whose config says `context` positions (only its config is read)."""
+    import tempfile
+
+    from vime.models import make_tiny_model
+
+    if context not in _MODELS:
+        _MODELS[context] = make_tiny_model(Path(tempfile.mkdtemp()) / "m", max_position_embeddings=context)
+    return _MODELS[context]
+
+
+def conversation(turns, chat=True, max_turns=4, response_len=400, abort_at=None, context=None):
     from vime.rollout.runtime import RolloutRuntime
 
     tok = make_tiny_tokenizer()
@@ -213,9 +241,11 @@ def conversation(turns, chat=True, max_turns=4, response_len=400, abort_at=None)
         apply_chat_template=chat,
         rollout_max_response_len=response_len,
     ).validate("sync")
+    # the model's context bounds a conversation when --rollout-max-context-len is not given
+    args.model_dir = str(_model(context or 2048))
     engine = ScriptedEngine(tok, turns, abort_at=abort_at)
     args.runtime = RolloutRuntime((engine,), tok)
-    prompt = list(tok.encode("<|im_start|>user\nwhat is 12*34?<|im_end|>\n<|im_start|>assistant\n"))
+    prompt = list(tok.encode(PROMPT))
     sample = Sample(index=0, tokens=prompt)
     fn = generate_fn(args)
     out = asyncio.run(fn(args, sample, sampling_params(args)))
@@ -303,6 +333,15 @@ def test_a_bad_call_is_answered_with_an_error_and_counted():
     assert "<tool_response>\nerror: not arithmetic" in s.response and "error: not a tool call" in s.response
 
 
+def test_an_answer_that_would_pass_the_models_context_ends_the_sample_truncated():
+    """Without --rollout-max-context-len the model's own context bounds the conversation: the
+    engine would refuse a next turn's prompt longer than that."""
+    tok = make_tiny_tokenizer()
+    prompt_and_call = len(tok.encode(PROMPT)) + len(tok.encode(CALL, add_special_tokens=False))
+    _, engine, _, s, _ = conversation([CALL, "never asked"], context=prompt_and_call + 5)
+    assert s.status == Status.TRUNCATED and len(engine.requests) == 1 and sum(s.loss_mask) == s.response_length
+
+
 def test_an_answer_that_does_not_fit_ends_the_sample_truncated():
     tok = make_tiny_tokenizer()
     n = len(tok.encode(CALL, add_special_tokens=False))
@@ -331,6 +370,17 @@ def test_an_aborted_turn_resumes_where_it_stopped_with_its_earlier_turns(aborted
     assert s.response_length - sum(s.loss_mask) == len(
         tok.encode("<|im_end|>\n<|im_start|>tool\n408<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
     )
+
+
+def test_a_requeued_conversation_starts_again_at_turn_one():
+    """A group re-queued (aborted without --partial-rollout, or too stale) is generated again
+    from its prompt: its conversation state goes with the old response."""
+    from vime.rollout.data_source import _fresh
+
+    _, _, prompt, s, _ = conversation([CALL, "So 408.<|im_end|>"])
+    s.metadata["task"] = "kept"
+    fresh = _fresh(s)
+    assert fresh.tokens == prompt and "multi_turn" not in fresh.metadata and fresh.metadata["task"] == "kept"
 
 
 def const_reward(args, sample) -> float:
@@ -366,6 +416,7 @@ def test_the_continuous_worker_resumes_an_aborted_conversation(tmp_path):
         tools=["calculator"],
         custom_rm_path="test_multi_turn:const_reward",
     ).validate("async")
+    args.model_dir = str(_model(2048))
     engine = ScriptedEngine(tok, ["A " + CALL, "So 408.<|im_end|>"], abort_at=(1, 4))
     args.runtime = RolloutRuntime((engine,), tok, rewards=Rewards(args))
     ds = DataSource(args, tok)

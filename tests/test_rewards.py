@@ -586,3 +586,13 @@ def test_a_number_where_reward_key_asks_for_a_dict(custom_module):
     assert read_reward(make_args(rm_type="reasoning_gym", reward_key="score"), 0.5) == (0.5, {})
     with pytest.raises(RewardKeyError, match="--reward-key acc: --rm-type reasoning_gym returns one number"):
         read_reward(make_args(rm_type="reasoning_gym", reward_key="acc"), 0.5)
+
+
+def test_closed_rewards_start_no_pool_again():
+    """After the run closed its rewards, a late sample (a straggler of the rollout loop) is an
+    error, counted, and no grading pool is started again to outlive the run."""
+    rewards = Rewards(make_args())
+    rewards.close()
+    samples = [Sample(index=0, response="\\boxed{2}", label="2")]
+    assert asyncio.run(rewards.score(samples)) == {"rollout/reward_errors": 1.0, "rollout/reward_timeouts": 0.0}
+    assert rewards.runner._pool is None

@@ -40,11 +40,13 @@ def resolve_model(name_or_path: str) -> Path:
         if not (out / "model.safetensors").exists():
             # built beside it and renamed into place: parallel test workers may race for it
             tmp = make_tiny_model(out.with_name(out.name + f".tmp{os.getpid()}"))
-            if (out / "model.safetensors").exists():  # another process won the race; its copy is identical (seeded)
-                shutil.rmtree(tmp)
-            else:
+            if not (out / "model.safetensors").exists():
                 shutil.rmtree(out, ignore_errors=True)  # what a process killed mid-write left
-                tmp.rename(out)
+                try:
+                    tmp.rename(out)
+                except OSError:  # another process put its copy there meanwhile
+                    pass
+            shutil.rmtree(tmp, ignore_errors=True)  # ours, when another process won: identical (seeded)
         return out
     p = Path(name_or_path).expanduser()
     if p.is_dir():

@@ -18,7 +18,7 @@ from typing import Any
 
 from vime.errors import VimeError
 from vime.rollout.tools import load_tools
-from vime.rollout.types import Sample, Status
+from vime.rollout.types import MULTI_TURN_STATE, Sample, Status
 
 _SLICE_RE = re.compile(r"^(?P<path>.+)@\[(?P<a>[^\]:]*):(?P<b>[^\]:]*)\]$")
 JSON_SUFFIXES = (".jsonl", ".json")
@@ -395,7 +395,8 @@ def _fresh(s: Sample) -> Sample:
         reward_error=None,
         reward_extras={},
         status=Status.PENDING,
-        metadata=dict(s.metadata),
+        # a conversation's state goes with its response: regenerated, it starts at turn one
+        metadata={k: v for k, v in s.metadata.items() if k != MULTI_TURN_STATE},
     )
 
 

@@ -26,6 +26,7 @@ import json
 from functools import lru_cache
 from typing import Any
 
+from vime.models import context_length
 from vime.rollout.runtime import runtime_of
 from vime.rollout.tools import Tool, call_tool, load_tools
 from vime.rollout.types import MULTI_TURN_STATE as STATE
@@ -34,6 +35,11 @@ from vime.rollout.vllm_rollout import generate as generate_turn
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 _SENTINEL = "\u2063vime-turn-end\u2063"  # marks where the assistant's text ends in a rendered template
+
+
+@lru_cache(maxsize=8)
+def _context_length(model_dir: str) -> int:
+    return context_length(model_dir)
 
 
 @lru_cache(maxsize=8)
@@ -134,9 +140,10 @@ async def generate(args, sample: Sample, params: dict) -> Sample:
                 add_special_tokens=False,
             )
         )
-        room = budget - sample.response_length
-        if args.rollout_max_context_len is not None:
-            room = min(room, args.rollout_max_context_len - len(sample.tokens))
+        # the next turn's request holds the answer: it must fit the context (the flag's, else
+        # the model's; an engine refuses a longer prompt), with room for one more token
+        context = args.rollout_max_context_len or _context_length(args.model_dir)
+        room = min(budget - sample.response_length, context - len(sample.tokens))
         if len(ids) >= room:  # the answer and at least one more token must fit
             sample.status = Status.TRUNCATED
             return sample

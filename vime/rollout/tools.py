@@ -131,15 +131,28 @@ MEMORY_BYTES = 512 << 20
 OUTPUT_BYTES = 1 << 20  # what the program may print (a file-size limit: writes past it fail)
 
 
-def _prelude(cpu_seconds: int) -> str:
-    """Run before the program, in its process: its limits, and no network whatever it imports."""
+# One thread for numerical libraries: OpenBLAS starts one per core, each reserving address
+# space, and on a many-core machine `import numpy` alone then failed under the memory limit.
+_ENV = {
+    "PATH": "/usr/bin:/bin",
+    "LANG": "C.UTF-8",
+    **dict.fromkeys(("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"), "1"),
+}
+
+
+def _launcher(cpu_seconds: int, program: str) -> str:
+    """What `python -c` runs: the limits and no network, then the program from its file (as its
+    own module source, so `from __future__` and tracebacks with its line numbers work)."""
     return (
         "import resource as _r, socket as _s\n"
         f"_r.setrlimit(_r.RLIMIT_CPU, ({cpu_seconds}, {cpu_seconds}))\n"
         f"_r.setrlimit(_r.RLIMIT_AS, ({MEMORY_BYTES}, {MEMORY_BYTES}))\n"
         f"_r.setrlimit(_r.RLIMIT_FSIZE, ({OUTPUT_BYTES}, {OUTPUT_BYTES}))\n"
         "_s.socket = _s.create_connection = None\n"
-        "del _r, _s\n"
+        f"_p = {program!r}\n"
+        "_c = compile(open(_p).read(), 'program.py', 'exec')\n"
+        "del _r, _s, _p\n"
+        "exec(_c, {'__name__': '__main__'})\n"
     )
 
 
@@ -151,22 +164,29 @@ def run_python(arguments: dict[str, Any], timeout: float = 10.0) -> str:
         raise ToolError('python takes {"code": "<program>"}')
     with tempfile.TemporaryDirectory(prefix="vime-tool-") as cwd, tempfile.TemporaryDirectory() as outputs:
         out_path, err_path = os.path.join(outputs, "stdout"), os.path.join(outputs, "stderr")
+        program = os.path.join(outputs, "program.py")
+        with open(program, "w") as f:
+            f.write(code)
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
             proc = subprocess.Popen(
-                [sys.executable, "-I", "-c", _prelude(max(1, math.ceil(timeout))) + code],
+                [sys.executable, "-I", "-c", _launcher(max(1, math.ceil(timeout)), program)],
                 cwd=cwd,
-                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+                env=_ENV,
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=err,
-                start_new_session=True,  # its own group: a timeout ends whatever it started too
+                start_new_session=True,  # its own group, ended with it: nothing it started outlives the call
             )
             try:
                 proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
                 raise ToolError(f"the program ran longer than {timeout:g}s and was stopped") from None
+            finally:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
         too_much = os.path.getsize(out_path) >= OUTPUT_BYTES  # its writes past the limit failed (EFBIG)
         with open(out_path, "rb") as f:
             text = f.read(OUTPUT_BYTES).decode("utf-8", "replace")

@@ -117,6 +117,7 @@ class RewardRunner:
         self.threads = threads
         self._pool: ProcessPoolExecutor | None = None
         self.pool_unavailable = False  # creating the pool failed once: grade inline from then on
+        self.closed = False  # after close() nothing starts a pool again
         self._lock = threading.Lock()
         # One slot per worker (per thread) and event loop: a call's timer starts when a worker is free for it.
         self._pool_slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
@@ -164,6 +165,8 @@ class RewardRunner:
     def _get_pool(self) -> ProcessPoolExecutor | None:
         """The grading pool, created on first use; None once creating it has failed."""
         with self._lock:
+            if self.closed:
+                raise RuntimeError("the run's rewards are closed")
             if self._pool is None and not self.pool_unavailable:
                 try:
                     # spawn, not fork: the parent has threads (event loop, torch) that fork would copy
@@ -222,6 +225,6 @@ class RewardRunner:
         """Kill the grading workers (end of a run): at interpreter exit Python would otherwise wait
         for any sample still being graded. Idempotent."""
         with self._lock:
-            pool = self._pool
+            pool, self.closed = self._pool, True
         if pool is not None:
             self._discard(pool, kill=True)
