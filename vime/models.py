@@ -6,9 +6,11 @@ to turn whatever the user named into one, without the internet.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from vime.errors import VimeError
@@ -31,23 +33,29 @@ def cache_dir() -> Path:
     return Path(os.environ.get("VIME_CACHE", Path.home() / ".cache" / "vime"))
 
 
+def build_once(out: Path, build: Callable[[Path], Path]) -> Path:
+    """`out`, made by `build(directory)` unless a finished copy is there. Parallel test workers
+    ask for the same one: a lock beside it lets one build while the others wait (they would
+    build the same seeded copy), and the copy is built beside it and renamed into place, so a
+    process killed mid-build leaves no half-written model behind."""
+    if (out / "model.safetensors").exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "model.safetensors").exists():
+            tmp = build(out.with_name(out.name + f".tmp{os.getpid()}"))
+            shutil.rmtree(out, ignore_errors=True)  # what a process killed mid-rename left
+            tmp.rename(out)
+    return out
+
+
 def resolve_model(name_or_path: str) -> Path:
     """Return an HF model directory for a path, `smollm2` / `tiny`, or a reachable hub id."""
     if name_or_path in SMOLLM2_ALIASES:
         return smollm2_dir()
     if name_or_path == "tiny":  # the random test model, made once per cache dir
-        out = cache_dir() / "tiny-qwen3"
-        if not (out / "model.safetensors").exists():
-            # built beside it and renamed into place: parallel test workers may race for it
-            tmp = make_tiny_model(out.with_name(out.name + f".tmp{os.getpid()}"))
-            if not (out / "model.safetensors").exists():
-                shutil.rmtree(out, ignore_errors=True)  # what a process killed mid-write left
-                try:
-                    tmp.rename(out)
-                except OSError:  # another process put its copy there meanwhile
-                    pass
-            shutil.rmtree(tmp, ignore_errors=True)  # ours, when another process won: identical (seeded)
-        return out
+        return build_once(cache_dir() / "tiny-qwen3", make_tiny_model)
     p = Path(name_or_path).expanduser()
     if p.is_dir():
         if not (p / "config.json").exists():
