@@ -4,7 +4,9 @@ versions, the gradient of the loss at tool tokens, resuming an aborted turn).
 
 The trajectory tests script the engine's output (a random tiny model writes no tool calls): the
 client below answers each request with the next scripted turn, as the engine protocol does,
-through the same runtime and generate path as a run.
+through the same runtime and generate path as a run. The whole runs at the end (slow) use a
+tiny model fine-tuned to call the calculator (tests/tool_model.py), in every mode; the same run
+through vLLM is in test_vllm_runs.py.
 """
 
 from __future__ import annotations
@@ -271,6 +273,7 @@ def test_a_tool_turn_is_the_engines_tokens_then_the_answer_masked_out():
     assert "408" in s.response and s.metadata["multi_turn"]["tool_errors"] == 0
     m = rollout_metrics([[s]])
     assert m["rollout/tool_calls_mean"] == 1.0 and m["rollout/turns_mean"] == 2.0
+    assert m["rollout/tool_call_rate"] == 1.0
     assert m["rollout/masked_token_ratio"] == pytest.approx(len(tool) / s.response_length)
 
 
@@ -444,21 +447,78 @@ def test_tools_and_a_custom_generate_are_refused_together_in_one_line():
         args.validate("sync")
 
 
-@pytest.mark.slow
-def test_a_run_with_tools_trains_and_logs_its_conversations(tmp_path):
-    """train.py --tools through the real engine and trainer (the tiny random model never calls
-    a tool, so each sample is one turn): the run trains and every step logs the tool metrics."""
+# ---- whole runs of a model that calls the calculator, in every mode ----------------------------
+
+FULLY_ASYNC = "vime.rollout.fully_async_rollout.generate_rollout_fully_async"
+TOOL_MODES = {
+    "sync": ("train.py", []),
+    "one-step-off": ("train_async.py", []),
+    "fully-async": ("train_async.py", ["--rollout-function-path", FULLY_ASYNC]),
+    # each push aborts the requests in flight; they resume from the tokens they have
+    "decoupled": ("train_async.py", ["--max-staleness", "1", "--partial-rollout"]),
+}
+
+
+def tool_run(script: str, extra: list[str], tmp_path: Path, monkeypatch, model: Path, steps: int = 3):
+    """A run of the tool-calling tiny model (tests/tool_model.py) with --tools calculator; each
+    scored sample's layout recorded by tool_model.recording_reward. (metrics rows, samples)"""
     import json
 
     from conftest import run_cli
 
+    samples = tmp_path / "samples.jsonl"
+    monkeypatch.setenv("VIME_TEST_SAMPLES", str(samples))
     res = run_cli(
-        "train.py", "--config", "examples/tiny.yaml", "--num-rollout", "2", "--tools", "calculator", "python",
-        "--max-turns", "3", "--runs-dir", str(tmp_path), "--run-name", "r", timeout=300,
+        script, "--config", "examples/tiny.yaml", "--hf-checkpoint", str(model), "--tools", "calculator",
+        "--max-turns", "3", "--rollout-max-response-len", "160", "--rollout-temperature", "0.8",
+        "--custom-rm-path", "tool_model.recording_reward", "--num-rollout", str(steps), "--runs-dir", str(tmp_path), "--run-name", "r", *extra, timeout=400,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "perf/step_time" in r]
-    assert len(steps) == 2 and all(r["rollout/turns_mean"] == 1.0 for r in steps)
-    assert all(r["rollout/tool_calls_mean"] == 0.0 and r["rollout/masked_token_ratio"] == 0.0 for r in steps)
-    assert all(r["train/grad_norm"] > 0 for r in steps)
+    return [r for r in rows if "perf/step_time" in r], [json.loads(line) for line in samples.read_text().splitlines()]
+
+
+def check_tool_run(steps: list[dict], samples: list[dict], n_steps: int = 3) -> None:
+    """What every mode must show: conversations of two turns, the tool's answers out of the loss
+    (mask 0, log-prob 0) and the weights moving."""
+    assert [r["step"] for r in steps] == list(range(1, n_steps + 1))
+    mean = {k: sum(r[k] for r in steps) / len(steps) for k in ("rollout/tool_call_rate", "rollout/turns_mean")}
+    assert mean["rollout/tool_call_rate"] >= 0.5 and mean["rollout/turns_mean"] > 1.4, mean  # calls, then reads
+    assert all(r["rollout/masked_token_ratio"] > 0.05 for r in steps)
+    assert any(r["train/grad_norm"] > 0 for r in steps)
+    assert all(s["lengths_agree"] and s["masked_logprobs_zero"] for s in samples)
+    called = [s for s in samples if s["state"]["tool_calls"] > 0]
+    assert len(called) >= len(samples) / 2
+    # a call answered and followed by another turn: generated runs around masked answers
+    # (a call whose answer did not fit ends its sample TRUNCATED in the turn that made it)
+    later = [s for s in samples if s["state"]["turns"] > 1]
+    assert len(later) >= len(samples) / 2
+    assert all(s["masked"] > 0 and len(s["turn_versions"]) == s["state"]["turns"] for s in later)
+    assert any(s["final"].startswith("Answer: ") for s in called)
+
+
+def check_decoupled(steps: list[dict], samples: list[dict]) -> None:
+    """Pushes aborted conversations in flight and they went on from their tokens: some sample of
+    two turns or more holds tokens of two weight versions, its earlier turns kept."""
+    assert all(r["rollout/staleness_max"] <= 1 for r in steps)
+    # batches 1 and 2 are both sampled before push 1, so push 2 is the first that can find
+    # requests in flight; each later push gets another chance (5 steps: three)
+    assert steps[-1]["rollout/resumed"] > 0
+    spanning = [s for s in samples if s["state"]["turns"] > 1 and len({v for t in s["turn_versions"] for v in t}) > 1]
+    assert spanning, "no conversation spanned a weight push"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", TOOL_MODES)
+def test_a_model_that_calls_the_calculator_trains_in_every_mode(mode, tmp_path, monkeypatch):
+    from tool_model import tool_model
+
+    script, extra = TOOL_MODES[mode]
+    n = 5 if mode == "decoupled" else 3
+    steps, samples = tool_run(script, extra, tmp_path, monkeypatch, tool_model(), steps=n)
+    check_tool_run(steps, samples, n)
+    if mode == "sync":  # every token of a step's conversations from the weights of that step
+        assert all(r["rollout/staleness_max"] == 0 for r in steps)
+        assert all(len(set(v for t in s["turn_versions"] for v in t)) == 1 for s in samples)
+    if mode == "decoupled":
+        check_decoupled(steps, samples)

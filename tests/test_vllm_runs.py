@@ -1,6 +1,6 @@
 """Training runs and evaluation with `--rollout-backend vllm`, against real vLLM servers on CPU
 (`make test-vllm`; no mocks): sync and fully-async runs whose every push shows in what the
-server computes, a server started by hand, two launched engines with one killed and restarted,
+server computes, a decoupled run of a model that calls the calculator, a server started by hand, two launched engines with one killed and restarted,
 a launched server's death with its launcher, and the one-line refusals. The server-level tests
 are in test_vllm.py.
 
@@ -160,6 +160,23 @@ def test_fully_async_run_records_token_versions(model32, addition_data, tmp_path
         timeout=600,
     )
     _check_run(res, tmp_path / "fa", record, sync=False)
+
+
+@needs_vllm
+def test_a_tool_run_through_vllm(tmp_path, monkeypatch, fresh_user_server):
+    """The multi-turn generate through vLLM, decoupled with --partial-rollout (pushes abort the
+    requests in flight, which resume from their tokens): the same checks as the built-in
+    engine's runs in test_multi_turn.py, from the tool-calling tiny model in model32's shape."""
+    from test_multi_turn import TOOL_MODES, check_decoupled, check_tool_run, tool_run
+    from tool_model import tool_model
+
+    model = tool_model(**{k: v for k, v in SHAPE32.items() if k != "arch"})
+    script, extra = TOOL_MODES["decoupled"]
+    steps, samples = tool_run(
+        script, [*extra, "--rollout-backend", "vllm", *fresh_user_server], tmp_path, monkeypatch, model, steps=5
+    )
+    check_tool_run(steps, samples, 5)
+    check_decoupled(steps, samples)
 
 
 LAUNCHER = """

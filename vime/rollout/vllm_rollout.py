@@ -204,8 +204,9 @@ def rollout_metrics(groups: list[list[Sample]], prefix: str = "rollout") -> dict
 
 
 def multi_turn_metrics(flat: list[Sample], prefix: str) -> dict[str, float]:
-    """Of multi-turn samples (--tools): turns, tool calls and seconds per sample, tool errors, and
-    the share of response tokens the model did not generate (tool answers, out of the loss)."""
+    """Of multi-turn samples (--tools): turns, tool calls and seconds per sample, the share of
+    samples that called a tool at all, tool errors, and the share of response tokens the model
+    did not generate (tool answers, out of the loss)."""
     states = [s.metadata[MULTI_TURN_STATE] for s in flat if MULTI_TURN_STATE in s.metadata]
     if not states:
         return {}
@@ -215,6 +216,7 @@ def multi_turn_metrics(flat: list[Sample], prefix: str) -> dict[str, float]:
     return {
         f"{prefix}/turns_mean": sum(st["turns"] for st in states) / n,
         f"{prefix}/tool_calls_mean": sum(st["tool_calls"] for st in states) / n,
+        f"{prefix}/tool_call_rate": sum(st["tool_calls"] > 0 for st in states) / n,
         f"{prefix}/tool_errors": float(sum(st["tool_errors"] for st in states)),
         f"{prefix}/tool_seconds_mean": sum(st["tool_seconds"] for st in states) / n,
         f"{prefix}/masked_token_ratio": masked / tokens if tokens else 0.0,

@@ -1,0 +1,95 @@
+"""A tiny model that calls the calculator: the random tiny model, fine-tuned for a few seconds on
+conversations in the tag format (prompt, a call to the calculator with the prompt's sum, the
+tool's answer, `Answer: <that answer>`).
+
+A random model never writes a tool call, so whole runs with --tools would only ever see one
+turn. This one is a real model served by the real engines (built-in and vLLM) that opens
+conversations of two turns on its own, while sampling at temperature 1 still makes its samples
+differ (some garble the call or the answer), so rewards vary and training moves the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from vime.rollout.multi_turn import answer_text
+
+
+def conversation(a: int, b: int) -> tuple[str, str]:
+    """(prompt, the response the model is taught): the addition data's prompt format."""
+    call = "<tool_call>" + json.dumps({"name": "calculator", "arguments": {"expression": f"{a}+{b}"}}) + "</tool_call>"
+    return f"{a}+{b}=", call + answer_text(None, str(a + b), chat=False) + f"Answer: {a + b}"
+
+
+def tool_model(**shape: int) -> Path:
+    """The tool-calling tiny model of this shape (make_tiny_model's keywords), made once per
+    cache directory (about 30 s on 2 cores) and shared by test processes."""
+    from vime.models import build_once, cache_dir
+
+    name = "tiny-tool-qwen3" + "".join(f"-{k}{v}" for k, v in sorted(shape.items()))
+    return build_once(cache_dir() / name, lambda out: make_tool_model(out, **shape))
+
+
+def make_tool_model(out_dir: Path, steps: int = 300, seed: int = 0, **shape: int) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vime.models import make_tiny_model
+
+    make_tiny_model(out_dir, arch="qwen3", seed=seed, **shape)
+    tokenizer = AutoTokenizer.from_pretrained(out_dir)
+    model = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for _ in range(steps):
+        batch, labels = [], []
+        for _ in range(16):
+            prompt, response = conversation(rng.randint(0, 9), rng.randint(0, 9))
+            p = tokenizer.encode(prompt, add_special_tokens=False)
+            r = tokenizer.encode(response, add_special_tokens=False) + [eos]
+            batch.append(p + r)
+            labels.append([-100] * len(p) + r)
+        width = max(map(len, batch))
+        ids = torch.tensor([x + [tokenizer.pad_token_id] * (width - len(x)) for x in batch])
+        lab = torch.tensor([x + [-100] * (width - len(x)) for x in labels])
+        loss = model(input_ids=ids, labels=lab).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def recording_reward(args, sample) -> float:
+    """Reward for runs of the tool model: 1 for the right `Answer: <sum>` in the last turn (which
+    only a sample that called the calculator and read it gets reliably), plus a tenth of the
+    share of digits in the response, so rewards vary inside a group and each step moves the
+    weights. Each scored sample's layout goes to $VIME_TEST_SAMPLES as a JSON line: its turns
+    and calls, and per turn (the generated runs between tool answers) the weight versions its
+    tokens were sampled with."""
+    import os
+
+    mask, versions, logprobs = sample.effective_loss_mask(), sample.weight_versions, sample.rollout_log_probs
+    turns: list[list[int]] = [[]]
+    for m, v in zip(mask, versions):
+        if m:
+            turns[-1].append(v)
+        elif turns[-1]:
+            turns.append([])
+    row = {
+        "state": {k: v for k, v in sample.metadata.get("multi_turn", {}).items() if k != "last_turn"},
+        "turn_versions": [sorted(set(t)) for t in turns if t],
+        "masked": len(mask) - sum(mask),
+        "masked_logprobs_zero": all(lp == 0.0 for m, lp in zip(mask, logprobs) if not m),
+        "lengths_agree": len(mask) == len(versions) == len(logprobs) == sample.response_length,
+        "final": sample.final_response,
+    }
+    with open(os.environ["VIME_TEST_SAMPLES"], "a") as f:
+        f.write(json.dumps(row) + "\n")
+    text = sample.response or ""
+    right = sample.final_response.strip() == f"Answer: {sample.label}"
+    return float(right) + 0.1 * sum(ch.isdigit() for ch in text) / max(len(text), 1)
