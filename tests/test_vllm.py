@@ -147,6 +147,7 @@ def test_server_command_takes_the_users_vllm_args():
                 "served-model-name": ["a", "b"],  # several values
                 "enable-sleep-mode": True,  # what vime passes already: not twice
                 "logprobs-mode": "processed_logprobs",
+                "max_model_len": "4096",  # on CPU also the step's token budget (prompts kept whole)
             },
         )
     )
@@ -155,7 +156,8 @@ def test_server_command_takes_the_users_vllm_args():
         *("--logprobs-mode", "processed_logprobs", *EXTENSION),
         *("--dtype", "float32", "--max-num-seqs", "64", "--seed", "0"),
         *("--enable-sleep-mode", "--gpu-memory-utilization", "0.55", "--kv-cache-memory-bytes", "123"),
-        *("--enforce-eager", "--no-enable-prefix-caching", "--served-model-name", "a", "b"),
+        *("--no-enable-chunked-prefill", "--max-num-batched-tokens", "4096"),
+        *("--enforce-eager", "--no-enable-prefix-caching", "--served-model-name", "a", "b", "--max-model-len", "4096"),
     ]
     for flag in ("gpu-memory-utilization", "max-num-seqs", "seed", "dtype", "enable-sleep-mode", "logprobs-mode"):
         assert cmd.count(f"--{flag}") <= 1, flag
@@ -178,9 +180,21 @@ def test_vllm_args_that_the_adapter_relies_on_are_refused(name, value, shown):
     from vime.config import ConfigError
 
     with pytest.raises(ConfigError) as e:
-        server_command("/m", port=9, extra_args=["--enable-sleep-mode"], vllm_args={name: value})
+        server_command("/m", port=9, device="cuda:0", extra_args=["--enable-sleep-mode"], vllm_args={name: value})
     msg = str(e.value)
     assert msg == f"--vllm-{name}: vime starts its vLLM servers with {shown} and relies on it: drop --vllm-{name}"
+
+
+def test_a_cpu_server_keeps_prompts_whole_unless_told_otherwise(tiny_model):
+    """vLLM's CPU sampler dies on a seeded request whose prefill was split over steps, so a CPU
+    server never splits one: the step's budget is the model's context (512 here; 2048 at
+    least). The user's --vllm-enable-chunked-prefill replaces vime's switch, in one form."""
+    cpu = command_flags(server_command(str(tiny_model), port=9, device="cpu"))
+    assert cpu[-3:] == ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "2048"]
+    mine = command_flags(server_command(str(tiny_model), port=9, vllm_args={"enable-chunked-prefill": True}))
+    assert "--enable-chunked-prefill" in mine and "--no-enable-chunked-prefill" not in mine
+    gpu = command_flags(server_command(str(tiny_model), port=9, device="cuda:0"))
+    assert not any("chunked" in f or "batched" in f for f in gpu)
 
 
 def test_vllm_args_merge_keeps_vimes_own_when_none_are_given():

@@ -553,12 +553,13 @@ def _flag_tokens(name: str, value: Any) -> list[str]:
 
 
 def _split_flags(tokens: list[str]) -> dict[str, list[str]]:
-    """vime's own command line (flags and their values) as {name: tokens}, in order."""
+    """vime's own command line (flags and their values) as {name: tokens}, in order; a `--no-X`
+    switch under X, so the user's X (either form) replaces it."""
     flags: dict[str, list[str]] = {}
     name = None
     for tok in tokens:
         if tok.startswith("--"):
-            name = tok[2:]
+            name = tok[2:].removeprefix("no-")
             flags[name] = [tok]
         else:
             assert name is not None, f"a value without a flag: {tok}"
@@ -622,8 +623,22 @@ def server_command(
     if tp_size > 1:
         own += ["--tensor-parallel-size", str(tp_size)]
     if device == "cpu":
-        own += ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
+        own += ["--kv-cache-memory-bytes", str(kv_cache_bytes), *cpu_prefill_flags(model_path, vllm_args or {})]
     return [python, "-m", "vllm.entrypoints.openai.api_server", *merge_vllm_args(own, vllm_args or {})]
+
+
+def cpu_prefill_flags(model_path: str, vllm_args: dict[str, Any]) -> list[str]:
+    """On CPU, prefills are never split over engine steps. vLLM rewinds a seeded request's
+    random generator after a split prefill's step (`set_offset`), which CPU generators do not
+    have: the engine core died ("CPU Generator does not use offset") as soon as a step's
+    prompts passed its default 2048-token budget, e.g. when a batch of multi-turn requests
+    came back with their tool answers. Unsplit, a step takes every prompt whole, so its budget
+    is the context (`--vllm-max-model-len` where given, else the model's)."""
+    from vime.models import context_length
+
+    given = {str(k).replace("_", "-"): v for k, v in vllm_args.items()}
+    context = int(given.get("max-model-len") or context_length(model_path))
+    return ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(context, 2048))]
 
 
 def launch_vllm(
