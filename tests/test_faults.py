@@ -1145,7 +1145,7 @@ def test_a_cached_model_is_built_once_by_racing_workers_and_never_seen_half_writ
 
     def build(out: Path) -> Path:
         built.append(out)
-        out.mkdir()
+        out.mkdir(exist_ok=True)
         time.sleep(0.3)  # the other caller arrives while this one writes
         (out / "model.safetensors").write_text("weights")
         return out

@@ -5,7 +5,8 @@ tool's answer, `Answer: <that answer>`).
 A random model never writes a tool call, so whole runs with --tools would only ever see one
 turn. This one is a real model served by the real engines (built-in and vLLM) that opens
 conversations of two turns on its own, while sampling at temperature 1 still makes its samples
-differ (some garble the call or the answer), so rewards vary and training moves the weights.
+differ (at the runs' temperature 0.8 some garble the call or the answer), so rewards vary and
+training moves the weights.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import random
 from pathlib import Path
 
 from vime.rollout.multi_turn import answer_text
+
+RECIPE = 1  # part of the cache name: raise it when the conversation or the fine-tuning changes
 
 
 def conversation(a: int, b: int) -> tuple[str, str]:
@@ -28,7 +31,7 @@ def tool_model(**shape: int) -> Path:
     cache directory (about 30 s on 2 cores) and shared by test processes."""
     from vime.models import build_once, cache_dir
 
-    name = "tiny-tool-qwen3" + "".join(f"-{k}{v}" for k, v in sorted(shape.items()))
+    name = f"tiny-tool-qwen3-v{RECIPE}" + "".join(f"-{k}{v}" for k, v in sorted(shape.items()))
     return build_once(cache_dir() / name, lambda out: make_tool_model(out, **shape))
 
 

@@ -10,6 +10,7 @@ import fcntl
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,17 +37,21 @@ def cache_dir() -> Path:
 def build_once(out: Path, build: Callable[[Path], Path]) -> Path:
     """`out`, made by `build(directory)` unless a finished copy is there. Parallel test workers
     ask for the same one: a lock beside it lets one build while the others wait (they would
-    build the same seeded copy), and the copy is built beside it and renamed into place, so a
-    process killed mid-build leaves no half-written model behind."""
+    build the same seeded copy), and the copy is built in a fresh directory beside it and
+    renamed into place, so no reader ever sees a half-written model."""
     if (out / "model.safetensors").exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.with_name(out.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (out / "model.safetensors").exists():
-            tmp = build(out.with_name(out.name + f".tmp{os.getpid()}"))
-            shutil.rmtree(out, ignore_errors=True)  # what a process killed mid-rename left
-            tmp.rename(out)
+            tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".tmp"))
+            try:
+                build(tmp)
+                shutil.rmtree(out, ignore_errors=True)  # an incomplete copy (older code, or one copied by hand)
+                tmp.rename(out)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

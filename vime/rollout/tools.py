@@ -93,6 +93,10 @@ def _evaluate(node: ast.AST) -> int | float:
             value = _BINARY[type(node.op)](left, right)
         except ZeroDivisionError:
             raise ToolError("division by zero") from None
+        except OverflowError:  # a float past 1.8e308, or an integer too large to become one
+            raise ToolError("the result is too large for a floating-point number") from None
+        if isinstance(value, complex):  # a negative number to a fractional power
+            raise ToolError("the result is not a real number")
         if isinstance(value, int) and value.bit_length() > MAX_DIGITS * 3.33:
             raise ToolError(f"the result has more than {MAX_DIGITS} digits")
         return value
