@@ -12,7 +12,7 @@ turn only (1 right, 0 wrong; nothing for calling the tool), so what the model le
 tool, it learns from the answers the tool led to.
 
 1. convert SmolLM2's GGUF to an HF directory (once, cached) and write the prompts: 1000 to train
-   on, 200 held out (no product in both);
+   on, 200 held out (no pair of factors in both);
 2. greedy eval of the untrained model → GRPO (Dr. GRPO's loss; sync, or `--mode`) → greedy eval;
 3. print held-out accuracy, the share of samples that called the calculator and the share whose
    first call computed the asked product, before and after, with the accuracy change's standard
@@ -41,12 +41,14 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from demo import demo_config  # noqa: E402  (examples/demo.py, beside this script)
+
 from vime.config import parse_args  # noqa: E402
 from vime.models import resolve_model  # noqa: E402
 from vime.modes import MODES  # noqa: E402
 from vime.report import eval_results, paired_change, sparkline  # noqa: E402
 from vime.rollout.multi_turn import CALL_END, parse_call  # noqa: E402
-from vime.rollout.tools import ToolError, calculate  # noqa: E402
+from vime.rollout.tools import calculate  # noqa: E402
 from vime.run import train  # noqa: E402
 
 N_TRAIN, N_TEST = 1000, 200
@@ -67,7 +69,7 @@ GPU = dict(steps=60, batch=32, n=8, response_len=96, eval_limit=N_TEST, max_toke
 
 
 def write_data(out_dir: Path, seed: int = 0) -> tuple[Path, Path]:
-    """train.jsonl and test.jsonl: a two-digit times a three-digit number, no product in both."""
+    """train.jsonl and test.jsonl: a two-digit times a three-digit number, no pair in both."""
     rng = random.Random(seed)
     pairs: list[tuple[int, int]] = []
     seen: set[tuple[int, int]] = set()
@@ -88,26 +90,8 @@ def write_data(out_dir: Path, seed: int = 0) -> tuple[Path, Path]:
 
 
 def config(s: dict[str, Any], model_dir: Path, train_data: Path, test_data: Path) -> dict[str, Any]:
-    return {
-        "hf_checkpoint": str(model_dir),
-        "prompt_data": str(train_data),
-        "eval_prompt_data": str(test_data),
-        "apply_chat_template": True,
-        "tools": ["calculator"],
-        "max_turns": 3,
-        "rollout_shuffle": True,
-        "rollout_batch_size": s["batch"],
-        "n_samples_per_prompt": s["n"],
-        "rollout_max_response_len": s["response_len"],
-        "rollout_temperature": s["temperature"],
-        "num_rollout": s["steps"],
-        "eval_interval": s["steps"],
-        "eval_limit": s["eval_limit"],
-        "lr": s["lr"],
-        "max_tokens_per_gpu": s["max_tokens"],
-        "rm_type": "math",
-        "advantage_estimator": "dr_grpo",
-    }
+    """The demo's settings as config keys (the same keys, sized here), with the calculator."""
+    return {**demo_config(s, model_dir, train_data, test_data), "tools": ["calculator"], "max_turns": 3}
 
 
 def tool_use(run_dir: Path, step: int) -> tuple[float, float]:
@@ -124,7 +108,7 @@ def _first_call_value(response: str) -> str | None:
         return None
     try:
         return calculate(arguments)
-    except ToolError:
+    except Exception:  # any failure of the call: it did not compute the product
         return None
 
 
@@ -145,12 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     gpu = torch.cuda.is_available()
     s = dict(GPU if gpu else CPU)
-    s.update({k: v for k, v in (("steps", opts.steps), ("eval_limit", opts.eval_limit)) if v})
+    s.update({k: v for k, v in (("steps", opts.steps), ("eval_limit", opts.eval_limit)) if v is not None})
     runs = ROOT / "runs"
     print(f"[tools] device: {'cuda' if gpu else 'cpu'}; settings: {s}", flush=True)
     model_dir = resolve_model("smollm2")
     train_data, test_data = write_data(runs / "tool-calculator-data")
-    name = time.strftime(f"tool-calculator-{opts.mode}-%Y%m%d-%H%M%S")
+    seed = "" if opts.seed is None else f"-seed{opts.seed}"
+    name = time.strftime(f"tool-calculator-{opts.mode}{seed}-%Y%m%d-%H%M%S")
     seeds = {} if opts.seed is None else {"seed": opts.seed, "rollout_seed": opts.seed}
     arm = MODES[opts.mode].arm  # the entry (train / train-async) and its flags
     args = parse_args(
@@ -168,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     use = {k: tool_use(run_dir, k) for k in (0, last)}
     change, se = paired_change(evals[0], evals[last])
     print(f"\n[tools] {opts.mode}: held-out greedy, {len(evals[0])} prompts, before → after {last} steps")
-    print("| | accuracy | called the calculator | called it with the right product |")
+    print("| | accuracy | called the calculator | its first call computes the asked product |")
     print("|---|---:|---:|---:|")
     for k, label in ((0, "before"), (last, "after")):
         print(f"| {label} | {acc[k]:.1f}% | {100 * use[k][0]:.1f}% | {100 * use[k][1]:.1f}% |")
