@@ -5,7 +5,8 @@ continuous batching.
     PYTHONPATH=. python3 bench/bench_engine.py                  # the H200 run in bench/RESULTS.md
     PYTHONPATH=. python3 bench/bench_engine.py --device cpu --tiny   # smoke test, seconds
 
-Workload (issue 6): a Qwen3-0.6B-shaped model with random bf16 weights, 256 requests with prompt
+Workload (issue 6): a Qwen3-0.6B-shaped model (`--shape qwen3-4b`: the 4B one) with random bf16
+weights (`--dtype float32` tells rounding from a bug in the correctness check), 256 requests with prompt
 and output lengths uniform in 100-1024 (seeded), random token ids, EOS ignored. The HF arms are
 far slower, so they run a stated subset with outputs capped. Before timing, the engine's greedy
 output is compared with HF `generate` and its log-probs with a teacher-forced HF forward.
@@ -41,6 +42,9 @@ QWEN3_0_6B = dict(
     rms_norm_eps=1e-6,
     tie_word_embeddings=True,
 )
+# Qwen3-4B's config (issue 30): the seed's model, random weights
+QWEN3_4B = dict(QWEN3_0_6B, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32)
+SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "qwen3-4b": QWEN3_4B}
 TINY = dict(
     vocab_size=512,
     hidden_size=64,
@@ -60,6 +64,12 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="tiny model and workload (smoke test)")
+    p.add_argument("--shape", choices=list(SHAPES), default="qwen3-0.6b", help="model shape (random weights)")
+    p.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        help="engine and HF dtype (default: bfloat16 on a GPU, float32 on CPU); float32 tells precision from a bug",
+    )
     p.add_argument("--num-requests", type=int, default=None, help="default 256 (tiny: 16)")
     p.add_argument("--temperature", type=float, default=1.0, help="vime sampling temperature (RL rollouts sample)")
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -427,11 +437,11 @@ def main() -> None:
     device = torch.device(args.device)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
-    shape = TINY if args.tiny else QWEN3_0_6B
+    shape = TINY if args.tiny else SHAPES[args.shape]
     lo, hi = (10, 40) if args.tiny else (100, 1024)
     args.lengths = f"{lo}-{hi}"
     n_req = args.num_requests or (16 if args.tiny else 256)
-    dtype_name = "float32" if device.type == "cpu" else "bfloat16"
+    dtype_name = args.dtype or ("float32" if device.type == "cpu" else "bfloat16")
     dtype = getattr(torch, dtype_name)
     if args.tiny:
         args.max_num_seqs = min(args.max_num_seqs, n_req)
