@@ -3,6 +3,7 @@ weight names, and the shm/disk weight pushes."""
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import subprocess
@@ -291,6 +292,25 @@ def test_use_rollout_logprobs_takes_the_ratio_against_the_engine(tiny_model):
         and m_prox["train/pg_clipfrac"] == 0.0
         and grad_prox > 0
     )
+
+
+def test_dual_clip_caps_a_far_off_policy_token_in_a_train_step(tiny_model):
+    """--eps-clip-c through the trainer: with the engine's log-probs 3 nats below the trainer's
+    (ratio e^3 = 20) and A = -1 everywhere, PPO's loss per token is 20 (the unclipped side); the
+    dual clip at c = 3 caps every token at 3: no gradient, everything counted as capped.
+    Without it the loss is 20 and the gradient is not zero."""
+    samples = make_samples(2)
+    out = {}
+    for c in (3.0, None):
+        a = Actor(make_args(use_rollout_logprobs=True, eps_clip_c=c), tiny_model)
+        for s in samples:
+            s.rollout_log_probs = [float(x) - 3.0 for x in a.compute_log_probs([s])[0]]
+        m = a.accumulate_gradients(samples, [-1.0, -1.0], None)
+        out[c] = (m, sum(float(p.grad.abs().sum()) for p in a.model.parameters() if p.grad is not None))
+    (m, grad), (m_plain, grad_plain) = out[3.0], out[None]
+    assert m["train/pg_loss"] == pytest.approx(3.0, abs=1e-4) and m["train/pg_clipfrac_lower"] == 1.0 and grad == 0.0
+    assert m_plain["train/pg_loss"] == pytest.approx(math.exp(3.0), rel=1e-4) and grad_plain > 0
+    assert "train/pg_clipfrac_lower" not in m_plain
 
 
 @pytest.mark.parametrize(

@@ -91,6 +91,24 @@ def test_asymmetric_clip_high():
     assert close(low, 0.8)
 
 
+def test_dual_clip_caps_negative_advantages_by_hand():
+    # per token: (advantage, ratio) → PPO's max(-A r, -A clip(r, 0.8, 1.2)), then for A < 0 at most -A c, c = 3
+    #   (-1, 5.0): max(5.0, 1.2) = 5.0 → capped at 3.0 (no gradient)
+    #   (-2, 1.1): max(2.2, 2.2) = 2.2 → under the cap 6.0, kept
+    #   (+1, 5.0): max(-5.0, -1.2) = -1.2 → a positive advantage is never capped
+    #   (-1, 0.5): max(0.5, 0.8) = 0.8 → kept
+    # token mean = (3.0 + 2.2 - 1.2 + 0.8) / 4 = 1.2; capped 1 of 4
+    log_probs = lp(5.0, 1.1, 5.0, 0.5).requires_grad_()
+    adv = torch.tensor([-1.0, -2.0, 1.0, -1.0])
+    loss, m = policy_loss(log_probs, torch.zeros(4), adv, torch.ones(4), eps_clip=0.2, eps_clip_c=3.0)
+    loss.backward()
+    assert close(loss, 1.2) and close(m["pg_clipfrac_lower"], 0.25)
+    # the capped token and the clipped ones carry no gradient; the kept ones d(-A r)/d logp = -A r / 4
+    assert close(log_probs.grad, [0.0, 2.0 * 1.1 / 4, 0.0, 0.0])
+    plain, m_plain = policy_loss(log_probs.detach(), torch.zeros(4), adv, torch.ones(4), eps_clip=0.2)
+    assert close(plain, (5.0 + 2.2 - 1.2 + 0.8) / 4) and "pg_clipfrac_lower" not in m_plain
+
+
 def test_on_policy_ratio_one_gives_minus_mean_advantage_and_gradient():
     # ratio 1 everywhere: loss = -mean(A) = -(2 - 1)/2 = -0.5, nothing clipped; d loss/d logp_i = -A_i / 2
     log_probs = torch.tensor([-1.0, -2.0], requires_grad=True)

@@ -205,6 +205,11 @@ class Config:
     )
     eps_clip: float = _f(0.2, "PPO clip range below 1", group="algorithm")
     eps_clip_high: float | None = _f(None, "PPO clip range above 1 (default: --eps-clip)", group="algorithm")
+    eps_clip_c: float | None = _f(
+        None,
+        "dual-clip PPO: a token with a negative advantage A loses at most -A·c (c > 1), so one token whose ratio exploded cannot set the step (default: off)",
+        group="algorithm",
+    )
     kl_loss_coef: float = _f(
         0.0, "weight of the KL loss to a frozen reference (0 = no reference model)", group="algorithm"
     )
@@ -777,6 +782,10 @@ def _train_checks(c: Config, entry: str) -> list[tuple[bool, str]]:
         (
             not 0 <= c.tis_clip_low < c.tis_clip,
             f"--tis-clip-low {c.tis_clip_low} must be >= 0 and below --tis-clip {c.tis_clip}",
+        ),
+        (
+            c.eps_clip_c is not None and not c.eps_clip_c > 1,
+            f"--eps-clip-c {c.eps_clip_c} must be above 1 (the dual clip caps -A·ratio at -A·c; c <= 1 would cap the unclipped ratio itself)",
         ),
         (
             not 0 <= c.rs_lower_bound < c.rs_upper_bound,

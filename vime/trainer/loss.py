@@ -186,6 +186,7 @@ def policy_loss(
     loss_mask: Tensor,
     eps_clip: float,
     eps_clip_high: float | None = None,
+    eps_clip_c: float | None = None,
     rollout_log_probs: Tensor | None = None,
     correction: OffPolicyCorrection = OffPolicyCorrection(),
     seq_ids: Tensor | None = None,
@@ -200,6 +201,12 @@ def policy_loss(
     With π_old the proximal policy and a `correction` that reweights by π_old/π_behav, this is
     the decoupled PPO objective: the clip bounds the step from the current weights, the weight
     corrects for who sampled (see `OffPolicyCorrection`).
+
+    `eps_clip_c` (dual-clip PPO, Ye et al. 2020; slime's --eps-clip-c, > 1): a token with a
+    negative advantage loses at most -A·c. PPO's clip leaves such a token's loss -A·ratio
+    unbounded above when the ratio is large (a token the current policy likes far more than
+    the one that sampled it, as stale samples do), and one such token could set the step;
+    capped, it contributes no gradient. `pg_clipfrac_lower` is the share of tokens capped.
 
     Metrics are token means over `num_tokens` (default: this call's mask sum), so they too add
     up over the micro-batches of one step: pg_loss, pg_clipfrac (share of tokens whose clipped
@@ -216,6 +223,12 @@ def policy_loss(
     clipped = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
     per_token = torch.maximum(unclipped, clipped)
     metrics: dict[str, Tensor] = {}
+    if eps_clip_c is not None:
+        cap = -advantages * eps_clip_c
+        capped = (advantages < 0) & (per_token > cap)
+        per_token = torch.where(capped, cap, per_token)
+        with torch.no_grad():
+            metrics["pg_clipfrac_lower"] = (capped.to(mask.dtype) * mask).sum() / n
     if correction.active:
         if rollout_log_probs is None:
             raise ValueError("TIS and rejection need rollout_log_probs (the engine's log-probs of the sampled tokens)")
@@ -289,6 +302,7 @@ class Objective:
 
     eps_clip: float
     eps_clip_high: float
+    eps_clip_c: float | None  # dual clip: None off
     correction: OffPolicyCorrection
     agg: str  # token_mean, or seq_sum_const for Dr.GRPO
     entropy_coef: float
@@ -302,6 +316,7 @@ class Objective:
         return cls(
             eps_clip=args.eps_clip,
             eps_clip_high=args.eps_clip_high,
+            eps_clip_c=args.eps_clip_c,
             correction=OffPolicyCorrection(
                 use_tis=args.use_tis,
                 tis_mode=args.tis_mode,
@@ -332,6 +347,7 @@ class Objective:
             t.mask,
             eps_clip=self.eps_clip,
             eps_clip_high=self.eps_clip_high,
+            eps_clip_c=self.eps_clip_c,
             rollout_log_probs=t.rollout_lp,
             correction=self.correction,
             seq_ids=t.seq_ids,
