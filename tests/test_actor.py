@@ -179,6 +179,29 @@ def test_gradients_do_not_depend_on_micro_batch_size(tiny_model):
     assert any(g.abs().sum() > 0 for g in grads[0].values())
 
 
+def test_the_sample_mean_loss_weighs_samples_alike_in_any_split(tiny_model):
+    """--no-calculate-per-token-loss (slime's default): on-policy (ratio 1), the loss is the mean
+    over samples of each sample's token mean of -A: -mean(A), whatever the responses' lengths
+    (the token mean weighs them by length). A token of sample i gets the gradient -A_i / (n_i S)
+    of its log-prob: the same in every micro-batch split, and not the token mean's."""
+    samples = make_samples(5)
+    samples[0].loss_mask = [1] * (samples[0].response_length - 1) + [0]  # n_0 counts loss tokens only
+    advantages = [1.0, -0.5, 0.25, -1.0, 2.0]
+    n = [sum(s.effective_loss_mask()) for s in samples]
+    grads, metrics = [], []
+    for budget in (1, 100_000):
+        a = Actor(make_args(max_tokens_per_gpu=budget, calculate_per_token_loss=False), tiny_model)
+        metrics.append(a.accumulate_gradients(samples, advantages, None))
+        grads.append({k: p.grad.clone() for k, p in a.model.named_parameters()})
+    for name, g in grads[0].items():
+        assert torch.allclose(g, grads[1][name], atol=1e-5), name
+    assert all(float(m["train/pg_loss"]) == pytest.approx(-sum(advantages) / 5, abs=1e-5) for m in metrics)
+    token = Actor(make_args(), tiny_model).accumulate_gradients(samples, advantages, None)
+    by_tokens = -sum(x * k for x, k in zip(advantages, n)) / sum(n)
+    assert float(token["train/pg_loss"]) == pytest.approx(by_tokens, abs=1e-5)
+    assert abs(by_tokens + sum(advantages) / 5) > 0.05  # the two means differ here
+
+
 @pytest.fixture(scope="module")
 def three_layer_model(tmp_path_factory) -> Path:
     from vime.models import make_tiny_model

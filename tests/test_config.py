@@ -60,6 +60,10 @@ def test_json_and_list_flags():
         (["--use-tis", "--tis-clip-low", "2"], "--tis-clip-low"),
         (["--use-rs", "--rs-lower-bound", "3"], "--rs-lower-bound"),
         (["--eps-clip-c", "1"], "--eps-clip-c 1.0 must be above 1"),
+        (
+            ["--no-calculate-per-token-loss", "--advantage-estimator", "dr_grpo"],
+            "Dr. GRPO divides by a constant, not by tokens or samples",
+        ),
         (["--max-staleness", "2"], "run it with train_async.py"),
         (["--rollout-num-gpus-per-engine", "2"], "has no tensor parallelism"),
         (["--rollout-num-gpus-per-engine", "0"], "must be at least 1"),

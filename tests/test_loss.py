@@ -143,6 +143,23 @@ def test_global_token_count_makes_micro_batches_add_up():
     assert close(full, -0.42)
 
 
+def test_sample_mean_by_hand():
+    # two samples, 1 and 3 loss tokens (a fourth token masked): (2 + (1 + 3 + 5) / 3) / 2 = 2.5;
+    # the token mean would be (2 + 1 + 3 + 5) / 4 = 2.75
+    values = torch.tensor([2.0, 1.0, 3.0, 5.0, 100.0])
+    mask = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0])
+    weights = torch.tensor([1.0, 1 / 3, 1 / 3, 1 / 3, 1 / 3])
+    assert close(aggregate(values, mask, "sample_mean", const=2, weights=weights), 2.5)
+    assert close(aggregate(values, mask, "token_mean"), 2.75)
+    # split at any token, the shares add up to the whole
+    parts = [
+        aggregate(values[s], mask[s], "sample_mean", const=2, weights=weights[s]) for s in (slice(0, 2), slice(2, 5))
+    ]
+    assert close(sum(parts), 2.5)
+    with pytest.raises(ValueError, match="sample_mean aggregation needs"):
+        aggregate(values, mask, "sample_mean", const=2)
+
+
 def test_dr_grpo_seq_sum_const():
     # two sequences, max response length 4 → const = 4 × 2 = 8; ratio 1 so per-token loss = -A
     # seq 1: 3 tokens with A = 1 → -3; seq 2: 1 token with A = -2 → +2; sum = -1; -1 / 8 = -0.125

@@ -98,12 +98,6 @@ FLAGS: dict[str, Flag] = {
             "balance_data", "same", bool, "each step's samples are always split over trainer ranks balanced by tokens"
         ),
         Flag("accumulate_allreduce_grads_in_fp32", "same", bool, "FSDP2 reduces gradients in float32"),
-        Flag(
-            "calculate_per_token_loss",
-            "same",
-            bool,
-            "the loss is always a mean over the step's tokens (slime's per-token loss; Dr. GRPO's constant with --advantage-estimator dr_grpo)",
-        ),
         Flag("attention_softmax_in_fp32", "same", bool, "the attention kernels keep the softmax in float32"),
         Flag("attention_backend", "inert", str, "vime's packed attention chooses its kernel itself"),
         Flag("train_backend", "inert", str, "vime trains with FSDP2: the same model and loss"),

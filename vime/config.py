@@ -205,6 +205,11 @@ class Config:
     )
     eps_clip: float = _f(0.2, "PPO clip range below 1", group="algorithm")
     eps_clip_high: float | None = _f(None, "PPO clip range above 1 (default: --eps-clip)", group="algorithm")
+    calculate_per_token_loss: bool = _f(
+        True,
+        "the policy loss is a mean over all of the step's loss tokens (default, as DAPO argues: every token weighs the same whatever its response's length, so a long wrong answer is not penalized less per token than a short one; every vime figure was measured so); --no-calculate-per-token-loss is slime's default: the mean over samples of each sample's token mean",
+        group="algorithm",
+    )
     eps_clip_c: float | None = _f(
         None,
         "dual-clip PPO: a token with a negative advantage A loses at most -A·c (c > 1), so one token whose ratio exploded cannot set the step (default: off)",
@@ -782,6 +787,10 @@ def _train_checks(c: Config, entry: str) -> list[tuple[bool, str]]:
         (
             not 0 <= c.tis_clip_low < c.tis_clip,
             f"--tis-clip-low {c.tis_clip_low} must be >= 0 and below --tis-clip {c.tis_clip}",
+        ),
+        (
+            not c.calculate_per_token_loss and c.advantage_estimator == "dr_grpo",
+            "--no-calculate-per-token-loss with --advantage-estimator dr_grpo: Dr. GRPO divides by a constant, not by tokens or samples; drop one",
         ),
         (
             c.eps_clip_c is not None and not c.eps_clip_c > 1,

@@ -91,6 +91,7 @@ class _StepTokens:
     rollout_lps: list[Tensor]  # zeros where the engine sent none
     has_rollout_lps: list[Tensor]  # the mask where it did, else zeros
     num_tokens: float  # loss tokens in the step
+    weights: list[Tensor]  # 1 / the sample's loss tokens on each of its tokens (the sample-mean loss)
 
     @classmethod
     def of(cls, samples: list[Sample]) -> _StepTokens:
@@ -103,7 +104,8 @@ class _StepTokens:
             for s in samples
         ]
         has = [m if s.rollout_log_probs is not None else torch.zeros_like(m) for s, m in zip(samples, masks)]
-        return cls(masks, rollout_lps, has, float(sum(m.sum() for m in masks)))
+        weights = [torch.full_like(m, 1.0 / max(float(m.sum()), 1.0)) for m in masks]
+        return cls(masks, rollout_lps, has, float(sum(m.sum() for m in masks)), weights)
 
 
 class Actor:
@@ -477,7 +479,9 @@ class Actor:
         """
         a = self.args
         advantages = torch.as_tensor(advantages, dtype=torch.float32).flatten()  # one per sample
-        const = float(a.rollout_max_response_len * len(samples))  # Dr.GRPO's denominator
+        sample_mean = self.objective.agg == "sample_mean"
+        # the constant denominators: the step's samples (sample mean), Dr.GRPO's otherwise
+        const = float(len(samples) if sample_mean else a.rollout_max_response_len * len(samples))
         if (self.objective.correction.active or self.use_rollout_logprobs) and any(
             s.rollout_log_probs is None for s in samples
         ):
@@ -514,6 +518,7 @@ class Actor:
                 seq_ids=to_device(torch.repeat_interleave(torch.arange(len(lengths)), lengths), self.device),
                 old=rollout_lp if self.use_rollout_logprobs else None if old_log_probs is None else flat(old_log_probs),
                 ref=None if ref_log_probs is None else flat(ref_log_probs),
+                weights=flat(tokens.weights) if sample_mean else None,
             )
 
         def loss_of(log_probs: Tensor, entropy: Tensor, t: LossInputs) -> Tensor:

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 Estimator = Literal["grpo", "dr_grpo"]
-Aggregation = Literal["token_mean", "seq_sum_const"]
+Aggregation = Literal["token_mean", "sample_mean", "seq_sum_const"]
 KLKind = Literal["low_var_kl", "k1", "k2", "k3"]
 TISMode = Literal["truncate", "mask"]
 RSLevel = Literal["token", "sequence", "geometric"]
@@ -59,14 +59,25 @@ def aggregate(
     agg: Aggregation = "token_mean",
     num_tokens: float | Tensor | None = None,
     const: float | None = None,
+    weights: Tensor | None = None,
 ) -> Tensor:
     """Masked sum of per-token `values` divided by the step's denominator.
 
     token_mean: by `num_tokens` (the loss tokens of the whole optimizer step; default: this
-    call's mask sum, i.e. a plain token mean). seq_sum_const (Dr.GRPO): by `const`
-    (max response length × number of sequences), so a token weighs the same in a short and in a
-    long response and no length bias creeps in through the normalizer.
+    call's mask sum, i.e. a plain token mean). sample_mean (slime without
+    --calculate-per-token-loss): each token weighted by `weights` (1 / its sample's loss
+    tokens), the sum divided by `const` (the step's samples): the mean over samples of each
+    sample's token mean, still a plain weighted sum, so micro-batches and chunks add up.
+    seq_sum_const (Dr.GRPO): by `const` (max response length × number of sequences), so a token
+    weighs the same in a short and in a long response and no length bias creeps in through the
+    normalizer.
     """
+    if agg == "sample_mean":
+        if weights is None or const is None or const <= 0:
+            raise ValueError(
+                "sample_mean aggregation needs per-token weights and a positive const (the step's samples)"
+            )
+        return (values * loss_mask * weights).sum() / const
     total = (values * loss_mask).sum()
     if agg == "token_mean":
         denom = loss_mask.sum() if num_tokens is None else torch.as_tensor(num_tokens, dtype=total.dtype)
@@ -77,7 +88,7 @@ def aggregate(
                 "seq_sum_const aggregation needs a positive const (max response length × number of sequences)"
             )
         return total / const
-    raise ValueError(f"unknown loss aggregation {agg!r}: use token_mean or seq_sum_const")
+    raise ValueError(f"unknown loss aggregation {agg!r}: use token_mean, sample_mean or seq_sum_const")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -193,8 +204,10 @@ def policy_loss(
     agg: Aggregation = "token_mean",
     const: float | None = None,
     num_tokens: float | Tensor | None = None,
+    weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO-clip loss over flat per-token tensors; returns (loss, metrics).
+    """PPO-clip loss over flat per-token tensors; returns (loss, metrics). `agg`, `const`,
+    `num_tokens` and `weights` are `aggregate`'s.
 
     The ratio π/π_old is clipped to [1 - eps_clip, 1 + eps_clip_high] (DAPO's clip-higher when
     the two differ) and the pessimistic (larger) of the clipped and unclipped losses is kept.
@@ -235,7 +248,7 @@ def policy_loss(
         factor, sums = behaviour_weights(old_log_probs, rollout_log_probs, mask, correction, seq_ids)
         per_token = per_token * factor
         metrics.update({k: v / n for k, v in sums.items()})
-    loss = aggregate(per_token, mask, agg, num_tokens=n, const=const)
+    loss = aggregate(per_token, mask, agg, num_tokens=n, const=const, weights=weights)
     with torch.no_grad():
         metrics["pg_loss"] = loss.detach()
         metrics["pg_clipfrac"] = ((clipped > unclipped).to(mask.dtype) * mask).sum() / n
@@ -286,6 +299,7 @@ class LossInputs:
     seq_ids: Tensor  # the sequence of each token, 0..S-1
     old: Tensor | None  # None: the forward's own log-probs, detached
     ref: Tensor | None
+    weights: Tensor | None = None  # sample_mean: 1 / the loss tokens of each token's sample
 
     def rows(self, sl: slice) -> LossInputs:
         return LossInputs(**{k: None if v is None else v[sl] for k, v in vars(self).items()})
@@ -304,7 +318,7 @@ class Objective:
     eps_clip_high: float
     eps_clip_c: float | None  # dual clip: None off
     correction: OffPolicyCorrection
-    agg: str  # token_mean, or seq_sum_const for Dr.GRPO
+    agg: str  # token_mean; sample_mean (--no-calculate-per-token-loss); seq_sum_const for Dr.GRPO
     entropy_coef: float
     kl_coef: float
     kl_type: str
@@ -327,7 +341,11 @@ class Objective:
                 rs_lower_bound=args.rs_lower_bound,
                 rs_upper_bound=args.rs_upper_bound,
             ),
-            agg="seq_sum_const" if args.advantage_estimator == "dr_grpo" else "token_mean",
+            agg="seq_sum_const"
+            if args.advantage_estimator == "dr_grpo"
+            else "token_mean"
+            if args.calculate_per_token_loss
+            else "sample_mean",
             entropy_coef=args.entropy_coef,
             kl_coef=args.kl_loss_coef,
             kl_type=args.kl_loss_type,
@@ -354,15 +372,18 @@ class Objective:
             agg=self.agg,
             const=const,
             num_tokens=num_tokens,
+            weights=t.weights,
         )
         loss = pg
         # entropy is reported as a token mean whatever the loss aggregation
         m["entropy"] = aggregate(entropy.detach(), t.mask, "token_mean", num_tokens=num_tokens)
         if self.entropy_coef != 0:
-            loss = loss - self.entropy_coef * aggregate(entropy, t.mask, self.agg, num_tokens=num_tokens, const=const)
+            loss = loss - self.entropy_coef * aggregate(
+                entropy, t.mask, self.agg, num_tokens=num_tokens, const=const, weights=t.weights
+            )
         if t.ref is not None:
             per_token = kl_penalty(log_probs, t.ref, self.kl_type, old if self.unbiased_kl else None)
-            kl = aggregate(per_token, t.mask, self.agg, num_tokens=num_tokens, const=const)
+            kl = aggregate(per_token, t.mask, self.agg, num_tokens=num_tokens, const=const, weights=t.weights)
             loss = loss + self.kl_coef * kl
             m["kl_loss"] = kl.detach()
         m["loss"] = loss.detach()
