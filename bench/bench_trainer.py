@@ -1,6 +1,6 @@
 """Trainer throughput: eager HF padded full-logit baseline vs vime's packed, chunked trainer.
 
-Same model (Qwen3-0.6B shape, random weights), same GRPO-shaped batch (prompts 100–500 tokens,
+Same model (Qwen3-0.6B shape, or `--shape qwen3-4b`; random weights), same GRPO-shaped batch (prompts 100–500 tokens,
 responses 100–2000, seeded), same token budget per micro-batch, in one run:
 
 * `hf_padded`: HF model in bf16, right-padded micro-batches (longest first, batch × longest
@@ -16,6 +16,7 @@ bf16 peak of an H200, for both rows. Prints a markdown table last.
 
     PYTHONPATH=. python3 bench/bench_trainer.py --device cuda
     PYTHONPATH=. python3 bench/bench_trainer.py --gpus 1,2 --no-compile --no-hf   # FSDP2 on 1 and 2 GPUs
+    PYTHONPATH=. python3 bench/bench_trainer.py --shape qwen3-4b --max-tokens-per-gpu 8192 --hf-max-tokens-per-gpu 4096
     PYTHONPATH=. python3 bench/bench_trainer.py --device cpu --tiny     # smoke test
 """
 
@@ -38,35 +39,21 @@ from vime.rollout.types import Sample
 from vime.trainer.packing import packed_attention_backend
 from vime.trainer.perf import PEAK_BF16_FLOPS, mfu, train_flops
 
-QWEN3_06B = dict(
-    hidden_size=1024,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    intermediate_size=3072,
-    vocab_size=151936,
-)
-TINY = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    intermediate_size=128,
-    vocab_size=512,
-)
+from bench.shapes import SHAPES, TINY
 
 
-def make_model(out: Path, shape: dict[str, int]) -> Path:
+def make_model(out: Path, shape: dict, device: str = "cpu") -> Path:
+    """Random weights written as an HF directory; built on `device` in bf16 on a GPU (a 4B model's
+    float32 init on the slow host CPU takes minutes), float32 on CPU."""
     from tokenizers import Tokenizer, models
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config
 
     torch.manual_seed(0)
-    config = Qwen3Config(
-        **shape, max_position_embeddings=4096, tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1e6
-    )
-    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    config = Qwen3Config(**shape)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if device != "cpu" else torch.float32)
+    model.save_pretrained(out)
+    del model
     tok = Tokenizer(models.WordLevel({"<pad>": 0, "<eos>": 1}, unk_token="<pad>"))
     PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>").save_pretrained(out)
     return out
@@ -149,6 +136,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model and short sequences (CPU smoke test)")
+    ap.add_argument("--shape", choices=list(SHAPES), default="qwen3-0.6b", help="model shape (random weights)")
+    ap.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="vime recomputes activations in the backward (MFU still counts only the FLOPs the step needs)",
+    )
     ap.add_argument("--samples", type=int, default=None, help="sequences per step (default 64; 8 with --tiny)")
     ap.add_argument(
         "--max-tokens-per-gpu", type=int, default=None, help="micro-batch token budget (default 16384; 512 with --tiny)"
@@ -171,7 +164,7 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true", help="skip the HF eager baseline")
     a = ap.parse_args()
     device = torch.device(a.device)
-    shape = TINY if a.tiny else QWEN3_06B
+    shape = TINY if a.tiny else SHAPES[a.shape]
     n = a.samples or (8 if a.tiny else 64)
     budget = a.max_tokens_per_gpu or (512 if a.tiny else 16384)
     prompt, response = ((10, 50), (10, 200)) if a.tiny else ((100, 500), (100, 2000))
@@ -189,7 +182,7 @@ def main() -> None:
     from vime.trainer.distributed import launch_actor
 
     tmp = Path(tempfile.mkdtemp(prefix="vime-bench-"))
-    model_dir = make_model(tmp / "model", shape)
+    model_dir = make_model(tmp / "model", shape, a.device)
     config = AutoConfig.from_pretrained(model_dir)
     step_flops = train_flops(config, lengths, [s.response_length for s in samples], forwards=0)
     rows: list[tuple[str, float, float, float]] = []
@@ -219,7 +212,7 @@ def main() -> None:
                 seed=a.seed,
                 actor_num_nodes=1,
                 actor_num_gpus_per_node=gpus,
-                gradient_checkpointing=False,
+                gradient_checkpointing=a.gradient_checkpointing,
                 compile=compiled,
             )
             t0 = time.perf_counter()

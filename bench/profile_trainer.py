@@ -33,7 +33,8 @@ from typing import Any
 import torch
 import torch._dynamo.utils
 
-from bench.bench_trainer import QWEN3_06B, TINY, make_batch, make_model, pct
+from bench.bench_trainer import make_batch, make_model, pct
+from bench.shapes import QWEN3_0_6B, TINY
 from vime.config import Config
 from vime.trainer import actor as actor_mod
 from vime.trainer import logprobs
@@ -249,7 +250,7 @@ def main() -> None:
     ap.add_argument("--trace-dir", default=None, help="also keep each variant's Chrome trace here")
     a = ap.parse_args()
     device = torch.device(a.device)
-    shape = dict(TINY if a.tiny else QWEN3_06B)
+    shape = dict(TINY if a.tiny else QWEN3_0_6B)
     if a.vocab:
         shape["vocab_size"] = a.vocab
     n, budget = (8, a.max_tokens_per_gpu or 512) if a.tiny else (64, a.max_tokens_per_gpu or 16384)
