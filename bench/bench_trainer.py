@@ -34,12 +34,11 @@ from typing import Any
 
 import torch
 
+from bench.shapes import SHAPES, TINY
 from vime.config import Config
 from vime.rollout.types import Sample
 from vime.trainer.packing import packed_attention_backend
 from vime.trainer.perf import PEAK_BF16_FLOPS, mfu, train_flops
-
-from bench.shapes import SHAPES, TINY
 
 
 def make_model(out: Path, shape: dict, device: str = "cpu") -> Path:

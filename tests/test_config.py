@@ -68,6 +68,18 @@ def test_json_and_list_flags():
         (["--rollout-num-gpus-per-engine", "2"], "has no tensor parallelism"),
         (["--rollout-num-gpus-per-engine", "0"], "must be at least 1"),
         (["--reward-timeout", "0"], "--reward-timeout 0 must be > 0 seconds"),
+        (
+            ["--dynamic-sampling-filter-path", "f.g", "--over-sampling-batch-size", "1"],
+            "--over-sampling-batch-size 1 is below --rollout-batch-size",
+        ),
+        (["--over-sampling-batch-size", "16"], "only matters with --dynamic-sampling-filter-path"),
+        (["--debug-train-only"], "give --load-debug-rollout-data"),
+        (["--debug-rollout-only", "--load-debug-rollout-data", "d/{rollout_id}.pt"], "give one of them"),
+        (["--debug-rollout-only", "--save", "ck"], "drop --save/--load"),
+        (
+            ["--save-debug-rollout-data", "dbg/"],
+            "put {rollout_id} in the path (one file per rollout), e.g. dbg/{rollout_id}.pt",
+        ),
         (["--rollout-engine-urls", "not a url"], "--rollout-engine-urls: 'not a url' is not an engine URL"),
         (["--rollout-engine-urls", "http://h:port"], "'http://h:port' is not an engine URL"),
         (["--reward-timeout", "-1"], "--reward-timeout -1 must be > 0 seconds"),

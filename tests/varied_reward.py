@@ -7,3 +7,18 @@ from __future__ import annotations
 def digit_share(args, sample) -> float:
     text = sample.response or ""
     return sum(ch.isdigit() for ch in text) / max(len(text), 1)
+
+
+def half_constant(args, sample) -> float:
+    """digit_share for prompts with an even answer, 0.5 for the others: the groups of odd answers
+    have equal rewards, which dynamic sampling must drop, and the others vary."""
+    return 0.5 if int(sample.label) % 2 else digit_share(args, sample)
+
+
+def constant(args, sample) -> float:
+    return 1.0
+
+
+def float_filter(args, samples) -> float:
+    """A dynamic sampling filter that answers a number instead of keep/drop (refused)."""
+    return 0.0

@@ -138,6 +138,27 @@ class Config:
         "prompt + response tokens at most: a response stops where its sample reaches this length (default: the model's context)",
         group="rollout",
     )
+    # --- debugging one side ---
+    save_debug_rollout_data: str | None = _f(
+        None,
+        "write every rollout the trainer receives to this path, formatted with {rollout_id} (e.g. dbg/{rollout_id}.pt)",
+        group="debug",
+    )
+    load_debug_rollout_data: str | None = _f(
+        None,
+        "train on rollouts saved by --save-debug-rollout-data (same template) instead of generating; turns on --debug-train-only",
+        group="debug",
+    )
+    debug_train_only: bool = _f(
+        False,
+        "start no engine: train on --load-debug-rollout-data, push nothing, evaluate nothing",
+        group="debug",
+    )
+    debug_rollout_only: bool = _f(
+        False,
+        "start no trainer: the engines generate with the starting weights and rewards score; metrics and saved rollouts are written",
+        group="debug",
+    )
     # --- multi-turn tool use ---
     tools: list = _f(
         [],
@@ -156,6 +177,21 @@ class Config:
         2000,
         "characters of a tool's answer kept in the conversation; a longer one is cut there and counted as an error",
         group="tools",
+    )
+    dynamic_sampling_filter_path: str | None = _f(
+        None,
+        "DAPO's dynamic sampling: dotted path of a filter fn(args, samples) -> bool or DynamicFilterOutput that judges each "
+        "scored group; a dropped group is never trained (counted in rollout/dynamic_filter/*) and more prompts are generated "
+        "until the batch is full of kept ones, in every mode. Built in: vime.rollout.filters.check_reward_nonzero_std "
+        "(rewards not all equal) and ..._with_fallback; slime's paths to them are accepted",
+        group="rollout",
+    )
+    over_sampling_batch_size: int | None = _f(
+        None,
+        "with --dynamic-sampling-filter-path, prompt groups started at once whenever the groups kept and in flight cannot fill "
+        "the batch (at least --rollout-batch-size; default: it); groups still in flight when the batch is full are aborted and "
+        "generated again later. The fully-async worker keeps --rollout-concurrency groups in flight instead",
+        group="rollout",
     )
     rollout_shuffle: bool = _f(False, "shuffle prompts every epoch (seeded by --rollout-seed)", group="rollout")
     rollout_seed: int = _f(42, "seed of prompt order and sampling", group="rollout")
@@ -571,6 +607,8 @@ class Config:
         for bad, msg in checks:
             if bad:
                 raise ConfigError(msg)
+        if self.load_debug_rollout_data is not None:
+            self.debug_train_only = True  # slime's rule: saved rollouts stand in for the engines
         if entry != "eval":
             self.mode = self._derive_mode(entry)
             self._resolve_correction()
@@ -742,6 +780,37 @@ def _train_checks(c: Config, entry: str) -> list[tuple[bool, str]]:
     return [
         (c.prompt_data is None, "--prompt-data is required (a JSONL or Parquet file of prompts)"),
         (c.rollout_batch_size < 1, "--rollout-batch-size must be at least 1"),
+        (
+            c.debug_rollout_only and (c.debug_train_only or c.load_debug_rollout_data is not None),
+            "--debug-rollout-only starts no trainer and --debug-train-only / --load-debug-rollout-data no engine: give one of them",
+        ),
+        (
+            c.debug_train_only and c.load_debug_rollout_data is None,
+            "--debug-train-only starts no engine: give --load-debug-rollout-data (the rollouts to train on)",
+        ),
+        (
+            c.debug_rollout_only and (c.save is not None or c.load is not None),
+            "--debug-rollout-only trains nothing, so it saves and loads no checkpoint: drop --save/--load",
+        ),
+        *[
+            (
+                path is not None and "{rollout_id}" not in path,
+                f"--{flag} {path}: put {{rollout_id}} in the path (one file per rollout), e.g. {(path or '').rstrip('/')}/{{rollout_id}}.pt",
+            )
+            for flag, path in (
+                ("save-debug-rollout-data", c.save_debug_rollout_data),
+                ("load-debug-rollout-data", c.load_debug_rollout_data),
+            )
+        ],
+        (
+            c.over_sampling_batch_size is not None and c.over_sampling_batch_size < c.rollout_batch_size,
+            f"--over-sampling-batch-size {c.over_sampling_batch_size} is below --rollout-batch-size {c.rollout_batch_size}: "
+            "a round of prompts must be able to fill a batch; raise it or leave it out",
+        ),
+        (
+            c.over_sampling_batch_size is not None and c.dynamic_sampling_filter_path is None,
+            "--over-sampling-batch-size only matters with --dynamic-sampling-filter-path (which groups to drop): give the filter or drop the flag",
+        ),
         (c.n_samples_per_prompt < 1, "--n-samples-per-prompt must be at least 1"),
         (c.global_batch_size < 1, "--global-batch-size must be at least 1"),
         (

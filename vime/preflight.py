@@ -25,6 +25,7 @@ from vime.metrics import check_sinks
 from vime.models import ModelError, context_length, load_tokenizer, read_config, resolve_model
 from vime.plugins import load_function
 from vime.rollout.data_source import DataSource, load_eval_samples
+from vime.rollout.filters import load_filter
 from vime.rollout.rewards import Rewards
 
 
@@ -66,6 +67,7 @@ def check_inputs(args: Any) -> Inputs:
     rollout_fn = load_function(args.rollout_function_path, "--rollout-function-path")
     if args.custom_generate_function_path:
         load_function(args.custom_generate_function_path, "--custom-generate-function-path")
+    load_filter(args)  # a dynamic sampling filter that cannot load fails here, before any model
 
     max_prompt_len = context_length(model_dir) - 1  # room for at least one response token
     data_source = DataSource(args, tokenizer, max_prompt_len=max_prompt_len)

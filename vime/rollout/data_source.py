@@ -517,8 +517,9 @@ class DataSource:
                 self.requeued.append([_fresh(s) for s in g])
 
     def mark_trained(self, groups: list[list[Sample]]) -> None:
-        """The trainer took an optimizer step on these groups: a checkpoint no longer saves them.
-        Groups that did not come from this data source are ignored."""
+        """The trainer took an optimizer step on these groups, or dynamic sampling dropped them
+        (vime.rollout.filters): a checkpoint no longer saves them, and they are not generated
+        again. Groups that did not come from this data source are ignored."""
         with self._lock:
             for g in groups:
                 self.outstanding.pop(g[0].group_index, None)

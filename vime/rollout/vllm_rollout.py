@@ -21,6 +21,7 @@ from typing import Any
 from vime.engine.client import EngineError
 from vime.plugins import load_function
 from vime.rollout import async_loop
+from vime.rollout.filters import GroupFilter, dropped_metrics, everything_dropped, load_filter
 from vime.rollout.rewards import score_samples
 from vime.rollout.runtime import runtime_of
 from vime.rollout.types import MULTI_TURN_STATE, RolloutOutput, Sample, Status
@@ -224,13 +225,66 @@ def multi_turn_metrics(flat: list[Sample], prefix: str) -> dict[str, float]:
 
 
 async def _generate_batch(args, rollout_id: int, data_source) -> RolloutOutput:
-    groups = data_source.get_samples(args.rollout_batch_size)
     fn, params = generate_fn(args), sampling_params(args)
+    judge = load_filter(args)
     t0 = time.perf_counter()
-    results = await asyncio.gather(*(generate_group(args, g, params, fn) for g in groups))
-    metrics = rollout_metrics(results)
+    if judge is None:
+        groups = data_source.get_samples(args.rollout_batch_size)
+        results = list(await asyncio.gather(*(generate_group(args, g, params, fn) for g in groups)))
+        metrics = rollout_metrics(results)
+    else:
+        results, metrics = await _generate_filtered(args, data_source, fn, params, judge)
     metrics["perf/rollout_time"] = time.perf_counter() - t0
-    return RolloutOutput(samples=list(results), metrics=metrics)
+    return RolloutOutput(samples=results, metrics=metrics)
+
+
+async def _generate_filtered(
+    args, data_source, fn: GenerateFn, params: dict, judge: GroupFilter
+) -> tuple[list[list[Sample]], dict[str, float]]:
+    """Dynamic sampling in one batch: whenever the groups kept and those in flight could not
+    fill it, --over-sampling-batch-size more are started; each is judged as it is scored. Once
+    the batch is full, the groups still in flight are cancelled (their requests aborted at the
+    engine) and go back to the data source to be generated again later, from their prompts,
+    with the weights of then: nothing off-policy reaches a sync step, and no prompt is lost."""
+    target = args.rollout_batch_size
+    chunk = args.over_sampling_batch_size or target
+    running: dict[asyncio.Task, list[Sample]] = {}
+    kept: list[list[Sample]] = []
+    judged: list[list[Sample]] = []  # kept and dropped: the raw reward of what was generated
+    reasons: list[str | None] = []
+    try:
+        while len(kept) < target:
+            if len(kept) + len(running) < target:
+                if len(reasons) >= max(len(data_source), target):
+                    raise everything_dropped(len(reasons), len(kept), target)
+                for g in data_source.get_samples(chunk):
+                    running[asyncio.create_task(generate_group(args, g, params, fn))] = g
+            done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=lambda t: running[t][0].group_index):
+                del running[task]
+                group = task.result()
+                judged.append(group)
+                verdict = judge(group)
+                # a fallback group is kept when dropping it would need another round of prompts
+                if verdict.keep or (verdict.keep_when_insufficient and len(kept) + len(running) < target):
+                    kept.append(group)
+                else:
+                    reasons.append(verdict.reason)
+                    data_source.mark_trained([group])  # done with: never trained, never generated again
+    finally:
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+        data_source.add_samples(list(running.values()))
+    kept.sort(key=lambda g: g[0].group_index)
+    data_source.add_samples(kept[target:])  # finished together with the last one needed: next time
+    kept = kept[:target]
+    metrics = rollout_metrics(kept)
+    metrics.update(dropped_metrics(reasons))
+    flat = [s for g in judged for s in g]
+    metrics["rollout/raw_reward_mean"] = sum(s.reward or 0.0 for s in flat) / len(flat)
+    metrics["rollout/dynamic_filter/cancelled"] = float(len(running))
+    return kept, metrics
 
 
 def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = False) -> RolloutOutput:

@@ -1,0 +1,110 @@
+"""Dynamic sampling (DAPO): which generated groups reach the trainer.
+
+A group whose rewards are all equal has zero advantage for every sample under GRPO (and every
+estimator that subtracts a group baseline): it costs a step's compute and teaches nothing, and
+as training goes on (most groups all right, or all wrong) it crowds out the groups that do.
+With `--dynamic-sampling-filter-path`, each group is judged as soon as it is scored: a group
+the filter keeps goes into the batch, one it drops is done with (counted, never trained, never
+generated again), and more prompts are started until the batch is full. A filter is slime's
+`fn(args, samples, **kwargs)` returning a bool or an object with `keep` (and `reason`,
+`keep_when_insufficient`); slime's built-in filters are accepted by their slime paths.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from vime.errors import VimeError
+from vime.plugins import load_function
+from vime.rollout.types import Sample
+
+FLAG = "--dynamic-sampling-filter-path"
+SIGNATURE = "fn(args, samples) -> bool or DynamicFilterOutput(keep, reason)"
+
+
+class FilterError(VimeError, RuntimeError):
+    """A filter that answers nonsense, or drops so much that no batch can fill."""
+
+
+@dataclass(frozen=True)
+class DynamicFilterOutput:
+    """What a filter says of one group. `reason` names why a dropped one was dropped (a per-step
+    count, `rollout/dynamic_filter/drop_<reason>`). `keep_when_insufficient`: keep it after all
+    when dropping it would need another round of prompts to fill a sync batch (the async worker
+    always has more coming, and drops it)."""
+
+    keep: bool
+    reason: str | None = None
+    keep_when_insufficient: bool = False
+
+
+def check_reward_nonzero_std(args: Any, samples: list[Sample], **kwargs: Any) -> DynamicFilterOutput:
+    """Keep a group whose rewards are not all equal (a nonzero std): DAPO's dynamic sampling.
+    A dropped group's reason carries its reward (`zero_std_0.0`: all wrong; `zero_std_1.0`: all
+    right), so the counts say which way the task is saturating."""
+    rewards = [s.reward or 0.0 for s in samples]
+    keep = max(rewards) - min(rewards) > 1e-6
+    return DynamicFilterOutput(keep, None if keep else f"zero_std_{rewards[0]:.1f}")
+
+
+def check_reward_nonzero_std_with_fallback(args: Any, samples: list[Sample], **kwargs: Any) -> DynamicFilterOutput:
+    """`check_reward_nonzero_std`, but a group it drops is kept when a sync batch could not fill
+    without another round of generation: fewer useful groups, never a longer step."""
+    out = check_reward_nonzero_std(args, samples)
+    return DynamicFilterOutput(out.keep, out.reason, keep_when_insufficient=True)
+
+
+# the seed's and slime's scripts name slime's filters; vime's follow the same rules
+_SLIME = "slime.rollout.filter_hub.dynamic_sampling_filters."
+_ALIASES = {
+    _SLIME + name: f"{__name__}.{name}"
+    for name in ("check_reward_nonzero_std", "check_reward_nonzero_std_with_fallback")
+}
+
+GroupFilter = Callable[[list[Sample]], DynamicFilterOutput]
+
+
+def load_filter(args: Any) -> GroupFilter | None:
+    """The run's group filter, or None without --dynamic-sampling-filter-path. A filter that
+    returns something else than a bool or an object with a bool `keep` stops the run in one line
+    (a silent keep-everything would train on what the user meant to drop)."""
+    path = getattr(args, "dynamic_sampling_filter_path", None)
+    if not path:
+        return None
+    fn = load_function(_ALIASES.get(path, path), FLAG, signature=SIGNATURE)
+
+    def judge(group: list[Sample]) -> DynamicFilterOutput:
+        out = fn(args, group)
+        if isinstance(out, bool):
+            return DynamicFilterOutput(out)
+        keep = getattr(out, "keep", None)
+        if not isinstance(keep, bool):
+            raise FilterError(f"{FLAG} {path} returned {out!r}: it must return a bool or an object with a bool .keep")
+        return DynamicFilterOutput(
+            keep, getattr(out, "reason", None), bool(getattr(out, "keep_when_insufficient", False))
+        )
+
+    return judge
+
+
+def everything_dropped(dropped: int, kept: int, target: int) -> FilterError:
+    """The error of a filter that dropped as many groups as the data has prompts while one batch
+    waited to fill: it would go on generating forever."""
+    return FilterError(
+        f"{FLAG} dropped {dropped} groups (as many as the data has prompts) while {kept} of the {target} groups "
+        "a batch needs were kept: it drops nearly everything this policy generates (e.g. a task too hard for "
+        "it); check the filter and the rewards"
+    )
+
+
+def dropped_metrics(reasons: list[str | None]) -> dict[str, float]:
+    """Per-step counts of the groups dropped: in all, and by reason under slime's names."""
+    out = {"rollout/dynamic_filter/dropped": float(len(reasons))}
+    for r in reasons:
+        if r:
+            key = "rollout/dynamic_filter/drop_" + re.sub(r"[^\w.]+", "_", r).strip("_")
+            out[key] = out.get(key, 0.0) + 1
+    return out
