@@ -330,3 +330,99 @@ def test_qwen3_4b_head_layout_matches_hf_in_float32(tmp_path):
         lp = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(out.output_ids, device="cuda")[:, None])
         assert torch.allclose(lp[:, 0].cpu(), torch.tensor(out.logprobs), atol=1e-4), f"prompt {i}"
     engine.release_memory()
+
+
+def engine_greedy(engine) -> list[tuple[list[int], list[float]]]:
+    """16 greedy tokens and their log-probs for each of PROMPTS, all in flight together (prefill
+    eagerly, then decode through the captured graphs)."""
+    from vime.engine.core.sampler import SamplingParams
+
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), p, SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True))
+    outs, kinds = {}, set()
+    while engine.has_work():
+        outs.update((o.rid, o.outputs[0]) for o in engine.step())
+        kinds.add(engine.runner.last_step.kind)
+    assert "graph" in kinds
+    return [(outs[str(i)].output_ids, outs[str(i)].logprobs) for i in range(len(PROMPTS))]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_memory_release_keeps_addresses_graphs_and_output(tmp_path):
+    """With CUDA VMM a release gives the KV pool and the weights back to the device, and a resume
+    maps them again at the same addresses: the decode graphs captured at start are replayed, not
+    captured again, and greedy tokens and log-probs are bit for bit those before. A weight update
+    after the resume shows as in an engine that never released, and one pushed while released
+    lands in the host copy and comes back with it."""
+    from vime.engine.core.engine import EngineConfig, LLMEngine
+
+    a = make_tiny_model(tmp_path / "a", arch="qwen3", seed=0, vocab_size=4096, tie_word_embeddings=True)
+    g = torch.Generator().manual_seed(1)
+    trained = {n: t + 0.5 * torch.randn(t.shape, generator=g) for n, t in iter_safetensors(a)}  # the pushed policy
+    cfg = dict(device="cuda", dtype="float32", max_num_seqs=8, kv_cache_gb=1.0)
+    engine = LLMEngine(EngineConfig(str(a), **cfg))
+    model, kv = engine.model, engine.kv_cache
+    assert engine.packed is not None and kv.buffer is not None, "no VMM on this GPU: the fallback path runs"
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied: one slice under both names
+    params = list(model.parameters())
+    pointers = [p.data_ptr() for p in params] + [kv.k.data_ptr(), kv.v.data_ptr()]
+    graphs = {bs: graph for bs, (graph, _) in engine.runner.graphs.items()}
+    mapped = kv.buffer.reserved + engine.packed.buffer.reserved
+    assert kv.buffer.reserved >= 2**30
+    before = engine_greedy(engine)
+    sums = engine.weight_checksums()
+
+    free = torch.cuda.mem_get_info()[0]
+    engine.release_memory()
+    released = torch.cuda.mem_get_info()[0]
+    assert released - free >= mapped
+    assert not kv.allocated and all(p.device.type == "cpu" for p in params)
+    assert engine.weight_checksums() == sums  # the host copy
+    engine.resume_memory()
+    assert released - torch.cuda.mem_get_info()[0] >= mapped
+    assert [p.data_ptr() for p in params] + [kv.k.data_ptr(), kv.v.data_ptr()] == pointers
+    assert engine.runner.graphs.keys() == graphs.keys()
+    assert all(engine.runner.graphs[bs][0] is graph for bs, graph in graphs.items())
+    assert engine_greedy(engine) == before
+
+    reference = LLMEngine(EngineConfig(str(a), **cfg))
+    reference.update_weights((n, t.cuda()) for n, t in trained.items())
+    expected = engine_greedy(reference)
+    del reference
+    engine.update_weights((n, t.cuda()) for n, t in trained.items())
+    got = engine_greedy(engine)
+    assert [t for t, _ in got] == [t for t, _ in expected] != [t for t, _ in before]
+    for (_, lp1), (_, lp2) in zip(got, expected):
+        assert torch.allclose(torch.tensor(lp1), torch.tensor(lp2), atol=1e-5)
+
+    engine.release_memory()
+    engine.update_weights(iter_safetensors(a))  # from disk into the host copy
+    engine.resume_memory()
+    assert engine.weight_checksums() == sums
+    assert engine_greedy(engine) == before
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_memory_release_without_vmm_captures_graphs_again(tmp_path, monkeypatch):
+    """Where the driver offers no VMM the engine falls back to moving the weights to host memory
+    and reallocating the KV pools, and captures its decode graphs again on resume."""
+    from vime.engine.core import vmem
+    from vime.engine.core.engine import EngineConfig, LLMEngine
+
+    monkeypatch.setattr(vmem, "supported", lambda device: False)
+    a = make_tiny_model(tmp_path / "a", arch="qwen3", seed=0, vocab_size=4096, tie_word_embeddings=True)
+    engine = LLMEngine(EngineConfig(str(a), device="cuda", dtype="float32", max_num_seqs=8, kv_cache_gb=1.0))
+    assert engine.packed is None and engine.kv_cache.buffer is None
+    graphs = {bs: graph for bs, (graph, _) in engine.runner.graphs.items()}
+    before = engine_greedy(engine)
+    kv_bytes = 2 * engine.kv_cache.k.numel() * engine.kv_cache.k.element_size()
+    free = torch.cuda.mem_get_info()[0]
+    engine.release_memory()
+    assert torch.cuda.mem_get_info()[0] - free >= kv_bytes and not engine.runner.graphs
+    engine.resume_memory()
+    assert engine.runner.graphs.keys() == graphs.keys()
+    assert all(engine.runner.graphs[bs][0] is not graph for bs, graph in graphs.items())
+    after = engine_greedy(engine)
+    assert [t for t, _ in after] == [t for t, _ in before]
+    for (_, lp1), (_, lp2) in zip(after, before):
+        assert torch.allclose(torch.tensor(lp1), torch.tensor(lp2), atol=1e-5)

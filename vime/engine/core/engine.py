@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 from vime.engine import weight_sync
+from vime.engine.core import vmem
 from vime.engine.core.kv_cache import BlockAllocator, KVCache
-from vime.engine.core.model import load_model
+from vime.engine.core.model import CausalLM, load_model
 from vime.engine.core.runner import ModelRunner
 from vime.engine.core.sampler import M32, SamplingParams, mix32
 from vime.engine.core.scheduler import Scheduler, Sequence
@@ -98,7 +99,12 @@ class LLMEngine:
         self.dtype = DTYPES[cfg.dtype]
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # kernels and allocations default to the engine's GPU
-        self.model = load_model(cfg.model_path, self.device, self.dtype)
+        # On CUDA with VMM the weights and the KV pools keep their addresses through a memory
+        # release (vmem.py), so the decode graphs captured once stay valid.
+        self.packed: vmem.PackedWeights | None = None
+        self.model = load_model(
+            cfg.model_path, self.device, self.dtype, self._pack_weights if vmem.supported(self.device) else None
+        )
         mc = self.model_config = self.model.config
         num_blocks = cfg.num_kv_blocks or self._auto_num_blocks()
         if num_blocks < 1:
@@ -106,7 +112,14 @@ class LLMEngine:
                 "the KV cache has no room for a single block: lower --max-num-seqs or raise --kv-cache-gb / --num-kv-blocks"
             )
         self.kv_cache = KVCache(
-            mc.num_layers, num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
+            mc.num_layers,
+            num_blocks,
+            cfg.block_size,
+            mc.num_kv_heads,
+            mc.head_dim,
+            self.dtype,
+            self.device,
+            virtual=self.packed is not None,
         )
         self.allocator = BlockAllocator(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.allocator, cfg.max_num_seqs, cfg.max_num_batched_tokens)
@@ -138,6 +151,9 @@ class LLMEngine:
             cfg.block_size,
             self.max_seq_len,
         )
+
+    def _pack_weights(self, model: CausalLM) -> None:
+        self.packed = vmem.PackedWeights(model, self.device)
 
     def _auto_num_blocks(self) -> int:
         mc, cfg = self.model_config, self.cfg
@@ -383,7 +399,7 @@ class LLMEngine:
 
     def _weight_views(self) -> dict[str, torch.Tensor]:
         """HF name → parameter (or fused slice), built once: a bucketed push looks names up per
-        bucket. Rebuilt after release/resume, which give the parameters new storage."""
+        bucket. Rebuilt after release/resume, which move the parameters between device and host."""
         if self._views is None:
             self._views = self.model.named_weights()
         return self._views
@@ -392,30 +408,42 @@ class LLMEngine:
         self.allocator.flush()
 
     def release_memory(self) -> None:
-        """Free the KV pool (and, on GPU, move the weights to host memory) so a colocated trainer
-        can use the device. Running sequences go back to waiting and are recomputed on resume."""
-        if not self.kv_cache.allocated:
-            return
-        self.scheduler.preempt_all()
-        self.allocator.flush()
-        self.runner.drop_graphs()  # they point at the storage about to go
-        self.kv_cache.release()
-        if self.device.type == "cuda":
+        """Free the KV pool and, on GPU, move the weights to host memory, so a colocated trainer
+        can use the device. Running sequences go back to waiting and are recomputed on resume.
+        A weight update while released lands in the host copy and comes back with it.
+
+        With VMM (`self.packed`) that is one copy of all weights into a pinned host buffer and
+        two unmaps; the addresses stay, and so do the CUDA graphs. Without it, every parameter
+        moves on its own and the graphs, which would point at freed storage, are dropped."""
+        if self.kv_cache.allocated:
+            self.scheduler.preempt_all()
+            self.allocator.flush()
+            if self.packed is None:
+                self.runner.drop_graphs()
+            self.kv_cache.release()
+        if self.packed is not None:
+            self.packed.release()
+        elif self.device.type == "cuda":
             for p in self.model.parameters():
                 p.data = p.data.to("cpu")
-            self._views = None
-            torch.cuda.empty_cache()
+        self._views = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the caching allocator's free blocks (live graphs keep their pool)
 
     def resume_memory(self) -> None:
-        """Weights and KV pools come back in new storage, so the decode graphs are captured again."""
-        if self.kv_cache.allocated:
-            return
-        if self.device.type == "cuda":
+        """Weights and KV pools back on the device: at the same addresses with VMM, else in new
+        storage, for which the decode graphs are captured again. Each part that is back already
+        is left alone, so a resume that failed (out of memory) can be retried."""
+        if self.packed is not None:
+            self.packed.restore()
+        elif self.device.type == "cuda":
             for p in self.model.parameters():
                 p.data = p.data.to(self.device)
-            self._views = None
-        self.kv_cache.allocate()
-        self.runner.capture()
+        self._views = None
+        if not self.kv_cache.allocated:
+            self.kv_cache.allocate()
+            if self.packed is None:
+                self.runner.capture()
 
 
 def _load_tokenizer(model_path: str) -> Any:

@@ -8,7 +8,11 @@ compute its KV once. Attention over these blocks is in `attention.py`.
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+from vime.engine.core.vmem import VirtualBuffer
 
 BlockKey = tuple[int | None, tuple[int, ...]]  # (hash of the previous block's key, this block's tokens)
 
@@ -18,6 +22,10 @@ class KVCache:
 
     The extra block (`scratch_block`) is never handed out: the padding rows of a CUDA-graph
     batch write their keys and values there, so they can never touch a live sequence's.
+
+    `virtual` (CUDA with VMM, `vmem.py`): both pools live in one `VirtualBuffer`, so a release
+    unmaps its memory and `allocate` maps fresh memory at the same addresses, where the captured
+    decode graphs still look. Otherwise each allocation is a new tensor.
     """
 
     def __init__(
@@ -29,10 +37,12 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        virtual: bool = False,
     ):
         self.shape = (num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim)
         self.scratch_block = num_blocks
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device, self.virtual = dtype, device, virtual
+        self.buffer: VirtualBuffer | None = None
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self.allocate()
@@ -42,12 +52,24 @@ class KVCache:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
 
     def allocate(self) -> None:
-        self.k = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
-        self.v = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        """The pools, zeroed."""
+        if not self.virtual:
+            self.k = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+            self.v = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+            return
+        if self.buffer is None:
+            self.buffer = VirtualBuffer(2 * math.prod(self.shape) * self.dtype.itemsize, self.device)
+        else:
+            self.buffer.map()
+        pools = self.buffer.tensor().view(self.dtype).view(2, *self.shape)
+        pools.zero_()  # as torch.zeros made them: a fresh mapping's contents are undefined
+        self.k, self.v = pools[0], pools[1]
 
     def release(self) -> None:
         """Drop the pools (the memory goes back to the device); `allocate` brings them back empty."""
         self.k = self.v = None
+        if self.buffer is not None:
+            self.buffer.unmap()
 
     @property
     def allocated(self) -> bool:

@@ -11,7 +11,7 @@ CUDA the elementwise chains run as fused Triton kernels (`kernels.py`), on CPU a
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -447,12 +447,22 @@ def safetensors_layout(files: Iterable[str | Path]) -> list[tuple[str, tuple[int
     return out
 
 
-def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype) -> CausalLM:
-    """Build the model without initializing it (meta device) and fill it from the checkpoint."""
+def load_model(
+    model_dir: str | Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    materialize: Callable[[CausalLM], object] | None = None,
+) -> CausalLM:
+    """Build the model without initializing it (meta device) and fill it from the checkpoint.
+    `materialize` gives the parameters their storage on `device` before the checkpoint is read
+    into them (the engine packs them into one buffer); by default each gets its own tensor."""
     cfg = ModelConfig.from_hf_dir(model_dir)
     with torch.device("meta"):
         model = CausalLM(cfg).to(dtype)
-    model = model.to_empty(device=device)
+    if materialize is None:
+        model = model.to_empty(device=device)
+    else:
+        materialize(model)
     model.tie_weights()
     # Not in the checkpoint, and kept in float32 whatever the model dtype, as HF does.
     model.model.rotary_emb.inv_freq = RotaryEmbedding(cfg.head_dim, cfg.rope_theta).inv_freq.to(device)

@@ -8,8 +8,10 @@ decodes) runs eagerly. Sampling runs after the forward, on the device; the step 
 device-to-host copy of token ids and log-probs, the only sync per step.
 
 Graphs bake in the addresses of the weights, the KV pools and the static buffers: weight
-updates therefore `copy_` into the parameters, and releasing memory drops the graphs, which
-`capture` makes again on resume.
+updates therefore `copy_` into the parameters, and a memory release keeps the weights' and the
+pools' addresses (CUDA virtual memory, `vmem.py`), so the graphs captured at start serve for
+the engine's life. Where that is unavailable, a release drops the graphs (`drop_graphs`) and
+resume captures them again.
 """
 
 from __future__ import annotations
