@@ -26,6 +26,10 @@ Printed last, per arm (each seed a row, then their mean):
     PYTHONPATH=. python3 bench/real_ab.py --preset longtail --seeds 1,2,3      # the seed's two tables
     PYTHONPATH=. python3 bench/real_ab.py --arms fully-async --seeds 1,2,3 \\
         --corrections none,tis,icepop,decoupled-ppo --parallel 4                # the correction sweep
+    PYTHONPATH=. python3 bench/real_ab.py --arms sync --seeds 1,2,3 --parallel 5 --variants \\
+        'grpo=--advantage-estimator grpo;dr_grpo=--advantage-estimator dr_grpo;gspo=--advantage-estimator gspo
+        --eps-clip 4e-4;cispo=--advantage-estimator cispo --eps-clip 1 --eps-clip-high 4;dynamic=--dynamic-sampling-filter-path
+        vime.rollout.filters.check_reward_nonzero_std'                            # the objective sweep (issue 31)
     PYTHONPATH=. python3 bench/real_ab.py --steps 1 --eval-limit 4 --batch 2 --n-samples 2   # smoke test
     PYTHONPATH=. python3 bench/real_ab.py --report-only --out DIR [--merge a.json b.json]
 
@@ -266,6 +270,12 @@ def main() -> int:
         default=None,
         help="comma-separated --off-policy-correction values: every arm runs once per value (a sweep); default: the arms' defaults",
     )
+    p.add_argument(
+        "--variants",
+        default=None,
+        help="'name=flags;name=flags': every arm runs once per variant with its flags (an objective sweep, e.g. "
+        "'grpo=--advantage-estimator grpo;gspo=--advantage-estimator gspo --eps-clip 4e-4'); not with --corrections",
+    )
     p.add_argument("--arm-args", default="", help="extra flags for every run, one string (e.g. '--eps-clip 0.1')")
     p.add_argument("--steps", type=int, default=None, help="training steps per run (default: the preset's)")
     p.add_argument("--eval-interval", type=int, default=None, help="steps between evals (default: the preset's)")
@@ -307,8 +317,20 @@ def main() -> int:
     bad = set(arms) - set(ARMS)
     if bad:
         p.error(f"unknown arm(s) {', '.join(sorted(bad))}: choose from {', '.join(ARMS)}")
-    corrections = [x.strip() for x in a.corrections.split(",")] if a.corrections else [None]
-    labels = [arm if c is None else f"{arm} / {c}" for arm in arms for c in corrections]
+    if a.corrections and a.variants:
+        p.error("--corrections and --variants are two sweeps: give one")
+    # each run of an arm: (its label's suffix, its flags)
+    sweep: list[tuple[str | None, list[str]]] = [(None, [])]
+    if a.corrections:
+        sweep = [(c.strip(), ["--off-policy-correction", c.strip()]) for c in a.corrections.split(",")]
+    elif a.variants:
+        sweep = []
+        for item in a.variants.split(";"):
+            name, eq, flags = item.partition("=")
+            if not eq or not name.strip():
+                p.error(f"--variants item {item!r}: write name=flags")
+            sweep.append((name.strip(), shlex.split(flags)))
+    labels = [arm if c is None else f"{arm} / {c}" for arm in arms for c, _ in sweep]
     seeds = [int(x) for x in a.seeds.split(",") if x.strip()]
     gpu = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
     s = settings(a.preset, gpu)
@@ -343,16 +365,14 @@ def main() -> int:
             flush=True,
         )
 
-        def one(arm: str, correction: str | None, seed: int) -> None:
-            label = arm if correction is None else f"{arm} / {correction}"
-            name = f"{arm}{'' if correction is None else '-' + correction}-s{seed}-n{s['steps']}"
+        def one(arm: str, tag: str | None, flags: list[str], seed: int) -> None:
+            label = arm if tag is None else f"{arm} / {tag}"
+            name = f"{arm}{'' if tag is None else '-' + tag}-s{seed}-n{s['steps']}"
             run_dir = out / "runs" / name
             if not (run_dir.exists() and s["steps"] in eval_results(run_dir)):
                 if run_dir.exists():  # an unfinished run of an earlier call: start it again
                     run_dir.rename(run_dir.with_name(f"{name}.unfinished-{time.strftime('%H%M%S')}"))
-                extra = ["--seed", str(seed), "--rollout-seed", str(seed), *shlex.split(a.arm_args)]
-                if correction is not None:
-                    extra += ["--off-policy-correction", correction]
+                extra = ["--seed", str(seed), "--rollout-seed", str(seed), *shlex.split(a.arm_args), *flags]
                 run_arm(
                     arm, str(cfg_path), name, str(out / "runs"), extra, staleness=a.staleness, timeout=a.arm_timeout
                 )
@@ -365,7 +385,7 @@ def main() -> int:
                 flush=True,
             )
 
-        jobs = [(arm, c, seed) for seed in seeds for arm in arms for c in corrections]
+        jobs = [(arm, tag, flags, seed) for seed in seeds for arm in arms for tag, flags in sweep]
         with ThreadPoolExecutor(max_workers=max(1, a.parallel)) as pool:
             for f in [pool.submit(one, *job) for job in jobs]:
                 f.result()

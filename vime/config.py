@@ -232,10 +232,50 @@ class Config:
     # --- algorithm ---
     advantage_estimator: str = _f(
         "grpo",
-        "grpo, or dr_grpo (no std normalization, constant-length loss normalizer)",
-        ("grpo", "dr_grpo"),
+        "grpo; dr_grpo (no std normalization, constant-length loss normalizer); gspo (GRPO's advantages, the PPO ratio "
+        "and clip per sequence: give a tight --eps-clip such as 4e-4); cispo (GRPO's advantages, the importance weight "
+        "clipped and detached instead of the update: canonically --eps-clip 1 --eps-clip-high 4); reinforce_plus_plus "
+        "(the reward itself) and reinforce_plus_plus_baseline (reward minus its group's mean), both whitened over the "
+        "batch's tokens",
+        ("grpo", "dr_grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
         group="algorithm",
     )
+    custom_advantage_function_path: str | None = _f(
+        None,
+        "dotted path of fn(args, groups, rewards [groups × n]) -> advantages [groups × n], one per sample, in place "
+        "of the estimator's (whitening still applies after it)",
+        group="algorithm",
+    )
+    normalize_advantages: bool = _f(
+        False,
+        "whiten the advantages over the batch's loss tokens (zero mean, unit variance); REINFORCE++ always does",
+        group="algorithm",
+    )
+    gamma: float = _f(
+        1.0,
+        "REINFORCE++'s discount; vime trains one advantage per sample, which is every token's return only at 1",
+        group="algorithm",
+    )
+    loss_type: str = _f(
+        "policy_loss",
+        "policy_loss (the estimator's), or custom_loss: the per-token policy term of --custom-loss-function-path",
+        ("policy_loss", "custom_loss"),
+        group="algorithm",
+    )
+    custom_loss_function_path: str | None = _f(
+        None,
+        "with --loss-type custom_loss: dotted path of fn(args, *, log_probs, old_log_probs, advantages, loss_mask, "
+        "rollout_log_probs, seq_ids) -> per-token loss (or (loss, {name: per-token tensor})), flat over a micro-batch's "
+        "tokens; vime aggregates it as its own (so micro-batches add up) and adds entropy and KL terms",
+        group="algorithm",
+    )
+    use_opsm: bool = _f(
+        False,
+        "off-policy sequence masking: leave out the tokens of negative-advantage sequences whose mean log π_old − log π "
+        "exceeds --opsm-delta (the policy already moved away from them)",
+        group="algorithm",
+    )
+    opsm_delta: float = _f(1e-4, "the drift --use-opsm tolerates", group="algorithm")
     disable_grpo_std_normalization: bool = _f(
         False, "do not divide advantages by the group std (Dr.GRPO)", group="algorithm"
     )
@@ -302,6 +342,20 @@ class Config:
         ("truncate", "mask"),
         group="algorithm",
     )
+    tis_level: str = _f(
+        "token",
+        "what one TIS weight covers: each token (token), or every token of a sequence alike, by the product of its "
+        "tokens' ratios (sequence) or their geometric mean (geometric)",
+        ("token", "sequence", "geometric"),
+        group="algorithm",
+    )
+    custom_tis_function_path: str | None = _f(
+        None,
+        "dotted path of slime's TIS hook fn(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, "
+        "total_lengths, response_lengths, **kw) -> (pg_loss, loss_masks, metrics), applied to each micro-batch after "
+        "the built-in corrections (total_lengths is None: vime has no context parallelism)",
+        group="algorithm",
+    )
     tis_clip: float = _f(2.0, "upper bound of the TIS weight", group="algorithm")
     tis_clip_low: float = _f(0.0, "lower bound of the TIS weight", group="algorithm")
     use_rs: bool = _f(
@@ -317,6 +371,12 @@ class Config:
     )
     rs_lower_bound: float = _f(0.5, "lower bound of the ratio --use-rs keeps", group="algorithm")
     rs_upper_bound: float = _f(2.0, "upper bound of the ratio --use-rs keeps", group="algorithm")
+    rs_veto_threshold: float | None = _f(
+        None,
+        "drop a whole sequence in which any loss token's π_old/π_rollout is below this (e.g. 1e-4): a token the "
+        "trainer finds far less likely than the engine did marks a numerical failure, not staleness",
+        group="algorithm",
+    )
     # --- optimizer ---
     optimizer: str = _f(
         "adam",
@@ -554,7 +614,7 @@ class Config:
     # ---- derived values, so no caller recomputes them ----
     @property
     def normalize_advantages_std(self) -> bool:
-        return not self.disable_grpo_std_normalization and self.advantage_estimator == "grpo"
+        return not self.disable_grpo_std_normalization and self.advantage_estimator in ("grpo", "gspo", "cispo")
 
     @property
     def samples_per_rollout(self) -> int:
@@ -612,6 +672,11 @@ class Config:
         if entry != "eval":
             self.mode = self._derive_mode(entry)
             self._resolve_correction()
+            if self.tis_level != "token" and not self.use_tis:
+                raise ConfigError(
+                    f"--tis-level {self.tis_level} weighs TIS per sequence, and this run has no TIS "
+                    f"(off-policy correction: {self.off_policy_correction}): add --use-tis, or drop --tis-level"
+                )
             if self.run_name is None:  # a run needs its directory's name from the start (locks, logs)
                 self.run_name = time.strftime("%Y%m%d-%H%M%S") + f"-{self.mode}"
         if self.api_key is None:
@@ -663,21 +728,29 @@ class Config:
 
     def correction_summary(self) -> str:
         """One line for the start of a run: which correction, and what it does to a token."""
+        veto = (
+            f"; sequences with a token ratio below {self.rs_veto_threshold:g} dropped"
+            if self.rs_veto_threshold is not None
+            else ""
+        )
         if not (self.use_tis or self.use_rs):
-            return "off-policy correction: none"
+            return "off-policy correction: none" + veto
         parts = []
         if self.use_tis:
             band = f"[{self.tis_clip_low:g}, {self.tis_clip:g}]"
             parts.append(
-                f"π_old/π_rollout clamped to {band}"
-                if self.tis_mode == "truncate"
-                else f"tokens with π_old/π_rollout outside {band} masked"
+                (
+                    f"π_old/π_rollout clamped to {band}"
+                    if self.tis_mode == "truncate"
+                    else f"tokens with π_old/π_rollout outside {band} masked"
+                )
+                + ("" if self.tis_level == "token" else f", one weight per sequence ({self.tis_level})")
             )
         if self.use_rs:
             parts.append(
                 f"{self.rs_level}s with a ratio outside [{self.rs_lower_bound:g}, {self.rs_upper_bound:g}] dropped"
             )
-        return f"off-policy correction: {self.off_policy_correction} ({'; '.join(parts)}); --off-policy-correction none turns it off"
+        return f"off-policy correction: {self.off_policy_correction} ({'; '.join(parts)}{veto}); --off-policy-correction none turns it off"
 
     def to_dict(self) -> dict[str, Any]:
         """Every setting and derived value, for config.yaml; a secret shows only that it was set."""
@@ -860,6 +933,32 @@ def _train_checks(c: Config, entry: str) -> list[tuple[bool, str]]:
         (
             not c.calculate_per_token_loss and c.advantage_estimator == "dr_grpo",
             "--no-calculate-per-token-loss with --advantage-estimator dr_grpo: Dr. GRPO divides by a constant, not by tokens or samples; drop one",
+        ),
+        (
+            c.eps_clip_c is not None and c.advantage_estimator == "cispo",
+            "--eps-clip-c caps PPO's clipped loss, and CISPO clips the importance weight instead: drop --eps-clip-c",
+        ),
+        (
+            c.gamma != 1.0,
+            f"--gamma {c.gamma:g}: vime trains one advantage per sample, which is every token's discounted return only "
+            "at --gamma 1 (the default); per-token returns are not supported yet",
+        ),
+        (
+            c.loss_type == "custom_loss" and c.custom_loss_function_path is None,
+            "--loss-type custom_loss needs --custom-loss-function-path (the per-token policy term)",
+        ),
+        (
+            c.loss_type != "custom_loss" and c.custom_loss_function_path is not None,
+            "--custom-loss-function-path is used with --loss-type custom_loss: add it, or drop the path",
+        ),
+        (
+            c.rs_veto_threshold is not None and not 0 < c.rs_veto_threshold < 1,
+            f"--rs-veto-threshold {c.rs_veto_threshold} must be between 0 and 1 (a ratio far below 1, e.g. 1e-4)",
+        ),
+        (
+            c.use_rollout_logprobs and (c.rs_veto_threshold is not None or c.custom_tis_function_path is not None),
+            "--rs-veto-threshold/--custom-tis-function-path weigh π_old against the engine's log-probs, which "
+            "--use-rollout-logprobs makes π_old: drop one",
         ),
         (
             c.eps_clip_c is not None and not c.eps_clip_c > 1,

@@ -38,6 +38,7 @@ class Inputs:
     data_source: DataSource
     rewards: Rewards  # its pool starts at the first sample; the run closes it
     notes: list[str] = field(default_factory=list)  # warnings to log once the run's log exists
+    custom_advantages: Callable | None = None  # --custom-advantage-function-path
 
 
 def check_inputs(args: Any) -> Inputs:
@@ -68,6 +69,22 @@ def check_inputs(args: Any) -> Inputs:
     if args.custom_generate_function_path:
         load_function(args.custom_generate_function_path, "--custom-generate-function-path")
     load_filter(args)  # a dynamic sampling filter that cannot load fails here, before any model
+    custom_advantages = (
+        load_function(
+            args.custom_advantage_function_path,
+            "--custom-advantage-function-path",
+            signature="fn(args, groups, rewards) -> advantages [groups × n]",
+        )
+        if args.custom_advantage_function_path
+        else None
+    )
+    # the loss's hooks are loaded again where the actor builds its objective; here a bad path fails first
+    for path, flag in (
+        (args.custom_loss_function_path, "--custom-loss-function-path"),
+        (args.custom_tis_function_path, "--custom-tis-function-path"),
+    ):
+        if path:
+            load_function(path, flag)
 
     max_prompt_len = context_length(model_dir) - 1  # room for at least one response token
     data_source = DataSource(args, tokenizer, max_prompt_len=max_prompt_len)
@@ -84,7 +101,7 @@ def check_inputs(args: Any) -> Inputs:
         notes.append(data_source.skipped_note)
     if args.eval_prompt_data:
         load_eval_samples(args, tokenizer, args.eval_prompt_data, limit=args.eval_limit, max_prompt_len=max_prompt_len)
-    return Inputs(tokenizer, rollout_fn, data_source, rewards, notes)
+    return Inputs(tokenizer, rollout_fn, data_source, rewards, notes, custom_advantages)
 
 
 def check_eval_inputs(args: Any) -> Any:

@@ -81,6 +81,7 @@ class Run:
         torch.manual_seed(args.seed)
 
         self.rollout_fn: Callable[..., RolloutOutput] = inputs.rollout_fn
+        self.custom_advantages = inputs.custom_advantages
         self.data_source = inputs.data_source
         self.rewards = inputs.rewards  # its grading pool starts with the first sample; close() ends it
         self.num_rollout: int = args.num_rollout  # resolved from --num-epoch by check_inputs
@@ -186,8 +187,14 @@ class Run:
     def train_on(self, out: RolloutOutput, step: int) -> dict[str, float]:
         """Advantages → optimizer step(s). Returns train metrics + rollout metrics of this batch."""
         groups = out.samples
+        a = self.args
         rewards, adv = group_advantages(
-            groups, self.args.advantage_estimator, std_normalize=self.args.normalize_advantages_std
+            groups,
+            a.advantage_estimator,
+            std_normalize=a.normalize_advantages_std,
+            whitened=a.normalize_advantages,
+            custom=self.custom_advantages,
+            args=a,
         )
         samples = [s for g in groups for s in g]
         metrics = dict(out.metrics)

@@ -91,12 +91,12 @@ def load_filter(args: Any) -> GroupFilter | None:
 
 
 def everything_dropped(dropped: int, kept: int, target: int) -> FilterError:
-    """The error of a filter that dropped as many groups as the data has prompts while one batch
-    waited to fill: it would go on generating forever."""
+    """The error of a filter that dropped as many groups in a row as the data has prompts: it
+    would go on generating forever (a filter that keeps some, however few, fills its batch)."""
     return FilterError(
-        f"{FLAG} dropped {dropped} groups (as many as the data has prompts) while {kept} of the {target} groups "
-        "a batch needs were kept: it drops nearly everything this policy generates (e.g. a task too hard for "
-        "it); check the filter and the rewards"
+        f"{FLAG} dropped {dropped} groups in a row (as many as the data has prompts) with {kept} of the {target} "
+        "groups a batch needs kept: it drops everything this policy generates (e.g. a task too hard for it, "
+        "or one it has learned); check the filter and the rewards"
     )
 
 

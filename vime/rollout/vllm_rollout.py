@@ -252,11 +252,12 @@ async def _generate_filtered(
     kept: list[list[Sample]] = []
     judged: list[list[Sample]] = []  # kept and dropped: the raw reward of what was generated
     reasons: list[str | None] = []
+    in_a_row = 0  # groups dropped since the last one kept: a filter that keeps nothing must not spin forever
     try:
         while len(kept) < target:
             if len(kept) + len(running) < target:
-                if len(reasons) >= max(len(data_source), target):
-                    raise everything_dropped(len(reasons), len(kept), target)
+                if in_a_row >= max(len(data_source), target):
+                    raise everything_dropped(in_a_row, len(kept), target)
                 for g in data_source.get_samples(chunk):
                     running[asyncio.create_task(generate_group(args, g, params, fn))] = g
             done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
@@ -268,8 +269,10 @@ async def _generate_filtered(
                 # a fallback group is kept when dropping it would need another round of prompts
                 if verdict.keep or (verdict.keep_when_insufficient and len(kept) + len(running) < target):
                     kept.append(group)
+                    in_a_row = 0
                 else:
                     reasons.append(verdict.reason)
+                    in_a_row += 1
                     data_source.mark_trained([group])  # done with: never trained, never generated again
     finally:
         for task in running:

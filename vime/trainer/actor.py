@@ -165,9 +165,10 @@ class Actor:
         self.apply_schedule()
         self.objective = Objective.of(args)  # the loss of a micro-batch's tokens
         # the loss's gradient is taken chunk by chunk inside the head's forward, which saves the
-        # head's logits recomputation (`chunked_loss`), unless the loss mixes tokens: sequence-level
-        # rejection weighs each token by its whole sequence's log-ratio
-        self.grad_in_forward: bool = not (args.use_rs and args.rs_level != "token")
+        # head's logits recomputation (`chunked_loss`), unless the loss mixes tokens: a ratio,
+        # weight or mask per sequence (GSPO, OPSM, sequence-level TIS or rejection, the veto, a
+        # custom hook) needs the whole sequence, which a chunk may cut
+        self.grad_in_forward: bool = not self.objective.per_sequence
         # coupled PPO: the engine's log-probs are π_old, so nothing is recomputed
         self.use_rollout_logprobs: bool = args.use_rollout_logprobs
         self.ref_scorer = None

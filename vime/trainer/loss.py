@@ -9,48 +9,98 @@ step, whatever the micro-batch split.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
-Estimator = Literal["grpo", "dr_grpo"]
+Estimator = Literal["grpo", "dr_grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+ESTIMATORS: tuple[str, ...] = Estimator.__args__
+# estimators whose advantages are whitened over the batch's loss tokens by definition
+WHITENED = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
+# the group std divides only these (when not disabled): GRPO's normalization, kept by GSPO and CISPO
+STD_NORMALIZED = ("grpo", "gspo", "cispo")
 Aggregation = Literal["token_mean", "sample_mean", "seq_sum_const"]
 KLKind = Literal["low_var_kl", "k1", "k2", "k3"]
 TISMode = Literal["truncate", "mask"]
 RSLevel = Literal["token", "sequence", "geometric"]
+PolicyKind = Literal["ppo", "gspo", "cispo"]
 
 
 def compute_advantages(
     rewards: Tensor, estimator: Estimator = "grpo", std_normalize: bool = True, eps: float = 1e-6
 ) -> Tensor:
-    """Group-relative advantages for rewards shaped [num_groups, n_samples_per_prompt].
+    """Per-sample advantages for rewards shaped [num_groups, n_samples_per_prompt].
 
-    The baseline is the group mean. GRPO also divides by the group's *population* std
-    (correction=0): a group's advantages then have unit variance exactly, and a group of one
-    sample gives 0 rather than the NaN of the unbiased std. Dr.GRPO never divides by the std
-    (it biases updates towards groups that are almost all right or all wrong), whatever
-    `std_normalize` says. A group with equal rewards gets zero advantages either way.
+    The baseline is the group mean. GRPO (and GSPO and CISPO, which change the loss, not the
+    advantage) also divides by the group's *population* std (correction=0): a group's
+    advantages then have unit variance exactly, and a group of one sample gives 0 rather than
+    the NaN of the unbiased std. Dr.GRPO never divides by the std (it biases updates towards
+    groups that are almost all right or all wrong), whatever `std_normalize` says. A group with
+    equal rewards gets zero advantages either way.
+
+    REINFORCE++ takes the reward itself (no group baseline; with γ = 1 and no KL in the reward,
+    every token's return is the sample's reward), REINFORCE++ with baseline the reward minus its
+    group's mean; both are then whitened over the batch's tokens (`whiten`), which the caller
+    does, as it needs the token counts.
     """
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be [num_groups, n], got shape {tuple(rewards.shape)}")
-    if estimator not in ("grpo", "dr_grpo"):
-        raise ValueError(f"unknown advantage estimator {estimator!r}: use grpo or dr_grpo")
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {estimator!r}: use one of {', '.join(ESTIMATORS)}")
     rewards = rewards.float()
+    if estimator == "reinforce_plus_plus":
+        return rewards.clone()
     centered = rewards - rewards.mean(dim=1, keepdim=True)
-    if estimator == "dr_grpo" or not std_normalize:
+    if estimator not in STD_NORMALIZED or not std_normalize:
         return centered
     return centered / (rewards.std(dim=1, correction=0, keepdim=True) + eps)
 
 
+def whiten(advantages: Tensor, token_counts: Tensor, eps: float = 1e-8) -> Tensor:
+    """Per-sample advantages whitened over the batch's loss tokens (REINFORCE++, or any estimator
+    with --normalize-advantages): each sample's advantage stands on each of its `token_counts`
+    loss tokens, so the mean and the (unbiased) variance are taken over tokens, not samples, and a
+    long response weighs as many tokens as it has. Samples without loss tokens change nothing."""
+    n = token_counts.float()
+    total = n.sum()
+    if total < 2:
+        return advantages - advantages.mean() if advantages.numel() else advantages
+    mean = (n * advantages).sum() / total
+    var = (n * (advantages - mean).square()).sum() / (total - 1)
+    return (advantages - mean) * torch.rsqrt(var + eps)
+
+
 def group_advantages(
-    groups: list[list[Any]], estimator: Estimator = "grpo", std_normalize: bool = True
+    groups: list[list[Any]],
+    estimator: Estimator = "grpo",
+    std_normalize: bool = True,
+    whitened: bool = False,
+    custom: Callable[..., Any] | None = None,
+    args: Any = None,
 ) -> tuple[Tensor, Tensor]:
     """A rollout's rewards and advantages as [num_groups, n] tensors, from its groups of samples
-    (a missing reward counts 0): what the actor trains on, kept as tensors end to end."""
+    (a missing reward counts 0): what the actor trains on, kept as tensors end to end.
+
+    `custom` (--custom-advantage-function-path) replaces the estimator: `custom(args, groups,
+    rewards)` returns the [num_groups, n] advantages. Whitening (`whitened`, or a REINFORCE++
+    estimator) applies after either."""
     rewards = torch.tensor([[s.reward or 0.0 for s in g] for g in groups], dtype=torch.float32)
-    return rewards, compute_advantages(rewards, estimator, std_normalize=std_normalize)
+    if custom is None:
+        adv = compute_advantages(rewards, estimator, std_normalize=std_normalize)
+    else:
+        adv = torch.as_tensor(custom(args, groups, rewards), dtype=torch.float32)
+        if adv.shape != rewards.shape:
+            raise ValueError(
+                f"--custom-advantage-function-path returned advantages of shape {tuple(adv.shape)}, "
+                f"the rollout's rewards are {tuple(rewards.shape)} (groups × samples): return one per sample"
+            )
+    if whitened or estimator in WHITENED:
+        counts = torch.tensor([[sum(s.effective_loss_mask()) for s in g] for g in groups], dtype=torch.float32)
+        adv = whiten(adv.flatten(), counts.flatten()).view_as(adv)
+    return rewards, adv
 
 
 def aggregate(
@@ -105,9 +155,17 @@ class OffPolicyCorrection:
       [tis_clip_low, tis_clip] (truncated IS; with a lower bound above 0 no token is silenced
       entirely); `"mask"` keeps w inside that band and sets it to 0 outside (IcePop; with
       tis_clip_low 0 and tis_clip = C it is AReaL's decoupled PPO with behaviour-weight cap C).
+      `tis_level` "sequence" or "geometric" weighs every token of a sequence alike, by the
+      product of its tokens' w or their geometric mean (slime's MIS example).
     * `use_rs`: rejection, i.e. masked IS without reweighting: drop a token (`rs_level="token"`)
       or a whole sequence whose w leaves [rs_lower_bound, rs_upper_bound]; a sequence's w is the
       product of its tokens' (`"sequence"`) or their geometric mean (`"geometric"`).
+    * `rs_veto_threshold`: drop a whole sequence in which any loss token has w below it: one
+      token the trainer finds far less likely than the engine did (a numerical catastrophe, not
+      staleness) makes the whole sequence suspect, whatever its mean.
+    * `custom` (--custom-tis-function-path): slime's hook, called on each micro-batch's
+      per-token loss with per-sequence lists; it returns the loss, per-sequence masks and
+      per-token metrics (`apply_custom_tis`).
 
     A dropped token weighs 0 in the step's token mean; the denominator stays the step's
     loss-token count (IcePop's zero weight), because renormalizing over the kept tokens would
@@ -118,16 +176,21 @@ class OffPolicyCorrection:
     tis_mode: TISMode = "truncate"
     tis_clip: float = 2.0
     tis_clip_low: float = 0.0
+    tis_level: RSLevel = "token"
     use_rs: bool = False
     rs_level: RSLevel = "token"
     rs_lower_bound: float = 0.5
     rs_upper_bound: float = 2.0
+    rs_veto_threshold: float | None = None
+    custom: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         """The flags are checked with their names in `Config.validate`; this guards direct use."""
-        if self.tis_mode not in ("truncate", "mask") or self.rs_level not in ("token", "sequence", "geometric"):
+        levels = ("token", "sequence", "geometric")
+        if self.tis_mode not in ("truncate", "mask") or self.rs_level not in levels or self.tis_level not in levels:
             raise ValueError(
-                f"tis_mode {self.tis_mode!r} / rs_level {self.rs_level!r}: use truncate|mask and token|sequence|geometric"
+                f"tis_mode {self.tis_mode!r} / tis_level {self.tis_level!r} / rs_level {self.rs_level!r}: "
+                "use truncate|mask and token|sequence|geometric"
             )
         if not (0 <= self.tis_clip_low < self.tis_clip and 0 <= self.rs_lower_bound < self.rs_upper_bound):
             raise ValueError(
@@ -136,13 +199,38 @@ class OffPolicyCorrection:
 
     @property
     def active(self) -> bool:
-        return self.use_tis or self.use_rs
+        return self.use_tis or self.use_rs or self.rs_veto_threshold is not None or self.custom is not None
+
+    @property
+    def per_sequence(self) -> bool:
+        """Whether a token's factor depends on the rest of its sequence (then the loss cannot be
+        taken chunk by chunk in the LM head, where a chunk may end mid-sequence)."""
+        return (
+            (self.use_tis and self.tis_level != "token")
+            or (self.use_rs and self.rs_level != "token")
+            or self.rs_veto_threshold is not None
+            or self.custom is not None
+        )
 
 
 def _in_band(log_w: Tensor, low: float, high: float) -> Tensor:
     """low <= exp(log_w) <= high, compared in log space so a sequence's product never overflows."""
     lo = torch.log(torch.tensor(low, dtype=log_w.dtype))  # -inf for a lower bound of 0
     return (log_w >= lo) & (log_w <= torch.log(torch.tensor(high, dtype=log_w.dtype)))
+
+
+def _per_sequence(log_w: Tensor, mask: Tensor, seq_ids: Tensor | None, level: str) -> Tensor:
+    """Each token's log-ratio at `level`: its own (token), or its sequence's sum over loss tokens
+    (sequence, the log of the product) or mean (geometric), on every token of the sequence."""
+    if level == "token":
+        return log_w
+    if seq_ids is None:
+        raise ValueError(f"level {level!r} needs seq_ids (the sequence of each token)")
+    n_seq = int(seq_ids.max()) + 1 if seq_ids.numel() else 0
+    seq_sum = torch.zeros(n_seq, dtype=log_w.dtype, device=log_w.device).index_add_(0, seq_ids, log_w * mask)
+    if level == "geometric":
+        seq_sum = seq_sum / torch.zeros_like(seq_sum).index_add_(0, seq_ids, mask).clamp(min=1)
+    return seq_sum[seq_ids]
 
 
 def behaviour_weights(
@@ -154,18 +242,21 @@ def behaviour_weights(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Per-token factor (detached) that `correction` puts on the policy loss, and its metrics.
 
-    `seq_ids` [T] numbers the sequence each token belongs to (0..S-1); sequence and geometric
-    rejection need it. Metrics are masked sums (the caller divides by its token count):
-    tis (weight after truncation/masking), tis_clipfrac (share of tokens outside the TIS band),
-    rs_dropfrac (share of tokens rejected).
+    `seq_ids` [T] numbers the sequence each token belongs to (0..S-1); the sequence and
+    geometric levels and the veto need it. Metrics are masked sums (the caller divides by its
+    token count): tis (weight after truncation/masking), tis_clipfrac (share of tokens outside
+    the TIS band), rs_dropfrac (share of tokens rejected), rs_veto_frac (share of tokens in
+    vetoed sequences). A sequence's log-ratio is clamped to ±20 before exp, so a product over a
+    long sequence never overflows a weight.
     """
     mask = loss_mask.to(old_log_probs.dtype)
     log_w = (old_log_probs - rollout_log_probs).detach()
     factor = torch.ones_like(log_w)
     sums: dict[str, Tensor] = {}
     if correction.use_tis:
-        inside = _in_band(log_w, correction.tis_clip_low, correction.tis_clip)
-        w = torch.exp(log_w)
+        level_log_w = _per_sequence(log_w, mask, seq_ids, correction.tis_level).clamp(-20.0, 20.0)
+        inside = _in_band(level_log_w, correction.tis_clip_low, correction.tis_clip)
+        w = torch.exp(level_log_w)
         w = (
             w.clamp(correction.tis_clip_low, correction.tis_clip)
             if correction.tis_mode == "truncate"
@@ -175,19 +266,57 @@ def behaviour_weights(
         sums["tis"] = (w * mask).sum()
         sums["tis_clipfrac"] = ((~inside).to(mask.dtype) * mask).sum()
     if correction.use_rs:
-        level_log_w = log_w
-        if correction.rs_level != "token":
-            if seq_ids is None:
-                raise ValueError(f"rs_level {correction.rs_level!r} needs seq_ids (the sequence of each token)")
-            n_seq = int(seq_ids.max()) + 1 if seq_ids.numel() else 0
-            seq_sum = torch.zeros(n_seq, dtype=log_w.dtype, device=log_w.device).index_add_(0, seq_ids, log_w * mask)
-            if correction.rs_level == "geometric":
-                seq_sum = seq_sum / torch.zeros_like(seq_sum).index_add_(0, seq_ids, mask).clamp(min=1)
-            level_log_w = seq_sum[seq_ids]
+        level_log_w = _per_sequence(log_w, mask, seq_ids, correction.rs_level)
         keep = _in_band(level_log_w, correction.rs_lower_bound, correction.rs_upper_bound).to(mask.dtype)
         factor = factor * keep
         sums["rs_dropfrac"] = ((1 - keep) * mask).sum()
+    if correction.rs_veto_threshold is not None:
+        if seq_ids is None:
+            raise ValueError("rs_veto_threshold needs seq_ids (the sequence of each token)")
+        low = torch.log(torch.tensor(correction.rs_veto_threshold, dtype=log_w.dtype))
+        bad = ((log_w < low) & (mask > 0)).to(mask.dtype)
+        n_seq = int(seq_ids.max()) + 1 if seq_ids.numel() else 0
+        vetoed = (torch.zeros(n_seq, dtype=mask.dtype, device=mask.device).index_add_(0, seq_ids, bad) > 0)[seq_ids]
+        factor = factor * (~vetoed).to(mask.dtype)
+        sums["rs_veto_frac"] = (vetoed.to(mask.dtype) * mask).sum()
     return factor, sums
+
+
+def apply_custom_tis(
+    fn: Callable[..., Any],
+    per_token: Tensor,
+    old_log_probs: Tensor,
+    rollout_log_probs: Tensor,
+    mask: Tensor,
+    seq_ids: Tensor,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """slime's --custom-tis-function-path on one micro-batch's whole sequences: called with
+    keywords `pg_loss` (flat per-token), `train_log_probs`, `rollout_log_probs`, `loss_masks`
+    (lists, one tensor per sequence), `response_lengths`; returns (pg_loss, masks, metrics),
+    masks one per sequence, metrics flat per-token tensors (reported as masked token means).
+    A returned mask zeroes tokens; the denominator stays the step's."""
+    lengths = torch.bincount(seq_ids, minlength=int(seq_ids.max()) + 1 if seq_ids.numel() else 0).tolist()
+
+    def split(x: Tensor) -> list[Tensor]:
+        return list(torch.split(x, lengths))
+
+    out = fn(
+        pg_loss=per_token,
+        total_lengths=None,  # slime's context-parallel slicing; vime scores whole sequences
+        train_log_probs=split(old_log_probs.detach()),
+        rollout_log_probs=split(rollout_log_probs),
+        loss_masks=split(mask),
+        response_lengths=lengths,
+    )
+    if not (isinstance(out, tuple) and len(out) == 3):
+        raise ValueError("--custom-tis-function-path must return (pg_loss, loss_masks, metrics)")
+    new_loss, masks, metrics = out
+    if new_loss.shape != per_token.shape:
+        raise ValueError(
+            f"--custom-tis-function-path returned a pg_loss of shape {tuple(new_loss.shape)} for {per_token.numel()} tokens"
+        )
+    keep = torch.cat([torch.as_tensor(m, dtype=mask.dtype, device=mask.device) for m in masks]) if masks else mask
+    return new_loss * keep, {k: (torch.as_tensor(v, dtype=mask.dtype) * mask).sum() for k, v in metrics.items()}
 
 
 def policy_loss(
@@ -205,9 +334,24 @@ def policy_loss(
     const: float | None = None,
     num_tokens: float | Tensor | None = None,
     weights: Tensor | None = None,
+    kind: PolicyKind = "ppo",
+    opsm_delta: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO-clip loss over flat per-token tensors; returns (loss, metrics). `agg`, `const`,
     `num_tokens` and `weights` are `aggregate`'s.
+
+    `kind` "gspo" (Zheng et al. 2025) takes the ratio per sequence: exp of the mean over its
+    loss tokens of log π − log π_old, on every token of the sequence (so the gradient of each
+    token's log-prob flows through its sequence's mean), then the same clip. Sequences are
+    whole in one call (`seq_ids`); GSPO's clip ranges are far tighter than PPO's (slime's
+    scripts: 3e-4 to 4e-4). `kind` "cispo" (MiniMax-M1) clips the importance weight instead of
+    the update and never drops a token's gradient: −sg(clip(ratio, 1 − eps_clip, 1 +
+    eps_clip_high)) · A · log π, the canonical setting --eps-clip 1 (no lower bound).
+
+    `opsm_delta` (off-policy sequence masking, slime's --use-opsm): a token with a negative
+    advantage is left out when its sequence's mean of log π_old − log π exceeds delta: a
+    sequence the policy has already moved away from is not pushed further down on stale
+    evidence. `opsm_clipfrac` is the share of tokens left out.
 
     The ratio π/π_old is clipped to [1 - eps_clip, 1 + eps_clip_high] (DAPO's clip-higher when
     the two differ) and the pessimistic (larger) of the clipped and unclipped losses is kept.
@@ -230,29 +374,47 @@ def policy_loss(
     mask = loss_mask.to(log_probs.dtype)
     n = mask.sum() if num_tokens is None else torch.as_tensor(num_tokens, dtype=log_probs.dtype)
     n = n.clamp(min=1)
-    log_ratio = log_probs - old_log_probs
+    token_log_ratio = log_probs - old_log_probs
+    log_ratio = _per_sequence(token_log_ratio, mask, seq_ids, "geometric") if kind == "gspo" else token_log_ratio
     ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
-    per_token = torch.maximum(unclipped, clipped)
     metrics: dict[str, Tensor] = {}
+    if kind == "cispo":
+        w = ratio.detach().clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
+        per_token = -w * advantages * log_probs
+        clipped_active = w != ratio.detach()
+    else:
+        unclipped = -advantages * ratio
+        clipped = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
+        per_token = torch.maximum(unclipped, clipped)
+        clipped_active = clipped > unclipped
     if eps_clip_c is not None:
         cap = -advantages * eps_clip_c
         capped = (advantages < 0) & (per_token > cap)
         per_token = torch.where(capped, cap, per_token)
         with torch.no_grad():
             metrics["pg_clipfrac_lower"] = (capped.to(mask.dtype) * mask).sum() / n
+    if opsm_delta is not None:
+        drift = _per_sequence((old_log_probs - log_probs).detach(), mask, seq_ids, "geometric")
+        left_out = (advantages < 0) & (drift > opsm_delta)
+        per_token = per_token * (~left_out).to(per_token.dtype)
+        metrics["opsm_clipfrac"] = (left_out.to(mask.dtype) * mask).sum() / n
     if correction.active:
         if rollout_log_probs is None:
             raise ValueError("TIS and rejection need rollout_log_probs (the engine's log-probs of the sampled tokens)")
         factor, sums = behaviour_weights(old_log_probs, rollout_log_probs, mask, correction, seq_ids)
         per_token = per_token * factor
+        if correction.custom is not None:
+            assert seq_ids is not None, "--custom-tis-function-path needs seq_ids"
+            per_token, sums2 = apply_custom_tis(
+                correction.custom, per_token, old_log_probs, rollout_log_probs, mask, seq_ids
+            )
+            sums.update(sums2)
         metrics.update({k: v / n for k, v in sums.items()})
     loss = aggregate(per_token, mask, agg, num_tokens=n, const=const, weights=weights)
     with torch.no_grad():
         metrics["pg_loss"] = loss.detach()
-        metrics["pg_clipfrac"] = ((clipped > unclipped).to(mask.dtype) * mask).sum() / n
-        metrics["ppo_kl"] = (-log_ratio * mask).sum() / n
+        metrics["pg_clipfrac"] = (clipped_active.to(mask.dtype) * mask).sum() / n
+        metrics["ppo_kl"] = (-token_log_ratio * mask).sum() / n
     return loss, metrics
 
 
@@ -286,6 +448,16 @@ def kl_penalty(
     if kind == "low_var_kl":
         kl = kl.clamp(min=-10.0, max=10.0)
     return kl
+
+
+CUSTOM_LOSS_SIGNATURE = (
+    "fn(args, *, log_probs, old_log_probs, advantages, loss_mask, rollout_log_probs, seq_ids) -> "
+    "per-token loss [T] or (loss, {name: per-token tensor})"
+)
+CUSTOM_TIS_SIGNATURE = (
+    "fn(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths, **kw) "
+    "-> (pg_loss, loss_masks, metrics)"
+)
 
 
 @dataclass
@@ -324,10 +496,39 @@ class Objective:
     kl_type: str
     unbiased_kl: bool  # each token's KL weighted by the current-to-old ratio
     coupled: bool  # --use-rollout-logprobs: the engine's log-probs are π_old
+    kind: str = "ppo"  # ppo, or the sequence-ratio (gspo) or clipped-weight (cispo) loss
+    opsm_delta: float | None = None  # --use-opsm: None off
+    custom_loss: Callable[..., Any] | None = None  # --loss-type custom_loss: the per-token policy term
+
+    @property
+    def per_sequence(self) -> bool:
+        """Whether a token's loss depends on the rest of its sequence: then the actor computes it
+        on whole sequences, never chunk by chunk in the LM head (a chunk may end mid-sequence).
+        A custom loss may read anything, so it too gets whole sequences."""
+        return (
+            self.kind == "gspo"
+            or self.opsm_delta is not None
+            or self.custom_loss is not None
+            or self.correction.per_sequence
+        )
 
     @classmethod
     def of(cls, args: Any) -> Objective:
+        from functools import partial
+
+        from vime.plugins import load_function
+
+        def hook(path: str | None, flag: str, signature: str) -> Callable[..., Any] | None:
+            return None if path is None else partial(load_function(path, flag, signature=signature), args)
+
         return cls(
+            kind=args.advantage_estimator if args.advantage_estimator in ("gspo", "cispo") else "ppo",
+            opsm_delta=args.opsm_delta if args.use_opsm else None,
+            custom_loss=hook(
+                args.custom_loss_function_path if args.loss_type == "custom_loss" else None,
+                "--custom-loss-function-path",
+                CUSTOM_LOSS_SIGNATURE,
+            ),
             eps_clip=args.eps_clip,
             eps_clip_high=args.eps_clip_high,
             eps_clip_c=args.eps_clip_c,
@@ -336,10 +537,13 @@ class Objective:
                 tis_mode=args.tis_mode,
                 tis_clip=args.tis_clip,
                 tis_clip_low=args.tis_clip_low,
+                tis_level=args.tis_level,
                 use_rs=args.use_rs,
                 rs_level=args.rs_level,
                 rs_lower_bound=args.rs_lower_bound,
                 rs_upper_bound=args.rs_upper_bound,
+                rs_veto_threshold=args.rs_veto_threshold,
+                custom=hook(args.custom_tis_function_path, "--custom-tis-function-path", CUSTOM_TIS_SIGNATURE),
             ),
             agg="seq_sum_const"
             if args.advantage_estimator == "dr_grpo"
@@ -358,22 +562,10 @@ class Objective:
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """(loss, metrics) of these tokens; the metrics are sums the trainer adds up over a step."""
         old = log_probs.detach() if t.old is None else t.old
-        pg, m = policy_loss(
-            log_probs,
-            old,
-            t.advantages,
-            t.mask,
-            eps_clip=self.eps_clip,
-            eps_clip_high=self.eps_clip_high,
-            eps_clip_c=self.eps_clip_c,
-            rollout_log_probs=t.rollout_lp,
-            correction=self.correction,
-            seq_ids=t.seq_ids,
-            agg=self.agg,
-            const=const,
-            num_tokens=num_tokens,
-            weights=t.weights,
-        )
+        if self.custom_loss is not None:
+            pg, m = self._custom_policy_term(log_probs, old, t, num_tokens, const)
+        else:
+            pg, m = self._policy_term(log_probs, old, t, num_tokens, const)
         loss = pg
         # entropy is reported as a token mean whatever the loss aggregation
         m["entropy"] = aggregate(entropy.detach(), t.mask, "token_mean", num_tokens=num_tokens)
@@ -390,4 +582,54 @@ class Objective:
         trainer_lp = log_probs.detach() if self.coupled else old  # coupled: old is the engine's own
         m["_lp_diff_sum"] = ((trainer_lp - t.rollout_lp).abs() * t.has_rollout).sum()
         m["_lp_diff_count"] = t.has_rollout.sum()
+        return loss, m
+
+    def _policy_term(
+        self, log_probs: Tensor, old: Tensor, t: LossInputs, num_tokens: float, const: float
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        return policy_loss(
+            log_probs,
+            old,
+            t.advantages,
+            t.mask,
+            eps_clip=self.eps_clip,
+            eps_clip_high=self.eps_clip_high,
+            eps_clip_c=self.eps_clip_c,
+            rollout_log_probs=t.rollout_lp,
+            correction=self.correction,
+            seq_ids=t.seq_ids,
+            agg=self.agg,
+            const=const,
+            num_tokens=num_tokens,
+            weights=t.weights,
+            kind=self.kind,
+            opsm_delta=self.opsm_delta,
+        )
+
+    def _custom_policy_term(
+        self, log_probs: Tensor, old: Tensor, t: LossInputs, num_tokens: float, const: float
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """--custom-loss-function-path: the user's per-token policy term, aggregated as vime
+        aggregates its own (so micro-batches still add up to the step's loss); its metrics are
+        per-token tensors, reported as token means."""
+        assert self.custom_loss is not None
+        out = self.custom_loss(
+            log_probs=log_probs,
+            old_log_probs=old,
+            advantages=t.advantages,
+            loss_mask=t.mask,
+            rollout_log_probs=t.rollout_lp,
+            seq_ids=t.seq_ids,
+        )
+        per_token, metrics = out if isinstance(out, tuple) else (out, {})
+        if not isinstance(per_token, Tensor) or per_token.shape != log_probs.shape:
+            raise ValueError(
+                f"--custom-loss-function-path must return a per-token loss of shape {tuple(log_probs.shape)} "
+                f"(and optionally a dict of per-token metrics), got {type(per_token).__name__}"
+                f"{'' if not isinstance(per_token, Tensor) else ' of shape ' + str(tuple(per_token.shape))}"
+            )
+        loss = aggregate(per_token, t.mask, self.agg, num_tokens=num_tokens, const=const, weights=t.weights)
+        n = torch.as_tensor(num_tokens, dtype=log_probs.dtype).clamp(min=1)
+        m = {k: ((torch.as_tensor(v) * t.mask).sum() / n).detach() for k, v in metrics.items()}
+        m["pg_loss"] = loss.detach()
         return loss, m
