@@ -4,6 +4,7 @@ transformers."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from test_actor import make_args, make_samples
 
@@ -61,3 +62,34 @@ def test_two_ranks_match_one_rank_and_checkpoint_loads_anywhere(tiny_model, tmp_
     hf = AutoModelForCausalLM.from_pretrained(ckpt)
     for n, t in hf.state_dict().items():
         assert torch.allclose(t, w1[n], atol=1e-5), n
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"calculate_per_token_loss": False},  # the sample mean: its denominator is the step's samples on every rank
+        {"advantage_estimator": "gspo", "eps_clip": 4e-4},  # one ratio per sequence: whole sequences per rank
+        pytest.param(
+            {"advantage_estimator": "cispo", "eps_clip": 1.0, "eps_clip_high": 4.0}, marks=pytest.mark.slow, id="cispo"
+        ),
+        pytest.param({"use_opsm": True}, marks=pytest.mark.slow, id="opsm"),
+    ],
+    ids=["sample-mean", "gspo", "cispo", "opsm"],
+)
+def test_two_ranks_match_one_rank_for_every_objective(tiny_model, extra):
+    """The objectives of issue 31 split over two ranks train what one rank trains: the same
+    loss, gradient norm and weights (the second optimizer step is off-policy, so the clips,
+    ratios and OPSM's drift are live)."""
+    args = make_args(max_tokens_per_gpu=24, global_batch_size=3, actor_num_procs=2, **extra)
+    samples = make_samples(6)
+    advantages = [1.0, -0.5, 0.25, -1.0, 2.0, -0.75]
+    one = Actor(args, tiny_model)
+    two = launch_actor(args, tiny_model, "cpu")
+    try:
+        m1, m2 = one.train_step(samples, advantages), two.train_step(samples, advantages)
+        for k in ("train/loss", "train/pg_loss", "train/grad_norm"):
+            assert abs(m1[k] - m2[k]) < 1e-5, (k, m1[k], m2[k])
+        w1, w2 = dict(one.named_weights()), dict(two.named_weights())
+        assert all(torch.allclose(t, w2[n], atol=1e-5) for n, t in w1.items())
+    finally:
+        two.close()
