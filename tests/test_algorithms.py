@@ -85,8 +85,8 @@ def test_a_custom_advantage_function_replaces_the_estimator_and_a_wrong_shape_is
 def test_gspo_takes_one_ratio_per_sequence_by_hand():
     """GSPO (Zheng et al. 2025): s_i = exp(mean_t (log π − log π_old)) on every token of
     sequence i, clipped like PPO's ratio. Sequence 0: log-ratios (0.1, 0.3) → s = e^0.2;
-    sequence 1: (−0.5) → s = e^−0.5, clipped at 0.8 for A > 0 (pessimistic: the unclipped
-    −A s is larger). Token mean over 3 tokens."""
+    sequence 1: (−0.5) → s = e^−0.5, below the band's 0.7, but with A > 0 the unclipped −A s
+    is the larger (pessimistic) term, so it stays. Token mean over 3 tokens."""
     old = torch.zeros(3)
     log_probs = torch.tensor([0.1, 0.3, -0.5], requires_grad=True)
     adv = torch.tensor([-1.0, -1.0, 2.0])
@@ -245,3 +245,23 @@ def test_each_objective_trains_the_tiny_model(tmp_path, name):
     initial = load_file(str(resolve_model("tiny") / "model.safetensors"))
     final = load_file(str(tmp_path / "ckpt" / "3" / "model.safetensors"))
     assert any(not torch.equal(initial[k], final[k]) for k in initial)
+
+
+def test_every_new_flag_reaches_the_objective():
+    """The flags' wiring: what the parser reads is what the actor's loss applies."""
+    from vime.config import parse_args
+    from vime.trainer.loss import Objective
+
+    base = ["--hf-checkpoint", "tiny", "--prompt-data", "p.jsonl", "--num-rollout", "1"]
+    o = Objective.of(parse_args([*base, "--advantage-estimator", "gspo", "--use-opsm", "--opsm-delta", "0.01"]))
+    assert o.kind == "gspo" and o.opsm_delta == 0.01 and o.per_sequence
+    o = Objective.of(parse_args([*base, "--use-tis", "--tis-level", "geometric", "--rs-veto-threshold", "1e-3"]))
+    assert o.correction.tis_level == "geometric" and o.correction.rs_veto_threshold == 1e-3 and o.per_sequence
+    o = Objective.of(parse_args([*base, "--advantage-estimator", "cispo"]))
+    assert o.kind == "cispo" and not o.per_sequence  # token-level: the head's chunked gradient stays on
+    o = Objective.of(
+        parse_args(
+            [*base, "--loss-type", "custom_loss", "--custom-loss-function-path", "custom_algorithms.reinforce_loss"]
+        )
+    )
+    assert o.custom_loss is not None and o.per_sequence

@@ -74,6 +74,23 @@ def test_json_and_list_flags():
         ),
         (["--over-sampling-batch-size", "16"], "only matters with --dynamic-sampling-filter-path"),
         (["--debug-train-only"], "give --load-debug-rollout-data"),
+        (["--debug-rollout-only", "--max-staleness", "1"], "would hold the worker back forever"),
+        (
+            ["--save-debug-rollout-data", "a/{rollout_id}.pt", "--load-debug-rollout-data", "a/{rollout_id}.pt"],
+            "would write back what was read",
+        ),
+        (["--opsm-delta", "0.5"], "add --use-opsm"),
+        (
+            ["--loss-type", "custom_loss", "--custom-loss-function-path", "m.f", "--advantage-estimator", "gspo"],
+            "--loss-type custom_loss replaces the policy term",
+        ),
+        (["--loss-type", "custom_loss"], "needs --custom-loss-function-path"),
+        (["--custom-loss-function-path", "m.f"], "is used with --loss-type custom_loss"),
+        (["--gamma", "0.99"], "per-token returns are not supported yet"),
+        (["--advantage-estimator", "cispo", "--eps-clip-c", "3"], "CISPO clips the importance weight instead"),
+        (["--rs-veto-threshold", "2"], "must be between 0 and 1"),
+        (["--lora-rank", "-1"], "--lora-rank -1 must be >= 1"),
+        (["--tis-level", "sequence"], "add --use-tis, or drop --tis-level"),
         (["--debug-rollout-only", "--load-debug-rollout-data", "d/{rollout_id}.pt"], "give one of them"),
         (["--debug-rollout-only", "--save", "ck"], "drop --save/--load"),
         (
@@ -246,3 +263,11 @@ def test_off_policy_correction_conflicts_fail_with_one_line(extra, fragment):
     with pytest.raises(ConfigError) as e:
         parse_args([*BASE, *extra], entry="async")
     assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_over_sampling_is_refused_where_the_fully_async_worker_would_ignore_it():
+    ds = ["--dynamic-sampling-filter-path", "vime.rollout.filters.check_reward_nonzero_std"]
+    assert parse_args([*BASE, *ds, "--over-sampling-batch-size", "16"], entry="async").over_sampling_batch_size == 16
+    for extra in (["--rollout-function-path", FULLY_ASYNC_FN], ["--max-staleness", "1"]):
+        with pytest.raises(ConfigError, match="keeps --rollout-concurrency groups in flight instead"):
+            parse_args([*BASE, *ds, "--over-sampling-batch-size", "16", *extra], entry="async")

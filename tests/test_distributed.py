@@ -73,8 +73,9 @@ def test_two_ranks_match_one_rank_and_checkpoint_loads_anywhere(tiny_model, tmp_
             {"advantage_estimator": "cispo", "eps_clip": 1.0, "eps_clip_high": 4.0}, marks=pytest.mark.slow, id="cispo"
         ),
         pytest.param({"use_opsm": True}, marks=pytest.mark.slow, id="opsm"),
+        pytest.param({"lora_rank": 4, "lora_alpha": 8.0}, id="lora"),  # adapters sharded beside a frozen base
     ],
-    ids=["sample-mean", "gspo", "cispo", "opsm"],
+    ids=["sample-mean", "gspo", "cispo", "opsm", "lora"],
 )
 def test_two_ranks_match_one_rank_for_every_objective(tiny_model, extra):
     """The objectives of issue 31 split over two ranks train what one rank trains: the same

@@ -59,6 +59,12 @@ def test_slime_filter_paths_load_vimes_filters_and_a_bad_answer_is_one_line():
     with pytest.raises(FilterError, match=r"returned 0\.0: it must return a bool") as e:
         load_filter(_Args("varied_reward.float_filter"))(group(1.0))  # ... and a float answer is refused
     assert "\n" not in str(e.value)
+    # slime's filters compute keep as a tensor comparison: a one-element bool tensor or numpy bool counts
+    judge = load_filter(_Args("varied_reward.tensor_filter"))
+    assert judge(group(0.0, 1.0)).keep and not judge(group(1.0, 1.0)).keep
+    assert load_filter(_Args("varied_reward.numpy_filter"))(group(0.0, 1.0)).keep
+    with pytest.raises(FilterError, match="returned Tensor"):  # two answers for one group
+        load_filter(_Args("varied_reward.two_bools_filter"))(group(1.0))
 
 
 def test_a_filter_that_cannot_load_is_refused_at_start_up(tmp_path):

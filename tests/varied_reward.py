@@ -22,3 +22,24 @@ def constant(args, sample) -> float:
 def float_filter(args, samples) -> float:
     """A dynamic sampling filter that answers a number instead of keep/drop (refused)."""
     return 0.0
+
+
+def tensor_filter(args, samples):
+    """slime's way: keep computed as a tensor comparison."""
+    import torch
+
+    from vime.rollout.filters import DynamicFilterOutput
+
+    return DynamicFilterOutput(keep=torch.tensor([s.reward for s in samples]).std() > 0)
+
+
+def numpy_filter(args, samples):
+    import numpy as np
+
+    return np.std([s.reward for s in samples]) > 0
+
+
+def two_bools_filter(args, samples):
+    import torch
+
+    return torch.tensor([True, False])

@@ -377,6 +377,25 @@ class Config:
         "trainer finds far less likely than the engine did marks a numerical failure, not staleness",
         group="algorithm",
     )
+    # --- LoRA ---
+    lora_rank: int = _f(
+        0,
+        "train LoRA adapters of this rank on the target layers, the base frozen (0 = full fine-tuning); pushes and "
+        "checkpoints carry the merged weights, checkpoints also the adapter in PEFT's layout (adapter/)",
+        group="lora",
+    )
+    lora_alpha: float = _f(16.0, "LoRA's alpha: the adapter's update is scaled by alpha / rank", group="lora")
+    lora_dropout: float = _f(0.0, "dropout on the adapters' input while training", group="lora")
+    target_modules: list = _f(
+        ["all-linear"],
+        "layers that get adapters, by their names' last parts (q_proj k_proj v_proj o_proj gate_proj up_proj "
+        "down_proj), or all-linear (every linear layer but the LM head)",
+        group="lora",
+        nargs="+",
+    )
+    exclude_modules: list = _f(
+        [], "layers left without adapters, by last part or whole dotted name", group="lora", nargs="+"
+    )
     # --- optimizer ---
     optimizer: str = _f(
         "adam",
@@ -672,6 +691,11 @@ class Config:
         if entry != "eval":
             self.mode = self._derive_mode(entry)
             self._resolve_correction()
+            if self.over_sampling_batch_size is not None and self.rollout_function_path == FULLY_ASYNC_FN:
+                raise ConfigError(
+                    f"--over-sampling-batch-size is the sync batch's round of prompts; the fully-async worker ({self.mode}) "
+                    "keeps --rollout-concurrency groups in flight instead: give that, or drop the flag"
+                )
             if self.tis_level != "token" and not self.use_tis:
                 raise ConfigError(
                     f"--tis-level {self.tis_level} weighs TIS per sequence, and this run has no TIS "
@@ -858,6 +882,23 @@ def _train_checks(c: Config, entry: str) -> list[tuple[bool, str]]:
             "--debug-rollout-only starts no trainer and --debug-train-only / --load-debug-rollout-data no engine: give one of them",
         ),
         (
+            c.debug_rollout_only and c.max_staleness is not None,
+            "--debug-rollout-only pushes no weights, so --max-staleness would hold the worker back forever: drop one",
+        ),
+        (
+            c.save_debug_rollout_data is not None and c.load_debug_rollout_data is not None,
+            "--save-debug-rollout-data with --load-debug-rollout-data would write back what was read: give one",
+        ),
+        (
+            c.opsm_delta != _FIELDS["opsm_delta"].default and not c.use_opsm,
+            f"--opsm-delta {c.opsm_delta:g} is OPSM's threshold: add --use-opsm, or drop it",
+        ),
+        (
+            c.loss_type == "custom_loss" and (c.advantage_estimator in ("gspo", "cispo") or c.eps_clip_c is not None),
+            "--loss-type custom_loss replaces the policy term, and --advantage-estimator gspo/cispo and --eps-clip-c "
+            "change that term: drop one (the custom term gets GRPO's advantages, the correction and OPSM)",
+        ),
+        (
             c.debug_train_only and c.load_debug_rollout_data is None,
             "--debug-train-only starts no engine: give --load-debug-rollout-data (the rollouts to train on)",
         ),
@@ -934,6 +975,9 @@ def _train_checks(c: Config, entry: str) -> list[tuple[bool, str]]:
             not c.calculate_per_token_loss and c.advantage_estimator == "dr_grpo",
             "--no-calculate-per-token-loss with --advantage-estimator dr_grpo: Dr. GRPO divides by a constant, not by tokens or samples; drop one",
         ),
+        (c.lora_rank < 0, f"--lora-rank {c.lora_rank} must be >= 1 (or 0: full fine-tuning)"),
+        (c.lora_rank > 0 and c.lora_alpha <= 0, f"--lora-alpha {c.lora_alpha} must be > 0"),
+        (not 0 <= c.lora_dropout < 1, f"--lora-dropout {c.lora_dropout} must be in [0, 1)"),
         (
             c.eps_clip_c is not None and c.advantage_estimator == "cispo",
             "--eps-clip-c caps PPO's clipped loss, and CISPO clips the importance weight instead: drop --eps-clip-c",

@@ -41,11 +41,20 @@ def save_rollout(template: str, rollout_id: int, out: RolloutOutput) -> Path:
     samples = [{**dataclasses.asdict(s), "status": s.status.value} for g in out.samples for s in g]
     tmp = path.with_name(path.name + ".tmp")
     torch.save({"rollout_id": rollout_id, "samples": samples, "metrics": dict(out.metrics)}, tmp)
+    try:  # what cannot be read back (a custom generate's metadata of other types) fails now, not at replay
+        torch.load(tmp, weights_only=True)
+    except Exception as e:
+        tmp.unlink(missing_ok=True)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DataError(
+            f"--save-debug-rollout-data: rollout {rollout_id}'s samples hold values a saved rollout cannot keep "
+            f"({first}); keep Sample.metadata to plain types (str, numbers, lists, dicts)"
+        ) from None
     tmp.replace(path)
     return path
 
 
-def load_rollout(template: str, rollout_id: int, n_per_prompt: int) -> RolloutOutput:
+def load_rollout(template: str, rollout_id: int, n_per_prompt: int, n_groups: int | None = None) -> RolloutOutput:
     """One saved rollout back as groups (consecutive samples of one group index). Keys a sample
     dict has that vime's Sample does not (a file of another version) are left out."""
     path = debug_path(template, rollout_id)
@@ -71,5 +80,10 @@ def load_rollout(template: str, rollout_id: int, n_per_prompt: int) -> RolloutOu
         raise DataError(
             f"{flag}: {path} holds groups of {sorted({len(g) for g in groups})} samples, "
             f"this run's --n-samples-per-prompt is {n_per_prompt}: train with the settings it was saved with"
+        )
+    if n_groups is not None and len(groups) != n_groups:
+        raise DataError(
+            f"{flag}: {path} holds {len(groups)} groups, this run's --rollout-batch-size is {n_groups}: "
+            "train with the settings it was saved with"
         )
     return RolloutOutput(samples=groups, metrics=dict(data.get("metrics", {})))

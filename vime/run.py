@@ -72,6 +72,11 @@ class Run:
                 "--debug-train-only: no engine; training on the rollouts saved at %s, nothing pushed or evaluated",
                 args.load_debug_rollout_data,
             )
+            if args.save:
+                log.warning(
+                    "--debug-train-only: the checkpoints keep the prompt data's starting position (the saved "
+                    "rollouts did not come from it); a normal run resumed from them starts the data again"
+                )
         if args.debug_rollout_only:
             log.info("--debug-rollout-only: no trainer; the engines generate with the starting weights")
         # a resumed run keeps the config of the run it resumes (config.1.yaml, ...: one per resume)
@@ -178,7 +183,7 @@ class Run:
         --load-debug-rollout-data; written out with --save-debug-rollout-data."""
         a = self.args
         if a.load_debug_rollout_data:
-            return load_rollout(a.load_debug_rollout_data, rollout_id, a.n_samples_per_prompt)
+            return load_rollout(a.load_debug_rollout_data, rollout_id, a.n_samples_per_prompt, a.rollout_batch_size)
         out = self.rollout_fn(a, rollout_id, self.data_source)
         if a.save_debug_rollout_data:
             save_rollout(a.save_debug_rollout_data, rollout_id, out)

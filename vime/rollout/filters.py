@@ -76,13 +76,25 @@ def load_filter(args: Any) -> GroupFilter | None:
         return None
     fn = load_function(_ALIASES.get(path, path), FLAG, signature=SIGNATURE)
 
+    def truth(value: Any) -> bool | None:
+        """A bool, or one that answers like one: a one-element tensor or numpy bool (slime's own
+        filter computes `keep` as `tensor.std() > 0`). None for anything else."""
+        if isinstance(value, bool):
+            return value
+        if str(getattr(value, "dtype", "")) in ("torch.bool", "bool"):
+            size = value.numel() if callable(getattr(value, "numel", None)) else getattr(value, "size", 0)
+            return bool(value) if size == 1 else None
+        return None
+
     def judge(group: list[Sample]) -> DynamicFilterOutput:
         out = fn(args, group)
-        if isinstance(out, bool):
-            return DynamicFilterOutput(out)
-        keep = getattr(out, "keep", None)
-        if not isinstance(keep, bool):
-            raise FilterError(f"{FLAG} {path} returned {out!r}: it must return a bool or an object with a bool .keep")
+        keep = truth(out)
+        if keep is not None:
+            return DynamicFilterOutput(keep)
+        keep = truth(getattr(out, "keep", None))
+        if keep is None:
+            what = type(out).__name__ if not isinstance(out, (int, float, str)) else repr(out)[:40]
+            raise FilterError(f"{FLAG} {path} returned {what}: it must return a bool or an object with a bool .keep")
         return DynamicFilterOutput(
             keep, getattr(out, "reason", None), bool(getattr(out, "keep_when_insufficient", False))
         )
@@ -91,11 +103,12 @@ def load_filter(args: Any) -> GroupFilter | None:
 
 
 def everything_dropped(dropped: int, kept: int, target: int) -> FilterError:
-    """The error of a filter that dropped as many groups in a row as the data has prompts: it
-    would go on generating forever (a filter that keeps some, however few, fills its batch)."""
+    """The error of a filter that dropped as many groups in a row as the data has prompts (at
+    least a batch): it would go on generating forever (a filter that keeps some, however few,
+    fills its batch). `kept`: the groups kept and waiting for a batch."""
     return FilterError(
-        f"{FLAG} dropped {dropped} groups in a row (as many as the data has prompts) with {kept} of the {target} "
-        "groups a batch needs kept: it drops everything this policy generates (e.g. a task too hard for it, "
+        f"{FLAG} dropped {dropped} groups in a row (as many as the data has prompts) with {kept} kept groups "
+        f"waiting for a batch of {target}: it drops everything this policy generates (e.g. a task too hard for it, "
         "or one it has learned); check the filter and the rewards"
     )
 

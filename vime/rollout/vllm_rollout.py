@@ -280,13 +280,15 @@ async def _generate_filtered(
         await asyncio.gather(*running, return_exceptions=True)
         data_source.add_samples(list(running.values()))
     kept.sort(key=lambda g: g[0].group_index)
-    data_source.add_samples(kept[target:])  # finished together with the last one needed: next time
+    extra = kept[target:]  # finished together with the last one needed: generated again later
+    data_source.add_samples(extra)
     kept = kept[:target]
     metrics = rollout_metrics(kept)
     metrics.update(dropped_metrics(reasons))
-    flat = [s for g in judged for s in g]
+    requeued = {id(g) for g in extra}
+    flat = [s for g in judged if id(g) not in requeued for s in g]
     metrics["rollout/raw_reward_mean"] = sum(s.reward or 0.0 for s in flat) / len(flat)
-    metrics["rollout/dynamic_filter/cancelled"] = float(len(running))
+    metrics["rollout/dynamic_filter/cancelled"] = float(len(running) + len(extra))
     return kept, metrics
 
 

@@ -33,6 +33,7 @@ from vime.models import load_tokenizer
 from vime.rollout.types import Sample
 from vime.trainer import checkpoint
 from vime.trainer.logprobs import ChunkLoss, chunked_log_probs, chunked_loss
+from vime.trainer.lora import LoraSpec, add_adapters, is_adapter, merged
 from vime.trainer.loss import LossInputs, Objective
 from vime.trainer.optim import LRSchedule, make_optimizer, set_lr_and_decay
 from vime.trainer.packing import (
@@ -108,6 +109,14 @@ class _StepTokens:
         return cls(masks, rollout_lps, has, float(sum(m.sum() for m in masks)), weights)
 
 
+def _full(tensor: Tensor) -> Tensor:
+    """The whole tensor of a (possibly FSDP2-sharded) parameter; every rank calls. One rank
+    holds the whole tensor already: a gather would cost a collective and a copy."""
+    if hasattr(tensor, "full_tensor"):
+        return tensor.to_local() if tensor.device_mesh.size() == 1 else tensor.full_tensor()
+    return tensor
+
+
 class Actor:
     """Policy model + optimizer (+ frozen reference model when `kl_loss_coef > 0`: `--ref-load`,
     else the policy's own starting weights).
@@ -131,6 +140,15 @@ class Actor:
         self.fsdp = fsdp
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if fsdp else (0, 1)
         self.model = self._load(model_path)
+        # LoRA: the base frozen, adapters on the target layers (vime/trainer/lora.py); what leaves
+        # the trainer (pushes, checkpoints' safetensors) is the merged weight under the HF name
+        self.lora = LoraSpec.of(args)
+        self.lora_modules: set[str] = set()
+        if self.lora is not None:
+            try:
+                self.lora_modules = set(add_adapters(self.model, self.lora, args.seed))
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         if args.gradient_checkpointing:
             self._checkpoint_layers(args.gradient_checkpointing_layers)
         all_names = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
@@ -621,13 +639,29 @@ class Actor:
         tensors = itertools.chain(self.model.named_parameters(), ((n, self.model.get_buffer(n)) for n in self._buffers))
         with torch.no_grad():
             for name, tensor in tensors:
-                tensor = tensor.detach()
-                if hasattr(tensor, "full_tensor"):
-                    # one rank holds the whole tensor already: a gather per tensor would cost a
-                    # collective and a copy each
-                    tensor = tensor.to_local() if tensor.device_mesh.size() == 1 else tensor.full_tensor()
+                if is_adapter(name):
+                    continue  # LoRA: merged into its layer's weight below
+                tensor = _full(tensor.detach())
+                module = name.removesuffix(".weight")
+                if module in self.lora_modules:
+                    assert self.lora is not None
+                    layer = self.model.get_submodule(module)
+                    tensor = merged(
+                        tensor, _full(layer.lora_A.detach()), _full(layer.lora_B.detach()), self.lora.scaling
+                    )
                 if self.rank == 0:
                     yield name, tensor
+
+    def adapter_tensors(self) -> dict[str, Tensor]:
+        """LoRA: every adapter tensor, full, by parameter name (rank 0 gets them; every rank calls)."""
+        out = {}
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if is_adapter(name):
+                    full = _full(p.detach()).cpu()
+                    if self.rank == 0:
+                        out[name] = full
+        return out
 
     def save(self, ckpt_dir: str | Path, extra_state: dict[str, Any]) -> Path:
         """Write a checkpoint (every rank calls; `vime.trainer.checkpoint.save`)."""

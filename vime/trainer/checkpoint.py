@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from vime.errors import VimeError
 from vime.lifetime import signals_held
 from vime.models import weights_problem
+from vime.trainer.lora import ADAPTER_DIR, adapter_config, merged, read_adapter, write_adapter
 from vime.trainer.nonfinite import NonFiniteError
 
 log = logging.getLogger("vime")
@@ -72,6 +73,8 @@ def save(actor: Trainer, final: Path, extra_state: dict[str, Any]) -> Path:
 
     _check_finite(actor, final)
     weights = {name: t.detach().cpu() for name, t in actor.named_weights()}
+    # LoRA: the adapters too, in PEFT's layout (the weights above are merged)
+    adapter = actor.adapter_tensors() if getattr(actor, "lora", None) is not None else None
     optim = get_optimizer_state_dict(
         actor.model, actor.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
@@ -84,7 +87,7 @@ def save(actor: Trainer, final: Path, extra_state: dict[str, Any]) -> Path:
                 "rng": _rng_state(),
                 "extra": extra_state,
             }
-            _write(actor, final, weights, state)
+            _write(actor, final, weights, state, adapter)
         except BaseException as e:  # every rank must hear of it, or they would wait for rank 0 at the next collective
             error = e
     if actor.world > 1:
@@ -116,7 +119,9 @@ def _check_finite(actor: Trainer, final: Path) -> None:
         )
 
 
-def _write(actor: Trainer, final: Path, weights: dict[str, Tensor], state: dict[str, Any]) -> None:
+def _write(
+    actor: Trainer, final: Path, weights: dict[str, Tensor], state: dict[str, Any], adapter: dict[str, Tensor] | None
+) -> None:
     # a signal mid-write would fail or hang the save: it is acted on once the checkpoint is whole
     with signals_held():
         tmp, old = final.with_name(final.name + ".tmp"), final.with_name(final.name + ".old")
@@ -124,6 +129,9 @@ def _write(actor: Trainer, final: Path, weights: dict[str, Tensor], state: dict[
         try:
             actor.model.save_pretrained(tmp, state_dict=weights)
             actor.tokenizer.save_pretrained(tmp)
+            if adapter is not None:
+                config = adapter_config(actor.lora, sorted(actor.lora_modules), str(actor.args.hf_checkpoint))
+                write_adapter(tmp / ADAPTER_DIR, adapter, config)
             with open(tmp / TRAINER_STATE, "wb") as f:
                 torch.save(state, f)
                 f.flush()
@@ -164,8 +172,15 @@ def load(actor: Trainer, ckpt: Path) -> dict[str, Any]:
     if not state_file.exists():
         raise CheckpointError(f"{ckpt} is not a complete checkpoint (no {TRAINER_STATE})")
     # both files read before either is applied: one that fails to load changes nothing
-    weights = dict(iter_weights(ckpt))
-    expected = set(actor.model.state_dict()) - actor.tied_aliases
+    weights = _lora_weights(actor, ckpt) if getattr(actor, "lora", None) is not None else dict(iter_weights(ckpt))
+    if getattr(actor, "lora", None) is None and (ckpt / ADAPTER_DIR).is_dir():
+        raise CheckpointError(
+            f"checkpoint {ckpt} was trained with LoRA (its optimizer holds only the adapters'): resume with the same "
+            "--lora-rank, or start a full fine-tune from it with --hf-checkpoint (its weights are merged)"
+        )
+    expected = {n for n, p in actor.model.named_parameters() if p.requires_grad} | (
+        set(actor.model.state_dict()) - actor.tied_aliases if getattr(actor, "lora", None) is None else set()
+    )
     missing, unexpected = expected - set(weights), set(weights) - expected
     if missing or unexpected:
         raise CheckpointError(
@@ -188,6 +203,31 @@ def load(actor: Trainer, ckpt: Path) -> dict[str, Any]:
     actor.apply_schedule()
     _set_rng_state(state["rng"])
     return state["extra"]
+
+
+def _lora_weights(actor: Trainer, ckpt: Path) -> dict[str, Tensor]:
+    """A LoRA run resumes its adapters; its base is the run's --hf-checkpoint, already loaded.
+    That base is checked against the checkpoint: one adapted layer's saved (merged) weight must
+    equal the base's plus the adapter, or the run would train adapters made for another model."""
+    if not (ckpt / ADAPTER_DIR).is_dir():
+        raise CheckpointError(
+            f"checkpoint {ckpt} holds no LoRA adapter ({ADAPTER_DIR}/): it is a full fine-tune; resume it without --lora-rank"
+        )
+    adapter = read_adapter(ckpt / ADAPTER_DIR)
+    module = min(actor.lora_modules)
+    layer = actor.model.get_submodule(module)
+    base = layer.weight.detach()
+    base = base.full_tensor() if hasattr(base, "full_tensor") else base
+    a, b = adapter.get(f"{module}.lora_A"), adapter.get(f"{module}.lora_B")
+    saved = dict(iter_weights(ckpt)).get(f"{module}.weight")
+    if a is not None and b is not None and saved is not None:
+        expect = merged(base.cpu(), a, b, actor.lora.scaling)
+        if expect.shape != saved.shape or not torch.allclose(expect.float(), saved.float(), atol=1e-4):
+            raise CheckpointError(
+                f"checkpoint {ckpt}'s adapters were trained on another base model than --hf-checkpoint "
+                f"{actor.args.hf_checkpoint} ({module}.weight differs): resume with the base it was trained on"
+            )
+    return adapter
 
 
 def _numpy_globals() -> list[Any]:

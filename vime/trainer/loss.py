@@ -165,7 +165,8 @@ class OffPolicyCorrection:
       staleness) makes the whole sequence suspect, whatever its mean.
     * `custom` (--custom-tis-function-path): slime's hook, called on each micro-batch's
       per-token loss with per-sequence lists; it returns the loss, per-sequence masks and
-      per-token metrics (`apply_custom_tis`).
+      per-token metrics (`apply_custom_tis`). It takes the built-in TIS's place (slime's rule:
+      the hook is the TIS function); rejection and the veto still apply.
 
     A dropped token weighs 0 in the step's token mean; the denominator stays the step's
     loss-token count (IcePop's zero weight), because renormalizing over the kept tokens would
@@ -253,7 +254,7 @@ def behaviour_weights(
     log_w = (old_log_probs - rollout_log_probs).detach()
     factor = torch.ones_like(log_w)
     sums: dict[str, Tensor] = {}
-    if correction.use_tis:
+    if correction.use_tis and correction.custom is None:  # a custom TIS hook takes its place (slime's rule)
         level_log_w = _per_sequence(log_w, mask, seq_ids, correction.tis_level).clamp(-20.0, 20.0)
         inside = _in_band(level_log_w, correction.tis_clip_low, correction.tis_clip)
         w = torch.exp(level_log_w)
@@ -317,6 +318,42 @@ def apply_custom_tis(
         )
     keep = torch.cat([torch.as_tensor(m, dtype=mask.dtype, device=mask.device) for m in masks]) if masks else mask
     return new_loss * keep, {k: (torch.as_tensor(v, dtype=mask.dtype) * mask).sum() for k, v in metrics.items()}
+
+
+def reweigh(
+    per_token: Tensor,
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    rollout_log_probs: Tensor | None,
+    correction: OffPolicyCorrection,
+    seq_ids: Tensor | None,
+    opsm_delta: float | None,
+    n: Tensor,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """What every policy term goes through after its per-token loss, PPO's or a custom one:
+    OPSM's mask, then the off-policy correction (`behaviour_weights`, and the custom TIS hook,
+    which takes the place of the built-in TIS as in slime). Metrics are token means over `n`."""
+    metrics: dict[str, Tensor] = {}
+    if opsm_delta is not None:
+        drift = _per_sequence((old_log_probs - log_probs).detach(), mask, seq_ids, "geometric")
+        left_out = (advantages < 0) & (drift > opsm_delta)
+        per_token = per_token * (~left_out).to(per_token.dtype)
+        metrics["opsm_clipfrac"] = (left_out.to(mask.dtype) * mask).sum() / n
+    if correction.active:
+        if rollout_log_probs is None:
+            raise ValueError("TIS and rejection need rollout_log_probs (the engine's log-probs of the sampled tokens)")
+        factor, sums = behaviour_weights(old_log_probs, rollout_log_probs, mask, correction, seq_ids)
+        per_token = per_token * factor
+        if correction.custom is not None:
+            assert seq_ids is not None, "--custom-tis-function-path needs seq_ids"
+            per_token, hook_sums = apply_custom_tis(
+                correction.custom, per_token, old_log_probs, rollout_log_probs, mask, seq_ids
+            )
+            sums.update(hook_sums)
+        metrics.update({k: v / n for k, v in sums.items()})
+    return per_token, metrics
 
 
 def policy_loss(
@@ -393,23 +430,10 @@ def policy_loss(
         per_token = torch.where(capped, cap, per_token)
         with torch.no_grad():
             metrics["pg_clipfrac_lower"] = (capped.to(mask.dtype) * mask).sum() / n
-    if opsm_delta is not None:
-        drift = _per_sequence((old_log_probs - log_probs).detach(), mask, seq_ids, "geometric")
-        left_out = (advantages < 0) & (drift > opsm_delta)
-        per_token = per_token * (~left_out).to(per_token.dtype)
-        metrics["opsm_clipfrac"] = (left_out.to(mask.dtype) * mask).sum() / n
-    if correction.active:
-        if rollout_log_probs is None:
-            raise ValueError("TIS and rejection need rollout_log_probs (the engine's log-probs of the sampled tokens)")
-        factor, sums = behaviour_weights(old_log_probs, rollout_log_probs, mask, correction, seq_ids)
-        per_token = per_token * factor
-        if correction.custom is not None:
-            assert seq_ids is not None, "--custom-tis-function-path needs seq_ids"
-            per_token, sums2 = apply_custom_tis(
-                correction.custom, per_token, old_log_probs, rollout_log_probs, mask, seq_ids
-            )
-            sums.update(sums2)
-        metrics.update({k: v / n for k, v in sums.items()})
+    per_token, more = reweigh(
+        per_token, log_probs, old_log_probs, advantages, mask, rollout_log_probs, correction, seq_ids, opsm_delta, n
+    )
+    metrics.update(more)
     loss = aggregate(per_token, mask, agg, num_tokens=n, const=const, weights=weights)
     with torch.no_grad():
         metrics["pg_loss"] = loss.detach()
@@ -518,8 +542,11 @@ class Objective:
 
         from vime.plugins import load_function
 
-        def hook(path: str | None, flag: str, signature: str) -> Callable[..., Any] | None:
-            return None if path is None else partial(load_function(path, flag, signature=signature), args)
+        def hook(path: str | None, flag: str, signature: str, by_keyword: bool = False) -> Callable[..., Any] | None:
+            if path is None:
+                return None
+            fn = load_function(path, flag, signature=signature)
+            return partial(fn, args=args) if by_keyword else partial(fn, args)  # slime passes the TIS hook's by keyword
 
         return cls(
             kind=args.advantage_estimator if args.advantage_estimator in ("gspo", "cispo") else "ppo",
@@ -543,7 +570,9 @@ class Objective:
                 rs_lower_bound=args.rs_lower_bound,
                 rs_upper_bound=args.rs_upper_bound,
                 rs_veto_threshold=args.rs_veto_threshold,
-                custom=hook(args.custom_tis_function_path, "--custom-tis-function-path", CUSTOM_TIS_SIGNATURE),
+                custom=hook(
+                    args.custom_tis_function_path, "--custom-tis-function-path", CUSTOM_TIS_SIGNATURE, by_keyword=True
+                ),
             ),
             agg="seq_sum_const"
             if args.advantage_estimator == "dr_grpo"
@@ -628,8 +657,22 @@ class Objective:
                 f"(and optionally a dict of per-token metrics), got {type(per_token).__name__}"
                 f"{'' if not isinstance(per_token, Tensor) else ' of shape ' + str(tuple(per_token.shape))}"
             )
-        loss = aggregate(per_token, t.mask, self.agg, num_tokens=num_tokens, const=const, weights=t.weights)
         n = torch.as_tensor(num_tokens, dtype=log_probs.dtype).clamp(min=1)
         m = {k: ((torch.as_tensor(v) * t.mask).sum() / n).detach() for k, v in metrics.items()}
+        # the run's correction and OPSM apply to the user's term as to PPO's
+        per_token, more = reweigh(
+            per_token,
+            log_probs,
+            old,
+            t.advantages,
+            t.mask,
+            t.rollout_lp,
+            self.correction,
+            t.seq_ids,
+            self.opsm_delta,
+            n,
+        )
+        m.update(more)
+        loss = aggregate(per_token, t.mask, self.agg, num_tokens=num_tokens, const=const, weights=t.weights)
         m["pg_loss"] = loss.detach()
         return loss, m

@@ -81,8 +81,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     and norm weights do not, as in Megatron and HF's Trainer (decaying a norm's gain towards 0
     shrinks the layer's output, which no data asks for). Always both groups, in this order, so a
     checkpoint's layout does not depend on --weight-decay. Under FSDP2 a parameter is a DTensor,
-    whose ndim is the full tensor's."""
-    params = list(model.parameters())
+    whose ndim is the full tensor's. Frozen parameters (the base model under LoRA) are left out:
+    the optimizer holds state only for what trains."""
+    params = [p for p in model.parameters() if p.requires_grad]
     return [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
