@@ -70,6 +70,49 @@ def test_reinforce_plus_plus_matches_the_reference_returns_whitened_per_token():
         assert close(expanded[mask], ref[mask], atol=1e-4), estimator
 
 
+def test_discounted_returns_match_the_reference_per_token():
+    """--gamma < 1: G_t = Σ_{k≥t} γ^{k−t} r_k with the reward at the last loss token (a masked
+    token before it counts in the distance, tokens after it get 0), whitened over loss tokens."""
+    from vime.trainer.loss import discounted_returns
+
+    gamma = 0.9
+    groups = [
+        [Sample(reward=1.0, response_length=4, loss_mask=[1, 0, 1, 0]), Sample(reward=0.0, response_length=2)],
+        [Sample(reward=0.5, response_length=3), Sample(reward=2.0, response_length=1)],
+    ]
+    ref, mask = [], []
+    for g in groups:
+        for s in g:
+            m = s.effective_loss_mask()
+            last = max(i for i, x in enumerate(m) if x)
+            r = [s.reward if i == last else 0.0 for i in range(s.response_length)]
+            ref += [sum(gamma ** (k - t) * r[k] for k in range(t, s.response_length)) for t in range(s.response_length)]
+            mask += m
+    ref_t, mask_t = torch.tensor(ref), torch.tensor(mask, dtype=torch.bool)
+    expect = (ref_t - ref_t[mask_t].mean()) / ref_t[mask_t].var(correction=1).sqrt()
+    ours = torch.cat(discounted_returns(groups, gamma))
+    assert close(ours, expect, atol=1e-4)
+    assert close(ours[:4][3], expect[3]) and ref[3] == 0.0  # after the last loss token: no return
+
+
+def test_per_token_advantages_equal_to_per_sample_ones_train_the_same_weights(tiny_model):
+    """The per-token path (REINFORCE++ discounted) and the per-sample path are one computation
+    when every token of a sample carries its sample's advantage: weights equal bit for bit."""
+    from test_actor import make_args, make_samples
+
+    from vime.trainer.actor import Actor
+
+    samples = make_samples(4)
+    adv = [1.0, -0.5, 0.25, -1.0]
+    one, two = Actor(make_args(global_batch_size=2), tiny_model), Actor(make_args(global_batch_size=2), tiny_model)
+    one.train_step(samples, adv)
+    two.train_step(samples, [torch.full((s.response_length,), a) for s, a in zip(samples, adv)])
+    w1, w2 = dict(one.named_weights()), dict(two.named_weights())
+    assert all(torch.equal(w1[n], w2[n]) for n in w1)
+    with pytest.raises(ValueError, match="per-token advantages"):
+        two.train_step(samples, [torch.zeros(1) for _ in samples])
+
+
 def test_a_custom_advantage_function_replaces_the_estimator_and_a_wrong_shape_is_one_line():
     groups = [[Sample(reward=1.0, response_length=1), Sample(reward=0.0, response_length=1)]]
     _, adv = group_advantages(groups, "grpo", custom=lambda args, g, r: 2 * r, args=None)
@@ -208,6 +251,7 @@ RUNS = {
     "custom-advantage": ("train.py", ["--custom-advantage-function-path", "custom_algorithms.doubled_grpo"]),
     "custom-tis": (ASYNC[0], [*ASYNC[1], "--custom-tis-function-path", "custom_algorithms.halve_tis"]),
     "normalize-advantages": ("train.py", ["--normalize-advantages"]),
+    "reinforce_plus_plus-gamma": ("train.py", ["--advantage-estimator", "reinforce_plus_plus", "--gamma", "0.9"]),
 }
 # the metric each run must report, so the flag is known to have acted
 METRIC = {

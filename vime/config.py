@@ -253,7 +253,8 @@ class Config:
     )
     gamma: float = _f(
         1.0,
-        "REINFORCE++'s discount; vime trains one advantage per sample, which is every token's return only at 1",
+        "REINFORCE++'s discount: a token's return is the reward times gamma^(its distance to the last loss token), "
+        "so the advantage is per token below 1",
         group="algorithm",
     )
     loss_type: str = _f(
@@ -983,9 +984,16 @@ def _train_checks(c: Config, entry: str) -> list[tuple[bool, str]]:
             "--eps-clip-c caps PPO's clipped loss, and CISPO clips the importance weight instead: drop --eps-clip-c",
         ),
         (
-            c.gamma != 1.0,
-            f"--gamma {c.gamma:g}: vime trains one advantage per sample, which is every token's discounted return only "
-            "at --gamma 1 (the default); per-token returns are not supported yet",
+            c.gamma != 1.0 and c.advantage_estimator != "reinforce_plus_plus",
+            f"--gamma {c.gamma:g} discounts REINFORCE++'s returns: it needs --advantage-estimator reinforce_plus_plus",
+        ),
+        (
+            not 0 < c.gamma <= 1,
+            f"--gamma {c.gamma:g} must be in (0, 1]",
+        ),
+        (
+            c.gamma != 1.0 and c.custom_advantage_function_path is not None,
+            "--gamma and --custom-advantage-function-path both set the advantages: drop one",
         ),
         (
             c.loss_type == "custom_loss" and c.custom_loss_function_path is None,

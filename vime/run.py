@@ -44,7 +44,7 @@ from vime.rollout.runtime import HealthCheck, RolloutRuntime
 from vime.rollout.types import RolloutOutput, Sample
 from vime.trainer.checkpoint import latest_checkpoint
 from vime.trainer.distributed import launch_actor
-from vime.trainer.loss import group_advantages
+from vime.trainer.loss import discounted_returns, group_advantages
 from vime.trainer.nonfinite import BadSteps, bad_inputs
 from vime.trainer.weights import WeightPusher
 
@@ -201,6 +201,8 @@ class Run:
             custom=self.custom_advantages,
             args=a,
         )
+        if a.gamma != 1.0:  # REINFORCE++ discounted: one advantage per token (Config allows nothing else)
+            adv = discounted_returns(groups, a.gamma)
         samples = [s for g in groups for s in g]
         metrics = dict(out.metrics)
         metrics.update(self.guarded_train_step(step, samples, rewards, adv))
@@ -348,7 +350,9 @@ class Run:
         taken); either way counted towards --max-bad-steps (vime/trainer/nonfinite.py)."""
         why = bad_inputs(rewards, advantages)
         if why is None:
-            metrics = self.actor.train_step(samples, advantages.flatten())
+            metrics = self.actor.train_step(
+                samples, advantages if isinstance(advantages, list) else advantages.flatten()
+            )
             why = f"loss {metrics.get('train/loss')}, gradient norm {metrics.get('train/grad_norm')}"
         else:
             metrics = {"train/skipped_steps": float(len(samples) // self.args.global_batch_size)}

@@ -109,6 +109,32 @@ class _StepTokens:
         return cls(masks, rollout_lps, has, float(sum(m.sum() for m in masks)), weights)
 
 
+# one advantage per sample (spread over its response tokens), or one tensor of per-token
+# advantages per sample
+Advantages = Tensor | Sequence[float] | list[Tensor]
+
+
+def _as_advantages(samples: list[Sample], advantages: Advantages) -> Tensor | list[Tensor]:
+    """A float tensor with one advantage per sample, or a list of per-token float tensors, each
+    as long as its sample's response; anything else is refused here, not deep in a micro-batch."""
+    if (
+        isinstance(advantages, (list, tuple))
+        and advantages
+        and all(torch.is_tensor(a) and a.dim() == 1 for a in advantages)
+    ):
+        out = [a.float() for a in advantages]
+        bad = [i for i, (a, s) in enumerate(zip(out, samples)) if len(a) != s.response_length]
+        if len(out) != len(samples) or bad:
+            raise ValueError(
+                f"{len(samples)} samples but {len(out)} per-token advantages (or lengths differ at {bad[:3]})"
+            )
+        return out
+    flat = torch.as_tensor(advantages, dtype=torch.float32).flatten()  # one per sample
+    if len(samples) != len(flat):
+        raise ValueError(f"{len(samples)} samples but {len(flat)} advantages")
+    return flat
+
+
 def _full(tensor: Tensor) -> Tensor:
     """The whole tensor of a (possibly FSDP2-sharded) parameter; every rank calls. One rank
     holds the whole tensor already: a gather would cost a collective and a copy."""
@@ -368,7 +394,7 @@ class Actor:
 
     # ---- training --------------------------------------------------------------------
 
-    def train_step(self, samples: list[Sample], advantages: Tensor | Sequence[float]) -> dict[str, float]:
+    def train_step(self, samples: list[Sample], advantages: Advantages) -> dict[str, float]:
         """Train on one rollout: `len(samples) // global_batch_size` optimizer steps.
 
         Old log-probs are those of the current weights (the proximal policy), or with
@@ -381,9 +407,7 @@ class Actor:
         averaged over the steps, plus throughput (`perf/actor_train_tok_per_s`, and on CUDA
         `perf/mfu`).
         """
-        advantages = torch.as_tensor(advantages, dtype=torch.float32).flatten()  # one per sample
-        if len(samples) != len(advantages):
-            raise ValueError(f"{len(samples)} samples but {len(advantages)} advantages")
+        advantages = _as_advantages(samples, advantages)
         gbs = self.args.global_batch_size or len(samples)
         if gbs < 1 or len(samples) % gbs != 0:
             raise ValueError(f"{len(samples)} samples do not split into optimizer steps of --global-batch-size {gbs}")
@@ -427,7 +451,7 @@ class Actor:
             torch.cuda.synchronize(self.device)
 
     def _optimizer_step(
-        self, samples: list[Sample], advantages: Tensor, old: list[Tensor] | None, ref: list[Tensor] | None
+        self, samples: list[Sample], advantages: Advantages, old: list[Tensor] | None, ref: list[Tensor] | None
     ) -> dict[str, float]:
         self.scorer.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -466,7 +490,7 @@ class Actor:
     def accumulate_gradients(
         self,
         samples: list[Sample],
-        advantages: Tensor | Sequence[float],
+        advantages: Advantages,
         old_log_probs: list[Tensor] | None,
         ref_log_probs: list[Tensor] | None = None,
     ) -> dict[str, float]:
@@ -476,7 +500,7 @@ class Actor:
     def _accumulate(
         self,
         samples: list[Sample],
-        advantages: Tensor | Sequence[float],
+        advantages: Advantages,
         old_log_probs: list[Tensor] | None,
         ref_log_probs: list[Tensor] | None = None,
     ) -> dict[str, Tensor]:
@@ -497,7 +521,7 @@ class Actor:
         the head.
         """
         a = self.args
-        advantages = torch.as_tensor(advantages, dtype=torch.float32).flatten()  # one per sample
+        advantages = _as_advantages(samples, advantages)
         sample_mean = self.objective.agg == "sample_mean"
         # the constant denominators: the step's samples (sample mean), Dr.GRPO's otherwise
         const = float(len(samples) if sample_mean else a.rollout_max_response_len * len(samples))
@@ -528,7 +552,9 @@ class Actor:
                 mask=flat(tokens.masks),
                 # a sample's advantage on each of its response tokens
                 advantages=(
-                    to_device(advantages[mb.indices].repeat_interleave(lengths), self.device)
+                    flat(advantages)  # one per token already (REINFORCE++'s discounted returns)
+                    if isinstance(advantages, list)
+                    else to_device(advantages[mb.indices].repeat_interleave(lengths), self.device)
                     if mb.indices
                     else flat([])
                 ),

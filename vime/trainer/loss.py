@@ -73,6 +73,28 @@ def whiten(advantages: Tensor, token_counts: Tensor, eps: float = 1e-8) -> Tenso
     return (advantages - mean) * torch.rsqrt(var + eps)
 
 
+def discounted_returns(groups: list[list[Any]], gamma: float) -> list[Tensor]:
+    """REINFORCE++'s per-token returns with discount `gamma` (and no KL in the reward): the
+    reward is paid at the response's last loss token, so G_t = γ^(last − t) · R for t up to it
+    (masked tokens in between, a tool's answer, count in the distance as in slime) and 0 after.
+    One float tensor per sample, in the groups' order, whitened over the loss tokens."""
+    out, masks = [], []
+    for g in groups:
+        for s in g:
+            mask = torch.tensor(s.effective_loss_mask(), dtype=torch.float32)
+            g_t = torch.zeros(s.response_length)
+            if mask.any():
+                last = int(mask.nonzero().max())
+                g_t[: last + 1] = (s.reward or 0.0) * gamma ** torch.arange(last, -1, -1, dtype=torch.float32)
+            out.append(g_t)
+            masks.append(mask)
+    values, mask = torch.cat(out), torch.cat(masks).bool()
+    if int(mask.sum()) < 2:
+        return out
+    mean, std = values[mask].mean(), values[mask].var(correction=1).add(1e-8).sqrt()
+    return [(t - mean) / std for t in out]
+
+
 def group_advantages(
     groups: list[list[Any]],
     estimator: Estimator = "grpo",

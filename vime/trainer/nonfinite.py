@@ -26,8 +26,11 @@ class NonFiniteError(VimeError, RuntimeError):
     """The run stops: non-finite numbers keep coming. One line naming the step and what to do."""
 
 
-def bad_inputs(rewards: Tensor, advantages: Tensor) -> str | None:
-    """What is not finite among a batch's rewards and advantages, or None."""
+def bad_inputs(rewards: Tensor, advantages: Tensor | list[Tensor]) -> str | None:
+    """What is not finite among a batch's rewards and advantages (per sample, or per token as a
+    list of tensors), or None."""
+    if isinstance(advantages, list):
+        advantages = torch.cat(advantages) if advantages else torch.zeros(0)
     for name, t in (("reward", rewards), ("advantage", advantages)):
         bad = ~torch.isfinite(t)
         if bad.any():
