@@ -34,6 +34,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.shapes import QWEN3_0_6B, tiny_model_kwargs  # noqa: E402
 from vime.ab import run_arm  # noqa: E402
 from vime.datagen import write_dataset  # noqa: E402
 from vime.engine.client import EngineClient  # noqa: E402
@@ -42,17 +43,7 @@ from vime.metrics import mean  # noqa: E402
 from vime.models import make_tiny_model  # noqa: E402
 from vime.report import speed_table, summarize  # noqa: E402
 
-QWEN3_06B = dict(
-    hidden_size=1024,
-    num_layers=28,
-    num_heads=16,
-    num_kv_heads=8,
-    head_dim=128,
-    intermediate_size=3072,
-    vocab_size=151936,
-    tie_word_embeddings=True,
-    max_position_embeddings=4096,
-)
+QWEN3_06B = tiny_model_kwargs(QWEN3_0_6B)  # the engine and trainer benches' shape
 TINY = dict(
     hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, max_position_embeddings=2048
 )

@@ -33,3 +33,19 @@ TINY = dict(
     rms_norm_eps=1e-6,
     tie_word_embeddings=True,
 )
+
+
+def tiny_model_kwargs(shape: dict) -> dict:
+    """A shape as `vime.models.make_tiny_model`'s keyword arguments (its own names; the
+    character-level tokenizer it writes fits any vocabulary)."""
+    return dict(
+        hidden_size=shape["hidden_size"],
+        num_layers=shape["num_hidden_layers"],
+        num_heads=shape["num_attention_heads"],
+        num_kv_heads=shape["num_key_value_heads"],
+        head_dim=shape["head_dim"],
+        intermediate_size=shape["intermediate_size"],
+        vocab_size=shape["vocab_size"],
+        tie_word_embeddings=shape["tie_word_embeddings"],
+        max_position_embeddings=4096,
+    )
