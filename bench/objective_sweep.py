@@ -8,12 +8,15 @@ process (vime.ab.run_arm). Held-out: the 20 test prompts, greedy, before the fir
 the last. Step time is the mean `perf/step_time` (CPU: compare within one call only).
 
     PYTHONPATH=. python3 bench/objective_sweep.py [--seeds 1,2,3] [--objectives grpo,gspo] [--out DIR]
+    PYTHONPATH=. python3 bench/objective_sweep.py --objectives grpo,gspo,cispo,reinforce_pp_baseline \\
+        --extra '--num-steps-per-rollout 4' --out /tmp/vime-objectives-4   # off-policy steps
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 import time
@@ -59,6 +62,12 @@ def main() -> int:
     p.add_argument("--objectives", default=",".join(OBJECTIVES), help=f"comma-separated, of {', '.join(OBJECTIVES)}")
     p.add_argument("--seeds", default="1,2,3", help="comma-separated; each sets --seed and --rollout-seed")
     p.add_argument("--steps", type=int, default=STEPS)
+    p.add_argument(
+        "--extra",
+        default="",
+        help="flags added to every run, one string (e.g. '--num-steps-per-rollout 4': off-policy optimizer steps, "
+        "where the objectives differ; with one step per rollout GRPO, GSPO and CISPO take the same gradient)",
+    )
     a = p.parse_args()
     objectives = [x for x in a.objectives.split(",") if x]
     unknown = set(objectives) - set(OBJECTIVES)
@@ -88,7 +97,7 @@ def main() -> int:
             name = f"{obj}-s{seed}"
             run_dir = out / "runs" / name
             if not (run_dir / "metrics.jsonl").exists():
-                extra = [*OBJECTIVES[obj], "--seed", str(seed), "--rollout-seed", str(seed)]
+                extra = [*OBJECTIVES[obj], *shlex.split(a.extra), "--seed", str(seed), "--rollout-seed", str(seed)]
                 run_arm("sync", str(out / "run.yaml"), name, str(out / "runs"), extra)
             r = results[(obj, seed)] = summarize(run_dir)
             print(
