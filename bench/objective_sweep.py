@@ -22,15 +22,11 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from test_learning import STEPS, warm_start  # noqa: E402
-
+from bench.toy_task import STEPS, toy_task  # noqa: E402
 from vime.ab import run_arm  # noqa: E402
-from vime.datagen import write_dataset  # noqa: E402
 
 OBJECTIVES: dict[str, list[str]] = {
     "grpo": [],
@@ -75,21 +71,7 @@ def main() -> int:
         p.error(f"unknown objective(s) {', '.join(sorted(unknown))}: choose from {', '.join(OBJECTIVES)}")
     seeds = [int(x) for x in a.seeds.split(",")]
     out = Path(a.out)
-    train, test = write_dataset("addition", out / "data", n_train=80, n_test=20, seed=0, digits=1)
-    model = out / "warm" if (out / "warm" / "model.safetensors").exists() else warm_start(out, train)
-    cfg = {
-        "hf_checkpoint": str(model),
-        "prompt_data": str(train),
-        "eval_prompt_data": str(test),
-        "rollout_batch_size": 16,
-        "n_samples_per_prompt": 8,
-        "rollout_max_response_len": 4,
-        "num_rollout": a.steps,
-        "eval_interval": a.steps,
-        "lr": 5e-4,
-        "rollout_shuffle": True,
-    }
-    (out / "run.yaml").write_text(yaml.safe_dump(cfg))
+    config = toy_task(out, a.steps)
     results: dict[tuple[str, int], dict[str, float]] = {}
     t_all = time.perf_counter()
     for seed in seeds:
@@ -98,7 +80,7 @@ def main() -> int:
             run_dir = out / "runs" / name
             if not (run_dir / "metrics.jsonl").exists():
                 extra = [*OBJECTIVES[obj], *shlex.split(a.extra), "--seed", str(seed), "--rollout-seed", str(seed)]
-                run_arm("sync", str(out / "run.yaml"), name, str(out / "runs"), extra)
+                run_arm("sync", str(config), name, str(out / "runs"), extra)
             r = results[(obj, seed)] = summarize(run_dir)
             print(
                 f"[objectives] {name}: {r['before']}/{r['total']} -> {r['correct']}/{r['total']} held-out, "

@@ -15,14 +15,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import yaml
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from test_learning import STEPS, warm_start  # noqa: E402
-
-from vime.datagen import write_dataset  # noqa: E402
+from bench.toy_task import toy_task  # noqa: E402
 
 
 def main() -> int:
@@ -31,22 +27,7 @@ def main() -> int:
     p.add_argument("--arms", default="sync,one-step-off,fully-async,decoupled")
     a = p.parse_args()
     out = Path(a.out)
-    train, test = write_dataset("addition", out / "data", n_train=80, n_test=20, seed=0, digits=1)
-    model = warm_start(out, train)
-    cfg = {
-        "hf_checkpoint": str(model),
-        "prompt_data": str(train),
-        "eval_prompt_data": str(test),
-        "rollout_batch_size": 16,
-        "n_samples_per_prompt": 8,
-        "rollout_max_response_len": 4,
-        "num_rollout": STEPS,
-        "eval_interval": STEPS,
-        "lr": 5e-4,
-        "rollout_shuffle": True,
-        "use_tis": True,
-    }
-    (out / "run.yaml").write_text(yaml.safe_dump(cfg))
+    config = toy_task(out, use_tis=True)
     cmd = [
         sys.executable,
         "-m",
@@ -54,7 +35,7 @@ def main() -> int:
         "bench",
         "ab",
         "--config",
-        str(out / "run.yaml"),
+        str(config),
         "--arms",
         a.arms,
         "--runs-dir",
