@@ -68,17 +68,17 @@ def warm_start(out: Path, train_path: Path, seed: int = 0) -> Path:
     [
         ("train.py", []),
         ("train_async.py", ["--use-tis"]),
-        # issue 31's two new losses, sync, the same bar (REINFORCE++ with and without baseline and
-        # dynamic sampling passed it too, 2026-12-02, but cost CI minutes: tests/test_algorithms.py
-        # and tests/test_dynamic_sampling.py show them training, bench/objective_sweep.py compares all)
-        ("train.py", ["--advantage-estimator", "gspo", "--eps-clip", "4e-4"]),
-        ("train.py", ["--advantage-estimator", "cispo", "--eps-clip", "1", "--eps-clip-high", "4"]),
+        # issue 31's objectives passed this bar too (gspo, cispo, REINFORCE++ with and without
+        # baseline, dynamic sampling; 2026-12-02) but are not run here: with one optimizer step per
+        # rollout GSPO and CISPO take GRPO's gradient exactly (bench/RESULTS.md), so their rows
+        # would repeat sync's for CI minutes; tests/test_algorithms.py shows each training and
+        # bench/objective_sweep.py compares them, also off-policy
     ],
-    ids=["sync", "one-step-off", "gspo", "cispo"],
+    ids=["sync", "one-step-off"],
 )
 def test_grpo_gains_held_out(tmp_path, script, extra):
-    """Every mode and objective must gain 20 points in 80 steps. One-step-off trains on samples
-    one policy version old, with truncated importance sampling. The learning rate matters for
+    """Both modes must gain 20 points in 80 steps. One-step-off trains on samples one policy
+    version old, with truncated importance sampling. The learning rate matters for
     it: at 1e-3 stale samples made the gain erratic (15–55 points in 8 runs of 120 steps); at
     5e-4 the gain was 45–65 points over 7 seeds and sync's 50–60 (no run of either below 45)."""
     from vime.datagen import write_dataset
