@@ -16,6 +16,16 @@ import pytest
 from conftest import ROOT, run_cli
 
 TINY = ["--config", "examples/tiny.yaml"]
+# each mode's entry point and flags (decoupled at staleness 1), for the tests that run every mode
+MODE_ARGS: dict[str, tuple[str, list[str]]] = {
+    "sync": ("train.py", []),
+    "one-step-off": ("train_async.py", []),
+    "fully-async": (
+        "train_async.py",
+        ["--rollout-function-path", "vime.rollout.fully_async_rollout.generate_rollout_fully_async"],
+    ),
+    "decoupled": ("train_async.py", ["--max-staleness", "1"]),
+}
 
 
 def rows(run_dir: Path) -> list[dict]:
@@ -30,17 +40,8 @@ def rows(run_dir: Path) -> list[dict]:
 def mode_runs(tmp_path_factory) -> dict[str, Path]:
     """Each mode trains the tiny model for 3 steps; later tests read these run directories."""
     base = tmp_path_factory.mktemp("runs")
-    arms = {
-        "sync": ("train.py", []),
-        "one-step-off": ("train_async.py", []),
-        "fully-async": (
-            "train_async.py",
-            ["--rollout-function-path", "vime.rollout.fully_async_rollout.generate_rollout_fully_async"],
-        ),
-        "decoupled": ("train_async.py", ["--max-staleness", "1"]),
-    }
     out = {}
-    for name, (script, extra) in arms.items():
+    for name, (script, extra) in MODE_ARGS.items():
         res = run_cli(
             script,
             *TINY,

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from conftest import run_cli
+from test_async import MODE_ARGS
 
 from vime.rollout.filters import (
     FilterError,
@@ -18,15 +19,7 @@ from vime.rollout.types import Sample
 
 TINY = ["--config", "examples/tiny.yaml"]
 FILTER = ["--dynamic-sampling-filter-path", "vime.rollout.filters.check_reward_nonzero_std"]
-MODES = {
-    "sync": ("train.py", []),
-    "one-step-off": ("train_async.py", []),
-    "fully-async": (
-        "train_async.py",
-        ["--rollout-function-path", "vime.rollout.fully_async_rollout.generate_rollout_fully_async"],
-    ),
-    "decoupled": ("train_async.py", ["--max-staleness", "1"]),
-}
+MODES = MODE_ARGS
 
 
 def group(*rewards: float) -> list[Sample]:
