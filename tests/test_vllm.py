@@ -21,17 +21,24 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT
 
 from vime.config import Config
 from vime.engine.client import EngineError
 from vime.engine.vllm import (
     VLLMClient,
+    _group_alive,
     check_version,
     from_vllm_choice,
     merge_vllm_args,
@@ -638,3 +645,43 @@ def test_a_model_vllm_cannot_run_is_refused_at_start_with_vllms_reason(tmp_path)
     msg = str(e.value)
     assert msg.startswith(f"vLLM cannot run {model}: ") and "\n" not in msg, msg
     assert "head" in msg.lower(), msg  # vLLM's reason, from its log
+
+
+# ---- a launched server ends with the process that launched it ----------------------------------
+
+
+LAUNCHER = """
+import os, sys, time
+from pathlib import Path
+from vime.engine.vllm import launch_vllm
+server = launch_vllm(sys.argv[1], max_num_seqs=4, log_path=Path(sys.argv[2]), vllm_args={"enforce-eager": True})
+print(os.getpgid(server.proc.pid), flush=True)
+time.sleep(600)
+"""
+
+
+@needs_vllm
+def test_server_dies_with_the_trainer(model_mid, tmp_path):
+    """SIGKILL the process that launched a server (a run's trainer launches them the same way,
+    through launch_vllm): the watcher ends the server's whole process group."""
+    script = tmp_path / "launcher.py"
+    script.write_text(LAUNCHER)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    trainer = subprocess.Popen(
+        [sys.executable, str(script), str(model_mid), str(tmp_path / "server.log")],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        line = trainer.stdout.readline()  # once the server answers
+        assert line.strip(), "the launcher ended before its server was up"
+        pgid = int(line)
+        assert _group_alive(pgid)
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait()
+        deadline = time.monotonic() + 60
+        while _group_alive(pgid):
+            assert time.monotonic() < deadline, "the vLLM server outlived its trainer"
+            time.sleep(0.5)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
