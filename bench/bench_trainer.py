@@ -161,6 +161,12 @@ def main() -> None:
     )
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled variant")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF eager baseline")
+    ap.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="also each vime variant with LoRA of this rank on every linear layer (alpha = 2 × rank), beside the full one",
+    )
     a = ap.parse_args()
     device = torch.device(a.device)
     shape = TINY if a.tiny else SHAPES[a.shape]
@@ -184,6 +190,7 @@ def main() -> None:
     model_dir = make_model(tmp / "model", shape, a.device)
     config = AutoConfig.from_pretrained(model_dir)
     step_flops = train_flops(config, lengths, [s.response_length for s in samples], forwards=0)
+    lora_flops = train_flops(config, lengths, [s.response_length for s in samples], forwards=0, frozen=True)
     rows: list[tuple[str, float, float, float]] = []
 
     def record(name: str, seconds: float, peak: float, flops: float, gpus: int = 1) -> None:
@@ -197,10 +204,18 @@ def main() -> None:
     # ---- vime first: its log-probs are the old log-probs of both loss computations ----
     old = [torch.full((s.response_length,), -1.0) for s in samples]  # replaced by vime's log-probs when it runs
     variants = [
-        (g, c) for g in (int(x) for x in a.gpus.split(",")) for c in ((False,) if a.no_compile else (False, True))
+        (g, c, r)
+        for g in (int(x) for x in a.gpus.split(","))
+        for c in ((False,) if a.no_compile else (False, True))
+        for r in ((0, a.lora_rank) if a.lora_rank else (0,))
     ]
-    for gpus, compiled in variants:
-        tag = (" + compile" if compiled else "") + (f", {gpus} GPUs (FSDP2)" if gpus > 1 else "")
+    for gpus, compiled, rank in variants:
+        tag = (
+            (f", LoRA r{rank}" if rank else "")
+            + (" + compile" if compiled else "")
+            + (f", {gpus} GPUs (FSDP2)" if gpus > 1 else "")
+        )
+        flops = lora_flops if rank else step_flops
         try:
             args = Config(
                 lr=1e-6,
@@ -213,15 +228,19 @@ def main() -> None:
                 actor_num_gpus_per_node=gpus,
                 gradient_checkpointing=a.gradient_checkpointing,
                 compile=compiled,
+                lora_rank=rank,
+                lora_alpha=2.0 * rank,
             )
             t0 = time.perf_counter()
             actor = launch_actor(args, model_dir, a.device)
             local = getattr(actor, "local", actor)
             log_probs = [o.cpu() for o in actor.compute_log_probs(samples)]
-            if compiled:  # launch_actor compiled every micro-batch size before returning
+            # compiled: launch_actor compiled every micro-batch size before returning; LoRA: B starts
+            # at zero, so the model is the base model
+            if compiled or rank:
                 diff = max(float((x - y).abs().max()) for x, y in zip(log_probs, old))
                 print(
-                    f"vime{tag}: trainer built and compiled in {time.perf_counter() - t0:.1f} s; max |log-prob difference| vs eager {diff:.2e}",
+                    f"vime{tag}: trainer built in {time.perf_counter() - t0:.1f} s; max |log-prob difference| vs eager {diff:.2e}",
                     flush=True,
                 )
             elif gpus == 1:
@@ -235,11 +254,11 @@ def main() -> None:
                 local._optimizer_step(samples, torch.tensor(adv), old, None)
 
             if gpus == 1:  # rank 0's Actor alone: only train_step drives every rank
-                record(f"vime packed+chunked{tag} (fwd+bwd+opt)", *timed(vime_fwd_bwd_opt, device, a.steps), step_flops)
+                record(f"vime packed+chunked{tag} (fwd+bwd+opt)", *timed(vime_fwd_bwd_opt, device, a.steps), flops)
             record(
                 f"vime train_step{tag}",
                 *timed(lambda actor=actor: actor.train_step(samples, adv), device, a.steps),
-                step_flops,
+                flops,
                 gpus,
             )
             actor.close()

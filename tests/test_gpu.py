@@ -462,3 +462,42 @@ def test_memory_release_without_vmm_captures_graphs_again(tmp_path, monkeypatch)
     assert [t for t, _ in after] == [t for t, _ in before]
     for (_, lp1), (_, lp2) in zip(after, before):
         assert torch.allclose(torch.tensor(lp1), torch.tensor(lp2), atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_lora_adapters_by_cuda_ipc_survive_a_release_and_give_the_trainers_log_probs(tmp_path):
+    """A LoRA trainer on the GPU pushes the base once, then adapters alone, by CUDA IPC into an
+    engine on the same GPU; the engine releases and resumes its memory (the base copies go to
+    the host and back) between two adapter pushes. After each, the engine's greedy tokens
+    score under the trainer's LoRA model to the engine's own log-probs (float32 on both
+    sides), and every byte of an adapter push is adapter."""
+    from test_actor import make_args, make_samples
+    from test_lora import ADVANTAGES
+
+    from vime.rollout.types import Sample
+    from vime.trainer.actor import Actor
+    from vime.trainer.weights import WeightPusher
+
+    model = make_tiny_model(tmp_path / "m", arch="qwen3", seed=0, vocab_size=4096)
+    actor = Actor(make_args(lora_rank=4, lora_alpha=8.0, lr=5e-2, compile=False), model, "cuda:0")
+    engine = launch_engine(
+        str(model), device="cuda:0", dtype="float32", extra_args=["--num-kv-blocks", "512"], log_path=tmp_path / "e.log"
+    )
+    try:
+        client = EngineClient(engine.url)
+        pusher = WeightPusher([client], "cuda_ipc", timeout=60)
+        pusher.push(actor.named_weights(merge=False), version=0)
+        for version in (1, 2):
+            actor.train_step(make_samples(4), ADVANTAGES)
+            m = pusher.push(actor.adapter_weights(), version=version)  # checked: the engine merged what was sent
+            assert m["perf/update_weights_bytes"] == sum(4 * t.numel() for t in actor.adapter_tensors().values())
+            got = greedy(engine.url, n=8)
+            samples = [
+                Sample(index=i, tokens=p + t, response_length=len(t)) for i, (p, (t, _)) in enumerate(zip(PROMPTS, got))
+            ]
+            for (_, lp), mine in zip(got, actor.compute_log_probs(samples)):
+                assert torch.allclose(mine.cpu(), torch.tensor(lp), atol=1e-3), (mine, lp)
+            client.release_memory_occupation()
+            client.resume_memory_occupation()
+    finally:
+        engine.shutdown()

@@ -108,13 +108,15 @@ def test_a_checkpoint_holds_merged_weights_and_a_peft_adapter_and_resumes_exactl
     assert "\n" not in str(e.value)
 
 
-def test_a_lora_run_pushes_merged_weights_the_engine_computes_with(tmp_path):
-    """A whole sync run: from step 2 on, the engine samples with the weights pushed after step 1
-    (merged: base + adapters), and the trainer scores those samples with the same weights, so
-    the engine's and the trainer's log-probs agree; the adapters moved them off the base."""
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+def test_a_lora_run_pushes_only_adapters_and_the_engine_computes_the_merged_model(tmp_path, transport):
+    """A whole sync run: the engine gets the base once, then only the adapters (every byte of
+    each push is adapter), and from step 2 on samples with base + adapters, so the engine's and
+    the trainer's log-probs agree; the adapters moved the weights off the base."""
     res = run_cli(
         "train.py", "--config", "examples/tiny.yaml", "--custom-rm-path", "varied_reward.digit_share",
         "--lora-rank", "8", "--lora-alpha", "16", "--lr", "1e-2", "--num-rollout", "3",
+        "--weight-transport", transport,
         "--runs-dir", str(tmp_path), "--run-name", "r", "--save", str(tmp_path / "ckpt"),
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
@@ -130,3 +132,134 @@ def test_a_lora_run_pushes_merged_weights_the_engine_computes_with(tmp_path):
     moved = [k for k in base if not torch.equal(base[k], final[k])]
     # only adapted layers moved: no embedding, norm or LM head
     assert moved and all(k.rsplit(".", 2)[-2].endswith("_proj") for k in moved)
+    adapter_bytes = sum(t.numel() * 4 for t in read_adapter(tmp_path / "ckpt" / "3" / "adapter").values())
+    pushes = [r for r in rows if "perf/update_weights_bytes" in r]
+    assert len(pushes) == 3 and all(r["perf/update_weights_bytes"] == adapter_bytes for r in pushes)
+    # the base went once, with the first push (the run's start pushes nothing else)
+    assert sum("perf/update_weights_base_time" in r for r in rows) == 1
+
+
+# ---- adapter-only pushes: the built-in engine merges what it is sent --------------------------
+
+
+def _engine(model_dir):
+    from vime.engine.core.engine import EngineConfig, LLMEngine
+
+    return LLMEngine(EngineConfig(str(model_dir), block_size=4, num_kv_blocks=64, max_num_batched_tokens=16))
+
+
+def _layout(items):
+    return [(n, tuple(t.shape), t.dtype) for n, t in items]
+
+
+def _push(engine, items, buckets: int = 1):
+    """A whole update, or `buckets` announced pieces as the nccl / gloo path delivers them."""
+    if buckets == 1:
+        return engine.replace_weights(_layout(items), lambda: items)
+    size = -(-len(items) // buckets)
+    pieces = [items[i : i + size] for i in range(0, len(items), size)]
+    n = 0
+    for i, piece in enumerate(pieces):
+        engine.check_weights(_layout(piece))
+        n += engine.update_weights(piece, flush=i == len(pieces) - 1)
+    return n
+
+
+def _greedy(engine, prompt: list[int], n: int):
+    from vime.engine.core.sampler import SamplingParams
+    from vime.rollout.types import Sample
+
+    engine.add_request("probe", prompt, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
+    while True:
+        done = [o for o in engine.step() if o.rid == "probe"]
+        if done:
+            out = done[0].outputs[0]
+            return Sample(index=0, tokens=prompt + out.output_ids, response_length=n, rollout_log_probs=out.logprobs)
+
+
+def _trained_lora_actor(tiny_model, steps: int = 1, **kw):
+    actor = Actor(lora_args(**kw), tiny_model)
+    for _ in range(steps):
+        actor.train_step(make_samples(4), ADVANTAGES)
+    return actor
+
+
+def _held_like(engine, actor) -> bool:
+    """The engine's weights are the trainer's merged weights, bit for bit."""
+    from vime.engine import weight_sync
+
+    want = dict(actor.named_weights())
+    have = engine.weight_checksums()
+    return not weight_sync.checksum_mismatches(dict(zip(want, weight_sync.checksums(want.values()))), have)
+
+
+@pytest.mark.parametrize("buckets", [1, 4])  # 28 tensors in buckets of 7: pairs split
+def test_the_engine_merges_pushed_adapters_into_the_trainers_merged_weights_bit_for_bit(tiny_model, buckets):
+    """Adapters alone (B pre-scaled by alpha / r = 2, a power of two, so the merge is exact in
+    float32) give the engine exactly the weights a full merged push gives; a second push merges
+    into the base, not on top of the first; the engine then computes the trainer's log-probs;
+    a plain push makes its weights the new base."""
+    actor = _trained_lora_actor(tiny_model)
+    engine = _engine(tiny_model)
+    adapters = list(actor.adapter_weights())
+    assert {n.rsplit(".", 1)[1] for n, _ in adapters} == {"lora_A", "lora_B"}
+    assert _push(engine, adapters, buckets) == len(adapters)  # A and B of a layer may land in different buckets
+    assert _held_like(engine, actor) and engine.weight_checksums()[adapters[0][0]]
+    actor.train_step(make_samples(4), ADVANTAGES)
+    assert not _held_like(engine, actor)
+    _push(engine, list(actor.adapter_weights()), buckets)
+    assert _held_like(engine, actor)
+    sample = _greedy(engine, [5, 17, 42, 9], 6)  # the engine's tokens and log-probs, scored by the trainer
+    (trainer,) = actor.compute_log_probs([sample])
+    assert torch.allclose(trainer, torch.tensor(sample.rollout_log_probs), atol=1e-4)
+    fresh = Actor(lora_args(), tiny_model)  # B = 0: its base push resets the engine to the base
+    _push(engine, list(fresh.named_weights(merge=False)))
+    assert not engine.lora.base and _held_like(engine, fresh)
+    _push(engine, list(actor.adapter_weights()))
+    assert _held_like(engine, actor)
+
+
+def test_a_wrong_adapter_update_is_refused_before_anything_changes(tiny_model):
+    from vime.engine.core.engine import WeightsIncomplete
+
+    actor = _trained_lora_actor(tiny_model)
+    engine = _engine(tiny_model)
+    before = engine.weight_checksums()
+    adapters = dict(actor.adapter_weights())
+    q = "model.layers.0.self_attn.q_proj"
+    a, b = adapters[f"{q}.lora_A"], adapters[f"{q}.lora_B"]
+    embed = ("model.embed_tokens.weight", engine.model.named_weights()["model.embed_tokens.weight"].clone())
+    cases = {
+        "mixes LoRA adapters with plain weights": [(f"{q}.lora_A", a), (f"{q}.lora_B", b), embed],
+        "came without its lora_B": [(f"{q}.lora_A", a)],
+        "takes \\[r, 64\\]": [(f"{q}.lora_A", a[:, :-1]), (f"{q}.lora_B", b)],
+        "lora_A has rank 4, lora_B rank 3": [(f"{q}.lora_A", a), (f"{q}.lora_B", b[:, :3])],
+        "no weight 'model.layers.0.self_attn.qkv.weight'": [("model.layers.0.self_attn.qkv.lora_A", a)],
+    }
+    for message, items in cases.items():
+        with pytest.raises(ValueError, match=message) as e:
+            _push(engine, items)
+        assert "\n" not in str(e.value)
+        assert engine.weight_checksums() == before and engine.weights_incomplete is None
+    # a bucketed update whose last bucket leaves a pair open: the weights are a mix, said so
+    engine.check_weights(_layout([(f"{q}.lora_A", a)]))
+    with pytest.raises(ValueError, match="ended with half an adapter"):
+        engine.update_weights([(f"{q}.lora_A", a)], flush=True)
+    with pytest.raises(WeightsIncomplete):
+        _greedy(engine, [5, 17], 1)
+
+
+def test_a_frozen_base_takes_no_weight_gradient_flops(tiny_model):
+    """perf/mfu of a LoRA run: the base matmuls cost forward + input gradient (4 × params ×
+    tokens), not 6 ×; attention's cost is the same as a full step's."""
+    from transformers import AutoConfig
+
+    from vime.trainer.perf import decoder_matmul_params, train_flops
+
+    config = AutoConfig.from_pretrained(tiny_model)
+    lens, scored = [7, 12], [3, 5]
+    matmul_fwd = 2.0 * (
+        decoder_matmul_params(config) * sum(lens) + config.vocab_size * config.hidden_size * sum(scored)
+    )
+    full = train_flops(config, lens, scored, forwards=0)
+    assert train_flops(config, lens, scored, forwards=0, frozen=True) == pytest.approx(full - matmul_fwd)

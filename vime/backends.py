@@ -29,6 +29,7 @@ class Backend:
     place: str  # "module:function": place(args, model_dir, run_dir) -> Placement
     transports: tuple[str, ...]  # the --weight-transport values that reach its engines
     tensor_parallel: bool  # an engine may span several GPUs (--rollout-num-gpus-per-engine > 1)
+    lora_adapters: bool  # a LoRA run pushes its adapters alone (the engine merges them), not merged weights
 
     def make_client(self, url: str, api_key: str | None = None) -> Any:
         """A client of the engine at `url` (an `EngineClient`)."""
@@ -49,6 +50,7 @@ BACKENDS: dict[str, Backend] = {
             place="vime.engine.placement:place",
             transports=TRANSPORTS,
             tensor_parallel=False,
+            lora_adapters=True,  # vime/engine/core/lora.py
         ),
         Backend(
             "vllm",
@@ -57,6 +59,7 @@ BACKENDS: dict[str, Backend] = {
             place="vime.engine.vllm:place_vllm",
             transports=("auto", "nccl", "gloo", "disk"),  # no shared-memory or CUDA IPC load
             tensor_parallel=True,
+            lora_adapters=False,  # not yet through vLLM's LoRA loading: merged weights, every push
         ),
     ]
 }

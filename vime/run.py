@@ -126,6 +126,9 @@ class Run:
                 clients, inputs.tokenizer, self.placement.transports, relaunch, HealthCheck.of(args), self.rewards
             )
             self.pusher: WeightPusher | None = None  # a debug run with no trainer or no engine pushes nothing
+            # LoRA: adapters alone to engines that merge them; (url, restarts) of those that have the base
+            self.adapter_push = self.actor is not None and self.actor.lora is not None and backend.lora_adapters
+            self.based: set[tuple[str, int]] = set()
             if self.actor is not None and not args.debug_train_only:
                 self.pusher = WeightPusher(
                     clients,
@@ -228,13 +231,11 @@ class Run:
             if not engines:
                 raise EngineError(f"step {step}: {runtime.no_engine_message()}")
             self.pusher.set_engines([e.client for e in engines], [e.transport for e in engines])
-            weights = self.actor.named_weights()
             try:
                 with self.generation_paused("abort" if self.args.partial_rollout else "in_place"):
-                    metrics = self.pusher.push(weights, self.policy_version)
+                    metrics = self._push_to(engines)
                 break
             except EngineError as e:
-                _read_to_end(weights)
                 gone = [x for x in engines if runtime.engine_failed(x, e)]
                 if not gone or attempt == 2:
                     raise EngineError(f"step {step}: {e}") from None
@@ -247,6 +248,31 @@ class Run:
         # the engines' version is kept in one place, the runtime; a worker bounded by --max-staleness waits for it
         runtime.set_engine_version(self.policy_version)
         return metrics
+
+    def _push_to(self, engines: list[Any]) -> dict[str, float]:
+        """The current weights to the engines: all of them, or with LoRA and a backend that
+        merges adapters, the adapters alone (`vime/engine/core/lora.py`). An engine this run has
+        not pushed to yet (a new one, or one back from a restart) first gets the frozen base, so
+        whatever it held before, the adapters merge into the weights the trainer adapts."""
+        assert self.pusher is not None and self.actor is not None
+        if not self.adapter_push:
+            return self._push_stream(self.actor.named_weights())
+        metrics = {}
+        fresh = {(e.client.url, e.restarts) for e in engines} - self.based
+        if fresh:
+            t0 = time.perf_counter()
+            self._push_stream(self.actor.named_weights(merge=False))
+            self.based |= fresh
+            metrics["perf/update_weights_base_time"] = time.perf_counter() - t0
+        return {**metrics, **self._push_stream(self.actor.adapter_weights())}
+
+    def _push_stream(self, weights: Iterator[tuple[str, Any]]) -> dict[str, float]:
+        assert self.pusher is not None
+        try:
+            return self.pusher.push(weights, self.policy_version)
+        except EngineError:
+            _read_to_end(weights)  # a sharded trainer's other ranks gather every tensor
+            raise
 
     def version_metrics(self) -> dict[str, float]:
         """Versions after a step: the trainer's, the engines' (behind it between pushes with

@@ -442,6 +442,7 @@ class Actor:
                 lengths,
                 [s.response_length for s in samples],
                 forwards=(old is not None) + (ref is not None),
+                frozen=self.lora is not None,
             )
             metrics["perf/mfu"] = mfu(flops, elapsed, self.world)
         return metrics
@@ -652,8 +653,9 @@ class Actor:
 
     # ---- weights and checkpoints -----------------------------------------------------
 
-    def named_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """(HF name, full tensor) as in the checkpoint files, for weight pushes and saves.
+    def named_weights(self, merge: bool = True) -> Iterator[tuple[str, Tensor]]:
+        """(HF name, full tensor) as in the checkpoint files, for weight pushes and saves. With
+        LoRA the adapted weights are merged (W + s·B A), unless `merge=False` (the frozen base).
 
         Every rank must iterate to the end (each sharded tensor is gathered by all ranks, one
         at a time, so at most one full tensor beyond the shards exists); only rank 0 receives
@@ -669,7 +671,7 @@ class Actor:
                     continue  # LoRA: merged into its layer's weight below
                 tensor = _full(tensor.detach())
                 module = name.removesuffix(".weight")
-                if module in self.lora_modules:
+                if merge and module in self.lora_modules:
                     assert self.lora is not None
                     layer = self.model.get_submodule(module)
                     tensor = merged(
@@ -677,6 +679,20 @@ class Actor:
                     )
                 if self.rank == 0:
                     yield name, tensor
+
+    def adapter_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """LoRA: the adapters as a push sends them (`vime/engine/core/lora.py`): `<layer>.lora_A`
+        and `<layer>.lora_B` in float32 on the trainer's device, the scaling s folded into B. Every
+        rank iterates to the end, as with `named_weights`; rank 0 receives them."""
+        assert self.lora is not None
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if is_adapter(name):
+                    full = _full(p.detach()).float()
+                    if name.endswith(".lora_B"):
+                        full = full * self.lora.scaling
+                    if self.rank == 0:
+                        yield name, full
 
     def adapter_tensors(self) -> dict[str, Tensor]:
         """LoRA: every adapter tensor, full, by parameter name (rank 0 gets them; every rank calls)."""

@@ -158,10 +158,16 @@ class DistributedActor:
     def skip_steps(self, n: int) -> None:
         return self._call("skip_steps", n)
 
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_weights(self, merge: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors, one at a time; iterate to the end (the other ranks gather with you)."""
-        weights = self._call("named_weights")
+        weights = self._call("named_weights", merge)
         with self._together("named_weights"):  # the gathers happen as the caller iterates
+            yield from weights
+
+    def adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """LoRA adapters as a push sends them; iterate to the end, as with `named_weights`."""
+        weights = self._call("adapter_weights")
+        with self._together("adapter_weights"):
             yield from weights
 
     def save(self, ckpt_dir: str | Path, extra_state: dict[str, Any]) -> Path:
@@ -248,7 +254,7 @@ def _serve(args: Config, model_dir: str | Path, device: str) -> None:
         if name == "close":
             break
         result = getattr(actor, name)(*call_args, **call_kwargs)
-        if name == "named_weights":
+        if name in ("named_weights", "adapter_weights"):
             for _ in result:  # take part in every gather; only rank 0 keeps the tensors
                 pass
     dist.destroy_process_group()

@@ -31,20 +31,24 @@ def decoder_matmul_params(config: Any) -> int:
     return layers * (attn + 3 * hidden * inter)
 
 
-def train_flops(config: Any, seq_lens: Sequence[int], scored: Sequence[int], forwards: int = 1) -> float:
+def train_flops(
+    config: Any, seq_lens: Sequence[int], scored: Sequence[int], forwards: int = 1, frozen: bool = False
+) -> float:
     """FLOPs of one forward+backward over the sequences plus `forwards` extra forward passes
     (the log-prob recompute, the reference model).
 
     Per token: 2 × matmul params forward, 6 × forward+backward. Attention per layer and
     sequence of s tokens: QKᵀ and AV are 2·s²·d each, halved by the causal mask → 2·s²·d
-    forward (d = heads × head_dim).
+    forward (d = heads × head_dim). `frozen` (LoRA): the base weights get no gradient, so the
+    matmuls' backward is the input gradient alone, 4 × in all; the adapters' own FLOPs (rank r
+    against thousands of features) are left out.
     """
     hidden, heads, head_dim, _, _, layers, vocab = _dims(config)
     tokens, scored_tokens = sum(seq_lens), sum(scored)
     matmul_fwd = 2.0 * (decoder_matmul_params(config) * tokens + vocab * hidden * scored_tokens)
     attn_fwd = 2.0 * layers * heads * head_dim * sum(s * s for s in seq_lens)
     fwd = matmul_fwd + attn_fwd
-    return 3.0 * fwd + forwards * fwd
+    return (2.0 if frozen else 3.0) * matmul_fwd + 3.0 * attn_fwd + forwards * fwd
 
 
 def mfu(flops: float, seconds: float, num_gpus: int = 1, peak: float = PEAK_BF16_FLOPS) -> float:

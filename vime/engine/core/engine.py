@@ -18,6 +18,7 @@ import torch
 from vime.engine import weight_sync
 from vime.engine.core import vmem
 from vime.engine.core.kv_cache import BlockAllocator, KVCache
+from vime.engine.core.lora import AdapterMerger, adapter_of
 from vime.engine.core.model import CausalLM, load_model
 from vime.engine.core.runner import ModelRunner
 from vime.engine.core.sampler import M32, SamplingParams, mix32
@@ -138,6 +139,7 @@ class LLMEngine:
             None  # why the weights are a mix, after a failed update (WeightsIncomplete)
         )
         self._update_open = False  # buckets of an update arrived, its last one (flush) not yet
+        self.lora = AdapterMerger()  # LoRA adapters pushed on their own (vime/engine/core/lora.py)
         self.paused = False
         self.stats = EngineStats()
         self._rng = random.Random(cfg.seed)  # seeds of requests that bring no sampling_seed
@@ -306,8 +308,9 @@ class LLMEngine:
         weight_version: int | None = None,
     ) -> int:
         """A whole update (from disk, shared memory or CUDA IPC): all or nothing. The announced
-        layout must name every weight of the model, each once, in its shape and a float dtype;
-        it is checked before `tensors()` is asked for anything, so a wrong update (another
+        layout must name every weight of the model, each once, in its shape and a float dtype
+        (or be LoRA adapters only, each with both halves: `vime/engine/core/lora.py`); it is
+        checked before `tensors()` is asked for anything, so a wrong update (another
         architecture, a missing shard, only `lm_head`) leaves weights and version untouched."""
         self.check_weights(layout, complete=True)
         return self.update_weights(tensors(), weight_version)
@@ -325,17 +328,28 @@ class LLMEngine:
         happens after a tensor was copied, or between two buckets of one update, the weights
         are a mix: the engine says so (`weights_incomplete`) and generates nothing until an
         update completes, rather than sample from weights that no trainer ever had."""
-        copied = 0
+        copied = adapters = 0
+        views = self._weight_views()
 
-        def counted() -> Iterable[tuple[str, torch.Tensor]]:
-            nonlocal copied
-            for item in weights:
+        def plain() -> Iterable[tuple[str, torch.Tensor]]:
+            """The plain weights, for the model; adapters go to the merger on the way."""
+            nonlocal copied, adapters
+            for name, tensor in weights:
                 copied += 1
-                yield item
+                if adapter_of(name) is not None:
+                    adapters += self.lora.load([(name, tensor)], views)
+                    continue
+                if self.lora.base:  # plain weights: the base adapters merge into from now on
+                    self.lora.reset()
+                yield name, tensor
 
         try:
-            n = len(self.model.load_weights(counted(), self._weight_views()))
+            n = len(self.model.load_weights(plain(), views))
+            if flush and self.lora.pending:
+                raise ValueError(f"the update ended with half an adapter: {', '.join(self.lora.unpaired()[:3])}")
+            n += adapters
         except BaseException as e:
+            self.lora.pending.clear()
             if copied or self._update_open:
                 self.weights_incomplete = (
                     f"a weight update failed part-way ({type(e).__name__}: {' '.join(str(e).split())[:200]}), so the weights mix two versions: "
@@ -370,17 +384,25 @@ class LLMEngine:
         a word); with `complete`, also any weight missing or named twice. Checked before anything
         is received or read, so a refused update changes nothing."""
         params = self._weight_views()
+        layout = list(layout)
+        for name, _, dtype in layout:
+            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+                raise ValueError(
+                    f"weight '{name}' has dtype {str(dtype).removeprefix('torch.')}: weights must be floating point"
+                )
+        adapters = [(n, tuple(s)) for n, s, _ in layout if adapter_of(n) is not None]
+        if adapters:
+            if len(adapters) < len(layout):
+                raise ValueError("an update mixes LoRA adapters with plain weights: push them separately")
+            self.lora.check(adapters, params, complete)
+            return
         seen: set[str] = set()
-        for name, shape, dtype in layout:
+        for name, shape, _ in layout:
             p = params.get(name)
             if p is None:
                 raise KeyError(f"weight '{name}' does not exist in this {self.model_config.model_type} model")
             if tuple(p.shape) != tuple(shape):
                 raise ValueError(f"weight '{name}' has shape {tuple(shape)}, the model expects {tuple(p.shape)}")
-            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-                raise ValueError(
-                    f"weight '{name}' has dtype {str(dtype).removeprefix('torch.')}: weights must be floating point"
-                )
             if complete and name in seen:
                 raise ValueError(f"weight '{name}' appears twice in the update")
             seen.add(name)
@@ -395,7 +417,7 @@ class LLMEngine:
     def weight_checksums(self) -> dict[str, list[int]]:
         """weight_sync.checksums (bit sum, count) of every weight by HF name, read back from the parameters."""
         views = self._weight_views()
-        return dict(zip(views, weight_sync.checksums(views.values())))
+        return {**dict(zip(views, weight_sync.checksums(views.values()))), **self.lora.merged}
 
     def _weight_views(self) -> dict[str, torch.Tensor]:
         """HF name → parameter (or fused slice), built once: a bucketed push looks names up per
@@ -426,6 +448,7 @@ class LLMEngine:
         elif self.device.type == "cuda":
             for p in self.model.parameters():
                 p.data = p.data.to("cpu")
+        self.lora.to("cpu")
         self._views = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the caching allocator's free blocks (live graphs keep their pool)
@@ -439,6 +462,7 @@ class LLMEngine:
         elif self.device.type == "cuda":
             for p in self.model.parameters():
                 p.data = p.data.to(self.device)
+        self.lora.to(self.device)
         self._views = None
         if not self.kv_cache.allocated:
             self.kv_cache.allocate()
