@@ -91,6 +91,10 @@ class WeightGroup:
         deadline = time.monotonic() + self.timeout if deadline is None else deadline
         try:
             while not work.is_completed():
+                # torn down from another thread (an engine told to leave or replace the group, its
+                # sender gone mid-push): gloo's abort does not end a receive that waits on the peer
+                if self.broken is not None:
+                    raise WeightSyncError(f"{what}: the weight group was torn down ({self.broken})")
                 if check is not None:
                     check()
                 if time.monotonic() > deadline:

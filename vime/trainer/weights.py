@@ -314,6 +314,9 @@ class WeightPusher:
                 current = following
         except (weight_sync.WeightSyncError, EngineError) as e:
             group.abort(str(e))
+            # the engines still in the group leave it too, now: one waiting on a bucket that will
+            # never come holds its step thread, and with it the pause's continue, until it does
+            self.close()
             for _ in stream:  # a sharded trainer's other ranks gather every tensor: go along to the end
                 pass
             if isinstance(e, EngineError):
@@ -337,11 +340,14 @@ class WeightPusher:
         if self._group is None:
             return
         group, self._group = self._group, None
-        for c in self._clients_of(DISTRIBUTED):
+
+        def leave(c: Any) -> None:  # all at once: a dead engine's refusal or timeout holds up no other
             try:
                 c.destroy_weights_update_group({"group_name": GROUP_NAME})
             except EngineError as e:
                 log.debug("leaving the weight group at %s: %s", c.url, e)
+
+        self._each_client(leave, self._clients_of(DISTRIBUTED))
         group.close()
 
 
