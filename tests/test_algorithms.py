@@ -239,7 +239,6 @@ ASYNC = ("train_async.py", ["--max-staleness", "1"])  # decoupled: stale samples
 RUNS = {
     "gspo": ("train.py", ["--advantage-estimator", "gspo", "--eps-clip", "4e-4", "--eps-clip-high", "4e-4"]),
     "cispo": ("train.py", ["--advantage-estimator", "cispo", "--eps-clip", "1", "--eps-clip-high", "4"]),
-    "reinforce_plus_plus": ("train.py", ["--advantage-estimator", "reinforce_plus_plus"]),
     "reinforce_plus_plus_baseline": ("train.py", ["--advantage-estimator", "reinforce_plus_plus_baseline"]),
     # three per-sequence corrections in one run (CI time): each reports its own metric
     "opsm+tis-geometric+veto": (
@@ -256,6 +255,7 @@ RUNS = {
         ["--custom-advantage-function-path", "custom_algorithms.doubled_grpo", "--normalize-advantages"],
     ),
     "custom-tis": (ASYNC[0], [*ASYNC[1], "--custom-tis-function-path", "custom_algorithms.halve_tis"]),
+    # REINFORCE++ through its discounted per-token returns (gamma 1 is the same estimator, unit-tested)
     "reinforce_plus_plus-gamma": ("train.py", ["--advantage-estimator", "reinforce_plus_plus", "--gamma", "0.9"]),
 }
 # the metric each run must report, so the flag is known to have acted

@@ -92,5 +92,10 @@ def test_two_ranks_match_one_rank_for_every_objective(tiny_model, extra):
             assert abs(m1[k] - m2[k]) < 1e-5, (k, m1[k], m2[k])
         w1, w2 = dict(one.named_weights()), dict(two.named_weights())
         assert all(torch.allclose(t, w2[n], atol=1e-5) for n, t in w1.items())
+        if "lora_rank" in extra:  # what an adapter-only push sends, gathered from the ranks' shards
+            a1, a2 = dict(one.adapter_weights()), dict(two.adapter_weights())
+            assert a1 and a1.keys() == a2.keys() and all(torch.allclose(t, a2[n], atol=1e-5) for n, t in a1.items())
+            b1, b2 = dict(one.named_weights(merge=False)), dict(two.named_weights(merge=False))
+            assert b1.keys() == b2.keys() and all(torch.equal(t, b2[n]) for n, t in b1.items())
     finally:
         two.close()
