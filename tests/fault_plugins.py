@@ -21,16 +21,25 @@ def _first_batch(args, sample) -> bool:
 
 def engine_pids() -> list[int]:
     """The engine servers this trainer started (its children running vime.engine.server)."""
-    me, found = str(os.getpid()), []
+    return server_pids(os.getpid())
+
+
+def server_pids(parent: int | None) -> list[int]:
+    """Engine servers (processes running vime.engine.server) whose parent is `parent`, or all."""
+    found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            ppid = stat.read_text().rsplit(")", 1)[1].split()[1]
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
             cmdline = (stat.parent / "cmdline").read_bytes()
         except (OSError, IndexError):
             continue
-        if ppid == me and b"vime.engine.server" in cmdline:
+        if (parent is None or ppid == parent) and b"vime.engine.server" in cmdline:
             found.append(int(stat.parent.name))
     return found
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 async def slow_grading(args, sample, params):
@@ -78,6 +87,35 @@ def inf_reward(args, sample) -> float:
 async def kill_engine_one(args, sample, params):
     """Two engines: in step 2, engine 1 is killed (SIGKILL) while requests are in flight; step 3
     waits until it is back, so the push after step 3 re-syncs it and later steps use it again."""
+    return await _kill_one_then_wait(args, sample, params, ray_actor=False)
+
+
+async def kill_engine_actor_one(args, sample, params):
+    """As kill_engine_one, with --launcher ray: engine 1's Ray actor, the process hosting its
+    server on another node, is killed (SIGKILL), and the server goes with it."""
+    return await _kill_one_then_wait(args, sample, params, ray_actor=True)
+
+
+def check_engine_one_came_back(run_dir: Path) -> None:
+    """What a five-step sync run with kill_engine_one (or _actor_one) must show: engine 1 down
+    in step 2 and back from step 3, every step's samples from exactly the trainer's weights
+    (log-probs equal), engine 1 serving before and after, its new log beside the first."""
+    import json
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "perf/step_time" in r]
+    assert [r["rollout/engines_up"] for r in rows] == [2, 1, 2, 2, 2]
+    assert [r["rollout/engine_restarts"] for r in rows] == [0, 1, 1, 1, 1]
+    for r in rows:
+        assert r["rollout/staleness_max"] == 0 and r["train/train_rollout_logprob_abs_diff"] < 1e-4, r
+    served = [r["rollout/engine1_requests"] for r in rows]
+    assert served[0] > 0 and served[4] > served[3] > served[2], served
+    log_text = (run_dir / "log.txt").read_text()
+    assert "engine 1 is back at" in log_text and "holds the current weights again" in log_text
+    assert (run_dir / "engine1.1.log").exists()
+
+
+async def _kill_one_then_wait(args, sample, params, ray_actor: bool):
     import asyncio
     import time
 
@@ -86,9 +124,11 @@ async def kill_engine_one(args, sample, params):
     marker = args.run_dir / "engine-killed"
     if step == 2 and not marker.exists():
         marker.write_text("killed")
-        for pid in engine_pids():  # engine i runs with --seed rollout_seed + i (its port is its own pick)
-            if f"--seed\0{args.rollout_seed + 1}\0".encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
-                os.kill(pid, signal.SIGKILL)
+        # engine i runs with --seed rollout_seed + i (its port is its own pick)
+        seed = f"--seed\0{args.rollout_seed + 1}\0".encode()
+        for pid in server_pids(None if ray_actor else os.getpid()):  # with Ray: the servers of actors, not ours
+            if seed in Path(f"/proc/{pid}/cmdline").read_bytes() and (_parent(pid) != os.getpid()) == ray_actor:
+                os.kill(_parent(pid) if ray_actor else pid, signal.SIGKILL)
     if step == 3:
         deadline = time.monotonic() + 120
         while runtime.engines[1].state != "unsynced":

@@ -105,6 +105,12 @@ def test_json_and_list_flags():
             ["--rollout-backend", "vllm", "--weight-transport", "shm"],
             "does not reach vllm engines (they receive by nccl",
         ),
+        (
+            ["--launcher", "ray", "--rollout-backend", "vllm"],
+            "vllm engines are launched locally, not yet as Ray actors",
+        ),
+        (["--launcher", "ray", "--rollout-engine-urls", "http://h:1"], "give one of the two"),
+        (["--launcher", "ray", "--colocate"], "--colocate puts the engines on the trainer's GPUs"),
     ],
 )
 def test_inconsistent_settings_fail_with_one_line(extra, fragment):
@@ -150,6 +156,7 @@ def test_every_modes_ab_arm_runs_that_mode_and_every_backend_row_resolves():
     assert arm_command("decoupled", 3)[-2:] == ["--max-staleness", "3"]
     for b in BACKENDS.values():
         assert isinstance(b.make_client("http://127.0.0.1:1", "k"), EngineClient) and callable(_load(b.place))
+        assert b.ray_place is None or callable(_load(b.ray_place))  # importable without ray: it is imported when used
         assert set(b.transports) <= set(BACKENDS["vime"].transports) and "auto" in b.transports
 
 
@@ -272,3 +279,19 @@ def test_over_sampling_is_refused_where_the_fully_async_worker_would_ignore_it()
     for extra in (["--rollout-function-path", FULLY_ASYNC_FN], ["--max-staleness", "1"]):
         with pytest.raises(ConfigError, match="keeps --rollout-concurrency groups in flight instead"):
             parse_args([*BASE, *ds, "--over-sampling-batch-size", "16", *extra], entry="async")
+
+
+def test_launcher_ray_without_ray_or_a_cluster_is_one_line(monkeypatch):
+    """Where ray is missing (this environment), or no cluster answers, --launcher ray says what to do."""
+    from importlib.util import find_spec
+
+    from vime.engine.ray_placement import join_cluster
+
+    if find_spec("ray") is None:
+        with pytest.raises(ConfigError, match=r"--launcher ray needs ray in this environment: pip install ray"):
+            join_cluster()
+    else:  # make test-ray's environment: no cluster at this address
+        monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+        with pytest.raises(ConfigError, match="found no Ray cluster to join") as e:
+            join_cluster()
+        assert "\n" not in str(e.value)

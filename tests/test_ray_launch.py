@@ -9,6 +9,7 @@ not `ray stop --force`, which would end every Ray process of the machine.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -19,11 +20,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
 from conftest import ROOT
+from fault_plugins import check_engine_one_came_back
 
 pytestmark = [
     pytest.mark.ray,
@@ -56,32 +59,28 @@ def _env() -> dict[str, str]:
     return dict(env, PATH=path, RAY_USAGE_STATS_ENABLED="0", WANDB_ERROR_REPORTING="false")
 
 
-@pytest.fixture(scope="module")
-def head() -> Iterator[str]:
-    """A Ray head started as the seed scripts start it, from the repository root (where their
-    `python3 train.py` is found); yields the dashboard's address for `ray job submit`."""
-    temp = Path(tempfile.mkdtemp(prefix="vray-"))  # short: Ray's socket paths must stay under 108 bytes
-    dashboard = _free_port()
-    cmd = [
-        *(str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--num-gpus", "0"),
-        *("--disable-usage-stats", "--temp-dir", str(temp), "--port", str(_free_port())),
-        *("--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard)),
-        *("--dashboard-agent-listen-port", str(_free_port()), "--ray-client-server-port", str(_free_port())),
-    ]
-    log = temp / "head.log"
+@dataclass
+class Cluster:
+    dashboard: str  # the head's dashboard, for `ray job submit` and the state API
+    gcs: str  # the head's GCS address, where other nodes join
+    temp: Path
+
+
+@contextlib.contextmanager
+def _node(cmd: list[str], log: Path) -> Iterator[None]:
+    """A `ray start --block` process in its own group until "Ray runtime started"; at the end, as
+    `ray stop --force` would but only for this node: SIGKILL to its group, then to whatever else
+    it started (workers have groups of their own; they end with the raylet)."""
     with log.open("w") as out:
-        # its own process group, which holds every process Ray starts but its workers (they end with the raylet)
         proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + START_S
         while "Ray runtime started" not in log.read_text():
             assert proc.poll() is None, f"ray start exited {proc.returncode}:\n{log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"no Ray head within {START_S} s:\n{log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"no Ray node within {START_S} s:\n{log.read_text()[-3000:]}"
             time.sleep(0.5)
-        yield f"http://127.0.0.1:{dashboard}"
+        yield
     finally:
-        # as `ray stop --force` would, but only this head's processes: SIGKILL to its group, then
-        # to whatever else it started (workers have groups of their own; they end with the raylet)
         started = {pid: _start_time(pid) for pid in _descendants(proc.pid)}
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -91,7 +90,49 @@ def head() -> Iterator[str]:
         for pid, start in started.items():
             if _start_time(pid) == start is not None:  # still that process, not a pid used again
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    """A Ray head started as the seed scripts start it, from the repository root (where their
+    `python3 train.py` is found), with no CPUs of its own to give: jobs' drivers run on it, and
+    actors (vime's engines with --launcher ray) only on the nodes that join it."""
+    temp = Path(tempfile.mkdtemp(prefix="vray-"))  # short: Ray's socket paths must stay under 108 bytes
+    dashboard, gcs = _free_port(), _free_port()
+    cmd = [
+        *(str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--num-gpus", "0"),
+        *("--num-cpus", "0", "--disable-usage-stats", "--temp-dir", str(temp), "--port", str(gcs)),
+        *("--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard)),
+        *("--dashboard-agent-listen-port", str(_free_port()), "--ray-client-server-port", str(_free_port())),
+    ]
+    try:
+        with _node(cmd, temp / "head.log"):
+            yield Cluster(f"http://127.0.0.1:{dashboard}", f"127.0.0.1:{gcs}", temp)
+    finally:
         shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def head(cluster) -> str:
+    return cluster.dashboard
+
+
+@pytest.fixture(scope="module")
+def second_node(cluster) -> Iterator[str]:
+    """A second Ray node, two CPUs, joined to the head: where --launcher ray's engines go. Yields its node id."""
+    from ray.util.state import list_nodes
+
+    cmd = [
+        *(str(BIN / "ray"), "start", "--block", f"--address={cluster.gcs}", "--node-ip-address", "127.0.0.1"),
+        *("--num-cpus", "2", "--num-gpus", "0", "--disable-usage-stats"),
+        *("--dashboard-agent-listen-port", str(_free_port()), "--metrics-export-port", str(_free_port())),
+    ]
+    with _node(cmd, cluster.temp / "node2.log"):
+        deadline = time.monotonic() + START_S
+        while len(nodes := [n for n in list_nodes(address=cluster.dashboard) if n.state == "ALIVE"]) < 2:
+            assert time.monotonic() < deadline, "the second node did not join the head"
+            time.sleep(1)
+        yield next(n.node_id for n in nodes if not n.is_head_node)
 
 
 def ray(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -100,10 +141,19 @@ def ray(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
     )
 
 
-def submit(address: str, entrypoint: list[str], *flags: str, timeout: float = JOB_S) -> subprocess.CompletedProcess:
+def submit(
+    address: str, entrypoint: list[str], *flags: str, timeout: float = JOB_S, env: dict | None = None
+) -> subprocess.CompletedProcess:
     """`ray job submit` as the seed scripts call it (it waits for the job and tails its log)."""
     return ray(
-        *("job", "submit", f"--address={address}", f"--runtime-env-json={json.dumps(RUNTIME_ENV)}", *flags, "--"),
+        *(
+            "job",
+            "submit",
+            f"--address={address}",
+            f"--runtime-env-json={json.dumps(env or RUNTIME_ENV)}",
+            *flags,
+            "--",
+        ),
         *entrypoint,
         timeout=timeout,
     )
@@ -128,24 +178,6 @@ def wait_for_status(address: str, job: str, states: tuple[str, ...], timeout: fl
         assert time.monotonic() < deadline, f"job {job} still {state} after {timeout} s"
         time.sleep(1)
     return state
-
-
-def test_train_async_runs_as_a_ray_job(head, tmp_path):
-    """train_async.py submitted to Ray as the seed scripts do: the job succeeds, the run's
-    metrics.jsonl has each step, and the job's log has vime's progress lines and last line."""
-    job = "vime-train-async"
-    out = submit(
-        head,
-        ["python3", "train_async.py", *TINY, "--num-rollout", "2", "--runs-dir", str(tmp_path), "--run-name", "r"],
-        f"--submission-id={job}",
-    )
-    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
-    assert wait_for_status(head, job, ("SUCCEEDED", "FAILED", "STOPPED"), timeout=60) == "SUCCEEDED"
-    rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2] and all("perf/step_time" in r for r in rows)
-    log = logs(head, job)
-    assert "step 2/2 |" in log and f"run written to {tmp_path / 'r'}" in log, log[-3000:]
-    assert "dropped Ray's OMP_NUM_THREADS=1" in log  # vime's CPU ops are not held to one thread
 
 
 def test_a_job_whose_training_fails_fails(head, tmp_path):
@@ -211,44 +243,87 @@ def _trainer_pid(marker: str) -> int | None:
     return None
 
 
-@pytest.mark.parametrize("mode", ["one-step-off", "fully-async"])
-def test_ray_job_stop_stops_the_run_and_everything_it_started(head, tmp_path, mode):
+def test_ray_job_stop_stops_the_run_and_everything_it_started(cluster, second_node, tmp_path):
     """`ray job stop` (SIGTERM to every process of the job at once, SIGKILL to those left 3 s
-    later): the job is STOPPED, the trainer, its engine, its reward workers and W&B's service are
-    all gone within seconds, nothing prints a traceback, and the rows of the steps it finished
-    are intact. (vime unwinds a SIGTERM in 2-3 s here, so the run's last line is "terminated", an
-    engine error when it met its engine already gone, or none when Ray's SIGKILL came first.)"""
-    job = f"vime-stop-{mode}"
-    extra = (
-        ["--rollout-function-path", "vime.rollout.fully_async_rollout.generate_rollout_fully_async"]
-        if mode == "fully-async"
-        else []
-    )
+    later) of a fully-async run (the mode with the most of its own to stop: the worker) whose
+    engine is a Ray actor on the other node (--launcher ray): the job is STOPPED, the trainer,
+    its reward workers and W&B's service are all gone within seconds, and so are the engine's
+    actor and server; nothing prints a traceback, and the rows of the steps it finished are
+    intact, each after a push the run checked landed (--check-weight-push, on by default). (vime
+    unwinds a SIGTERM in 2-3 s here, so the run's last line is "terminated", an engine error when
+    it met its engine already gone, or none when Ray's SIGKILL came first.)"""
+    from fault_plugins import server_pids
+
+    head, job = cluster.dashboard, "vime-stop-fully-async"
+    extra = ["--rollout-function-path", "vime.rollout.fully_async_rollout.generate_rollout_fully_async"]
     # W&B too, as the seed scripts log: its service process is signalled with the rest
     wandb = ["--use-wandb", "--wandb-mode", "offline"] if find_spec("wandb") else []
-    argv = ["python3", "train_async.py", *TINY, "--num-rollout", "100000", *extra, *wandb, "--runs-dir", str(tmp_path)]
+    argv = [
+        *("python3", "train_async.py", *TINY, "--launcher", "ray", "--num-rollout", "100000", *extra, *wandb),
+        *("--runs-dir", str(tmp_path)),
+    ]
     out = submit(head, [*argv, "--run-name", "r"], f"--submission-id={job}", "--no-wait", timeout=60)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     metrics = tmp_path / "r" / "metrics.jsonl"
     deadline = time.monotonic() + JOB_S
-    while not (metrics.exists() and metrics.stat().st_size > 0):
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
         assert status(head, job) in ("PENDING", "RUNNING"), logs(head, job)[-3000:]
-        assert time.monotonic() < deadline, "no step within the time limit"
+        assert time.monotonic() < deadline, "no two steps within the time limit"
         time.sleep(0.5)
     trainer = _trainer_pid(str(tmp_path))
     assert trainer is not None
     time.sleep(1)  # reward workers and the fully-async worker are busy now
     started = _descendants(trainer)
-    assert len(started) > 1  # at least the engine
+    assert len(started) > 1  # at least the reward workers
+    servers = server_pids(None)
+    assert len(servers) == 1 and [a.node_id for a in _engine_actors(head)] == [second_node]
 
     t0 = time.monotonic()
     stop = ray("job", "stop", f"--address={head}", job, timeout=60)
     assert stop.returncode == 0, stop.stdout + stop.stderr
     assert wait_for_status(head, job, ("STOPPED", "FAILED", "SUCCEEDED"), timeout=30) == "STOPPED"
-    while _alive(started) and time.monotonic() - t0 < 15:
+    while (_alive(started) or _alive(servers)) and time.monotonic() - t0 < 15:
         time.sleep(0.2)
-    assert not _alive(started), f"left behind after ray job stop: {_alive(started)}"
+    assert not _alive(started + servers), f"left behind after ray job stop: {_alive(started + servers)}"
     log = logs(head, job)
     assert "Traceback" not in log, log[-3000:]
+    assert "step 1/100000 |" in log and "Ray actor on node" in log, log[-3000:]
+    assert "dropped Ray's OMP_NUM_THREADS=1" in log  # vime's CPU ops are not held to one thread
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert rows and [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    assert all(r["perf/update_weights_time"] > 0 for r in rows)
+
+
+# tests/ on the job's path too, for the fault plug-in
+PLUGIN_ENV = {"env_vars": {**RUNTIME_ENV["env_vars"], "PYTHONPATH": f"/root/Megatron-LM/:{ROOT / 'tests'}"}}
+RAY_ENGINES = ["--launcher", "ray", "--rollout-num-engines", "2", "--weight-transport", "gloo"]
+
+
+def _engine_actors(address: str) -> list:
+    from ray.util.state import list_actors
+
+    return [a for a in list_actors(address=address, limit=1000) if a.class_name == "EngineHost"]
+
+
+def test_ray_engines_on_another_node_train_in_sync_and_a_killed_actor_comes_back(cluster, second_node, tmp_path):
+    """--launcher ray in a Ray job: two engine actors, placed on the node that joined the head
+    (the head gives no CPUs), fed over gloo as engines on another host are. In step 2 engine 1's
+    actor is SIGKILLed mid-rollout: its server goes with it, its requests finish on engine 0, a
+    new actor takes its bundle, and the next push re-syncs it; every step's samples come from
+    exactly the trainer's weights (sync: log-probs equal), so each push reached both engines."""
+    job = "vime-ray-engines"
+    earlier = {a.actor_id for a in _engine_actors(cluster.dashboard)}  # other tests' engines
+    argv = [
+        *("python3", "train.py", *TINY, *RAY_ENGINES, "--num-rollout", "5", "--lr", "2e-2"),
+        *("--custom-rm-path", "varied_reward.digit_share", "--custom-generate-function-path"),
+        *("fault_plugins.kill_engine_actor_one", "--runs-dir", str(tmp_path), "--run-name", "r"),
+    ]
+    out = submit(cluster.dashboard, argv, f"--submission-id={job}", env=PLUGIN_ENV)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    assert wait_for_status(cluster.dashboard, job, ("SUCCEEDED", "FAILED", "STOPPED"), timeout=60) == "SUCCEEDED"
+    assert f"run written to {tmp_path / 'r'}" in logs(cluster.dashboard, job)
+    check_engine_one_came_back(tmp_path / "r")
+    assert (tmp_path / "r" / "log.txt").read_text().count("Ray actor on node") == 3  # two at the start, engine 1 again
+    actors = [a for a in _engine_actors(cluster.dashboard) if a.actor_id not in earlier]
+    assert len(actors) == 3 and {a.node_id for a in actors} == {second_node}
+    assert all(a.state == "DEAD" for a in actors)  # the run ended them all

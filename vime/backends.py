@@ -30,6 +30,7 @@ class Backend:
     transports: tuple[str, ...]  # the --weight-transport values that reach its engines
     tensor_parallel: bool  # an engine may span several GPUs (--rollout-num-gpus-per-engine > 1)
     lora_adapters: bool  # a LoRA run pushes its adapters alone (the engine merges them), not merged weights
+    ray_place: str | None  # "module:function" as `place`, with engines as Ray actors (--launcher ray); None: not built
 
     def make_client(self, url: str, api_key: str | None = None) -> Any:
         """A client of the engine at `url` (an `EngineClient`)."""
@@ -37,7 +38,9 @@ class Backend:
 
     def place_engines(self, args: Any, model_dir: Path, run_dir: Path) -> Any:
         """Launch the run's engines (or check those given by URL): a `vime.engine.placement.Placement`."""
-        return _load(self.place)(args, model_dir, run_dir)
+        place = self.ray_place if getattr(args, "launcher", "local") == "ray" else self.place
+        assert place is not None, "Config.validate refuses --launcher ray for a backend without ray_place"
+        return _load(place)(args, model_dir, run_dir)
 
 
 BACKENDS: dict[str, Backend] = {
@@ -51,6 +54,7 @@ BACKENDS: dict[str, Backend] = {
             transports=TRANSPORTS,
             tensor_parallel=False,
             lora_adapters=True,  # vime/engine/core/lora.py
+            ray_place="vime.engine.ray_placement:place_ray",
         ),
         Backend(
             "vllm",
@@ -60,6 +64,7 @@ BACKENDS: dict[str, Backend] = {
             transports=("auto", "nccl", "gloo", "disk"),  # no shared-memory or CUDA IPC load
             tensor_parallel=True,
             lora_adapters=False,  # not yet through vLLM's LoRA loading: merged weights, every push
+            ray_place=None,
         ),
     ]
 }

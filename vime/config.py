@@ -489,6 +489,13 @@ class Config:
         [], "use running engines at these URLs instead of launching (JSON list or comma-separated)", group="placement"
     )
     device: str = _f("auto", "trainer device: auto, cpu, cuda", ("auto", "cpu", "cuda"), group="placement")
+    launcher: str = _f(
+        "local",
+        "where launched engines run: local (processes on this machine) or ray (actors the Ray cluster places, "
+        "one placement-group bundle each, on any of its nodes; the cluster of RAY_ADDRESS, or the job's)",
+        ("local", "ray"),
+        group="placement",
+    )
     engine_max_num_seqs: int = _f(256, "max sequences the engine runs at once", group="placement")
     engine_num_kv_blocks: int | None = _f(
         None, "KV-cache blocks per engine (default: engine's choice)", group="placement"
@@ -860,6 +867,18 @@ def _common_checks(c: Config) -> list[tuple[bool, str]]:
             c.weight_transport not in _backend(c).transports,
             f"--weight-transport {c.weight_transport} does not reach {c.rollout_backend} engines (they receive by "
             f"{', '.join(t for t in _backend(c).transports if t != 'auto')}): leave it at auto",
+        ),
+        (
+            c.launcher == "ray" and _backend(c).ray_place is None,
+            f"--launcher ray: {c.rollout_backend} engines are launched locally, not yet as Ray actors: leave --launcher at local",
+        ),
+        (
+            c.launcher == "ray" and bool(c.rollout_engine_urls),
+            "--launcher ray launches engines, --rollout-engine-urls uses running ones: give one of the two",
+        ),
+        (
+            c.launcher == "ray" and c.colocate,
+            "--colocate puts the engines on the trainer's GPUs, which Ray does not place: use --launcher local",
         ),
         *_non_finite(c),
     ]

@@ -56,6 +56,7 @@ def launch_engine(
     model_path: str,
     *,
     port: int | None = None,
+    host: str = "127.0.0.1",
     device: str = "cpu",
     dtype: str = "auto",
     extra_args: Iterable[str] = (),
@@ -70,7 +71,8 @@ def launch_engine(
     can read).
 
     The server exits by itself when this process does (--parent-pid), so a crashed trainer
-    leaves no engine behind.
+    leaves no engine behind. `host` is where it listens: loopback unless other machines must
+    reach it (a Ray engine actor's, `vime/engine/ray_placement.py`).
     """
     if log_path is None:
         fd, name = tempfile.mkstemp(prefix="vime-engine-", suffix=".log")
@@ -85,7 +87,7 @@ def launch_engine(
         "--model-path",
         str(model_path),
         "--host",
-        "127.0.0.1",
+        host,
         "--port",
         str(port or 0),
         "--device",

@@ -43,6 +43,8 @@ class Placement:
     engines: list[EngineProcess] = field(default_factory=list)
     api_key: str | None = None  # what the engines' clients send (launched engines get a fresh one)
     launch_one: Callable[[int], Any] | None = None  # starts engine i on its device (launched engines only)
+    # after the engines: what else the placement holds (a Ray placement group)
+    release: Callable[[], None] | None = None
     closed: bool = False
 
     def relaunch(self, i: int) -> str:
@@ -64,6 +66,9 @@ class Placement:
         for e in self.engines:
             e.shutdown()
         self.engines.clear()
+        if self.release is not None:
+            release, self.release = self.release, None
+            release()
 
 
 def launch_all(launch_one: Callable[[int], Any], n: int) -> list[Any]:

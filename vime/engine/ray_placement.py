@@ -1,0 +1,172 @@
+"""Engines as Ray actors (`--launcher ray`): the built-in engine placed by a Ray cluster.
+
+Each engine gets one bundle of a placement group (`{"CPU": 1}`, plus `{"GPU": 1}` when the
+trainer runs on GPUs), packed onto as few nodes as the cluster allows. In its bundle an actor,
+`EngineHost`, starts the engine server on its node (`launch_engine`, listening on every address
+of the node, its log at the run's `engine<i>.log`) and answers with the URL other nodes reach it
+at. From there the run treats it as any launched engine: the weight transport follows from where
+the engine reports it runs (`placement.choose_transports`: gloo or nccl to another host, whose
+rendezvous address is this node's IP unless --update-weights-master-address says otherwise),
+and an engine that dies is started again by the runtime (`Placement.relaunch`), here as a new
+actor in the same bundle, then re-synced by the next push.
+
+The server watches its actor (`--parent-pid`): a killed actor, or a lost node, takes the engine
+with it, and the run sees that as an engine failure, named by its node's address. Ray's own
+actor restarts are off, so one path restarts engines, the runtime's, which also re-syncs them.
+
+The trainer stays in this process (the job's driver) and its ranks as `launch_actor` starts
+them: placing trainer ranks as Ray actors is not built yet (docs/scaling.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+from pathlib import Path
+from typing import Any
+
+from vime.config import ConfigError
+from vime.engine.client import EngineClient, EngineError
+from vime.engine.placement import Placement, fresh_path, launch_all, placed, trainer_device
+from vime.engine.weight_sync import apply_gpu_safe_env
+
+log = logging.getLogger("vime")
+
+READY_S = 120.0  # for the cluster to make room for the engines' bundles
+ROOT = str(Path(__file__).resolve().parents[2])  # this vime, for the actors' imports
+
+
+class EngineHost:
+    """The Ray actor (made remote by `_host_class`): one engine server on its node."""
+
+    def start(self, model: str, device: str, dtype: str, extra: list[str], log_path: str, api_key: str) -> dict:
+        import ray
+
+        from vime.engine.launch import launch_engine
+
+        self.proc = launch_engine(
+            model, host="0.0.0.0", device=device, dtype=dtype, extra_args=extra, log_path=log_path, api_key=api_key
+        )
+        ip = ray.util.get_node_ip_address()
+        port = self.proc.url.rsplit(":", 1)[1]
+        return {"url": f"http://{ip}:{port}", "node": socket.gethostname(), "ip": ip, "pid": os.getpid()}
+
+    def stop(self) -> None:
+        self.proc.shutdown()
+
+
+class RayEngine:
+    """A launched engine as the Placement holds it (`url`, `shutdown`): its actor behind it."""
+
+    def __init__(self, actor: Any, info: dict) -> None:
+        self.actor = actor
+        self.url: str = info["url"]
+        self.node: str = info["node"]
+        self.pid: int = info["pid"]  # the actor's process (tests kill it)
+
+    def shutdown(self) -> None:
+        import ray
+
+        try:
+            ray.get(self.actor.stop.remote(), timeout=15)
+        except Exception as e:  # an actor already gone (killed, its node lost) has nothing to stop
+            log.debug("stopping the engine actor at %s: %s", self.url, e)
+        ray.kill(self.actor, no_restart=True)
+
+
+def join_cluster() -> Any:
+    """This process joins its Ray cluster: the job's, or RAY_ADDRESS's, or a local one started
+    with `ray start --head`. A one-line error when there is none."""
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError(
+            "--launcher ray needs ray in this environment: pip install ray (or make install-ray)"
+        ) from None
+    if not ray.is_initialized():
+        address = os.environ.get("RAY_ADDRESS") or "auto"
+        try:
+            if ":" in address and "://" not in address:  # host:port: Ray would retry it for minutes
+                host, port = address.rsplit(":", 1)
+                socket.create_connection((host, int(port)), timeout=5).close()
+            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+        except (ConnectionError, OSError) as e:
+            raise ConfigError(
+                f"--launcher ray found no Ray cluster to join at {address} ({' '.join(str(e).split())[:160]}): "
+                "start one with `ray start --head`, or set RAY_ADDRESS"
+            ) from None
+    return ray
+
+
+def place_ray(args, model_dir: Path, run_dir: Path) -> Placement:
+    """The built-in engine's placement on a Ray cluster: a placement group of one bundle per
+    engine, an `EngineHost` actor in each (all started at once), then what every placement
+    ends with (`placed`: each engine's facts, its transport, the rendezvous address)."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    ray = join_cluster()
+    apply_gpu_safe_env()
+    trainer = trainer_device(args)
+    gpus = 0 if trainer == "cpu" else args.rollout_num_gpus_per_engine
+    n = args.rollout_num_engines or (max(1, (args.rollout_num_gpus or gpus) // gpus) if gpus else 1)
+    bundle = {"CPU": 1.0, **({"GPU": float(gpus)} if gpus else {})}
+    group = placement_group([bundle] * n, strategy="PACK", name=f"vime-engines-{run_dir.name}")
+    try:
+        ray.get(group.ready(), timeout=READY_S)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(group)
+        raise ConfigError(
+            f"the Ray cluster has no room for {n} engine(s) of {bundle} within {READY_S:g} s (it has "
+            f"{ray.cluster_resources()}): add nodes or lower --rollout-num-engines"
+        ) from None
+    host = ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=0)(EngineHost)
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+    api_key = args.api_key or secrets.token_urlsafe(24)  # engines on other nodes listen on every address
+    dtype = "float32" if trainer == "cpu" else "bfloat16"
+
+    def launch_one(i: int) -> RayEngine:
+        extra = ["--max-num-seqs", str(args.engine_max_num_seqs), "--seed", str(args.rollout_seed + i)]
+        if args.engine_num_kv_blocks:
+            extra += ["--num-kv-blocks", str(args.engine_num_kv_blocks)]
+        log_path = fresh_path(run_dir / f"engine{i}.log")
+        actor = host.options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
+            runtime_env={"env_vars": env},
+            name=f"vime-engine{i}-{secrets.token_hex(3)}",
+        ).remote()
+        device = "cuda:0" if gpus else "cpu"  # Ray gives the actor its GPU as device 0
+        try:
+            info = ray.get(actor.start.remote(str(model_dir), device, dtype, extra, str(log_path), api_key))
+        except ray.exceptions.RayError as e:
+            ray.kill(actor, no_restart=True)
+            cause = getattr(e, "cause", None) or e
+            raise EngineError(
+                f"engine {i} did not start in its Ray actor: {' '.join(str(cause).split())[:400]}"
+            ) from None
+        log.info("engine %d: Ray actor on node %s (%s), %s, log %s", i, info["node"], info["ip"], info["url"], log_path)
+        return RayEngine(actor, info)
+
+    try:
+        engines = launch_all(launch_one, n)
+    except BaseException:
+        remove_placement_group(group)
+        raise
+    if not args.update_weights_master_address:  # engines on other nodes dial this one
+        args.update_weights_master_address = ray.util.get_node_ip_address()
+
+    def facts(url: str) -> dict:
+        return EngineClient(url, timeout=30, api_key=api_key).model_info()
+
+    try:
+        devices = [f"{e.node}:{'cuda:0' if gpus else 'cpu'}" for e in engines]  # node: device in its actor
+        placement = placed(
+            args, trainer, devices, [e.url for e in engines], engines, api_key, launch_one, facts, "engine"
+        )
+    except BaseException:
+        remove_placement_group(group)
+        raise
+    placement.release = lambda: remove_placement_group(group)
+    return placement
