@@ -51,7 +51,7 @@ class EngineHost:
         )
         ip = ray.util.get_node_ip_address()
         port = self.proc.url.rsplit(":", 1)[1]
-        return {"url": f"http://{ip}:{port}", "node": socket.gethostname(), "ip": ip, "pid": os.getpid()}
+        return {"url": f"http://{ip}:{port}", "node": socket.gethostname(), "ip": ip}
 
     def stop(self) -> None:
         self.proc.shutdown()
@@ -64,7 +64,6 @@ class RayEngine:
         self.actor = actor
         self.url: str = info["url"]
         self.node: str = info["node"]
-        self.pid: int = info["pid"]  # the actor's process (tests kill it)
 
     def shutdown(self) -> None:
         import ray
