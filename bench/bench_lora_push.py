@@ -94,6 +94,7 @@ def run_shape(name: str, shape: dict, a: argparse.Namespace, gpu: bool) -> dict[
             lora_alpha=2.0 * a.rank,
             max_tokens_per_gpu=4096,
             global_batch_size=2,
+            compile=False,  # the push does not depend on it, and compiling costs ~90 s a shape
         ).validate()
         actor = launch_actor(args, model, trainer_dev)
         # two steps on random tokens, so the adapters are no longer zero

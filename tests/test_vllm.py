@@ -611,6 +611,52 @@ def test_a_collective_push_makes_the_server_compute_what_the_trainer_does(pairs,
 
 
 @needs_vllm
+@pytest.mark.parametrize("kind", ["tied", "untied"])
+def test_lora_adapters_alone_make_the_server_compute_the_trainers_merged_model(pairs, kind):
+    """A LoRA trainer on A sends the frozen base once (announced lora_base), then adapters alone:
+    by broadcast and by disk, each push only adapter bytes, and the server's log-probs are then
+    the trainer's for base + B A (merged by the worker extension into its copy of the base); a
+    second adapter push merges into the base, not on top of the first. Adapters with no base
+    kept, or mixed with plain weights, are refused in one line."""
+    from vime.trainer.actor import Actor
+    from vime.trainer.weights import WeightPusher
+
+    a_dir, a = pairs[kind, "A"]
+    client = VLLMClient(a.url, api_key=a.api_key)
+    args = Config(lr=1e-2, max_tokens_per_gpu=4096, seed=0, rollout_temperature=1.0, lora_rank=4, lora_alpha=8.0)
+    actor = Actor(args, a_dir)
+    batch = [Sample(index=i, tokens=PROBE[: 10 + i] + [5, 6, 7], response_length=3) for i in range(2)]
+
+    def gap() -> float:  # the server's sampled log-probs against the trainer's merged model
+        ids, logprobs = _sampled(a)
+        (ref,) = actor.compute_log_probs([Sample(index=0, tokens=PROBE + ids, response_length=len(ids))])
+        return (torch.tensor(logprobs) - ref.float()).abs().max().item()
+
+    gloo = WeightPusher([client], transport="gloo", timeout=60)
+    try:
+        gloo.push(actor.named_weights(merge=False), version=1, lora_base=True)
+        for step, pusher in enumerate((gloo, WeightPusher([client], transport="disk"))):
+            actor.train_step(batch, [1.0, -1.0])
+            adapters = list(actor.adapter_weights())
+            metrics = pusher.push(iter(adapters), version=2 + step)
+            assert gap() < ATOL, pusher.transports
+            assert _gap(a_dir, *_sampled(a)) > 10 * ATOL  # and that is no longer the base's
+            # what travelled is the adapters (float32 on a CPU server) and nothing else
+            assert metrics["perf/update_weights_bytes"] == sum(t.numel() * 4 for _, t in adapters)
+        assert client.model_info()["weight_version"] == 3
+        with pytest.raises(EngineError, match="mixes LoRA adapters with plain weights") as e:
+            WeightPusher([client], transport="disk").push(trainer_weights(a_dir)[:1] + adapters[:2], version=4)
+        assert "\n" not in str(e.value)
+    finally:
+        gloo.close()
+        client.update_weights_from_disk(str(a_dir), 0)  # plain weights, not a base: none is kept now
+    with pytest.raises(EngineError, match="holds no base to merge them into") as e:
+        WeightPusher([client], transport="disk").push(iter(adapters), version=5)
+    assert "\n" not in str(e.value)
+    assert _gap(a_dir, *_sampled(a)) < ATOL  # a refused push changes nothing
+
+
+@needs_vllm
 def test_servers_refuse_callers_without_the_key_and_other_models(pairs):
     """Every route but /health needs the run's key (vLLM's own --api-key leaves the dev routes
     open), and a server of another model is named in one line before anything is pushed."""

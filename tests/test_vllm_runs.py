@@ -130,16 +130,24 @@ def _servers_on(port: str) -> list[int]:
 
 
 @needs_vllm
-def test_sync_run_pushes_every_step(model32, addition_data, tmp_path, monkeypatch, fresh_user_server):
-    """Against the shared server started by hand from other weights (a launched server's whole
-    life is the two-engine test's): the run's weights go in before step 1 (without that push,
-    step 1 was sampled from the other weights, a log-prob gap of ~0.5) and after every step."""
+def test_sync_lora_run_pushes_adapters_every_step(model32, addition_data, tmp_path, monkeypatch, fresh_user_server):
+    """A LoRA run against the shared server started by hand from other weights (a launched
+    server's whole life is the two-engine test's): the frozen base goes in once before step 1
+    (without it, step 1 was sampled from the other weights, a log-prob gap of ~0.5), then the
+    adapters alone after every step, merged by the server into what the trainer computes (the
+    sync run's log-prob gap). The full-weight push is the fully-async run's below."""
     record = tmp_path / "record.jsonl"
     monkeypatch.setenv("VIME_TEST_RECORD", str(record))
+    lora = ["--lora-rank", "4", "--lora-alpha", "8"]
     res = run_cli(
-        "train.py", *_train_args(model32, addition_data[0], tmp_path, "sync"), *fresh_user_server, timeout=600
+        "train.py", *_train_args(model32, addition_data[0], tmp_path, "sync"), *lora, *fresh_user_server, timeout=600
     )
     _check_run(res, tmp_path / "sync", record, sync=True)
+    rows = [json.loads(line) for line in (tmp_path / "sync" / "metrics.jsonl").read_text().splitlines()]
+    pushes = [r["perf/update_weights_bytes"] for r in rows if "perf/update_weights_bytes" in r]
+    # rank 4 on every linear layer of a 64-wide model: adapters are a small part of its bytes
+    model_bytes = (model32 / "model.safetensors").stat().st_size
+    assert len(pushes) >= 3 and len(set(pushes)) == 1 and pushes[0] < model_bytes / 4
 
 
 @needs_vllm

@@ -63,7 +63,7 @@ BACKENDS: dict[str, Backend] = {
             place="vime.engine.vllm:place_vllm",
             transports=("auto", "nccl", "gloo", "disk"),  # no shared-memory or CUDA IPC load
             tensor_parallel=True,
-            lora_adapters=False,  # not yet through vLLM's LoRA loading: merged weights, every push
+            lora_adapters=True,  # merged by vime's worker extension into its copy of the base (vime/engine/vllm_ext.py)
             ray_place=None,
         ),
     ]

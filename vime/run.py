@@ -261,15 +261,15 @@ class Run:
         fresh = {(e.client.url, e.restarts) for e in engines} - self.based
         if fresh:
             t0 = time.perf_counter()
-            self._push_stream(self.actor.named_weights(merge=False))
+            self._push_stream(self.actor.named_weights(merge=False), lora_base=True)
             self.based |= fresh
             metrics["perf/update_weights_base_time"] = time.perf_counter() - t0
         return {**metrics, **self._push_stream(self.actor.adapter_weights())}
 
-    def _push_stream(self, weights: Iterator[tuple[str, Any]]) -> dict[str, float]:
+    def _push_stream(self, weights: Iterator[tuple[str, Any]], lora_base: bool = False) -> dict[str, float]:
         assert self.pusher is not None
         try:
-            return self.pusher.push(weights, self.policy_version)
+            return self.pusher.push(weights, self.policy_version, lora_base=lora_base)
         except EngineError:
             _read_to_end(weights)  # a sharded trainer's other ranks gather every tensor
             raise

@@ -176,8 +176,10 @@ class EngineClient:
         return self._request("POST", "/update_weights_from_tensor", payload, timeout=timeout)
 
     def update_weights_from_disk(
-        self, model_path: str, weight_version: int | None = None, timeout: float | None = None
+        self, model_path: str, weight_version: int | None = None, timeout: float | None = None, lora_base: bool = False
     ) -> dict:
+        """Load weights from a safetensors directory. `lora_base` needs no word here: the engine
+        keeps its copy of a LoRA base when the first adapters come (`vime/engine/core/lora.py`)."""
         body = {"model_path": str(model_path), "weight_version": weight_version}
         return self._request("POST", "/update_weights_from_disk", body, timeout=timeout)
 

@@ -357,7 +357,7 @@ class VLLMClient(EngineClient):
         return facts
 
     def update_weights_from_disk(
-        self, model_path: str, weight_version: int | None = None, timeout: float | None = None
+        self, model_path: str, weight_version: int | None = None, timeout: float | None = None, lora_base: bool = False
     ) -> dict:
         """Load every weight from a safetensors directory (the extension's `vime_load_files`:
         the same load and checks as a collective push), flush the prefix cache (vLLM keeps
@@ -365,7 +365,7 @@ class VLLMClient(EngineClient):
         if not Path(model_path).is_dir():
             raise EngineError(f"model_path {model_path} is not a directory (vLLM loads a safetensors directory)")
         t0 = time.perf_counter()
-        self._rpc("vime_load_files", rpc_timeout=timeout, path=str(model_path))
+        self._rpc("vime_load_files", rpc_timeout=timeout, path=str(model_path), lora_base=lora_base)
         self.flush_cache()
         if weight_version is not None:
             self.set_weight_version(weight_version)
@@ -423,6 +423,7 @@ class VLLMClient(EngineClient):
                 shapes=[list(s) for s in body["shapes"]],
                 first=first,
                 last=last,
+                lora_base=bool(body.get("lora_base")),
             )
         except EngineError:
             self._in_update = False  # the next push starts over

@@ -24,23 +24,34 @@ loaders), plus what it lacks:
   all of the weights or it fails;
 * a checksum of every tensor received is kept, for the trainer to compare with its own
   (`vime_checksums`): the push is proven end to end, not assumed from a 200.
+
+LoRA: a push of adapters alone (`<layer>.lora_A`, `<layer>.lora_B` with alpha / r folded in,
+`vime/engine/core/lora.py`) is merged here, in the trainer's float32 merge, into a copy of the
+base the worker kept from the push announced `lora_base`; then every weight goes through the
+same layer-wise reload from that copy, merged where an adapter came. Only the adapters travel;
+the price is the copy (the model's weights once more on the worker's device) and a reload from
+device memory per push. Merged rather than through vLLM's own LoRA serving (`--enable-lora`):
+that needs adapters as files, a LoRA forward on every token and the adapter's name in every
+request, where a merged model decodes at the plain model's speed, as the built-in engine does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import os
 import socket
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
 from vime.engine import weight_sync
+from vime.engine.core.lora import AdapterMerger, adapter_of, merge
 
 API_KEY_ENV = "VIME_VLLM_API_KEY"
 # Bumped when a method's arguments change, so a server running another vime is refused by name.
-PROTOCOL = 1
+PROTOCOL = 2
 
 
 async def require_api_key(request, call_next):
@@ -136,22 +147,31 @@ class WeightReceiver:
     # ---- receiving and loading --------------------------------------------------------------
 
     def vime_receive(
-        self, group_name: str, names: list, dtypes: list, shapes: list, first: bool, last: bool
+        self,
+        group_name: str,
+        names: list,
+        dtypes: list,
+        shapes: list,
+        first: bool,
+        last: bool,
+        lora_base: bool = False,
     ) -> dict[str, Any]:
         """One announced flat bucket: received by broadcast, checksummed, loaded. `first` opens
-        a push (vLLM's layer-wise reload is set up), `last` closes and checks it."""
+        a push (vLLM's layer-wise reload is set up), `last` closes and checks it; a push opened
+        with `lora_base` is kept as the base that LoRA adapters merge into."""
         group = self._vime_groups().get(group_name)
         if group is None:
             raise RuntimeError(f"no weight group '{group_name}': the trainer must call vime_join first")
         layout = weight_sync.parse_layout(names, dtypes, shapes)
         if first:
-            self._vime_begin()
+            self._vime_begin(lora_base)
         elif getattr(self, "_vime_open", None) is None:
             raise RuntimeError("a bucket arrived outside a push (its first bucket never came): push all weights again")
-        self._vime_load(weight_sync.receive(group, layout, flattened=True))
-        return self._vime_end() if last else {"tensors": len(layout)}
+        with self._vime_undone_on_error():
+            self._vime_load(weight_sync.receive(group, layout, flattened=True))
+            return self._vime_end() if last else {"tensors": len(layout)}
 
-    def vime_load_files(self, path: str) -> dict[str, Any]:
+    def vime_load_files(self, path: str, lora_base: bool = False) -> dict[str, Any]:
         """The same push from a safetensors directory (the disk transport)."""
         from pathlib import Path
 
@@ -167,11 +187,12 @@ class WeightReceiver:
         if not files:
             raise FileNotFoundError(f"no safetensors files in {path}")
 
-        self._vime_begin()
-        for f in files:  # a file at a time, as a bucket
-            with safe_open(str(f), framework="pt") as st:
-                self._vime_load((name, st.get_tensor(name)) for name in st.keys())  # noqa: SIM118
-        return self._vime_end()
+        self._vime_begin(lora_base)
+        with self._vime_undone_on_error():
+            for f in files:  # a file at a time, as a bucket
+                with safe_open(str(f), framework="pt") as st:
+                    self._vime_load((name, st.get_tensor(name)) for name in st.keys())  # noqa: SIM118
+            return self._vime_end()
 
     def vime_checksums(self) -> dict[str, list[int]]:
         """weight_sync.checksums (bit sum, count) of every tensor of the last complete push, as received."""
@@ -180,7 +201,24 @@ class WeightReceiver:
     def _vime_model(self) -> torch.nn.Module:
         return self.model_runner.get_model()
 
-    def _vime_begin(self) -> None:
+    @contextlib.contextmanager
+    def _vime_undone_on_error(self) -> Iterator[None]:
+        """A push refused part-way closes vLLM's layer-wise reload at once: the layers it had not
+        finished get their old tensors back (left open, they hold placeholders, and the next
+        request would crash the engine), and the adapters it brought are dropped."""
+        try:
+            yield
+        except BaseException:
+            from vllm.config import set_current_vllm_config
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            if getattr(self, "_vime_open", None) is not None:
+                with set_current_vllm_config(self.vllm_config):
+                    finalize_layerwise_reload(self._vime_model(), self.vllm_config.model_config)
+            self._vime_open, self._vime_keep, self._vime_pairs = None, None, {}
+            raise
+
+    def _vime_begin(self, lora_base: bool = False) -> None:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
@@ -192,6 +230,9 @@ class WeightReceiver:
                 finalize_layerwise_reload(model, self.vllm_config.model_config)
             initialize_layerwise_reload(model)
         self._vime_open: dict[str, list[int]] | None = {}
+        # LoRA: the copy this push's plain weights go to (a base push), and the adapters it brought
+        self._vime_keep: dict[str, torch.Tensor] | None = {} if lora_base else None
+        self._vime_pairs: dict[str, dict[str, torch.Tensor]] = {}
 
     def _vime_load(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         from vllm.config import set_current_vllm_config
@@ -203,9 +244,41 @@ class WeightReceiver:
         bad = weight_sync.non_finite(items)  # refused before any of it is loaded, like a wrong shape
         if bad is not None:
             raise ValueError(f"weight '{bad}' holds non-finite values (NaN or inf): push finite weights")
+        adapters = [(n, t) for n, t in items if adapter_of(n) is not None]
+        plain_before = any(adapter_of(n) is None for n in sums)
+        if (adapters and (len(adapters) < len(items) or plain_before)) or (not adapters and self._vime_pairs):
+            raise ValueError("a push mixes LoRA adapters with plain weights: push them separately")
         sums.update(zip([n for n, _ in items], weight_sync.checksums(t for _, t in items)))
+        if adapters:
+            self._vime_take_adapters(adapters)
+            return
+        if self._vime_keep is not None:  # a bucket's buffer is reused: copies, on the worker's device
+            self._vime_keep.update((n, t.to(self.device, copy=True)) for n, t in items)
         with set_current_vllm_config(self.vllm_config):
             self._vime_model().load_weights(iter(items))
+
+    def _vime_take_adapters(self, adapters: list[tuple[str, torch.Tensor]]) -> None:
+        """Adapter tensors of this push, kept (in the base's dtype) until the push ends."""
+        base = getattr(self, "_vime_base", None)
+        if not base:
+            raise ValueError(
+                "LoRA adapters arrived, but this server holds no base to merge them into: the trainer pushes the "
+                "frozen base (announced lora_base) first"
+            )
+        AdapterMerger().check([(n, tuple(t.shape)) for n, t in adapters], base, complete=False)
+        for name, t in adapters:
+            weight, part = adapter_of(name)  # type: ignore[misc]
+            w = base[weight]
+            self._vime_pairs.setdefault(weight, {})[part] = t.to(device=w.device, dtype=w.dtype, copy=True)
+
+    def _vime_merged(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """Every weight of the base, with this push's adapters merged in (one layer at a time)."""
+        half = [w for w, pair in self._vime_pairs.items() if len(pair) < 2]
+        if half:
+            raise ValueError(f"the push ended with half an adapter: {', '.join(sorted(half)[:3])}")
+        for name, w in self._vime_base.items():
+            pair = self._vime_pairs.get(name)
+            yield name, w if pair is None else merge(w, pair["lora_A"], pair["lora_B"])
 
     def _vime_end(self) -> dict[str, Any]:
         """Finish vLLM's layer-wise reload, re-process tied layers, refuse a partial push."""
@@ -215,6 +288,12 @@ class WeightReceiver:
         from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
         model = self._vime_model()
+        if self._vime_pairs:  # adapters alone: every weight again, from the base, merged
+            try:
+                with set_current_vllm_config(self.vllm_config):
+                    model.load_weights(iter(self._vime_merged()))
+            finally:
+                self._vime_pairs = {}
         sums, self._vime_open = self._vime_open, None
         # layers still waiting for weights now got none from this push (a loaded one was
         # processed the moment its last tensor arrived, and waits no more)
@@ -252,4 +331,7 @@ class WeightReceiver:
                 "weights (a trainer with another architecture, or a partial push?)"
             )
         self._vime_sums = sums
+        if not any(adapter_of(n) for n in sums):  # plain weights: the new base, or none to merge into
+            self._vime_base = self._vime_keep
+        self._vime_keep = None
         return {"tensors": len(sums)}

@@ -77,14 +77,20 @@ class WeightPusher:
         # the last push's checksums as the engines should hold them: by dtype (what a broadcast
         # sent is in the group's dtype; other transports send the trainer's, cast by the engine)
         self._sent: dict[torch.dtype, dict[str, list[int]]] = {}
+        self._lora_base = False  # the push under way carries a LoRA base (`push`)
 
-    def push(self, named_weights: Iterable[tuple[str, Tensor]], version: int) -> dict[str, float]:
+    def push(
+        self, named_weights: Iterable[tuple[str, Tensor]], version: int, lora_base: bool = False
+    ) -> dict[str, float]:
         """Send the weights to all engines; returns perf/update_weights_* metrics.
 
         When every engine receives by broadcast the weights are streamed bucket by bucket (a
-        sharded trainer gathers one bucket at a time); otherwise they are held together once."""
+        sharded trainer gathers one bucket at a time); otherwise they are held together once.
+        `lora_base`: these are a LoRA run's frozen base, which the engine keeps to merge the
+        adapters of later pushes into (vLLM's receiver copies it only when told so)."""
         t0 = time.perf_counter()
         self._sent = {}
+        self._lora_base = lora_base
         if all(t in DISTRIBUTED for t in self.transports):
             metrics = self._push_distributed(named_weights, version)
         else:
@@ -193,7 +199,8 @@ class WeightPusher:
                 {k: (t if cast is None else t.to(cast)).cpu() for k, t in weights.items()}, out / "model.safetensors"
             )
             write_time = time.perf_counter() - t0
-            self._each_client(lambda c: c.update_weights_from_disk(str(out), version, self.timeout), clients)
+            base = {"lora_base": True} if self._lora_base else {}  # said only when so: any client takes the rest
+            self._each_client(lambda c: c.update_weights_from_disk(str(out), version, self.timeout, **base), clients)
         finally:
             shutil.rmtree(out, ignore_errors=True)
         return {"perf/update_weights_write_time": write_time}
@@ -305,6 +312,7 @@ class WeightPusher:
                     "weight_version": version,
                     "flush_cache": following is None,  # cached prefixes hold KV of the old weights
                     "load_format": weight_sync.FLATTENED,
+                    "lora_base": self._lora_base,
                 }
                 what = f"weight push v{version}, bucket {nbuckets}"
                 calls = {c: pool.submit(c.update_weights_from_distributed, body) for c in clients}

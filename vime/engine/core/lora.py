@@ -33,6 +33,12 @@ def adapter_of(name: str) -> tuple[str, str] | None:
     return (f"{layer}.weight", part) if part in PARTS and layer else None
 
 
+def merge(base: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """base + B A, computed in float32 and rounded once to the base's dtype: the trainer's merge
+    (`vime/trainer/lora.py`), so engines sample from what the trainer trains."""
+    return (base.float() + b.float() @ a.float()).to(base.dtype)
+
+
 class AdapterMerger:
     """The engine's LoRA state: the base copies, the pairs half received, what was merged."""
 
@@ -85,7 +91,7 @@ class AdapterMerger:
         base = self.base.get(weight)
         if base is None:
             base = self.base[weight] = w.clone()
-        w.copy_((base.float() + b.float() @ a.float()).to(w.dtype))
+        w.copy_(merge(base, a, b))
         layer = weight.removesuffix(".weight")
         self.merged.update(zip((f"{layer}.lora_A", f"{layer}.lora_B"), weight_sync.checksums([a, b])))
 
