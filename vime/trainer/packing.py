@@ -173,7 +173,9 @@ def _varlen_kwargs() -> dict[str, Any] | None:
     return kwargs
 
 
-_VARLEN = _varlen_kwargs()
+# Read only where CUDA is: importing it loads torch's compiler stack, ~2 s of the start of every
+# CPU process (each engine's, each test run's) for a kernel that only CUDA has.
+_VARLEN = _varlen_kwargs() if torch.cuda.is_available() else None
 _varlen_ok: dict[torch.device, bool] = {}
 
 
