@@ -137,6 +137,23 @@ async def _kill_one_then_wait(args, sample, params, ray_actor: bool):
     return await default_generate(args, sample, params)
 
 
+async def kill_trainer_rank_one(args, sample, params):
+    """With --launcher ray and two trainer ranks: in step 3's rollout, trainer rank 1's Ray actor
+    (its process titled `ray::TrainerRank...`) is SIGKILLed, as a crash or a lost node ends it."""
+    step = sample.index // (args.rollout_batch_size * args.n_samples_per_prompt) + 1
+    marker = args.run_dir / "rank-killed"
+    if step == 3 and not marker.exists():
+        marker.write_text("killed")
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                title = cmdline.read_bytes()
+            except OSError:
+                continue
+            if title.startswith(b"ray::TrainerRank"):
+                os.kill(int(cmdline.parent.name), signal.SIGKILL)
+    return await default_generate(args, sample, params)
+
+
 async def stop_engine_mid_step(args, sample, params):
     """Once the first checkpoint is written (fully-async generates ahead of it), the engine is
     stopped (SIGSTOP: alive, holding its port, answering nothing) while requests are in flight."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -119,12 +120,13 @@ def head(cluster) -> str:
 
 @pytest.fixture(scope="module")
 def second_node(cluster) -> Iterator[str]:
-    """A second Ray node, two CPUs, joined to the head: where --launcher ray's engines go. Yields its node id."""
+    """A second Ray node joined to the head: where --launcher ray's engines and trainer ranks go
+    (four CPUs in Ray's books, for two engines and a rank; the machine has two). Yields its node id."""
     from ray.util.state import list_nodes
 
     cmd = [
         *(str(BIN / "ray"), "start", "--block", f"--address={cluster.gcs}", "--node-ip-address", "127.0.0.1"),
-        *("--num-cpus", "2", "--num-gpus", "0", "--disable-usage-stats"),
+        *("--num-cpus", "4", "--num-gpus", "0", "--disable-usage-stats"),
         *("--dashboard-agent-listen-port", str(_free_port()), "--metrics-export-port", str(_free_port())),
     ]
     with _node(cmd, cluster.temp / "node2.log"):
@@ -299,22 +301,25 @@ PLUGIN_ENV = {"env_vars": {**RUNTIME_ENV["env_vars"], "PYTHONPATH": f"/root/Mega
 RAY_ENGINES = ["--launcher", "ray", "--rollout-num-engines", "2", "--weight-transport", "gloo"]
 
 
-def _engine_actors(address: str) -> list:
+def _engine_actors(address: str, cls: str = "EngineHost") -> list:
     from ray.util.state import list_actors
 
-    return [a for a in list_actors(address=address, limit=1000) if a.class_name == "EngineHost"]
+    return [a for a in list_actors(address=address, limit=1000) if a.class_name == cls]
 
 
 def test_ray_engines_on_another_node_train_in_sync_and_a_killed_actor_comes_back(cluster, second_node, tmp_path):
-    """--launcher ray in a Ray job: two engine actors, placed on the node that joined the head
-    (the head gives no CPUs), fed over gloo as engines on another host are. In step 2 engine 1's
-    actor is SIGKILLed mid-rollout: its server goes with it, its requests finish on engine 0, a
-    new actor takes its bundle, and the next push re-syncs it; every step's samples come from
-    exactly the trainer's weights (sync: log-probs equal), so each push reached both engines."""
+    """--launcher ray in a Ray job: two engine actors and the trainer's second rank, placed on
+    the node that joined the head (the head gives no CPUs); the engines fed over gloo as engines
+    on another host are, the ranks in one gloo group across the nodes (FSDP2). In step 2 engine
+    1's actor is SIGKILLed mid-rollout: its server goes with it, its requests finish on engine 0,
+    a new actor takes its bundle, and the next push re-syncs it; every step's samples come from
+    exactly the trainer's weights (sync: log-probs equal), so each push, gathered from both
+    ranks' shards, reached both engines."""
     job = "vime-ray-engines"
     earlier = {a.actor_id for a in _engine_actors(cluster.dashboard)}  # other tests' engines
     argv = [
         *("python3", "train.py", *TINY, *RAY_ENGINES, "--num-rollout", "5", "--lr", "2e-2"),
+        *("--actor-num-procs", "2"),
         *("--custom-rm-path", "varied_reward.digit_share", "--custom-generate-function-path"),
         *("fault_plugins.kill_engine_actor_one", "--runs-dir", str(tmp_path), "--run-name", "r"),
     ]
@@ -323,7 +328,33 @@ def test_ray_engines_on_another_node_train_in_sync_and_a_killed_actor_comes_back
     assert wait_for_status(cluster.dashboard, job, ("SUCCEEDED", "FAILED", "STOPPED"), timeout=60) == "SUCCEEDED"
     assert f"run written to {tmp_path / 'r'}" in logs(cluster.dashboard, job)
     check_engine_one_came_back(tmp_path / "r")
-    assert (tmp_path / "r" / "log.txt").read_text().count("Ray actor on node") == 3  # two at the start, engine 1 again
+    log = (tmp_path / "r" / "log.txt").read_text()
+    assert len(re.findall(r"engine \d: Ray actor on node", log)) == 3  # two at the start, engine 1 again
     actors = [a for a in _engine_actors(cluster.dashboard) if a.actor_id not in earlier]
     assert len(actors) == 3 and {a.node_id for a in actors} == {second_node}
     assert all(a.state == "DEAD" for a in actors)  # the run ended them all
+    assert log.count("trainer rank 1: Ray actor on node") == 1
+    (rank,) = [a for a in _engine_actors(cluster.dashboard, "TrainerRank") if a.name.startswith("vime-trainer1-")]
+    assert rank.node_id == second_node and rank.state == "DEAD"
+    assert (tmp_path / "r" / "trainer1.log").exists()
+    assert "Unclosed" not in log  # the replaced engine's client was closed with the others
+
+
+def test_a_killed_trainer_rank_actor_stops_the_run_in_one_line_with_a_checkpoint(cluster, second_node, tmp_path):
+    """Trainer rank 1 as a Ray actor on the other node, SIGKILLed in step 3: the run stops (no
+    hang until the collective's 30-minute timeout) with one line naming the rank, its node and
+    what to do; the job fails, and the checkpoint of step 2 is there to resume from."""
+    job = "vime-ray-rank-dies"
+    argv = [
+        *("python3", "train.py", *TINY, "--launcher", "ray", "--actor-num-procs", "2", "--num-rollout", "5"),
+        *("--custom-generate-function-path", "fault_plugins.kill_trainer_rank_one", "--save", str(tmp_path / "ckpt")),
+        *("--save-interval", "1", "--runs-dir", str(tmp_path), "--run-name", "r"),
+    ]
+    t0 = time.monotonic()
+    out = submit(cluster.dashboard, argv, f"--submission-id={job}", env=PLUGIN_ENV)
+    assert out.returncode != 0 and status(cluster.dashboard, job) == "FAILED", (out.stdout + out.stderr)[-3000:]
+    assert time.monotonic() - t0 < JOB_S
+    last = logs(cluster.dashboard, job).strip().splitlines()[-1]
+    assert last.startswith("error: trainer rank 1 ended (its Ray actor died on node "), last
+    assert "resume the run with --load" in last
+    assert (tmp_path / "ckpt" / "2" / "model.safetensors").exists()

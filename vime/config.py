@@ -491,8 +491,9 @@ class Config:
     device: str = _f("auto", "trainer device: auto, cpu, cuda", ("auto", "cpu", "cuda"), group="placement")
     launcher: str = _f(
         "local",
-        "where launched engines run: local (processes on this machine) or ray (actors the Ray cluster places, "
-        "one placement-group bundle each, on any of its nodes; the cluster of RAY_ADDRESS, or the job's)",
+        "where launched engines and trainer ranks 1..N-1 run: local (processes on this machine) or ray (actors the "
+        "Ray cluster places, one placement-group bundle each, on any of its nodes; the cluster of RAY_ADDRESS, or "
+        "the job's). Trainer rank 0 is the run's own process either way",
         ("local", "ray"),
         group="placement",
     )

@@ -100,7 +100,7 @@ class Run:
         self.actor = (
             None
             if args.debug_rollout_only
-            else launch_actor(args, args.model_dir, trainer_device(args), inputs.tokenizer)
+            else launch_actor(args, args.model_dir, trainer_device(args), inputs.tokenizer, self.run_dir)
         )
         backend = BACKENDS[args.rollout_backend]
         try:

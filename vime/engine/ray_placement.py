@@ -14,8 +14,8 @@ The server watches its actor (`--parent-pid`): a killed actor, or a lost node, t
 with it, and the run sees that as an engine failure, named by its node's address. Ray's own
 actor restarts are off, so one path restarts engines, the runtime's, which also re-syncs them.
 
-The trainer stays in this process (the job's driver) and its ranks as `launch_actor` starts
-them: placing trainer ranks as Ray actors is not built yet (docs/scaling.md).
+The trainer's rank 0 stays in this process (the job's driver); its other ranks are Ray actors
+of their own placement group (`vime/trainer/ray_ranks.py`).
 """
 
 from __future__ import annotations

@@ -116,6 +116,7 @@ class RolloutRuntime:
         self._groups: dict[int, Engine] = {}  # group index → the engine its samples go to
         self._lock = threading.Lock()
         self._restart_threads: list[threading.Thread] = []
+        self._replaced: list[Any] = []  # clients of engines that were started again
 
     # ---- who is up ---------------------------------------------------------------------------
 
@@ -267,6 +268,7 @@ class RolloutRuntime:
             return
         client.quick_timeout = self.health.timeout
         with self._lock:
+            self._replaced.append(engine.client)  # its session is closed with the others, at the end
             engine.client = client
             engine.state = "unsynced"
         log.warning("engine %d is back at %s; it gets work after the next weight push", engine.index, client.url)
@@ -295,8 +297,8 @@ class RolloutRuntime:
             self.worker.stop()
             self.worker = None
             self.abort_all()
-        for e in self.engines:
-            async_loop.run(e.client.close())
+        for c in [e.client for e in self.engines] + self._replaced:
+            async_loop.run(c.close())
 
 
 def runtime_of(args: Any) -> RolloutRuntime:

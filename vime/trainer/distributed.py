@@ -4,9 +4,10 @@ The driver loop runs on rank 0 and calls `train_step`, `compute_log_probs`, `nam
 `save`, `load` as if the trainer were one process. `DistributedActor` sends each
 call (method name and arguments, pickled, over a gloo group) to the other ranks, then makes it
 locally; every rank then runs the same Actor method on the same batch, which is SPMD. Ranks
-come from `torch.multiprocessing` (one machine, `python train.py`) or from `torchrun` (any
+come from `torch.multiprocessing` (one machine, `python train.py`), from `torchrun` (any
 number of machines: RANK/WORLD_SIZE/MASTER_ADDR are set, and ranks other than 0 never return
-from `launch_actor`).
+from `launch_actor`), or with `--launcher ray` from a Ray cluster, as actors it places
+(`vime/trainer/ray_ranks.py`).
 
 World size: `--actor-num-nodes × --actor-num-gpus-per-node` on CUDA; on CPU `actor_num_procs`
 (a test and CI knob; default 1), since CPU "GPUs per node" means nothing. On CUDA even one rank
@@ -23,7 +24,8 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,7 @@ from vime.trainer.actor import Actor
 log = logging.getLogger("vime")
 
 TIMEOUT = timedelta(minutes=30)  # a rank waits this long for the others (long rollouts included)
+RANK_GONE_S = 3.0  # after a failed collective, how long to look for the rank that ended
 
 
 class TrainerRankError(VimeError, RuntimeError):
@@ -57,14 +60,15 @@ def world_size(args: Config, device: str) -> int:
 
 
 def launch_actor(
-    args: Config, model_dir: str | Path, device: str = "cpu", tokenizer: Any = None
+    args: Config, model_dir: str | Path, device: str = "cpu", tokenizer: Any = None, log_dir: Path | None = None
 ) -> Actor | DistributedActor:
     """The trainer for this run, as seen by the driver.
 
     One CPU process: a plain `Actor`. Otherwise a `DistributedActor` on rank 0, after
-    spawning ranks 1..N-1 here (or joining the ones torchrun started). On a torchrun rank
-    other than 0 this serves rank 0's calls until it closes, then exits the process. `tokenizer`:
-    the run's, for rank 0 (the other ranks load their own).
+    spawning ranks 1..N-1 here or as Ray actors (or joining the ones torchrun started). On a
+    torchrun rank other than 0 this serves rank 0's calls until it closes, then exits the
+    process. `tokenizer`: the run's, for rank 0 (the other ranks load their own). `log_dir`:
+    where Ray ranks write their output (the run directory).
     """
     world = world_size(args, device)
     is_cuda = torch.device(device).type == "cuda"
@@ -72,6 +76,7 @@ def launch_actor(
     if world == 1 and not is_cuda:
         return Actor(args, model_dir, device, tokenizer=tokenizer)
     procs: list[Any] = []
+    release = None
     if "RANK" in os.environ:  # torchrun: every rank runs the driver script up to here
         rank = int(os.environ["RANK"])
         local = int(os.environ.get("LOCAL_RANK", rank))
@@ -79,6 +84,11 @@ def launch_actor(
         if rank != 0:
             _serve(args, model_dir, _rank_device(device, local))
             sys.exit(0)
+    elif getattr(args, "launcher", "local") == "ray":
+        from vime.trainer.ray_ranks import start_ray_ranks
+
+        procs, init_method, release = start_ray_ranks(args, world, str(model_dir), device, log_dir)
+        _init(0, world, init_method, device, 0)
     else:
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         ctx = mp.get_context("spawn")  # a fresh interpreter: no CUDA context or threads inherited
@@ -90,7 +100,7 @@ def launch_actor(
             procs.append(p)
         _init(0, world, init_method, device, 0)
     return DistributedActor(
-        args, model_dir, _rank_device(device, int(os.environ.get("LOCAL_RANK", 0))), procs, tokenizer
+        args, model_dir, _rank_device(device, int(os.environ.get("LOCAL_RANK", 0))), procs, tokenizer, release
     )
 
 
@@ -103,8 +113,15 @@ class DistributedActor:
     """
 
     def __init__(
-        self, args: Config, model_dir: str | Path, device: str, procs: list[Any], tokenizer: Any = None
+        self,
+        args: Config,
+        model_dir: str | Path,
+        device: str,
+        procs: list[Any],
+        tokenizer: Any = None,
+        release: Callable[[], None] | None = None,
     ) -> None:
+        self.release = release  # what placed the ranks gives their room back (a Ray placement group)
         self.cpu_group = _cpu_group()
         self.local = Actor(args, model_dir, device, fsdp=True, cpu_group=self.cpu_group, tokenizer=tokenizer)
         self.procs = procs
@@ -131,10 +148,16 @@ class DistributedActor:
         self._broken_off = None
 
     def _rank_failure(self, name: str, error: BaseException) -> TrainerRankError | None:
-        dead = [(rank, p.exitcode) for rank, p in enumerate(self.procs, start=1) if not p.is_alive()]
+        # a collective fails as soon as a peer's socket closes; the cluster may see the rank's end
+        # a moment later (a Ray actor's death takes its raylet's word)
+        deadline = time.monotonic() + RANK_GONE_S
+        while not (dead := [(r, p) for r, p in enumerate(self.procs, start=1) if not p.is_alive()]):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
         if dead:
-            rank, code = dead[0]
-            how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+            rank, p = dead[0]
+            how = _ended_how(p)
             return TrainerRankError(
                 f"trainer rank {rank} ended ({how}) during {name}: resume the run with --load from its last checkpoint"
             )
@@ -197,9 +220,19 @@ class DistributedActor:
             if p.is_alive():
                 p.kill()
                 p.join()
+        if self.release is not None:
+            self.release()
         # NCCL kernels left waiting on a rank now gone may block the teardown; gloo has none pending
         if self._broken_off is None or dist.get_backend() == "gloo":
             dist.destroy_process_group()
+
+
+def _ended_how(p: Any) -> str:
+    """How a rank ended: a Ray rank says (`RayRank.ended_how`), a process has its exit code."""
+    if hasattr(p, "ended_how"):
+        return p.ended_how()
+    code = p.exitcode
+    return f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
 
 
 def _rank_device(device: str, local_rank: int) -> str:
