@@ -182,6 +182,21 @@ def wait_for_status(address: str, job: str, states: tuple[str, ...], timeout: fl
     return state
 
 
+def test_launcher_auto_is_local_on_a_one_node_cluster_and_off_ray(cluster, monkeypatch):
+    """Before any test adds the second node: inside a Ray job of a one-node cluster, --launcher
+    auto keeps engines and ranks on this machine (the seed scripts' one-machine `ray job submit`
+    as before), and so it does outside a job, or where Ray cannot place the engines."""
+    from vime.config import Config
+    from vime.engine.ray_placement import resolve_launcher
+
+    monkeypatch.setenv("RAY_ADDRESS", cluster.gcs)
+    assert resolve_launcher(Config()) == "local"  # not a Ray job
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")
+    assert resolve_launcher(Config(rollout_backend="vllm")) == "local"
+    assert resolve_launcher(Config(colocate=True)) == "local"
+    assert resolve_launcher(Config()) == "local"  # joined the cluster: one node
+
+
 def test_a_job_whose_training_fails_fails(head, tmp_path):
     """A run that stops on a user's mistake fails its Ray job, `ray job submit` exits non-zero
     (a script running it under `set -e` stops), and the job's log ends with vime's one line."""
@@ -298,7 +313,7 @@ def test_ray_job_stop_stops_the_run_and_everything_it_started(cluster, second_no
 
 # tests/ on the job's path too, for the fault plug-in
 PLUGIN_ENV = {"env_vars": {**RUNTIME_ENV["env_vars"], "PYTHONPATH": f"/root/Megatron-LM/:{ROOT / 'tests'}"}}
-RAY_ENGINES = ["--launcher", "ray", "--rollout-num-engines", "2", "--weight-transport", "gloo"]
+RAY_ENGINES = ["--rollout-num-engines", "2", "--weight-transport", "gloo"]
 
 
 def _engine_actors(address: str, cls: str = "EngineHost") -> list:
@@ -308,8 +323,8 @@ def _engine_actors(address: str, cls: str = "EngineHost") -> list:
 
 
 def test_ray_engines_on_another_node_train_in_sync_and_a_killed_actor_comes_back(cluster, second_node, tmp_path):
-    """--launcher ray in a Ray job: two engine actors and the trainer's second rank, placed on
-    the node that joined the head (the head gives no CPUs); the engines fed over gloo as engines
+    """A Ray job on a two-node cluster, --launcher left at auto, so ray: two engine actors and the
+    trainer's second rank, placed on the node that joined the head (the head gives no CPUs); the engines fed over gloo as engines
     on another host are, the ranks in one gloo group across the nodes (FSDP2). In step 2 engine
     1's actor is SIGKILLed mid-rollout: its server goes with it, its requests finish on engine 0,
     a new actor takes its bundle, and the next push re-syncs it; every step's samples come from
@@ -333,6 +348,7 @@ def test_ray_engines_on_another_node_train_in_sync_and_a_killed_actor_comes_back
     actors = [a for a in _engine_actors(cluster.dashboard) if a.actor_id not in earlier]
     assert len(actors) == 3 and {a.node_id for a in actors} == {second_node}
     assert all(a.state == "DEAD" for a in actors)  # the run ended them all
+    assert "a Ray job on a cluster of 2 nodes: --launcher ray" in log
     assert log.count("trainer rank 1: Ray actor on node") == 1
     (rank,) = [a for a in _engine_actors(cluster.dashboard, "TrainerRank") if a.name.startswith("vime-trainer1-")]
     assert rank.node_id == second_node and rank.state == "DEAD"

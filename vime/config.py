@@ -490,11 +490,12 @@ class Config:
     )
     device: str = _f("auto", "trainer device: auto, cpu, cuda", ("auto", "cpu", "cuda"), group="placement")
     launcher: str = _f(
-        "local",
+        "auto",
         "where launched engines and trainer ranks 1..N-1 run: local (processes on this machine) or ray (actors the "
         "Ray cluster places, one placement-group bundle each, on any of its nodes; the cluster of RAY_ADDRESS, or "
-        "the job's). Trainer rank 0 is the run's own process either way",
-        ("local", "ray"),
+        "the job's). Trainer rank 0 is the run's own process either way. auto: ray inside a Ray job whose cluster "
+        "has more than one node (when the engines can be placed there), else local",
+        ("auto", "local", "ray"),
         group="placement",
     )
     engine_max_num_seqs: int = _f(256, "max sequences the engine runs at once", group="placement")

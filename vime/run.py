@@ -35,6 +35,7 @@ from vime.config import Config, ConfigError
 from vime.debug_rollout import load_rollout, save_rollout
 from vime.engine.client import EngineClient, EngineError
 from vime.engine.placement import Placement, fresh_path, trainer_device
+from vime.engine.ray_placement import resolve_launcher
 from vime.lifetime import signals_held
 from vime.metrics import MetricsLogger, setup_logging
 from vime.modes import MODES
@@ -67,6 +68,8 @@ class Run:
         for note in inputs.notes:
             log.warning("%s", note)
         log.info("mode %s; %s", args.mode, args.correction_summary())
+        if args.launcher == "auto":
+            args.launcher = resolve_launcher(args)
         if args.debug_train_only:
             log.info(
                 "--debug-train-only: no engine; training on the rollouts saved at %s, nothing pushed or evaluated",

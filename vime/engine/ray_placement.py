@@ -99,6 +99,33 @@ def join_cluster() -> Any:
     return ray
 
 
+def resolve_launcher(args) -> str:
+    """What `--launcher auto` means for this run: ray inside a Ray job whose cluster has more
+    than one node, so a multi-node `ray job submit` places engines and trainer ranks on its
+    nodes; local otherwise (one machine keeps vime's own GPU layout, which Ray's books do not
+    know: rank 0 holds a GPU they count as free), and where Ray cannot place the engines
+    (a backend without it, engines given by URL, --colocate)."""
+    from importlib.util import find_spec
+
+    from vime.backends import BACKENDS
+
+    in_job = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") is not None
+    placeable = BACKENDS[args.rollout_backend].ray_place is not None and not args.rollout_engine_urls
+    if not (in_job and placeable and not args.colocate and find_spec("ray") is not None):
+        return "local"
+    ray = join_cluster()
+    nodes = sum(1 for n in ray.nodes() if n["Alive"])
+    if nodes < 2:
+        ray.shutdown()
+        return "local"
+    log.info(
+        "a Ray job on a cluster of %d nodes: --launcher ray (engines and trainer ranks as Ray actors; "
+        "--launcher local keeps them on this machine)",
+        nodes,
+    )
+    return "ray"
+
+
 def place_ray(args, model_dir: Path, run_dir: Path) -> Placement:
     """The built-in engine's placement on a Ray cluster: a placement group of one bundle per
     engine, an `EngineHost` actor in each (all started at once), then what every placement
