@@ -99,3 +99,39 @@ def test_two_ranks_match_one_rank_for_every_objective(tiny_model, extra):
             assert b1.keys() == b2.keys() and all(torch.equal(t, b2[n]) for n, t in b1.items())
     finally:
         two.close()
+
+
+def test_a_rank_started_elsewhere_that_ends_before_joining_is_one_line_at_once():
+    """Ranks that a cluster started (Ray actors) are watched while rank 0 joins the group: one
+    that ended before joining (a node that cannot write the run's log, an import error) is a
+    one-line error within a second, not the group's 30-minute wait. Run in a process of its own:
+    rank 0's join is left waiting there."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = f"""
+import time
+from vime.trainer.distributed import TrainerRankError, _init_watching
+
+class Gone:  # what a RayRank answers once its actor's `serve` call failed
+    def is_alive(self): return False
+    def ended_how(self): return "it failed on node n1: [Errno 2] No such file or directory: 'runs/r/trainer1.log'"
+
+t0 = time.monotonic()
+try:
+    _init_watching([Gone()], 2, "tcp://127.0.0.1:{port}", "cpu")
+except TrainerRankError as e:
+    print(e)
+    print(round(time.monotonic() - t0, 1))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    line, seconds = out.stdout.strip().splitlines()
+    assert line == (
+        "trainer rank 1 ended before joining the trainer's group: it failed on node n1: [Errno 2] No such file or "
+        "directory: 'runs/r/trainer1.log'"
+    ), out.stderr[-2000:]
+    assert float(seconds) < 5

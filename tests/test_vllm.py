@@ -632,7 +632,7 @@ def test_lora_adapters_alone_make_the_server_compute_the_trainers_merged_model(p
         (ref,) = actor.compute_log_probs([Sample(index=0, tokens=PROBE + ids, response_length=len(ids))])
         return (torch.tensor(logprobs) - ref.float()).abs().max().item()
 
-    gloo = WeightPusher([client], transport="gloo", timeout=60)
+    gloo = WeightPusher([client], transport="gloo", timeout=60, bucket_bytes=4096)  # pairs split over buckets
     try:
         gloo.push(actor.named_weights(merge=False), version=1, lora_base=True)
         for step, pusher in enumerate((gloo, WeightPusher([client], transport="disk"))):

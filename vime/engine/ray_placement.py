@@ -99,6 +99,25 @@ def join_cluster() -> Any:
     return ray
 
 
+def reserve(bundle: dict[str, float], n: int, name: str, what: str, remedy: str) -> Any:
+    """A placement group of `n` such bundles packed onto as few nodes as fit, once the cluster has
+    made room for it; a one-line error naming the cluster's resources when it has none within
+    READY_S (`what`: the bundles' use, `remedy`: what to lower)."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    group = placement_group([bundle] * n, strategy="PACK", name=name)
+    try:
+        ray.get(group.ready(), timeout=READY_S)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(group)
+        raise ConfigError(
+            f"the Ray cluster has no room for {n} {what} of {bundle} within {READY_S:g} s (it has "
+            f"{ray.cluster_resources()}): {remedy}"
+        ) from None
+    return group
+
+
 def resolve_launcher(args) -> str:
     """What `--launcher auto` means for this run: ray inside a Ray job whose cluster has more
     than one node, so a multi-node `ray job submit` places engines and trainer ranks on its
@@ -118,6 +137,16 @@ def resolve_launcher(args) -> str:
     if nodes < 2:
         ray.shutdown()
         return "local"
+    if trainer_device(args) != "cpu" and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        # Ray sets it for a job that reserved its GPU (--entrypoint-num-gpus); without that,
+        # rank 0's GPU is one Ray's books count as free, for a rank or an engine to land on
+        log.info(
+            "a Ray job on a cluster of %d nodes, but its driver holds no GPU in Ray's books: --launcher stays local "
+            "(submit with --entrypoint-num-gpus 1 for Ray to place engines and trainer ranks on its nodes)",
+            nodes,
+        )
+        ray.shutdown()
+        return "local"
     log.info(
         "a Ray job on a cluster of %d nodes: --launcher ray (engines and trainer ranks as Ray actors; "
         "--launcher local keeps them on this machine)",
@@ -130,7 +159,7 @@ def place_ray(args, model_dir: Path, run_dir: Path) -> Placement:
     """The built-in engine's placement on a Ray cluster: a placement group of one bundle per
     engine, an `EngineHost` actor in each (all started at once), then what every placement
     ends with (`placed`: each engine's facts, its transport, the rendezvous address)."""
-    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.placement_group import remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     ray = join_cluster()
@@ -139,15 +168,7 @@ def place_ray(args, model_dir: Path, run_dir: Path) -> Placement:
     gpus = 0 if trainer == "cpu" else args.rollout_num_gpus_per_engine
     n = args.rollout_num_engines or (max(1, (args.rollout_num_gpus or gpus) // gpus) if gpus else 1)
     bundle = {"CPU": 1.0, **({"GPU": float(gpus)} if gpus else {})}
-    group = placement_group([bundle] * n, strategy="PACK", name=f"vime-engines-{run_dir.name}")
-    try:
-        ray.get(group.ready(), timeout=READY_S)
-    except ray.exceptions.GetTimeoutError:
-        remove_placement_group(group)
-        raise ConfigError(
-            f"the Ray cluster has no room for {n} engine(s) of {bundle} within {READY_S:g} s (it has "
-            f"{ray.cluster_resources()}): add nodes or lower --rollout-num-engines"
-        ) from None
+    group = reserve(bundle, n, f"vime-engines-{run_dir.name}", "engine(s)", "add nodes or lower --rollout-num-engines")
     host = ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=0)(EngineHost)
     env = {"PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
     api_key = args.api_key or secrets.token_urlsafe(24)  # engines on other nodes listen on every address

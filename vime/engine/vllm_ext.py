@@ -29,8 +29,10 @@ LoRA: a push of adapters alone (`<layer>.lora_A`, `<layer>.lora_B` with alpha / 
 `vime/engine/core/lora.py`) is merged here, in the trainer's float32 merge, into a copy of the
 base the worker kept from the push announced `lora_base`; then every weight goes through the
 same layer-wise reload from that copy, merged where an adapter came. Only the adapters travel;
-the price is the copy (the model's weights once more on the worker's device) and a reload from
-device memory per push. Merged rather than through vLLM's own LoRA serving (`--enable-lora`):
+the price is the copy, kept in host memory (pinned on GPUs): vLLM has already taken most of the
+GPU's memory for its KV cache, its sleep mode would not free a copy of ours, and each rank of a
+tensor-parallel engine holds every tensor, so a copy on the GPU would be the whole model once
+more per GPU. Each adapter push streams it back to the device, a layer at a time. Merged rather than through vLLM's own LoRA serving (`--enable-lora`):
 that needs adapters as files, a LoRA forward on every token and the adapter's name in every
 request, where a merged model decodes at the plain model's speed, as the built-in engine does.
 """
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import logging
 import os
 import socket
 from collections.abc import Iterable, Iterator
@@ -48,6 +51,8 @@ import torch
 
 from vime.engine import weight_sync
 from vime.engine.core.lora import AdapterMerger, adapter_of, merge
+
+logger = logging.getLogger("vime.vllm_ext")
 
 API_KEY_ENV = "VIME_VLLM_API_KEY"
 # Bumped when a method's arguments change, so a server running another vime is refused by name.
@@ -213,8 +218,11 @@ class WeightReceiver:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
             if getattr(self, "_vime_open", None) is not None:
-                with set_current_vllm_config(self.vllm_config):
-                    finalize_layerwise_reload(self._vime_model(), self.vllm_config.model_config)
+                try:
+                    with set_current_vllm_config(self.vllm_config):
+                        finalize_layerwise_reload(self._vime_model(), self.vllm_config.model_config)
+                except Exception:  # noqa: BLE001 (the push's own error is the one to report)
+                    logger.exception("closing vLLM's layer-wise reload after a refused push")
             self._vime_open, self._vime_keep, self._vime_pairs = None, None, {}
             raise
 
@@ -233,6 +241,8 @@ class WeightReceiver:
         # LoRA: the copy this push's plain weights go to (a base push), and the adapters it brought
         self._vime_keep: dict[str, torch.Tensor] | None = {} if lora_base else None
         self._vime_pairs: dict[str, dict[str, torch.Tensor]] = {}
+        if lora_base:  # a new base replaces the old one: not both in memory at once
+            self._vime_base = None
 
     def _vime_load(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         from vllm.config import set_current_vllm_config
@@ -252,8 +262,11 @@ class WeightReceiver:
         if adapters:
             self._vime_take_adapters(adapters)
             return
-        if self._vime_keep is not None:  # a bucket's buffer is reused: copies, on the worker's device
-            self._vime_keep.update((n, t.to(self.device, copy=True)) for n, t in items)
+        if self._vime_keep is not None:  # a bucket's buffer is reused: copies, in host memory
+            pin = torch.cuda.is_available()
+            self._vime_keep.update(
+                (n, t.to("cpu", copy=True).pin_memory() if pin else t.to("cpu", copy=True)) for n, t in items
+            )
         with set_current_vllm_config(self.vllm_config):
             self._vime_model().load_weights(iter(items))
 
@@ -268,8 +281,9 @@ class WeightReceiver:
         AdapterMerger().check([(n, tuple(t.shape)) for n, t in adapters], base, complete=False)
         for name, t in adapters:
             weight, part = adapter_of(name)  # type: ignore[misc]
-            w = base[weight]
-            self._vime_pairs.setdefault(weight, {})[part] = t.to(device=w.device, dtype=w.dtype, copy=True)
+            self._vime_pairs.setdefault(weight, {})[part] = t.to(
+                device=self.device, dtype=base[weight].dtype, copy=True
+            )
 
     def _vime_merged(self) -> Iterable[tuple[str, torch.Tensor]]:
         """Every weight of the base, with this push's adapters merged in (one layer at a time)."""
@@ -278,6 +292,7 @@ class WeightReceiver:
             raise ValueError(f"the push ended with half an adapter: {', '.join(sorted(half)[:3])}")
         for name, w in self._vime_base.items():
             pair = self._vime_pairs.get(name)
+            w = w.to(self.device, non_blocking=True)
             yield name, w if pair is None else merge(w, pair["lora_A"], pair["lora_B"])
 
     def _vime_end(self) -> dict[str, Any]:
@@ -294,7 +309,7 @@ class WeightReceiver:
                     model.load_weights(iter(self._vime_merged()))
             finally:
                 self._vime_pairs = {}
-        sums, self._vime_open = self._vime_open, None
+        sums = self._vime_open
         # layers still waiting for weights now got none from this push (a loaded one was
         # processed the moment its last tensor arrived, and waits no more)
         # (attention layers load nothing from a checkpoint of plain weights, rotary embeddings
@@ -310,6 +325,7 @@ class WeightReceiver:
         ]
         with set_current_vllm_config(self.vllm_config):
             finalize_layerwise_reload(model, self.vllm_config.model_config)
+        self._vime_open = None  # closed: a failure from here on has nothing left to undo
         # a tied layer holds the very Parameter of another (vLLM's tie_weights); by identity, as
         # CPU layers that repacked their weights all hold empty tensors at address 0
         untouched_ids = {id(m) for _, m in untouched}

@@ -84,11 +84,17 @@ def launch_actor(
         if rank != 0:
             _serve(args, model_dir, _rank_device(device, local))
             sys.exit(0)
-    elif getattr(args, "launcher", "local") == "ray":
+    elif getattr(args, "launcher", "local") == "ray" and world > 1:
         from vime.trainer.ray_ranks import start_ray_ranks
 
         procs, init_method, release = start_ray_ranks(args, world, str(model_dir), device, log_dir)
-        _init(0, world, init_method, device, 0)
+        try:
+            _init_watching(procs, world, init_method, device)
+        except BaseException:
+            for p in procs:
+                p.kill()
+            release()
+            raise
     else:
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         ctx = mp.get_context("spawn")  # a fresh interpreter: no CUDA context or threads inherited
@@ -152,7 +158,7 @@ class DistributedActor:
         # a moment later (a Ray actor's death takes its raylet's word)
         deadline = time.monotonic() + RANK_GONE_S
         while not (dead := [(r, p) for r, p in enumerate(self.procs, start=1) if not p.is_alive()]):
-            if time.monotonic() > deadline:
+            if not self.procs or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
         if dead:
@@ -221,10 +227,37 @@ class DistributedActor:
                 p.kill()
                 p.join()
         if self.release is not None:
-            self.release()
+            try:
+                self.release()
+            except Exception as e:  # a cluster already gone has nothing to give back
+                log.warning("removing the trainer ranks' placement group: %s", " ".join(str(e).split())[:200])
         # NCCL kernels left waiting on a rank now gone may block the teardown; gloo has none pending
         if self._broken_off is None or dist.get_backend() == "gloo":
             dist.destroy_process_group()
+
+
+def _init_watching(ranks: list[Any], world: int, init_method: str, device: str) -> None:
+    """Rank 0 joins the group while watching ranks started elsewhere (Ray actors): one that ends
+    before it joins (its node cannot write the run's log, an import or CUDA error) is one line at
+    once, not the group's 30-minute wait."""
+    failed: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            _init(0, world, init_method, device, 0)
+        except BaseException as e:  # noqa: BLE001 (raised again below, in the caller's thread)
+            failed.append(e)
+
+    t = threading.Thread(target=join, name="vime-join-trainer-group", daemon=True)
+    t.start()
+    while t.is_alive():
+        t.join(0.5)
+        gone = [(rank, p) for rank, p in enumerate(ranks, start=1) if t.is_alive() and not p.is_alive()]
+        if gone:
+            rank, p = gone[0]
+            raise TrainerRankError(f"trainer rank {rank} ended before joining the trainer's group: {_ended_how(p)}")
+    if failed:
+        raise failed[0]
 
 
 def _ended_how(p: Any) -> str:

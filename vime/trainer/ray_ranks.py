@@ -29,13 +29,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from vime.config import Config, ConfigError
+from vime.config import Config
 from vime.engine.weight_sync import GPU_SAFE_ENV
 
 log = logging.getLogger("vime")
-
-READY_S = 120.0  # for the cluster to make room for the ranks' bundles
-ROOT = str(Path(__file__).resolve().parents[2])  # this vime, for the actors' imports
 
 
 class TrainerRank:
@@ -92,7 +89,7 @@ class RayRank:
     def join(self, timeout: float | None = None) -> None:
         import ray
 
-        ray.wait([self.served], timeout=timeout)
+        ray.wait([self.served], timeout=30.0 if timeout is None else timeout)  # a killed actor's end comes in seconds
 
     def terminate(self) -> None:
         import ray
@@ -107,23 +104,21 @@ def start_ray_ranks(
 ) -> tuple[list[RayRank], str, Callable[[], None]]:
     """Ranks 1..world-1 as actors in a placement group; returns them, the `init_method` rank 0
     joins with, and what removes the group once the ranks are done."""
-    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.placement_group import remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from vime.engine.ray_placement import join_cluster
+    from vime.engine.ray_placement import READY_S, ROOT, join_cluster, reserve
 
     ray = join_cluster()
     gpus = 1 if device.startswith("cuda") else 0
     bundle = {"CPU": 1.0, **({"GPU": 1.0} if gpus else {})}
-    group = placement_group([bundle] * (world - 1), strategy="PACK", name=f"vime-trainer-{secrets.token_hex(3)}")
-    try:
-        ray.get(group.ready(), timeout=READY_S)
-    except ray.exceptions.GetTimeoutError:
-        remove_placement_group(group)
-        raise ConfigError(
-            f"the Ray cluster has no room for {world - 1} trainer rank(s) of {bundle} within {READY_S:g} s (it has "
-            f"{ray.cluster_resources()}): add nodes or lower --actor-num-nodes / --actor-num-gpus-per-node"
-        ) from None
+    group = reserve(
+        bundle,
+        world - 1,
+        f"vime-trainer-{secrets.token_hex(3)}",
+        "trainer rank(s)",
+        "add nodes or lower --actor-num-nodes / --actor-num-gpus-per-node",
+    )
     ip = ray.util.get_node_ip_address()
     with socket.socket() as s:  # a port free on this node, where the others dial rank 0
         s.bind((ip, 0))
