@@ -126,29 +126,32 @@ def start_ray_ranks(
     env = {"PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p), **GPU_SAFE_ENV}
     remote = ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=0)(TrainerRank)
     logs = log_dir if log_dir is not None else Path(os.getcwd())
+    actors = [
+        remote.options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank - 1),
+            runtime_env={"env_vars": env},
+            name=f"vime-trainer{rank}-{secrets.token_hex(3)}",
+        ).remote()
+        for rank in range(1, world)
+    ]
     ranks = []
     try:
-        for rank in range(1, world):
-            actor = remote.options(
-                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank - 1),
-                runtime_env={"env_vars": env},
-                name=f"vime-trainer{rank}-{secrets.token_hex(3)}",
-            ).remote()
-            info = ray.get(actor.where.remote(), timeout=READY_S)
+        infos = ray.get([a.where.remote() for a in actors], timeout=READY_S)  # all starting at once
+        for rank, (actor, info) in enumerate(zip(actors, infos), start=1):
             log_path = logs / f"trainer{rank}.log"
             served = actor.serve.remote(rank, world, init_method, args, str(model_dir), device, str(log_path))
             log.info("trainer rank %d: Ray actor on node %s (%s), log %s", rank, info["node"], info["ip"], log_path)
             ranks.append(RayRank(rank, actor, served, info))
     except BaseException as e:
-        for r in ranks:
-            r.kill()
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
         remove_placement_group(group)
         if isinstance(e, ray.exceptions.RayError):
             from vime.trainer.distributed import TrainerRankError
 
             cause = getattr(e, "cause", None) or e
             raise TrainerRankError(
-                f"trainer rank {len(ranks) + 1} did not start in its Ray actor: {' '.join(str(cause).split())[:300]}"
+                f"trainer ranks did not start in their Ray actors: {' '.join(str(cause).split())[:300]}"
             ) from None
         raise
     return ranks, init_method, lambda: remove_placement_group(group)
