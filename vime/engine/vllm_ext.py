@@ -32,9 +32,10 @@ same layer-wise reload from that copy, merged where an adapter came. Only the ad
 the price is the copy, kept in host memory (pinned on GPUs): vLLM has already taken most of the
 GPU's memory for its KV cache, its sleep mode would not free a copy of ours, and each rank of a
 tensor-parallel engine holds every tensor, so a copy on the GPU would be the whole model once
-more per GPU. Each adapter push streams it back to the device, a layer at a time. Merged rather than through vLLM's own LoRA serving (`--enable-lora`):
-that needs adapters as files, a LoRA forward on every token and the adapter's name in every
-request, where a merged model decodes at the plain model's speed, as the built-in engine does.
+more per GPU. Each adapter push streams it back to the device, a layer at a time. Merged rather
+than through vLLM's own LoRA serving (`--enable-lora`): that needs adapters as files, a LoRA
+forward on every token and the adapter's name in every request, where a merged model decodes at
+the plain model's speed, as the built-in engine does.
 """
 
 from __future__ import annotations
@@ -263,10 +264,8 @@ class WeightReceiver:
             self._vime_take_adapters(adapters)
             return
         if self._vime_keep is not None:  # a bucket's buffer is reused: copies, in host memory
-            pin = torch.cuda.is_available()
-            self._vime_keep.update(
-                (n, t.to("cpu", copy=True).pin_memory() if pin else t.to("cpu", copy=True)) for n, t in items
-            )
+            pin = torch.cuda.is_available()  # pinned: each adapter push copies it back to the GPU
+            self._vime_keep.update((n, torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t)) for n, t in items)
         with set_current_vllm_config(self.vllm_config):
             self._vime_model().load_weights(iter(items))
 
