@@ -66,7 +66,19 @@ def wandb_records(path: Path):
 
 
 def read_wandb_run(wandb_dir: Path) -> list[dict]:
-    """Each offline run in `wandb_dir`, oldest first: its run record, config, history rows and exit code."""
+    """Each offline run in `wandb_dir`, oldest first: its run record, config, history rows and exit
+    code. W&B's service can write a run's last records a moment after `finish()` returned (seen:
+    the exit record missing in ~1 of 25 reads), so a run without its exit record is read again
+    for up to 10 s."""
+    deadline = time.monotonic() + 10
+    runs = _read_wandb_runs(wandb_dir)
+    while any(run["exit_code"] is None for run in runs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        runs = _read_wandb_runs(wandb_dir)
+    return runs
+
+
+def _read_wandb_runs(wandb_dir: Path) -> list[dict]:
     runs = []
     for run_dir in sorted(wandb_dir.glob("offline-run-*")):
         (log_file,) = run_dir.glob("run-*.wandb")
