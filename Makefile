@@ -57,9 +57,11 @@ $(VLLM_VENV)/.installed: pyproject.toml
 
 # tests/test_vllm.py and test_vllm_runs.py against real vLLM servers on CPU (their server tests are
 # marked `vllm` and skipped by `make test`, whose environment has no vllm); one xdist worker per
-# file, so each file's shared servers start once
+# file, so each file's shared servers start once. Also the engine's GPU code path under the Triton
+# interpreter: this environment is the one with Triton.
 test-vllm: install-vllm
-	$(VLLM_BIN)/python -m pytest -q -n 2 --dist loadfile tests/test_vllm.py tests/test_vllm_runs.py
+	$(VLLM_BIN)/python -m pytest -q -n 2 --dist loadfile tests/test_vllm.py tests/test_vllm_runs.py \
+		tests/test_engine.py::test_triton_path_in_interpreter
 
 install-ray: $(RAY_VENV)/.installed
 

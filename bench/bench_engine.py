@@ -173,11 +173,9 @@ def check_against_hf(engine, hf, prompts: list[list[int]], n_new: int, device: t
     }
 
 
-def gpu_decode_step_ms(engine, batch: int, context: int) -> tuple[float, float]:
-    """Median device time of one replayed decode graph (and of the sampler after it) for `batch`
-    sequences of `context` cached tokens each; any blocks will do, the content is not read back."""
-    from vime.engine.core.sampler import SamplingParams, sample
-
+def stage_decode(engine, batch: int, context: int) -> None:
+    """Fill the runner's device buffers for one decode step of `batch` sequences with `context`
+    cached tokens each; any blocks will do, the content is not read back."""
     r = engine.runner
     nb = -(-context // r.block_size)
     blocks = torch.arange(batch * nb) % engine.allocator.num_blocks
@@ -190,6 +188,15 @@ def gpu_decode_step_ms(engine, batch: int, context: int) -> tuple[float, float]:
     r.h_temp[:batch] = 1.0
     r.h_seed[:batch] = np.arange(batch, dtype=np.int32)
     r._upload(batch)
+
+
+def gpu_decode_step_ms(engine, batch: int, context: int) -> tuple[float, float]:
+    """Median device time of one replayed decode graph (and of the sampler after it) for `batch`
+    sequences of `context` cached tokens each."""
+    from vime.engine.core.sampler import SamplingParams, sample
+
+    r = engine.runner
+    stage_decode(engine, batch, context)
     graph, out = r.graphs[batch]
     params = [SamplingParams(temperature=1.0)] * batch
     times, samp = [], []

@@ -765,6 +765,8 @@ def interpreted_checks(model_dir: str) -> None:
         outs.update((o.rid, o.outputs[0]) for o in eng.step())
     assert outs["w"].output_ids[:5] == next_after_update(hf, hf2, PROMPTS[1], 4)
 
+    overlap_checks(model_dir)
+
     # bfloat16 attention kernels against the PyTorch path (decode, and chunks after a cached prefix).
     torch.manual_seed(0)
     h, hkv, d, bs = 4, 2, 16, 4
@@ -817,6 +819,66 @@ def interpreted_checks(model_dir: str) -> None:
     assert kernels.sample(edge, torch.ones(1), torch.tensor([2290], dtype=torch.int32))[0].tolist() == [
         0
     ]  # noise < 1 (see test_sampler_noise_stays_below_one)
+
+
+def overlap_checks(model_dir: str) -> None:
+    """Overlapped steps (a step launched before the one before it is booked) give what one step
+    at a time gives, bit for bit: through stop tokens and stop strings that end sequences a step
+    early, length limits, n > 1 with seeds, a request added and one aborted mid-way, preemption
+    for lack of blocks and prefix-cache hits on generated text."""
+    from vime.engine.core.engine import EngineConfig, LLMEngine
+    from vime.engine.core.sampler import SamplingParams
+    from vime.engine.core.scheduler import PENDING
+    from vime.models import load_tokenizer
+
+    cfg = dict(block_size=4, num_kv_blocks=24, max_num_batched_tokens=32, max_num_seqs=8)
+    probe = LLMEngine(EngineConfig(model_dir, **cfg, overlap=False))
+    probe.add_request("p", PROMPTS[1], SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True))
+    ref = probe.step() or []
+    while probe.has_work():
+        ref += probe.step()
+    ref_ids = ref[0].outputs[0].output_ids
+    text = load_tokenizer(model_dir).decode(ref_ids, skip_special_tokens=True)
+    assert len(text) >= 6, text
+    params = {
+        "stop_id": SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=(ref_ids[4],)),
+        "stop_str": SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True, stop=(text[4:6],)),
+        "n3": SamplingParams(max_new_tokens=9, temperature=1.0, ignore_eos=True, n=3, sampling_seed=5),
+        "long": SamplingParams(max_new_tokens=20, temperature=0.8, ignore_eos=True, sampling_seed=9),
+        "aborted": SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True),
+    }
+
+    def run(overlap: bool) -> tuple[dict, int, bool]:
+        eng = LLMEngine(EngineConfig(model_dir, **cfg, overlap=overlap))
+        prompts = {"stop_id": PROMPTS[1], "stop_str": PROMPTS[1], "n3": PROMPTS[2], "long": PROMPTS[3]}
+        for rid, p in prompts.items():
+            eng.add_request(rid, p, params[rid])
+        outs, steps, seen_pending = {}, 0, False
+        while eng.has_work():
+            outs.update((o.rid, o) for o in eng.step())
+            steps += 1
+            seen_pending |= any(PENDING in s.token_ids for r in eng.requests.values() for s in r.seqs)
+            if steps == 3:  # the same prompt again, generated text included: a prefix hit
+                eng.add_request("late", PROMPTS[1] + ref_ids[:6], params["long"])
+                eng.add_request("aborted", PROMPTS[0], params["aborted"])
+            if steps == 7:
+                outs.update((o.rid, o) for o in eng.abort("aborted"))
+        return outs, eng.scheduler.num_preemptions, seen_pending
+
+    one, pre_one, pending_one = run(False)
+    two, pre_two, pending_two = run(True)
+    assert pending_two and not pending_one  # the overlap happened, and only where asked for
+    assert pre_one > 0 and pre_two > 0, "the workload must preempt"
+    assert one.keys() == two.keys() == {"stop_id", "stop_str", "n3", "long", "late", "aborted"}
+    for rid in one:
+        for a, b in zip(one[rid].outputs, two[rid].outputs, strict=True):
+            if rid == "aborted":  # cut where the abort fell, which may differ by the step in flight
+                assert a.finish_reason == b.finish_reason == "abort"
+                continue
+            assert (a.output_ids, a.logprobs, a.finish_reason) == (b.output_ids, b.logprobs, b.finish_reason), rid
+    assert one["stop_id"].outputs[0].finish_reason == "stop" and one["stop_id"].outputs[0].output_ids[-1] == ref_ids[4]
+    assert one["stop_str"].outputs[0].finish_reason == "stop" and len(one["stop_str"].outputs[0].output_ids) < 12
+    assert [len(o.output_ids) for o in one["n3"].outputs] == [9, 9, 9]
 
 
 def check_sampler(sample, rows: int) -> None:

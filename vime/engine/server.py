@@ -490,6 +490,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="longest sequence (prompt + output); default: the model's max_position_embeddings",
     )
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every step runs eagerly (debugging)")
+    p.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="book each step before launching the next (SGLang's name); by default the host books step N "
+        "while the GPU computes step N+1 (debugging)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--num-threads",
@@ -545,6 +551,7 @@ def main(argv: list[str] | None = None) -> None:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
             cuda_graphs=not args.enforce_eager,
+            overlap=not args.disable_overlap_schedule,
             seed=args.seed,
         )
     )

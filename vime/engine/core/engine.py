@@ -3,6 +3,14 @@
 Single-threaded by design: the server calls every method from its one engine thread, so
 control operations (abort, pause, weight update) always fall between two steps and need no
 locks. Every generated token is stamped with the weight version that produced it.
+
+Steps overlap (on the Triton path): `step` launches step N+1 before it books step N, so the
+host's scheduling, staging and booking run while the device computes. Step N's tokens are
+not known when N+1 is scheduled: each sequence holds a PENDING placeholder for its newest token,
+which N+1's decode gathers on the device. A sequence that N's token ends (a stop token) has
+computed one row in N+1 for nothing; one that its length ends is not scheduled again. A step
+that is not a pure decode (a prefill, a recomputation) and every control operation first wait
+for the step in flight (`_drain`), so no host code ever reads a placeholder.
 """
 
 from __future__ import annotations
@@ -20,9 +28,9 @@ from vime.engine.core import vmem
 from vime.engine.core.kv_cache import BlockAllocator, KVCache
 from vime.engine.core.lora import AdapterMerger, adapter_of
 from vime.engine.core.model import CausalLM, load_model
-from vime.engine.core.runner import ModelRunner
+from vime.engine.core.runner import Launched, ModelRunner
 from vime.engine.core.sampler import M32, SamplingParams, mix32
-from vime.engine.core.scheduler import Scheduler, Sequence
+from vime.engine.core.scheduler import PENDING, Scheduler, Sequence
 from vime.engine.core.stop import StopStrings
 
 log = logging.getLogger(__name__)
@@ -44,6 +52,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's max_position_embeddings (and what the cache holds)
     cuda_graphs: bool = True  # capture decode steps on CUDA (False: every step eager, for debugging)
+    overlap: bool = True  # launch a step before booking the previous one (False: one step at a time, for debugging)
     seed: int = 0
 
 
@@ -132,6 +141,9 @@ class LLMEngine:
             self.model, self.kv_cache, cfg.block_size, cfg.max_num_seqs, self.max_seq_len, self.device, cfg.cuda_graphs
         )
         self.runner.capture()
+        self.overlap = cfg.overlap and self.runner.kernels
+        self._inflight: Launched | None = None  # the step launched and not yet booked
+        self._backlog: list[RequestOutput] = []  # finished while a control operation drained a step
         self.requests: dict[str, Request] = {}
         self._views: dict[str, torch.Tensor] | None = None
         self.weight_version = 0
@@ -219,38 +231,68 @@ class LLMEngine:
         return None
 
     def has_work(self) -> bool:
-        return self._may_step() and bool(self.scheduler.waiting or self.scheduler.running)
+        return (
+            self._inflight is not None
+            or bool(self._backlog)
+            or (self._may_step() and bool(self.scheduler.waiting or self.scheduler.running))
+        )
 
     def _may_step(self) -> bool:
         """Requests kept in place through a failed update wait: no token comes from mixed weights."""
         return not self.paused and self.kv_cache.allocated and self.weights_incomplete is None
 
     def step(self) -> list[RequestOutput]:
-        """Run one model step; returns the requests that finished in it."""
+        """Launch one model step and book the one before it (without overlap: this one); returns
+        the requests that finished."""
+        outs, self._backlog = self._backlog, []
         if not self._may_step():
-            return []
+            return outs + self._book_inflight()
         scheduled = self.scheduler.schedule()
+        if self._inflight is not None and not (scheduled and self.runner.is_decode(scheduled)):
+            # this step reads tokens, or there is none: the one in flight first
+            outs += self._book_inflight()
+            scheduled = [(s, n) for s, n in scheduled if s.finish_reason is None]
         if not scheduled:
-            return []
-        to_sample, tokens, logprobs = self.runner.run(scheduled)
+            return outs
+        launched = self.runner.launch(scheduled, self._inflight)
         self.stats.steps += 1
         for seq, n in scheduled:
             seq.num_computed += n
             self.stats.computed_tokens += n
+        for seq in launched.seqs:
+            launched.index.append(seq.num_tokens)
+            seq.token_ids.append(PENDING)
+            if self._at_length_limit(seq, seq.num_tokens):
+                self.scheduler.retire(seq)  # whatever the token, the sequence ends with it
+        outs += self._book_inflight()
+        self._inflight = launched
+        if not self.overlap:
+            outs += self._book_inflight()
+        return outs
+
+    def _at_length_limit(self, seq: Sequence, num_tokens: int) -> bool:
+        return num_tokens - seq.prompt_len >= seq.params.max_new_tokens or num_tokens >= self.max_seq_len
+
+    def _book_inflight(self) -> list[RequestOutput]:
+        """Wait for the step in flight and put its tokens in their sequences; returns the
+        requests it finished."""
+        step, self._inflight = self._inflight, None
+        if step is None:
+            return []
         done: dict[str, Request] = {}
-        for seq, tok, lp in zip(to_sample, tokens, logprobs):
-            seq.token_ids.append(tok)
+        for seq, i, tok, lp in zip(step.seqs, step.index, *step.result()):
+            if seq.finish_reason is not None:  # ended by the step before (a stop token), or aborted
+                continue
+            seq.token_ids[i] = tok
             seq.logprobs.append(lp)
             seq.weight_versions.append(self.weight_version)
             self.stats.generated_tokens += 1
-            if tok in seq.stop_ids or (seq.params.stop and self.stop_strings.completed(seq, seq.params.stop)):
+            if tok in seq.stop_ids or (seq.params.stop and self.stop_strings.completed(seq, seq.params.stop, i + 1)):
                 seq.finish_reason = "stop"
-            elif (
-                len(seq.token_ids) - seq.prompt_len >= seq.params.max_new_tokens
-                or len(seq.token_ids) >= self.max_seq_len
-            ):
+            elif self._at_length_limit(seq, i + 1):
                 seq.finish_reason = "length"
             if seq.finish_reason is not None:
+                del seq.token_ids[i + 1 :]  # a placeholder of the step launched after this one
                 self.scheduler.remove(seq)
                 req = self.requests[seq.rid]
                 if req.finished:
@@ -261,6 +303,11 @@ class LLMEngine:
             self.stats.finished_requests += 1
             outs.append(self._output(req))
         return outs
+
+    def _drain(self) -> None:
+        """Book the step in flight before a control operation changes what it depends on; the
+        requests it finishes come out of the next `step`."""
+        self._backlog += self._book_inflight()
 
     def _output(self, req: Request) -> RequestOutput:
         return RequestOutput(
@@ -278,6 +325,7 @@ class LLMEngine:
     def abort(self, rid: str | None = None) -> list[RequestOutput]:
         """Abort one request (unknown ids are ignored: it may have just finished) or, with
         rid=None, all; returns their partial outputs with finish reason abort."""
+        self._drain()
         rids = list(self.requests) if rid is None else [rid] if rid in self.requests else []
         outs = []
         for r in rids:
@@ -295,6 +343,7 @@ class LLMEngine:
         in_place keeps requests and their KV, to continue after e.g. a weight update."""
         if mode not in ("abort", "in_place"):
             raise ValueError(f"pause mode '{mode}': use abort or in_place")
+        self._drain()
         self.paused = True
         return self.abort() if mode == "abort" else []
 
@@ -328,6 +377,7 @@ class LLMEngine:
         happens after a tensor was copied, or between two buckets of one update, the weights
         are a mix: the engine says so (`weights_incomplete`) and generates nothing until an
         update completes, rather than sample from weights that no trainer ever had."""
+        self._drain()  # the tokens in flight were drawn with the weights before this update
         copied = adapters = 0
         views = self._weight_views()
 
@@ -427,6 +477,7 @@ class LLMEngine:
         return self._views
 
     def flush_cache(self) -> None:
+        self._drain()
         self.allocator.flush()
 
     def release_memory(self) -> None:
@@ -437,6 +488,7 @@ class LLMEngine:
         With VMM (`self.packed`) that is one copy of all weights into a pinned host buffer and
         two unmaps; the addresses stay, and so do the CUDA graphs. Without it, every parameter
         moves on its own and the graphs, which would point at freed storage, are dropped."""
+        self._drain()
         if self.kv_cache.allocated:
             self.scheduler.preempt_all()
             self.allocator.flush()

@@ -5,7 +5,12 @@ fills preallocated host buffers, copies them to the device in one transfer and, 
 replays a CUDA graph captured for the next batch size up the ladder: the whole forward of a
 few hundred kernels costs one launch. Every other step (prefills, chunked or mixed with
 decodes) runs eagerly. Sampling runs after the forward, on the device; the step ends with one
-device-to-host copy of token ids and log-probs, the only sync per step.
+device-to-host copy of token ids and log-probs into pinned memory.
+
+`launch` returns without waiting for that copy (a `Launched` step), so the engine can book
+the step before while the device computes this one. A decode row whose input token is still
+on its way (the previous step drew it) names that step's row instead, and the token is
+gathered on the device before the replay.
 
 Graphs bake in the addresses of the weights, the KV pools and the static buffers: weight
 updates therefore `copy_` into the parameters, and a memory release keeps the weights' and the
@@ -19,7 +24,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -29,11 +34,35 @@ from vime.engine.core.attention import AttnMetadata, make_group
 from vime.engine.core.kv_cache import KVCache
 from vime.engine.core.model import CausalLM
 from vime.engine.core.sampler import sample, step_seeds
-from vime.engine.core.scheduler import Sequence
+from vime.engine.core.scheduler import PENDING, Sequence
 
 log = logging.getLogger(__name__)
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512)
+STAGED = 7  # per-row int32 fields staged before the block tables
+
+
+@dataclass
+class Launched:
+    """A step on its way: its sampled sequences in row order, their tokens on the device (the
+    next step's inputs) and the copy of tokens and log-probs to the host, done when `event` is."""
+
+    seqs: list[Sequence]
+    tokens: torch.Tensor
+    h_tok: torch.Tensor
+    h_lp: torch.Tensor
+    event: torch.cuda.Event | None
+    index: list[int] = field(default_factory=list)  # the engine's: where each row's token goes in its sequence
+
+    def rows(self) -> dict[int, int]:
+        """id(sequence) → its row."""
+        return {id(s): i for i, s in enumerate(self.seqs)}
+
+    def result(self) -> tuple[list[int], list[float]]:
+        """The tokens and log-probs, once the device has them (the step's one wait)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.h_tok.tolist(), self.h_lp.tolist()
 
 
 @dataclass
@@ -71,23 +100,30 @@ class ModelRunner:
         self.width = -(-max_seq_len // block_size)  # block-table columns: a full-length sequence
         if self.kernels:
             # One int32 staging buffer: ids | positions | slots | context lens | temperatures (float32 bits)
-            # | sampling seeds | block tables.
-            self.host = torch.empty(6 * n + n * self.width, dtype=torch.int32, pin_memory=pin)
+            # | sampling seeds | source rows of pending ids | block tables.
+            self.host = torch.empty(STAGED * n + n * self.width, dtype=torch.int32, pin_memory=pin)
             h = self.host.numpy()
             self.h_ids, self.h_pos, self.h_slot, self.h_ctx = h[:n], h[n : 2 * n], h[2 * n : 3 * n], h[3 * n : 4 * n]
             self.h_temp = h[4 * n : 5 * n].view(np.float32)
-            self.h_seed = h[5 * n : 6 * n]
-            self.h_bt = h[6 * n :].reshape(n, self.width)
+            self.h_seed, self.h_src = h[5 * n : 6 * n], h[6 * n : 7 * n]
+            self.h_bt = h[STAGED * n :].reshape(n, self.width)
             self.h_bt[:] = kv_cache.scratch_block
             self.dev = torch.zeros_like(self.host, device=device)
             d = self.dev
             self.d_ids, self.d_pos, self.d_slot, self.d_ctx = d[:n], d[n : 2 * n], d[2 * n : 3 * n], d[3 * n : 4 * n]
             self.d_temp = d[4 * n : 5 * n].view(torch.float32)
-            self.d_seed = d[5 * n : 6 * n]
-            self.d_bt = d[6 * n :].view(n, self.width)
+            self.d_seed, self.d_src = d[5 * n : 6 * n], d[6 * n : 7 * n]
+            self.d_bt = d[STAGED * n :].view(n, self.width)
             self._bt_rows: list[tuple[list[int], int] | None] = [None] * n  # (block table list, length) each row holds
-        self.h_tok = torch.empty(max_num_seqs, dtype=torch.int64, pin_memory=pin)
-        self.h_lp = torch.empty(max_num_seqs, dtype=torch.float32, pin_memory=pin)
+        # Two sets of pinned outputs, taken in turn: a step's copy lands while the step before's is read.
+        self._outs = [
+            (
+                torch.empty(max_num_seqs, dtype=torch.int64, pin_memory=pin),
+                torch.empty(max_num_seqs, dtype=torch.float32, pin_memory=pin),
+            )
+            for _ in range(2)
+        ]
+        self._launches = 0
 
     # ---- graphs ------------------------------------------------------------------------
 
@@ -120,16 +156,21 @@ class ModelRunner:
 
     # ---- a step ------------------------------------------------------------------------
 
-    def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], list[int], list[float]]:
-        """Run the model over the scheduled chunks; returns the sequences that got a token, the
-        tokens and their log-probs."""
-        if (
+    def is_decode(self, scheduled: list[tuple[Sequence, int]]) -> bool:
+        """Whether the step takes the decode path: every sequence brings one token and wants the next."""
+        return (
             self.kernels
             and len(scheduled) <= self.max_bs
             and all(n == 1 and s.num_computed + 1 == s.num_tokens for s, n in scheduled)
-        ):
+        )
+
+    def launch(self, scheduled: list[tuple[Sequence, int]], prev: Launched | None = None) -> Launched:
+        """Run the model over the scheduled chunks and sample, without waiting for the result.
+        A decode row whose last token is PENDING takes it from `prev`, the step that drew it;
+        other steps must not read pending tokens."""
+        if self.is_decode(scheduled):
             seqs = [s for s, _ in scheduled]
-            logits, temps, seeds = self._decode(seqs)
+            logits, temps, seeds = self._decode(seqs, prev)
         else:
             seqs, logits = self._eager(scheduled)
             temps = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32).to(
@@ -139,7 +180,12 @@ class ModelRunner:
                 self.device, non_blocking=True
             )
         tokens, logprobs = sample(logits, [s.params for s in seqs], temps, seeds)
-        return seqs, *self._download(tokens, logprobs)
+        return self._download(seqs, tokens, logprobs)
+
+    def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], list[int], list[float]]:
+        """`launch`, then wait: the sequences that got a token, the tokens and their log-probs."""
+        step = self.launch(scheduled)
+        return step.seqs, *step.result()
 
     @staticmethod
     def _seeds(seqs: list[Sequence], positions: np.ndarray) -> np.ndarray:
@@ -150,12 +196,20 @@ class ModelRunner:
             .view(np.int32)
         )
 
-    def _decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _decode(self, seqs: list[Sequence], prev: Launched | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b = len(seqs)
         bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, b)]
         block = self.block_size
         pos = [s.num_computed for s in seqs]
-        self.h_ids[:b] = [s.token_ids[-1] for s in seqs]
+        ids = [s.token_ids[-1] for s in seqs]
+        pending = PENDING in ids
+        if pending:
+            if prev is None:
+                raise RuntimeError("a decode step reads a pending token, but no step in flight drew it")
+            rows = prev.rows()
+            self.h_src[:b] = [rows[id(s)] if t == PENDING else -1 for s, t in zip(seqs, ids)]
+            ids = [max(t, 0) for t in ids]
+        self.h_ids[:b] = ids
         self.h_pos[:b] = pos
         self.h_slot[:b] = [s.block_table[p // block] * block + p % block for s, p in zip(seqs, pos)]
         np.add(self.h_pos[:b], 1, out=self.h_ctx[:b])
@@ -173,6 +227,10 @@ class ModelRunner:
                 self.h_bt[i, : len(table)] = table
                 rows[i] = (table, len(table))
         self._upload(bs)
+        if pending:  # the previous step's tokens, gathered where it left them
+            src = self.d_src[:b].long()
+            drawn = prev.tokens.index_select(0, src.clamp(min=0)).to(torch.int32)
+            self.d_ids[:b] = torch.where(src >= 0, drawn, self.d_ids[:b])
         if self.graphs:
             graph, out = self.graphs[bs]
             graph.replay()
@@ -192,7 +250,7 @@ class ModelRunner:
         self.h_temp[start:end] = 0.0
 
     def _upload(self, bs: int) -> None:
-        n = 6 * self.max_bs + bs * self.width
+        n = STAGED * self.max_bs + bs * self.width
         self.dev[:n].copy_(self.host[:n], non_blocking=True)
 
     def _eager(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
@@ -252,12 +310,16 @@ class ModelRunner:
             groups=[make_group(i, p, t, self.block_size, self.device) for i, p, t in groups.values()],
         )
 
-    def _download(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
-        """The step's one device → host transfer (and sync)."""
-        if tokens.device.type != "cuda":
-            return tokens.tolist(), logprobs.tolist()
+    def _download(self, seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor) -> Launched:
+        """Start the step's one device → host transfer; `Launched.result` waits for it."""
+        h_tok, h_lp = self._outs[self._launches % 2]
+        self._launches += 1
         b = tokens.shape[0]
-        self.h_tok[:b].copy_(tokens, non_blocking=True)
-        self.h_lp[:b].copy_(logprobs, non_blocking=True)
-        torch.cuda.current_stream(self.device).synchronize()
-        return self.h_tok[:b].tolist(), self.h_lp[:b].tolist()
+        if tokens.device.type != "cuda":
+            h_tok[:b], h_lp[:b] = tokens, logprobs
+            return Launched(seqs, tokens, h_tok[:b], h_lp[:b], None)
+        h_tok[:b].copy_(tokens, non_blocking=True)
+        h_lp[:b].copy_(logprobs, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return Launched(seqs, tokens, h_tok[:b], h_lp[:b], event)

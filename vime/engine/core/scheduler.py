@@ -15,6 +15,8 @@ from vime.engine.core.kv_cache import BlockAllocator
 from vime.engine.core.sampler import SamplingParams
 from vime.engine.core.stop import StopWindow
 
+PENDING = -1  # a token id the device has drawn and the host has not read yet (engine.py's overlap)
+
 
 @dataclass(eq=False)
 class Sequence:
@@ -110,6 +112,11 @@ class Scheduler:
         self.allocator.release(seq.block_table)
         seq.block_table, seq.block_hashes = [], []
 
+    def retire(self, seq: Sequence) -> None:
+        """Schedule a sequence no more, its blocks kept: its last token, still on the device,
+        ends it whatever it is (the length limit). `remove` gives the blocks back."""
+        self.running.remove(seq)
+
     def preempt_all(self) -> None:
         """Send every running sequence back to waiting (in order), keeping its tokens."""
         while self.running:
@@ -148,6 +155,8 @@ class Scheduler:
             return
         bs = self.allocator.block_size
         for b in range(len(seq.block_hashes), (seq.num_computed + n) // bs):
+            if (b + 1) * bs >= seq.num_tokens and seq.token_ids[-1] == PENDING:
+                break  # the block ends in a token not read yet: indexed by a later step
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             seq.block_hashes.append(
                 self.allocator.register(seq.block_table[b], parent, seq.token_ids[b * bs : (b + 1) * bs])

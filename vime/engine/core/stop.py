@@ -76,10 +76,11 @@ class StopStrings:
         self.ready()
         return self._decode(ids)
 
-    def completed(self, seq: StopSequence, stops: tuple[str, ...]) -> bool:
-        """Whether the last of `seq.token_ids` completes one of `stops` in the text of the
-        sequence's output (`token_ids[prompt_len:]`); updates `seq.stop_window`."""
-        ids, end = seq.token_ids, len(seq.token_ids)
+    def completed(self, seq: StopSequence, stops: tuple[str, ...], end: int | None = None) -> bool:
+        """Whether `seq.token_ids[end - 1]` (default: the last) completes one of `stops` in the
+        text of the sequence's output (`token_ids[prompt_len:end]`); updates `seq.stop_window`.
+        `end` leaves out a token drawn after it and not read yet."""
+        ids, end = seq.token_ids, len(seq.token_ids) if end is None else end
         n = end - seq.prompt_len
         if n <= 0 or not stops:
             return False
