@@ -780,6 +780,7 @@ def interpreted_checks(model_dir: str) -> None:
         offsets = [sum(q_lens[:i]) for i in range(4)]
         q = torch.randn(offsets[-1], h, d).bfloat16()
         if q_lens[0] == 1:
+            assert kernels.decode_splits(3, hkv, q.device) == 3  # split into parts and combined, some empty
             out = kernels.decode_attention(q, kc, vc, bt, torch.tensor(ctx, dtype=torch.int32), d**-0.5)
         else:
             out = kernels.prefill_attention(
@@ -813,6 +814,14 @@ def interpreted_checks(model_dir: str) -> None:
     seeds = torch.randint(-(2**31), 2**31 - 1, (16,), dtype=torch.int32)
     a, lp_a = kernels.sample(logits, temps, seeds)
     b, lp_b = torch_sample(logits, temps, seeds)
+    assert torch.equal(a, b) and torch.allclose(lp_a, lp_b, atol=1e-5)
+    # A vocabulary of three sampler chunks, the last one partial: the chunks' parts combine to
+    # the same draw and log-prob as the PyTorch path over the whole row.
+    logits = torch.randn(6, 9000) * 3
+    temps, seeds = torch.tensor([1.0, 0.7, 0.0] * 2), torch.arange(6, dtype=torch.int32) * 99991
+    a, lp_a = kernels.sample(logits, temps, seeds)
+    b, lp_b = torch_sample(logits, temps, seeds)
+    assert kernels.triton.cdiv(9000, 1024 * kernels.SAMPLE_CHUNK_BLOCKS) == 3
     assert torch.equal(a, b) and torch.allclose(lp_a, lp_b, atol=1e-5)
     edge = torch.full((1, 4096), -20.0)
     edge[0, 0] = 20.0

@@ -157,6 +157,7 @@ if AVAILABLE:
         v_cache_ptr,
         bt_row_ptr,
         kvh,
+        lo,
         ctx,
         end,
         scale,
@@ -168,15 +169,18 @@ if AVAILABLE:
         PREC: tl.constexpr,
         CAUSAL: tl.constexpr,
     ):
-        """Attention of ROWS query rows (all on KV head kvh) over keys [0, end) of one sequence,
-        gathered BLOCK_N at a time through its block table (rows of D contiguous values, loaded
-        16 bytes wide and pipelined by the compiler), with the online softmax. CAUSAL: row r
-        sees keys up to q_pos[r] (decode needs no mask: its one query is the last position)."""
+        """Attention of ROWS query rows (all on KV head kvh) over keys [lo, end) of one sequence
+        (keys from ctx on are masked; lo a multiple of BLOCK_N), gathered BLOCK_N at a time
+        through its block table (rows of D contiguous values, loaded 16 bytes wide and pipelined
+        by the compiler), with the online softmax. CAUSAL: row r sees keys up to q_pos[r]
+        (decode needs no mask: its one query is the last position). Returns the unnormalized
+        (acc, running max, running sum): a split's part, to be combined (`_combine_splits_kernel`),
+        or acc / sum for all keys. An empty range gives (0, -inf, 0)."""
         d = tl.arange(0, D)
         m_i = tl.full([ROWS], float("-inf"), tl.float32)
         l_i = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, D], tl.float32)
-        for start in range(0, end, BLOCK_N):
+        for start in range(lo, end, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             valid = n < ctx
             blk = tl.load(bt_row_ptr + n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
@@ -187,14 +191,14 @@ if AVAILABLE:
             if CAUSAL:
                 keep = keep & (n[None, :] <= q_pos[:, None])
             s = tl.where(keep, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # key 0 is in the first block: never -inf after it
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # key lo < ctx is in the first block: never -inf after it
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
             v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
-        return acc / l_i[:, None]
+        return acc, m_i, l_i
 
     # bt_stride (the block-table width) changes from step to step on the eager path: specializing
     # on its value (== 1, divisible by 16) would mean a JIT compile in the middle of serving.
@@ -206,6 +210,8 @@ if AVAILABLE:
         bt_ptr,
         ctx_ptr,
         out_ptr,
+        part_ptr,
+        ml_ptr,
         scale,
         bt_stride,
         H: tl.constexpr,
@@ -215,25 +221,34 @@ if AVAILABLE:
         G_PAD: tl.constexpr,
         BLOCK_N: tl.constexpr,
         PREC: tl.constexpr,
+        SPLIT: tl.constexpr,
     ):
-        """One program per (sequence, KV head): its G query heads share each K/V load."""
+        """One program per (sequence, KV head, split of the context): its G query heads share
+        each K/V load. With one split the output is final; with more, each split writes its
+        unnormalized part (float32 acc, max, sum) for `_combine_splits_kernel`."""
         b = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        n_splits = tl.num_programs(2)
         G = H // HKV
         ctx = tl.load(ctx_ptr + b)
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, D)
         gm = (g < G)[:, None]
         q = tl.load(q_ptr + b * (H * D) + (kvh * G + g)[:, None] * D + d[None, :], mask=gm, other=0.0)
-        out = _paged_attend(
+        chunk = tl.cdiv(tl.cdiv(ctx, n_splits), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, ctx)
+        acc, m, denom = _paged_attend(
             q,
             g,
             k_cache_ptr,
             v_cache_ptr,
             bt_ptr + b * bt_stride,
             kvh,
-            ctx,
-            ctx,
+            lo,
+            hi,
+            hi,
             scale,
             HKV,
             D,
@@ -243,9 +258,35 @@ if AVAILABLE:
             PREC,
             False,
         )
-        tl.store(
-            out_ptr + b * (H * D) + (kvh * G + g)[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=gm
-        )
+        heads = kvh * G + g
+        if SPLIT:
+            part = (b * n_splits + split) * H + heads  # [G_PAD] rows of the split workspace
+            tl.store(part_ptr + part[:, None] * D + d[None, :], acc, mask=gm)
+            tl.store(ml_ptr + part * 2, m, mask=g < G)
+            tl.store(ml_ptr + part * 2 + 1, denom, mask=g < G)
+        else:
+            out = acc / denom[:, None]
+            tl.store(out_ptr + b * (H * D) + heads[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=gm)
+
+    @triton.jit
+    def _combine_splits_kernel(
+        part_ptr, ml_ptr, out_ptr, n_splits, H: tl.constexpr, D: tl.constexpr, S_PAD: tl.constexpr
+    ):
+        """One program per (sequence, head): the splits' parts rescaled to their common max and
+        summed, then divided by the summed weights (the online softmax, across programs)."""
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        s = tl.arange(0, S_PAD)
+        d = tl.arange(0, D)
+        sm = s < n_splits
+        row = (b * n_splits + s) * H + h
+        m = tl.load(ml_ptr + row * 2, mask=sm, other=float("-inf"))
+        denom = tl.load(ml_ptr + row * 2 + 1, mask=sm, other=0.0)
+        top = tl.max(m, axis=0)  # split 0 holds key 0: finite
+        w = tl.where(m > float("-inf"), tl.exp(m - top), 0.0)
+        acc = tl.load(part_ptr + row[:, None] * D + d[None, :], mask=sm[:, None], other=0.0)
+        out = tl.sum(acc * w[:, None], axis=0) / tl.sum(denom * w, axis=0)
+        tl.store(out_ptr + (b * H + h) * D + d, out.to(out_ptr.dtype.element_ty))
 
     @triton.jit(do_not_specialize=["bt_stride"])
     def _prefill_attn_kernel(
@@ -282,13 +323,14 @@ if AVAILABLE:
         tok = (q_start + m).to(tl.int64)
         q = tl.load(q_ptr + tok[:, None] * (H * D) + h * D + d[None, :], mask=mm[:, None], other=0.0)
         end = tl.minimum(ctx, ctx - q_len + (tile + 1) * BLOCK_M)  # keys past the tile's last query are never seen
-        out = _paged_attend(
+        acc, _, denom = _paged_attend(
             q,
             ctx - q_len + m,
             k_cache_ptr,
             v_cache_ptr,
             bt_ptr + b * bt_stride,
             h // (H // HKV),
+            0,
             ctx,
             end,
             scale,
@@ -300,6 +342,7 @@ if AVAILABLE:
             PREC,
             True,
         )
+        out = acc / denom[:, None]
         tl.store(
             out_ptr + tok[:, None] * (H * D) + h * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=mm[:, None]
         )
@@ -314,11 +357,14 @@ if AVAILABLE:
         return x ^ (x >> 16)
 
     @triton.jit
-    def _sample_kernel(logits_ptr, temp_ptr, seed_ptr, tok_ptr, lp_ptr, V, BLOCK: tl.constexpr):
-        """One pass over a row: log-sum-exp of logits/T and the Gumbel-max draw (argmax of
-        logits/T + Gumbel noise samples softmax(logits/T) exactly); T == 0 takes the argmax.
-        The noise is `sampler.uniform_noise` of the row's seed, so the PyTorch path agrees."""
+    def _sample_part_kernel(logits_ptr, temp_ptr, seed_ptr, part_ptr, idx_ptr, V, CHUNK, BLOCK: tl.constexpr):
+        """One program per (row, chunk of CHUNK columns), one pass over the chunk: the max and
+        sum of exponentials of logits/T (for the log-sum-exp) and the Gumbel-max winner (argmax
+        of logits/T + Gumbel noise samples softmax(logits/T) exactly; T == 0 takes the argmax).
+        The noise is `sampler.uniform_noise` of the row's seed, so the PyTorch path agrees.
+        Chunks rather than one program a row: at small batches one SM would walk 151,936 logits."""
         row = tl.program_id(0)
+        c = tl.program_id(1)
         t = tl.load(temp_ptr + row)
         seed = tl.load(seed_ptr + row).to(tl.int64) & 0xFFFFFFFF
         greedy = t == 0.0
@@ -328,7 +374,7 @@ if AVAILABLE:
         l_i = tl.zeros([BLOCK], tl.float32)
         best = tl.full([BLOCK], float("-inf"), tl.float32)
         best_idx = tl.zeros([BLOCK], tl.int32)
-        for start in range(0, V, BLOCK):
+        for start in range(c * CHUNK, c * CHUNK + CHUNK, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < V
             x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
@@ -341,14 +387,36 @@ if AVAILABLE:
             take = score > best  # strict: the earliest index wins ties, as torch.argmax
             best = tl.where(take, score, best)
             best_idx = tl.where(take, cols, best_idx)
-        # Reduce the per-lane state: the row's max, its sum of exponentials, and the winner.
         m = tl.max(m_i, axis=0)
-        lse = m + tl.log(tl.sum(tl.where(m_i > float("-inf"), l_i * tl.exp(m_i - m), 0.0), axis=0))
         top = tl.max(best, axis=0)
-        idx = tl.min(tl.where(best == top, best_idx, V), axis=0)
-        x_idx = tl.load(base + idx).to(tl.float32) * inv_t
-        tl.store(tok_ptr + row, idx.to(tl.int64))
-        tl.store(lp_ptr + row, x_idx - lse)
+        k = row.to(tl.int64) * tl.num_programs(1) + c
+        tl.store(part_ptr + k * 3, m)
+        tl.store(part_ptr + k * 3 + 1, tl.sum(tl.where(m_i > float("-inf"), l_i * tl.exp(m_i - m), 0.0), axis=0))
+        tl.store(part_ptr + k * 3 + 2, top)
+        tl.store(idx_ptr + k, tl.min(tl.where(best == top, best_idx, V), axis=0))
+
+    @triton.jit
+    def _sample_combine_kernel(
+        logits_ptr, temp_ptr, part_ptr, idx_ptr, tok_ptr, lp_ptr, V, n_chunks, C_PAD: tl.constexpr
+    ):
+        """One program per row: the chunks' parts into the row's token (the best score, the
+        earliest column on a tie) and its log-prob under softmax(logits / T)."""
+        row = tl.program_id(0)
+        c = tl.arange(0, C_PAD)
+        cm = c < n_chunks
+        k = row.to(tl.int64) * n_chunks + c
+        m = tl.load(part_ptr + k * 3, mask=cm, other=float("-inf"))
+        sums = tl.load(part_ptr + k * 3 + 1, mask=cm, other=0.0)
+        top = tl.load(part_ptr + k * 3 + 2, mask=cm, other=float("-inf"))
+        idx = tl.load(idx_ptr + k, mask=cm, other=V)
+        mx = tl.max(m, axis=0)
+        lse = mx + tl.log(tl.sum(tl.where(m > float("-inf"), sums * tl.exp(m - mx), 0.0), axis=0))
+        best = tl.max(top, axis=0)
+        tok = tl.min(tl.where(top == best, idx, V), axis=0)
+        t = tl.load(temp_ptr + row)
+        x = tl.load(logits_ptr + row.to(tl.int64) * V + tok).to(tl.float32) / tl.where(t == 0.0, 1.0, t)
+        tl.store(tok_ptr + row, tok.to(tl.int64))
+        tl.store(lp_ptr + row, x - lse)
 
 
 # ---- wrappers --------------------------------------------------------------------------
@@ -425,17 +493,27 @@ def decode_attention(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """One new token per sequence: q [B, H, D] → [B, H, D], over caches [blocks, block_size, Hkv, D]."""
+    """One new token per sequence: q [B, H, D] → [B, H, D], over caches [blocks, block_size, Hkv, D].
+
+    With few sequences, one program per (sequence, KV head) would leave most SMs idle while
+    each walks its whole context: the context is then split across `decode_splits` programs
+    and their parts combined by a second kernel (flash-decoding). The split count depends on the
+    batch size alone, so a captured graph keeps its own."""
     b, h, d = q.shape
     hkv, bs = k_cache.shape[2], k_cache.shape[1]
     out = torch.empty_like(q)
-    _decode_attn_kernel[(b, hkv)](
+    splits = decode_splits(b, hkv, q.device)
+    part = torch.empty(b * splits * h * d if splits > 1 else 0, dtype=torch.float32, device=q.device)
+    ml = torch.empty(b * splits * h * 2 if splits > 1 else 0, dtype=torch.float32, device=q.device)
+    _decode_attn_kernel[(b, hkv, splits)](
         q,
         k_cache,
         v_cache,
         block_tables,
         context_lens,
         out,
+        part,
+        ml,
         scale,
         block_tables.stride(0),
         H=h,
@@ -445,8 +523,22 @@ def decode_attention(
         G_PAD=max(16, _pow2(h // hkv)),
         BLOCK_N=64 if q.dtype != torch.float32 else 32,
         PREC=_precision(q.dtype),
+        SPLIT=splits > 1,
     )
+    if splits > 1:
+        _combine_splits_kernel[(b, h)](part, ml, out, splits, H=h, D=d, S_PAD=_pow2(splits))
     return out
+
+
+MAX_DECODE_SPLITS = 16
+INTERPRETER_SMS = 8  # under the Triton interpreter (CPU tests): small, so that their batches split too
+
+
+def decode_splits(batch: int, kv_heads: int, device: torch.device) -> int:
+    """Context splits per (sequence, KV head) so that a decode launches about two programs per
+    SM; 1 (no combine) once the batch alone does."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else INTERPRETER_SMS
+    return max(1, min(MAX_DECODE_SPLITS, -(-2 * sms // (batch * kv_heads))))
 
 
 def prefill_attention(
@@ -491,7 +583,17 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor
     """Token ids (int64) and their log-probs under softmax(logits / T) for each row (T == 0:
     greedy, log-prob of the raw softmax), drawn with each row's seed (int32 bits); no host sync."""
     b, v = logits.shape
+    logits = logits.contiguous()
     tokens = torch.empty(b, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(b, dtype=torch.float32, device=logits.device)
-    _sample_kernel[(b,)](logits.contiguous(), temperatures, seeds, tokens, logprobs, v, BLOCK=min(1024, _pow2(v)))
+    block = min(1024, _pow2(v))
+    chunk = block * SAMPLE_CHUNK_BLOCKS
+    n_chunks = triton.cdiv(v, chunk)
+    part = torch.empty(b * n_chunks * 3, dtype=torch.float32, device=logits.device)
+    idx = torch.empty(b * n_chunks, dtype=torch.int32, device=logits.device)
+    _sample_part_kernel[(b, n_chunks)](logits, temperatures, seeds, part, idx, v, chunk, BLOCK=block)
+    _sample_combine_kernel[(b,)](logits, temperatures, part, idx, tokens, logprobs, v, n_chunks, C_PAD=_pow2(n_chunks))
     return tokens, logprobs
+
+
+SAMPLE_CHUNK_BLOCKS = 4  # columns per sampler program, in blocks of 1024: 38 programs a row at 151,936
