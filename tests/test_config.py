@@ -105,10 +105,6 @@ def test_json_and_list_flags():
             ["--rollout-backend", "vllm", "--weight-transport", "shm"],
             "does not reach vllm engines (they receive by nccl",
         ),
-        (
-            ["--launcher", "ray", "--rollout-backend", "vllm"],
-            "vllm engines are launched locally, not yet as Ray actors",
-        ),
         (["--launcher", "ray", "--rollout-engine-urls", "http://h:1"], "give one of the two"),
         (["--launcher", "ray", "--colocate"], "--colocate puts the engines on the trainer's GPUs"),
     ],

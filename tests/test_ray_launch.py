@@ -356,6 +356,44 @@ def test_ray_engines_on_another_node_train_in_sync_and_a_killed_actor_comes_back
     assert "Unclosed" not in log  # the replaced engine's client was closed with the others
 
 
+@pytest.mark.vllm
+@pytest.mark.skipif(find_spec("vllm") is None, reason="vllm is not installed (make test-vllm runs this test)")
+def test_vllm_engines_on_another_node_as_ray_actors_train_in_sync(cluster, second_node, tmp_path):
+    """--rollout-backend vllm in a Ray job on a two-node cluster, --launcher left at auto, so ray:
+    the vLLM server starts in an engine actor on the node that joined the head and is fed over
+    gloo, as a server on another host is. Sync training, a reward that varies within each group:
+    the weights change every step, and every step samples with exactly the trainer's weights
+    (staleness 0, log-probs equal), so each push reached the server."""
+    from vime.models import make_tiny_model
+
+    job = "vime-ray-vllm"
+    earlier = {a.actor_id for a in _engine_actors(cluster.dashboard)}  # other tests' engines
+    # head_dim 32: vLLM's CPU attention refuses the tiny model's 16
+    model = make_tiny_model(tmp_path / "m", seed=0, hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=32)
+    assert TINY[:2] == ["--hf-checkpoint", "tiny"]
+    argv = [
+        *("python3", "train.py", "--hf-checkpoint", str(model), *TINY[2:], "--rollout-backend", "vllm"),
+        *("--num-rollout", "3", "--lr", "2e-2", "--n-samples-per-prompt", "4"),
+        *("--custom-rm-path", "varied_reward.last_token_parity", "--runs-dir", str(tmp_path), "--run-name", "r"),
+    ]
+    out = submit(cluster.dashboard, argv, f"--submission-id={job}", env=PLUGIN_ENV, timeout=2 * JOB_S)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    log = (tmp_path / "r" / "log.txt").read_text()
+    assert "a Ray job on a cluster of 2 nodes: --launcher ray" in log
+    assert len(re.findall(r"vLLM engine 0: Ray actor on node", log)) == 1
+    assert re.search(r"vLLM engine http://[\d.]+:\d+: weights by gloo", log), log[-3000:]
+    (actor,) = [a for a in _engine_actors(cluster.dashboard) if a.actor_id not in earlier]
+    assert actor.node_id == second_node and actor.state == "DEAD"  # the run ended it
+    rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "perf/step_time" in r]
+    assert [r["train/weight_version"] for r in steps] == [1, 2, 3]
+    # the weights moved (a step whose groups all hold equal rewards has no gradient: here the
+    # first), and every step's server sampled with exactly the trainer's weights
+    assert sum(r["train/grad_norm"] > 0 for r in steps) >= 2, steps
+    for r in steps:
+        assert r["rollout/staleness_max"] == 0 and r["train/train_rollout_logprob_abs_diff"] < 1e-3, r
+
+
 def test_a_killed_trainer_rank_actor_stops_the_run_in_one_line_with_a_checkpoint(cluster, second_node, tmp_path):
     """Trainer rank 1 as a Ray actor on the other node, SIGKILLed in step 3: the run stops (no
     hang until the collective's 30-minute timeout) with one line naming the rank, its node and

@@ -9,6 +9,11 @@ def digit_share(args, sample) -> float:
     return sum(ch.isdigit() for ch in text) / max(len(text), 1)
 
 
+def last_token_parity(args, sample) -> float:
+    """1 for an odd last token id: varies within a group whatever the model's vocabulary."""
+    return float(sample.tokens[-1] % 2)
+
+
 def half_constant(args, sample) -> float:
     """digit_share for prompts with an even answer, 0.5 for the others: the groups of odd answers
     have equal rewards, which dynamic sampling must drop, and the others vary."""

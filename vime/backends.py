@@ -30,7 +30,7 @@ class Backend:
     transports: tuple[str, ...]  # the --weight-transport values that reach its engines
     tensor_parallel: bool  # an engine may span several GPUs (--rollout-num-gpus-per-engine > 1)
     lora_adapters: bool  # a LoRA run pushes its adapters alone (the engine merges them), not merged weights
-    ray_place: str | None  # "module:function" as `place`, with engines as Ray actors (--launcher ray); None: not built
+    ray_place: str  # "module:function" as `place`, with engines as Ray actors (--launcher ray)
 
     def make_client(self, url: str, api_key: str | None = None) -> Any:
         """A client of the engine at `url` (an `EngineClient`)."""
@@ -39,7 +39,6 @@ class Backend:
     def place_engines(self, args: Any, model_dir: Path, run_dir: Path) -> Any:
         """Launch the run's engines (or check those given by URL): a `vime.engine.placement.Placement`."""
         place = self.ray_place if getattr(args, "launcher", "local") == "ray" else self.place
-        assert place is not None, "Config.validate refuses --launcher ray for a backend without ray_place"
         return _load(place)(args, model_dir, run_dir)
 
 
@@ -64,7 +63,7 @@ BACKENDS: dict[str, Backend] = {
             transports=("auto", "nccl", "gloo", "disk"),  # no shared-memory or CUDA IPC load
             tensor_parallel=True,
             lora_adapters=True,  # merged by vime's worker extension into its copy of the base (vime/engine/vllm_ext.py)
-            ray_place=None,
+            ray_place="vime.engine.vllm:place_vllm_ray",
         ),
     ]
 }

@@ -871,10 +871,6 @@ def _common_checks(c: Config) -> list[tuple[bool, str]]:
             f"{', '.join(t for t in _backend(c).transports if t != 'auto')}): leave it at auto",
         ),
         (
-            c.launcher == "ray" and _backend(c).ray_place is None,
-            f"--launcher ray: {c.rollout_backend} engines are launched locally, not yet as Ray actors: leave --launcher at local",
-        ),
-        (
             c.launcher == "ray" and bool(c.rollout_engine_urls),
             "--launcher ray launches engines, --rollout-engine-urls uses running ones: give one of the two",
         ),

@@ -1,10 +1,12 @@
-"""Engines as Ray actors (`--launcher ray`): the built-in engine placed by a Ray cluster.
+"""Engines as Ray actors (`--launcher ray`): a backend's engines placed by a Ray cluster.
 
-Each engine gets one bundle of a placement group (`{"CPU": 1}`, plus `{"GPU": 1}` when the
-trainer runs on GPUs), packed onto as few nodes as the cluster allows. In its bundle an actor,
-`EngineHost`, starts the engine server on its node (`launch_engine`, listening on every address
-of the node, its log at the run's `engine<i>.log`) and answers with the URL other nodes reach it
-at. From there the run treats it as any launched engine: the weight transport follows from where
+Each engine gets one bundle of a placement group (`{"CPU": 1}`, plus its GPUs,
+--rollout-num-gpus-per-engine, when the trainer runs on GPUs), packed onto as few nodes as the
+cluster allows. In its bundle an actor, `EngineHost`, starts the engine server on its node with
+the backend's launcher (`launch_engine` for the built-in engine, `vllm.launch_vllm` for vLLM),
+listening on every address of the node, its log at the run's `engine<i>.log`, and answers with
+the URL other nodes reach it at. `place_actors` is the part both backends share; `place_ray`
+and `vllm.place_vllm_ray` give it their launcher, arguments and facts. From there the run treats it as any launched engine: the weight transport follows from where
 the engine reports it runs (`placement.choose_transports`: gloo or nccl to another host, whose
 rendezvous address is this node's IP unless --update-weights-master-address says otherwise),
 and an engine that dies is started again by the runtime (`Placement.relaunch`), here as a new
@@ -24,6 +26,7 @@ import logging
 import os
 import secrets
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,16 +42,17 @@ ROOT = str(Path(__file__).resolve().parents[2])  # this vime, for the actors' im
 
 
 class EngineHost:
-    """The Ray actor (made remote by `_host_class`): one engine server on its node."""
+    """The Ray actor (made remote in `place_actors`): one engine server on its node."""
 
-    def start(self, model: str, device: str, dtype: str, extra: list[str], log_path: str, api_key: str) -> dict:
+    def start(self, launcher: str, kwargs: dict) -> dict:
+        """Start the server with `launcher` ("module:function", returning an object with `url`
+        and `shutdown()`), listening on every address of the node."""
+        import importlib
+
         import ray
 
-        from vime.engine.launch import launch_engine
-
-        self.proc = launch_engine(
-            model, host="0.0.0.0", device=device, dtype=dtype, extra_args=extra, log_path=log_path, api_key=api_key
-        )
+        module, name = launcher.split(":")
+        self.proc = getattr(importlib.import_module(module), name)(host="0.0.0.0", **kwargs)
         ip = ray.util.get_node_ip_address()
         port = self.proc.url.rsplit(":", 1)[1]
         return {"url": f"http://{ip}:{port}", "node": socket.gethostname(), "ip": ip}
@@ -123,14 +127,11 @@ def resolve_launcher(args) -> str:
     than one node, so a multi-node `ray job submit` places engines and trainer ranks on its
     nodes; local otherwise (one machine keeps vime's own GPU layout, which Ray's books do not
     know: rank 0 holds a GPU they count as free), and where Ray cannot place the engines
-    (a backend without it, engines given by URL, --colocate)."""
+    (engines given by URL, --colocate)."""
     from importlib.util import find_spec
 
-    from vime.backends import BACKENDS
-
     in_job = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") is not None
-    placeable = BACKENDS[args.rollout_backend].ray_place is not None and not args.rollout_engine_urls
-    if not (in_job and placeable and not args.colocate and find_spec("ray") is not None):
+    if not (in_job and not args.rollout_engine_urls and not args.colocate and find_spec("ray") is not None):
         return "local"
     ray = join_cluster()
     nodes = sum(1 for n in ray.nodes() if n["Alive"])
@@ -156,9 +157,35 @@ def resolve_launcher(args) -> str:
 
 
 def place_ray(args, model_dir: Path, run_dir: Path) -> Placement:
-    """The built-in engine's placement on a Ray cluster: a placement group of one bundle per
-    engine, an `EngineHost` actor in each (all started at once), then what every placement
-    ends with (`placed`: each engine's facts, its transport, the rendezvous address)."""
+    """The built-in engine's placement on a Ray cluster (its row in vime/backends.py)."""
+    dtype = "float32" if trainer_device(args) == "cpu" else "bfloat16"
+
+    def engine_kwargs(i: int, device: str) -> dict:
+        extra = ["--max-num-seqs", str(args.engine_max_num_seqs), "--seed", str(args.rollout_seed + i)]
+        if args.engine_num_kv_blocks:
+            extra += ["--num-kv-blocks", str(args.engine_num_kv_blocks)]
+        return dict(model_path=str(model_dir), device=device, dtype=dtype, extra_args=extra)
+
+    def facts(url: str, api_key: str) -> dict:
+        return EngineClient(url, timeout=30, api_key=api_key).model_info()
+
+    return place_actors(args, run_dir, "vime.engine.launch:launch_engine", engine_kwargs, facts, "engine")
+
+
+def place_actors(
+    args,
+    run_dir: Path,
+    launcher: str,
+    engine_kwargs: Callable[[int, str], dict],
+    facts: Callable[[str, str], dict],
+    label: str,
+    substitute: dict[str, str] | None = None,
+) -> Placement:
+    """Engines as Ray actors: a placement group of one bundle per engine, an `EngineHost` actor
+    in each (all started at once) running `launcher(host=..., api_key=..., log_path=...,
+    **engine_kwargs(i, device))`, then what every placement ends with (`placed`: each engine's
+    `facts(url, api_key)`, its transport, `substitute`d where the backend lacks one, and the
+    rendezvous address)."""
     from ray.util.placement_group import remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -172,28 +199,28 @@ def place_ray(args, model_dir: Path, run_dir: Path) -> Placement:
     host = ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=0)(EngineHost)
     env = {"PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
     api_key = args.api_key or secrets.token_urlsafe(24)  # engines on other nodes listen on every address
-    dtype = "float32" if trainer == "cpu" else "bfloat16"
+    # Ray shows the actor its GPUs as devices 0..gpus-1 (CUDA_VISIBLE_DEVICES)
+    device = f"cuda:{','.join(map(str, range(gpus)))}" if gpus else "cpu"
 
     def launch_one(i: int) -> RayEngine:
-        extra = ["--max-num-seqs", str(args.engine_max_num_seqs), "--seed", str(args.rollout_seed + i)]
-        if args.engine_num_kv_blocks:
-            extra += ["--num-kv-blocks", str(args.engine_num_kv_blocks)]
         log_path = fresh_path(run_dir / f"engine{i}.log")
+        kwargs = dict(engine_kwargs(i, device), api_key=api_key, log_path=str(log_path))
         actor = host.options(
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
             runtime_env={"env_vars": env},
             name=f"vime-engine{i}-{secrets.token_hex(3)}",
         ).remote()
-        device = "cuda:0" if gpus else "cpu"  # Ray gives the actor its GPU as device 0
         try:
-            info = ray.get(actor.start.remote(str(model_dir), device, dtype, extra, str(log_path), api_key))
+            info = ray.get(actor.start.remote(launcher, kwargs))
         except ray.exceptions.RayError as e:
             ray.kill(actor, no_restart=True)
             cause = getattr(e, "cause", None) or e
             raise EngineError(
-                f"engine {i} did not start in its Ray actor: {' '.join(str(cause).split())[:400]}"
+                f"{label} {i} did not start in its Ray actor: {' '.join(str(cause).split())[:400]}"
             ) from None
-        log.info("engine %d: Ray actor on node %s (%s), %s, log %s", i, info["node"], info["ip"], info["url"], log_path)
+        log.info(
+            "%s %d: Ray actor on node %s (%s), %s, log %s", label, i, info["node"], info["ip"], info["url"], log_path
+        )
         return RayEngine(actor, info)
 
     try:
@@ -203,14 +230,19 @@ def place_ray(args, model_dir: Path, run_dir: Path) -> Placement:
         raise
     if not args.update_weights_master_address:  # engines on other nodes dial this one
         args.update_weights_master_address = ray.util.get_node_ip_address()
-
-    def facts(url: str) -> dict:
-        return EngineClient(url, timeout=30, api_key=api_key).model_info()
-
     try:
-        devices = [f"{e.node}:{'cuda:0' if gpus else 'cpu'}" for e in engines]  # node: device in its actor
+        devices = [f"{e.node}:{device}" for e in engines]  # node: device in its actor
         placement = placed(
-            args, trainer, devices, [e.url for e in engines], engines, api_key, launch_one, facts, "engine"
+            args,
+            trainer,
+            devices,
+            [e.url for e in engines],
+            engines,
+            api_key,
+            launch_one,
+            lambda url: facts(url, api_key),
+            label,
+            substitute,
         )
     except BaseException:
         remove_placement_group(group)

@@ -594,6 +594,7 @@ def server_command(
     model_path: str,
     *,
     port: int,
+    host: str = "127.0.0.1",
     device: str = "cpu",
     dtype: str = "float32",
     max_num_seqs: int = 256,
@@ -609,7 +610,7 @@ def server_command(
         "--model",
         str(model_path),
         "--host",
-        "127.0.0.1",
+        host,
         "--port",
         str(port),
         *SERVER_FLAGS,
@@ -648,6 +649,7 @@ def launch_vllm(
     device: str = "cpu",
     dtype: str = "float32",
     port: int | None = None,
+    host: str = "127.0.0.1",
     max_num_seqs: int = 256,
     seed: int = 0,
     cpu_cores: str | None = None,
@@ -664,7 +666,9 @@ def launch_vllm(
 
     Start-up takes a minute or more on CPU (imports, model load, warm-up), hence the long
     timeout; progress is printed every 15 s. `device` "cpu", "cuda:N" (the server sees only
-    GPU N) or "cuda:N,M,..." (one tensor-parallel engine over those GPUs). `api_key`: the key
+    GPU N) or "cuda:N,M,..." (one tensor-parallel engine over those GPUs), N counted among the
+    GPUs this process sees (its CUDA_VISIBLE_DEVICES, as Ray sets it for an actor). `host`: where
+    it listens, loopback unless other machines must reach it (a Ray actor's). `api_key`: the key
     every route but /health then requires (vllm_ext.require_api_key); default: a fresh one.
     Once up, the server generates one token, so a model vLLM cannot run fails here with vLLM's
     reason, not at the first rollout. On CPU, vLLM reserves `--gpu-memory-utilization` of the node's *CPU* memory unless
@@ -679,6 +683,7 @@ def launch_vllm(
     cmd = server_command(
         model_path,
         port=port,
+        host=host,
         device=device,
         dtype=dtype,
         max_num_seqs=max_num_seqs,
@@ -699,8 +704,10 @@ def launch_vllm(
         # an explicit choice wins: the argument, then vLLM's own variable if the user set it
         default = str(n - 1) if n <= 2 else f"{n // 2}-{n - 1}"
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores or os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or default
-    else:
-        env["CUDA_VISIBLE_DEVICES"] = gpus
+    else:  # the server sees only its GPUs: N of "cuda:N" is this process's N-th visible one
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else None
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[int(i)] if ids else i for i in gpus.split(","))
     with open(log_path, "w") as logf:
         # a session of its own: the API server and its workers form one process group to end
         proc = subprocess.Popen(
@@ -861,6 +868,35 @@ def place_vllm(args, model_dir: Path, run_dir: Path) -> Placement:
         return found
 
     return placed(args, trainer, devices, urls, engines, api_key, launch_one, facts, "vLLM engine", VLLM_TRANSPORTS)
+
+
+def place_vllm_ray(args, model_dir: Path, run_dir: Path) -> Placement:
+    """--rollout-backend vllm with --launcher ray: each server started by `launch_vllm` in a Ray
+    actor on its node (`ray_placement.place_actors`), checked and fed as `place_vllm`'s are.
+    The model directory must be at the same path on every node, as for the built-in engine."""
+    from vime.engine.ray_placement import place_actors
+
+    want = model_facts(model_dir)
+    dtype = "float32" if trainer_device(args) == "cpu" else "bfloat16"
+
+    def engine_kwargs(i: int, device: str) -> dict:
+        return dict(
+            model_path=str(model_dir),
+            device=device,
+            dtype=dtype,
+            max_num_seqs=args.engine_max_num_seqs,
+            seed=args.rollout_seed + i,
+            vllm_args=args.vllm_args,
+        )
+
+    def facts(url: str, api_key: str) -> dict:
+        found = VLLMClient(url, timeout=60, api_key=api_key).hello()
+        check_same_model(want, found, url)
+        return found
+
+    return place_actors(
+        args, run_dir, "vime.engine.vllm:launch_vllm", engine_kwargs, facts, "vLLM engine", VLLM_TRANSPORTS
+    )
 
 
 def _launch_for_run(args, model_dir: Path, run_dir: Path, i: int, dev: str, trainer: str, api_key: str) -> VLLMProcess:
