@@ -17,6 +17,11 @@ the bound of an async step, max(train + push, generation of one step's tokens at
 
     PYTHONPATH=. python3 bench/bench_ab.py --arms sync,one-step-off,fully-async,decoupled,sync-colocated   # nvidia-h200-x2
     PYTHONPATH=. python3 bench/bench_ab.py                   # one H200 (engine beside the trainer)
+    PYTHONPATH=. python3 bench/bench_ab.py --shape qwen3-4b  # the seed's model shape on one H200
+
+At the 4B shape the trainer (64 GB of float32 weights, gradients and Adam state) and the engine
+share one GPU only with less room each: activations recomputed (--gradient-checkpointing) and a
+KV pool of 4,000 blocks (64k tokens, 9.4 GB) instead of 12,000.
     PYTHONPATH=. python3 bench/bench_ab.py --device cpu --tiny --steps 3   # smoke test
 """
 
@@ -34,7 +39,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.shapes import QWEN3_0_6B, tiny_model_kwargs  # noqa: E402
+from bench.shapes import SHAPES, tiny_model_kwargs  # noqa: E402
 from vime.ab import run_arm  # noqa: E402
 from vime.datagen import write_dataset  # noqa: E402
 from vime.engine.client import EngineClient  # noqa: E402
@@ -43,7 +48,6 @@ from vime.metrics import mean  # noqa: E402
 from vime.models import make_tiny_model  # noqa: E402
 from vime.report import speed_table, summarize  # noqa: E402
 
-QWEN3_06B = tiny_model_kwargs(QWEN3_0_6B)  # the engine and trainer benches' shape
 TINY = dict(
     hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, max_position_embeddings=2048
 )
@@ -68,6 +72,9 @@ def main() -> int:
         help="the engine's device: auto = cuda:1 when two GPUs are visible, else cuda:0; or cpu",
     )
     p.add_argument("--tiny", action="store_true", help="tiny model (CPU smoke test)")
+    p.add_argument(
+        "--shape", choices=list(SHAPES), default="qwen3-0.6b", help="model shape, random weights (the benches' shapes)"
+    )
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--arms", default="sync,one-step-off,fully-async,decoupled")
     p.add_argument("--arm-timeout", type=float, default=150.0, help="seconds before an arm is given up")
@@ -81,16 +88,17 @@ def main() -> int:
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    work = Path("/tmp/vime-ab-work")
+    work = Path(f"/tmp/vime-ab-work-{'tiny' if a.tiny else a.shape}")  # one model per shape
     t0 = time.perf_counter()
     model = work / "model"
     if not (model / "config.json").exists():
-        make_tiny_model(model, arch="qwen3", seed=0, **(TINY if a.tiny else QWEN3_06B))
+        make_tiny_model(model, arch="qwen3", seed=0, **(TINY if a.tiny else tiny_model_kwargs(SHAPES[a.shape])))
     train, _ = write_dataset("gsm_symbolic", work / "data", n_train=2000, n_test=20, seed=0)
     print(f"[ab] model and data ready in {time.perf_counter() - t0:.0f} s", flush=True)
 
     big = not a.tiny
-    kv_blocks = 12000 if big else 2000
+    four_b = big and a.shape == "qwen3-4b"
+    kv_blocks = 4000 if four_b else 12000 if big else 2000
     import torch
 
     gpus = torch.cuda.device_count()
@@ -127,6 +135,7 @@ def main() -> int:
             "rollout_seed": 7,
             "seed": 7,
             "compile": a.compile,
+            "gradient_checkpointing": four_b,
         }
         cfg_path = work / "ab.yaml"
         cfg_path.write_text(yaml.safe_dump(cfg))
