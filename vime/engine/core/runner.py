@@ -124,6 +124,9 @@ class ModelRunner:
             for _ in range(2)
         ]
         self._launches = 0
+        # the last upload from the staging buffer: with steps overlapped it may still be queued
+        # behind the step before, so the buffer is not written again until it has run
+        self._uploaded: torch.cuda.Event | None = None
 
     # ---- graphs ------------------------------------------------------------------------
 
@@ -200,6 +203,8 @@ class ModelRunner:
         b = len(seqs)
         bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, b)]
         block = self.block_size
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
         pos = [s.num_computed for s in seqs]
         ids = [s.token_ids[-1] for s in seqs]
         pending = PENDING in ids
@@ -252,6 +257,9 @@ class ModelRunner:
     def _upload(self, bs: int) -> None:
         n = STAGED * self.max_bs + bs * self.width
         self.dev[:n].copy_(self.host[:n], non_blocking=True)
+        if self.device.type == "cuda":
+            self._uploaded = torch.cuda.Event()
+            self._uploaded.record(torch.cuda.current_stream(self.device))
 
     def _eager(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
         bs = self.block_size
