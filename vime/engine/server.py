@@ -94,12 +94,14 @@ class EngineServer:
                     self.pending.clear()
 
     def _deliver(self, outputs: Iterable) -> int:
+        """Hand each finished request to its waiting handler; returns how many were aborted (an
+        abort or pause also returns the requests that the step in flight finished)."""
         n = 0
         for out in outputs:
             fut = self.pending.pop(out.rid, None)
             if fut is not None:
                 self._resolve(fut, result=out)
-            n += 1
+            n += any(o.finish_reason == "abort" for o in out.outputs)
         return n
 
     def _resolve(self, fut: asyncio.Future, result: Any = None, error: BaseException | None = None) -> None:

@@ -324,10 +324,12 @@ class LLMEngine:
 
     def abort(self, rid: str | None = None) -> list[RequestOutput]:
         """Abort one request (unknown ids are ignored: it may have just finished) or, with
-        rid=None, all; returns their partial outputs with finish reason abort."""
+        rid=None, all; returns their partial outputs with finish reason abort, and the requests
+        that the step in flight finished."""
         self._drain()
         rids = list(self.requests) if rid is None else [rid] if rid in self.requests else []
-        outs = []
+        # the drain's finished requests go out with this answer: their ids are free again now
+        outs, self._backlog = self._backlog, []
         for r in rids:
             req = self.requests.pop(r)
             for s in req.seqs:
@@ -340,12 +342,16 @@ class LLMEngine:
 
     def pause(self, mode: str = "abort") -> list[RequestOutput]:
         """Stop stepping. mode=abort also aborts everything in flight (partial outputs returned);
-        in_place keeps requests and their KV, to continue after e.g. a weight update."""
+        in_place keeps requests and their KV, to continue after e.g. a weight update. Either way
+        the requests the step in flight finished are returned too."""
         if mode not in ("abort", "in_place"):
             raise ValueError(f"pause mode '{mode}': use abort or in_place")
         self._drain()
         self.paused = True
-        return self.abort() if mode == "abort" else []
+        if mode == "abort":
+            return self.abort()
+        outs, self._backlog = self._backlog, []
+        return outs
 
     def unpause(self) -> None:
         self.paused = False

@@ -414,7 +414,9 @@ if AVAILABLE:
         best = tl.max(top, axis=0)
         tok = tl.min(tl.where(top == best, idx, V), axis=0)
         t = tl.load(temp_ptr + row)
-        x = tl.load(logits_ptr + row.to(tl.int64) * V + tok).to(tl.float32) / tl.where(t == 0.0, 1.0, t)
+        x = tl.load(logits_ptr + row.to(tl.int64) * V + tok).to(tl.float32) * (
+            1.0 / tl.where(t == 0.0, 1.0, t)
+        )  # as the part kernel scales
         tl.store(tok_ptr + row, tok.to(tl.int64))
         tl.store(lp_ptr + row, x - lse)
 
