@@ -585,6 +585,29 @@ def test_preemption_keeps_greedy_outputs(model_dir, hf, tmp_path):
         assert out["output_ids"] == hf_greedy(hf, p, 20)
 
 
+def test_a_schedule_short_of_blocks_preempts_only_when_asked_to():
+    """With a step in flight the engine asks for a schedule without preemption: a sequence
+    that step ends may still hold blocks. Short of a block, that schedule takes nothing from
+    anyone and says so (None); the blocks it grew stay with their sequences."""
+    from vime.engine.core.kv_cache import BlockAllocator
+    from vime.engine.core.sampler import SamplingParams
+    from vime.engine.core.scheduler import Scheduler, Sequence
+
+    sched = Scheduler(BlockAllocator(num_blocks=3, block_size=4), max_num_seqs=4, max_num_batched_tokens=64)
+    a, b = (Sequence(r, list(range(10 * i, 10 * i + 4)), 4, SamplingParams(), frozenset()) for i, r in ((1, "a"), (2, "b")))
+    for seq in (a, b):
+        sched.add(seq)
+    assert [n for _, n in sched.schedule()] == [4, 4]  # two prompts of one block each
+    for seq in (a, b):
+        seq.num_computed += 4
+        seq.token_ids.append(7)
+    assert sched.schedule(preempt=False) is None  # a takes the last free block, b finds none
+    assert (len(a.block_table), len(b.block_table), sched.num_preemptions) == (2, 1, 0)
+    assert sched.running == [a, b] and not sched.waiting
+    assert [(s.rid, n) for s, n in sched.schedule()] == [("a", 1)]  # now b gives way
+    assert sched.num_preemptions == 1 and list(sched.waiting) == [b] and b.block_table == []
+
+
 def test_a_lower_priority_value_is_admitted_first_and_changes_no_output(model_dir, hf):
     """Eval's requests (priority -1) overtake the rollout backlog waiting for a seat, FIFO
     within a priority, and a request's tokens do not depend on when it was admitted."""
@@ -886,6 +909,17 @@ def overlap_checks(model_dir: str) -> None:
                 continue
             assert (a.output_ids, a.logprobs, a.finish_reason) == (b.output_ids, b.logprobs, b.finish_reason), rid
     assert one["stop_id"].outputs[0].finish_reason == "stop" and one["stop_id"].outputs[0].output_ids[-1] == ref_ids[4]
+    # B needs a block in the very step after the one A's length ends: A's blocks come back only
+    # when that step is booked, so an overlapped engine books it first instead of preempting B
+    for overlap in (False, True):
+        eng = LLMEngine(EngineConfig(model_dir, block_size=4, num_kv_blocks=4, max_num_seqs=2, overlap=overlap))
+        eng.add_request("a", PROMPTS[3][:4], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
+        eng.add_request("b", PROMPTS[2][:5], SamplingParams(max_new_tokens=11, temperature=0.0, ignore_eos=True))
+        done = {}
+        while eng.has_work():
+            done.update((o.rid, o) for o in eng.step())
+        assert eng.scheduler.num_preemptions == 0, overlap
+        assert [len(done[r].outputs[0].output_ids) for r in "ab"] == [4, 11]
     assert one["stop_str"].outputs[0].finish_reason == "stop" and len(one["stop_str"].outputs[0].output_ids) < 12
     assert [len(o.output_ids) for o in one["n3"].outputs] == [9, 9, 9]
 

@@ -274,6 +274,35 @@ def test_an_update_that_breaks_off_after_copying_stops_generation_until_a_whole_
     assert "before its last bucket" in engine.weights_incomplete and engine.weight_version == 3
 
 
+def test_requests_wait_while_a_bucketed_update_is_open(tiny_model):
+    """Between the buckets of one update (pushed without a pause) the weights are half old, half
+    new: the engine takes no step until the last bucket, then every token has the new version."""
+    from vime.engine.core.engine import EngineConfig, LLMEngine
+    from vime.engine.core.model import iter_safetensors
+    from vime.engine.core.sampler import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model_path=str(tiny_model), num_kv_blocks=64, cuda_graphs=False))
+    assert engine.add_request("r", [5, 6, 7], SamplingParams(max_new_tokens=6, ignore_eos=True)) is None
+    engine.step()
+    engine.step()
+    seq = engine.requests["r"].seqs[0]
+    made = len(seq.output_ids)
+    assert made >= 1
+    weights = [(n, t + 0.01) for n, t in iter_safetensors(tiny_model)]
+    engine.update_weights(weights[:3], 1, flush=False)
+    assert not engine.has_work()
+    for _ in range(3):
+        assert engine.step() == []
+    assert len(seq.output_ids) == made
+    engine.update_weights(weights[3:], 1)
+    outs = []
+    while engine.has_work():
+        outs += engine.step()
+    (out,) = outs
+    versions = out.outputs[0].weight_versions
+    assert len(versions) == 6 and versions[:made] == [0] * made and versions[made:] == [1] * (6 - made)
+
+
 def test_a_port_in_use_is_one_line_before_the_model_loads(tiny_model):
     from vime.engine.server import main as serve_main
     from vime.errors import VimeError

@@ -238,8 +238,14 @@ class LLMEngine:
         )
 
     def _may_step(self) -> bool:
-        """Requests kept in place through a failed update wait: no token comes from mixed weights."""
-        return not self.paused and self.kv_cache.allocated and self.weights_incomplete is None
+        """No token comes from mixed weights: requests wait while a bucketed update is open
+        (some buckets copied, its last one not yet) and after one failed part-way."""
+        return (
+            not self.paused
+            and self.kv_cache.allocated
+            and self.weights_incomplete is None
+            and not self._update_open
+        )
 
     def step(self) -> list[RequestOutput]:
         """Launch one model step and book the one before it (without overlap: this one); returns
@@ -247,7 +253,10 @@ class LLMEngine:
         outs, self._backlog = self._backlog, []
         if not self._may_step():
             return outs + self._book_inflight()
-        scheduled = self.scheduler.schedule()
+        scheduled = self.scheduler.schedule(preempt=self._inflight is None)
+        if scheduled is None:  # blocks are short: the step in flight may end sequences that hold some
+            outs += self._book_inflight()
+            scheduled = self.scheduler.schedule()
         if self._inflight is not None and not (scheduled and self.runner.is_decode(scheduled)):
             # this step reads tokens, or there is none: the one in flight first
             outs += self._book_inflight()

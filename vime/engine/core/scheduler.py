@@ -62,12 +62,14 @@ class Scheduler:
             i -= 1
         self.waiting.insert(i, seq)
 
-    def schedule(self) -> list[tuple[Sequence, int]]:
+    def schedule(self, preempt: bool = True) -> list[tuple[Sequence, int]] | None:
         """Pick (sequence, number of new tokens) for one step.
 
         Running sequences go first, oldest first; when one needs a block and none is free, the
-        newest running sequence is preempted (possibly itself). New sequences are admitted only
-        in steps without preemption, while seats, blocks and the token budget allow.
+        newest running sequence is preempted (possibly itself), or with `preempt=False` nothing
+        is and None comes back: the engine first books the step in flight, whose ended
+        sequences still hold blocks. New sequences are admitted only in steps without
+        preemption, while seats, blocks and the token budget allow.
         """
         budget = self.max_num_batched_tokens
         out: list[tuple[Sequence, int]] = []
@@ -80,6 +82,8 @@ class Scheduler:
             end = seq.num_computed + n
             # The cheap tests first: most decode steps need no new block and fill no block.
             while len(seq.block_table) * bs < end and not self._grow(seq, end):
+                if not preempt:
+                    return None  # the blocks grown so far are kept: these sequences need them
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
