@@ -178,6 +178,46 @@ def test_one_rank_defers_gradient_reduction_exactly(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gradient_checkpointing_on_cuda_gives_the_gradients_of_none(tmp_path):
+    """--gradient-checkpointing on CUDA (bf16, varlen FlashAttention, one FSDP2 rank): the
+    backward's recomputation saves what the forward saved, also when the forward is the first
+    one (varlen attention is tried once, inside it), and the gradients are bit for bit those
+    without checkpointing."""
+    from test_actor import make_args, make_samples
+
+    from vime.trainer import packing
+    from vime.trainer.distributed import launch_actor
+
+    model = make_tiny_model(tmp_path / "m", arch="qwen3", seed=0)
+    samples = make_samples(6)
+    advantages = [1.0, -0.5, 0.25, -1.0, 2.0, -0.75]
+    args = make_args(global_batch_size=6, max_tokens_per_gpu=24, gradient_checkpointing=True, compile=False)
+    actor = launch_actor(args, model, "cuda:0")
+    local = actor.local
+    try:
+
+        def grads() -> dict[str, torch.Tensor]:
+            local.optimizer.zero_grad(set_to_none=True)
+            local.accumulate_gradients(samples, advantages, None)
+            return {n: p.grad.full_tensor().cpu() for n, p in local.model.named_parameters()}
+
+        layers = local.model.get_decoder().layers
+        calls = [0]
+        layers[0].mlp.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        local.scorer.train()  # as train_step runs it: checkpointing applies in training mode only
+        packing._varlen_ok.clear()  # the first forward tries varlen attention again
+        checkpointed = grads()
+        assert packing._varlen_ok and calls[0] == 2 * len(local._plan(samples))  # forward + recompute
+        for layer in layers:
+            layer.gradient_checkpointing = False
+        plain = grads()
+    finally:
+        actor.close()
+    assert all(torch.equal(checkpointed[n], plain[n]) for n in plain)
+    assert any(plain[n].abs().sum() > 0 for n in plain)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_gradient_taken_in_the_head_forward_is_exact_on_cuda(tmp_path):
     """On CUDA (Triton head kernels, bf16 compute, one FSDP2 rank) the loss's gradient taken
     per head chunk in the forward (`chunked_loss`, the default) equals bit for bit the one

@@ -179,9 +179,17 @@ _VARLEN = _varlen_kwargs() if torch.cuda.is_available() else None
 _varlen_ok: dict[torch.device, bool] = {}
 
 
+def _same(t: Tensor) -> Tensor:
+    return t
+
+
 def _varlen_usable(device: torch.device) -> bool:
     """Whether varlen FlashAttention runs forward *and* backward here, tried once per device on
-    a tiny input, so a build without the kernel (or its backward) falls back before training."""
+    a tiny input, so a build without the kernel (or its backward) falls back before training.
+
+    The first try happens inside the first layer's forward, which activation checkpointing may
+    be recording: the try's own saved tensors go through identity hooks, not the checkpoint's,
+    or the recomputation (which does not try again) would save fewer tensors and fail."""
     if device not in _varlen_ok:
         ok = _VARLEN is not None
         if ok:
@@ -191,7 +199,7 @@ def _varlen_usable(device: torch.device) -> bool:
                 q = torch.randn(8, 2, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
                 k = torch.randn(8, 1 if "enable_gqa" in _VARLEN else 2, 64, device=device, dtype=torch.bfloat16)
                 cu = torch.tensor([0, 3, 8], dtype=torch.int32, device=device)
-                with torch.enable_grad():
+                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
                     varlen_attn(q, k, k, cu, cu, 5, 5, **_VARLEN).sum().backward()
             except (RuntimeError, TypeError, ValueError, NotImplementedError) as e:
                 log.warning(
