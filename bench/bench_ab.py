@@ -12,6 +12,10 @@ Arm `sync-colocated` (two GPUs) is the fair baseline for a disaggregated A/B: sy
 the trainer on both GPUs (FSDP2, 2 ranks) and one engine on each GPU, time-shared, so no GPU
 idles while the other works.
 
+Arm `sync-release` is sync with `--colocate`: the engine gives its GPU memory back (weights to
+host memory, KV pool unmapped) for every train step and takes it again before the push, which
+is what a colocated run pays per step.
+
 Also measured: the engine's throughput at full load (many long requests at once), which gives
 the bound of an async step, max(train + push, generation of one step's tokens at full load).
 
@@ -149,9 +153,11 @@ def main() -> int:
             extra: list[str] = []
             if arm == "sync-colocated":  # trainer ranks on both GPUs, an engine beside each
                 extra = ["--actor-num-gpus-per-node", "2", "--rollout-engine-urls", f"{second.url},{engine.url}"]
+            if arm == "sync-release":
+                extra = ["--colocate"]
             try:
                 d = run_arm(
-                    arm.removesuffix("-colocated"),
+                    arm.removesuffix("-colocated").removesuffix("-release"),
                     str(cfg_path),
                     f"{stamp}-{arm}",
                     str(runs),
