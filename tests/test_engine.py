@@ -594,7 +594,9 @@ def test_a_schedule_short_of_blocks_preempts_only_when_asked_to():
     from vime.engine.core.scheduler import Scheduler, Sequence
 
     sched = Scheduler(BlockAllocator(num_blocks=3, block_size=4), max_num_seqs=4, max_num_batched_tokens=64)
-    a, b = (Sequence(r, list(range(10 * i, 10 * i + 4)), 4, SamplingParams(), frozenset()) for i, r in ((1, "a"), (2, "b")))
+    a, b = (
+        Sequence(r, list(range(10 * i, 10 * i + 4)), 4, SamplingParams(), frozenset()) for i, r in ((1, "a"), (2, "b"))
+    )
     for seq in (a, b):
         sched.add(seq)
     assert [n for _, n in sched.schedule()] == [4, 4]  # two prompts of one block each

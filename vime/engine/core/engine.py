@@ -240,12 +240,7 @@ class LLMEngine:
     def _may_step(self) -> bool:
         """No token comes from mixed weights: requests wait while a bucketed update is open
         (some buckets copied, its last one not yet) and after one failed part-way."""
-        return (
-            not self.paused
-            and self.kv_cache.allocated
-            and self.weights_incomplete is None
-            and not self._update_open
-        )
+        return not self.paused and self.kv_cache.allocated and self.weights_incomplete is None and not self._update_open
 
     def step(self) -> list[RequestOutput]:
         """Launch one model step and book the one before it (without overlap: this one); returns
