@@ -857,9 +857,10 @@ def interpreted_checks(model_dir: str) -> None:
 
 def overlap_checks(model_dir: str) -> None:
     """Overlapped steps (a step launched before the one before it is booked) give what one step
-    at a time gives, bit for bit: through stop tokens and stop strings that end sequences a step
-    early, length limits, n > 1 with seeds, a request added and one aborted mid-way, preemption
-    for lack of blocks and prefix-cache hits on generated text."""
+    at a time gives (tokens and finish reasons exactly, log-probs within 1e-5): through stop
+    tokens and stop strings that end sequences a step early, length limits, n > 1 with seeds, a
+    request added and one aborted mid-way, preemption for lack of blocks and prefix-cache hits
+    on generated text."""
     from vime.engine.core.engine import EngineConfig, LLMEngine
     from vime.engine.core.sampler import SamplingParams
     from vime.engine.core.scheduler import PENDING
@@ -909,7 +910,12 @@ def overlap_checks(model_dir: str) -> None:
             if rid == "aborted":  # cut where the abort fell, which may differ by the step in flight
                 assert a.finish_reason == b.finish_reason == "abort"
                 continue
-            assert (a.output_ids, a.logprobs, a.finish_reason) == (b.output_ids, b.logprobs, b.finish_reason), rid
+            # Token ids and finish reasons are exact. Log-probs within 1e-5: which rows share a
+            # step (and so a GEMM) differs between the two schedules, and how that rounds depends
+            # on the CPU (one machine in three saw 1e-6 on one token).
+            assert (a.output_ids, a.finish_reason) == (b.output_ids, b.finish_reason), rid
+            assert len(a.logprobs) == len(b.logprobs), rid
+            assert max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs)), default=0.0) < 1e-5, rid
     assert one["stop_id"].outputs[0].finish_reason == "stop" and one["stop_id"].outputs[0].output_ids[-1] == ref_ids[4]
     # B needs a block in the very step after the one A's length ends: A's blocks come back only
     # when that step is booked, so an overlapped engine books it first instead of preempting B
