@@ -443,6 +443,32 @@ def test_train_step_splits_into_global_batches_with_kl_tis_and_dr_grpo(tiny_mode
         a.train_step(samples[:3], [0.0] * 3)
 
 
+def test_train_step_splits_its_diagnostics_by_staleness(tiny_model):
+    """Tokens drawn 0, 1 and 5 versions before the trained one land in buckets 0, 1 and 4+;
+    each bucket's log-prob gap is that of its own tokens, and a sample with no versions is in
+    none of them."""
+    a = Actor(make_args(use_tis=True), tiny_model)
+    a.optimizer_steps = 5  # the policy version this step trains
+    samples = make_samples(4)
+    exact = a.compute_log_probs(samples)
+    gaps = {0: 0.0, 1: 0.3, 4: 1.0}
+    for s, lp, (bucket, version) in zip(samples, exact, [(0, 5), (1, 4), (4, 0), (None, None)]):
+        s.rollout_log_probs = [float(x) - gaps.get(bucket, 0.0) for x in lp]
+        s.weight_versions = None if version is None else [version] * s.response_length
+    m = a.train_step(samples, [1.0, -1.0, 0.5, -0.5])
+    assert set(k.split("/")[1] for k in m if k.startswith("stale/")) == {"0", "1", "4+"}
+    for bucket, label in ((0, "0"), (1, "1"), (4, "4+")):
+        assert abs(m[f"stale/{label}/train_rollout_logprob_abs_diff"] - gaps[bucket]) < 1e-4, label
+        assert abs(m[f"stale/{label}/log_ratio_sq"] - gaps[bucket] ** 2) < 1e-4, label
+    assert abs(m["stale/4+/is_weight"] - 2.0) < 1e-4  # e^1 truncated at --tis-clip 2
+    assert m["stale/4+/is_clipfrac"] == 1.0 and m["stale/0/is_clipfrac"] == 0.0
+    lengths = [s.response_length for s in samples]
+    assert m["stale/1/response_len"] == lengths[1] and m["stale/4+/response_len"] == lengths[2]
+    shares = [m[f"stale/{b}/token_share"] for b in ("0", "1", "4+")]
+    assert abs(sum(shares) - 1.0) < 1e-6 and abs(shares[0] - lengths[0] / sum(lengths[:3])) < 1e-6
+    assert not any(k.startswith("train/_stale") for k in m)
+
+
 def test_sft_step_lowers_the_loss(tiny_model):
     a = Actor(make_args(lr=1e-2), tiny_model)
     samples = make_samples(3)

@@ -42,6 +42,10 @@ def test_json_and_list_flags():
         (["--apply-chat-template-kwargs", "{not json"], "--apply-chat-template-kwargs"),
         (["--num-rollout", "two"], "--num-rollout"),
         (["--partial-rollout"], "--max-staleness"),
+        (["--update-in-flight", "abort"], "has nothing in flight at a push"),
+        (["--partial-rollout", "--update-in-flight", "abort"], "give one"),
+        (["--off-policy-correction", "m2po", "--m2-threshold", "0.1"], "--off-policy-correction custom"),
+        (["--m2-threshold", "0"], "--m2-threshold"),
         (["--max-staleness", "0", "--update-weights-interval", "2"], "raise --max-staleness to 1"),
         (
             [
@@ -135,6 +139,23 @@ def test_the_mode_is_derived_in_one_place(entry, extra, mode, fn):
     args = parse_args([*BASE, *extra], entry=entry)
     assert (args.mode, args.rollout_function_path) == (mode, fn)
     assert args.to_dict()["mode"] == mode and "runtime" not in args.to_dict()
+
+
+def test_what_a_push_does_to_the_groups_in_flight():
+    """--partial-rollout is --update-in-flight resume, in fully-async runs too; m2po is a
+    correction of its own, picked by name or by giving its threshold."""
+    fully = ["--rollout-function-path", FULLY_ASYNC_FN]
+    assert parse_args([*BASE, *fully], entry="async").update_in_flight == "keep"
+    assert parse_args([*BASE, *fully, "--partial-rollout"], entry="async").update_in_flight == "resume"
+    assert (
+        parse_args([*BASE, "--max-staleness", "2", "--update-in-flight", "abort"], entry="async").update_in_flight
+        == "abort"
+    )
+    m2po = parse_args([*BASE, *fully, "--off-policy-correction", "m2po"], entry="async")
+    assert (m2po.m2_threshold, m2po.use_tis) == (0.04, False) and "0.04" in m2po.correction_summary()
+    mine = parse_args([*BASE, *fully, "--m2-threshold", "0.1"], entry="async")
+    assert (mine.off_policy_correction, mine.m2_threshold) == ("custom", 0.1)
+    assert parse_args([*BASE, *fully], entry="async").m2_threshold is None  # tis, the default, has none
 
 
 def test_every_modes_ab_arm_runs_that_mode_and_every_backend_row_resolves():

@@ -14,6 +14,7 @@ from vime.trainer.loss import (
     compute_advantages,
     kl_penalty,
     policy_loss,
+    second_moment_mask,
 )
 
 TIS = OffPolicyCorrection(use_tis=True, tis_clip=2.0)
@@ -249,6 +250,34 @@ def test_decoupled_ppo_clip_against_the_proximal_policy_weight_against_the_behav
     dropped, _ = policy_loss(*args, eps_clip=0.2, rollout_log_probs=rollout_for(0.5, 6), correction=capped)
     assert close(tis, 0.5) and close(kept, 1.3) and close(dropped, -0.3)
     assert close(m["pg_clipfrac"], 1.0)  # both tokens on the clipped side: the clip acts on π/π_prox
+
+
+def test_m2po_masks_the_largest_second_moments_until_the_mean_is_in_bounds():
+    # (log w)² of the loss tokens: 0.01, 0.25, 0.0025, 4.0, 0.09 (the 6th token is no loss token).
+    # Sorted: 0.0025, 0.01, 0.09, 0.25, 4.0; prefix means 0.0025, 0.00625, 0.034, 0.088, 0.87:
+    # at 0.04 the three smallest stay, at 0.1 four, at 1 all five, at 1e-4 none
+    log_w = torch.tensor([0.1, -0.5, 0.05, 2.0, 0.3, 0.7])
+    mask = torch.tensor([1.0, 1, 1, 1, 1, 0])
+    assert second_moment_mask(log_w, mask, 0.04).tolist() == [1, 0, 1, 0, 1, 0]
+    assert second_moment_mask(log_w, mask, 0.1).tolist() == [1, 1, 1, 0, 1, 0]
+    assert second_moment_mask(log_w, mask, 1.0).tolist() == [1, 1, 1, 1, 1, 0]
+    assert second_moment_mask(log_w, mask, 1e-4).tolist() == [0] * 6
+    # in the loss: masked tokens weigh 0, kept ones 1 (no reweighting), the denominator stays
+    correction = OffPolicyCorrection(m2_threshold=0.04)
+    assert correction.active and correction.per_sequence  # the mask needs the whole micro-batch
+    loss, m = policy_loss(
+        torch.zeros(6),
+        torch.zeros(6),
+        torch.ones(6),
+        mask,
+        eps_clip=0.2,
+        rollout_log_probs=-log_w,
+        correction=correction,
+    )
+    assert close(loss, -3 / 5)
+    assert close(m["m2_maskfrac"], 2 / 5) and close(m["m2"], (0.01 + 0.25 + 0.0025 + 4.0 + 0.09) / 5)
+    with pytest.raises(ValueError):
+        OffPolicyCorrection(m2_threshold=0.0)
 
 
 def test_token_rejection_drops_without_reweighting():

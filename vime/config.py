@@ -38,13 +38,15 @@ ENTRIES = ("sync", "async", "eval")  # train.py, train_async.py, vime eval
 
 # What each --off-policy-correction sets (the flags are slime's); "none" turns both off.
 # tis: slime's --use-tis defaults; icepop: IcePop's band [0.5, 5]; decoupled-ppo: AReaL's
-# behaviour-weight cap of 5, nothing below it touched.
-_NO_CORRECTION = {"use_tis": False, "use_rs": False}
+# behaviour-weight cap of 5, nothing below it touched; m2po: M2PO's second-moment trust region
+# at the paper's threshold (0.04).
+_NO_CORRECTION = {"use_tis": False, "use_rs": False, "m2_threshold": None}
 CORRECTIONS: dict[str, dict[str, Any]] = {
     "none": _NO_CORRECTION,
     "tis": {**_NO_CORRECTION, "use_tis": True, "tis_mode": "truncate", "tis_clip": 2.0, "tis_clip_low": 0.0},
     "icepop": {**_NO_CORRECTION, "use_tis": True, "tis_mode": "mask", "tis_clip": 5.0, "tis_clip_low": 0.5},
     "decoupled-ppo": {**_NO_CORRECTION, "use_tis": True, "tis_mode": "mask", "tis_clip": 5.0, "tis_clip_low": 0.0},
+    "m2po": {**_NO_CORRECTION, "m2_threshold": 0.04},
 }
 # the correction auto picks in every mode that can train stale samples
 ASYNC_CORRECTION = "tis"
@@ -211,13 +213,22 @@ class Config:
     )
     partial_rollout: bool = _f(
         False,
-        "decoupled mode: abort in-flight requests at each push and resume them from their tokens (instead of pausing in place)",
+        "slime's name for --update-in-flight resume: abort in-flight requests at each push and resume them from their tokens",
+        group="async",
+    )
+    update_in_flight: str = _f(
+        "keep",
+        "fully-async and decoupled: what a weight push does to the groups being generated. keep: paused in place, they "
+        "go on with the new weights (their earlier tokens stay the old ones'); abort: aborted and generated again from "
+        "the start with the new weights (the seed system's worker); resume: aborted and continued from their tokens "
+        "(--partial-rollout)",
+        ("keep", "abort", "resume"),
         group="async",
     )
     # --- rewards ---
     rm_type: str = _f(
         "math",
-        "built-in reward: math (1/0), dapo (1/-1), boxed_math, math_shaped (1, or up to 0.5 for a wrong number by its closeness), reasoning_gym (the task's own scorer, for rows of `vime data --task rg:<name>`)",
+        "built-in reward: math (1/0), exact (1/0, the normalized answer string must equal the label: lists, words), dapo (1/-1), boxed_math, math_shaped (1, or up to 0.5 for a wrong number by its closeness), reasoning_gym (the task's own scorer, for rows of `vime data --task rg:<name>`)",
         group="rewards",
     )
     custom_rm_path: str | None = _f(
@@ -327,9 +338,10 @@ class Config:
         "how samples from older weights (or other kernels) are corrected: auto = none in sync and at --max-staleness 0, "
         f"else {ASYNC_CORRECTION} (chosen by a sweep over seeds: bench/RESULTS.md); none; "
         "tis = --use-tis, weight π_old/π_rollout clamped to [0, 2]; icepop = weight kept in [0.5, 5], tokens outside it "
-        "masked; decoupled-ppo = AReaL's, weight kept up to 5, tokens above it masked; custom = exactly what "
-        "--use-tis/--use-rs and their bounds say (auto becomes custom when either is given)",
-        ("auto", "none", "tis", "icepop", "decoupled-ppo", "custom"),
+        "masked; decoupled-ppo = AReaL's, weight kept up to 5, tokens above it masked; m2po = --m2-threshold 0.04, the "
+        "tokens of largest (log π_old/π_rollout)² masked until the rest's mean is at most 0.04; custom = exactly what "
+        "--use-tis/--use-rs/--m2-threshold and their bounds say (auto becomes custom when one is given)",
+        ("auto", "none", "tis", "icepop", "decoupled-ppo", "m2po", "custom"),
         group="algorithm",
     )
     use_tis: bool = _f(
@@ -376,6 +388,12 @@ class Config:
         None,
         "drop a whole sequence in which any loss token's π_old/π_rollout is below this (e.g. 1e-4): a token the "
         "trainer finds far less likely than the engine did marks a numerical failure, not staleness",
+        group="algorithm",
+    )
+    m2_threshold: float | None = _f(
+        None,
+        "M2PO: mask the tokens of largest (log π_old/π_rollout)² until the rest's mean is at most this (the paper's 0.04); "
+        "a trust region on how far the weights moved since sampling that keeps all but the outliers",
         group="algorithm",
     )
     # --- LoRA ---
@@ -706,6 +724,13 @@ class Config:
                     f"--over-sampling-batch-size is the sync batch's round of prompts; the fully-async worker ({self.mode}) "
                     "keeps --rollout-concurrency groups in flight instead: give that, or drop the flag"
                 )
+            if self.partial_rollout:
+                self.update_in_flight = "resume"
+            if self.update_in_flight != "keep" and self.rollout_function_path != FULLY_ASYNC_FN:
+                raise ConfigError(
+                    f"--update-in-flight {self.update_in_flight} acts on the fully-async worker's groups, and this run "
+                    f"({self.mode}) has nothing in flight at a push: use the fully-async rollout function or --max-staleness K"
+                )
             if self.tis_level != "token" and not self.use_tis:
                 raise ConfigError(
                     f"--tis-level {self.tis_level} weighs TIS per sequence, and this run has no TIS "
@@ -738,7 +763,7 @@ class Config:
         sample can be stale; sync and --max-staleness 0 train what sync trains, uncorrected."""
         chosen = self.off_policy_correction
         if chosen == "auto":
-            if self.use_tis or self.use_rs:
+            if self.use_tis or self.use_rs or self.m2_threshold is not None:
                 chosen = "custom"
             elif not MODES[self.mode].overlaps or self.max_staleness == 0 or self.use_rollout_logprobs:
                 chosen = "none"
@@ -767,9 +792,13 @@ class Config:
             if self.rs_veto_threshold is not None
             else ""
         )
-        if not (self.use_tis or self.use_rs):
+        if not (self.use_tis or self.use_rs or self.m2_threshold is not None):
             return "off-policy correction: none" + veto
         parts = []
+        if self.m2_threshold is not None:
+            parts.append(
+                f"tokens of largest (log π_old/π_rollout)² masked until the rest's mean is ≤ {self.m2_threshold:g}"
+            )
         if self.use_tis:
             band = f"[{self.tis_clip_low:g}, {self.tis_clip:g}]"
             parts.append(
@@ -1021,6 +1050,10 @@ def _train_checks(c: Config, entry: str) -> list[tuple[bool, str]]:
             "--custom-loss-function-path is used with --loss-type custom_loss: add it, or drop the path",
         ),
         (
+            c.m2_threshold is not None and not c.m2_threshold > 0,
+            f"--m2-threshold {c.m2_threshold} must be above 0 (M2PO's paper uses 0.04)",
+        ),
+        (
             c.rs_veto_threshold is not None and not 0 < c.rs_veto_threshold < 1,
             f"--rs-veto-threshold {c.rs_veto_threshold} must be between 0 and 1 (a ratio far below 1, e.g. 1e-4)",
         ),
@@ -1038,8 +1071,8 @@ def _train_checks(c: Config, entry: str) -> list[tuple[bool, str]]:
             f"--rs-lower-bound {c.rs_lower_bound} must be >= 0 and below --rs-upper-bound {c.rs_upper_bound}",
         ),
         (
-            c.partial_rollout and c.max_staleness is None,
-            "--partial-rollout only applies to decoupled training: add --max-staleness K",
+            c.partial_rollout and c.update_in_flight not in ("keep", "resume"),
+            f"--partial-rollout is --update-in-flight resume, and --update-in-flight is {c.update_in_flight}: give one",
         ),
         (c.rollout_concurrency is not None and c.rollout_concurrency < 1, "--rollout-concurrency must be at least 1"),
         (c.max_tokens_per_gpu < 1, "--max-tokens-per-gpu must be at least 1"),

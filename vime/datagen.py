@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,7 +24,7 @@ from vime.rollout.data_source import DataError
 
 INSTRUCTION = "Give the final answer after 'Answer:'."
 
-Question = tuple[str, int]  # (question text, integer answer)
+Question = tuple[str, int | str]  # (question text, answer: an integer, or the exact text of a list)
 
 
 def basic_arithmetic(rng: random.Random, max_int: int = 100) -> Question:
@@ -128,11 +129,27 @@ def addition(rng: random.Random, digits: int = 2) -> Question:
     return f"{a}+{b}=", a + b
 
 
+def list_range(rng: random.Random, min_len: int = 2, max_len: int = 64, max_start: int = 100) -> Question:
+    """`List the integers from a to b`: the answer is the whole list, so its length is set by the
+    question and no policy can shorten it. Lengths are log-uniform in [min_len, max_len]: most
+    lists are short, a few are long, as in a task with a long tail of long answers. The label
+    is the list joined by ", "; grade it with `--rm-type exact` (math-verify reads a list as a
+    set, so a wrong order would pass)."""
+    length = round(math.exp(rng.uniform(math.log(min_len), math.log(max_len))))
+    a = rng.randint(1, max_start)
+    items = ", ".join(str(i) for i in range(a, a + length))
+    return (
+        f"List the integers from {a} to {a + length - 1} in increasing order, separated by commas. {INSTRUCTION}",
+        items,
+    )
+
+
 TASKS: dict[str, Callable[..., Question]] = {
     "basic_arithmetic": basic_arithmetic,
     "chain_sum": chain_sum,
     "gsm_symbolic": gsm_symbolic,
     "addition": addition,
+    "list_range": list_range,
 }
 
 

@@ -220,8 +220,8 @@ class Run:
     def push_weights(self, step: int, count: bool = True) -> dict[str, float]:
         """pause → push → continue: the engines get the current policy version, which they
         stamp on every token from now on. In-flight requests wait in place (their next tokens
-        come from the new weights), except with --partial-rollout, where they are aborted and
-        resumed. `count=False`: a resumed run's weights re-sent, not a push of training. A failed
+        come from the new weights), unless --update-in-flight aborts them (the fully-async worker
+        then generates them again, or with resume continues them). `count=False`: a resumed run's weights re-sent, not a push of training. A failed
         push stops the run with the engine's URL and the step."""
         t0 = time.perf_counter()
         runtime = self.args.runtime
@@ -235,7 +235,7 @@ class Run:
                 raise EngineError(f"step {step}: {runtime.no_engine_message()}")
             self.pusher.set_engines([e.client for e in engines], [e.transport for e in engines])
             try:
-                with self.generation_paused("abort" if self.args.partial_rollout else "in_place"):
+                with self.generation_paused("in_place" if self.args.update_in_flight == "keep" else "abort"):
                     metrics = self._push_to(engines)
                 break
             except EngineError as e:

@@ -7,8 +7,9 @@ slow requests (the long tail) never hold a step up.
 
 Rules the worker keeps:
 * at most `--rollout-concurrency` groups in flight (default: 2 × rollout-batch-size);
-* a group with an aborted sample goes back to the data source (or, with `--partial-rollout`,
-  its aborted samples resume from the tokens they already have);
+* a group with an aborted sample (`--update-in-flight abort` aborts them at every push) goes
+  back to the data source, to be generated again from the start; with `--update-in-flight
+  resume` (`--partial-rollout`) its aborted samples continue from the tokens they already have;
 * a batch is the finished groups of lowest group index (the data order), handed out sorted
   by it, never in the order they happened to finish;
 * without a staleness bound, back-pressure: no new prompt is taken while a full batch of
@@ -138,7 +139,7 @@ class AsyncRolloutWorker:
         try:
             group = await generate_samples(args, group, params, fn)
             while any(s.status == Status.ABORTED for s in group):
-                if not args.partial_rollout or self._stale(group, self.next_rollout):
+                if args.update_in_flight != "resume" or self._stale(group, self.next_rollout):
                     with self.cond:
                         self.data_source.add_samples([group])
                         self.counts["requeued"] += 1

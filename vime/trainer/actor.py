@@ -34,7 +34,7 @@ from vime.rollout.types import Sample
 from vime.trainer import checkpoint
 from vime.trainer.logprobs import ChunkLoss, chunked_log_probs, chunked_loss
 from vime.trainer.lora import LoraSpec, add_adapters, is_adapter, merged
-from vime.trainer.loss import LossInputs, Objective
+from vime.trainer.loss import STALENESS_BUCKETS, STALENESS_STATS, LossInputs, Objective, bucket_label
 from vime.trainer.optim import LRSchedule, make_optimizer, set_lr_and_decay
 from vime.trainer.packing import (
     PAD_BUCKETS,
@@ -93,9 +93,12 @@ class _StepTokens:
     has_rollout_lps: list[Tensor]  # the mask where it did, else zeros
     num_tokens: float  # loss tokens in the step
     weights: list[Tensor]  # 1 / the sample's loss tokens on each of its tokens (the sample-mean loss)
+    staleness: list[Tensor] | None  # per token: the trained version minus the one that sampled it (-1: unknown)
 
     @classmethod
-    def of(cls, samples: list[Sample]) -> _StepTokens:
+    def of(cls, samples: list[Sample], version: int | None = None) -> _StepTokens:
+        """`version`: the policy version the step trains (its weights' optimizer-step count);
+        None leaves staleness out."""
         masks = [torch.tensor(s.effective_loss_mask(), dtype=torch.float32) for s in samples]
         rollout_lps = [
             torch.tensor(
@@ -106,7 +109,18 @@ class _StepTokens:
         ]
         has = [m if s.rollout_log_probs is not None else torch.zeros_like(m) for s, m in zip(samples, masks)]
         weights = [torch.full_like(m, 1.0 / max(float(m.sum()), 1.0)) for m in masks]
-        return cls(masks, rollout_lps, has, float(sum(m.sum() for m in masks)), weights)
+        staleness = None
+        if version is not None:
+            staleness = [
+                torch.tensor(
+                    [version - v for v in s.weight_versions]
+                    if s.weight_versions is not None and len(s.weight_versions) == s.response_length
+                    else [-1] * s.response_length,
+                    dtype=torch.float32,
+                )
+                for s in samples
+            ]
+        return cls(masks, rollout_lps, has, float(sum(m.sum() for m in masks)), weights, staleness)
 
 
 # one advantage per sample (spread over its response tokens), or one tensor of per-token
@@ -133,6 +147,36 @@ def _as_advantages(samples: list[Sample], advantages: Advantages) -> Tensor | li
     if len(samples) != len(flat):
         raise ValueError(f"{len(samples)} samples but {len(flat)} advantages")
     return flat
+
+
+def staleness_metrics(
+    metrics: dict[str, float], samples: list[Sample], first_version: int, global_batch_size: int
+) -> dict[str, float]:
+    """`stale/<b>/<stat>`: the loss's per-token sums of each staleness bucket (popped from
+    `metrics`) as means over the bucket's tokens, its share of the step's tokens, and the mean
+    response length of the samples whose oldest token falls in it. What stale samples do
+    differently from fresh ones shows here: how far the weights moved since they were drawn
+    (train_rollout_logprob_abs_diff, log_ratio_sq), how much the correction discounts them,
+    their advantages and entropy. Buckets with no token are left out."""
+    sums = {
+        k.removeprefix("train/_stale"): metrics.pop(k) for k in [k for k in metrics if k.startswith("train/_stale")]
+    }
+    total = sum(sums.get(f"{b}_n", 0.0) for b in range(STALENESS_BUCKETS))
+    out: dict[str, float] = {}
+    for b in range(STALENESS_BUCKETS):
+        n = sums.get(f"{b}_n", 0.0)
+        if n > 0:
+            label = bucket_label(b)
+            out[f"stale/{label}/token_share"] = n / total
+            out.update({f"stale/{label}/{stat}": sums[f"{b}_{stat}"] / n for stat in STALENESS_STATS})
+    lengths: dict[int, list[int]] = {}
+    for i, s in enumerate(samples):
+        if s.weight_versions:
+            lag = first_version + i // global_batch_size - min(s.weight_versions)
+            lengths.setdefault(min(max(lag, 0), STALENESS_BUCKETS - 1), []).append(s.response_length)
+    for b, ls in lengths.items():
+        out[f"stale/{bucket_label(b)}/response_len"] = sum(ls) / len(ls)
+    return out
 
 
 def _full(tensor: Tensor) -> Tensor:
@@ -434,6 +478,7 @@ class Actor:
             metrics.pop(k, None)
         if diff_count:
             metrics["train/train_rollout_logprob_abs_diff"] = diff_sum / diff_count
+        metrics.update(staleness_metrics(metrics, samples, self.optimizer_steps - len(steps), gbs))
         lengths = [len(s.tokens) for s in samples]
         metrics["perf/actor_train_tok_per_s"] = sum(lengths) / elapsed
         if self.device.type == "cuda":
@@ -458,7 +503,8 @@ class Actor:
         self.optimizer.zero_grad(set_to_none=True)
         self.apply_schedule()  # this slot's lr, counted whether or not the step is taken
         self.optimizer_steps += 1
-        totals = self._accumulate(samples, advantages, old, ref)
+        # the weights this step trains are those of optimizer_steps - 1 steps (counted above)
+        totals = self._accumulate(samples, advantages, old, ref, version=self.optimizer_steps - 1)
         if not any(sum(s.effective_loss_mask()) for s in samples):
             # nothing to learn from (e.g. every response aborted): the optimizer's momentum would
             # still move the weights on zero gradients, so skip the step (every rank sees the same batch)
@@ -504,6 +550,7 @@ class Actor:
         advantages: Advantages,
         old_log_probs: list[Tensor] | None,
         ref_log_probs: list[Tensor] | None = None,
+        version: int | None = None,
     ) -> dict[str, Tensor]:
         """Forward/backward this rank's micro-batches of one optimizer step into `.grad` (no step).
         `old_log_probs` None: the weights have not moved since the rollout's first step, so the
@@ -519,7 +566,8 @@ class Actor:
         The same constant denominators make the loss a plain sum over tokens, so with
         `grad_in_forward` the head computes it chunk by chunk (`loss_of` on a chunk's rows) and
         takes its gradient there (`chunked_loss`); otherwise over the whole micro-batch after
-        the head.
+        the head. `version`: the policy version being trained, for the staleness split of the
+        metrics (`staleness_metrics`); None leaves it out.
         """
         a = self.args
         advantages = _as_advantages(samples, advantages)
@@ -538,7 +586,7 @@ class Actor:
         def inputs_of(mb: PackedBatch) -> LossInputs:
             nonlocal tokens
             if tokens is None:  # host work done while the GPU runs the first forward, not before it
-                tokens = _StepTokens.of(samples)
+                tokens = _StepTokens.of(samples, version)
 
             def flat(per_sample: list) -> Tensor:
                 if not mb.indices:  # an empty micro-batch: its one dummy token weighs nothing
@@ -565,6 +613,7 @@ class Actor:
                 old=rollout_lp if self.use_rollout_logprobs else None if old_log_probs is None else flat(old_log_probs),
                 ref=None if ref_log_probs is None else flat(ref_log_probs),
                 weights=flat(tokens.weights) if sample_mean else None,
+                staleness=None if tokens.staleness is None else flat(tokens.staleness),
             )
 
         def loss_of(log_probs: Tensor, entropy: Tensor, t: LossInputs) -> Tensor:

@@ -185,6 +185,13 @@ class OffPolicyCorrection:
     * `rs_veto_threshold`: drop a whole sequence in which any loss token has w below it: one
       token the trainer finds far less likely than the engine did (a numerical catastrophe, not
       staleness) makes the whole sequence suspect, whatever its mean.
+    * `m2_threshold` (M2PO, Zheng et al. 2025; AReaL's `m2_threshold`): a trust region on the
+      second moment of the log-ratio. The tokens of largest (log w)² are masked, fewest first,
+      until the mean (log w)² of the micro-batch's remaining loss tokens is at most the
+      threshold; nothing else is touched (no weight, no clip). Stale data whose drift is spread
+      over many tokens keeps them all; a few runaway tokens are what goes. Taken per micro-batch
+      (up to --max-tokens-per-gpu tokens), not per step: the step's old log-probs are not known
+      before its first backward.
     * `custom` (--custom-tis-function-path): slime's hook, called on each micro-batch's
       per-token loss with per-sequence lists; it returns the loss, per-sequence masks and
       per-token metrics (`apply_custom_tis`). It takes the built-in TIS's place (slime's rule:
@@ -205,6 +212,7 @@ class OffPolicyCorrection:
     rs_lower_bound: float = 0.5
     rs_upper_bound: float = 2.0
     rs_veto_threshold: float | None = None
+    m2_threshold: float | None = None
     custom: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
@@ -219,10 +227,18 @@ class OffPolicyCorrection:
             raise ValueError(
                 f"empty band: TIS [{self.tis_clip_low}, {self.tis_clip}], rejection [{self.rs_lower_bound}, {self.rs_upper_bound}]"
             )
+        if self.m2_threshold is not None and not self.m2_threshold > 0:
+            raise ValueError(f"m2_threshold {self.m2_threshold} must be > 0")
 
     @property
     def active(self) -> bool:
-        return self.use_tis or self.use_rs or self.rs_veto_threshold is not None or self.custom is not None
+        return (
+            self.use_tis
+            or self.use_rs
+            or self.rs_veto_threshold is not None
+            or self.m2_threshold is not None
+            or self.custom is not None
+        )
 
     @property
     def per_sequence(self) -> bool:
@@ -232,6 +248,7 @@ class OffPolicyCorrection:
             (self.use_tis and self.tis_level != "token")
             or (self.use_rs and self.rs_level != "token")
             or self.rs_veto_threshold is not None
+            or self.m2_threshold is not None  # its mask depends on every token of the micro-batch
             or self.custom is not None
         )
 
@@ -256,6 +273,21 @@ def _per_sequence(log_w: Tensor, mask: Tensor, seq_ids: Tensor | None, level: st
     return seq_sum[seq_ids]
 
 
+def second_moment_mask(log_w: Tensor, mask: Tensor, threshold: float) -> Tensor:
+    """M2PO's keep-mask (1 kept, 0 masked) over the loss tokens: the largest set of tokens of
+    smallest (log w)² whose mean (log w)² is at most `threshold`. Masking the largest first
+    lowers the mean fastest, so the kept set is a prefix of the tokens sorted by (log w)², and
+    the prefix means only grow along it: the kept count is how many of them are in bounds.
+    Tensors only (no host sync): other tokens sort last as +inf and are never kept."""
+    m2 = torch.where(mask > 0, log_w.square(), torch.full_like(log_w, float("inf")))
+    sorted_m2, order = torch.sort(m2)
+    counts = torch.arange(1, m2.numel() + 1, device=m2.device, dtype=m2.dtype)
+    kept = (torch.cumsum(sorted_m2, 0) / counts <= threshold).sum()
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(m2.numel(), device=m2.device)
+    return ((rank < kept) & (mask > 0)).to(mask.dtype)
+
+
 def behaviour_weights(
     old_log_probs: Tensor,
     rollout_log_probs: Tensor,
@@ -269,7 +301,8 @@ def behaviour_weights(
     geometric levels and the veto need it. Metrics are masked sums (the caller divides by its
     token count): tis (weight after truncation/masking), tis_clipfrac (share of tokens outside
     the TIS band), rs_dropfrac (share of tokens rejected), rs_veto_frac (share of tokens in
-    vetoed sequences). A sequence's log-ratio is clamped to ±20 before exp, so a product over a
+    vetoed sequences), m2_maskfrac (share of tokens M2PO masked) and m2 (mean (log w)² before
+    masking). A sequence's log-ratio is clamped to ±20 before exp, so a product over a
     long sequence never overflows a weight.
     """
     mask = loss_mask.to(old_log_probs.dtype)
@@ -302,6 +335,11 @@ def behaviour_weights(
         vetoed = (torch.zeros(n_seq, dtype=mask.dtype, device=mask.device).index_add_(0, seq_ids, bad) > 0)[seq_ids]
         factor = factor * (~vetoed).to(mask.dtype)
         sums["rs_veto_frac"] = (vetoed.to(mask.dtype) * mask).sum()
+    if correction.m2_threshold is not None:
+        keep = second_moment_mask(log_w, mask, correction.m2_threshold)
+        factor = factor * keep
+        sums["m2_maskfrac"] = ((1 - keep) * mask).sum()
+        sums["m2"] = (log_w.square() * mask).sum()  # before masking: the drift the mask answers
     return factor, sums
 
 
@@ -518,9 +556,72 @@ class LossInputs:
     old: Tensor | None  # None: the forward's own log-probs, detached
     ref: Tensor | None
     weights: Tensor | None = None  # sample_mean: 1 / the loss tokens of each token's sample
+    # optimizer steps between the weights that sampled each token and those it trains (-1: unknown)
+    staleness: Tensor | None = None
 
     def rows(self, sl: slice) -> LossInputs:
         return LossInputs(**{k: None if v is None else v[sl] for k, v in vars(self).items()})
+
+
+# Per-token diagnostics split by staleness: buckets 0, 1, 2, 3 and 4 or more optimizer steps.
+STALENESS_BUCKETS = 5
+# what each bucket sums over its loss tokens (divided by the bucket's token count for the log)
+STALENESS_STATS = (
+    "train_rollout_logprob_abs_diff",  # |log π_old − log π_rollout|: drift since sampling + kernel mismatch
+    "log_ratio_sq",  # (log π_old/π_rollout)²: M2PO's second moment
+    "is_weight",  # the factor the off-policy correction put on the token (1 without one)
+    "is_clipfrac",  # share of tokens whose ratio π_old/π_rollout left the TIS band
+    "pg_clipfrac",  # share of tokens whose PPO clip was the active term
+    "advantage",
+    "entropy",
+)
+
+
+def bucket_label(b: int) -> str:
+    return f"{b}+" if b == STALENESS_BUCKETS - 1 else str(b)
+
+
+def staleness_sums(
+    t: LossInputs,
+    log_probs: Tensor,
+    old: Tensor,
+    entropy: Tensor,
+    correction: OffPolicyCorrection,
+    clipped: Callable[[Tensor, Tensor, Tensor], Tensor],
+) -> dict[str, Tensor]:
+    """Masked sums of STALENESS_STATS per staleness bucket (`_stale<b>_<stat>`, and the tokens
+    `_stale<b>_n`), so the trainer can say what stale tokens do that fresh ones don't. One
+    index_add over a [tokens, stats] matrix, not a reduction per bucket and stat."""
+    assert t.staleness is not None
+    with torch.no_grad():
+        known = (t.staleness >= 0).to(t.mask.dtype)
+        w = t.mask * known
+        log_w = (old - t.rollout_lp) * t.has_rollout
+        factor = torch.ones_like(old)
+        if correction.active:
+            factor = behaviour_weights(old, t.rollout_lp, t.mask, correction, t.seq_ids)[0]
+        if correction.use_tis:
+            outside = (~_in_band(log_w, correction.tis_clip_low, correction.tis_clip)).to(w.dtype)
+        else:
+            outside = torch.zeros_like(w)
+        cols = torch.stack(
+            [
+                w,
+                log_w.abs() * w,
+                log_w.square() * w,
+                factor * w,
+                outside * w,
+                clipped(log_probs.detach(), old, t.advantages).to(w.dtype) * w,
+                t.advantages * w,
+                entropy.detach() * w,
+            ],
+            dim=1,
+        )
+        bucket = t.staleness.clamp(0, STALENESS_BUCKETS - 1).long()
+        sums = torch.zeros(STALENESS_BUCKETS, cols.shape[1], dtype=cols.dtype, device=cols.device)
+        sums.index_add_(0, bucket, cols)
+    names = ("n", *STALENESS_STATS)
+    return {f"_stale{b}_{name}": sums[b, j] for b in range(STALENESS_BUCKETS) for j, name in enumerate(names)}
 
 
 @dataclass(frozen=True)
@@ -592,6 +693,7 @@ class Objective:
                 rs_lower_bound=args.rs_lower_bound,
                 rs_upper_bound=args.rs_upper_bound,
                 rs_veto_threshold=args.rs_veto_threshold,
+                m2_threshold=args.m2_threshold,
                 custom=hook(
                     args.custom_tis_function_path, "--custom-tis-function-path", CUSTOM_TIS_SIGNATURE, by_keyword=True
                 ),
@@ -633,7 +735,19 @@ class Objective:
         trainer_lp = log_probs.detach() if self.coupled else old  # coupled: old is the engine's own
         m["_lp_diff_sum"] = ((trainer_lp - t.rollout_lp).abs() * t.has_rollout).sum()
         m["_lp_diff_count"] = t.has_rollout.sum()
+        if t.staleness is not None:
+            m.update(staleness_sums(t, log_probs, trainer_lp, entropy, self.correction, self.clipped))
         return loss, m
+
+    def clipped(self, log_probs: Tensor, old: Tensor, advantages: Tensor) -> Tensor:
+        """Where the clipped term of the policy loss is the active one (PPO and GSPO's token view;
+        CISPO: where its weight was clipped)."""
+        ratio = torch.exp(log_probs - old)
+        high = self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
+        bounded = ratio.clamp(1.0 - self.eps_clip, 1.0 + high)
+        if self.kind == "cispo":
+            return bounded != ratio
+        return -advantages * bounded > -advantages * ratio
 
     def _policy_term(
         self, log_probs: Tensor, old: Tensor, t: LossInputs, num_tokens: float, const: float

@@ -20,6 +20,7 @@ class RmRule(NamedTuple):
     boxed_only: bool = False  # only a `\boxed{}` answer counts
     after_thinking: bool = False  # only the text after the reasoning is graded (final_section)
     partial_credit: bool = False  # a wrong number earns up to 0.5 by its closeness (numeric_credit)
+    exact: bool = False  # the normalized strings must match: math-verify never asked
 
 
 BUILTIN_RM_TYPES: dict[str, RmRule] = {
@@ -29,6 +30,9 @@ BUILTIN_RM_TYPES: dict[str, RmRule] = {
     "math_shaped": RmRule(1.0, 0.0, partial_credit=True),
     # DeepScaleR's rule (slime's `deepscaler`): the last box after the reasoning, 1 or 0
     "deepscaler": RmRule(1.0, 0.0, boxed_only=True, after_thinking=True),
+    # answers that are not one mathematical object (lists, sequences, words): math-verify reads
+    # `37, 39, 38` as the set {37, 38, 39}, so a wrong order or a repeated item would pass
+    "exact": RmRule(1.0, 0.0, exact=True),
 }
 
 
@@ -53,19 +57,20 @@ def _as_latex(s: str) -> str:
     return s if ("$" in s or "\\boxed" in s or "\\(" in s or "\\[" in s) else f"${s}$"
 
 
-def grade(pred: str | None, label: str | None) -> bool:
+def grade(pred: str | None, label: str | None, exact: bool = False) -> bool:
     """Is `pred` the same answer as `label`? Normalized string match, then math-verify.
 
     The cheap string match runs first only because it is cheap: the result is their OR either
-    way. math-verify's own timeouts use signals, which fail outside the main thread, so they
-    are off here; callers bound the time instead (the pool's per-sample timeout).
+    way; `exact` (rm type `exact`) stops after it. math-verify's own timeouts use signals, which
+    fail outside the main thread, so they are off here; callers bound the time instead (the
+    pool's per-sample timeout).
     """
     if pred is None or label is None or not str(pred).strip() or not str(label).strip():
         return False
     pred, label = str(pred), str(label)
     if normalize(pred) == normalize(label):
         return True
-    if hedged(pred):
+    if exact or hedged(pred):
         return False
     parse, verify = math_verify()
     # math-verify reads `\\$` as a stray command, so `\\$18.90` would not be 18.9
@@ -103,7 +108,7 @@ def builtin_result(rm_type: str, response: str, label: str | None) -> dict[str, 
         pred = boxes[-1] if boxes else None
     else:
         pred = extract_answer(text)
-    if grade(pred, label):
+    if grade(pred, label, exact=rule.exact):
         return {"score": rule.right, "acc": 1.0}
     return {"score": numeric_credit(pred, label) if rule.partial_credit else rule.wrong, "acc": 0.0}
 
