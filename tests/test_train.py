@@ -141,8 +141,13 @@ def test_checkpoint_and_resume(tmp_path, tiny_model, addition_data):
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "2")  # checkpoints are plain HF directories
-    second = run_cli("train.py", *common, "--num-rollout", "3", "--run-name", "b", "--load", str(tmp_path / "ckpt"))
+    # --load given the step directory itself (not its parent) resumes from that step
+    second = run_cli(
+        "train.py", *common, "--num-rollout", "3", "--run-name", "b", "--load", str(tmp_path / "ckpt" / "2")
+    )
     assert second.returncode == 0, second.stderr[-2000:]
+    assert f"--load {tmp_path}/ckpt/2 is the checkpoint of step 2: resuming from that step" in second.stderr
+    assert f"resumed from {tmp_path}/ckpt/2 at step 2" in second.stderr
     # resuming a run that is already at its last step would train nothing: refused before it starts
     third = run_cli("train.py", *common, "--num-rollout", "3", "--run-name", "c", "--load", str(tmp_path / "ckpt"))
     assert third.returncode != 0

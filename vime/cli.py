@@ -88,8 +88,10 @@ def train_main(argv: list[str], entry: str = "sync") -> int:
     args = parse_args(argv, prog=prog, description=desc, entry=entry)
     _undo_ray_thread_cap()
     from vime.lifetime import owned
+    from vime.preflight import resume_point
     from vime.run import train  # heavy imports (torch, transformers) only once the flags are good
 
+    resume_point(args)  # before the lock file goes into --save: a refused --load directory gets nothing
     locks = []
     if args.run_name is not None:  # set by validation for training (a fresh timestamp by default)
         run_dir = Path(args.run_dir)

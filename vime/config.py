@@ -579,7 +579,16 @@ class Config:
     save: str | None = _f(None, "checkpoint directory", group="eval and output")
     save_interval: int | None = _f(None, "save every K steps (and at the end)", group="eval and output")
     load: str | None = _f(
-        None, "resume from this checkpoint directory (the latest step inside it)", group="eval and output"
+        None,
+        "resume from this checkpoint directory (the newest intact step inside it), or from one <step>/ directory of it",
+        group="eval and output",
+    )
+    overwrite_save: bool = _f(
+        False,
+        "let --save name a directory that already holds checkpoints (another run's, or ones newer than the step "
+        "--load resumes): each is replaced when this run saves the same step, the others stay, and a later --load "
+        "resumes from the newest of all. Without it such a run is refused at start-up",
+        group="eval and output",
     )
     run_name: str | None = _f(None, "run name (default: timestamp)", group="eval and output")
     runs_dir: str = _f("runs", "where runs/<name>/ is written", group="eval and output")
@@ -959,6 +968,7 @@ def _train_checks(c: Config, entry: str) -> list[tuple[bool, str]]:
             c.save_interval is not None and c.save is None,
             "--save-interval needs --save DIR (where to write checkpoints)",
         ),
+        (c.overwrite_save and c.save is None, "--overwrite-save needs --save DIR (the checkpoints it may replace)"),
         (
             c.eval_interval is not None and c.eval_prompt_data is None,
             "--eval-interval needs --eval-prompt-data (held-out prompts)",
