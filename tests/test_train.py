@@ -263,6 +263,16 @@ def test_bad_input_engine_unreachable(tmp_path, addition_data):
     assert "127.0.0.1:9" in msg and "unreachable" in msg
 
 
+def test_a_fresh_name_is_claimed_so_two_evals_at_once_never_share_one(tmp_path):
+    """Two `vime eval` of one run name at once both picked eval.jsonl (each looked before the
+    other wrote) and one result was lost; the name is now taken when it is picked."""
+    from vime.engine.placement import fresh_path
+
+    picked = [fresh_path(tmp_path / "ev" / "eval.jsonl") for _ in range(3)]  # none written yet
+    assert [p.name for p in picked] == ["eval.jsonl", "eval.1.jsonl", "eval.2.jsonl"]
+    assert all(p.exists() for p in picked)
+
+
 @pytest.mark.slow
 def test_a_second_vime_eval_keeps_the_first_ones_results(tmp_path, tiny_model, addition_data):
     common = ["-m", "vime", "eval", "--hf-checkpoint", str(tiny_model), "--eval-prompt-data", str(addition_data[1])]

@@ -132,8 +132,13 @@ def eval_main(argv: list[str]) -> int:
         args.runtime = RolloutRuntime(clients, tokenizer, placement.transports, health=HealthCheck.of(args))
         if not placement.engines:  # engines given by URL: they evaluate --hf-checkpoint, not what they hold
             push_checkpoint(args, placement, clients)
-        out_path = fresh_path(run_dir / "eval.jsonl")  # an earlier eval's results stay: eval.1.jsonl, ...
-        m = evaluate(args, 0, out_path).metrics
+        # claimed now, so an earlier eval's results stay, and one running at the same time gets another name
+        out_path = fresh_path(run_dir / "eval.jsonl")  # eval.jsonl, eval.1.jsonl, ...
+        try:
+            m = evaluate(args, 0, out_path).metrics
+        except BaseException:
+            out_path.unlink()  # claimed, never written
+            raise
     finally:
         if args.runtime is not None:
             args.runtime.close()
