@@ -881,17 +881,17 @@ def _common_checks(c: Config) -> list[tuple[bool, str]]:
             f"{', '.join(t for t in _backend(c).transports if t != 'auto')}): leave it at auto",
         ),
         (
-            # checked here, or the first use of ray (placing the engines, after the trainer loaded) was a traceback
-            c.launcher == "ray" and importlib.util.find_spec("ray") is None,
-            "--launcher ray needs ray in this environment: pip install ray (or make install-ray), or use --launcher local",
-        ),
-        (
             c.launcher == "ray" and bool(c.rollout_engine_urls),
             "--launcher ray launches engines, --rollout-engine-urls uses running ones: give one of the two",
         ),
         (
             c.launcher == "ray" and c.colocate,
             "--colocate puts the engines on the trainer's GPUs, which Ray does not place: use --launcher local",
+        ),
+        (
+            # checked here, or the first use of ray (placing the engines, after the trainer loaded) was a traceback
+            c.launcher == "ray" and importlib.util.find_spec("ray") is None,
+            "--launcher ray needs ray in this environment: pip install ray (or make install-ray), or use --launcher local",
         ),
         *_non_finite(c),
     ]
