@@ -209,6 +209,42 @@ def test_yaml_values_are_checked_against_the_choices_too(tmp_path):
         parse_args(["--config", str(cfg), *BASE])
 
 
+@pytest.mark.parametrize(
+    "text, said",
+    [
+        ("rollout_batch_size: 4.7\n", "--rollout-batch-size: cannot read 4.7 as a whole number"),
+        ("num_rollout: true\n", "--num-rollout: cannot read True as a whole number"),
+        ("lr: false\n", "--lr: cannot read False as a number"),
+        ("save: true\n", "--save: cannot read True as text \\(quote it in a YAML file\\)"),
+        ("run_name: [a, b]\n", "--run-name: cannot read \\['a', 'b'\\] as text"),
+        ("colocate: 2\n", "--colocate: cannot read 2 as true or false"),
+        ("rollout_stop: true\n", "--rollout-stop: cannot read True as a JSON list"),
+        ("lr: 1.0e-6\nrollout_batch_size: 4\nlr: 1.0e-5\n", "'lr' is given twice \\(lines 1 and 3\\): keep one"),
+        (
+            "rollout-batch-size: 4\nrollout_batch_size: 8\n",
+            "'rollout-batch-size' and 'rollout_batch_size' are one flag",
+        ),
+        (b"run_name: caf\xe9\n", "is not UTF-8 text \\(invalid continuation byte at byte 13\\): save it as UTF-8"),
+    ],
+)
+def test_a_yaml_value_is_read_as_the_command_line_would_read_it(tmp_path, text, said):
+    """A YAML file's typed values used to go through int()/str() unchecked (4.7 became 4, true
+    became the path "True"), a key given twice kept its last value, and bytes that are not UTF-8
+    ended in a traceback; each is now one line naming the key."""
+    cfg = tmp_path / "run.yaml"
+    cfg.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ConfigError, match=said) as e:
+        parse_args(["--config", str(cfg), *BASE])
+    assert "\n" not in str(e.value)
+
+
+def test_a_yaml_value_the_command_line_would_take_is_taken(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text('rollout_batch_size: 4.0\nrun_name: 7\nlr: "1e-5"\ncolocate: "yes"\nnum_rollout: "3"\n')
+    args = parse_args(["--config", str(cfg), "--hf-checkpoint", "tiny", "--prompt-data", "x.jsonl"])
+    assert (args.rollout_batch_size, args.run_name, args.lr, args.colocate, args.num_rollout) == (4, "7", 1e-5, True, 3)
+
+
 def test_required_flags():
     with pytest.raises(ConfigError, match="--hf-checkpoint is required"):
         parse_args(["--prompt-data", "x", "--num-rollout", "1"])
@@ -307,6 +343,9 @@ def test_launcher_ray_without_ray_or_a_cluster_is_one_line(monkeypatch):
     if find_spec("ray") is None:
         with pytest.raises(ConfigError, match=r"--launcher ray needs ray in this environment: pip install ray"):
             join_cluster()
+        # and before anything starts: a run used to load its trainer, then fail on `import ray` with a traceback
+        with pytest.raises(ConfigError, match=r"^--launcher ray needs ray in this environment: .*--launcher local$"):
+            parse_args([*BASE, "--launcher", "ray"])
     else:  # make test-ray's environment: no cluster at this address
         monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
         with pytest.raises(ConfigError, match="found no Ray cluster to join") as e:

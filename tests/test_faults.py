@@ -802,6 +802,81 @@ def test_every_input_is_checked_before_anything_starts(tmp_path, tiny_model, mon
         assert "is not writable (Permission denied)" in _refused(tmp_path, "--save", str(read_only / "ckpt"))
 
 
+def _tree(d: Path) -> dict[str, tuple[int, int]]:
+    """Every file under `d` with its size and mtime: what "nothing written there" compares."""
+    return {str(f.relative_to(d)): (f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(d.rglob("*"))}
+
+
+def test_no_checkpoint_is_written_over_and_load_resumes_only_what_it_names(actor, tiny_model, tmp_path, monkeypatch):
+    """--save over another run's checkpoints, --load of an older step into the --save holding newer
+    ones, --load of a Megatron checkpoint or an HF model: each used to start (the last two from
+    the base model, as if the directory were empty) and write over what was there."""
+    from vime.config import parse_args
+    from vime.preflight import check_inputs
+
+    monkeypatch.chdir(ROOT)
+    ck = tmp_path / "ck"
+    actor.save(ck / "1", {"step": 1})
+    for step in (2, 3):
+        shutil.copytree(ck / "1", ck / str(step))
+    mega = tmp_path / "mega"  # slime's --save after 10 iterations
+    (mega / "iter_0000010").mkdir(parents=True)
+    (mega / "iter_0000010" / "__0_0.distcp").write_bytes(b"shard")
+    (mega / "latest_checkpointed_iteration.txt").write_text("10")
+    damaged = tmp_path / "other" / "4"
+    shutil.copytree(ck / "1", damaged)
+    (damaged / "trainer_state.pt").write_bytes(b"PK\x03\x04 cut short")
+    before = {d: _tree(d) for d in (ck, mega, damaged)}
+    cases = [
+        (
+            ["--save", str(ck)],
+            f"--save {ck} already holds checkpoints \\(steps 1, 2, 3\\) this run would overwrite: resume them with "
+            f"--load {ck}, pick another --save, or pass --overwrite-save to replace them",
+        ),
+        (
+            ["--load", str(ck / "1"), "--save", str(ck)],
+            f"--load {ck}/1 resumes from step 1, and --save {ck} holds newer checkpoints \\(steps 2, 3\\) this run "
+            f"would overwrite: resume from the newest with --load {ck},",
+        ),
+        (
+            ["--load", str(mega), "--save", str(mega)],
+            f"--load {mega} holds a Megatron/slime checkpoint \\(iter_0000010/, latest_checkpointed_iteration.txt\\), "
+            "which vime cannot resume",
+        ),
+        (["--load", str(mega / "iter_0000010")], r"holds a Megatron/slime checkpoint \(__0_0.distcp\)"),
+        (  # an HF model given as --load: its files are named, it is not taken for an empty directory
+            ["--load", str(tiny_model)],
+            f"--load {tiny_model} holds no vime checkpoint \\(found .*config.json, .*\\): give the --save directory",
+        ),
+        (
+            ["--load", str(damaged)],
+            f"--load {damaged} is a damaged checkpoint \\(.*\\): pass its parent {damaged.parent} to resume",
+        ),
+    ]
+    for argv, match in cases:
+        assert re.search(match, _refused(tmp_path, *argv)), argv
+    after = {d: _tree(d) for d in (ck, mega, damaged)}
+    after[ck].pop(".vime.lock")  # the refused --save's lock, taken before its checks: no checkpoint touched
+    assert after == before  # and not even a lock file in the Megatron --load/--save
+
+    # what the flags say is done: a step directory resumes from that step, --overwrite-save replaces
+    base = ["--config", "examples/tiny.yaml", "--num-rollout", "5", "--runs-dir", str(tmp_path / "runs")]
+    args = parse_args([*base, "--load", str(ck / "3"), "--save", str(ck)])
+    inputs = check_inputs(args)
+    inputs.rewards.close()
+    assert (
+        args.load == str(ck / "3")
+        and f"--load {ck}/3 is the checkpoint of step 3: resuming from that step" in inputs.notes
+    )
+    args = parse_args([*base, "--save", str(ck), "--overwrite-save"])
+    inputs = check_inputs(args)
+    inputs.rewards.close()
+    assert (
+        f"--overwrite-save: the checkpoints of steps 1, 2, 3 in --save {ck} are replaced as this run saves those steps"
+        in inputs.notes
+    )
+
+
 def test_skip_overlong_prompts_leaves_them_out_and_counts_them(tmp_path, tiny_model):
     from vime.config import parse_args
     from vime.models import load_tokenizer

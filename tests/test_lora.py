@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli
+from conftest import ROOT, run_cli
 from test_actor import make_args, make_samples
 
 from vime.config import ConfigError
 from vime.trainer.actor import Actor
+from vime.trainer.checkpoint import CheckpointError
 from vime.trainer.lora import read_adapter
 
 ADVANTAGES = [1.0, -0.5, 0.25, -1.0]
@@ -106,6 +107,44 @@ def test_a_checkpoint_holds_merged_weights_and_a_peft_adapter_and_resumes_exactl
     with pytest.raises(Exception, match="was trained with LoRA") as e:
         Actor(make_args(), tiny_model).load(ckpt)
     assert "\n" not in str(e.value)
+    # another rank, alpha or set of layers is named as such (it used to be blamed on the base model)
+    for change, said in [
+        ({"lora_rank": 8}, "rank 4, this run's --lora-rank 8: resume with --lora-rank 4$"),
+        ({"lora_alpha": 16.0}, "alpha 8, this run's --lora-alpha 16: resume with --lora-alpha 8$"),
+        (
+            {"target_modules": ["q_proj"]},
+            "14 layers \\(down_proj gate_proj k_proj o_proj q_proj up_proj v_proj\\), this run adapts 2: resume with "
+            "the --target-modules/--exclude-modules it was trained with$",
+        ),
+    ]:
+        with pytest.raises(CheckpointError, match="'s LoRA adapters differ from this run's: " + said) as e:
+            Actor(make_args(**{"lora_rank": 4, "lora_alpha": 8.0, **change}), tiny_model).load(ckpt)
+        assert "\n" not in str(e.value)
+
+
+def test_a_rank_above_a_target_layers_width_is_refused_before_any_adapter_is_made(tiny_model, tmp_path, monkeypatch):
+    """--lora-rank 100000 on the tiny model's 64-wide layers was taken: adapters of 100000 rows
+    made every step 40 times as slow, for nothing (B A has rank at most min(in, out))."""
+    for rank in (33, 100000):
+        with pytest.raises(
+            ConfigError,
+            match=f"--lora-rank {rank} is larger than the layer model.layers.0.self_attn.k_proj allows \\(64 in, 32 out features\\): give at most 32",
+        ) as e:
+            Actor(make_args(lora_rank=rank), tiny_model)
+        assert "\n" not in str(e.value)
+    # the narrowest layer decides: without k_proj and v_proj (32 out), 64 is allowed
+    actor = Actor(make_args(lora_rank=64, exclude_modules=["k_proj", "v_proj"]), tiny_model)
+    assert actor.model.get_submodule("model.layers.0.self_attn.q_proj").lora_A.shape == (64, 64)
+    # a run refuses it before it starts (the model's layers read on the meta device): no run directory
+    from vime.cli import train_main
+
+    monkeypatch.chdir(ROOT)
+    argv = ["--config", "examples/tiny.yaml", "--num-rollout", "1", "--runs-dir", str(tmp_path), "--run-name", "r"]
+    with pytest.raises(
+        ConfigError, match="^--lora-rank 100000 is larger than the layer model.layers.0.self_attn.k_proj"
+    ):
+        train_main([*argv, "--lora-rank", "100000"])
+    assert not (tmp_path / "r").exists()
 
 
 FULLY_ASYNC = ["--rollout-function-path", "vime.rollout.fully_async_rollout.generate_rollout_fully_async"]

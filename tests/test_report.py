@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import yaml
 
@@ -93,6 +94,27 @@ def test_a_torn_last_row_is_skipped_and_a_bad_middle_row_or_config_is_one_line(t
     (d / "config.yaml").write_bytes(b"mode: \xff\xfe sync\n")
     with pytest.raises(VimeError, match=r"config.yaml is not a config vime wrote \(UnicodeDecodeError\)"):
         summarize(d)
+
+
+def test_a_value_that_is_not_a_number_is_one_line_and_null_is_a_gap(tmp_path, capsys):
+    """Text where the report reads a number (a hand-edited or foreign metrics file) ended `vime
+    report` in a traceback; null, which vime writes for a non-finite value, is a gap."""
+    from vime.cli import main as vime
+
+    d = _run_dir(tmp_path, [0.1, None, 0.3])
+    assert main([str(d), "--no-plots"]) == 0
+    assert "run-a: steps 1–3  ▂ ▃" in capsys.readouterr().out
+    good = (d / "metrics.jsonl").read_text().splitlines()
+    for row, said in [
+        ({"step": 2, "perf/step_time": "fast"}, "row 2: perf/step_time is 'fast', not a number"),
+        ({"step": 2, "rollout/reward_mean": "0.5"}, "row 2: rollout/reward_mean is '0.5', not a number"),
+        ({"step": "two", "perf/step_time": 1.0}, "row 2: step is 'two', not a step number"),
+        ({"step": 4, "eval/accuracy": [0.5]}, "row 2: eval/accuracy is \\[0.5\\], not a number"),
+    ]:
+        (d / "metrics.jsonl").write_text("\n".join([good[0], json.dumps(row), *good[1:]]) + "\n")
+        assert vime(["report", str(d), "--no-plots"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and re.search(f"metrics.jsonl {said}: repair or remove that row$", err), err
 
 
 def test_a_resume_drops_a_torn_last_row_before_it_appends(tmp_path):

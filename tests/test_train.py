@@ -141,8 +141,13 @@ def test_checkpoint_and_resume(tmp_path, tiny_model, addition_data):
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "2")  # checkpoints are plain HF directories
-    second = run_cli("train.py", *common, "--num-rollout", "3", "--run-name", "b", "--load", str(tmp_path / "ckpt"))
+    # --load given the step directory itself (not its parent) resumes from that step
+    second = run_cli(
+        "train.py", *common, "--num-rollout", "3", "--run-name", "b", "--load", str(tmp_path / "ckpt" / "2")
+    )
     assert second.returncode == 0, second.stderr[-2000:]
+    assert f"--load {tmp_path}/ckpt/2 is the checkpoint of step 2: resuming from that step" in second.stderr
+    assert f"resumed from {tmp_path}/ckpt/2 at step 2" in second.stderr
     # resuming a run that is already at its last step would train nothing: refused before it starts
     third = run_cli("train.py", *common, "--num-rollout", "3", "--run-name", "c", "--load", str(tmp_path / "ckpt"))
     assert third.returncode != 0
@@ -256,6 +261,16 @@ def test_bad_input_unknown_rm_type(tmp_path, addition_data):
 def test_bad_input_engine_unreachable(tmp_path, addition_data):
     msg = _bad(tmp_path, "--prompt-data", str(addition_data[0]), "--rollout-engine-urls", "http://127.0.0.1:9")
     assert "127.0.0.1:9" in msg and "unreachable" in msg
+
+
+def test_a_fresh_name_is_claimed_so_two_evals_at_once_never_share_one(tmp_path):
+    """Two `vime eval` of one run name at once both picked eval.jsonl (each looked before the
+    other wrote) and one result was lost; the name is now taken when it is picked."""
+    from vime.engine.placement import fresh_path
+
+    picked = [fresh_path(tmp_path / "ev" / "eval.jsonl") for _ in range(3)]  # none written yet
+    assert [p.name for p in picked] == ["eval.jsonl", "eval.1.jsonl", "eval.2.jsonl"]
+    assert all(p.exists() for p in picked)
 
 
 @pytest.mark.slow

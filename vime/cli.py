@@ -88,8 +88,10 @@ def train_main(argv: list[str], entry: str = "sync") -> int:
     args = parse_args(argv, prog=prog, description=desc, entry=entry)
     _undo_ray_thread_cap()
     from vime.lifetime import owned
+    from vime.preflight import resume_point
     from vime.run import train  # heavy imports (torch, transformers) only once the flags are good
 
+    resume_point(args)  # before the lock file goes into --save: a refused --load directory gets nothing
     locks = []
     if args.run_name is not None:  # set by validation for training (a fresh timestamp by default)
         run_dir = Path(args.run_dir)
@@ -130,8 +132,13 @@ def eval_main(argv: list[str]) -> int:
         args.runtime = RolloutRuntime(clients, tokenizer, placement.transports, health=HealthCheck.of(args))
         if not placement.engines:  # engines given by URL: they evaluate --hf-checkpoint, not what they hold
             push_checkpoint(args, placement, clients)
-        out_path = fresh_path(run_dir / "eval.jsonl")  # an earlier eval's results stay: eval.1.jsonl, ...
-        m = evaluate(args, 0, out_path).metrics
+        # claimed now, so an earlier eval's results stay, and one running at the same time gets another name
+        out_path = fresh_path(run_dir / "eval.jsonl")  # eval.jsonl, eval.1.jsonl, ...
+        try:
+            m = evaluate(args, 0, out_path).metrics
+        except BaseException:
+            out_path.unlink()  # claimed, never written
+            raise
     finally:
         if args.runtime is not None:
             args.runtime.close()

@@ -12,6 +12,7 @@ import argparse
 import copy
 import dataclasses
 import difflib
+import importlib.util
 import json
 import math
 import os
@@ -597,7 +598,16 @@ class Config:
     save: str | None = _f(None, "checkpoint directory", group="eval and output")
     save_interval: int | None = _f(None, "save every K steps (and at the end)", group="eval and output")
     load: str | None = _f(
-        None, "resume from this checkpoint directory (the latest step inside it)", group="eval and output"
+        None,
+        "resume from this checkpoint directory (the newest intact step inside it), or from one <step>/ directory of it",
+        group="eval and output",
+    )
+    overwrite_save: bool = _f(
+        False,
+        "let --save name a directory that already holds checkpoints (another run's, or ones newer than the step "
+        "--load resumes): each is replaced when this run saves the same step, the others stay, and a later --load "
+        "resumes from the newest of all. Without it such a run is refused at start-up",
+        group="eval and output",
     )
     run_name: str | None = _f(None, "run name (default: timestamp)", group="eval and output")
     runs_dir: str = _f("runs", "where runs/<name>/ is written", group="eval and output")
@@ -907,6 +917,11 @@ def _common_checks(c: Config) -> list[tuple[bool, str]]:
             c.launcher == "ray" and c.colocate,
             "--colocate puts the engines on the trainer's GPUs, which Ray does not place: use --launcher local",
         ),
+        (
+            # checked here, or the first use of ray (placing the engines, after the trainer loaded) was a traceback
+            c.launcher == "ray" and importlib.util.find_spec("ray") is None,
+            "--launcher ray needs ray in this environment: pip install ray (or make install-ray), or use --launcher local",
+        ),
         *_non_finite(c),
     ]
 
@@ -988,6 +1003,7 @@ def _train_checks(c: Config, entry: str) -> list[tuple[bool, str]]:
             c.save_interval is not None and c.save is None,
             "--save-interval needs --save DIR (where to write checkpoints)",
         ),
+        (c.overwrite_save and c.save is None, "--overwrite-save needs --save DIR (the checkpoints it may replace)"),
         (
             c.eval_interval is not None and c.eval_prompt_data is None,
             "--eval-interval needs --eval-prompt-data (held-out prompts)",
@@ -1158,6 +1174,14 @@ def _coerce(name: str, value: Any) -> Any:
     if value is None:
         return None
     try:
+        # YAML hands over typed values, the command line strings: a YAML value is taken only where
+        # its string would be (`rollout_batch_size: 4.7` used to become 4, `save: true` "True")
+        if isinstance(value, bool) and tp is not bool:
+            raise ValueError(value)
+        if tp is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError(value)
+        if tp is str and not isinstance(value, (str, int)):
+            raise ValueError(value)
         if tp is bool:
             if isinstance(value, bool):
                 return value
@@ -1184,7 +1208,14 @@ def _coerce(name: str, value: Any) -> Any:
             return parsed
         return tp(value)
     except (ValueError, TypeError, json.JSONDecodeError):
-        kind = {dict: "a JSON object", list: "a JSON list or comma-separated values"}.get(tp, tp.__name__)
+        kind = {
+            dict: "a JSON object",
+            list: "a JSON list or comma-separated values",
+            int: "a whole number",
+            float: "a number",
+            bool: "true or false",
+            str: "text (quote it in a YAML file)",
+        }.get(tp, tp.__name__)
         raise ConfigError(f"{flag}: cannot read {value!r} as {kind}") from None
 
 
@@ -1232,19 +1263,47 @@ def _literal(help_text: str) -> str:
     return help_text.replace("%", "%%")
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load, except that a key given twice in one mapping is an error: YAML lets the last one
+    win, and a run file with `lr` twice trained with whichever came second, unsaid."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, str) and key in seen:
+                raise ConfigError(f"'{key}' is given twice (lines {seen[key]} and {line}): keep one")
+            if isinstance(key, str):
+                seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"config file {p} not found")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {p} is not valid YAML: {str(e).splitlines()[0]}") from None
+    except ConfigError as e:
+        raise ConfigError(f"config file {p}: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"config file {p} is not UTF-8 text ({e.reason} at byte {e.start}): save it as UTF-8"
+        ) from None
+    except OSError as e:
+        raise ConfigError(f"config file {p} cannot be read ({e.strerror or e})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {p} must hold a mapping of flag names to values")
     out: dict[str, Any] = {"slime_flags": {}, "vllm_args": {}}
+    given: dict[str, Any] = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
+        if name in given:  # rollout-batch-size and rollout_batch_size: one flag
+            raise ConfigError(f"config file {p}: '{given[name]}' and '{key}' are one flag: keep one")
+        given[name] = key
         if name in ("slime_flags", "vllm_args") and isinstance(value, dict):  # as a run's config.yaml records them
             out[name].update(value)
             continue

@@ -12,6 +12,7 @@ resolves to) is set. It writes nothing but a probe file in the output directorie
 from __future__ import annotations
 
 import math
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -43,24 +44,20 @@ class Inputs:
 
 def check_inputs(args: Any) -> Inputs:
     """Check output directories, model, plug-ins and data, in that order (cheapest first)."""
-    from vime.trainer.checkpoint import latest_checkpoint
-
+    ckpt, notes = resume_point(args)
+    if ckpt is None:
+        args.load = None  # nothing to resume: the run starts from --hf-checkpoint (said in a note)
     _writable(Path(args.runs_dir), "--runs-dir")
     if args.save:
         _writable(Path(args.save), "--save")
-    notes = compat.notes(args) + check_sinks(args)
-    if args.load and not _holds_checkpoints(Path(args.load)):
-        # slime's scripts pass the same directory to --load and --save: the first run starts fresh
-        notes.append(f"--load {args.load} holds no checkpoint yet: starting from --hf-checkpoint {args.hf_checkpoint}")
-        args.load = None
-    if args.load and latest_checkpoint(Path(args.load), warn=False) is None:
-        raise ConfigError(
-            f"--load {args.load}: no intact checkpoint inside (expected <step>/trainer_state.pt and the model's safetensors)"
-        )
+        notes += _check_save(Path(args.save), ckpt, args.overwrite_save)
+    notes += compat.notes(args) + check_sinks(args)
 
     tokenizer = _model(args)
     model_dir = Path(args.model_dir)
     _check_model_flags(args, model_dir)
+    if args.lora_rank:
+        _check_lora(args, model_dir)
     if args.save:
         _room_for_checkpoints(Path(args.save), model_dir)
 
@@ -90,8 +87,8 @@ def check_inputs(args: Any) -> Inputs:
     data_source = DataSource(args, tokenizer, max_prompt_len=max_prompt_len)
     if args.num_rollout is None:  # from --num-epoch, once the data's size is known (the LR schedule needs it)
         args.num_rollout = math.ceil(args.num_epoch * len(data_source) / args.rollout_batch_size)
-    if args.load:
-        done = int(latest_checkpoint(Path(args.load), warn=False).name)
+    if ckpt is not None:
+        done = int(ckpt.name)
         if done >= args.num_rollout:
             raise ConfigError(
                 f"--load {args.load} resumes after step {done}, and this run ends at step {args.num_rollout} "
@@ -125,9 +122,95 @@ def _model(args: Any) -> Any:
         ) from None
 
 
-def _holds_checkpoints(load: Path) -> bool:
-    """A `<step>/` directory inside, intact or not (a damaged one is an error, not a fresh start)."""
-    return load.is_dir() and any(p.is_dir() and p.name.isdigit() for p in load.iterdir())
+def resume_point(args: Any) -> tuple[Path | None, list[str]]:
+    """What --load names, read only: (the checkpoint the run resumes from, or None to start from
+    --hf-checkpoint; notes for the log). `vime train` calls it before it locks --save as well,
+    so a directory it refuses (a Megatron checkpoint given as --load and --save) gets nothing.
+
+    `--load CK/3` (a step, not its parent) and `--load` of a Megatron checkpoint were both taken
+    for an empty directory: the run started from the base model and saved over what was there.
+    Now --load resumes from what it names or is refused in one line; only a directory that is
+    new or empty starts a run afresh (slime's `--load X --save X` on a first run)."""
+    from vime.trainer.checkpoint import checkpoint_to_load, is_step_checkpoint, problem
+
+    if not args.load:
+        return None, []
+    load = Path(args.load)
+    ckpt = checkpoint_to_load(load, warn=False)
+    if is_step_checkpoint(load):
+        if ckpt is None:
+            raise ConfigError(
+                f"--load {load} is a damaged checkpoint ({problem(load)}): pass its parent {load.parent} to resume "
+                "from the newest intact one"
+            )
+        return ckpt, [f"--load {load} is the checkpoint of step {load.name}: resuming from that step"]
+    if ckpt is None:
+        _nothing_to_resume(load)
+        return None, [f"--load {load} holds no checkpoint yet: starting from --hf-checkpoint {args.hf_checkpoint}"]
+    return ckpt, []
+
+
+def _nothing_to_resume(load: Path) -> None:
+    """--load names no checkpoint vime can resume from: fine for a directory that is new or empty
+    (hidden files, such as the lock of the run that made it, and the debris of an interrupted save
+    aside); anything else is refused, naming what is there."""
+    from vime.trainer.checkpoint import checkpoint_steps, foreign_checkpoint
+
+    if checkpoint_steps(load):
+        raise ConfigError(
+            f"--load {load}: no intact checkpoint inside (expected <step>/trainer_state.pt and the model's safetensors)"
+        )
+    foreign = foreign_checkpoint(load)
+    if foreign:
+        raise ConfigError(
+            f"--load {load} holds a Megatron/slime checkpoint ({', '.join(foreign[:3])}), which vime cannot resume: "
+            "vime resumes from its own --save directories; give its weights as an HF directory to --hf-checkpoint "
+            "and --load/--save a new directory"
+        )
+    found = (
+        sorted(
+            p.name for p in load.iterdir() if not p.name.startswith(".") and not re.fullmatch(r"\d+\.(tmp|old)", p.name)
+        )
+        if load.is_dir()
+        else []
+    )
+    if found:
+        raise ConfigError(
+            f"--load {load} holds no vime checkpoint (found {', '.join(found[:3])}{', ...' if len(found) > 3 else ''}): "
+            "give the --save directory of a vime run or one of its <step>/ directories (an HF model goes to --hf-checkpoint)"
+        )
+
+
+def _check_save(save: Path, ckpt: Path | None, overwrite: bool) -> list[str]:
+    """A --save that already held checkpoints (of this run or another) had them replaced one by
+    one as the run reached their steps, unsaid. Now a --save whose checkpoints this run would
+    write over is refused in one line: any, unless it is the directory the run resumes from;
+    there, any whole one newer than the step resumed (`--load CK/3` with CK/5 there; a damaged
+    one, which the resume skipped, is replaced as before). --overwrite-save lets them all be
+    replaced, and the log says which."""
+    from vime.trainer.checkpoint import checkpoint_steps, problem
+
+    steps = checkpoint_steps(save)
+    resuming_here = ckpt is not None and save.resolve() == ckpt.parent.resolve()
+    at_risk = (
+        sorted(s for s in steps if s > int(ckpt.name) and problem(steps[s]) is None) if resuming_here else sorted(steps)
+    )
+    if not at_risk:
+        return []
+    listed = ", ".join(map(str, at_risk[:5])) + (", ..." if len(at_risk) > 5 else "")
+    if overwrite:
+        return [
+            f"--overwrite-save: the checkpoints of steps {listed} in --save {save} are replaced as this run saves those steps"
+        ]
+    if resuming_here:
+        raise ConfigError(
+            f"--load {ckpt} resumes from step {ckpt.name}, and --save {save} holds newer checkpoints (steps {listed}) this "
+            f"run would overwrite: resume from the newest with --load {save}, pick another --save, or pass --overwrite-save"
+        )
+    raise ConfigError(
+        f"--save {save} already holds checkpoints (steps {listed}) this run would overwrite: resume them with "
+        f"--load {save}, pick another --save, or pass --overwrite-save to replace them"
+    )
 
 
 def _check_model_flags(args: Any, model_dir: Path) -> None:
@@ -150,6 +233,22 @@ def _check_model_flags(args: Any, model_dir: Path) -> None:
                 "model it was converted from, or leave --ref-load out to use --hf-checkpoint"
             )
         resolve_model(str(ref))
+
+
+def _check_lora(args: Any, model_dir: Path) -> None:
+    """The LoRA flags against the model's layers (`lora.lora_targets`), on the model built on the
+    meta device: no weights read, and a rank wider than a layer fails before the run starts."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from vime.trainer.lora import LoraSpec, lora_targets
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    try:
+        lora_targets(model, LoraSpec.of(args))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _writable(path: Path, flag: str) -> None:

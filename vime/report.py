@@ -47,6 +47,7 @@ def summarize(run_dir: str | Path) -> RunSummary:
         cfg = yaml.safe_load(cfg_path.read_text(encoding="utf-8")) if cfg_path.exists() else {}
     except (UnicodeDecodeError, yaml.YAMLError) as e:
         raise VimeError(f"{cfg_path} is not a config vime wrote ({type(e).__name__}): repair or remove it") from None
+    _check_numbers(run_dir, rows)
     steps = [r for r in rows if "perf/step_time" in r]
     if not steps:
         raise VimeError(
@@ -71,6 +72,39 @@ def summarize(run_dir: str | Path) -> RunSummary:
         rows=rows,
         evals=[r for r in rows if "eval/accuracy" in r],
     )
+
+
+# the columns the tables, the reward line and the plots read
+REPORTED = (
+    "step",
+    "perf/step_time",
+    "perf/train_wait_time",
+    "perf/train_time",
+    "perf/update_weights_time",
+    "perf/wall_clock",
+    "rollout/reward_mean",
+    "eval/accuracy",
+    "eval/correct",
+    "eval/total",
+)
+
+
+def _check_numbers(run_dir: Path, rows: list[dict[str, Any]]) -> None:
+    """Every value the report reads is a number (a hand-edited or foreign metrics file held text
+    there, and the report ended in a traceback), or null: vime writes a non-finite value as null,
+    read here as NaN (a gap in the reward line)."""
+    for k, row in enumerate(rows):
+        for key in (key for key in REPORTED if key in row):
+            value = row[key]
+            if value is None and key != "step":
+                row[key] = float("nan")
+                continue
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not number or (key == "step" and not float(value).is_integer()):
+                raise VimeError(
+                    f"{run_dir}/metrics.jsonl row {k + 1}: {key} is {value!r}, not a {'step ' if key == 'step' else ''}"
+                    "number: repair or remove that row"
+                )
 
 
 def speed_table(runs: list[RunSummary]) -> str:

@@ -43,7 +43,7 @@ from vime.preflight import check_inputs
 from vime.rollout import async_loop
 from vime.rollout.runtime import HealthCheck, RolloutRuntime
 from vime.rollout.types import RolloutOutput, Sample
-from vime.trainer.checkpoint import latest_checkpoint
+from vime.trainer.checkpoint import checkpoint_to_load
 from vime.trainer.distributed import launch_actor
 from vime.trainer.loss import discounted_returns, group_advantages
 from vime.trainer.nonfinite import BadSteps, bad_inputs
@@ -163,7 +163,7 @@ class Run:
     # ---- pieces the loops share ----
 
     def _resume(self, load_dir: Path) -> None:
-        ckpt = latest_checkpoint(load_dir)
+        ckpt = checkpoint_to_load(load_dir)  # the newest inside, or the one <step>/ --load names
         if ckpt is None:
             raise ConfigError(f"--load {load_dir}: no complete checkpoint inside (expected <step>/trainer_state.pt)")
         extra = self.actor.load(ckpt)

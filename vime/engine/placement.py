@@ -16,6 +16,7 @@ engine's weight transport follows from where it sits, as its `/get_model_info` r
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import socket
 from collections.abc import Callable
@@ -249,10 +250,16 @@ def placed(
 
 def fresh_path(path: Path) -> Path:
     """`path`, or `name.1.ext`, `name.2.ext`, ... if taken: a resumed run keeps the logs of the
-    run it resumes."""
+    run it resumes. The name is claimed (created empty, exclusively) before it is returned: two
+    processes given one directory at once (two `vime eval` of one run name) used to pick the
+    same name, both write it, and keep one result."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     k = 0
     candidate = path
-    while candidate.exists():
-        k += 1
-        candidate = path.with_name(f"{path.stem}.{k}{path.suffix}")
-    return candidate
+    while True:
+        try:
+            os.close(os.open(candidate, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+            return candidate
+        except FileExistsError:
+            k += 1
+            candidate = path.with_name(f"{path.stem}.{k}{path.suffix}")

@@ -186,10 +186,10 @@ def place_actors(
     **engine_kwargs(i, device))`, then what every placement ends with (`placed`: each engine's
     `facts(url, api_key)`, its transport, `substitute`d where the backend lacks one, and the
     rendezvous address)."""
+    ray = join_cluster()  # first: without ray it says so in one line
     from ray.util.placement_group import remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    ray = join_cluster()
     apply_gpu_safe_env()
     trainer = trainer_device(args)
     gpus = 0 if trainer == "cpu" else args.rollout_num_gpus_per_engine

@@ -214,6 +214,7 @@ def _lora_weights(actor: Trainer, ckpt: Path) -> dict[str, Tensor]:
             f"checkpoint {ckpt} holds no LoRA adapter ({ADAPTER_DIR}/): it is a full fine-tune; resume it without --lora-rank"
         )
     adapter = read_adapter(ckpt / ADAPTER_DIR)
+    _check_same_lora(actor, ckpt, adapter)
     module = min(actor.lora_modules)
     layer = actor.model.get_submodule(module)
     base = layer.weight.detach()
@@ -228,6 +229,32 @@ def _lora_weights(actor: Trainer, ckpt: Path) -> dict[str, Tensor]:
                 f"{actor.args.hf_checkpoint} ({module}.weight differs): resume with the base it was trained on"
             )
     return adapter
+
+
+def _check_same_lora(actor: Trainer, ckpt: Path, adapter: dict[str, Tensor]) -> None:
+    """The checkpoint's adapters against this run's --lora-rank, --lora-alpha and layers. A rank
+    or alpha of their own used to fail the base-model check below (the merged weights differ
+    too), which blamed --hf-checkpoint for what a LoRA flag had changed."""
+    config_file = ckpt / ADAPTER_DIR / "adapter_config.json"
+    config = json.loads(config_file.read_text()) if config_file.exists() else {}
+    rank = next((t.shape[0] for n, t in adapter.items() if n.endswith(".lora_A")), actor.lora.rank)
+    alpha = float(config.get("lora_alpha", actor.lora.alpha))
+    modules = {n.rsplit(".", 1)[0] for n in adapter}
+    differ, flags = [], []
+    if rank != actor.lora.rank:
+        differ.append(f"rank {rank}, this run's --lora-rank {actor.lora.rank}")
+        flags.append(f"--lora-rank {rank}")
+    if alpha != actor.lora.alpha:
+        differ.append(f"alpha {alpha:g}, this run's --lora-alpha {actor.lora.alpha:g}")
+        flags.append(f"--lora-alpha {alpha:g}")
+    if modules != actor.lora_modules:
+        kinds = " ".join(sorted({m.rsplit(".", 1)[-1] for m in modules}))
+        differ.append(f"{len(modules)} layers ({kinds}), this run adapts {len(actor.lora_modules)}")
+        flags.append("the --target-modules/--exclude-modules it was trained with")
+    if differ:
+        raise CheckpointError(
+            f"checkpoint {ckpt}'s LoRA adapters differ from this run's: {'; '.join(differ)}: resume with {' and '.join(flags)}"
+        )
 
 
 def _numpy_globals() -> list[Any]:
@@ -317,6 +344,42 @@ def problem(ckpt: Path) -> str | None:
     except (zipfile.BadZipFile, OSError) as e:
         return f"{TRAINER_STATE} is damaged ({e})"
     return weights_problem(ckpt)
+
+
+def is_step_checkpoint(path: Path) -> bool:
+    """`path` is one `<step>/` checkpoint itself (what `--load DIR/3` names), not a `--save`
+    directory of them."""
+    return re.fullmatch(r"\d+", path.name) is not None and (path / TRAINER_STATE).is_file()
+
+
+def checkpoint_to_load(load: Path, warn: bool = True) -> Path | None:
+    """The checkpoint `--load` names: the directory itself when it is one `<step>/` checkpoint
+    (the run resumes from exactly that step), else the newest whole one inside it."""
+    if is_step_checkpoint(load):
+        return load if problem(load) is None else None
+    return latest_checkpoint(load, warn)
+
+
+def checkpoint_steps(save_dir: Path) -> dict[int, Path]:
+    """step → `<step>/` of every non-empty step directory in `save_dir`, whole or damaged: each is
+    a checkpoint a save of the same step would replace."""
+    if not save_dir.is_dir():
+        return {}
+    return {
+        int(p.name): p for p in save_dir.iterdir() if p.is_dir() and re.fullmatch(r"\d+", p.name) and any(p.iterdir())
+    }
+
+
+# What marks a Megatron or slime checkpoint (torch_dist): vime cannot resume from one
+_FOREIGN = re.compile(r"latest_checkpointed_iteration\.txt|iter_\d+|.*\.distcp|.*torch_dist.*")
+
+
+def foreign_checkpoint(directory: Path) -> list[str]:
+    """The entries of `directory` that mark another framework's checkpoint (Megatron/slime:
+    `latest_checkpointed_iteration.txt`, `iter_0000010/`, `*.distcp`, `torch_dist` folders)."""
+    if not directory.is_dir():
+        return []
+    return sorted(p.name + ("/" if p.is_dir() else "") for p in directory.iterdir() if _FOREIGN.fullmatch(p.name))
 
 
 def latest_checkpoint(save_dir: Path, warn: bool = True) -> Path | None:
