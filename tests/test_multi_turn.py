@@ -137,12 +137,20 @@ def sum_tool() -> Tool:
     return Tool("sum", "adds", {"type": "object"}, lambda a: str(sum(a["xs"])))
 
 
+PRODUCT = Tool("product", "multiplies", {"type": "object"}, lambda a: str(a["x"] * a["y"]))
+NOT_A_TOOL = 42
+
+
 def test_tools_load_by_name_and_dotted_path_and_bad_ones_are_one_line():
-    tools = load_tools(["calculator", "test_multi_turn:sum_tool"])
-    assert list(tools) == ["calculator", "sum"] and call("sum", {"xs": [1, 2]}, tools=tools).text == "3"
+    """A dotted path names a Tool (the documented `--tools module:TOOL`) or a function making one."""
+    tools = load_tools(["calculator", "test_multi_turn:sum_tool", "test_multi_turn:PRODUCT"])
+    assert list(tools) == ["calculator", "sum", "product"] and call("sum", {"xs": [1, 2]}, tools=tools).text == "3"
+    assert call("product", {"x": 6, "y": 7}, tools=tools).text == "42"
     assert tools["calculator"].schema()["function"]["parameters"]["required"] == ["expression"]
     with pytest.raises(ConfigError, match="--tools 'no_such_module.tool' cannot be loaded"):
         load_tools(["no_such_module.tool"])
+    with pytest.raises(ConfigError, match="'test_multi_turn:NOT_A_TOOL' is not callable: it must be a Tool, or a"):
+        load_tools(["test_multi_turn:NOT_A_TOOL"])
     with pytest.raises(ConfigError, match="two tools are named 'calculator'"):
         load_tools(["calculator", "calculator"])
 

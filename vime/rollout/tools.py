@@ -227,7 +227,7 @@ def load_tools(specs: list[str]) -> dict[str, Tool]:
         if spec in BUILTIN_TOOLS:
             tool = BUILTIN_TOOLS[spec]
         else:
-            found = load_function(spec, "--tools", ConfigError, "a Tool, or a function returning one")
+            found = load_function(spec, "--tools", ConfigError, "a Tool, or a function returning one", also=(Tool,))
             tool = found if isinstance(found, Tool) else found()
             if not isinstance(tool, Tool):
                 raise ConfigError(
