@@ -89,6 +89,16 @@ def answer_text(tokenizer: Any, answer: str, chat: bool, template_kwargs: dict |
     return text[text.index(_SENTINEL) + len(_SENTINEL) :]
 
 
+def plain(tokenizer: Any, answer: str) -> str:
+    """The answer with a zero-width space after the first character of each special token's text
+    in it: tokenized with the template around it, a tool's '<|im_end|>' was the token that ends a
+    turn, and '<|im_start|>assistant' opened one the model never wrote. The model reads the same."""
+    for token in tokenizer.all_special_tokens:
+        if len(token) > 1 and token in answer:
+            answer = answer.replace(token, f"{token[0]}\u200b{token[1:]}")
+    return answer
+
+
 def _append(sample: Sample, ids: list[int]) -> None:
     """Tokens the model did not generate: in the trajectory, out of the loss."""
     version = (sample.weight_versions or [0])[-1]
@@ -134,9 +144,10 @@ async def generate(args, sample: Sample, params: dict) -> Sample:
         state["tool_calls"] += 1
         state["tool_errors"] += int(error)
         state["tool_seconds"] += seconds
+        answer = plain(tokenizer, result_text)
         ids = list(
             tokenizer.encode(
-                answer_text(tokenizer, result_text, bool(args.apply_chat_template), args.apply_chat_template_kwargs),
+                answer_text(tokenizer, answer, bool(args.apply_chat_template), args.apply_chat_template_kwargs),
                 add_special_tokens=False,
             )
         )

@@ -9,10 +9,11 @@ fresh interpreter). A user's tool is a dotted path to a `Tool`, or to a function
 A tool never stops a run: one that raises, hangs past `--tool-timeout`, returns something other
 than text, or prints more than `--tool-max-output-chars` ends its turn with an error message in
 the conversation (the model sees it, as it would see a traceback) and is counted in the rollout
-metrics. The python tool runs in its own process, in an empty temporary directory, with a CPU
-time limit, a memory limit, no inherited environment and the socket module disabled: limits
-that keep a bad program from taking the machine down, not a security boundary against a
-hostile one (run untrusted tasks in a container).
+metrics; whatever it returns becomes text a tokenizer takes (`as_text`). The python tool runs
+in its own process, in an empty temporary directory, with a CPU time limit, a memory limit, no
+inherited environment and the socket module disabled: limits that keep a bad program from
+taking the machine down, not a security boundary against a hostile one (run untrusted tasks in
+a container).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class Tool:
     name: str
     description: str
     parameters: dict[str, Any]  # JSON schema of the arguments object
-    fn: Callable[[dict[str, Any]], Any]  # arguments -> text
+    fn: Callable[[dict[str, Any]], Any]  # arguments -> text (str, or bytes read as UTF-8)
     in_process: bool = True  # False: fn starts a process of its own and bounds it (python)
 
     def schema(self) -> dict[str, Any]:
@@ -240,11 +241,28 @@ def load_tools(specs: list[str]) -> dict[str, Tool]:
     return tools
 
 
+def as_text(out: str | bytes) -> str:
+    """What the model reads, whatever a tool gave: bytes as UTF-8 (an invalid sequence becomes
+    U+FFFD), and a str's surrogates joined in pairs, a lone one (from `json.loads('"\\ud800"')`, or
+    bytes decoded with surrogateescape) becoming U+FFFD: a tokenizer raises on it, which ended the run."""
+    if isinstance(out, bytes):
+        return out.decode("utf-8", "replace")
+    return out.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def _message(e: Exception) -> str:
+    try:
+        return str(e)
+    except Exception:  # an exception whose __str__ raises must not end the run either
+        return "(its message could not be read)"
+
+
 async def call_tool(tools: dict[str, Tool], name: Any, arguments: Any, timeout: float, max_chars: int) -> ToolResult:
     """Run one call; every failure becomes an error result whose text the model reads."""
     t0 = time.perf_counter()
 
     def done(text: str, error: bool) -> ToolResult:
+        text = as_text(text)
         if len(text) > max_chars:  # an error's text too: a failed program's output comes with it
             text, error = text[:max_chars] + f"\n[cut: {len(text)} characters, the first {max_chars} shown]", True
         return ToolResult(text, error, time.perf_counter() - t0)
@@ -260,11 +278,11 @@ async def call_tool(tools: dict[str, Tool], name: Any, arguments: Any, timeout: 
         else:
             out = await asyncio.to_thread(tool.fn, arguments, timeout)
     except ToolError as e:
-        return done(f"error: {e}", True)
+        return done(f"error: {_message(e)}", True)
     except TimeoutError:
         return done(f"error: {tool.name} gave no answer within {timeout:g}s", True)
     except Exception as e:  # a tool's own bug: the model reads what went wrong, the run goes on
-        return done(f"error: {tool.name} raised {type(e).__name__}: {e}", True)
-    if not isinstance(out, str):
+        return done(f"error: {tool.name} raised {type(e).__name__}: {_message(e)}", True)
+    if not isinstance(out, str | bytes):
         return done(f"error: {tool.name} returned {type(out).__name__}, not text", True)
     return done(out, False)
