@@ -28,7 +28,7 @@ from typing import Any
 
 from vime.models import context_length
 from vime.rollout.runtime import runtime_of
-from vime.rollout.tools import Tool, call_tool, load_tools
+from vime.rollout.tools import Tool, call_tool, load_tools, log_sandbox
 from vime.rollout.types import MULTI_TURN_STATE as STATE
 from vime.rollout.types import Sample, Status
 from vime.rollout.vllm_rollout import generate as generate_turn
@@ -44,7 +44,9 @@ def _context_length(model_dir: str) -> int:
 
 @lru_cache(maxsize=8)
 def _tools(specs: tuple[str, ...]) -> dict[str, Tool]:
-    return load_tools(list(specs))
+    tools = load_tools(list(specs))
+    log_sandbox(tools)  # here, once, where the run's log is open (preflight's load_tools comes before it)
+    return tools
 
 
 def parse_call(turn: str) -> tuple[Any, Any] | None:
