@@ -13,10 +13,15 @@ from vime.errors import VimeError
 
 
 def load_function(
-    path: str, flag: str, error: type[VimeError] = ConfigError, signature: str = "a function"
+    path: str,
+    flag: str,
+    error: type[VimeError] = ConfigError,
+    signature: str = "a function",
+    also: tuple[type, ...] = (),
 ) -> Callable:
     """Import `pkg.module:func` or `pkg.module.func`; a failure is one line of `error` naming the
-    flag. The working directory is importable, so a file next to where the user runs vime works."""
+    flag. The working directory is importable, so a file next to where the user runs vime works.
+    An object of a type in `also` is taken too (--tools: a Tool itself, not only a function making one)."""
     module_name, sep, attr = path.partition(":")
     if not sep:
         module_name, _, attr = path.rpartition(".")
@@ -37,6 +42,6 @@ def load_function(
         raise error(
             f"{flag} '{path}': importing {module_name} raised {type(e).__name__}: {first} (fix the module)"
         ) from None
-    if not callable(fn):
+    if not callable(fn) and not isinstance(fn, also):
         raise error(f"{flag} '{path}' is not callable: it must be {signature}")
     return fn

@@ -28,7 +28,7 @@ from typing import Any
 
 from vime.models import context_length
 from vime.rollout.runtime import runtime_of
-from vime.rollout.tools import Tool, call_tool, load_tools
+from vime.rollout.tools import Tool, call_tool, load_tools, log_sandbox
 from vime.rollout.types import MULTI_TURN_STATE as STATE
 from vime.rollout.types import Sample, Status
 from vime.rollout.vllm_rollout import generate as generate_turn
@@ -44,7 +44,9 @@ def _context_length(model_dir: str) -> int:
 
 @lru_cache(maxsize=8)
 def _tools(specs: tuple[str, ...]) -> dict[str, Tool]:
-    return load_tools(list(specs))
+    tools = load_tools(list(specs))
+    log_sandbox(tools)  # here, once, where the run's log is open (preflight's load_tools comes before it)
+    return tools
 
 
 def parse_call(turn: str) -> tuple[Any, Any] | None:
@@ -87,6 +89,16 @@ def answer_text(tokenizer: Any, answer: str, chat: bool, template_kwargs: dict |
         messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
     )
     return text[text.index(_SENTINEL) + len(_SENTINEL) :]
+
+
+def plain(tokenizer: Any, answer: str) -> str:
+    """The answer with a zero-width space after the first character of each special token's text
+    in it: tokenized with the template around it, a tool's '<|im_end|>' was the token that ends a
+    turn, and '<|im_start|>assistant' opened one the model never wrote. The model reads the same."""
+    for token in tokenizer.all_special_tokens:
+        if len(token) > 1 and token in answer:
+            answer = answer.replace(token, f"{token[0]}\u200b{token[1:]}")
+    return answer
 
 
 def _append(sample: Sample, ids: list[int]) -> None:
@@ -134,9 +146,10 @@ async def generate(args, sample: Sample, params: dict) -> Sample:
         state["tool_calls"] += 1
         state["tool_errors"] += int(error)
         state["tool_seconds"] += seconds
+        answer = plain(tokenizer, result_text)
         ids = list(
             tokenizer.encode(
-                answer_text(tokenizer, result_text, bool(args.apply_chat_template), args.apply_chat_template_kwargs),
+                answer_text(tokenizer, answer, bool(args.apply_chat_template), args.apply_chat_template_kwargs),
                 add_special_tokens=False,
             )
         )

@@ -9,31 +9,39 @@ fresh interpreter). A user's tool is a dotted path to a `Tool`, or to a function
 A tool never stops a run: one that raises, hangs past `--tool-timeout`, returns something other
 than text, or prints more than `--tool-max-output-chars` ends its turn with an error message in
 the conversation (the model sees it, as it would see a traceback) and is counted in the rollout
-metrics. The python tool runs in its own process, in an empty temporary directory, with a CPU
-time limit, a memory limit, no inherited environment and the socket module disabled: limits
-that keep a bad program from taking the machine down, not a security boundary against a
-hostile one (run untrusted tasks in a container).
+metrics; whatever it returns becomes text a tokenizer takes (`as_text`). The python tool is
+where model output becomes code: it runs behind the boundary of `vime.rollout.sandbox`
+(namespaces of its own where the kernel allows them, nobody's uid as root, rlimits everywhere),
+the strongest this machine allows, which one start-up line names (`detected_sandbox`).
 """
 
 from __future__ import annotations
 
 import ast
 import asyncio
+import contextlib
+import functools
+import json
+import logging
 import math
 import operator
 import os
+import pwd
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from vime.config import ConfigError
 from vime.plugins import load_function
+from vime.rollout import sandbox
 from vime.rollout.rewards.runner import in_daemon_thread
+
+log = logging.getLogger("vime")
 
 
 @dataclass(frozen=True)
@@ -41,7 +49,7 @@ class Tool:
     name: str
     description: str
     parameters: dict[str, Any]  # JSON schema of the arguments object
-    fn: Callable[[dict[str, Any]], Any]  # arguments -> text
+    fn: Callable[[dict[str, Any]], Any]  # arguments -> text (str, or bytes read as UTF-8)
     in_process: bool = True  # False: fn starts a process of its own and bounds it (python)
 
     def schema(self) -> dict[str, Any]:
@@ -132,7 +140,12 @@ CALCULATOR = Tool(
 # ---------------------------------------------------------------- python
 
 MEMORY_BYTES = 512 << 20
-OUTPUT_BYTES = 1 << 20  # what the program may print (a file-size limit: writes past it fail)
+OUTPUT_BYTES = 1 << 20  # what the program may print, and any file it writes (RLIMIT_FSIZE: writes past it fail)
+SCRATCH_BYTES = 64 << 20  # its directory, a tmpfs of its own where the kernel gives namespaces
+# RLIMIT_NPROC, counted per call in the call's user namespace; as nobody where nobody may not have one
+# (or without namespaces), the calls running at once share it
+PROCESSES = 32
+PROBE_TIMEOUT = 60.0  # the start-up test of each boundary: a program printing "ok", on a busy machine
 
 
 # One thread for numerical libraries: OpenBLAS starts one per core, each reserving address
@@ -144,52 +157,130 @@ _ENV = {
 }
 
 
-def _launcher(cpu_seconds: int, program: str) -> str:
-    """What `python -c` runs: the limits and no network, then the program from its file (as its
-    own module source, so `from __future__` and tracebacks with its line numbers work)."""
-    return (
-        "import resource as _r, socket as _s\n"
-        f"_r.setrlimit(_r.RLIMIT_CPU, ({cpu_seconds}, {cpu_seconds}))\n"
-        f"_r.setrlimit(_r.RLIMIT_AS, ({MEMORY_BYTES}, {MEMORY_BYTES}))\n"
-        f"_r.setrlimit(_r.RLIMIT_FSIZE, ({OUTPUT_BYTES}, {OUTPUT_BYTES}))\n"
-        "_s.socket = _s.create_connection = None\n"
-        f"_p = {program!r}\n"
-        "_c = compile(open(_p).read(), 'program.py', 'exec')\n"
-        "del _r, _s, _p\n"
-        "exec(_c, {'__name__': '__main__'})\n"
-    )
+@dataclass(frozen=True)
+class Sandbox:
+    """What bounds the python tool's programs (vime.rollout.sandbox says how): namespaces of their
+    own where the kernel allows them, nobody's uid when vime is root. `detected_sandbox` picks the
+    strongest that works on this machine."""
+
+    namespaces: bool
+    uid: int | None = None
+    gid: int | None = None
+    missing: str = ""  # why nothing stronger: the error of the stronger one's test
+
+    def describe(self) -> str:
+        """The start-up line: what is in force, and what is not."""
+        limits = (
+            f"limits: CPU seconds = --tool-timeout, {MEMORY_BYTES >> 20} MiB memory, "
+            f"{PROCESSES} processes, {OUTPUT_BYTES >> 20} MiB per file"
+        )
+        if self.namespaces:
+            who = "as nobody, " if self.uid is not None else ""
+            return (
+                f"python tool: programs run {who}in namespaces of their own: no network, no other process "
+                f"visible, the system and Python read-only, only their {SCRATCH_BYTES >> 20} MiB scratch "
+                f"directory writable; {limits}"
+            )
+        if self.uid is not None:
+            return (
+                f"python tool: no namespaces here ({self.missing}): programs run as nobody, out of reach of "
+                "the run's processes and private files, but they can write world-writable directories (/tmp) "
+                f"and reach the network past a Python audit hook, which is not a boundary; {limits}"
+            )
+        return (
+            f"python tool: NO BOUNDARY here ({self.missing}): model-written programs run as this user, with "
+            "its files, its processes (the run's environment, the engines' API key) and the network; only a "
+            "Python audit hook refuses them, and it can be bypassed. Run vime as root, or allow unprivileged "
+            "user namespaces (Ubuntu: sysctl kernel.apparmor_restrict_unprivileged_userns=0), for a real one; "
+            f"{limits}"
+        )
+
+    def config(self, scratch: str, timeout: float) -> dict[str, Any]:
+        """The launcher's configuration for one program (vime.rollout.sandbox.launch)."""
+        return {
+            "namespaces": self.namespaces,
+            "uid": self.uid,
+            "gid": self.gid,
+            "scratch": scratch,
+            "scratch_bytes": SCRATCH_BYTES,
+            "cpu_seconds": max(1, math.ceil(timeout)),
+            "memory_bytes": MEMORY_BYTES,
+            "processes": PROCESSES,
+            "file_bytes": OUTPUT_BYTES,
+            "env": {**_ENV, "HOME": scratch, "TMPDIR": scratch},
+        }
 
 
-def run_python(arguments: dict[str, Any], timeout: float = 10.0) -> str:
-    """What the program prints (its last error line after it when it failed); the wall-clock
-    `timeout` ends it and anything it started."""
+@functools.cache
+def detected_sandbox() -> Sandbox:
+    """The strongest boundary this machine allows, each tried with a program that prints "ok"
+    (once per process, when the python tool is loaded: at start-up)."""
+    if os.geteuid() == 0:
+        try:
+            ids = pwd.getpwnam("nobody")[2:4]
+        except KeyError:
+            ids = (65534, 65534)
+        candidates = [Sandbox(True, *ids), Sandbox(False, *ids)]
+    else:
+        candidates = [Sandbox(True)]
+    problems = []
+    for box in candidates:
+        try:
+            out = run_python({"code": "print('ok')"}, PROBE_TIMEOUT, box)
+        except ToolError as e:
+            out = str(e)
+        if out == "ok\n":
+            break
+        problems.append(out.strip().splitlines()[-1] if out.strip() else "no output")
+    else:
+        box = Sandbox(False)
+    return replace(box, missing="; ".join(problems))
+
+
+def log_sandbox(tools: dict[str, Tool]) -> None:
+    """The start-up line of the python tool's boundary, when it is among `tools`: a warning when
+    it is not the kernel's."""
+    if PYTHON in tools.values():
+        box = detected_sandbox()
+        (log.info if box.namespaces else log.warning)(box.describe())
+
+
+def run_python(arguments: dict[str, Any], timeout: float = 10.0, box: Sandbox | None = None) -> str:
+    """What the program prints (its last error line after it when it failed), run in `box`
+    (default: `detected_sandbox()`). The wall-clock `timeout` ends it and anything it started.
+    A tool of your own that runs model-written Python can call this."""
     code = arguments.get("code")
     if not isinstance(code, str):
         raise ToolError('python takes {"code": "<program>"}')
-    with tempfile.TemporaryDirectory(prefix="vime-tool-") as cwd, tempfile.TemporaryDirectory() as outputs:
-        out_path, err_path = os.path.join(outputs, "stdout"), os.path.join(outputs, "stderr")
-        program = os.path.join(outputs, "program.py")
-        with open(program, "w") as f:
-            f.write(code)
-        with open(out_path, "wb") as out, open(err_path, "wb") as err:
+    box = box or detected_sandbox()
+    with tempfile.TemporaryDirectory(prefix="vime-tool-") as scratch, tempfile.TemporaryDirectory() as outputs:
+        scratch = os.path.realpath(scratch)
+        program, out_path, err_path = (os.path.join(outputs, name) for name in ("program.py", "stdout", "stderr"))
+        with open(program, "wb") as f:
+            f.write(code.encode("utf-8", "backslashreplace"))  # a lone surrogate (JSON's "\\ud800") as its escape
+        with open(program, "rb") as stdin, open(out_path, "wb") as out, open(err_path, "wb") as err:
+            config = json.dumps(box.config(scratch, timeout))
             proc = subprocess.Popen(
-                [sys.executable, "-I", "-c", _launcher(max(1, math.ceil(timeout)), program)],
-                cwd=cwd,
+                [sys.executable, "-I", sandbox.__file__, "launch", config],
+                cwd=outputs,
                 env=_ENV,
-                stdin=subprocess.DEVNULL,
+                stdin=stdin,
                 stdout=out,
                 stderr=err,
                 start_new_session=True,  # its own group, ended with it: nothing it started outlives the call
             )
+            timed_out = False
             try:
                 proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                raise ToolError(f"the program ran longer than {timeout:g}s and was stopped") from None
+                timed_out = True
+                if box.namespaces:  # the launcher ends the namespace and returns once it is empty
+                    proc.terminate()
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(timeout=5)
             finally:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
                 proc.wait()
         too_much = os.path.getsize(out_path) >= OUTPUT_BYTES  # its writes past the limit failed (EFBIG)
         with open(out_path, "rb") as f:
@@ -197,11 +288,17 @@ def run_python(arguments: dict[str, Any], timeout: float = 10.0) -> str:
         with open(err_path, "rb") as f:
             err_lines = f.read(OUTPUT_BYTES).decode("utf-8", "replace").strip().splitlines()
     # what went wrong first, then what it printed: a long output is cut at its end
+    printed = f"\nafter it printed:\n{text}" if text else ""
+    if timed_out:
+        raise ToolError(f"the program ran longer than {timeout:g}s and was stopped{printed}")
     if too_much:
         raise ToolError(f"the program printed more than {OUTPUT_BYTES} bytes and was stopped; it began:\n{text}")
+    if proc.returncode < 0:
+        name = signal.Signals(-proc.returncode).name
+        why = " (its CPU time limit)" if name == "SIGXCPU" else ""
+        raise ToolError(f"the program was stopped by {name}{why}{printed}")
     if proc.returncode != 0:
-        last = err_lines[-1] if err_lines else f"exit status {proc.returncode}"
-        raise ToolError(last + (f"\nafter it printed:\n{text}" if text else ""))
+        raise ToolError((err_lines[-1] if err_lines else f"exit status {proc.returncode}") + printed)
     return text
 
 
@@ -221,13 +318,14 @@ BUILTIN_TOOLS = {t.name: t for t in (CALCULATOR, PYTHON)}
 
 
 def load_tools(specs: list[str]) -> dict[str, Tool]:
-    """--tools: built-in names or dotted paths to a Tool (or a function returning one)."""
+    """--tools: built-in names or dotted paths to a Tool (or a function returning one). The python
+    tool's sandbox is found here, at start-up (preflight)."""
     tools: dict[str, Tool] = {}
     for spec in specs:
         if spec in BUILTIN_TOOLS:
             tool = BUILTIN_TOOLS[spec]
         else:
-            found = load_function(spec, "--tools", ConfigError, "a Tool, or a function returning one")
+            found = load_function(spec, "--tools", ConfigError, "a Tool, or a function returning one", also=(Tool,))
             tool = found if isinstance(found, Tool) else found()
             if not isinstance(tool, Tool):
                 raise ConfigError(
@@ -237,7 +335,25 @@ def load_tools(specs: list[str]) -> dict[str, Tool]:
         if tool.name in tools:
             raise ConfigError(f"--tools: two tools are named '{tool.name}': give each tool once")
         tools[tool.name] = tool
+    if PYTHON in tools.values():
+        detected_sandbox()
     return tools
+
+
+def as_text(out: str | bytes) -> str:
+    """What the model reads, whatever a tool gave: bytes as UTF-8 (an invalid sequence becomes
+    U+FFFD), and a str's surrogates joined in pairs, a lone one (from `json.loads('"\\ud800"')`, or
+    bytes decoded with surrogateescape) becoming U+FFFD: a tokenizer raises on it, which ended the run."""
+    if isinstance(out, bytes):
+        return out.decode("utf-8", "replace")
+    return out.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def _message(e: Exception) -> str:
+    try:
+        return str(e)
+    except Exception:  # an exception whose __str__ raises must not end the run either
+        return "(its message could not be read)"
 
 
 async def call_tool(tools: dict[str, Tool], name: Any, arguments: Any, timeout: float, max_chars: int) -> ToolResult:
@@ -245,6 +361,7 @@ async def call_tool(tools: dict[str, Tool], name: Any, arguments: Any, timeout: 
     t0 = time.perf_counter()
 
     def done(text: str, error: bool) -> ToolResult:
+        text = as_text(text)
         if len(text) > max_chars:  # an error's text too: a failed program's output comes with it
             text, error = text[:max_chars] + f"\n[cut: {len(text)} characters, the first {max_chars} shown]", True
         return ToolResult(text, error, time.perf_counter() - t0)
@@ -260,11 +377,11 @@ async def call_tool(tools: dict[str, Tool], name: Any, arguments: Any, timeout: 
         else:
             out = await asyncio.to_thread(tool.fn, arguments, timeout)
     except ToolError as e:
-        return done(f"error: {e}", True)
+        return done(f"error: {_message(e)}", True)
     except TimeoutError:
         return done(f"error: {tool.name} gave no answer within {timeout:g}s", True)
     except Exception as e:  # a tool's own bug: the model reads what went wrong, the run goes on
-        return done(f"error: {tool.name} raised {type(e).__name__}: {e}", True)
-    if not isinstance(out, str):
+        return done(f"error: {tool.name} raised {type(e).__name__}: {_message(e)}", True)
+    if not isinstance(out, str | bytes):
         return done(f"error: {tool.name} returned {type(out).__name__}, not text", True)
     return done(out, False)
