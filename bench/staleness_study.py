@@ -37,6 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "examples")]
 
+from demo import demo_config  # noqa: E402
 from real_ab import (  # noqa: E402
     PRESETS,
     Runner,
@@ -50,7 +51,6 @@ from real_ab import (  # noqa: E402
     write_data,
 )
 
-from demo import demo_config  # noqa: E402
 from vime.models import resolve_model  # noqa: E402
 
 Job = tuple[str, str | None, list[str], int]
@@ -81,12 +81,12 @@ def main() -> int:
     p.add_argument("--preset", default="lists", choices=tuple(PRESETS), help="bench/real_ab.py's workload")
     p.add_argument("--seeds", default="1,2,3", help="comma-separated; each sets --seed and --rollout-seed")
     p.add_argument("--staleness", default="1,2,4", help="--max-staleness bounds of the decoupled cells")
-    p.add_argument(
-        "--corrections", default="tis,m2po", help="--off-policy-correction values of the decoupled cells"
-    )
+    p.add_argument("--corrections", default="tis,m2po", help="--off-policy-correction values of the decoupled cells")
     p.add_argument("--lrs", default="1e-5,2e-5", help="learning rates; the fully-async cells use the first")
     p.add_argument(
-        "--in-flight", default="keep,abort,resume", help="--update-in-flight policies of the fully-async cells ('' none)"
+        "--in-flight",
+        default="keep,abort,resume",
+        help="--update-in-flight policies of the fully-async cells ('' none)",
     )
     p.add_argument("--steps", type=int, default=None, help="steps per run (default: the preset's)")
     p.add_argument("--eval-interval", type=int, default=None, help="steps between evals (default: the preset's)")
