@@ -93,6 +93,7 @@ def main() -> int:
     p.add_argument("--arm-args", default="", help="extra flags for every run, one string")
     p.add_argument("--parallel", type=int, default=1, help="runs at once on the one device")
     p.add_argument("--arm-timeout", type=float, default=None, help="seconds before one run is given up")
+    p.add_argument("--model", default="smollm2", help="HF model directory, or 'smollm2' (the embedded default)")
     p.add_argument("--out", default="/tmp/vime-staleness-study", help="runs, tables and results go here")
     p.add_argument("--report-only", action="store_true", help="print the tables of --out's results.json")
     a = p.parse_args()
@@ -109,7 +110,7 @@ def main() -> int:
     failed: list[str] = []
     if not a.report_only:
         train, test = write_data(a.preset, out)
-        cfg = demo_config(s, resolve_model("smollm2"), train, test)
+        cfg = demo_config(s, resolve_model(a.model), train, test)
         cfg.update(device="cuda" if gpu else "cpu", use_tensorboard=False, quiet=True, eval_interval=s["eval_interval"])
         if a.preset == "lists":
             cfg["rm_type"] = "exact"
