@@ -64,3 +64,7 @@ def tis_summed(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks,
 
 def tis_pair(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, **kw):
     return pg_loss, loss_masks
+
+
+def tis_that_raises(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, **kw):
+    raise RuntimeError("expected rollout log-probs in float64")

@@ -508,6 +508,8 @@ def test_a_custom_hook_that_raises_or_answers_the_wrong_shape_is_one_line_naming
         (ca.tis_one_mask_short, "returned 1 loss_masks for 2 sequences"),
         (ca.tis_summed, r"returned a pg_loss Tensor of shape \(\) for 3 tokens"),
         (ca.tis_pair, r"returned a tuple of 2: it must return \(pg_loss, loss_masks, metrics\)"),
+        # a RuntimeError of its own: named as the hook's, not taken for another trainer rank's end
+        (ca.tis_that_raises, "raised RuntimeError: expected rollout log-probs in float64"),
     ):
         with pytest.raises(PluginError, match=f"^--custom-tis-function-path custom_algorithms.{hook.__name__} {fault}"):
             apply_custom_tis(partial(hook, None), pg, torch.zeros(3), torch.zeros(3), torch.ones(3), seq_ids)

@@ -204,14 +204,11 @@ def _custom_reward(args: Any, rewards: Rewards, sample: Sample) -> list[str]:
     try:
         value = async_loop.run(rewards.fn(sample))
     except Exception as e:
-        what = (
-            "took longer than --reward-timeout"
-            if isinstance(e, TimeoutError)
-            else f"raised {type(e).__name__}: {first_line(e)}"
-        )
+        timed_out = isinstance(e, TimeoutError)
+        what = "took longer than --reward-timeout" if timed_out else f"raised {type(e).__name__}: {first_line(e)}"
         return [
             f"--custom-rm-path {path} {what} on a made-up sample of the first prompt at start-up; in the run "
-            "such a sample scores 0 and counts in rollout/reward_errors"
+            f"such a sample scores 0 and counts in rollout/reward_{'timeouts' if timed_out else 'errors'}"
         ]
     try:
         score, _ = read_reward(args, value)
@@ -219,7 +216,7 @@ def _custom_reward(args: Any, rewards: Rewards, sample: Sample) -> list[str]:
         raise
     except (TypeError, ValueError):
         raise plugin.error(
-            f"returned {first_line(ValueError(repr(value)))[:60]} ({type(value).__name__}): it must return a number, "
+            f"returned {repr(value)[:60]} ({type(value).__name__}): it must return a number, "
             "or a dict with the reward at --reward-key"
         ) from None
     if not math.isfinite(score):
