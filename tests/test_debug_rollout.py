@@ -210,10 +210,21 @@ def crafted(tmp_path: Path, **change) -> str:
         ({"response_length": 4}, "has response_length 4 for 4 tokens (a prompt and a response)"),
         ({"loss_mask": [1, 1, 1]}, "has loss_mask of 3 values for a response of 2 tokens"),
         ({"rollout_log_probs": [-0.5]}, "has rollout_log_probs of 1 values for a response of 2 tokens"),
+        ({"loss_mask": [1, "1"]}, "has loss_mask values that are not numbers"),
         ({"weight_versions": "0, 0"}, "has weight_versions of str values for a response of 2 tokens"),
         ({"reward": "1"}, "has reward '1', not a number"),
     ],
-    ids=["beyond-vocab", "negative", "not-int", "response-length", "loss-mask", "log-probs", "versions", "reward"],
+    ids=[
+        "beyond-vocab",
+        "negative",
+        "not-int",
+        "response-length",
+        "loss-mask",
+        "log-probs",
+        "mask-values",
+        "versions",
+        "reward",
+    ],  # fmt: skip
 )
 def test_a_crafted_rollout_that_the_trainer_could_not_take_is_refused_at_load(tmp_path, change, problem):
     template = crafted(tmp_path, **change)

@@ -145,7 +145,7 @@ def _is_int(v: Any) -> bool:
 
 
 def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    return isinstance(v, (int, float))  # a loss mask of bools trains as one of ints
 
 
 def check_sample(s: Sample, vocab_size: int | None) -> str | None:
@@ -159,13 +159,15 @@ def check_sample(s: Sample, vocab_size: int | None) -> str | None:
         return f"holds token id {bad[0]} ({where}; {len(bad)} such ids)"
     if not _is_int(s.response_length) or not 0 <= s.response_length < len(s.tokens):
         return f"has response_length {s.response_length!r} for {len(s.tokens)} tokens (a prompt and a response)"
-    for name, check in (("loss_mask", _is_int), ("rollout_log_probs", _is_number), ("weight_versions", _is_int)):
+    for name in ("loss_mask", "rollout_log_probs", "weight_versions"):
         values = getattr(s, name)
         if values is None:
             continue
-        if not isinstance(values, list) or len(values) != s.response_length or not all(check(v) for v in values):
+        if not isinstance(values, list) or len(values) != s.response_length:
             n = len(values) if isinstance(values, list) else type(values).__name__
             return f"has {name} of {n} values for a response of {s.response_length} tokens"
+        if not all(_is_number(v) for v in values):
+            return f"has {name} values that are not numbers"
     if s.reward is not None and not _is_number(s.reward):
         return f"has reward {s.reward!r}, not a number"
     return None

@@ -30,7 +30,8 @@ class PluginError(VimeError, ValueError):
     run: its flag and dotted path, what happened (a raised exception's type and message) and
     on what. `when` ("step 3", or the start-up check) is set by whoever knows it (`at_step`),
     which the call itself often does not. A ValueError, as the shape checks it took over from
-    were; not a RuntimeError, which a sharded trainer reads as another rank's end."""
+    were; not a RuntimeError, which a sharded trainer takes for a sign that a rank has ended
+    (`DistributedActor._together`) and would report as that rank's end if one had."""
 
     def __init__(self, message: str, when: str | None = None) -> None:
         super().__init__(message)
