@@ -163,3 +163,49 @@ async def stop_engine_mid_step(args, sample, params):
             os.kill(pid, signal.SIGSTOP)
         (args.run_dir / "engine-stopped").write_text("stopped")
     return await default_generate(args, sample, params)
+
+
+# ---- plug-ins that do not fit, or fail mid-run (tests/test_faults.py: plug-ins) -----------------
+
+
+def generate_not_async(args, sample, params):
+    return sample
+
+
+async def generate_of_two_arguments(args, sample):
+    return sample
+
+
+async def generate_that_raises(args, sample, params):
+    raise KeyError("tool_calls")
+
+
+async def generate_returning_nothing(args, sample, params):
+    return None
+
+
+def rollout_of_two_arguments(args, rollout_id):
+    return None
+
+
+def _after_step_one(args) -> bool:
+    """True once the run has checkpointed step 1 (with --save-interval 1): the fault then comes
+    in step 2, past the start-up checks and with a checkpoint to keep."""
+    return args.save is not None and (Path(args.save) / "1" / "trainer_state.pt").exists()
+
+
+def filter_failing_in_step_two(args, samples):
+    if _after_step_one(args):
+        return samples[0].metadata["difficulty"] > 1
+    return True
+
+
+def loss_failing_in_step_two(args, *, log_probs, old_log_probs, advantages, loss_mask, rollout_log_probs, seq_ids):
+    if _after_step_one(args):
+        raise ZeroDivisionError("float division by zero")
+    return -advantages * log_probs
+
+
+def rollout_as_a_list(args, rollout_id: int, data_source, evaluation: bool = False):
+    """slime's oldest rollout functions returned the groups themselves, not RolloutOutput."""
+    return generate_rollout(args, rollout_id, data_source, evaluation).samples

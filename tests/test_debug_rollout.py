@@ -4,10 +4,12 @@ generated it, bit for bit; a rollout-only run starts no trainer."""
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import ROOT, run_cli
 
 from vime.debug_rollout import load_rollout, save_rollout
 from vime.rollout.data_source import DataError
@@ -113,3 +115,139 @@ def test_a_saved_rollout_reads_back_equal_and_bad_files_are_one_line(tmp_path):
     with pytest.raises(DataError, match="is not a saved rollout") as e:
         load_rollout(template, 9, 2)
     assert "\n" not in str(e.value)
+
+
+# ---- faults: a bad template, a failed write, a crafted file -----------------------------------
+
+
+def one_rollout(n_groups: int = 2, n: int = 2) -> RolloutOutput:
+    return RolloutOutput(
+        [
+            [
+                Sample(
+                    index=n * g + k, group_index=g, prompt="p", label="3", tokens=[5, 6, 7, 8], response_length=2,
+                    response="x", loss_mask=[1, 1], rollout_log_probs=[-0.5, -1.25], weight_versions=[0, 0],
+                    reward=float(k), status=Status.COMPLETED,
+                )
+                for k in range(n)
+            ]
+            for g in range(n_groups)
+        ]
+    )  # fmt: skip
+
+
+def test_a_template_with_an_unknown_placeholder_or_an_unwritable_directory_is_refused_at_start_up(
+    tmp_path, monkeypatch
+):
+    from vime.cli import train_main
+    from vime.errors import VimeError
+
+    monkeypatch.chdir(ROOT)
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    for flags, line in (
+        (
+            ["--save-debug-rollout-data", f"{tmp_path}/{{x}}/{{rollout_id}}.pt"],
+            "{x} is not a placeholder vime fills; the only one is {rollout_id} (write a literal brace as {{ or }})",
+        ),
+        (["--load-debug-rollout-data", f"{tmp_path}/{{rollout_id}}{{}}.pt"], "its placeholders do not format"),
+        (
+            ["--save-debug-rollout-data", f"{a_file}/{{rollout_id}}.pt"],
+            f"--save-debug-rollout-data {a_file} is not writable",
+        ),
+    ):
+        with pytest.raises(VimeError) as e:
+            train_main([*TINY, "--num-rollout", "1", "--runs-dir", str(tmp_path / "runs"), "--run-name", "r", *flags])
+        assert line in str(e.value) and "\n" not in str(e.value), str(e.value)
+        assert not (tmp_path / "runs" / "r").exists()
+
+
+def test_a_rollout_that_cannot_be_written_is_one_line_and_leaves_no_tmp_file(tmp_path):
+    from test_faults import _disk_full_at
+
+    template = str(tmp_path / "dbg" / "{rollout_id}.pt")
+    (tmp_path / "dbg").mkdir()
+    with _disk_full_at(1024), pytest.raises(DataError) as e:
+        save_rollout(template, 3, one_rollout(8, 4))
+    assert re.fullmatch(
+        r"--save-debug-rollout-data: cannot write rollout 3 to .*/dbg/3\.pt \(File too large\): make room or pick "
+        "another path",
+        str(e.value),
+    ), str(e.value)
+    assert list((tmp_path / "dbg").iterdir()) == []  # no .tmp, no half file
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    with pytest.raises(DataError, match="cannot write rollout 0 to .*file/0.pt"):
+        save_rollout(f"{a_file}/{{rollout_id}}.pt", 0, one_rollout())
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through file modes: a read-only directory needs a user")
+def test_a_rollout_in_a_read_only_directory_is_one_line_and_leaves_no_tmp_file(tmp_path):
+    (tmp_path / "ro").mkdir(mode=0o555)
+    with pytest.raises(DataError, match=r"cannot write rollout 0 to .*ro/0\.pt \(.*Permission denied"):
+        save_rollout(str(tmp_path / "ro" / "{rollout_id}.pt"), 0, one_rollout())
+    assert list((tmp_path / "ro").iterdir()) == []
+
+
+def crafted(tmp_path: Path, **change) -> str:
+    """A saved rollout with one sample's fields changed, as a hand-edited or foreign file has them."""
+    import torch
+
+    template = str(tmp_path / "{rollout_id}.pt")
+    save_rollout(template, 0, one_rollout())
+    data = torch.load(tmp_path / "0.pt", weights_only=True)
+    data["samples"][3].update(change)
+    torch.save(data, tmp_path / "0.pt")
+    return template
+
+
+@pytest.mark.parametrize(
+    "change, problem",
+    [
+        ({"tokens": [5, 6, 7, 100]}, "holds token id 100 (outside the model's vocabulary of 100; 1 such ids)"),
+        ({"tokens": [5, -1, 7, -2]}, "holds token id -1 (negative; 2 such ids)"),
+        ({"tokens": [5, 6.5, 7, 8]}, "has tokens that are not a non-empty list of ints"),
+        ({"response_length": 4}, "has response_length 4 for 4 tokens (a prompt and a response)"),
+        ({"loss_mask": [1, 1, 1]}, "has loss_mask of 3 values for a response of 2 tokens"),
+        ({"rollout_log_probs": [-0.5]}, "has rollout_log_probs of 1 values for a response of 2 tokens"),
+        ({"loss_mask": [1, "1"]}, "has loss_mask values that are not numbers"),
+        ({"weight_versions": "0, 0"}, "has weight_versions of str values for a response of 2 tokens"),
+        ({"reward": "1"}, "has reward '1', not a number"),
+    ],
+    ids=[
+        "beyond-vocab",
+        "negative",
+        "not-int",
+        "response-length",
+        "loss-mask",
+        "log-probs",
+        "mask-values",
+        "versions",
+        "reward",
+    ],  # fmt: skip
+)
+def test_a_crafted_rollout_that_the_trainer_could_not_take_is_refused_at_load(tmp_path, change, problem):
+    template = crafted(tmp_path, **change)
+    with pytest.raises(DataError) as e:
+        load_rollout(template, 0, 2, 2, vocab_size=100)
+    assert str(e.value) == (
+        f"--load-debug-rollout-data: {tmp_path}/0.pt sample 3 (index 3, group 1) {problem}: it is not a rollout "
+        "this model can train on; save it again with --save-debug-rollout-data"
+    )
+
+
+def test_a_train_only_run_refuses_a_rollout_with_token_ids_beyond_the_model_in_one_line(tmp_path):
+    template = crafted(tmp_path, tokens=[5, 6, 7, 10**6])
+    for i in range(1, 4):
+        save_rollout(template, i, one_rollout())
+    res = run_cli(
+        "train.py", *TINY, "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--num-rollout", "1",
+        "--runs-dir", str(tmp_path), "--run-name", "r", "--load-debug-rollout-data", template,
+    )  # fmt: skip
+    assert res.returncode == 2, res.stderr[-3000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"error: --load-debug-rollout-data: .*/0\.pt sample 3 .* holds token id 1000000 \(outside the model's vocabulary of \d+; 1 such ids\).*",
+        last,
+    ), last
+    assert "Traceback" not in res.stderr

@@ -9,8 +9,8 @@ import pytest
 from conftest import run_cli
 from test_async import MODE_ARGS
 
+from vime.plugins import PluginError
 from vime.rollout.filters import (
-    FilterError,
     check_reward_nonzero_std,
     dropped_metrics,
     load_filter,
@@ -49,15 +49,32 @@ def test_slime_filter_paths_load_vimes_filters_and_a_bad_answer_is_one_line():
         assert judge(group(0.5, 0.5)).keep_when_insufficient == name.endswith("fallback")
     assert load_filter(_Args(None)) is None
     assert load_filter(_Args("varied_reward.float_filter")) is not None  # any callable loads ...
-    with pytest.raises(FilterError, match=r"returned 0\.0: it must return a bool") as e:
+    with pytest.raises(PluginError, match=r"on group 0 returned 0\.0: it must return a bool") as e:
         load_filter(_Args("varied_reward.float_filter"))(group(1.0))  # ... and a float answer is refused
     assert "\n" not in str(e.value)
     # slime's filters compute keep as a tensor comparison: a one-element bool tensor or numpy bool counts
     judge = load_filter(_Args("varied_reward.tensor_filter"))
     assert judge(group(0.0, 1.0)).keep and not judge(group(1.0, 1.0)).keep
     assert load_filter(_Args("varied_reward.numpy_filter"))(group(0.0, 1.0)).keep
-    with pytest.raises(FilterError, match="returned Tensor"):  # two answers for one group
+    with pytest.raises(PluginError, match="returned Tensor"):  # two answers for one group
         load_filter(_Args("varied_reward.two_bools_filter"))(group(1.0))
+
+
+def test_a_filter_that_raises_or_cannot_take_a_group_is_one_line_naming_it_the_group_and_the_step():
+    from vime.plugins import at_step
+
+    judge = load_filter(_Args("varied_reward.filter_reading_a_missing_key"))
+    with pytest.raises(PluginError) as e, at_step(3):
+        judge([Sample(index=8, group_index=2, reward=1.0)])
+    assert str(e.value) == (
+        "step 3: --dynamic-sampling-filter-path varied_reward.filter_reading_a_missing_key on group 2 raised "
+        "KeyError: 'difficulty' (VIME_DEBUG=1 shows its traceback)"
+    )
+    assert isinstance(e.value.__cause__, KeyError)  # VIME_DEBUG=1 shows the filter's own traceback
+    with pytest.raises(PluginError, match="on group 0 returned a .reason of type int: give a str or None"):
+        load_filter(_Args("varied_reward.filter_with_a_numeric_reason"))(group(1.0))
+    with pytest.raises(PluginError, match=r"filter_of_one_argument cannot be called as fn\(args, samples\)"):
+        load_filter(_Args("varied_reward.filter_of_one_argument"))
 
 
 def test_a_filter_that_cannot_load_is_refused_at_start_up(tmp_path):

@@ -903,6 +903,153 @@ def test_skip_overlong_prompts_leaves_them_out_and_counts_them(tmp_path, tiny_mo
         DataSource(args, load_tokenizer(tiny_model), max_prompt_len=20)
 
 
+# ---- plug-ins: tried at start-up, and their faults in a run -----------------------------------
+
+CUSTOM_LOSS = ["--loss-type", "custom_loss", "--custom-loss-function-path"]
+# each plug-in flag with a function that does not fit, and the one line that refuses it
+MISFITS = [
+    (
+        ["--dynamic-sampling-filter-path", "varied_reward.float_filter"],
+        "on group 0 returned 0.0: it must return a bool",
+    ),
+    (
+        ["--dynamic-sampling-filter-path", "varied_reward.filter_reading_a_missing_key"],
+        "on group 0 raised KeyError: 'difficulty' (VIME_DEBUG=1 shows its traceback)",
+    ),
+    (["--dynamic-sampling-filter-path", "varied_reward.filter_with_a_numeric_reason"], "a .reason of type int"),
+    (
+        ["--dynamic-sampling-filter-path", "varied_reward.filter_of_one_argument"],
+        "cannot be called as fn(args, samples)",
+    ),
+    (
+        ["--custom-advantage-function-path", "custom_algorithms.advantages_per_group"],
+        "returned advantages of shape (2,), the rollout's rewards are (2, 4) (groups × samples)",
+    ),
+    (
+        ["--custom-advantage-function-path", "custom_algorithms.advantages_that_divide_by_zero"],
+        "raised ZeroDivisionError: division by zero",
+    ),
+    (["--custom-advantage-function-path", "custom_algorithms.advantages_as_none"], "returned NoneType: return a"),
+    ([*CUSTOM_LOSS, "custom_algorithms.loss_one_short"], "a per-token loss Tensor of shape (6,) for 7 tokens"),
+    ([*CUSTOM_LOSS, "custom_algorithms.detached_loss"], "returned a per-token loss with no gradient"),
+    (
+        [*CUSTOM_LOSS, "custom_algorithms.loss_with_a_scalar_metric_per_sequence"],
+        "returned metric 'per_sequence' of shape (2,) for 7 tokens",
+    ),
+    (
+        [*CUSTOM_LOSS, "custom_algorithms.loss_without_seq_ids"],
+        "cannot be called as fn(args, *, log_probs, old_log_probs, advantages, loss_mask, rollout_log_probs, seq_ids)",
+    ),
+    (["--custom-tis-function-path", "custom_algorithms.tis_one_mask_short"], "returned 1 loss_masks for 2 sequences"),
+    (["--custom-tis-function-path", "custom_algorithms.tis_summed"], "a pg_loss Tensor of shape () for 7 tokens"),
+    (["--custom-tis-function-path", "custom_algorithms.tis_pair"], "returned a tuple of 2: it must return (pg_loss"),
+    (["--custom-rm-path", "varied_reward.reward_as_text"], "returned 'right' (str): it must return a number"),
+    (["--custom-rm-path", "varied_reward.reward_forgotten"], "returned None (NoneType): it must return a number"),
+    (["--custom-rm-path", "varied_reward.reward_of_the_sample_alone"], "cannot be called as fn(args, sample)"),
+    (["--custom-generate-function-path", "fault_plugins.generate_not_async"], "is not a coroutine function"),
+    (
+        ["--custom-generate-function-path", "fault_plugins.generate_of_two_arguments"],
+        "cannot be called as async generate(args, sample, sampling_params)",
+    ),
+    (
+        ["--rollout-function-path", "fault_plugins.rollout_of_two_arguments"],
+        "cannot be called as generate_rollout(args, rollout_id, data_source, evaluation=False)",
+    ),
+]
+
+
+def test_every_plugin_is_tried_at_start_up_and_one_that_does_not_fit_is_one_line(tmp_path, tiny_model, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    for argv, fault in MISFITS:
+        msg = _refused(tmp_path, *argv)
+        assert f"{argv[-2]} {argv[-1]}" in msg and fault in msg, (argv, msg)
+        # how it is called is checked as it loads; what it answers on made-up input, after the data is read
+        assert msg.startswith("start-up check, on made-up input: ") or "cannot be called as" in msg, msg
+
+
+def test_plugins_that_fit_pass_their_start_up_check_and_a_reward_that_raises_is_a_note(tmp_path, monkeypatch):
+    from vime.config import parse_args
+    from vime.plugins import Plugin
+    from vime.preflight import check_inputs
+
+    monkeypatch.chdir(ROOT)
+    args = parse_args(
+        [
+            "--config", "examples/tiny.yaml", "--num-rollout", "1", "--runs-dir", str(tmp_path),
+            "--rollout-function-path", "fault_plugins.inf_rewards_from_step_two",
+            "--custom-generate-function-path", "fault_plugins.slow_grading",
+            "--dynamic-sampling-filter-path",
+            "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std_with_fallback",
+            "--custom-advantage-function-path", "custom_algorithms.doubled_grpo",
+            *CUSTOM_LOSS, "custom_algorithms.reinforce_loss",
+            "--custom-tis-function-path", "custom_algorithms.halve_tis",
+            "--custom-rm-path", "varied_reward.reward_that_raises",
+        ]
+    )  # fmt: skip
+    inputs = check_inputs(args)
+    assert isinstance(inputs.rollout_fn, Plugin) and isinstance(inputs.custom_advantages, Plugin)
+    assert any(
+        n.startswith("--custom-rm-path varied_reward.reward_that_raises raised ZeroDivisionError: division by zero")
+        and "counts in rollout/reward_errors" in n
+        for n in inputs.notes
+    ), inputs.notes
+
+
+@pytest.mark.parametrize(
+    "flags, fault",
+    [
+        (
+            ["--dynamic-sampling-filter-path", "fault_plugins.filter_failing_in_step_two"],
+            r"step 2: --dynamic-sampling-filter-path fault_plugins.filter_failing_in_step_two on group \d+ raised "
+            r"KeyError: 'difficulty' \(VIME_DEBUG=1 shows its traceback\)",
+        ),
+        (
+            [*CUSTOM_LOSS, "fault_plugins.loss_failing_in_step_two"],
+            r"step 2: --custom-loss-function-path fault_plugins.loss_failing_in_step_two raised "
+            r"ZeroDivisionError: float division by zero \(VIME_DEBUG=1 shows its traceback\)",
+        ),
+    ],
+    ids=["filter", "loss"],
+)
+def test_a_plugin_that_fails_mid_run_stops_it_in_one_line_and_keeps_the_checkpoints(tmp_path, flags, fault):
+    res = run_cli(
+        "train.py", *TINY, *flags, "--num-rollout", "3", "--save", str(tmp_path / "ckpt"), "--save-interval", "1",
+        "--runs-dir", str(tmp_path), "--run-name", "r",
+    )  # fmt: skip
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert re.fullmatch("error: " + fault, res.stderr.strip().splitlines()[-1]), res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
+    _intact_checkpoints(tmp_path / "ckpt", at_least=1)
+    assert [json.loads(x)["step"] for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+def test_a_rollout_function_that_returns_no_rollout_output_stops_the_run_in_one_line(tmp_path):
+    res = run_cli(
+        "train.py", *TINY, "--rollout-function-path", "fault_plugins.rollout_as_a_list", "--debug-rollout-only",
+        "--num-rollout", "2", "--runs-dir", str(tmp_path), "--run-name", "r",
+    )  # fmt: skip
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert res.stderr.strip().splitlines()[-1] == (
+        "error: step 1: --rollout-function-path fault_plugins.rollout_as_a_list returned list: it must return "
+        "RolloutOutput(samples=[[Sample, ...], ...], metrics={}), one non-empty list per prompt group"
+    ), res.stderr[-2000:]
+
+
+def test_a_custom_generate_that_raises_or_returns_no_sample_names_the_sample_and_the_step():
+    from vime.plugins import PluginError, at_step
+    from vime.rollout.vllm_rollout import custom_generate
+
+    for name, fault in (
+        ("generate_that_raises", "raised KeyError: 'tool_calls'"),
+        ("generate_returning_nothing", "returned NoneType: it must return the Sample it was given"),
+    ):
+        with pytest.raises(PluginError) as e, at_step(4):
+            asyncio.run(custom_generate(f"fault_plugins.{name}")(None, Sample(index=13), {}))
+        assert str(e.value).startswith(
+            f"step 4: --custom-generate-function-path fault_plugins.{name} on sample 13 {fault}"
+        )
+
+
 # ---- whole runs: faults, signals, resume ---------------------------------------------------
 
 

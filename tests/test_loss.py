@@ -508,3 +508,53 @@ def test_compiled_head_kernels_equal_eager():
     assert (
         torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 2
     )  # one graph each, reused for the second length
+
+
+# ---- custom hooks: a fault is one line naming the hook, the step and the original error ------
+
+
+def test_a_custom_hook_that_raises_or_answers_the_wrong_shape_is_one_line_naming_it_and_the_step():
+    from functools import partial
+
+    import custom_algorithms as ca
+
+    from vime.config import parse_args
+    from vime.plugins import PluginError, at_step
+    from vime.rollout.types import Sample
+    from vime.trainer.loss import LossInputs, Objective, apply_custom_tis, group_advantages
+
+    groups = [[Sample(reward=1.0, response_length=1), Sample(reward=0.0, response_length=1)]]
+    with pytest.raises(PluginError) as e, at_step(3):
+        group_advantages(groups, custom=ca.advantages_that_divide_by_zero)
+    assert str(e.value) == (
+        "step 3: --custom-advantage-function-path custom_algorithms.advantages_that_divide_by_zero raised "
+        "ZeroDivisionError: division by zero (VIME_DEBUG=1 shows its traceback)"
+    )
+    assert isinstance(e.value.__cause__, ZeroDivisionError)
+
+    pg, seq_ids = torch.ones(3, requires_grad=True), torch.tensor([0, 0, 1])
+    for hook, fault in (
+        (ca.tis_one_mask_short, "returned 1 loss_masks for 2 sequences"),
+        (ca.tis_summed, r"returned a pg_loss Tensor of shape \(\) for 3 tokens"),
+        (ca.tis_pair, r"returned a tuple of 2: it must return \(pg_loss, loss_masks, metrics\)"),
+        # a RuntimeError of its own: named as the hook's, not taken for another trainer rank's end
+        (ca.tis_that_raises, "raised RuntimeError: expected rollout log-probs in float64"),
+    ):
+        with pytest.raises(PluginError, match=f"^--custom-tis-function-path custom_algorithms.{hook.__name__} {fault}"):
+            apply_custom_tis(partial(hook, None), pg, torch.zeros(3), torch.zeros(3), torch.ones(3), seq_ids)
+
+    base = ["--hf-checkpoint", "tiny", "--prompt-data", "p.jsonl", "--num-rollout", "1", "--loss-type", "custom_loss"]
+    log_probs = torch.full((3,), -1.0, requires_grad=True)
+    t = LossInputs(
+        mask=torch.ones(3), advantages=torch.ones(3), rollout_lp=torch.full((3,), -1.0), has_rollout=torch.ones(3),
+        seq_ids=seq_ids, old=None, ref=None,
+    )  # fmt: skip
+    for name, fault in (
+        ("loss_without_seq_ids", "raised TypeError: .*unexpected keyword argument 'seq_ids'"),
+        ("detached_loss", "returned a per-token loss with no gradient"),
+        ("loss_one_short", r"returned a per-token loss Tensor of shape \(2,\) for 3 tokens"),
+    ):
+        objective = Objective.of(parse_args([*base, "--custom-loss-function-path", f"custom_algorithms.{name}"]))
+        line = f"^step 2: --custom-loss-function-path custom_algorithms.{name} {fault}"
+        with pytest.raises(PluginError, match=line), at_step(2):
+            objective(log_probs, torch.zeros(3), t, num_tokens=3.0, const=2.0)

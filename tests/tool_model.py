@@ -76,6 +76,8 @@ def recording_reward(args, sample) -> float:
     tokens were sampled with."""
     import os
 
+    if "multi_turn" not in sample.metadata:  # the start-up check's made-up sample: no conversation to record
+        return 0.0
     mask, versions, logprobs = sample.effective_loss_mask(), sample.weight_versions, sample.rollout_log_probs
     turns: list[list[int]] = [[]]
     for m, v in zip(mask, versions):

@@ -48,3 +48,35 @@ def two_bools_filter(args, samples):
     import torch
 
     return torch.tensor([True, False])
+
+
+def filter_reading_a_missing_key(args, samples):
+    """A filter that reads metadata the rows do not have: it raises on every group."""
+    return samples[0].metadata["difficulty"] > 1
+
+
+def filter_with_a_numeric_reason(args, samples):
+    from vime.rollout.filters import DynamicFilterOutput
+
+    return DynamicFilterOutput(keep=False, reason=3)
+
+
+def filter_of_one_argument(samples):
+    return True
+
+
+def reward_as_text(args, sample):
+    return "right"
+
+
+def reward_forgotten(args, sample):
+    """A reward whose author forgot the `return`."""
+    sample.response.count("1")
+
+
+def reward_of_the_sample_alone(sample):
+    return 1.0
+
+
+def reward_that_raises(args, sample):
+    return 1 / 0

@@ -17,12 +17,16 @@ The file is `torch.save` of plain values (loaded with weights_only), slime's lay
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from vime.config import ConfigError
+from vime.plugins import first_line
 from vime.rollout.data_source import DataError
 from vime.rollout.types import RolloutOutput, Sample, Status
 
@@ -33,30 +37,70 @@ def debug_path(template: str, rollout_id: int) -> Path:
     return Path(template.format(rollout_id=rollout_id))
 
 
+def check_template(template: str, flag: str) -> Path:
+    """A path template that formats (its one placeholder is {rollout_id}, with a format spec or
+    not); returns the directory every rollout's file lies in. Checked at start-up: the first
+    save or load would otherwise raise Python's KeyError after the engines started."""
+    try:
+        first, second = debug_path(template, 0), debug_path(template, 1)
+    except (KeyError, IndexError, ValueError, AttributeError) as e:
+        what = (
+            f"{{{e.args[0]}}} is not a placeholder vime fills"
+            if isinstance(e, KeyError)
+            else f"its placeholders do not format ({first_line(e)})"
+        )
+        raise ConfigError(
+            f"{flag} {template}: {what}; the only one is {{rollout_id}} (write a literal brace as {{{{ or }}}})"
+        ) from None
+    common = first.parent
+    while common not in second.parents:  # {rollout_id} in a directory's name: its parent
+        common = common.parent
+    return common
+
+
 def save_rollout(template: str, rollout_id: int, out: RolloutOutput) -> Path:
     """Write one rollout; the file appears whole or not at all (a run stopped mid-write leaves no
     half file that a train-only run would read as a short batch)."""
     path = debug_path(template, rollout_id)
-    path.parent.mkdir(parents=True, exist_ok=True)
     samples = [{**dataclasses.asdict(s), "status": s.status.value} for g in out.samples for s in g]
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save({"rollout_id": rollout_id, "samples": samples, "metrics": dict(out.metrics)}, tmp)
-    try:  # what cannot be read back (a custom generate's metadata of other types) fails now, not at replay
-        torch.load(tmp, weights_only=True)
+    buf = io.BytesIO()
+    try:  # what cannot be kept or read back (a custom generate's metadata of other types) fails now, not at replay
+        torch.save({"rollout_id": rollout_id, "samples": samples, "metrics": dict(out.metrics)}, buf)
+        torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
     except Exception as e:
-        tmp.unlink(missing_ok=True)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise DataError(
             f"--save-debug-rollout-data: rollout {rollout_id}'s samples hold values a saved rollout cannot keep "
             f"({first}); keep Sample.metadata to plain types (str, numbers, lists, dicts)"
         ) from None
-    tmp.replace(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:  # bytes written by Python: a full disk is an OSError that says so (torch's own writer hides it)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(buf.getvalue())
+        tmp.replace(path)
+    except OSError as e:
+        _discard(tmp)
+        raise DataError(
+            f"--save-debug-rollout-data: cannot write rollout {rollout_id} to {path} ({e.strerror or e}): "
+            "make room or pick another path"
+        ) from None
     return path
 
 
-def load_rollout(template: str, rollout_id: int, n_per_prompt: int, n_groups: int | None = None) -> RolloutOutput:
+def _discard(tmp: Path) -> None:
+    """A half-written file goes, whatever the disk says (it is the one thing left to clean)."""
+    with contextlib.suppress(OSError):
+        tmp.unlink()
+
+
+def load_rollout(
+    template: str, rollout_id: int, n_per_prompt: int, n_groups: int | None = None, vocab_size: int | None = None
+) -> RolloutOutput:
     """One saved rollout back as groups (consecutive samples of one group index). Keys a sample
-    dict has that vime's Sample does not (a file of another version) are left out."""
+    dict has that vime's Sample does not (a file of another version) are left out. A sample the
+    trainer could not take (`check_sample`: token ids outside [0, vocab_size), per-token lists
+    of the wrong length) is refused here, in one line naming it, not as an index error deep in
+    the trainer."""
     path = debug_path(template, rollout_id)
     flag = "--load-debug-rollout-data"
     if not path.is_file():
@@ -70,6 +114,13 @@ def load_rollout(template: str, rollout_id: int, n_per_prompt: int, n_groups: in
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise DataError(f"{flag}: {path} is not a saved rollout ({type(e).__name__}: {first})") from None
+    for i, s in enumerate(samples):
+        problem = check_sample(s, vocab_size)
+        if problem:
+            raise DataError(
+                f"{flag}: {path} sample {i} (index {s.index}, group {s.group_index}) {problem}: it is not a rollout "
+                "this model can train on; save it again with --save-debug-rollout-data"
+            )
     groups: list[list[Sample]] = []
     for s in samples:
         if groups and groups[-1][0].group_index == s.group_index:
@@ -87,3 +138,36 @@ def load_rollout(template: str, rollout_id: int, n_per_prompt: int, n_groups: in
             "train with the settings it was saved with"
         )
     return RolloutOutput(samples=groups, metrics=dict(data.get("metrics", {})))
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float))  # a loss mask of bools trains as one of ints
+
+
+def check_sample(s: Sample, vocab_size: int | None) -> str | None:
+    """What makes a sample untrainable, or None: what the trainer indexes with (token ids, below
+    `vocab_size` where given) and the per-token lists it lines up with the response."""
+    if not isinstance(s.tokens, list) or not s.tokens or not all(_is_int(t) for t in s.tokens):
+        return "has tokens that are not a non-empty list of ints"
+    bad = [t for t in s.tokens if t < 0 or (vocab_size is not None and t >= vocab_size)]
+    if bad:
+        where = "negative" if bad[0] < 0 else f"outside the model's vocabulary of {vocab_size}"
+        return f"holds token id {bad[0]} ({where}; {len(bad)} such ids)"
+    if not _is_int(s.response_length) or not 0 <= s.response_length < len(s.tokens):
+        return f"has response_length {s.response_length!r} for {len(s.tokens)} tokens (a prompt and a response)"
+    for name in ("loss_mask", "rollout_log_probs", "weight_versions"):
+        values = getattr(s, name)
+        if values is None:
+            continue
+        if not isinstance(values, list) or len(values) != s.response_length:
+            n = len(values) if isinstance(values, list) else type(values).__name__
+            return f"has {name} of {n} values for a response of {s.response_length} tokens"
+        if not all(_is_number(v) for v in values):
+            return f"has {name} values that are not numbers"
+    if s.reward is not None and not _is_number(s.reward):
+        return f"has reward {s.reward!r}, not a number"
+    return None

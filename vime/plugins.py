@@ -1,15 +1,135 @@
 """Dotted paths to user code (`--rollout-function-path`, `--custom-generate-function-path`,
-`--custom-rm-path`), loaded one way with one kind of error."""
+`--custom-rm-path`, the dynamic sampling filter, the custom advantage, loss and TIS hooks),
+loaded one way with one kind of error, and called so that a fault in one is one line naming it.
+
+A plug-in is user code running deep inside a run: its traceback names vime's frames, not the
+flag that brought it in, and a wrong answer surfaces later still, as a shape error somewhere
+in the trainer. `Plugin` keeps the flag and the path with the function, so whatever goes
+wrong in a call (it raised, or answered something vime cannot use) is a `PluginError` saying
+which plug-in, on what (the sample or group) and, through `at_step`, in which step.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
+import inspect
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 from vime.config import ConfigError
 from vime.errors import VimeError
+
+
+class PluginError(VimeError, ValueError):
+    """A plug-in that raised, or answered what vime cannot use, in its start-up check or in a
+    run: its flag and dotted path, what happened (a raised exception's type and message) and
+    on what. `when` ("step 3", or the start-up check) is set by whoever knows it (`at_step`),
+    which the call itself often does not. A ValueError, as the shape checks it took over from
+    were; not a RuntimeError, which a sharded trainer takes for a sign that a rank has ended
+    (`DistributedActor._together`) and would report as that rank's end if one had."""
+
+    def __init__(self, message: str, when: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.when = when
+
+    def __str__(self) -> str:
+        return self.message if self.when is None else f"{self.when}: {self.message}"
+
+
+@contextlib.contextmanager
+def at(when: str) -> Iterator[None]:
+    """A PluginError raised in the block says `when` it happened (the innermost `at` wins)."""
+    try:
+        yield
+    except PluginError as e:
+        if e.when is None:
+            e.when = when
+        raise
+
+
+def at_step(step: int) -> contextlib.AbstractContextManager[None]:
+    """`at` a step of the run (1-based, as the metrics rows count them)."""
+    return at(f"step {step}")
+
+
+def first_line(e: BaseException) -> str:
+    """An exception's message on one line, short enough for the line it goes into."""
+    text = " ".join(str(e).split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+@dataclass(frozen=True)
+class Plugin:
+    """A loaded plug-in with the flag and dotted path that name it. Calling it calls the
+    function; an exception from inside (other than vime's own one-line errors, e.g. an engine's
+    from vime code it calls) comes out as a PluginError that keeps the exception's type and
+    message, and the exception itself as its cause (`VIME_DEBUG=1` shows its traceback)."""
+
+    fn: Callable[..., Any]
+    flag: str
+    path: str
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.call("", *args, **kwargs)
+
+    def call(self, where: str, /, *args: Any, **kwargs: Any) -> Any:
+        """The call, `where` naming what it was on ("on group 3") in an error."""
+        try:
+            return self.fn(*args, **kwargs)
+        except VimeError:
+            raise
+        except Exception as e:
+            raise self.raised(e, where) from e
+
+    async def acall(self, where: str, /, *args: Any, **kwargs: Any) -> Any:
+        """`call` of an async plug-in."""
+        try:
+            return await self.fn(*args, **kwargs)
+        except VimeError:
+            raise
+        except Exception as e:
+            raise self.raised(e, where) from e
+
+    def raised(self, e: BaseException, where: str = "") -> PluginError:
+        return self.error(f"raised {type(e).__name__}: {first_line(e)} (VIME_DEBUG=1 shows its traceback)", where)
+
+    def error(self, what: str, where: str = "") -> PluginError:
+        """'<flag> <path> [where] <what>' as a PluginError."""
+        return PluginError(f"{self.flag} {self.path}{' ' + where if where else ''} {what}")
+
+    def check_call(self, signature: str, *args: Any, **kwargs: Any) -> None:
+        """Refuse a function that cannot be called the way vime calls it, before it is called."""
+        try:
+            sig = inspect.signature(self.fn)
+        except (TypeError, ValueError):  # a builtin without a signature: its call will tell
+            return
+        try:
+            sig.bind(*args, **kwargs)
+        except TypeError as e:
+            raise self.error(f"cannot be called as {signature} ({e})") from None
+
+
+def as_plugin(fn: Callable[..., Any], flag: str) -> Plugin:
+    """`fn` as a Plugin; a plain function given in code (tests, a library user) is named by its
+    module and name."""
+    if isinstance(fn, Plugin):
+        return fn
+    inner = fn.func if isinstance(fn, functools.partial) else fn
+    name = getattr(inner, "__qualname__", type(inner).__qualname__)
+    return Plugin(fn, flag, f"{getattr(inner, '__module__', '?')}.{name}")
+
+
+def load_plugin(
+    path: str, flag: str, error: type[VimeError] = ConfigError, signature: str = "a function", shown: str | None = None
+) -> Plugin:
+    """`load_function` as a Plugin, named by `shown` (the path as the user wrote it) or `path`."""
+    return Plugin(load_function(path, flag, error, signature), flag, shown or path)
 
 
 def load_function(

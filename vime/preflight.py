@@ -22,8 +22,10 @@ from typing import Any
 
 from vime import compat
 from vime.config import ConfigError
+from vime.debug_rollout import check_template
 from vime.metrics import check_sinks
 from vime.models import ModelError, context_length, load_tokenizer, read_config, resolve_model
+from vime.plugin_checks import check_plugins
 from vime.plugins import load_function
 from vime.rollout.data_source import DataSource, load_eval_samples
 from vime.rollout.filters import load_filter
@@ -51,6 +53,7 @@ def check_inputs(args: Any) -> Inputs:
     if args.save:
         _writable(Path(args.save), "--save")
         notes += _check_save(Path(args.save), ckpt, args.overwrite_save)
+    _debug_rollout_paths(args)
     notes += compat.notes(args) + check_sinks(args)
 
     tokenizer = _model(args)
@@ -62,20 +65,14 @@ def check_inputs(args: Any) -> Inputs:
         _room_for_checkpoints(Path(args.save), model_dir)
 
     rewards = Rewards(args)
-    rollout_fn = load_function(args.rollout_function_path, "--rollout-function-path")
+    load_function(args.rollout_function_path, "--rollout-function-path")
     if args.custom_generate_function_path:
         load_function(args.custom_generate_function_path, "--custom-generate-function-path")
     load_filter(args)  # a dynamic sampling filter that cannot load fails here, before any model
-    custom_advantages = (
-        load_function(
-            args.custom_advantage_function_path,
-            "--custom-advantage-function-path",
-            signature="fn(args, groups, rewards) -> advantages [groups × n]",
-        )
-        if args.custom_advantage_function_path
-        else None
-    )
-    # the loss's hooks are loaded again where the actor builds its objective; here a bad path fails first
+    if args.custom_advantage_function_path:
+        load_function(args.custom_advantage_function_path, "--custom-advantage-function-path")
+    # each is tried on made-up input once the data is read (_check_plugins); here a bad path fails first.
+    # The loss's hooks are loaded again where the actor builds its objective
     for path, flag in (
         (args.custom_loss_function_path, "--custom-loss-function-path"),
         (args.custom_tis_function_path, "--custom-tis-function-path"),
@@ -98,7 +95,23 @@ def check_inputs(args: Any) -> Inputs:
         notes.append(data_source.skipped_note)
     if args.eval_prompt_data:
         load_eval_samples(args, tokenizer, args.eval_prompt_data, limit=args.eval_limit, max_prompt_len=max_prompt_len)
-    return Inputs(tokenizer, rollout_fn, data_source, rewards, notes, custom_advantages)
+    # every plug-in called as the run calls it, on made-up input (vime/plugin_checks.py)
+    checked = check_plugins(args, tokenizer, data_source, rewards)
+    notes += checked.notes
+    return Inputs(tokenizer, checked.rollout_fn, data_source, rewards, notes, checked.custom_advantages)
+
+
+def _debug_rollout_paths(args: Any) -> None:
+    """--save-/--load-debug-rollout-data templates that format, and a writable directory for
+    the saved ones: the first save or load would otherwise fail after the engines started."""
+    for template, flag in (
+        (args.save_debug_rollout_data, "--save-debug-rollout-data"),
+        (args.load_debug_rollout_data, "--load-debug-rollout-data"),
+    ):
+        if template:
+            where = check_template(template, flag)
+            if template == args.save_debug_rollout_data:
+                _writable(where, flag)
 
 
 def check_eval_inputs(args: Any) -> Any:

@@ -38,7 +38,9 @@ from vime.engine.placement import Placement, fresh_path, trainer_device
 from vime.engine.ray_placement import resolve_launcher
 from vime.lifetime import signals_held
 from vime.metrics import MetricsLogger, setup_logging
+from vime.models import read_config
 from vime.modes import MODES
+from vime.plugins import Plugin, at_step
 from vime.preflight import check_inputs
 from vime.rollout import async_loop
 from vime.rollout.runtime import HealthCheck, RolloutRuntime
@@ -189,8 +191,17 @@ class Run:
         --load-debug-rollout-data; written out with --save-debug-rollout-data."""
         a = self.args
         if a.load_debug_rollout_data:
-            return load_rollout(a.load_debug_rollout_data, rollout_id, a.n_samples_per_prompt, a.rollout_batch_size)
-        out = self.rollout_fn(a, rollout_id, self.data_source)
+            vocab = read_config(a.model_dir).get("vocab_size")  # the embedding's rows: a token id must be below
+            return load_rollout(
+                a.load_debug_rollout_data, rollout_id, a.n_samples_per_prompt, a.rollout_batch_size, vocab
+            )
+        with at_step(rollout_id + 1):  # a plug-in's fault (rollout, generate, filter) names the step
+            out = self.rollout_fn(a, rollout_id, self.data_source)
+            if isinstance(self.rollout_fn, Plugin) and not _holds_groups(out):
+                raise self.rollout_fn.error(
+                    f"returned {type(out).__name__}: it must return RolloutOutput(samples=[[Sample, ...], ...], metrics={{}}), "
+                    "one non-empty list per prompt group"
+                )
         if a.save_debug_rollout_data:
             save_rollout(a.save_debug_rollout_data, rollout_id, out)
         return out
@@ -402,6 +413,17 @@ def staleness_metrics(samples: list[Sample], first_version: int, global_batch_si
     return {"rollout/staleness_mean": sum(lags) / len(lags), "rollout/staleness_max": float(max(lags))}
 
 
+def _holds_groups(out: Any) -> bool:
+    """What the train loop reads of a rollout function's answer: `.samples`, non-empty groups
+    of Samples (slime's RolloutFnTrainOutput has the same two fields), and `.metrics`."""
+    groups = getattr(out, "samples", None)
+    return (
+        isinstance(groups, list)
+        and isinstance(getattr(out, "metrics", None), dict)
+        and all(isinstance(g, list) and g and all(isinstance(s, Sample) for s in g) for g in groups)
+    )
+
+
 def _holds_a_run(run_dir: Path) -> bool:
     """A run logged a step there (a start that failed before its first row does not count)."""
     metrics = run_dir / "metrics.jsonl"
@@ -536,7 +558,8 @@ def _train_and_push(
     if run.args.colocate:
         for e in run.args.runtime.reachable():
             e.client.release_memory_occupation()
-    m = run.train_on(out, step)
+    with at_step(step):  # a custom advantage, loss or TIS hook's fault names the step
+        m = run.train_on(out, step)
     m["perf/train_time"] = time.perf_counter() - t0
     if run.args.colocate:
         for e in run.args.runtime.reachable():

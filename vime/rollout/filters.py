@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vime.errors import VimeError
-from vime.plugins import load_function
+from vime.plugins import load_plugin
 from vime.rollout.types import Sample
 
 FLAG = "--dynamic-sampling-filter-path"
@@ -26,7 +26,8 @@ SIGNATURE = "fn(args, samples) -> bool or DynamicFilterOutput(keep, reason)"
 
 
 class FilterError(VimeError, RuntimeError):
-    """A filter that answers nonsense, or drops so much that no batch can fill."""
+    """A filter that drops so much that no batch can fill (one that raises or answers nonsense
+    is a PluginError naming the group)."""
 
 
 @dataclass(frozen=True)
@@ -69,12 +70,14 @@ GroupFilter = Callable[[list[Sample]], DynamicFilterOutput]
 
 def load_filter(args: Any) -> GroupFilter | None:
     """The run's group filter, or None without --dynamic-sampling-filter-path. A filter that
-    returns something else than a bool or an object with a bool `keep` stops the run in one line
-    (a silent keep-everything would train on what the user meant to drop)."""
+    raises, or returns something else than a bool or an object with a bool `keep`, stops the
+    run in one line naming the group (a silent keep-everything would train on what the user
+    meant to drop)."""
     path = getattr(args, "dynamic_sampling_filter_path", None)
     if not path:
         return None
-    fn = load_function(_ALIASES.get(path, path), FLAG, signature=SIGNATURE)
+    plugin = load_plugin(_ALIASES.get(path, path), FLAG, signature=SIGNATURE, shown=path)
+    plugin.check_call(SIGNATURE, args, [])
 
     def truth(value: Any) -> bool | None:
         """A bool, or one that answers like one: a one-element tensor or numpy bool (slime's own
@@ -87,17 +90,19 @@ def load_filter(args: Any) -> GroupFilter | None:
         return None
 
     def judge(group: list[Sample]) -> DynamicFilterOutput:
-        out = fn(args, group)
+        where = f"on group {group[0].group_index}" if group else ""
+        out = plugin.call(where, args, group)
         keep = truth(out)
         if keep is not None:
             return DynamicFilterOutput(keep)
         keep = truth(getattr(out, "keep", None))
         if keep is None:
             what = type(out).__name__ if not isinstance(out, (int, float, str)) else repr(out)[:40]
-            raise FilterError(f"{FLAG} {path} returned {what}: it must return a bool or an object with a bool .keep")
-        return DynamicFilterOutput(
-            keep, getattr(out, "reason", None), bool(getattr(out, "keep_when_insufficient", False))
-        )
+            raise plugin.error(f"returned {what}: it must return a bool or an object with a bool .keep", where)
+        reason = getattr(out, "reason", None)
+        if reason is not None and not isinstance(reason, str):
+            raise plugin.error(f"returned a .reason of type {type(reason).__name__}: give a str or None", where)
+        return DynamicFilterOutput(keep, reason, bool(getattr(out, "keep_when_insufficient", False)))
 
     return judge
 

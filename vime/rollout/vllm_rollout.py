@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from vime.engine.client import EngineError
-from vime.plugins import load_function
+from vime.plugins import load_function, load_plugin
 from vime.rollout import async_loop
 from vime.rollout.filters import GroupFilter, dropped_metrics, everything_dropped, load_filter
 from vime.rollout.rewards import score_samples
@@ -140,16 +140,30 @@ async def generate_on_engines(runtime, group_index: int, input_ids: list[int], p
 MULTI_TURN_FN = "vime.rollout.multi_turn:generate"  # the generate of --tools (loaded by name: it builds on this module)
 
 
+GENERATE_SIGNATURE = "async generate(args, sample, sampling_params) -> Sample"
+
+
 def generate_fn(args) -> GenerateFn:
     if args.custom_generate_function_path:
-        return load_function(
-            args.custom_generate_function_path,
-            "--custom-generate-function-path",
-            signature="async generate(args, sample, sampling_params) -> Sample",
-        )
+        return custom_generate(args.custom_generate_function_path)
     if args.tools:
         return load_function(MULTI_TURN_FN, "--tools")
     return generate
+
+
+def custom_generate(path: str) -> GenerateFn:
+    """--custom-generate-function-path, its faults one line naming the sample: one that raises,
+    or returns something else than a Sample (which a later step would trip over)."""
+    plugin = load_plugin(path, "--custom-generate-function-path", signature=GENERATE_SIGNATURE)
+
+    async def generate_with(args, sample: Sample, params: dict) -> Sample:
+        where = f"on sample {sample.index}"
+        out = await plugin.acall(where, args, sample, params)
+        if not isinstance(out, Sample):
+            raise plugin.error(f"returned {type(out).__name__}: it must return the Sample it was given", where)
+        return out
+
+    return generate_with
 
 
 async def generate_samples(

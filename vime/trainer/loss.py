@@ -16,6 +16,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from vime.plugins import Plugin, as_plugin, first_line, load_function
+
 Estimator = Literal["grpo", "dr_grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
 ESTIMATORS: tuple[str, ...] = Estimator.__args__
 # estimators whose advantages are whitened over the batch's loss tokens by definition
@@ -113,10 +115,17 @@ def group_advantages(
     if custom is None:
         adv = compute_advantages(rewards, estimator, std_normalize=std_normalize)
     else:
-        adv = torch.as_tensor(custom(args, groups, rewards), dtype=torch.float32)
+        plugin = as_plugin(custom, "--custom-advantage-function-path")
+        out = plugin(args, groups, rewards)
+        try:
+            adv = torch.as_tensor(out, dtype=torch.float32)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise plugin.error(
+                f"returned {type(out).__name__}: return a [groups × n] tensor of numbers, one per sample ({first_line(e)})"
+            ) from None
         if adv.shape != rewards.shape:
-            raise ValueError(
-                f"--custom-advantage-function-path returned advantages of shape {tuple(adv.shape)}, "
+            raise plugin.error(
+                f"returned advantages of shape {tuple(adv.shape)}, "
                 f"the rollout's rewards are {tuple(rewards.shape)} (groups × samples): return one per sample"
             )
     if whitened or estimator in WHITENED:
@@ -361,7 +370,8 @@ def apply_custom_tis(
     def split(x: Tensor) -> list[Tensor]:
         return list(torch.split(x, lengths))
 
-    out = fn(
+    plugin = as_plugin(fn, "--custom-tis-function-path")
+    out = plugin(
         pg_loss=per_token,
         total_lengths=None,  # slime's context-parallel slicing; vime scores whole sequences
         train_log_probs=split(old_log_probs.detach()),
@@ -370,14 +380,65 @@ def apply_custom_tis(
         response_lengths=lengths,
     )
     if not (isinstance(out, tuple) and len(out) == 3):
-        raise ValueError("--custom-tis-function-path must return (pg_loss, loss_masks, metrics)")
+        raise plugin.error(f"returned {_kind(out)}: it must return (pg_loss, loss_masks, metrics)")
     new_loss, masks, metrics = out
-    if new_loss.shape != per_token.shape:
-        raise ValueError(
-            f"--custom-tis-function-path returned a pg_loss of shape {tuple(new_loss.shape)} for {per_token.numel()} tokens"
+    _check_loss(plugin, "pg_loss", new_loss, per_token)
+    if masks:
+        if not isinstance(masks, (list, tuple)) or len(masks) != len(lengths):
+            got = len(masks) if isinstance(masks, (list, tuple)) else f"a {type(masks).__name__} of"
+            raise plugin.error(f"returned {got} loss_masks for {len(lengths)} sequences: return one mask per sequence")
+        try:
+            kept = [torch.as_tensor(m, dtype=mask.dtype, device=mask.device) for m in masks]
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise plugin.error(f"returned loss_masks that are not numbers ({first_line(e)})") from None
+        if [m.numel() for m in kept] != lengths:
+            raise plugin.error(
+                f"returned loss_masks of {[m.numel() for m in kept]} tokens for sequences of {lengths}: "
+                "return one mask per sequence, as long as the one it was given"
+            )
+        keep = torch.cat([m.flatten() for m in kept])
+    else:
+        keep = mask
+    return new_loss * keep, _token_metrics(plugin, metrics, mask)
+
+
+def _kind(value: Any) -> str:
+    """A plug-in's answer, named for an error line: a tuple by its length, else its type."""
+    return f"a tuple of {len(value)}" if isinstance(value, tuple) else type(value).__name__
+
+
+def _check_loss(plugin: Plugin, name: str, loss: Any, like: Tensor) -> None:
+    """A hook's per-token loss: a tensor shaped like the one vime computes, with a gradient
+    wherever vime's has one (a detached loss would train nothing, silently)."""
+    if not isinstance(loss, Tensor) or loss.shape != like.shape:
+        shape = f" of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else ""
+        raise plugin.error(
+            f"returned a {name} {type(loss).__name__}{shape} for {like.numel()} tokens: "
+            f"return one value per token, shape {tuple(like.shape)}"
         )
-    keep = torch.cat([torch.as_tensor(m, dtype=mask.dtype, device=mask.device) for m in masks]) if masks else mask
-    return new_loss * keep, {k: (torch.as_tensor(v, dtype=mask.dtype) * mask).sum() for k, v in metrics.items()}
+    if like.requires_grad and not loss.requires_grad:
+        raise plugin.error(
+            f"returned a {name} with no gradient (detached, or computed under no_grad): build it from the tensors it is given"
+        )
+
+
+def _token_metrics(plugin: Plugin, metrics: Any, mask: Tensor) -> dict[str, Tensor]:
+    """A hook's metrics as masked sums over its tokens (the caller divides by the step's token
+    count): one value per token each, or one number for all of them."""
+    if not isinstance(metrics, dict):
+        raise plugin.error(f"returned metrics as {_kind(metrics)}: give a dict of per-token tensors")
+    sums = {}
+    for name, value in metrics.items():
+        try:
+            v = torch.as_tensor(value, dtype=mask.dtype, device=mask.device).detach()
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise plugin.error(f"returned metric '{name}' that is not numbers ({first_line(e)})") from None
+        if v.dim() > 1 or (v.dim() == 1 and v.numel() != mask.numel()):
+            raise plugin.error(
+                f"returned metric '{name}' of shape {tuple(v.shape)} for {mask.numel()} tokens: give one value per token"
+            )
+        sums[str(name)] = (v * mask).sum()
+    return sums
 
 
 def reweigh(
@@ -663,13 +724,12 @@ class Objective:
     def of(cls, args: Any) -> Objective:
         from functools import partial
 
-        from vime.plugins import load_function
-
-        def hook(path: str | None, flag: str, signature: str, by_keyword: bool = False) -> Callable[..., Any] | None:
+        def hook(path: str | None, flag: str, signature: str, by_keyword: bool = False) -> Plugin | None:
             if path is None:
                 return None
             fn = load_function(path, flag, signature=signature)
-            return partial(fn, args=args) if by_keyword else partial(fn, args)  # slime passes the TIS hook's by keyword
+            # slime passes the TIS hook's args by keyword
+            return Plugin(partial(fn, args=args) if by_keyword else partial(fn, args), flag, path)
 
         return cls(
             kind=args.advantage_estimator if args.advantage_estimator in ("gspo", "cispo") else "ppo",
@@ -778,7 +838,8 @@ class Objective:
         aggregates its own (so micro-batches still add up to the step's loss); its metrics are
         per-token tensors, reported as token means."""
         assert self.custom_loss is not None
-        out = self.custom_loss(
+        plugin = as_plugin(self.custom_loss, "--custom-loss-function-path")
+        out = plugin(
             log_probs=log_probs,
             old_log_probs=old,
             advantages=t.advantages,
@@ -786,15 +847,14 @@ class Objective:
             rollout_log_probs=t.rollout_lp,
             seq_ids=t.seq_ids,
         )
-        per_token, metrics = out if isinstance(out, tuple) else (out, {})
-        if not isinstance(per_token, Tensor) or per_token.shape != log_probs.shape:
-            raise ValueError(
-                f"--custom-loss-function-path must return a per-token loss of shape {tuple(log_probs.shape)} "
-                f"(and optionally a dict of per-token metrics), got {type(per_token).__name__}"
-                f"{'' if not isinstance(per_token, Tensor) else ' of shape ' + str(tuple(per_token.shape))}"
+        if isinstance(out, tuple) and len(out) != 2:
+            raise plugin.error(
+                f"returned {_kind(out)}: return the per-token loss, or (loss, {{name: per-token tensor}})"
             )
+        per_token, metrics = out if isinstance(out, tuple) else (out, {})
+        _check_loss(plugin, "per-token loss", per_token, log_probs)
         n = torch.as_tensor(num_tokens, dtype=log_probs.dtype).clamp(min=1)
-        m = {k: ((torch.as_tensor(v) * t.mask).sum() / n).detach() for k, v in metrics.items()}
+        m = {k: v / n for k, v in _token_metrics(plugin, metrics, t.mask).items()}
         # the run's correction and OPSM apply to the user's term as to PPO's
         per_token, more = reweigh(
             per_token,

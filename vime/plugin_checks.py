@@ -1,0 +1,226 @@
+"""Every plug-in tried at start-up, before any engine or trainer starts.
+
+A plug-in with the wrong signature, or one that answers in a shape vime cannot use (a filter's
+float, an advantage per group instead of per sample, a per-token loss of the wrong length, a
+detached one), used to surface as a traceback from inside the trainer or the rollout loop,
+minutes in, after the engines had started. Each is now called here, the way the run calls it,
+on a small made-up input of the documented types: the run's own first prompts with made-up
+responses and rewards, or a made-up micro-batch of two sequences. What does not fit is one
+line naming the flag, the function and what is wrong (`PluginError`, `when` the start-up
+check). A custom generate and the rollout function are only checked for how they can be
+called: running them would need the engines. A custom reward that raises on the made-up
+sample is a note, not an error: in the run such a sample scores 0 and is counted, as before.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vime.plugins import Plugin, PluginError, at, first_line, load_function, load_plugin
+from vime.rollout import async_loop
+from vime.rollout.data_source import DataSource
+from vime.rollout.filters import load_filter
+from vime.rollout.rewards import RewardKeyError, Rewards, read_reward
+from vime.rollout.types import Sample, Status
+from vime.rollout.vllm_rollout import GENERATE_SIGNATURE, sampling_params
+from vime.trainer.loss import CUSTOM_LOSS_SIGNATURE, CUSTOM_TIS_SIGNATURE, LossInputs, Objective, group_advantages
+
+WHEN = "start-up check, on made-up input"
+ROLLOUT_SIGNATURE = "generate_rollout(args, rollout_id, data_source, evaluation=False) -> RolloutOutput"
+ADVANTAGE_SIGNATURE = "fn(args, groups, rewards) -> advantages [groups × n]"
+REWARD_SIGNATURE = "fn(args, sample) -> float or dict"
+
+
+@dataclass
+class CheckedPlugins:
+    """What the checks loaded, for the run to keep."""
+
+    rollout_fn: Callable[..., Any]
+    custom_advantages: Plugin | None = None
+    notes: list[str] = field(default_factory=list)  # warnings for the run's log
+
+
+def check_plugins(args: Any, tokenizer: Any, data_source: DataSource, rewards: Rewards) -> CheckedPlugins:
+    """Load and try every plug-in the settings name; PluginError (or the loader's ConfigError)
+    on the first that does not fit."""
+    with at(WHEN):
+        groups = made_up_groups(args, tokenizer, data_source)
+        checked = CheckedPlugins(_rollout_function(args, data_source))
+        if args.custom_generate_function_path:
+            _custom_generate(args, groups[0][0])
+        judge = load_filter(args)
+        if judge is not None:
+            for g in groups:
+                judge(g)
+        if args.custom_advantage_function_path:
+            checked.custom_advantages = _custom_advantages(args, groups)
+        if args.custom_loss_function_path or args.custom_tis_function_path:
+            _loss_hooks(args)
+        if args.custom_rm_path:
+            checked.notes += _custom_reward(args, rewards, groups[0][0])
+    return checked
+
+
+def made_up_groups(args: Any, tokenizer: Any, data_source: DataSource) -> list[list[Sample]]:
+    """Two groups of --n-samples-per-prompt scored samples, as a rollout hands them on: the
+    data's first two prompts (rendered as the run renders them), the first sample of each
+    answering with its label (reward 1), the others not (reward 0)."""
+    groups = []
+    for g in range(2):
+        row = data_source.rows[min(g, len(data_source) - 1)]
+        prompt, prompt_ids = data_source.renderer.render_row(row, f"{args.prompt_data} row {g}")
+        group = []
+        for k in range(args.n_samples_per_prompt):
+            label = row["label"]
+            text = f"The answer is \\boxed{{{label}}}." if k == 0 and label else "I am not sure."
+            response = list(tokenizer.encode(text, add_special_tokens=False)) or [0]
+            n = len(response)
+            group.append(
+                Sample(
+                    index=g * args.n_samples_per_prompt + k,
+                    group_index=g,
+                    prompt=prompt,
+                    label=label,
+                    tokens=list(prompt_ids) + response,
+                    response_length=n,
+                    response=text,
+                    loss_mask=[1] * n,
+                    rollout_log_probs=[-1.0] * n,
+                    weight_versions=[0] * n,
+                    temperature=args.rollout_temperature,
+                    reward=1.0 if k == 0 else 0.0,
+                    status=Status.COMPLETED,
+                    metadata=dict(row["metadata"]),
+                )
+            )
+        groups.append(group)
+    return groups
+
+
+def _rollout_function(args: Any, data_source: DataSource) -> Callable[..., Any]:
+    """vime's own rollout functions as they are (what they raise is vime's, a bug keeps its
+    traceback); a user's as a Plugin, checked for the call the run makes."""
+    path = args.rollout_function_path
+    if path.startswith("vime."):
+        return load_function(path, "--rollout-function-path", signature=ROLLOUT_SIGNATURE)
+    plugin = load_plugin(path, "--rollout-function-path", signature=ROLLOUT_SIGNATURE)
+    plugin.check_call(ROLLOUT_SIGNATURE, args, 0, data_source)
+    return plugin
+
+
+def _is_async(fn: Callable[..., Any]) -> bool:
+    fn = inspect.unwrap(fn)  # a decorator that keeps functools.wraps keeps the answer
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
+def _custom_generate(args: Any, sample: Sample) -> None:
+    """Its signature only: generating needs the engines, which start after these checks."""
+    plugin = load_plugin(args.custom_generate_function_path, "--custom-generate-function-path")
+    if not _is_async(plugin.fn):
+        raise plugin.error(f"is not a coroutine function: it must be {GENERATE_SIGNATURE} (vime awaits it)")
+    plugin.check_call(GENERATE_SIGNATURE, args, sample, sampling_params(args))
+
+
+def _custom_advantages(args: Any, groups: list[list[Sample]]) -> Plugin:
+    plugin = load_plugin(
+        args.custom_advantage_function_path, "--custom-advantage-function-path", signature=ADVANTAGE_SIGNATURE
+    )
+    rewards = torch.tensor([[s.reward for s in g] for g in groups])
+    plugin.check_call(ADVANTAGE_SIGNATURE, args, groups, rewards)
+    group_advantages(
+        groups,
+        args.advantage_estimator,
+        std_normalize=args.normalize_advantages_std,
+        whitened=args.normalize_advantages,
+        custom=plugin,
+        args=args,
+    )
+    return plugin
+
+
+def _loss_hooks(args: Any) -> None:
+    """The run's own objective (`Objective.of`, which loads the hooks) on a made-up micro-batch
+    of two sequences (3 and 4 response tokens, one masked), and its backward: what the trainer
+    does with every micro-batch."""
+    objective = Objective.of(args)
+    lengths = [3, 4]
+    n = sum(lengths)
+    gen = torch.Generator().manual_seed(0)
+    log_probs = (-0.1 - torch.rand(n, generator=gen)).requires_grad_()
+    old = log_probs.detach() + 0.01 * torch.randn(n, generator=gen)
+    mask = torch.ones(n)
+    mask[4] = 0.0  # a token the model did not generate (a tool's answer)
+    seq_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    if objective.custom_loss is not None:
+        objective.custom_loss.check_call(
+            CUSTOM_LOSS_SIGNATURE, log_probs=log_probs, old_log_probs=old, advantages=old, loss_mask=mask,
+            rollout_log_probs=old, seq_ids=seq_ids,
+        )  # fmt: skip
+    if objective.correction.custom is not None:
+        per_sequence = [list(torch.split(x, lengths)) for x in (old, old, mask)]
+        objective.correction.custom.check_call(
+            CUSTOM_TIS_SIGNATURE, pg_loss=old, total_lengths=None, train_log_probs=per_sequence[0],
+            rollout_log_probs=per_sequence[1], loss_masks=per_sequence[2], response_lengths=lengths,
+        )  # fmt: skip
+    sample_mean = objective.agg == "sample_mean"
+    t = LossInputs(
+        mask=mask,
+        advantages=torch.tensor([1.0] * lengths[0] + [-1.0] * lengths[1]),
+        rollout_lp=old + 0.01 * torch.randn(n, generator=gen),
+        has_rollout=mask,
+        seq_ids=seq_ids,
+        old=old,
+        ref=old.clone() if objective.kl_coef else None,
+        weights=torch.cat([torch.full((k,), 1.0 / k) for k in lengths]) if sample_mean else None,
+    )
+    const = float(len(lengths) if sample_mean else args.rollout_max_response_len * len(lengths))
+    loss, _ = objective(log_probs, torch.rand(n, generator=gen), t, num_tokens=float(mask.sum()), const=const)
+    try:
+        loss.backward()
+    except RuntimeError as e:
+        hooks = (objective.custom_loss, objective.correction.custom)
+        names = " and ".join(f"{p.flag} {p.path}" for p in hooks if p is not None)
+        raise PluginError(
+            f"the loss with {names} cannot be differentiated ({first_line(e)}): an in-place change to a tensor it "
+            "was given? (VIME_DEBUG=1 shows its traceback)"
+        ) from e
+
+
+def _custom_reward(args: Any, rewards: Rewards, sample: Sample) -> list[str]:
+    """Its signature and the kind of answer it gives (a number, or a dict with the reward at
+    --reward-key): a wrong kind would score every sample 0. Called once, on the run's own event
+    loop (an async reward may hold loop-bound state) and under --reward-timeout. One that
+    raises, hangs or answers a non-finite number on the made-up sample is a note: in the run
+    such a sample scores 0 and counts in rollout/reward_errors (or _timeouts)."""
+    path = args.custom_rm_path
+    plugin = load_plugin(path, "--custom-rm-path", signature=REWARD_SIGNATURE)
+    plugin.check_call(REWARD_SIGNATURE, args, sample)
+    try:
+        value = async_loop.run(rewards.fn(sample))
+    except Exception as e:
+        timed_out = isinstance(e, TimeoutError)
+        what = "took longer than --reward-timeout" if timed_out else f"raised {type(e).__name__}: {first_line(e)}"
+        return [
+            f"--custom-rm-path {path} {what} on a made-up sample of the first prompt at start-up; in the run "
+            f"such a sample scores 0 and counts in rollout/reward_{'timeouts' if timed_out else 'errors'}"
+        ]
+    try:
+        score, _ = read_reward(args, value)
+    except RewardKeyError:
+        raise
+    except (TypeError, ValueError):
+        raise plugin.error(
+            f"returned {repr(value)[:60]} ({type(value).__name__}): it must return a number, "
+            "or a dict with the reward at --reward-key"
+        ) from None
+    if not math.isfinite(score):
+        return [
+            f"--custom-rm-path {path} returned {score} on a made-up sample at start-up; a non-finite reward scores 0"
+        ]
+    return []
