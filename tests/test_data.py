@@ -369,6 +369,19 @@ def test_datagen_answers_are_right(tmp_path):
         assert "-" not in expr and eval(expr) == int(r["label"])  # noqa: S307
 
 
+def test_list_range_asks_for_whole_lists_of_varied_length(tmp_path):
+    rows = load_prompts(write_dataset("list_range", tmp_path, n_train=400, n_test=0, seed=0, max_len=64)[0])
+    lengths = []
+    for r in rows:
+        a, b = (
+            int(x) for x in r["input"].split(" in increasing")[0].removeprefix("List the integers from ").split(" to ")
+        )
+        assert r["label"] == ", ".join(str(i) for i in range(a, b + 1))
+        lengths.append(b - a + 1)
+    # log-uniform in [2, 64]: most lists short, a tail of long ones
+    assert min(lengths) == 2 and max(lengths) >= 60 and sorted(lengths)[len(lengths) // 2] <= 14
+
+
 def test_datagen_cli_and_too_small_task(tmp_path, capsys):
     assert (
         datagen_main(

@@ -324,6 +324,30 @@ def test_boxed_math_counts_only_boxes():
     assert [s.reward for s in samples] == [1.0, 0.0]
 
 
+def test_exact_grades_a_list_in_full_and_in_order():
+    """math-verify reads a list as a set; `exact` compares the normalized strings only, and
+    finds a list on the last line (its trailing number would be the list's last item)."""
+    lst = "18, 19, 20, 21"
+    assert grade("18, 19, 21, 20", lst) and not grade("18, 19, 21, 20", lst, exact=True)
+    responses = {
+        "18, 19, 20, 21": 1.0,
+        "The integers are:\n18, 19, 20, 21.": 1.0,
+        "Answer: 18, 19, 20, 21": 1.0,
+        "\\boxed{18, 19, 20, 21}": 1.0,
+        "18, 19, 21, 20": 0.0,  # out of order
+        "18, 19, 20, 21, 21": 0.0,  # an item twice
+        "18, 19, 20, 21, 22": 0.0,  # past the end
+        "Answer: 18, 19, 20\n21": 0.0,  # the Answer: line is the answer
+        "Counting: 21": 0.0,  # the last item alone is not the list
+    }
+    samples = [Sample(index=i, response=r, label=lst) for i, r in enumerate(responses)]
+    # a one-number label is read as `math` reads it: the trailing number, but never math-verify's
+    samples += [Sample(index=len(samples), response="17 + 23 = 40", label="40")]
+    samples += [Sample(index=len(samples), response="Answer: 40 or 41", label="40")]
+    score(make_args(rm_type="exact"), samples)
+    assert [s.reward for s in samples] == [*responses.values(), 1.0, 0.0]
+
+
 def test_math_shaped_gives_wrong_numbers_credit_by_closeness():
     # right → 1; 41 for 42: 0.5 × (1 − 1/42) = 0.488095; 3/4 for 1/2: 0.5 × (1 − 0.25/1) = 0.375
     # (|label| < 1 counts as 1); 100 for 42 is off by more than 42 → 0; no number → 0

@@ -225,6 +225,22 @@ def extract_answer(text: str | None) -> str | None:
     return numbers[-1].replace(",", "") if numbers else None
 
 
+def extract_line_answer(text: str | None) -> str | None:
+    """The answer of a response whose answer is not one number (a list, a word): the last
+    `\\boxed{}`, else the last `Answer:` line, else the last non-empty line (the trailing
+    number of a list would be its last item, not the answer)."""
+    if not text:
+        return None
+    boxes = boxed_contents(text)
+    if boxes:
+        return boxes[-1]
+    line = _answer_line(text)
+    if line is not None:
+        return line
+    lines = [x for x in text.splitlines() if x.strip()]
+    return _strip_markup(lines[-1]) if lines else None
+
+
 _THOUSANDS_RE = re.compile(r"(?<![\d.])\d{1,3}(?:,\d{3})+(?![\d])")
 _SCIENTIFIC_RE = re.compile(r"[+-]?\d+(?:\.\d+)?[eE][+-]?\d+")
 

@@ -4,12 +4,20 @@ pool that bounds their time is runner.py's."""
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from fractions import Fraction
 from functools import lru_cache
 from typing import NamedTuple
 
-from vime.rollout.rewards.answers import boxed_contents, extract_answer, final_section, hedged, normalize
+from vime.rollout.rewards.answers import (
+    boxed_contents,
+    extract_answer,
+    extract_line_answer,
+    final_section,
+    hedged,
+    normalize,
+)
 
 
 class RmRule(NamedTuple):
@@ -31,9 +39,14 @@ BUILTIN_RM_TYPES: dict[str, RmRule] = {
     # DeepScaleR's rule (slime's `deepscaler`): the last box after the reasoning, 1 or 0
     "deepscaler": RmRule(1.0, 0.0, boxed_only=True, after_thinking=True),
     # answers that are not one mathematical object (lists, sequences, words): math-verify reads
-    # `37, 39, 38` as the set {37, 38, 39}, so a wrong order or a repeated item would pass
+    # `37, 39, 38` as the set {37, 38, 39}, so a wrong order or a repeated item would pass. A
+    # label that is not one number is looked for on the response's last line, not in its
+    # trailing number (extract_line_answer); a numeric label is read as `math` reads it
     "exact": RmRule(1.0, 0.0, exact=True),
 }
+
+
+_NUMBER_LABEL_RE = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")  # a label's normalized form when it is one number
 
 
 class _MathVerifyQuiet(logging.Filter):
@@ -106,6 +119,8 @@ def builtin_result(rm_type: str, response: str, label: str | None) -> dict[str, 
     elif rule.boxed_only:
         boxes = boxed_contents(text)
         pred = boxes[-1] if boxes else None
+    elif rule.exact and not _NUMBER_LABEL_RE.fullmatch(normalize(str(label or ""))):
+        pred = extract_line_answer(text)
     else:
         pred = extract_answer(text)
     if grade(pred, label, exact=rule.exact):
