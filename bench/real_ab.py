@@ -165,14 +165,18 @@ def wait_deciles(rows: list[dict]) -> list[float]:
 
 def stale_means(rows: list[dict]) -> dict[str, dict[str, float]]:
     """Each staleness bucket's diagnostics (`stale/<bucket>/<stat>`), averaged over the steps
-    that trained tokens of that bucket."""
+    that trained tokens of that bucket; its token share over every step (0 where it had none)."""
     acc: dict[str, dict[str, list[float]]] = {}
     for r in rows:
         for k, v in r.items():
             if k.startswith("stale/") and v is not None:
                 _, bucket, stat = k.split("/")
                 acc.setdefault(bucket, {}).setdefault(stat, []).append(v)
-    return {b: {k: statistics.mean(v) for k, v in stats.items()} for b, stats in sorted(acc.items())}
+    out = {b: {k: statistics.mean(v) for k, v in stats.items()} for b, stats in sorted(acc.items())}
+    for b, stats in out.items():
+        if "token_share" in stats:
+            stats["token_share"] = sum(acc[b]["token_share"]) / len(rows)
+    return out
 
 
 def _mean_sd(xs: list[float]) -> tuple[float, float]:
