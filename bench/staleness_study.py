@@ -9,8 +9,8 @@ the same seeds and step budget, evaluated greedily on the held-out prompts every
 * decoupled (`train_async.py --max-staleness K`) at each K, each correction and each learning
   rate: staleness bounded by K and reached (the worker runs ahead to the bound);
 * fully-async at each `--update-in-flight` policy (what a weight push does to the groups being
-  generated: keep them going with the new weights, abort and regenerate them, or resume them),
-  with its default correction, at the first learning rate.
+  generated: keep them going with the new weights, abort and regenerate them, or resume them)
+  and each learning rate, with its default correction.
 
 Every run logs the loss's diagnostics split by the staleness of the trained tokens
 (`stale/<k>/...`); the report prints them per cell (means over steps and seeds) beside the
@@ -68,7 +68,8 @@ def grid(a: argparse.Namespace, seeds: list[int]) -> tuple[list[str], list[Job]]
                 flags = ["--max-staleness", str(k), "--off-policy-correction", corr, "--lr", lr]
                 cells.append(("decoupled", f"K{k}-{corr}-lr{lr}", flags))
     for policy in [x.strip() for x in a.in_flight.split(",") if x.strip()]:
-        cells.append(("fully-async", f"{policy}-lr{lrs[0]}", ["--update-in-flight", policy, "--lr", lrs[0]]))
+        for lr in lrs:
+            cells.append(("fully-async", f"{policy}-lr{lr}", ["--update-in-flight", policy, "--lr", lr]))
     labels = [f"{arm} / {tag}" for arm, tag, _ in cells]
     jobs = [(arm, tag, flags, seed) for seed in seeds for arm, tag, flags in cells]
     return labels, jobs
@@ -82,7 +83,7 @@ def main() -> int:
     p.add_argument("--seeds", default="1,2,3", help="comma-separated; each sets --seed and --rollout-seed")
     p.add_argument("--staleness", default="1,2,4", help="--max-staleness bounds of the decoupled cells")
     p.add_argument("--corrections", default="tis,m2po", help="--off-policy-correction values of the decoupled cells")
-    p.add_argument("--lrs", default="1e-5,2e-5", help="learning rates; the fully-async cells use the first")
+    p.add_argument("--lrs", default="1e-5,2e-5", help="learning rates of every cell")
     p.add_argument(
         "--in-flight",
         default="keep,abort,resume",

@@ -19,7 +19,7 @@ from vime.models import context_length
 from vime.rollout import async_loop
 from vime.rollout.data_source import load_eval_samples
 from vime.rollout.rewards.answers import extract_answer
-from vime.rollout.rewards.grading import grade
+from vime.rollout.rewards.grading import exact_answer, grade
 from vime.rollout.runtime import runtime_of
 from vime.rollout.types import MULTI_TURN_STATE, RolloutOutput, Sample
 from vime.rollout.vllm_rollout import generate_fn, multi_turn_metrics, sampling_params
@@ -78,8 +78,11 @@ def evaluate(args, step: int, out_path: Path | None = None) -> RolloutOutput:
     correct = 0
     rows = []
     for s in samples:
-        pred = extract_answer(s.final_response)
-        ok = pred is not None and s.label is not None and grade(pred, str(s.label))
+        # `exact` grades what it trains on (a list in full, on its last line); every other rm
+        # type is read as the held-out metric always was: boxed, Answer:, trailing number
+        exact = args.rm_type == "exact"
+        pred = exact_answer(s.final_response, s.label) if exact else extract_answer(s.final_response)
+        ok = pred is not None and s.label is not None and grade(pred, str(s.label), exact=exact)
         s.reward = 1.0 if ok else 0.0
         correct += ok
         rows.append(

@@ -108,6 +108,14 @@ def numeric_credit(pred: str | None, label: str | None) -> float:
     return 0.5 * max(0.0, 1.0 - float(abs(p - y) / max(abs(y), 1)))
 
 
+def exact_answer(text: str | None, label: str | None) -> str | None:
+    """What rm type `exact` compares with the label: a label that is one number is looked for as
+    `math` looks for it (trailing number last), any other on the response's last line."""
+    if _NUMBER_LABEL_RE.fullmatch(normalize(str(label or ""))):
+        return extract_answer(text)
+    return extract_line_answer(text)
+
+
 def builtin_result(rm_type: str, response: str, label: str | None) -> dict[str, float]:
     """`{"score": ..., "acc": 1.0 or 0.0}` of one response under a built-in rm type (see
     BUILTIN_RM_TYPES): `score` trains (the default --reward-key), `acc` says whether the
@@ -119,8 +127,8 @@ def builtin_result(rm_type: str, response: str, label: str | None) -> dict[str, 
     elif rule.boxed_only:
         boxes = boxed_contents(text)
         pred = boxes[-1] if boxes else None
-    elif rule.exact and not _NUMBER_LABEL_RE.fullmatch(normalize(str(label or ""))):
-        pred = extract_line_answer(text)
+    elif rule.exact:
+        pred = exact_answer(text, label)
     else:
         pred = extract_answer(text)
     if grade(pred, label, exact=rule.exact):
