@@ -1015,31 +1015,82 @@ def test_an_engine_killed_mid_step_ends_the_run_in_one_line(tmp_path, plugin):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "script, extra", [("train.py", []), ("train_async.py", FULLY_ASYNC)], ids=["sync", "fully-async"]
+    "script, extra",
+    [
+        ("train.py", ["--custom-generate-function-path", "fault_plugins.stop_engine_mid_step"]),
+        # fully-async generates through the push, so the stop may land in one: bounded by its own flag
+        (
+            "train_async.py",
+            [*FULLY_ASYNC, "--custom-generate-function-path", "fault_plugins.stop_engine_mid_step"]
+            + ["--update-weights-timeout", "5"],
+        ),
+        # stopped while the trainer trains: the push's pause finds it silent, and no push waits on
+        # it for --update-weights-timeout (120 s) after a second probe (the run used to take 181 s
+        # at the default health flags)
+        (
+            "train_async.py",
+            [*FULLY_ASYNC, "--custom-advantage-function-path", "fault_plugins.stop_engines_while_training"],
+        ),
+    ],
+    ids=["sync", "fully-async", "fully-async-while-training"],
 )
 def test_an_engine_that_stops_answering_ends_the_run_in_one_line(tmp_path, script, extra):
     """SIGSTOP leaves the engine's port open and its requests waiting for ever (the run used to
     stall for the 600 s request timeout): the health watch finds it silent within interval +
     timeout, and with no other engine the run stops in one line, its checkpoints intact and the
     stopped engine ended."""
-    # fully-async generates through the push, so the stop may land in one: bounded by its own flag
-    probes = [
-        "--rollout-health-check-interval",
-        "1",
-        "--rollout-health-check-timeout",
-        "2",
-        "--update-weights-timeout",
-        "5",
-    ]
-    plugin = ["--custom-generate-function-path", "fault_plugins.stop_engine_mid_step"]
-    proc = _start(script, tmp_path, "--num-rollout", "8", *probes, *plugin, *extra)
+    probes = ["--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "2"]
+    proc = _start(script, tmp_path, "--num-rollout", "8", *probes, *extra)
     marker = tmp_path / "r" / "engine-stopped"
     _wait_for(proc, marker)
     code, lines = _ended(proc, marker.stat().st_mtime)
     assert code == 2 and lines[-1].startswith("error: "), lines[-5:]
-    assert re.search(r"stopped answering \(no answer to /health within 2s\)|timed out after 5s", lines[-1]), lines[-5:]
+    assert re.search(r"stopped answering \(no answer to /\w+ within 2s\)|timed out after 5s", lines[-1]), lines[-5:]
     assert "resume the run with --load" in lines[-1]
     _intact_checkpoints(tmp_path / "ckpt", at_least=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+def test_an_engine_lost_while_a_checkpoint_is_written_comes_back(tmp_path, tiny_model, addition_data, monkeypatch, sig):
+    """Two engines, fully-async, a checkpoint every step: engine 1 is killed (or stopped) while
+    step 2's checkpoint is written, the engines paused for it. The continue after the save finds
+    it gone (a stopped one silent within the health timeout) and the run goes on with engine 0,
+    nothing lost; engine 1 is started again and a later push re-syncs it. The continue's error
+    used to end the run, with or without another engine up."""
+    from fault_plugins import engine_server_pid
+
+    from vime.config import parse_args
+    from vime.run import train
+    from vime.trainer.actor import Actor
+
+    real_save = Actor.save
+
+    def save_and_lose_engine_one(self, final, extra):
+        if extra["step"] == 2:
+            os.kill(engine_server_pid(args, 1), sig)
+        if extra["step"] == 3:  # engine 1 back before the last step, whose push re-syncs it
+            deadline = time.monotonic() + 120
+            while args.runtime.engines[1].state != "unsynced":
+                assert time.monotonic() < deadline, "engine 1 did not come back"
+                time.sleep(0.1)
+        return real_save(self, final, extra)
+
+    monkeypatch.setattr(Actor, "save", save_and_lose_engine_one)
+    argv = ["--hf-checkpoint", str(tiny_model), "--prompt-data", str(addition_data[0]), "--num-rollout", "4"]
+    argv += ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4"]
+    argv += [*FULLY_ASYNC, "--rollout-num-engines", "2", "--device", "cpu", "--quiet"]
+    argv += ["--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "2"]
+    argv += ["--runs-dir", str(tmp_path), "--run-name", "r", "--save", str(tmp_path / "ckpt"), "--save-interval", "1"]
+    args = parse_args(argv, entry="async")
+    assert args.mode == "fully-async"
+    train(args)
+    rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "perf/step_time" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["rollout/engines_up"] for r in rows][::3] == [2, 2] and rows[-1]["rollout/engine_restarts"] == 1
+    assert "holds the current weights again" in (tmp_path / "r" / "log.txt").read_text()
+    _intact_checkpoints(tmp_path / "ckpt", at_least=4)
 
 
 @pytest.mark.slow
