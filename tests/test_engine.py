@@ -474,16 +474,34 @@ def test_a_weight_update_holding_nan_is_refused_and_nothing_is_sampled_until_a_w
     shm = f"/dev/shm/vime-test-nan-{os.getpid()}.safetensors"
     save_file(bad, shm)
     try:
-        with pytest.raises(EngineError, match=f"HTTP 400.*weight '{name}' holds non-finite values"):
+        # the refusal says what the engine does now: it was copied before the check found the NaN
+        with pytest.raises(
+            EngineError,
+            match=f"HTTP 400.*weight '{name}' holds non-finite values .*; the update was part-copied, so this "
+            r"engine now refuses generation \(HTTP 503\) until a complete update arrives",
+        ):
             client.update_weights_from_tensor({"transport": "shm", "path": shm, "weight_version": v0 + 1})
     finally:
         os.unlink(shm)
     assert client.model_info()["weight_version"] == v0  # not taken as a version
-    with pytest.raises(EngineError, match="weights mix two versions: push a complete update"):
+    with pytest.raises(EngineError, match="HTTP 503.*weights mix two versions: push a complete update"):
         generate_many(client, [{"input_ids": PROMPTS[2], "sampling_params": greedy(4)}])
     client.update_weights_from_disk(str(model_dir), v0 + 1)  # a whole, finite update restores it
     out = generate_many(client, [{"input_ids": PROMPTS[2], "sampling_params": greedy(6, ignore_eos=True)}])[0]
     assert out["output_ids"] == hf_greedy(hf, PROMPTS[2], 6)
+
+
+def test_a_negative_weight_version_is_refused_by_every_update_route(client, engine, model_dir):
+    v0 = client.model_info()["weight_version"]
+    refused = r"HTTP 400.*weight_version -5 is negative: give the policy version \(0 or more\), or leave it out"
+    with pytest.raises(EngineError, match=refused):
+        client.update_weights_from_disk(str(model_dir), -5)
+    with pytest.raises(EngineError, match=refused):
+        client.update_weights_from_tensor({"transport": "shm", "path": "/nonexistent", "weight_version": -5})
+    body = {"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[1]], "weight_version": -5}
+    with pytest.raises(EngineError, match=refused):
+        client.update_weights_from_distributed(body)
+    assert client.model_info()["weight_version"] == v0
 
 
 def test_release_and_resume_memory_recomputes_in_flight(client, engine, hf):

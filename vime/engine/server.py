@@ -196,7 +196,7 @@ class EngineServer:
 
         body = await read_body(request)
         transport = body_field(body, "transport", str, required=False, default="shm")
-        version = body_field(body, "weight_version", int, required=False)
+        version = _weight_version(body)
         if transport == "shm":
             path = body_field(body, "path", str)
             if not Path(path).is_file():
@@ -222,7 +222,7 @@ class EngineServer:
 
         body = await read_body(request)
         path = body_field(body, "model_path", str)
-        version = body_field(body, "weight_version", int, required=False)
+        version = _weight_version(body)
         if not Path(path).is_dir():
             raise BadRequest(f"model_path {path} is not a directory")
         files = safetensors_files(path)
@@ -283,6 +283,7 @@ class EngineServer:
         announced names and shapes are checked against the model before anything is received,
         so a wrong bucket is a 400 that leaves the weights untouched."""
         body = await read_body(request)
+        version = _weight_version(body)
         name = body_field(body, "group_name", str, required=False, default="vime-weights")
         group = self.weight_groups.get(name)
         if group is None:
@@ -294,7 +295,6 @@ class EngineServer:
         if load_format not in (None, weight_sync.FLATTENED):
             raise BadRequest(f"load_format '{load_format}': use {weight_sync.FLATTENED} or leave it out")
         self.engine.check_weights([(n, s, d) for n, d, s in layout])
-        version = body_field(body, "weight_version", int, required=False)
         flush = body_field(body, "flush_cache", bool, required=False, default=True)
         t0 = time.perf_counter()
         receive = weight_sync.receive(group, layout, flattened=load_format is not None)
@@ -427,6 +427,15 @@ class EngineServer:
         }.items():
             app.router.add_get(path, handler)
         return app
+
+
+def _weight_version(body: dict) -> int | None:
+    """An update's weight_version: the trainer's policy version, stamped on every token, so never
+    negative (absent: the engine's version + 1)."""
+    version = body_field(body, "weight_version", int, required=False)
+    if version is not None and version < 0:
+        raise BadRequest(f"weight_version {version} is negative: give the policy version (0 or more), or leave it out")
+    return version
 
 
 def _device_uuid(device) -> str | None:
