@@ -183,3 +183,12 @@ def stop_engines_while_training(args, groups, rewards):
             os.kill(pid, signal.SIGSTOP)
         (args.run_dir / "engine-stopped").write_text("stopped")
     return rewards - rewards.mean(dim=-1, keepdim=True)
+
+
+def fail_on_rank_one(args, *, log_probs, old_log_probs, advantages, loss_mask, rollout_log_probs, seq_ids):
+    """A custom loss that fails on trainer rank 1 only (a plug-in's bug, a rank out of memory)."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("the loss hook broke on this rank")
+    return -(advantages * (log_probs - old_log_probs).exp())

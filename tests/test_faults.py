@@ -608,6 +608,54 @@ def test_trainer_ranks_that_fall_out_of_step_end_in_seconds_in_one_line(tiny_mod
         assert time.monotonic() - t0 < 15
 
 
+RANK_FAULTS = """
+import os, signal, sys
+from vime.config import Config
+from vime.rollout.types import Sample
+from vime.trainer.distributed import TrainerRankError, launch_actor
+
+def main(model):
+    batch = [Sample(index=i, tokens=[5, 6, 7, 8 + i, 9], response_length=2, rollout_log_probs=[-1.0, -1.0]) for i in range(4)]
+    common = dict(lr=1e-2, global_batch_size=None, max_tokens_per_gpu=512, rollout_temperature=1.0, actor_num_procs=2)
+    two = launch_actor(Config(**common, loss_type="custom_loss", custom_loss_function_path="fault_plugins.fail_on_rank_one"), model)
+    try:
+        two.train_step(batch, [1.0, -1.0, 0.5, -0.5])
+    except TrainerRankError as e:
+        print(e, flush=True)
+    two.close()
+    two = launch_actor(Config(**common), model)
+    two.train_step(batch, [1.0, -1.0, 0.5, -0.5])
+    print(os.getpid(), two.procs[0].pid, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # rank 0 gone (OOM, a kill -9) while rank 1 waits for its next call
+
+if __name__ == "__main__":
+    main(sys.argv[1])
+"""
+
+
+def test_a_trainer_rank_that_fails_or_loses_rank_0_is_one_line_naming_it(tiny_model, tmp_path):
+    """Two spawned gloo ranks. Rank 1 failing on its own (a loss hook that raises there) printed
+    its traceback and rank 0 said only "exit code 1"; rank 0 killed left rank 1 printing gloo's
+    traceback. Now rank 0's error gives rank 1's cause, and rank 1 whose rank 0 is gone says so
+    in one line, and neither prints a traceback."""
+    script = tmp_path / "rank_faults.py"
+    script.write_text(RANK_FAULTS)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]), OMP_NUM_THREADS="1")
+    out = subprocess.run(
+        [sys.executable, str(script), str(tiny_model)], env=env, capture_output=True, text=True, timeout=300
+    )  # returns once rank 1 too has closed the pipes
+    assert out.returncode == -signal.SIGKILL, out.stderr[-3000:]
+    failed, pids = out.stdout.splitlines()
+    rank_zero, rank_one = map(int, pids.split())
+    assert failed == (
+        "trainer rank 1 ended (exit code 1: ValueError: the loss hook broke on this rank) during train_step: "
+        "resume the run with --load from its last checkpoint"
+    )
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines()[-1] == f"trainer rank 1 stops: rank 0 (pid {rank_zero}) is gone"
+    assert not _alive([rank_one])
+
+
 def test_a_non_finite_loss_skips_the_step_and_the_weights_stay(actor):
     before = _weights(actor)
     m = actor.train_step(_batch(), [1.0, float("nan"), -1.0, 0.0])
