@@ -1016,6 +1016,37 @@ def test_a_signal_stops_every_mode_within_seconds(tmp_path, script, extra, fault
     _intact_checkpoints(tmp_path / "ckpt", at_least=1 if marker == "metrics.jsonl" else 0)
 
 
+@pytest.mark.slow
+def test_bench_ab_stopped_by_sigterm_stops_its_running_arm(tmp_path):
+    """bench/bench_ab.py (its CPU smoke settings) stopped by SIGTERM while an arm trains: by the
+    time the bench has exited, the arm and everything it started have ended. The arm used to run
+    on, holding the bench's output pipe open for minutes."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "bench/bench_ab.py", "--device", "cpu", "--tiny", "--steps", "100000", "--arms", "sync"]
+    with open(tmp_path / "out.txt", "w") as out, open(tmp_path / "err.txt", "w") as err:
+        proc = subprocess.Popen(
+            [*cmd, "--out", str(tmp_path)], cwd=ROOT, env=env, stdout=out, stderr=err, start_new_session=True
+        )
+    arm: list[int] = []
+    try:
+        t0 = time.monotonic()
+        while not (rows := list((tmp_path / "runs").glob("*-sync/metrics.jsonl"))) or not rows[0].stat().st_size:
+            assert proc.poll() is None, (tmp_path / "err.txt").read_text()[-3000:]
+            assert time.monotonic() - t0 < 180, "no arm step"
+            time.sleep(0.2)
+        arm = [p for p in _children(proc.pid) if b"vime.cli" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert len(arm) == 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(EXIT_BOUND_S) == 143
+        assert _group_alive(arm[0]) == [] and _group_alive(proc.pid) == []  # nothing outlives the bench
+        assert (tmp_path / "err.txt").read_text().strip().splitlines()[-1] == "terminated"
+    finally:
+        for group in [*arm, proc.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
+        proc.wait()
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_a_signal_during_a_checkpoint_write_waits_for_it(sig, monkeypatch):
     """Every checkpoint is written under `signals_held`: a signal there neither cuts the write
