@@ -352,6 +352,35 @@ def test_a_silent_engine_fails_its_requests_at_the_health_timeout_and_a_live_one
         assert e.proc.poll() is not None and time.monotonic() - t0 < 5  # without SIGCONT: the 10 s kill
 
 
+def test_engines_lost_while_paused_are_skipped_at_the_continue_and_the_rest_go_on(tiny_model, tmp_path):
+    """The pause around a push or a checkpoint write (RolloutRuntime.generation_paused): engine 1
+    killed and engine 2 stopped (SIGSTOP) inside it are gone at the continue, the stopped one
+    silent at the health timeout with no second wait, and engine 0 is continued and answers. The
+    continue's error used to end the run with another engine up (test_an_engine_lost_while_a_
+    checkpoint_is_written_comes_back is the whole run)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vime.rollout.runtime import HealthCheck, RolloutRuntime
+
+    with ThreadPoolExecutor(3) as pool:
+        engines = list(pool.map(lambda i: launch_engine(str(tiny_model), log_path=tmp_path / f"e{i}.log"), range(3)))
+    try:
+        rt = RolloutRuntime(
+            [EngineClient(e.url, timeout=30) for e in engines], None, health=HealthCheck(interval=0.5, timeout=1.0)
+        )
+        with rt.generation_paused("in_place"):
+            engines[1].proc.kill()
+            engines[1].proc.wait()
+            os.kill(engines[2].proc.pid, signal.SIGSTOP)
+        assert [e.state for e in rt.engines] == ["up", "down", "down"]
+        assert "connection refused" in rt.engines[1].error
+        assert "stopped answering (no answer to /continue_generation within 1s)" in rt.engines[2].error
+        assert len(greedy(rt.engines[0].client)) == 8  # continued: a paused engine would hold the request
+    finally:
+        for e in engines:
+            e.shutdown()
+
+
 def test_a_connection_reset_is_an_engine_error_not_a_traceback():
     """An engine that drops the connection after reading a request (as one killed mid-step does)."""
     server = socket.socket()
