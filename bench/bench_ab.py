@@ -45,9 +45,11 @@ sys.path.insert(0, str(ROOT))
 
 from bench.shapes import SHAPES, tiny_model_kwargs  # noqa: E402
 from vime.ab import run_arm  # noqa: E402
+from vime.cli import guarded  # noqa: E402
 from vime.datagen import write_dataset  # noqa: E402
 from vime.engine.client import EngineClient  # noqa: E402
 from vime.engine.launch import launch_engine  # noqa: E402
+from vime.errors import VimeError  # noqa: E402
 from vime.metrics import mean  # noqa: E402
 from vime.models import make_tiny_model  # noqa: E402
 from vime.report import speed_table, summarize  # noqa: E402
@@ -165,7 +167,7 @@ def main() -> int:
                     staleness=2,
                     timeout=a.arm_timeout,
                 )
-            except RuntimeError as e:
+            except VimeError as e:  # a failed or timed-out arm: the others still run
                 print(f"[ab] {e}", flush=True)
                 continue
             dirs.append(d)
@@ -232,4 +234,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # SIGTERM unwinds as Ctrl-C does (exit 143): the running arm's process group and the engines
+    # are stopped on the way out
+    sys.exit(guarded(lambda _: main(), []))

@@ -165,6 +165,35 @@ async def stop_engine_mid_step(args, sample, params):
     return await default_generate(args, sample, params)
 
 
+def engine_server_pid(args, i: int) -> int:
+    """The pid of engine i this trainer launched (engine i runs with --seed rollout_seed + i;
+    its port is its own pick)."""
+    seed = f"--seed\0{args.rollout_seed + i}\0".encode()
+    (pid,) = [p for p in engine_pids() if seed in Path(f"/proc/{p}/cmdline").read_bytes()]
+    return pid
+
+
+def stop_engines_while_training(args, groups, rewards):
+    """An advantage function (it runs in the train step, while fully-async's worker generates):
+    once the first checkpoint is written, the engines are stopped (SIGSTOP), so the next thing
+    the trainer asks of them is the weight push's pause."""
+    saved = any(p.name.isdigit() for p in Path(args.save).glob("*"))
+    if saved and not (args.run_dir / "engine-stopped").exists():
+        for pid in engine_pids():
+            os.kill(pid, signal.SIGSTOP)
+        (args.run_dir / "engine-stopped").write_text("stopped")
+    return rewards - rewards.mean(dim=-1, keepdim=True)
+
+
+def fail_on_rank_one(args, *, log_probs, old_log_probs, advantages, loss_mask, rollout_log_probs, seq_ids):
+    """A custom loss that fails on trainer rank 1 only (a plug-in's bug, a rank out of memory)."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("the loss hook broke on this rank")
+    return -(advantages * (log_probs - old_log_probs).exp())
+
+
 # ---- plug-ins that do not fit, or fail mid-run (tests/test_faults.py: plug-ins) -----------------
 
 

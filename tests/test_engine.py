@@ -15,6 +15,7 @@ import copy
 import json
 import os
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -474,16 +475,34 @@ def test_a_weight_update_holding_nan_is_refused_and_nothing_is_sampled_until_a_w
     shm = f"/dev/shm/vime-test-nan-{os.getpid()}.safetensors"
     save_file(bad, shm)
     try:
-        with pytest.raises(EngineError, match=f"HTTP 400.*weight '{name}' holds non-finite values"):
+        # the refusal says what the engine does now: it was copied before the check found the NaN
+        with pytest.raises(
+            EngineError,
+            match=f"HTTP 400.*weight '{name}' holds non-finite values .*; the update was part-copied, so this "
+            r"engine now refuses generation \(HTTP 503\) until a complete update arrives",
+        ):
             client.update_weights_from_tensor({"transport": "shm", "path": shm, "weight_version": v0 + 1})
     finally:
         os.unlink(shm)
     assert client.model_info()["weight_version"] == v0  # not taken as a version
-    with pytest.raises(EngineError, match="weights mix two versions: push a complete update"):
+    with pytest.raises(EngineError, match="HTTP 503.*weights mix two versions: push a complete update"):
         generate_many(client, [{"input_ids": PROMPTS[2], "sampling_params": greedy(4)}])
     client.update_weights_from_disk(str(model_dir), v0 + 1)  # a whole, finite update restores it
     out = generate_many(client, [{"input_ids": PROMPTS[2], "sampling_params": greedy(6, ignore_eos=True)}])[0]
     assert out["output_ids"] == hf_greedy(hf, PROMPTS[2], 6)
+
+
+def test_a_negative_weight_version_is_refused_by_every_update_route(client, engine, model_dir):
+    v0 = client.model_info()["weight_version"]
+    refused = r"HTTP 400.*weight_version -5 is negative: give the policy version \(0 or more\), or leave it out"
+    with pytest.raises(EngineError, match=refused):
+        client.update_weights_from_disk(str(model_dir), -5)
+    with pytest.raises(EngineError, match=refused):
+        client.update_weights_from_tensor({"transport": "shm", "path": "/nonexistent", "weight_version": -5})
+    body = {"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[1]], "weight_version": -5}
+    with pytest.raises(EngineError, match=refused):
+        client.update_weights_from_distributed(body)
+    assert client.model_info()["weight_version"] == v0
 
 
 def test_release_and_resume_memory_recomputes_in_flight(client, engine, hf):
@@ -669,6 +688,46 @@ def test_client_errors(client, engine):
     assert status == 400 and "missing field 'input_ids'" in body
     status, body = post_raw(engine.url + "/update_weights_from_distributed", b"{}")
     assert status == 400 and "call /init_weights_update_group first" in body
+
+
+def _peak_rss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line.split()[1] for line in f if line.startswith("VmHWM")))
+
+
+def test_a_body_over_the_limit_is_a_413_unread_and_a_long_text_leaves_health_answering(engine, capsys):
+    """Three 10 MB prompts were read and parsed on the engine's event loop (/health stalled for
+    seconds, the engine grew by hundreds of MB) and a text prompt was tokenized there (a minute
+    for 10 MB). Now a body over the limit (default: room for a prompt of the whole context, at
+    least 1 MiB) is a 413 from its stated length alone, naming the limit and the flag; a prompt
+    too long for the context is refused before it queues, and a long text is tokenized off the
+    loop, /health answering meanwhile."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vime.engine.server import parse_args as engine_args
+
+    peak = _peak_rss_kb(engine.proc.pid)
+    big = json.dumps({"input_ids": [5] * 3_500_000, "sampling_params": {}}).encode()  # 10.5 MB
+    with ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(lambda _: post_raw(engine.url + "/generate", big), range(3)))
+    refused = f"request body of {len(big)} bytes is over this engine's limit of 1048576 bytes: send less, or raise --max-request-mb"
+    assert answers == [(413, json.dumps({"error": refused}))] * 3
+    assert _peak_rss_kb(engine.proc.pid) - peak < 30_000  # never read
+    assert post_raw(engine.url + "/v1/completions", json.dumps({"prompt": "1+1=", "max_tokens": 1}).encode())[0] == 200
+    text = json.dumps({"prompt": "hello world 12345 " * 16_000, "max_tokens": 1}).encode()  # 288 kB
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(post_raw, engine.url + "/v1/completions", text)
+        answered = 0
+        while not pending.done():
+            urllib.request.urlopen(engine.url + "/health", timeout=10).read()
+            answered += 1
+            time.sleep(0.01)
+    status, body = pending.result()
+    assert status == 400 and re.search(r"prompt of \d+ tokens can never fit", body)
+    assert answered >= 10  # while the text was tokenized (seconds; the tokenizer was loaded above)
+    with pytest.raises(SystemExit):
+        engine_args(["--model-path", "tiny", "--max-request-mb", "0"])
+    assert "error: --max-request-mb 0.0: give a size in MiB above 0" in capsys.readouterr().err
 
 
 def test_openai_routes(engine):

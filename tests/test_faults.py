@@ -352,6 +352,35 @@ def test_a_silent_engine_fails_its_requests_at_the_health_timeout_and_a_live_one
         assert e.proc.poll() is not None and time.monotonic() - t0 < 5  # without SIGCONT: the 10 s kill
 
 
+def test_engines_lost_while_paused_are_skipped_at_the_continue_and_the_rest_go_on(tiny_model, tmp_path):
+    """The pause around a push or a checkpoint write (RolloutRuntime.generation_paused): engine 1
+    killed and engine 2 stopped (SIGSTOP) inside it are gone at the continue, the stopped one
+    silent at the health timeout with no second wait, and engine 0 is continued and answers. The
+    continue's error used to end the run with another engine up (test_an_engine_lost_while_a_
+    checkpoint_is_written_comes_back is the whole run)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vime.rollout.runtime import HealthCheck, RolloutRuntime
+
+    with ThreadPoolExecutor(3) as pool:
+        engines = list(pool.map(lambda i: launch_engine(str(tiny_model), log_path=tmp_path / f"e{i}.log"), range(3)))
+    try:
+        rt = RolloutRuntime(
+            [EngineClient(e.url, timeout=30) for e in engines], None, health=HealthCheck(interval=0.5, timeout=1.0)
+        )
+        with rt.generation_paused("in_place"):
+            engines[1].proc.kill()
+            engines[1].proc.wait()
+            os.kill(engines[2].proc.pid, signal.SIGSTOP)
+        assert [e.state for e in rt.engines] == ["up", "down", "down"]
+        assert "connection refused" in rt.engines[1].error
+        assert "stopped answering (no answer to /continue_generation within 1s)" in rt.engines[2].error
+        assert len(greedy(rt.engines[0].client)) == 8  # continued: a paused engine would hold the request
+    finally:
+        for e in engines:
+            e.shutdown()
+
+
 def test_a_connection_reset_is_an_engine_error_not_a_traceback():
     """An engine that drops the connection after reading a request (as one killed mid-step does)."""
     server = socket.socket()
@@ -606,6 +635,54 @@ def test_trainer_ranks_that_fall_out_of_step_end_in_seconds_in_one_line(tiny_mod
         t0 = time.monotonic()
         two.close()
         assert time.monotonic() - t0 < 15
+
+
+RANK_FAULTS = """
+import os, signal, sys
+from vime.config import Config
+from vime.rollout.types import Sample
+from vime.trainer.distributed import TrainerRankError, launch_actor
+
+def main(model):
+    batch = [Sample(index=i, tokens=[5, 6, 7, 8 + i, 9], response_length=2, rollout_log_probs=[-1.0, -1.0]) for i in range(4)]
+    common = dict(lr=1e-2, global_batch_size=None, max_tokens_per_gpu=512, rollout_temperature=1.0, actor_num_procs=2)
+    two = launch_actor(Config(**common, loss_type="custom_loss", custom_loss_function_path="fault_plugins.fail_on_rank_one"), model)
+    try:
+        two.train_step(batch, [1.0, -1.0, 0.5, -0.5])
+    except TrainerRankError as e:
+        print(e, flush=True)
+    two.close()
+    two = launch_actor(Config(**common), model)
+    two.train_step(batch, [1.0, -1.0, 0.5, -0.5])
+    print(os.getpid(), two.procs[0].pid, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # rank 0 gone (OOM, a kill -9) while rank 1 waits for its next call
+
+if __name__ == "__main__":
+    main(sys.argv[1])
+"""
+
+
+def test_a_trainer_rank_that_fails_or_loses_rank_0_is_one_line_naming_it(tiny_model, tmp_path):
+    """Two spawned gloo ranks. Rank 1 failing on its own (a loss hook that raises there) printed
+    its traceback and rank 0 said only "exit code 1"; rank 0 killed left rank 1 printing gloo's
+    traceback. Now rank 0's error gives rank 1's cause, and rank 1 whose rank 0 is gone says so
+    in one line, and neither prints a traceback."""
+    script = tmp_path / "rank_faults.py"
+    script.write_text(RANK_FAULTS)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]), OMP_NUM_THREADS="1")
+    out = subprocess.run(
+        [sys.executable, str(script), str(tiny_model)], env=env, capture_output=True, text=True, timeout=300
+    )  # returns once rank 1 too has closed the pipes
+    assert out.returncode == -signal.SIGKILL, out.stderr[-3000:]
+    failed, pids = out.stdout.splitlines()
+    rank_zero, rank_one = map(int, pids.split())
+    assert failed == (
+        "trainer rank 1 ended (exit code 1: ValueError: the loss hook broke on this rank) during train_step: "
+        "resume the run with --load from its last checkpoint"
+    )
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines()[-1] == f"trainer rank 1 stops: rank 0 (pid {rank_zero}) is gone"
+    assert not _alive([rank_one])
 
 
 def test_a_non_finite_loss_skips_the_step_and_the_weights_stay(actor):
@@ -1190,6 +1267,37 @@ def test_a_signal_stops_every_mode_within_seconds(tmp_path, script, extra, fault
     _intact_checkpoints(tmp_path / "ckpt", at_least=1 if marker == "metrics.jsonl" else 0)
 
 
+@pytest.mark.slow
+def test_bench_ab_stopped_by_sigterm_stops_its_running_arm(tmp_path):
+    """bench/bench_ab.py (its CPU smoke settings) stopped by SIGTERM while an arm trains: by the
+    time the bench has exited, the arm and everything it started have ended. The arm used to run
+    on, holding the bench's output pipe open for minutes."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "bench/bench_ab.py", "--device", "cpu", "--tiny", "--steps", "100000", "--arms", "sync"]
+    with open(tmp_path / "out.txt", "w") as out, open(tmp_path / "err.txt", "w") as err:
+        proc = subprocess.Popen(
+            [*cmd, "--out", str(tmp_path)], cwd=ROOT, env=env, stdout=out, stderr=err, start_new_session=True
+        )
+    arm: list[int] = []
+    try:
+        t0 = time.monotonic()
+        while not (rows := list((tmp_path / "runs").glob("*-sync/metrics.jsonl"))) or not rows[0].stat().st_size:
+            assert proc.poll() is None, (tmp_path / "err.txt").read_text()[-3000:]
+            assert time.monotonic() - t0 < 180, "no arm step"
+            time.sleep(0.2)
+        arm = [p for p in _children(proc.pid) if b"vime.cli" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert len(arm) == 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(EXIT_BOUND_S) == 143
+        assert _group_alive(arm[0]) == [] and _group_alive(proc.pid) == []  # nothing outlives the bench
+        assert (tmp_path / "err.txt").read_text().strip().splitlines()[-1] == "terminated"
+    finally:
+        for group in [*arm, proc.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
+        proc.wait()
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_a_signal_during_a_checkpoint_write_waits_for_it(sig, monkeypatch):
     """Every checkpoint is written under `signals_held`: a signal there neither cuts the write
@@ -1237,31 +1345,82 @@ def test_an_engine_killed_mid_step_ends_the_run_in_one_line(tmp_path, plugin):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "script, extra", [("train.py", []), ("train_async.py", FULLY_ASYNC)], ids=["sync", "fully-async"]
+    "script, extra",
+    [
+        ("train.py", ["--custom-generate-function-path", "fault_plugins.stop_engine_mid_step"]),
+        # fully-async generates through the push, so the stop may land in one: bounded by its own flag
+        (
+            "train_async.py",
+            [*FULLY_ASYNC, "--custom-generate-function-path", "fault_plugins.stop_engine_mid_step"]
+            + ["--update-weights-timeout", "5"],
+        ),
+        # stopped while the trainer trains: the push's pause finds it silent, and no push waits on
+        # it for --update-weights-timeout (120 s) after a second probe (the run used to take 181 s
+        # at the default health flags)
+        (
+            "train_async.py",
+            [*FULLY_ASYNC, "--custom-advantage-function-path", "fault_plugins.stop_engines_while_training"],
+        ),
+    ],
+    ids=["sync", "fully-async", "fully-async-while-training"],
 )
 def test_an_engine_that_stops_answering_ends_the_run_in_one_line(tmp_path, script, extra):
     """SIGSTOP leaves the engine's port open and its requests waiting for ever (the run used to
     stall for the 600 s request timeout): the health watch finds it silent within interval +
     timeout, and with no other engine the run stops in one line, its checkpoints intact and the
     stopped engine ended."""
-    # fully-async generates through the push, so the stop may land in one: bounded by its own flag
-    probes = [
-        "--rollout-health-check-interval",
-        "1",
-        "--rollout-health-check-timeout",
-        "2",
-        "--update-weights-timeout",
-        "5",
-    ]
-    plugin = ["--custom-generate-function-path", "fault_plugins.stop_engine_mid_step"]
-    proc = _start(script, tmp_path, "--num-rollout", "8", *probes, *plugin, *extra)
+    probes = ["--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "2"]
+    proc = _start(script, tmp_path, "--num-rollout", "8", *probes, *extra)
     marker = tmp_path / "r" / "engine-stopped"
     _wait_for(proc, marker)
     code, lines = _ended(proc, marker.stat().st_mtime)
     assert code == 2 and lines[-1].startswith("error: "), lines[-5:]
-    assert re.search(r"stopped answering \(no answer to /health within 2s\)|timed out after 5s", lines[-1]), lines[-5:]
+    assert re.search(r"stopped answering \(no answer to /\w+ within 2s\)|timed out after 5s", lines[-1]), lines[-5:]
     assert "resume the run with --load" in lines[-1]
     _intact_checkpoints(tmp_path / "ckpt", at_least=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+def test_an_engine_lost_while_a_checkpoint_is_written_comes_back(tmp_path, tiny_model, addition_data, monkeypatch, sig):
+    """Two engines, fully-async, a checkpoint every step: engine 1 is killed (or stopped) while
+    step 2's checkpoint is written, the engines paused for it. The continue after the save finds
+    it gone (a stopped one silent within the health timeout) and the run goes on with engine 0,
+    nothing lost; engine 1 is started again and a later push re-syncs it. The continue's error
+    used to end the run, with or without another engine up."""
+    from fault_plugins import engine_server_pid
+
+    from vime.config import parse_args
+    from vime.run import train
+    from vime.trainer.actor import Actor
+
+    real_save = Actor.save
+
+    def save_and_lose_engine_one(self, final, extra):
+        if extra["step"] == 2:
+            os.kill(engine_server_pid(args, 1), sig)
+        if extra["step"] == 3:  # engine 1 back before the last step, whose push re-syncs it
+            deadline = time.monotonic() + 120
+            while args.runtime.engines[1].state != "unsynced":
+                assert time.monotonic() < deadline, "engine 1 did not come back"
+                time.sleep(0.1)
+        return real_save(self, final, extra)
+
+    monkeypatch.setattr(Actor, "save", save_and_lose_engine_one)
+    argv = ["--hf-checkpoint", str(tiny_model), "--prompt-data", str(addition_data[0]), "--num-rollout", "4"]
+    argv += ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4"]
+    argv += [*FULLY_ASYNC, "--rollout-num-engines", "2", "--device", "cpu", "--quiet"]
+    argv += ["--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "2"]
+    argv += ["--runs-dir", str(tmp_path), "--run-name", "r", "--save", str(tmp_path / "ckpt"), "--save-interval", "1"]
+    args = parse_args(argv, entry="async")
+    assert args.mode == "fully-async"
+    train(args)
+    rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "perf/step_time" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["rollout/engines_up"] for r in rows][::3] == [2, 2] and rows[-1]["rollout/engine_restarts"] == 1
+    assert "holds the current weights again" in (tmp_path / "r" / "log.txt").read_text()
+    _intact_checkpoints(tmp_path / "ckpt", at_least=4)
 
 
 @pytest.mark.slow

@@ -9,13 +9,19 @@ The first arm is the speedup reference.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 from vime.config import ConfigError
 from vime.errors import VimeError
+from vime.lifetime import signals_held
 from vime.modes import MODES
+
+ARM_STOP_S = 30.0  # a run stops within seconds of SIGTERM; what is left after this is killed
 
 
 def arm_command(arm: str, staleness: int) -> list[str]:
@@ -48,17 +54,37 @@ def run_arm(
         *extra,
     ]
     print(f"[ab] {arm}: {' '.join(cmd[1:])}", flush=True)
+    # in a process group of its own, which ends with it however this process is stopped: an arm
+    # left running (its engines, ranks and reward workers with it) held this bench's output pipe
+    # open for minutes after a SIGTERM
+    proc = subprocess.Popen(cmd, start_new_session=True)
     try:
-        res = subprocess.run(cmd, timeout=timeout)
+        code = proc.wait(timeout)
     except subprocess.TimeoutExpired:
+        stop_group(proc)
         raise VimeError(
             f"arm '{arm}' did not finish within {timeout:g} s; its log is in {runs_dir}/{run_name}/log.txt"
         ) from None
-    if res.returncode != 0:
-        raise VimeError(
-            f"arm '{arm}' failed with exit code {res.returncode}; its log is in {runs_dir}/{run_name}/log.txt"
-        )
+    except BaseException:  # Ctrl-C, SIGTERM (vime.lifetime.Terminated): the arm stops as a run does
+        stop_group(proc)
+        raise
+    if code != 0:
+        raise VimeError(f"arm '{arm}' failed with exit code {code}; its log is in {runs_dir}/{run_name}/log.txt")
     return Path(runs_dir) / run_name
+
+
+def stop_group(proc: subprocess.Popen, grace: float = ARM_STOP_S) -> None:
+    """SIGTERM to the arm, which stops a run within seconds, its engines, ranks and workers
+    ended by its own cleanup; then SIGKILL to whatever is left of its process group, at once or
+    after `grace` seconds. A second Ctrl-C waits for it (`signals_held`)."""
+    with signals_held():
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(grace)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def main(argv: list[str]) -> int:

@@ -543,7 +543,7 @@ class Config:
     )
     rollout_health_check_timeout: float = _f(
         30.0,
-        "seconds a probe waits: an engine silent this long is gone, its requests go to the other engines (it is restarted if the run launched it), or the run stops in one line when none is left; also the most an engine may take to answer a pause, continue or abort",
+        "seconds a probe waits: an engine silent this long is gone, its requests go to the other engines (it is restarted if the run launched it), or the run stops in one line when none is left; also the most an engine may take to answer a pause, continue or abort, past which it is gone too",
         group="placement",
     )
     check_weight_push: bool = _f(

@@ -17,10 +17,12 @@ import fcntl
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NoReturn
 
 from vime.errors import VimeError
 
@@ -83,8 +85,9 @@ def signals_held() -> Iterator[None]:
                 signal.raise_signal(noted[0])
 
 
-def exit_with_parent(parent_pid: int | None = None) -> None:
-    """End this process within PARENT_POLL_S of its parent's death, however it died.
+def exit_with_parent(parent_pid: int | None = None, last_words: str | None = None) -> None:
+    """End this process within PARENT_POLL_S of its parent's death, however it died, saying
+    `last_words` (one line on stderr) if given.
 
     Polls `getppid()` (a dead parent's children are re-parented) from a daemon thread; Linux's
     PR_SET_PDEATHSIG would tie the child to the parent *thread* that started it, which for a
@@ -94,9 +97,22 @@ def exit_with_parent(parent_pid: int | None = None) -> None:
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(PARENT_POLL_S)
-        os._exit(1)
+        leave(last_words)
 
     threading.Thread(target=watch, name="vime-parent-watch", daemon=True).start()
+
+
+_leaving = threading.Lock()
+
+
+def leave(last_words: str | None = None) -> NoReturn:
+    """Exit now (code 1, no cleanup), with `last_words` on stderr: from any thread, and once,
+    however many threads decide to at the same moment."""
+    with _leaving:
+        if last_words:
+            sys.stderr.write(last_words + "\n")
+            sys.stderr.flush()
+        os._exit(1)
 
 
 class InUse(VimeError):

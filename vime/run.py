@@ -232,21 +232,25 @@ class Run:
         """pause → push → continue: the engines get the current policy version, which they
         stamp on every token from now on. In-flight requests wait in place (their next tokens
         come from the new weights), unless --update-in-flight aborts them (the fully-async worker
-        then generates them again, or with resume continues them). `count=False`: a resumed run's weights re-sent, not a push of training. A failed
-        push stops the run with the engine's URL and the step."""
+        then generates them again, or with resume continues them). `count=False`: a resumed
+        run's weights re-sent, not a push of training. A failed push stops the run with the
+        engine's URL and the step."""
         t0 = time.perf_counter()
         runtime = self.args.runtime
         if self.pusher is None:  # a debug run with no trainer or no engine: nothing to push
             self.weight_pushes += int(count)
             runtime.set_engine_version(self.policy_version)
             return {}
+        engines: list[Any] = []
         for attempt in range(3):
-            engines = runtime.reachable()  # engines back from a restart get the weights here
-            if not engines:
-                raise EngineError(f"step {step}: {runtime.no_engine_message()}")
-            self.pusher.set_engines([e.client for e in engines], [e.transport for e in engines])
             try:
-                with self.generation_paused("in_place" if self.args.update_in_flight == "keep" else "abort"):
+                with runtime.generation_paused("in_place" if self.args.update_in_flight == "keep" else "abort"):
+                    # after the pause: an engine it found gone (dead, or silent for the health
+                    # timeout) gets no push to wait out
+                    engines = runtime.reachable()  # engines back from a restart get the weights here
+                    if not engines:
+                        break
+                    self.pusher.set_engines([e.client for e in engines], [e.transport for e in engines])
                     metrics = self._push_to(engines)
                 break
             except EngineError as e:
@@ -256,6 +260,8 @@ class Run:
                 log.warning(
                     "step %d: %d engine(s) went away during the weight push; pushing to the others", step, len(gone)
                 )
+        if not engines:
+            raise EngineError(f"step {step}: {runtime.no_engine_message()}")
         runtime.mark_synced(engines)
         metrics["perf/update_weights_time"] = time.perf_counter() - t0
         self.weight_pushes += int(count)
@@ -298,26 +304,6 @@ class Run:
             **self.args.runtime.metrics(),
         }
 
-    @contextlib.contextmanager
-    def generation_paused(self, mode: str) -> Iterator[None]:
-        """All engines paused for the block (`in_place`: requests keep their place and KV;
-        `abort`: they return with their partial tokens). Every engine paused is continued, also
-        when a later pause or the block fails, so none is ever left paused."""
-        runtime = self.args.runtime
-        paused = []
-        try:
-            for e in runtime.reachable():
-                try:
-                    e.client.pause_generation(mode=mode)
-                    paused.append(e.client)
-                except EngineError as err:
-                    if not runtime.engine_failed(e, err):  # one that is gone has nothing to pause
-                        raise
-            yield
-        finally:
-            for c in paused:
-                c.continue_generation()
-
     def after_step(self, step: int, metrics: dict[str, float]) -> None:
         """Eval and checkpoint; their time is logged apart and kept out of step time.
 
@@ -341,7 +327,7 @@ class Run:
             self.metrics.log(step, metrics)
             if a.save and ((a.save_interval and step % a.save_interval == 0) or last):
                 t0 = time.perf_counter()
-                with self.generation_paused("in_place") if MODES[a.mode].overlaps else contextlib.nullcontext():
+                with a.runtime.generation_paused("in_place") if MODES[a.mode].overlaps else contextlib.nullcontext():
                     extra = {
                         "step": step,
                         "policy_version": self.policy_version,
@@ -556,14 +542,12 @@ def _train_and_push(
 ) -> dict[str, float]:
     t0 = time.perf_counter()
     if run.args.colocate:
-        for e in run.args.runtime.reachable():
-            e.client.release_memory_occupation()
+        run.args.runtime.on_each(lambda c: c.release_memory_occupation())
     with at_step(step):  # a custom advantage, loss or TIS hook's fault names the step
         m = run.train_on(out, step)
     m["perf/train_time"] = time.perf_counter() - t0
     if run.args.colocate:
-        for e in run.args.runtime.reachable():
-            e.client.resume_memory_occupation()
+        run.args.runtime.on_each(lambda c: c.resume_memory_occupation())
     if step % run.args.update_weights_interval == 0:
         if before_push is not None:
             w0 = time.perf_counter()

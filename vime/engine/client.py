@@ -150,22 +150,22 @@ class EngineClient:
     # ---- sync: control -----------------------------------------------------------------
 
     def health(self) -> dict:
-        return self._request("GET", "/health", timeout=self.quick_timeout)
+        return self._request("GET", "/health", quick=True)
 
     def model_info(self) -> dict:
         return self._request("GET", "/get_model_info")
 
     def pause_generation(self, mode: str = "abort") -> dict:
-        return self._request("POST", "/pause_generation", {"mode": mode}, timeout=self.quick_timeout)
+        return self._request("POST", "/pause_generation", {"mode": mode}, quick=True)
 
     def continue_generation(self) -> dict:
-        return self._request("POST", "/continue_generation", {}, timeout=self.quick_timeout)
+        return self._request("POST", "/continue_generation", {}, quick=True)
 
     def abort_request(self, rid: str | None = None, abort_all: bool = False) -> dict:
         if (rid is None) == (not abort_all):
             raise ValueError("abort_request: give either rid or abort_all=True")
         body = {"abort_all": True} if abort_all else {"rid": rid}
-        return self._request("POST", "/abort_request", body, timeout=self.quick_timeout)
+        return self._request("POST", "/abort_request", body, quick=True)
 
     def flush_cache(self) -> dict:
         return self._request("POST", "/flush_cache", {})
@@ -206,8 +206,13 @@ class EngineClient:
     def resume_memory_occupation(self) -> dict:
         return self._request("POST", "/resume_memory_occupation", {})
 
-    def _request(self, method: str, route: str, body: dict | None = None, timeout: float | None = None) -> dict:
-        timeout = self.control_timeout if timeout is None else timeout
+    def _request(
+        self, method: str, route: str, body: dict | None = None, timeout: float | None = None, quick: bool = False
+    ) -> dict:
+        """`quick`: a call a live engine answers between two steps (health, pause, continue,
+        abort), bounded by `quick_timeout`; no answer within it is silence (EngineSilent), the
+        verdict a health probe would give, so no second wait follows."""
+        timeout = self.quick_timeout if quick else self.control_timeout if timeout is None else timeout
         data = None if body is None else json.dumps(body).encode()
         last: Exception | None = None
         for attempt in range(self.max_retries):
@@ -224,6 +229,10 @@ class EngineClient:
             except (TimeoutError, urllib.error.URLError) as e:
                 reason = getattr(e, "reason", e)
                 if isinstance(e, TimeoutError) or isinstance(reason, TimeoutError):
+                    if quick:
+                        raise EngineSilent(
+                            f"engine at {self.url} stopped answering (no answer to {route} within {timeout:g}s)"
+                        ) from None
                     raise EngineError(f"engine at {self.url}{route} timed out after {timeout:g}s") from None
                 if not isinstance(reason, ConnectionError):
                     raise EngineError(f"engine at {self.url}{route}: {_one_line(str(reason))}") from None

@@ -50,6 +50,29 @@ async def _internal_error(request: web.Request, e: Exception) -> web.Response:
     return json_error(500, f"{type(e).__name__}: {' '.join(str(e).split())}")
 
 
+def body_limit_middleware(limit: int, flag: str) -> Callable:
+    """Refuse a request body over `limit` bytes with a one-line 413 naming the limit and `flag`,
+    before any of it is read when the request says its length (a chunked one once it passes the
+    limit): parsing a body of many megabytes holds the event loop, and /health with it."""
+
+    def refused(size: int | None) -> web.Response:
+        got = f"of {size} bytes " if size is not None else ""
+        return json_error(
+            413, f"request body {got}is over this engine's limit of {limit} bytes: send less, or raise {flag}"
+        )
+
+    @web.middleware
+    async def check(request: web.Request, handler: Callable) -> web.StreamResponse:
+        if request.content_length is not None and request.content_length > limit:
+            return refused(request.content_length)
+        try:
+            return await handler(request)
+        except web.HTTPRequestEntityTooLarge:
+            return refused(None)
+
+    return check
+
+
 API_KEY_ENV = "VIME_API_KEY"
 OPEN_ROUTES = ("/health",)  # liveness probes need no key; it reveals nothing but ok / not ok
 

@@ -47,8 +47,8 @@ class OpenAIRoutes:
         body = await read_body(request)
         tok = await self.tokenizer()
         prompt = body_field(body, "prompt", (str, list))
-        if isinstance(prompt, str):
-            ids = tok.encode(prompt, add_special_tokens=False)
+        if isinstance(prompt, str):  # in a thread: a long text takes seconds, and /health must answer meanwhile
+            ids = await asyncio.to_thread(tok.encode, prompt, add_special_tokens=False)
         elif all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = prompt
         else:
@@ -66,8 +66,9 @@ class OpenAIRoutes:
         )
         if roles:  # a chat template renders an unknown role as it likes, or not at all
             raise BadRequest(f"unknown message role(s) {roles}: use {', '.join(sorted(CHAT_ROLES))}")
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return await self._openai(body, tok.encode(text, add_special_tokens=False), chat=True)
+        text = await asyncio.to_thread(tok.apply_chat_template, messages, tokenize=False, add_generation_prompt=True)
+        ids = await asyncio.to_thread(tok.encode, text, add_special_tokens=False)
+        return await self._openai(body, ids, chat=True)
 
     async def _openai(self, body: dict, ids: list[int], chat: bool) -> web.Response:
         from vime.engine.core.sampler import SamplingParams

@@ -33,6 +33,7 @@ from vime.engine.http_common import (
     BadRequest,
     auth_middleware,
     body_field,
+    body_limit_middleware,
     error_middleware,
     is_loopback,
     json_error,
@@ -44,15 +45,24 @@ from vime.errors import VimeError
 log = logging.getLogger("vime.engine")
 
 READY_LINE = "vime-engine ready on"  # printed once listening; `launch_engine` waits for it
+# a request body's default limit: room for a prompt of the whole context as JSON token ids (at
+# most 8 bytes each) or as text, and never under 1 MiB (a push's CUDA handles, a long chat)
+BODY_BYTES_PER_TOKEN = 16
+MIN_BODY_BYTES = 2**20
 
 
 class EngineServer:
     """Owns the engine thread and the aiohttp routes."""
 
-    def __init__(self, engine, model_path: str, api_key: str | None = None):
+    def __init__(self, engine, model_path: str, api_key: str | None = None, max_request_mb: float | None = None):
         self.engine = engine
         self.model_path = model_path
         self.api_key = api_key
+        self.max_request_bytes = (
+            max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * engine.max_seq_len)
+            if max_request_mb is None
+            else int(max_request_mb * 2**20)
+        )
         self.loop: asyncio.AbstractEventLoop | None = None
         self.commands: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.Future]] = queue.SimpleQueue()
         self.pending: dict[str, asyncio.Future] = {}  # rid → future; touched by the engine thread only
@@ -131,6 +141,7 @@ class EngineServer:
 
     async def _generate(self, input_ids: list[int], params, rid: str):
         """Queue one request and wait for its RequestOutput; aborts it if the caller goes away."""
+        self._check_length(len(input_ids))
         fut = asyncio.get_running_loop().create_future()
 
         def add() -> None:
@@ -147,10 +158,19 @@ class EngineServer:
             self._submit(lambda: self._deliver(self.engine.abort(rid)))
             raise
 
+    def _check_length(self, n: int) -> None:
+        """A prompt the engine could never hold is refused here, on the HTTP thread, before its
+        ids are checked one by one or it queues for the engine thread."""
+        if n >= self.engine.max_seq_len:
+            raise BadRequest(
+                f"prompt of {n} tokens can never fit: the engine's maximum sequence length is {self.engine.max_seq_len}"
+            )
+
     def _parse_generate(self, body: dict):
         from vime.engine.core.sampler import SamplingParams
 
         input_ids = body_field(body, "input_ids", list)
+        self._check_length(len(input_ids))
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
             raise BadRequest("input_ids must be a list of integers")
         params = SamplingParams.from_dict(body_field(body, "sampling_params", dict, required=False, default={}))
@@ -196,7 +216,7 @@ class EngineServer:
 
         body = await read_body(request)
         transport = body_field(body, "transport", str, required=False, default="shm")
-        version = body_field(body, "weight_version", int, required=False)
+        version = _weight_version(body)
         if transport == "shm":
             path = body_field(body, "path", str)
             if not Path(path).is_file():
@@ -222,7 +242,7 @@ class EngineServer:
 
         body = await read_body(request)
         path = body_field(body, "model_path", str)
-        version = body_field(body, "weight_version", int, required=False)
+        version = _weight_version(body)
         if not Path(path).is_dir():
             raise BadRequest(f"model_path {path} is not a directory")
         files = safetensors_files(path)
@@ -283,6 +303,7 @@ class EngineServer:
         announced names and shapes are checked against the model before anything is received,
         so a wrong bucket is a 400 that leaves the weights untouched."""
         body = await read_body(request)
+        version = _weight_version(body)
         name = body_field(body, "group_name", str, required=False, default="vime-weights")
         group = self.weight_groups.get(name)
         if group is None:
@@ -294,7 +315,6 @@ class EngineServer:
         if load_format not in (None, weight_sync.FLATTENED):
             raise BadRequest(f"load_format '{load_format}': use {weight_sync.FLATTENED} or leave it out")
         self.engine.check_weights([(n, s, d) for n, d, s in layout])
-        version = body_field(body, "weight_version", int, required=False)
         flush = body_field(body, "flush_cache", bool, required=False, default=True)
         t0 = time.perf_counter()
         receive = weight_sync.receive(group, layout, flattened=load_format is not None)
@@ -399,8 +419,10 @@ class EngineServer:
         return web.Response(text=text, content_type="text/plain")
 
     def app(self) -> web.Application:
-        middlewares = [auth_middleware(self.api_key), error_middleware] if self.api_key else [error_middleware]
-        app = web.Application(middlewares=middlewares, client_max_size=256 * 2**20)
+        middlewares = [body_limit_middleware(self.max_request_bytes, "--max-request-mb"), error_middleware]
+        if self.api_key:
+            middlewares.insert(0, auth_middleware(self.api_key))
+        app = web.Application(middlewares=middlewares, client_max_size=self.max_request_bytes)
         post = {
             "/generate": self.generate,
             "/pause_generation": self.pause_generation,
@@ -427,6 +449,15 @@ class EngineServer:
         }.items():
             app.router.add_get(path, handler)
         return app
+
+
+def _weight_version(body: dict) -> int | None:
+    """An update's weight_version: the trainer's policy version, stamped on every token, so never
+    negative (absent: the engine's version + 1)."""
+    version = body_field(body, "weight_version", int, required=False)
+    if version is not None and version < 0:
+        raise BadRequest(f"weight_version {version} is negative: give the policy version (0 or more), or leave it out")
+    return version
 
 
 def _device_uuid(device) -> str | None:
@@ -500,6 +531,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--max-request-mb",
+        type=float,
+        default=None,
+        help=f"largest request body in MiB, refused with 413 beyond (default: {BODY_BYTES_PER_TOKEN} bytes per token of the "
+        f"longest sequence, at least {MIN_BODY_BYTES // 2**20} MiB: a prompt of the whole context fits)",
+    )
+    p.add_argument(
         "--num-threads",
         type=int,
         default=None,
@@ -513,6 +551,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("max_num_seqs", "block_size", "max_num_batched_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")  # usage, then one line; exit 2
+    if args.max_request_mb is not None and not args.max_request_mb > 0:
+        p.error(f"--max-request-mb {args.max_request_mb}: give a size in MiB above 0")
     args.api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if not args.api_key and not is_loopback(args.host):
         p.error(
@@ -557,7 +597,8 @@ def main(argv: list[str] | None = None) -> None:
             seed=args.seed,
         )
     )
-    asyncio.run(_serve(EngineServer(engine, model_path, args.api_key), sock, args.host, args.parent_pid))
+    server = EngineServer(engine, model_path, args.api_key, args.max_request_mb)
+    asyncio.run(_serve(server, sock, args.host, args.parent_pid))
 
 
 async def _serve(server: EngineServer, sock: socket.socket, host: str, parent_pid: int | None) -> None:

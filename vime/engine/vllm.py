@@ -259,7 +259,7 @@ class VLLMClient(EngineClient):
     # ---- control -----------------------------------------------------------------------
 
     def health(self) -> dict:
-        self._request("GET", "/health", timeout=self.quick_timeout)  # 200 with an empty body
+        self._request("GET", "/health", quick=True)  # 200 with an empty body
         return {"status": "ok"}
 
     def version(self) -> str:
@@ -298,18 +298,18 @@ class VLLMClient(EngineClient):
         vllm_mode = {"abort": "abort", "in_place": "keep"}.get(mode)
         if vllm_mode is None:
             raise EngineError(f"pause mode '{mode}': use abort or in_place")
-        self._request("POST", f"/pause?mode={vllm_mode}", {}, timeout=self.quick_timeout)
+        self._request("POST", f"/pause?mode={vllm_mode}", {}, quick=True)
         return {"success": True}
 
     def continue_generation(self) -> dict:
-        self._request("POST", "/resume", {}, timeout=self.quick_timeout)
+        self._request("POST", "/resume", {}, quick=True)
         return {"success": True}
 
     def abort_request(self, rid: str | None = None, abort_all: bool = False) -> dict:
         if (rid is None) == (not abort_all):
             raise ValueError("abort_request: give either rid or abort_all=True")
         body = {} if abort_all else {"request_ids": [REQUEST_ID_PREFIX + rid]}  # an empty list aborts everything
-        out = self._request("POST", "/abort_requests", body, timeout=self.quick_timeout)
+        out = self._request("POST", "/abort_requests", body, quick=True)
         return {"success": True, "aborted": out.get("aborted", 0)}
 
     def flush_cache(self) -> dict:

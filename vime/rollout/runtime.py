@@ -25,9 +25,10 @@ Engines and what happens when one fails (docs/architecture.md, "Engines that fai
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -175,6 +176,58 @@ class RolloutRuntime:
     def no_engine_message(self) -> str:
         states = "; ".join(f"{e.client.url} {e.state}{': ' + e.error if e.error else ''}" for e in self.engines)
         return f"no engine left to generate with ({states}): resume the run with --load from its last checkpoint"
+
+    # ---- calls the run makes to every engine ---------------------------------------------------
+
+    def call(self, engine: Engine, fn: Callable[[EngineClient], object]) -> bool:
+        """`fn(engine.client)`; True once the engine answered, False when it is gone (found now,
+        or before by another call: down, and restarted while another engine is up), so a pause,
+        a continue or a memory release skips a dead engine in every mode as a request does.
+        Raises when the engine answered with a refusal."""
+        if engine.state not in ("up", "unsynced"):
+            return False
+        try:
+            fn(engine.client)
+            return True
+        except EngineError as e:
+            if self.engine_failed(engine, e):
+                return False
+            raise
+
+    def on_each(self, fn: Callable[[EngineClient], object]) -> None:
+        """`fn` on every reachable engine, skipping those gone (`call`)."""
+        for e in self.reachable():
+            self.call(e, fn)
+
+    @contextlib.contextmanager
+    def generation_paused(self, mode: str) -> Iterator[None]:
+        """All reachable engines paused for the block (`in_place`: requests keep their place and
+        KV; `abort`: they return with their partial tokens). Every engine paused is continued,
+        also when a later pause or the block fails, so none is left paused; one that died
+        meanwhile (killed during a checkpoint write, say) is gone like any other, and the run
+        goes on with the rest. A refused continue is raised after all the others are continued,
+        unless an error is already on its way out."""
+        paused: list[Engine] = []
+        try:
+            for e in self.reachable():
+                if self.call(e, lambda c: c.pause_generation(mode=mode)):
+                    paused.append(e)
+            yield
+        except BaseException:
+            self._continue(paused)
+            raise
+        refused = self._continue(paused)
+        if refused is not None:
+            raise refused
+
+    def _continue(self, engines: list[Engine]) -> EngineError | None:
+        refused = None
+        for e in engines:
+            try:
+                self.call(e, lambda c: c.continue_generation())
+            except EngineError as err:
+                refused = refused or err
+        return refused
 
     # ---- failures ----------------------------------------------------------------------------
 

@@ -25,8 +25,10 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +40,7 @@ from tqdm import tqdm
 from vime.config import Config
 from vime.engine.weight_sync import apply_gpu_safe_env
 from vime.errors import VimeError
-from vime.lifetime import exit_with_parent
+from vime.lifetime import PARENT_POLL_S, exit_with_parent, leave
 from vime.trainer.actor import Actor
 
 log = logging.getLogger("vime")
@@ -82,7 +84,10 @@ def launch_actor(
         local = int(os.environ.get("LOCAL_RANK", rank))
         _init(rank, world, "env://", device, local)
         if rank != 0:
-            _serve(args, model_dir, _rank_device(device, local))
+            try:
+                _serve(args, model_dir, _rank_device(device, local))
+            except Exception as e:  # one line for the command to print, not a traceback (gloo's, say)
+                raise TrainerRankError(f"trainer rank {rank} stopped: {_cause(e)}") from None
             sys.exit(0)
     elif getattr(args, "launcher", "local") == "ray" and world > 1:
         from vime.trainer.ray_ranks import start_ray_ranks
@@ -99,10 +104,15 @@ def launch_actor(
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         ctx = mp.get_context("spawn")  # a fresh interpreter: no CUDA context or threads inherited
         for rank in range(1, world):
+            reader, writer = ctx.Pipe(duplex=False)
             p = ctx.Process(
-                target=_worker, args=(rank, world, init_method, args, str(model_dir), device, os.getpid()), daemon=True
+                target=_worker,
+                args=(rank, world, init_method, args, str(model_dir), device, os.getpid(), writer),
+                daemon=True,
             )
             p.start()
+            writer.close()
+            p.last_words = reader  # why it failed, one line, sent before it exits (`_ended_how`)
             procs.append(p)
         _init(0, world, init_method, device, 0)
     return DistributedActor(
@@ -261,11 +271,24 @@ def _init_watching(ranks: list[Any], world: int, init_method: str, device: str) 
 
 
 def _ended_how(p: Any) -> str:
-    """How a rank ended: a Ray rank says (`RayRank.ended_how`), a process has its exit code."""
+    """How a rank ended: a Ray rank says (`RayRank.ended_how`), a process has its exit code and
+    what it sent before it exited (`_worker`)."""
     if hasattr(p, "ended_how"):
         return p.ended_how()
     code = p.exitcode
-    return f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+    how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+    words = getattr(p, "last_words", None)
+    if words is not None and not isinstance(words, str):  # read once; the next call's line says the same
+        try:
+            p.last_words = words.recv() if words.poll() else ""
+        except (EOFError, OSError):
+            p.last_words = ""
+        words.close()
+    return f"{how}: {p.last_words}" if getattr(p, "last_words", "") else how
+
+
+def _cause(e: BaseException) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
 
 
 def _rank_device(device: str, local_rank: int) -> str:
@@ -293,19 +316,43 @@ def _free_port() -> int:
 
 
 def _worker(
-    rank: int, world: int, init_method: str, args: Config, model_dir: str, device: str, parent_pid: int
+    rank: int,
+    world: int,
+    init_method: str,
+    args: Config,
+    model_dir: str,
+    device: str,
+    parent_pid: int,
+    last_words: Connection,
 ) -> None:
     """Entry point of a spawned rank. It ends with rank 0's process: a SIGKILLed trainer runs no
     cleanup, and a rank waiting in a collective would otherwise hold its device for the
-    collective timeout (30 min)."""
-    exit_with_parent(parent_pid)
+    collective timeout (30 min).
+
+    Its failure is one line, never a traceback (gloo's, when rank 0 went away): the cause goes
+    to rank 0 through `last_words`, and rank 0's error names this rank with it; with rank 0
+    gone, this rank says so itself. VIME_DEBUG=1 prints the traceback too."""
+    gone = f"trainer rank {rank} stops: rank 0 (pid {parent_pid}) is gone"
+    exit_with_parent(parent_pid, gone)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle; it stops this rank with "close"
     # tqdm's default lock is a multiprocessing semaphore; a rank ended by a signal (close() does
     # that to ranks left inside a collective) never releases it, and multiprocessing's resource
     # tracker then warns of a leak after the run's last line. This rank prints no bars of its own.
     tqdm.set_lock(threading.RLock())
-    _init(rank, world, init_method, device, rank)
-    _serve(args, model_dir, _rank_device(device, rank))
+    try:
+        _init(rank, world, init_method, device, rank)
+        _serve(args, model_dir, _rank_device(device, rank))
+    except Exception as e:
+        if os.environ.get("VIME_DEBUG"):
+            traceback.print_exc()
+        try:
+            last_words.send(_cause(e))
+        except OSError:  # rank 0's end closed the pipe: nobody else will say why this rank stops
+            leave(gone)
+        # a collective fails as soon as rank 0's socket closes, maybe before its pipe does: if it
+        # is exiting, the parent watch says so within this wait
+        time.sleep(2 * PARENT_POLL_S)
+        leave()
 
 
 def _serve(args: Config, model_dir: str | Path, device: str) -> None:

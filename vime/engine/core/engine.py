@@ -411,11 +411,17 @@ class LLMEngine:
         except BaseException as e:
             self.lora.pending.clear()
             if copied or self._update_open:
+                why = " ".join(str(e.args[0] if isinstance(e, KeyError) and e.args else e).split())[:200]
                 self.weights_incomplete = (
-                    f"a weight update failed part-way ({type(e).__name__}: {' '.join(str(e).split())[:200]}), so the weights mix two versions: "
+                    f"a weight update failed part-way ({type(e).__name__}: {why}), so the weights mix two versions: "
                     "push a complete update"
                 )
                 log.error("%s", self.weights_incomplete)
+                if isinstance(e, (ValueError, KeyError)):  # the update's own fault, a 400: it says what it left
+                    raise ValueError(
+                        f"{why}; the update was part-copied, so this engine now refuses generation (HTTP 503) "
+                        "until a complete update arrives"
+                    ) from None
             raise
         finally:
             if flush:
