@@ -10,12 +10,15 @@ training, so it runs ahead to the bound: the measured staleness (printed) is wha
 Objectives (one optimizer step per rollout, so the ratio against the current weights starts at 1):
   ppo-clip   coupled PPO: the ratio and its clip against the engine's log-probs (--use-rollout-logprobs),
              AReaL's "naive PPO"
-  none       vime's default: the clip against the current weights (the proximal policy), no
-             correction for who sampled (with one step per rollout, a plain policy gradient)
-  tis        the clip against the current weights (the proximal policy), each token weighted by
-             π_prox/π_behav truncated at 2 (--use-tis)
+  none       the clip against the current weights (the proximal policy), no correction for who
+             sampled (with one step per rollout, a plain policy gradient; vime's default when this
+             sweep was first run, --off-policy-correction none since)
+  tis        vime's default now: the clip against the current weights (the proximal policy),
+             each token weighted by π_prox/π_behav truncated at 2 (--use-tis)
   decoupled  AReaL's decoupled PPO: as tis, but the weight untruncated and tokens whose weight
              exceeds 5 dropped (--use-tis --tis-mode mask --tis-clip 5)
+  m2po       M2PO: no weight; the tokens of largest (log π_prox/π_behav)² masked until the rest's
+             mean is at most 0.04 (--off-policy-correction m2po)
 
     PYTHONPATH=. python3 bench/staleness_sweep.py [--out /tmp/vime-staleness] [--staleness 0,1,2,4,8] [--seeds 1,2]
 
@@ -39,9 +42,11 @@ from vime.ab import run_arm  # noqa: E402
 
 OBJECTIVES: dict[str, list[str]] = {
     "ppo-clip": ["--use-rollout-logprobs"],
-    "none": [],
+    # explicit: since the auto correction became tis wherever samples can be stale, no flag is tis
+    "none": ["--off-policy-correction", "none"],
     "tis": ["--use-tis"],
     "decoupled": ["--use-tis", "--tis-mode", "mask", "--tis-clip", "5"],
+    "m2po": ["--off-policy-correction", "m2po"],
 }
 
 

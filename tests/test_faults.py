@@ -677,7 +677,8 @@ def test_a_trainer_rank_that_fails_or_loses_rank_0_is_one_line_naming_it(tiny_mo
     failed, pids = out.stdout.splitlines()
     rank_zero, rank_one = map(int, pids.split())
     assert failed == (
-        "trainer rank 1 ended (exit code 1: ValueError: the loss hook broke on this rank) during train_step: "
+        "trainer rank 1 ended (exit code 1: PluginError: --custom-loss-function-path fault_plugins.fail_on_rank_one "
+        "raised ValueError: the loss hook broke on this rank (VIME_DEBUG=1 shows its traceback)) during train_step: "
         "resume the run with --load from its last checkpoint"
     )
     assert "Traceback" not in out.stderr, out.stderr[-3000:]

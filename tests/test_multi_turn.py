@@ -495,7 +495,7 @@ def test_the_continuous_worker_resumes_an_aborted_conversation(tmp_path):
         rollout_batch_size=1,
         n_samples_per_prompt=1,
         rollout_max_response_len=400,
-        partial_rollout=True,
+        update_in_flight="resume",  # --partial-rollout, as Config.validate spells it
         max_staleness=4,
         rollout_concurrency=1,  # one conversation in flight: the one aborted is the one drained
         apply_chat_template=True,

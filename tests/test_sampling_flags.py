@@ -148,7 +148,7 @@ def test_fully_async_worker_caps_responses_by_the_context(tmp_path):
         n_samples_per_prompt=2,
         rollout_max_response_len=10,
         rollout_max_context_len=9,
-        partial_rollout=True,
+        update_in_flight="resume",  # --partial-rollout, as Config.validate spells it
         custom_rm_path="test_sampling_flags:const_reward",
     )
     with_runtime(args, client)

@@ -736,6 +736,7 @@ class Config:
                 )
             if self.partial_rollout:
                 self.update_in_flight = "resume"
+            self.partial_rollout = self.update_in_flight == "resume"  # slime's name, for plug-ins that read it
             if self.update_in_flight != "keep" and self.rollout_function_path != FULLY_ASYNC_FN:
                 raise ConfigError(
                     f"--update-in-flight {self.update_in_flight} acts on the fully-async worker's groups, and this run "
