@@ -347,9 +347,10 @@ def test_a_silent_engine_fails_its_requests_at_the_health_timeout_and_a_live_one
         assert time.monotonic() - t0 < 1.5 + 2.0  # interval + timeout, and slack for this machine
         assert rt.engines[0].state == "down" and "no engine left" in rt.no_engine_message()
     finally:
-        t0 = time.monotonic()
-        e.shutdown()
-        assert e.proc.poll() is not None and time.monotonic() - t0 < 5  # without SIGCONT: the 10 s kill
+        e.shutdown(timeout=60)
+        # the SIGCONT after the SIGTERM let the stopped engine act on it: without it, only the
+        # kill at the timeout ends it (a clock here would measure the machine's load too)
+        assert e.proc.returncode != -signal.SIGKILL, e.proc.returncode
 
 
 def test_engines_lost_while_paused_are_skipped_at_the_continue_and_the_rest_go_on(tiny_model, tmp_path):
