@@ -141,6 +141,13 @@ def test_the_mode_is_derived_in_one_place(entry, extra, mode, fn):
     assert args.to_dict()["mode"] == mode and "runtime" not in args.to_dict()
 
 
+def test_a_debug_rollout_path_may_format_the_rollout_id():
+    """`{rollout_id:04d}` names a file per rollout as `{rollout_id}` does (the check looked for the
+    literal text and refused it with a suggestion that was no better)."""
+    args = parse_args([*BASE, "--save-debug-rollout-data", "dbg/{rollout_id:04d}.pt"])
+    assert args.save_debug_rollout_data == "dbg/{rollout_id:04d}.pt"
+
+
 def test_what_a_push_does_to_the_groups_in_flight():
     """--partial-rollout is --update-in-flight resume, in fully-async runs too; m2po is a
     correction of its own, picked by name or by giving its threshold."""

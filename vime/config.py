@@ -839,6 +839,16 @@ class Config:
         return {**self.__dict__, "runtime": None}
 
 
+def _one_file_per_rollout(template: str) -> bool:
+    """Whether a debug-rollout path names a file of its own for each rollout (`{rollout_id}`,
+    with a format spec or not). One that does not format passes here: preflight's
+    `debug_rollout.check_template` names what is wrong with it."""
+    try:
+        return template.format(rollout_id=0) != template.format(rollout_id=1)
+    except (KeyError, IndexError, ValueError, AttributeError):
+        return True
+
+
 def _common_checks(c: Config) -> list[tuple[bool, str]]:
     """What any entry point needs: the model, sampling, engines, and finite numbers."""
     return [
@@ -971,7 +981,7 @@ def _train_checks(c: Config, entry: str) -> list[tuple[bool, str]]:
         ),
         *[
             (
-                path is not None and "{rollout_id}" not in path,
+                path is not None and not _one_file_per_rollout(path),
                 f"--{flag} {path}: put {{rollout_id}} in the path (one file per rollout), e.g. {(path or '').rstrip('/')}/{{rollout_id}}.pt",
             )
             for flag, path in (
