@@ -185,6 +185,10 @@ PRODUCT = Tool("product", "multiplies", {"type": "object"}, lambda a: str(a["x"]
 NOT_A_TOOL = 42
 
 
+def broken_tool_factory() -> Tool:
+    raise OSError("no such index file: wiki.idx")
+
+
 def test_tools_load_by_name_and_dotted_path_and_bad_ones_are_one_line():
     """A dotted path names a Tool (the documented `--tools module:TOOL`) or a function making one."""
     tools = load_tools(["calculator", "test_multi_turn:sum_tool", "test_multi_turn:PRODUCT"])
@@ -197,6 +201,11 @@ def test_tools_load_by_name_and_dotted_path_and_bad_ones_are_one_line():
         load_tools(["test_multi_turn:NOT_A_TOOL"])
     with pytest.raises(ConfigError, match="two tools are named 'calculator'"):
         load_tools(["calculator", "calculator"])
+    with pytest.raises(
+        ConfigError,
+        match=r"^--tools test_multi_turn:broken_tool_factory: calling it to get the tool raised OSError: no such index",
+    ):
+        load_tools(["test_multi_turn:broken_tool_factory"])
 
 
 # ---- the call format -----------------------------------------------------------------------

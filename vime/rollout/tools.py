@@ -326,7 +326,12 @@ def load_tools(specs: list[str]) -> dict[str, Tool]:
             tool = BUILTIN_TOOLS[spec]
         else:
             found = load_function(spec, "--tools", ConfigError, "a Tool, or a function returning one", also=(Tool,))
-            tool = found if isinstance(found, Tool) else found()
+            try:
+                tool = found if isinstance(found, Tool) else found()
+            except Exception as e:  # the user's factory: its fault, named, before anything starts
+                raise ConfigError(
+                    f"--tools {spec}: calling it to get the tool raised {type(e).__name__}: {e}"
+                ) from None
             if not isinstance(tool, Tool):
                 raise ConfigError(
                     f"--tools {spec}: gave {type(tool).__name__}, not a vime.rollout.tools.Tool; "
