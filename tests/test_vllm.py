@@ -244,6 +244,10 @@ def test_choice_translation_expands_version_spans():
 
 # ---- fixtures ------------------------------------------------------------------------------
 
+# Servers skip torch.compile, which takes minutes on two cores and recompiled on every start (its
+# cache failed to load); what it compiles is the same computation.
+EAGER = {"enforce-eager": True}
+
 
 @pytest.fixture(scope="session")
 def model_mid(tmp_path_factory) -> Path:
@@ -256,7 +260,9 @@ def model_mid(tmp_path_factory) -> Path:
 def server(model_mid, tmp_path_factory):
     from vime.engine.vllm import launch_vllm
 
-    proc = launch_vllm(str(model_mid), max_num_seqs=32, log_path=tmp_path_factory.mktemp("vllm") / "server.log")
+    proc = launch_vllm(
+        str(model_mid), max_num_seqs=32, log_path=tmp_path_factory.mktemp("vllm") / "server.log", vllm_args=EAGER
+    )
     yield proc
     proc.shutdown()
 
@@ -507,9 +513,6 @@ def test_disk_push_changes_outputs_flushes_the_cache_and_stamps_versions(client,
 
 # ---- the collective push, against servers started from the same weights ------------------------
 
-# Servers the newer tests start skip torch.compile, which takes minutes on two cores; what it
-# compiles is the same computation (the older tests run vLLM's default).
-EAGER = {"enforce-eager": True}
 
 # random Llama-style models: SmolLM2's layout (tied embeddings) and an untied one
 PAIR_SHAPE = dict(arch="llama", hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=32, num_layers=2)

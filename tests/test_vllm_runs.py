@@ -71,6 +71,7 @@ def _train_args(model: Path, data: Path, run_dir: Path, name: str) -> list[str]:
         str(data),
         "--rollout-backend",
         "vllm",
+        "--vllm-enforce-eager",  # vLLM's compile takes minutes on two cores at every start; the same computation
         "--rollout-batch-size",
         "4",
         "--n-samples-per-prompt",
@@ -214,6 +215,7 @@ def test_eval_matches_the_builtin_engine(model32, addition_data, tmp_path, fresh
             '{"enable_thinking": false}',
             "--rollout-backend",
             backend,
+            *(["--vllm-enforce-eager"] if backend == "vllm" else []),
             *extra,
             "--runs-dir",
             str(tmp_path),
