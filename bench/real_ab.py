@@ -294,6 +294,26 @@ def curve_table(results: dict[str, dict], labels: list[str], seeds: list[int]) -
     return "\n".join(lines)
 
 
+def per_step_tables(results: dict[str, dict], labels: list[str], seeds: list[int]) -> str:
+    """The accuracy curve with the wait share by tenth of the run, and the staleness diagnostics."""
+    return (
+        "\n\nheld-out accuracy (%) at each eval, mean of the seeds; wait share (%) by tenth of the run\n\n"
+        + curve_table(results, labels, seeds)
+        + "\n\nby staleness of the trained tokens (optimizer steps), means over steps and seeds\n\n"
+        + staleness_table(results, labels, seeds)
+    )
+
+
+def closing(results: dict[str, dict], labels: list[str], seeds: list[int], png: Path | None, t0: float) -> str:
+    """The verdict, where the plot went and how long the call took."""
+    return (
+        "\n\n"
+        + verdict(results, labels, seeds)
+        + (f"\n\nplot: {png}" if png else "")
+        + f"\n\ntotal time of this call {time.perf_counter() - t0:.0f} s"
+    )
+
+
 def verdict(results: dict[str, dict], labels: list[str], seeds: list[int]) -> str:
     """The targets (../shared/DESIGN.md), read off the tables: an async arm's elapsed time ≥ 1.5×
     faster than sync's on one GPU, its mean change at most one pooled standard error below
@@ -555,14 +575,8 @@ def main() -> int:
         + speed_table(results, labels, seeds)
         + f"\n\nheld-out greedy accuracy after {s['steps']} steps\n\n"
         + accuracy_table(results, labels, seeds, base)
-        + "\n\nheld-out accuracy (%) at each eval, mean of the seeds; wait share (%) by tenth of the run\n\n"
-        + curve_table(results, labels, seeds)
-        + "\n\nby staleness of the trained tokens (optimizer steps), means over steps and seeds\n\n"
-        + staleness_table(results, labels, seeds)
-        + "\n\n"
-        + verdict(results, labels, seeds)
-        + (f"\n\nplot: {png}" if png else "")
-        + f"\n\ntotal time of this call {time.perf_counter() - t_all:.0f} s"
+        + per_step_tables(results, labels, seeds)
+        + closing(results, labels, seeds, png, t_all)
     )
     (out / "real_ab.md").write_text(report + "\n")
     print("\n" + report)

@@ -42,12 +42,11 @@ from real_ab import (  # noqa: E402
     PRESETS,
     Runner,
     accuracy_table,
-    curve_table,
+    closing,
+    per_step_tables,
     plot,
     settings,
     speed_table,
-    staleness_table,
-    verdict,
     write_data,
 )
 
@@ -109,7 +108,11 @@ def main() -> int:
     results: dict[str, dict] = json.loads(res_path.read_text()) if res_path.exists() else {}
     t0 = time.perf_counter()
     failed: list[str] = []
+    meta = out / "settings.json"  # what the runs were made with, for --report-only on another machine
+    if a.report_only and meta.exists():
+        s = json.loads(meta.read_text())
     if not a.report_only:
+        meta.write_text(json.dumps(s))
         train, test = write_data(a.preset, out)
         cfg = demo_config(s, resolve_model(a.model), train, test)
         cfg.update(device="cuda" if gpu else "cpu", use_tensorboard=False, quiet=True, eval_interval=s["eval_interval"])
@@ -130,16 +133,10 @@ def main() -> int:
     report = (
         f"SmolLM2-135M-Instruct, preset {a.preset}, settings {s}; runs shared the device ({a.parallel} at a time)\n\n"
         + accuracy_table(results, done, seeds, base)
-        + "\n\nheld-out accuracy (%) at each eval, mean of the seeds; wait share (%) by tenth of the run\n\n"
-        + curve_table(results, done, seeds)
-        + "\n\nby staleness of the trained tokens (optimizer steps), means over steps and seeds\n\n"
-        + staleness_table(results, done, seeds)
+        + per_step_tables(results, done, seeds)
         + "\n\nspeed (shared device: for the staleness each cell reached, not for speedups)\n\n"
         + speed_table(results, done, seeds)
-        + "\n\n"
-        + verdict(results, done, seeds)
-        + (f"\n\nplot: {png}" if png else "")
-        + f"\n\ntotal time of this call {time.perf_counter() - t0:.0f} s"
+        + closing(results, done, seeds, png, t0)
     )
     (out / "study.md").write_text(report + "\n")
     print("\n" + report)
