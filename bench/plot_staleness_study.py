@@ -1,8 +1,10 @@
 """bench/figures/staleness_study.png from the results.json files of staleness_study.py and real_ab.py.
 
 Left: held-out accuracy at every eval of each study run (and of the quiet real_ab runs, dotted).
-Right: how far the weights had moved since a trained token was drawn (mean squared log-ratio of
-the trainer's and the engine's log-probs), by the token's staleness, fully-async at two lrs.
+Middle: the change in held-out accuracy of every cell at lr 2e-5, each seed a dot, by the
+staleness the cell allowed. Right: how far the weights had moved since a trained token was drawn
+(mean squared log-ratio of the trainer's and the engine's log-probs), by the token's staleness,
+fully-async at two lrs.
 
     python3 bench/plot_staleness_study.py bench/data/issue45/study_results.json bench/data/issue45/ab_results.json
 """
@@ -25,6 +27,19 @@ STYLE = {
     "fully-async / abort-lr1e-5": ("C3", "-"),
 }
 
+# the lr 2e-5 cells, by the staleness they allow (the middle panel), and their short names
+LR2_CELLS = {
+    "sync / lr2e-5": "sync",
+    "decoupled / K1-tis-lr2e-5": "K≤1 tis",
+    "decoupled / K2-tis-lr2e-5": "K≤2 tis",
+    "fully-async / abort-lr2e-5": "fully-async abort",
+    "decoupled / K4-tis-lr2e-5": "K≤4 tis",
+    "decoupled / K4-decoupled-ppo-lr2e-5": "K≤4 decoupled-ppo",
+    "decoupled / K4-m2po-lr2e-5": "K≤4 m2po",
+    "fully-async / keep-lr2e-5": "fully-async keep",
+    "fully-async / resume-lr2e-5": "fully-async resume",
+}
+
 
 def main(study_path: str, ab_path: str, out: str = str(ROOT / "bench/figures/staleness_study.png")) -> None:
     import matplotlib
@@ -33,7 +48,7 @@ def main(study_path: str, ab_path: str, out: str = str(ROOT / "bench/figures/sta
     import matplotlib.pyplot as plt
 
     study, quiet = json.loads(Path(study_path).read_text()), json.loads(Path(ab_path).read_text())
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.6))
+    fig, (ax, cx, bx) = plt.subplots(1, 3, figsize=(18, 4.8))
     for label, (color, line) in STYLE.items():
         runs = [r for key, r in sorted(study.items()) if key.split("|")[0] == label]
         for i, r in enumerate(runs):
@@ -56,6 +71,15 @@ def main(study_path: str, ab_path: str, out: str = str(ROOT / "bench/figures/sta
     ax.set(xlabel="training step", ylabel="held-out greedy accuracy (%)", title="lists preset, SmolLM2-135M, one H200")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6.5)
+    lr2 = [label for label in LR2_CELLS if any(key.split("|")[0] == label for key in study)]
+    for i, label in enumerate(lr2):
+        changes = [r["change"] for key, r in study.items() if key.split("|")[0] == label]
+        cx.bar(i, statistics.mean(changes), color="C0" if label.startswith("sync") else "C1", alpha=0.6)
+        cx.plot([i] * len(changes), changes, "k.", ms=5)
+    cx.set_xticks(range(len(lr2)), [LR2_CELLS[x] for x in lr2], rotation=35, ha="right", fontsize=7)
+    cx.set(ylabel="held-out change after 40 steps (points)")
+    cx.set_title("lr 2e-5: mean of 3 seeds (bars), each seed (dots)", fontsize=9)
+    cx.grid(alpha=0.3, axis="y")
     for label, color, offset in (("fully-async / keep-lr1e-5", "C1", -0.2), ("fully-async / keep-lr2e-5", "C3", 0.2)):
         runs = [r for key, r in study.items() if key.split("|")[0] == label]
         if label.endswith("lr1e-5"):  # the quiet fully-async runs are at the preset's lr, 1e-5

@@ -69,6 +69,12 @@ def grid(a: argparse.Namespace, seeds: list[int]) -> tuple[list[str], list[Job]]
     for policy in [x.strip() for x in a.in_flight.split(",") if x.strip()]:
         for lr in lrs:
             cells.append(("fully-async", f"{policy}-lr{lr}", ["--update-in-flight", policy, "--lr", lr]))
+    if a.only:
+        keep = {x.strip() for x in a.only.split(",") if x.strip()}
+        unknown = keep - {tag for _, tag, _ in cells}
+        if unknown:
+            raise SystemExit(f"--only names cells the grid does not make: {sorted(unknown)}; widen the grid flags")
+        cells = [c for c in cells if c[1] in keep]
     labels = [f"{arm} / {tag}" for arm, tag, _ in cells]
     jobs = [(arm, tag, flags, seed) for seed in seeds for arm, tag, flags in cells]
     return labels, jobs
@@ -87,6 +93,11 @@ def main() -> int:
         "--in-flight",
         default="keep,abort,resume",
         help="--update-in-flight policies of the fully-async cells ('' none)",
+    )
+    p.add_argument(
+        "--only",
+        default="",
+        help="comma-separated cell tags to keep from the grid (e.g. K2-tis-lr2e-5,abort-lr2e-5); '' all",
     )
     p.add_argument("--steps", type=int, default=None, help="steps per run (default: the preset's)")
     p.add_argument("--eval-interval", type=int, default=None, help="steps between evals (default: the preset's)")

@@ -466,6 +466,8 @@ def test_train_step_splits_its_diagnostics_by_staleness(tiny_model):
     assert m["stale/1/response_len"] == lengths[1] and m["stale/4+/response_len"] == lengths[2]
     shares = [m[f"stale/{b}/token_share"] for b in ("0", "1", "4+")]
     assert abs(sum(shares) - 1.0) < 1e-6 and abs(shares[0] - lengths[0] / sum(lengths[:3])) < 1e-6
+    drift = sum(share * gaps[bucket] ** 2 for share, bucket in zip(shares, (0, 1, 4)))  # the token mean over all
+    assert abs(m["train/log_ratio_sq"] - drift) < 1e-4
     assert not any(k.startswith("train/_stale") for k in m)
 
 

@@ -47,6 +47,7 @@ from vime.rollout.runtime import HealthCheck, RolloutRuntime
 from vime.rollout.types import RolloutOutput, Sample
 from vime.trainer.checkpoint import checkpoint_to_load
 from vime.trainer.distributed import launch_actor
+from vime.trainer.drift import DriftWatch
 from vime.trainer.loss import discounted_returns, group_advantages
 from vime.trainer.nonfinite import BadSteps, bad_inputs
 from vime.trainer.weights import WeightPusher
@@ -96,6 +97,7 @@ class Run:
         self.rewards = inputs.rewards  # its grading pool starts with the first sample; close() ends it
         self.num_rollout: int = args.num_rollout  # resolved from --num-epoch by check_inputs
         self.bad_steps = BadSteps(args.max_bad_steps)
+        self.drift = DriftWatch()
         self.wall_clock_offset = 0.0  # a resumed run's clock goes on from its checkpoint's
         self.last_save_time: float | None = None  # logged in the next row: a step's row precedes its checkpoint
 
@@ -225,6 +227,8 @@ class Run:
         metrics.update(self.guarded_train_step(step, samples, rewards, adv))
         self.data_source.mark_trained(groups)  # from now on a checkpoint does not regenerate them
         metrics.update(staleness_metrics(samples, self.policy_version, self.args.global_batch_size))
+        if warning := self.drift.observe(step, metrics):
+            log.warning("%s", warning)
         self.policy_version += self.args.steps_per_rollout
         return metrics
 

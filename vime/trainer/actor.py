@@ -169,6 +169,8 @@ def staleness_metrics(
             label = bucket_label(b)
             out[f"stale/{label}/token_share"] = n / total
             out.update({f"stale/{label}/{stat}": sums[f"{b}_{stat}"] / n for stat in STALENESS_STATS})
+    if total > 0:  # over every trained token: the drift vime/trainer/drift.py watches
+        out["train/log_ratio_sq"] = sum(sums.get(f"{b}_log_ratio_sq", 0.0) for b in range(STALENESS_BUCKETS)) / total
     lengths: dict[int, list[int]] = {}
     for i, s in enumerate(samples):
         if s.weight_versions:
