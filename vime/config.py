@@ -229,7 +229,13 @@ class Config:
     # --- rewards ---
     rm_type: str = _f(
         "math",
-        "built-in reward: math (1/0), exact (1/0, the normalized answer string must equal the label: lists, words), dapo (1/-1), boxed_math, math_shaped (1, or up to 0.5 for a wrong number by its closeness), reasoning_gym (the task's own scorer, for rows of `vime data --task rg:<name>`)",
+        "built-in reward: math (1/0), exact (1/0, the normalized answer string must equal the label: lists, words), dapo (1/-1), boxed_math, math_shaped (1, or up to 0.5 for a wrong number by its closeness), reasoning_gym (the task's own scorer, for rows of `vime data --task rg:<name>`), remote_rm (a reward model at --rm-url)",
+        group="rewards",
+    )
+    rm_url: str | None = _f(
+        None,
+        "--rm-type remote_rm: the reward model's URL; each sample is POSTed as JSON {prompt, response, label} "
+        "(slime's body) and the JSON answer is its reward; retried while --reward-timeout lasts",
         group="rewards",
     )
     custom_rm_path: str | None = _f(
@@ -873,6 +879,18 @@ def _common_checks(c: Config) -> list[tuple[bool, str]]:
         (
             c.reward_timeout <= 0,
             f"--reward-timeout {c.reward_timeout:g} must be > 0 seconds (it bounds each reward call; a hung one scores 0)",
+        ),
+        (
+            c.rm_type == "remote_rm" and not c.custom_rm_path and c.rm_url is None,
+            "--rm-type remote_rm needs --rm-url http://host:port/path, the reward model's endpoint",
+        ),
+        (
+            c.rm_url is not None and not str(c.rm_url).startswith(("http://", "https://")),
+            f"--rm-url {c.rm_url!r} is not an http(s) URL; give e.g. http://127.0.0.1:8000/reward",
+        ),
+        (
+            c.rm_url is not None and c.rm_type != "remote_rm" and not c.custom_rm_path,
+            f"--rm-url is read by --rm-type remote_rm (or by your --custom-rm-path), and this run grades with --rm-type {c.rm_type}: add --rm-type remote_rm",
         ),
         (c.max_turns < 1, f"--max-turns {c.max_turns}: give at least 1"),
         (c.tool_timeout <= 0, f"--tool-timeout {c.tool_timeout:g} must be > 0 seconds"),

@@ -53,7 +53,10 @@ RewardFn = Callable[[Sample], Awaitable[Any]]
 FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32 (torch.finfo(torch.float32).max)
 DEFAULT_REWARD_KEY = "score"  # where a dict reward is read without --reward-key (builtin_result's keys: score, acc)
 # rm types defined in a module of their own: name -> "module:factory", factory(args, runner) -> RewardFn
-MODULE_RM_TYPES: dict[str, str] = {"reasoning_gym": "vime.rollout.reasoning_gym_tasks:make_reward"}
+MODULE_RM_TYPES: dict[str, str] = {
+    "reasoning_gym": "vime.rollout.reasoning_gym_tasks:make_reward",
+    "remote_rm": "vime.rollout.rewards.remote:make_reward",
+}
 
 
 class RewardError(VimeError, ValueError):

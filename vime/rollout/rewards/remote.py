@@ -1,0 +1,81 @@
+"""`--rm-type remote_rm --rm-url URL`: a reward model behind HTTP, as slime calls one.
+
+Each sample is one POST of `{"prompt", "response", "label"}` (slime's body, so a server written
+for slime answers vime unchanged); the answer's JSON is the reward, a number or a dict read at
+`--reward-key` like any other reward. A reward model is a server that can be busy or restarting,
+so a refused connection, a timeout of the socket or a 408/429/5xx is tried again, with a growing
+pause, until `--reward-timeout` runs out; any other status is the server saying no, and fails the
+sample at once. Either way a failure scores 0 and is counted (`rollout/reward_errors`,
+`rollout/reward_timeouts`), as every reward failure is: a reward model that goes away for a
+minute costs that minute's rewards, not the run.
+
+At most `MAX_CONCURRENT` requests are open at once, whatever the batch: a reward model serves
+the whole rollout, and a few hundred connections at once would be its own denial of service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import aiohttp
+
+from vime.rollout.rewards.runner import RewardRunner
+from vime.rollout.types import Sample
+
+MAX_CONCURRENT = 64
+RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+FIRST_PAUSE = 0.25  # seconds before the first retry; doubled each time, never past the deadline
+
+
+class RemoteRewardError(Exception):
+    """The reward model answered, but not with a reward (a refusal, or a body that is not JSON)."""
+
+
+class RemoteReward:
+    """The per-sample reward of `--rm-type remote_rm`. One semaphore per event loop: the run's
+    rollout loop and a separate eval loop must not share an asyncio primitive."""
+
+    def __init__(self, url: str, timeout: float) -> None:
+        self.url, self.timeout = url, timeout
+        self._limits: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
+
+    async def __call__(self, sample: Sample) -> Any:
+        loop = asyncio.get_running_loop()
+        limit = self._limits.setdefault(loop, asyncio.Semaphore(MAX_CONCURRENT))
+        body = {"prompt": sample.prompt, "response": sample.response, "label": sample.label}
+        async with limit:
+            return await asyncio.wait_for(self._post(body), self.timeout)
+
+    async def _post(self, body: dict[str, Any]) -> Any:
+        deadline = time.monotonic() + self.timeout
+        pause = FIRST_PAUSE
+        async with aiohttp.ClientSession() as session:
+            while True:
+                try:
+                    async with session.post(self.url, json=body) as resp:
+                        text = await resp.text()
+                        if resp.status == 200:
+                            return _json(text, self.url)
+                        if resp.status not in RETRY_STATUSES:
+                            raise RemoteRewardError(f"{self.url} answered {resp.status}: {text[:200]}")
+                except (TimeoutError, aiohttp.ClientConnectionError):
+                    pass  # down or restarting: try again while there is time
+                if time.monotonic() + pause >= deadline:
+                    raise TimeoutError()
+                await asyncio.sleep(pause)
+                pause *= 2
+
+
+def _json(text: str, url: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise RemoteRewardError(f"{url} answered 200 with a body that is not JSON: {text[:200]!r}") from None
+
+
+def make_reward(args, runner: RewardRunner) -> RemoteReward:
+    """MODULE_RM_TYPES' factory: Config checked that --rm-url is an http(s) URL."""
+    return RemoteReward(args.rm_url, runner.timeout)
