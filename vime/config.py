@@ -36,13 +36,8 @@ from vime.algorithms import (
     estimator_of,
 )
 from vime.backends import BACKENDS, TRANSPORTS, Backend
-from vime.errors import VimeError
+from vime.errors import ConfigError
 from vime.modes import DEFAULT_ROLLOUT_FN, FULLY_ASYNC_FN, MODES
-
-
-class ConfigError(VimeError, ValueError):
-    """Inconsistent or invalid settings; the message is one line saying what to change."""
-
 
 ENTRIES = ("sync", "async", "eval")  # train.py, train_async.py, vime eval
 
