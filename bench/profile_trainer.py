@@ -35,10 +35,10 @@ import torch._dynamo.utils
 
 from bench.bench_trainer import make_batch, make_model, pct
 from bench.shapes import QWEN3_0_6B, TINY
+from vime.algorithms import objective as loss_mod
 from vime.config import Config
 from vime.trainer import actor as actor_mod
 from vime.trainer import logprobs
-from vime.trainer import loss as loss_mod
 from vime.trainer.perf import mfu, train_flops
 
 GEMM_NAMES = ("gemm", "cutlass", "nvjet", "xmma", "cublas", "splitk", "gemv", "matmul")

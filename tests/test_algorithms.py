@@ -8,15 +8,10 @@ import math
 import pytest
 import torch
 
+from vime.algorithms.corrections import OffPolicyCorrection, behaviour_weights
+from vime.algorithms.credit import compute_advantages, group_advantages, whiten
+from vime.algorithms.objective import policy_loss
 from vime.rollout.types import Sample
-from vime.trainer.loss import (
-    OffPolicyCorrection,
-    behaviour_weights,
-    compute_advantages,
-    group_advantages,
-    policy_loss,
-    whiten,
-)
 
 
 def close(a, b, atol=1e-5) -> bool:
@@ -73,7 +68,7 @@ def test_reinforce_plus_plus_matches_the_reference_returns_whitened_per_token():
 def test_discounted_returns_match_the_reference_per_token():
     """--gamma < 1: G_t = Σ_{k≥t} γ^{k−t} r_k with the reward at the last loss token (a masked
     token before it counts in the distance, tokens after it get 0), whitened over loss tokens."""
-    from vime.trainer.loss import discounted_returns
+    from vime.algorithms.credit import discounted_returns
 
     gamma = 0.9
     groups = [
@@ -296,8 +291,8 @@ def test_each_objective_trains_the_tiny_model(tmp_path, name):
 
 def test_every_new_flag_reaches_the_objective():
     """The flags' wiring: what the parser reads is what the actor's loss applies."""
+    from vime.algorithms.objective import Objective
     from vime.config import parse_args
-    from vime.trainer.loss import Objective
 
     base = ["--hf-checkpoint", "tiny", "--prompt-data", "p.jsonl", "--num-rollout", "1"]
     o = Objective.of(parse_args([*base, "--advantage-estimator", "gspo", "--use-opsm", "--opsm-delta", "0.01"]))

@@ -599,7 +599,7 @@ def test_trainer_ranks_that_fall_out_of_step_end_in_seconds_in_one_line(tiny_mod
     collectives) leaves rank 1 waiting in the next one, where a "close" never matches: close
     ends it instead, within seconds (it used to wait out the 30-minute collective timeout). And
     a rank killed between steps makes the next call one line naming it, not gloo's error."""
-    import vime.trainer.loss as loss_module
+    import vime.algorithms.objective as loss_module
     from vime.trainer.distributed import TrainerRankError, launch_actor
 
     args = Config(lr=1e-2, global_batch_size=None, max_tokens_per_gpu=512, rollout_temperature=1.0, actor_num_procs=2)

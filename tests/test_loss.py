@@ -7,15 +7,10 @@ import math
 import pytest
 import torch
 
-from vime.trainer.loss import (
-    OffPolicyCorrection,
-    aggregate,
-    behaviour_weights,
-    compute_advantages,
-    kl_penalty,
-    policy_loss,
-    second_moment_mask,
-)
+from vime.algorithms.corrections import OffPolicyCorrection, behaviour_weights, second_moment_mask
+from vime.algorithms.credit import compute_advantages
+from vime.algorithms.kl import kl_penalty
+from vime.algorithms.objective import aggregate, policy_loss
 
 TIS = OffPolicyCorrection(use_tis=True, tis_clip=2.0)
 
@@ -518,10 +513,12 @@ def test_a_custom_hook_that_raises_or_answers_the_wrong_shape_is_one_line_naming
 
     import custom_algorithms as ca
 
+    from vime.algorithms.credit import group_advantages
+    from vime.algorithms.hooks import apply_custom_tis
+    from vime.algorithms.objective import LossInputs, Objective
     from vime.config import parse_args
     from vime.plugins import PluginError, at_step
     from vime.rollout.types import Sample
-    from vime.trainer.loss import LossInputs, Objective, apply_custom_tis, group_advantages
 
     groups = [[Sample(reward=1.0, response_length=1), Sample(reward=0.0, response_length=1)]]
     with pytest.raises(PluginError) as e, at_step(3):

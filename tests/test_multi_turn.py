@@ -357,8 +357,8 @@ def test_a_tool_turn_is_the_engines_tokens_then_the_answer_masked_out():
 def test_tool_tokens_carry_no_gradient():
     """The step's loss, built from the sample as the trainer builds it, has zero gradient at
     every tool token and a nonzero one at every generated token."""
+    from vime.algorithms.objective import LossInputs, Objective
     from vime.trainer.actor import _StepTokens
-    from vime.trainer.loss import LossInputs, Objective
 
     _, _, _, s, args = conversation(["Let me compute. " + CALL, "So it is 408.<|im_end|>"])
     step = _StepTokens.of([s])

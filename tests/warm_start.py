@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from vime.algorithms.objective import aggregate
 from vime.rollout.types import Sample
 from vime.trainer.actor import Actor
-from vime.trainer.loss import aggregate
 
 
 def sft_step(actor: Actor, samples: list[Sample]) -> dict[str, float]:

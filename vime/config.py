@@ -26,14 +26,18 @@ from typing import Any
 import yaml
 
 from vime import compat
+from vime.algorithms import (
+    ADVANTAGES,
+    BASE_LOSS,
+    POLICY_LOSSES,
+    Estimator,
+    estimator_help,
+    estimator_names,
+    estimator_of,
+)
 from vime.backends import BACKENDS, TRANSPORTS, Backend
-from vime.errors import VimeError
+from vime.errors import ConfigError
 from vime.modes import DEFAULT_ROLLOUT_FN, FULLY_ASYNC_FN, MODES
-
-
-class ConfigError(VimeError, ValueError):
-    """Inconsistent or invalid settings; the message is one line saying what to change."""
-
 
 ENTRIES = ("sync", "async", "eval")  # train.py, train_async.py, vime eval
 
@@ -250,12 +254,8 @@ class Config:
     # --- algorithm ---
     advantage_estimator: str = _f(
         "grpo",
-        "grpo; dr_grpo (no std normalization, constant-length loss normalizer); gspo (GRPO's advantages, the PPO ratio "
-        "and clip per sequence: give a tight --eps-clip such as 4e-4); cispo (GRPO's advantages, the importance weight "
-        "clipped and detached instead of the update: canonically --eps-clip 1 --eps-clip-high 4); reinforce_plus_plus "
-        "(the reward itself) and reinforce_plus_plus_baseline (reward minus its group's mean), both whitened over the "
-        "batch's tokens",
-        ("grpo", "dr_grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
+        estimator_help(),
+        estimator_names(),
         group="algorithm",
     )
     custom_advantage_function_path: str | None = _f(
@@ -677,7 +677,9 @@ class Config:
     # ---- derived values, so no caller recomputes them ----
     @property
     def normalize_advantages_std(self) -> bool:
-        return not self.disable_grpo_std_normalization and self.advantage_estimator in ("grpo", "gspo", "cispo")
+        return (
+            not self.disable_grpo_std_normalization and estimator_of(self.advantage_estimator).advantages.std_normalized
+        )
 
     @property
     def samples_per_rollout(self) -> int:
@@ -960,6 +962,11 @@ def _backend(c: Config) -> Backend:
     return BACKENDS.get(c.rollout_backend, BACKENDS["vime"])
 
 
+def _estimator(c: Config) -> Estimator:
+    # an unknown name is refused by the choices check; until then, check as the default would
+    return estimator_of(c.advantage_estimator if c.advantage_estimator in estimator_names() else "grpo")
+
+
 def _eval_checks(c: Config) -> list[tuple[bool, str]]:
     return [(c.eval_prompt_data is None, "--eval-prompt-data is required (the held-out prompts)")]
 
@@ -985,8 +992,9 @@ def _train_checks(c: Config, entry: str) -> list[tuple[bool, str]]:
             f"--opsm-delta {c.opsm_delta:g} is OPSM's threshold: add --use-opsm, or drop it",
         ),
         (
-            c.loss_type == "custom_loss" and (c.advantage_estimator in ("gspo", "cispo") or c.eps_clip_c is not None),
-            "--loss-type custom_loss replaces the policy term, and --advantage-estimator gspo/cispo and --eps-clip-c "
+            c.loss_type == "custom_loss" and (_estimator(c).loss != BASE_LOSS or c.eps_clip_c is not None),
+            "--loss-type custom_loss replaces the policy term, and --advantage-estimator "
+            f"{'/'.join(name for name in POLICY_LOSSES if name != BASE_LOSS)} and --eps-clip-c "
             "change that term: drop one (the custom term gets GRPO's advantages, the correction and OPSM)",
         ),
         (
@@ -1063,20 +1071,14 @@ def _train_checks(c: Config, entry: str) -> list[tuple[bool, str]]:
             not 0 <= c.tis_clip_low < c.tis_clip,
             f"--tis-clip-low {c.tis_clip_low} must be >= 0 and below --tis-clip {c.tis_clip}",
         ),
-        (
-            not c.calculate_per_token_loss and c.advantage_estimator == "dr_grpo",
-            "--no-calculate-per-token-loss with --advantage-estimator dr_grpo: Dr. GRPO divides by a constant, not by tokens or samples; drop one",
-        ),
+        *_estimator(c).refused(c),
         (c.lora_rank < 0, f"--lora-rank {c.lora_rank} must be >= 1 (or 0: full fine-tuning)"),
         (c.lora_rank > 0 and c.lora_alpha <= 0, f"--lora-alpha {c.lora_alpha} must be > 0"),
         (not 0 <= c.lora_dropout < 1, f"--lora-dropout {c.lora_dropout} must be in [0, 1)"),
         (
-            c.eps_clip_c is not None and c.advantage_estimator == "cispo",
-            "--eps-clip-c caps PPO's clipped loss, and CISPO clips the importance weight instead: drop --eps-clip-c",
-        ),
-        (
-            c.gamma != 1.0 and c.advantage_estimator != "reinforce_plus_plus",
-            f"--gamma {c.gamma:g} discounts REINFORCE++'s returns: it needs --advantage-estimator reinforce_plus_plus",
+            c.gamma != 1.0 and not _estimator(c).advantages.discounted,
+            f"--gamma {c.gamma:g} discounts REINFORCE++'s returns: it needs --advantage-estimator "
+            + " or ".join(name for name, cls in ADVANTAGES.items() if cls.discounted),
         ),
         (
             not 0 < c.gamma <= 1,

@@ -10,3 +10,9 @@ from __future__ import annotations
 
 class VimeError(Exception):
     """A user's mistake or an outside failure vime can name, in one line with what to do."""
+
+
+class ConfigError(VimeError, ValueError):
+    """Inconsistent or invalid settings; the message is one line saying what to change. Here,
+    not in vime.config, so the plug-in loader (which the objectives use, and the config reads
+    the objectives' tables) does not import the config."""

@@ -22,6 +22,9 @@ from typing import Any
 
 import torch
 
+from vime.algorithms.credit import group_advantages
+from vime.algorithms.hooks import CUSTOM_LOSS_SIGNATURE, CUSTOM_TIS_SIGNATURE
+from vime.algorithms.objective import LossInputs, Objective
 from vime.plugins import Plugin, PluginError, at, first_line, load_function, load_plugin
 from vime.rollout import async_loop
 from vime.rollout.data_source import DataSource
@@ -29,7 +32,6 @@ from vime.rollout.filters import load_filter
 from vime.rollout.rewards import RewardKeyError, Rewards, read_reward
 from vime.rollout.types import Sample, Status
 from vime.rollout.vllm_rollout import GENERATE_SIGNATURE, sampling_params
-from vime.trainer.loss import CUSTOM_LOSS_SIGNATURE, CUSTOM_TIS_SIGNATURE, LossInputs, Objective, group_advantages
 
 WHEN = "start-up check, on made-up input"
 ROLLOUT_SIGNATURE = "generate_rollout(args, rollout_id, data_source, evaluation=False) -> RolloutOutput"

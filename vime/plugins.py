@@ -21,8 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from vime.config import ConfigError
-from vime.errors import VimeError
+from vime.errors import ConfigError, VimeError
 
 
 class PluginError(VimeError, ValueError):

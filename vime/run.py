@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import yaml
 
+from vime.algorithms.credit import discounted_returns, group_advantages
 from vime.backends import BACKENDS
 from vime.config import Config, ConfigError
 from vime.debug_rollout import load_rollout, save_rollout
@@ -48,7 +49,6 @@ from vime.rollout.types import RolloutOutput, Sample
 from vime.trainer.checkpoint import checkpoint_to_load
 from vime.trainer.distributed import launch_actor
 from vime.trainer.drift import DriftWatch
-from vime.trainer.loss import discounted_returns, group_advantages
 from vime.trainer.nonfinite import BadSteps, bad_inputs
 from vime.trainer.weights import WeightPusher
 

@@ -107,6 +107,50 @@ def load_filter(args: Any) -> GroupFilter | None:
     return judge
 
 
+class GroupSieve:
+    """Dynamic sampling's one implementation, shared by the sync batch (`vllm_rollout`) and the
+    fully-async worker: each scored group is kept or dropped by the filter, a dropped one is done
+    with (marked trained in the data source: never trained, never generated again), and the
+    dropped groups are counted, by reason and with their rewards, until `metrics` reports them.
+    The caller holds whatever lock guards it (the worker's condition) around `settle`, `check`
+    and `metrics`; `judge` is the plug-in's call and runs outside it."""
+
+    def __init__(self, judge: GroupFilter, data_source: Any, batch: int) -> None:
+        self.judge = judge
+        self.data_source = data_source
+        self.batch = batch
+        self.reasons: list[str | None] = []  # of the groups dropped since the last `metrics`
+        self.dropped_rewards: list[float] = []
+        self.in_a_row = 0  # groups dropped since the last one kept: a filter that keeps nothing must not spin forever
+
+    def settle(self, group: list[Sample], verdict: DynamicFilterOutput, short: bool = False) -> bool:
+        """Whether `group` goes on to the trainer. `short`: the batch cannot fill without it and
+        another round of prompts, so a fallback group (`keep_when_insufficient`) is kept."""
+        if verdict.keep or (verdict.keep_when_insufficient and short):
+            self.in_a_row = 0
+            return True
+        self.data_source.mark_trained([group])
+        self.reasons.append(verdict.reason)
+        self.dropped_rewards += [s.reward or 0.0 for s in group]
+        self.in_a_row += 1
+        return False
+
+    def check(self, kept: int) -> None:
+        """Stop a filter that dropped as many groups in a row as the data has prompts (at least a
+        batch); `kept`: the groups kept and waiting for a batch."""
+        if self.in_a_row >= max(len(self.data_source), self.batch):
+            raise everything_dropped(self.in_a_row, kept, self.batch)
+
+    def metrics(self, kept: list[list[Sample]]) -> dict[str, float]:
+        """The drops since the last call, and the raw reward of what was generated: the groups
+        `kept` for this batch and those dropped. Starts the next count."""
+        out = dropped_metrics(self.reasons)
+        rewards = [s.reward or 0.0 for g in kept for s in g] + self.dropped_rewards
+        out["rollout/raw_reward_mean"] = sum(rewards) / len(rewards)
+        self.reasons, self.dropped_rewards = [], []
+        return out
+
+
 def everything_dropped(dropped: int, kept: int, target: int) -> FilterError:
     """The error of a filter that dropped as many groups in a row as the data has prompts (at
     least a batch): it would go on generating forever (a filter that keeps some, however few,

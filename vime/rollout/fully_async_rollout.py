@@ -41,7 +41,7 @@ import threading
 import time
 
 from vime.rollout import async_loop
-from vime.rollout.filters import dropped_metrics, everything_dropped, load_filter
+from vime.rollout.filters import GroupSieve, load_filter
 from vime.rollout.runtime import runtime_of
 from vime.rollout.types import RolloutOutput, Sample, Status
 from vime.rollout.vllm_rollout import generate_fn, generate_samples, rollout_metrics, sampling_params, score_group
@@ -66,12 +66,9 @@ class AsyncRolloutWorker:
         self.cond = threading.Condition()  # guards everything below; the data source has its own lock
         self.inflight = 0
         self.counts = {"requeued": 0, "dropped_stale": 0, "resumed": 0}
-        # dynamic sampling: groups the filter dropped since the last drain (their reasons) and
-        # their rewards, for the raw reward of what was generated
-        self.judge = load_filter(args)
-        self.dropped: list[str | None] = []
-        self.dropped_rewards: list[float] = []
-        self.dropped_in_a_row = 0  # a filter that drops everything stops the run instead of spinning
+        # dynamic sampling: the groups the filter dropped since the last drain, guarded by cond
+        judge = load_filter(args)
+        self.sieve = GroupSieve(judge, data_source, self.batch) if judge is not None else None
         self.engine_version = engine_version  # kept current by set_engine_version after each push
         # group index → (first request, scored), for the batch's rollout time
         self.spans: dict[int, tuple[float, float]] = {}
@@ -148,18 +145,13 @@ class AsyncRolloutWorker:
                 self.counts["resumed"] += sum(s.status == Status.ABORTED for s in group)
                 group = await generate_samples(args, group, params, fn, resume=True)
             await score_group(args, group)
-            verdict = self.judge(group) if self.judge is not None else None
+            verdict = self.sieve.judge(group) if self.sieve is not None else None
             with self.cond:
-                if verdict is not None and not verdict.keep:
-                    # done with: never trained, never generated again; the worker starts another
-                    self.data_source.mark_trained([group])
-                    self.dropped.append(verdict.reason)
-                    self.dropped_rewards += [s.reward or 0.0 for s in group]
-                    self.dropped_in_a_row += 1
-                    if self.dropped_in_a_row >= max(len(self.data_source), self.batch):
-                        raise everything_dropped(self.dropped_in_a_row, len(self.ready), self.batch)
+                # a dropped group is done with (the worker starts another), a fallback one too:
+                # the worker always has more coming
+                if verdict is not None and not self.sieve.settle(group, verdict):
+                    self.sieve.check(len(self.ready))
                     return
-                self.dropped_in_a_row = 0
                 self.spans[group[0].group_index] = (started, time.perf_counter())
                 heapq.heappush(self.ready, (group[0].group_index, next(self._arrival), group))
                 self.cond.notify_all()
@@ -208,11 +200,8 @@ class AsyncRolloutWorker:
                 "rollout/max_inflight": float(self.max_inflight_seen),
                 **{f"rollout/{k}": float(v) for k, v in self.counts.items()},
             }
-            if self.judge is not None:
-                metrics.update(dropped_metrics(self.dropped))
-                rewards = [s.reward or 0.0 for g in out for s in g] + self.dropped_rewards
-                metrics["rollout/raw_reward_mean"] = sum(rewards) / len(rewards)
-                self.dropped, self.dropped_rewards = [], []
+            if self.sieve is not None:
+                metrics.update(self.sieve.metrics(out))
         self._poke()
         if spans:  # first request to last completion of this batch's samples (docs/architecture.md, timing)
             metrics["perf/rollout_time"] = max(e for _, e in spans) - min(b for b, _ in spans)

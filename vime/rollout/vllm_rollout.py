@@ -21,7 +21,7 @@ from typing import Any
 from vime.engine.client import EngineError
 from vime.plugins import load_function, load_plugin
 from vime.rollout import async_loop
-from vime.rollout.filters import GroupFilter, dropped_metrics, everything_dropped, load_filter
+from vime.rollout.filters import GroupFilter, GroupSieve, load_filter
 from vime.rollout.rewards import score_samples
 from vime.rollout.runtime import runtime_of
 from vime.rollout.types import MULTI_TURN_STATE, RolloutOutput, Sample, Status
@@ -262,32 +262,22 @@ async def _generate_filtered(
     with the weights of then: nothing off-policy reaches a sync step, and no prompt is lost."""
     target = args.rollout_batch_size
     chunk = args.over_sampling_batch_size or target
+    sieve = GroupSieve(judge, data_source, target)
     running: dict[asyncio.Task, list[Sample]] = {}
     kept: list[list[Sample]] = []
-    judged: list[list[Sample]] = []  # kept and dropped: the raw reward of what was generated
-    reasons: list[str | None] = []
-    in_a_row = 0  # groups dropped since the last one kept: a filter that keeps nothing must not spin forever
     try:
         while len(kept) < target:
             if len(kept) + len(running) < target:
-                if in_a_row >= max(len(data_source), target):
-                    raise everything_dropped(in_a_row, len(kept), target)
+                sieve.check(len(kept))
                 for g in data_source.get_samples(chunk):
                     running[asyncio.create_task(generate_group(args, g, params, fn))] = g
             done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
             for task in sorted(done, key=lambda t: running[t][0].group_index):
                 del running[task]
                 group = task.result()
-                judged.append(group)
-                verdict = judge(group)
                 # a fallback group is kept when dropping it would need another round of prompts
-                if verdict.keep or (verdict.keep_when_insufficient and len(kept) + len(running) < target):
+                if sieve.settle(group, judge(group), short=len(kept) + len(running) < target):
                     kept.append(group)
-                    in_a_row = 0
-                else:
-                    reasons.append(verdict.reason)
-                    in_a_row += 1
-                    data_source.mark_trained([group])  # done with: never trained, never generated again
     finally:
         for task in running:
             task.cancel()
@@ -298,10 +288,7 @@ async def _generate_filtered(
     data_source.add_samples(extra)
     kept = kept[:target]
     metrics = rollout_metrics(kept)
-    metrics.update(dropped_metrics(reasons))
-    requeued = {id(g) for g in extra}
-    flat = [s for g in judged if id(g) not in requeued for s in g]
-    metrics["rollout/raw_reward_mean"] = sum(s.reward or 0.0 for s in flat) / len(flat)
+    metrics.update(sieve.metrics(kept))
     metrics["rollout/dynamic_filter/cancelled"] = float(len(running) + len(extra))
     return kept, metrics
 

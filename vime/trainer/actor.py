@@ -28,13 +28,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from vime.algorithms.objective import STALENESS_BUCKETS, STALENESS_STATS, LossInputs, Objective, bucket_label
 from vime.config import Config, ConfigError
 from vime.models import load_tokenizer
 from vime.rollout.types import Sample
 from vime.trainer import checkpoint
 from vime.trainer.logprobs import ChunkLoss, chunked_log_probs, chunked_loss
 from vime.trainer.lora import LoraSpec, add_adapters, is_adapter, merged
-from vime.trainer.loss import STALENESS_BUCKETS, STALENESS_STATS, LossInputs, Objective, bucket_label
 from vime.trainer.optim import LRSchedule, make_optimizer, set_lr_and_decay
 from vime.trainer.packing import (
     PAD_BUCKETS,

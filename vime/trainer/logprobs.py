@@ -14,7 +14,7 @@ not its normalizer):
 then dh = (dz / τ) W and dW = Σ (dz / τ)ᵀ h.
 
 Training does not need the log-probs themselves, only a loss of them; when that loss is a sum
-over positions (as every loss of `vime.trainer.loss` is, its denominators being the step's
+over positions (as every loss of `vime.algorithms.objective` is, its denominators being the step's
 constants), `chunked_loss` takes d loss / d log p of each chunk while the chunk's logits still
 exist and finishes dh and dW in the forward: the backward's recomputation of the logits, one
 of the head's four [R, H] × [H, V] GEMMs, is never run.
