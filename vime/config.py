@@ -661,6 +661,12 @@ class Config:
         group=DERIVED,
     )
     model_dir: str | None = _f(None, "the local directory --hf-checkpoint resolved to", group=DERIVED)
+    vllm_router_ip: str | None = _f(
+        None,
+        "where custom generate plug-ins reach the engines (rollout/compat.py's router), set by the run",
+        group=DERIVED,
+    )
+    vllm_router_port: int | None = _f(None, "the router's port (see vllm_router_ip)", group=DERIVED)
     # --- the run's live objects (engine clients, tokenizer, fully-async worker): not settings,
     # never written or pickled; slime's rollout signatures pass only args, so this is how the
     # run hands them to rollout and generate functions ---
@@ -837,6 +843,15 @@ class Config:
     def __getstate__(self) -> dict[str, Any]:
         """Trainer ranks are spawned with the config: the live objects stay in this process."""
         return {**self.__dict__, "runtime": None}
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Config:
+        """The settings copied, the live objects shared: a plug-in that copies `args` to change a
+        few settings for itself (the seed's multi-agent example) still reaches the run's engines."""
+        clone = object.__new__(type(self))
+        memo[id(self)] = clone
+        for name, value in self.__dict__.items():
+            setattr(clone, name, value if name == "runtime" else copy.deepcopy(value, memo))
+        return clone
 
 
 def _one_file_per_rollout(template: str) -> bool:
