@@ -21,7 +21,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
@@ -661,12 +661,10 @@ class Config:
         group=DERIVED,
     )
     model_dir: str | None = _f(None, "the local directory --hf-checkpoint resolved to", group=DERIVED)
-    vllm_router_ip: str | None = _f(
-        None,
-        "where custom generate plug-ins reach the engines (rollout/compat.py's router), set by the run",
-        group=DERIVED,
-    )
-    vllm_router_port: int | None = _f(None, "the router's port (see vllm_router_ip)", group=DERIVED)
+    # where the seed system's plug-ins reach the engines (rollout/compat.py's router), set on the
+    # run's args when it starts; not settings (a `vllm_` key of a config is a vLLM server flag)
+    vllm_router_ip: ClassVar[str | None] = None
+    vllm_router_port: ClassVar[int | None] = None
     # --- the run's live objects (engine clients, tokenizer, fully-async worker): not settings,
     # never written or pickled; slime's rollout signatures pass only args, so this is how the
     # run hands them to rollout and generate functions ---
