@@ -21,7 +21,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
@@ -667,6 +667,10 @@ class Config:
         group=DERIVED,
     )
     model_dir: str | None = _f(None, "the local directory --hf-checkpoint resolved to", group=DERIVED)
+    # where the seed system's plug-ins reach the engines (rollout/compat.py's router), set on the
+    # run's args when it starts; not settings (a `vllm_` key of a config is a vLLM server flag)
+    vllm_router_ip: ClassVar[str | None] = None
+    vllm_router_port: ClassVar[int | None] = None
     # --- the run's live objects (engine clients, tokenizer, fully-async worker): not settings,
     # never written or pickled; slime's rollout signatures pass only args, so this is how the
     # run hands them to rollout and generate functions ---
@@ -845,6 +849,15 @@ class Config:
     def __getstate__(self) -> dict[str, Any]:
         """Trainer ranks are spawned with the config: the live objects stay in this process."""
         return {**self.__dict__, "runtime": None}
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Config:
+        """The settings copied, the live objects shared: a plug-in that copies `args` to change a
+        few settings for itself (the seed's multi-agent example) still reaches the run's engines."""
+        clone = object.__new__(type(self))
+        memo[id(self)] = clone
+        for name, value in self.__dict__.items():
+            setattr(clone, name, value if name == "runtime" else copy.deepcopy(value, memo))
+        return clone
 
 
 def _one_file_per_rollout(template: str) -> bool:

@@ -14,6 +14,7 @@ sample is a note, not an error: in the run such a sample scores 0 and is counted
 
 from __future__ import annotations
 
+import ast
 import inspect
 import math
 from collections.abc import Callable
@@ -113,6 +114,7 @@ def _rollout_function(args: Any, data_source: DataSource) -> Callable[..., Any]:
         return load_function(path, "--rollout-function-path", signature=ROLLOUT_SIGNATURE)
     plugin = load_plugin(path, "--rollout-function-path", signature=ROLLOUT_SIGNATURE)
     plugin.check_call(ROLLOUT_SIGNATURE, args, 0, data_source)
+    _check_args_read(plugin, args)
     return plugin
 
 
@@ -127,6 +129,35 @@ def _custom_generate(args: Any, sample: Sample) -> None:
     if not _is_async(plugin.fn):
         raise plugin.error(f"is not a coroutine function: it must be {GENERATE_SIGNATURE} (vime awaits it)")
     plugin.check_call(GENERATE_SIGNATURE, args, sample, sampling_params(args))
+    _check_args_read(plugin, args)
+
+
+def _check_args_read(plugin: Plugin, args: Any) -> None:
+    """Refuse a plug-in whose module reads `args.NAME` for a NAME vime's args do not have (a
+    setting of the seed system or of Megatron): it would raise AttributeError at that line,
+    mid-run. Names the module sets itself (`args.NAME = ...`) are its own; a module that sets
+    names by `setattr(args, ...)` is not judged, as what it sets cannot be read off its text."""
+    module = inspect.getmodule(inspect.unwrap(plugin.fn))
+    try:
+        tree = ast.parse(inspect.getsource(module)) if module is not None else None
+    except (OSError, TypeError, SyntaxError):  # no source to read (a compiled or built-in module)
+        return
+    if tree is None:
+        return
+    read, stored = set(), set()
+    for node in ast.walk(tree):
+        is_setattr = isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr"
+        if is_setattr and node.args and getattr(node.args[0], "id", None) == "args":
+            return
+        if isinstance(node, ast.Attribute) and getattr(node.value, "id", None) == "args":
+            (stored if isinstance(node.ctx, ast.Store) else read).add(node.attr)
+    lacked = sorted(name for name in read - stored if not hasattr(args, name))
+    if lacked:
+        names = ", ".join(f"args.{n}" for n in lacked)
+        raise plugin.error(
+            f"reads {names}, which vime does not have: read it with getattr(args, name, default), "
+            "or see docs/plugin-compat.md for vime's equivalent"
+        )
 
 
 def _custom_advantages(args: Any, groups: list[list[Sample]]) -> Plugin:
@@ -203,6 +234,7 @@ def _custom_reward(args: Any, rewards: Rewards, sample: Sample) -> list[str]:
     path = args.custom_rm_path
     plugin = load_plugin(path, "--custom-rm-path", signature=REWARD_SIGNATURE)
     plugin.check_call(REWARD_SIGNATURE, args, sample)
+    _check_args_read(plugin, args)
     try:
         value = async_loop.run(rewards.fn(sample))
     except Exception as e:

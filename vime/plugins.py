@@ -153,6 +153,12 @@ def load_function(
     except SyntaxError as e:  # the module's own code, not the path: say where
         raise error(f"{flag} '{path}': {e.filename}:{e.lineno}: {e.msg} (fix the module)") from None
     except (ImportError, AttributeError) as e:
+        lacked = _vime_name_lacked(e)
+        if lacked is not None:
+            raise error(
+                f"{flag} '{path}' imports {lacked}, which vime does not have (a name of the seed system's?): "
+                "docs/plugin-compat.md lists the seed names vime has"
+            ) from None
         raise error(
             f"{flag} '{path}' cannot be loaded ({type(e).__name__}: {e}): check the module is importable and defines '{attr}'"
         ) from None
@@ -164,3 +170,14 @@ def load_function(
     if not callable(fn) and not isinstance(fn, also):
         raise error(f"{flag} '{path}' is not callable: it must be {signature}")
     return fn
+
+
+def _vime_name_lacked(e: BaseException) -> str | None:
+    """The `vime.*` module or name an import failed on ("vime.backends.megatron_utils",
+    "GenerateStat from vime.rollout.vllm_rollout"), or None when the failure is elsewhere."""
+    if not isinstance(e, ImportError) or not e.name or not (e.name == "vime" or e.name.startswith("vime.")):
+        return None
+    if isinstance(e, ModuleNotFoundError):
+        return e.name
+    text = str(e)
+    return f"{text.split(chr(39))[1]} from {e.name}" if text.startswith("cannot import name") else None

@@ -44,6 +44,7 @@ from vime.modes import MODES
 from vime.plugins import Plugin, at_step
 from vime.preflight import check_inputs
 from vime.rollout import async_loop
+from vime.rollout.compat import Router, fanned_out, fanned_out_advantages, needs_router, trim_to_steps
 from vime.rollout.runtime import HealthCheck, RolloutRuntime
 from vime.rollout.types import RolloutOutput, Sample
 from vime.trainer.checkpoint import checkpoint_to_load
@@ -132,6 +133,8 @@ class Run:
             args.runtime = RolloutRuntime(
                 clients, inputs.tokenizer, self.placement.transports, relaunch, HealthCheck.of(args), self.rewards
             )
+            # the seed system's plug-ins reach the engines at args.vllm_router_ip/port (rollout/compat.py)
+            self.router = Router(args).start() if needs_router(args) and self.placement.urls else None
             self.pusher: WeightPusher | None = None  # a debug run with no trainer or no engine pushes nothing
             # LoRA: adapters alone to engines that merge them; (url, restarts) of those that have the base
             self.adapter_push = self.actor is not None and self.actor.lora is not None and backend.lora_adapters
@@ -212,7 +215,9 @@ class Run:
         """Advantages → optimizer step(s). Returns train metrics + rollout metrics of this batch."""
         groups = out.samples
         a = self.args
-        rewards, adv = group_advantages(
+        # a generate that returned several samples: groups of other sizes than n (rollout/compat.py)
+        fanned = fanned_out(groups, a.n_samples_per_prompt)
+        rewards, adv = (fanned_out_advantages if fanned else group_advantages)(
             groups,
             a.advantage_estimator,
             std_normalize=a.normalize_advantages_std,
@@ -223,10 +228,14 @@ class Run:
         if a.gamma != 1.0:  # REINFORCE++ discounted: one advantage per token (Config allows nothing else)
             adv = discounted_returns(groups, a.gamma)
         samples = [s for g in groups for s in g]
+        if fanned:  # every rollout takes the same optimizer steps, whatever its sample count
+            samples = trim_to_steps(samples, a.steps_per_rollout)
+            adv = adv[: len(samples)]
+            rewards = rewards[: len(samples)]
         metrics = dict(out.metrics)
         metrics.update(self.guarded_train_step(step, samples, rewards, adv))
         self.data_source.mark_trained(groups)  # from now on a checkpoint does not regenerate them
-        metrics.update(staleness_metrics(samples, self.policy_version, self.args.global_batch_size))
+        metrics.update(staleness_metrics(samples, self.policy_version, len(samples) // a.steps_per_rollout))
         if warning := self.drift.observe(step, metrics):
             log.warning("%s", warning)
         self.policy_version += self.args.steps_per_rollout
@@ -358,6 +367,8 @@ class Run:
         """Each part is closed even if an earlier one fails, so no engine or rank outlives us."""
         runtime = self.args.runtime
         steps = [runtime.close] if runtime is not None else []  # the fully-async worker first: it stops generating
+        if getattr(self, "router", None) is not None:
+            steps.insert(0, self.router.stop)
         if getattr(self, "pusher", None) is not None:
             steps.append(self.pusher.close)
         steps += [async_loop.cancel_all, self.rewards.close]
@@ -381,11 +392,13 @@ class Run:
         why = bad_inputs(rewards, advantages)
         if why is None:
             metrics = self.actor.train_step(
-                samples, advantages if isinstance(advantages, list) else advantages.flatten()
+                samples,
+                advantages if isinstance(advantages, list) else advantages.flatten(),
+                len(samples) // self.args.steps_per_rollout,
             )
             why = f"loss {metrics.get('train/loss')}, gradient norm {metrics.get('train/grad_norm')}"
         else:
-            metrics = {"train/skipped_steps": float(len(samples) // self.args.global_batch_size)}
+            metrics = {"train/skipped_steps": float(self.args.steps_per_rollout)}
             self.actor.skip_steps(self.args.steps_per_rollout)  # the lr schedule stays on the policy version
         self.bad_steps.record(step, metrics["train/skipped_steps"], why)
         return metrics

@@ -146,9 +146,11 @@ def _check_tools(value: Any, where: str, key: str) -> list[dict[str, Any]]:
     return [dict(t) for t in value]
 
 
-def _label_text(value: Any) -> str | None:
-    """Labels become text, the form graders compare; 42 and "42" are the same label."""
-    if value is None or isinstance(value, str):
+def _label_text(value: Any) -> str | dict[str, Any] | list[Any] | None:
+    """Numbers become text, the form graders compare (42 and "42" are the same label); a dict or
+    a list stays as it is, for the custom reward that reads it (search-r1's
+    `sample.label["ground_truth"]`): as JSON text, every such reward failed and scored 0."""
+    if value is None or isinstance(value, (str, dict, list)):
         return value
     return json.dumps(value)
 
@@ -220,6 +222,12 @@ def load_prompts(
             raise DataError(
                 f"{where}: '{label_key}' is {'null' if label is None else 'empty'}, and {grader} grades against it: "
                 "fill it in (or, for a reward that needs no label, give --custom-rm-path)"
+            )
+        if grader is not None and isinstance(label, (dict, list)) and label_format != "gsm8k":
+            raise DataError(
+                f"{where}: '{label_key}' is a {type(label).__name__}, and {grader} compares the answer with text: "
+                "set --label-key to the field that holds the answer (e.g. reward_model.ground_truth), "
+                "or give --custom-rm-path a reward that reads the dict"
             )
         item = {
             "input": _check_input(prompt, where, input_key),

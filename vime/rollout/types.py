@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, ClassVar
 
 MULTI_TURN_STATE = "multi_turn"  # metadata key of a multi-turn sample's state (vime.rollout.multi_turn)
 
@@ -26,7 +26,8 @@ class Sample:
     index: int = 0
     group_index: int = 0
     prompt: str | list[dict[str, Any]] = ""
-    label: str | None = None
+    # text, or the data's dict/list as it is (search-r1's {"ground_truth": ...}) for a custom reward
+    label: str | dict[str, Any] | list[Any] | None = None
     tokens: list[int] = field(default_factory=list)  # prompt ids + response ids
     response_length: int = 0
     response: str = ""  # decoded response text (what rewards read)
@@ -39,6 +40,8 @@ class Sample:
     # the reward's other numeric values (a dict reward's keys besides --reward-key), logged as
     # rollout/reward_<key> means
     reward_extras: dict[str, float] = field(default_factory=dict)
+    # `Sample.Status.COMPLETED`, as the seed system's plug-ins spell it (docs/plugin-compat.md)
+    Status: ClassVar[type[Status]] = Status
     status: Status = Status.PENDING
     metadata: dict[str, Any] = field(default_factory=dict)
 
@@ -59,6 +62,79 @@ class Sample:
 
     def effective_loss_mask(self) -> list[int]:
         return self.loss_mask if self.loss_mask is not None else [1] * self.response_length
+
+    def append_response_tokens(
+        self,
+        args: Any = None,
+        *,
+        tokens: Any = None,
+        log_probs: Any = None,
+        trainable: bool = True,
+        meta_info: dict[str, Any] | None = None,
+        text: str | None = None,
+        update_terminal_info: bool = True,
+    ) -> None:
+        """Append response tokens with everything that must stay in step with them: the seed
+        system's method, which its multi-turn plug-ins call once per model turn (`trainable`,
+        with the engine's log-probs) and once per tool answer (not trainable: loss mask 0,
+        log-prob 0). `meta_info`'s `finish_reason` ("stop", "length", "abort", or {"type": ...})
+        sets the status; its `weight_version` (or vime's per-token `output_weight_versions`, or
+        the router's `weight_versions`: a choice passed whole)
+        stamps the tokens, else the version the engines hold now (`args.runtime`), else the
+        sample's versions become unknown (None) rather than wrong. `text` is added to `response`."""
+        ids = [int(t) for t in (tokens if tokens is not None else [])]
+        lps = None if log_probs is None else [float(x) for x in log_probs]
+        if lps is not None and len(lps) != len(ids):
+            raise ValueError(f"append_response_tokens: {len(lps)} log_probs for {len(ids)} tokens")
+        if ids and trainable and lps is None:
+            raise ValueError("append_response_tokens: trainable tokens need their rollout log_probs")
+        if ids and not trainable:
+            if lps is not None:
+                raise ValueError("append_response_tokens: tokens that are not trainable take no log_probs")
+            lps = [0.0] * len(ids)
+        meta = meta_info or {}
+        before = self.response_length
+        if text is not None:
+            self.response += text
+        if ids:
+            if self.rollout_log_probs is None and before and trainable:
+                raise ValueError(
+                    "append_response_tokens: the sample has response tokens without rollout log-probs; "
+                    "trainable tokens cannot be appended to it"
+                )
+            self.tokens = list(self.tokens) + ids
+            self.response_length += len(ids)
+            self.loss_mask = self.effective_loss_mask()[:before] + [1 if trainable else 0] * len(ids)
+            self.rollout_log_probs = (self.rollout_log_probs or [0.0] * before) + (lps or [])
+            versions = _versions_of(meta, len(ids), args, self.weight_versions if not trainable else None)
+            if versions is None or (self.weight_versions is None and before):
+                self.weight_versions = None
+            else:
+                self.weight_versions = (self.weight_versions or []) + versions
+        if update_terminal_info and "finish_reason" in meta:
+            reason = meta["finish_reason"]
+            reason = reason.get("type") if isinstance(reason, dict) else reason
+            self.status = _FINISH_STATUS.get(reason, self.status)
+
+
+_FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
+
+
+def _versions_of(meta: dict[str, Any], n: int, args: Any, earlier: list[int] | None) -> list[int] | None:
+    """The policy version of each of `n` appended tokens (see append_response_tokens), or None
+    when nothing says it. `earlier`: a tool answer's tokens take the last version before them."""
+    per_token = meta.get("output_weight_versions", meta.get("weight_versions"))  # the engine's; the router's choice
+    if isinstance(per_token, list) and len(per_token) == n:
+        return [int(v) for v in per_token]
+    version = meta.get("weight_version")
+    if version is None and earlier:
+        version = earlier[-1]
+    if version is None:
+        version = getattr(getattr(args, "runtime", None), "engine_version", None)
+    try:
+        return None if version is None else [int(version)] * n
+    except (TypeError, ValueError):  # a version that is not a number (another engine's naming)
+        return None
 
 
 @dataclass

@@ -21,12 +21,19 @@ from typing import Any
 from vime.engine.client import EngineError
 from vime.plugins import load_function, load_plugin
 from vime.rollout import async_loop
+from vime.rollout.compat import (  # noqa: F401 (the seed system's names, imported from here by its plug-ins)
+    GenerateState,
+    _build_inference_sampling_params,
+    _inference_generate_tokens_and_logprobs,
+    flatten,
+)
 from vime.rollout.filters import GroupFilter, GroupSieve, load_filter
 from vime.rollout.rewards import score_samples
 from vime.rollout.runtime import runtime_of
 from vime.rollout.types import MULTI_TURN_STATE, RolloutOutput, Sample, Status
 
-GenerateFn = Callable[[Any, Sample, dict], Awaitable[Sample]]
+# a generate returns the sample it was given, or (the seed's multi-agent plug-ins) a list of samples
+GenerateFn = Callable[[Any, Sample, dict], Awaitable[Sample | list[Sample]]]
 
 _FINISH_TO_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
 
@@ -140,7 +147,7 @@ async def generate_on_engines(runtime, group_index: int, input_ids: list[int], p
 MULTI_TURN_FN = "vime.rollout.multi_turn:generate"  # the generate of --tools (loaded by name: it builds on this module)
 
 
-GENERATE_SIGNATURE = "async generate(args, sample, sampling_params) -> Sample"
+GENERATE_SIGNATURE = "async generate(args, sample, sampling_params) -> Sample or list[Sample]"
 
 
 def generate_fn(args) -> GenerateFn:
@@ -153,15 +160,17 @@ def generate_fn(args) -> GenerateFn:
 
 def custom_generate(path: str) -> GenerateFn:
     """--custom-generate-function-path, its faults one line naming the sample: one that raises,
-    or returns something else than a Sample (which a later step would trip over)."""
+    or returns something else than a Sample or a non-empty list of them (which a later step
+    would trip over). Each sample of a list is trained, in the group of the prompt (compat.py)."""
     plugin = load_plugin(path, "--custom-generate-function-path", signature=GENERATE_SIGNATURE)
 
-    async def generate_with(args, sample: Sample, params: dict) -> Sample:
+    async def generate_with(args, sample: Sample, params: dict) -> Sample | list[Sample]:
         where = f"on sample {sample.index}"
         out = await plugin.acall(where, args, sample, params)
-        if not isinstance(out, Sample):
-            raise plugin.error(f"returned {type(out).__name__}: it must return the Sample it was given", where)
-        return out
+        if isinstance(out, Sample) or (isinstance(out, list) and out and all(isinstance(s, Sample) for s in out)):
+            return out
+        got = "an empty list" if out == [] else type(out).__name__
+        raise plugin.error(f"returned {got}: it must return the Sample it was given, or a list of Samples", where)
 
     return generate_with
 
@@ -172,18 +181,18 @@ async def generate_samples(
     """Run `fn` on every sample of a group, concurrently; with `resume`, only on those the engine
     aborted (each continues from the tokens it has), the others passed through as they are."""
 
-    async def one(s: Sample) -> Sample:
+    async def one(s: Sample) -> Sample | list[Sample]:
         return await fn(args, s, params) if not resume or s.status == Status.ABORTED else s
 
-    return list(await asyncio.gather(*(one(s) for s in group)))
+    return flatten(await asyncio.gather(*(one(s) for s in group)))
 
 
 async def score_group(args, group: list[Sample]) -> None:
     """A generated group: its engine may drop it from its prefix bookkeeping, and its samples are
-    scored together."""
+    scored together; a reward a custom generate already set stays (the seed's rule)."""
     if group:
         runtime_of(args).forget_group(group[0].group_index)
-    await score_samples(args, group)
+    await score_samples(args, [s for s in group if s.reward is None])
 
 
 async def generate_group(args, group: list[Sample], params: dict, fn: GenerateFn) -> list[Sample]:

@@ -440,8 +440,12 @@ class Actor:
 
     # ---- training --------------------------------------------------------------------
 
-    def train_step(self, samples: list[Sample], advantages: Advantages) -> dict[str, float]:
-        """Train on one rollout: `len(samples) // global_batch_size` optimizer steps.
+    def train_step(
+        self, samples: list[Sample], advantages: Advantages, step_size: int | None = None
+    ) -> dict[str, float]:
+        """Train on one rollout: `len(samples) // global_batch_size` optimizer steps, or of
+        `step_size` samples each when given (a rollout whose generate returned several samples
+        per prompt keeps its number of steps: vime/rollout/compat.py).
 
         Old log-probs are those of the current weights (the proximal policy), or with
         --use-rollout-logprobs the engine's. With several optimizer steps the proximal ones are
@@ -454,7 +458,7 @@ class Actor:
         `perf/mfu`).
         """
         advantages = _as_advantages(samples, advantages)
-        gbs = self.args.global_batch_size or len(samples)
+        gbs = step_size or self.args.global_batch_size or len(samples)
         if gbs < 1 or len(samples) % gbs != 0:
             raise ValueError(f"{len(samples)} samples do not split into optimizer steps of --global-batch-size {gbs}")
         self._sync()

@@ -188,8 +188,8 @@ class DistributedActor:
             dist.broadcast_object_list([(name, args, kwargs)], src=0, group=self.cpu_group)
             return getattr(self.local, name)(*args, **kwargs)
 
-    def train_step(self, samples: list, advantages: torch.Tensor) -> dict[str, float]:
-        return self._call("train_step", samples, advantages)
+    def train_step(self, samples: list, advantages: torch.Tensor, step_size: int | None = None) -> dict[str, float]:
+        return self._call("train_step", samples, advantages, step_size)
 
     def compute_log_probs(self, samples: list) -> list[torch.Tensor]:
         return self._call("compute_log_probs", samples)

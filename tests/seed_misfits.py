@@ -1,0 +1,7 @@
+"""A seed-style plug-in that reads a setting vime does not have, for tests/test_plugin_compat.py."""
+
+
+async def generate(args, sample, sampling_params):
+    if args.group_rm:  # the seed's --group-rm: no such setting in vime
+        return sample
+    return sample

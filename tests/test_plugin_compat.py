@@ -1,0 +1,89 @@
+"""The seed system's plug-in API (docs/plugin-compat.md): its names, a generate that returns
+several samples, dict labels, and a plug-in that does not fit refused at start-up."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from conftest import run_cli
+from safetensors.torch import load_file
+
+from vime.rollout.data_source import DataError, load_prompts
+
+ROWS = [{"input": f"{a}+{b}=", "label": {"ground_truth": {"target": [str(a + b)]}}} for a in range(4) for b in range(3)]
+FULLY_ASYNC = ("--rollout-function-path", "vime.rollout.fully_async_rollout.generate_rollout_fully_async")
+
+
+@pytest.fixture(scope="module")
+def dict_data(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("dict") / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    return path
+
+
+def test_dict_labels_load_as_dicts_from_jsonl_and_parquet(dict_data, tmp_path):
+    parquet = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(ROWS), parquet)
+    for path in (dict_data, parquet):
+        rows = load_prompts(path)
+        assert rows[5]["label"] == ROWS[5]["label"], path  # the dict, not its JSON text
+    assert load_prompts(dict_data, label_key="label.ground_truth")[0]["label"] == {"target": ["0"]}
+
+
+def test_a_dict_label_with_a_builtin_grader_is_one_line(dict_data):
+    with pytest.raises(DataError, match=r"row 0 \(line 1\): 'label' is a dict, and --rm-type math compares"):
+        load_prompts(dict_data, grader="--rm-type math")
+
+
+def _run(tmp_path: Path, data: Path, tiny_model: Path, *extra: str):
+    return run_cli(
+        "train_async.py" if FULLY_ASYNC[1] in extra else "train.py",
+        "--hf-checkpoint", str(tiny_model), "--prompt-data", str(data),
+        "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",
+        "--num-rollout", "2", "--lr", "1e-2", "--max-tokens-per-gpu", "512",
+        "--custom-generate-function-path", "seed_plugins.generate_two_agents",
+        "--custom-rm-path", "seed_plugins.loads_itself",
+        "--runs-dir", str(tmp_path), "--run-name", "r", "--save", str(tmp_path / "ckpt"),
+        *extra,
+        timeout=240,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", [(), FULLY_ASYNC], ids=["sync", "fully-async"])
+def test_a_seed_style_multi_agent_plugin_trains_every_sample_it_returns(mode, tmp_path, dict_data, tiny_model):
+    res = _run(tmp_path, dict_data, tiny_model, *mode)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "train/loss" in r]
+    assert len(steps) == 2
+    for r in steps:
+        assert r["rollout/num_samples"] == 2 * 2 * 2  # every prompt's 2 samples each came back as 2
+        assert r["rollout/reward_errors"] == 0  # the reward saw the data's dict labels
+    assert any(r["train/grad_norm"] > 0 for r in steps)
+    trained = load_file(next((tmp_path / "ckpt").glob("*/model.safetensors")))
+    start = load_file(tiny_model / "model.safetensors")
+    assert any(not torch.equal(trained[k], start[k]) for k in start)  # the samples were trained on
+
+
+@pytest.mark.parametrize(
+    ("plugin", "says"),
+    [
+        ("seed_misfits.generate", "seed_misfits.generate reads args.group_rm, which vime does not have"),
+        ("seed_megatron.generate", "imports vime.backends.megatron_utils, which vime does not have"),
+    ],
+)
+def test_a_plugin_that_does_not_fit_is_refused_in_one_line_at_start_up(plugin, says, tmp_path, dict_data, tiny_model):
+    res = run_cli(
+        "train.py", "--hf-checkpoint", str(tiny_model), "--prompt-data", str(dict_data),
+        "--custom-generate-function-path", plugin, "--custom-rm-path", "seed_plugins.first_token_parity",
+        "--runs-dir", str(tmp_path), "--num-rollout", "1",
+        timeout=120,
+    )  # fmt: skip
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert says in res.stderr and "Traceback" not in res.stderr
+    assert len([line for line in res.stderr.splitlines() if says in line]) == 1

@@ -1,0 +1,306 @@
+"""The seed system's plug-in API on vime's parts (docs/plugin-compat.md lists every name).
+
+The seed system (vLLM's vime, built on slime) has its custom generate functions talk to the
+engines themselves: they read `GenerateState(args).tokenizer`, turn the rollout's sampling
+params into vLLM's with `_build_inference_sampling_params`, POST token ids to
+`http://{args.vllm_router_ip}:{args.vllm_router_port}/inference/v1/generate`, and append what
+comes back with `Sample.append_response_tokens`. Some return several samples (multi-agent: one
+per agent call). Here:
+
+* `Router`: the `/inference/v1/generate` route, vLLM's request and answer shapes, served in the
+  run's own process on the rollout loop. Each request goes through the run's engines as vime's
+  own generate does (`generate_on_engines`: any backend, the engine picking and failover of
+  runtime.py, the weight version of every token), so a plug-in never needs an engine's address
+  or key. The run starts it when a custom generate or rollout function is given and sets
+  `args.vllm_router_ip` / `args.vllm_router_port`.
+* `GenerateState`, `_build_inference_sampling_params`, `_inference_generate_tokens_and_logprobs`:
+  the seed's helpers of those names (re-exported by vllm_rollout.py, where plug-ins import them).
+* `flatten` and `fanned_out_advantages`: a generate that returns a list of samples. As in the
+  seed, each returned sample is trained; vime's group is every sample that came from one prompt
+  (the prompt's n samples, each expanded into what its generate returned), and GRPO normalizes
+  within it. The seed normalizes over the whole batch once counts differ; per prompt is the
+  group GRPO means, and what the seed does where it tracks group sizes (multi-LoRA).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from vime.rollout import async_loop
+from vime.rollout.runtime import runtime_of
+from vime.rollout.types import Sample
+
+log = logging.getLogger("vime")
+
+GENERATE_ROUTE = "/inference/v1/generate"
+
+# vLLM's sampling-params keys the router takes → vime's engine protocol key (None: accepted and
+# not needed: log-probs always come back, tokens are ids so detokenizer switches change nothing)
+_FROM_VLLM: dict[str, str | None] = {
+    "max_tokens": "max_new_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "stop": "stop",
+    "stop_token_ids": "stop_token_ids",
+    "seed": "sampling_seed",
+    "n": "n",
+    "ignore_eos": "ignore_eos",
+    "logprobs": None,
+    "skip_special_tokens": None,
+    "include_stop_str_in_output": None,
+    "spaces_between_special_tokens": None,
+}
+
+
+# ---------------------------------------------------------------- the seed's helpers
+
+
+class GenerateState:
+    """What the seed's plug-ins read from `GenerateState(args)`: `tokenizer` (the run's),
+    `processor` (None: vime rolls out text), `sampling_params` (the rollout's, in vime's
+    protocol keys) and `args`. One per model per process, as the seed's is a singleton: a
+    plug-in calls it on every sample."""
+
+    _made: dict[str, GenerateState] = {}
+
+    def __new__(cls, args: Any) -> GenerateState:
+        key = str(getattr(args, "model_dir", None) or args.hf_checkpoint)
+        state = cls._made.get(key)
+        if state is None:
+            state = cls._made[key] = super().__new__(cls)
+            state.tokenizer = _tokenizer(args)
+            state.processor = None
+        state.args = args
+        return state
+
+    def __init__(self, args: Any) -> None:
+        from vime.rollout.vllm_rollout import sampling_params
+
+        self.sampling_params: dict[str, Any] = sampling_params(args)
+
+
+def _tokenizer(args: Any) -> Any:
+    runtime = getattr(args, "runtime", None)
+    if runtime is not None:
+        return runtime.tokenizer
+    from vime.models import load_tokenizer
+
+    return load_tokenizer(getattr(args, "model_dir", None) or args.hf_checkpoint)
+
+
+def _build_inference_sampling_params(sampling_params: dict[str, Any]) -> dict[str, Any]:
+    """The rollout's sampling params (vime's keys) as the body of vLLM's `/inference/v1/generate`,
+    asking for each token's log-prob: the seed's helper of this name."""
+    out: dict[str, Any] = {
+        "max_tokens": sampling_params["max_new_tokens"],
+        "temperature": sampling_params["temperature"],
+        "top_p": sampling_params["top_p"],
+        "logprobs": 1,
+    }
+    top_k = sampling_params.get("top_k")
+    if top_k is not None and (top_k > 0 or top_k == -1):
+        out["top_k"] = top_k
+    if sampling_params.get("stop"):
+        out["stop"] = list(sampling_params["stop"])
+        if sampling_params.get("no_stop_trim"):
+            out["include_stop_str_in_output"] = True
+    if sampling_params.get("stop_token_ids"):
+        out["stop_token_ids"] = list(sampling_params["stop_token_ids"])
+    seed = sampling_params.get("seed", sampling_params.get("sampling_seed"))
+    if seed is not None:
+        out["seed"] = seed
+    if sampling_params.get("skip_special_tokens") is not None:
+        out["skip_special_tokens"] = bool(sampling_params["skip_special_tokens"])
+    return out
+
+
+def _inference_generate_tokens_and_logprobs(choice: dict[str, Any]) -> tuple[list[int], list[float]]:
+    """(token ids, their log-probs) of one choice of a `/inference/v1/generate` answer."""
+    ids = [int(t) for t in choice.get("token_ids") or []]
+    content = (choice.get("logprobs") or {}).get("content") or []
+    return ids, [float(c.get("logprob", 0.0)) if isinstance(c, dict) else 0.0 for c in content]
+
+
+# ---------------------------------------------------------------- the router
+
+
+class RequestError(ValueError):
+    """A request the router cannot serve; answered 400 with this message."""
+
+
+def engine_params(body: dict[str, Any], default_max_tokens: int) -> dict[str, Any]:
+    """vime's sampling params of a `/inference/v1/generate` body. A key vime's engines cannot
+    honour (repetition_penalty, say) is refused by name, never dropped: dropped, the request
+    would sample from another distribution than the one asked for."""
+    given = body.get("sampling_params") or {}
+    if not isinstance(given, dict):
+        raise RequestError("sampling_params must be an object")
+    unknown = sorted(k for k in given if k not in _FROM_VLLM)
+    if unknown:
+        raise RequestError(
+            f"sampling_params {', '.join(unknown)}: vime's engines do not take "
+            f"{'it' if len(unknown) == 1 else 'them'} (they take {', '.join(k for k, v in _FROM_VLLM.items() if v)})"
+        )
+    params: dict[str, Any] = {"max_new_tokens": default_max_tokens}
+    for key, value in given.items():
+        if _FROM_VLLM[key] is not None and value is not None:
+            params[_FROM_VLLM[key]] = value
+    if int(params.get("n", 1)) != 1:
+        raise RequestError("n must be 1 (send one request per sample)")
+    return params
+
+
+def vllm_answer(rid: str, input_len: int, out: dict[str, Any]) -> dict[str, Any]:
+    """vime's engine answer as vLLM's `/inference/v1/generate` one; `weight_versions` (per token)
+    is vime's addition, read by `Sample.append_response_tokens` when passed as meta_info."""
+    meta = out["meta_info"]
+    ids = list(out["output_ids"])
+    versions = list(meta.get("output_weight_versions") or [])
+    return {
+        "id": rid,
+        "choices": [
+            {
+                "index": 0,
+                "token_ids": ids,
+                "logprobs": {
+                    "content": [
+                        {"token_id": t, "logprob": lp} for t, lp in zip(ids, meta.get("output_token_logprobs") or [])
+                    ]
+                },
+                "finish_reason": meta["finish_reason"]["type"],
+                "weight_versions": versions,
+            }
+        ],
+        "usage": {"prompt_tokens": input_len, "completion_tokens": len(ids)},
+        "weight_version": versions[-1] if versions else meta.get("weight_version"),
+    }
+
+
+@dataclass
+class Router:
+    """`/inference/v1/generate` (and `/health`) on 127.0.0.1, through the run's engines."""
+
+    args: Any
+    host: str = "127.0.0.1"
+    port: int = 0
+    _runner: web.AppRunner | None = None
+
+    async def _generate(self, request: web.Request) -> web.Response:
+        from vime.rollout.vllm_rollout import generate_on_engines
+
+        try:
+            body = await request.json()
+            ids = body.get("token_ids") if isinstance(body, dict) else None
+            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
+                raise RequestError("token_ids must be a non-empty list of token ids (the prompt, tokenized)")
+            params = engine_params(body, self.args.rollout_max_response_len)
+        except (ValueError, TypeError) as e:  # malformed JSON too
+            return web.json_response({"error": {"message": str(e)}}, status=400)
+        rid = str(body.get("request_id") or uuid.uuid4().hex)
+        runtime = runtime_of(self.args)
+        key = hash(tuple(ids[:64]))  # the same prompt to the same engine while it runs (its prefix cache)
+        try:
+            out = await generate_on_engines(runtime, key, ids, params)
+        except Exception as e:  # the engine refused or is gone: the plug-in's post() raises with this
+            return web.json_response({"error": {"message": f"{type(e).__name__}: {e}"}}, status=503)
+        finally:
+            runtime.forget_group(key)
+        return web.json_response(vllm_answer(rid, len(ids), out))
+
+    async def _health(self, _: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _start(self) -> None:
+        app = web.Application(client_max_size=256 * 1024**2)
+        app.router.add_post(GENERATE_ROUTE, self._generate)
+        app.router.add_get("/health", self._health)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # the free port the OS gave
+
+    def start(self) -> Router:
+        """Serve on the rollout loop and tell the plug-ins where (`args.vllm_router_ip/port`)."""
+        async_loop.run(self._start())
+        self.args.vllm_router_ip, self.args.vllm_router_port = self.host, self.port
+        log.info("plug-ins reach the engines at http://%s:%d%s", self.host, self.port, GENERATE_ROUTE)
+        return self
+
+    def stop(self) -> None:
+        if self._runner is not None:
+            async_loop.run(self._runner.cleanup())
+            self._runner = None
+
+
+def needs_router(args: Any) -> bool:
+    """A plug-in that may talk to the engines itself: a custom generate or rollout function."""
+    from vime.modes import DEFAULT_ROLLOUT_FN, FULLY_ASYNC_FN
+
+    return bool(args.custom_generate_function_path) or args.rollout_function_path not in (
+        DEFAULT_ROLLOUT_FN,
+        FULLY_ASYNC_FN,
+    )
+
+
+# ---------------------------------------------------------------- several samples per generate
+
+
+def flatten(results: list[Sample | list[Sample]]) -> list[Sample]:
+    """A group's generate results as one group: a list a generate returned stands for its samples."""
+    return [s for r in results for s in (r if isinstance(r, list) else [r])]
+
+
+def fanned_out(groups: list[list[Sample]], n: int) -> bool:
+    """Whether some group is not `n` samples (a generate returned several)."""
+    return any(len(g) != n for g in groups)
+
+
+def fanned_out_advantages(
+    groups: list[list[Sample]],
+    estimator: str,
+    std_normalize: bool,
+    whitened: bool,
+    custom: Callable[..., Any] | None = None,
+    args: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rewards, advantages), flat, of groups of different sizes: group_advantages' estimator
+    (or --custom-advantage-function-path's, asked for one [1 × k] group at a time) on each group
+    alone, so each normalizes within itself; whitening, where it applies, over the whole batch."""
+    from vime.algorithms import estimator_of
+    from vime.algorithms.credit import compute_advantages, group_advantages, whiten
+
+    rewards, advs = [], []
+    for g in groups:
+        r = torch.tensor([[s.reward or 0.0 for s in g]], dtype=torch.float32)
+        if custom is None:
+            a = compute_advantages(r, estimator, std_normalize=std_normalize)
+        else:  # "grpo" only so that nothing is whitened per group; the custom function decides
+            _, a = group_advantages([g], "grpo", custom=custom, args=args)
+        rewards.append(r.flatten())
+        advs.append(a.flatten())
+    adv = torch.cat(advs)
+    if whitened or estimator_of(estimator).advantages.whitened:
+        counts = torch.tensor([float(sum(s.effective_loss_mask())) for g in groups for s in g])
+        adv = whiten(adv, counts)
+    return torch.cat(rewards), adv
+
+
+def trim_to_steps(samples: list[Sample], steps: int) -> list[Sample]:
+    """The samples of a fanned-out rollout that its `steps` optimizer steps train: the first
+    multiple of `steps` (the seed trims to its global batch size the same way), so every rollout
+    still takes --global-batch-size's steps and the policy version stays one count."""
+    keep = len(samples) - len(samples) % steps
+    if keep == 0:
+        raise ValueError(f"{len(samples)} samples cannot fill the rollout's {steps} optimizer steps")
+    if keep < len(samples):
+        log.info("a rollout of %d samples trains %d (%d optimizer steps)", len(samples), keep, steps)
+    return samples[:keep]
