@@ -49,6 +49,7 @@ from vime.trainer.checkpoint import checkpoint_to_load
 from vime.trainer.distributed import launch_actor
 from vime.trainer.loss import discounted_returns, group_advantages
 from vime.trainer.nonfinite import BadSteps, bad_inputs
+from vime.trainer.ray_ranks import start_ray_ranks
 from vime.trainer.weights import WeightPusher
 
 log = logging.getLogger("vime")
@@ -105,7 +106,14 @@ class Run:
         self.actor = (
             None
             if args.debug_rollout_only
-            else launch_actor(args, args.model_dir, trainer_device(args), inputs.tokenizer, self.run_dir)
+            else launch_actor(
+                args,
+                args.model_dir,
+                trainer_device(args),
+                inputs.tokenizer,
+                self.run_dir,
+                start_ranks=start_ray_ranks if args.launcher == "ray" else None,
+            )
         )
         backend = BACKENDS[args.rollout_backend]
         try:
