@@ -186,7 +186,7 @@ def master_address(args, infos: list[dict], transports: list[str]) -> str:
 
 
 def place(args, model_dir: Path, run_dir: Path) -> Placement:
-    """The built-in engine's placement (`vime/backends.py`): launch one engine per device
+    """The built-in engine's placement (`vime/backends/__init__.py`): launch one engine per device
     (or check the ones at --rollout-engine-urls) and pick how weights reach each."""
     apply_gpu_safe_env()  # NVLink multicast off here and in every process started from here
     trainer = trainer_device(args)

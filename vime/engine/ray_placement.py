@@ -157,7 +157,7 @@ def resolve_launcher(args) -> str:
 
 
 def place_ray(args, model_dir: Path, run_dir: Path) -> Placement:
-    """The built-in engine's placement on a Ray cluster (its row in vime/backends.py)."""
+    """The built-in engine's placement on a Ray cluster (its row in vime/backends/__init__.py)."""
     dtype = "float32" if trainer_device(args) == "cpu" else "bfloat16"
 
     def engine_kwargs(i: int, device: str) -> dict:

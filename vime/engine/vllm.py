@@ -2,7 +2,7 @@
 
 `VLLMClient` speaks vime's engine protocol (`EngineClient`'s methods, its request and response
 shapes) to a vLLM server's own routes; `launch_vllm` starts such a server; `place_vllm` is the
-placement of `--rollout-backend vllm` (its row in vime/backends.py). Nothing here imports vLLM: the trainer talks to
+placement of `--rollout-backend vllm` (its row in vime/backends/__init__.py). Nothing here imports vLLM: the trainer talks to
 the server over HTTP only, so this module loads in any environment, and every vLLM quirk that
 the adapter absorbs lives in this one file (the list, with the reasons, is in
 docs/architecture.md, "vLLM backend").
@@ -822,7 +822,7 @@ def check_same_model(trainer: dict[str, Any], served: dict[str, Any], url: str) 
 
 
 def place_vllm(args, model_dir: Path, run_dir: Path) -> Placement:
-    """The placement of --rollout-backend vllm (`vime/backends.py`): launch one server per engine (or check the ones at
+    """The placement of --rollout-backend vllm (`vime/backends/__init__.py`): launch one server per engine (or check the ones at
     --rollout-engine-urls) and pick how weights reach them.
 
     Every server must run vime's worker extension (launched ones do), serve the trainer's model
