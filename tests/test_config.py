@@ -170,7 +170,7 @@ def test_every_modes_ab_arm_runs_that_mode_and_every_backend_row_resolves():
     each backend's client and placement import (a typo would otherwise surface mid-run)."""
     from vime.ab import arm_command
     from vime.backends import BACKENDS, _load
-    from vime.engine.client import EngineClient
+    from vime.backends.client import EngineClient
     from vime.modes import MODES
 
     for name in MODES:

@@ -28,7 +28,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vime.engine.client import EngineClient, EngineError
+from vime.backends.client import EngineClient, EngineError
 from vime.engine.launch import launch_engine
 
 ATOL = 1e-4

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from vime.engine.client import EngineClient
+from vime.backends.client import EngineClient
 from vime.engine.core.model import iter_safetensors
 from vime.engine.launch import launch_engine
 from vime.models import make_tiny_model

@@ -34,8 +34,8 @@ import pytest
 import torch
 from conftest import ROOT
 
+from vime.backends.client import EngineError
 from vime.config import Config
-from vime.engine.client import EngineError
 from vime.engine.vllm import (
     VLLMClient,
     _group_alive,

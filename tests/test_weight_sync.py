@@ -16,8 +16,8 @@ import time
 import pytest
 import torch
 
+from vime.backends.client import EngineClient, EngineError
 from vime.config import Config, ConfigError
-from vime.engine.client import EngineClient, EngineError
 from vime.engine.core.model import iter_safetensors
 from vime.engine.launch import launch_engine
 from vime.engine.placement import choose_transports, master_address

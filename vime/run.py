@@ -31,9 +31,9 @@ import torch
 import yaml
 
 from vime.backends import BACKENDS
+from vime.backends.client import EngineClient, EngineError
 from vime.config import Config, ConfigError
 from vime.debug_rollout import load_rollout, save_rollout
-from vime.engine.client import EngineClient, EngineError
 from vime.engine.placement import Placement, fresh_path, trainer_device
 from vime.engine.ray_placement import resolve_launcher
 from vime.lifetime import signals_held

@@ -1,6 +1,6 @@
 """The rollout backends, one row each: what differs between engines a run can generate with.
 
-Every backend speaks vime's engine protocol (`vime/engine/client.py`) through a client class of
+Every backend speaks vime's engine protocol (`vime/backends/client.py`) through a client class of
 its own, and places its engines with a `place(args, model_dir, run_dir) -> Placement`
 (`vime/engine/placement.py`). A new backend is one module holding those two, plus one row here.
 
@@ -48,7 +48,7 @@ BACKENDS: dict[str, Backend] = {
         Backend(
             "vime",
             "the built-in engine",
-            client="vime.engine.client:EngineClient",
+            client="vime.backends.client:EngineClient",
             place="vime.engine.placement:place",
             transports=TRANSPORTS,
             tensor_parallel=False,

@@ -19,8 +19,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from vime.backends.client import EngineClient, EngineError
 from vime.engine import weight_sync
-from vime.engine.client import EngineClient, EngineError
 from vime.engine.http_common import API_KEY_ENV
 from vime.engine.server import READY_LINE
 

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
+from vime.backends.client import EngineClient
 from vime.config import ConfigError
-from vime.engine.client import EngineClient
 from vime.engine.launch import EngineProcess, launch_engine
 from vime.engine.weight_sync import apply_gpu_safe_env
 

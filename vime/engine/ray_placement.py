@@ -30,8 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from vime.backends.client import EngineClient, EngineError
 from vime.config import ConfigError
-from vime.engine.client import EngineClient, EngineError
 from vime.engine.placement import Placement, fresh_path, launch_all, placed, trainer_device
 from vime.engine.weight_sync import apply_gpu_safe_env
 

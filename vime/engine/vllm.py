@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vime.backends.client import EngineClient, EngineError
 from vime.config import ConfigError
-from vime.engine.client import EngineClient, EngineError
 from vime.engine.launch import log_tail
 from vime.engine.placement import (
     Placement,

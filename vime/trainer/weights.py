@@ -34,8 +34,8 @@ import torch
 from torch import Tensor
 
 from vime.backends import TRANSPORTS
+from vime.backends.client import EngineError
 from vime.engine import cuda_ipc, weight_sync
-from vime.engine.client import EngineError
 from vime.errors import VimeError
 
 log = logging.getLogger("vime")
