@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_cpu_engines import cpu_name  # noqa: E402
-from vime.engine.weight_sync import apply_gpu_safe_env  # noqa: E402
+from vime.transport.group import apply_gpu_safe_env  # noqa: E402
 
 apply_gpu_safe_env()  # multicast off (NCCL_NVLS_ENABLE=0 ...), before torch or vLLM start anything
 

@@ -38,13 +38,13 @@ from conftest import ROOT, run_cli
 
 from vime.backends.client import EngineClient, EngineError
 from vime.config import Config
-from vime.engine import cuda_ipc
 from vime.engine.launch import launch_engine
 from vime.engine.server import parse_args as engine_args
 from vime.metrics import progress_postfix
 from vime.rollout.rewards import Rewards
 from vime.rollout.types import Sample
 from vime.rollout.vllm_rollout import rollout_metrics
+from vime.transport import cuda_ipc
 
 TINY = ["--config", "examples/tiny.yaml", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2"]
 FULLY_ASYNC = ["--rollout-function-path", "vime.rollout.fully_async_rollout.generate_rollout_fully_async"]

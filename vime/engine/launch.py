@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vime.backends.client import EngineClient, EngineError
-from vime.engine import weight_sync
 from vime.engine.http_common import API_KEY_ENV
 from vime.engine.server import READY_LINE
+from vime.transport.group import apply_gpu_safe_env
 
 
 @dataclass
@@ -107,7 +107,7 @@ def launch_engine(
     env.pop(API_KEY_ENV, None)
     if api_key:
         env[API_KEY_ENV] = api_key
-    weight_sync.apply_gpu_safe_env(env)  # NVLink multicast stays off in the engine's NCCL (device README)
+    apply_gpu_safe_env(env)  # NVLink multicast stays off in the engine's NCCL (device README)
     with open(log_path, "w") as logf:
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     deadline = time.monotonic() + startup_timeout

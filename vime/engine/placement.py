@@ -29,7 +29,7 @@ import torch
 from vime.backends.client import EngineClient
 from vime.config import ConfigError
 from vime.engine.launch import EngineProcess, launch_engine
-from vime.engine.weight_sync import apply_gpu_safe_env
+from vime.transport.group import apply_gpu_safe_env
 
 log = logging.getLogger("vime")
 

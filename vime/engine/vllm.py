@@ -47,7 +47,7 @@ from vime.engine.placement import (
     trainer_device,
 )
 from vime.engine.vllm_ext import API_KEY_ENV, PROTOCOL
-from vime.engine.weight_sync import apply_gpu_safe_env
+from vime.transport.group import apply_gpu_safe_env
 
 log = logging.getLogger("vime")
 
@@ -382,7 +382,7 @@ class VLLMClient(EngineClient):
         )
 
     def init_weights_update_group(self, body: dict) -> dict:
-        """Join the trainer's weight group (vime.engine.weight_sync): every worker of the server
+        """Join the trainer's weight group (vime.transport.group): every worker of the server
         joins as rank `rank_offset + its tensor-parallel rank`."""
         backend = body.get("backend", "nccl")
         if backend == "nccl" and self.device != "cuda":

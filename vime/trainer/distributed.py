@@ -39,10 +39,10 @@ import torch.multiprocessing as mp
 from tqdm import tqdm
 
 from vime.config import Config
-from vime.engine.weight_sync import apply_gpu_safe_env
 from vime.errors import VimeError
 from vime.lifetime import PARENT_POLL_S, exit_with_parent, leave
 from vime.trainer.actor import Actor
+from vime.transport.group import apply_gpu_safe_env
 
 log = logging.getLogger("vime")
 

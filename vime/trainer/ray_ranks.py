@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from vime.config import Config
-from vime.engine.weight_sync import GPU_SAFE_ENV
 from vime.trainer.distributed import TrainerRankError, _init, _serve
+from vime.transport.group import GPU_SAFE_ENV
 
 log = logging.getLogger("vime")
 
