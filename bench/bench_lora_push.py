@@ -40,8 +40,8 @@ from vime.config import Config  # noqa: E402
 from vime.engine.launch import launch_engine  # noqa: E402
 from vime.rollout.types import Sample  # noqa: E402
 from vime.trainer.distributed import launch_actor  # noqa: E402
-from vime.trainer.weights import WeightPusher  # noqa: E402
 from vime.transport.group import apply_gpu_safe_env  # noqa: E402
+from vime.transport.push import WeightPusher  # noqa: E402
 
 PROMPTS = [[40, 41, 42], [50, 60, 70, 80, 90], list(range(10, 33))]
 

@@ -35,8 +35,8 @@ from vime.config import Config  # noqa: E402
 from vime.engine.launch import launch_engine  # noqa: E402
 from vime.models import make_tiny_model  # noqa: E402
 from vime.trainer.distributed import launch_actor  # noqa: E402
-from vime.trainer.weights import WeightPusher  # noqa: E402
 from vime.transport.group import apply_gpu_safe_env  # noqa: E402
+from vime.transport.push import WeightPusher  # noqa: E402
 
 GiB = 2**30
 

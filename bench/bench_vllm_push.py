@@ -40,7 +40,7 @@ import torch  # noqa: E402
 
 from vime.engine.vllm import VLLMClient, launch_vllm  # noqa: E402
 from vime.models import resolve_model  # noqa: E402
-from vime.trainer.weights import WeightPusher  # noqa: E402
+from vime.transport.push import WeightPusher  # noqa: E402
 
 # (row name, transport, checksums on)
 VARIANTS = [

@@ -475,7 +475,7 @@ def test_disk_push_changes_outputs_flushes_the_cache_and_stamps_versions(client,
     from transformers import AutoModelForCausalLM
 
     from vime.models import make_tiny_model
-    from vime.trainer.weights import WeightPusher
+    from vime.transport.push import WeightPusher
 
     other = make_tiny_model(tmp_path / "other", seed=1, **MID_MODEL)
     greedy = {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}
@@ -575,7 +575,7 @@ def test_a_collective_push_makes_the_server_compute_what_the_trainer_does(pairs,
     """Weights B pushed by broadcast (gloo: the code NCCL runs on GPUs) into a server of A: its
     log-probs are then the trainer's for B, tied output layer included; the trainer's checksums
     match the server's; and a push back by disk restores A's outputs."""
-    from vime.trainer.weights import WeightPusher
+    from vime.transport.push import WeightPusher
 
     (a_dir, a), (b_dir, _) = pairs[kind, "A"], pairs[kind, "B"]
     client = VLLMClient(a.url, api_key=a.api_key)
@@ -622,7 +622,7 @@ def test_lora_adapters_alone_make_the_server_compute_the_trainers_merged_model(p
     second adapter push merges into the base, not on top of the first. Adapters with no base
     kept, or mixed with plain weights, are refused in one line."""
     from vime.trainer.actor import Actor
-    from vime.trainer.weights import WeightPusher
+    from vime.transport.push import WeightPusher
 
     a_dir, a = pairs[kind, "A"]
     client = VLLMClient(a.url, api_key=a.api_key)

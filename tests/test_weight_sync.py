@@ -22,9 +22,9 @@ from vime.engine.core.model import iter_safetensors
 from vime.engine.launch import launch_engine
 from vime.engine.placement import choose_transports, master_address
 from vime.models import make_tiny_model
-from vime.trainer.weights import WeightPusher
 from vime.transport.buckets import pack
 from vime.transport.group import WeightSyncError, join, open_store
+from vime.transport.push import WeightPusher
 
 PROMPTS = [[40, 41, 42], [50, 60, 70, 80, 90], list(range(10, 33))]
 

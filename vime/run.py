@@ -50,7 +50,7 @@ from vime.trainer.distributed import launch_actor
 from vime.trainer.loss import discounted_returns, group_advantages
 from vime.trainer.nonfinite import BadSteps, bad_inputs
 from vime.trainer.ray_ranks import start_ray_ranks
-from vime.trainer.weights import WeightPusher
+from vime.transport.push import WeightPusher
 
 log = logging.getLogger("vime")
 
