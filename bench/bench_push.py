@@ -30,9 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_ab import QWEN3_06B, TINY  # noqa: E402
+from vime.backends.builtin.launch import launch_engine  # noqa: E402
 from vime.backends.client import EngineClient  # noqa: E402
 from vime.config import Config  # noqa: E402
-from vime.engine.launch import launch_engine  # noqa: E402
 from vime.models import make_tiny_model  # noqa: E402
 from vime.trainer.distributed import launch_actor  # noqa: E402
 from vime.transport.group import apply_gpu_safe_env  # noqa: E402

@@ -139,7 +139,7 @@ def test_report_renders_from_real_runs(mode_runs, tmp_path):
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    from vime.engine.launch import launch_engine
+    from vime.backends.builtin.launch import launch_engine
 
     e = launch_engine(str(tiny_model), device="cpu", dtype="float32")
     yield e

@@ -28,8 +28,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from vime.backends.builtin.launch import launch_engine
 from vime.backends.client import EngineClient, EngineError
-from vime.engine.launch import launch_engine
 
 ATOL = 1e-4
 EOS_IDS = (3, 1)  # <|im_end|> (config) and <|endoftext|> (generation_config)

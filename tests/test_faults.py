@@ -36,9 +36,9 @@ import torch
 import yaml
 from conftest import ROOT, run_cli
 
+from vime.backends.builtin.launch import launch_engine
 from vime.backends.client import EngineClient, EngineError
 from vime.config import Config
-from vime.engine.launch import launch_engine
 from vime.engine.server import parse_args as engine_args
 from vime.metrics import progress_postfix
 from vime.rollout.rewards import Rewards

@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 
+from vime.backends.builtin.launch import launch_engine
 from vime.backends.client import EngineClient
 from vime.engine.core.model import iter_safetensors
-from vime.engine.launch import launch_engine
 from vime.models import make_tiny_model
 
 pytestmark = pytest.mark.gpu

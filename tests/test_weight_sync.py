@@ -16,10 +16,10 @@ import time
 import pytest
 import torch
 
+from vime.backends.builtin.launch import launch_engine
 from vime.backends.client import EngineClient, EngineError
 from vime.config import Config, ConfigError
 from vime.engine.core.model import iter_safetensors
-from vime.engine.launch import launch_engine
 from vime.engine.placement import choose_transports, master_address
 from vime.models import make_tiny_model
 from vime.transport.buckets import pack

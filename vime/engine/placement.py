@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
+from vime.backends.builtin.launch import EngineProcess, launch_engine
 from vime.backends.client import EngineClient
 from vime.config import ConfigError
-from vime.engine.launch import EngineProcess, launch_engine
 from vime.transport.group import apply_gpu_safe_env
 
 log = logging.getLogger("vime")

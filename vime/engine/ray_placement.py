@@ -169,7 +169,7 @@ def place_ray(args, model_dir: Path, run_dir: Path) -> Placement:
     def facts(url: str, api_key: str) -> dict:
         return EngineClient(url, timeout=30, api_key=api_key).model_info()
 
-    return place_actors(args, run_dir, "vime.engine.launch:launch_engine", engine_kwargs, facts, "engine")
+    return place_actors(args, run_dir, "vime.backends.builtin.launch:launch_engine", engine_kwargs, facts, "engine")
 
 
 def place_actors(

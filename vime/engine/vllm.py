@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vime.backends.builtin.launch import log_tail
 from vime.backends.client import EngineClient, EngineError
 from vime.config import ConfigError
-from vime.engine.launch import log_tail
 from vime.engine.placement import (
     Placement,
     engine_devices,

@@ -1,6 +1,6 @@
 """Start the engine server as a subprocess from Python: `launch_engine` and `EngineProcess`.
 
-Kept apart from `server.py` because it runs in the trainer's process, not the engine's: it execs
+Kept apart from `vime/engine/server.py` because it runs in the trainer's process, not the engine's: it execs
 `python -m vime.engine.server`, waits for the server's ready line and /health, and gives the
 log's tail when the start fails.
 """
@@ -98,7 +98,7 @@ def launch_engine(
         str(os.getpid()),
         *map(str, extra_args),
     ]
-    root = str(Path(__file__).resolve().parents[2])  # so the child imports this same vime
+    root = str(Path(__file__).resolve().parents[3])  # so the child imports this same vime
     env = dict(
         os.environ,
         PYTHONUNBUFFERED="1",
