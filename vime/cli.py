@@ -110,8 +110,8 @@ def eval_main(argv: list[str]) -> int:
 
     from vime.backends import BACKENDS
     from vime.config import parse_args
-    from vime.engine.placement import fresh_path
     from vime.eval import evaluate
+    from vime.launch.placement import fresh_path
     from vime.preflight import check_eval_inputs
     from vime.rollout.runtime import HealthCheck, RolloutRuntime
 

@@ -2,7 +2,7 @@
 
 Every backend speaks vime's engine protocol (`vime/backends/client.py`) through a client class of
 its own, and places its engines with a `place(args, model_dir, run_dir) -> Placement`
-(`vime/engine/placement.py`). A new backend is one module holding those two, plus one row here.
+(`vime/launch/placement.py`). A new backend is one module holding those two, plus one row here.
 
 Rows name their client and placement function by import path, resolved when a run uses them:
 the table is plain data, so `vime.config` reads it for `--rollout-backend`'s choices and checks
@@ -37,7 +37,7 @@ class Backend:
         return _load(self.client)(url, api_key=api_key)
 
     def place_engines(self, args: Any, model_dir: Path, run_dir: Path) -> Any:
-        """Launch the run's engines (or check those given by URL): a `vime.engine.placement.Placement`."""
+        """Launch the run's engines (or check those given by URL): a `vime.launch.placement.Placement`."""
         place = self.ray_place if getattr(args, "launcher", "local") == "ray" else self.place
         return _load(place)(args, model_dir, run_dir)
 
@@ -49,7 +49,7 @@ BACKENDS: dict[str, Backend] = {
             "vime",
             "the built-in engine",
             client="vime.backends.client:EngineClient",
-            place="vime.engine.placement:place",
+            place="vime.backends.builtin.place:place",
             transports=TRANSPORTS,
             tensor_parallel=False,
             lora_adapters=True,  # vime/engine/core/lora.py

@@ -32,7 +32,7 @@ from typing import Any
 
 from vime.backends.client import EngineClient, EngineError
 from vime.config import ConfigError
-from vime.engine.placement import Placement, fresh_path, launch_all, placed, trainer_device
+from vime.launch.placement import Placement, fresh_path, launch_all, placed, trainer_device
 from vime.transport.group import apply_gpu_safe_env
 
 log = logging.getLogger("vime")

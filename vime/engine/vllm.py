@@ -38,7 +38,8 @@ from typing import Any
 from vime.backends.builtin.launch import log_tail
 from vime.backends.client import EngineClient, EngineError
 from vime.config import ConfigError
-from vime.engine.placement import (
+from vime.engine.vllm_ext import API_KEY_ENV, PROTOCOL
+from vime.launch.placement import (
     Placement,
     engine_devices,
     fresh_path,
@@ -46,7 +47,6 @@ from vime.engine.placement import (
     placed,
     trainer_device,
 )
-from vime.engine.vllm_ext import API_KEY_ENV, PROTOCOL
 from vime.transport.group import apply_gpu_safe_env
 
 log = logging.getLogger("vime")
@@ -827,7 +827,7 @@ def place_vllm(args, model_dir: Path, run_dir: Path) -> Placement:
 
     Every server must run vime's worker extension (launched ones do), serve the trainer's model
     (architecture, vocabulary, sizes: compared now) and answer to the run's API key. Transports
-    follow the built-in engine's table (vime.engine.placement), with vLLM's counterparts: gloo where
+    follow the built-in engine's table (vime.launch.placement), with vLLM's counterparts: gloo where
     the built-in engine would use shm (vLLM has no shared-memory load), disk where it would use
     cuda_ipc (an engine on the trainer's own GPU: NCCL cannot join two ranks on one device).
     """
