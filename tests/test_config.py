@@ -345,7 +345,7 @@ def test_launcher_ray_without_ray_or_a_cluster_is_one_line(monkeypatch):
     """Where ray is missing (this environment), or no cluster answers, --launcher ray says what to do."""
     from importlib.util import find_spec
 
-    from vime.engine.ray_placement import join_cluster
+    from vime.launch.ray import join_cluster
 
     if find_spec("ray") is None:
         with pytest.raises(ConfigError, match=r"--launcher ray needs ray in this environment: pip install ray"):

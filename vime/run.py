@@ -34,8 +34,8 @@ from vime.backends import BACKENDS
 from vime.backends.client import EngineClient, EngineError
 from vime.config import Config, ConfigError
 from vime.debug_rollout import load_rollout, save_rollout
-from vime.engine.ray_placement import resolve_launcher
 from vime.launch.placement import Placement, fresh_path, trainer_device
+from vime.launch.ray import resolve_launcher
 from vime.lifetime import signals_held
 from vime.metrics import MetricsLogger, setup_logging
 from vime.models import read_config

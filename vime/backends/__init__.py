@@ -53,7 +53,7 @@ BACKENDS: dict[str, Backend] = {
             transports=TRANSPORTS,
             tensor_parallel=False,
             lora_adapters=True,  # vime/engine/core/lora.py
-            ray_place="vime.engine.ray_placement:place_ray",
+            ray_place="vime.backends.builtin.place:place_ray",
         ),
         Backend(
             "vllm",

@@ -872,9 +872,9 @@ def place_vllm(args, model_dir: Path, run_dir: Path) -> Placement:
 
 def place_vllm_ray(args, model_dir: Path, run_dir: Path) -> Placement:
     """--rollout-backend vllm with --launcher ray: each server started by `launch_vllm` in a Ray
-    actor on its node (`ray_placement.place_actors`), checked and fed as `place_vllm`'s are.
+    actor on its node (`vime.launch.ray.place_actors`), checked and fed as `place_vllm`'s are.
     The model directory must be at the same path on every node, as for the built-in engine."""
-    from vime.engine.ray_placement import place_actors
+    from vime.launch.ray import place_actors
 
     want = model_facts(model_dir)
     dtype = "float32" if trainer_device(args) == "cpu" else "bfloat16"

@@ -72,7 +72,7 @@ def launch_engine(
 
     The server exits by itself when this process does (--parent-pid), so a crashed trainer
     leaves no engine behind. `host` is where it listens: loopback unless other machines must
-    reach it (a Ray engine actor's, `vime/engine/ray_placement.py`).
+    reach it (a Ray engine actor's, `vime/launch/ray.py`).
     """
     if log_path is None:
         fd, name = tempfile.mkstemp(prefix="vime-engine-", suffix=".log")

@@ -10,6 +10,7 @@ from pathlib import Path
 from vime.backends.builtin.launch import EngineProcess, launch_engine
 from vime.backends.client import EngineClient
 from vime.launch.placement import Placement, engine_devices, fresh_path, launch_all, placed, trainer_device
+from vime.launch.ray import place_actors
 from vime.transport.group import apply_gpu_safe_env
 
 log = logging.getLogger("vime")
@@ -47,3 +48,19 @@ def place(args, model_dir: Path, run_dir: Path) -> Placement:
         return EngineClient(url, timeout=30, api_key=api_key).model_info()
 
     return placed(args, trainer, devices, urls, engines, api_key, launch_one, facts, "engine")
+
+
+def place_ray(args, model_dir: Path, run_dir: Path) -> Placement:
+    """The built-in engine's placement on a Ray cluster (its row in `vime/backends/__init__.py`)."""
+    dtype = "float32" if trainer_device(args) == "cpu" else "bfloat16"
+
+    def engine_kwargs(i: int, device: str) -> dict:
+        extra = ["--max-num-seqs", str(args.engine_max_num_seqs), "--seed", str(args.rollout_seed + i)]
+        if args.engine_num_kv_blocks:
+            extra += ["--num-kv-blocks", str(args.engine_num_kv_blocks)]
+        return dict(model_path=str(model_dir), device=device, dtype=dtype, extra_args=extra)
+
+    def facts(url: str, api_key: str) -> dict:
+        return EngineClient(url, timeout=30, api_key=api_key).model_info()
+
+    return place_actors(args, run_dir, "vime.backends.builtin.launch:launch_engine", engine_kwargs, facts, "engine")
