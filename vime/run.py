@@ -36,6 +36,7 @@ from vime.config import Config, ConfigError
 from vime.debug_rollout import load_rollout, save_rollout
 from vime.launch.placement import Placement, fresh_path, trainer_device
 from vime.launch.ray import resolve_launcher
+from vime.launch.ray_ranks import start_ray_ranks
 from vime.lifetime import signals_held
 from vime.metrics import MetricsLogger, setup_logging
 from vime.models import read_config
@@ -49,7 +50,6 @@ from vime.trainer.checkpoint import checkpoint_to_load
 from vime.trainer.distributed import launch_actor
 from vime.trainer.loss import discounted_returns, group_advantages
 from vime.trainer.nonfinite import BadSteps, bad_inputs
-from vime.trainer.ray_ranks import start_ray_ranks
 from vime.transport.push import WeightPusher
 
 log = logging.getLogger("vime")

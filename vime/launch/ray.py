@@ -18,7 +18,7 @@ with it, and the run sees that as an engine failure, named by its node's address
 actor restarts are off, so one path restarts engines, the runtime's, which also re-syncs them.
 
 The trainer's rank 0 stays in this process (the job's driver); its other ranks are Ray actors
-of their own placement group (`vime/trainer/ray_ranks.py`).
+of their own placement group (`vime/launch/ray_ranks.py`).
 """
 
 from __future__ import annotations

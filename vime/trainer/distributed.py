@@ -7,7 +7,7 @@ locally; every rank then runs the same Actor method on the same batch, which is 
 come from `torch.multiprocessing` (one machine, `python train.py`), from `torchrun` (any
 number of machines: RANK/WORLD_SIZE/MASTER_ADDR are set, and ranks other than 0 never return
 from `launch_actor`), or elsewhere by a launcher that hands `launch_actor` its `start_ranks`
-(`--launcher ray`: actors a Ray cluster places, `vime/trainer/ray_ranks.py`). The launcher
+(`--launcher ray`: actors a Ray cluster places, `vime/launch/ray_ranks.py`). The launcher
 imports this module, never the reverse.
 
 World size: `--actor-num-nodes × --actor-num-gpus-per-node` on CUDA; on CPU `actor_num_procs`
