@@ -38,7 +38,8 @@ apply_gpu_safe_env()  # multicast off (NCCL_NVLS_ENABLE=0 ...), before torch or 
 
 import torch  # noqa: E402
 
-from vime.engine.vllm import VLLMClient, launch_vllm  # noqa: E402
+from vime.backends.vllm.client import VLLMClient  # noqa: E402
+from vime.backends.vllm.launch import launch_vllm  # noqa: E402
 from vime.models import resolve_model  # noqa: E402
 from vime.transport.push import WeightPusher  # noqa: E402
 

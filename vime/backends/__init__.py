@@ -58,12 +58,12 @@ BACKENDS: dict[str, Backend] = {
         Backend(
             "vllm",
             "a vLLM server per engine (install the vllm extra)",
-            client="vime.engine.vllm:VLLMClient",
-            place="vime.engine.vllm:place_vllm",
+            client="vime.backends.vllm.client:VLLMClient",
+            place="vime.backends.vllm.place:place_vllm",
             transports=("auto", "nccl", "gloo", "disk"),  # no shared-memory or CUDA IPC load
             tensor_parallel=True,
-            lora_adapters=True,  # merged by vime's worker extension into its copy of the base (vime/engine/vllm_ext.py)
-            ray_place="vime.engine.vllm:place_vllm_ray",
+            lora_adapters=True,  # merged by vime's worker extension into its copy of the base (vime/backends/vllm/worker_ext.py)
+            ray_place="vime.backends.vllm.place:place_vllm_ray",
         ),
     ]
 }

@@ -6,7 +6,7 @@ cluster allows. In its bundle an actor, `EngineHost`, starts the engine server o
 the backend's launcher (`launch_engine` for the built-in engine, `vllm.launch_vllm` for vLLM),
 listening on every address of the node, its log at the run's `engine<i>.log`, and answers with
 the URL other nodes reach it at. `place_actors` is the part every backend shares; each backend's
-`place_ray` (`vime/backends/builtin/place.py`, `vime.engine.vllm.place_vllm_ray`) gives it its
+`place_ray` (`vime/backends/builtin/place.py`, `vime.backends.vllm.place.place_vllm_ray`) gives it its
 launcher, arguments and facts. From there the run treats it as any launched engine: the weight
 transport follows from where the engine reports it runs (`placement.choose_transports`: gloo or nccl to another host, whose
 rendezvous address is this node's IP unless --update-weights-master-address says otherwise),

@@ -3,8 +3,8 @@ middleware that closes every route to callers without the run's API key.
 
 vLLM imports this module, vime's trainer never does. The server is started with
 
-    --worker-extension-cls vime.engine.vllm_ext.WeightReceiver
-    --middleware vime.engine.vllm_ext.require_api_key      (the key in $VIME_VLLM_API_KEY)
+    --worker-extension-cls vime.backends.vllm.worker_ext.WeightReceiver
+    --middleware vime.backends.vllm.worker_ext.require_api_key      (the key in $VIME_VLLM_API_KEY)
 
 and vLLM mixes `WeightReceiver`'s methods into each of its workers (one per tensor-parallel
 rank), where `POST /collective_rpc {"method": "vime_..."}` calls them on every rank at once.
@@ -60,6 +60,15 @@ logger = logging.getLogger("vime.vllm_ext")
 API_KEY_ENV = "VIME_VLLM_API_KEY"
 # Bumped when a method's arguments change, so a server running another vime is refused by name.
 PROTOCOL = 2
+
+# vime's worker extension (weight pushes) and the middleware that closes every route but /health
+# to callers without the key in $VIME_VLLM_API_KEY: needed by any server vime pushes weights to.
+EXTENSION_FLAGS = (
+    "--worker-extension-cls",
+    "vime.backends.vllm.worker_ext.WeightReceiver",
+    "--middleware",
+    "vime.backends.vllm.worker_ext.require_api_key",
+)
 
 
 async def require_api_key(request, call_next):
