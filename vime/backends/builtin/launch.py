@@ -110,12 +110,24 @@ def launch_engine(
     apply_gpu_safe_env(env)  # NVLink multicast stays off in the engine's NCCL (device README)
     with open(log_path, "w") as logf:
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    engine = EngineProcess(_ready_url(proc, log_path, startup_timeout), proc, log_path, api_key)
+    try:
+        EngineClient(engine.url, timeout=10, api_key=api_key).health()
+    except EngineError:
+        engine.shutdown()
+        raise
+    return engine
+
+
+def _ready_url(proc: subprocess.Popen, log_path: Path, startup_timeout: float) -> str:
+    """The URL in the server's ready line, once its log has it; an EngineError with the log's tail
+    if the process exits first or the line is not there within `startup_timeout` s."""
     deadline = time.monotonic() + startup_timeout
     pattern = re.compile(re.escape(READY_LINE) + r" (http://\S+)")
     while True:
         m = pattern.search(log_path.read_text(errors="replace"))
         if m:
-            break
+            return m.group(1)
         if proc.poll() is not None:
             raise EngineError(
                 f"engine process exited with code {proc.returncode} during start (log {log_path}):\n{log_tail(log_path)}"
@@ -126,10 +138,3 @@ def launch_engine(
                 f"engine did not start within {startup_timeout:g}s (log {log_path}):\n{log_tail(log_path)}"
             )
         time.sleep(0.1)
-    engine = EngineProcess(m.group(1), proc, log_path, api_key)
-    try:
-        EngineClient(engine.url, timeout=10, api_key=api_key).health()
-    except EngineError:
-        engine.shutdown()
-        raise
-    return engine

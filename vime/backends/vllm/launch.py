@@ -285,17 +285,7 @@ def launch_vllm(
     log_path = Path(log_path) if log_path is not None else Path(tempfile.mkstemp(prefix="vime-vllm-", suffix=".log")[1])
     log_path.parent.mkdir(parents=True, exist_ok=True)
     url = f"http://127.0.0.1:{port}"
-    env = dict(os.environ, **SERVER_ENV, PYTHONUNBUFFERED="1")
-    env[API_KEY_ENV] = api_key  # in the environment, not on the command line (ps shows that)
-    if device == "cpu":
-        n = os.cpu_count() or 2
-        # an explicit choice wins: the argument, then vLLM's own variable if the user set it
-        default = str(n - 1) if n <= 2 else f"{n // 2}-{n - 1}"
-        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores or os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or default
-    else:  # the server sees only its GPUs: N of "cuda:N" is this process's N-th visible one
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        ids = visible.split(",") if visible else None
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[int(i)] if ids else i for i in gpus.split(","))
+    env = _server_env(device, gpus, api_key, cpu_cores)
     with open(log_path, "w") as logf:
         # a session of its own: the API server and its workers form one process group to end
         proc = subprocess.Popen(
@@ -307,20 +297,43 @@ def launch_vllm(
     server = VLLMProcess(url, proc, watcher, log_path, api_key)
     try:
         _wait_ready(server, startup_timeout)
-        client = VLLMClient(url, timeout=120, device="cpu" if device == "cpu" else "cuda", api_key=api_key)
-        check_version(client.version(), url)
-        client.hello()
-        try:
-            asyncio.run(_one_token(client))
-        except EngineError as e:
-            raise EngineError(
-                f"vLLM cannot run {model_path}: {_startup_reason(log_path) or e} (log {log_path})"
-            ) from None
-        client.set_weight_version(0)
+        _check_started(server, model_path, device)
     except BaseException:
         server.shutdown()
         raise
     return server
+
+
+def _server_env(device: str, gpus: str, api_key: str, cpu_cores: str | None) -> dict[str, str]:
+    """The server's environment: dev mode, the key, and what it runs on (its OpenMP threads'
+    cores on CPU, its GPUs otherwise)."""
+    env = dict(os.environ, **SERVER_ENV, PYTHONUNBUFFERED="1")
+    env[API_KEY_ENV] = api_key  # in the environment, not on the command line (ps shows that)
+    if device == "cpu":
+        n = os.cpu_count() or 2
+        # an explicit choice wins: the argument, then vLLM's own variable if the user set it
+        default = str(n - 1) if n <= 2 else f"{n // 2}-{n - 1}"
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores or os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or default
+    else:  # the server sees only its GPUs: N of "cuda:N" is this process's N-th visible one
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else None
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[int(i)] if ids else i for i in gpus.split(","))
+    return env
+
+
+def _check_started(server: VLLMProcess, model_path: str, device: str) -> None:
+    """A server that answers /health: at a supported version, running vime's extension, and able
+    to generate one token (else vLLM's reason, in one line); its weight version set to 0."""
+    client = VLLMClient(server.url, timeout=120, device="cpu" if device == "cpu" else "cuda", api_key=server.api_key)
+    check_version(client.version(), server.url)
+    client.hello()
+    try:
+        asyncio.run(_one_token(client))
+    except EngineError as e:
+        raise EngineError(
+            f"vLLM cannot run {model_path}: {_startup_reason(server.log_path) or e} (log {server.log_path})"
+        ) from None
+    client.set_weight_version(0)
 
 
 async def _one_token(client: VLLMClient) -> None:
