@@ -2,7 +2,8 @@
 
 Every backend speaks vime's engine protocol (`vime/backends/client.py`) through a client class of
 its own, and places its engines with a `place(args, model_dir, run_dir) -> Placement`
-(`vime/launch/placement.py`). A new backend is one module holding those two, plus one row here.
+(ending in `vime/launch/placement.py`'s `placed`). A new backend is one package beside `builtin/`
+and `vllm/` holding those two, plus one row here.
 
 Rows name their client and placement function by import path, resolved when a run uses them:
 the table is plain data, so `vime.config` reads it for `--rollout-backend`'s choices and checks

@@ -3,7 +3,7 @@
 Each engine gets one bundle of a placement group (`{"CPU": 1}`, plus its GPUs,
 --rollout-num-gpus-per-engine, when the trainer runs on GPUs), packed onto as few nodes as the
 cluster allows. In its bundle an actor, `EngineHost`, starts the engine server on its node with
-the backend's launcher (`launch_engine` for the built-in engine, `vllm.launch_vllm` for vLLM),
+the backend's launcher (`launch_engine` for the built-in engine, `launch_vllm` for vLLM),
 listening on every address of the node, its log at the run's `engine<i>.log`, and answers with
 the URL other nodes reach it at. `place_actors` is the part every backend shares; each backend's
 `place_ray` (`vime/backends/builtin/place.py`, `vime.backends.vllm.place.place_vllm_ray`) gives it its
