@@ -45,10 +45,10 @@ sys.path.insert(0, str(ROOT))
 
 from bench.shapes import SHAPES, tiny_model_kwargs  # noqa: E402
 from vime.ab import run_arm  # noqa: E402
+from vime.backends.builtin.launch import launch_engine  # noqa: E402
+from vime.backends.client import EngineClient  # noqa: E402
 from vime.cli import guarded  # noqa: E402
 from vime.datagen import write_dataset  # noqa: E402
-from vime.engine.client import EngineClient  # noqa: E402
-from vime.engine.launch import launch_engine  # noqa: E402
 from vime.errors import VimeError  # noqa: E402
 from vime.metrics import mean  # noqa: E402
 from vime.models import make_tiny_model  # noqa: E402

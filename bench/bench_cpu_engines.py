@@ -29,9 +29,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from vime.engine.client import EngineClient  # noqa: E402
-from vime.engine.launch import launch_engine  # noqa: E402
-from vime.engine.vllm import VLLMClient, launch_vllm  # noqa: E402
+from vime.backends.builtin.launch import launch_engine  # noqa: E402
+from vime.backends.client import EngineClient  # noqa: E402
+from vime.backends.vllm.client import VLLMClient  # noqa: E402
+from vime.backends.vllm.launch import launch_vllm  # noqa: E402
 from vime.models import resolve_model  # noqa: E402
 
 

@@ -35,13 +35,13 @@ sys.path.insert(0, str(ROOT))
 
 from bench.bench_trainer import make_model  # noqa: E402
 from bench.shapes import SHAPES, TINY  # noqa: E402
+from vime.backends.builtin.launch import launch_engine  # noqa: E402
+from vime.backends.client import EngineClient  # noqa: E402
 from vime.config import Config  # noqa: E402
-from vime.engine.client import EngineClient  # noqa: E402
-from vime.engine.launch import launch_engine  # noqa: E402
-from vime.engine.weight_sync import apply_gpu_safe_env  # noqa: E402
 from vime.rollout.types import Sample  # noqa: E402
 from vime.trainer.distributed import launch_actor  # noqa: E402
-from vime.trainer.weights import WeightPusher  # noqa: E402
+from vime.transport.group import apply_gpu_safe_env  # noqa: E402
+from vime.transport.push import WeightPusher  # noqa: E402
 
 PROMPTS = [[40, 41, 42], [50, 60, 70, 80, 90], list(range(10, 33))]
 

@@ -30,13 +30,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_ab import QWEN3_06B, TINY  # noqa: E402
+from vime.backends.builtin.launch import launch_engine  # noqa: E402
+from vime.backends.client import EngineClient  # noqa: E402
 from vime.config import Config  # noqa: E402
-from vime.engine.client import EngineClient  # noqa: E402
-from vime.engine.launch import launch_engine  # noqa: E402
-from vime.engine.weight_sync import apply_gpu_safe_env  # noqa: E402
 from vime.models import make_tiny_model  # noqa: E402
 from vime.trainer.distributed import launch_actor  # noqa: E402
-from vime.trainer.weights import WeightPusher  # noqa: E402
+from vime.transport.group import apply_gpu_safe_env  # noqa: E402
+from vime.transport.push import WeightPusher  # noqa: E402
 
 GiB = 2**30
 
@@ -151,7 +151,7 @@ def timed_pushes(
 def breakdown(actor, pusher: WeightPusher, gpu: bool, n: int = 5) -> None:
     """Where a push's time goes on the trainer: gathering the named tensors, and packing them
     into cast flat buckets (the rest is HTTP, the broadcast and the engine's copy)."""
-    from vime.engine import weight_sync
+    from vime.transport.buckets import pack
 
     def sync() -> None:
         if gpu:
@@ -164,7 +164,7 @@ def breakdown(actor, pusher: WeightPusher, gpu: bool, n: int = 5) -> None:
         tensors = list(actor.named_weights())
         sync()
         t1 = time.perf_counter()
-        for _ in weight_sync.pack(
+        for _ in pack(
             iter(tensors),
             pusher.bucket_bytes,
             torch.bfloat16 if gpu else torch.float32,

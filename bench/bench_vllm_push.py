@@ -32,15 +32,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_cpu_engines import cpu_name  # noqa: E402
-from vime.engine.weight_sync import apply_gpu_safe_env  # noqa: E402
+from vime.transport.group import apply_gpu_safe_env  # noqa: E402
 
 apply_gpu_safe_env()  # multicast off (NCCL_NVLS_ENABLE=0 ...), before torch or vLLM start anything
 
 import torch  # noqa: E402
 
-from vime.engine.vllm import VLLMClient, launch_vllm  # noqa: E402
+from vime.backends.vllm.client import VLLMClient  # noqa: E402
+from vime.backends.vllm.launch import launch_vllm  # noqa: E402
 from vime.models import resolve_model  # noqa: E402
-from vime.trainer.weights import WeightPusher  # noqa: E402
+from vime.transport.push import WeightPusher  # noqa: E402
 
 # (row name, transport, checksums on)
 VARIANTS = [

@@ -20,7 +20,7 @@ from vime.rollout.types import Sample
 from vime.trainer import actor as actor_mod
 from vime.trainer.actor import Actor
 from vime.trainer.packing import PAD_SEGMENT, pack, plan_packed_micro_batches, shard_by_tokens
-from vime.trainer.weights import WeightPusher
+from vime.transport.push import WeightPusher
 
 
 def make_args(**overrides) -> Config:

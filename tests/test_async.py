@@ -139,7 +139,7 @@ def test_report_renders_from_real_runs(mode_runs, tmp_path):
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    from vime.engine.launch import launch_engine
+    from vime.backends.builtin.launch import launch_engine
 
     e = launch_engine(str(tiny_model), device="cpu", dtype="float32")
     yield e
@@ -220,7 +220,7 @@ def test_worker_warm_queue_batch_size_and_cap(worker_env):
 
 
 def test_worker_requeues_aborted_groups_and_trains_them_later(worker_env, engine):
-    from vime.engine.client import EngineClient
+    from vime.backends.client import EngineClient
     from vime.rollout.types import Status
 
     args, ds, fa = worker_env

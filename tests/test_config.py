@@ -170,7 +170,7 @@ def test_every_modes_ab_arm_runs_that_mode_and_every_backend_row_resolves():
     each backend's client and placement import (a typo would otherwise surface mid-run)."""
     from vime.ab import arm_command
     from vime.backends import BACKENDS, _load
-    from vime.engine.client import EngineClient
+    from vime.backends.client import EngineClient
     from vime.modes import MODES
 
     for name in MODES:
@@ -345,7 +345,7 @@ def test_launcher_ray_without_ray_or_a_cluster_is_one_line(monkeypatch):
     """Where ray is missing (this environment), or no cluster answers, --launcher ray says what to do."""
     from importlib.util import find_spec
 
-    from vime.engine.ray_placement import join_cluster
+    from vime.launch.ray import join_cluster
 
     if find_spec("ray") is None:
         with pytest.raises(ConfigError, match=r"--launcher ray needs ray in this environment: pip install ray"):

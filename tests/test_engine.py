@@ -28,8 +28,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vime.engine.client import EngineClient, EngineError
-from vime.engine.launch import launch_engine
+from vime.backends.builtin.launch import launch_engine
+from vime.backends.client import EngineClient, EngineError
 
 ATOL = 1e-4
 EOS_IDS = (3, 1)  # <|im_end|> (config) and <|endoftext|> (generation_config)
@@ -1046,7 +1046,7 @@ def test_sampler_noise_stays_below_one():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_greedy_cuda_ipc_update_and_memory_release(model_dir, hf, tmp_path):
-    from vime.engine import cuda_ipc
+    from vime.transport import cuda_ipc
 
     args = ["--block-size", "4", "--num-kv-blocks", "256"]
     proc = launch_engine(str(model_dir), device="cuda", dtype="float32", extra_args=args, log_path=tmp_path / "gpu.log")

@@ -36,15 +36,15 @@ import torch
 import yaml
 from conftest import ROOT, run_cli
 
+from vime.backends.builtin.launch import launch_engine
+from vime.backends.client import EngineClient, EngineError
 from vime.config import Config
-from vime.engine import cuda_ipc
-from vime.engine.client import EngineClient, EngineError
-from vime.engine.launch import launch_engine
 from vime.engine.server import parse_args as engine_args
 from vime.metrics import progress_postfix
 from vime.rollout.rewards import Rewards
 from vime.rollout.types import Sample
 from vime.rollout.vllm_rollout import rollout_metrics
+from vime.transport import cuda_ipc
 
 TINY = ["--config", "examples/tiny.yaml", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2"]
 FULLY_ASYNC = ["--rollout-function-path", "vime.rollout.fully_async_rollout.generate_rollout_fully_async"]
@@ -743,7 +743,7 @@ def test_a_full_disk_under_metrics_the_log_or_a_weight_push_is_one_line_and_tear
     line; log.txt: one warning, not a traceback per record; a push through shared memory: one
     line, and no partial weights file left to fill the disk further."""
     from vime.metrics import MetricsError, MetricsLogger, parse_rows, setup_logging
-    from vime.trainer.weights import WeightPusher, WeightWriteError
+    from vime.transport.push import WeightPusher, WeightWriteError
 
     metrics = MetricsLogger(tmp_path / "run", total_steps=3, quiet=True)
     metrics.log(1, {"rollout/reward_mean": 0.5})

@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 
-from vime.engine.client import EngineClient
+from vime.backends.builtin.launch import launch_engine
+from vime.backends.client import EngineClient
 from vime.engine.core.model import iter_safetensors
-from vime.engine.launch import launch_engine
 from vime.models import make_tiny_model
 
 pytestmark = pytest.mark.gpu
@@ -43,7 +43,7 @@ def test_nccl_push_equals_loading_from_disk(tmp_path, dtype):
     """Trainer tensors on GPU 0 (float32, as FSDP2's master copy) → engine on GPU 1 over NCCL,
     cast to the engine's dtype on the way; the engine then generates what an engine loaded
     from those weights on disk (on the same GPU) generates."""
-    from vime.trainer.weights import WeightPusher
+    from vime.transport.push import WeightPusher
 
     a = make_tiny_model(tmp_path / "a", arch="qwen3", seed=0, vocab_size=4096)
     b = make_tiny_model(tmp_path / "b", arch="qwen3", seed=1, vocab_size=4096)
@@ -516,7 +516,7 @@ def test_lora_adapters_by_cuda_ipc_survive_a_release_and_give_the_trainers_log_p
 
     from vime.rollout.types import Sample
     from vime.trainer.actor import Actor
-    from vime.trainer.weights import WeightPusher
+    from vime.transport.push import WeightPusher
 
     model = make_tiny_model(tmp_path / "m", arch="qwen3", seed=0, vocab_size=4096)
     actor = Actor(make_args(lora_rank=4, lora_alpha=8.0, lr=5e-2, compile=False), model, "cuda:0")

@@ -234,11 +234,11 @@ def _trained_lora_actor(tiny_model, steps: int = 1, **kw):
 
 def _held_like(engine, actor) -> bool:
     """The engine's weights are the trainer's merged weights, bit for bit."""
-    from vime.engine import weight_sync
+    from vime.transport.checksums import checksum_mismatches, checksums
 
     want = dict(actor.named_weights())
     have = engine.weight_checksums()
-    return not weight_sync.checksum_mismatches(dict(zip(want, weight_sync.checksums(want.values()))), have)
+    return not checksum_mismatches(dict(zip(want, checksums(want.values()))), have)
 
 
 @pytest.mark.parametrize("buckets", [1, 4])  # 28 tensors in buckets of 7: pairs split

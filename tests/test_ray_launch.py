@@ -187,7 +187,7 @@ def test_launcher_auto_is_local_on_a_one_node_cluster_and_off_ray(cluster, monke
     auto keeps engines and ranks on this machine (the seed scripts' one-machine `ray job submit`
     as before), and so it does outside a job, or where Ray cannot place the engines."""
     from vime.config import Config
-    from vime.engine.ray_placement import resolve_launcher
+    from vime.launch.ray import resolve_launcher
 
     monkeypatch.setenv("RAY_ADDRESS", cluster.gcs)
     assert resolve_launcher(Config()) == "local"  # not a Ray job

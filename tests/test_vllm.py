@@ -34,17 +34,10 @@ import pytest
 import torch
 from conftest import ROOT
 
+from vime.backends.client import EngineError
+from vime.backends.vllm.client import VLLMClient, check_version, from_vllm_choice, to_vllm_sampling_params
+from vime.backends.vllm.launch import _group_alive, merge_vllm_args, server_command
 from vime.config import Config
-from vime.engine.client import EngineError
-from vime.engine.vllm import (
-    VLLMClient,
-    _group_alive,
-    check_version,
-    from_vllm_choice,
-    merge_vllm_args,
-    server_command,
-    to_vllm_sampling_params,
-)
 from vime.rollout.types import Sample
 
 ATOL = 1e-4
@@ -120,8 +113,8 @@ def test_stop_strings_are_matched_on_text_and_kept():
 
 
 EXTENSION = (
-    *("--worker-extension-cls", "vime.engine.vllm_ext.WeightReceiver"),
-    *("--middleware", "vime.engine.vllm_ext.require_api_key"),
+    *("--worker-extension-cls", "vime.backends.vllm.worker_ext.WeightReceiver"),
+    *("--middleware", "vime.backends.vllm.worker_ext.require_api_key"),
 )
 
 
@@ -179,8 +172,8 @@ def test_server_command_takes_the_users_vllm_args():
         ("logprobs-mode", "raw_logprobs", "--logprobs-mode processed_logprobs"),
         ("enable_scale_out", False, "--enable-scale-out"),
         ("no-enable-sleep-mode", True, "--enable-sleep-mode"),
-        ("worker-extension-cls", "my.Ext", "--worker-extension-cls vime.engine.vllm_ext.WeightReceiver"),
-        ("middleware", "my.mw", "--middleware vime.engine.vllm_ext.require_api_key"),
+        ("worker-extension-cls", "my.Ext", "--worker-extension-cls vime.backends.vllm.worker_ext.WeightReceiver"),
+        ("middleware", "my.mw", "--middleware vime.backends.vllm.worker_ext.require_api_key"),
     ],
 )
 def test_vllm_args_that_the_adapter_relies_on_are_refused(name, value, shown):
@@ -258,7 +251,7 @@ def model_mid(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_mid, tmp_path_factory):
-    from vime.engine.vllm import launch_vllm
+    from vime.backends.vllm.launch import launch_vllm
 
     proc = launch_vllm(
         str(model_mid), max_num_seqs=32, log_path=tmp_path_factory.mktemp("vllm") / "server.log", vllm_args=EAGER
@@ -475,7 +468,7 @@ def test_disk_push_changes_outputs_flushes_the_cache_and_stamps_versions(client,
     from transformers import AutoModelForCausalLM
 
     from vime.models import make_tiny_model
-    from vime.trainer.weights import WeightPusher
+    from vime.transport.push import WeightPusher
 
     other = make_tiny_model(tmp_path / "other", seed=1, **MID_MODEL)
     greedy = {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}
@@ -531,8 +524,8 @@ def trainer_weights(model_dir: Path) -> list[tuple[str, torch.Tensor]]:
 def pairs(tmp_path_factory):
     """For a tied and an untied model: weights A and B, and a server started from A (the two
     launched at once). B's reference is the trainer's own log-probs, as in a run."""
-    from vime.engine.placement import launch_all
-    from vime.engine.vllm import launch_vllm
+    from vime.backends.vllm.launch import launch_vllm
+    from vime.launch.placement import launch_all
     from vime.models import make_tiny_model
 
     root = tmp_path_factory.mktemp("pairs")
@@ -575,7 +568,7 @@ def test_a_collective_push_makes_the_server_compute_what_the_trainer_does(pairs,
     """Weights B pushed by broadcast (gloo: the code NCCL runs on GPUs) into a server of A: its
     log-probs are then the trainer's for B, tied output layer included; the trainer's checksums
     match the server's; and a push back by disk restores A's outputs."""
-    from vime.trainer.weights import WeightPusher
+    from vime.transport.push import WeightPusher
 
     (a_dir, a), (b_dir, _) = pairs[kind, "A"], pairs[kind, "B"]
     client = VLLMClient(a.url, api_key=a.api_key)
@@ -622,7 +615,7 @@ def test_lora_adapters_alone_make_the_server_compute_the_trainers_merged_model(p
     second adapter push merges into the base, not on top of the first. Adapters with no base
     kept, or mixed with plain weights, are refused in one line."""
     from vime.trainer.actor import Actor
-    from vime.trainer.weights import WeightPusher
+    from vime.transport.push import WeightPusher
 
     a_dir, a = pairs[kind, "A"]
     client = VLLMClient(a.url, api_key=a.api_key)
@@ -663,7 +656,7 @@ def test_lora_adapters_alone_make_the_server_compute_the_trainers_merged_model(p
 def test_servers_refuse_callers_without_the_key_and_other_models(pairs):
     """Every route but /health needs the run's key (vLLM's own --api-key leaves the dev routes
     open), and a server of another model is named in one line before anything is pushed."""
-    from vime.engine.vllm import check_same_model, model_facts
+    from vime.backends.vllm.place import check_same_model, model_facts
 
     (a_dir, a), (b_dir, _) = pairs["tied", "A"], pairs["untied", "B"]
     for route, body in (("/collective_rpc", b'{"method": "vime_hello"}'), ("/pause?mode=abort", b"{}")):
@@ -685,7 +678,7 @@ def test_a_model_vllm_cannot_run_is_refused_at_start_with_vllms_reason(tmp_path)
     """vLLM's CPU attention refuses head_dim 16 only at the first request (the server starts
     fine): launch_vllm generates one token before it returns, so the run stops at start-up with
     vLLM's own reason instead of an HTTP 500 at its first rollout."""
-    from vime.engine.vllm import launch_vllm
+    from vime.backends.vllm.launch import launch_vllm
     from vime.models import make_tiny_model
 
     model = make_tiny_model(tmp_path / "hd16", arch="qwen3", seed=0, hidden_size=64, num_heads=4, num_kv_heads=2)
@@ -702,7 +695,7 @@ def test_a_model_vllm_cannot_run_is_refused_at_start_with_vllms_reason(tmp_path)
 LAUNCHER = """
 import os, sys, time
 from pathlib import Path
-from vime.engine.vllm import launch_vllm
+from vime.backends.vllm.launch import launch_vllm
 server = launch_vllm(sys.argv[1], max_num_seqs=4, log_path=Path(sys.argv[2]), vllm_args={"enforce-eager": True})
 print(os.getpgid(server.proc.pid), flush=True)
 time.sleep(600)

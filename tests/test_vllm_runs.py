@@ -23,7 +23,7 @@ import pytest
 from conftest import run_cli
 from test_vllm import ATOL, PROBE, needs_vllm
 
-from vime.engine.vllm import VLLMClient
+from vime.backends.vllm.client import VLLMClient
 from vime.rollout.types import Sample
 
 # The tiny model's shape with head_dim 32, which vLLM's CPU attention accepts.
@@ -303,8 +303,8 @@ def user_server_command(model: Path, port: int) -> list[str]:
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
         "--enable-scale-out", "--logprobs-mode", "processed_logprobs",
-        "--worker-extension-cls", "vime.engine.vllm_ext.WeightReceiver",
-        "--middleware", "vime.engine.vllm_ext.require_api_key",
+        "--worker-extension-cls", "vime.backends.vllm.worker_ext.WeightReceiver",
+        "--middleware", "vime.backends.vllm.worker_ext.require_api_key",
         "--dtype", "float32", "--kv-cache-memory-bytes", str(1 << 30),
         "--no-enable-chunked-prefill", "--max-num-batched-tokens", "2048",
     ]  # fmt: skip
@@ -322,7 +322,7 @@ def other_weights(tmp_path_factory) -> Path:
 def user_server(tmp_path_factory, other_weights):
     """A server started as the README says, from weights the run does not train, with its own
     key; shared by the tests that run against a server given by URL."""
-    from vime.engine.vllm import VLLMProcess, _free_port, _wait_ready
+    from vime.backends.vllm.launch import VLLMProcess, _free_port, _wait_ready
 
     root, other = tmp_path_factory.mktemp("user-server"), other_weights
     port, key = _free_port(), "user-key-123"

@@ -1,5 +1,5 @@
 """The distributed weight push (trainer rank 0 → engines by broadcast) on CPU over gloo: the same
-code path NCCL takes between GPUs (`vime/engine/weight_sync.py`), with real engine servers.
+code path NCCL takes between GPUs (`vime/transport/`), with real engine servers.
 
 An engine that received a push must generate exactly what an engine loaded from the same
 weights on disk generates: same greedy tokens, same log-probs (float32, both on CPU: equal,
@@ -16,14 +16,15 @@ import time
 import pytest
 import torch
 
+from vime.backends.builtin.launch import launch_engine
+from vime.backends.client import EngineClient, EngineError
 from vime.config import Config, ConfigError
-from vime.engine.client import EngineClient, EngineError
 from vime.engine.core.model import iter_safetensors
-from vime.engine.launch import launch_engine
-from vime.engine.placement import choose_transports, master_address
-from vime.engine.weight_sync import WeightSyncError, join, open_store, pack
+from vime.launch.placement import choose_transports, master_address
 from vime.models import make_tiny_model
-from vime.trainer.weights import WeightPusher
+from vime.transport.buckets import pack
+from vime.transport.group import WeightSyncError, join, open_store
+from vime.transport.push import WeightPusher
 
 PROMPTS = [[40, 41, 42], [50, 60, 70, 80, 90], list(range(10, 33))]
 

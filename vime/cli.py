@@ -110,8 +110,8 @@ def eval_main(argv: list[str]) -> int:
 
     from vime.backends import BACKENDS
     from vime.config import parse_args
-    from vime.engine.placement import fresh_path
     from vime.eval import evaluate
+    from vime.launch.placement import fresh_path
     from vime.preflight import check_eval_inputs
     from vime.rollout.runtime import HealthCheck, RolloutRuntime
 
@@ -151,7 +151,7 @@ def eval_main(argv: list[str]) -> int:
 def push_checkpoint(args, placement, clients) -> None:
     """Give engines the weights of --hf-checkpoint (version 0), checked as a run's pushes are."""
     from vime.engine.core.model import iter_safetensors
-    from vime.trainer.weights import WeightPusher
+    from vime.transport.push import WeightPusher
 
     pusher = WeightPusher(
         list(clients),

@@ -32,11 +32,12 @@ import yaml
 
 from vime.algorithms.credit import discounted_returns, group_advantages
 from vime.backends import BACKENDS
+from vime.backends.client import EngineClient, EngineError
 from vime.config import Config, ConfigError
 from vime.debug_rollout import load_rollout, save_rollout
-from vime.engine.client import EngineClient, EngineError
-from vime.engine.placement import Placement, fresh_path, trainer_device
-from vime.engine.ray_placement import resolve_launcher
+from vime.launch.placement import Placement, fresh_path, trainer_device
+from vime.launch.ray import resolve_launcher
+from vime.launch.ray_ranks import start_ray_ranks
 from vime.lifetime import signals_held
 from vime.metrics import MetricsLogger, setup_logging
 from vime.models import read_config
@@ -51,7 +52,7 @@ from vime.trainer.checkpoint import checkpoint_to_load
 from vime.trainer.distributed import launch_actor
 from vime.trainer.drift import DriftWatch
 from vime.trainer.nonfinite import BadSteps, bad_inputs
-from vime.trainer.weights import WeightPusher
+from vime.transport.push import WeightPusher
 
 log = logging.getLogger("vime")
 
@@ -108,7 +109,14 @@ class Run:
         self.actor = (
             None
             if args.debug_rollout_only
-            else launch_actor(args, args.model_dir, trainer_device(args), inputs.tokenizer, self.run_dir)
+            else launch_actor(
+                args,
+                args.model_dir,
+                trainer_device(args),
+                inputs.tokenizer,
+                self.run_dir,
+                start_ranks=start_ray_ranks if args.launcher == "ray" else None,
+            )
         )
         backend = BACKENDS[args.rollout_backend]
         try:

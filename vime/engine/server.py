@@ -27,7 +27,6 @@ from typing import Any
 
 from aiohttp import web
 
-from vime.engine import cuda_ipc, weight_sync
 from vime.engine.http_common import (
     API_KEY_ENV,
     BadRequest,
@@ -41,6 +40,8 @@ from vime.engine.http_common import (
 )
 from vime.engine.openai_routes import OpenAIRoutes
 from vime.errors import VimeError
+from vime.transport import buckets, cuda_ipc
+from vime.transport.group import WeightGroup, join
 
 log = logging.getLogger("vime.engine")
 
@@ -68,7 +69,7 @@ class EngineServer:
         self.pending: dict[str, asyncio.Future] = {}  # rid → future; touched by the engine thread only
         self.fatal: str | None = None  # set if a step raised: the engine state can no longer be trusted
         self.openai = OpenAIRoutes(self._generate, model_path)
-        self.weight_groups: dict[str, weight_sync.WeightGroup] = {}  # group name → this engine's membership
+        self.weight_groups: dict[str, WeightGroup] = {}  # group name → this engine's membership
 
     # ---- the engine thread -------------------------------------------------------------
 
@@ -210,7 +211,7 @@ class EngineServer:
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
         """A whole update from a safetensors file in shared memory, or from CUDA IPC handles
-        (plain JSON data, `vime/engine/cuda_ipc.py`: nothing in a request is ever unpickled).
+        (plain JSON data, `vime/transport/cuda_ipc.py`: nothing in a request is ever unpickled).
         All or nothing: `LLMEngine.replace_weights`."""
         from vime.engine.core.model import iter_safetensors_files, safetensors_layout
 
@@ -265,7 +266,7 @@ class EngineServer:
         )
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
-        """Join a trainer's weight group (vime/engine/weight_sync.py). Blocks this engine's steps
+        """Join a trainer's weight group (vime/transport/group.py). Blocks this engine's steps
         until every member has joined or the timeout passes; a group of the same name left by an
         earlier trainer is torn down first."""
         body = await read_body(request)
@@ -290,9 +291,7 @@ class EngineServer:
         if old is not None:
             old.abort("replaced by a new group of the same name")
             await self.call(lambda: self.engine.abandon_update(f"weight group '{name}' replaced"))
-        group = await self.call(
-            lambda: weight_sync.join(backend, address, port, rank, world, name, self.engine.device, timeout)
-        )
+        group = await self.call(lambda: join(backend, address, port, rank, world, name, self.engine.device, timeout))
         self.weight_groups[name] = group
         return web.json_response(
             {"success": True, "message": f"joined weight group '{name}' as rank {rank} of {world} ({backend})"}
@@ -308,16 +307,16 @@ class EngineServer:
         group = self.weight_groups.get(name)
         if group is None:
             raise BadRequest(f"no weight group '{name}': call /init_weights_update_group first")
-        layout = weight_sync.parse_layout(
+        layout = buckets.parse_layout(
             body_field(body, "names", list), body_field(body, "dtypes", list), body_field(body, "shapes", list)
         )
         load_format = body_field(body, "load_format", str, required=False)
-        if load_format not in (None, weight_sync.FLATTENED):
-            raise BadRequest(f"load_format '{load_format}': use {weight_sync.FLATTENED} or leave it out")
+        if load_format not in (None, buckets.FLATTENED):
+            raise BadRequest(f"load_format '{load_format}': use {buckets.FLATTENED} or leave it out")
         self.engine.check_weights([(n, s, d) for n, d, s in layout])
         flush = body_field(body, "flush_cache", bool, required=False, default=True)
         t0 = time.perf_counter()
-        receive = weight_sync.receive(group, layout, flattened=load_format is not None)
+        receive = buckets.receive(group, layout, flattened=load_format is not None)
         n = await self.call(lambda: self.engine.update_weights(receive, version, flush=flush))
         return web.json_response(
             {
@@ -379,7 +378,7 @@ class EngineServer:
         )
 
     async def weight_checksums(self, request: web.Request) -> web.Response:
-        """weight_sync.checksums (bit sum, count) of every weight the engine holds, by HF name (a tied weight under
+        """vime.transport.checksums (bit sum, count) of every weight the engine holds, by HF name (a tied weight under
         both names): read back from the parameters, so the trainer sees what was loaded."""
         sums = await self.call(self.engine.weight_checksums)
         return web.json_response({"weight_version": self.engine.weight_version, "checksums": sums})

@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from vime.engine.client import EngineClient, EngineError, EngineSilent
+from vime.backends.client import EngineClient, EngineError, EngineSilent
 from vime.rollout import async_loop
 from vime.rollout.rewards import Rewards
 

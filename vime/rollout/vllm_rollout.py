@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from vime.engine.client import EngineError
+from vime.backends.client import EngineError
 from vime.plugins import load_function, load_plugin
 from vime.rollout import async_loop
 from vime.rollout.compat import (  # noqa: F401 (the seed system's names, imported from here by its plug-ins)

@@ -6,8 +6,9 @@ call (method name and arguments, pickled, over a gloo group) to the other ranks,
 locally; every rank then runs the same Actor method on the same batch, which is SPMD. Ranks
 come from `torch.multiprocessing` (one machine, `python train.py`), from `torchrun` (any
 number of machines: RANK/WORLD_SIZE/MASTER_ADDR are set, and ranks other than 0 never return
-from `launch_actor`), or with `--launcher ray` from a Ray cluster, as actors it places
-(`vime/trainer/ray_ranks.py`).
+from `launch_actor`), or elsewhere by a launcher that hands `launch_actor` its `start_ranks`
+(`--launcher ray`: actors a Ray cluster places, `vime/launch/ray_ranks.py`). The launcher
+imports this module, never the reverse.
 
 World size: `--actor-num-nodes × --actor-num-gpus-per-node` on CUDA; on CPU `actor_num_procs`
 (a test and CI knob; default 1), since CPU "GPUs per node" means nothing. On CUDA even one rank
@@ -38,10 +39,10 @@ import torch.multiprocessing as mp
 from tqdm import tqdm
 
 from vime.config import Config
-from vime.engine.weight_sync import apply_gpu_safe_env
 from vime.errors import VimeError
 from vime.lifetime import PARENT_POLL_S, exit_with_parent, leave
 from vime.trainer.actor import Actor
+from vime.transport.group import apply_gpu_safe_env
 
 log = logging.getLogger("vime")
 
@@ -53,6 +54,12 @@ class TrainerRankError(VimeError, RuntimeError):
     """Another trainer rank died or failed: one line naming it, instead of gloo's or NCCL's error."""
 
 
+# Starts ranks 1..world-1 somewhere else (args, world, model_dir, device, log_dir); returns them
+# (watched as processes are: is_alive, join, terminate, kill, ended_how), the `init_method` rank 0
+# joins with, and what gives back their room once they are done.
+RankStarter = Callable[[Config, int, str, str, Path | None], tuple[list[Any], str, Callable[[], None]]]
+
+
 def world_size(args: Config, device: str) -> int:
     if "WORLD_SIZE" in os.environ:
         return int(os.environ["WORLD_SIZE"])
@@ -62,15 +69,21 @@ def world_size(args: Config, device: str) -> int:
 
 
 def launch_actor(
-    args: Config, model_dir: str | Path, device: str = "cpu", tokenizer: Any = None, log_dir: Path | None = None
+    args: Config,
+    model_dir: str | Path,
+    device: str = "cpu",
+    tokenizer: Any = None,
+    log_dir: Path | None = None,
+    start_ranks: RankStarter | None = None,
 ) -> Actor | DistributedActor:
     """The trainer for this run, as seen by the driver.
 
     One CPU process: a plain `Actor`. Otherwise a `DistributedActor` on rank 0, after
-    spawning ranks 1..N-1 here or as Ray actors (or joining the ones torchrun started). On a
-    torchrun rank other than 0 this serves rank 0's calls until it closes, then exits the
-    process. `tokenizer`: the run's, for rank 0 (the other ranks load their own). `log_dir`:
-    where Ray ranks write their output (the run directory).
+    spawning ranks 1..N-1 here, or having `start_ranks` start them elsewhere (the Ray
+    launcher's `start_ray_ranks`), or joining the ones torchrun started. On a torchrun rank
+    other than 0 this serves rank 0's calls until it closes, then exits the process.
+    `tokenizer`: the run's, for rank 0 (the other ranks load their own). `log_dir`: where ranks
+    started elsewhere write their output (the run directory).
     """
     world = world_size(args, device)
     is_cuda = torch.device(device).type == "cuda"
@@ -89,10 +102,8 @@ def launch_actor(
             except Exception as e:  # one line for the command to print, not a traceback (gloo's, say)
                 raise TrainerRankError(f"trainer rank {rank} stopped: {_cause(e)}") from None
             sys.exit(0)
-    elif getattr(args, "launcher", "local") == "ray" and world > 1:
-        from vime.trainer.ray_ranks import start_ray_ranks
-
-        procs, init_method, release = start_ray_ranks(args, world, str(model_dir), device, log_dir)
+    elif start_ranks is not None and world > 1:
+        procs, init_method, release = start_ranks(args, world, str(model_dir), device, log_dir)
         try:
             _init_watching(procs, world, init_method, device)
         except BaseException:

@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from vime.engine import weight_sync
 from vime.engine.core import vmem
 from vime.engine.core.kv_cache import BlockAllocator, KVCache
 from vime.engine.core.lora import AdapterMerger, adapter_of
@@ -32,6 +31,7 @@ from vime.engine.core.runner import Launched, ModelRunner
 from vime.engine.core.sampler import M32, SamplingParams, mix32
 from vime.engine.core.scheduler import PENDING, Scheduler, Sequence
 from vime.engine.core.stop import StopStrings
+from vime.transport.checksums import checksums
 
 log = logging.getLogger(__name__)
 
@@ -481,9 +481,9 @@ class LLMEngine:
                 )
 
     def weight_checksums(self) -> dict[str, list[int]]:
-        """weight_sync.checksums (bit sum, count) of every weight by HF name, read back from the parameters."""
+        """vime.transport.checksums (bit sum, count) of every weight by HF name, read back from the parameters."""
         views = self._weight_views()
-        return {**dict(zip(views, weight_sync.checksums(views.values()))), **self.lora.merged}
+        return {**dict(zip(views, checksums(views.values()))), **self.lora.merged}
 
     def _weight_views(self) -> dict[str, torch.Tensor]:
         """HF name → parameter (or fused slice), built once: a bucketed push looks names up per

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from vime.engine import weight_sync
+from vime.transport.checksums import checksums
 
 PARTS = ("lora_A", "lora_B")
 
@@ -93,7 +93,7 @@ class AdapterMerger:
             base = self.base[weight] = w.clone()
         w.copy_(merge(base, a, b))
         layer = weight.removesuffix(".weight")
-        self.merged.update(zip((f"{layer}.lora_A", f"{layer}.lora_B"), weight_sync.checksums([a, b])))
+        self.merged.update(zip((f"{layer}.lora_A", f"{layer}.lora_B"), checksums([a, b])))
 
     def unpaired(self) -> list[str]:
         return sorted(self.pending)

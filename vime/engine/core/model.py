@@ -21,7 +21,7 @@ from torch import nn
 
 from vime.engine.core import kernels
 from vime.engine.core.attention import AttnMetadata, paged_attention
-from vime.engine.weight_sync import non_finite
+from vime.transport.checksums import non_finite
 
 COPY_BATCH_BYTES = 256 * 2**20  # same-device weights copied per _foreach_copy_
 

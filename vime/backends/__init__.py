@@ -1,8 +1,9 @@
 """The rollout backends, one row each: what differs between engines a run can generate with.
 
-Every backend speaks vime's engine protocol (`vime/engine/client.py`) through a client class of
+Every backend speaks vime's engine protocol (`vime/backends/client.py`) through a client class of
 its own, and places its engines with a `place(args, model_dir, run_dir) -> Placement`
-(`vime/engine/placement.py`). A new backend is one module holding those two, plus one row here.
+(ending in `vime/launch/placement.py`'s `placed`). A new backend is one package beside `builtin/`
+and `vllm/` holding those two, plus one row here.
 
 Rows name their client and placement function by import path, resolved when a run uses them:
 the table is plain data, so `vime.config` reads it for `--rollout-backend`'s choices and checks
@@ -37,7 +38,7 @@ class Backend:
         return _load(self.client)(url, api_key=api_key)
 
     def place_engines(self, args: Any, model_dir: Path, run_dir: Path) -> Any:
-        """Launch the run's engines (or check those given by URL): a `vime.engine.placement.Placement`."""
+        """Launch the run's engines (or check those given by URL): a `vime.launch.placement.Placement`."""
         place = self.ray_place if getattr(args, "launcher", "local") == "ray" else self.place
         return _load(place)(args, model_dir, run_dir)
 
@@ -48,22 +49,22 @@ BACKENDS: dict[str, Backend] = {
         Backend(
             "vime",
             "the built-in engine",
-            client="vime.engine.client:EngineClient",
-            place="vime.engine.placement:place",
+            client="vime.backends.client:EngineClient",
+            place="vime.backends.builtin.place:place",
             transports=TRANSPORTS,
             tensor_parallel=False,
             lora_adapters=True,  # vime/engine/core/lora.py
-            ray_place="vime.engine.ray_placement:place_ray",
+            ray_place="vime.backends.builtin.place:place_ray",
         ),
         Backend(
             "vllm",
             "a vLLM server per engine (install the vllm extra)",
-            client="vime.engine.vllm:VLLMClient",
-            place="vime.engine.vllm:place_vllm",
+            client="vime.backends.vllm.client:VLLMClient",
+            place="vime.backends.vllm.place:place_vllm",
             transports=("auto", "nccl", "gloo", "disk"),  # no shared-memory or CUDA IPC load
             tensor_parallel=True,
-            lora_adapters=True,  # merged by vime's worker extension into its copy of the base (vime/engine/vllm_ext.py)
-            ray_place="vime.engine.vllm:place_vllm_ray",
+            lora_adapters=True,  # merged by vime's worker extension into its copy of the base (vime/backends/vllm/worker_ext.py)
+            ray_place="vime.backends.vllm.place:place_vllm_ray",
         ),
     ]
 }

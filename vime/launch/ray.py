@@ -3,11 +3,12 @@
 Each engine gets one bundle of a placement group (`{"CPU": 1}`, plus its GPUs,
 --rollout-num-gpus-per-engine, when the trainer runs on GPUs), packed onto as few nodes as the
 cluster allows. In its bundle an actor, `EngineHost`, starts the engine server on its node with
-the backend's launcher (`launch_engine` for the built-in engine, `vllm.launch_vllm` for vLLM),
+the backend's launcher (`launch_engine` for the built-in engine, `launch_vllm` for vLLM),
 listening on every address of the node, its log at the run's `engine<i>.log`, and answers with
-the URL other nodes reach it at. `place_actors` is the part both backends share; `place_ray`
-and `vllm.place_vllm_ray` give it their launcher, arguments and facts. From there the run treats it as any launched engine: the weight transport follows from where
-the engine reports it runs (`placement.choose_transports`: gloo or nccl to another host, whose
+the URL other nodes reach it at. `place_actors` is the part every backend shares; each backend's
+`place_ray` (`vime/backends/builtin/place.py`, `vime.backends.vllm.place.place_vllm_ray`) gives it its
+launcher, arguments and facts. From there the run treats it as any launched engine: the weight
+transport follows from where the engine reports it runs (`placement.choose_transports`: gloo or nccl to another host, whose
 rendezvous address is this node's IP unless --update-weights-master-address says otherwise),
 and an engine that dies is started again by the runtime (`Placement.relaunch`), here as a new
 actor in the same bundle, then re-synced by the next push.
@@ -17,7 +18,7 @@ with it, and the run sees that as an engine failure, named by its node's address
 actor restarts are off, so one path restarts engines, the runtime's, which also re-syncs them.
 
 The trainer's rank 0 stays in this process (the job's driver); its other ranks are Ray actors
-of their own placement group (`vime/trainer/ray_ranks.py`).
+of their own placement group (`vime/launch/ray_ranks.py`).
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from vime.backends.client import EngineError
 from vime.config import ConfigError
-from vime.engine.client import EngineClient, EngineError
-from vime.engine.placement import Placement, fresh_path, launch_all, placed, trainer_device
-from vime.engine.weight_sync import apply_gpu_safe_env
+from vime.launch.placement import Placement, fresh_path, launch_all, placed, trainer_device
+from vime.transport.group import apply_gpu_safe_env
 
 log = logging.getLogger("vime")
 
@@ -154,22 +155,6 @@ def resolve_launcher(args) -> str:
         nodes,
     )
     return "ray"
-
-
-def place_ray(args, model_dir: Path, run_dir: Path) -> Placement:
-    """The built-in engine's placement on a Ray cluster (its row in vime/backends.py)."""
-    dtype = "float32" if trainer_device(args) == "cpu" else "bfloat16"
-
-    def engine_kwargs(i: int, device: str) -> dict:
-        extra = ["--max-num-seqs", str(args.engine_max_num_seqs), "--seed", str(args.rollout_seed + i)]
-        if args.engine_num_kv_blocks:
-            extra += ["--num-kv-blocks", str(args.engine_num_kv_blocks)]
-        return dict(model_path=str(model_dir), device=device, dtype=dtype, extra_args=extra)
-
-    def facts(url: str, api_key: str) -> dict:
-        return EngineClient(url, timeout=30, api_key=api_key).model_info()
-
-    return place_actors(args, run_dir, "vime.engine.launch:launch_engine", engine_kwargs, facts, "engine")
 
 
 def place_actors(

@@ -11,27 +11,35 @@ engine's weight transport follows from where it sits, as its `/get_model_info` r
 | on another GPU, this host or another| nccl (flat-bucket broadcast; another host needs --update-weights-master-address) |
 | on CPU, trainer on CPU, this host   | shm (one safetensors file in /dev/shm) |
 | on CPU otherwise                    | gloo (the same broadcast over TCP) |
+
+Each backend's `place` (`vime/backends/<name>/place.py`) launches its engines and ends in
+`placed`; what they share is here.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import secrets
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from vime.config import ConfigError
-from vime.engine.client import EngineClient
-from vime.engine.launch import EngineProcess, launch_engine
-from vime.engine.weight_sync import apply_gpu_safe_env
 
 log = logging.getLogger("vime")
+
+
+class LaunchedEngine(Protocol):
+    """An engine a placement started, as it holds it: each backend's launcher returns one (a local
+    process, or a Ray actor behind it)."""
+
+    url: str
+
+    def shutdown(self) -> None: ...
 
 
 @dataclass
@@ -41,7 +49,7 @@ class Placement:
     urls: list[str]
     transports: list[str]  # one per engine
     master_address: str = "127.0.0.1"  # where engines reach the trainer's weight-group rendezvous
-    engines: list[EngineProcess] = field(default_factory=list)
+    engines: list[LaunchedEngine] = field(default_factory=list)
     api_key: str | None = None  # what the engines' clients send (launched engines get a fresh one)
     launch_one: Callable[[int], Any] | None = None  # starts engine i on its device (launched engines only)
     # after the engines: what else the placement holds (a Ray placement group)
@@ -185,46 +193,12 @@ def master_address(args, infos: list[dict], transports: list[str]) -> str:
     return args.update_weights_master_address
 
 
-def place(args, model_dir: Path, run_dir: Path) -> Placement:
-    """The built-in engine's placement (`vime/backends.py`): launch one engine per device
-    (or check the ones at --rollout-engine-urls) and pick how weights reach each."""
-    apply_gpu_safe_env()  # NVLink multicast off here and in every process started from here
-    trainer = trainer_device(args)
-    api_key = args.api_key
-    if args.rollout_engine_urls:
-        urls, devices, engines = list(args.rollout_engine_urls), [], []
-        launch_one = None
-    else:
-        # engines we start answer only to this run, whatever else can reach 127.0.0.1
-        api_key = api_key or secrets.token_urlsafe(24)
-        devices = engine_devices(args, trainer)
-        dtype = "float32" if trainer == "cpu" else "bfloat16"
-
-        def launch_one(i: int) -> EngineProcess:  # type: ignore[no-redef]
-            extra = ["--max-num-seqs", str(args.engine_max_num_seqs), "--seed", str(args.rollout_seed + i)]
-            if args.engine_num_kv_blocks:
-                extra += ["--num-kv-blocks", str(args.engine_num_kv_blocks)]
-            log_path = fresh_path(run_dir / f"engine{i}.log")  # a restarted engine keeps its earlier log
-            log.info("starting engine %d on %s (log: %s)", i, devices[i], log_path)
-            return launch_engine(
-                str(model_dir), device=devices[i], dtype=dtype, extra_args=extra, log_path=log_path, api_key=api_key
-            )
-
-        engines = launch_all(launch_one, len(devices))
-        urls = [e.url for e in engines]
-
-    def facts(url: str) -> dict:
-        return EngineClient(url, timeout=30, api_key=api_key).model_info()
-
-    return placed(args, trainer, devices, urls, engines, api_key, launch_one, facts, "engine")
-
-
 def placed(
     args,
     trainer: str,
     devices: list[str],
     urls: list[str],
-    engines: list,
+    engines: list[LaunchedEngine],
     api_key: str | None,
     launch_one: Callable[[int], Any] | None,
     facts: Callable[[str], dict],

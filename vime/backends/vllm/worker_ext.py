@@ -3,8 +3,8 @@ middleware that closes every route to callers without the run's API key.
 
 vLLM imports this module, vime's trainer never does. The server is started with
 
-    --worker-extension-cls vime.engine.vllm_ext.WeightReceiver
-    --middleware vime.engine.vllm_ext.require_api_key      (the key in $VIME_VLLM_API_KEY)
+    --worker-extension-cls vime.backends.vllm.worker_ext.WeightReceiver
+    --middleware vime.backends.vllm.worker_ext.require_api_key      (the key in $VIME_VLLM_API_KEY)
 
 and vLLM mixes `WeightReceiver`'s methods into each of its workers (one per tensor-parallel
 rank), where `POST /collective_rpc {"method": "vime_..."}` calls them on every rank at once.
@@ -13,7 +13,7 @@ Why our own receiver rather than vLLM's weight-transfer routes: those need vLLM'
 rendezvous (so they refuse CPU servers, and CI could never run them), and they load through
 vLLM's layer-wise reload, which leaves a tied output layer on its old weights (on CPU the
 output layer keeps a packed copy of the embedding made at start-up). Here the worker joins
-the trainer's weight group (`vime.engine.weight_sync`, the same code the built-in engine
+the trainer's weight group (`vime.transport`, the same code the built-in engine
 runs: NCCL between GPUs, gloo on CPU), and each bucket goes through the same layer-wise
 reload vLLM uses (so fused, sharded and repacked layers are filled by the model's own weight
 loaders), plus what it lacks:
@@ -50,14 +50,25 @@ from typing import Any
 
 import torch
 
-from vime.engine import weight_sync
 from vime.engine.core.lora import AdapterMerger, adapter_of, merge
+from vime.transport.buckets import parse_layout, receive
+from vime.transport.checksums import checksums, non_finite
+from vime.transport.group import WeightGroup, join
 
 logger = logging.getLogger("vime.vllm_ext")
 
 API_KEY_ENV = "VIME_VLLM_API_KEY"
 # Bumped when a method's arguments change, so a server running another vime is refused by name.
 PROTOCOL = 2
+
+# vime's worker extension (weight pushes) and the middleware that closes every route but /health
+# to callers without the key in $VIME_VLLM_API_KEY: needed by any server vime pushes weights to.
+EXTENSION_FLAGS = (
+    "--worker-extension-cls",
+    "vime.backends.vllm.worker_ext.WeightReceiver",
+    "--middleware",
+    "vime.backends.vllm.worker_ext.require_api_key",
+)
 
 
 async def require_api_key(request, call_next):
@@ -135,7 +146,7 @@ class WeightReceiver:
             old.close()
         rank = int(rank_offset) + get_tensor_model_parallel_rank()
         device = self.device if backend == "nccl" else torch.device("cpu")
-        groups[group_name] = weight_sync.join(
+        groups[group_name] = join(
             backend, master_address, int(master_port), rank, int(world_size), group_name, device, float(timeout)
         )
         return {"rank": rank}
@@ -145,9 +156,9 @@ class WeightReceiver:
         if group is not None:
             group.close()
 
-    def _vime_groups(self) -> dict[str, weight_sync.WeightGroup]:
+    def _vime_groups(self) -> dict[str, WeightGroup]:
         if not hasattr(self, "_vime_group_map"):
-            self._vime_group_map: dict[str, weight_sync.WeightGroup] = {}
+            self._vime_group_map: dict[str, WeightGroup] = {}
         return self._vime_group_map
 
     # ---- receiving and loading --------------------------------------------------------------
@@ -168,13 +179,13 @@ class WeightReceiver:
         group = self._vime_groups().get(group_name)
         if group is None:
             raise RuntimeError(f"no weight group '{group_name}': the trainer must call vime_join first")
-        layout = weight_sync.parse_layout(names, dtypes, shapes)
+        layout = parse_layout(names, dtypes, shapes)
         if first:
             self._vime_begin(lora_base)
         elif getattr(self, "_vime_open", None) is None:
             raise RuntimeError("a bucket arrived outside a push (its first bucket never came): push all weights again")
         with self._vime_undone_on_error():
-            self._vime_load(weight_sync.receive(group, layout, flattened=True))
+            self._vime_load(receive(group, layout, flattened=True))
             return self._vime_end() if last else {"tensors": len(layout)}
 
     def vime_load_files(self, path: str, lora_base: bool = False) -> dict[str, Any]:
@@ -201,7 +212,7 @@ class WeightReceiver:
             return self._vime_end()
 
     def vime_checksums(self) -> dict[str, list[int]]:
-        """weight_sync.checksums (bit sum, count) of every tensor of the last complete push, as received."""
+        """checksums (bit sum, count) of every tensor of the last complete push, as received."""
         return dict(getattr(self, "_vime_sums", {}))
 
     def _vime_model(self) -> torch.nn.Module:
@@ -252,14 +263,14 @@ class WeightReceiver:
         assert sums is not None
 
         items = list(tensors)  # one bucket (or file): its checksums in one pass
-        bad = weight_sync.non_finite(items)  # refused before any of it is loaded, like a wrong shape
+        bad = non_finite(items)  # refused before any of it is loaded, like a wrong shape
         if bad is not None:
             raise ValueError(f"weight '{bad}' holds non-finite values (NaN or inf): push finite weights")
         adapters = [(n, t) for n, t in items if adapter_of(n) is not None]
         plain_before = any(adapter_of(n) is None for n in sums)
         if (adapters and (len(adapters) < len(items) or plain_before)) or (not adapters and self._vime_pairs):
             raise ValueError("a push mixes LoRA adapters with plain weights: push them separately")
-        sums.update(zip([n for n, _ in items], weight_sync.checksums(t for _, t in items)))
+        sums.update(zip([n for n, _ in items], checksums(t for _, t in items)))
         if adapters:
             self._vime_take_adapters(adapters)
             return

@@ -9,7 +9,7 @@
 * nccl (GPUs) / gloo (CPU, and what `make test` runs): engines join a process group with the
   trainer's rank 0 once (`connect`); each push then streams the weights, cast to the engines'
   dtype, in flat buckets of `bucket_bytes`, each announced over HTTP and broadcast
-  (`vime/engine/weight_sync.py` has the protocol). Bounded: an engine that dies or hangs
+  (`vime/transport/group.py` has the protocol). Bounded: an engine that dies or hangs
   mid-push fails the push with its URL within `timeout` seconds.
 
 Each engine has its own transport (a colocated run mixes cuda_ipc for the engine on the
@@ -34,9 +34,12 @@ import torch
 from torch import Tensor
 
 from vime.backends import TRANSPORTS
-from vime.engine import cuda_ipc, weight_sync
-from vime.engine.client import EngineError
+from vime.backends.client import EngineError
 from vime.errors import VimeError
+from vime.transport import cuda_ipc
+from vime.transport.buckets import DTYPES, FLATTENED, pack
+from vime.transport.checksums import checksum_mismatches, checksums
+from vime.transport.group import WeightGroup, WeightSyncError, join, open_store
 
 log = logging.getLogger("vime")
 
@@ -71,7 +74,7 @@ class WeightPusher:
         self.timeout = timeout
         self.master_address = master_address
         self.check = check  # compare checksums after every push (`verify`)
-        self._group: weight_sync.WeightGroup | None = None
+        self._group: WeightGroup | None = None
         self._engine_dtype: torch.dtype | None = None
         self._dtypes: dict[str, torch.dtype] = {}  # engine URL → the dtype it holds weights in
         # the last push's checksums as the engines should hold them: by dtype (what a broadcast
@@ -119,7 +122,7 @@ class WeightPusher:
     def _sent_from(self, weights: dict[str, Tensor]) -> None:
         """Checksums of a push that did not go by broadcast, cast as each engine holds them."""
         for dtype in {self._dtype_of(c) for c in self.clients} - set(self._sent):
-            self._sent[dtype] = dict(zip(weights, weight_sync.checksums(t.to(dtype) for t in weights.values())))
+            self._sent[dtype] = dict(zip(weights, checksums(t.to(dtype) for t in weights.values())))
 
     def _dtype_of(self, client: Any) -> torch.dtype:
         if client.url not in self._dtypes:
@@ -134,7 +137,7 @@ class WeightPusher:
 
         def check(c: Any) -> None:
             want = self._sent[self._dtype_of(c)]
-            bad = weight_sync.checksum_mismatches(want, c.weight_checksums())
+            bad = checksum_mismatches(want, c.weight_checksums())
             if bad:
                 raise EngineError(
                     f"weight push v{version}: engine at {c.url} does not hold what the trainer sent, {len(bad)} of {len(want)} "
@@ -207,7 +210,7 @@ class WeightPusher:
 
     def _push_cuda_ipc(self, weights: dict[str, Tensor], version: int, clients: list[Any]) -> None:
         # `weights` keeps the tensors alive until every engine has copied from them. The handles
-        # travel as plain JSON data (vime/engine/cuda_ipc.py), never as a pickle.
+        # travel as plain JSON data (vime/transport/cuda_ipc.py), never as a pickle.
         payload = {"transport": "cuda_ipc", "handles": cuda_ipc.share(list(weights.items())), "weight_version": version}
         self._each_client(lambda c: c.update_weights_from_tensor(payload, self.timeout), clients)
 
@@ -235,7 +238,7 @@ class WeightPusher:
             self._engine_dtype = _common_dtype(infos, [c.url for c in dist_clients])
             tp = [int(i.get("tp_size", 1)) for i in infos]
             world = 1 + sum(tp)
-            store = weight_sync.open_store(self.master_address, 0, world, self.timeout)
+            store = open_store(self.master_address, 0, world, self.timeout)
             offsets = [1 + sum(tp[:i]) for i in range(len(tp))]
             joins = {
                 c: pool.submit(
@@ -253,7 +256,7 @@ class WeightPusher:
                 for c, off in zip(dist_clients, offsets)
             }
             check = _failed_calls(joins, "joining the weight group")
-            self._group = weight_sync.join(
+            self._group = join(
                 backend,
                 self.master_address,
                 store.port,
@@ -267,7 +270,7 @@ class WeightPusher:
             )
             for c, f in joins.items():
                 _result(c, f, "joining the weight group", max(0.0, deadline - time.monotonic()))
-        except weight_sync.WeightSyncError as e:
+        except WeightSyncError as e:
             raise EngineError(f"weight group ({backend}) with {', '.join(c.url for c in dist_clients)}: {e}") from None
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
@@ -293,7 +296,7 @@ class WeightPusher:
         nbytes = 0
         pool = ThreadPoolExecutor(len(clients), thread_name_prefix="vime-weights")
         try:
-            buckets = weight_sync.pack(_chain(first, stream), self.bucket_bytes, self._engine_dtype, device)
+            buckets = pack(_chain(first, stream), self.bucket_bytes, self._engine_dtype, device)
             current = next(buckets)
             while current is not None:
                 items, flat = current
@@ -303,7 +306,7 @@ class WeightPusher:
                 if self.check:
                     pieces = flat.split([t.numel() for _, t in items])
                     sent = self._sent.setdefault(self._engine_dtype, {})
-                    sent.update(zip([n for n, _ in items], weight_sync.checksums(pieces)))
+                    sent.update(zip([n for n, _ in items], checksums(pieces)))
                 body = {
                     "names": [n for n, _ in items],
                     "dtypes": [str(self._engine_dtype).removeprefix("torch.")] * len(items),
@@ -311,7 +314,7 @@ class WeightPusher:
                     "group_name": GROUP_NAME,
                     "weight_version": version,
                     "flush_cache": following is None,  # cached prefixes hold KV of the old weights
-                    "load_format": weight_sync.FLATTENED,
+                    "load_format": FLATTENED,
                     "lora_base": self._lora_base,
                 }
                 what = f"weight push v{version}, bucket {nbuckets}"
@@ -320,7 +323,7 @@ class WeightPusher:
                 for c, f in calls.items():
                     _result(c, f, what, max(0.0, deadline - time.monotonic()))
                 current = following
-        except (weight_sync.WeightSyncError, EngineError) as e:
+        except (WeightSyncError, EngineError) as e:
             group.abort(str(e))
             # the engines still in the group leave it too, now: one waiting on a bucket that will
             # never come holds its step thread, and with it the pause's continue, until it does
@@ -367,11 +370,11 @@ def _chain(first: tuple[str, Tensor], rest: Iterator[tuple[str, Tensor]]) -> Ite
 def _common_dtype(infos: list[dict], urls: list[str]) -> torch.dtype:
     """The dtype the engines hold their weights in (pushed in it, so no engine casts)."""
     names = {str(i.get("dtype", "bfloat16")) for i in infos}
-    if len(names) != 1 or next(iter(names)) not in weight_sync.DTYPES:
+    if len(names) != 1 or next(iter(names)) not in DTYPES:
         raise EngineError(
             f"engines at {', '.join(urls)} report weight dtypes {sorted(names)}: start them with one --dtype (float32, bfloat16 or float16)"
         )
-    return weight_sync.DTYPES[names.pop()]
+    return DTYPES[names.pop()]
 
 
 def _failed_calls(calls: dict[Any, Future], what: str) -> Callable[[], None]:

@@ -184,7 +184,7 @@ class EngineClient:
         return self._request("POST", "/update_weights_from_disk", body, timeout=timeout)
 
     def init_weights_update_group(self, body: dict) -> dict:
-        """Ask the engine to join a trainer's weight group (vime/engine/weight_sync.py); answers
+        """Ask the engine to join a trainer's weight group (vime/transport/group.py); answers
         once it has joined."""
         return self._request("POST", "/init_weights_update_group", body)
 
@@ -196,7 +196,7 @@ class EngineClient:
         return self._request("POST", "/destroy_weights_update_group", body)
 
     def weight_checksums(self) -> dict[str, list[int]]:
-        """weight_sync.checksums (bit sum, count) of each weight the engine holds, by HF name (the proof a push
+        """vime.transport.checksums (bit sum, count) of each weight the engine holds, by HF name (the proof a push
         arrived: WeightPusher compares them with the trainer's)."""
         return self._request("GET", "/weight_checksums")["checksums"]
 

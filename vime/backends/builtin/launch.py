@@ -1,6 +1,6 @@
 """Start the engine server as a subprocess from Python: `launch_engine` and `EngineProcess`.
 
-Kept apart from `server.py` because it runs in the trainer's process, not the engine's: it execs
+Kept apart from `vime/engine/server.py` because it runs in the trainer's process, not the engine's: it execs
 `python -m vime.engine.server`, waits for the server's ready line and /health, and gives the
 log's tail when the start fails.
 """
@@ -19,10 +19,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from vime.engine import weight_sync
-from vime.engine.client import EngineClient, EngineError
+from vime.backends.client import EngineClient, EngineError
 from vime.engine.http_common import API_KEY_ENV
 from vime.engine.server import READY_LINE
+from vime.transport.group import apply_gpu_safe_env
 
 
 @dataclass
@@ -72,7 +72,7 @@ def launch_engine(
 
     The server exits by itself when this process does (--parent-pid), so a crashed trainer
     leaves no engine behind. `host` is where it listens: loopback unless other machines must
-    reach it (a Ray engine actor's, `vime/engine/ray_placement.py`).
+    reach it (a Ray engine actor's, `vime/launch/ray.py`).
     """
     if log_path is None:
         fd, name = tempfile.mkstemp(prefix="vime-engine-", suffix=".log")
@@ -98,7 +98,7 @@ def launch_engine(
         str(os.getpid()),
         *map(str, extra_args),
     ]
-    root = str(Path(__file__).resolve().parents[2])  # so the child imports this same vime
+    root = str(Path(__file__).resolve().parents[3])  # so the child imports this same vime
     env = dict(
         os.environ,
         PYTHONUNBUFFERED="1",
@@ -107,15 +107,27 @@ def launch_engine(
     env.pop(API_KEY_ENV, None)
     if api_key:
         env[API_KEY_ENV] = api_key
-    weight_sync.apply_gpu_safe_env(env)  # NVLink multicast stays off in the engine's NCCL (device README)
+    apply_gpu_safe_env(env)  # NVLink multicast stays off in the engine's NCCL (device README)
     with open(log_path, "w") as logf:
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    engine = EngineProcess(_ready_url(proc, log_path, startup_timeout), proc, log_path, api_key)
+    try:
+        EngineClient(engine.url, timeout=10, api_key=api_key).health()
+    except EngineError:
+        engine.shutdown()
+        raise
+    return engine
+
+
+def _ready_url(proc: subprocess.Popen, log_path: Path, startup_timeout: float) -> str:
+    """The URL in the server's ready line, once its log has it; an EngineError with the log's tail
+    if the process exits first or the line is not there within `startup_timeout` s."""
     deadline = time.monotonic() + startup_timeout
     pattern = re.compile(re.escape(READY_LINE) + r" (http://\S+)")
     while True:
         m = pattern.search(log_path.read_text(errors="replace"))
         if m:
-            break
+            return m.group(1)
         if proc.poll() is not None:
             raise EngineError(
                 f"engine process exited with code {proc.returncode} during start (log {log_path}):\n{log_tail(log_path)}"
@@ -126,10 +138,3 @@ def launch_engine(
                 f"engine did not start within {startup_timeout:g}s (log {log_path}):\n{log_tail(log_path)}"
             )
         time.sleep(0.1)
-    engine = EngineProcess(m.group(1), proc, log_path, api_key)
-    try:
-        EngineClient(engine.url, timeout=10, api_key=api_key).health()
-    except EngineError:
-        engine.shutdown()
-        raise
-    return engine

@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from vime.config import Config
-from vime.engine.weight_sync import GPU_SAFE_ENV
+from vime.trainer.distributed import TrainerRankError, _init, _serve
+from vime.transport.group import GPU_SAFE_ENV
 
 log = logging.getLogger("vime")
 
@@ -47,8 +48,6 @@ class TrainerRank:
         self, rank: int, world: int, init_method: str, args: Config, model_dir: str, device: str, log_path: str
     ) -> None:
         """Join the trainer's group and serve rank 0 until it says close (the actor's whole life)."""
-        from vime.trainer.distributed import _init, _serve
-
         out = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(out, 1)
         os.dup2(out, 2)
@@ -103,11 +102,12 @@ def start_ray_ranks(
     args: Config, world: int, model_dir: str, device: str, log_dir: Path | None
 ) -> tuple[list[RayRank], str, Callable[[], None]]:
     """Ranks 1..world-1 as actors in a placement group; returns them, the `init_method` rank 0
-    joins with, and what removes the group once the ranks are done."""
+    joins with, and what removes the group once the ranks are done (`launch_actor`'s
+    `start_ranks` under --launcher ray)."""
     from ray.util.placement_group import remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from vime.engine.ray_placement import READY_S, ROOT, join_cluster, reserve
+    from vime.launch.ray import READY_S, ROOT, join_cluster, reserve
 
     ray = join_cluster()
     gpus = 1 if device.startswith("cuda") else 0
@@ -147,8 +147,6 @@ def start_ray_ranks(
             ray.kill(actor, no_restart=True)
         remove_placement_group(group)
         if isinstance(e, ray.exceptions.RayError):
-            from vime.trainer.distributed import TrainerRankError
-
             cause = getattr(e, "cause", None) or e
             raise TrainerRankError(
                 f"trainer ranks did not start in their Ray actors: {' '.join(str(cause).split())[:300]}"

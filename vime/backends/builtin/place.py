@@ -1,0 +1,66 @@
+"""The built-in engine's placements: its engines launched here (`place`) or as Ray actors
+(`place_ray`), each ended by the helpers every backend shares (`vime/launch/`)."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from pathlib import Path
+
+from vime.backends.builtin.launch import EngineProcess, launch_engine
+from vime.backends.client import EngineClient
+from vime.launch.placement import Placement, engine_devices, fresh_path, launch_all, placed, trainer_device
+from vime.launch.ray import place_actors
+from vime.transport.group import apply_gpu_safe_env
+
+log = logging.getLogger("vime")
+
+
+def place(args, model_dir: Path, run_dir: Path) -> Placement:
+    """The built-in engine's placement (its row in `vime/backends/__init__.py`): launch one engine per device
+    (or check the ones at --rollout-engine-urls) and pick how weights reach each."""
+    apply_gpu_safe_env()  # NVLink multicast off here and in every process started from here
+    trainer = trainer_device(args)
+    api_key = args.api_key
+    if args.rollout_engine_urls:
+        urls, devices, engines = list(args.rollout_engine_urls), [], []
+        launch_one = None
+    else:
+        # engines we start answer only to this run, whatever else can reach 127.0.0.1
+        api_key = api_key or secrets.token_urlsafe(24)
+        devices = engine_devices(args, trainer)
+        dtype = "float32" if trainer == "cpu" else "bfloat16"
+
+        def launch_one(i: int) -> EngineProcess:  # type: ignore[no-redef]
+            extra = ["--max-num-seqs", str(args.engine_max_num_seqs), "--seed", str(args.rollout_seed + i)]
+            if args.engine_num_kv_blocks:
+                extra += ["--num-kv-blocks", str(args.engine_num_kv_blocks)]
+            log_path = fresh_path(run_dir / f"engine{i}.log")  # a restarted engine keeps its earlier log
+            log.info("starting engine %d on %s (log: %s)", i, devices[i], log_path)
+            return launch_engine(
+                str(model_dir), device=devices[i], dtype=dtype, extra_args=extra, log_path=log_path, api_key=api_key
+            )
+
+        engines = launch_all(launch_one, len(devices))
+        urls = [e.url for e in engines]
+
+    def facts(url: str) -> dict:
+        return EngineClient(url, timeout=30, api_key=api_key).model_info()
+
+    return placed(args, trainer, devices, urls, engines, api_key, launch_one, facts, "engine")
+
+
+def place_ray(args, model_dir: Path, run_dir: Path) -> Placement:
+    """The built-in engine's placement on a Ray cluster (its row in `vime/backends/__init__.py`)."""
+    dtype = "float32" if trainer_device(args) == "cpu" else "bfloat16"
+
+    def engine_kwargs(i: int, device: str) -> dict:
+        extra = ["--max-num-seqs", str(args.engine_max_num_seqs), "--seed", str(args.rollout_seed + i)]
+        if args.engine_num_kv_blocks:
+            extra += ["--num-kv-blocks", str(args.engine_num_kv_blocks)]
+        return dict(model_path=str(model_dir), device=device, dtype=dtype, extra_args=extra)
+
+    def facts(url: str, api_key: str) -> dict:
+        return EngineClient(url, timeout=30, api_key=api_key).model_info()
+
+    return place_actors(args, run_dir, "vime.backends.builtin.launch:launch_engine", engine_kwargs, facts, "engine")

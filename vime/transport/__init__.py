@@ -1,0 +1,3 @@
+"""Weight pushes from the trainer to the engines, every transport: the process group of the
+distributed ones (`group.py`), their flat buckets (`buckets.py`), the checksums both sides compare
+(`checksums.py`), CUDA IPC handles as JSON (`cuda_ipc.py`) and the trainer's pusher (`push.py`)."""
