@@ -36,6 +36,17 @@ def rows(run_dir: Path) -> list[dict]:
     ]
 
 
+# the two async-entry modes evaluate two held-out sets (slime's NAME PATH pairs), the others one
+TWO_SETS = [
+    "--eval-prompt-data",
+    "head",
+    "examples/data/addition/test.jsonl",
+    "tail",
+    "examples/data/addition/test.jsonl@[10:20]",
+]
+EVAL_SETS = {"one-step-off": TWO_SETS, "fully-async": TWO_SETS}
+
+
 @pytest.fixture(scope="module")
 def mode_runs(tmp_path_factory) -> dict[str, Path]:
     """Each mode trains the tiny model for 3 steps; later tests read these run directories."""
@@ -58,6 +69,7 @@ def mode_runs(tmp_path_factory) -> dict[str, Path]:
             "--save",
             str(base / name / "ckpt"),
             *extra,
+            *EVAL_SETS.get(name, []),
         )
         assert res.returncode == 0, f"{name}: {res.stderr[-3000:]}"
         out[name] = base / name
@@ -89,6 +101,24 @@ def test_one_step_off_trains_on_the_previous_version(mode_runs):
     assert r[0]["rollout/staleness_max"] == 0
     for x in r[1:]:
         assert x["rollout/staleness_mean"] == 1 and x["rollout/staleness_max"] == 1
+
+
+@pytest.mark.parametrize("mode", ["sync", "one-step-off", "fully-async", "decoupled"])
+def test_each_mode_evaluates_its_held_out_sets(mode_runs, mode):
+    evals = [
+        r
+        for r in (json.loads(line) for line in (mode_runs[mode] / "metrics.jsonl").read_text().splitlines())
+        if "eval/accuracy" in r
+    ]
+    assert [r["step"] for r in evals] == [0, 3]
+    for r in evals:
+        if mode in EVAL_SETS:  # each set's own metrics (--eval-limit 8 each), and all of them together
+            assert (r["eval/head/total"], r["eval/tail/total"], r["eval/total"]) == (8, 8, 16)
+            assert r["eval/correct"] == r["eval/head/correct"] + r["eval/tail/correct"]
+            assert (mode_runs[mode] / "eval" / "tail" / f"{r['step']}.jsonl").exists()
+        else:  # one set: the names it always had
+            assert r["eval/total"] == 8 and not [k for k in r if k.count("/") > 1 and k.startswith("eval/")]
+            assert (mode_runs[mode] / "eval" / f"{r['step']}.jsonl").exists()
 
 
 def test_sync_is_on_policy(mode_runs):
@@ -130,6 +160,7 @@ def test_report_renders_from_real_runs(mode_runs, tmp_path):
     for m in order:
         assert f"| {m} |" in res.stdout
     assert "1.00×" in res.stdout  # the first run is the reference
+    assert "accuracy per eval set" in res.stdout and "| fully-async | tail |" in res.stdout
     for png in ["step_time.png", "reward.png", "accuracy_vs_wall_clock.png"]:
         assert (tmp_path / "plots" / png).stat().st_size > 1000
 

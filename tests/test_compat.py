@@ -124,7 +124,7 @@ def test_the_seed_sync_script_flags_parse_or_are_refused_with_the_reason(tmp_pat
     with pytest.raises(ConfigError, match="--rollout-num-gpus-per-engine 2: the built-in engine has no tensor"):
         _parse(SMOLLM2_SHAPE.split() + sync + ["--rollout-num-gpus-per-engine", "2"], entry="sync")
     cfg = _parse(SMOLLM2_SHAPE.split() + sync, entry="sync")
-    assert cfg.mode == "sync" and cfg.colocate and cfg.eval_name == "aime" and cfg.eval_prompt_data == "/e/aime.jsonl"
+    assert cfg.mode == "sync" and cfg.colocate and cfg.eval_sets == [{"name": "aime", "path": "/e/aime.jsonl"}]
     assert cfg.eval_top_p == 1 and cfg.n_samples_per_eval_prompt == 16 and cfg.use_wandb
     said = " ".join(compat.notes(cfg))
     assert "--train-backend megatron (vime trains with FSDP2" in said and "--train-memory-margin-bytes" in said
@@ -176,7 +176,7 @@ def test_refusals_name_the_flag_and_the_fix():
         ("--recompute-method", "block", "--recompute-granularity", "full"): "needs --recompute-num-layers",
         ("--rollout-num-gpus-per-engine", "2"): "--rollout-num-gpus-per-engine 2: the built-in engine has no tensor",
         ("--num-steps-per-rollout", "2", "--global-batch-size", "32"): "give only one of them",
-        ("--eval-prompt-data", "a", "x", "b", "y"): "one NAME PATH pair",
+        ("--eval-prompt-data", "a", "x", "b"): "give PATH, or NAME PATH pairs",
     }
     for extra, needle in cases.items():
         with pytest.raises(ConfigError, match=re.escape(needle)) as e:
@@ -185,7 +185,7 @@ def test_refusals_name_the_flag_and_the_fix():
     cfg = _parse(base + ["--num-steps-per-rollout", "2"])  # 8 prompts x 4 samples / 2 steps
     assert cfg.global_batch_size == 16 and cfg.steps_per_rollout == 2
     cfg = _parse(base + ["--eval-prompt-data", "aime", "/x/aime.jsonl"])
-    assert (cfg.eval_name, cfg.eval_prompt_data) == ("aime", "/x/aime.jsonl")
+    assert cfg.eval_sets == [{"name": "aime", "path": "/x/aime.jsonl"}]
 
 
 def test_shape_flags_are_checked_against_the_checkpoint(tiny_model, addition_data, tmp_path):

@@ -132,19 +132,36 @@ def eval_main(argv: list[str]) -> int:
         args.runtime = RolloutRuntime(clients, tokenizer, placement.transports, health=HealthCheck.of(args))
         if not placement.engines:  # engines given by URL: they evaluate --hf-checkpoint, not what they hold
             push_checkpoint(args, placement, clients)
-        # claimed now, so an earlier eval's results stay, and one running at the same time gets another name
-        out_path = fresh_path(run_dir / "eval.jsonl")  # eval.jsonl, eval.1.jsonl, ...
+        # claimed now, so an earlier eval's results stay, and one running at the same time gets another name:
+        # eval.jsonl, eval.1.jsonl, ...; with several sets eval.<name>.jsonl, eval.<name>.1.jsonl, ...
+        several = len(args.eval_sets) > 1
+        paths = {
+            (s["name"] if several else None): fresh_path(
+                run_dir / (f"eval.{s['name']}.jsonl" if several else "eval.jsonl")
+            )
+            for s in args.eval_sets
+        }
         try:
-            m = evaluate(args, 0, out_path).metrics
+            m = evaluate(args, 0, paths.__getitem__)
         except BaseException:
-            out_path.unlink()  # claimed, never written
+            for path in paths.values():
+                path.unlink(missing_ok=True)  # claimed, perhaps never written
             raise
     finally:
         if args.runtime is not None:
             args.runtime.close()
         placement.shutdown()
-    print(f"accuracy {m['eval/accuracy']:.4f} ({m['eval/correct']}/{m['eval/total']})  per-sample results: {out_path}")
-    print(json.dumps({k: m[k] for k in ("eval/accuracy", "eval/correct", "eval/total")}))
+    shown = {f"{name} ": f"eval/{name}/" for name in paths if name is not None}
+    for label, prefix in shown.items():
+        print(
+            f"{label}accuracy {m[prefix + 'accuracy']:.4f} ({m[prefix + 'correct']}/{m[prefix + 'total']})  per-sample results: {paths[label.strip()]}"
+        )
+    where = "" if several else f"  per-sample results: {paths[None]}"
+    print(
+        f"{'all ' if several else ''}accuracy {m['eval/accuracy']:.4f} ({m['eval/correct']}/{m['eval/total']}){where}"
+    )
+    keys = [f"{prefix}{k}" for prefix in ("eval/", *shown.values()) for k in ("accuracy", "correct", "total")]
+    print(json.dumps({k: m[k] for k in keys}))
     return 0
 
 

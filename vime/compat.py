@@ -22,6 +22,7 @@ table of every flag of the seed's scripts and what vime does with it.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import math
 from collections.abc import Callable
@@ -127,6 +128,161 @@ FLAGS: dict[str, Flag] = {
         ),
     ]
 }
+
+
+def _absent(says: str, *names: str) -> list[Flag]:
+    return [Flag(n, "absent", str, says) for n in names]
+
+
+# slime's flags that vime does not accept (not parsed, so argparse leaves them over): what each
+# is in slime and what vime has instead, for the one error that lists every flag a command line
+# has that vime does not know. A name ending in * is a family of flags.
+_NOT_YET = "not in vime yet"
+ABSENT: dict[str, Flag] = {
+    f.name: f
+    for f in [
+        *_absent(
+            f"on-policy distillation: a teacher's per-token log-probs as the reward; {_NOT_YET}",
+            "use_opd",
+            "opd_type",
+            "opd_kl_coef",
+            "opd_teacher_load",
+            "opd_teacher_ckpt_step",
+        ),
+        *_absent(
+            "a function from the rollout's rewards to the trained ones; vime: --custom-advantage-function-path sees every group's rewards",
+            "custom_reward_post_process_path",
+        ),
+        *_absent("image/video columns for vision-language models; vime trains text models only", "multimodal_keys"),
+        *_absent("a KL penalty folded into the reward; vime: --kl-loss-coef (the KL as a loss term)", "kl_coef"),
+        *_absent("the request router in front of slime's engines; vime's client spreads requests itself", "router_*"),
+        *_absent(
+            "GPUs per node of the cluster; vime: --actor-num-gpus-per-node and --rollout-num-gpus", "num_gpus_per_node"
+        ),
+        *_absent(
+            "how Megatron's weights become HF ones for the engines; vime trains the HF model itself",
+            "megatron_to_hf_mode",
+        ),
+        *_absent(
+            "delta weight sync through a shared disk; vime pushes whole weights, by --weight-transport",
+            "update_weight_mode",
+            "update_weight_transport",
+            "update_weight_disk_dir",
+            "update_weight_disk_keep_files",
+            "update_weight_local_checkpoint_dir",
+            "update_weight_delta_encoding",
+            "update_weight_delta_checksum",
+            "custom_update_weight_post_write_path",
+        ),
+        *_absent(
+            "Megatron's optimizer state on the CPU or in low precision; vime: FSDP2 shards it over the actor GPUs",
+            "optimizer_cpu_offload",
+            "overlap_cpu_optimizer_d2h_h2d",
+            "use_precision_aware_optimizer",
+        ),
+        *_absent(
+            "an argument of the SGLang servers slime starts; vime: --vllm-NAME with --rollout-backend vllm, "
+            "or the built-in engine's --engine-* flags",
+            "sglang_*",
+        ),
+        *_absent("engines started elsewhere; vime: --rollout-engine-urls", "rollout_external_engine_addrs"),
+        *_absent(
+            "memory offload while colocated; vime: --colocate releases the engine's memory while the trainer steps",
+            "offload",
+            "offload_train",
+            "offload_rollout",
+            "release_train",
+        ),
+        *_absent(
+            "a rollout function of eval's own; vime evaluates with the run's generate function (vime/eval.py)",
+            "eval_function_path",
+        ),
+        *_absent("eval's tool schemas key; vime: --tool-key (training and eval)", "eval_tool_key"),
+        *_absent("eval's reward key; vime grades eval by rm type rules (--eval-rm-type)", "eval_reward_key"),
+        *_absent(
+            "eval's prompt/context bounds; vime: --rollout-max-context-len bounds eval too, and prompts too long for the model are refused",
+            "eval_max_prompt_len",
+            "eval_max_context_len",
+        ),
+        *_absent("a minimum response length; vime's engines have none", "eval_min_new_tokens"),
+        *_absent(
+            "SFT's loss-mask rules by model family; vime: the chat template (--apply-chat-template)", "loss_mask_type"
+        ),
+        *_absent(f"SFT (no advantages); {_NOT_YET}", "disable_compute_advantages_and_returns"),
+        *_absent(
+            "no reward normalization at all; vime: --disable-grpo-std-normalization drops the std only",
+            "disable_rewards_normalization",
+        ),
+        *_absent(
+            "PPO's critic; vime trains critic-free estimators (GRPO family, REINFORCE++)",
+            "value_clip",
+            "lambd",
+            "num_critic_only_steps",
+        ),
+        *_absent("MoE routing replay; vime trains dense models", "use_routing_replay", "use_rollout_routing_replay"),
+        *_absent("multi-token-prediction layers; not in vime", "enable_mtp_training", "mtp_*"),
+        *_absent("slime's own CI checks; not in vime", "ci_*"),
+        *_absent(
+            "extra rollout logs (pass rate, multi-turn, samples); vime logs rollout/* and eval/* metrics itself",
+            "log_passrate",
+            "log_multi_turn",
+            "log_correct_samples",
+            "log_reward_category",
+            "custom_rollout_log_function_path",
+            "custom_eval_rollout_log_function_path",
+        ),
+        *_absent(
+            "per-sample filters and hooks of slime's rollout buffer; vime: --dynamic-sampling-filter-path",
+            "rollout_sample_filter_path",
+            "rollout_all_samples_process_path",
+            "buffer_filter_path",
+        ),
+        *_absent("a data source class of one's own; not in vime", "data_source_path"),
+        *_absent("the first rollout's id; vime: --load resumes at its checkpoint's step", "start_rollout_id"),
+        *_absent("HF-format saves; vime's checkpoints are HF directories already", "save_hf"),
+        *_absent("compares pushed weights with the engine's; vime: --check-weight-push", "check_weight_update_equal"),
+    ]
+}
+ABSENT_DOC = "docs/slime-flags.md"
+
+
+def absent(dest: str) -> Flag | None:
+    """The row of a slime flag vime does not accept (`dest`: e.g. opd_type), or None."""
+    return ABSENT.get(dest) or next(
+        (f for f in ABSENT.values() if f.name.endswith("*") and dest.startswith(f.name[:-1])), None
+    )
+
+
+def unknown_flags_error(rest: list[str], known: list[str]) -> str | None:
+    """One message for every flag of `rest` (what argparse did not take) that vime does not know,
+    one line each with what it is in slime and what vime has instead (`known`: vime's own flags,
+    for a suggestion); None when `rest` holds none. A flag's values go with it; a value with no
+    flag before it is named too."""
+    lines, flag = [], None
+    for tok in rest:
+        is_flag = tok.startswith("-") and len(tok) > 1 and not tok[1].isdigit() and tok[1] != "."
+        if not is_flag:
+            if flag is None:
+                lines.append(f"  {tok!r}: a value with no flag before it")
+            continue
+        flag = tok.split("=", 1)[0]
+        dest = flag.lstrip("-").replace("-", "_")
+        row = absent(dest)
+        if row is not None:
+            lines.append(f"  {flag} (slime): {row.says}")
+            continue
+        close = difflib.get_close_matches(flag, known, n=1)
+        lines.append(f"  {flag}: neither a vime nor a slime flag" + (f" (did you mean {close[0]}?)" if close else ""))
+    if not lines:
+        return None
+    n = sum(not line.endswith("a value with no flag before it") for line in lines)
+    count = f" ({n} flag{'s' if n != 1 else ''} vime does not know)" if n else ""
+    return (
+        f"unrecognized arguments: {' '.join(rest)}{count}:\n"
+        + "\n".join(lines)
+        + f"\n  (what vime does with each slime flag: {ABSENT_DOC})"
+    )
+
 
 # What the built-in engine has in place of a vLLM engine argument, for the start-up line.
 VLLM_COUNTERPARTS = {
@@ -278,6 +434,12 @@ def notes(cfg: Any) -> list[str]:
         inert.append(f"--ref-load {cfg.ref_load} (not read: --kl-loss-coef 0 needs no reference model)")
     if inert:
         out.append("flags with no effect in vime: " + "; ".join(inert))
+    if cfg.custom_config_path:
+        extras = ", ".join(cfg.custom_config) or "none"
+        out.append(
+            f"--custom-config-path {cfg.custom_config_path}: its settings override the flags (config.yaml has the result); "
+            f"its other keys, attributes of args for plug-ins: {extras}"
+        )
     return out
 
 

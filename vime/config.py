@@ -118,6 +118,11 @@ class Config:
     custom_generate_function_path: str | None = _f(
         None, "dotted path of an async per-sample generate(args, sample, sampling_params) -> Sample", group="rollout"
     )
+    custom_config_path: str | None = _f(
+        None,
+        "slime's YAML of settings for custom functions: its keys override the flags (checked as flags are); keys that are no vime setting become attributes of args",
+        group="rollout",
+    )
     rollout_max_response_len: int = _f(256, "max new tokens per response", group="rollout")
     rollout_temperature: float = _f(1.0, "sampling temperature (0 = greedy)", group="rollout")
     rollout_top_p: float = _f(1.0, "nucleus sampling mass", group="rollout")
@@ -574,14 +579,18 @@ class Config:
     eval_interval: int | None = _f(
         None, "evaluate every K steps (and before the first and after the last)", group="eval and output"
     )
-    eval_prompt_data: str | None = _f(
+    eval_prompt_data: list | None = _f(
         None,
-        "held-out prompts (JSONL/Parquet, path@[a:b]); slime's NAME PATH form is read too",
+        "held-out prompts (JSONL/Parquet, path@[a:b]): PATH, or slime's NAME PATH pairs, one pair per set (NAME PATH NAME PATH ...)",
         group="eval and output",
         nargs="+",
+        sep=None,
     )
-    eval_name: str | None = _f(
-        None, "name of the held-out set (the NAME of --eval-prompt-data NAME PATH)", group="eval and output"
+    eval_name: str | None = _f(None, "name of a held-out set given as a lone PATH", group="eval and output")
+    eval_config: str | None = _f(
+        None,
+        "slime's eval YAML: several held-out sets, each with its own limit, sampling and rm type (docs/slime-flags.md); instead of --eval-prompt-data",
+        group="eval and output",
     )
     eval_input_key: str | None = _f(None, "key of the eval prompt (default: --input-key)", group="eval and output")
     eval_label_key: str | None = _f(None, "key of the eval answer (default: --label-key)", group="eval and output")
@@ -593,6 +602,14 @@ class Config:
     )
     eval_top_p: float | None = _f(
         None, "eval nucleus mass (default: 1 when greedy, --rollout-top-p otherwise)", group="eval and output"
+    )
+    eval_top_k: int | None = _f(
+        None, "eval top-k, -1 or 0 off (default: off when greedy, --rollout-top-k otherwise)", group="eval and output"
+    )
+    eval_rm_type: str | None = _f(
+        None,
+        "grade eval by this built-in rm type's rule (its acc) (default: math's answer reading, exact's with --rm-type exact)",
+        group="eval and output",
     )
     skip_eval_before_train: bool = _f(
         False, "with --eval-interval: no evaluation before the first step", group="eval and output"
@@ -671,6 +688,14 @@ class Config:
     # run's args when it starts; not settings (a `vllm_` key of a config is a vLLM server flag)
     vllm_router_ip: ClassVar[str | None] = None
     vllm_router_port: ClassVar[int | None] = None
+    eval_sets: list = _f(
+        [],
+        "every held-out set and the settings it overrides, from --eval-config or --eval-prompt-data (vime/eval_sets.py)",
+        group=DERIVED,
+    )
+    custom_config: dict = _f(
+        {}, "the keys of --custom-config-path that are no vime setting: attributes of args for plug-ins", group=DERIVED
+    )
     # --- the run's live objects (engine clients, tokenizer, fully-async worker): not settings,
     # never written or pickled; slime's rollout signatures pass only args, so this is how the
     # run hands them to rollout and generate functions ---
@@ -712,6 +737,10 @@ class Config:
         which checks only what evaluation needs). Every consistency check of the settings is here."""
         if entry not in ENTRIES:
             raise ValueError(f"validate(entry={entry!r}): one of {ENTRIES}")
+        if self.custom_config_path is not None:
+            from vime.config_files import apply_custom_config  # slime applies it first: its keys override the flags
+
+            apply_custom_config(self)
         if self.eps_clip_high is None:
             self.eps_clip_high = self.eps_clip
         steps = self.num_steps_per_rollout
@@ -736,6 +765,9 @@ class Config:
         for bad, msg in checks:
             if bad:
                 raise ConfigError(msg)
+        from vime.eval_sets import resolve
+
+        self.eval_sets = resolve(self)
         if self.load_debug_rollout_data is not None:
             self.debug_train_only = True  # slime's rule: saved rollouts stand in for the engines
         if entry != "eval":
@@ -872,6 +904,8 @@ def _one_file_per_rollout(template: str) -> bool:
 
 def _common_checks(c: Config) -> list[tuple[bool, str]]:
     """What any entry point needs: the model, sampling, engines, and finite numbers."""
+    from vime.rollout.rewards.grading import BUILTIN_RM_TYPES  # here: the rewards package imports this module
+
     return [
         (c.hf_checkpoint is None, "--hf-checkpoint is required (an HF model directory, or 'smollm2')"),
         (c.rollout_temperature < 0, "--rollout-temperature must be >= 0 (0 = greedy)"),
@@ -931,6 +965,11 @@ def _common_checks(c: Config) -> list[tuple[bool, str]]:
         ),
         (c.eval_temperature is not None and c.eval_temperature < 0, "--eval-temperature must be >= 0 (0 = greedy)"),
         (c.eval_top_p is not None and not 0 < c.eval_top_p <= 1, "--eval-top-p must be in (0, 1]"),
+        (c.eval_top_k is not None and c.eval_top_k < -1, "--eval-top-k must be -1 or 0 (off) or a positive count"),
+        (
+            c.eval_rm_type is not None and c.eval_rm_type not in BUILTIN_RM_TYPES,
+            f"--eval-rm-type {c.eval_rm_type!r}: use one of {', '.join(BUILTIN_RM_TYPES)}",
+        ),
         (
             c.rollout_max_context_len is not None and c.rollout_max_context_len < 2,
             "--rollout-max-context-len must be at least 2 (a prompt token and a response token)",
@@ -981,7 +1020,12 @@ def _estimator(c: Config) -> Estimator:
 
 
 def _eval_checks(c: Config) -> list[tuple[bool, str]]:
-    return [(c.eval_prompt_data is None, "--eval-prompt-data is required (the held-out prompts)")]
+    return [
+        (
+            not c.eval_prompt_data and c.eval_config is None,
+            "--eval-prompt-data or --eval-config is required (the held-out prompts)",
+        )
+    ]
 
 
 def _train_checks(c: Config, entry: str) -> list[tuple[bool, str]]:
@@ -1055,8 +1099,8 @@ def _train_checks(c: Config, entry: str) -> list[tuple[bool, str]]:
         ),
         (c.overwrite_save and c.save is None, "--overwrite-save needs --save DIR (the checkpoints it may replace)"),
         (
-            c.eval_interval is not None and c.eval_prompt_data is None,
-            "--eval-interval needs --eval-prompt-data (held-out prompts)",
+            c.eval_interval is not None and not c.eval_prompt_data and c.eval_config is None,
+            "--eval-interval needs --eval-prompt-data or --eval-config (held-out prompts)",
         ),
         (c.update_weights_interval < 1, "--update-weights-interval must be at least 1"),
         (c.lr < 0, "--lr must be >= 0"),
@@ -1323,30 +1367,31 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def load_yaml(path: str | Path) -> dict[str, Any]:
+def load_yaml(path: str | Path, extras: dict[str, Any] | None = None, what: str = "config file") -> dict[str, Any]:
+    """The settings of a YAML file, each read as its flag is. `extras` (--custom-config-path):
+    where keys that are no vime setting go, instead of being refused; `what` names the file's
+    kind in errors."""
     p = Path(path)
     if not p.exists():
-        raise ConfigError(f"config file {p} not found")
+        raise ConfigError(f"{what} {p} not found")
     try:
         data = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {p} is not valid YAML: {str(e).splitlines()[0]}") from None
+        raise ConfigError(f"{what} {p} is not valid YAML: {str(e).splitlines()[0]}") from None
     except ConfigError as e:
-        raise ConfigError(f"config file {p}: {e}") from None
+        raise ConfigError(f"{what} {p}: {e}") from None
     except UnicodeDecodeError as e:
-        raise ConfigError(
-            f"config file {p} is not UTF-8 text ({e.reason} at byte {e.start}): save it as UTF-8"
-        ) from None
+        raise ConfigError(f"{what} {p} is not UTF-8 text ({e.reason} at byte {e.start}): save it as UTF-8") from None
     except OSError as e:
-        raise ConfigError(f"config file {p} cannot be read ({e.strerror or e})") from None
+        raise ConfigError(f"{what} {p} cannot be read ({e.strerror or e})") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {p} must hold a mapping of flag names to values")
+        raise ConfigError(f"{what} {p} must hold a mapping of flag names to values")
     out: dict[str, Any] = {"slime_flags": {}, "vllm_args": {}}
     given: dict[str, Any] = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
         if name in given:  # rollout-batch-size and rollout_batch_size: one flag
-            raise ConfigError(f"config file {p}: '{given[name]}' and '{key}' are one flag: keep one")
+            raise ConfigError(f"{what} {p}: '{given[name]}' and '{key}' are one flag: keep one")
         given[name] = key
         if name in ("slime_flags", "vllm_args") and isinstance(value, dict):  # as a run's config.yaml records them
             out[name].update(value)
@@ -1358,14 +1403,16 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
             out["vllm_args"][str(key)[len("vllm-") :]] = value
             continue
         if _FIELDS.get(name) is not None and name not in FLAGS:
+            if extras is not None:
+                raise ConfigError(f"{what} {p}: '{key}' is derived by vime, not a setting: remove it")
             continue  # a derived value of a run's config.yaml: derived again
+        if name not in _FIELDS and extras is not None:
+            extras[str(key)] = value
+            continue
         if name not in _FIELDS:
             close = difflib.get_close_matches(name, list(_FIELDS), n=1)
             hint = f" (did you mean {close[0].replace('_', '-')}?)" if close else ""
-            raise ConfigError(f"config file {p}: unknown key '{key}'{hint}")
-        if name == "eval_prompt_data" and isinstance(value, list):
-            out.update(_eval_data(value))
-            continue
+            raise ConfigError(f"{what} {p}: unknown key '{key}'{hint}")
         out[name] = _coerce(name, value)
     return {k: v for k, v in out.items() if v != {} or k not in ("slime_flags", "vllm_args")}
 
@@ -1376,12 +1423,14 @@ def parse_args(
     """Flags > --config YAML > dataclass defaults; then validate(entry).
 
     slime's and Megatron's flags (vime/compat.py) land in `slime_flags`, `--vllm-*` flags in
-    `vllm_args`; any other flag argparse does not know gets argparse's own error."""
+    `vllm_args`; every other flag vime does not know is named in one error (exit 2), each with
+    what it is in slime (`compat.ABSENT`)."""
     parser = build_parser(prog, description)
     parsed, rest = parser.parse_known_args(argv)
     vllm_args, unknown = compat.split_vllm_args(rest)
-    if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    message = compat.unknown_flags_error(unknown, [o for a in parser._actions for o in a.option_strings])
+    if message:  # every flag at once, each with what it is in slime: no edit-and-rerun round per flag
+        parser.exit(2, f"{parser.prog}: error: {message}\n")
     ns = vars(parsed)
     ns.pop("_vllm_help", None)  # the help line of --vllm-NAME; given literally, argparse took it
     values: dict[str, Any] = {}
@@ -1391,20 +1440,7 @@ def parse_args(
     foreign = {k: ns.pop(k) for k in list(ns) if k in compat.FLAGS}
     values["slime_flags"] = {**values.get("slime_flags", {}), **foreign}
     values["vllm_args"] = {**values.get("vllm_args", {}), **vllm_args}
-    if "eval_prompt_data" in ns:
-        values.update(_eval_data(ns.pop("eval_prompt_data")))
     values.update({k: _coerce(k, v) for k, v in ns.items()})
     values.update(overrides)
     compat.translate(values)
     return Config(**values).validate(entry)
-
-
-def _eval_data(value: list[str] | str) -> dict[str, Any]:
-    """--eval-prompt-data PATH, or slime's NAME PATH."""
-    if isinstance(value, str) or len(value) == 1:
-        return {"eval_prompt_data": value if isinstance(value, str) else value[0]}
-    if len(value) == 2:
-        return {"eval_name": value[0], "eval_prompt_data": value[1]}
-    raise ConfigError(
-        f"--eval-prompt-data {' '.join(value)}: vime evaluates one held-out set per run; give PATH or one NAME PATH pair"
-    )

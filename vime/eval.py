@@ -1,9 +1,11 @@
 """Held-out evaluation with the math answer parser: greedy by default (sampling settings in
-`vllm_rollout.sampling_params`, --eval-temperature / --eval-top-p).
+`vllm_rollout.sampling_params`, --eval-temperature / --eval-top-p / --eval-top-k).
 
-Accuracy is always graded the same way (last `\\boxed{}` → `Answer:` line → trailing number,
-then math-verify / normalized match), whatever `--rm-type` trains with, so numbers from
-different runs and reward functions stay comparable.
+Accuracy is graded the same way (last `\\boxed{}` → `Answer:` line → trailing number, then
+math-verify / normalized match) whatever `--rm-type` trains with, so numbers from different
+runs and reward functions stay comparable; a set's own rm type (`--eval-rm-type`, `rm_type`
+of --eval-config) grades it by that built-in rule instead. Several sets (vime/eval_sets.py)
+are evaluated one after another, each with its own settings.
 """
 
 from __future__ import annotations
@@ -12,14 +14,17 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+from vime.config import ConfigError
+from vime.eval_sets import METADATA_KEY, args_for, set_accuracies
 from vime.metrics import progress
 from vime.models import context_length
 from vime.rollout import async_loop
 from vime.rollout.data_source import load_eval_samples
-from vime.rollout.rewards.answers import extract_answer
-from vime.rollout.rewards.grading import exact_answer, grade
+from vime.rollout.rewards.grading import BUILTIN_RM_TYPES, grade, rule_answer
 from vime.rollout.runtime import runtime_of
 from vime.rollout.types import MULTI_TURN_STATE, RolloutOutput, Sample
 from vime.rollout.vllm_rollout import generate_fn, multi_turn_metrics, sampling_params
@@ -58,31 +63,75 @@ async def _run(args, samples: list[Sample], step: int) -> list[Sample]:
         bar.close()
 
 
-def evaluate(args, step: int, out_path: Path | None = None) -> RolloutOutput:
-    """Generate on the eval prompts and grade; writes one JSON line per sample to out_path."""
+def evaluate(args, step: int, out_path: Callable[[str | None], Path | None] | None = None) -> dict[str, float]:
+    """Generate on every held-out set and grade; `out_path(set name)` (None for a lone set) is
+    where its per-sample JSON lines go (None: not written). The metrics: one set's as they
+    always were (`eval/accuracy`, ...); several sets' each under `eval/<name>/`, with
+    `eval/accuracy`, `eval/correct`, `eval/total` and `eval/time` of all of them together."""
+    sets = args.eval_sets
+    if not sets:  # resolved by Config.validate; a Config that skipped it has none
+        raise ConfigError("no held-out set to evaluate: give --eval-prompt-data or --eval-config")
+    if len(sets) == 1:
+        return evaluate_set(args, sets[0], step, out_path(None) if out_path else None).metrics
+    metrics: dict[str, float] = {}
+    for eval_set in sets:
+        name = eval_set["name"]
+        m = evaluate_set(args, eval_set, step, out_path(name) if out_path else None).metrics
+        metrics.update({f"eval/{name}/{key.removeprefix('eval/')}": value for key, value in m.items()})
+    correct = sum(metrics[f"eval/{s['name']}/correct"] for s in sets)
+    total = sum(metrics[f"eval/{s['name']}/total"] for s in sets)
+    return {
+        "eval/accuracy": correct / total if total else 0.0,
+        "eval/correct": correct,
+        "eval/total": total,
+        "eval/time": sum(metrics[f"eval/{s['name']}/time"] for s in sets),
+        **metrics,
+    }
+
+
+def result_line(metrics: dict[str, float], step: int, name: str | None) -> str:
+    """The line an eval leaves in the log: `eval aime step 3: accuracy 0.300 (3/10)`, or with
+    several sets `eval step 3: aime 0.300 (3/10) | gsm8k 0.600 (6/10) | all 0.450 (9/20)`."""
+    per_set = set_accuracies(metrics)
+    if not per_set:
+        return f"eval{' ' + name if name else ''} step {step}: accuracy {metrics['eval/accuracy']:.3f} ({metrics['eval/correct']}/{metrics['eval/total']})"
+    parts = [
+        f"{n} {acc:.3f} ({metrics[f'eval/{n}/correct']}/{metrics[f'eval/{n}/total']})" for n, acc in per_set.items()
+    ]
+    parts.append(f"all {metrics['eval/accuracy']:.3f} ({metrics['eval/correct']}/{metrics['eval/total']})")
+    return f"eval step {step}: " + " | ".join(parts)
+
+
+def evaluate_set(args, eval_set: dict[str, Any], step: int, out_path: Path | None = None) -> RolloutOutput:
+    """Generate on one set's prompts with its settings and grade; writes one JSON line per sample to out_path."""
+    args = args_for(args, eval_set)
     base = load_eval_samples(
         args,
         runtime_of(args).tokenizer,
-        args.eval_prompt_data,
+        eval_set["path"],
         limit=args.eval_limit,
         max_prompt_len=context_length(args.model_dir) - 1,
     )
     n = args.n_samples_per_eval_prompt
+    extra = eval_set.get(METADATA_KEY, {})
     samples = [
-        Sample(**{**s.__dict__, "index": s.index * n + k, "tokens": list(s.tokens), "metadata": dict(s.metadata)})
+        Sample(
+            **{**s.__dict__, "index": s.index * n + k, "tokens": list(s.tokens), "metadata": {**s.metadata, **extra}}
+        )
         for s in base
         for k in range(n)
     ]
     t0 = time.perf_counter()
     samples = async_loop.run(_run(args, samples, step))
+    # a set's own rm type grades by that rule; otherwise `exact` grades what it trains on (a list
+    # in full, on its last line), and every other rm type is read as the held-out metric always
+    # was: boxed, Answer:, trailing number (math's rule)
+    rule = args.eval_rm_type or ("exact" if args.rm_type == "exact" else "math")
     correct = 0
     rows = []
     for s in samples:
-        # `exact` grades what it trains on (a list in full, on its last line); every other rm
-        # type is read as the held-out metric always was: boxed, Answer:, trailing number
-        exact = args.rm_type == "exact"
-        pred = exact_answer(s.final_response, s.label) if exact else extract_answer(s.final_response)
-        ok = pred is not None and s.label is not None and grade(pred, str(s.label), exact=exact)
+        pred = rule_answer(rule, s.final_response, s.label)
+        ok = pred is not None and s.label is not None and grade(pred, str(s.label), exact=BUILTIN_RM_TYPES[rule].exact)
         s.reward = 1.0 if ok else 0.0
         correct += ok
         rows.append(

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 from vime.config import Config, ConfigError
 from vime.errors import VimeError
+from vime.eval_sets import summary as eval_summary
 
 log = logging.getLogger("vime")
 # One plain line per step: always in log.txt; on stderr too when it is no terminal (under make,
@@ -159,7 +160,7 @@ class MetricsLogger:
         if "rollout/staleness_mean" in m:
             parts.append(f"stale {m['rollout/staleness_mean']:.1f} (max {m['rollout/staleness_max']:.0f})")
         if "eval/accuracy" in m:
-            parts.append(f"eval {m['eval/accuracy']:.3f}")
+            parts.append(f"eval {eval_summary(m)}")
         if self._step_times:
             left = max(0, self.total - self.step) * mean(self._step_times)
             parts.append(f"ETA {time.strftime('%H:%M:%S', time.gmtime(left))}")
@@ -421,7 +422,7 @@ def progress_postfix(metrics: dict[str, Any]) -> dict[str, str]:
     if "rollout/reward_mean" in metrics:
         post["reward"] = f"{metrics['rollout/reward_mean']:.3f}"
     if "eval/accuracy" in metrics:
-        post["eval"] = f"{metrics['eval/accuracy']:.3f}"
+        post["eval"] = eval_summary(metrics)
     post.update({short: f"{metrics[key]:g}" for key, short in COUNTERS.items() if metrics.get(key)})
     return post
 

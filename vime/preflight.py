@@ -23,6 +23,7 @@ from typing import Any
 from vime import compat
 from vime.config import ConfigError
 from vime.debug_rollout import check_template
+from vime.eval_sets import args_for
 from vime.metrics import check_sinks
 from vime.models import ModelError, context_length, load_tokenizer, read_config, resolve_model
 from vime.plugin_checks import check_plugins
@@ -93,8 +94,7 @@ def check_inputs(args: Any) -> Inputs:
             )
     if data_source.skipped_note:
         notes.append(data_source.skipped_note)
-    if args.eval_prompt_data:
-        load_eval_samples(args, tokenizer, args.eval_prompt_data, limit=args.eval_limit, max_prompt_len=max_prompt_len)
+    _check_eval_sets(args, tokenizer, max_prompt_len)
     # every plug-in called as the run calls it, on made-up input (vime/plugin_checks.py)
     checked = check_plugins(args, tokenizer, data_source, rewards)
     notes += checked.notes
@@ -118,10 +118,15 @@ def check_eval_inputs(args: Any) -> Any:
     """What `vime eval` reads, checked before an engine starts; returns the tokenizer."""
     tokenizer = _model(args)
     _check_model_flags(args, Path(args.model_dir))
-    load_eval_samples(
-        args, tokenizer, args.eval_prompt_data, limit=args.eval_limit, max_prompt_len=context_length(args.model_dir) - 1
-    )
+    _check_eval_sets(args, tokenizer, context_length(args.model_dir) - 1)
     return tokenizer
+
+
+def _check_eval_sets(args: Any, tokenizer: Any, max_prompt_len: int) -> None:
+    """Each held-out set's prompts read as its evaluation will read them (its keys, its limit)."""
+    for eval_set in args.eval_sets:
+        a = args_for(args, eval_set)
+        load_eval_samples(a, tokenizer, eval_set["path"], limit=a.eval_limit, max_prompt_len=max_prompt_len)
 
 
 def _model(args: Any) -> Any:

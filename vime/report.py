@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import yaml
 
 from vime.errors import VimeError
+from vime.eval_sets import set_accuracies
 from vime.metrics import mean, read_metrics
 from vime.modes import FULLY_ASYNC_FN
 
@@ -32,7 +34,7 @@ class RunSummary:
     update_time: float
     wall_clock: float
     rows: list[dict[str, Any]]
-    evals: list[dict[str, Any]]  # rows carrying eval/accuracy, with step
+    evals: list[dict[str, Any]]  # rows carrying eval/accuracy (all sets together), with step
 
     @property
     def wait_share(self) -> float:
@@ -89,12 +91,15 @@ REPORTED = (
 )
 
 
+_PER_SET_KEY = re.compile(r"^eval/[^/]+/(accuracy|correct|total)$")  # the per-set columns, with several sets
+
+
 def _check_numbers(run_dir: Path, rows: list[dict[str, Any]]) -> None:
     """Every value the report reads is a number (a hand-edited or foreign metrics file held text
     there, and the report ended in a traceback), or null: vime writes a non-finite value as null,
     read here as NaN (a gap in the reward line)."""
     for k, row in enumerate(rows):
-        for key in (key for key in REPORTED if key in row):
+        for key in (key for key in row if key in REPORTED or _PER_SET_KEY.match(key)):
             value = row[key]
             if value is None and key != "step":
                 row[key] = float("nan")
@@ -139,6 +144,23 @@ def accuracy_table(runs: list[RunSummary]) -> str:
             f"| {r.name} | {r.mode} | {100 * last['eval/accuracy']:.1f}% | {last['eval/correct']}/{last['eval/total']} | {delta} |"
         )
     return "\n".join(lines)
+
+
+def eval_set_table(runs: list[RunSummary]) -> str | None:
+    """Each set's accuracy at the last eval of runs that evaluated several sets (None: no such
+    run), the change against the first before-training eval of that set."""
+    lines = ["| run | set | held-out accuracy | correct/total | change (points) |", "|---|---|---:|---:|---:|"]
+    for r in runs:
+        if not r.evals:
+            continue
+        last = r.evals[-1]
+        for name, acc in set_accuracies(last).items():
+            base = next((e for x in runs for e in x.evals if e["step"] == 0 and f"eval/{name}/accuracy" in e), None)
+            delta = f"{100 * (acc - base[f'eval/{name}/accuracy']):+.1f}" if base is not None else ""
+            lines.append(
+                f"| {r.name} | {name} | {100 * acc:.1f}% | {last[f'eval/{name}/correct']}/{last[f'eval/{name}/total']} | {delta} |"
+            )
+    return "\n".join(lines) if len(lines) > 2 else None
 
 
 def eval_results(run_dir: str | Path) -> dict[int, dict[int, bool]]:
@@ -262,6 +284,9 @@ def main(argv: list[str]) -> int:
     runs = [summarize(r) for r in a.runs]
     print("speed\n" + speed_table(runs) + "\n")
     print("accuracy\n" + accuracy_table(runs) + "\n")
+    per_set = eval_set_table(runs)
+    if per_set:
+        print("accuracy per eval set\n" + per_set + "\n")
     print("training reward per step\n" + "\n".join(reward_curve(r) for r in runs))
     if not a.no_plots:
         out = Path(a.plots) if a.plots else Path(a.runs[0]).parent / "report"

@@ -362,13 +362,11 @@ class Run:
         self.metrics.advance(metrics)
 
     def evaluate(self, step: int) -> dict[str, float]:
-        from vime.eval import evaluate
+        from vime.eval import evaluate, result_line
 
-        out = evaluate(self.args, step, self.run_dir / "eval" / f"{step}.jsonl")
-        m = out.metrics
-        self.metrics.write_line(
-            f"eval{' ' + self.args.eval_name if self.args.eval_name else ''} step {step}: accuracy {m['eval/accuracy']:.3f} ({m['eval/correct']}/{m['eval/total']})"
-        )
+        # eval/<step>.jsonl, or with several sets eval/<name>/<step>.jsonl
+        m = evaluate(self.args, step, lambda name: self.run_dir / "eval" / (name or "") / f"{step}.jsonl")
+        self.metrics.write_line(result_line(m, step, self.args.eval_sets[0]["name"]))
         return m
 
     def close(self) -> None:

@@ -42,8 +42,7 @@ def sampling_params(args, evaluation: bool = False) -> dict:
     """The engine protocol's sampling_params of a rollout (or, with `evaluation`, of eval).
 
     Eval is greedy with one sample per prompt; with more it samples at the rollout's settings.
-    --eval-temperature / --eval-top-p override either (top-k follows the rollout when eval
-    samples). Stop strings (--rollout-stop) are sent only when given, so a request without
+    --eval-temperature / --eval-top-p / --eval-top-k override either. Stop strings (--rollout-stop) are sent only when given, so a request without
     them is the same as before they existed.
     """
     if evaluation:
@@ -57,7 +56,7 @@ def sampling_params(args, evaluation: bool = False) -> dict:
             "max_new_tokens": args.eval_max_response_len,
             "temperature": temperature,
             "top_p": top_p,
-            "top_k": -1 if temperature == 0 else args.rollout_top_k,
+            "top_k": args.eval_top_k if args.eval_top_k is not None else -1 if temperature == 0 else args.rollout_top_k,
             # ahead of waiting rollout requests: an eval during async training waits for seats,
             # not for the worker's whole backlog (bench/real_ab.py's eval column shows it)
             "priority": -1,

@@ -116,21 +116,24 @@ def exact_answer(text: str | None, label: str | None) -> str | None:
     return extract_line_answer(text)
 
 
+def rule_answer(rm_type: str, response: str, label: str | None) -> str | None:
+    """The answer a built-in rm type reads from a response (None: it commits to none)."""
+    rule = BUILTIN_RM_TYPES[rm_type]
+    text = final_section(response or "") if rule.after_thinking else response or ""
+    if text is None:
+        return None
+    if rule.boxed_only:
+        boxes = boxed_contents(text)
+        return boxes[-1] if boxes else None
+    return exact_answer(text, label) if rule.exact else extract_answer(text)
+
+
 def builtin_result(rm_type: str, response: str, label: str | None) -> dict[str, float]:
     """`{"score": ..., "acc": 1.0 or 0.0}` of one response under a built-in rm type (see
     BUILTIN_RM_TYPES): `score` trains (the default --reward-key), `acc` says whether the
     answer was right (it differs from the score for dapo and math_shaped)."""
     rule = BUILTIN_RM_TYPES[rm_type]
-    text = final_section(response or "") if rule.after_thinking else response or ""
-    if text is None:
-        pred = None
-    elif rule.boxed_only:
-        boxes = boxed_contents(text)
-        pred = boxes[-1] if boxes else None
-    elif rule.exact:
-        pred = exact_answer(text, label)
-    else:
-        pred = extract_answer(text)
+    pred = rule_answer(rm_type, response, label)
     if grade(pred, label, exact=rule.exact):
         return {"score": rule.right, "acc": 1.0}
     return {"score": numeric_credit(pred, label) if rule.partial_credit else rule.wrong, "acc": 0.0}

@@ -1,0 +1,51 @@
+"""slime's `--custom-config-path`: a YAML file whose keys override the run's settings.
+
+slime reads it in its argument validation and sets every key on `args`, over whatever the command
+line said (its examples: train_infer_mismatch_helper/mis.yaml sets the TIS flags, and keys of its
+own that the example's TIS function reads from `args`). vime applies it the same way, first in
+`Config.validate`, so each key that is a vime setting is read as its flag is (`load_yaml`) and
+then checked by every check a flag gets; a slime/Megatron flag of vime/compat.py goes where the
+command line's would. A key that is no vime setting becomes an attribute of args for plug-ins,
+as in slime, and is recorded in `Config.custom_config` (config.yaml) and named at start-up.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from typing import Any
+
+from vime import compat
+
+
+def apply_custom_config(cfg: Any) -> None:
+    """Set the file's keys on `cfg` (a Config being validated); a one-line ConfigError on a key
+    or value that cannot be taken. A `null` leaves a setting that cannot be None as it is (slime's
+    mis.yaml writes `rs_lower_bound: null` for "not set")."""
+    from vime.config import _HINTS, ConfigError, load_yaml  # here: vime.config calls this module
+
+    where = f"--custom-config-path {cfg.custom_config_path}"
+    extras: dict[str, Any] = {}
+    values = load_yaml(cfg.custom_config_path, extras, what="--custom-config-path")
+    if "custom_config_path" in values:
+        raise ConfigError(f"{where} names another custom config: give its keys in this file")
+    values.setdefault("slime_flags", {})
+    compat.translate(values)  # recompute flags -> activation checkpointing, as from the command line
+    cfg.slime_flags = {**cfg.slime_flags, **values.pop("slime_flags")}
+    cfg.vllm_args = {**cfg.vllm_args, **values.pop("vllm_args", {})}
+    for name, value in values.items():
+        if value is None and not _optional(_HINTS[name]):
+            continue
+        setattr(cfg, name, value)
+    for key, value in extras.items():
+        attr = str(key).replace("-", "_")
+        if not attr.isidentifier() or hasattr(type(cfg), attr):
+            raise ConfigError(f"{where}: '{key}' cannot be an attribute of args (it names a part of vime's Config)")
+        setattr(cfg, attr, value)
+    cfg.custom_config = {str(k).replace("-", "_"): v for k, v in extras.items()}
+
+
+def _optional(hint: Any) -> bool:
+    return (isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union) and type(
+        None
+    ) in typing.get_args(hint)
