@@ -34,6 +34,7 @@ import torch
 from aiohttp import web
 
 from vime.rollout import async_loop
+from vime.rollout.engine_requests import generate_on_engines, sampling_params
 from vime.rollout.runtime import runtime_of
 from vime.rollout.types import Sample
 
@@ -82,7 +83,6 @@ class GenerateState:
         return state
 
     def __init__(self, args: Any) -> None:
-        from vime.rollout.vllm_rollout import sampling_params
 
         self.sampling_params: dict[str, Any] = sampling_params(args)
 
@@ -194,7 +194,6 @@ class Router:
     _runner: web.AppRunner | None = None
 
     async def _generate(self, request: web.Request) -> web.Response:
-        from vime.rollout.vllm_rollout import generate_on_engines
 
         try:
             body = await request.json()

@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from vime.backends.client import EngineError
 from vime.plugins import load_function, load_plugin
 from vime.rollout import async_loop
 from vime.rollout.compat import (  # noqa: F401 (the seed system's names, imported from here by its plug-ins)
@@ -27,6 +25,7 @@ from vime.rollout.compat import (  # noqa: F401 (the seed system's names, import
     _inference_generate_tokens_and_logprobs,
     flatten,
 )
+from vime.rollout.engine_requests import generate_on_engines, sampling_params
 from vime.rollout.filters import GroupFilter, GroupSieve, load_filter
 from vime.rollout.rewards import score_samples
 from vime.rollout.runtime import runtime_of
@@ -36,42 +35,6 @@ from vime.rollout.types import MULTI_TURN_STATE, RolloutOutput, Sample, Status
 GenerateFn = Callable[[Any, Sample, dict], Awaitable[Sample | list[Sample]]]
 
 _FINISH_TO_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
-
-
-def sampling_params(args, evaluation: bool = False) -> dict:
-    """The engine protocol's sampling_params of a rollout (or, with `evaluation`, of eval).
-
-    Eval is greedy with one sample per prompt; with more it samples at the rollout's settings.
-    --eval-temperature / --eval-top-p / --eval-top-k override either. Stop strings (--rollout-stop) are sent only when given, so a request without
-    them is the same as before they existed.
-    """
-    if evaluation:
-        temperature = args.eval_temperature
-        if temperature is None:
-            temperature = 0.0 if args.n_samples_per_eval_prompt == 1 else args.rollout_temperature
-        top_p = args.eval_top_p
-        if top_p is None:
-            top_p = 1.0 if temperature == 0 else args.rollout_top_p
-        params = {
-            "max_new_tokens": args.eval_max_response_len,
-            "temperature": temperature,
-            "top_p": top_p,
-            "top_k": args.eval_top_k if args.eval_top_k is not None else -1 if temperature == 0 else args.rollout_top_k,
-            # ahead of waiting rollout requests: an eval during async training waits for seats,
-            # not for the worker's whole backlog (bench/real_ab.py's eval column shows it)
-            "priority": -1,
-        }
-    else:
-        params = {
-            "max_new_tokens": args.rollout_max_response_len,
-            "temperature": args.rollout_temperature,
-            "top_p": args.rollout_top_p,
-            "top_k": args.rollout_top_k,
-        }
-    params.update(stop_token_ids=list(args.rollout_stop_token_ids), n=1)
-    if args.rollout_stop:
-        params["stop"] = list(args.rollout_stop)
-    return params
 
 
 def sample_seed(args, sample: Sample) -> int:
@@ -125,22 +88,6 @@ async def generate(args, sample: Sample, params: dict) -> Sample:
     sample.response = runtime.tokenizer.decode(sample.response_tokens, skip_special_tokens=True)
     sample.status = _FINISH_TO_STATUS[meta["finish_reason"]["type"]]
     return sample
-
-
-async def generate_on_engines(runtime, group_index: int, input_ids: list[int], params: dict) -> dict:
-    """One engine request, on the engine the runtime picks for the group (its prefix is cached
-    there) or, when that engine is gone, on another (runtime.py: engines that fail)."""
-    cost = len(input_ids) + int(params.get("max_new_tokens") or 0)
-    while True:
-        engine = runtime.pick(group_index, cost)
-        try:
-            request = engine.client.generate(input_ids, params, return_logprob=True, rid=uuid.uuid4().hex)
-            return await runtime.watched(engine, request)
-        except EngineError as e:
-            if not await asyncio.to_thread(runtime.engine_failed, engine, e):
-                raise
-        finally:
-            runtime.release(engine, cost)
 
 
 MULTI_TURN_FN = "vime.rollout.multi_turn:generate"  # the generate of --tools (loaded by name: it builds on this module)
