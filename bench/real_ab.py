@@ -377,6 +377,20 @@ def plot(results: dict[str, dict], labels: list[str], seeds: list[int], path: Pa
     return path
 
 
+# the most GPU memory one SmolLM2 run of these presets held with --engine-num-kv-blocks 8192
+# --max-tokens-per-gpu 8192 --no-compile (6 at once peaked at 91 GiB, 9 at once ran clean)
+RUN_PEAK_GIB = 15.2
+
+
+def runs_that_fit() -> int:
+    """How many runs at once the GPU's memory holds (any number on a CPU)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 1 << 30
+    return max(1, int(torch.cuda.get_device_properties(0).total_memory / 2**30 // RUN_PEAK_GIB))
+
+
 class Runner:
     """Runs (arm, tag, flags, seed) jobs into `out/runs`, N at a time, and keeps `results` (and
     results.json) up to date; a finished run (its last eval logged) is read back, not run again."""
@@ -425,6 +439,12 @@ class Runner:
     def run_all(self, jobs: list[tuple[str, str | None, list[str], int]], parallel: int) -> list[str]:
         """Every job, `parallel` at a time; a failed run is reported and the others go on, so a
         long sweep is not lost to one run. Returns what failed."""
+        fits = runs_that_fit()
+        if parallel > fits:
+            raise SystemExit(
+                f"--parallel {parallel}: {fits} runs fit this GPU's memory at {RUN_PEAK_GIB:g} GiB each "
+                f"(12 at once on one H200 ran out: trainers died, engines hung); give --parallel {fits} or fewer"
+            )
         failed = []
         with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
             futures = {pool.submit(self.one, *job): job for job in jobs}
