@@ -52,7 +52,8 @@ def check_plugins(args: Any, tokenizer: Any, data_source: DataSource, rewards: R
     """Load and try every plug-in the settings name; PluginError (or the loader's ConfigError)
     on the first that does not fit."""
     with at(WHEN):
-        groups = made_up_groups(args, tokenizer, data_source)
+        # SFT's rows are conversations, and it takes none of the plug-ins that score these (Config's checks)
+        groups = [] if args.sft_rollout else made_up_groups(args, tokenizer, data_source)
         checked = CheckedPlugins(_rollout_function(args, data_source))
         if args.custom_generate_function_path:
             _custom_generate(args, groups[0][0])

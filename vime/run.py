@@ -73,7 +73,9 @@ class Run:
         log.info("mode %s; %s", args.mode, args.correction_summary())
         if args.launcher == "auto":
             args.launcher = resolve_launcher(args)
-        if args.debug_train_only:
+        if args.debug_train_only and args.load_debug_rollout_data is None:  # the SFT rollout function
+            log.info("SFT: no engine; training on the conversations of %s, nothing pushed", args.prompt_data)
+        elif args.debug_train_only:
             log.info(
                 "--debug-train-only: no engine; training on the rollouts saved at %s, nothing pushed or evaluated",
                 args.load_debug_rollout_data,
@@ -212,14 +214,18 @@ class Run:
         """Advantages → optimizer step(s). Returns train metrics + rollout metrics of this batch."""
         groups = out.samples
         a = self.args
-        rewards, adv = group_advantages(
-            groups,
-            a.advantage_estimator,
-            std_normalize=a.normalize_advantages_std,
-            whitened=a.normalize_advantages,
-            custom=self.custom_advantages,
-            args=a,
-        )
+        if a.loss_type == "sft_loss":  # the SFT loss reads no reward or advantage
+            rewards = torch.zeros(sum(len(g) for g in groups))
+            adv = torch.zeros_like(rewards)
+        else:
+            rewards, adv = group_advantages(
+                groups,
+                a.advantage_estimator,
+                std_normalize=a.normalize_advantages_std,
+                whitened=a.normalize_advantages,
+                custom=self.custom_advantages,
+                args=a,
+            )
         if a.gamma != 1.0:  # REINFORCE++ discounted: one advantage per token (Config allows nothing else)
             adv = discounted_returns(groups, a.gamma)
         samples = [s for g in groups for s in g]
@@ -338,6 +344,7 @@ class Run:
                         "weight_pushes": self.weight_pushes,
                         "data_source": self.data_source.state_dict(),
                         "wall_clock": metrics["perf/wall_clock"],
+                        "loss_type": a.loss_type,  # an RL run refuses to resume an SFT run's checkpoint (preflight)
                     }
                     self.actor.save(Path(a.save) / str(step), extra)
                 self.last_save_time = time.perf_counter() - t0
