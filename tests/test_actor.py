@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from warm_start import sft_step
 
 from vime.config import Config
 from vime.rollout.types import Sample
@@ -471,13 +470,20 @@ def test_train_step_splits_its_diagnostics_by_staleness(tiny_model):
     assert not any(k.startswith("train/_stale") for k in m)
 
 
-def test_sft_step_lowers_the_loss(tiny_model):
-    a = Actor(make_args(lr=1e-2), tiny_model)
+def test_the_sft_loss_is_the_token_mean_nll_and_falls(tiny_model):
+    """--loss-type sft_loss: the step's loss is the mean over its loss tokens of -log π (one step
+    per rollout, so before the step), and a few steps on the same samples lower it."""
+    a = Actor(make_args(lr=1e-2, loss_type="sft_loss"), tiny_model)
     samples = make_samples(3)
-    first = sft_step(a, samples)["train/sft_loss"]
+    samples[1].loss_mask = [0] + [1] * (samples[1].response_length - 1)  # a token out of the loss
+    lps = a.compute_log_probs(samples)
+    masks = [torch.tensor(s.effective_loss_mask(), dtype=torch.float32) for s in samples]
+    nll = float(-sum((lp * m).sum() for lp, m in zip(lps, masks)) / sum(m.sum() for m in masks))
+    first = a.train_step(samples, [0.0] * 3)
+    assert first["train/sft_loss"] == pytest.approx(nll, rel=1e-5) and first["train/loss"] == first["train/sft_loss"]
     for _ in range(4):
-        last = sft_step(a, samples)["train/sft_loss"]
-    assert last < first
+        last = a.train_step(samples, [0.0] * 3)["train/sft_loss"]
+    assert last < first["train/sft_loss"]
 
 
 def test_save_load_roundtrip_and_hf_loadable(tiny_model, tmp_path):

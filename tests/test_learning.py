@@ -21,8 +21,6 @@ STEPS = 80
 
 
 def warm_start(out: Path, train_path: Path, seed: int = 0) -> Path:
-    from warm_start import sft_step
-
     from vime.config import parse_args
     from vime.models import load_tokenizer, make_tiny_model
     from vime.rollout.types import Sample
@@ -46,6 +44,8 @@ def warm_start(out: Path, train_path: Path, seed: int = 0) -> Path:
             "32",
             "--n-samples-per-prompt",
             "1",
+            "--loss-type",
+            "sft_loss",
         ]
     )
     actor = Actor(args, base, "cpu")
@@ -57,7 +57,7 @@ def warm_start(out: Path, train_path: Path, seed: int = 0) -> Path:
         return Sample(tokens=prompt + answer, response_length=len(answer), label=r["label"])
 
     for _ in range(200):
-        sft_step(actor, [example(r) for r in rng.sample(rows, 32)])
+        actor.train_step([example(r) for r in rng.sample(rows, 32)], [0.0] * 32)
     actor.save(out / "warm", {})
     return out / "warm"
 

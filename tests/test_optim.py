@@ -69,6 +69,9 @@ def test_the_decay_spans_the_whole_run_by_default():
     assert (s.decay_iters, s.warmup_iters, s.lr, s.min_lr) == (20, 3, 1e-3, 1e-5)
     args.lr_decay_iters = 7
     assert LRSchedule.of(args).decay_iters == 7
+    # slime's SFT scripts' --lr-warmup-fraction: a share of the decay's steps, as Megatron takes it
+    args.lr_decay_iters, args.lr_warmup_iters, args.lr_warmup_fraction = None, 0, 0.1
+    assert LRSchedule.of(args).warmup_iters == 2
 
 
 # ---- the optimizer -----------------------------------------------------------------------

@@ -87,3 +87,24 @@ def test_a_plugin_that_does_not_fit_is_refused_in_one_line_at_start_up(plugin, s
     assert res.returncode == 2, res.stderr[-2000:]
     assert says in res.stderr and "Traceback" not in res.stderr
     assert len([line for line in res.stderr.splitlines() if says in line]) == 1
+
+
+def test_only_the_runs_args_are_judged_not_a_variable_of_that_name(tmp_path, monkeypatch):
+    """A module's own `args` (a list, argparse's namespace) is not vime's: only `args.NAME` inside
+    a function that takes `args` counts (test_vllm_runs.py's plug-ins, beside tests that build
+    command lines as `args`, were refused for `args.index`)."""
+    from vime.config import Config
+    from vime.plugin_checks import _check_args_read
+    from vime.plugins import load_plugin
+
+    (tmp_path / "own_args.py").write_text(
+        "args = ['--num-rollout', '2']\n"
+        "args[args.index('--num-rollout') + 1] = '5'\n"
+        "def main():\n    args = object()\n    return args.whatever\n"
+        "async def generate(args, sample, params):\n    return sample if args.rollout_batch_size else None\n"
+    )
+    (tmp_path / "seed_args.py").write_text("async def generate(args, sample, params):\n    return args.group_rm\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _check_args_read(load_plugin("own_args.generate", "--custom-generate-function-path"), Config())
+    with pytest.raises(Exception, match="reads args.group_rm, which vime does not have"):
+        _check_args_read(load_plugin("seed_args.generate", "--custom-generate-function-path"), Config())

@@ -35,9 +35,10 @@ from vime.algorithms import (
     estimator_names,
     estimator_of,
 )
+from vime.algorithms.sft import SFTLoss
 from vime.backends import BACKENDS, TRANSPORTS, Backend
 from vime.errors import ConfigError
-from vime.modes import DEFAULT_ROLLOUT_FN, FULLY_ASYNC_FN, MODES
+from vime.modes import DEFAULT_ROLLOUT_FN, FULLY_ASYNC_FN, MODES, SFT_ROLLOUT_FN
 
 ENTRIES = ("sync", "async", "eval")  # train.py, train_async.py, vime eval
 
@@ -163,7 +164,7 @@ class Config:
     )
     debug_train_only: bool = _f(
         False,
-        "start no engine: train on --load-debug-rollout-data, push nothing, evaluate nothing",
+        "start no engine: train on --load-debug-rollout-data (or the SFT rollout function's conversations), push nothing, evaluate nothing",
         group="debug",
     )
     debug_rollout_only: bool = _f(
@@ -282,8 +283,23 @@ class Config:
     )
     loss_type: str = _f(
         "policy_loss",
-        "policy_loss (the estimator's), or custom_loss: the per-token policy term of --custom-loss-function-path",
-        ("policy_loss", "custom_loss"),
+        "policy_loss (the estimator's); custom_loss: the per-token policy term of --custom-loss-function-path; "
+        "sft_loss: the negative log-likelihood of the loss tokens (SFT, with --rollout-function-path "
+        "vime.rollout.sft_rollout.generate_rollout)",
+        ("policy_loss", "custom_loss", "sft_loss"),
+        group="algorithm",
+    )
+    loss_mask_type: str = _f(
+        "qwen",
+        "SFT: which of a conversation's tokens are trained. vime renders the whole conversation with the model's "
+        "chat template and trains every assistant turn (its text and the tokens that close it) for qwen, qwen3 and "
+        "qwen3_5 alike; distill_qwen (the last message as raw text) is not offered",
+        ("qwen", "qwen3", "qwen3_5", "distill_qwen"),
+        group="algorithm",
+    )
+    disable_compute_advantages_and_returns: bool = _f(
+        False,
+        "slime's switch for losses that need no advantages: accepted with --loss-type sft_loss, which computes none",
         group="algorithm",
     )
     custom_loss_function_path: str | None = _f(
@@ -443,6 +459,11 @@ class Config:
     )
     lr_warmup_iters: int = _f(
         0, "optimizer steps of linear warm-up from 0 to --lr (step 0 runs at 0, as in Megatron)", group="optimizer"
+    )
+    lr_warmup_fraction: float | None = _f(
+        None,
+        "warm-up as a share of the decay's optimizer steps (Megatron's; slime's SFT scripts give 0.1): instead of --lr-warmup-iters",
+        group="optimizer",
     )
     lr_decay_iters: int | None = _f(
         None,
@@ -728,6 +749,11 @@ class Config:
         return self.update_weights_interval * self.steps_per_rollout - 1
 
     @property
+    def sft_rollout(self) -> bool:
+        """The run's samples are the data's conversations (the SFT rollout function)."""
+        return self.rollout_function_path == SFT_ROLLOUT_FN
+
+    @property
     def run_dir(self) -> Path:
         return Path(self.runs_dir) / (self.run_name or "run")
 
@@ -743,6 +769,8 @@ class Config:
             apply_custom_config(self)
         if self.eps_clip_high is None:
             self.eps_clip_high = self.eps_clip
+        if self.sft_rollout and self.n_samples_per_prompt == _FIELDS["n_samples_per_prompt"].default:
+            self.n_samples_per_prompt = 1  # slime's default: SFT trains each conversation once
         steps = self.num_steps_per_rollout
         if steps is not None and steps >= 1 and self.samples_per_rollout % steps == 0:
             gbs = self.samples_per_rollout // steps
@@ -768,8 +796,9 @@ class Config:
         from vime.eval_sets import resolve
 
         self.eval_sets = resolve(self)
-        if self.load_debug_rollout_data is not None:
-            self.debug_train_only = True  # slime's rule: saved rollouts stand in for the engines
+        if self.load_debug_rollout_data is not None or self.sft_rollout:
+            # slime's rule: saved rollouts, or the data's own conversations, stand in for the engines
+            self.debug_train_only = True
         if entry != "eval":
             self.mode = self._derive_mode(entry)
             self._resolve_correction()
@@ -802,7 +831,7 @@ class Config:
         decoupled, which needs the continuous worker: the default rollout function becomes the
         fully-async one; a rollout function of one's own runs one-step-off, overlapping only as
         far as --max-staleness allows. The names are rows of `vime.modes.MODES`."""
-        if entry == "sync":
+        if entry == "sync" or self.sft_rollout:  # SFT generates nothing: there is nothing to overlap
             return "sync"
         if self.max_staleness is not None:
             if self.rollout_function_path == DEFAULT_ROLLOUT_FN:
@@ -820,7 +849,12 @@ class Config:
         if chosen == "auto":
             if self.use_tis or self.use_rs or self.m2_threshold is not None:
                 chosen = "custom"
-            elif not MODES[self.mode].overlaps or self.max_staleness == 0 or self.use_rollout_logprobs:
+            elif (
+                not MODES[self.mode].overlaps
+                or self.max_staleness == 0
+                or self.use_rollout_logprobs
+                or self.loss_type == "sft_loss"  # weighs no token by a ratio
+            ):
                 chosen = "none"
             else:
                 chosen = ASYNC_CORRECTION
@@ -1019,6 +1053,58 @@ def _estimator(c: Config) -> Estimator:
     return estimator_of(c.advantage_estimator if c.advantage_estimator in estimator_names() else "grpo")
 
 
+def _sft_checks(c: Config) -> list[tuple[bool, str]]:
+    """SFT's flags: the rollout function and the loss go together, and what needs an engine or
+    advantages cannot come with them."""
+    fn = f"--rollout-function-path {SFT_ROLLOUT_FN}"
+    return [
+        (
+            c.sft_rollout and c.loss_type != "sft_loss",
+            f"{fn} hands out the data's own conversations, with no reward: train them with --loss-type sft_loss",
+        ),
+        (
+            c.sft_rollout and c.n_samples_per_prompt != 1,
+            f"--n-samples-per-prompt {c.n_samples_per_prompt}: SFT trains each conversation once; drop the flag",
+        ),
+        (
+            c.sft_rollout and c.debug_rollout_only,
+            f"--debug-rollout-only trains nothing, and {fn} generates nothing: drop --debug-rollout-only",
+        ),
+        (
+            c.sft_rollout and c.eval_interval is not None,
+            f"{fn} starts no engine, so the run evaluates nothing: drop --eval-interval and evaluate a checkpoint "
+            "with `vime eval --hf-checkpoint SAVE/STEP`",
+        ),
+        (
+            c.sft_rollout and c.max_staleness is not None,
+            f"--max-staleness bounds how old generated tokens are, and {fn} generates nothing: drop it",
+        ),
+        *(
+            (
+                c.sft_rollout and bool(value),
+                f"{flag} acts on generated samples, and {fn} generates and scores nothing: drop it",
+            )
+            for flag, value in (
+                ("--custom-generate-function-path", c.custom_generate_function_path),
+                ("--custom-rm-path", c.custom_rm_path),
+                ("--dynamic-sampling-filter-path", c.dynamic_sampling_filter_path),
+                ("--tools", c.tools),
+            )
+        ),
+        (
+            c.loss_mask_type == "distill_qwen",
+            "--loss-mask-type distill_qwen (the last message as raw text after a templated prompt) is not offered: "
+            "vime reads every mask from the chat template; use qwen",
+        ),
+        (
+            c.disable_compute_advantages_and_returns and c.loss_type != "sft_loss",
+            f"--disable-compute-advantages-and-returns: --loss-type {c.loss_type} trains on advantages; "
+            "only --loss-type sft_loss needs none",
+        ),
+        *(SFTLoss.refused(c) if c.loss_type == "sft_loss" else []),
+    ]
+
+
 def _eval_checks(c: Config) -> list[tuple[bool, str]]:
     return [
         (
@@ -1055,9 +1141,11 @@ def _train_checks(c: Config, entry: str) -> list[tuple[bool, str]]:
             "change that term: drop one (the custom term gets GRPO's advantages, the correction and OPSM)",
         ),
         (
-            c.debug_train_only and c.load_debug_rollout_data is None,
-            "--debug-train-only starts no engine: give --load-debug-rollout-data (the rollouts to train on)",
+            c.debug_train_only and c.load_debug_rollout_data is None and not c.sft_rollout,
+            "--debug-train-only starts no engine: give --load-debug-rollout-data (the rollouts to train on), "
+            f"or SFT's --rollout-function-path {SFT_ROLLOUT_FN}",
         ),
+        *_sft_checks(c),
         (
             c.debug_rollout_only and (c.save is not None or c.load is not None),
             "--debug-rollout-only trains nothing, so it saves and loads no checkpoint: drop --save/--load",
@@ -1197,6 +1285,14 @@ def _train_checks(c: Config, entry: str) -> list[tuple[bool, str]]:
         ),
         (c.lr_warmup_iters < 0, "--lr-warmup-iters must be >= 0"),
         (not 0 <= c.min_lr <= c.lr, f"--min-lr {c.min_lr} must be between 0 and --lr {c.lr}"),
+        (
+            c.lr_warmup_fraction is not None and not 0 <= c.lr_warmup_fraction < 1,
+            f"--lr-warmup-fraction {c.lr_warmup_fraction} must be in [0, 1)",
+        ),
+        (
+            c.lr_warmup_fraction is not None and c.lr_warmup_iters != 0,
+            "--lr-warmup-fraction and --lr-warmup-iters both set the warm-up: give one",
+        ),
         (c.lr_decay_iters is not None and c.lr_decay_iters < 1, "--lr-decay-iters must be at least 1"),
         (
             c.lr_decay_style != "constant" and c.lr_decay_iters is not None and c.lr_decay_iters <= c.lr_warmup_iters,

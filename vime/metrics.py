@@ -151,6 +151,8 @@ class MetricsLogger:
         parts = [f"step {self.step}/{self.total}"]
         if "rollout/reward_mean" in m:
             parts.append(f"reward {m['rollout/reward_mean']:.3f}")
+        if "train/sft_loss" in m:
+            parts.append(f"sft loss {m['train/sft_loss']:.3f}")
         if "rollout/response_len_mean" in m:
             parts.append(f"len {m['rollout/response_len_mean']:.1f}")
         if "perf/step_time" in m:

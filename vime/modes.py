@@ -13,6 +13,9 @@ from dataclasses import dataclass
 
 DEFAULT_ROLLOUT_FN = "vime.rollout.vllm_rollout.generate_rollout"
 FULLY_ASYNC_FN = "vime.rollout.fully_async_rollout.generate_rollout_fully_async"
+# SFT: the data's own conversations, nothing generated (vime/rollout/sft_rollout.py); a run with
+# it starts no engine and trains sync, since there is no generation to overlap
+SFT_ROLLOUT_FN = "vime.rollout.sft_rollout.generate_rollout"
 
 
 @dataclass(frozen=True)

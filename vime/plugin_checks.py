@@ -53,7 +53,8 @@ def check_plugins(args: Any, tokenizer: Any, data_source: DataSource, rewards: R
     """Load and try every plug-in the settings name; PluginError (or the loader's ConfigError)
     on the first that does not fit."""
     with at(WHEN):
-        groups = made_up_groups(args, tokenizer, data_source)
+        # SFT's rows are conversations, and it takes none of the plug-ins that score these (Config's checks)
+        groups = [] if args.sft_rollout else made_up_groups(args, tokenizer, data_source)
         checked = CheckedPlugins(_rollout_function(args, data_source))
         if args.custom_generate_function_path:
             _custom_generate(args, groups[0][0])
@@ -132,6 +133,11 @@ def _custom_generate(args: Any, sample: Sample) -> None:
     _check_args_read(plugin, args)
 
 
+def _reads_args(node: ast.AST) -> bool:
+    """`args.NAME`, read or written."""
+    return isinstance(node, ast.Attribute) and getattr(node.value, "id", None) == "args"
+
+
 def _check_args_read(plugin: Plugin, args: Any) -> None:
     """Refuse a plug-in whose module reads `args.NAME` for a NAME vime's args do not have (a
     setting of the seed system or of Megatron): it would raise AttributeError at that line,
@@ -149,8 +155,17 @@ def _check_args_read(plugin: Plugin, args: Any) -> None:
         is_setattr = isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr"
         if is_setattr and node.args and getattr(node.args[0], "id", None) == "args":
             return
-        if isinstance(node, ast.Attribute) and getattr(node.value, "id", None) == "args":
-            (stored if isinstance(node.ctx, ast.Store) else read).add(node.attr)
+        if _reads_args(node) and isinstance(node.ctx, ast.Store):
+            stored.add(node.attr)
+    # read only where `args` is the run's: in a function that takes a parameter of that name (a
+    # module's own `args = parser.parse_args()` or a list called args is not vime's)
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and "args" in {
+            a.arg for a in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs)
+        }:
+            for node in ast.walk(fn):
+                if _reads_args(node) and not isinstance(node.ctx, ast.Store):
+                    read.add(node.attr)
     lacked = sorted(name for name in read - stored if not hasattr(args, name))
     if lacked:
         names = ", ".join(f"args.{n}" for n in lacked)

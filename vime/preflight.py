@@ -50,6 +50,8 @@ def check_inputs(args: Any) -> Inputs:
     ckpt, notes = resume_point(args)
     if ckpt is None:
         args.load = None  # nothing to resume: the run starts from --hf-checkpoint (said in a note)
+    else:
+        _same_kind_of_run(args, ckpt)
     _writable(Path(args.runs_dir), "--runs-dir")
     if args.save:
         _writable(Path(args.save), "--save")
@@ -82,7 +84,12 @@ def check_inputs(args: Any) -> Inputs:
             load_function(path, flag)
 
     max_prompt_len = context_length(model_dir) - 1  # room for at least one response token
-    data_source = DataSource(args, tokenizer, max_prompt_len=max_prompt_len)
+    if args.sft_rollout:  # the data's conversations, not prompts (vime/rollout/sft_rollout.py)
+        from vime.rollout.sft_rollout import ConversationSource
+
+        data_source: DataSource = ConversationSource(args, tokenizer, max_prompt_len=max_prompt_len)
+    else:
+        data_source = DataSource(args, tokenizer, max_prompt_len=max_prompt_len)
     if args.num_rollout is None:  # from --num-epoch, once the data's size is known (the LR schedule needs it)
         args.num_rollout = math.ceil(args.num_epoch * len(data_source) / args.rollout_batch_size)
     if ckpt is not None:
@@ -99,6 +106,21 @@ def check_inputs(args: Any) -> Inputs:
     checked = check_plugins(args, tokenizer, data_source, rewards)
     notes += checked.notes
     return Inputs(tokenizer, checked.rollout_fn, data_source, rewards, notes, checked.custom_advantages)
+
+
+def _same_kind_of_run(args: Any, ckpt: Path) -> None:
+    """An SFT run resumes only an SFT run's checkpoint, an RL run only an RL run's: the other's
+    data position and optimizer state would be read into this run. Its weights start a run of the
+    other kind through --hf-checkpoint (the checkpoint is an HF directory)."""
+    from vime.trainer.checkpoint import loss_type
+
+    was_sft, is_sft = loss_type(ckpt) == "sft_loss", args.loss_type == "sft_loss"
+    if was_sft != is_sft:
+        kind = {True: "an SFT", False: "an RL"}
+        raise ConfigError(
+            f"--load {args.load}: {ckpt} is a checkpoint of {kind[was_sft]} run, and this is {kind[is_sft]} run: "
+            f"start from its weights with --hf-checkpoint {ckpt} instead"
+        )
 
 
 def _debug_rollout_paths(args: Any) -> None:

@@ -75,7 +75,9 @@ class Run:
         log.info("mode %s; %s", args.mode, args.correction_summary())
         if args.launcher == "auto":
             args.launcher = resolve_launcher(args)
-        if args.debug_train_only:
+        if args.debug_train_only and args.load_debug_rollout_data is None:  # the SFT rollout function
+            log.info("SFT: no engine; training on the conversations of %s, nothing pushed", args.prompt_data)
+        elif args.debug_train_only:
             log.info(
                 "--debug-train-only: no engine; training on the rollouts saved at %s, nothing pushed or evaluated",
                 args.load_debug_rollout_data,
@@ -224,15 +226,19 @@ class Run:
         groups = out.samples
         a = self.args
         # a generate that returned several samples: groups of other sizes than n (rollout/compat.py)
-        fanned = fanned_out(groups, a.n_samples_per_prompt)
-        rewards, adv = (fanned_out_advantages if fanned else group_advantages)(
-            groups,
-            a.advantage_estimator,
-            std_normalize=a.normalize_advantages_std,
-            whitened=a.normalize_advantages,
-            custom=self.custom_advantages,
-            args=a,
-        )
+        fanned = a.loss_type != "sft_loss" and fanned_out(groups, a.n_samples_per_prompt)
+        if a.loss_type == "sft_loss":  # the SFT loss reads no reward or advantage
+            rewards = torch.zeros(sum(len(g) for g in groups))
+            adv = torch.zeros_like(rewards)
+        else:
+            rewards, adv = (fanned_out_advantages if fanned else group_advantages)(
+                groups,
+                a.advantage_estimator,
+                std_normalize=a.normalize_advantages_std,
+                whitened=a.normalize_advantages,
+                custom=self.custom_advantages,
+                args=a,
+            )
         if a.gamma != 1.0:  # REINFORCE++ discounted: one advantage per token (Config allows nothing else)
             adv = discounted_returns(groups, a.gamma)
         samples = [s for g in groups for s in g]
@@ -355,6 +361,7 @@ class Run:
                         "weight_pushes": self.weight_pushes,
                         "data_source": self.data_source.state_dict(),
                         "wall_clock": metrics["perf/wall_clock"],
+                        "loss_type": a.loss_type,  # an RL run refuses to resume an SFT run's checkpoint (preflight)
                     }
                     self.actor.save(Path(a.save) / str(step), extra)
                 self.last_save_time = time.perf_counter() - t0

@@ -29,6 +29,7 @@ from vime.algorithms.hooks import (
     token_metrics,
 )
 from vime.algorithms.kl import kl_penalty
+from vime.algorithms.sft import SFTLoss
 from vime.plugins import Plugin, as_plugin, load_function
 
 Aggregation = Literal["token_mean", "sample_mean", "seq_sum_const"]
@@ -244,6 +245,7 @@ class Objective:
     kind: str = "ppo"  # the row of POLICY_LOSSES: ppo, or the sequence-ratio (gspo) or clipped-weight (cispo) loss
     opsm_delta: float | None = None  # --use-opsm: None off
     custom_loss: Callable[..., Any] | None = None  # --loss-type custom_loss: the per-token policy term
+    sft: bool = False  # --loss-type sft_loss: the negative log-likelihood of the loss tokens, nothing else
 
     @property
     def per_sequence(self) -> bool:
@@ -302,12 +304,15 @@ class Objective:
             kl_type=args.kl_loss_type,
             unbiased_kl=args.use_unbiased_kl,
             coupled=args.use_rollout_logprobs,
+            sft=args.loss_type == "sft_loss",
         )
 
     def __call__(
         self, log_probs: Tensor, entropy: Tensor, t: LossInputs, num_tokens: float, const: float
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """(loss, metrics) of these tokens; the metrics are sums the trainer adds up over a step."""
+        if self.sft:
+            return self._sft(log_probs, entropy, t, num_tokens, const)
         old = log_probs.detach() if t.old is None else t.old
         if self.custom_loss is not None:
             pg, m = self._custom_policy_term(log_probs, old, t, num_tokens, const)
@@ -332,6 +337,20 @@ class Objective:
         if t.staleness is not None:
             m.update(staleness_sums(t, log_probs, trainer_lp, entropy, self.correction, self.clipped))
         return loss, m
+
+    def _sft(
+        self, log_probs: Tensor, entropy: Tensor, t: LossInputs, num_tokens: float, const: float
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """The SFT loss of these tokens (`vime.algorithms.sft`), aggregated as the policy term
+        is; `sft_loss` is the loss itself, and the entropy a token mean, as in RL."""
+        loss = aggregate(
+            SFTLoss.per_token(log_probs), t.mask, self.agg, num_tokens=num_tokens, const=const, weights=t.weights
+        )
+        return loss, {
+            "loss": loss.detach(),
+            "sft_loss": loss.detach(),
+            "entropy": aggregate(entropy.detach(), t.mask, "token_mean", num_tokens=num_tokens),
+        }
 
     def clipped(self, log_probs: Tensor, old: Tensor, advantages: Tensor) -> Tensor:
         """Where the clipped term of the policy loss is the active one, in the token view (GSPO's

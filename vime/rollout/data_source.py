@@ -181,7 +181,7 @@ def _gsm8k_label(value: Any, where: str, key: str) -> str:
 def load_prompts(
     spec: str | Path,
     input_key: str = "input",
-    label_key: str = "label",
+    label_key: str | None = "label",
     metadata_key: str = "metadata",
     label_format: str = "text",
     tool_key: str | None = None,
@@ -195,6 +195,7 @@ def load_prompts(
     `"tools"` (for the chat template) and, as slime keeps it, as `metadata["tools"]` (for rewards).
     `grader` names what compares answers with the labels (a built-in reward, or eval): every row
     then needs a label, since one missing would score every sample of its prompt 0, silently.
+    `label_key` None: the rows carry no label (SFT's conversations hold their answers).
     """
     path, rows_slice = _split_spec(str(spec))
     raw = _read_rows(path)
@@ -211,12 +212,14 @@ def load_prompts(
         where = _where(path, row_index, lineno)
         if not isinstance(row, dict):
             raise DataError(f"{where}: each row must be a JSON object, got {type(row).__name__}")
-        values = []
-        for key, flag in ((input_key, "--input-key"), (label_key, "--label-key")):
+        values = [None, None]
+        for i, (key, flag) in enumerate(((input_key, "--input-key"), (label_key, "--label-key"))):
+            if key is None:
+                continue
             found, value = _lookup(row, key)
             if not found:
                 raise DataError(f"{where} has no key '{key}' (keys: {', '.join(map(str, row)) or 'none'}); set {flag}")
-            values.append(value)
+            values[i] = value
         prompt, label = values
         if grader is not None and (label is None or (isinstance(label, str) and not label.strip())):
             raise DataError(
@@ -428,32 +431,10 @@ class DataSource:
 
     def __init__(self, args, tokenizer, max_prompt_len: int | None = None) -> None:
         self.args = args
-        self.rows = load_prompts(
-            args.prompt_data,
-            args.input_key,
-            args.label_key,
-            args.metadata_key,
-            args.label_format,
-            args.tool_key,
-            grader=_label_grader(args),
-        )
-        self.renderer = PromptRenderer(args, tokenizer, str(args.prompt_data))
         # left out by --skip-overlong-prompts, --rollout-max-prompt-len or --rollout-max-context-len (fit_prompts)
         self.skipped_prompts = 0
         self.skipped_note: str | None = None  # one line saying which and why, for the run's log
-        limit = prompt_limit(args)
-        if max_prompt_len is not None or limit is not None:
-            bound = max_prompt_len if max_prompt_len is not None else limit[0]
-            total = len(self.rows)
-            self.rows, self.skipped_prompts = fit_prompts(
-                self.rows, self.renderer, str(args.prompt_data), bound, args.skip_overlong_prompts, limit
-            )
-            if self.skipped_prompts:
-                most, flag = limit if limit is not None and limit[0] <= bound else (bound, "--skip-overlong-prompts")
-                self.skipped_note = (
-                    f"{flag}: left out {self.skipped_prompts} of {total} prompts of {args.prompt_data} "
-                    f"longer than {most} tokens (rollout/skipped_prompts)"
-                )
+        self.rows = self._load(tokenizer, max_prompt_len)
         self.n_per_prompt = int(args.n_samples_per_prompt)
         self.epoch = 0
         self.offset = 0  # position in this epoch's order
@@ -465,7 +446,36 @@ class DataSource:
         self.outstanding: dict[int, list[Sample]] = {}
         self._lock = threading.RLock()
         self._order = self._epoch_order(0)
-        self.renderer.render_row(self.rows[0], f"{args.prompt_data} row 0")  # a bad template fails now, not mid-run
+
+    def _load(self, tokenizer, max_prompt_len: int | None) -> list[dict[str, Any]]:
+        """The prompt rows, every one checked and rendered now (`fit_prompts`), so a bad row fails
+        at start-up; a subclass that hands out other samples reads its rows its own way."""
+        args = self.args
+        rows = load_prompts(
+            args.prompt_data,
+            args.input_key,
+            args.label_key,
+            args.metadata_key,
+            args.label_format,
+            args.tool_key,
+            grader=_label_grader(args),
+        )
+        self.renderer = PromptRenderer(args, tokenizer, str(args.prompt_data))
+        limit = prompt_limit(args)
+        if max_prompt_len is not None or limit is not None:
+            bound = max_prompt_len if max_prompt_len is not None else limit[0]
+            total = len(rows)
+            rows, self.skipped_prompts = fit_prompts(
+                rows, self.renderer, str(args.prompt_data), bound, args.skip_overlong_prompts, limit
+            )
+            if self.skipped_prompts:
+                most, flag = limit if limit is not None and limit[0] <= bound else (bound, "--skip-overlong-prompts")
+                self.skipped_note = (
+                    f"{flag}: left out {self.skipped_prompts} of {total} prompts of {args.prompt_data} "
+                    f"longer than {most} tokens (rollout/skipped_prompts)"
+                )
+        self.renderer.render_row(rows[0], f"{args.prompt_data} row 0")  # a bad template fails now, not mid-run
+        return rows
 
     def __len__(self) -> int:
         return len(self.rows)  # rows never change after __init__: no lock needed

@@ -463,7 +463,9 @@ class Actor:
             raise ValueError(f"{len(samples)} samples do not split into optimizer steps of --global-batch-size {gbs}")
         self._sync()
         t0 = time.perf_counter()
-        old = None if gbs == len(samples) or self.use_rollout_logprobs else self.compute_log_probs(samples)
+        # the SFT loss reads no old log-probs: nothing to recompute
+        recompute = gbs != len(samples) and not self.use_rollout_logprobs and not self.objective.sft
+        old = self.compute_log_probs(samples) if recompute else None
         ref = self.compute_log_probs(samples, scorer=self.ref_scorer) if self.ref_scorer is not None else None
         steps = []
         for start in range(0, len(samples), gbs):

@@ -272,13 +272,19 @@ def _numpy_globals() -> list[Any]:
     ]
 
 
-def _read_state(state_file: Path) -> dict[str, Any]:
+def loss_type(ckpt: Path) -> str:
+    """The --loss-type of the run that wrote `ckpt` (policy_loss where it recorded none, as before
+    SFT), read with its tensors memory-mapped, not loaded: cheap at any model size."""
+    return _read_state(ckpt / TRAINER_STATE, mmap=True)["extra"].get("loss_type", "policy_loss")
+
+
+def _read_state(state_file: Path, mmap: bool = False) -> dict[str, Any]:
     """trainer_state.pt as plain data (tensors, numbers, strings, lists, dicts). Unpickling may
     call anything the file names, so a file that names anything else (a crafted checkpoint that
     would run a command on `--load`) is refused before any of it runs."""
     try:
         with torch.serialization.safe_globals(_numpy_globals()):
-            return torch.load(state_file, map_location="cpu", weights_only=True)
+            return torch.load(state_file, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         named = re.search(r"GLOBAL (\S+)", str(e))
         raise CheckpointError(

@@ -53,10 +53,13 @@ class LRSchedule:
         decay = args.lr_decay_iters
         if decay is None and args.num_rollout is not None:
             decay = args.num_rollout * args.steps_per_rollout
+        warmup = args.lr_warmup_iters
+        if args.lr_warmup_fraction is not None and decay is not None:  # Megatron: a share of the decay's steps
+            warmup = int(args.lr_warmup_fraction * decay)
         return cls(
             lr=args.lr,
             min_lr=args.min_lr,
-            warmup_iters=args.lr_warmup_iters,
+            warmup_iters=warmup,
             decay_iters=decay,
             decay_style=args.lr_decay_style,
         )
