@@ -267,26 +267,34 @@ def test_custom_config_values_are_checked_as_flags_are(tmp_path, text, fragment)
 
 
 def test_every_unknown_flag_is_named_at_once_with_what_it_is_in_slime(capsys):
-    argv = [*BASE, "--use-opd", "--opd-type", "sglang", "--sglang-mem-fraction-static", "0.7"]
+    argv = [
+        *BASE,
+        "--kl-coef",
+        "0.1",
+        "--custom-reward-post-process-path",
+        "m.f",
+        "--sglang-mem-fraction-static",
+        "0.7",
+    ]
     argv += ["--rollout-batchsize", "4", "--multimodal-keys", '{"image": "images"}', "--update-weight-mode", "delta"]
     with pytest.raises(SystemExit) as refused:
         parse_args(argv)
     assert refused.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert (
-        err[0].startswith("train.py: error: unrecognized arguments: --use-opd")
+        err[0].startswith("train.py: error: unrecognized arguments: --kl-coef")
         and "(6 flags vime does not know)" in err[0]
     )
     by_flag = {line.split()[0].rstrip(":"): line for line in err[1:-1]}
     assert list(by_flag) == [
-        "--use-opd",
-        "--opd-type",
+        "--kl-coef",
+        "--custom-reward-post-process-path",
         "--sglang-mem-fraction-static",
         "--rollout-batchsize",
         "--multimodal-keys",
         "--update-weight-mode",
     ]
-    assert "on-policy distillation" in by_flag["--opd-type"]
+    assert "--kl-loss-coef" in by_flag["--kl-coef"]
     assert "--vllm-NAME" in by_flag["--sglang-mem-fraction-static"]
     assert "did you mean --rollout-batch-size?" in by_flag["--rollout-batchsize"]
     assert "--weight-transport" in by_flag["--update-weight-mode"]

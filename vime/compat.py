@@ -142,14 +142,6 @@ ABSENT: dict[str, Flag] = {
     f.name: f
     for f in [
         *_absent(
-            f"on-policy distillation: a teacher's per-token log-probs as the reward; {_NOT_YET}",
-            "use_opd",
-            "opd_type",
-            "opd_kl_coef",
-            "opd_teacher_load",
-            "opd_teacher_ckpt_step",
-        ),
-        *_absent(
             "a function from the rollout's rewards to the trained ones; vime: --custom-advantage-function-path sees every group's rewards",
             "custom_reward_post_process_path",
         ),

@@ -355,6 +355,29 @@ class Config:
         "the reference model of the KL loss: an HF model directory (default: --hf-checkpoint); read only when --kl-loss-coef > 0",
         group="algorithm",
     )
+    use_opd: bool = _f(
+        False,
+        "on-policy distillation: a teacher scores every token of the student's responses, and "
+        "--opd-kl-coef x (log p_teacher - log p_student) is added to each token's advantage",
+        group="algorithm",
+    )
+    opd_type: str | None = _f(
+        None,
+        "where the teacher runs: megatron (slime's name; in vime the trainer loads it from --opd-teacher-load); "
+        "sglang and vllm (a teacher served by an engine) are not in vime yet",
+        ("megatron", "sglang", "vllm"),
+        group="algorithm",
+    )
+    opd_kl_coef: float = _f(1.0, "weight of the per-token reverse-KL advantage of --use-opd", group="algorithm")
+    opd_teacher_load: str | None = _f(
+        None,
+        "the OPD teacher: an HF model directory, a vime --save directory (its newest checkpoint) or one <step>/ "
+        "checkpoint of it; same vocabulary as the student",
+        group="algorithm",
+    )
+    opd_teacher_ckpt_step: int | None = _f(
+        None, "the step of the --opd-teacher-load --save directory to load (default: its newest)", group="algorithm"
+    )
     entropy_coef: float = _f(0.0, "entropy bonus weight (the entropy is always logged)", group="algorithm")
     use_rollout_logprobs: bool = _f(
         False,
@@ -1114,10 +1137,49 @@ def _eval_checks(c: Config) -> list[tuple[bool, str]]:
     ]
 
 
+def _opd_checks(c: Config) -> list[tuple[bool, str]]:
+    """On-policy distillation: slime's rules (a type and, for a teacher in the trainer, its
+    checkpoint), and the engine-served teacher, which vime does not have, refused with the one it has."""
+    opd_flags = [
+        f"--{name.replace('_', '-')}"
+        for name in ("opd_type", "opd_teacher_load", "opd_teacher_ckpt_step", "opd_kl_coef")
+        if getattr(c, name) != _FIELDS[name].default
+    ]
+    return [
+        (
+            not c.use_opd and bool(opd_flags),
+            f"{', '.join(opd_flags)} set up on-policy distillation, which is off: add --use-opd, or drop them",
+        ),
+        (
+            c.use_opd and c.opd_type is None,
+            "--use-opd needs --opd-type: megatron loads the teacher in the trainer from --opd-teacher-load DIR",
+        ),
+        (
+            c.use_opd and c.opd_type in ("sglang", "vllm"),
+            f"--opd-type {c.opd_type} asks for a teacher served by an engine, which vime does not have yet: use "
+            "--opd-type megatron --opd-teacher-load DIR (the trainer loads the teacher and scores the tokens)",
+        ),
+        (
+            c.use_opd and c.opd_type == "megatron" and c.opd_teacher_load is None,
+            "--opd-type megatron loads the teacher in the trainer: give --opd-teacher-load (an HF model directory "
+            "or a vime --save directory)",
+        ),
+        (
+            c.use_opd and c.opd_kl_coef <= 0,
+            f"--opd-kl-coef {c.opd_kl_coef:g} gives the teacher no weight: use a positive coefficient, or drop --use-opd",
+        ),
+        (
+            c.opd_teacher_ckpt_step is not None and c.opd_teacher_ckpt_step < 0,
+            f"--opd-teacher-ckpt-step {c.opd_teacher_ckpt_step} is not a step: give a step of the --opd-teacher-load directory",
+        ),
+    ]
+
+
 def _train_checks(c: Config, entry: str) -> list[tuple[bool, str]]:
     return [
         (c.prompt_data is None, "--prompt-data is required (a JSONL or Parquet file of prompts)"),
         (c.rollout_batch_size < 1, "--rollout-batch-size must be at least 1"),
+        *_opd_checks(c),
         (
             c.debug_rollout_only and (c.debug_train_only or c.load_debug_rollout_data is not None),
             "--debug-rollout-only starts no trainer and --debug-train-only / --load-debug-rollout-data no engine: give one of them",

@@ -254,7 +254,8 @@ def _check_save(save: Path, ckpt: Path | None, overwrite: bool) -> list[str]:
 
 
 def _check_model_flags(args: Any, model_dir: Path) -> None:
-    """slime's model-shape and parallel flags against the checkpoint, and the reference model."""
+    """slime's model-shape and parallel flags against the checkpoint, the reference model and the
+    OPD teacher."""
     gpu_bytes = None
     if args.device != "cpu":
         import torch
@@ -273,6 +274,10 @@ def _check_model_flags(args: Any, model_dir: Path) -> None:
                 "model it was converted from, or leave --ref-load out to use --hf-checkpoint"
             )
         resolve_model(str(ref))
+    if args.use_opd and args.opd_teacher_load:
+        from vime.algorithms.opd import check_teacher
+
+        resolve_model(str(check_teacher(args, read_config(model_dir), read_config)))
 
 
 def _check_lora(args: Any, model_dir: Path) -> None:

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from vime.algorithms import opd
 from vime.algorithms.objective import STALENESS_BUCKETS, STALENESS_STATS, LossInputs, Objective, bucket_label
 from vime.config import Config, ConfigError
 from vime.models import load_tokenizer
@@ -191,7 +192,7 @@ def _full(tensor: Tensor) -> Tensor:
 
 class Actor:
     """Policy model + optimizer (+ frozen reference model when `kl_loss_coef > 0`: `--ref-load`,
-    else the policy's own starting weights).
+    else the policy's own starting weights; + the frozen OPD teacher with `--use-opd`).
 
     `fsdp=True` shards both over the default process group (which must exist), with bf16
     compute and float32 master weights on CUDA; `fsdp=False` is a plain single-device model.
@@ -267,6 +268,12 @@ class Actor:
             ref.requires_grad_(False)
             ref.eval()
             self.ref_scorer = self._wrap(TokenScorer(ref, chunk))
+        self.teacher_scorer = None  # --use-opd: the frozen teacher that scores the trained tokens (algorithms/opd.py)
+        if args.use_opd:
+            teacher = self._load(opd.teacher_dir(args))
+            teacher.requires_grad_(False)
+            teacher.eval()
+            self.teacher_scorer = self._wrap(TokenScorer(teacher, chunk))
         self._bucket = -(-args.max_tokens_per_gpu // PAD_BUCKETS)
         self._warned_oversize = False
         if self.compiled:
@@ -467,6 +474,9 @@ class Actor:
         recompute = gbs != len(samples) and not self.use_rollout_logprobs and not self.objective.sft
         old = self.compute_log_probs(samples) if recompute else None
         ref = self.compute_log_probs(samples, scorer=self.ref_scorer) if self.ref_scorer is not None else None
+        distilled: dict[str, float] = {}
+        if self.teacher_scorer is not None:
+            advantages, distilled = self._distill(samples, advantages)
         steps = []
         for start in range(0, len(samples), gbs):
             sl = slice(start, start + gbs)
@@ -487,6 +497,7 @@ class Actor:
         if diff_count:
             metrics["train/train_rollout_logprob_abs_diff"] = diff_sum / diff_count
         metrics.update(staleness_metrics(metrics, samples, self.optimizer_steps - len(steps), gbs))
+        metrics.update(distilled)
         lengths = [len(s.tokens) for s in samples]
         metrics["perf/actor_train_tok_per_s"] = sum(lengths) / elapsed
         if self.device.type == "cuda":
@@ -494,11 +505,26 @@ class Actor:
                 self.model.config,
                 lengths,
                 [s.response_length for s in samples],
-                forwards=(old is not None) + (ref is not None),
+                forwards=(old is not None) + (ref is not None) + (self.teacher_scorer is not None),
                 frozen=self.lora is not None,
             )
             metrics["perf/mfu"] = mfu(flops, elapsed, self.world)
         return metrics
+
+    def _distill(
+        self, samples: list[Sample], advantages: Tensor | list[Tensor]
+    ) -> tuple[list[Tensor], dict[str, float]]:
+        """--use-opd: the teacher's log-probs of the step's tokens, now, and the advantages with
+        the reverse-KL term (`opd.distill_advantages`). The student's are the rollout's; a
+        sample the engine sent none for is scored by the current policy."""
+        teacher = self.compute_log_probs(samples, scorer=self.teacher_scorer)
+        missing = [i for i, s in enumerate(samples) if s.rollout_log_probs is None]
+        policy: list[Tensor | None] = [None] * len(samples)
+        for i, lp in zip(missing, self.compute_log_probs([samples[i] for i in missing]) if missing else []):
+            policy[i] = lp.cpu()
+        student = opd.student_log_probs(samples, policy)
+        masks = [torch.tensor(s.effective_loss_mask(), dtype=torch.float32) for s in samples]
+        return opd.distill_advantages(advantages, student, teacher, masks, self.args.opd_kl_coef)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
