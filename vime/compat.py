@@ -198,10 +198,6 @@ ABSENT: dict[str, Flag] = {
         ),
         *_absent("a minimum response length; vime's engines have none", "eval_min_new_tokens"),
         *_absent(
-            "SFT's loss-mask rules by model family; vime: the chat template (--apply-chat-template)", "loss_mask_type"
-        ),
-        *_absent(f"SFT (no advantages); {_NOT_YET}", "disable_compute_advantages_and_returns"),
-        *_absent(
             "no reward normalization at all; vime: --disable-grpo-std-normalization drops the std only",
             "disable_rewards_normalization",
         ),
