@@ -179,9 +179,18 @@ class EngineServer:
         return input_ids, params, rid, bool(body.get("return_logprob", False))
 
     async def generate(self, request: web.Request) -> web.Response:
-        input_ids, params, rid, return_logprob = self._parse_generate(await read_body(request))
+        body = await read_body(request)
+        input_ids, params, rid, return_logprob = self._parse_generate(body)
+        # SGLang's logprob_start_len: also score the input from that position (-1, its default: no)
+        start = body_field(body, "logprob_start_len", int, required=False, default=-1)
+        scored = None
+        if return_logprob and start >= 0:
+            from vime.engine.core.scoring import score
+
+            lps = await self.call(lambda: score(self.engine, input_ids, start))
+            scored = [[lp, tok, None] for lp, tok in zip(lps, input_ids[start:], strict=True)]
         out = await self._generate(input_ids, params, rid)
-        samples = [_sample_json(out, i, return_logprob) for i in range(len(out.outputs))]
+        samples = [_sample_json(out, i, return_logprob, scored) for i in range(len(out.outputs))]
         return web.json_response(samples[0] if params.n == 1 else samples)
 
     # ---- control -----------------------------------------------------------------------
@@ -467,7 +476,10 @@ def _device_uuid(device) -> str | None:
     return str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None
 
 
-def _sample_json(out, i: int, return_logprob: bool) -> dict:
+def _sample_json(out, i: int, return_logprob: bool, input_logprobs: list | None = None) -> dict:
+    """One sample's answer. `input_logprobs`: the scored input as SGLang writes it, one
+    [log-prob, token id, None] per position from logprob_start_len (None at position 0), the
+    form OPD functions written for slime index (`item[0]`)."""
     o = out.outputs[i]
     meta: dict[str, Any] = {
         "id": out.rid,
@@ -479,6 +491,8 @@ def _sample_json(out, i: int, return_logprob: bool) -> dict:
     }
     if return_logprob:
         meta["output_token_logprobs"] = o.logprobs
+    if input_logprobs is not None:
+        meta["input_token_logprobs"] = input_logprobs
     return {"output_ids": o.output_ids, "meta_info": meta}
 
 

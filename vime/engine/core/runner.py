@@ -262,17 +262,39 @@ class ModelRunner:
             self._uploaded.record(torch.cuda.current_stream(self.device))
 
     def _eager(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
+        logit_rows: list[int] = []
+        to_sample: list[Sequence] = []
+        offset = 0
+        for seq, n in scheduled:
+            if seq.num_computed + n == seq.num_tokens:  # the chunk reaches the end: the next token is due
+                logit_rows.append(offset + n - 1)
+                to_sample.append(seq)
+            offset += n
+        return to_sample, self._forward(scheduled, logit_rows)
+
+    def prompt_logprobs(self, seq: Sequence, n: int, first: int) -> list[float]:
+        """Log-probs of the tokens at positions max(first, c + 1) .. c + n of `seq` (c: its
+        `num_computed`; none past its end), each under the model's raw distribution given the
+        tokens before it, from one eager forward that also writes the chunk's KV. Nothing is
+        sampled: this is scoring given text (a teacher scoring a student's tokens, `scoring.py`)."""
+        start = seq.num_computed
+        targets = range(max(first, start + 1), min(start + n + 1, seq.num_tokens))
+        if not targets:
+            self._forward([(seq, n)], [])
+            return []
+        logits = self._forward([(seq, n)], [t - 1 - start for t in targets]).float()
+        ids = torch.tensor(seq.token_ids[targets.start : targets.stop], device=logits.device)[:, None]
+        return (logits.gather(1, ids)[:, 0] - logits.logsumexp(-1)).tolist()
+
+    def _forward(self, scheduled: list[tuple[Sequence, int]], logit_rows: list[int]) -> torch.Tensor:
+        """The eager forward of `scheduled`'s chunks (KV written to their blocks); logits of the
+        chunk tokens at `logit_rows` (indices into the concatenated chunks)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        logit_rows: list[int] = []
-        to_sample: list[Sequence] = []
         for seq, n in scheduled:
             start = seq.num_computed
-            if start + n == seq.num_tokens:  # the chunk reaches the end: the next token is due
-                logit_rows.append(len(input_ids) + n - 1)
-                to_sample.append(seq)
             input_ids += seq.token_ids[start : start + n]
             positions += range(start, start + n)
             slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
@@ -283,7 +305,7 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True)
         rows = torch.tensor(logit_rows, dtype=torch.long).to(dev, non_blocking=True)
         self.last_step = StepInfo("eager", len(scheduled), sum(s.num_computed + n for s, n in scheduled))
-        return to_sample, self.model(ids, pos, self.kv_cache.layers(), meta, rows)
+        return self.model(ids, pos, self.kv_cache.layers(), meta, rows)
 
     def _kernel_meta(self, scheduled: list[tuple[Sequence, int]], slot_mapping: torch.Tensor) -> AttnMetadata:
         width = max(len(s.block_table) for s, _ in scheduled)

@@ -15,6 +15,10 @@ import torch
 
 from vime.engine.core import kernels
 
+# SGLang's keys that shape only the text it detokenizes: `/generate` answers token ids, so they
+# change nothing here and are taken (slime's OPD teacher request sends skip_special_tokens).
+TEXT_ONLY = frozenset({"skip_special_tokens", "spaces_between_special_tokens"})
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -38,7 +42,7 @@ class SamplingParams:
         Unknown keys are refused rather than ignored: silently dropping, say, a repetition
         penalty would return samples from a different distribution than the caller asked for.
         """
-        d = dict(d or {})
+        d = {k: v for k, v in (d or {}).items() if k not in TEXT_ONLY}
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
