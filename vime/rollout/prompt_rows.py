@@ -1,8 +1,9 @@
 """Prompt rows from JSONL/JSON/Parquet files: `path@[a:b]` slices, dotted keys, labels in
 `--label-format`, metadata and per-row tools, each row checked as it is read.
 
-Apart from the data source because eval sets, SFT data and the reasoning-gym tasks read rows the
-same way; every problem is a `DataError`, one line naming the file, the row and the fix.
+Apart from the data source because eval sets and SFT data read their rows the same way; every
+problem is a `DataError`, one line naming the file, the row and the fix (`vime data` and the
+reasoning-gym tasks raise it too).
 """
 
 from __future__ import annotations
