@@ -810,15 +810,23 @@ def _patch_triton_interpreter() -> None:
 
 
 def interpreted_checks(model_dir: str) -> None:
-    from transformers import AutoModelForCausalLM
-
+    """One check per kernel module of vime/engine/core/kernels/, on CPU tensors."""
     from vime.engine.core import kernels
-    from vime.engine.core.attention import AttnMetadata, make_group, paged_attention
-    from vime.engine.core.engine import EngineConfig, LLMEngine
-    from vime.engine.core.sampler import SamplingParams
 
     _patch_triton_interpreter()
     assert kernels.enabled(torch.device("cpu"))
+    engine_kernel_checks(model_dir)
+    attention_kernel_checks()
+    sampler_kernel_checks()
+
+
+def engine_kernel_checks(model_dir: str) -> None:
+    """The whole engine on the kernel path (fused.py's kernels in every layer), against HF."""
+    from transformers import AutoModelForCausalLM
+
+    from vime.engine.core.engine import EngineConfig, LLMEngine
+    from vime.engine.core.sampler import SamplingParams
+
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
     # The whole engine on the kernel path: greedy = HF, log-probs = teacher-forced HF.
@@ -853,7 +861,13 @@ def interpreted_checks(model_dir: str) -> None:
 
     overlap_checks(model_dir)
 
-    # bfloat16 attention kernels against the PyTorch path (decode, and chunks after a cached prefix).
+
+def attention_kernel_checks() -> None:
+    """attention.py: bfloat16 attention kernels against the PyTorch path (decode, and chunks after
+    a cached prefix)."""
+    from vime.engine.core import kernels
+    from vime.engine.core.attention import AttnMetadata, make_group, paged_attention
+
     torch.manual_seed(0)
     h, hkv, d, bs = 4, 2, 16, 4
     kc = torch.randn(81, bs, hkv, d).bfloat16()
@@ -891,8 +905,13 @@ def interpreted_checks(model_dir: str) -> None:
         ).float()
         assert (out.float() - ref).norm() / ref.norm() < 1e-2
 
-    # The one-pass sampler draws from softmax(logits / T) and returns that distribution's
-    # log-prob. Few draws: the interpreter runs one program per row (the GPU test draws more).
+
+def sampler_kernel_checks() -> None:
+    """sampling.py: the one-pass sampler draws from softmax(logits / T) and returns that
+    distribution's log-prob. Few draws: the interpreter runs one program per row (the GPU test
+    draws more)."""
+    from vime.engine.core import kernels
+
     check_sampler(kernels.sample, rows=48)
     # Both sampler paths draw the same tokens from the same logits and seeds.
     logits = torch.randn(16, 300) * 3
@@ -907,7 +926,7 @@ def interpreted_checks(model_dir: str) -> None:
     temps, seeds = torch.tensor([1.0, 0.7, 0.0] * 2), torch.arange(6, dtype=torch.int32) * 99991
     a, lp_a = kernels.sample(logits, temps, seeds)
     b, lp_b = torch_sample(logits, temps, seeds)
-    assert kernels.triton.cdiv(9000, 1024 * kernels.SAMPLE_CHUNK_BLOCKS) == 3
+    assert kernels.sampling.triton.cdiv(9000, 1024 * kernels.SAMPLE_CHUNK_BLOCKS) == 3
     assert torch.equal(a, b) and torch.allclose(lp_a, lp_b, atol=1e-5)
     edge = torch.full((1, 4096), -20.0)
     edge[0, 0] = 20.0

@@ -23,7 +23,8 @@ from conftest import run_cli
 
 from vime.config import ConfigError, parse_args
 from vime.errors import VimeError
-from vime.metrics import MetricsLogger, check_sinks, tensorboard_dir
+from vime.metrics import MetricsLogger
+from vime.sinks import check_sinks, tensorboard_dir
 
 pytest.importorskip("wandb")  # in the test extra; `pip install -e .` alone has no wandb
 
@@ -339,7 +340,7 @@ def test_use_wandb_without_wandb_stops_before_anything_starts(tmp_path, monkeypa
 
 def test_secrets_never_reach_wandb_through_the_command_line(monkeypatch):
     """W&B records sys.argv with the run: while it starts, the keys read <set> there."""
-    from vime.metrics import _secrets_out_of_argv
+    from vime.sinks import _secrets_out_of_argv
 
     argv = ["train.py", "--wandb-key", "K1", "--api-key=K2", "--wandb-project", "p", "--wandb-key=K3"]
     monkeypatch.setattr(sys, "argv", argv)

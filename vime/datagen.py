@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from vime.rollout import reasoning_gym_tasks as rg
-from vime.rollout.data_source import DataError
+from vime.rollout.prompt_rows import DataError
 
 INSTRUCTION = "Give the final answer after 'Answer:'."
 

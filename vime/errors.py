@@ -16,3 +16,8 @@ class ConfigError(VimeError, ValueError):
     """Inconsistent or invalid settings; the message is one line saying what to change. Here,
     not in vime.config, so the plug-in loader (which the objectives use, and the config reads
     the objectives' tables) does not import the config."""
+
+
+class EngineError(VimeError, RuntimeError):
+    """An engine that cannot be reached or that refused a request; one line naming its URL. Here,
+    not in the engine client, so the weight transports below the backends can raise it too."""

@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# every --weight-transport value; `auto` lets the placement pick per engine
-TRANSPORTS = ("auto", "shm", "disk", "cuda_ipc", "nccl", "gloo")
+from vime.transport import TRANSPORTS
 
 
 @dataclass(frozen=True)

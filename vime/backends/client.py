@@ -18,11 +18,7 @@ from typing import Any
 
 import aiohttp
 
-from vime.errors import VimeError
-
-
-class EngineError(VimeError, RuntimeError):
-    """An engine that cannot be reached or that refused a request; one line naming its URL."""
+from vime.errors import EngineError
 
 
 class EngineSilent(EngineError):

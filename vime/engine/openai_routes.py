@@ -18,7 +18,7 @@ from aiohttp import web
 from vime.engine.http_common import BadRequest, body_field, read_body
 
 if TYPE_CHECKING:
-    from vime.engine.core.engine import RequestOutput
+    from vime.engine.core.requests import RequestOutput
     from vime.engine.core.sampler import SamplingParams
 
 # the roles of OpenAI's chat API that chat templates know

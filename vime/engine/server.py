@@ -6,7 +6,8 @@ command (a function of the engine) on a queue and awaits an asyncio future; the 
 runs commands between two steps and resolves futures with `loop.call_soon_threadsafe`. So
 control operations are ordered with respect to steps without any lock, and a long step never
 blocks the event loop (health checks answer while the engine works). The OpenAI-compatible
-routes are in `openai_routes.py`, request parsing, errors and auth in `http_common.py`.
+routes are in `openai_routes.py`, the weight updates and checksums in `weight_routes.py`,
+request parsing, errors and auth in `http_common.py`.
 """
 
 from __future__ import annotations
@@ -19,10 +20,8 @@ import queue
 import signal
 import socket
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -39,9 +38,8 @@ from vime.engine.http_common import (
     read_body,
 )
 from vime.engine.openai_routes import OpenAIRoutes
+from vime.engine.weight_routes import WeightRoutes
 from vime.errors import VimeError
-from vime.transport import buckets, cuda_ipc
-from vime.transport.group import WeightGroup, join
 
 log = logging.getLogger("vime.engine")
 
@@ -69,7 +67,7 @@ class EngineServer:
         self.pending: dict[str, asyncio.Future] = {}  # rid → future; touched by the engine thread only
         self.fatal: str | None = None  # set if a step raised: the engine state can no longer be trusted
         self.openai = OpenAIRoutes(self._generate, model_path)
-        self.weight_groups: dict[str, WeightGroup] = {}  # group name → this engine's membership
+        self.weights = WeightRoutes(engine, self.call)
 
     # ---- the engine thread -------------------------------------------------------------
 
@@ -218,133 +216,6 @@ class EngineServer:
         await self.call(self.engine.flush_cache)
         return web.json_response({"success": True})
 
-    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
-        """A whole update from a safetensors file in shared memory, or from CUDA IPC handles
-        (plain JSON data, `vime/transport/cuda_ipc.py`: nothing in a request is ever unpickled).
-        All or nothing: `LLMEngine.replace_weights`."""
-        from vime.engine.core.model import iter_safetensors_files, safetensors_layout
-
-        body = await read_body(request)
-        transport = body_field(body, "transport", str, required=False, default="shm")
-        version = _weight_version(body)
-        if transport == "shm":
-            path = body_field(body, "path", str)
-            if not Path(path).is_file():
-                raise BadRequest(f"weights file {path} does not exist")
-            return await self._replace_weights(
-                lambda: safetensors_layout([path]), lambda: iter_safetensors_files([path]), version
-            )
-        if transport == "cuda_ipc":
-            handles = cuda_ipc.parse(body_field(body, "handles", list))
-            if self.engine.device.type != "cuda":
-                raise BadRequest(
-                    f"transport cuda_ipc needs a GPU engine; this one runs on {self.engine.device}: use shm"
-                )
-            return await self._replace_weights(
-                lambda: [(h.name, h.shape, cuda_ipc.DTYPES[h.dtype]) for h in handles],
-                lambda: [(h.name, h.rebuild()) for h in handles],  # every handle opened before the first copy
-                version,
-            )
-        raise BadRequest(f"transport '{transport}': use shm or cuda_ipc")
-
-    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        from vime.engine.core.model import iter_safetensors_files, safetensors_files, safetensors_layout
-
-        body = await read_body(request)
-        path = body_field(body, "model_path", str)
-        version = _weight_version(body)
-        if not Path(path).is_dir():
-            raise BadRequest(f"model_path {path} is not a directory")
-        files = safetensors_files(path)
-        return await self._replace_weights(
-            lambda: safetensors_layout(files), lambda: iter_safetensors_files(files), version
-        )
-
-    async def _replace_weights(
-        self, layout: Callable[[], list], tensors: Callable[[], Iterable], version: int | None
-    ) -> web.Response:
-        t0 = time.perf_counter()
-        n = await self.call(lambda: self.engine.replace_weights(layout(), tensors, version))
-        return web.json_response(
-            {
-                "success": True,
-                "num_tensors": n,
-                "weight_version": self.engine.weight_version,
-                "time_s": time.perf_counter() - t0,
-            }
-        )
-
-    async def init_weights_update_group(self, request: web.Request) -> web.Response:
-        """Join a trainer's weight group (vime/transport/group.py). Blocks this engine's steps
-        until every member has joined or the timeout passes; a group of the same name left by an
-        earlier trainer is torn down first."""
-        body = await read_body(request)
-        address = body_field(body, "master_address", str)
-        port = body_field(body, "master_port", int)
-        rank = body_field(body, "rank_offset", int)
-        world = body_field(body, "world_size", int)
-        name = body_field(body, "group_name", str, required=False, default="vime-weights")
-        backend = body_field(body, "backend", str, required=False, default="nccl")
-        timeout = float(body_field(body, "timeout", (int, float), required=False, default=120.0))
-        if backend not in ("nccl", "gloo"):
-            raise BadRequest(f"backend '{backend}': use nccl or gloo")
-        if backend == "nccl" and self.engine.device.type != "cuda":
-            raise BadRequest(f"backend nccl needs a GPU engine; this one runs on {self.engine.device}: use gloo")
-        if not 0 < rank < world:
-            raise BadRequest(
-                f"rank_offset {rank} must be in [1, world_size) (rank 0 is the trainer), world_size {world}"
-            )
-        if timeout <= 0:
-            raise BadRequest("timeout must be > 0 seconds")
-        old = self.weight_groups.pop(name, None)
-        if old is not None:
-            old.abort("replaced by a new group of the same name")
-            await self.call(lambda: self.engine.abandon_update(f"weight group '{name}' replaced"))
-        group = await self.call(lambda: join(backend, address, port, rank, world, name, self.engine.device, timeout))
-        self.weight_groups[name] = group
-        return web.json_response(
-            {"success": True, "message": f"joined weight group '{name}' as rank {rank} of {world} ({backend})"}
-        )
-
-    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
-        """Receive one announced bucket by broadcast from the trainer and copy it in place. The
-        announced names and shapes are checked against the model before anything is received,
-        so a wrong bucket is a 400 that leaves the weights untouched."""
-        body = await read_body(request)
-        version = _weight_version(body)
-        name = body_field(body, "group_name", str, required=False, default="vime-weights")
-        group = self.weight_groups.get(name)
-        if group is None:
-            raise BadRequest(f"no weight group '{name}': call /init_weights_update_group first")
-        layout = buckets.parse_layout(
-            body_field(body, "names", list), body_field(body, "dtypes", list), body_field(body, "shapes", list)
-        )
-        load_format = body_field(body, "load_format", str, required=False)
-        if load_format not in (None, buckets.FLATTENED):
-            raise BadRequest(f"load_format '{load_format}': use {buckets.FLATTENED} or leave it out")
-        self.engine.check_weights([(n, s, d) for n, d, s in layout])
-        flush = body_field(body, "flush_cache", bool, required=False, default=True)
-        t0 = time.perf_counter()
-        receive = buckets.receive(group, layout, flattened=load_format is not None)
-        n = await self.call(lambda: self.engine.update_weights(receive, version, flush=flush))
-        return web.json_response(
-            {
-                "success": True,
-                "num_tensors": n,
-                "weight_version": self.engine.weight_version,
-                "time_s": time.perf_counter() - t0,
-            }
-        )
-
-    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
-        name = body_field(await read_body(request), "group_name", str, required=False, default="vime-weights")
-        group = self.weight_groups.pop(name, None)
-        if group is None:
-            raise BadRequest(f"no weight group '{name}'")
-        await asyncio.to_thread(group.close)  # local and quick: no step needs to wait for it
-        await self.call(lambda: self.engine.abandon_update(f"weight group '{name}' closed"))
-        return web.json_response({"success": True})
-
     async def release_memory_occupation(self, request: web.Request) -> web.Response:
         await self.call(self.engine.release_memory)
         return web.json_response({"success": True})
@@ -385,12 +256,6 @@ class EngineServer:
                 "memory_released": not e.kv_cache.allocated,
             }
         )
-
-    async def weight_checksums(self, request: web.Request) -> web.Response:
-        """vime.transport.checksums (bit sum, count) of every weight the engine holds, by HF name (a tied weight under
-        both names): read back from the parameters, so the trainer sees what was loaded."""
-        sums = await self.call(self.engine.weight_checksums)
-        return web.json_response({"weight_version": self.engine.weight_version, "checksums": sums})
 
     async def metrics(self, request: web.Request) -> web.Response:
         e = self.engine
@@ -437,11 +302,11 @@ class EngineServer:
             "/continue_generation": self.continue_generation,
             "/abort_request": self.abort_request,
             "/flush_cache": self.flush_cache,
-            "/update_weights_from_tensor": self.update_weights_from_tensor,
-            "/update_weights_from_disk": self.update_weights_from_disk,
-            "/init_weights_update_group": self.init_weights_update_group,
-            "/update_weights_from_distributed": self.update_weights_from_distributed,
-            "/destroy_weights_update_group": self.destroy_weights_update_group,
+            "/update_weights_from_tensor": self.weights.update_weights_from_tensor,
+            "/update_weights_from_disk": self.weights.update_weights_from_disk,
+            "/init_weights_update_group": self.weights.init_weights_update_group,
+            "/update_weights_from_distributed": self.weights.update_weights_from_distributed,
+            "/destroy_weights_update_group": self.weights.destroy_weights_update_group,
             "/release_memory_occupation": self.release_memory_occupation,
             "/resume_memory_occupation": self.resume_memory_occupation,
             "/v1/completions": self.openai.completions,
@@ -452,20 +317,11 @@ class EngineServer:
         for path, handler in {
             "/health": self.health,
             "/get_model_info": self.model_info,
-            "/weight_checksums": self.weight_checksums,
+            "/weight_checksums": self.weights.weight_checksums,
             "/metrics": self.metrics,
         }.items():
             app.router.add_get(path, handler)
         return app
-
-
-def _weight_version(body: dict) -> int | None:
-    """An update's weight_version: the trainer's policy version, stamped on every token, so never
-    negative (absent: the engine's version + 1)."""
-    version = body_field(body, "weight_version", int, required=False)
-    if version is not None and version < 0:
-        raise BadRequest(f"weight_version {version} is negative: give the policy version (0 or more), or leave it out")
-    return version
 
 
 def _device_uuid(device) -> str | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-from vime.backends.client import EngineError
+from vime.errors import EngineError
 
 
 def sampling_params(args, evaluation: bool = False) -> dict:

@@ -27,7 +27,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from vime.rollout.data_source import DataError, DataSource, load_prompts
+from vime.rollout.data_source import DataSource
+from vime.rollout.prompt_rows import DataError, load_prompts
 from vime.rollout.types import RolloutOutput, Sample, Status
 
 log = logging.getLogger("vime")

@@ -33,10 +33,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from vime.backends import TRANSPORTS
-from vime.backends.client import EngineError
-from vime.errors import VimeError
-from vime.transport import cuda_ipc
+from vime.errors import EngineError, VimeError
+from vime.transport import TRANSPORTS, cuda_ipc
 from vime.transport.buckets import DTYPES, FLATTENED, pack
 from vime.transport.checksums import checksum_mismatches, checksums
 from vime.transport.group import WeightGroup, WeightSyncError, join, open_store

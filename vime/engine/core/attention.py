@@ -1,7 +1,7 @@
 """Attention over the paged KV cache, and the per-step metadata that says where tokens go.
 
 Separate from `kv_cache.py`, which owns the memory (pools, block allocator): this file only reads
-and writes it. On GPU `paged_attention` calls the Triton kernels (`kernels.py`); elsewhere it runs
+and writes it. On GPU `paged_attention` calls the Triton kernels (`kernels/attention.py`); elsewhere it runs
 plain PyTorch (gather each sequence's blocks, masked SDPA) over the groups `make_group` builds.
 """
 

@@ -27,10 +27,12 @@ from vime.engine.core import vmem
 from vime.engine.core.kv_cache import BlockAllocator, KVCache
 from vime.engine.core.lora import AdapterMerger, adapter_of
 from vime.engine.core.model import CausalLM, load_model
+from vime.engine.core.requests import EngineStats, Request, RequestOutput, SeqOutput
 from vime.engine.core.runner import Launched, ModelRunner
 from vime.engine.core.sampler import M32, SamplingParams, mix32
 from vime.engine.core.scheduler import PENDING, Scheduler, Sequence
 from vime.engine.core.stop import StopStrings
+from vime.engine.core.weights import WeightsIncomplete, check_layout
 from vime.transport.checksums import checksums
 
 log = logging.getLogger(__name__)
@@ -54,50 +56,6 @@ class EngineConfig:
     cuda_graphs: bool = True  # capture decode steps on CUDA (False: every step eager, for debugging)
     overlap: bool = True  # launch a step before booking the previous one (False: one step at a time, for debugging)
     seed: int = 0
-
-
-@dataclass
-class SeqOutput:
-    output_ids: list[int]
-    logprobs: list[float]
-    weight_versions: list[int]
-    finish_reason: str
-
-
-@dataclass
-class RequestOutput:
-    rid: str
-    prompt_tokens: int
-    outputs: list[SeqOutput]  # one per sample (n)
-    weight_version: int  # the engine's version when the request finished
-
-
-@dataclass
-class Request:
-    rid: str
-    prompt_len: int
-    seqs: list[Sequence]
-
-    @property
-    def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.seqs)
-
-
-@dataclass
-class EngineStats:
-    steps: int = 0
-    prompt_tokens: int = 0  # of requests received (x n)
-    computed_tokens: int = 0  # run through the model, recomputation after preemption included
-    generated_tokens: int = 0
-    finished_requests: int = 0
-    aborted_requests: int = 0
-
-
-class WeightsIncomplete(RuntimeError):
-    """An update failed after some tensors were copied: the weights are a mix of two versions,
-    so the engine generates nothing (HTTP 503) until a complete update succeeds."""
-
-    http_status = 503
 
 
 class LLMEngine:
@@ -445,40 +403,9 @@ class LLMEngine:
     def check_weights(
         self, layout: Iterable[tuple[str, tuple[int, ...], torch.dtype | str]], complete: bool = False
     ) -> None:
-        """KeyError / ValueError naming the first announced weight this model does not have, has
-        in another shape, or that is not floating point (an integer tensor would be cast without
-        a word); with `complete`, also any weight missing or named twice. Checked before anything
-        is received or read, so a refused update changes nothing."""
-        params = self._weight_views()
-        layout = list(layout)
-        for name, _, dtype in layout:
-            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-                raise ValueError(
-                    f"weight '{name}' has dtype {str(dtype).removeprefix('torch.')}: weights must be floating point"
-                )
-        adapters = [(n, tuple(s)) for n, s, _ in layout if adapter_of(n) is not None]
-        if adapters:
-            if len(adapters) < len(layout):
-                raise ValueError("an update mixes LoRA adapters with plain weights: push them separately")
-            self.lora.check(adapters, params, complete)
-            return
-        seen: set[str] = set()
-        for name, shape, _ in layout:
-            p = params.get(name)
-            if p is None:
-                raise KeyError(f"weight '{name}' does not exist in this {self.model_config.model_type} model")
-            if tuple(p.shape) != tuple(shape):
-                raise ValueError(f"weight '{name}' has shape {tuple(shape)}, the model expects {tuple(p.shape)}")
-            if complete and name in seen:
-                raise ValueError(f"weight '{name}' appears twice in the update")
-            seen.add(name)
-        if complete:
-            missing = self.model.missing_weights(seen)
-            if missing:
-                raise ValueError(
-                    f"the update lacks {len(missing)} of the model's weights, e.g. {sorted(missing)[:3]} (another architecture, "
-                    "or a partial checkpoint?): nothing was loaded"
-                )
+        """The announced `layout` against this model, before anything is received or read
+        (`check_layout`)."""
+        check_layout(layout, self._weight_views(), self.model, self.lora, complete)
 
     def weight_checksums(self) -> dict[str, list[int]]:
         """vime.transport.checksums (bit sum, count) of every weight by HF name, read back from the parameters."""

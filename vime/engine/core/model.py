@@ -5,7 +5,7 @@ each (one matmul instead of three or two); `named_weights` maps every HF name on
 (or row slice) that holds it, so a checkpoint or a trainer's state dict loads by HF name. The
 forward takes a flat, packed batch of tokens (many sequences, each contributing a different
 number of new tokens) and reads/writes past keys and values through the paged KV cache. On
-CUDA the elementwise chains run as fused Triton kernels (`kernels.py`), on CPU as PyTorch ops.
+CUDA the elementwise chains run as fused Triton kernels (`kernels/fused.py`), on CPU as PyTorch ops.
 """
 
 from __future__ import annotations

@@ -1,0 +1,60 @@
+"""slime's and Megatron's flags that vime keeps no setting of its own for.
+
+Users bring run scripts written for slime (and for the seed system built on it): a `MODEL_ARGS`
+block of Megatron's model-shape flags, Megatron's parallel sizes, recompute and kernel switches.
+vime trains the HF checkpoint itself with FSDP2, so none of these is a setting here, and none may
+be dropped silently either. Each is one row of `FLAGS` that says what vime does with it:
+
+  shape     checked against the checkpoint (config.json, weight names) before anything starts;
+            a contradiction is a one-line error naming both values
+  parallel  Megatron's model-parallel sizes: vime shards over every actor GPU with FSDP2 instead,
+            said in one start-up line; what cannot be honoured is refused
+  recompute becomes vime's activation checkpointing
+  same      what vime always does: listed once at start-up
+  inert     no effect in vime: listed once at start-up, with the reason
+  zero      accepted at 0 (what vime does), refused otherwise with the reason
+
+`--vllm-NAME VALUE` flags are collected apart (`Config.vllm_args`): arguments of the vLLM servers
+vime starts, listed as having no effect with the built-in engine. docs/slime-flags.md is the
+table of every flag of the seed's scripts and what vime does with it.
+
+By job: `flags.py` the tables (`FLAGS`, and `ABSENT`: slime's flags vime does not accept),
+`parse.py` the command line (the flags' arguments, `--vllm-*`, the error naming every unknown
+flag), `startup.py` what is refused and said of them at start-up, `model.py` the check of the
+shape flags and parallel sizes against the checkpoint.
+"""
+
+from vime.compat.flags import ABSENT, ABSENT_DOC, FLAGS, Flag, absent
+from vime.compat.model import (
+    check_model,
+    fsdp_bytes_per_gpu,
+    memory_refusal,
+    model_facts,
+    parameter_count,
+    shape_contradictions,
+    weight_names,
+)
+from vime.compat.parse import add_arguments, split_vllm_args, translate, unknown_flags_error
+from vime.compat.startup import VLLM_COUNTERPARTS, checks, notes
+
+__all__ = [
+    "ABSENT",
+    "ABSENT_DOC",
+    "FLAGS",
+    "VLLM_COUNTERPARTS",
+    "Flag",
+    "absent",
+    "add_arguments",
+    "check_model",
+    "checks",
+    "fsdp_bytes_per_gpu",
+    "memory_refusal",
+    "model_facts",
+    "notes",
+    "parameter_count",
+    "shape_contradictions",
+    "split_vllm_args",
+    "translate",
+    "unknown_flags_error",
+    "weight_names",
+]

@@ -1,0 +1,169 @@
+"""Megatron's flags against the checkpoint, before anything starts: the shape flags must describe
+the model vime trains (its config.json and weight names), and the training state that FSDP2
+shards over the actor GPUs must fit them, whatever parallel sizes the script asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from vime.compat.flags import FLAGS
+
+
+def model_facts(config: dict[str, Any], weight_names: set[str]) -> dict[str, Any]:
+    """What each shape flag would have to say for this checkpoint, keyed by the flag's dest."""
+    heads = config.get("num_attention_heads")
+    kv_heads = config.get("num_key_value_heads") or heads
+    rope = config.get("rope_theta")
+    if rope is None:  # transformers 5 nests it
+        rope = (config.get("rope_parameters") or config.get("rope_scaling") or {}).get("rope_theta")
+    act = config.get("hidden_act", "silu")
+
+    def has(suffix: str) -> bool:
+        return any(n.endswith(suffix) for n in weight_names)
+
+    return {
+        "num_layers": config.get("num_hidden_layers"),
+        "hidden_size": config.get("hidden_size"),
+        "ffn_hidden_size": config.get("intermediate_size"),
+        "num_attention_heads": heads,
+        "num_query_groups": kv_heads,
+        "kv_channels": config.get("head_dim") or (config["hidden_size"] // heads if heads else None),
+        "vocab_size": config.get("vocab_size"),
+        "max_position_embeddings": config.get("max_position_embeddings"),
+        "rotary_base": rope,
+        "norm_epsilon": config.get("rms_norm_eps", config.get("layer_norm_eps")),
+        "rotary_percent": config.get("partial_rotary_factor", 1.0),
+        "normalization": "RMSNorm" if "rms_norm_eps" in config else "LayerNorm",
+        "position_embedding_type": "rope" if rope is not None else None,
+        "swiglu": act in ("silu", "swish") and has("mlp.gate_proj.weight"),
+        "group_query_attention": bool(heads and kv_heads < heads),
+        "qk_layernorm": has("self_attn.q_norm.weight"),
+        "add_qkv_bias": has("self_attn.q_proj.bias"),
+        "disable_bias_linear": not (has("self_attn.o_proj.bias") or has("mlp.down_proj.bias")),
+        "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", False),
+        "use_rotary_position_embeddings": rope is not None,
+    }
+
+
+def _same(flag_value: Any, fact: Any) -> bool:
+    if isinstance(flag_value, float) and isinstance(fact, (int, float)):
+        return math.isclose(
+            flag_value, float(fact), rel_tol=1e-6
+        )  # config.json may hold float32 roundings (9.99999975e-06)
+    if isinstance(flag_value, str) and isinstance(fact, str):
+        return flag_value.lower() == fact.lower()
+    return flag_value == fact
+
+
+def shape_contradictions(given: dict[str, Any], facts: dict[str, Any], source: str) -> str | None:
+    """One line naming every shape flag that contradicts the checkpoint, or None.
+
+    A value flag is compared when given. The switches are compared both ways once a model block
+    is present (`--num-layers` or `--hidden-size` given): Megatron builds its model from the flags
+    alone, so a switch left out (no --add-qkv-bias for a model with q/k/v biases) describes
+    another model just as a wrong number does. Without --group-query-attention, Megatron ignores
+    --num-query-groups (every head its own KV head)."""
+    block = "num_layers" in given or "hidden_size" in given
+    bad = []
+    for name, fact in facts.items():
+        f = FLAGS[name]
+        if f.type is bool:
+            if block and fact is not None and bool(given.get(name)) != fact:
+                bad.append(
+                    f"{f.flag} {'given' if given.get(name) else 'left out'} (checkpoint: {'yes' if fact else 'no'})"
+                )
+        elif name in given and fact is not None:
+            if name == "num_query_groups" and block and not given.get("group_query_attention"):
+                continue  # Megatron ignores it without --group-query-attention; the switch is compared above
+            if not _same(given[name], fact):
+                bad.append(f"{f.flag} {given[name]} (checkpoint: {fact})")
+    if not bad:
+        return None
+    return (
+        f"model flags contradict {source}: {'; '.join(bad)}. vime trains the checkpoint as it is: fix or drop "
+        "these flags, or point --hf-checkpoint at the model they describe"
+    )
+
+
+def weight_names(model_dir: Path) -> set[str]:
+    """Tensor names of an HF directory's safetensors, from the index or the files' headers."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        return set(json.loads(index.read_text())["weight_map"])
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            names.update(f.keys())
+    return names
+
+
+def parameter_count(model_dir: Path) -> int:
+    """Elements in the checkpoint's tensors, read from the safetensors headers (no weights loaded)."""
+    total = 0
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with path.open("rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        total += sum(math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
+    return total
+
+
+# float32 master weights (4) + gradients (4) + AdamW's two moments (8); a frozen float32 reference adds 4
+TRAIN_BYTES_PER_PARAM, REF_BYTES_PER_PARAM = 16, 4
+
+
+def fsdp_bytes_per_gpu(params: int, gpus: int, with_ref: bool) -> float:
+    """The sharded training state one GPU holds under FSDP2, activations aside: a lower bound."""
+    return params * (TRAIN_BYTES_PER_PARAM + REF_BYTES_PER_PARAM * with_ref) / gpus
+
+
+def memory_refusal(params: int, gpus: int, with_ref: bool, gpu_bytes: int, sizes: str) -> str | None:
+    """Megatron's sizes asked for a model split; FSDP2 over `gpus` GPUs holds 1/gpus of the
+    state each. If even that does not fit one GPU, the script cannot be honoured here."""
+    need = fsdp_bytes_per_gpu(params, gpus, with_ref)
+    if need <= gpu_bytes:
+        return None
+    return (
+        f"the model's training state takes {need / 2**30:.1f} GiB per GPU sharded by FSDP2 over {gpus} actor GPU(s) "
+        f"({sizes or 'no model-parallel sizes'} asked for a split), more than the {gpu_bytes / 2**30:.1f} GiB a GPU has: "
+        "add actor GPUs (--actor-num-gpus-per-node, --actor-num-nodes)"
+    )
+
+
+def check_model(cfg: Any, model_dir: Path, read_config: Callable[[Path], dict], gpu_bytes: int | None) -> list[str]:
+    """Refusals about the checkpoint: shape contradictions, experts asked of a dense model, and a
+    model whose sharded training state cannot fit the actor GPUs. `gpu_bytes`: one GPU's memory
+    when the trainer runs on CUDA, else None."""
+    g = cfg.slime_flags
+    config = read_config(model_dir)
+    out = []
+    if any(FLAGS[n].kind == "shape" for n in g):
+        line = shape_contradictions(
+            {n: v for n, v in g.items() if n in FLAGS and FLAGS[n].kind == "shape"},
+            model_facts(config, weight_names(model_dir)),
+            str(model_dir / "config.json"),
+        )
+        if line:
+            out.append(line)
+    experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
+    for name in ("expert_model_parallel_size", "expert_tensor_parallel_size"):
+        if g.get(name, 1) > 1 and not experts:
+            out.append(f"{FLAGS[name].flag} {g[name]}: {model_dir} is a dense model, it has no experts to split; use 1")
+    sizes = {n: g[n] for n in FLAGS if FLAGS[n].kind == "parallel" and g.get(n, 1) > 1}
+    if gpu_bytes is not None:
+        refusal = memory_refusal(
+            parameter_count(model_dir),
+            cfg.actor_num_nodes * cfg.actor_num_gpus_per_node,
+            cfg.kl_loss_coef > 0,
+            gpu_bytes,
+            " ".join(f"{FLAGS[n].flag} {v}" for n, v in sizes.items()),
+        )
+        if refusal:
+            out.append(refusal)
+    return out

@@ -1,0 +1,104 @@
+"""slime's flags on vime's command line: `add_arguments` for those of `FLAGS`, `--vllm-NAME`
+collected apart, one error naming every flag vime does not know (with what it is in slime), and
+`translate`, which turns the foreign flags that have a vime setting into it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+from typing import Any
+
+from vime.compat.flags import ABSENT_DOC, FLAGS, absent
+
+
+def unknown_flags_error(rest: list[str], known: list[str]) -> str | None:
+    """One message for every flag of `rest` (what argparse did not take) that vime does not know,
+    one line each with what it is in slime and what vime has instead (`known`: vime's own flags,
+    for a suggestion); None when `rest` holds none. A flag's values go with it; a value with no
+    flag before it is named too."""
+    lines, flag = [], None
+    for tok in rest:
+        is_flag = tok.startswith("-") and len(tok) > 1 and not tok[1].isdigit() and tok[1] != "."
+        if not is_flag:
+            if flag is None:
+                lines.append(f"  {tok!r}: a value with no flag before it")
+            continue
+        flag = tok.split("=", 1)[0]
+        dest = flag.lstrip("-").replace("-", "_")
+        row = absent(dest)
+        if row is not None:
+            lines.append(f"  {flag} (slime): {row.says}")
+            continue
+        close = difflib.get_close_matches(flag, known, n=1)
+        lines.append(f"  {flag}: neither a vime nor a slime flag" + (f" (did you mean {close[0]}?)" if close else ""))
+    if not lines:
+        return None
+    n = sum(not line.endswith("a value with no flag before it") for line in lines)
+    count = f" ({n} flag{'s' if n != 1 else ''} vime does not know)" if n else ""
+    return (
+        f"unrecognized arguments: {' '.join(rest)}{count}:\n"
+        + "\n".join(lines)
+        + f"\n  (what vime does with each slime flag: {ABSENT_DOC})"
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "slime/Megatron compatibility", "flags of slime's run scripts; vime has no setting of its own for them"
+    )
+    for f in FLAGS.values():
+        if f.type is bool:
+            group.add_argument(f.flag, dest=f.name, action="store_true", default=argparse.SUPPRESS, help=f.says)
+        else:
+            group.add_argument(
+                f.flag,
+                dest=f.name,
+                type=f.type,
+                metavar=f.type.__name__.upper(),
+                default=argparse.SUPPRESS,
+                help=f.says,
+            )
+    group.add_argument(
+        "--vllm-NAME",
+        dest="_vllm_help",
+        metavar="VALUE",
+        default=argparse.SUPPRESS,
+        help="any vLLM engine argument (e.g. --vllm-gpu-memory-utilization 0.5), passed to the vLLM servers vime starts",
+    )
+
+
+def split_vllm_args(rest: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """`--vllm-NAME [VALUE ...]` tokens of what argparse did not know, as {NAME: value}; the
+    tokens that are not such a flag come back for argparse's own error."""
+    out: dict[str, Any] = {}
+    unknown: list[str] = []
+    i = 0
+    while i < len(rest):
+        tok = rest[i]
+        if not tok.startswith("--vllm-") or tok == "--vllm-":
+            unknown.append(tok)
+            i += 1
+            continue
+        name, eq, inline = tok[len("--vllm-") :].partition("=")
+        values = [inline] if eq else []
+        i += 1
+        while not eq and i < len(rest) and not rest[i].startswith("--"):
+            values.append(rest[i])
+            i += 1
+        out[name] = True if not values else values[0] if len(values) == 1 else values
+    return out, unknown
+
+
+def translate(values: dict[str, Any]) -> None:
+    """Turn the foreign flags in `values["slime_flags"]` into vime settings, in place, where vime
+    has one; a vime flag the user gave explicitly wins."""
+    given = values.get("slime_flags") or {}
+    granularity = given.get("recompute_granularity")
+    if granularity == "full":
+        values.setdefault("gradient_checkpointing", True)
+        if given.get("recompute_method") == "block" and given.get("recompute_num_layers"):
+            values.setdefault("gradient_checkpointing_layers", given["recompute_num_layers"])
+    if given.get("use_dynamic_batch_size") and values.get("micro_batch_size") is not None:
+        # slime reads --micro-batch-size only without --use-dynamic-batch-size
+        given["_ignored_micro_batch_size"] = values.pop("micro_batch_size")

@@ -1,0 +1,41 @@
+"""Triton kernels for the engine's GPU path, one module per concern: `fused.py` (fused norms and
+activations, RoPE + KV write), `attention.py` (paged attention, decode and varlen prefill) and
+`sampling.py` (a one-pass sampler); `common.py` holds what they share.
+
+Why these and no others: a decode step of a small model is a few hundred tiny kernels, so every
+elementwise chain PyTorch would run as 5-30 launches becomes one kernel here, and the step is
+then captured in a CUDA graph. Matmuls stay with cuBLAS. Each kernel rounds to the model dtype
+exactly where the HF modules do (e.g. RMSNorm scales after casting back), so bf16 outputs track
+HF's token for token for as long as near-ties allow.
+
+The modules import only where Triton does; `AVAILABLE` says whether it did. The kernels also run
+under `TRITON_INTERPRET=1` on CPU tensors, which is how the CPU tests check them, one check per
+module (`tests/test_engine.py::interpreted_checks`).
+"""
+
+from vime.engine.core.kernels.attention import (
+    INTERPRETER_SMS,
+    MAX_DECODE_SPLITS,
+    decode_attention,
+    decode_splits,
+    prefill_attention,
+)
+from vime.engine.core.kernels.common import AVAILABLE, INTERPRET, enabled
+from vime.engine.core.kernels.fused import add_rmsnorm, qkv_rope_store, silu_and_mul
+from vime.engine.core.kernels.sampling import SAMPLE_CHUNK_BLOCKS, sample
+
+__all__ = [
+    "AVAILABLE",
+    "INTERPRET",
+    "INTERPRETER_SMS",
+    "MAX_DECODE_SPLITS",
+    "SAMPLE_CHUNK_BLOCKS",
+    "add_rmsnorm",
+    "decode_attention",
+    "decode_splits",
+    "enabled",
+    "prefill_attention",
+    "qkv_rope_store",
+    "sample",
+    "silu_and_mul",
+]

@@ -1,0 +1,45 @@
+"""A request inside the engine, what it gives back, and the engine's counters: plain records,
+apart from `engine.py` so the server's routes can name them without the engine's logic."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vime.engine.core.scheduler import Sequence
+
+
+@dataclass
+class SeqOutput:
+    output_ids: list[int]
+    logprobs: list[float]
+    weight_versions: list[int]
+    finish_reason: str
+
+
+@dataclass
+class RequestOutput:
+    rid: str
+    prompt_tokens: int
+    outputs: list[SeqOutput]  # one per sample (n)
+    weight_version: int  # the engine's version when the request finished
+
+
+@dataclass
+class Request:
+    rid: str
+    prompt_len: int
+    seqs: list[Sequence]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.seqs)
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens: int = 0  # of requests received (x n)
+    computed_tokens: int = 0  # run through the model, recomputation after preemption included
+    generated_tokens: int = 0
+    finished_requests: int = 0
+    aborted_requests: int = 0

@@ -1,0 +1,130 @@
+"""Prompt rows into prompt tokens: the chat template (`PromptRenderer`), the length bounds
+(`prompt_limit`, `fit_prompts`), and an eval set's rows as tokenized Samples.
+
+Train and eval render through the same class, so a prompt is the same tokens in both.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from vime.rollout.prompt_rows import DataError, load_prompts
+from vime.rollout.tools import load_tools
+from vime.rollout.types import Sample
+
+
+class PromptRenderer:
+    """Turns a row's input into (prompt text, prompt token ids), the same way for train and eval."""
+
+    def __init__(self, args, tokenizer, source: str) -> None:
+        self.tokenizer = tokenizer
+        self.use_template = bool(args.apply_chat_template)
+        self.template_kwargs = dict(args.apply_chat_template_kwargs or {})
+        # --tools: their schemas for the chat template, unless a row brings its own (--tool-key)
+        self.tools = [t.schema() for t in load_tools(list(args.tools)).values()] if args.tools else None
+        if self.use_template and not getattr(tokenizer, "chat_template", None):
+            raise DataError(
+                f"--apply-chat-template is set but the tokenizer of {source} has no chat template: drop the flag or use an instruct model"
+            )
+
+    def render(
+        self, prompt: str | list[dict[str, Any]], where: str, tools: list[dict[str, Any]] | None = None
+    ) -> tuple[str, list[int]]:
+        """`tools` (a row's --tool-key schemas) go to the chat template as `tools=`; plain text
+        without a template has nowhere to put them (they still reach rewards in the metadata)."""
+        if not self.use_template:
+            if not isinstance(prompt, str):
+                raise DataError(
+                    f"{where}: the input is a list of chat messages; pass --apply-chat-template to render it"
+                )
+            # no template: plain text, so the tokenizer adds its usual BOS where it has one
+            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        # render to text, then encode: transformers 5 returns a BatchEncoding for tokenize=True,
+        # and the template already holds any BOS, so no special tokens are added again
+        kwargs = dict(self.template_kwargs, tools=tools) if tools is not None else self.template_kwargs
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+        return text, list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def render_row(self, row: dict[str, Any], where: str) -> tuple[str, list[int]]:
+        return self.render(row["input"], where, row.get("tools", self.tools))
+
+
+def prompt_limit(args) -> tuple[int, str] | None:
+    """(the most tokens a training prompt may have, the flag that says so) under
+    --rollout-max-prompt-len and --rollout-max-context-len (a prompt must leave room for one
+    response token), or None when neither is given. Longer prompts are left out, as slime
+    filters its data, whatever --skip-overlong-prompts says."""
+    limits = []
+    if args.rollout_max_prompt_len is not None:
+        limits.append((int(args.rollout_max_prompt_len), "--rollout-max-prompt-len"))
+    if args.rollout_max_context_len is not None:
+        limits.append((int(args.rollout_max_context_len) - 1, "--rollout-max-context-len"))
+    return min(limits) if limits else None
+
+
+def fit_prompts(
+    rows: list[dict[str, Any]],
+    renderer: PromptRenderer,
+    source: str,
+    max_prompt_len: int,
+    skip: bool,
+    limit: tuple[int, str] | None = None,
+) -> tuple[list[dict[str, Any]], int]:
+    """(the rows whose prompt fits, how many did not). A prompt of `max_prompt_len` tokens or
+    fewer leaves room for a response. Every row is rendered now, so a long or malformed prompt
+    fails at start-up, not when its turn comes hours in. Without `skip`, the first prompt that
+    does not fit is a DataError naming its row. A prompt longer than `limit` (`prompt_limit`:
+    the flag's own bound) is always left out, and counted."""
+    kept = []
+    for i, row in enumerate(rows):
+        n = len(renderer.render_row(row, f"{source} row {i}")[1])
+        if limit is not None and n > limit[0]:
+            continue
+        if n <= max_prompt_len:
+            kept.append(row)
+        elif not skip:
+            raise DataError(
+                f"{source} row {i}: the prompt is {n} tokens, the model takes at most {max_prompt_len} before its answer: "
+                "shorten or remove it, or pass --skip-overlong-prompts"
+            )
+    if not kept:
+        if limit is not None and limit[0] < max_prompt_len:
+            raise DataError(
+                f"{source}: every prompt is longer than {limit[0]} tokens, the most {limit[1]} leaves: raise {limit[1]} or use shorter prompts"
+            )
+        raise DataError(
+            f"{source}: every prompt is longer than {max_prompt_len} tokens, the most the model takes before its answer: shorten them or use a model of a longer context"
+        )
+    return kept, len(rows) - len(kept)
+
+
+def load_eval_samples(
+    args, tokenizer, path: str | Path, limit: int | None = None, max_prompt_len: int | None = None
+) -> list[Sample]:
+    """The first `limit` rows of an eval set as tokenized Samples (index = group_index = row);
+    prompts longer than `max_prompt_len` refused or, with --skip-overlong-prompts, left out.
+    Prompt and answer are read at --eval-input-key / --eval-label-key (default: the train keys)."""
+    rows = load_prompts(
+        path,
+        args.eval_input_key or args.input_key,
+        args.eval_label_key or args.label_key,
+        args.metadata_key,
+        args.label_format,
+        args.tool_key,
+        grader="eval",
+    )
+    renderer = PromptRenderer(args, tokenizer, str(path))
+    if max_prompt_len is not None:
+        rows, _ = fit_prompts(rows, renderer, str(path), max_prompt_len, args.skip_overlong_prompts)
+    samples = []
+    for i, row in enumerate(rows[:limit]):
+        text, ids = renderer.render_row(row, f"{path} row {i}")
+        samples.append(
+            Sample(index=i, group_index=i, prompt=text, label=row["label"], tokens=ids, metadata=dict(row["metadata"]))
+        )
+    return samples
+
+
+# ---------------------------------------------------------------- the data source
