@@ -9,13 +9,16 @@ The package, from the bottom up: fields.py (how a setting is declared), the *_fi
 sections, schema.py (`Settings`: them all, and the values derived from them), values.py
 (reading a value or a YAML file), custom_file.py and eval_sets.py (--custom-config-path and the
 held-out sets, read at validation), checks_*.py and corrections.py (validation), core.py
-(`Config`), parse.py (the command line).
+(`Config`), parse.py (the command line). rooms.py holds each room's own settings, frozen and
+built on access from the flat fields: `cfg.rollout`, `cfg.algorithm`, `cfg.trainer`,
+`cfg.placement`, `cfg.eval`, `cfg.output`.
 """
 
 from vime.config.algorithm_fields import ASYNC_CORRECTION, CORRECTIONS
 from vime.config.core import ENTRIES, Config
 from vime.config.fields import DERIVED, PASSTHROUGH, RUNTIME
 from vime.config.parse import build_parser, parse_args
+from vime.config.rooms import AlgorithmConfig, EvalConfig, OutputConfig, PlacementConfig, RolloutConfig, TrainerConfig
 from vime.config.schema import FLAGS
 from vime.config.values import load_yaml
 from vime.errors import ConfigError
@@ -23,6 +26,12 @@ from vime.modes import DEFAULT_ROLLOUT_FN, FULLY_ASYNC_FN
 
 __all__ = [
     "ASYNC_CORRECTION",
+    "AlgorithmConfig",
+    "EvalConfig",
+    "OutputConfig",
+    "PlacementConfig",
+    "RolloutConfig",
+    "TrainerConfig",
     "CORRECTIONS",
     "DEFAULT_ROLLOUT_FN",
     "DERIVED",
