@@ -27,7 +27,7 @@ def _loss_checks(c: Settings) -> list[tuple[bool, str]]:
             f"{'/'.join(name for name in POLICY_LOSSES if name != BASE_LOSS)} and --eps-clip-c "
             "change that term: drop one (the custom term gets GRPO's advantages, the correction and OPSM)",
         ),
-        *_estimator(c).refused(c),
+        *_estimator(c).refused(c.algorithm),
         (
             c.gamma != 1.0 and not _estimator(c).advantages.discounted,
             f"--gamma {c.gamma:g} discounts REINFORCE++'s returns: it needs --advantage-estimator "
@@ -140,7 +140,7 @@ def _sft_checks(c: Settings) -> list[tuple[bool, str]]:
             f"--disable-compute-advantages-and-returns: --loss-type {c.loss_type} trains on advantages; "
             "only --loss-type sft_loss needs none",
         ),
-        *(SFTLoss.refused(c) if c.loss_type == "sft_loss" else []),
+        *(SFTLoss.refused(c.algorithm) if c.loss_type == "sft_loss" else []),
     ]
 
 

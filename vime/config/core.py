@@ -14,15 +14,6 @@ from vime.config import checks_common, checks_train, corrections
 from vime.config.custom_file import apply_custom_config
 from vime.config.eval_sets import resolve
 from vime.config.fields import RUNTIME
-from vime.config.rooms import (
-    AlgorithmConfig,
-    EvalConfig,
-    OutputConfig,
-    PlacementConfig,
-    RolloutConfig,
-    TrainerConfig,
-    take,
-)
 from vime.config.schema import FIELDS, Settings
 from vime.errors import ConfigError
 from vime.modes import DEFAULT_ROLLOUT_FN, FULLY_ASYNC_FN
@@ -33,31 +24,6 @@ ENTRIES = ("sync", "async", "eval")  # train.py, train_async.py, vime eval
 @dataclass
 class Config(Settings):
     """One typed config for every entry point; `parse_args` builds and validates it."""
-
-    # ---- each room's settings (vime/config/rooms.py), built on access so none is older than the fields ----
-    @property
-    def rollout(self) -> RolloutConfig:
-        return take(RolloutConfig, self)
-
-    @property
-    def algorithm(self) -> AlgorithmConfig:
-        return take(AlgorithmConfig, self)
-
-    @property
-    def trainer(self) -> TrainerConfig:
-        return take(TrainerConfig, self)
-
-    @property
-    def placement(self) -> PlacementConfig:
-        return take(PlacementConfig, self)
-
-    @property
-    def eval(self) -> EvalConfig:
-        return take(EvalConfig, self)
-
-    @property
-    def output(self) -> OutputConfig:
-        return take(OutputConfig, self)
 
     def validate(self, entry: str = "sync") -> Config:
         """Fail at start-up, not an hour in; fill in the defaults that depend on other fields and

@@ -1,5 +1,6 @@
 """Every setting in one dataclass, `Settings`: the sections of vime/config/*_fields.py in flag
-order, the values derived from them (properties, so no caller recomputes them), and the tables
+order, the values derived from them (properties, so no caller recomputes them: each room's
+sub-config of vime/config/rooms.py among them), and the tables
 the parser and the checks read (`FIELDS`, `FLAGS`, `HINTS`)."""
 
 from __future__ import annotations
@@ -15,6 +16,15 @@ from vime.config.fields import DERIVED, PASSTHROUGH, RUNTIME
 from vime.config.output_fields import OutputFields
 from vime.config.placement_fields import PlacementFields
 from vime.config.rollout_fields import RolloutFields
+from vime.config.rooms import (
+    AlgorithmConfig,
+    EvalConfig,
+    OutputConfig,
+    PlacementConfig,
+    RolloutConfig,
+    TrainerConfig,
+    take,
+)
 from vime.config.trainer_fields import TrainerFields
 from vime.modes import SFT_ROLLOUT_FN
 
@@ -55,6 +65,31 @@ class Settings(OutputFields, PlacementFields, TrainerFields, AlgorithmFields, Ro
     @property
     def run_dir(self) -> Path:
         return Path(self.runs_dir) / (self.run_name or "run")
+
+    # ---- each room's settings (vime/config/rooms.py), built on access so none is older than the fields ----
+    @property
+    def rollout(self) -> RolloutConfig:
+        return take(RolloutConfig, self)
+
+    @property
+    def algorithm(self) -> AlgorithmConfig:
+        return take(AlgorithmConfig, self)
+
+    @property
+    def trainer(self) -> TrainerConfig:
+        return take(TrainerConfig, self)
+
+    @property
+    def placement(self) -> PlacementConfig:
+        return take(PlacementConfig, self)
+
+    @property
+    def eval(self) -> EvalConfig:
+        return take(EvalConfig, self)
+
+    @property
+    def output(self) -> OutputConfig:
+        return take(OutputConfig, self)
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
