@@ -358,3 +358,29 @@ def test_launcher_ray_without_ray_or_a_cluster_is_one_line(monkeypatch):
         with pytest.raises(ConfigError, match="found no Ray cluster to join") as e:
             join_cluster()
         assert "\n" not in str(e.value)
+
+
+def test_each_room_reads_its_settings_by_their_flag_names_and_types():
+    """A room's sub-config holds settings of the flat Config (same name, same type), every flag
+    lands in a room, and a room is built from the fields as they are now (a field start-up still
+    sets, such as num_rollout, is never read stale)."""
+    import dataclasses
+
+    from vime.config import FLAGS
+    from vime.config.rooms import take
+    from vime.config.schema import HINTS, Settings
+
+    cfg = parse_args(BASE)
+    rooms = [cfg.rollout, cfg.algorithm, cfg.trainer, cfg.placement, cfg.eval, cfg.output]
+    declared = {}
+    for room in rooms:
+        for f in dataclasses.fields(room):
+            declared[f.name] = f
+            if f.name in HINTS:
+                assert f.type == Settings.__dataclass_fields__[f.name].type, f.name
+            assert getattr(room, f.name) == getattr(cfg, f.name)
+    assert set(FLAGS) <= set(declared)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.trainer.lr = 1.0
+    cfg.num_rollout = 7
+    assert cfg.trainer.num_rollout == 7 and take(type(cfg.trainer), cfg).num_rollout == 7

@@ -358,7 +358,7 @@ def test_tool_tokens_carry_no_gradient():
     """The step's loss, built from the sample as the trainer builds it, has zero gradient at
     every tool token and a nonzero one at every generated token."""
     from vime.algorithms.objective import LossInputs, Objective
-    from vime.trainer.actor import _StepTokens
+    from vime.trainer.step_loss import StepTokens as _StepTokens
 
     _, _, _, s, args = conversation(["Let me compute. " + CALL, "So it is 408.<|im_end|>"])
     step = _StepTokens.of([s])

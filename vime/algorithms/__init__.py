@@ -13,10 +13,13 @@ Imports no torch (nor do the two modules the rows come from): the config imports
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from vime.algorithms.advantages import GRPO, Advantage, DrGRPO, ReinforcePlusPlus, ReinforcePlusPlusBaseline
 from vime.algorithms.losses import CISPO, GSPO, PolicyLoss, PPOClip
+
+if TYPE_CHECKING:
+    from vime.config.rooms import AlgorithmConfig
 
 ADVANTAGES: dict[str, type[Advantage]] = {
     "grpo": GRPO,
@@ -44,9 +47,9 @@ class Estimator:
     def policy_loss(self) -> type[PolicyLoss]:
         return POLICY_LOSSES[self.loss]
 
-    def refused(self, args: Any) -> list[tuple[bool, str]]:
+    def refused(self, algo: AlgorithmConfig) -> list[tuple[bool, str]]:
         """Both halves' checks of the flags (`Config.validate`)."""
-        return [*self.advantages.refused(args), *self.policy_loss.refused(args)]
+        return [*self.advantages.refused(algo), *self.policy_loss.refused(algo)]
 
 
 def estimator_names() -> tuple[str, ...]:

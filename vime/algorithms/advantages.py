@@ -12,10 +12,12 @@ choices and checks, and a bad flag is reported before torch loads (`vime.cli`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
     from torch import Tensor
+
+    from vime.config.rooms import AlgorithmConfig
 
 
 class Advantage:
@@ -34,7 +36,7 @@ class Advantage:
         raise NotImplementedError
 
     @staticmethod
-    def refused(args: Any) -> list[tuple[bool, str]]:
+    def refused(algo: AlgorithmConfig) -> list[tuple[bool, str]]:
         """Flags it cannot train with, as (condition, one-line error) checks for `Config.validate`."""
         return []
 
@@ -72,10 +74,10 @@ class DrGRPO(Advantage):
         return _centered(rewards)
 
     @staticmethod
-    def refused(args: Any) -> list[tuple[bool, str]]:
+    def refused(algo: AlgorithmConfig) -> list[tuple[bool, str]]:
         return [
             (
-                not args.calculate_per_token_loss,
+                not algo.calculate_per_token_loss,
                 "--no-calculate-per-token-loss with --advantage-estimator dr_grpo: Dr. GRPO divides by a constant, not by tokens or samples; drop one",
             )
         ]

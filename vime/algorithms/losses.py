@@ -9,10 +9,12 @@ Tensor methods only, no `import torch` (see advantages.py: the config reads the 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
     from torch import Tensor
+
+    from vime.config.rooms import AlgorithmConfig
 
 
 def per_sequence(log_w: Tensor, mask: Tensor, seq_ids: Tensor | None, level: str) -> Tensor:
@@ -60,7 +62,7 @@ class PolicyLoss:
         return -advantages * bounded > -advantages * ratio
 
     @staticmethod
-    def refused(args: Any) -> list[tuple[bool, str]]:
+    def refused(algo: AlgorithmConfig) -> list[tuple[bool, str]]:
         """Flags it cannot train with, as (condition, one-line error) checks for `Config.validate`."""
         return []
 
@@ -136,10 +138,10 @@ class CISPO(PolicyLoss):
         return bounded != ratio
 
     @staticmethod
-    def refused(args: Any) -> list[tuple[bool, str]]:
+    def refused(algo: AlgorithmConfig) -> list[tuple[bool, str]]:
         return [
             (
-                args.eps_clip_c is not None,
+                algo.eps_clip_c is not None,
                 "--eps-clip-c caps PPO's clipped loss, and CISPO clips the importance weight instead: drop --eps-clip-c",
             )
         ]

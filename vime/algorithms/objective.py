@@ -261,6 +261,8 @@ class Objective:
 
     @classmethod
     def of(cls, args: Any) -> Objective:
+        """From the run's algorithm settings (`args.algorithm`); the custom loss and TIS hooks,
+        written for slime, are bound to the whole flat `args`, as slime calls them."""
         from functools import partial
 
         def hook(path: str | None, flag: str, signature: str, by_keyword: bool = False) -> Plugin | None:
@@ -270,41 +272,42 @@ class Objective:
             # slime passes the TIS hook's args by keyword
             return Plugin(partial(fn, args=args) if by_keyword else partial(fn, args), flag, path)
 
-        estimator = estimator_of(args.advantage_estimator)
+        a = args.algorithm
+        estimator = estimator_of(a.advantage_estimator)
         return cls(
             kind=estimator.loss,
-            opsm_delta=args.opsm_delta if args.use_opsm else None,
+            opsm_delta=a.opsm_delta if a.use_opsm else None,
             custom_loss=hook(
-                args.custom_loss_function_path if args.loss_type == "custom_loss" else None,
+                a.custom_loss_function_path if a.loss_type == "custom_loss" else None,
                 "--custom-loss-function-path",
                 CUSTOM_LOSS_SIGNATURE,
             ),
-            eps_clip=args.eps_clip,
-            eps_clip_high=args.eps_clip_high,
-            eps_clip_c=args.eps_clip_c,
+            eps_clip=a.eps_clip,
+            eps_clip_high=a.eps_clip_high,
+            eps_clip_c=a.eps_clip_c,
             correction=OffPolicyCorrection(
-                use_tis=args.use_tis,
-                tis_mode=args.tis_mode,
-                tis_clip=args.tis_clip,
-                tis_clip_low=args.tis_clip_low,
-                tis_level=args.tis_level,
-                use_rs=args.use_rs,
-                rs_level=args.rs_level,
-                rs_lower_bound=args.rs_lower_bound,
-                rs_upper_bound=args.rs_upper_bound,
-                rs_veto_threshold=args.rs_veto_threshold,
-                m2_threshold=args.m2_threshold,
+                use_tis=a.use_tis,
+                tis_mode=a.tis_mode,
+                tis_clip=a.tis_clip,
+                tis_clip_low=a.tis_clip_low,
+                tis_level=a.tis_level,
+                use_rs=a.use_rs,
+                rs_level=a.rs_level,
+                rs_lower_bound=a.rs_lower_bound,
+                rs_upper_bound=a.rs_upper_bound,
+                rs_veto_threshold=a.rs_veto_threshold,
+                m2_threshold=a.m2_threshold,
                 custom=hook(
-                    args.custom_tis_function_path, "--custom-tis-function-path", CUSTOM_TIS_SIGNATURE, by_keyword=True
+                    a.custom_tis_function_path, "--custom-tis-function-path", CUSTOM_TIS_SIGNATURE, by_keyword=True
                 ),
             ),
-            agg=estimator.advantages.aggregation or ("token_mean" if args.calculate_per_token_loss else "sample_mean"),
-            entropy_coef=args.entropy_coef,
-            kl_coef=args.kl_loss_coef,
-            kl_type=args.kl_loss_type,
-            unbiased_kl=args.use_unbiased_kl,
-            coupled=args.use_rollout_logprobs,
-            sft=args.loss_type == "sft_loss",
+            agg=estimator.advantages.aggregation or ("token_mean" if a.calculate_per_token_loss else "sample_mean"),
+            entropy_coef=a.entropy_coef,
+            kl_coef=a.kl_loss_coef,
+            kl_type=a.kl_loss_type,
+            unbiased_kl=a.use_unbiased_kl,
+            coupled=a.use_rollout_logprobs,
+            sft=a.loss_type == "sft_loss",
         )
 
     def __call__(

@@ -14,22 +14,25 @@ scores exactly the tokens trained, however stale they are.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from vime.errors import ConfigError
 
+if TYPE_CHECKING:
+    from vime.config.rooms import AlgorithmConfig
 
-def teacher_dir(args: Any) -> Path:
+
+def teacher_dir(algo: AlgorithmConfig) -> Path:
     """The HF directory the teacher loads from: `--opd-teacher-load` itself when it is one (an HF
     model, or one `<step>/` checkpoint of a vime run), else the `--opd-teacher-ckpt-step` step of
     that vime `--save` directory, or its newest whole checkpoint."""
     from vime.trainer.checkpoint import checkpoint_steps, latest_checkpoint, problem
 
-    load = Path(args.opd_teacher_load).expanduser()
-    step = args.opd_teacher_ckpt_step
+    load = Path(algo.opd_teacher_load).expanduser()
+    step = algo.opd_teacher_ckpt_step
     if not load.is_dir():
         raise ConfigError(f"--opd-teacher-load {load} is not a directory: give the teacher's HF model directory")
     if step is not None:
@@ -57,8 +60,9 @@ def teacher_dir(args: Any) -> Path:
 
 def check_teacher(args: Any, student_config: dict, read_config: Any) -> Path:
     """The teacher's directory, refused in one line when its vocabulary is not the student's: the
-    teacher scores the student's token ids, which mean other tokens (or none) in another vocabulary."""
-    path = teacher_dir(args)
+    teacher scores the student's token ids, which mean other tokens (or none) in another vocabulary.
+    `args`: the run's config (start-up's check calls this with it)."""
+    path = teacher_dir(args.algorithm)
     teacher_config = read_config(path)
     theirs, ours = _vocab_size(teacher_config), _vocab_size(student_config)
     if theirs is not None and ours is not None and theirs != ours:

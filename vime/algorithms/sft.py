@@ -13,10 +13,12 @@ Tensor methods only, no `import torch` (the config reads the checks).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from torch import Tensor
+
+    from vime.config.rooms import AlgorithmConfig
 
 
 class SFTLoss:
@@ -27,32 +29,32 @@ class SFTLoss:
         return -log_probs
 
     @staticmethod
-    def refused(args: Any) -> list[tuple[bool, str]]:
+    def refused(algo: AlgorithmConfig) -> list[tuple[bool, str]]:
         """RL's flags that an SFT step would ignore, as (condition, one-line error) checks for
         `Config.validate`: given to an SFT run they are a mistake, never a silent no-op."""
         why = "--loss-type sft_loss trains the data's answers by their likelihood and"
         rl_only = [
-            (args.kl_loss_coef != 0, "--kl-loss-coef", "loads no reference model"),
-            (args.entropy_coef != 0, "--entropy-coef", "adds no entropy bonus"),
+            (algo.kl_loss_coef != 0, "--kl-loss-coef", "loads no reference model"),
+            (algo.entropy_coef != 0, "--entropy-coef", "adds no entropy bonus"),
             (
-                args.advantage_estimator != "grpo",
-                f"--advantage-estimator {args.advantage_estimator}",
+                algo.advantage_estimator != "grpo",
+                f"--advantage-estimator {algo.advantage_estimator}",
                 "has no advantages",
             ),
             (
-                args.use_tis or args.use_rs or args.m2_threshold is not None,
+                algo.use_tis or algo.use_rs or algo.m2_threshold is not None,
                 "--use-tis/--use-rs/--m2-threshold",
                 "weighs no token by a ratio",
             ),
             (
-                args.off_policy_correction not in ("auto", "none"),
-                f"--off-policy-correction {args.off_policy_correction}",
+                algo.off_policy_correction not in ("auto", "none"),
+                f"--off-policy-correction {algo.off_policy_correction}",
                 "weighs no token by a ratio",
             ),
-            (args.use_opsm, "--use-opsm", "masks no sequence by its drift"),
-            (args.eps_clip_c is not None, "--eps-clip-c", "clips nothing"),
-            (args.use_rollout_logprobs, "--use-rollout-logprobs", "reads no old log-probs"),
-            (args.custom_tis_function_path is not None, "--custom-tis-function-path", "weighs no token by a ratio"),
-            (args.custom_advantage_function_path is not None, "--custom-advantage-function-path", "has no advantages"),
+            (algo.use_opsm, "--use-opsm", "masks no sequence by its drift"),
+            (algo.eps_clip_c is not None, "--eps-clip-c", "clips nothing"),
+            (algo.use_rollout_logprobs, "--use-rollout-logprobs", "reads no old log-probs"),
+            (algo.custom_tis_function_path is not None, "--custom-tis-function-path", "weighs no token by a ratio"),
+            (algo.custom_advantage_function_path is not None, "--custom-advantage-function-path", "has no advantages"),
         ]
         return [(bad, f"{why} {does}: drop {flag}") for bad, flag, does in rl_only]

@@ -130,7 +130,7 @@ def _write(
             actor.model.save_pretrained(tmp, state_dict=weights)
             actor.tokenizer.save_pretrained(tmp)
             if adapter is not None:
-                config = adapter_config(actor.lora, sorted(actor.lora_modules), str(actor.args.hf_checkpoint))
+                config = adapter_config(actor.lora, sorted(actor.lora_modules), str(actor.settings.hf_checkpoint))
                 write_adapter(tmp / ADAPTER_DIR, adapter, config)
             with open(tmp / TRAINER_STATE, "wb") as f:
                 torch.save(state, f)
@@ -226,7 +226,7 @@ def _lora_weights(actor: Trainer, ckpt: Path) -> dict[str, Tensor]:
         if expect.shape != saved.shape or not torch.allclose(expect.float(), saved.float(), atol=1e-4):
             raise CheckpointError(
                 f"checkpoint {ckpt}'s adapters were trained on another base model than --hf-checkpoint "
-                f"{actor.args.hf_checkpoint} ({module}.weight differs): resume with the base it was trained on"
+                f"{actor.settings.hf_checkpoint} ({module}.weight differs): resume with the base it was trained on"
             )
     return adapter
 

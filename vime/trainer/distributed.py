@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tqdm import tqdm
 
-from vime.config import Config
+from vime.config import Config, PlacementConfig
 from vime.errors import VimeError
 from vime.lifetime import PARENT_POLL_S, exit_with_parent, leave
 from vime.trainer.actor import Actor
@@ -60,12 +60,12 @@ class TrainerRankError(VimeError, RuntimeError):
 RankStarter = Callable[[Config, int, str, str, Path | None], tuple[list[Any], str, Callable[[], None]]]
 
 
-def world_size(args: Config, device: str) -> int:
+def world_size(placement: PlacementConfig, device: str) -> int:
     if "WORLD_SIZE" in os.environ:
         return int(os.environ["WORLD_SIZE"])
     if torch.device(device).type == "cuda":
-        return args.actor_num_nodes * args.actor_num_gpus_per_node
-    return args.actor_num_procs
+        return placement.actor_num_nodes * placement.actor_num_gpus_per_node
+    return placement.actor_num_procs
 
 
 def launch_actor(
@@ -85,7 +85,7 @@ def launch_actor(
     `tokenizer`: the run's, for rank 0 (the other ranks load their own). `log_dir`: where ranks
     started elsewhere write their output (the run directory).
     """
-    world = world_size(args, device)
+    world = world_size(args.placement, device)
     is_cuda = torch.device(device).type == "cuda"
     apply_gpu_safe_env()  # before any NCCL communicator, and inherited by the ranks spawned below
     if world == 1 and not is_cuda:
@@ -368,7 +368,7 @@ def _worker(
 
 def _serve(args: Config, model_dir: str | Path, device: str) -> None:
     """Run rank 0's calls on this rank's Actor until it says close."""
-    torch.manual_seed(args.seed)
+    torch.manual_seed(args.trainer.seed)
     cpu_group = _cpu_group()
     actor = Actor(args, model_dir, device, fsdp=True, cpu_group=cpu_group)
     while True:

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from vime.config import TrainerConfig
+
 ALL_LINEAR = "all-linear"
 ADAPTER_DIR = "adapter"
 _PEFT_PREFIX = "base_model.model."
@@ -47,7 +49,8 @@ class LoraSpec:
         return self.alpha / self.rank
 
     @classmethod
-    def of(cls, args: Any) -> LoraSpec | None:
+    def of(cls, args: TrainerConfig) -> LoraSpec | None:
+        """The adapters the trainer's settings ask for; None when --lora-rank is 0 (full fine-tuning)."""
         if not getattr(args, "lora_rank", 0):
             return None
         return cls(

@@ -15,7 +15,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from vime.config import Config
+from vime.config import TrainerConfig
 
 DecayStyle = Literal["constant", "linear", "cosine"]
 
@@ -47,7 +47,7 @@ class LRSchedule:
             raise ValueError(f"{self.decay_style} lr decay over {self.decay_iters} steps: give at least 1")
 
     @classmethod
-    def of(cls, args: Config) -> LRSchedule:
+    def of(cls, args: TrainerConfig) -> LRSchedule:
         """The run's schedule. The decay spans every optimizer step of the run unless
         --lr-decay-iters says otherwise (`args.num_rollout` is resolved before the actor is built)."""
         decay = args.lr_decay_iters
@@ -93,7 +93,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def make_optimizer(args: Config, model: nn.Module, fused: bool) -> torch.optim.Optimizer:
+def make_optimizer(args: TrainerConfig, model: nn.Module, fused: bool) -> torch.optim.Optimizer:
     """AdamW (Megatron's `adam`: decoupled weight decay) or SGD with momentum (its weight decay is
     the L2 term added to the gradient, as in Megatron's SGD). `fused` (one kernel for all
     parameters) applies to AdamW only: the fused SGD kernel has no sharding rule for FSDP2's
@@ -116,3 +116,35 @@ def set_lr_and_decay(optimizer: torch.optim.Optimizer, lr: float, weight_decay: 
     for i, group in enumerate(optimizer.param_groups):
         group["lr"] = lr
         group["weight_decay"] = weight_decay if i == 0 else 0.0
+
+
+def clip_and_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, clip: float, loss: torch.Tensor | float = 0.0
+) -> dict[str, float]:
+    """Clip by the norm of the whole gradient, all shards together, then step; unless the
+    step's `loss` or the norm is not finite, when the step is skipped and counted
+    (`train/skipped_steps`): clipping scales a NaN gradient to NaN weights, and the
+    optimizer's moments would carry it into every later step. Loss and norm are the same on
+    every rank (summed and reduced), so all ranks skip together.
+
+    With AdamW on CUDA the check runs on the device: the fused AdamW skips itself, moments and
+    step count included, where `found_inf` is set (GradScaler's mechanism, without the
+    scaling), so clip and step are queued without the host waiting for the norm or the loss
+    first. SGD is never fused (`make_optimizer`): the host waits for the check."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+    if hasattr(grad_norm, "full_tensor"):  # a DTensor: the partial norms of each shard, reduced here
+        grad_norm = grad_norm.full_tensor()
+    lr = float(optimizer.param_groups[0]["lr"])
+    finite = torch.isfinite(grad_norm) & torch.isfinite(torch.as_tensor(loss, device=grad_norm.device))
+    if optimizer.defaults.get("fused"):
+        optimizer.found_inf = (~finite).float()
+    elif not bool(finite):
+        optimizer.zero_grad(set_to_none=True)
+        return {"train/grad_norm": float(grad_norm), "train/lr": lr, "train/skipped_steps": 1.0}
+    if clip > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, clip, grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)  # gradients are not needed until the next step
+    skipped = 0.0 if bool(finite) else 1.0  # read once the step is queued
+    return {"train/grad_norm": float(grad_norm), "train/lr": lr, "train/skipped_steps": skipped}

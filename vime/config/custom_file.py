@@ -16,14 +16,15 @@ import typing
 from typing import Any
 
 from vime import compat
+from vime.config.schema import HINTS
+from vime.config.values import load_yaml
+from vime.errors import ConfigError
 
 
 def apply_custom_config(cfg: Any) -> None:
     """Set the file's keys on `cfg` (a Config being validated); a one-line ConfigError on a key
     or value that cannot be taken. A `null` leaves a setting that cannot be None as it is (slime's
     mis.yaml writes `rs_lower_bound: null` for "not set")."""
-    from vime.config import _HINTS, ConfigError, load_yaml  # here: vime.config calls this module
-
     where = f"--custom-config-path {cfg.custom_config_path}"
     extras: dict[str, Any] = {}
     values = load_yaml(cfg.custom_config_path, extras, what="--custom-config-path")
@@ -34,7 +35,7 @@ def apply_custom_config(cfg: Any) -> None:
     cfg.slime_flags = {**cfg.slime_flags, **values.pop("slime_flags")}
     cfg.vllm_args = {**cfg.vllm_args, **values.pop("vllm_args", {})}
     for name, value in values.items():
-        if value is None and not _optional(_HINTS[name]):
+        if value is None and not _optional(HINTS[name]):
             continue
         setattr(cfg, name, value)
     for key, value in extras.items():

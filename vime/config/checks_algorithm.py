@@ -1,0 +1,182 @@
+"""The checks of the algorithm a training run uses: the advantages, the policy loss, the
+off-policy corrections, on-policy distillation and SFT. Each check is (bad, message)."""
+
+from __future__ import annotations
+
+from vime.algorithms import ADVANTAGES, BASE_LOSS, POLICY_LOSSES, Estimator, estimator_names, estimator_of
+from vime.algorithms.sft import SFTLoss
+from vime.config.schema import Settings, default_of
+from vime.modes import SFT_ROLLOUT_FN
+
+
+def algorithm_checks(c: Settings) -> list[tuple[bool, str]]:
+    """Every check of the algorithm's flags, loss first."""
+    return [*_loss_checks(c), *_correction_checks(c), *_opd_checks(c), *_sft_checks(c)]
+
+
+def _loss_checks(c: Settings) -> list[tuple[bool, str]]:
+    """The advantages and the policy loss."""
+    return [
+        (
+            c.opsm_delta != default_of("opsm_delta") and not c.use_opsm,
+            f"--opsm-delta {c.opsm_delta:g} is OPSM's threshold: add --use-opsm, or drop it",
+        ),
+        (
+            c.loss_type == "custom_loss" and (_estimator(c).loss != BASE_LOSS or c.eps_clip_c is not None),
+            "--loss-type custom_loss replaces the policy term, and --advantage-estimator "
+            f"{'/'.join(name for name in POLICY_LOSSES if name != BASE_LOSS)} and --eps-clip-c "
+            "change that term: drop one (the custom term gets GRPO's advantages, the correction and OPSM)",
+        ),
+        *_estimator(c).refused(c.algorithm),
+        (
+            c.gamma != 1.0 and not _estimator(c).advantages.discounted,
+            f"--gamma {c.gamma:g} discounts REINFORCE++'s returns: it needs --advantage-estimator "
+            + " or ".join(name for name, cls in ADVANTAGES.items() if cls.discounted),
+        ),
+        (
+            not 0 < c.gamma <= 1,
+            f"--gamma {c.gamma:g} must be in (0, 1]",
+        ),
+        (
+            c.gamma != 1.0 and c.custom_advantage_function_path is not None,
+            "--gamma and --custom-advantage-function-path both set the advantages: drop one",
+        ),
+        (
+            c.loss_type == "custom_loss" and c.custom_loss_function_path is None,
+            "--loss-type custom_loss needs --custom-loss-function-path (the per-token policy term)",
+        ),
+        (
+            c.loss_type != "custom_loss" and c.custom_loss_function_path is not None,
+            "--custom-loss-function-path is used with --loss-type custom_loss: add it, or drop the path",
+        ),
+        (
+            c.eps_clip_c is not None and not c.eps_clip_c > 1,
+            f"--eps-clip-c {c.eps_clip_c} must be above 1 (the dual clip caps -A·ratio at -A·c; c <= 1 would cap the unclipped ratio itself)",
+        ),
+    ]
+
+
+def _correction_checks(c: Settings) -> list[tuple[bool, str]]:
+    """The off-policy corrections (TIS, rejection, M2PO) and what they weigh against."""
+    return [
+        (
+            c.use_rollout_logprobs and (c.use_tis or c.use_rs),
+            "--use-tis/--use-rs weigh π_old against the engine's log-probs, which --use-rollout-logprobs makes π_old: drop one",
+        ),
+        (
+            not 0 <= c.tis_clip_low < c.tis_clip,
+            f"--tis-clip-low {c.tis_clip_low} must be >= 0 and below --tis-clip {c.tis_clip}",
+        ),
+        (
+            c.m2_threshold is not None and not c.m2_threshold > 0,
+            f"--m2-threshold {c.m2_threshold} must be above 0 (M2PO's paper uses 0.04)",
+        ),
+        (
+            c.rs_veto_threshold is not None and not 0 < c.rs_veto_threshold < 1,
+            f"--rs-veto-threshold {c.rs_veto_threshold} must be between 0 and 1 (a ratio far below 1, e.g. 1e-4)",
+        ),
+        (
+            c.use_rollout_logprobs and (c.rs_veto_threshold is not None or c.custom_tis_function_path is not None),
+            "--rs-veto-threshold/--custom-tis-function-path weigh π_old against the engine's log-probs, which "
+            "--use-rollout-logprobs makes π_old: drop one",
+        ),
+        (
+            not 0 <= c.rs_lower_bound < c.rs_upper_bound,
+            f"--rs-lower-bound {c.rs_lower_bound} must be >= 0 and below --rs-upper-bound {c.rs_upper_bound}",
+        ),
+    ]
+
+
+def _estimator(c: Settings) -> Estimator:
+    # an unknown name is refused by the choices check; until then, check as the default would
+    return estimator_of(c.advantage_estimator if c.advantage_estimator in estimator_names() else "grpo")
+
+
+def _sft_checks(c: Settings) -> list[tuple[bool, str]]:
+    """SFT's flags: the rollout function and the loss go together, and what needs an engine or
+    advantages cannot come with them."""
+    fn = f"--rollout-function-path {SFT_ROLLOUT_FN}"
+    return [
+        (
+            c.sft_rollout and c.loss_type != "sft_loss",
+            f"{fn} hands out the data's own conversations, with no reward: train them with --loss-type sft_loss",
+        ),
+        (
+            c.sft_rollout and c.n_samples_per_prompt != 1,
+            f"--n-samples-per-prompt {c.n_samples_per_prompt}: SFT trains each conversation once; drop the flag",
+        ),
+        (
+            c.sft_rollout and c.debug_rollout_only,
+            f"--debug-rollout-only trains nothing, and {fn} generates nothing: drop --debug-rollout-only",
+        ),
+        (
+            c.sft_rollout and c.eval_interval is not None,
+            f"{fn} starts no engine, so the run evaluates nothing: drop --eval-interval and evaluate a checkpoint "
+            "with `vime eval --hf-checkpoint SAVE/STEP`",
+        ),
+        (
+            c.sft_rollout and c.max_staleness is not None,
+            f"--max-staleness bounds how old generated tokens are, and {fn} generates nothing: drop it",
+        ),
+        *(
+            (
+                c.sft_rollout and bool(value),
+                f"{flag} acts on generated samples, and {fn} generates and scores nothing: drop it",
+            )
+            for flag, value in (
+                ("--custom-generate-function-path", c.custom_generate_function_path),
+                ("--custom-rm-path", c.custom_rm_path),
+                ("--dynamic-sampling-filter-path", c.dynamic_sampling_filter_path),
+                ("--tools", c.tools),
+            )
+        ),
+        (
+            c.loss_mask_type == "distill_qwen",
+            "--loss-mask-type distill_qwen (the last message as raw text after a templated prompt) is not offered: "
+            "vime reads every mask from the chat template; use qwen",
+        ),
+        (
+            c.disable_compute_advantages_and_returns and c.loss_type != "sft_loss",
+            f"--disable-compute-advantages-and-returns: --loss-type {c.loss_type} trains on advantages; "
+            "only --loss-type sft_loss needs none",
+        ),
+        *(SFTLoss.refused(c.algorithm) if c.loss_type == "sft_loss" else []),
+    ]
+
+
+def _opd_checks(c: Settings) -> list[tuple[bool, str]]:
+    """On-policy distillation: slime's rules (a type and, for a teacher in the trainer, its
+    checkpoint), and the engine-served teacher, which vime does not have, refused with the one it has."""
+    opd_flags = [
+        f"--{name.replace('_', '-')}"
+        for name in ("opd_type", "opd_teacher_load", "opd_teacher_ckpt_step", "opd_kl_coef")
+        if getattr(c, name) != default_of(name)
+    ]
+    return [
+        (
+            not c.use_opd and bool(opd_flags),
+            f"{', '.join(opd_flags)} set up on-policy distillation, which is off: add --use-opd, or drop them",
+        ),
+        (
+            c.use_opd and c.opd_type is None,
+            "--use-opd needs --opd-type: megatron loads the teacher in the trainer from --opd-teacher-load DIR",
+        ),
+        (
+            c.use_opd and c.opd_type in ("sglang", "vllm"),
+            f"--opd-type {c.opd_type} asks for a teacher served by an engine, which vime does not have yet: use "
+            "--opd-type megatron --opd-teacher-load DIR (the trainer loads the teacher and scores the tokens)",
+        ),
+        (
+            c.use_opd and c.opd_type == "megatron" and c.opd_teacher_load is None,
+            "--opd-type megatron loads the teacher in the trainer: give --opd-teacher-load (an HF model directory "
+            "or a vime --save directory)",
+        ),
+        (
+            c.use_opd and c.opd_kl_coef <= 0,
+            f"--opd-kl-coef {c.opd_kl_coef:g} gives the teacher no weight: use a positive coefficient, or drop --use-opd",
+        ),
+        (
+            c.opd_teacher_ckpt_step is not None and c.opd_teacher_ckpt_step < 0,
+            f"--opd-teacher-ckpt-step {c.opd_teacher_ckpt_step} is not a step: give a step of the --opd-teacher-load directory",
+        ),
+    ]
