@@ -4,7 +4,7 @@ slime reads it in its argument validation and sets every key on `args`, over wha
 line said (its examples: train_infer_mismatch_helper/mis.yaml sets the TIS flags, and keys of its
 own that the example's TIS function reads from `args`). vime applies it the same way, first in
 `Config.validate`, so each key that is a vime setting is read as its flag is (`load_yaml`) and
-then checked by every check a flag gets; a slime/Megatron flag of vime/compat.py goes where the
+then checked by every check a flag gets; a slime/Megatron flag of vime/compat/ goes where the
 command line's would. A key that is no vime setting becomes an attribute of args for plug-ins,
 as in slime, and is recorded in `Config.custom_config` (config.yaml) and named at start-up.
 """

@@ -116,7 +116,7 @@ class OutputFields:
     )
     slime_flags: dict = setting(
         {},
-        "slime/Megatron flags vime reads but keeps no setting of its own for (model shape, parallel sizes, ...), as given: see vime/compat.py",
+        "slime/Megatron flags vime reads but keeps no setting of its own for (model shape, parallel sizes, ...), as given: see vime/compat/",
         group="passthrough",
     )
     # --- derived: set by validate() or by the run, once; not flags (config.yaml records them) ---

@@ -54,7 +54,7 @@ def parse_args(
 ) -> Config:
     """Flags > --config YAML > dataclass defaults; then validate(entry).
 
-    slime's and Megatron's flags (vime/compat.py) land in `slime_flags`, `--vllm-*` flags in
+    slime's and Megatron's flags (vime/compat/) land in `slime_flags`, `--vllm-*` flags in
     `vllm_args`; every other flag vime does not know is named in one error (exit 2), each with
     what it is in slime (`compat.ABSENT`)."""
     parser = build_parser(prog, description)
