@@ -157,6 +157,24 @@ def resolve_launcher(args) -> str:
     return "ray"
 
 
+class RayLauncher:
+    """`--launcher ray`: engines as Ray actors (each backend's `ray_place`, ending in
+    `place_actors`), trainer ranks 1..N-1 as Ray actors (`ray_ranks.start_ray_ranks`)."""
+
+    name = "ray"
+
+    def chosen_by_auto(self, cfg) -> bool:
+        return resolve_launcher(cfg) == self.name
+
+    def place_engines(self, backend, cfg, model_dir: str, run_dir: Path) -> Placement:
+        return backend.load(backend.ray_place)(cfg, model_dir, run_dir)
+
+    def rank_starter(self) -> Callable:
+        from vime.launch.ray_ranks import start_ray_ranks  # imports the trainer
+
+        return start_ray_ranks
+
+
 def place_actors(
     args,
     run_dir: Path,
@@ -213,8 +231,6 @@ def place_actors(
     except BaseException:
         remove_placement_group(group)
         raise
-    if not args.update_weights_master_address:  # engines on other nodes dial this one
-        args.update_weights_master_address = ray.util.get_node_ip_address()
     try:
         devices = [f"{e.node}:{device}" for e in engines]  # node: device in its actor
         placement = placed(
@@ -228,6 +244,7 @@ def place_actors(
             lambda url: facts(url, api_key),
             label,
             substitute,
+            own_address=ray.util.get_node_ip_address(),  # engines on other nodes dial this one
         )
     except BaseException:
         remove_placement_group(group)
