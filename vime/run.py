@@ -59,6 +59,8 @@ class Run:
         self.args = ctx.args  # what plug-ins and rollout functions are handed (a read-only view)
         self.run_dir = ctx.run_dir
         self.runtime = ctx.runtime
+        self.actor = ctx.actor  # None with --debug-rollout-only
+        self.pusher = ctx.pusher  # None when nothing is pushed (no trainer, or no engine)
         self.data_source = ctx.data_source
         self.num_rollout: int = ctx.cfg.num_rollout  # resolved from --num-epoch by check_inputs
         self.bad_steps = BadSteps(ctx.cfg.max_bad_steps)
@@ -66,7 +68,7 @@ class Run:
         self.wall_clock_offset = 0.0  # a resumed run's clock goes on from its checkpoint's
         self.last_save_time: float | None = None  # logged in the next row: a step's row precedes its checkpoint
         # LoRA: adapters alone to engines that merge them; (url, restarts) of those that have the base
-        self.adapter_push = ctx.actor is not None and ctx.actor.lora is not None and ctx.backend.lora_adapters
+        self.adapter_push = self.actor is not None and self.actor.lora is not None and ctx.backend.lora_adapters
         self.based: set[tuple[str, int]] = set()
         # optimizer steps taken (every step of a rollout counts, also one with nothing to learn)
         self.policy_version = 0
@@ -75,7 +77,7 @@ class Run:
         try:
             if self.cfg.load:
                 self._resume(Path(self.cfg.load))
-            elif not ctx.placement.engines and ctx.actor is not None:
+            elif not ctx.placement.engines and self.actor is not None:
                 # engines given by URL hold whatever they were started with: the run's starting
                 # weights and version 0 go to them before step 1
                 self.push_weights(0, count=False)
@@ -90,14 +92,14 @@ class Run:
         ckpt = checkpoint_to_load(load_dir)  # the newest inside, or the one <step>/ --load names
         if ckpt is None:
             raise ConfigError(f"--load {load_dir}: no complete checkpoint inside (expected <step>/trainer_state.pt)")
-        extra = self.ctx.actor.load(ckpt)
+        extra = self.actor.load(ckpt)
         self.data_source.load_state_dict(extra["data_source"])
         self.start_step = extra["step"]
         # checkpoints before versions counted optimizer steps saved the push count as weight_version
         self.weight_pushes = extra.get("weight_pushes", extra.get("weight_version", 0))
         self.wall_clock_offset = extra.get("wall_clock", 0.0)
         self.policy_version = extra.get("policy_version", self.start_step * self.cfg.steps_per_rollout)
-        assert self.ctx.actor.optimizer_steps == self.policy_version, "the lr schedule and the policy version disagree"
+        assert self.actor.optimizer_steps == self.policy_version, "the lr schedule and the policy version disagree"
         if self.policy_version != self.start_step * self.cfg.steps_per_rollout:
             raise ConfigError(
                 f"--load {load_dir}: the checkpoint took {self.policy_version} optimizer steps in {self.start_step} rollouts, "
@@ -171,7 +173,7 @@ class Run:
         engine's URL and the step."""
         t0 = time.perf_counter()
         runtime = self.runtime
-        if self.ctx.pusher is None:  # a debug run with no trainer or no engine: nothing to push
+        if self.pusher is None:  # a debug run with no trainer or no engine: nothing to push
             self.weight_pushes += int(count)
             runtime.set_engine_version(self.policy_version)
             return {}
@@ -184,7 +186,7 @@ class Run:
                     engines = runtime.reachable()  # engines back from a restart get the weights here
                     if not engines:
                         break
-                    self.ctx.pusher.set_engines([e.client for e in engines], [e.transport for e in engines])
+                    self.pusher.set_engines([e.client for e in engines], [e.transport for e in engines])
                     metrics = self._push_to(engines)
                 break
             except EngineError as e:
@@ -208,22 +210,22 @@ class Run:
         merges adapters, the adapters alone (`vime/engine/core/lora.py`). An engine this run has
         not pushed to yet (a new one, or one back from a restart) first gets the frozen base, so
         whatever it held before, the adapters merge into the weights the trainer adapts."""
-        assert self.ctx.pusher is not None and self.ctx.actor is not None
+        assert self.pusher is not None and self.actor is not None
         if not self.adapter_push:
-            return self._push_stream(self.ctx.actor.named_weights())
+            return self._push_stream(self.actor.named_weights())
         metrics = {}
         fresh = {(e.client.url, e.restarts) for e in engines} - self.based
         if fresh:
             t0 = time.perf_counter()
-            self._push_stream(self.ctx.actor.named_weights(merge=False), lora_base=True)
+            self._push_stream(self.actor.named_weights(merge=False), lora_base=True)
             self.based |= fresh
             metrics["perf/update_weights_base_time"] = time.perf_counter() - t0
-        return {**metrics, **self._push_stream(self.ctx.actor.adapter_weights())}
+        return {**metrics, **self._push_stream(self.actor.adapter_weights())}
 
     def _push_stream(self, weights: Iterator[tuple[str, Any]], lora_base: bool = False) -> dict[str, float]:
-        assert self.ctx.pusher is not None
+        assert self.pusher is not None
         try:
-            return self.ctx.pusher.push(weights, self.policy_version, lora_base=lora_base)
+            return self.pusher.push(weights, self.policy_version, lora_base=lora_base)
         except EngineError:
             _read_to_end(weights)  # a sharded trainer's other ranks gather every tensor
             raise
@@ -270,7 +272,7 @@ class Run:
                         "wall_clock": metrics["perf/wall_clock"],
                         "loss_type": a.loss_type,  # an RL run refuses to resume an SFT run's checkpoint (preflight)
                     }
-                    self.ctx.actor.save(Path(a.save) / str(step), extra)
+                    self.actor.save(Path(a.save) / str(step), extra)
                 self.last_save_time = time.perf_counter() - t0
                 log.info("checkpoint %s written in %.1f s", Path(a.save) / str(step), self.last_save_time)
         self.metrics.advance(metrics)
@@ -296,7 +298,7 @@ class Run:
         taken); either way counted towards --max-bad-steps (vime/trainer/nonfinite.py)."""
         why = bad_inputs(rewards, advantages)
         if why is None:
-            metrics = self.ctx.actor.train_step(
+            metrics = self.actor.train_step(
                 samples,
                 advantages if isinstance(advantages, list) else advantages.flatten(),
                 len(samples) // self.cfg.steps_per_rollout,
@@ -304,7 +306,7 @@ class Run:
             why = f"loss {metrics.get('train/loss')}, gradient norm {metrics.get('train/grad_norm')}"
         else:
             metrics = {"train/skipped_steps": float(self.cfg.steps_per_rollout)}
-            self.ctx.actor.skip_steps(self.cfg.steps_per_rollout)  # the lr schedule stays on the policy version
+            self.actor.skip_steps(self.cfg.steps_per_rollout)  # the lr schedule stays on the policy version
         self.bad_steps.record(step, metrics["train/skipped_steps"], why)
         return metrics
 
