@@ -10,6 +10,8 @@
    rollout runtime over them; a training run's router for the seed's plug-ins and its weight
    pusher, whose weight group forms now, not in step 1. `vime eval` gives engines it did not
    start the weights of --hf-checkpoint.
+4. The `args` plug-ins and rollout functions are handed: the frozen config and these live
+   objects, read-only (`vime.rollout.compat.PluginArgs`).
 
 Whatever fails on the way closes what was built before it.
 """
@@ -58,6 +60,7 @@ def assemble(cfg: Config, evaluation: bool = False) -> RunContext:
                 _push_checkpoint(ctx)
         else:
             _router_and_pusher(ctx)
+        ctx.args = PluginArgs(ctx.cfg, ctx.runtime, ctx.router)
     except BaseException:
         ctx.close()  # never leave engine or trainer processes behind
         raise
@@ -146,7 +149,6 @@ def _engines(ctx: RunContext, relaunch: bool) -> None:
     ctx.runtime = RolloutRuntime(
         clients, ctx.tokenizer, placement.transports, restart, HealthCheck.of(cfg), ctx.rewards
     )
-    ctx.args = PluginArgs(cfg, ctx.runtime)
 
 
 def _router_and_pusher(ctx: RunContext) -> None:
@@ -155,7 +157,6 @@ def _router_and_pusher(ctx: RunContext) -> None:
     cfg, placement = ctx.cfg, ctx.placement
     if needs_router(cfg) and placement.urls:
         ctx.router = Router(ctx.runtime, cfg.rollout_max_response_len).start()
-        ctx.args = PluginArgs(cfg, ctx.runtime, ctx.router)
     if ctx.actor is not None and not cfg.debug_train_only:
         ctx.pusher = WeightPusher(
             list(ctx.runtime.clients),

@@ -1,4 +1,6 @@
-"""Engines as Ray actors (`--launcher ray`): a backend's engines placed by a Ray cluster.
+"""`--launcher ray` (`RayLauncher`, a row of `launcher.py`'s table): a backend's engines placed
+by a Ray cluster as actors, and trainer ranks 1..N-1 as actors too (`ray_ranks.py`); joining the
+cluster and reserving room in it is `ray_cluster.py`'s.
 
 Each engine gets one bundle of a placement group (`{"CPU": 1}`, plus its GPUs,
 --rollout-num-gpus-per-engine, when the trainer runs on GPUs), packed onto as few nodes as the
