@@ -1392,18 +1392,20 @@ def test_an_engine_lost_while_a_checkpoint_is_written_comes_back(tmp_path, tiny_
     used to end the run, with or without another engine up."""
     from fault_plugins import engine_server_pid
 
+    import vime.run
     from vime.config import parse_args
     from vime.run import train
     from vime.trainer.actor import Actor
 
-    real_save = Actor.save
+    real_save, real_assemble, runs = Actor.save, vime.run.assemble, []
+    monkeypatch.setattr(vime.run, "assemble", lambda cfg: runs.append(real_assemble(cfg)) or runs[-1])
 
     def save_and_lose_engine_one(self, final, extra):
         if extra["step"] == 2:
             os.kill(engine_server_pid(args, 1), sig)
         if extra["step"] == 3:  # engine 1 back before the last step, whose push re-syncs it
             deadline = time.monotonic() + 120
-            while args.runtime.engines[1].state != "unsynced":
+            while runs[0].runtime.engines[1].state != "unsynced":
                 assert time.monotonic() < deadline, "engine 1 did not come back"
                 time.sleep(0.1)
         return real_save(self, final, extra)

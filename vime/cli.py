@@ -108,12 +108,10 @@ def eval_main(argv: list[str]) -> int:
     """Greedy accuracy of a model/checkpoint on the first N eval prompts."""
     import json
 
-    from vime.backends import BACKENDS
     from vime.config import parse_args
     from vime.eval import evaluate
+    from vime.launch.assemble import assemble
     from vime.launch.placement import fresh_path
-    from vime.preflight import check_eval_inputs
-    from vime.rollout.runtime import HealthCheck, RolloutRuntime
 
     args = parse_args(
         argv,
@@ -121,36 +119,25 @@ def eval_main(argv: list[str]) -> int:
         description="Greedy evaluation: accuracy on held-out prompts (writes per-sample JSONL).",
         entry="eval",
     )
-    tokenizer = check_eval_inputs(args)  # the model and prompts are checked before an engine starts
-    run_dir = args.run_dir if args.run_name else Path(args.runs_dir) / "eval"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    backend = BACKENDS[args.rollout_backend]
-    placement = backend.place_engines(args, args.model_dir, run_dir)
+    ctx = assemble(args, evaluation=True)  # the model and prompts are checked before an engine starts
     try:
-        api_key = placement.api_key or args.api_key
-        clients = [backend.make_client(u, api_key) for u in placement.urls]
-        args.runtime = RolloutRuntime(clients, tokenizer, placement.transports, health=HealthCheck.of(args))
-        if not placement.engines:  # engines given by URL: they evaluate --hf-checkpoint, not what they hold
-            push_checkpoint(args, placement, clients)
         # claimed now, so an earlier eval's results stay, and one running at the same time gets another name:
         # eval.jsonl, eval.1.jsonl, ...; with several sets eval.<name>.jsonl, eval.<name>.1.jsonl, ...
         several = len(args.eval_sets) > 1
         paths = {
             (s["name"] if several else None): fresh_path(
-                run_dir / (f"eval.{s['name']}.jsonl" if several else "eval.jsonl")
+                ctx.run_dir / (f"eval.{s['name']}.jsonl" if several else "eval.jsonl")
             )
             for s in args.eval_sets
         }
         try:
-            m = evaluate(args, 0, paths.__getitem__)
+            m = evaluate(ctx.args, 0, paths.__getitem__)
         except BaseException:
             for path in paths.values():
                 path.unlink(missing_ok=True)  # claimed, perhaps never written
             raise
     finally:
-        if args.runtime is not None:
-            args.runtime.close()
-        placement.shutdown()
+        ctx.close()
     shown = {f"{name} ": f"eval/{name}/" for name in paths if name is not None}
     for label, prefix in shown.items():
         print(
@@ -163,25 +150,6 @@ def eval_main(argv: list[str]) -> int:
     keys = [f"{prefix}{k}" for prefix in ("eval/", *shown.values()) for k in ("accuracy", "correct", "total")]
     print(json.dumps({k: m[k] for k in keys}))
     return 0
-
-
-def push_checkpoint(args, placement, clients) -> None:
-    """Give engines the weights of --hf-checkpoint (version 0), checked as a run's pushes are."""
-    from vime.engine.core.model import iter_safetensors
-    from vime.transport.push import WeightPusher
-
-    pusher = WeightPusher(
-        list(clients),
-        placement.transports,
-        timeout=args.update_weights_timeout,
-        master_address=placement.master_address,
-        check=args.check_weight_push,
-    )
-    device = placement.trainer_device
-    try:
-        pusher.push(((n, t.to(device)) for n, t in iter_safetensors(args.model_dir)), version=0)
-    finally:
-        pusher.close()
 
 
 def main(argv: list[str] | None = None) -> int:

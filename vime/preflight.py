@@ -5,8 +5,10 @@ A run used to find a bad `--custom-generate-function-path`, a missing eval file,
 started, after steps had trained, or hours in when the row came up. `check_inputs` reads and
 checks all of them first, each failure one line naming the flag, file or row and the fix, and
 hands the run what it built on the way (tokenizer, rollout function, data source), so nothing
-is read twice. It is also the one place `args.model_dir` (the directory --hf-checkpoint
-resolves to) is set. It writes nothing but a probe file in the output directories.
+is read twice. It is also where the values only the inputs tell are found: the directory
+--hf-checkpoint resolves to (`model_dir`), --num-epoch's rollouts, a --load with nothing to
+resume. They go into a new config (`Config.derived`), the run's from then on; the one passed
+in is never written. It writes nothing but a probe file in the output directories.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from vime import compat
-from vime.config import ConfigError
+from vime.config import Config, ConfigError
 from vime.debug_rollout import check_template
 from vime.eval_sets import args_for
 from vime.metrics import check_sinks
@@ -37,6 +39,7 @@ from vime.rollout.rewards import Rewards
 class Inputs:
     """What the checks built, for the run to use."""
 
+    cfg: Config  # the settings with the values found here (model_dir, num_rollout, load)
     tokenizer: Any
     rollout_fn: Callable
     data_source: DataSource
@@ -45,11 +48,11 @@ class Inputs:
     custom_advantages: Callable | None = None  # --custom-advantage-function-path
 
 
-def check_inputs(args: Any) -> Inputs:
+def check_inputs(args: Config) -> Inputs:
     """Check output directories, model, plug-ins and data, in that order (cheapest first)."""
     ckpt, notes = resume_point(args)
     if ckpt is None:
-        args.load = None  # nothing to resume: the run starts from --hf-checkpoint (said in a note)
+        args = args.derived(load=None)  # nothing to resume: the run starts from --hf-checkpoint (said in a note)
     else:
         _same_kind_of_run(args, ckpt)
     _writable(Path(args.runs_dir), "--runs-dir")
@@ -59,7 +62,7 @@ def check_inputs(args: Any) -> Inputs:
     _debug_rollout_paths(args)
     notes += compat.notes(args) + check_sinks(args)
 
-    tokenizer = _model(args)
+    args, tokenizer = _model(args)
     model_dir = Path(args.model_dir)
     _check_model_flags(args, model_dir)
     if args.lora_rank:
@@ -91,7 +94,7 @@ def check_inputs(args: Any) -> Inputs:
     else:
         data_source = DataSource(args, tokenizer, max_prompt_len=max_prompt_len)
     if args.num_rollout is None:  # from --num-epoch, once the data's size is known (the LR schedule needs it)
-        args.num_rollout = math.ceil(args.num_epoch * len(data_source) / args.rollout_batch_size)
+        args = args.derived(num_rollout=math.ceil(args.num_epoch * len(data_source) / args.rollout_batch_size))
     if ckpt is not None:
         done = int(ckpt.name)
         if done >= args.num_rollout:
@@ -105,7 +108,7 @@ def check_inputs(args: Any) -> Inputs:
     # every plug-in called as the run calls it, on made-up input (vime/plugin_checks.py)
     checked = check_plugins(args, tokenizer, data_source, rewards)
     notes += checked.notes
-    return Inputs(tokenizer, checked.rollout_fn, data_source, rewards, notes, checked.custom_advantages)
+    return Inputs(args, tokenizer, checked.rollout_fn, data_source, rewards, notes, checked.custom_advantages)
 
 
 def _same_kind_of_run(args: Any, ckpt: Path) -> None:
@@ -136,12 +139,13 @@ def _debug_rollout_paths(args: Any) -> None:
                 _writable(where, flag)
 
 
-def check_eval_inputs(args: Any) -> Any:
-    """What `vime eval` reads, checked before an engine starts; returns the tokenizer."""
-    tokenizer = _model(args)
+def check_eval_inputs(args: Config) -> tuple[Config, Any]:
+    """What `vime eval` reads, checked before an engine starts; returns the config with its
+    `model_dir` and the tokenizer."""
+    args, tokenizer = _model(args)
     _check_model_flags(args, Path(args.model_dir))
     _check_eval_sets(args, tokenizer, context_length(args.model_dir) - 1)
-    return tokenizer
+    return args, tokenizer
 
 
 def _check_eval_sets(args: Any, tokenizer: Any, max_prompt_len: int) -> None:
@@ -151,11 +155,12 @@ def _check_eval_sets(args: Any, tokenizer: Any, max_prompt_len: int) -> None:
         load_eval_samples(a, tokenizer, eval_set["path"], limit=a.eval_limit, max_prompt_len=max_prompt_len)
 
 
-def _model(args: Any) -> Any:
-    """Resolve --hf-checkpoint into `args.model_dir` and load its tokenizer."""
-    args.model_dir = str(resolve_model(args.hf_checkpoint))
+def _model(args: Config) -> tuple[Config, Any]:
+    """The config with the directory --hf-checkpoint resolves to as its `model_dir`, and that
+    model's tokenizer."""
+    args = args.derived(model_dir=str(resolve_model(args.hf_checkpoint)))
     try:
-        return load_tokenizer(args.model_dir)
+        return args, load_tokenizer(args.model_dir)
     except (OSError, ValueError) as e:
         raise ModelError(
             f"cannot load the tokenizer of {args.model_dir} ({type(e).__name__}: {' '.join(str(e).split())[:200]})"

@@ -1,8 +1,8 @@
 """The run driver: one training run from start to end, and its loops.
 
-`Run` holds everything one run owns (data, actor, engines, their clients, the weight pusher,
-metrics) and closes all of it; the loops below drive it. The mode is `args.mode`, decided in
-`Config.validate`: sync and decoupled run `_sequential_loop`, one-step-off and fully-async
+`Run` drives what `vime.launch.assemble` built (data, actor, engines, their clients, the weight
+pusher: a `RunContext`), keeps the policy version and the metrics, and closes all of it; the
+loops below drive it. The mode is `cfg.mode`, decided in `Config.validate`: sync and decoupled run `_sequential_loop`, one-step-off and fully-async
 `_one_step_off_loop` (the fully-async rollout function makes the difference).
 
 The policy version is the number of optimizer steps taken; every push gives the engines the
@@ -28,151 +28,60 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from vime.algorithms.credit import discounted_returns, group_advantages
-from vime.backends import BACKENDS
-from vime.backends.client import EngineClient, EngineError
+from vime.backends.client import EngineError
 from vime.config import Config, ConfigError
 from vime.debug_rollout import load_rollout, save_rollout
-from vime.launch.placement import Placement, fresh_path, trainer_device
-from vime.launch.ray import resolve_launcher
-from vime.launch.ray_ranks import start_ray_ranks
+from vime.launch.assemble import assemble
+from vime.launch.context import RunContext
 from vime.lifetime import signals_held
-from vime.metrics import MetricsLogger, setup_logging
+from vime.metrics import MetricsLogger
 from vime.models import read_config
 from vime.modes import MODES
 from vime.plugins import Plugin, at_step
-from vime.preflight import check_inputs
-from vime.rollout import async_loop
-from vime.rollout.compat import Router, fanned_out, fanned_out_advantages, needs_router, trim_to_steps
-from vime.rollout.runtime import HealthCheck, RolloutRuntime
+from vime.rollout.compat import fanned_out, fanned_out_advantages, trim_to_steps
 from vime.rollout.types import RolloutOutput, Sample
 from vime.trainer.checkpoint import checkpoint_to_load
-from vime.trainer.distributed import launch_actor
 from vime.trainer.drift import DriftWatch
 from vime.trainer.nonfinite import BadSteps, bad_inputs
-from vime.transport.push import WeightPusher
 
 log = logging.getLogger("vime")
 
 
 class Run:
-    """Everything one run owns: data, actor, engines and their clients, pusher, metrics."""
+    """A training run over its assembled parts (`vime/launch/`): the policy version, pushes,
+    steps and metrics, and the pieces the loops share."""
 
-    def __init__(self, args: Config) -> None:
-        self.args = args
-        self.run_dir = args.run_dir
-        if _holds_a_run(self.run_dir) and not args.load:
-            raise ConfigError(
-                f"run directory {self.run_dir} already holds a run: pick another --run-name (or resume it with --load)"
-            )
-        inputs = check_inputs(args)  # every input, before anything starts or is written; sets args.model_dir
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        setup_logging(self.run_dir / "log.txt", quiet=args.quiet)
-        for note in inputs.notes:
-            log.warning("%s", note)
-        log.info("mode %s; %s", args.mode, args.correction_summary())
-        if args.launcher == "auto":
-            args.launcher = resolve_launcher(args)
-        if args.debug_train_only and args.load_debug_rollout_data is None:  # the SFT rollout function
-            log.info("SFT: no engine; training on the conversations of %s, nothing pushed", args.prompt_data)
-        elif args.debug_train_only:
-            log.info(
-                "--debug-train-only: no engine; training on the rollouts saved at %s, nothing pushed or evaluated",
-                args.load_debug_rollout_data,
-            )
-            if args.save:
-                log.warning(
-                    "--debug-train-only: the checkpoints keep the prompt data's starting position (the saved "
-                    "rollouts did not come from it); a normal run resumed from them starts the data again"
-                )
-        if args.debug_rollout_only:
-            log.info("--debug-rollout-only: no trainer; the engines generate with the starting weights")
-        # a resumed run keeps the config of the run it resumes (config.1.yaml, ...: one per resume)
-        (fresh_path(self.run_dir / "config.yaml") if args.load else self.run_dir / "config.yaml").write_text(
-            yaml.safe_dump(args.to_dict(), sort_keys=False)
-        )
-        torch.manual_seed(args.seed)
-
-        self.rollout_fn: Callable[..., RolloutOutput] = inputs.rollout_fn
-        self.custom_advantages = inputs.custom_advantages
-        self.data_source = inputs.data_source
-        self.rewards = inputs.rewards  # its grading pool starts with the first sample; close() ends it
-        self.num_rollout: int = args.num_rollout  # resolved from --num-epoch by check_inputs
-        self.bad_steps = BadSteps(args.max_bad_steps)
+    def __init__(self, ctx: RunContext) -> None:
+        self.ctx = ctx
+        self.cfg = ctx.cfg  # frozen: what the run reads
+        self.args = ctx.args  # what plug-ins and rollout functions are handed (a read-only view)
+        self.run_dir = ctx.run_dir
+        self.runtime = ctx.runtime
+        self.actor = ctx.actor  # None with --debug-rollout-only
+        self.pusher = ctx.pusher  # None when nothing is pushed (no trainer, or no engine)
+        self.data_source = ctx.data_source
+        self.num_rollout: int = ctx.cfg.num_rollout  # resolved from --num-epoch by check_inputs
+        self.bad_steps = BadSteps(ctx.cfg.max_bad_steps)
         self.drift = DriftWatch()
         self.wall_clock_offset = 0.0  # a resumed run's clock goes on from its checkpoint's
         self.last_save_time: float | None = None  # logged in the next row: a step's row precedes its checkpoint
-
-        # the trainer first: under torchrun, ranks other than 0 serve rank 0 from inside this
-        # call and never return, so they start no engines. --debug-rollout-only has none,
-        # --debug-train-only no engines (vime/debug_rollout.py)
-        self.actor = (
-            None
-            if args.debug_rollout_only
-            else launch_actor(
-                args,
-                args.model_dir,
-                trainer_device(args),
-                inputs.tokenizer,
-                self.run_dir,
-                start_ranks=start_ray_ranks if args.launcher == "ray" else None,
-            )
-        )
-        backend = BACKENDS[args.rollout_backend]
+        # LoRA: adapters alone to engines that merge them; (url, restarts) of those that have the base
+        self.adapter_push = self.actor is not None and self.actor.lora is not None and ctx.backend.lora_adapters
+        self.based: set[tuple[str, int]] = set()
+        # optimizer steps taken (every step of a rollout counts, also one with nothing to learn)
+        self.policy_version = 0
+        self.weight_pushes = 0
+        self.start_step = 0
         try:
-            self.placement: Placement = (
-                Placement(trainer_device(args), [], [], [])
-                if args.debug_train_only
-                else backend.place_engines(args, args.model_dir, self.run_dir)
-            )
-        except BaseException:
-            if self.actor is not None:
-                self.actor.close()
-            raise
-        try:
-            api_key = self.placement.api_key or args.api_key  # the key of engines we launch is the placement's
-            clients = [backend.make_client(u, api_key) for u in self.placement.urls]
-            relaunch = None
-            if self.placement.launch_one is not None:
-
-                def relaunch(i: int) -> EngineClient:
-                    return backend.make_client(self.placement.relaunch(i), api_key)
-
-            args.runtime = RolloutRuntime(
-                clients, inputs.tokenizer, self.placement.transports, relaunch, HealthCheck.of(args), self.rewards
-            )
-            # the seed system's plug-ins reach the engines at args.vllm_router_ip/port (rollout/compat.py)
-            self.router = Router(args).start() if needs_router(args) and self.placement.urls else None
-            self.pusher: WeightPusher | None = None  # a debug run with no trainer or no engine pushes nothing
-            # LoRA: adapters alone to engines that merge them; (url, restarts) of those that have the base
-            self.adapter_push = self.actor is not None and self.actor.lora is not None and backend.lora_adapters
-            self.based: set[tuple[str, int]] = set()
-            if self.actor is not None and not args.debug_train_only:
-                self.pusher = WeightPusher(
-                    clients,
-                    transport=self.placement.transports,
-                    bucket_bytes=args.update_weight_buffer_size,
-                    timeout=args.update_weights_timeout,
-                    master_address=self.placement.master_address,
-                    check=args.check_weight_push,
-                )
-                self.pusher.connect(
-                    self.placement.trainer_device
-                )  # a weight group, if any, is formed now, not in step 1
-            self.policy_version = (
-                0  # optimizer steps taken (every step of a rollout counts, also one with nothing to learn)
-            )
-            self.weight_pushes = 0
-            self.start_step = 0
-            if args.load:
-                self._resume(Path(args.load))
-            elif not self.placement.engines and self.actor is not None:
+            if self.cfg.load:
+                self._resume(Path(self.cfg.load))
+            elif not ctx.placement.engines and self.actor is not None:
                 # engines given by URL hold whatever they were started with: the run's starting
                 # weights and version 0 go to them before step 1
                 self.push_weights(0, count=False)
-            self.metrics = MetricsLogger.for_run(args, self.num_rollout, self.start_step)
+            self.metrics = MetricsLogger.for_run(self.cfg, self.num_rollout, self.start_step)
         except BaseException:
             self.close()  # never leave engine or trainer processes behind
             raise
@@ -189,12 +98,12 @@ class Run:
         # checkpoints before versions counted optimizer steps saved the push count as weight_version
         self.weight_pushes = extra.get("weight_pushes", extra.get("weight_version", 0))
         self.wall_clock_offset = extra.get("wall_clock", 0.0)
-        self.policy_version = extra.get("policy_version", self.start_step * self.args.steps_per_rollout)
+        self.policy_version = extra.get("policy_version", self.start_step * self.cfg.steps_per_rollout)
         assert self.actor.optimizer_steps == self.policy_version, "the lr schedule and the policy version disagree"
-        if self.policy_version != self.start_step * self.args.steps_per_rollout:
+        if self.policy_version != self.start_step * self.cfg.steps_per_rollout:
             raise ConfigError(
                 f"--load {load_dir}: the checkpoint took {self.policy_version} optimizer steps in {self.start_step} rollouts, "
-                f"this run takes {self.args.steps_per_rollout} per rollout: resume with the --global-batch-size it was trained with"
+                f"this run takes {self.cfg.steps_per_rollout} per rollout: resume with the --global-batch-size it was trained with"
             )
         log.info("resumed from %s at step %d (policy version %d)", ckpt, self.start_step, self.policy_version)
         self.push_weights(
@@ -204,16 +113,16 @@ class Run:
     def rollout(self, rollout_id: int) -> RolloutOutput:
         """The batch of rollout `rollout_id`: generated by the rollout function, or read back with
         --load-debug-rollout-data; written out with --save-debug-rollout-data."""
-        a = self.args
+        a = self.cfg
         if a.load_debug_rollout_data:
             vocab = read_config(a.model_dir).get("vocab_size")  # the embedding's rows: a token id must be below
             return load_rollout(
                 a.load_debug_rollout_data, rollout_id, a.n_samples_per_prompt, a.rollout_batch_size, vocab
             )
         with at_step(rollout_id + 1):  # a plug-in's fault (rollout, generate, filter) names the step
-            out = self.rollout_fn(a, rollout_id, self.data_source)
-            if isinstance(self.rollout_fn, Plugin) and not _holds_groups(out):
-                raise self.rollout_fn.error(
+            out = self.ctx.rollout_fn(self.args, rollout_id, self.data_source)
+            if isinstance(self.ctx.rollout_fn, Plugin) and not _holds_groups(out):
+                raise self.ctx.rollout_fn.error(
                     f"returned {type(out).__name__}: it must return RolloutOutput(samples=[[Sample, ...], ...], metrics={{}}), "
                     "one non-empty list per prompt group"
                 )
@@ -224,7 +133,7 @@ class Run:
     def train_on(self, out: RolloutOutput, step: int) -> dict[str, float]:
         """Advantages → optimizer step(s). Returns train metrics + rollout metrics of this batch."""
         groups = out.samples
-        a = self.args
+        a = self.cfg
         # a generate that returned several samples: groups of other sizes than n (rollout/compat.py)
         fanned = a.loss_type != "sft_loss" and fanned_out(groups, a.n_samples_per_prompt)
         if a.loss_type == "sft_loss":  # the SFT loss reads no reward or advantage
@@ -236,8 +145,8 @@ class Run:
                 a.advantage_estimator,
                 std_normalize=a.normalize_advantages_std,
                 whitened=a.normalize_advantages,
-                custom=self.custom_advantages,
-                args=a,
+                custom=self.ctx.custom_advantages,
+                args=self.args,
             )
         if a.gamma != 1.0:  # REINFORCE++ discounted: one advantage per token (Config allows nothing else)
             adv = discounted_returns(groups, a.gamma)
@@ -252,7 +161,7 @@ class Run:
         metrics.update(staleness_metrics(samples, self.policy_version, len(samples) // a.steps_per_rollout))
         if warning := self.drift.observe(step, metrics):
             log.warning("%s", warning)
-        self.policy_version += self.args.steps_per_rollout
+        self.policy_version += self.cfg.steps_per_rollout
         return metrics
 
     def push_weights(self, step: int, count: bool = True) -> dict[str, float]:
@@ -263,7 +172,7 @@ class Run:
         run's weights re-sent, not a push of training. A failed push stops the run with the
         engine's URL and the step."""
         t0 = time.perf_counter()
-        runtime = self.args.runtime
+        runtime = self.runtime
         if self.pusher is None:  # a debug run with no trainer or no engine: nothing to push
             self.weight_pushes += int(count)
             runtime.set_engine_version(self.policy_version)
@@ -271,7 +180,7 @@ class Run:
         engines: list[Any] = []
         for attempt in range(3):
             try:
-                with runtime.generation_paused("in_place" if self.args.update_in_flight == "keep" else "abort"):
+                with runtime.generation_paused("in_place" if self.cfg.update_in_flight == "keep" else "abort"):
                     # after the pause: an engine it found gone (dead, or silent for the health
                     # timeout) gets no push to wait out
                     engines = runtime.reachable()  # engines back from a restart get the weights here
@@ -326,9 +235,9 @@ class Run:
         --update-weights-interval > 1), and the pushes so far."""
         return {
             "train/policy_version": self.policy_version,
-            "train/weight_version": self.args.runtime.engine_version,
+            "train/weight_version": self.runtime.engine_version,
             "train/weight_pushes": self.weight_pushes,
-            **self.args.runtime.metrics(),
+            **self.runtime.metrics(),
         }
 
     def after_step(self, step: int, metrics: dict[str, float]) -> None:
@@ -338,7 +247,7 @@ class Run:
         by time no step was charged for, so the engines are paused in place while saving. Eval
         cannot pause them (it uses the same engines) and overlaps with generation
         (docs/architecture.md)."""
-        a = self.args
+        a = self.cfg
         last = step == self.num_rollout
         metrics["perf/wall_clock"] = metrics.get("perf/wall_clock", 0.0) + self.wall_clock_offset
         metrics["rollout/skipped_prompts"] = float(self.data_source.skipped_prompts)
@@ -354,7 +263,7 @@ class Run:
             self.metrics.log(step, metrics)
             if a.save and ((a.save_interval and step % a.save_interval == 0) or last):
                 t0 = time.perf_counter()
-                with a.runtime.generation_paused("in_place") if MODES[a.mode].overlaps else contextlib.nullcontext():
+                with self.runtime.generation_paused("in_place") if MODES[a.mode].overlaps else contextlib.nullcontext():
                     extra = {
                         "step": step,
                         "policy_version": self.policy_version,
@@ -373,29 +282,14 @@ class Run:
 
         # eval/<step>.jsonl, or with several sets eval/<name>/<step>.jsonl
         m = evaluate(self.args, step, lambda name: self.run_dir / "eval" / (name or "") / f"{step}.jsonl")
-        self.metrics.write_line(result_line(m, step, self.args.eval_sets[0]["name"]))
+        self.metrics.write_line(result_line(m, step, self.cfg.eval_sets[0]["name"]))
         return m
 
     def close(self) -> None:
-        """Each part is closed even if an earlier one fails, so no engine or rank outlives us."""
-        runtime = self.args.runtime
-        steps = [runtime.close] if runtime is not None else []  # the fully-async worker first: it stops generating
-        if getattr(self, "router", None) is not None:
-            steps.insert(0, self.router.stop)
-        if getattr(self, "pusher", None) is not None:
-            steps.append(self.pusher.close)
-        steps += [async_loop.cancel_all, self.rewards.close]
-        if self.actor is not None:
-            steps.append(self.actor.close)
-        if hasattr(self, "placement"):
-            steps.append(self.placement.shutdown)
+        """The run's parts, then its metrics (their sinks get every row written before)."""
+        self.ctx.close()
         if hasattr(self, "metrics"):
-            steps.append(self.metrics.close)
-        for step in steps:
-            try:
-                step()
-            except Exception:
-                log.exception("while closing the run (%s)", getattr(step, "__qualname__", step))
+            self.metrics.close()
 
     def guarded_train_step(
         self, step: int, samples: list[Sample], rewards: torch.Tensor, advantages: torch.Tensor
@@ -407,12 +301,12 @@ class Run:
             metrics = self.actor.train_step(
                 samples,
                 advantages if isinstance(advantages, list) else advantages.flatten(),
-                len(samples) // self.args.steps_per_rollout,
+                len(samples) // self.cfg.steps_per_rollout,
             )
             why = f"loss {metrics.get('train/loss')}, gradient norm {metrics.get('train/grad_norm')}"
         else:
-            metrics = {"train/skipped_steps": float(self.args.steps_per_rollout)}
-            self.actor.skip_steps(self.args.steps_per_rollout)  # the lr schedule stays on the policy version
+            metrics = {"train/skipped_steps": float(self.cfg.steps_per_rollout)}
+            self.actor.skip_steps(self.cfg.steps_per_rollout)  # the lr schedule stays on the policy version
         self.bad_steps.record(step, metrics["train/skipped_steps"], why)
         return metrics
 
@@ -440,12 +334,6 @@ def _holds_groups(out: Any) -> bool:
     )
 
 
-def _holds_a_run(run_dir: Path) -> bool:
-    """A run logged a step there (a start that failed before its first row does not count)."""
-    metrics = run_dir / "metrics.jsonl"
-    return metrics.exists() and metrics.stat().st_size > 0
-
-
 def _read_to_end(weights: Iterator[Any]) -> None:
     """A push that broke off stopped reading the trainer's weights part way; a sharded
     trainer's other ranks are still inside the gathers of the rest, where the next call to them
@@ -456,15 +344,16 @@ def _read_to_end(weights: Iterator[Any]) -> None:
 
 
 def train(args: Config) -> Path:
-    """Train for args.num_rollout steps in args.mode; returns the run directory."""
-    run = Run(args)
+    """Train for num_rollout steps in the config's mode; returns the run directory."""
+    run = Run(assemble(args))
+    cfg = run.cfg
     try:
-        if args.eval_interval and run.start_step == 0 and not (args.skip_eval_before_train or args.debug_train_only):
+        if cfg.eval_interval and run.start_step == 0 and not (cfg.skip_eval_before_train or cfg.debug_train_only):
             run.metrics.log(0, run.evaluate(0))
-        if args.debug_rollout_only:
+        if cfg.debug_rollout_only:
             _rollout_only_loop(run)
         else:
-            loop = {"sequential": _sequential_loop, "one-step-off": _one_step_off_loop}[MODES[args.mode].loop]
+            loop = {"sequential": _sequential_loop, "one-step-off": _one_step_off_loop}[MODES[cfg.mode].loop]
             loop(run)
     finally:
         run.close()
@@ -536,7 +425,7 @@ def _one_step_off_loop(run: Run) -> None:
 
     On an error or Ctrl-C the pending generate may have minutes to go: its requests are aborted
     and it is not waited for, so Run.close() stops the engines at once."""
-    a = run.args
+    a = run.cfg
     overlap = a.max_staleness is None or a.max_staleness >= a.min_staleness + a.steps_per_rollout
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vime-generate")
 
@@ -561,7 +450,7 @@ def _one_step_off_loop(run: Run) -> None:
             run.after_step(rollout_id + 1, m)
             clock.restart()
     except BaseException:
-        run.args.runtime.abort_all()
+        run.runtime.abort_all()
         pool.shutdown(wait=False, cancel_futures=True)
         raise
     pool.shutdown()  # the last step submits no generate: nothing is left to wait for
@@ -571,14 +460,14 @@ def _train_and_push(
     run: Run, out: RolloutOutput, step: int, before_push: Callable[[], object] | None = None
 ) -> dict[str, float]:
     t0 = time.perf_counter()
-    if run.args.colocate:
-        run.args.runtime.on_each(lambda c: c.release_memory_occupation())
+    if run.cfg.colocate:
+        run.runtime.on_each(lambda c: c.release_memory_occupation())
     with at_step(step):  # a custom advantage, loss or TIS hook's fault names the step
         m = run.train_on(out, step)
     m["perf/train_time"] = time.perf_counter() - t0
-    if run.args.colocate:
-        run.args.runtime.on_each(lambda c: c.resume_memory_occupation())
-    if step % run.args.update_weights_interval == 0:
+    if run.cfg.colocate:
+        run.runtime.on_each(lambda c: c.resume_memory_occupation())
+    if step % run.cfg.update_weights_interval == 0:
         if before_push is not None:
             w0 = time.perf_counter()
             before_push()

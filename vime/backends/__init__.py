@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from vime.transport import TRANSPORTS
@@ -36,10 +35,10 @@ class Backend:
         """A client of the engine at `url` (an `EngineClient`)."""
         return _load(self.client)(url, api_key=api_key)
 
-    def place_engines(self, args: Any, model_dir: Path, run_dir: Path) -> Any:
-        """Launch the run's engines (or check those given by URL): a `vime.launch.placement.Placement`."""
-        place = self.ray_place if getattr(args, "launcher", "local") == "ray" else self.place
-        return _load(place)(args, model_dir, run_dir)
+    def load(self, path: str) -> Any:
+        """One of the row's "module:function" paths imported: its `place` or `ray_place`, which the
+        run's launcher picks (`vime/launch/launcher.py`)."""
+        return _load(path)
 
 
 BACKENDS: dict[str, Backend] = {

@@ -5,6 +5,7 @@ trainer rank is spawned with, a plug-in's deepcopy)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -128,4 +129,38 @@ class Config(Settings):
         memo[id(self)] = clone
         for name, value in self.__dict__.items():
             setattr(clone, name, value if name == "runtime" else copy.deepcopy(value, memo))
+        return clone
+
+    # ---- frozen once the run is assembled (vime/launch/assemble.py) ----
+
+    def freeze(self) -> Config:
+        """From now on every attribute write raises: the run's settings are fixed once it is
+        assembled, and its live objects (engines, runtime, router) are in its RunContext. The mark
+        is this object's alone: a copy (copy.copy, deepcopy, `derived`) can be changed; a trainer
+        rank's pickle keeps it."""
+        self.__dict__["_frozen"] = True
+        return self
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "_frozen":  # deepcopy sets every attribute it finds: the copy is not frozen
+            return
+        if "_frozen" in self.__dict__:
+            raise dataclasses.FrozenInstanceError(
+                f"args.{name}: the run's config is frozen once the run is assembled; live state belongs in "
+                "RunContext (vime/launch/context.py), a changed setting in a copy (Config.derived)"
+            )
+        object.__setattr__(self, name, value)
+
+    def __copy__(self) -> Config:
+        """The settings, not frozen, the live runtime dropped (as a pickle drops it)."""
+        clone = object.__new__(type(self))
+        clone.__dict__.update({k: v for k, v in self.__getstate__().items() if k != "_frozen"})
+        return clone
+
+    def derived(self, **changes: Any) -> Config:
+        """A new config with `changes` (dataclasses.replace): how a value found after validation
+        (the model's directory, --num-epoch's rollouts) joins the run's config without a write
+        into it. The attributes --custom-config-path gave plug-ins come along."""
+        clone = dataclasses.replace(self, **changes)
+        clone.__dict__.update({k: v for k, v in self.__dict__.items() if k not in FIELDS and k != "_frozen"})
         return clone

@@ -1,3 +1,5 @@
-"""Where things run: devices and transports for the trainer and the engines (`placement.py`), a Ray
-cluster's share of that (`ray.py`: engines as actors) and trainer ranks as Ray actors
-(`ray_ranks.py`). Every backend's placement ends in the helpers here."""
+"""Putting a run together: `assemble(cfg) -> RunContext` (`assemble.py`, `context.py`) checks the
+inputs, freezes the config and starts the trainer and the engines; where they run is the
+launcher's (`launcher.py`: `local.py` processes on this machine, `ray.py` Ray actors, with
+`ray_ranks.py` for trainer ranks), and devices and weight transports are `placement.py`'s, where
+every backend's placement ends."""

@@ -177,20 +177,22 @@ def choose_transports(args, trainer: str, infos: list[dict]) -> list[str]:
     return out
 
 
-def master_address(args, infos: list[dict], transports: list[str]) -> str:
-    """The address engines dial for the weight-group rendezvous: loopback while they all run
-    here, else --update-weights-master-address (a one-line error names the engine when unset)."""
+def master_address(args, infos: list[dict], transports: list[str], own_address: str | None = None) -> str:
+    """The address engines dial for the weight-group rendezvous: --update-weights-master-address,
+    else `own_address` (the launcher's: a Ray node's IP), else loopback while the engines all run
+    here (a one-line error names an engine elsewhere)."""
+    address = args.update_weights_master_address or own_address
     remote = [
         i for i, t in zip(infos, transports) if t in ("nccl", "gloo") and i.get("hostname") != socket.gethostname()
     ]
     if not remote:
-        return args.update_weights_master_address or "127.0.0.1"
-    if not args.update_weights_master_address:
+        return address or "127.0.0.1"
+    if not address:
         i = remote[0]
         raise ConfigError(
             f"engine at {i['url']} runs on host {i.get('hostname')}: give --update-weights-master-address, an address of this machine that host can reach"
         )
-    return args.update_weights_master_address
+    return address
 
 
 def placed(
@@ -204,15 +206,16 @@ def placed(
     facts: Callable[[str], dict],
     label: str,
     substitute: dict[str, str] | None = None,
+    own_address: str | None = None,
 ) -> Placement:
     """The end of every backend's placement: each engine's facts (`facts(url)`; an unreachable
     or wrong engine fails now, with its URL, not mid-run, and the engines launched are shut
     down), its transport by this module's table (`substitute` swaps in a backend's counterpart
-    of a transport it lacks) and the rendezvous address."""
+    of a transport it lacks) and the rendezvous address (`master_address`)."""
     try:
         infos = [{**facts(u), "url": u} for u in urls]
         transports = [(substitute or {}).get(t, t) for t in choose_transports(args, trainer, infos)]
-        address = master_address(args, infos, transports)
+        address = master_address(args, infos, transports, own_address)
     except BaseException:
         for e in engines:
             e.shutdown()

@@ -1,4 +1,6 @@
-"""Engines as Ray actors (`--launcher ray`): a backend's engines placed by a Ray cluster.
+"""`--launcher ray` (`RayLauncher`, a row of `launcher.py`'s table): a backend's engines placed
+by a Ray cluster as actors, and trainer ranks 1..N-1 as actors too (`ray_ranks.py`); joining the
+cluster and reserving room in it is `ray_cluster.py`'s.
 
 Each engine gets one bundle of a placement group (`{"CPU": 1}`, plus its GPUs,
 --rollout-num-gpus-per-engine, when the trainer runs on GPUs), packed onto as few nodes as the
@@ -32,14 +34,11 @@ from pathlib import Path
 from typing import Any
 
 from vime.backends.client import EngineError
-from vime.config import ConfigError
 from vime.launch.placement import Placement, fresh_path, launch_all, placed, trainer_device
+from vime.launch.ray_cluster import ROOT, join_cluster, reserve
 from vime.transport.group import apply_gpu_safe_env
 
 log = logging.getLogger("vime")
-
-READY_S = 120.0  # for the cluster to make room for the engines' bundles
-ROOT = str(Path(__file__).resolve().parents[2])  # this vime, for the actors' imports
 
 
 class EngineHost:
@@ -80,49 +79,6 @@ class RayEngine:
         ray.kill(self.actor, no_restart=True)
 
 
-def join_cluster() -> Any:
-    """This process joins its Ray cluster: the job's, or RAY_ADDRESS's, or a local one started
-    with `ray start --head`. A one-line error when there is none."""
-    try:
-        import ray
-    except ImportError:
-        raise ConfigError(
-            "--launcher ray needs ray in this environment: pip install ray (or make install-ray)"
-        ) from None
-    if not ray.is_initialized():
-        address = os.environ.get("RAY_ADDRESS") or "auto"
-        try:
-            if ":" in address and "://" not in address:  # host:port: Ray would retry it for minutes
-                host, port = address.rsplit(":", 1)
-                socket.create_connection((host, int(port)), timeout=5).close()
-            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
-        except (ConnectionError, OSError) as e:
-            raise ConfigError(
-                f"--launcher ray found no Ray cluster to join at {address} ({' '.join(str(e).split())[:160]}): "
-                "start one with `ray start --head`, or set RAY_ADDRESS"
-            ) from None
-    return ray
-
-
-def reserve(bundle: dict[str, float], n: int, name: str, what: str, remedy: str) -> Any:
-    """A placement group of `n` such bundles packed onto as few nodes as fit, once the cluster has
-    made room for it; a one-line error naming the cluster's resources when it has none within
-    READY_S (`what`: the bundles' use, `remedy`: what to lower)."""
-    import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
-
-    group = placement_group([bundle] * n, strategy="PACK", name=name)
-    try:
-        ray.get(group.ready(), timeout=READY_S)
-    except ray.exceptions.GetTimeoutError:
-        remove_placement_group(group)
-        raise ConfigError(
-            f"the Ray cluster has no room for {n} {what} of {bundle} within {READY_S:g} s (it has "
-            f"{ray.cluster_resources()}): {remedy}"
-        ) from None
-    return group
-
-
 def resolve_launcher(args) -> str:
     """What `--launcher auto` means for this run: ray inside a Ray job whose cluster has more
     than one node, so a multi-node `ray job submit` places engines and trainer ranks on its
@@ -155,6 +111,24 @@ def resolve_launcher(args) -> str:
         nodes,
     )
     return "ray"
+
+
+class RayLauncher:
+    """`--launcher ray`: engines as Ray actors (each backend's `ray_place`, ending in
+    `place_actors`), trainer ranks 1..N-1 as Ray actors (`ray_ranks.start_ray_ranks`)."""
+
+    name = "ray"
+
+    def chosen_by_auto(self, cfg) -> bool:
+        return resolve_launcher(cfg) == self.name
+
+    def place_engines(self, backend, cfg, model_dir: str, run_dir: Path) -> Placement:
+        return backend.load(backend.ray_place)(cfg, model_dir, run_dir)
+
+    def rank_starter(self) -> Callable:
+        from vime.launch.ray_ranks import start_ray_ranks  # imports the trainer
+
+        return start_ray_ranks
 
 
 def place_actors(
@@ -213,8 +187,6 @@ def place_actors(
     except BaseException:
         remove_placement_group(group)
         raise
-    if not args.update_weights_master_address:  # engines on other nodes dial this one
-        args.update_weights_master_address = ray.util.get_node_ip_address()
     try:
         devices = [f"{e.node}:{device}" for e in engines]  # node: device in its actor
         placement = placed(
@@ -228,6 +200,7 @@ def place_actors(
             lambda url: facts(url, api_key),
             label,
             substitute,
+            own_address=ray.util.get_node_ip_address(),  # engines on other nodes dial this one
         )
     except BaseException:
         remove_placement_group(group)

@@ -7,12 +7,15 @@ params into vLLM's with `_build_inference_sampling_params`, POST token ids to
 comes back with `Sample.append_response_tokens`. Some return several samples (multi-agent: one
 per agent call). Here:
 
+* `PluginArgs`: the `args` every plug-in and rollout function is handed, read-only: each
+  setting of the run's config, and the live objects slime's plug-ins reach through it
+  (`args.runtime`, `args.vllm_router_ip` / `args.vllm_router_port`).
 * `Router`: the `/inference/v1/generate` route, vLLM's request and answer shapes, served in the
   run's own process on the rollout loop. Each request goes through the run's engines as vime's
   own generate does (`generate_on_engines`: any backend, the engine picking and failover of
   runtime.py, the weight version of every token), so a plug-in never needs an engine's address
-  or key. The run starts it when a custom generate or rollout function is given and sets
-  `args.vllm_router_ip` / `args.vllm_router_port`.
+  or key. The run starts it when a custom generate or rollout function is given; plug-ins find
+  it at `args.vllm_router_ip` / `args.vllm_router_port`.
 * `GenerateState`, `_build_inference_sampling_params`, `_inference_generate_tokens_and_logprobs`:
   the seed's helpers of those names (re-exported by vllm_rollout.py, where plug-ins import them).
 * `flatten` and `fanned_out_advantages`: a generate that returns a list of samples. As in the
@@ -24,6 +27,7 @@ per agent call). Here:
 
 from __future__ import annotations
 
+import copy
 import logging
 import uuid
 from collections.abc import Callable
@@ -35,7 +39,7 @@ from aiohttp import web
 
 from vime.rollout import async_loop
 from vime.rollout.engine_requests import generate_on_engines, sampling_params
-from vime.rollout.runtime import runtime_of
+from vime.rollout.runtime import RolloutRuntime
 from vime.rollout.types import Sample
 
 log = logging.getLogger("vime")
@@ -129,6 +133,58 @@ def _inference_generate_tokens_and_logprobs(choice: dict[str, Any]) -> tuple[lis
     return ids, [float(c.get("logprob", 0.0)) if isinstance(c, dict) else 0.0 for c in content]
 
 
+# ---------------------------------------------------------------- the args plug-ins get
+
+
+class PluginArgs:
+    """slime's `args`, as every plug-in and rollout function of a run is handed it: each setting
+    of the run's config (every flag, derived values, --custom-config-path's attributes), and the
+    live objects slime's plug-ins reached through it: `runtime` (the engines' clients, the
+    tokenizer, the rewards: `runtime.runtime_of`) and `vllm_router_ip` / `vllm_router_port` (the
+    `Router`, None when the run has none).
+
+    Read-only: the run's settings are fixed once it is assembled (a write used to change them for
+    the rest of the run, the trainer's view included). A plug-in that wants other values copies
+    it, as the seed's multi-agent example does: `copy.copy(args)` / `copy.deepcopy(args)` is a
+    Config of its own to change, still holding the live objects. Pickled, it is its settings."""
+
+    __slots__ = ("_config", "_live")
+
+    def __init__(self, config: Any, runtime: RolloutRuntime | None, router: Router | None = None) -> None:
+        live = {
+            "runtime": runtime,
+            "vllm_router_ip": router.host if router else None,
+            "vllm_router_port": router.port if router else None,
+        }
+        object.__setattr__(self, "_config", config)
+        object.__setattr__(self, "_live", live)
+
+    def __getattr__(self, name: str) -> Any:
+        live = self._live
+        return live[name] if name in live else getattr(self._config, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(
+            f"args.{name}: a plug-in's args is read-only (the run's settings are fixed once it starts): keep your "
+            "own state in your module, or change a copy (copy.deepcopy(args))"
+        )
+
+    def __copy__(self) -> Any:
+        return self._own(copy.copy(self._config))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return self._own(copy.deepcopy(self._config, memo))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return copy.copy, (self._config,)
+
+    def _own(self, config: Any) -> Any:
+        """A copy of the settings to change, with the live objects as attributes."""
+        for name, value in self._live.items():
+            setattr(config, name, value)
+        return config
+
+
 # ---------------------------------------------------------------- the router
 
 
@@ -188,7 +244,8 @@ def vllm_answer(rid: str, input_len: int, out: dict[str, Any]) -> dict[str, Any]
 class Router:
     """`/inference/v1/generate` (and `/health`) on 127.0.0.1, through the run's engines."""
 
-    args: Any
+    runtime: RolloutRuntime
+    max_new_tokens: int  # what a request that names no max_tokens gets (--rollout-max-response-len)
     host: str = "127.0.0.1"
     port: int = 0
     _runner: web.AppRunner | None = None
@@ -200,11 +257,11 @@ class Router:
             ids = body.get("token_ids") if isinstance(body, dict) else None
             if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
                 raise RequestError("token_ids must be a non-empty list of token ids (the prompt, tokenized)")
-            params = engine_params(body, self.args.rollout_max_response_len)
+            params = engine_params(body, self.max_new_tokens)
         except (ValueError, TypeError) as e:  # malformed JSON too
             return web.json_response({"error": {"message": str(e)}}, status=400)
         rid = str(body.get("request_id") or uuid.uuid4().hex)
-        runtime = runtime_of(self.args)
+        runtime = self.runtime
         key = hash(tuple(ids[:64]))  # the same prompt to the same engine while it runs (its prefix cache)
         try:
             out = await generate_on_engines(runtime, key, ids, params)
@@ -228,9 +285,8 @@ class Router:
         self.port = site._server.sockets[0].getsockname()[1]  # the free port the OS gave
 
     def start(self) -> Router:
-        """Serve on the rollout loop and tell the plug-ins where (`args.vllm_router_ip/port`)."""
+        """Serve on the rollout loop (plug-ins find it at `args.vllm_router_ip/port`: `PluginArgs`)."""
         async_loop.run(self._start())
-        self.args.vllm_router_ip, self.args.vllm_router_port = self.host, self.port
         log.info("plug-ins reach the engines at http://%s:%d%s", self.host, self.port, GENERATE_ROUTE)
         return self
 

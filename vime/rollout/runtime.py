@@ -1,9 +1,11 @@
 """The run's rollout-side live objects: the engines as the rollout sees them, the tokenizer,
 the fully-async worker.
 
-The run creates them once it has placed its engines and closes them at its end; nothing here
-is process-wide. Rollout and generate functions keep slime's signatures, which pass `args`
-(and the data source) only, so they reach these objects as `args.runtime` (`runtime_of`).
+The run creates them once it has placed its engines (`vime/launch/assemble.py`, which keeps
+them in the run's RunContext) and closes them at its end; nothing here is process-wide. Rollout
+and generate functions keep slime's signatures, which pass `args` (and the data source) only, so
+they reach these objects as `args.runtime` (`runtime_of`): the `args` a run hands them is a
+read-only view of its config that carries the runtime (`vime.rollout.compat.PluginArgs`).
 
 Engines and what happens when one fails (docs/architecture.md, "Engines that fail"):
 
@@ -358,6 +360,6 @@ def runtime_of(args: Any) -> RolloutRuntime:
     runtime = args.runtime
     if runtime is None:
         raise RuntimeError(
-            "no rollout runtime on args: rollout functions run inside a vime run (vime train / vime eval), which sets args.runtime"
+            "no rollout runtime on args: rollout functions run inside a vime run (vime train / vime eval), whose args carry it"
         )
     return runtime

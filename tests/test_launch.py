@@ -1,0 +1,55 @@
+"""The run's config once assembled (frozen, derived values in new configs), the read-only `args`
+plug-ins get, and the launcher table."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import pickle
+
+import pytest
+
+from vime.config import Config
+from vime.launch.launcher import LAUNCHERS, launcher_for
+from vime.rollout.compat import PluginArgs
+
+
+def test_a_frozen_config_refuses_a_write_in_one_line_and_its_copies_are_free():
+    cfg = Config(rollout_batch_size=4).freeze()
+    with pytest.raises(dataclasses.FrozenInstanceError) as e:
+        cfg.num_rollout = 3
+    assert str(e.value).startswith("args.num_rollout: the run's config is frozen") and "RunContext" in str(e.value)
+    assert "\n" not in str(e.value)
+    for clone in (copy.copy(cfg), copy.deepcopy(cfg), cfg.derived(num_rollout=3)):
+        clone.lr = 0.5  # a copy is its own
+        assert clone.rollout_batch_size == 4 and cfg.lr != 0.5
+    assert cfg.derived(num_rollout=3).num_rollout == 3 and cfg.num_rollout is None
+    with pytest.raises(dataclasses.FrozenInstanceError):  # a trainer rank's copy stays frozen
+        pickle.loads(pickle.dumps(cfg)).lr = 0.5
+
+
+def test_derived_keeps_what_custom_config_gave_plugins():
+    cfg = Config()
+    cfg.my_plugin_setting = 7  # as --custom-config-path sets a key that is no vime setting
+    assert cfg.derived(model_dir="/m").my_plugin_setting == 7
+
+
+def test_plugin_args_read_every_setting_and_the_live_objects_and_write_nothing():
+    runtime = object()
+    cfg = Config(rollout_batch_size=4).freeze()
+    args = PluginArgs(cfg, runtime)
+    assert args.rollout_batch_size == 4 and args.runtime is runtime and args.vllm_router_ip is None
+    assert args.steps_per_rollout == cfg.steps_per_rollout  # properties and methods too
+    with pytest.raises(AttributeError, match=r"^args.group_rm: a plug-in's args is read-only .*copy.deepcopy\(args\)"):
+        args.group_rm = True
+    for mine in (copy.copy(args), copy.deepcopy(args)):  # the seed's multi-agent example copies, then changes
+        mine.rollout_batch_size = 2
+        assert isinstance(mine, Config) and mine.runtime is runtime and args.rollout_batch_size == 4
+    assert pickle.loads(pickle.dumps(args)).rollout_batch_size == 4
+
+
+def test_the_launcher_is_a_row_and_auto_is_local_outside_a_ray_job(monkeypatch):
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
+    assert launcher_for(Config(launcher="ray")) is LAUNCHERS["ray"]
+    assert launcher_for(Config()).name == "local"
+    assert list(LAUNCHERS)[-1] == "local"  # the row auto falls back on

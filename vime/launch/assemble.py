@@ -1,0 +1,194 @@
+"""`assemble(cfg) -> RunContext`: one run's parts, built in one order for `vime train`,
+`vime train-async` and `vime eval`.
+
+1. Every input checked before anything starts or is written (`vime/preflight.py`); the values
+   only the inputs tell (the model's directory, --num-epoch's rollouts, the launcher auto picks)
+   make the run's config, which is then frozen and, for a training run, written to config.yaml.
+2. The trainer, before the engines: under torchrun, ranks other than 0 serve rank 0 from inside
+   `launch_actor` and never return, so they start no engines.
+3. The engines, placed by the run's launcher (`vime/launch/launcher.py`), their clients, and the
+   rollout runtime over them; a training run's router for the seed's plug-ins and its weight
+   pusher, whose weight group forms now, not in step 1. `vime eval` gives engines it did not
+   start the weights of --hf-checkpoint.
+4. The `args` plug-ins and rollout functions are handed: the frozen config and these live
+   objects, read-only (`vime.rollout.compat.PluginArgs`).
+
+Whatever fails on the way closes what was built before it.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+import yaml
+
+from vime.backends import BACKENDS
+from vime.backends.client import EngineClient
+from vime.config import Config, ConfigError
+from vime.launch.context import RunContext
+from vime.launch.launcher import launcher_for
+from vime.launch.placement import Placement, fresh_path, trainer_device
+from vime.metrics import setup_logging
+from vime.preflight import check_eval_inputs, check_inputs
+from vime.rollout.compat import PluginArgs, Router, needs_router
+from vime.rollout.runtime import HealthCheck, RolloutRuntime
+from vime.trainer.distributed import launch_actor
+from vime.transport.push import WeightPusher
+
+log = logging.getLogger("vime")
+
+
+def assemble(cfg: Config, evaluation: bool = False) -> RunContext:
+    """A training run's parts (`evaluation`: `vime eval`'s, engines and runtime only), its
+    config frozen. The caller closes the context."""
+    ctx = _checked(cfg) if not evaluation else _checked_for_eval(cfg)
+    try:
+        if not evaluation and not ctx.cfg.debug_rollout_only:
+            ctx.actor = launch_actor(
+                ctx.cfg,
+                ctx.cfg.model_dir,
+                trainer_device(ctx.cfg),
+                ctx.tokenizer,
+                ctx.run_dir,
+                start_ranks=ctx.launcher.rank_starter(),
+            )
+        _engines(ctx, relaunch=not evaluation)
+        if evaluation:
+            if not ctx.placement.engines:  # engines given by URL: they evaluate --hf-checkpoint, not what they hold
+                _push_checkpoint(ctx)
+        else:
+            _router_and_pusher(ctx)
+        ctx.args = PluginArgs(ctx.cfg, ctx.runtime, ctx.router)
+    except BaseException:
+        ctx.close()  # never leave engine or trainer processes behind
+        raise
+    return ctx
+
+
+def _checked(cfg: Config) -> RunContext:
+    """A training run's inputs checked, its directory, log and config.yaml written."""
+    if _holds_a_run(cfg.run_dir) and not cfg.load:
+        raise ConfigError(
+            f"run directory {cfg.run_dir} already holds a run: pick another --run-name (or resume it with --load)"
+        )
+    inputs = check_inputs(cfg)  # every input, before anything starts or is written
+    run_dir = inputs.cfg.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    setup_logging(run_dir / "log.txt", quiet=cfg.quiet)
+    for note in inputs.notes:
+        log.warning("%s", note)
+    log.info("mode %s; %s", cfg.mode, cfg.correction_summary())
+    launcher = launcher_for(inputs.cfg)
+    cfg = inputs.cfg.derived(launcher=launcher.name).freeze()
+    _log_debug_modes(cfg)
+    # a resumed run keeps the config of the run it resumes (config.1.yaml, ...: one per resume)
+    (fresh_path(run_dir / "config.yaml") if cfg.load else run_dir / "config.yaml").write_text(
+        yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    )
+    torch.manual_seed(cfg.seed)
+    return RunContext(
+        cfg,
+        run_dir,
+        inputs.tokenizer,
+        BACKENDS[cfg.rollout_backend],
+        launcher,
+        data_source=inputs.data_source,
+        rewards=inputs.rewards,
+        rollout_fn=inputs.rollout_fn,
+        custom_advantages=inputs.custom_advantages,
+    )
+
+
+def _checked_for_eval(cfg: Config) -> RunContext:
+    """`vime eval`'s model and prompts checked before an engine starts; its output directory."""
+    cfg, tokenizer = check_eval_inputs(cfg)
+    run_dir = cfg.run_dir if cfg.run_name else Path(cfg.runs_dir) / "eval"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    launcher = launcher_for(cfg)
+    cfg = cfg.derived(launcher=launcher.name).freeze()
+    return RunContext(cfg, run_dir, tokenizer, BACKENDS[cfg.rollout_backend], launcher)
+
+
+def _log_debug_modes(cfg: Config) -> None:
+    if cfg.debug_train_only and cfg.load_debug_rollout_data is None:  # the SFT rollout function
+        log.info("SFT: no engine; training on the conversations of %s, nothing pushed", cfg.prompt_data)
+    elif cfg.debug_train_only:
+        log.info(
+            "--debug-train-only: no engine; training on the rollouts saved at %s, nothing pushed or evaluated",
+            cfg.load_debug_rollout_data,
+        )
+        if cfg.save:
+            log.warning(
+                "--debug-train-only: the checkpoints keep the prompt data's starting position (the saved "
+                "rollouts did not come from it); a normal run resumed from them starts the data again"
+            )
+    if cfg.debug_rollout_only:
+        log.info("--debug-rollout-only: no trainer; the engines generate with the starting weights")
+
+
+def _engines(ctx: RunContext, relaunch: bool) -> None:
+    """The engines placed (none with --debug-train-only), their clients and the rollout runtime
+    over them; `relaunch`: an engine the run launched that dies is started again (evaluation
+    has no push to bring one back in step, so it goes on with the others)."""
+    cfg, backend = ctx.cfg, ctx.backend
+    ctx.placement = (
+        Placement(trainer_device(cfg), [], [], [])
+        if cfg.debug_train_only
+        else ctx.launcher.place_engines(backend, cfg, cfg.model_dir, ctx.run_dir)
+    )
+    placement = ctx.placement
+    api_key = placement.api_key or cfg.api_key  # the key of engines we launch is the placement's
+    clients = [backend.make_client(u, api_key) for u in placement.urls]
+
+    def start_again(i: int) -> EngineClient:
+        return backend.make_client(placement.relaunch(i), api_key)
+
+    restart = start_again if relaunch and placement.launch_one is not None else None
+    ctx.runtime = RolloutRuntime(
+        clients, ctx.tokenizer, placement.transports, restart, HealthCheck.of(cfg), ctx.rewards
+    )
+
+
+def _router_and_pusher(ctx: RunContext) -> None:
+    """The seed's plug-ins' route to the engines (rollout/compat.py), and the weight pusher of
+    a run with a trainer and engines."""
+    cfg, placement = ctx.cfg, ctx.placement
+    if needs_router(cfg) and placement.urls:
+        ctx.router = Router(ctx.runtime, cfg.rollout_max_response_len).start()
+    if ctx.actor is not None and not cfg.debug_train_only:
+        ctx.pusher = WeightPusher(
+            list(ctx.runtime.clients),
+            transport=placement.transports,
+            bucket_bytes=cfg.update_weight_buffer_size,
+            timeout=cfg.update_weights_timeout,
+            master_address=placement.master_address,
+            check=cfg.check_weight_push,
+        )
+        ctx.pusher.connect(placement.trainer_device)
+
+
+def _push_checkpoint(ctx: RunContext) -> None:
+    """Give engines the weights of --hf-checkpoint (version 0), checked as a run's pushes are."""
+    from vime.engine.core.model import iter_safetensors
+
+    cfg, placement = ctx.cfg, ctx.placement
+    pusher = WeightPusher(
+        list(ctx.runtime.clients),
+        placement.transports,
+        timeout=cfg.update_weights_timeout,
+        master_address=placement.master_address,
+        check=cfg.check_weight_push,
+    )
+    device = placement.trainer_device
+    try:
+        pusher.push(((n, t.to(device)) for n, t in iter_safetensors(cfg.model_dir)), version=0)
+    finally:
+        pusher.close()
+
+
+def _holds_a_run(run_dir: Path) -> bool:
+    """A run logged a step there (a start that failed before its first row does not count)."""
+    metrics = run_dir / "metrics.jsonl"
+    return metrics.exists() and metrics.stat().st_size > 0

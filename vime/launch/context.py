@@ -1,0 +1,76 @@
+"""What an assembled run holds: its frozen config and its live objects (`assemble` builds it).
+
+The config is settings only, and fixed; everything a run starts or opens is here, and closed
+here: engines and their clients, the rollout runtime, the trainer, the weight pusher, the
+router, the data source and rewards. Plug-ins reach the live ones through `args` (a
+`PluginArgs`), as slime's did through its mutated namespace.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from vime.rollout import async_loop
+
+if TYPE_CHECKING:
+    from vime.backends import Backend
+    from vime.config import Config
+    from vime.launch.launcher import Launcher
+    from vime.launch.placement import Placement
+    from vime.rollout.compat import PluginArgs, Router
+    from vime.rollout.data_source import DataSource
+    from vime.rollout.rewards import Rewards
+    from vime.rollout.runtime import RolloutRuntime
+    from vime.transport.push import WeightPusher
+
+log = logging.getLogger("vime")
+
+
+@dataclass
+class RunContext:
+    """One run's (or one `vime eval`'s) live objects. Fields left None are not part of this kind
+    of run: evaluation has no trainer, data source or rewards; --debug-rollout-only no trainer;
+    --debug-train-only no engine."""
+
+    cfg: Config  # frozen
+    run_dir: Path
+    tokenizer: Any
+    backend: Backend
+    launcher: Launcher
+    placement: Placement | None = None
+    runtime: RolloutRuntime | None = None
+    args: PluginArgs | None = None  # what plug-ins and rollout functions are handed
+    actor: Any = None  # the trainer: Actor, or DistributedActor on rank 0
+    pusher: WeightPusher | None = None
+    router: Router | None = None  # the seed's plug-ins' route to the engines
+    data_source: DataSource | None = None
+    rewards: Rewards | None = None  # its grading pool starts with the first sample
+    rollout_fn: Callable[..., Any] | None = None
+    custom_advantages: Callable[..., Any] | None = None  # --custom-advantage-function-path
+
+    def close(self) -> None:
+        """Each part closed even if an earlier one fails, so no engine or rank outlives the run:
+        the fully-async worker first (it stops generating), the engines last."""
+        steps: list[Callable[[], object]] = []
+        if self.router is not None:
+            steps.append(self.router.stop)
+        if self.runtime is not None:
+            steps.append(self.runtime.close)
+        if self.pusher is not None:
+            steps.append(self.pusher.close)
+        steps.append(async_loop.cancel_all)
+        if self.rewards is not None:
+            steps.append(self.rewards.close)
+        if self.actor is not None:
+            steps.append(self.actor.close)
+        if self.placement is not None:
+            steps.append(self.placement.shutdown)
+        for step in steps:
+            try:
+                step()
+            except Exception:
+                log.exception("while closing the run (%s)", getattr(step, "__qualname__", step))

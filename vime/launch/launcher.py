@@ -1,0 +1,48 @@
+"""Where a run's launched engines and trainer ranks 1..N-1 run (--launcher): one row per launcher.
+
+A launcher places a backend's engines (each backend row names its placement for each launcher:
+`place` here, `ray_place` as Ray actors) and says how trainer ranks beyond rank 0 start; rank 0
+is always the run's own process. A new launcher is one file holding a class of this protocol
+plus one row of `LAUNCHERS`. `--launcher auto` takes the first row whose `chosen_by_auto` says
+yes; the last row, local, always does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from vime.launch.local import LocalLauncher
+from vime.launch.ray import RayLauncher
+
+if TYPE_CHECKING:
+    from vime.backends import Backend
+    from vime.config import Config
+    from vime.launch.placement import Placement
+    from vime.trainer.distributed import RankStarter
+
+
+class Launcher(Protocol):
+    name: str  # --launcher's value
+
+    def chosen_by_auto(self, cfg: Config) -> bool:
+        """Whether --launcher auto means this launcher for this run."""
+        ...
+
+    def place_engines(self, backend: Backend, cfg: Config, model_dir: str, run_dir: Path) -> Placement:
+        """The run's engines launched (or those given by URL checked): where they are and how weights reach them."""
+        ...
+
+    def rank_starter(self) -> RankStarter | None:
+        """What starts trainer ranks 1..N-1 (`launch_actor`'s `start_ranks`); None: processes on this machine."""
+        ...
+
+
+LAUNCHERS: dict[str, Launcher] = {launcher.name: launcher for launcher in (RayLauncher(), LocalLauncher())}
+
+
+def launcher_for(cfg: Config) -> Launcher:
+    """--launcher's row; auto resolved as the module docstring says."""
+    if cfg.launcher in LAUNCHERS:
+        return LAUNCHERS[cfg.launcher]
+    return next(launcher for launcher in LAUNCHERS.values() if launcher.chosen_by_auto(cfg))

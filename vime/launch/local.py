@@ -1,0 +1,25 @@
+"""`--launcher local`: engines as processes on this machine (each backend's `place`), trainer
+ranks spawned here by `launch_actor` itself (or started by torchrun)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vime.backends import Backend
+    from vime.config import Config
+    from vime.launch.placement import Placement
+
+
+class LocalLauncher:
+    name = "local"
+
+    def chosen_by_auto(self, cfg: Config) -> bool:
+        return True  # the last row of the table: what auto means when no other launcher claims the run
+
+    def place_engines(self, backend: Backend, cfg: Config, model_dir: str, run_dir: Path) -> Placement:
+        return backend.load(backend.place)(cfg, model_dir, run_dir)
+
+    def rank_starter(self) -> None:
+        return None
