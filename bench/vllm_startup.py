@@ -5,16 +5,17 @@ and on CPU its compile cache did not load ("Compiling model again due to a load 
     .venv-vllm/bin/python bench/vllm_startup.py [--model mid|smollm2|DIR] [--rounds 1]   # bench/RESULTS.md
 
 Each server starts the way a run starts it (`launch_vllm`: vime's flags, the KV cache sized, its
-OpenMP threads on one core, returning once /health answers and one token came back), then
-generates a fixed greedy load (`--requests` prompts of 16 tokens, `--tokens` new tokens each,
-at once). Variants (see VARIANTS) alternate start by start: every variant's cold start (an
-empty VLLM_CACHE_ROOT and TORCHINDUCTOR_CACHE_DIR of its own), then every variant's warm start
-(the same directories again), so drift of a shared machine hits all alike. Columns: `start`,
-launch_vllm's wall time, and `start CPU` the CPU seconds the server's processes used
-for it (on a shared machine the steadier figure); `gen`, the load's; `cache`, what the server's log says of its compile
-cache (`loaded`, `load failed`, or `-`); `same`, whether its greedy tokens equal the eager
-server's, and `dlp`, the largest gap between its log-probs and the eager server's (float32:
-a compiled graph sums in another order, so a gap of ~1e-5 is expected, tokens should not move).
+OpenMP threads on one core, returning once /health answers and one token came back), then generates
+a fixed greedy load (`--requests` prompts of 16 tokens, `--tokens` new tokens each, at once).
+Variants (see VARIANTS) alternate start by start: every variant's cold start (an empty
+VLLM_CACHE_ROOT and TORCHINDUCTOR_CACHE_DIR of its own), then every variant's warm start (the same
+directories again), so drift of a shared machine hits all alike. Columns: `start`, launch_vllm's
+wall time, and `start CPU` the CPU seconds the server's processes used for it (on a shared machine
+the steadier figure); `gen`, the load's wall and CPU seconds; `compile`, what the server's log says
+of its compile (its engine's set-up seconds, where the compile happens, and whether a cached compile
+failed to load); `same`, whether its greedy tokens equal the
+eager server's, and `dlp`, the largest gap between its log-probs and the eager server's (float32: a
+compiled graph sums in another order, so a gap of ~1e-5 is expected, tokens should not move).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import asyncio
 import datetime
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -36,16 +38,17 @@ sys.path.insert(0, str(ROOT))
 from vime.backends.vllm.client import VLLMClient  # noqa: E402
 from vime.backends.vllm.launch import launch_vllm  # noqa: E402
 
-# name -> (--vllm-NAME flags, environment). The default is what `launch_vllm` does with no
-# --vllm-* flag: vLLM's CPU platform turns its compile mode into one Dynamo trace compiled by
-# Inductor, saved and loaded through PyTorch's AOT-compile path (VLLM_USE_AOT_COMPILE, on by
-# default from torch 2.10). `no-aot`: the same compile, cached by vLLM's older path and
-# Inductor's FX-graph cache instead. `dynamo-eager`: the Dynamo trace run by the eager backend
-# (vLLM's own CPU CI setting, VLLM_CPU_CI_ENV). `eager`: no torch.compile at all.
+# name -> (--vllm-NAME flags, environment), each spelled out (vime's CPU default is `eager`, and
+# it starts compiled servers with VLLM_USE_AOT_COMPILE=0 unless the variable is set). `aot`:
+# vLLM's own default on CPU, its compile mode turned into one Dynamo trace compiled by Inductor,
+# cached through PyTorch's AOT-compile path (VLLM_USE_AOT_COMPILE, on by default from torch 2.10).
+# `no-aot`: the same compile, cached by vLLM's older path and Inductor's FX-graph cache instead.
+# `dynamo-eager`: the Dynamo trace run by the eager backend (vLLM's own CPU CI setting,
+# VLLM_CPU_CI_ENV). `eager`: no torch.compile at all.
 VARIANTS: dict[str, tuple[dict, dict[str, str]]] = {
-    "default": ({}, {}),
-    "no-aot": ({}, {"VLLM_USE_AOT_COMPILE": "0"}),
-    "dynamo-eager": ({}, {"VLLM_CPU_CI_ENV": "1"}),
+    "aot": ({"enforce-eager": False}, {"VLLM_USE_AOT_COMPILE": "1"}),
+    "no-aot": ({"enforce-eager": False}, {"VLLM_USE_AOT_COMPILE": "0"}),
+    "dynamo-eager": ({"enforce-eager": False}, {"VLLM_USE_AOT_COMPILE": "0", "VLLM_CPU_CI_ENV": "1"}),
     "eager": ({"enforce-eager": True}, {}),
 }
 # The tests' server model (tests/test_vllm.py's MID_MODEL): a random ~17M-parameter Qwen3.
@@ -85,12 +88,13 @@ def group_cpu_seconds(pgid: int) -> float:
 
 
 def cache_state(log: Path) -> str:
+    """What the server's log says of its compile: the seconds of its engine's set-up (profile, KV
+    cache, warm-up: where the compile happens), and whether a cached compile failed to load."""
     text = log.read_text(errors="replace")
-    if "due to a load failure" in text:
-        return "load failed"
-    if "Directly load AOT compilation" in text or "from the cache" in text or "reconstructed serializable fn" in text:
-        return "loaded"
-    return "-"
+    init = re.search(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s", text)
+    return (f"init {float(init[1]):.0f} s" if init else "init ?") + (
+        "; cache load failed" if "due to a load failure" in text else ""
+    )
 
 
 async def load(client: VLLMClient, requests: int, tokens: int) -> list[tuple[list[int], list[float]]]:
@@ -120,12 +124,12 @@ def one_start(model: Path, name: str, cache: Path, log: Path, args) -> dict:
             else:
                 os.environ[k] = v
     try:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), group_cpu_seconds(server.proc.pid)
         outs = asyncio.run(load(VLLMClient(server.url, api_key=server.api_key), args.requests, args.tokens))
-        gen = time.perf_counter() - t0
+        gen, gen_cpu = time.perf_counter() - t0, group_cpu_seconds(server.proc.pid) - c0
     finally:
         server.shutdown()
-    return {"start": start, "cpu": cpu, "gen": gen, "cache": cache_state(log), "outs": outs}
+    return {"start": start, "cpu": cpu, "gen": gen, "gen_cpu": gen_cpu, "cache": cache_state(log), "outs": outs}
 
 
 def main() -> None:
@@ -149,7 +153,7 @@ def main() -> None:
                 res = one_start(model, name, cache, work / f"{name}-{r}-{phase}.log", args)
                 rows.append((name, r, phase, res))
                 print(
-                    f"{name:13s} round {r} {phase}: start {res['start']:6.1f} s  cpu {res['cpu']:6.1f} s  gen {res['gen']:5.2f} s  cache {res['cache']}",
+                    f"{name:13s} round {r} {phase}: start {res['start']:6.1f} s  cpu {res['cpu']:6.1f} s  gen {res['gen']:5.2f} s, {res['gen_cpu']:5.2f} CPU s  compile {res['cache']}",
                     flush=True,
                 )
     ref = next((res["outs"] for name, _, _, res in rows if name == "eager"), rows[0][3]["outs"])
@@ -158,14 +162,14 @@ def main() -> None:
     print(f"\n{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; {platform.node()}; {cpu_name}, {os.cpu_count()} cores; "
           f"model {args.model}; server on core(s) {args.core}; load {args.requests} x {args.tokens} greedy tokens")  # fmt: skip
     print(
-        "| variant | round | cache dir | start (s) | start CPU (s) | gen (s) | compile cache | same tokens as eager | max dlp vs eager |"
+        "| variant | round | cache dir | start (s) | start CPU (s) | gen (s) | gen CPU (s) | compile | same tokens as eager | max dlp vs eager |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, r, phase, res in rows:
         same = all(a[0] == b[0] for a, b in zip(res["outs"], ref))
         dlp = max(abs(x - y) for a, b in zip(res["outs"], ref) for x, y in zip(a[1], b[1]))
         print(
-            f"| {name} | {r} | {phase} | {res['start']:.1f} | {res['cpu']:.1f} | {res['gen']:.2f} | {res['cache']} | {'yes' if same else 'NO'} | {dlp:.1e} |"
+            f"| {name} | {r} | {phase} | {res['start']:.1f} | {res['cpu']:.1f} | {res['gen']:.2f} | {res['gen_cpu']:.2f} | {res['cache']} | {'yes' if same else 'NO'} | {dlp:.1e} |"
         )
 
 
