@@ -224,10 +224,11 @@ COMPILE_FLAGS = frozenset({"enforce-eager", "compilation-config", "optimization-
 
 def cpu_compile_flags(vllm_args: dict[str, Any]) -> list[str]:
     """On CPU, no torch.compile unless the user asks for it (`--vllm-no-enforce-eager`, or a
-    `--vllm-compilation-config`). vLLM compiles the model at every start there: its compile cache
-    did not load ("Compiling model again due to a load failure"), so a start took 1.5-2.4 times
-    the CPU of an eager one and its compiled graphs generated no faster at vime's CPU sizes
-    (bench/vllm_startup.py, bench/RESULTS.md)."""
+    `--vllm-compilation-config`). vLLM compiled the model at every start there (its default compile
+    cache did not load, and a cache that loads still re-traces the model), so a compiled start took
+    1.6-2.8 times the CPU of an eager one with a fresh cache (what CI and a new user have) and
+    1.1-2.1 times with a warm one, for generation of about the same CPU (bench/vllm_startup.py,
+    bench/RESULTS.md)."""
     given = {str(k).replace("_", "-").removeprefix("no-") for k in vllm_args}
     return [] if given & COMPILE_FLAGS else ["--enforce-eager"]
 
