@@ -197,6 +197,22 @@ def test_a_cpu_server_keeps_prompts_whole_unless_told_otherwise(tiny_model):
     assert not any("chunked" in f or "batched" in f for f in gpu)
 
 
+def test_a_cpu_server_runs_eager_unless_told_how_to_compile(tiny_model):
+    """On CPU vLLM compiled the model again at every start (its compile cache did not load), so
+    vime starts it eager; a compile flag of the user's, in either form, is the user's choice."""
+    cpu = command_flags(server_command(str(tiny_model), port=9, device="cpu"))
+    assert cpu.count("--enforce-eager") == 1
+    for given, shown in (
+        ({"enforce-eager": False}, "--no-enforce-eager"),
+        ({"no_enforce_eager": True}, "--no-enforce-eager"),
+        ({"compilation-config": '{"mode": 3}'}, "--compilation-config"),
+    ):
+        mine = command_flags(server_command(str(tiny_model), port=9, device="cpu", vllm_args=given))
+        assert "--enforce-eager" not in mine and shown in mine, given
+    gpu = command_flags(server_command(str(tiny_model), port=9, device="cuda:0"))
+    assert not any("eager" in f for f in gpu)
+
+
 def test_vllm_args_merge_keeps_vimes_own_when_none_are_given():
     assert merge_vllm_args(["--seed", "1"], {}) == ["--seed", "1"]
 
@@ -237,10 +253,6 @@ def test_choice_translation_expands_version_spans():
 
 # ---- fixtures ------------------------------------------------------------------------------
 
-# Servers skip torch.compile, which takes minutes on two cores and recompiled on every start (its
-# cache failed to load); what it compiles is the same computation.
-EAGER = {"enforce-eager": True}
-
 
 @pytest.fixture(scope="session")
 def model_mid(tmp_path_factory) -> Path:
@@ -253,9 +265,7 @@ def model_mid(tmp_path_factory) -> Path:
 def server(model_mid, tmp_path_factory):
     from vime.backends.vllm.launch import launch_vllm
 
-    proc = launch_vllm(
-        str(model_mid), max_num_seqs=32, log_path=tmp_path_factory.mktemp("vllm") / "server.log", vllm_args=EAGER
-    )
+    proc = launch_vllm(str(model_mid), max_num_seqs=32, log_path=tmp_path_factory.mktemp("vllm") / "server.log")
     yield proc
     proc.shutdown()
 
@@ -535,9 +545,7 @@ def pairs(tmp_path_factory):
             dirs[kind, w] = make_tiny_model(root / f"{kind}{w}", seed=seed, tie_word_embeddings=tied, **PAIR_SHAPE)
     kinds = ["tied", "untied"]
     servers = launch_all(
-        lambda i: launch_vllm(
-            str(dirs[kinds[i], "A"]), max_num_seqs=8, log_path=root / f"{kinds[i]}-A.log", vllm_args=EAGER
-        ),
+        lambda i: launch_vllm(str(dirs[kinds[i], "A"]), max_num_seqs=8, log_path=root / f"{kinds[i]}-A.log"),
         len(kinds),
     )
     yield {(k, w): (dirs[k, w], srv if w == "A" else None) for k, srv in zip(kinds, servers) for w in "AB"}
@@ -683,7 +691,7 @@ def test_a_model_vllm_cannot_run_is_refused_at_start_with_vllms_reason(tmp_path)
 
     model = make_tiny_model(tmp_path / "hd16", arch="qwen3", seed=0, hidden_size=64, num_heads=4, num_kv_heads=2)
     with pytest.raises(EngineError) as e:
-        launch_vllm(str(model), max_num_seqs=4, log_path=tmp_path / "server.log", vllm_args=EAGER)
+        launch_vllm(str(model), max_num_seqs=4, log_path=tmp_path / "server.log")
     msg = str(e.value)
     assert msg.startswith(f"vLLM cannot run {model}: ") and "\n" not in msg, msg
     assert "head" in msg.lower(), msg  # vLLM's reason, from its log
@@ -696,7 +704,7 @@ LAUNCHER = """
 import os, sys, time
 from pathlib import Path
 from vime.backends.vllm.launch import launch_vllm
-server = launch_vllm(sys.argv[1], max_num_seqs=4, log_path=Path(sys.argv[2]), vllm_args={"enforce-eager": True})
+server = launch_vllm(sys.argv[1], max_num_seqs=4, log_path=Path(sys.argv[2]))
 print(os.getpgid(server.proc.pid), flush=True)
 time.sleep(600)
 """

@@ -71,7 +71,6 @@ def _train_args(model: Path, data: Path, run_dir: Path, name: str) -> list[str]:
         str(data),
         "--rollout-backend",
         "vllm",
-        "--vllm-enforce-eager",  # vLLM's compile takes minutes on two cores at every start; the same computation
         "--rollout-batch-size",
         "4",
         "--n-samples-per-prompt",
@@ -215,7 +214,6 @@ def test_eval_matches_the_builtin_engine(model32, addition_data, tmp_path, fresh
             '{"enable_thinking": false}',
             "--rollout-backend",
             backend,
-            *(["--vllm-enforce-eager"] if backend == "vllm" else []),
             *extra,
             "--runs-dir",
             str(tmp_path),
@@ -268,7 +266,7 @@ def test_two_engines_share_a_run_and_a_killed_one_comes_back(model32, addition_d
     args[args.index("--num-rollout") + 1] = "5"
     args[args.index("--custom-generate-function-path") + 1] = "test_vllm_runs.kill_engine_one"
     res = run_cli(
-        "train.py", *args, "--rollout-num-engines", "2", "--vllm-max-model-len", "512", "--vllm-enforce-eager",
+        "train.py", *args, "--rollout-num-engines", "2", "--vllm-max-model-len", "512",
         timeout=900,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]

@@ -213,8 +213,24 @@ def server_command(
     if tp_size > 1:
         own += ["--tensor-parallel-size", str(tp_size)]
     if device == "cpu":
-        own += ["--kv-cache-memory-bytes", str(kv_cache_bytes), *cpu_prefill_flags(model_path, vllm_args or {})]
+        own += ["--kv-cache-memory-bytes", str(kv_cache_bytes), *cpu_compile_flags(vllm_args or {})]
+        own += cpu_prefill_flags(model_path, vllm_args or {})
     return [python, "-m", "vllm.entrypoints.openai.api_server", *merge_vllm_args(own, vllm_args or {})]
+
+
+# vLLM's flags that choose how it compiles the model: a user who gives one decides, on CPU too.
+COMPILE_FLAGS = frozenset({"enforce-eager", "compilation-config", "optimization-level"})
+
+
+def cpu_compile_flags(vllm_args: dict[str, Any]) -> list[str]:
+    """On CPU, no torch.compile unless the user asks for it (`--vllm-no-enforce-eager`, or a
+    `--vllm-compilation-config`). vLLM compiled the model at every start there (its default compile
+    cache did not load, and a cache that loads still re-traces the model), so a compiled start took
+    1.6-2.8 times the CPU of an eager one with a fresh cache (what CI and a new user have) and
+    1.1-2.1 times with a warm one, for generation of about the same CPU (bench/vllm_startup.py,
+    bench/RESULTS.md)."""
+    given = {str(k).replace("_", "-").removeprefix("no-") for k in vllm_args}
+    return [] if given & COMPILE_FLAGS else ["--enforce-eager"]
 
 
 def cpu_prefill_flags(model_path: str, vllm_args: dict[str, Any]) -> list[str]:
@@ -252,17 +268,18 @@ def launch_vllm(
     """Start `python -m vllm.entrypoints.openai.api_server` for one engine and return once it
     answers /health at a supported version (its weight version set to 0, as vime counts).
 
-    Start-up takes a minute or more on CPU (imports, model load, warm-up), hence the long
-    timeout; progress is printed every 15 s. `device` "cpu", "cuda:N" (the server sees only
-    GPU N) or "cuda:N,M,..." (one tensor-parallel engine over those GPUs), N counted among the
-    GPUs this process sees (its CUDA_VISIBLE_DEVICES, as Ray sets it for an actor). `host`: where
-    it listens, loopback unless other machines must reach it (a Ray actor's). `api_key`: the key
-    every route but /health then requires (worker_ext.require_api_key); default: a fresh one.
-    Once up, the server generates one token, so a model vLLM cannot run fails here with vLLM's
-    reason, not at the first rollout. On CPU, vLLM reserves `--gpu-memory-utilization` of the node's *CPU* memory unless
-    the KV cache is sized, so it is sized (`kv_cache_bytes`); its OpenMP threads are pinned to
-    `cpu_cores` ("1", "0-3"; default: $VLLM_CPU_OMP_THREADS_BIND if set, else the second half of
-    the cores, the trainer has the first).
+    Start-up takes a minute or more on CPU (three processes that each import vLLM, then the model's
+    load; eager there: `cpu_compile_flags`), hence the long timeout; progress is printed every 15 s.
+    `device` "cpu", "cuda:N" (the server sees only GPU N) or "cuda:N,M,..." (one tensor-parallel
+    engine over those GPUs), N counted among the GPUs this process sees (its CUDA_VISIBLE_DEVICES,
+    as Ray sets it for an actor). `host`: where it listens, loopback unless other machines must
+    reach it (a Ray actor's). `api_key`: the key every route but /health then requires
+    (worker_ext.require_api_key); default: a fresh one. Once up, the server generates one token, so
+    a model vLLM cannot run fails here with vLLM's reason, not at the first rollout. On CPU, vLLM
+    reserves `--gpu-memory-utilization` of the node's *CPU* memory unless the KV cache is sized, so
+    it is sized (`kv_cache_bytes`); its OpenMP threads are pinned to `cpu_cores` ("1", "0-3";
+    default: $VLLM_CPU_OMP_THREADS_BIND if set, else the second half of the cores, the trainer has
+    the first).
     `vllm_args` (`--vllm-NAME VALUE` flags) go on its command line: `merge_vllm_args`.
     """
     port = port or _free_port()
@@ -314,6 +331,11 @@ def _server_env(device: str, gpus: str, api_key: str, cpu_cores: str | None) -> 
         # an explicit choice wins: the argument, then vLLM's own variable if the user set it
         default = str(n - 1) if n <= 2 else f"{n // 2}-{n - 1}"
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores or os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or default
+        # For a compiled CPU server (--vllm-no-enforce-eager): vLLM's default cache there, PyTorch's
+        # AOT-compiled artifacts, failed to load at every start ("'function' object has no
+        # attribute 'finalize_loading'"), so it compiled again; its older cache (vLLM's own and
+        # Inductor's) loads, and a second start took the CPU of an eager one (bench/RESULTS.md).
+        env.setdefault("VLLM_USE_AOT_COMPILE", "0")
     else:  # the server sees only its GPUs: N of "cuda:N" is this process's N-th visible one
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         ids = visible.split(",") if visible else None
