@@ -23,7 +23,7 @@ from vime.eval_sets import METADATA_KEY, args_for, set_accuracies
 from vime.metrics import progress
 from vime.models import context_length
 from vime.rollout import async_loop
-from vime.rollout.data_source import load_eval_samples
+from vime.rollout.prompts import load_eval_samples
 from vime.rollout.rewards.grading import BUILTIN_RM_TYPES, grade, rule_answer
 from vime.rollout.runtime import runtime_of
 from vime.rollout.types import MULTI_TURN_STATE, RolloutOutput, Sample

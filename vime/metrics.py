@@ -22,7 +22,7 @@ from typing import Any
 from vime.config import Config
 from vime.errors import VimeError
 from vime.eval_sets import summary as eval_summary
-from vime.sinks import Sink, check_sinks, close_all, first_line, open_sinks  # noqa: F401 (check_sinks: preflight.py imports it here)
+from vime.sinks import Sink, close_all, first_line, open_sinks
 
 log = logging.getLogger("vime")
 # One plain line per step: always in log.txt; on stderr too when it is no terminal (under make,

@@ -26,13 +26,14 @@ from vime import compat
 from vime.config import Config, ConfigError
 from vime.debug_rollout import check_template
 from vime.eval_sets import args_for
-from vime.metrics import check_sinks
 from vime.models import ModelError, context_length, load_tokenizer, read_config, resolve_model
 from vime.plugin_checks import check_plugins
 from vime.plugins import load_function
-from vime.rollout.data_source import DataSource, load_eval_samples
+from vime.rollout.data_source import DataSource
 from vime.rollout.filters import load_filter
+from vime.rollout.prompts import load_eval_samples
 from vime.rollout.rewards import Rewards
+from vime.sinks import check_sinks
 
 
 @dataclass

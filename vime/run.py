@@ -30,9 +30,9 @@ from typing import Any
 import torch
 
 from vime.algorithms.credit import discounted_returns, group_advantages
-from vime.backends.client import EngineError
 from vime.config import Config, ConfigError
 from vime.debug_rollout import load_rollout, save_rollout
+from vime.errors import EngineError
 from vime.launch.assemble import assemble
 from vime.launch.context import RunContext
 from vime.lifetime import signals_held

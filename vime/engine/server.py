@@ -179,14 +179,12 @@ class EngineServer:
     async def generate(self, request: web.Request) -> web.Response:
         body = await read_body(request)
         input_ids, params, rid, return_logprob = self._parse_generate(body)
-        # SGLang's logprob_start_len: also score the input from that position (-1, its default: no)
-        start = body_field(body, "logprob_start_len", int, required=False, default=-1)
+        start = body_field(body, "logprob_start_len", int, required=False, default=-1)  # SGLang's; -1: not scored
         scored = None
         if return_logprob and start >= 0:
-            from vime.engine.core.scoring import score
+            from vime.engine.core.scoring import input_token_logprobs
 
-            lps = await self.call(lambda: score(self.engine, input_ids, start))
-            scored = [[lp, tok, None] for lp, tok in zip(lps, input_ids[start:], strict=True)]
+            scored = await self.call(lambda: input_token_logprobs(self.engine, input_ids, start))
         out = await self._generate(input_ids, params, rid)
         samples = [_sample_json(out, i, return_logprob, scored) for i in range(len(out.outputs))]
         return web.json_response(samples[0] if params.n == 1 else samples)
@@ -233,6 +231,8 @@ class EngineServer:
         return web.json_response({"status": "ok"})
 
     async def model_info(self, request: web.Request) -> web.Response:
+        from vime.transport import cuda_ipc  # torch: loaded with the engine, not with this module
+
         e = self.engine
         mc = e.model_config
         return web.json_response(
@@ -241,7 +241,7 @@ class EngineServer:
                 "model_type": mc.model_type,
                 "weight_version": e.weight_version,
                 "device": str(e.device),
-                "device_uuid": _device_uuid(e.device),
+                "device_uuid": cuda_ipc.device_uuid(e.device),
                 "hostname": socket.gethostname(),
                 "tp_size": 1,
                 "dtype": e.cfg.dtype,
@@ -324,18 +324,8 @@ class EngineServer:
         return app
 
 
-def _device_uuid(device) -> str | None:
-    """The GPU's UUID (None on CPU): how a trainer tells whether it shares the engine's GPU, whatever
-    CUDA_VISIBLE_DEVICES each side was started with."""
-    import torch
-
-    return str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None
-
-
 def _sample_json(out, i: int, return_logprob: bool, input_logprobs: list | None = None) -> dict:
-    """One sample's answer. `input_logprobs`: the scored input as SGLang writes it, one
-    [log-prob, token id, None] per position from logprob_start_len (None at position 0), the
-    form OPD functions written for slime index (`item[0]`)."""
+    """One sample's answer; `input_logprobs`: the scored input (scoring.input_token_logprobs)."""
     o = out.outputs[i]
     meta: dict[str, Any] = {
         "id": out.rid,

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import torch
 
 from vime.config import ConfigError
+from vime.transport import cuda_ipc
 
 log = logging.getLogger("vime")
 
@@ -138,9 +139,7 @@ def choose_transports(args, trainer: str, infos: list[dict]) -> list[str]:
     """One transport per engine, from where it runs (see the module docstring); an explicit
     --weight-transport applies to all, checked against where they are."""
     here = socket.gethostname()
-    trainer_uuid = (
-        str(torch.cuda.get_device_properties(torch.device(trainer)).uuid) if trainer.startswith("cuda") else None
-    )
+    trainer_uuid = cuda_ipc.device_uuid(trainer)
     out = []
     for info in infos:
         local = info.get("hostname") == here

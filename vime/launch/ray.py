@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from vime.backends.client import EngineError
+from vime.errors import EngineError
 from vime.launch.placement import Placement, fresh_path, launch_all, placed, trainer_device
 from vime.launch.ray_cluster import ROOT, join_cluster, reserve
 from vime.transport.group import apply_gpu_safe_env

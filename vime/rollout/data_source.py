@@ -15,12 +15,7 @@ from collections import deque
 from typing import Any
 
 from vime.rollout.prompt_rows import DataError, load_prompts  # noqa: F401 (DataError: tests import it here)
-from vime.rollout.prompts import (  # noqa: F401 (load_eval_samples: preflight.py and eval.py import it here)
-    PromptRenderer,
-    fit_prompts,
-    load_eval_samples,
-    prompt_limit,
-)
+from vime.rollout.prompts import PromptRenderer, fit_prompts, prompt_limit
 from vime.rollout.types import MULTI_TURN_STATE, Sample, Status
 
 

@@ -189,3 +189,10 @@ def _b64(value: Any, what: str) -> bytes:
         return base64.b64decode(value, validate=True)
     except (binascii.Error, ValueError):
         raise ValueError(f"{what} is not valid base64") from None
+
+
+def device_uuid(device: torch.device | str) -> str | None:
+    """The GPU's UUID (None off CUDA): how a trainer and an engine tell whether they share a GPU
+    (and so whether CUDA IPC can reach it), whatever CUDA_VISIBLE_DEVICES each was started with."""
+    device = torch.device(device)
+    return str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None

@@ -53,6 +53,7 @@ import torch
 from vime.engine.core.lora import AdapterMerger, adapter_of, merge
 from vime.transport.buckets import parse_layout, receive
 from vime.transport.checksums import checksums, non_finite
+from vime.transport.cuda_ipc import device_uuid
 from vime.transport.group import WeightGroup, join
 
 logger = logging.getLogger("vime.vllm_ext")
@@ -116,9 +117,7 @@ class WeightReceiver:
             "tie_word_embeddings": bool(getattr(text, "tie_word_embeddings", False)),
             "dtype": str(mc.dtype).removeprefix("torch."),
             "device": str(self.device),
-            "device_uuid": str(torch.cuda.get_device_properties(self.device).uuid)
-            if self.device.type == "cuda"
-            else None,
+            "device_uuid": device_uuid(self.device),
             "hostname": socket.gethostname(),
             "tp_rank": get_tensor_model_parallel_rank(),
             "tp_size": get_tensor_model_parallel_world_size(),

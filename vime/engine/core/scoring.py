@@ -64,3 +64,9 @@ def score(engine: LLMEngine, token_ids: list[int], start: int = 0) -> list[float
     engine.stats.prompt_tokens += len(token_ids)
     engine.stats.computed_tokens += len(token_ids)
     return logprobs
+
+
+def input_token_logprobs(engine: LLMEngine, token_ids: list[int], start: int) -> list[list]:
+    """`score` as SGLang answers it: one [log-prob, token id, None] per position from `start`, the
+    form OPD functions written for slime index (`item[0]`)."""
+    return [[lp, tok, None] for lp, tok in zip(score(engine, token_ids, start), token_ids[start:], strict=True)]
