@@ -76,7 +76,7 @@ def test_scoring_between_steps_leaves_a_generation_as_it_was(model_dir, hf_score
 
 
 def test_a_full_cache_or_a_paused_engine_is_busy_and_bad_input_is_one_line(model_dir):
-    engine = _engine(model_dir, num_kv_blocks=12)  # 10 blocks for TEXT: 2 taken leave 10... 3 leave 9
+    engine = _engine(model_dir, num_kv_blocks=12)  # TEXT needs 10 blocks of 4; 3 held leave 9
     held = engine.allocator.allocate(3)
     with pytest.raises(EngineBusy, match="needs 10 free KV blocks, 9 are"):
         score(engine, TEXT)

@@ -150,15 +150,11 @@ class LLMEngine:
             raise WeightsIncomplete(self.weights_incomplete)
         if rid in self.requests:
             raise ValueError(f"request id '{rid}' is already in flight")
-        if not prompt_ids:
-            raise ValueError("input_ids is empty")
+        self.check_token_ids(prompt_ids)
         if params.n > self.cfg.max_num_seqs:  # each sample is a sequence held in memory until it finishes
             raise ValueError(
                 f"n {params.n} is more samples than this engine runs at once (--max-num-seqs {self.cfg.max_num_seqs}): send several requests"
             )
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in prompt_ids):
-            raise ValueError(f"input_ids must be integers in [0, {vocab})")
         if len(prompt_ids) >= self.max_seq_len:
             raise ValueError(
                 f"prompt of {len(prompt_ids)} tokens can never fit: the engine's maximum sequence length is {self.max_seq_len} "
@@ -188,14 +184,22 @@ class LLMEngine:
             self.scheduler.add(s)
         return None
 
+    def check_token_ids(self, token_ids: list[int]) -> None:
+        """A ValueError (an HTTP 400) for input ids the model cannot embed, before they reach it."""
+        if not token_ids:
+            raise ValueError("input_ids is empty")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"input_ids must be integers in [0, {vocab})")
+
     def has_work(self) -> bool:
         return (
             self._inflight is not None
             or bool(self._backlog)
-            or (self._may_step() and bool(self.scheduler.waiting or self.scheduler.running))
+            or (self.may_step() and bool(self.scheduler.waiting or self.scheduler.running))
         )
 
-    def _may_step(self) -> bool:
+    def may_step(self) -> bool:
         """No token comes from mixed weights: requests wait while a bucketed update is open
         (some buckets copied, its last one not yet) and after one failed part-way."""
         return not self.paused and self.kv_cache.allocated and self.weights_incomplete is None and not self._update_open
@@ -204,7 +208,7 @@ class LLMEngine:
         """Launch one model step and book the one before it (without overlap: this one); returns
         the requests that finished."""
         outs, self._backlog = self._backlog, []
-        if not self._may_step():
+        if not self.may_step():
             return outs + self._book_inflight()
         scheduled = self.scheduler.schedule(preempt=self._inflight is None)
         if scheduled is None:  # blocks are short: the step in flight may end sequences that hold some

@@ -32,18 +32,14 @@ class EngineBusy(RuntimeError):
 def score(engine: LLMEngine, token_ids: list[int], start: int = 0) -> list[float | None]:
     """Log-prob of `token_ids[p]` given `token_ids[:p]` for p in start .. len - 1, under the raw
     distribution (no temperature); None at p = 0, which nothing predicts (as SGLang answers)."""
-    if not token_ids:
-        raise ValueError("input_ids is empty")
+    engine.check_token_ids(token_ids)
     if not 0 <= start < len(token_ids):
         raise ValueError(f"logprob_start_len {start} must be in [0, {len(token_ids)}) for {len(token_ids)} input ids")
-    vocab = engine.model_config.vocab_size
-    if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in token_ids):
-        raise ValueError(f"input_ids must be integers in [0, {vocab})")
     if len(token_ids) > engine.max_seq_len:
         raise ValueError(
             f"{len(token_ids)} tokens can never be scored: the engine's maximum sequence length is {engine.max_seq_len}"
         )
-    if not engine._may_step():
+    if not engine.may_step():
         raise EngineBusy("the engine is paused, has its memory released or is taking new weights: score again later")
     allocator = engine.allocator
     need = allocator.blocks_for(len(token_ids))
