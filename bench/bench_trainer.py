@@ -23,6 +23,7 @@ bf16 peak of an H200, for both rows. Prints a markdown table last.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import tempfile
@@ -39,6 +40,8 @@ from vime.config import Config
 from vime.rollout.types import Sample
 from vime.trainer.packing import packed_attention_backend
 from vime.trainer.perf import PEAK_BF16_FLOPS, mfu, train_flops
+
+RECORDED = Path(__file__).resolve().parent / "data" / "trainer_recorded.json"
 
 
 def make_model(out: Path, shape: dict, device: str = "cpu") -> Path:
@@ -270,6 +273,7 @@ def main() -> None:
 
     if a.no_hf:
         print_table(rows)
+        print_against_recorded(rows, a, budget, device)
         return
     # ---- eager HF baseline ----
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -300,6 +304,7 @@ def main() -> None:
         print("HF eager padded: out of memory", flush=True)
 
     print_table(rows)
+    print_against_recorded(rows, a, budget, device)
 
 
 def print_table(rows: list[tuple[str, float, float, float]]) -> None:
@@ -309,6 +314,34 @@ def print_table(rows: list[tuple[str, float, float, float]]) -> None:
     )
     for name, tps, m, peak in rows:
         print(f"| {name} | {tps:,.0f} | {pct(m)} | {peak:.1f} |")
+
+
+def print_against_recorded(
+    rows: list[tuple[str, float, float, float]], a: argparse.Namespace, budget: int, device: torch.device
+) -> None:
+    """Each variant beside the last figure recorded for this shape, batch and budget on an H200
+    (bench/data/trainer_recorded.json), so a fall shows on the day it happens: a 10% loss went
+    unnoticed for two days once (issue 50). A change larger than the recorded spread of two runs
+    *and* 3% (one H200 measured ~10% faster than another with the same code) is flagged; the next
+    step for a flagged fall is bench/trainer_trees.py, the old tree against this one in one call."""
+    if device.type != "cuda" or a.tiny or a.lora_rank or a.gradient_checkpointing or a.samples or a.seed:
+        return  # recorded only for the default batch on a GPU
+    recorded = json.loads(RECORDED.read_text()).get(f"{a.shape}@{budget}", {})
+    if not recorded:
+        return
+    print(f"\nagainst the recorded figures ({RECORDED.relative_to(RECORDED.parents[2])}):")
+    for name, tps, _, _ in rows:
+        ref = recorded.get("variants", {}).get(name)
+        if ref is None:
+            continue
+        change = tps / ref["tok_s"] - 1
+        margin = max(ref["spread"] / ref["tok_s"], 0.03)
+        verdict = "FELL beyond the spread" if change < -margin else "rose" if change > margin else "within the spread"
+        print(
+            f"  {name}: {tps:,.0f} tok/s against {ref['tok_s']:,.0f} ({recorded['date']}, {recorded['commit']}): "
+            f"{change:+.1%}, {verdict} (±{margin:.1%})",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
