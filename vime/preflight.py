@@ -91,9 +91,9 @@ def check_inputs(args: Config) -> Inputs:
     if args.sft_rollout:  # the data's conversations, not prompts (vime/rollout/sft_rollout.py)
         from vime.rollout.sft_rollout import ConversationSource
 
-        data_source: DataSource = ConversationSource(args, tokenizer, max_prompt_len=max_prompt_len)
+        data_source: DataSource = ConversationSource(args.rollout, tokenizer, max_prompt_len=max_prompt_len)
     else:
-        data_source = DataSource(args, tokenizer, max_prompt_len=max_prompt_len)
+        data_source = DataSource(args.rollout, tokenizer, max_prompt_len=max_prompt_len)
     if args.num_rollout is None:  # from --num-epoch, once the data's size is known (the LR schedule needs it)
         args = args.derived(num_rollout=math.ceil(args.num_epoch * len(data_source) / args.rollout_batch_size))
     if ckpt is not None:

@@ -27,7 +27,9 @@ def take(room: type[Room], cfg: Any) -> Room:
 @dataclass(frozen=True)
 class RolloutConfig:
     """What the rollout room reads: the prompts and their keys, sampling, the rollout function and
-    its plug-ins, debugging one side, multi-turn tools, async training and the rewards."""
+    its plug-ins, debugging one side, multi-turn tools, async training and the rewards. Besides
+    those: `model_dir` (a conversation's context length), `steps_per_rollout` (the fully-async
+    worker's staleness is in optimizer steps)."""
 
     hf_checkpoint: str | None
     prompt_data: str | None
@@ -75,6 +77,8 @@ class RolloutConfig:
     custom_rm_path: str | None
     reward_timeout: float
     reward_key: str | None
+    model_dir: str | None
+    steps_per_rollout: int
 
 
 @dataclass(frozen=True)

@@ -147,7 +147,7 @@ def _engines(ctx: RunContext, relaunch: bool) -> None:
 
     restart = start_again if relaunch and placement.launch_one is not None else None
     ctx.runtime = RolloutRuntime(
-        clients, ctx.tokenizer, placement.transports, restart, HealthCheck.of(cfg), ctx.rewards
+        clients, ctx.tokenizer, placement.transports, restart, HealthCheck.of(cfg.placement), ctx.rewards
     )
 
 
@@ -155,7 +155,7 @@ def _router_and_pusher(ctx: RunContext) -> None:
     """The seed's plug-ins' route to the engines (rollout/compat.py), and the weight pusher of
     a run with a trainer and engines."""
     cfg, placement = ctx.cfg, ctx.placement
-    if needs_router(cfg) and placement.urls:
+    if needs_router(cfg.rollout) and placement.urls:
         ctx.router = Router(ctx.runtime, cfg.rollout_max_response_len).start()
     if ctx.actor is not None and not cfg.debug_train_only:
         ctx.pusher = WeightPusher(

@@ -32,11 +32,14 @@ import logging
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from vime.backends.client import EngineClient, EngineError, EngineSilent
 from vime.rollout import async_loop
 from vime.rollout.rewards import Rewards
+
+if TYPE_CHECKING:
+    from vime.config.rooms import PlacementConfig
 
 log = logging.getLogger("vime")
 
@@ -63,8 +66,9 @@ class HealthCheck:
     timeout: float = 30.0
 
     @classmethod
-    def of(cls, args: Any) -> HealthCheck:
-        return cls(args.rollout_health_check_interval, args.rollout_health_check_timeout)
+    def of(cls, placement: PlacementConfig) -> HealthCheck:
+        """The placement room's settings (`cfg.placement`): how engines are probed."""
+        return cls(placement.rollout_health_check_interval, placement.rollout_health_check_timeout)
 
 
 @dataclass
