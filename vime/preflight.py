@@ -153,7 +153,7 @@ def _check_eval_sets(args: Any, tokenizer: Any, max_prompt_len: int) -> None:
     """Each held-out set's prompts read as its evaluation will read them (its keys, its limit)."""
     for eval_set in args.eval_sets:
         a = args_for(args, eval_set)
-        load_eval_samples(a, tokenizer, eval_set["path"], limit=a.eval_limit, max_prompt_len=max_prompt_len)
+        load_eval_samples(a, tokenizer, eval_set["path"], limit=a.eval.eval_limit, max_prompt_len=max_prompt_len)
 
 
 def _model(args: Config) -> tuple[Config, Any]:

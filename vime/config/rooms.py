@@ -203,7 +203,8 @@ class PlacementConfig:
 @dataclass(frozen=True)
 class EvalConfig:
     """Held-out evaluation: when, on which sets (`eval_sets`, resolved at validation), and the
-    sampling and grading settings a set may override."""
+    sampling and grading settings a set may override. Besides those: `rm_type` (eval grades as
+    training does for `exact`), `model_dir` (a prompt's room in the model's context)."""
 
     eval_interval: int | None
     eval_prompt_data: list | None
@@ -220,6 +221,8 @@ class EvalConfig:
     eval_max_response_len: int | None
     eval_limit: int | None
     eval_sets: list
+    rm_type: str
+    model_dir: str | None
 
 
 @dataclass(frozen=True)
