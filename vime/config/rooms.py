@@ -174,7 +174,8 @@ class TrainerConfig:
 @dataclass(frozen=True)
 class PlacementConfig:
     """Where trainer and engines run, how many engines, how they are reached and probed, and how
-    weights are pushed to them."""
+    weights are pushed to them. Besides those: `rollout_seed` (engine i is seeded with it + i)
+    and `vllm_args` (the `--vllm-NAME` flags of the vLLM servers vime starts)."""
 
     colocate: bool
     actor_num_nodes: int
@@ -198,6 +199,8 @@ class PlacementConfig:
     update_weights_master_address: str | None
     actor_num_procs: int
     api_key: str | None
+    rollout_seed: int
+    vllm_args: dict
 
 
 @dataclass(frozen=True)

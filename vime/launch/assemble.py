@@ -49,7 +49,7 @@ def assemble(cfg: Config, evaluation: bool = False) -> RunContext:
             ctx.actor = launch_actor(
                 ctx.cfg,
                 ctx.cfg.model_dir,
-                trainer_device(ctx.cfg),
+                trainer_device(ctx.cfg.placement),
                 ctx.tokenizer,
                 ctx.run_dir,
                 start_ranks=ctx.launcher.rank_starter(),
@@ -80,7 +80,7 @@ def _checked(cfg: Config) -> RunContext:
     for note in inputs.notes:
         log.warning("%s", note)
     log.info("mode %s; %s", cfg.mode, cfg.correction_summary())
-    launcher = launcher_for(inputs.cfg)
+    launcher = launcher_for(inputs.cfg.placement)
     cfg = inputs.cfg.derived(launcher=launcher.name).freeze()
     _log_debug_modes(cfg)
     # a resumed run keeps the config of the run it resumes (config.1.yaml, ...: one per resume)
@@ -106,7 +106,7 @@ def _checked_for_eval(cfg: Config) -> RunContext:
     cfg, tokenizer = check_eval_inputs(cfg)
     run_dir = cfg.run_dir if cfg.run_name else Path(cfg.runs_dir) / "eval"
     run_dir.mkdir(parents=True, exist_ok=True)
-    launcher = launcher_for(cfg)
+    launcher = launcher_for(cfg.placement)
     cfg = cfg.derived(launcher=launcher.name).freeze()
     return RunContext(cfg, run_dir, tokenizer, BACKENDS[cfg.rollout_backend], launcher)
 
@@ -134,9 +134,9 @@ def _engines(ctx: RunContext, relaunch: bool) -> None:
     has no push to bring one back in step, so it goes on with the others)."""
     cfg, backend = ctx.cfg, ctx.backend
     ctx.placement = (
-        Placement(trainer_device(cfg), [], [], [])
+        Placement(trainer_device(cfg.placement), [], [], [])
         if cfg.debug_train_only
-        else ctx.launcher.place_engines(backend, cfg, cfg.model_dir, ctx.run_dir)
+        else ctx.launcher.place_engines(backend, cfg.placement, cfg.model_dir, ctx.run_dir)
     )
     placement = ctx.placement
     api_key = placement.api_key or cfg.api_key  # the key of engines we launch is the placement's

@@ -17,7 +17,7 @@ from vime.launch.ray import RayLauncher
 
 if TYPE_CHECKING:
     from vime.backends import Backend
-    from vime.config import Config
+    from vime.config.rooms import PlacementConfig
     from vime.launch.placement import Placement
     from vime.trainer.distributed import RankStarter
 
@@ -25,11 +25,11 @@ if TYPE_CHECKING:
 class Launcher(Protocol):
     name: str  # --launcher's value
 
-    def chosen_by_auto(self, cfg: Config) -> bool:
+    def chosen_by_auto(self, settings: PlacementConfig) -> bool:
         """Whether --launcher auto means this launcher for this run."""
         ...
 
-    def place_engines(self, backend: Backend, cfg: Config, model_dir: str, run_dir: Path) -> Placement:
+    def place_engines(self, backend: Backend, settings: PlacementConfig, model_dir: str, run_dir: Path) -> Placement:
         """The run's engines launched (or those given by URL checked): where they are and how weights reach them."""
         ...
 
@@ -41,8 +41,9 @@ class Launcher(Protocol):
 LAUNCHERS: dict[str, Launcher] = {launcher.name: launcher for launcher in (RayLauncher(), LocalLauncher())}
 
 
-def launcher_for(cfg: Config) -> Launcher:
-    """--launcher's row; auto resolved as the module docstring says."""
-    if cfg.launcher in LAUNCHERS:
-        return LAUNCHERS[cfg.launcher]
-    return next(launcher for launcher in LAUNCHERS.values() if launcher.chosen_by_auto(cfg))
+def launcher_for(settings: PlacementConfig) -> Launcher:
+    """--launcher's row (`settings`: the placement room's, `cfg.placement`); auto resolved as the
+    module docstring says."""
+    if settings.launcher in LAUNCHERS:
+        return LAUNCHERS[settings.launcher]
+    return next(launcher for launcher in LAUNCHERS.values() if launcher.chosen_by_auto(settings))

@@ -31,12 +31,15 @@ import secrets
 import socket
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vime.errors import EngineError
 from vime.launch.placement import Placement, fresh_path, launch_all, placed, trainer_device
 from vime.launch.ray_cluster import ROOT, join_cluster, reserve
 from vime.transport.group import apply_gpu_safe_env
+
+if TYPE_CHECKING:
+    from vime.config.rooms import PlacementConfig
 
 log = logging.getLogger("vime")
 
@@ -79,7 +82,7 @@ class RayEngine:
         ray.kill(self.actor, no_restart=True)
 
 
-def resolve_launcher(args) -> str:
+def resolve_launcher(settings: PlacementConfig) -> str:
     """What `--launcher auto` means for this run: ray inside a Ray job whose cluster has more
     than one node, so a multi-node `ray job submit` places engines and trainer ranks on its
     nodes; local otherwise (one machine keeps vime's own GPU layout, which Ray's books do not
@@ -88,14 +91,14 @@ def resolve_launcher(args) -> str:
     from importlib.util import find_spec
 
     in_job = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") is not None
-    if not (in_job and not args.rollout_engine_urls and not args.colocate and find_spec("ray") is not None):
+    if not (in_job and not settings.rollout_engine_urls and not settings.colocate and find_spec("ray") is not None):
         return "local"
     ray = join_cluster()
     nodes = sum(1 for n in ray.nodes() if n["Alive"])
     if nodes < 2:
         ray.shutdown()
         return "local"
-    if trainer_device(args) != "cpu" and "CUDA_VISIBLE_DEVICES" not in os.environ:
+    if trainer_device(settings) != "cpu" and "CUDA_VISIBLE_DEVICES" not in os.environ:
         # Ray sets it for a job that reserved its GPU (--entrypoint-num-gpus); without that,
         # rank 0's GPU is one Ray's books count as free, for a rank or an engine to land on
         log.info(
@@ -119,11 +122,11 @@ class RayLauncher:
 
     name = "ray"
 
-    def chosen_by_auto(self, cfg) -> bool:
-        return resolve_launcher(cfg) == self.name
+    def chosen_by_auto(self, settings: PlacementConfig) -> bool:
+        return resolve_launcher(settings) == self.name
 
-    def place_engines(self, backend, cfg, model_dir: str, run_dir: Path) -> Placement:
-        return backend.load(backend.ray_place)(cfg, model_dir, run_dir)
+    def place_engines(self, backend, settings: PlacementConfig, model_dir: str, run_dir: Path) -> Placement:
+        return backend.load(backend.ray_place)(settings, model_dir, run_dir)
 
     def rank_starter(self) -> Callable:
         from vime.launch.ray_ranks import start_ray_ranks  # imports the trainer
@@ -132,7 +135,7 @@ class RayLauncher:
 
 
 def place_actors(
-    args,
+    settings: PlacementConfig,
     run_dir: Path,
     launcher: str,
     engine_kwargs: Callable[[int, str], dict],
@@ -150,14 +153,14 @@ def place_actors(
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     apply_gpu_safe_env()
-    trainer = trainer_device(args)
-    gpus = 0 if trainer == "cpu" else args.rollout_num_gpus_per_engine
-    n = args.rollout_num_engines or (max(1, (args.rollout_num_gpus or gpus) // gpus) if gpus else 1)
+    trainer = trainer_device(settings)
+    gpus = 0 if trainer == "cpu" else settings.rollout_num_gpus_per_engine
+    n = settings.rollout_num_engines or (max(1, (settings.rollout_num_gpus or gpus) // gpus) if gpus else 1)
     bundle = {"CPU": 1.0, **({"GPU": float(gpus)} if gpus else {})}
     group = reserve(bundle, n, f"vime-engines-{run_dir.name}", "engine(s)", "add nodes or lower --rollout-num-engines")
     host = ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=0)(EngineHost)
     env = {"PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
-    api_key = args.api_key or secrets.token_urlsafe(24)  # engines on other nodes listen on every address
+    api_key = settings.api_key or secrets.token_urlsafe(24)  # engines on other nodes listen on every address
     # Ray shows the actor its GPUs as devices 0..gpus-1 (CUDA_VISIBLE_DEVICES)
     device = f"cuda:{','.join(map(str, range(gpus)))}" if gpus else "cpu"
 
@@ -190,7 +193,7 @@ def place_actors(
     try:
         devices = [f"{e.node}:{device}" for e in engines]  # node: device in its actor
         placement = placed(
-            args,
+            settings,
             trainer,
             devices,
             [e.url for e in engines],
