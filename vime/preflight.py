@@ -61,7 +61,7 @@ def check_inputs(args: Config) -> Inputs:
         _writable(Path(args.save), "--save")
         notes += _check_save(Path(args.save), ckpt, args.overwrite_save)
     _debug_rollout_paths(args)
-    notes += compat.notes(args) + check_sinks(args)
+    notes += compat.notes(args) + check_sinks(args.output)
 
     args, tokenizer = _model(args)
     model_dir = Path(args.model_dir)

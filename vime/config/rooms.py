@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 Room = TypeVar("Room")
@@ -230,7 +231,8 @@ class EvalConfig:
 
 @dataclass(frozen=True)
 class OutputConfig:
-    """What a run writes: checkpoints, its directory and name, TensorBoard and W&B, the console."""
+    """What a run writes: checkpoints, its directory and name, TensorBoard and W&B, the console.
+    Besides those: `run_dir` (where --runs-dir and --run-name put the run)."""
 
     save: str | None
     save_interval: int | None
@@ -251,3 +253,4 @@ class OutputConfig:
     wandb_host: str | None
     wandb_dir: str | None
     quiet: bool
+    run_dir: Path
