@@ -7,6 +7,8 @@ field the run still sets after validation (`load`, `num_rollout`, `model_dir`, `
 `update_weights_master_address`) is read as it is now, not as it was. A room that keeps one
 keeps a snapshot: take it after start-up's writes (the trainer is built after preflight).
 Each field has its flag's name and type; tests/test_config.py checks that against `Settings`.
+`AlgorithmConfig` is declared beside the objectives (vime/algorithms/settings.py), which sit below
+the config (it reads their tables), and named here with the others.
 Plug-ins written for slime keep receiving the flat `args`.
 """
 
@@ -16,6 +18,18 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
+
+from vime.algorithms.settings import AlgorithmConfig
+
+__all__ = [
+    "AlgorithmConfig",
+    "EvalConfig",
+    "OutputConfig",
+    "PlacementConfig",
+    "RolloutConfig",
+    "TrainerConfig",
+    "take",
+]
 
 Room = TypeVar("Room")
 
@@ -80,53 +94,6 @@ class RolloutConfig:
     reward_key: str | None
     model_dir: str | None
     steps_per_rollout: int
-
-
-@dataclass(frozen=True)
-class AlgorithmConfig:
-    """What vime/algorithms/ reads: the advantage estimator, the policy loss and its clipping, KL
-    and entropy terms, on-policy distillation and the off-policy corrections."""
-
-    advantage_estimator: str
-    custom_advantage_function_path: str | None
-    normalize_advantages: bool
-    gamma: float
-    loss_type: str
-    loss_mask_type: str
-    disable_compute_advantages_and_returns: bool
-    custom_loss_function_path: str | None
-    use_opsm: bool
-    opsm_delta: float
-    disable_grpo_std_normalization: bool
-    eps_clip: float
-    eps_clip_high: float | None
-    calculate_per_token_loss: bool
-    eps_clip_c: float | None
-    kl_loss_coef: float
-    use_kl_loss: bool
-    kl_loss_type: str
-    use_unbiased_kl: bool
-    ref_load: str | None
-    use_opd: bool
-    opd_type: str | None
-    opd_kl_coef: float
-    opd_teacher_load: str | None
-    opd_teacher_ckpt_step: int | None
-    entropy_coef: float
-    use_rollout_logprobs: bool
-    off_policy_correction: str
-    use_tis: bool
-    tis_mode: str
-    tis_level: str
-    custom_tis_function_path: str | None
-    tis_clip: float
-    tis_clip_low: float
-    use_rs: bool
-    rs_level: str
-    rs_lower_bound: float
-    rs_upper_bound: float
-    rs_veto_threshold: float | None
-    m2_threshold: float | None
 
 
 @dataclass(frozen=True)
