@@ -281,7 +281,7 @@ def _check_model_flags(args: Any, model_dir: Path) -> None:
             )
         resolve_model(str(ref))
     if args.use_opd and args.opd_teacher_load:
-        from vime.algorithms.opd import check_teacher
+        from vime.trainer.teacher import check_teacher
 
         resolve_model(str(check_teacher(args, read_config(model_dir), read_config)))
 
