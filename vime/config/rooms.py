@@ -7,8 +7,9 @@ field the run still sets after validation (`load`, `num_rollout`, `model_dir`, `
 `update_weights_master_address`) is read as it is now, not as it was. A room that keeps one
 keeps a snapshot: take it after start-up's writes (the trainer is built after preflight).
 Each field has its flag's name and type; tests/test_config.py checks that against `Settings`.
-`AlgorithmConfig` is declared beside the objectives (vime/algorithms/settings.py), which sit below
-the config (it reads their tables), and named here with the others.
+Two are declared in their rooms, which sit below the config because it reads their tables (the
+objectives, the rm types), and named here with the others: `AlgorithmConfig`
+(vime/algorithms/settings.py), `RolloutConfig` (vime/rollout/settings.py).
 Plug-ins written for slime keep receiving the flat `args`.
 """
 
@@ -19,17 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from vime.algorithms.settings import AlgorithmConfig
-
-__all__ = [
-    "AlgorithmConfig",
-    "EvalConfig",
-    "OutputConfig",
-    "PlacementConfig",
-    "RolloutConfig",
-    "TrainerConfig",
-    "take",
-]
+from vime.algorithms.settings import AlgorithmConfig as AlgorithmConfig
+from vime.rollout.settings import RolloutConfig as RolloutConfig
 
 Room = TypeVar("Room")
 
@@ -37,63 +29,6 @@ Room = TypeVar("Room")
 def take(room: type[Room], cfg: Any) -> Room:
     """The room's fields read from the flat config (a property such as `steps_per_rollout` too)."""
     return room(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(room)})
-
-
-@dataclass(frozen=True)
-class RolloutConfig:
-    """What the rollout room reads: the prompts and their keys, sampling, the rollout function and
-    its plug-ins, debugging one side, multi-turn tools, async training and the rewards. Besides
-    those: `model_dir` (a conversation's context length), `steps_per_rollout` (the fully-async
-    worker's staleness is in optimizer steps)."""
-
-    hf_checkpoint: str | None
-    prompt_data: str | None
-    input_key: str
-    label_key: str
-    label_format: str
-    metadata_key: str
-    tool_key: str | None
-    apply_chat_template: bool
-    apply_chat_template_kwargs: dict
-    rollout_batch_size: int
-    n_samples_per_prompt: int
-    num_rollout: int | None
-    num_epoch: int | None
-    rollout_function_path: str
-    custom_generate_function_path: str | None
-    custom_config_path: str | None
-    rollout_max_response_len: int
-    rollout_temperature: float
-    rollout_top_p: float
-    rollout_top_k: int
-    rollout_stop_token_ids: list
-    rollout_stop: list
-    rollout_max_prompt_len: int | None
-    rollout_max_context_len: int | None
-    dynamic_sampling_filter_path: str | None
-    over_sampling_batch_size: int | None
-    rollout_shuffle: bool
-    rollout_seed: int
-    skip_overlong_prompts: bool
-    save_debug_rollout_data: str | None
-    load_debug_rollout_data: str | None
-    debug_train_only: bool
-    debug_rollout_only: bool
-    tools: list
-    max_turns: int
-    tool_timeout: float
-    tool_max_output_chars: int
-    rollout_concurrency: int | None
-    max_staleness: int | None
-    partial_rollout: bool
-    update_in_flight: str
-    rm_type: str
-    rm_url: str | None
-    custom_rm_path: str | None
-    reward_timeout: float
-    reward_key: str | None
-    model_dir: str | None
-    steps_per_rollout: int
 
 
 @dataclass(frozen=True)

@@ -147,7 +147,7 @@ def _engines(ctx: RunContext, relaunch: bool) -> None:
 
     restart = start_again if relaunch and placement.launch_one is not None else None
     ctx.runtime = RolloutRuntime(
-        clients, ctx.tokenizer, placement.transports, restart, HealthCheck.of(cfg.placement), ctx.rewards
+        clients, ctx.tokenizer, placement.transports, restart, HealthCheck.of(cfg.rollout), ctx.rewards
     )
 
 

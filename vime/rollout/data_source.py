@@ -19,7 +19,7 @@ from vime.rollout.prompts import PromptRenderer, fit_prompts, prompt_limit
 from vime.rollout.types import MULTI_TURN_STATE, Sample, Status
 
 if TYPE_CHECKING:
-    from vime.config.rooms import RolloutConfig
+    from vime.rollout.settings import RolloutConfig
 
 
 def _label_grader(rollout: RolloutConfig) -> str | None:

@@ -14,7 +14,7 @@ from vime.rollout.tools import load_tools
 from vime.rollout.types import Sample
 
 if TYPE_CHECKING:
-    from vime.config.rooms import RolloutConfig
+    from vime.rollout.settings import RolloutConfig
 
 
 class PromptRenderer:

@@ -39,7 +39,7 @@ from vime.rollout import async_loop
 from vime.rollout.rewards import Rewards
 
 if TYPE_CHECKING:
-    from vime.config.rooms import PlacementConfig
+    from vime.rollout.settings import RolloutConfig
 
 log = logging.getLogger("vime")
 
@@ -66,9 +66,9 @@ class HealthCheck:
     timeout: float = 30.0
 
     @classmethod
-    def of(cls, placement: PlacementConfig) -> HealthCheck:
-        """The placement room's settings (`cfg.placement`): how engines are probed."""
-        return cls(placement.rollout_health_check_interval, placement.rollout_health_check_timeout)
+    def of(cls, rollout: RolloutConfig) -> HealthCheck:
+        """The rollout room's settings (`cfg.rollout`): how the runtime probes its engines."""
+        return cls(rollout.rollout_health_check_interval, rollout.rollout_health_check_timeout)
 
 
 @dataclass

@@ -32,7 +32,7 @@ from vime.rollout.runtime import runtime_of
 from vime.rollout.types import MULTI_TURN_STATE, RolloutOutput, Sample, Status
 
 if TYPE_CHECKING:
-    from vime.config.rooms import RolloutConfig
+    from vime.rollout.settings import RolloutConfig
 
 # a generate returns the sample it was given, or (the seed's multi-agent plug-ins) a list of samples
 GenerateFn = Callable[[Any, Sample, dict], Awaitable[Sample | list[Sample]]]

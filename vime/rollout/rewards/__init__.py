@@ -32,7 +32,7 @@ from vime.rollout.rewards.runner import GradingTimeout, RewardRunner
 from vime.rollout.types import Sample, Status
 
 if TYPE_CHECKING:
-    from vime.config.rooms import RolloutConfig
+    from vime.rollout.settings import RolloutConfig
 
 __all__ = [
     "BUILTIN_RM_TYPES",

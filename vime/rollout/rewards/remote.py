@@ -26,7 +26,7 @@ from vime.rollout.rewards.runner import RewardRunner
 from vime.rollout.types import Sample
 
 if TYPE_CHECKING:
-    from vime.config.rooms import RolloutConfig
+    from vime.rollout.settings import RolloutConfig
 
 MAX_CONCURRENT = 64
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
