@@ -7,9 +7,10 @@ field the run still sets after validation (`load`, `num_rollout`, `model_dir`, `
 `update_weights_master_address`) is read as it is now, not as it was. A room that keeps one
 keeps a snapshot: take it after start-up's writes (the trainer is built after preflight).
 Each field has its flag's name and type; tests/test_config.py checks that against `Settings`.
-Two are declared in their rooms, which sit below the config because it reads their tables (the
-objectives, the rm types), and named here with the others: `AlgorithmConfig`
-(vime/algorithms/settings.py), `RolloutConfig` (vime/rollout/settings.py).
+Three are declared in their rooms, which sit below the config because it reads their tables
+(the objectives, the rm types, the backends), and named here with the others: `AlgorithmConfig`
+(vime/algorithms/settings.py), `RolloutConfig` (vime/rollout/settings.py), `PlacementConfig`
+(vime/backends/settings.py).
 Plug-ins written for slime keep receiving the flat `args`.
 """
 
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from vime.algorithms.settings import AlgorithmConfig as AlgorithmConfig
+from vime.backends.settings import PlacementConfig as PlacementConfig
 from vime.rollout.settings import RolloutConfig as RolloutConfig
 
 Room = TypeVar("Room")
@@ -72,38 +74,6 @@ class TrainerConfig:
     rollout_max_response_len: int
     num_rollout: int | None
     steps_per_rollout: int
-
-
-@dataclass(frozen=True)
-class PlacementConfig:
-    """Where trainer and engines run, how many engines, how they are reached and probed, and how
-    weights are pushed to them. Besides those: `rollout_seed` (engine i is seeded with it + i)
-    and `vllm_args` (the `--vllm-NAME` flags of the vLLM servers vime starts)."""
-
-    colocate: bool
-    actor_num_nodes: int
-    actor_num_gpus_per_node: int
-    rollout_num_gpus: int | None
-    rollout_num_gpus_per_engine: int
-    rollout_num_engines: int | None
-    rollout_backend: str
-    rollout_engine_urls: list
-    device: str
-    launcher: str
-    engine_max_num_seqs: int
-    engine_num_kv_blocks: int | None
-    update_weights_interval: int
-    weight_transport: str
-    update_weight_buffer_size: int
-    update_weights_timeout: float
-    rollout_health_check_interval: float
-    rollout_health_check_timeout: float
-    check_weight_push: bool
-    update_weights_master_address: str | None
-    actor_num_procs: int
-    api_key: str | None
-    rollout_seed: int
-    vllm_args: dict
 
 
 @dataclass(frozen=True)

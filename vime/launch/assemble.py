@@ -26,10 +26,10 @@ import yaml
 
 from vime.backends import BACKENDS
 from vime.backends.client import EngineClient
+from vime.backends.placement import Placement, fresh_path, trainer_device
 from vime.config import Config, ConfigError
 from vime.launch.context import RunContext
 from vime.launch.launcher import launcher_for
-from vime.launch.placement import Placement, fresh_path, trainer_device
 from vime.metrics import setup_logging
 from vime.preflight import check_eval_inputs, check_inputs
 from vime.rollout.compat import PluginArgs, Router, needs_router

@@ -18,7 +18,7 @@ from vime.launch.ray import RayLauncher
 if TYPE_CHECKING:
     from vime.backends import Backend
     from vime.config.rooms import PlacementConfig
-    from vime.launch.placement import Placement
+    from vime.backends.placement import Placement
     from vime.trainer.distributed import RankStarter
 
 

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from vime.backends import Backend
+    from vime.backends.placement import Placement
     from vime.config.rooms import PlacementConfig
-    from vime.launch.placement import Placement
 
 
 class LocalLauncher:

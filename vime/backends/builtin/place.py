@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING
 
 from vime.backends.builtin.launch import EngineProcess, launch_engine
 from vime.backends.client import EngineClient
-from vime.launch.placement import Placement, engine_devices, fresh_path, launch_all, placed, trainer_device
-from vime.launch.ray import place_actors
+from vime.backends.placement import Placement, engine_devices, fresh_path, launch_all, placed, trainer_device
+from vime.backends.ray_actors import place_actors
 from vime.transport.group import apply_gpu_safe_env
 
 if TYPE_CHECKING:
-    from vime.config.rooms import PlacementConfig
+    from vime.backends.settings import PlacementConfig
 
 log = logging.getLogger("vime")
 

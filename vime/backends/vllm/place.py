@@ -10,15 +10,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vime.backends.client import EngineError
+from vime.backends.placement import Placement, engine_devices, fresh_path, launch_all, placed, trainer_device
 from vime.backends.vllm.client import VLLMClient, check_version
 from vime.backends.vllm.launch import VLLMProcess, launch_vllm
 from vime.backends.vllm.worker_ext import API_KEY_ENV
-from vime.config import ConfigError
-from vime.launch.placement import Placement, engine_devices, fresh_path, launch_all, placed, trainer_device
+from vime.errors import ConfigError
 from vime.transport.group import apply_gpu_safe_env
 
 if TYPE_CHECKING:
-    from vime.config.rooms import PlacementConfig
+    from vime.backends.settings import PlacementConfig
 
 log = logging.getLogger("vime")
 
@@ -58,7 +58,7 @@ def place_vllm(settings: PlacementConfig, model_dir: Path, run_dir: Path) -> Pla
 
     Every server must run vime's worker extension (launched ones do), serve the trainer's model
     (architecture, vocabulary, sizes: compared now) and answer to the run's API key. Transports
-    follow the built-in engine's table (vime.launch.placement), with vLLM's counterparts: gloo where
+    follow the built-in engine's table (vime.backends.placement), with vLLM's counterparts: gloo where
     the built-in engine would use shm (vLLM has no shared-memory load), disk where it would use
     cuda_ipc (an engine on the trainer's own GPU: NCCL cannot join two ranks on one device).
     """
@@ -103,9 +103,9 @@ def place_vllm(settings: PlacementConfig, model_dir: Path, run_dir: Path) -> Pla
 
 def place_vllm_ray(settings: PlacementConfig, model_dir: Path, run_dir: Path) -> Placement:
     """--rollout-backend vllm with --launcher ray: each server started by `launch_vllm` in a Ray
-    actor on its node (`vime.launch.ray.place_actors`), checked and fed as `place_vllm`'s are.
+    actor on its node (`vime.backends.ray_actors.place_actors`), checked and fed as `place_vllm`'s are.
     The model directory must be at the same path on every node, as for the built-in engine."""
-    from vime.launch.ray import place_actors
+    from vime.backends.ray_actors import place_actors
 
     want = model_facts(model_dir)
     dtype = "float32" if trainer_device(settings) == "cpu" else "bfloat16"

@@ -13,7 +13,9 @@ engine's weight transport follows from where it sits, as its `/get_model_info` r
 | on CPU otherwise                    | gloo (the same broadcast over TCP) |
 
 Each backend's `place` (`vime/backends/<name>/place.py`) launches its engines and ends in
-`placed`; what they share is here.
+`placed`; what they share is here. They read the placement room's settings, `cfg.placement`
+(`PlacementConfig`, vime/backends/settings.py). The launchers (vime/launch/) call each backend's
+`place` or `ray_place`.
 """
 
 from __future__ import annotations
@@ -24,15 +26,13 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
-from vime.config import ConfigError
+from vime.backends.settings import PlacementConfig
+from vime.errors import ConfigError
 from vime.transport import cuda_ipc
-
-if TYPE_CHECKING:
-    from vime.config.rooms import PlacementConfig
 
 log = logging.getLogger("vime")
 
