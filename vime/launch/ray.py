@@ -1,4 +1,4 @@
-"""`--launcher ray` (`RayLauncher`, a row of `launcher.py`'s table): a backend's engines
+"""`--launcher ray` (`RayLauncher`, made from its row of `vime/launchers.py`): a backend's engines
 placed by a Ray cluster as actors (each backend's `ray_place`, through
 `vime/backends/ray_actors.py`), and trainer ranks 1..N-1 as actors too (`ray_ranks.py`); joining
 the cluster and reserving room in it is `vime/backends/ray_cluster.py`'s. `resolve_launcher` says
