@@ -53,3 +53,11 @@ def test_the_launcher_is_a_row_and_auto_is_local_outside_a_ray_job(monkeypatch):
     assert launcher_for(Config(launcher="ray")) is LAUNCHERS["ray"]
     assert launcher_for(Config()).name == "local"
     assert list(LAUNCHERS)[-1] == "local"  # the row auto falls back on
+
+
+def test_the_launcher_rows_are_the_flags_choices_and_each_makes_its_launcher():
+    from vime.config.schema import FIELDS
+    from vime.launchers import LAUNCHER_ROWS
+
+    assert FIELDS["launcher"].metadata["choices"] == ("auto", *LAUNCHER_ROWS)
+    assert [launcher.name for launcher in LAUNCHERS.values()] == list(LAUNCHER_ROWS)

@@ -142,8 +142,8 @@ def test_opd_flags_are_checked_in_one_line(extra, fragment):
 
 
 def test_teacher_resolution_and_vocabulary(teacher_run, tmp_path):
-    from vime.algorithms.opd import check_teacher, teacher_dir
     from vime.models import read_config
+    from vime.trainer.teacher import check_teacher, teacher_dir
 
     def args(load, step=None):
         return parse_args(

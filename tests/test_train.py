@@ -265,7 +265,7 @@ def test_bad_input_engine_unreachable(tmp_path, addition_data):
 def test_a_fresh_name_is_claimed_so_two_evals_at_once_never_share_one(tmp_path):
     """Two `vime eval` of one run name at once both picked eval.jsonl (each looked before the
     other wrote) and one result was lost; the name is now taken when it is picked."""
-    from vime.launch.placement import fresh_path
+    from vime.backends.placement import fresh_path
 
     picked = [fresh_path(tmp_path / "ev" / "eval.jsonl") for _ in range(3)]  # none written yet
     assert [p.name for p in picked] == ["eval.jsonl", "eval.1.jsonl", "eval.2.jsonl"]

@@ -534,8 +534,8 @@ def trainer_weights(model_dir: Path) -> list[tuple[str, torch.Tensor]]:
 def pairs(tmp_path_factory):
     """For a tied and an untied model: weights A and B, and a server started from A (the two
     launched at once). B's reference is the trainer's own log-probs, as in a run."""
+    from vime.backends.placement import launch_all
     from vime.backends.vllm.launch import launch_vllm
-    from vime.launch.placement import launch_all
     from vime.models import make_tiny_model
 
     root = tmp_path_factory.mktemp("pairs")

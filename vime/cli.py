@@ -108,10 +108,10 @@ def eval_main(argv: list[str]) -> int:
     """Greedy accuracy of a model/checkpoint on the first N eval prompts."""
     import json
 
+    from vime.backends.placement import fresh_path
     from vime.config import parse_args
     from vime.eval import evaluate
     from vime.launch.assemble import assemble
-    from vime.launch.placement import fresh_path
 
     args = parse_args(
         argv,

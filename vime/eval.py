@@ -42,7 +42,7 @@ async def _run(args, samples: list[Sample], step: int) -> list[Sample]:
         unit="sample",
         leave=False,
         file=sys.stderr,
-        disable=True if args.quiet else None,
+        disable=True if args.output.quiet else None,
     )
     quarter = max(1, len(samples) // 4)
     done = 0
@@ -67,8 +67,9 @@ def evaluate(args, step: int, out_path: Callable[[str | None], Path | None] | No
     """Generate on every held-out set and grade; `out_path(set name)` (None for a lone set) is
     where its per-sample JSON lines go (None: not written). The metrics: one set's as they
     always were (`eval/accuracy`, ...); several sets' each under `eval/<name>/`, with
-    `eval/accuracy`, `eval/correct`, `eval/total` and `eval/time` of all of them together."""
-    sets = args.eval_sets
+    `eval/accuracy`, `eval/correct`, `eval/total` and `eval/time` of all of them together.
+    `args`: the plug-ins' (a custom generate is called with it); evaluation reads `args.eval`."""
+    sets = args.eval.eval_sets
     if not sets:  # resolved by Config.validate; a Config that skipped it has none
         raise ConfigError("no held-out set to evaluate: give --eval-prompt-data or --eval-config")
     if len(sets) == 1:
@@ -105,14 +106,15 @@ def result_line(metrics: dict[str, float], step: int, name: str | None) -> str:
 def evaluate_set(args, eval_set: dict[str, Any], step: int, out_path: Path | None = None) -> RolloutOutput:
     """Generate on one set's prompts with its settings and grade; writes one JSON line per sample to out_path."""
     args = args_for(args, eval_set)
+    ev = args.eval  # the set's: its overrides are in the copy
     base = load_eval_samples(
         args,
         runtime_of(args).tokenizer,
         eval_set["path"],
-        limit=args.eval_limit,
-        max_prompt_len=context_length(args.model_dir) - 1,
+        limit=ev.eval_limit,
+        max_prompt_len=context_length(ev.model_dir) - 1,
     )
-    n = args.n_samples_per_eval_prompt
+    n = ev.n_samples_per_eval_prompt
     extra = eval_set.get(METADATA_KEY, {})
     samples = [
         Sample(
@@ -126,7 +128,7 @@ def evaluate_set(args, eval_set: dict[str, Any], step: int, out_path: Path | Non
     # a set's own rm type grades by that rule; otherwise `exact` grades what it trains on (a list
     # in full, on its last line), and every other rm type is read as the held-out metric always
     # was: boxed, Answer:, trailing number (math's rule)
-    rule = args.eval_rm_type or ("exact" if args.rm_type == "exact" else "math")
+    rule = ev.eval_rm_type or ("exact" if ev.rm_type == "exact" else "math")
     correct = 0
     rows = []
     for s in samples:

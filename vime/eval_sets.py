@@ -15,9 +15,11 @@ import copy
 import re
 from typing import Any
 
-from vime.config.eval_sets import METADATA_KEY
-
 __all__ = ["METADATA_KEY", "args_for", "set_accuracies", "summary"]
+
+# a set's key merged into every sample's metadata (slime's inject_metadata), so rewards and
+# generate functions see them; vime/config/eval_sets.py reads it from a set, `args_for` skips it
+METADATA_KEY = "metadata_overrides"
 
 _ACCURACY_RE = re.compile(r"^eval/([^/]+)/accuracy$")
 

@@ -93,10 +93,12 @@ class MetricsLogger:
 
     @classmethod
     def for_run(cls, args: Config, total_steps: int, start_step: int = 0) -> MetricsLogger:
-        """The logger of a training run: args.run_dir, and the sinks its flags ask for."""
+        """The logger of a training run: its directory and console (the output room's settings,
+        `args.output`), and the sinks its flags ask for."""
+        out = args.output
         sinks = open_sinks(args, start_step)
         try:
-            return cls(args.run_dir, total_steps, start_step, sinks, quiet=args.quiet)
+            return cls(out.run_dir, total_steps, start_step, sinks, quiet=out.quiet)
         except BaseException:
             close_all(sinks, failed=True)
             raise

@@ -61,7 +61,7 @@ def check_inputs(args: Config) -> Inputs:
         _writable(Path(args.save), "--save")
         notes += _check_save(Path(args.save), ckpt, args.overwrite_save)
     _debug_rollout_paths(args)
-    notes += compat.notes(args) + check_sinks(args)
+    notes += compat.notes(args) + check_sinks(args.output)
 
     args, tokenizer = _model(args)
     model_dir = Path(args.model_dir)
@@ -91,9 +91,9 @@ def check_inputs(args: Config) -> Inputs:
     if args.sft_rollout:  # the data's conversations, not prompts (vime/rollout/sft_rollout.py)
         from vime.rollout.sft_rollout import ConversationSource
 
-        data_source: DataSource = ConversationSource(args, tokenizer, max_prompt_len=max_prompt_len)
+        data_source: DataSource = ConversationSource(args.rollout, tokenizer, max_prompt_len=max_prompt_len)
     else:
-        data_source = DataSource(args, tokenizer, max_prompt_len=max_prompt_len)
+        data_source = DataSource(args.rollout, tokenizer, max_prompt_len=max_prompt_len)
     if args.num_rollout is None:  # from --num-epoch, once the data's size is known (the LR schedule needs it)
         args = args.derived(num_rollout=math.ceil(args.num_epoch * len(data_source) / args.rollout_batch_size))
     if ckpt is not None:
@@ -153,7 +153,7 @@ def _check_eval_sets(args: Any, tokenizer: Any, max_prompt_len: int) -> None:
     """Each held-out set's prompts read as its evaluation will read them (its keys, its limit)."""
     for eval_set in args.eval_sets:
         a = args_for(args, eval_set)
-        load_eval_samples(a, tokenizer, eval_set["path"], limit=a.eval_limit, max_prompt_len=max_prompt_len)
+        load_eval_samples(a, tokenizer, eval_set["path"], limit=a.eval.eval_limit, max_prompt_len=max_prompt_len)
 
 
 def _model(args: Config) -> tuple[Config, Any]:
@@ -281,7 +281,7 @@ def _check_model_flags(args: Any, model_dir: Path) -> None:
             )
         resolve_model(str(ref))
     if args.use_opd and args.opd_teacher_load:
-        from vime.algorithms.opd import check_teacher
+        from vime.trainer.teacher import check_teacher
 
         resolve_model(str(check_teacher(args, read_config(model_dir), read_config)))
 

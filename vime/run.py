@@ -247,11 +247,11 @@ class Run:
         by time no step was charged for, so the engines are paused in place while saving. Eval
         cannot pause them (it uses the same engines) and overlaps with generation
         (docs/architecture.md)."""
-        a = self.cfg
+        a, ev, out = self.cfg, self.cfg.eval, self.cfg.output  # the eval and output rooms' settings
         last = step == self.num_rollout
         metrics["perf/wall_clock"] = metrics.get("perf/wall_clock", 0.0) + self.wall_clock_offset
         metrics["rollout/skipped_prompts"] = float(self.data_source.skipped_prompts)
-        if a.eval_interval and (step % a.eval_interval == 0 or last) and not a.debug_train_only:
+        if ev.eval_interval and (step % ev.eval_interval == 0 or last) and not a.debug_train_only:
             metrics.update(self.evaluate(step))
         # the step's metrics row and its checkpoint are one record: Ctrl-C or SIGTERM waits until
         # both are written, and the row goes first (a resume from a checkpoint whose row was never
@@ -261,7 +261,7 @@ class Run:
             self.last_save_time = None
         with signals_held():
             self.metrics.log(step, metrics)
-            if a.save and ((a.save_interval and step % a.save_interval == 0) or last):
+            if out.save and ((out.save_interval and step % out.save_interval == 0) or last):
                 t0 = time.perf_counter()
                 with self.runtime.generation_paused("in_place") if MODES[a.mode].overlaps else contextlib.nullcontext():
                     extra = {
@@ -272,9 +272,9 @@ class Run:
                         "wall_clock": metrics["perf/wall_clock"],
                         "loss_type": a.loss_type,  # an RL run refuses to resume an SFT run's checkpoint (preflight)
                     }
-                    self.actor.save(Path(a.save) / str(step), extra)
+                    self.actor.save(Path(out.save) / str(step), extra)
                 self.last_save_time = time.perf_counter() - t0
-                log.info("checkpoint %s written in %.1f s", Path(a.save) / str(step), self.last_save_time)
+                log.info("checkpoint %s written in %.1f s", Path(out.save) / str(step), self.last_save_time)
         self.metrics.advance(metrics)
 
     def evaluate(self, step: int) -> dict[str, float]:

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
-from vime.config import Config, ConfigError
+from vime.config import Config, ConfigError, OutputConfig
 from vime.errors import VimeError
 
 log = logging.getLogger("vime")
@@ -50,23 +50,24 @@ class TensorBoardSink:
         self._writer.close()
 
 
-def tensorboard_dir(args: Config) -> Path:
+def tensorboard_dir(out: OutputConfig) -> Path:
     """`<run dir>/tensorboard`; with --tb-project-name P, where slime writes them:
     `$TENSORBOARD_DIR` itself when set, else `tensorboard_log/P/<--tb-experiment-name or run name>`
     under the working directory, one tree for the runs of many projects."""
-    if args.tb_project_name is None:
-        return args.run_dir / "tensorboard"
+    if out.tb_project_name is None:
+        return out.run_dir / "tensorboard"
     if os.environ.get("TENSORBOARD_DIR"):
         return Path(os.environ["TENSORBOARD_DIR"])
-    return Path("tensorboard_log") / args.tb_project_name / (args.tb_experiment_name or run_name(args))
+    return Path("tensorboard_log") / out.tb_project_name / (out.tb_experiment_name or run_name(out))
 
 
 def _open_tensorboard(args: Config, start_step: int) -> Sink | None:
     # without tensorboard installed, TensorBoard is skipped unless --tb-project-name asks for it (check_sinks)
-    if not args.use_tensorboard or not _installed(TENSORBOARD):
+    out = args.output
+    if not out.use_tensorboard or not _installed(TENSORBOARD):
         return None
-    directory = tensorboard_dir(args)
-    if args.tb_project_name is not None:
+    directory = tensorboard_dir(out)
+    if out.tb_project_name is not None:
         log.info("TensorBoard events in %s", directory)
     return TensorBoardSink(directory, start_step)
 
@@ -78,25 +79,27 @@ class WandbSink:
     (--load) resumes its W&B run. A fresh run refuses an id W&B already holds (online; offline
     runs cannot ask), so a run name used twice never mixes two runs' rows. W&B keeps a step's
     first row only: steps a resumed run trains again (metrics.superseded.jsonl) keep the values
-    logged first."""
+    logged first. It reads the output room's settings (`args.output`); `args` whole is the W&B
+    config."""
 
     def __init__(self, args: Config, start_step: int) -> None:
         import wandb
 
-        run_id = args.wandb_run_id or wandb_run_id(run_name(args))
-        directory = Path(args.wandb_dir) if args.wandb_dir else args.run_dir
+        out = args.output
+        run_id = out.wandb_run_id or wandb_run_id(run_name(out))
+        directory = Path(out.wandb_dir) if out.wandb_dir else out.run_dir
         directory.mkdir(parents=True, exist_ok=True)
-        settings = {"api_key": args.wandb_key, "base_url": args.wandb_host, "quiet": args.quiet or None}
+        settings = {"api_key": out.wandb_key, "base_url": out.wandb_host, "quiet": out.quiet or None}
         try:
             with _secrets_out_of_argv():
                 self.run = wandb.init(
-                    project=args.wandb_project or "vime",
-                    entity=args.wandb_team,
-                    group=args.wandb_group,
-                    name=run_name(args),
+                    project=out.wandb_project or "vime",
+                    entity=out.wandb_team,
+                    group=out.wandb_group,
+                    name=run_name(out),
                     id=run_id,
-                    resume="allow" if start_step > 0 or args.wandb_run_id else "never",
-                    mode=args.wandb_mode,  # None: $WANDB_MODE, else online
+                    resume="allow" if start_step > 0 or out.wandb_run_id else "never",
+                    mode=out.wandb_mode,  # None: $WANDB_MODE, else online
                     dir=str(directory),
                     settings=wandb.Settings(**{k: v for k, v in settings.items() if v is not None}),
                 )
@@ -160,8 +163,8 @@ def _secrets_out_of_argv() -> Iterator[None]:
         sys.argv = argv
 
 
-def run_name(args: Config) -> str:
-    return args.run_name or args.run_dir.name
+def run_name(out: OutputConfig) -> str:
+    return out.run_name or out.run_dir.name
 
 
 def wandb_run_id(name: str) -> str:
@@ -170,7 +173,7 @@ def wandb_run_id(name: str) -> str:
 
 
 def _open_wandb(args: Config, start_step: int) -> Sink | None:
-    return WandbSink(args, start_step) if args.use_wandb else None
+    return WandbSink(args, start_step) if args.output.use_wandb else None
 
 
 # Each sink's opener: (args, start_step) -> the open sink, or None where the flags ask for none.
@@ -180,7 +183,7 @@ SINKS: dict[str, Callable[[Config, int], Sink | None]] = {"tensorboard": _open_t
 
 def open_sinks(args: Config, start_step: int = 0) -> list[Sink]:
     """The sinks args asks for, opened (W&B's run started or resumed); all or none."""
-    check_sinks(args)  # preflight's check, again: a sink that cannot start fails in one line even here
+    check_sinks(args.output)  # preflight's check, again: a sink that cannot start fails in one line even here
     sinks: list[Sink] = []
     try:
         for opener in SINKS.values():
@@ -208,25 +211,26 @@ def close_all(sinks: Sequence[Sink], failed: bool) -> None:
 WANDB_FLAGS = ("project", "team", "group", "run_id", "mode", "key", "host", "dir")
 
 
-def check_sinks(args: Config) -> list[str]:
+def check_sinks(out: OutputConfig) -> list[str]:
     """Before anything starts: a sink asked for that cannot write raises ConfigError (one line,
-    with the fix); settings that do nothing come back as notes, one line each, to log as warnings."""
+    with the fix); settings that do nothing come back as notes, one line each, to log as warnings.
+    `out`: the output room's settings (`cfg.output`)."""
     notes = []
-    given = [f"--wandb-{name.replace('_', '-')}" for name in WANDB_FLAGS if getattr(args, f"wandb_{name}") is not None]
-    if args.use_wandb:
+    given = [f"--wandb-{name.replace('_', '-')}" for name in WANDB_FLAGS if getattr(out, f"wandb_{name}") is not None]
+    if out.use_wandb:
         if not _installed("wandb"):
             raise ConfigError("--use-wandb needs wandb: pip install 'vime[wandb]' (or drop --use-wandb)")
-        if args.wandb_run_id is not None:
+        if out.wandb_run_id is not None:
             import wandb
 
             try:
-                wandb.Settings(run_id=args.wandb_run_id)
+                wandb.Settings(run_id=out.wandb_run_id)
             except Exception as e:  # wandb's own rule, in whichever error its version raises
-                raise ConfigError(f"--wandb-run-id {args.wandb_run_id!r}: W&B refuses it ({first_line(e)})") from None
+                raise ConfigError(f"--wandb-run-id {out.wandb_run_id!r}: W&B refuses it ({first_line(e)})") from None
     elif given:
         notes.append(f"{', '.join(given)} without --use-wandb: nothing goes to W&B (add --use-wandb)")
-    if args.tb_project_name is not None:
-        if not args.use_tensorboard:
+    if out.tb_project_name is not None:
+        if not out.use_tensorboard:
             notes.append("--tb-project-name with --no-use-tensorboard: no TensorBoard events are written")
         elif not _installed(TENSORBOARD):
             raise ConfigError(

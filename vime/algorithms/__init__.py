@@ -19,7 +19,7 @@ from vime.algorithms.advantages import GRPO, Advantage, DrGRPO, ReinforcePlusPlu
 from vime.algorithms.losses import CISPO, GSPO, PolicyLoss, PPOClip
 
 if TYPE_CHECKING:
-    from vime.config.rooms import AlgorithmConfig
+    from vime.algorithms.settings import AlgorithmConfig
 
 ADVANTAGES: dict[str, type[Advantage]] = {
     "grpo": GRPO,

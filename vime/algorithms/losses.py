@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, ClassVar
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from vime.config.rooms import AlgorithmConfig
+    from vime.algorithms.settings import AlgorithmConfig
 
 
 def per_sequence(log_w: Tensor, mask: Tensor, seq_ids: Tensor | None, level: str) -> Tensor:

@@ -8,74 +8,16 @@ added to the estimator's advantage after the estimator ran (slime adds it before
 whitening, vime's estimators whiten in the rollout), so with a constant task reward (every GRPO
 advantage 0) the run is pure distillation. The teacher (`--opd-type megatron`, slime's name for a
 teacher loaded by the trainer) scores the tokens at train time, so in the async modes too it
-scores exactly the tokens trained, however stale they are.
+scores exactly the tokens trained, however stale they are. Which directory it loads from, and
+start-up's check of its vocabulary, are the trainer's (vime/trainer/teacher.py).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
-
-from vime.errors import ConfigError
-
-if TYPE_CHECKING:
-    from vime.config.rooms import AlgorithmConfig
-
-
-def teacher_dir(algo: AlgorithmConfig) -> Path:
-    """The HF directory the teacher loads from: `--opd-teacher-load` itself when it is one (an HF
-    model, or one `<step>/` checkpoint of a vime run), else the `--opd-teacher-ckpt-step` step of
-    that vime `--save` directory, or its newest whole checkpoint."""
-    from vime.trainer.checkpoint import checkpoint_steps, latest_checkpoint, problem
-
-    load = Path(algo.opd_teacher_load).expanduser()
-    step = algo.opd_teacher_ckpt_step
-    if not load.is_dir():
-        raise ConfigError(f"--opd-teacher-load {load} is not a directory: give the teacher's HF model directory")
-    if step is not None:
-        ckpt = checkpoint_steps(load).get(step)
-        if ckpt is None:
-            held = sorted(checkpoint_steps(load))
-            raise ConfigError(
-                f"--opd-teacher-ckpt-step {step}: {load} holds no step {step} (steps: {held or 'none'}): "
-                "give one of them, or drop the flag for the newest"
-            )
-        why = problem(ckpt)
-        if why is not None:
-            raise ConfigError(f"--opd-teacher-ckpt-step {step}: {ckpt} is damaged ({why}): give another step")
-        return ckpt
-    if (load / "config.json").exists():
-        return load
-    newest = latest_checkpoint(load, warn=False)
-    if newest is None:
-        raise ConfigError(
-            f"--opd-teacher-load {load} holds neither an HF model (config.json) nor a whole vime checkpoint: "
-            "give the teacher's HF directory or the --save directory of the run that trained it"
-        )
-    return newest
-
-
-def check_teacher(args: Any, student_config: dict, read_config: Any) -> Path:
-    """The teacher's directory, refused in one line when its vocabulary is not the student's: the
-    teacher scores the student's token ids, which mean other tokens (or none) in another vocabulary.
-    `args`: the run's config (start-up's check calls this with it)."""
-    path = teacher_dir(args.algorithm)
-    teacher_config = read_config(path)
-    theirs, ours = _vocab_size(teacher_config), _vocab_size(student_config)
-    if theirs is not None and ours is not None and theirs != ours:
-        raise ConfigError(
-            f"--opd-teacher-load {path} has a vocabulary of {theirs} tokens and the student {ours}: the teacher "
-            "scores the student's token ids, so it needs the student's tokenizer; give a teacher of the same family"
-        )
-    return path
-
-
-def _vocab_size(config: dict) -> int | None:
-    size = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
-    return int(size) if size is not None else None
 
 
 def distill_advantages(

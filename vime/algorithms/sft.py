@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from vime.config.rooms import AlgorithmConfig
+    from vime.algorithms.settings import AlgorithmConfig
 
 
 class SFTLoss:

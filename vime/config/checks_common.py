@@ -4,13 +4,13 @@ response is sampled and graded, the engines, slime's flags, and finite numbers. 
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from typing import Any
 
 from vime import compat
 from vime.backends import BACKENDS, Backend
 from vime.config.schema import FIELDS, Settings
+from vime.launchers import launcher_checks
 
 
 def common_checks(c: Settings) -> list[tuple[bool, str]]:
@@ -119,19 +119,7 @@ def _engine_checks(c: Settings) -> list[tuple[bool, str]]:
             f"--weight-transport {c.weight_transport} does not reach {c.rollout_backend} engines (they receive by "
             f"{', '.join(t for t in _backend(c).transports if t != 'auto')}): leave it at auto",
         ),
-        (
-            c.launcher == "ray" and bool(c.rollout_engine_urls),
-            "--launcher ray launches engines, --rollout-engine-urls uses running ones: give one of the two",
-        ),
-        (
-            c.launcher == "ray" and c.colocate,
-            "--colocate puts the engines on the trainer's GPUs, which Ray does not place: use --launcher local",
-        ),
-        (
-            # checked here, or the first use of ray (placing the engines, after the trainer loaded) was a traceback
-            c.launcher == "ray" and importlib.util.find_spec("ray") is None,
-            "--launcher ray needs ray in this environment: pip install ray (or make install-ray), or use --launcher local",
-        ),
+        *launcher_checks(c),  # what the chosen launcher cannot do (vime/launchers.py)
     ]
 
 

@@ -25,6 +25,7 @@ import yaml
 
 from vime.config.values import UniqueKeyLoader, coerce
 from vime.errors import ConfigError
+from vime.eval_sets import METADATA_KEY
 
 # slime's per-set key -> the Config field it overrides for that set
 KEYS: dict[str, str] = {
@@ -44,8 +45,6 @@ KEYS: dict[str, str] = {
     "stop": "rollout_stop",
     "stop_token_ids": "rollout_stop_token_ids",
 }
-# merged into every sample's metadata (slime's inject_metadata), so rewards and generate functions see them
-METADATA_KEY = "metadata_overrides"
 # keys of slime's format that vime has no counterpart for: refused, never ignored
 NOT_IN_VIME: dict[str, str] = {
     "custom_rm_path": "vime grades eval by rm type rules only (rm_type)",

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from vime.backends import BACKENDS, TRANSPORTS
 from vime.config.fields import setting
+from vime.launchers import LAUNCHER_ROWS, launcher_help
 
 
 @dataclass
@@ -33,15 +34,7 @@ class PlacementFields:
         [], "use running engines at these URLs instead of launching (JSON list or comma-separated)", group="placement"
     )
     device: str = setting("auto", "trainer device: auto, cpu, cuda", ("auto", "cpu", "cuda"), group="placement")
-    launcher: str = setting(
-        "auto",
-        "where launched engines and trainer ranks 1..N-1 run: local (processes on this machine) or ray (actors the "
-        "Ray cluster places, one placement-group bundle each, on any of its nodes; the cluster of RAY_ADDRESS, or "
-        "the job's). Trainer rank 0 is the run's own process either way. auto: ray inside a Ray job whose cluster "
-        "has more than one node (when the engines can be placed there), else local",
-        ("auto", "local", "ray"),
-        group="placement",
-    )
+    launcher: str = setting("auto", launcher_help(), ("auto", *LAUNCHER_ROWS), group="placement")
     engine_max_num_seqs: int = setting(256, "max sequences the engine runs at once", group="placement")
     engine_num_kv_blocks: int | None = setting(
         None, "KV-cache blocks per engine (default: engine's choice)", group="placement"

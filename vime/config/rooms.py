@@ -7,6 +7,10 @@ field the run still sets after validation (`load`, `num_rollout`, `model_dir`, `
 `update_weights_master_address`) is read as it is now, not as it was. A room that keeps one
 keeps a snapshot: take it after start-up's writes (the trainer is built after preflight).
 Each field has its flag's name and type; tests/test_config.py checks that against `Settings`.
+Three are declared in their rooms, which sit below the config because it reads their tables
+(the objectives, the rm types, the backends), and named here with the others: `AlgorithmConfig`
+(vime/algorithms/settings.py), `RolloutConfig` (vime/rollout/settings.py), `PlacementConfig`
+(vime/backends/settings.py).
 Plug-ins written for slime keep receiving the flat `args`.
 """
 
@@ -14,7 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
+
+from vime.algorithms.settings import AlgorithmConfig as AlgorithmConfig
+from vime.backends.settings import PlacementConfig as PlacementConfig
+from vime.rollout.settings import RolloutConfig as RolloutConfig
 
 Room = TypeVar("Room")
 
@@ -22,106 +31,6 @@ Room = TypeVar("Room")
 def take(room: type[Room], cfg: Any) -> Room:
     """The room's fields read from the flat config (a property such as `steps_per_rollout` too)."""
     return room(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(room)})
-
-
-@dataclass(frozen=True)
-class RolloutConfig:
-    """What the rollout room reads: the prompts and their keys, sampling, the rollout function and
-    its plug-ins, debugging one side, multi-turn tools, async training and the rewards."""
-
-    hf_checkpoint: str | None
-    prompt_data: str | None
-    input_key: str
-    label_key: str
-    label_format: str
-    metadata_key: str
-    tool_key: str | None
-    apply_chat_template: bool
-    apply_chat_template_kwargs: dict
-    rollout_batch_size: int
-    n_samples_per_prompt: int
-    num_rollout: int | None
-    num_epoch: int | None
-    rollout_function_path: str
-    custom_generate_function_path: str | None
-    custom_config_path: str | None
-    rollout_max_response_len: int
-    rollout_temperature: float
-    rollout_top_p: float
-    rollout_top_k: int
-    rollout_stop_token_ids: list
-    rollout_stop: list
-    rollout_max_prompt_len: int | None
-    rollout_max_context_len: int | None
-    dynamic_sampling_filter_path: str | None
-    over_sampling_batch_size: int | None
-    rollout_shuffle: bool
-    rollout_seed: int
-    skip_overlong_prompts: bool
-    save_debug_rollout_data: str | None
-    load_debug_rollout_data: str | None
-    debug_train_only: bool
-    debug_rollout_only: bool
-    tools: list
-    max_turns: int
-    tool_timeout: float
-    tool_max_output_chars: int
-    rollout_concurrency: int | None
-    max_staleness: int | None
-    partial_rollout: bool
-    update_in_flight: str
-    rm_type: str
-    rm_url: str | None
-    custom_rm_path: str | None
-    reward_timeout: float
-    reward_key: str | None
-
-
-@dataclass(frozen=True)
-class AlgorithmConfig:
-    """What vime/algorithms/ reads: the advantage estimator, the policy loss and its clipping, KL
-    and entropy terms, on-policy distillation and the off-policy corrections."""
-
-    advantage_estimator: str
-    custom_advantage_function_path: str | None
-    normalize_advantages: bool
-    gamma: float
-    loss_type: str
-    loss_mask_type: str
-    disable_compute_advantages_and_returns: bool
-    custom_loss_function_path: str | None
-    use_opsm: bool
-    opsm_delta: float
-    disable_grpo_std_normalization: bool
-    eps_clip: float
-    eps_clip_high: float | None
-    calculate_per_token_loss: bool
-    eps_clip_c: float | None
-    kl_loss_coef: float
-    use_kl_loss: bool
-    kl_loss_type: str
-    use_unbiased_kl: bool
-    ref_load: str | None
-    use_opd: bool
-    opd_type: str | None
-    opd_kl_coef: float
-    opd_teacher_load: str | None
-    opd_teacher_ckpt_step: int | None
-    entropy_coef: float
-    use_rollout_logprobs: bool
-    off_policy_correction: str
-    use_tis: bool
-    tis_mode: str
-    tis_level: str
-    custom_tis_function_path: str | None
-    tis_clip: float
-    tis_clip_low: float
-    use_rs: bool
-    rs_level: str
-    rs_lower_bound: float
-    rs_upper_bound: float
-    rs_veto_threshold: float | None
-    m2_threshold: float | None
 
 
 @dataclass(frozen=True)
@@ -168,38 +77,10 @@ class TrainerConfig:
 
 
 @dataclass(frozen=True)
-class PlacementConfig:
-    """Where trainer and engines run, how many engines, how they are reached and probed, and how
-    weights are pushed to them."""
-
-    colocate: bool
-    actor_num_nodes: int
-    actor_num_gpus_per_node: int
-    rollout_num_gpus: int | None
-    rollout_num_gpus_per_engine: int
-    rollout_num_engines: int | None
-    rollout_backend: str
-    rollout_engine_urls: list
-    device: str
-    launcher: str
-    engine_max_num_seqs: int
-    engine_num_kv_blocks: int | None
-    update_weights_interval: int
-    weight_transport: str
-    update_weight_buffer_size: int
-    update_weights_timeout: float
-    rollout_health_check_interval: float
-    rollout_health_check_timeout: float
-    check_weight_push: bool
-    update_weights_master_address: str | None
-    actor_num_procs: int
-    api_key: str | None
-
-
-@dataclass(frozen=True)
 class EvalConfig:
     """Held-out evaluation: when, on which sets (`eval_sets`, resolved at validation), and the
-    sampling and grading settings a set may override."""
+    sampling and grading settings a set may override. Besides those: `rm_type` (eval grades as
+    training does for `exact`), `model_dir` (a prompt's room in the model's context)."""
 
     eval_interval: int | None
     eval_prompt_data: list | None
@@ -216,11 +97,14 @@ class EvalConfig:
     eval_max_response_len: int | None
     eval_limit: int | None
     eval_sets: list
+    rm_type: str
+    model_dir: str | None
 
 
 @dataclass(frozen=True)
 class OutputConfig:
-    """What a run writes: checkpoints, its directory and name, TensorBoard and W&B, the console."""
+    """What a run writes: checkpoints, its directory and name, TensorBoard and W&B, the console.
+    Besides those: `run_dir` (where --runs-dir and --run-name put the run)."""
 
     save: str | None
     save_interval: int | None
@@ -241,3 +125,4 @@ class OutputConfig:
     wandb_host: str | None
     wandb_dir: str | None
     quiet: bool
+    run_dir: Path

@@ -26,10 +26,10 @@ import yaml
 
 from vime.backends import BACKENDS
 from vime.backends.client import EngineClient
+from vime.backends.placement import Placement, fresh_path, trainer_device
 from vime.config import Config, ConfigError
 from vime.launch.context import RunContext
 from vime.launch.launcher import launcher_for
-from vime.launch.placement import Placement, fresh_path, trainer_device
 from vime.metrics import setup_logging
 from vime.preflight import check_eval_inputs, check_inputs
 from vime.rollout.compat import PluginArgs, Router, needs_router
@@ -49,7 +49,7 @@ def assemble(cfg: Config, evaluation: bool = False) -> RunContext:
             ctx.actor = launch_actor(
                 ctx.cfg,
                 ctx.cfg.model_dir,
-                trainer_device(ctx.cfg),
+                trainer_device(ctx.cfg.placement),
                 ctx.tokenizer,
                 ctx.run_dir,
                 start_ranks=ctx.launcher.rank_starter(),
@@ -80,7 +80,7 @@ def _checked(cfg: Config) -> RunContext:
     for note in inputs.notes:
         log.warning("%s", note)
     log.info("mode %s; %s", cfg.mode, cfg.correction_summary())
-    launcher = launcher_for(inputs.cfg)
+    launcher = launcher_for(inputs.cfg.placement)
     cfg = inputs.cfg.derived(launcher=launcher.name).freeze()
     _log_debug_modes(cfg)
     # a resumed run keeps the config of the run it resumes (config.1.yaml, ...: one per resume)
@@ -106,7 +106,7 @@ def _checked_for_eval(cfg: Config) -> RunContext:
     cfg, tokenizer = check_eval_inputs(cfg)
     run_dir = cfg.run_dir if cfg.run_name else Path(cfg.runs_dir) / "eval"
     run_dir.mkdir(parents=True, exist_ok=True)
-    launcher = launcher_for(cfg)
+    launcher = launcher_for(cfg.placement)
     cfg = cfg.derived(launcher=launcher.name).freeze()
     return RunContext(cfg, run_dir, tokenizer, BACKENDS[cfg.rollout_backend], launcher)
 
@@ -134,9 +134,9 @@ def _engines(ctx: RunContext, relaunch: bool) -> None:
     has no push to bring one back in step, so it goes on with the others)."""
     cfg, backend = ctx.cfg, ctx.backend
     ctx.placement = (
-        Placement(trainer_device(cfg), [], [], [])
+        Placement(trainer_device(cfg.placement), [], [], [])
         if cfg.debug_train_only
-        else ctx.launcher.place_engines(backend, cfg, cfg.model_dir, ctx.run_dir)
+        else ctx.launcher.place_engines(backend, cfg.placement, cfg.model_dir, ctx.run_dir)
     )
     placement = ctx.placement
     api_key = placement.api_key or cfg.api_key  # the key of engines we launch is the placement's
@@ -147,7 +147,7 @@ def _engines(ctx: RunContext, relaunch: bool) -> None:
 
     restart = start_again if relaunch and placement.launch_one is not None else None
     ctx.runtime = RolloutRuntime(
-        clients, ctx.tokenizer, placement.transports, restart, HealthCheck.of(cfg), ctx.rewards
+        clients, ctx.tokenizer, placement.transports, restart, HealthCheck.of(cfg.rollout), ctx.rewards
     )
 
 
@@ -155,7 +155,7 @@ def _router_and_pusher(ctx: RunContext) -> None:
     """The seed's plug-ins' route to the engines (rollout/compat.py), and the weight pusher of
     a run with a trainer and engines."""
     cfg, placement = ctx.cfg, ctx.placement
-    if needs_router(cfg) and placement.urls:
+    if needs_router(cfg.rollout) and placement.urls:
         ctx.router = Router(ctx.runtime, cfg.rollout_max_response_len).start()
     if ctx.actor is not None and not cfg.debug_train_only:
         ctx.pusher = WeightPusher(

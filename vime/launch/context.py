@@ -18,9 +18,9 @@ from vime.rollout import async_loop
 
 if TYPE_CHECKING:
     from vime.backends import Backend
+    from vime.backends.placement import Placement
     from vime.config import Config
     from vime.launch.launcher import Launcher
-    from vime.launch.placement import Placement
     from vime.rollout.compat import PluginArgs, Router
     from vime.rollout.data_source import DataSource
     from vime.rollout.rewards import Rewards

@@ -1,35 +1,37 @@
-"""Where a run's launched engines and trainer ranks 1..N-1 run (--launcher): one row per launcher.
+"""Where a run's launched engines and trainer ranks 1..N-1 run (--launcher): one `Launcher` per
+row of `vime/launchers.py` (`LAUNCHER_ROWS`, plain data the config reads: the flag's choices and
+what each launcher refuses).
 
 A launcher places a backend's engines (each backend row names its placement for each launcher:
 `place` here, `ray_place` as Ray actors) and says how trainer ranks beyond rank 0 start; rank 0
 is always the run's own process. A new launcher is one file holding a class of this protocol
-plus one row of `LAUNCHERS`. `--launcher auto` takes the first row whose `chosen_by_auto` says
-yes; the last row, local, always does.
+plus one row of `LAUNCHER_ROWS`. `--launcher auto` takes the first row whose `chosen_by_auto`
+says yes; the last row, local, always does.
 """
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from vime.launch.local import LocalLauncher
-from vime.launch.ray import RayLauncher
+from vime.launchers import LAUNCHER_ROWS
 
 if TYPE_CHECKING:
     from vime.backends import Backend
-    from vime.config import Config
-    from vime.launch.placement import Placement
+    from vime.backends.placement import Placement
+    from vime.config.rooms import PlacementConfig
     from vime.trainer.distributed import RankStarter
 
 
 class Launcher(Protocol):
     name: str  # --launcher's value
 
-    def chosen_by_auto(self, cfg: Config) -> bool:
+    def chosen_by_auto(self, settings: PlacementConfig) -> bool:
         """Whether --launcher auto means this launcher for this run."""
         ...
 
-    def place_engines(self, backend: Backend, cfg: Config, model_dir: str, run_dir: Path) -> Placement:
+    def place_engines(self, backend: Backend, settings: PlacementConfig, model_dir: str, run_dir: Path) -> Placement:
         """The run's engines launched (or those given by URL checked): where they are and how weights reach them."""
         ...
 
@@ -38,11 +40,17 @@ class Launcher(Protocol):
         ...
 
 
-LAUNCHERS: dict[str, Launcher] = {launcher.name: launcher for launcher in (RayLauncher(), LocalLauncher())}
+def _made(path: str) -> Launcher:
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)()
 
 
-def launcher_for(cfg: Config) -> Launcher:
-    """--launcher's row; auto resolved as the module docstring says."""
-    if cfg.launcher in LAUNCHERS:
-        return LAUNCHERS[cfg.launcher]
-    return next(launcher for launcher in LAUNCHERS.values() if launcher.chosen_by_auto(cfg))
+LAUNCHERS: dict[str, Launcher] = {name: _made(row.cls) for name, row in LAUNCHER_ROWS.items()}
+
+
+def launcher_for(settings: PlacementConfig) -> Launcher:
+    """--launcher's row (`settings`: the placement room's, `cfg.placement`); auto resolved as the
+    module docstring says."""
+    if settings.launcher in LAUNCHERS:
+        return LAUNCHERS[settings.launcher]
+    return next(launcher for launcher in LAUNCHERS.values() if launcher.chosen_by_auto(settings))

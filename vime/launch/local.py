@@ -8,18 +8,18 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from vime.backends import Backend
-    from vime.config import Config
-    from vime.launch.placement import Placement
+    from vime.backends.placement import Placement
+    from vime.config.rooms import PlacementConfig
 
 
 class LocalLauncher:
     name = "local"
 
-    def chosen_by_auto(self, cfg: Config) -> bool:
+    def chosen_by_auto(self, settings: PlacementConfig) -> bool:
         return True  # the last row of the table: what auto means when no other launcher claims the run
 
-    def place_engines(self, backend: Backend, cfg: Config, model_dir: str, run_dir: Path) -> Placement:
-        return backend.load(backend.place)(cfg, model_dir, run_dir)
+    def place_engines(self, backend: Backend, settings: PlacementConfig, model_dir: str, run_dir: Path) -> Placement:
+        return backend.load(backend.place)(settings, model_dir, run_dir)
 
     def rank_starter(self) -> None:
         return None

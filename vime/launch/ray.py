@@ -1,23 +1,8 @@
-"""`--launcher ray` (`RayLauncher`, a row of `launcher.py`'s table): a backend's engines placed
-by a Ray cluster as actors, and trainer ranks 1..N-1 as actors too (`ray_ranks.py`); joining the
-cluster and reserving room in it is `ray_cluster.py`'s.
-
-Each engine gets one bundle of a placement group (`{"CPU": 1}`, plus its GPUs,
---rollout-num-gpus-per-engine, when the trainer runs on GPUs), packed onto as few nodes as the
-cluster allows. In its bundle an actor, `EngineHost`, starts the engine server on its node with
-the backend's launcher (`launch_engine` for the built-in engine, `launch_vllm` for vLLM),
-listening on every address of the node, its log at the run's `engine<i>.log`, and answers with
-the URL other nodes reach it at. `place_actors` is the part every backend shares; each backend's
-`place_ray` (`vime/backends/builtin/place.py`, `vime.backends.vllm.place.place_vllm_ray`) gives it its
-launcher, arguments and facts. From there the run treats it as any launched engine: the weight
-transport follows from where the engine reports it runs (`placement.choose_transports`: gloo or nccl to another host, whose
-rendezvous address is this node's IP unless --update-weights-master-address says otherwise),
-and an engine that dies is started again by the runtime (`Placement.relaunch`), here as a new
-actor in the same bundle, then re-synced by the next push.
-
-The server watches its actor (`--parent-pid`): a killed actor, or a lost node, takes the engine
-with it, and the run sees that as an engine failure, named by its node's address. Ray's own
-actor restarts are off, so one path restarts engines, the runtime's, which also re-syncs them.
+"""`--launcher ray` (`RayLauncher`, made from its row of `vime/launchers.py`): a backend's engines
+placed by a Ray cluster as actors (each backend's `ray_place`, through
+`vime/backends/ray_actors.py`), and trainer ranks 1..N-1 as actors too (`ray_ranks.py`); joining
+the cluster and reserving room in it is `vime/backends/ray_cluster.py`'s. `resolve_launcher` says
+what `--launcher auto` means for a run.
 
 The trainer's rank 0 stays in this process (the job's driver); its other ranks are Ray actors
 of their own placement group (`vime/launch/ray_ranks.py`).
@@ -27,59 +12,17 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
-import socket
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-from vime.errors import EngineError
-from vime.launch.placement import Placement, fresh_path, launch_all, placed, trainer_device
-from vime.launch.ray_cluster import ROOT, join_cluster, reserve
-from vime.transport.group import apply_gpu_safe_env
+from vime.backends.placement import Placement, trainer_device
+from vime.backends.ray_cluster import join_cluster
+from vime.backends.settings import PlacementConfig
 
 log = logging.getLogger("vime")
 
 
-class EngineHost:
-    """The Ray actor (made remote in `place_actors`): one engine server on its node."""
-
-    def start(self, launcher: str, kwargs: dict) -> dict:
-        """Start the server with `launcher` ("module:function", returning an object with `url`
-        and `shutdown()`), listening on every address of the node."""
-        import importlib
-
-        import ray
-
-        module, name = launcher.split(":")
-        self.proc = getattr(importlib.import_module(module), name)(host="0.0.0.0", **kwargs)
-        ip = ray.util.get_node_ip_address()
-        port = self.proc.url.rsplit(":", 1)[1]
-        return {"url": f"http://{ip}:{port}", "node": socket.gethostname(), "ip": ip}
-
-    def stop(self) -> None:
-        self.proc.shutdown()
-
-
-class RayEngine:
-    """A launched engine as the Placement holds it (`url`, `shutdown`): its actor behind it."""
-
-    def __init__(self, actor: Any, info: dict) -> None:
-        self.actor = actor
-        self.url: str = info["url"]
-        self.node: str = info["node"]
-
-    def shutdown(self) -> None:
-        import ray
-
-        try:
-            ray.get(self.actor.stop.remote(), timeout=15)
-        except Exception as e:  # an actor already gone (killed, its node lost) has nothing to stop
-            log.debug("stopping the engine actor at %s: %s", self.url, e)
-        ray.kill(self.actor, no_restart=True)
-
-
-def resolve_launcher(args) -> str:
+def resolve_launcher(settings: PlacementConfig) -> str:
     """What `--launcher auto` means for this run: ray inside a Ray job whose cluster has more
     than one node, so a multi-node `ray job submit` places engines and trainer ranks on its
     nodes; local otherwise (one machine keeps vime's own GPU layout, which Ray's books do not
@@ -88,14 +31,14 @@ def resolve_launcher(args) -> str:
     from importlib.util import find_spec
 
     in_job = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") is not None
-    if not (in_job and not args.rollout_engine_urls and not args.colocate and find_spec("ray") is not None):
+    if not (in_job and not settings.rollout_engine_urls and not settings.colocate and find_spec("ray") is not None):
         return "local"
     ray = join_cluster()
     nodes = sum(1 for n in ray.nodes() if n["Alive"])
     if nodes < 2:
         ray.shutdown()
         return "local"
-    if trainer_device(args) != "cpu" and "CUDA_VISIBLE_DEVICES" not in os.environ:
+    if trainer_device(settings) != "cpu" and "CUDA_VISIBLE_DEVICES" not in os.environ:
         # Ray sets it for a job that reserved its GPU (--entrypoint-num-gpus); without that,
         # rank 0's GPU is one Ray's books count as free, for a rank or an engine to land on
         log.info(
@@ -119,91 +62,13 @@ class RayLauncher:
 
     name = "ray"
 
-    def chosen_by_auto(self, cfg) -> bool:
-        return resolve_launcher(cfg) == self.name
+    def chosen_by_auto(self, settings: PlacementConfig) -> bool:
+        return resolve_launcher(settings) == self.name
 
-    def place_engines(self, backend, cfg, model_dir: str, run_dir: Path) -> Placement:
-        return backend.load(backend.ray_place)(cfg, model_dir, run_dir)
+    def place_engines(self, backend, settings: PlacementConfig, model_dir: str, run_dir: Path) -> Placement:
+        return backend.load(backend.ray_place)(settings, model_dir, run_dir)
 
     def rank_starter(self) -> Callable:
         from vime.launch.ray_ranks import start_ray_ranks  # imports the trainer
 
         return start_ray_ranks
-
-
-def place_actors(
-    args,
-    run_dir: Path,
-    launcher: str,
-    engine_kwargs: Callable[[int, str], dict],
-    facts: Callable[[str, str], dict],
-    label: str,
-    substitute: dict[str, str] | None = None,
-) -> Placement:
-    """Engines as Ray actors: a placement group of one bundle per engine, an `EngineHost` actor
-    in each (all started at once) running `launcher(host=..., api_key=..., log_path=...,
-    **engine_kwargs(i, device))`, then what every placement ends with (`placed`: each engine's
-    `facts(url, api_key)`, its transport, `substitute`d where the backend lacks one, and the
-    rendezvous address)."""
-    ray = join_cluster()  # first: without ray it says so in one line
-    from ray.util.placement_group import remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    apply_gpu_safe_env()
-    trainer = trainer_device(args)
-    gpus = 0 if trainer == "cpu" else args.rollout_num_gpus_per_engine
-    n = args.rollout_num_engines or (max(1, (args.rollout_num_gpus or gpus) // gpus) if gpus else 1)
-    bundle = {"CPU": 1.0, **({"GPU": float(gpus)} if gpus else {})}
-    group = reserve(bundle, n, f"vime-engines-{run_dir.name}", "engine(s)", "add nodes or lower --rollout-num-engines")
-    host = ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=0)(EngineHost)
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
-    api_key = args.api_key or secrets.token_urlsafe(24)  # engines on other nodes listen on every address
-    # Ray shows the actor its GPUs as devices 0..gpus-1 (CUDA_VISIBLE_DEVICES)
-    device = f"cuda:{','.join(map(str, range(gpus)))}" if gpus else "cpu"
-
-    def launch_one(i: int) -> RayEngine:
-        log_path = fresh_path(run_dir / f"engine{i}.log")
-        kwargs = dict(engine_kwargs(i, device), api_key=api_key, log_path=str(log_path))
-        actor = host.options(
-            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
-            runtime_env={"env_vars": env},
-            name=f"vime-engine{i}-{secrets.token_hex(3)}",
-        ).remote()
-        try:
-            info = ray.get(actor.start.remote(launcher, kwargs))
-        except ray.exceptions.RayError as e:
-            ray.kill(actor, no_restart=True)
-            cause = getattr(e, "cause", None) or e
-            raise EngineError(
-                f"{label} {i} did not start in its Ray actor: {' '.join(str(cause).split())[:400]}"
-            ) from None
-        log.info(
-            "%s %d: Ray actor on node %s (%s), %s, log %s", label, i, info["node"], info["ip"], info["url"], log_path
-        )
-        return RayEngine(actor, info)
-
-    try:
-        engines = launch_all(launch_one, n)
-    except BaseException:
-        remove_placement_group(group)
-        raise
-    try:
-        devices = [f"{e.node}:{device}" for e in engines]  # node: device in its actor
-        placement = placed(
-            args,
-            trainer,
-            devices,
-            [e.url for e in engines],
-            engines,
-            api_key,
-            launch_one,
-            lambda url: facts(url, api_key),
-            label,
-            substitute,
-            own_address=ray.util.get_node_ip_address(),  # engines on other nodes dial this one
-        )
-    except BaseException:
-        remove_placement_group(group)
-        raise
-    placement.release = lambda: remove_placement_group(group)
-    return placement

@@ -107,7 +107,7 @@ def start_ray_ranks(
     from ray.util.placement_group import remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from vime.launch.ray_cluster import READY_S, ROOT, join_cluster, reserve
+    from vime.backends.ray_cluster import READY_S, ROOT, join_cluster, reserve
 
     ray = join_cluster()
     gpus = 1 if device.startswith("cuda") else 0

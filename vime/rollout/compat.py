@@ -296,11 +296,12 @@ class Router:
             self._runner = None
 
 
-def needs_router(args: Any) -> bool:
-    """A plug-in that may talk to the engines itself: a custom generate or rollout function."""
+def needs_router(rollout: Any) -> bool:
+    """A plug-in that may talk to the engines itself: a custom generate or rollout function
+    (`rollout`: the rollout room's settings)."""
     from vime.modes import DEFAULT_ROLLOUT_FN, FULLY_ASYNC_FN
 
-    return bool(args.custom_generate_function_path) or args.rollout_function_path not in (
+    return bool(rollout.custom_generate_function_path) or rollout.rollout_function_path not in (
         DEFAULT_ROLLOUT_FN,
         FULLY_ASYNC_FN,
     )

@@ -12,24 +12,27 @@ import dataclasses
 import random
 import threading
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vime.rollout.prompt_rows import DataError, load_prompts  # noqa: F401 (DataError: tests import it here)
 from vime.rollout.prompts import PromptRenderer, fit_prompts, prompt_limit
 from vime.rollout.types import MULTI_TURN_STATE, Sample, Status
 
+if TYPE_CHECKING:
+    from vime.rollout.settings import RolloutConfig
 
-def _label_grader(args) -> str | None:
+
+def _label_grader(rollout: RolloutConfig) -> str | None:
     """What grades the training rows against their labels, if anything: the built-in rewards but
     reasoning_gym (its scorer reads the row's metadata); not a reward or rollout of one's own."""
     from vime.modes import DEFAULT_ROLLOUT_FN, FULLY_ASYNC_FN
     from vime.rollout.rewards import MODULE_RM_TYPES
 
-    if args.custom_rm_path or args.rm_type in MODULE_RM_TYPES:
+    if rollout.custom_rm_path or rollout.rm_type in MODULE_RM_TYPES:
         return None
-    if args.rollout_function_path not in (DEFAULT_ROLLOUT_FN, FULLY_ASYNC_FN):
+    if rollout.rollout_function_path not in (DEFAULT_ROLLOUT_FN, FULLY_ASYNC_FN):
         return None
-    return f"--rm-type {args.rm_type}"
+    return f"--rm-type {rollout.rm_type}"
 
 
 # ---------------------------------------------------------------- the data source
@@ -83,13 +86,13 @@ class DataSource:
     one lock.
     """
 
-    def __init__(self, args, tokenizer, max_prompt_len: int | None = None) -> None:
-        self.args = args
+    def __init__(self, rollout: RolloutConfig, tokenizer, max_prompt_len: int | None = None) -> None:
+        self.settings = rollout  # the rollout room's settings (`cfg.rollout`)
         # left out by --skip-overlong-prompts, --rollout-max-prompt-len or --rollout-max-context-len (fit_prompts)
         self.skipped_prompts = 0
         self.skipped_note: str | None = None  # one line saying which and why, for the run's log
         self.rows = self._load(tokenizer, max_prompt_len)
-        self.n_per_prompt = int(args.n_samples_per_prompt)
+        self.n_per_prompt = int(rollout.n_samples_per_prompt)
         self.epoch = 0
         self.offset = 0  # position in this epoch's order
         self.next_index = 0  # Sample.index of the next fresh sample
@@ -104,31 +107,31 @@ class DataSource:
     def _load(self, tokenizer, max_prompt_len: int | None) -> list[dict[str, Any]]:
         """The prompt rows, every one checked and rendered now (`fit_prompts`), so a bad row fails
         at start-up; a subclass that hands out other samples reads its rows its own way."""
-        args = self.args
+        rollout = self.settings
         rows = load_prompts(
-            args.prompt_data,
-            args.input_key,
-            args.label_key,
-            args.metadata_key,
-            args.label_format,
-            args.tool_key,
-            grader=_label_grader(args),
+            rollout.prompt_data,
+            rollout.input_key,
+            rollout.label_key,
+            rollout.metadata_key,
+            rollout.label_format,
+            rollout.tool_key,
+            grader=_label_grader(rollout),
         )
-        self.renderer = PromptRenderer(args, tokenizer, str(args.prompt_data))
-        limit = prompt_limit(args)
+        self.renderer = PromptRenderer(rollout, tokenizer, str(rollout.prompt_data))
+        limit = prompt_limit(rollout)
         if max_prompt_len is not None or limit is not None:
             bound = max_prompt_len if max_prompt_len is not None else limit[0]
             total = len(rows)
             rows, self.skipped_prompts = fit_prompts(
-                rows, self.renderer, str(args.prompt_data), bound, args.skip_overlong_prompts, limit
+                rows, self.renderer, str(rollout.prompt_data), bound, rollout.skip_overlong_prompts, limit
             )
             if self.skipped_prompts:
                 most, flag = limit if limit is not None and limit[0] <= bound else (bound, "--skip-overlong-prompts")
                 self.skipped_note = (
-                    f"{flag}: left out {self.skipped_prompts} of {total} prompts of {args.prompt_data} "
+                    f"{flag}: left out {self.skipped_prompts} of {total} prompts of {rollout.prompt_data} "
                     f"longer than {most} tokens (rollout/skipped_prompts)"
                 )
-        self.renderer.render_row(rows[0], f"{args.prompt_data} row 0")  # a bad template fails now, not mid-run
+        self.renderer.render_row(rows[0], f"{rollout.prompt_data} row 0")  # a bad template fails now, not mid-run
         return rows
 
     def __len__(self) -> int:
@@ -136,8 +139,8 @@ class DataSource:
 
     def _epoch_order(self, epoch: int) -> list[int]:
         order = list(range(len(self.rows)))
-        if self.args.rollout_shuffle:
-            random.Random(self.args.rollout_seed + epoch).shuffle(order)
+        if self.settings.rollout_shuffle:
+            random.Random(self.settings.rollout_seed + epoch).shuffle(order)
         return order
 
     def _next_row(self) -> int:
@@ -152,7 +155,7 @@ class DataSource:
     def _new_group(self) -> list[Sample]:
         row_index = self._next_row()
         row = self.rows[row_index]
-        text, ids = self.renderer.render_row(row, f"{self.args.prompt_data} row {row_index}")
+        text, ids = self.renderer.render_row(row, f"{self.settings.prompt_data} row {row_index}")
         group = [
             Sample(
                 index=self.next_index + k,

@@ -13,38 +13,41 @@ from vime.errors import EngineError
 
 
 def sampling_params(args, evaluation: bool = False) -> dict:
-    """The engine protocol's sampling_params of a rollout (or, with `evaluation`, of eval).
+    """The engine protocol's sampling_params of a rollout (or, with `evaluation`, of eval), from
+    the rollout room's settings (`args.rollout`) and, for eval, the eval room's (`args.eval`).
 
     Eval is greedy with one sample per prompt; with more it samples at the rollout's settings.
     --eval-temperature / --eval-top-p / --eval-top-k override either. Stop strings (--rollout-stop) are sent only when given, so a request without
     them is the same as before they existed.
     """
+    rollout = args.rollout
     if evaluation:
-        temperature = args.eval_temperature
+        ev = args.eval
+        temperature = ev.eval_temperature
         if temperature is None:
-            temperature = 0.0 if args.n_samples_per_eval_prompt == 1 else args.rollout_temperature
-        top_p = args.eval_top_p
+            temperature = 0.0 if ev.n_samples_per_eval_prompt == 1 else rollout.rollout_temperature
+        top_p = ev.eval_top_p
         if top_p is None:
-            top_p = 1.0 if temperature == 0 else args.rollout_top_p
+            top_p = 1.0 if temperature == 0 else rollout.rollout_top_p
         params = {
-            "max_new_tokens": args.eval_max_response_len,
+            "max_new_tokens": ev.eval_max_response_len,
             "temperature": temperature,
             "top_p": top_p,
-            "top_k": args.eval_top_k if args.eval_top_k is not None else -1 if temperature == 0 else args.rollout_top_k,
+            "top_k": ev.eval_top_k if ev.eval_top_k is not None else -1 if temperature == 0 else rollout.rollout_top_k,
             # ahead of waiting rollout requests: an eval during async training waits for seats,
             # not for the worker's whole backlog (bench/real_ab.py's eval column shows it)
             "priority": -1,
         }
     else:
         params = {
-            "max_new_tokens": args.rollout_max_response_len,
-            "temperature": args.rollout_temperature,
-            "top_p": args.rollout_top_p,
-            "top_k": args.rollout_top_k,
+            "max_new_tokens": rollout.rollout_max_response_len,
+            "temperature": rollout.rollout_temperature,
+            "top_p": rollout.rollout_top_p,
+            "top_k": rollout.rollout_top_k,
         }
-    params.update(stop_token_ids=list(args.rollout_stop_token_ids), n=1)
-    if args.rollout_stop:
-        params["stop"] = list(args.rollout_stop)
+    params.update(stop_token_ids=list(rollout.rollout_stop_token_ids), n=1)
+    if rollout.rollout_stop:
+        params["stop"] = list(rollout.rollout_stop)
     return params
 
 

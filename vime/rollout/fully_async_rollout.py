@@ -53,12 +53,13 @@ class AsyncRolloutWorker:
     """Producer side of the fully-async pipeline; lives on the shared rollout event loop."""
 
     def __init__(self, args, data_source, first_rollout: int, engine_version: int = 0) -> None:
-        self.args = args
+        self.args = args  # what the generate functions and the filter (plug-ins) are called with
+        self.settings = rollout = args.rollout  # the rollout room's own (`cfg.rollout`)
         self.data_source = data_source
-        self.concurrency = args.rollout_concurrency or 2 * args.rollout_batch_size
-        self.batch = args.rollout_batch_size
-        self.max_staleness: int | None = args.max_staleness
-        self.steps_per_rollout: int = args.steps_per_rollout
+        self.concurrency = rollout.rollout_concurrency or 2 * rollout.rollout_batch_size
+        self.batch = rollout.rollout_batch_size
+        self.max_staleness: int | None = rollout.max_staleness
+        self.steps_per_rollout: int = rollout.steps_per_rollout
         # finished groups as a heap on group index (the data order), with a tie-breaker so
         # groups themselves are never compared
         self.ready: list[tuple[int, int, list[Sample]]] = []
@@ -136,7 +137,7 @@ class AsyncRolloutWorker:
         try:
             group = await generate_samples(args, group, params, fn)
             while any(s.status == Status.ABORTED for s in group):
-                if args.update_in_flight != "resume" or self._stale(group, self.next_rollout):
+                if self.settings.update_in_flight != "resume" or self._stale(group, self.next_rollout):
                     with self.cond:
                         self.data_source.add_samples([group])
                         self.counts["requeued"] += 1
@@ -239,7 +240,7 @@ def generate_rollout_fully_async(args, rollout_id: int, data_source, evaluation:
     ):  # the first call starts the run's worker at the rollout it serves first
         worker = runtime.worker = AsyncRolloutWorker(args, data_source, rollout_id, runtime.engine_version)
     t0 = time.perf_counter()
-    groups, metrics = worker.drain(rollout_id, args.rollout_batch_size)
+    groups, metrics = worker.drain(rollout_id, args.rollout.rollout_batch_size)
     metrics.update(rollout_metrics(groups))
     metrics["perf/rollout_drain_time"] = time.perf_counter() - t0
     return RolloutOutput(samples=groups, metrics=metrics)

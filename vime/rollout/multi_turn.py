@@ -114,9 +114,9 @@ def _append(sample: Sample, ids: list[int]) -> None:
 async def generate(args, sample: Sample, params: dict) -> Sample:
     """Generate a sample's conversation: turns and tool calls until a turn ends without a call,
     `--max-turns` turns, or no room is left (TRUNCATED)."""
-    runtime = runtime_of(args)
+    runtime, rollout = runtime_of(args), args.rollout
     tokenizer = runtime.tokenizer
-    tools = _tools(tuple(args.tools))
+    tools = _tools(tuple(rollout.tools))
     state = sample.metadata.setdefault(
         STATE,
         {"turns": 0, "tool_calls": 0, "tool_errors": 0, "tool_seconds": 0.0, "turn_start": sample.response_length},
@@ -135,13 +135,13 @@ async def generate(args, sample: Sample, params: dict) -> Sample:
         if sample.status != Status.COMPLETED:  # aborted (resumed later, in this turn), truncated or failed
             return sample
         call = parse_call(tokenizer.decode(turn_tokens, skip_special_tokens=False))
-        if call is None or state["turns"] >= args.max_turns:
+        if call is None or state["turns"] >= rollout.max_turns:
             return sample
         name, arguments = call
         if name is None:
             result_text, error, seconds = f"error: not a tool call: {str(arguments)[:200]!r}", True, 0.0
         else:
-            result = await call_tool(tools, name, arguments, args.tool_timeout, args.tool_max_output_chars)
+            result = await call_tool(tools, name, arguments, rollout.tool_timeout, rollout.tool_max_output_chars)
             result_text, error, seconds = result.text, result.error, result.seconds
         state["tool_calls"] += 1
         state["tool_errors"] += int(error)
@@ -149,13 +149,13 @@ async def generate(args, sample: Sample, params: dict) -> Sample:
         answer = plain(tokenizer, result_text)
         ids = list(
             tokenizer.encode(
-                answer_text(tokenizer, answer, bool(args.apply_chat_template), args.apply_chat_template_kwargs),
+                answer_text(tokenizer, answer, bool(rollout.apply_chat_template), rollout.apply_chat_template_kwargs),
                 add_special_tokens=False,
             )
         )
         # the next turn's request holds the answer: it must fit the context (the flag's, else
         # the model's; an engine refuses a longer prompt), with room for one more token
-        context = args.rollout_max_context_len or _context_length(args.model_dir)
+        context = rollout.rollout_max_context_len or _context_length(rollout.model_dir)
         room = min(budget - sample.response_length, context - len(sample.tokens))
         if len(ids) >= room:  # the answer and at least one more token must fit
             sample.status = Status.TRUNCATED

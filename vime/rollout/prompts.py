@@ -7,22 +7,25 @@ Train and eval render through the same class, so a prompt is the same tokens in 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vime.rollout.prompt_rows import DataError, load_prompts
 from vime.rollout.tools import load_tools
 from vime.rollout.types import Sample
 
+if TYPE_CHECKING:
+    from vime.rollout.settings import RolloutConfig
+
 
 class PromptRenderer:
     """Turns a row's input into (prompt text, prompt token ids), the same way for train and eval."""
 
-    def __init__(self, args, tokenizer, source: str) -> None:
+    def __init__(self, rollout: RolloutConfig, tokenizer, source: str) -> None:
         self.tokenizer = tokenizer
-        self.use_template = bool(args.apply_chat_template)
-        self.template_kwargs = dict(args.apply_chat_template_kwargs or {})
+        self.use_template = bool(rollout.apply_chat_template)
+        self.template_kwargs = dict(rollout.apply_chat_template_kwargs or {})
         # --tools: their schemas for the chat template, unless a row brings its own (--tool-key)
-        self.tools = [t.schema() for t in load_tools(list(args.tools)).values()] if args.tools else None
+        self.tools = [t.schema() for t in load_tools(list(rollout.tools)).values()] if rollout.tools else None
         if self.use_template and not getattr(tokenizer, "chat_template", None):
             raise DataError(
                 f"--apply-chat-template is set but the tokenizer of {source} has no chat template: drop the flag or use an instruct model"
@@ -51,16 +54,16 @@ class PromptRenderer:
         return self.render(row["input"], where, row.get("tools", self.tools))
 
 
-def prompt_limit(args) -> tuple[int, str] | None:
+def prompt_limit(rollout: RolloutConfig) -> tuple[int, str] | None:
     """(the most tokens a training prompt may have, the flag that says so) under
     --rollout-max-prompt-len and --rollout-max-context-len (a prompt must leave room for one
     response token), or None when neither is given. Longer prompts are left out, as slime
     filters its data, whatever --skip-overlong-prompts says."""
     limits = []
-    if args.rollout_max_prompt_len is not None:
-        limits.append((int(args.rollout_max_prompt_len), "--rollout-max-prompt-len"))
-    if args.rollout_max_context_len is not None:
-        limits.append((int(args.rollout_max_context_len) - 1, "--rollout-max-context-len"))
+    if rollout.rollout_max_prompt_len is not None:
+        limits.append((int(rollout.rollout_max_prompt_len), "--rollout-max-prompt-len"))
+    if rollout.rollout_max_context_len is not None:
+        limits.append((int(rollout.rollout_max_context_len) - 1, "--rollout-max-context-len"))
     return min(limits) if limits else None
 
 
@@ -105,19 +108,22 @@ def load_eval_samples(
 ) -> list[Sample]:
     """The first `limit` rows of an eval set as tokenized Samples (index = group_index = row);
     prompts longer than `max_prompt_len` refused or, with --skip-overlong-prompts, left out.
-    Prompt and answer are read at --eval-input-key / --eval-label-key (default: the train keys)."""
+    `args`: one set's settings (`eval_sets.args_for`). Prompt and answer are read at
+    --eval-input-key / --eval-label-key of its eval room (default: the train keys); the rest as
+    the rollout room reads its prompts."""
+    rollout, evaluation = args.rollout, args.eval
     rows = load_prompts(
         path,
-        args.eval_input_key or args.input_key,
-        args.eval_label_key or args.label_key,
-        args.metadata_key,
-        args.label_format,
-        args.tool_key,
+        evaluation.eval_input_key or rollout.input_key,
+        evaluation.eval_label_key or rollout.label_key,
+        rollout.metadata_key,
+        rollout.label_format,
+        rollout.tool_key,
         grader="eval",
     )
-    renderer = PromptRenderer(args, tokenizer, str(path))
+    renderer = PromptRenderer(rollout, tokenizer, str(path))
     if max_prompt_len is not None:
-        rows, _ = fit_prompts(rows, renderer, str(path), max_prompt_len, args.skip_overlong_prompts)
+        rows, _ = fit_prompts(rows, renderer, str(path), max_prompt_len, rollout.skip_overlong_prompts)
     samples = []
     for i, row in enumerate(rows[:limit]):
         text, ids = renderer.render_row(row, f"{path} row {i}")

@@ -114,7 +114,7 @@ def score(response: str | None, metadata: dict[str, Any]) -> float:
     return float(fn(extract_answer(response), spec["entry"]))
 
 
-def make_reward(args, runner: RewardRunner) -> RewardFn:
+def make_reward(rollout: Any, runner: RewardRunner) -> RewardFn:
     """`--rm-type reasoning_gym`. Each score runs in one of the runner's daemon threads, not its
     pool (whose calls carry a response and a label, not the entry the scorer needs): a slow
     scorer must not stall generation, and a hung one is abandoned at --reward-timeout."""

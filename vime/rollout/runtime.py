@@ -32,11 +32,14 @@ import logging
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from vime.backends.client import EngineClient, EngineError, EngineSilent
 from vime.rollout import async_loop
 from vime.rollout.rewards import Rewards
+
+if TYPE_CHECKING:
+    from vime.rollout.settings import RolloutConfig
 
 log = logging.getLogger("vime")
 
@@ -63,8 +66,9 @@ class HealthCheck:
     timeout: float = 30.0
 
     @classmethod
-    def of(cls, args: Any) -> HealthCheck:
-        return cls(args.rollout_health_check_interval, args.rollout_health_check_timeout)
+    def of(cls, rollout: RolloutConfig) -> HealthCheck:
+        """The rollout room's settings (`cfg.rollout`): how the runtime probes its engines."""
+        return cls(rollout.rollout_health_check_interval, rollout.rollout_health_check_timeout)
 
 
 @dataclass

@@ -153,19 +153,21 @@ class ConversationSource(DataSource):
     counted with --skip-overlong-prompts."""
 
     def _load(self, tokenizer: Any, max_prompt_len: int | None) -> list[dict[str, Any]]:
-        args = self.args
-        source = str(args.prompt_data)
-        rows = load_prompts(args.prompt_data, args.input_key, None, args.metadata_key, args.label_format, args.tool_key)
-        self.chat = ChatMasks(tokenizer, args.apply_chat_template_kwargs or {}, source)
+        rollout = self.settings
+        source = str(rollout.prompt_data)
+        rows = load_prompts(
+            rollout.prompt_data, rollout.input_key, None, rollout.metadata_key, rollout.label_format, rollout.tool_key
+        )
+        self.chat = ChatMasks(tokenizer, rollout.apply_chat_template_kwargs or {}, source)
         # max_prompt_len leaves room for one response token; a conversation holds its answers
-        limits = [n for n in (max_prompt_len and max_prompt_len + 1, args.rollout_max_context_len) if n]
+        limits = [n for n in (max_prompt_len and max_prompt_len + 1, rollout.rollout_max_context_len) if n]
         most = min(limits) if limits else None
         kept = []
         for i, row in enumerate(rows):
             n = len(self.chat.encode(row["input"], f"{source} row {i}", row.get("tools")).tokens)
             if most is None or n <= most:
                 kept.append(row)
-            elif not args.skip_overlong_prompts:
+            elif not rollout.skip_overlong_prompts:
                 raise DataError(
                     f"{source} row {i}: the conversation is {n} tokens, the model takes at most {most}: "
                     "shorten or remove it, or pass --skip-overlong-prompts"
@@ -197,7 +199,7 @@ class ConversationSource(DataSource):
         """The sample's conversation as tokens and loss mask: a training sample, reward 0."""
         # every row was encoded once at start-up: this cannot fail on the data
         enc = self.chat.encode(
-            sample.prompt, f"{self.args.prompt_data} sample {sample.index}", sample.metadata.get("tools")
+            sample.prompt, f"{self.settings.prompt_data} sample {sample.index}", sample.metadata.get("tools")
         )
         sample.tokens = enc.tokens
         sample.response_length = enc.response_length
@@ -214,7 +216,7 @@ def generate_rollout(
     """The next --rollout-batch-size conversations, tokenized and masked (no engine)."""
     if evaluation:
         raise DataError("the SFT rollout function trains on the data's conversations: evaluate with `vime eval`")
-    groups = data_source.get_samples(args.rollout_batch_size)
+    groups = data_source.get_samples(args.rollout.rollout_batch_size)
     samples = [data_source.encode(s) for g in groups for s in g]
     tokens = sum(s.effective_loss_mask().count(1) for s in samples)
     return RolloutOutput(

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from vime.config import ConfigError
+from vime.errors import ConfigError
 from vime.plugins import load_function
 from vime.rollout import sandbox
 from vime.rollout.rewards.runner import in_daemon_thread

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vime.plugins import load_function, load_plugin
 from vime.rollout import async_loop
@@ -31,29 +31,32 @@ from vime.rollout.rewards import score_samples
 from vime.rollout.runtime import runtime_of
 from vime.rollout.types import MULTI_TURN_STATE, RolloutOutput, Sample, Status
 
+if TYPE_CHECKING:
+    from vime.rollout.settings import RolloutConfig
+
 # a generate returns the sample it was given, or (the seed's multi-agent plug-ins) a list of samples
 GenerateFn = Callable[[Any, Sample, dict], Awaitable[Sample | list[Sample]]]
 
 _FINISH_TO_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
 
 
-def sample_seed(args, sample: Sample) -> int:
+def sample_seed(rollout: RolloutConfig, sample: Sample) -> int:
     """The engine's `sampling_seed` for a sample: fixed by --rollout-seed and the sample's index.
 
     With it, a sample's tokens depend only on the weights and its prompt, never on which other
     requests shared the engine's steps, so async runs (whose batches mix by timing) are as
     reproducible as sync ones. A re-queued sample keeps its index and therefore its seed.
     """
-    return (args.rollout_seed * 0x9E3779B1 + sample.index) & 0x7FFFFFFF
+    return (rollout.rollout_seed * 0x9E3779B1 + sample.index) & 0x7FFFFFFF
 
 
-def max_new_tokens(args, sample: Sample, budget: int) -> int:
+def max_new_tokens(rollout: RolloutConfig, sample: Sample, budget: int) -> int:
     """Tokens a sample may still generate: what is left of the response budget (`budget`, the
     whole response's) after the tokens it already has, and at most what --rollout-max-context-len
     leaves after its prompt and partial response. 0 or less: nothing more."""
     left = budget - sample.response_length
-    if args.rollout_max_context_len is not None:
-        left = min(left, args.rollout_max_context_len - len(sample.tokens))
+    if rollout.rollout_max_context_len is not None:
+        left = min(left, rollout.rollout_max_context_len - len(sample.tokens))
     return left
 
 
@@ -66,11 +69,11 @@ async def generate(args, sample: Sample, params: dict) -> Sample:
     With --rollout-max-context-len the budget also stops where prompt + response reach it; a
     sample with no room left is TRUNCATED without a request.
     """
-    runtime = runtime_of(args)
+    runtime, rollout = runtime_of(args), args.rollout
     params = dict(
         params,
-        max_new_tokens=max_new_tokens(args, sample, params["max_new_tokens"]),
-        sampling_seed=sample_seed(args, sample),
+        max_new_tokens=max_new_tokens(rollout, sample, params["max_new_tokens"]),
+        sampling_seed=sample_seed(rollout, sample),
     )
     if params["max_new_tokens"] <= 0:
         sample.status = Status.TRUNCATED
@@ -97,9 +100,12 @@ GENERATE_SIGNATURE = "async generate(args, sample, sampling_params) -> Sample or
 
 
 def generate_fn(args) -> GenerateFn:
-    if args.custom_generate_function_path:
-        return custom_generate(args.custom_generate_function_path)
-    if args.tools:
+    """The run's per-sample generate: --custom-generate-function-path's, --tools' multi-turn one,
+    or `generate`; each is called with the plug-ins' `args`."""
+    rollout = args.rollout
+    if rollout.custom_generate_function_path:
+        return custom_generate(rollout.custom_generate_function_path)
+    if rollout.tools:
         return load_function(MULTI_TURN_FN, "--tools")
     return generate
 
@@ -198,7 +204,7 @@ async def _generate_batch(args, rollout_id: int, data_source) -> RolloutOutput:
     judge = load_filter(args)
     t0 = time.perf_counter()
     if judge is None:
-        groups = data_source.get_samples(args.rollout_batch_size)
+        groups = data_source.get_samples(args.rollout.rollout_batch_size)
         results = list(await asyncio.gather(*(generate_group(args, g, params, fn) for g in groups)))
         metrics = rollout_metrics(results)
     else:
@@ -215,8 +221,9 @@ async def _generate_filtered(
     the batch is full, the groups still in flight are cancelled (their requests aborted at the
     engine) and go back to the data source to be generated again later, from their prompts,
     with the weights of then: nothing off-policy reaches a sync step, and no prompt is lost."""
-    target = args.rollout_batch_size
-    chunk = args.over_sampling_batch_size or target
+    rollout = args.rollout
+    target = rollout.rollout_batch_size
+    chunk = rollout.over_sampling_batch_size or target
     sieve = GroupSieve(judge, data_source, target)
     running: dict[asyncio.Task, list[Sample]] = {}
     kept: list[list[Sample]] = []

@@ -40,6 +40,7 @@ from vime.trainer.packing import PAD_BUCKETS, PackedBatch, pack, plan_packed_mic
 from vime.trainer.perf import mfu, train_flops
 from vime.trainer.step_loss import Advantages, StepLoss, as_advantages
 from vime.trainer.step_metrics import merge_steps
+from vime.trainer.teacher import teacher_dir
 from vime.trainer.weights import WeightExport
 
 log = logging.getLogger("vime")
@@ -122,8 +123,8 @@ class Actor(WeightExport):
         # coupled PPO: the engine's log-probs are π_old, so nothing is recomputed
         self.use_rollout_logprobs: bool = self.algo.use_rollout_logprobs
         self.ref_scorer = self._frozen(self.algo.ref_load or model_path) if self.algo.kl_loss_coef > 0 else None
-        # --use-opd: the frozen teacher that scores the trained tokens (algorithms/opd.py)
-        self.teacher_scorer = self._frozen(opd.teacher_dir(self.algo)) if self.algo.use_opd else None
+        # --use-opd: the frozen teacher that scores the trained tokens (trainer/teacher.py; its term: algorithms/opd.py)
+        self.teacher_scorer = self._frozen(teacher_dir(self.algo)) if self.algo.use_opd else None
         self._bucket = -(-trainer.max_tokens_per_gpu // PAD_BUCKETS)
         self._warned_oversize = False
         if self.compiled:

@@ -6,35 +6,39 @@ from __future__ import annotations
 import logging
 import secrets
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vime.backends.builtin.launch import EngineProcess, launch_engine
 from vime.backends.client import EngineClient
-from vime.launch.placement import Placement, engine_devices, fresh_path, launch_all, placed, trainer_device
-from vime.launch.ray import place_actors
+from vime.backends.placement import Placement, engine_devices, fresh_path, launch_all, placed, trainer_device
+from vime.backends.ray_actors import place_actors
 from vime.transport.group import apply_gpu_safe_env
+
+if TYPE_CHECKING:
+    from vime.backends.settings import PlacementConfig
 
 log = logging.getLogger("vime")
 
 
-def place(args, model_dir: Path, run_dir: Path) -> Placement:
+def place(settings: PlacementConfig, model_dir: Path, run_dir: Path) -> Placement:
     """The built-in engine's placement (its row in `vime/backends/__init__.py`): launch one engine per device
     (or check the ones at --rollout-engine-urls) and pick how weights reach each."""
     apply_gpu_safe_env()  # NVLink multicast off here and in every process started from here
-    trainer = trainer_device(args)
-    api_key = args.api_key
-    if args.rollout_engine_urls:
-        urls, devices, engines = list(args.rollout_engine_urls), [], []
+    trainer = trainer_device(settings)
+    api_key = settings.api_key
+    if settings.rollout_engine_urls:
+        urls, devices, engines = list(settings.rollout_engine_urls), [], []
         launch_one = None
     else:
         # engines we start answer only to this run, whatever else can reach 127.0.0.1
         api_key = api_key or secrets.token_urlsafe(24)
-        devices = engine_devices(args, trainer)
+        devices = engine_devices(settings, trainer)
         dtype = "float32" if trainer == "cpu" else "bfloat16"
 
         def launch_one(i: int) -> EngineProcess:  # type: ignore[no-redef]
-            extra = ["--max-num-seqs", str(args.engine_max_num_seqs), "--seed", str(args.rollout_seed + i)]
-            if args.engine_num_kv_blocks:
-                extra += ["--num-kv-blocks", str(args.engine_num_kv_blocks)]
+            extra = ["--max-num-seqs", str(settings.engine_max_num_seqs), "--seed", str(settings.rollout_seed + i)]
+            if settings.engine_num_kv_blocks:
+                extra += ["--num-kv-blocks", str(settings.engine_num_kv_blocks)]
             log_path = fresh_path(run_dir / f"engine{i}.log")  # a restarted engine keeps its earlier log
             log.info("starting engine %d on %s (log: %s)", i, devices[i], log_path)
             return launch_engine(
@@ -47,20 +51,20 @@ def place(args, model_dir: Path, run_dir: Path) -> Placement:
     def facts(url: str) -> dict:
         return EngineClient(url, timeout=30, api_key=api_key).model_info()
 
-    return placed(args, trainer, devices, urls, engines, api_key, launch_one, facts, "engine")
+    return placed(settings, trainer, devices, urls, engines, api_key, launch_one, facts, "engine")
 
 
-def place_ray(args, model_dir: Path, run_dir: Path) -> Placement:
+def place_ray(settings: PlacementConfig, model_dir: Path, run_dir: Path) -> Placement:
     """The built-in engine's placement on a Ray cluster (its row in `vime/backends/__init__.py`)."""
-    dtype = "float32" if trainer_device(args) == "cpu" else "bfloat16"
+    dtype = "float32" if trainer_device(settings) == "cpu" else "bfloat16"
 
     def engine_kwargs(i: int, device: str) -> dict:
-        extra = ["--max-num-seqs", str(args.engine_max_num_seqs), "--seed", str(args.rollout_seed + i)]
-        if args.engine_num_kv_blocks:
-            extra += ["--num-kv-blocks", str(args.engine_num_kv_blocks)]
+        extra = ["--max-num-seqs", str(settings.engine_max_num_seqs), "--seed", str(settings.rollout_seed + i)]
+        if settings.engine_num_kv_blocks:
+            extra += ["--num-kv-blocks", str(settings.engine_num_kv_blocks)]
         return dict(model_path=str(model_dir), device=device, dtype=dtype, extra_args=extra)
 
     def facts(url: str, api_key: str) -> dict:
         return EngineClient(url, timeout=30, api_key=api_key).model_info()
 
-    return place_actors(args, run_dir, "vime.backends.builtin.launch:launch_engine", engine_kwargs, facts, "engine")
+    return place_actors(settings, run_dir, "vime.backends.builtin.launch:launch_engine", engine_kwargs, facts, "engine")

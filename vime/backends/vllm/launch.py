@@ -161,7 +161,7 @@ def merge_vllm_args(own: list[str], vllm_args: dict[str, Any]) -> list[str]:
     a NAME vime does not set is added; one it sets is replaced by the user's value, except the
     PINNED_FLAGS, which are refused in one line unless the value is vime's own (then it is
     simply not passed twice). Names are compared as vLLM reads them (`_` and `-` alike)."""
-    from vime.config import ConfigError
+    from vime.errors import ConfigError
 
     flags = _split_flags(own)
     for raw, value in vllm_args.items():
@@ -390,7 +390,7 @@ def _wait_ready(server: VLLMProcess, timeout: float) -> None:
         if server.proc.poll() is not None:
             reason = _startup_reason(server.log_path)
             if reason and ("unrecognized arguments" in reason or reason.startswith("argument ")):
-                from vime.config import ConfigError
+                from vime.errors import ConfigError
 
                 raise ConfigError(
                     f"vLLM refused its command line ({reason}): check the --vllm-* flags against `vllm serve --help`"

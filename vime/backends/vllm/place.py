@@ -7,15 +7,18 @@ from __future__ import annotations
 import logging
 import secrets
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vime.backends.client import EngineError
+from vime.backends.placement import Placement, engine_devices, fresh_path, launch_all, placed, trainer_device
 from vime.backends.vllm.client import VLLMClient, check_version
 from vime.backends.vllm.launch import VLLMProcess, launch_vllm
 from vime.backends.vllm.worker_ext import API_KEY_ENV
-from vime.config import ConfigError
-from vime.launch.placement import Placement, engine_devices, fresh_path, launch_all, placed, trainer_device
+from vime.errors import ConfigError
 from vime.transport.group import apply_gpu_safe_env
+
+if TYPE_CHECKING:
+    from vime.backends.settings import PlacementConfig
 
 log = logging.getLogger("vime")
 
@@ -49,22 +52,22 @@ def check_same_model(trainer: dict[str, Any], served: dict[str, Any], url: str) 
         )
 
 
-def place_vllm(args, model_dir: Path, run_dir: Path) -> Placement:
+def place_vllm(settings: PlacementConfig, model_dir: Path, run_dir: Path) -> Placement:
     """The placement of --rollout-backend vllm (`vime/backends/__init__.py`): launch one server per engine (or check the ones at
     --rollout-engine-urls) and pick how weights reach them.
 
     Every server must run vime's worker extension (launched ones do), serve the trainer's model
     (architecture, vocabulary, sizes: compared now) and answer to the run's API key. Transports
-    follow the built-in engine's table (vime.launch.placement), with vLLM's counterparts: gloo where
+    follow the built-in engine's table (vime.backends.placement), with vLLM's counterparts: gloo where
     the built-in engine would use shm (vLLM has no shared-memory load), disk where it would use
     cuda_ipc (an engine on the trainer's own GPU: NCCL cannot join two ranks on one device).
     """
     apply_gpu_safe_env()  # NVLink multicast off here and in every server started from here (vime eval too)
-    trainer = trainer_device(args)
+    trainer = trainer_device(settings)
     want = model_facts(model_dir)
     engines: list[VLLMProcess] = []
-    if args.rollout_engine_urls:
-        urls, devices, api_key, launch_one = list(args.rollout_engine_urls), [], args.api_key, None
+    if settings.rollout_engine_urls:
+        urls, devices, api_key, launch_one = list(settings.rollout_engine_urls), [], settings.api_key, None
         for u in urls:  # an unreachable or wrong-version server fails now, with its URL
             client = VLLMClient(u, timeout=30, api_key=api_key)
             client.health()
@@ -77,15 +80,15 @@ def place_vllm(args, model_dir: Path, run_dir: Path) -> Placement:
                     API_KEY_ENV,
                 )
     else:
-        devices = engine_devices(args, trainer)
-        if args.colocate and trainer == "cpu":
+        devices = engine_devices(settings, trainer)
+        if settings.colocate and trainer == "cpu":
             raise ConfigError(
                 "--colocate with --rollout-backend vllm needs GPUs (vLLM's sleep mode frees GPU memory only): leave --colocate off on CPU"
             )
-        api_key = args.api_key or secrets.token_urlsafe(24)  # engines we start answer only to this run
+        api_key = settings.api_key or secrets.token_urlsafe(24)  # engines we start answer only to this run
 
         def launch_one(i: int) -> VLLMProcess:
-            return _launch_for_run(args, model_dir, run_dir, i, devices[i], trainer, api_key)
+            return _launch_for_run(settings, model_dir, run_dir, i, devices[i], trainer, api_key)
 
         engines = launch_all(launch_one, len(devices))
         urls = [e.url for e in engines]
@@ -95,26 +98,26 @@ def place_vllm(args, model_dir: Path, run_dir: Path) -> Placement:
         check_same_model(want, found, url)
         return found
 
-    return placed(args, trainer, devices, urls, engines, api_key, launch_one, facts, "vLLM engine", VLLM_TRANSPORTS)
+    return placed(settings, trainer, devices, urls, engines, api_key, launch_one, facts, "vLLM engine", VLLM_TRANSPORTS)
 
 
-def place_vllm_ray(args, model_dir: Path, run_dir: Path) -> Placement:
+def place_vllm_ray(settings: PlacementConfig, model_dir: Path, run_dir: Path) -> Placement:
     """--rollout-backend vllm with --launcher ray: each server started by `launch_vllm` in a Ray
-    actor on its node (`vime.launch.ray.place_actors`), checked and fed as `place_vllm`'s are.
+    actor on its node (`vime.backends.ray_actors.place_actors`), checked and fed as `place_vllm`'s are.
     The model directory must be at the same path on every node, as for the built-in engine."""
-    from vime.launch.ray import place_actors
+    from vime.backends.ray_actors import place_actors
 
     want = model_facts(model_dir)
-    dtype = "float32" if trainer_device(args) == "cpu" else "bfloat16"
+    dtype = "float32" if trainer_device(settings) == "cpu" else "bfloat16"
 
     def engine_kwargs(i: int, device: str) -> dict:
         return dict(
             model_path=str(model_dir),
             device=device,
             dtype=dtype,
-            max_num_seqs=args.engine_max_num_seqs,
-            seed=args.rollout_seed + i,
-            vllm_args=args.vllm_args,
+            max_num_seqs=settings.engine_max_num_seqs,
+            seed=settings.rollout_seed + i,
+            vllm_args=settings.vllm_args,
         )
 
     def facts(url: str, api_key: str) -> dict:
@@ -123,13 +126,15 @@ def place_vllm_ray(args, model_dir: Path, run_dir: Path) -> Placement:
         return found
 
     return place_actors(
-        args, run_dir, "vime.backends.vllm.launch:launch_vllm", engine_kwargs, facts, "vLLM engine", VLLM_TRANSPORTS
+        settings, run_dir, "vime.backends.vllm.launch:launch_vllm", engine_kwargs, facts, "vLLM engine", VLLM_TRANSPORTS
     )
 
 
-def _launch_for_run(args, model_dir: Path, run_dir: Path, i: int, dev: str, trainer: str, api_key: str) -> VLLMProcess:
+def _launch_for_run(
+    settings: PlacementConfig, model_dir: Path, run_dir: Path, i: int, dev: str, trainer: str, api_key: str
+) -> VLLMProcess:
     """Engine i of a run on `dev` (also how a dead one is started again)."""
-    extra = ["--enable-sleep-mode"] if args.colocate else []
+    extra = ["--enable-sleep-mode"] if settings.colocate else []
     shared = trainer != "cpu" and trainer.split(":")[1] in dev.split(":")[1].split(",")
     if shared:  # vLLM takes 90% of a GPU by default; the trainer shares this one
         extra += ["--gpu-memory-utilization", "0.45"]
@@ -139,10 +144,10 @@ def _launch_for_run(args, model_dir: Path, run_dir: Path, i: int, dev: str, trai
         str(model_dir),
         device=dev,
         dtype="float32" if dev == "cpu" else "bfloat16",
-        max_num_seqs=args.engine_max_num_seqs,
-        seed=args.rollout_seed + i,
+        max_num_seqs=settings.engine_max_num_seqs,
+        seed=settings.rollout_seed + i,
         extra_args=extra,
-        vllm_args=args.vllm_args,
+        vllm_args=settings.vllm_args,
         api_key=api_key,
         log_path=log_path,
     )

@@ -22,7 +22,7 @@ import logging
 import math
 import numbers
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vime.errors import VimeError
 from vime.plugins import load_function
@@ -30,6 +30,9 @@ from vime.rollout.rewards.answers import extract_answer, normalize
 from vime.rollout.rewards.grading import BUILTIN_RM_TYPES, builtin_score, grade, numeric_credit
 from vime.rollout.rewards.runner import GradingTimeout, RewardRunner
 from vime.rollout.types import Sample, Status
+
+if TYPE_CHECKING:
+    from vime.rollout.settings import RolloutConfig
 
 __all__ = [
     "BUILTIN_RM_TYPES",
@@ -75,8 +78,10 @@ def _is_async(fn: Callable) -> bool:
 
 def _lookup(args, runner: RewardRunner) -> RewardFn:
     """The async per-sample reward `fn(sample) -> number or dict` of the settings; RewardError
-    on one that cannot work. Every call is bounded by the runner's timeout."""
-    rm_type, custom_rm_path = args.rm_type, args.custom_rm_path
+    on one that cannot work. Every call is bounded by the runner's timeout. `args`: the plug-ins'
+    (a custom reward is called with it); the rest reads the rollout room's settings."""
+    rollout = args.rollout
+    rm_type, custom_rm_path = rollout.rm_type, rollout.custom_rm_path
     if custom_rm_path:
         fn = load_function(custom_rm_path, "--custom-rm-path", RewardError, "fn(args, sample) -> float or dict")
         if _is_async(fn):
@@ -94,7 +99,7 @@ def _lookup(args, runner: RewardRunner) -> RewardFn:
         return custom_sync
     if rm_type in MODULE_RM_TYPES:
         module_name, _, factory = MODULE_RM_TYPES[rm_type].partition(":")
-        return getattr(importlib.import_module(module_name), factory)(args, runner)
+        return getattr(importlib.import_module(module_name), factory)(rollout, runner)
     if rm_type not in BUILTIN_RM_TYPES:
         raise RewardError(
             f"unknown --rm-type '{rm_type}': use one of {', '.join([*BUILTIN_RM_TYPES, *MODULE_RM_TYPES])}, or --custom-rm-path module:func"
@@ -110,7 +115,7 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, numbers.Real)  # NumPy scalars too; a bool is an int (slime's dapo `acc` is one)
 
 
-def read_reward(args, value: Any) -> tuple[float, dict[str, float]]:
+def read_reward(rollout: RolloutConfig, value: Any) -> tuple[float, dict[str, float]]:
     """(the score, the result's other numeric values) of what a reward function returned.
 
     A dict is read at `--reward-key` (default "score"), as slime reads it: `--rm-type dapo
@@ -125,8 +130,8 @@ def read_reward(args, value: Any) -> tuple[float, dict[str, float]]:
     Raises RewardKeyError (which stops the run) when the result does not fit the settings, and
     ValueError (which scores the sample 0, counted) for a value that is not a number.
     """
-    key, custom = args.reward_key, args.custom_rm_path
-    source = f"--custom-rm-path {custom}" if custom else f"--rm-type {args.rm_type}"
+    key, custom = rollout.reward_key, rollout.custom_rm_path
+    source = f"--custom-rm-path {custom}" if custom else f"--rm-type {rollout.rm_type}"
     name = key or DEFAULT_REWARD_KEY
     if not isinstance(value, dict):
         if custom and key is not None and _is_number(value):
@@ -164,8 +169,8 @@ class Rewards:
     reach it through `args.runtime.rewards` (score_samples), and the run closes it."""
 
     def __init__(self, args, runner: RewardRunner | None = None) -> None:
-        self.args = args
-        self.runner = runner or RewardRunner(float(args.reward_timeout))
+        self.settings: RolloutConfig = args.rollout  # `args` itself only reaches a custom reward
+        self.runner = runner or RewardRunner(float(self.settings.reward_timeout))
         self.fn = _lookup(args, self.runner)
         self._logged: set[str] = set()  # exception types already logged once
 
@@ -194,7 +199,7 @@ class Rewards:
         run into NaN) is an error like a raised one. A RewardKeyError is a setting that cannot
         work, so it is raised."""
         try:
-            score, extras = read_reward(self.args, await self.fn(sample))
+            score, extras = read_reward(self.settings, await self.fn(sample))
             if not math.isfinite(score):
                 raise ValueError(f"reward is {score}, not a finite number")
             if abs(score) > FLOAT32_MAX:  # finite here, inf in the float32 tensors advantages are computed in

@@ -18,12 +18,15 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
 from vime.rollout.rewards.runner import RewardRunner
 from vime.rollout.types import Sample
+
+if TYPE_CHECKING:
+    from vime.rollout.settings import RolloutConfig
 
 MAX_CONCURRENT = 64
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
@@ -76,6 +79,7 @@ def _json(text: str, url: str) -> Any:
         raise RemoteRewardError(f"{url} answered 200 with a body that is not JSON: {text[:200]!r}") from None
 
 
-def make_reward(args, runner: RewardRunner) -> RemoteReward:
-    """MODULE_RM_TYPES' factory: Config checked that --rm-url is an http(s) URL."""
-    return RemoteReward(args.rm_url, runner.timeout)
+def make_reward(rollout: RolloutConfig, runner: RewardRunner) -> RemoteReward:
+    """MODULE_RM_TYPES' factory (`rollout`: the rollout room's settings): Config checked that
+    --rm-url is an http(s) URL."""
+    return RemoteReward(rollout.rm_url, runner.timeout)

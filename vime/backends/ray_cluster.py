@@ -1,5 +1,5 @@
-"""Joining the Ray cluster and reserving room in it, for the engines (`ray.py`) and the trainer
-ranks (`ray_ranks.py`) that `--launcher ray` places there."""
+"""Joining the Ray cluster and reserving room in it, for the engines (`ray_actors.py`) and the
+trainer ranks (`vime/launch/ray_ranks.py`) that `--launcher ray` places there."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from vime.config import ConfigError
+from vime.errors import ConfigError
 
 READY_S = 120.0  # for the cluster to make room for the engines' or ranks' bundles
 ROOT = str(Path(__file__).resolve().parents[2])  # this vime, for the actors' imports

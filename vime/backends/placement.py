@@ -13,7 +13,9 @@ engine's weight transport follows from where it sits, as its `/get_model_info` r
 | on CPU otherwise                    | gloo (the same broadcast over TCP) |
 
 Each backend's `place` (`vime/backends/<name>/place.py`) launches its engines and ends in
-`placed`; what they share is here.
+`placed`; what they share is here. They read the placement room's settings, `cfg.placement`
+(`PlacementConfig`, vime/backends/settings.py). The launchers (vime/launch/) call each backend's
+`place` or `ray_place`.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from typing import Any, Protocol
 
 import torch
 
-from vime.config import ConfigError
+from vime.backends.settings import PlacementConfig
+from vime.errors import ConfigError
 from vime.transport import cuda_ipc
 
 log = logging.getLogger("vime")
@@ -98,28 +101,28 @@ def launch_all(launch_one: Callable[[int], Any], n: int) -> list[Any]:
     return started
 
 
-def trainer_device(args) -> str:
-    if args.device == "cuda" and not torch.cuda.is_available():
+def trainer_device(settings: PlacementConfig) -> str:
+    if settings.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda but no CUDA device is visible: use --device cpu or auto")
-    if args.device == "auto":
+    if settings.device == "auto":
         return "cuda:0" if torch.cuda.is_available() else "cpu"
-    return "cuda:0" if args.device == "cuda" else "cpu"
+    return "cuda:0" if settings.device == "cuda" else "cpu"
 
 
-def engine_devices(args, trainer: str) -> list[str]:
+def engine_devices(settings: PlacementConfig, trainer: str) -> list[str]:
     """One device string per engine: "cuda:N", or "cuda:N,M" for an engine of several GPUs
     (--rollout-num-gpus-per-engine, vLLM's tensor parallelism). Engines take the GPUs after the
     trainer's when there are enough; engines of one GPU otherwise share the trainer's GPUs (two
     processes on one device)."""
     if trainer == "cpu":  # no GPUs to count: --rollout-num-engines, else one
-        if args.rollout_num_gpus_per_engine > 1:
+        if settings.rollout_num_gpus_per_engine > 1:
             raise ConfigError(
-                f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine}: tensor-parallel engines need GPUs; use 1 on CPU"
+                f"--rollout-num-gpus-per-engine {settings.rollout_num_gpus_per_engine}: tensor-parallel engines need GPUs; use 1 on CPU"
             )
-        return ["cpu"] * (args.rollout_num_engines or 1)
-    per_engine = args.rollout_num_gpus_per_engine
-    n_engines = args.rollout_num_engines or max(1, (args.rollout_num_gpus or per_engine) // per_engine)
-    n_trainer = 0 if args.colocate else args.actor_num_gpus_per_node
+        return ["cpu"] * (settings.rollout_num_engines or 1)
+    per_engine = settings.rollout_num_gpus_per_engine
+    n_engines = settings.rollout_num_engines or max(1, (settings.rollout_num_gpus or per_engine) // per_engine)
+    n_trainer = 0 if settings.colocate else settings.actor_num_gpus_per_node
     available = torch.cuda.device_count()
     if n_trainer + n_engines * per_engine <= available:
         first = n_trainer
@@ -135,7 +138,7 @@ def engine_devices(args, trainer: str) -> list[str]:
     return ["cuda:" + ",".join(str(first + e * per_engine + g) for g in range(per_engine)) for e in range(n_engines)]
 
 
-def choose_transports(args, trainer: str, infos: list[dict]) -> list[str]:
+def choose_transports(settings: PlacementConfig, trainer: str, infos: list[dict]) -> list[str]:
     """One transport per engine, from where it runs (see the module docstring); an explicit
     --weight-transport applies to all, checked against where they are."""
     here = socket.gethostname()
@@ -145,8 +148,8 @@ def choose_transports(args, trainer: str, infos: list[dict]) -> list[str]:
         local = info.get("hostname") == here
         on_gpu = str(info.get("device", "cpu")).startswith("cuda")
         same_gpu = trainer_uuid is not None and info.get("device_uuid") == trainer_uuid and local
-        if args.weight_transport != "auto":
-            t = args.weight_transport
+        if settings.weight_transport != "auto":
+            t = settings.weight_transport
             if t == "nccl" and (trainer == "cpu" or not on_gpu or same_gpu):
                 where = (
                     "the trainer runs on CPU"
@@ -176,11 +179,13 @@ def choose_transports(args, trainer: str, infos: list[dict]) -> list[str]:
     return out
 
 
-def master_address(args, infos: list[dict], transports: list[str], own_address: str | None = None) -> str:
+def master_address(
+    settings: PlacementConfig, infos: list[dict], transports: list[str], own_address: str | None = None
+) -> str:
     """The address engines dial for the weight-group rendezvous: --update-weights-master-address,
     else `own_address` (the launcher's: a Ray node's IP), else loopback while the engines all run
     here (a one-line error names an engine elsewhere)."""
-    address = args.update_weights_master_address or own_address
+    address = settings.update_weights_master_address or own_address
     remote = [
         i for i, t in zip(infos, transports) if t in ("nccl", "gloo") and i.get("hostname") != socket.gethostname()
     ]
@@ -195,7 +200,7 @@ def master_address(args, infos: list[dict], transports: list[str], own_address: 
 
 
 def placed(
-    args,
+    settings: PlacementConfig,
     trainer: str,
     devices: list[str],
     urls: list[str],
@@ -213,8 +218,8 @@ def placed(
     of a transport it lacks) and the rendezvous address (`master_address`)."""
     try:
         infos = [{**facts(u), "url": u} for u in urls]
-        transports = [(substitute or {}).get(t, t) for t in choose_transports(args, trainer, infos)]
-        address = master_address(args, infos, transports, own_address)
+        transports = [(substitute or {}).get(t, t) for t in choose_transports(settings, trainer, infos)]
+        address = master_address(settings, infos, transports, own_address)
     except BaseException:
         for e in engines:
             e.shutdown()

@@ -1,0 +1,54 @@
+"""The algorithms room's settings, `cfg.algorithm` (one of the per-room sub-configs of
+vime/config/rooms.py): declared here, below the config, because vime/config/ reads the
+objectives' tables (`ADVANTAGES`, `POLICY_LOSSES`) and the objectives take this type."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    """What vime/algorithms/ reads: the advantage estimator, the policy loss and its clipping, KL
+    and entropy terms, on-policy distillation and the off-policy corrections."""
+
+    advantage_estimator: str
+    custom_advantage_function_path: str | None
+    normalize_advantages: bool
+    gamma: float
+    loss_type: str
+    loss_mask_type: str
+    disable_compute_advantages_and_returns: bool
+    custom_loss_function_path: str | None
+    use_opsm: bool
+    opsm_delta: float
+    disable_grpo_std_normalization: bool
+    eps_clip: float
+    eps_clip_high: float | None
+    calculate_per_token_loss: bool
+    eps_clip_c: float | None
+    kl_loss_coef: float
+    use_kl_loss: bool
+    kl_loss_type: str
+    use_unbiased_kl: bool
+    ref_load: str | None
+    use_opd: bool
+    opd_type: str | None
+    opd_kl_coef: float
+    opd_teacher_load: str | None
+    opd_teacher_ckpt_step: int | None
+    entropy_coef: float
+    use_rollout_logprobs: bool
+    off_policy_correction: str
+    use_tis: bool
+    tis_mode: str
+    tis_level: str
+    custom_tis_function_path: str | None
+    tis_clip: float
+    tis_clip_low: float
+    use_rs: bool
+    rs_level: str
+    rs_lower_bound: float
+    rs_upper_bound: float
+    rs_veto_threshold: float | None
+    m2_threshold: float | None

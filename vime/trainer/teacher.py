@@ -1,0 +1,66 @@
+"""The OPD teacher's weights (`--use-opd`, vime/algorithms/opd.py): which directory the trainer
+loads the frozen teacher from (an HF model, or a checkpoint of a vime run's `--save` directory,
+read as vime/trainer/checkpoint.py writes them), and start-up's check that it scores the
+student's token ids."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from vime.errors import ConfigError
+from vime.trainer.checkpoint import checkpoint_steps, latest_checkpoint, problem
+
+if TYPE_CHECKING:
+    from vime.algorithms.settings import AlgorithmConfig
+
+
+def teacher_dir(algo: AlgorithmConfig) -> Path:
+    """The HF directory the teacher loads from: `--opd-teacher-load` itself when it is one (an HF
+    model, or one `<step>/` checkpoint of a vime run), else the `--opd-teacher-ckpt-step` step of
+    that vime `--save` directory, or its newest whole checkpoint."""
+    load = Path(algo.opd_teacher_load).expanduser()
+    step = algo.opd_teacher_ckpt_step
+    if not load.is_dir():
+        raise ConfigError(f"--opd-teacher-load {load} is not a directory: give the teacher's HF model directory")
+    if step is not None:
+        ckpt = checkpoint_steps(load).get(step)
+        if ckpt is None:
+            held = sorted(checkpoint_steps(load))
+            raise ConfigError(
+                f"--opd-teacher-ckpt-step {step}: {load} holds no step {step} (steps: {held or 'none'}): "
+                "give one of them, or drop the flag for the newest"
+            )
+        why = problem(ckpt)
+        if why is not None:
+            raise ConfigError(f"--opd-teacher-ckpt-step {step}: {ckpt} is damaged ({why}): give another step")
+        return ckpt
+    if (load / "config.json").exists():
+        return load
+    newest = latest_checkpoint(load, warn=False)
+    if newest is None:
+        raise ConfigError(
+            f"--opd-teacher-load {load} holds neither an HF model (config.json) nor a whole vime checkpoint: "
+            "give the teacher's HF directory or the --save directory of the run that trained it"
+        )
+    return newest
+
+
+def check_teacher(args: Any, student_config: dict, read_config: Any) -> Path:
+    """The teacher's directory, refused in one line when its vocabulary is not the student's: the
+    teacher scores the student's token ids, which mean other tokens (or none) in another vocabulary.
+    `args`: the run's config (start-up's check calls this with it)."""
+    path = teacher_dir(args.algorithm)
+    teacher_config = read_config(path)
+    theirs, ours = _vocab_size(teacher_config), _vocab_size(student_config)
+    if theirs is not None and ours is not None and theirs != ours:
+        raise ConfigError(
+            f"--opd-teacher-load {path} has a vocabulary of {theirs} tokens and the student {ours}: the teacher "
+            "scores the student's token ids, so it needs the student's tokenizer; give a teacher of the same family"
+        )
+    return path
+
+
+def _vocab_size(config: dict) -> int | None:
+    size = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
+    return int(size) if size is not None else None
