@@ -75,13 +75,16 @@ class Run:
         self.weight_pushes = 0
         self.start_step = 0
         try:
-            if self.cfg.load:
-                self._resume(Path(self.cfg.load))
-            elif not ctx.placement.engines and self.actor is not None:
-                # engines given by URL hold whatever they were started with: the run's starting
-                # weights and version 0 go to them before step 1
-                self.push_weights(0, count=False)
+            with ctx.startup.phase("resume and first push") if ctx.startup else contextlib.nullcontext():
+                if self.cfg.load:
+                    self._resume(Path(self.cfg.load))
+                elif not ctx.placement.engines and self.actor is not None:
+                    # engines given by URL hold whatever they were started with: the run's starting
+                    # weights and version 0 go to them before step 1
+                    self.push_weights(0, count=False)
             self.metrics = MetricsLogger.for_run(self.cfg, self.num_rollout, self.start_step)
+            if ctx.startup is not None:
+                log.info("%s", ctx.startup.line())
         except BaseException:
             self.close()  # never leave engine or trainer processes behind
             raise

@@ -30,6 +30,7 @@ from vime.backends.placement import Placement, fresh_path, trainer_device
 from vime.config import Config, ConfigError
 from vime.launch.context import RunContext
 from vime.launch.launcher import launcher_for
+from vime.launch.startup import StartupClock
 from vime.metrics import setup_logging
 from vime.preflight import check_eval_inputs, check_inputs
 from vime.rollout.compat import PluginArgs, Router, needs_router
@@ -43,23 +44,29 @@ log = logging.getLogger("vime")
 def assemble(cfg: Config, evaluation: bool = False) -> RunContext:
     """A training run's parts (`evaluation`: `vime eval`'s, engines and runtime only), its
     config frozen. The caller closes the context."""
-    ctx = _checked(cfg) if not evaluation else _checked_for_eval(cfg)
+    clock = StartupClock()
+    with clock.phase("checks"):
+        ctx = _checked(cfg) if not evaluation else _checked_for_eval(cfg)
+    ctx.startup = clock
     try:
         if not evaluation and not ctx.cfg.debug_rollout_only:
-            ctx.actor = launch_actor(
-                ctx.cfg,
-                ctx.cfg.model_dir,
-                trainer_device(ctx.cfg.placement),
-                ctx.tokenizer,
-                ctx.run_dir,
-                start_ranks=ctx.launcher.rank_starter(),
-            )
-        _engines(ctx, relaunch=not evaluation)
+            with clock.phase("trainer"):  # the model loaded, sharded and, with --compile, compiled
+                ctx.actor = launch_actor(
+                    ctx.cfg,
+                    ctx.cfg.model_dir,
+                    trainer_device(ctx.cfg.placement),
+                    ctx.tokenizer,
+                    ctx.run_dir,
+                    start_ranks=ctx.launcher.rank_starter(),
+                )
+        with clock.phase("engines"):  # started (or reached) and ready
+            _engines(ctx, relaunch=not evaluation)
         if evaluation:
             if not ctx.placement.engines:  # engines given by URL: they evaluate --hf-checkpoint, not what they hold
                 _push_checkpoint(ctx)
         else:
-            _router_and_pusher(ctx)
+            with clock.phase("weight group"):
+                _router_and_pusher(ctx)
         ctx.args = PluginArgs(ctx.cfg, ctx.runtime, ctx.router)
     except BaseException:
         ctx.close()  # never leave engine or trainer processes behind

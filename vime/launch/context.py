@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from vime.backends.placement import Placement
     from vime.config import Config
     from vime.launch.launcher import Launcher
+    from vime.launch.startup import StartupClock
     from vime.rollout.compat import PluginArgs, Router
     from vime.rollout.data_source import DataSource
     from vime.rollout.rewards import Rewards
@@ -51,6 +52,7 @@ class RunContext:
     rewards: Rewards | None = None  # its grading pool starts with the first sample
     rollout_fn: Callable[..., Any] | None = None
     custom_advantages: Callable[..., Any] | None = None  # --custom-advantage-function-path
+    startup: StartupClock | None = None  # the phases before step 1, logged by the run
 
     def close(self) -> None:
         """Each part closed even if an earlier one fails, so no engine or rank outlives the run:
