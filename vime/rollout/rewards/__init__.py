@@ -10,7 +10,12 @@ counted in `rollout/reward_errors`, one that takes longer than `--reward-timeout
 is counted in `rollout/reward_timeouts`, and each kind of failure is logged once. The one
 exception is a result that does not fit the settings (a dict without the `--reward-key` key, a
 number where `--reward-key` asks for a dict): every later sample would fail the same way, so it
-stops the run with one line (`RewardKeyError`).
+stops the run with one line (`RewardKeyError`), as does any `RewardSettingError` a reward
+function raises (an OPD teacher of another vocabulary).
+
+With `--custom-reward-post-process-path` a reward function's answer need not be a reward: it is
+kept as it came (`Sample.reward_result`) for the post-process (`post_process.py`), which returns
+the rewards trained on; until then the sample's reward is the answer read as one, or 0.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ __all__ = [
     "BUILTIN_RM_TYPES",
     "RewardError",
     "RewardKeyError",
+    "RewardSettingError",
     "Rewards",
     "builtin_score",
     "extract_answer",
@@ -63,9 +69,13 @@ class RewardError(VimeError, ValueError):
     """A reward setting that cannot work (`--rm-type`, `--custom-rm-path`); raised at start-up."""
 
 
-class RewardKeyError(RewardError):
-    """A reward result that does not fit `--reward-key`: raised by the first sample that shows
-    it, and not absorbed like other reward failures (every sample would score 0)."""
+class RewardSettingError(RewardError):
+    """A reward answer that shows a setting cannot work: raised by the first sample that shows
+    it, and not absorbed like other reward failures (every sample would fail the same way)."""
+
+
+class RewardKeyError(RewardSettingError):
+    """A reward result that does not fit `--reward-key`."""
 
 
 def _is_async(fn: Callable) -> bool:
@@ -158,6 +168,15 @@ def read_reward(args, value: Any) -> tuple[float, dict[str, float]]:
     return float(score), extras
 
 
+def _read_if_reward(args, answer: Any) -> tuple[float, dict[str, float]]:
+    """An answer a post-process will turn into a reward: read as one where it reads (a number, a
+    dict with the reward key), else 0 until the post-process says."""
+    try:
+        return read_reward(args, answer)
+    except (RewardKeyError, TypeError, ValueError):
+        return 0.0, {}
+
+
 class Rewards:
     """The run's reward: its function, looked up once at start-up (so a typo fails before any
     model loads), and the runner its calls go through. The run builds it, the rollout functions
@@ -167,11 +186,13 @@ class Rewards:
         self.args = args
         self.runner = runner or RewardRunner(float(args.reward_timeout))
         self.fn = _lookup(args, self.runner)
+        # the answers go to a post-process as they are (post_process.py), which makes them rewards
+        self.keep_answers = bool(args.custom_reward_post_process_path)
         self._logged: set[str] = set()  # exception types already logged once
 
     async def score(self, samples: list[Sample]) -> dict[str, float]:
-        """Set `sample.reward`, `sample.reward_error` and `sample.reward_extras` on every sample,
-        concurrently; returns `{"rollout/reward_errors": n, "rollout/reward_timeouts": m}`
+        """Set `sample.reward`, `sample.reward_error` and `sample.reward_extras` on every sample
+        (and with a post-process `sample.reward_result`, the answer as it came), concurrently; returns `{"rollout/reward_errors": n, "rollout/reward_timeouts": m}`
         (`rollout_metrics` counts the same from the samples, so every rollout function reports them).
 
         FAILED samples score 0 without calling the reward: they have no trustworthy response.
@@ -179,28 +200,32 @@ class Rewards:
         todo = [s for s in samples if s.status != Status.FAILED]
         for s in samples:
             if s.status == Status.FAILED:
-                s.reward, s.reward_error, s.reward_extras = 0.0, None, {}
+                s.reward, s.reward_error, s.reward_extras, s.reward_result = 0.0, None, {}, None
         results = await asyncio.gather(*(self._safe(s) for s in todo))
-        for s, (score, extras, failure) in zip(todo, results):
-            s.reward, s.reward_extras, s.reward_error = score, extras, failure
+        for s, (score, extras, failure, answer) in zip(todo, results):
+            s.reward, s.reward_extras, s.reward_error, s.reward_result = score, extras, failure, answer
         return {
-            "rollout/reward_errors": float(sum(f == "error" for _, _, f in results)),
-            "rollout/reward_timeouts": float(sum(f == "timeout" for _, _, f in results)),
+            "rollout/reward_errors": float(sum(r[2] == "error" for r in results)),
+            "rollout/reward_timeouts": float(sum(r[2] == "timeout" for r in results)),
         }
 
-    async def _safe(self, sample: Sample) -> tuple[float, dict[str, float], str | None]:
-        """(score, other values, failure): a failure of any kind scores 0 and is "timeout" or
-        "error"; each exception type is logged once. A non-finite score (inf turned every loss of a
-        run into NaN) is an error like a raised one. A RewardKeyError is a setting that cannot
-        work, so it is raised."""
+    async def _safe(self, sample: Sample) -> tuple[float, dict[str, float], str | None, Any]:
+        """(score, other values, failure, the answer kept for a post-process): a failure of any
+        kind scores 0 and is "timeout" or "error"; each exception type is logged once. A non-finite
+        score (inf turned every loss of a run into NaN) is an error like a raised one. A
+        RewardSettingError is a setting that cannot work, so it is raised."""
         try:
-            score, extras = read_reward(self.args, await self.fn(sample))
+            answer = await self.fn(sample)
+            if self.keep_answers:
+                score, extras = _read_if_reward(self.args, answer)
+            else:
+                score, extras = read_reward(self.args, answer)
             if not math.isfinite(score):
                 raise ValueError(f"reward is {score}, not a finite number")
             if abs(score) > FLOAT32_MAX:  # finite here, inf in the float32 tensors advantages are computed in
                 raise ValueError(f"reward is {score:g}, beyond float32's range (±{FLOAT32_MAX:.3g}): scale it down")
-            return score, extras, None
-        except RewardKeyError:
+            return score, extras, None, answer if self.keep_answers else None
+        except RewardSettingError:
             raise
         except (
             Exception,
@@ -221,7 +246,7 @@ class Rewards:
                     name,
                     counter,
                 )
-            return 0.0, {}, "timeout" if timed_out else "error"
+            return 0.0, {}, "timeout" if timed_out else "error", None
 
     def close(self) -> None:
         self.runner.close()
