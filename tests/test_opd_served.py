@@ -14,11 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT, run_cli
+from safetensors.torch import load_file
 from test_opd import TARGET, _prompts, _reverse_kl, teacher_run  # noqa: F401 (teacher_run: a fixture)
 
+from vime.algorithms.opd import distill_advantages
 from vime.backends.builtin.launch import launch_engine
 from vime.config import Config, ConfigError, parse_args
 from vime.models import load_tokenizer, make_tiny_model, resolve_model
+from vime.plugins import PluginError, as_plugin
 from vime.rollout.on_policy_distillation import TeacherError, teacher_log_probs
 from vime.rollout.rewards import Rewards
 from vime.rollout.rewards.post_process import load_post_process, post_process
@@ -189,8 +192,9 @@ def test_distillation_from_a_served_teacher_brings_the_student_to_it(
     keep,
 ):
     """slime's command line, the teacher a real engine: task reward 0, the student's reverse KL to
-    the teacher, measured apart from the run, falls (sync, 6 steps: to under half), the logged one
-    falls too, every sample was scored, and the weights moved. The async modes run 3 steps."""
+    the teacher, measured apart from the run, falls (sync, 6 steps: to under half; so does the
+    logged one), every sample was scored, and the weights moved. The async modes run 3 steps, to
+    show they distill too."""
     rows = _run(
         mode, steps, tmp_path, "--lr", "1e-2", "--rollout-batch-size", "16", "--use-opd", "--opd-type", "sglang",
         "--rm-url", f"{teacher_engine.url}/generate", "--custom-rm-path", REWARD,
@@ -200,7 +204,12 @@ def test_distillation_from_a_served_teacher_brings_the_student_to_it(
     assert len(logged) == steps
     assert all(row["rollout/reward_mean"] == 0 and row["rollout/reward_errors"] == 0 for row in logged)
     assert all(row["train/opd_unscored_samples"] == 0 and row["train/grad_norm"] > 0 for row in logged)
-    assert logged[-1]["train/opd_reverse_kl"] < logged[0]["train/opd_reverse_kl"]
+    if mode == "sync":  # the async modes' first batches are the same stale policy's
+        assert logged[-1]["train/opd_reverse_kl"] < 0.5 * logged[0]["train/opd_reverse_kl"]
+    start, end = (
+        load_file(str(d / "model.safetensors")) for d in (resolve_model("tiny"), tmp_path / "ckpt" / str(steps))
+    )
+    assert any(not torch.equal(start[k], end[k]) for k in start)
     before = _reverse_kl(resolve_model("tiny"), teacher_run / "4")
     after = _reverse_kl(tmp_path / "ckpt" / str(steps), teacher_run / "4")
     assert after < keep * before, (before, after)
@@ -222,3 +231,29 @@ def test_the_post_process_runs_on_every_rollout_and_its_rewards_are_trained(tmp_
     assert [c["n"] for c in calls] == [1, 16, 16] and all(set(c["raw"]) == {0.0} for c in calls)
     trained = [row for row in rows if "train/grad_norm" in row]
     assert len(trained) == 2 and all(row["train/grad_norm"] > 0 for row in trained)
+
+
+def test_a_post_process_answer_that_is_not_one_reward_per_sample_is_one_line():
+    samples = _samples()[:2]
+    for out in ([1.0], ([0.0, 0.0], [1.0, float("nan")]), "no", None):
+        plugin = as_plugin(lambda args, s, out=out: out, "--custom-reward-post-process-path")
+        with pytest.raises(PluginError, match=r"return \(raw_rewards, rewards\), two lists of one finite") as e:
+            post_process(plugin, None, [samples])
+        assert "\n" not in str(e.value)
+    # slime's pair (a tensor too), or one list
+    post_process(as_plugin(lambda args, s: ([9, 9], torch.tensor([0.5, 1.0])), "f"), None, [samples])
+    assert [s.reward for s in samples] == [0.5, 1.0]
+    post_process(as_plugin(lambda args, s: [2, 3], "f"), None, [samples])
+    assert [s.reward for s in samples] == [2.0, 3.0]
+
+
+def test_a_sample_the_teacher_did_not_score_keeps_its_task_advantage():
+    """Its teacher request failed (a counted reward error): no teacher term, left out of the KL's
+    mean, counted; the other sample gets coef x (teacher - rollout) per token."""
+    student = [torch.tensor([-1.0, -2.0]), torch.tensor([-1.0, -1.0, -1.0])]
+    teacher = [None, torch.tensor([-0.5, -1.0, -2.0])]
+    masks = [torch.ones(2), torch.ones(3)]
+    adv, metrics = distill_advantages(torch.tensor([1.0, 2.0]), student, teacher, masks, 0.5)
+    assert torch.equal(adv[0], torch.tensor([1.0, 1.0]))
+    assert torch.allclose(adv[1], torch.tensor([2.25, 2.0, 1.5]))
+    assert metrics == {"train/opd_reverse_kl": pytest.approx((-0.5 + 0 + 1) / 3), "train/opd_unscored_samples": 1.0}

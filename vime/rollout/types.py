@@ -40,8 +40,9 @@ class Sample:
     # the reward's other numeric values (a dict reward's keys besides --reward-key), logged as
     # rollout/reward_<key> means
     reward_extras: dict[str, float] = field(default_factory=dict)
-    # with --custom-reward-post-process-path: the reward function's answer as it came (the OPD
-    # teacher's /generate answer, say), for the post-process to read (get_reward_value); it drops it
+    # with --custom-reward-post-process-path: a reward function's answer that is no reward, as it
+    # came (the OPD teacher's /generate answer), for the post-process to read (get_reward_value),
+    # which drops it
     reward_result: Any = None
     # on-policy distillation with a served teacher (--opd-type sglang): the teacher's log-prob of
     # each response token, set by the post-process (vime/rollout/on_policy_distillation.py)
@@ -68,8 +69,8 @@ class Sample:
 
     def get_reward_value(self, args: Any) -> Any:
         """The reward as the reward function gave it (slime's method, which post-process functions
-        call): its answer kept for --custom-reward-post-process-path, else the score; a dict is
-        read at `--reward-key` when one is given."""
+        call): the score, or an answer that is no reward kept for --custom-reward-post-process-path
+        (a dict of it read at `--reward-key` when one is given)."""
         value = self.reward_result if self.reward_result is not None else self.reward
         key = getattr(args, "reward_key", None)
         return value[key] if key and isinstance(value, dict) else value

@@ -13,9 +13,10 @@ number where `--reward-key` asks for a dict): every later sample would fail the 
 stops the run with one line (`RewardKeyError`), as does any `RewardSettingError` a reward
 function raises (an OPD teacher of another vocabulary).
 
-With `--custom-reward-post-process-path` a reward function's answer need not be a reward: it is
-kept as it came (`Sample.reward_result`) for the post-process (`post_process.py`), which returns
-the rewards trained on; until then the sample's reward is the answer read as one, or 0.
+With `--custom-reward-post-process-path` a reward function's answer need not be a reward: one that
+does not read as a reward is kept as it came (`Sample.reward_result`) for the post-process
+(`post_process.py`, through `Sample.get_reward_value`), which returns the rewards trained on;
+until then such a sample's reward is 0.
 """
 
 from __future__ import annotations
@@ -168,13 +169,15 @@ def read_reward(args, value: Any) -> tuple[float, dict[str, float]]:
     return float(score), extras
 
 
-def _read_if_reward(args, answer: Any) -> tuple[float, dict[str, float]]:
-    """An answer a post-process will turn into a reward: read as one where it reads (a number, a
-    dict with the reward key), else 0 until the post-process says."""
+def _read_if_reward(args, answer: Any) -> tuple[float, dict[str, float], Any]:
+    """(score, other values, the answer kept for the post-process) of an answer a post-process
+    will see: one that reads as a reward (a number, a dict with the reward key) is that reward,
+    as always, and not kept; any other (an OPD teacher's answer) is kept, and scores 0 until the
+    post-process says."""
     try:
-        return read_reward(args, answer)
+        return (*read_reward(args, answer), None)
     except (RewardKeyError, TypeError, ValueError):
-        return 0.0, {}
+        return 0.0, {}, answer
 
 
 class Rewards:
@@ -192,7 +195,7 @@ class Rewards:
 
     async def score(self, samples: list[Sample]) -> dict[str, float]:
         """Set `sample.reward`, `sample.reward_error` and `sample.reward_extras` on every sample
-        (and with a post-process `sample.reward_result`, the answer as it came), concurrently; returns `{"rollout/reward_errors": n, "rollout/reward_timeouts": m}`
+        (and with a post-process `sample.reward_result`, an answer that is no reward, as it came), concurrently; returns `{"rollout/reward_errors": n, "rollout/reward_timeouts": m}`
         (`rollout_metrics` counts the same from the samples, so every rollout function reports them).
 
         FAILED samples score 0 without calling the reward: they have no trustworthy response.
@@ -216,15 +219,16 @@ class Rewards:
         RewardSettingError is a setting that cannot work, so it is raised."""
         try:
             answer = await self.fn(sample)
+            kept = None
             if self.keep_answers:
-                score, extras = _read_if_reward(self.args, answer)
+                score, extras, kept = _read_if_reward(self.args, answer)
             else:
                 score, extras = read_reward(self.args, answer)
             if not math.isfinite(score):
                 raise ValueError(f"reward is {score}, not a finite number")
             if abs(score) > FLOAT32_MAX:  # finite here, inf in the float32 tensors advantages are computed in
                 raise ValueError(f"reward is {score:g}, beyond float32's range (±{FLOAT32_MAX:.3g}): scale it down")
-            return score, extras, None, answer if self.keep_answers else None
+            return score, extras, None, kept
         except RewardSettingError:
             raise
         except (
