@@ -149,6 +149,11 @@ def test_a_teacher_of_another_vocabulary_is_refused_at_start_up(tmp_path):
         ),
         (["--custom-rm-path", REWARD, "--rm-url", "http://h:1"], "add --use-opd --opd-type sglang"),
         (["--use-opd", "--opd-type", "vllm"], "is not in vime yet: serve the teacher with `vime serve`"),
+        (
+            ["--rollout-function-path", "vime.rollout.sft_rollout.generate_rollout", "--loss-type", "sft_loss"]
+            + ["--custom-reward-post-process-path", "m.f"],
+            "--custom-reward-post-process-path acts on generated samples",
+        ),
     ],
 )
 def test_served_teacher_flags_are_checked_in_one_line(extra, fragment):

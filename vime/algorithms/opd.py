@@ -26,6 +26,7 @@ from torch import Tensor
 
 from vime.errors import ConfigError
 from vime.plugins import PluginError
+from vime.rollout.types import Status
 
 if TYPE_CHECKING:
     from vime.config.rooms import AlgorithmConfig
@@ -124,7 +125,7 @@ def check_served(samples: list[Any], post_process: str) -> None:
     the sample, before anything is trained on it."""
     for s in samples:
         scores = s.teacher_log_probs
-        if scores is None and (s.reward_error is not None or s.status.value == "failed"):
+        if scores is None and (s.reward_error is not None or s.status == Status.FAILED):
             continue  # the teacher was not reached: counted in rollout/reward_errors, trained without it
         if scores is None or len(scores) != s.response_length:
             what = "no" if scores is None else f"{len(scores)}"

@@ -127,6 +127,7 @@ def _sft_checks(c: Settings) -> list[tuple[bool, str]]:
             for flag, value in (
                 ("--custom-generate-function-path", c.custom_generate_function_path),
                 ("--custom-rm-path", c.custom_rm_path),
+                ("--custom-reward-post-process-path", c.custom_reward_post_process_path),
                 ("--dynamic-sampling-filter-path", c.dynamic_sampling_filter_path),
                 ("--tools", c.tools),
             )

@@ -72,7 +72,7 @@ class Sample:
         call): the score, or an answer that is no reward kept for --custom-reward-post-process-path
         (a dict of it read at `--reward-key` when one is given)."""
         value = self.reward_result if self.reward_result is not None else self.reward
-        key = getattr(args, "reward_key", None)
+        key = args.reward_key
         return value[key] if key and isinstance(value, dict) else value
 
     def effective_loss_mask(self) -> list[int]:
