@@ -130,7 +130,7 @@ def test_two_ranks_distill_as_one_rank(tiny_model, tmp_path):
         (["--opd-teacher-load", "t", "--opd-type", "megatron"], "add --use-opd"),
         (["--use-opd"], "--use-opd needs --opd-type"),
         (["--use-opd", "--opd-type", "megatron"], "give --opd-teacher-load"),
-        (["--use-opd", "--opd-type", "sglang"], "teacher served by an engine, which vime does not have yet"),
+        (["--use-opd", "--opd-type", "sglang"], "asks a teacher engine for its log-probs: give its address"),
         (["--use-opd", "--opd-type", "vllm"], "--opd-type megatron --opd-teacher-load DIR"),
         (["--use-opd", "--opd-type", "megatron", "--opd-teacher-load", "t", "--opd-kl-coef", "0"], "positive"),
     ],

@@ -159,7 +159,7 @@ def check_sample(s: Sample, vocab_size: int | None) -> str | None:
         return f"holds token id {bad[0]} ({where}; {len(bad)} such ids)"
     if not _is_int(s.response_length) or not 0 <= s.response_length < len(s.tokens):
         return f"has response_length {s.response_length!r} for {len(s.tokens)} tokens (a prompt and a response)"
-    for name in ("loss_mask", "rollout_log_probs", "weight_versions"):
+    for name in ("loss_mask", "rollout_log_probs", "weight_versions", "teacher_log_probs"):
         values = getattr(s, name)
         if values is None:
             continue

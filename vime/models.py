@@ -248,6 +248,13 @@ def read_config(model_dir: str | Path) -> dict:
     return config
 
 
+def vocab_size_of(config: dict) -> int | None:
+    """The vocabulary size a config.json names (a multimodal model's in its text_config), or None:
+    two models score each other's token ids only when these agree (on-policy distillation)."""
+    size = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
+    return int(size) if size is not None else None
+
+
 def context_length(model_dir: str | Path) -> int:
     """The longest sequence the model takes (max_position_embeddings; the engine's default limit too)."""
     return int(read_config(model_dir).get("max_position_embeddings", 2048))

@@ -30,7 +30,8 @@ from vime.plugins import Plugin, PluginError, at, first_line, load_function, loa
 from vime.rollout import async_loop
 from vime.rollout.data_source import DataSource
 from vime.rollout.filters import load_filter
-from vime.rollout.rewards import RewardKeyError, Rewards, read_reward
+from vime.rollout.rewards import RewardKeyError, Rewards, RewardSettingError, read_reward
+from vime.rollout.rewards import post_process as reward_post_process
 from vime.rollout.types import Sample, Status
 from vime.rollout.vllm_rollout import GENERATE_SIGNATURE, sampling_params
 
@@ -68,6 +69,8 @@ def check_plugins(args: Any, tokenizer: Any, data_source: DataSource, rewards: R
             _loss_hooks(args)
         if args.custom_rm_path:
             checked.notes += _custom_reward(args, rewards, groups[0][0])
+        if args.custom_reward_post_process_path:
+            _post_process(args, groups[0][0])
     return checked
 
 
@@ -252,13 +255,19 @@ def _custom_reward(args: Any, rewards: Rewards, sample: Sample) -> list[str]:
     _check_args_read(plugin, args)
     try:
         value = async_loop.run(rewards.fn(sample))
+    except RewardSettingError:  # a setting that cannot work (an OPD teacher of another vocabulary)
+        raise
     except Exception as e:
         timed_out = isinstance(e, TimeoutError)
         what = "took longer than --reward-timeout" if timed_out else f"raised {type(e).__name__}: {first_line(e)}"
+        sample.reward_error = "timeout" if timed_out else "error"  # as the run marks it, for the post-process
         return [
             f"--custom-rm-path {path} {what} on a made-up sample of the first prompt at start-up; in the run "
             f"such a sample scores 0 and counts in rollout/reward_{'timeouts' if timed_out else 'errors'}"
         ]
+    if rewards.keep_answers:  # any answer: the post-process makes it a reward (checked next, on this one)
+        sample.reward_result = value
+        return []
     try:
         score, _ = read_reward(args, value)
     except RewardKeyError:
@@ -273,3 +282,17 @@ def _custom_reward(args: Any, rewards: Rewards, sample: Sample) -> list[str]:
             f"--custom-rm-path {path} returned {score} on a made-up sample at start-up; a non-finite reward scores 0"
         ]
     return []
+
+
+def _post_process(args: Any, sample: Sample) -> None:
+    """--custom-reward-post-process-path called as the run calls it, on the made-up sample with the
+    custom reward's answer to it (when the reward answered): it must return one finite reward
+    per sample and, for --opd-type sglang, leave the teacher's log-probs on it."""
+    plugin = reward_post_process.load_post_process(args)
+    plugin.check_call(reward_post_process.SIGNATURE, args, [sample])
+    _check_args_read(plugin, args)
+    reward_post_process.post_process(plugin, args, [[sample]])
+    if args.use_opd and args.opd_type == "sglang":
+        from vime.rollout.on_policy_distillation import check_served
+
+        check_served([sample], args.custom_reward_post_process_path)

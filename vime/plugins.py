@@ -23,6 +23,21 @@ from typing import Any
 
 from vime.errors import ConfigError, VimeError
 
+# Functions of slime that vime has under its own name: a slime script's path loads vime's, so the
+# script runs unchanged (its dynamic sampling filters have their own table, rollout/filters.py)
+OPD_REWARD = "vime.rollout.on_policy_distillation.reward_func"
+OPD_POST_PROCESS = "vime.rollout.on_policy_distillation.post_process_rewards"
+SLIME_PATHS = {
+    "slime.rollout.on_policy_distillation.reward_func": OPD_REWARD,
+    "slime.rollout.on_policy_distillation.post_process_rewards": OPD_POST_PROCESS,
+}
+
+
+def vime_path(path: str) -> str:
+    """`path` as vime loads it: `module:func` spelled `module.func`, a slime path (SLIME_PATHS) vime's."""
+    dotted = path.replace(":", ".")
+    return SLIME_PATHS.get(dotted, dotted)
+
 
 class PluginError(VimeError, ValueError):
     """A plug-in that raised, or answered what vime cannot use, in its start-up check or in a
@@ -141,6 +156,7 @@ def load_function(
     """Import `pkg.module:func` or `pkg.module.func`; a failure is one line of `error` naming the
     flag. The working directory is importable, so a file next to where the user runs vime works.
     An object of a type in `also` is taken too (--tools: a Tool itself, not only a function making one)."""
+    path = SLIME_PATHS.get(path, path)
     module_name, sep, attr = path.partition(":")
     if not sep:
         module_name, _, attr = path.rpartition(".")

@@ -41,6 +41,8 @@ from vime.models import read_config
 from vime.modes import MODES
 from vime.plugins import Plugin, at_step
 from vime.rollout.compat import fanned_out, fanned_out_advantages, trim_to_steps
+from vime.rollout.on_policy_distillation import check_served
+from vime.rollout.rewards.post_process import load_post_process, post_process
 from vime.rollout.types import RolloutOutput, Sample
 from vime.trainer.checkpoint import checkpoint_to_load
 from vime.trainer.drift import DriftWatch
@@ -65,6 +67,7 @@ class Run:
         self.num_rollout: int = ctx.cfg.num_rollout  # resolved from --num-epoch by check_inputs
         self.bad_steps = BadSteps(ctx.cfg.max_bad_steps)
         self.drift = DriftWatch()
+        self.post_process: Plugin | None = None
         self.wall_clock_offset = 0.0  # a resumed run's clock goes on from its checkpoint's
         self.last_save_time: float | None = None  # logged in the next row: a step's row precedes its checkpoint
         # LoRA: adapters alone to engines that merge them; (url, restarts) of those that have the base
@@ -75,6 +78,7 @@ class Run:
         self.weight_pushes = 0
         self.start_step = 0
         try:
+            self.post_process = load_post_process(self.cfg)  # --custom-reward-post-process-path
             with ctx.startup.phase("resume and first push") if ctx.startup else contextlib.nullcontext():
                 if self.cfg.load:
                     self._resume(Path(self.cfg.load))
@@ -122,13 +126,17 @@ class Run:
             return load_rollout(
                 a.load_debug_rollout_data, rollout_id, a.n_samples_per_prompt, a.rollout_batch_size, vocab
             )
-        with at_step(rollout_id + 1):  # a plug-in's fault (rollout, generate, filter) names the step
+        with at_step(rollout_id + 1):  # a plug-in's fault (rollout, generate, filter, post-process) names the step
             out = self.ctx.rollout_fn(self.args, rollout_id, self.data_source)
             if isinstance(self.ctx.rollout_fn, Plugin) and not _holds_groups(out):
                 raise self.ctx.rollout_fn.error(
                     f"returned {type(out).__name__}: it must return RolloutOutput(samples=[[Sample, ...], ...], metrics={{}}), "
                     "one non-empty list per prompt group"
                 )
+            if self.post_process is not None:  # rewards in, advantages not yet: every mode passes here
+                post_process(self.post_process, self.args, out.samples)
+            if a.use_opd and a.opd_type == "sglang":
+                check_served([s for g in out.samples for s in g], a.custom_reward_post_process_path)
         if a.save_debug_rollout_data:
             save_rollout(a.save_debug_rollout_data, rollout_id, out)
         return out

@@ -6,10 +6,16 @@ a one-sample estimate of the negative reverse KL of the policy that sampled; a t
 finds likelier than the student did is pushed up, one it finds less likely is pushed down. It is
 added to the estimator's advantage after the estimator ran (slime adds it before its optional
 whitening, vime's estimators whiten in the rollout), so with a constant task reward (every GRPO
-advantage 0) the run is pure distillation. The teacher (`--opd-type megatron`, slime's name for a
-teacher loaded by the trainer) scores the tokens at train time, so in the async modes too it
-scores exactly the tokens trained, however stale they are. Which directory it loads from, and
-start-up's check of its vocabulary, are the trainer's (vime/trainer/teacher.py).
+advantage 0) the run is pure distillation. Where the teacher's log-probs come from is the one
+thing the two types differ in; `distill_advantages` is the same for both:
+* `--opd-type megatron` (slime's name for a teacher loaded by the trainer) scores the tokens at
+  train time, so in the async modes too it scores exactly the tokens trained, however stale;
+  which directory it loads from, and start-up's check of its vocabulary, are the trainer's
+  (vime/trainer/teacher.py);
+* `--opd-type sglang`: a teacher engine scored them when the rollout was scored, and the
+  post-process stored them on each sample (`Sample.teacher_log_probs`,
+  vime/rollout/on_policy_distillation.py); `served_log_probs` reads them. A sample the teacher
+  could not score (its reward failed, counted in `rollout/reward_errors`) gets no teacher term.
 """
 
 from __future__ import annotations
@@ -23,22 +29,35 @@ from torch import Tensor
 def distill_advantages(
     advantages: Tensor | list[Tensor],
     student: list[Tensor],
-    teacher: list[Tensor],
+    teacher: list[Tensor | None],
     masks: list[Tensor],
     coef: float,
 ) -> tuple[list[Tensor], dict[str, float]]:
     """Per-token advantages: the task's (one per sample, or per token) plus `coef` × (teacher −
     student) on every response token; and `train/opd_reverse_kl`, the mean of student − teacher
-    over the loss tokens (the reverse KL's estimate, which distillation drives down)."""
-    out, kl_sum, n = [], 0.0, 0.0
+    over the loss tokens (the reverse KL's estimate, which distillation drives down). A sample
+    without the teacher's log-probs (None) keeps the task's advantage and is left out of the
+    mean; `train/opd_unscored_samples` counts them."""
+    out, kl_sum, n, unscored = [], 0.0, 0.0, 0
     for i, (s, t, m) in enumerate(zip(student, teacher, masks, strict=True)):
-        s, t = s.float().cpu(), t.float().cpu()
+        s = s.float().cpu()
         base = advantages[i].float().cpu()
-        gap = t - s
+        if t is None:
+            gap = torch.zeros_like(s)
+            unscored += 1
+        else:
+            gap = t.float().cpu() - s
+            kl_sum -= float((gap * m).sum())
+            n += float(m.sum())
         out.append(base + coef * gap if base.dim() else base.expand_as(gap) + coef * gap)
-        kl_sum -= float((gap * m).sum())
-        n += float(m.sum())
-    return out, {"train/opd_reverse_kl": kl_sum / n if n else 0.0}
+    return out, {"train/opd_reverse_kl": kl_sum / n if n else 0.0, "train/opd_unscored_samples": float(unscored)}
+
+
+def served_log_probs(samples: list[Any]) -> list[Tensor | None]:
+    """`--opd-type sglang`: the teacher's log-probs the post-process stored on each sample."""
+    return [
+        None if s.teacher_log_probs is None else torch.tensor(s.teacher_log_probs, dtype=torch.float32) for s in samples
+    ]
 
 
 def student_log_probs(samples: list[Any], policy: list[Tensor | None]) -> list[Tensor]:

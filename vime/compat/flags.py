@@ -119,10 +119,6 @@ _NOT_YET = "not in vime yet"
 ABSENT: dict[str, Flag] = {
     f.name: f
     for f in [
-        *_absent(
-            "a function from the rollout's rewards to the trained ones; vime: --custom-advantage-function-path sees every group's rewards",
-            "custom_reward_post_process_path",
-        ),
         *_absent("image/video columns for vision-language models; vime trains text models only", "multimodal_keys"),
         *_absent("a KL penalty folded into the reward; vime: --kl-loss-coef (the KL as a loss term)", "kl_coef"),
         *_absent("the request router in front of slime's engines; vime's client spreads requests itself", "router_*"),

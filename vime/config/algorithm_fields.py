@@ -133,7 +133,9 @@ class AlgorithmFields:
     opd_type: str | None = setting(
         None,
         "where the teacher runs: megatron (slime's name; in vime the trainer loads it from --opd-teacher-load); "
-        "sglang and vllm (a teacher served by an engine) are not in vime yet",
+        "sglang (an engine at --rm-url serving SGLang's /generate, e.g. `vime serve`, scores the tokens through "
+        "--custom-rm-path and --custom-reward-post-process-path vime.rollout.on_policy_distillation's functions); "
+        "vllm is not in vime yet",
         ("megatron", "sglang", "vllm"),
         group="algorithm",
     )

@@ -7,6 +7,7 @@ from vime.algorithms import ADVANTAGES, BASE_LOSS, POLICY_LOSSES, Estimator, est
 from vime.algorithms.sft import SFTLoss
 from vime.config.schema import Settings, default_of
 from vime.modes import SFT_ROLLOUT_FN
+from vime.plugins import OPD_POST_PROCESS, OPD_REWARD, vime_path
 
 
 def algorithm_checks(c: Settings) -> list[tuple[bool, str]]:
@@ -126,6 +127,7 @@ def _sft_checks(c: Settings) -> list[tuple[bool, str]]:
             for flag, value in (
                 ("--custom-generate-function-path", c.custom_generate_function_path),
                 ("--custom-rm-path", c.custom_rm_path),
+                ("--custom-reward-post-process-path", c.custom_reward_post_process_path),
                 ("--dynamic-sampling-filter-path", c.dynamic_sampling_filter_path),
                 ("--tools", c.tools),
             )
@@ -145,13 +147,16 @@ def _sft_checks(c: Settings) -> list[tuple[bool, str]]:
 
 
 def _opd_checks(c: Settings) -> list[tuple[bool, str]]:
-    """On-policy distillation: slime's rules (a type and, for a teacher in the trainer, its
-    checkpoint), and the engine-served teacher, which vime does not have, refused with the one it has."""
+    """On-policy distillation: slime's rules (a type; for a teacher in the trainer its checkpoint,
+    for a served one its address and the functions that ask it), and vllm, refused with what vime has."""
     opd_flags = [
         f"--{name.replace('_', '-')}"
         for name in ("opd_type", "opd_teacher_load", "opd_teacher_ckpt_step", "opd_kl_coef")
         if getattr(c, name) != default_of(name)
     ]
+    served = c.use_opd and c.opd_type == "sglang"
+    asks_teacher = c.custom_rm_path is not None and vime_path(c.custom_rm_path) == OPD_REWARD
+    functions = f"--custom-rm-path {OPD_REWARD} --custom-reward-post-process-path {OPD_POST_PROCESS}"
     return [
         (
             not c.use_opd and bool(opd_flags),
@@ -159,12 +164,39 @@ def _opd_checks(c: Settings) -> list[tuple[bool, str]]:
         ),
         (
             c.use_opd and c.opd_type is None,
-            "--use-opd needs --opd-type: megatron loads the teacher in the trainer from --opd-teacher-load DIR",
+            "--use-opd needs --opd-type: megatron loads the teacher in the trainer from --opd-teacher-load DIR, "
+            "sglang asks a teacher engine at --rm-url",
         ),
         (
-            c.use_opd and c.opd_type in ("sglang", "vllm"),
-            f"--opd-type {c.opd_type} asks for a teacher served by an engine, which vime does not have yet: use "
-            "--opd-type megatron --opd-teacher-load DIR (the trainer loads the teacher and scores the tokens)",
+            c.use_opd and c.opd_type == "vllm",
+            "--opd-type vllm (a teacher in a vLLM server) is not in vime yet: serve the teacher with `vime serve` and "
+            f"use --opd-type sglang --rm-url http://HOST:PORT/generate {functions}, or --opd-type megatron "
+            "--opd-teacher-load DIR",
+        ),
+        (
+            served and c.rm_url is None,
+            "--opd-type sglang asks a teacher engine for its log-probs: give its address, --rm-url "
+            "http://HOST:PORT/generate (e.g. of `vime serve --model-path TEACHER`)",
+        ),
+        (
+            served and (c.custom_rm_path is None or c.custom_reward_post_process_path is None),
+            f"--opd-type sglang asks the teacher through the reward function and stores its log-probs in the "
+            f"post-process: add {functions}",
+        ),
+        (
+            served and c.opd_teacher_load is not None,
+            "--opd-teacher-load loads a teacher into the trainer (--opd-type megatron); with --opd-type sglang the "
+            "teacher is the engine at --rm-url: drop --opd-teacher-load",
+        ),
+        (
+            asks_teacher and not served,
+            f"--custom-rm-path {c.custom_rm_path} asks a teacher for on-policy distillation: add --use-opd "
+            "--opd-type sglang, or give another reward",
+        ),
+        (
+            asks_teacher and c.custom_reward_post_process_path is None,
+            f"--custom-rm-path {c.custom_rm_path} answers the teacher's log-probs, which the post-process stores and "
+            f"makes rewards of: add --custom-reward-post-process-path {OPD_POST_PROCESS}",
         ),
         (
             c.use_opd and c.opd_type == "megatron" and c.opd_teacher_load is None,

@@ -187,6 +187,14 @@ class RolloutFields:
     custom_rm_path: str | None = setting(
         None, "dotted path of a reward fn(args, sample) -> float, sync or async", group="rewards"
     )
+    custom_reward_post_process_path: str | None = setting(
+        None,
+        "slime's hook: dotted path of fn(args, samples) -> (raw_rewards, rewards), called on each rollout's samples "
+        "after their rewards and before advantages, in every mode; the reward functions' answers reach it as they came "
+        "(sample.get_reward_value(args)), and the rewards it returns are trained through --advantage-estimator. "
+        "--opd-type sglang: vime.rollout.on_policy_distillation.post_process_rewards",
+        group="rewards",
+    )
     reward_timeout: float = setting(10.0, "seconds before a reward call scores 0", group="rewards")
     reward_key: str | None = setting(
         None,

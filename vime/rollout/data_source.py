@@ -62,6 +62,8 @@ def _fresh(s: Sample) -> Sample:
         reward=None,
         reward_error=None,
         reward_extras={},
+        reward_result=None,
+        teacher_log_probs=None,
         status=Status.PENDING,
         # a conversation's state goes with its response: regenerated, it starts at turn one
         metadata={k: v for k, v in s.metadata.items() if k != MULTI_TURN_STATE},

@@ -40,6 +40,13 @@ class Sample:
     # the reward's other numeric values (a dict reward's keys besides --reward-key), logged as
     # rollout/reward_<key> means
     reward_extras: dict[str, float] = field(default_factory=dict)
+    # with --custom-reward-post-process-path: a reward function's answer that is no reward, as it
+    # came (the OPD teacher's /generate answer), for the post-process to read (get_reward_value),
+    # which drops it
+    reward_result: Any = None
+    # on-policy distillation with a served teacher (--opd-type sglang): the teacher's log-prob of
+    # each response token, set by the post-process (vime/rollout/on_policy_distillation.py)
+    teacher_log_probs: list[float] | None = None
     # `Sample.Status.COMPLETED`, as the seed system's plug-ins spell it (docs/plugin-compat.md)
     Status: ClassVar[type[Status]] = Status
     status: Status = Status.PENDING
@@ -59,6 +66,14 @@ class Sample:
         number in a tool's answer earlier in the conversation is not the model's answer)."""
         state = self.metadata.get(MULTI_TURN_STATE)
         return state.get("last_turn", self.response) if state else self.response
+
+    def get_reward_value(self, args: Any) -> Any:
+        """The reward as the reward function gave it (slime's method, which post-process functions
+        call): the score, or an answer that is no reward kept for --custom-reward-post-process-path
+        (a dict of it read at `--reward-key` when one is given)."""
+        value = self.reward_result if self.reward_result is not None else self.reward
+        key = args.reward_key
+        return value[key] if key and isinstance(value, dict) else value
 
     def effective_loss_mask(self) -> list[int]:
         return self.loss_mask if self.loss_mask is not None else [1] * self.response_length

@@ -123,8 +123,10 @@ class Actor(WeightExport):
         # coupled PPO: the engine's log-probs are π_old, so nothing is recomputed
         self.use_rollout_logprobs: bool = self.algo.use_rollout_logprobs
         self.ref_scorer = self._frozen(self.algo.ref_load or model_path) if self.algo.kl_loss_coef > 0 else None
-        # --use-opd: the frozen teacher that scores the trained tokens (trainer/teacher.py; its term: algorithms/opd.py)
-        self.teacher_scorer = self._frozen(teacher_dir(self.algo)) if self.algo.use_opd else None
+        # --use-opd --opd-type megatron: the frozen teacher that scores the trained tokens (trainer/teacher.py;
+        # its term: algorithms/opd.py); a served teacher (sglang) scored them in the rollout
+        in_trainer = self.algo.use_opd and self.algo.opd_type == "megatron"
+        self.teacher_scorer = self._frozen(teacher_dir(self.algo)) if in_trainer else None
         self._bucket = -(-trainer.max_tokens_per_gpu // PAD_BUCKETS)
         self._warned_oversize = False
         if self.compiled:
@@ -298,7 +300,7 @@ class Actor(WeightExport):
         old = self.compute_log_probs(samples) if recompute else None
         ref = self.compute_log_probs(samples, scorer=self.ref_scorer) if self.ref_scorer is not None else None
         distilled: dict[str, float] = {}
-        if self.teacher_scorer is not None:
+        if self.algo.use_opd:
             advantages, distilled = self._distill(samples, advantages)
         steps = []
         for start in range(0, len(samples), gbs):
@@ -328,10 +330,14 @@ class Actor(WeightExport):
     def _distill(
         self, samples: list[Sample], advantages: Tensor | list[Tensor]
     ) -> tuple[list[Tensor], dict[str, float]]:
-        """--use-opd: the teacher's log-probs of the step's tokens, now, and the advantages with
-        the reverse-KL term (`opd.distill_advantages`). The student's are the rollout's; a
-        sample the engine sent none for is scored by the current policy."""
-        teacher = self.compute_log_probs(samples, scorer=self.teacher_scorer)
+        """--use-opd: the teacher's log-probs of the step's tokens (megatron: computed now; sglang:
+        the served teacher's, stored on the samples), and the advantages with the reverse-KL term
+        (`opd.distill_advantages`). The student's are the rollout's; a sample the engine sent
+        none for is scored by the current policy."""
+        if self.teacher_scorer is not None:
+            teacher: list[Tensor | None] = list(self.compute_log_probs(samples, scorer=self.teacher_scorer))
+        else:
+            teacher = opd.served_log_probs(samples)
         missing = [i for i, s in enumerate(samples) if s.rollout_log_probs is None]
         policy: list[Tensor | None] = [None] * len(samples)
         for i, lp in zip(missing, self.compute_log_probs([samples[i] for i in missing]) if missing else []):

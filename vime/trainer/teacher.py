@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vime.errors import ConfigError
+from vime.models import vocab_size_of
 from vime.trainer.checkpoint import checkpoint_steps, latest_checkpoint, problem
 
 if TYPE_CHECKING:
@@ -52,15 +53,10 @@ def check_teacher(args: Any, student_config: dict, read_config: Any) -> Path:
     `args`: the run's config (start-up's check calls this with it)."""
     path = teacher_dir(args.algorithm)
     teacher_config = read_config(path)
-    theirs, ours = _vocab_size(teacher_config), _vocab_size(student_config)
+    theirs, ours = vocab_size_of(teacher_config), vocab_size_of(student_config)
     if theirs is not None and ours is not None and theirs != ours:
         raise ConfigError(
             f"--opd-teacher-load {path} has a vocabulary of {theirs} tokens and the student {ours}: the teacher "
             "scores the student's token ids, so it needs the student's tokenizer; give a teacher of the same family"
         )
     return path
-
-
-def _vocab_size(config: dict) -> int | None:
-    size = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
-    return int(size) if size is not None else None

@@ -10,7 +10,13 @@ counted in `rollout/reward_errors`, one that takes longer than `--reward-timeout
 is counted in `rollout/reward_timeouts`, and each kind of failure is logged once. The one
 exception is a result that does not fit the settings (a dict without the `--reward-key` key, a
 number where `--reward-key` asks for a dict): every later sample would fail the same way, so it
-stops the run with one line (`RewardKeyError`).
+stops the run with one line (`RewardKeyError`), as does any `RewardSettingError` a reward
+function raises (an OPD teacher of another vocabulary).
+
+With `--custom-reward-post-process-path` a reward function's answer need not be a reward: one that
+does not read as a reward is kept as it came (`Sample.reward_result`) for the post-process
+(`post_process.py`, through `Sample.get_reward_value`), which returns the rewards trained on;
+until then such a sample's reward is 0.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ __all__ = [
     "BUILTIN_RM_TYPES",
     "RewardError",
     "RewardKeyError",
+    "RewardSettingError",
     "Rewards",
     "builtin_score",
     "extract_answer",
@@ -66,9 +73,13 @@ class RewardError(VimeError, ValueError):
     """A reward setting that cannot work (`--rm-type`, `--custom-rm-path`); raised at start-up."""
 
 
-class RewardKeyError(RewardError):
-    """A reward result that does not fit `--reward-key`: raised by the first sample that shows
-    it, and not absorbed like other reward failures (every sample would score 0)."""
+class RewardSettingError(RewardError):
+    """A reward answer that shows a setting cannot work: raised by the first sample that shows
+    it, and not absorbed like other reward failures (every sample would fail the same way)."""
+
+
+class RewardKeyError(RewardSettingError):
+    """A reward result that does not fit `--reward-key`."""
 
 
 def _is_async(fn: Callable) -> bool:
@@ -163,6 +174,17 @@ def read_reward(rollout: RolloutConfig, value: Any) -> tuple[float, dict[str, fl
     return float(score), extras
 
 
+def _read_if_reward(settings: RolloutConfig, answer: Any) -> tuple[float, dict[str, float], Any]:
+    """(score, other values, the answer kept for the post-process) of an answer a post-process
+    will see: one that reads as a reward (a number, a dict with the reward key) is that reward,
+    as always, and not kept; any other (an OPD teacher's answer) is kept, and scores 0 until the
+    post-process says."""
+    try:
+        return (*read_reward(settings, answer), None)
+    except (RewardKeyError, TypeError, ValueError):
+        return 0.0, {}, answer
+
+
 class Rewards:
     """The run's reward: its function, looked up once at start-up (so a typo fails before any
     model loads), and the runner its calls go through. The run builds it, the rollout functions
@@ -172,11 +194,13 @@ class Rewards:
         self.settings: RolloutConfig = args.rollout  # `args` itself only reaches a custom reward
         self.runner = runner or RewardRunner(float(self.settings.reward_timeout))
         self.fn = _lookup(args, self.runner)
+        # the answers go to a post-process as they are (post_process.py), which makes them rewards
+        self.keep_answers = bool(self.settings.custom_reward_post_process_path)
         self._logged: set[str] = set()  # exception types already logged once
 
     async def score(self, samples: list[Sample]) -> dict[str, float]:
-        """Set `sample.reward`, `sample.reward_error` and `sample.reward_extras` on every sample,
-        concurrently; returns `{"rollout/reward_errors": n, "rollout/reward_timeouts": m}`
+        """Set `sample.reward`, `sample.reward_error` and `sample.reward_extras` on every sample
+        (and with a post-process `sample.reward_result`, an answer that is no reward, as it came), concurrently; returns `{"rollout/reward_errors": n, "rollout/reward_timeouts": m}`
         (`rollout_metrics` counts the same from the samples, so every rollout function reports them).
 
         FAILED samples score 0 without calling the reward: they have no trustworthy response.
@@ -184,28 +208,33 @@ class Rewards:
         todo = [s for s in samples if s.status != Status.FAILED]
         for s in samples:
             if s.status == Status.FAILED:
-                s.reward, s.reward_error, s.reward_extras = 0.0, None, {}
+                s.reward, s.reward_error, s.reward_extras, s.reward_result = 0.0, None, {}, None
         results = await asyncio.gather(*(self._safe(s) for s in todo))
-        for s, (score, extras, failure) in zip(todo, results):
-            s.reward, s.reward_extras, s.reward_error = score, extras, failure
+        for s, (score, extras, failure, answer) in zip(todo, results):
+            s.reward, s.reward_extras, s.reward_error, s.reward_result = score, extras, failure, answer
         return {
-            "rollout/reward_errors": float(sum(f == "error" for _, _, f in results)),
-            "rollout/reward_timeouts": float(sum(f == "timeout" for _, _, f in results)),
+            "rollout/reward_errors": float(sum(r[2] == "error" for r in results)),
+            "rollout/reward_timeouts": float(sum(r[2] == "timeout" for r in results)),
         }
 
-    async def _safe(self, sample: Sample) -> tuple[float, dict[str, float], str | None]:
-        """(score, other values, failure): a failure of any kind scores 0 and is "timeout" or
-        "error"; each exception type is logged once. A non-finite score (inf turned every loss of a
-        run into NaN) is an error like a raised one. A RewardKeyError is a setting that cannot
-        work, so it is raised."""
+    async def _safe(self, sample: Sample) -> tuple[float, dict[str, float], str | None, Any]:
+        """(score, other values, failure, the answer kept for a post-process): a failure of any
+        kind scores 0 and is "timeout" or "error"; each exception type is logged once. A non-finite
+        score (inf turned every loss of a run into NaN) is an error like a raised one. A
+        RewardSettingError is a setting that cannot work, so it is raised."""
         try:
-            score, extras = read_reward(self.settings, await self.fn(sample))
+            answer = await self.fn(sample)
+            kept = None
+            if self.keep_answers:
+                score, extras, kept = _read_if_reward(self.settings, answer)
+            else:
+                score, extras = read_reward(self.settings, answer)
             if not math.isfinite(score):
                 raise ValueError(f"reward is {score}, not a finite number")
             if abs(score) > FLOAT32_MAX:  # finite here, inf in the float32 tensors advantages are computed in
                 raise ValueError(f"reward is {score:g}, beyond float32's range (±{FLOAT32_MAX:.3g}): scale it down")
-            return score, extras, None
-        except RewardKeyError:
+            return score, extras, None, kept
+        except RewardSettingError:
             raise
         except (
             Exception,
@@ -226,7 +255,7 @@ class Rewards:
                     name,
                     counter,
                 )
-            return 0.0, {}, "timeout" if timed_out else "error"
+            return 0.0, {}, "timeout" if timed_out else "error", None
 
     def close(self) -> None:
         self.runner.close()

@@ -41,16 +41,19 @@ class RemoteReward:
     """The per-sample reward of `--rm-type remote_rm`. One semaphore per event loop: the run's
     rollout loop and a separate eval loop must not share an asyncio primitive."""
 
-    def __init__(self, url: str, timeout: float) -> None:
-        self.url, self.timeout = url, timeout
+    def __init__(self, url: str, timeout: float, headers: dict[str, str] | None = None) -> None:
+        self.url, self.timeout, self.headers = url, timeout, headers or {}
         self._limits: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
+
+    def body(self, sample: Sample) -> dict[str, Any]:
+        """What one sample's request sends (the OPD teacher's request is another: on_policy_distillation.py)."""
+        return {"prompt": sample.prompt, "response": sample.response, "label": sample.label}
 
     async def __call__(self, sample: Sample) -> Any:
         loop = asyncio.get_running_loop()
         limit = self._limits.setdefault(loop, asyncio.Semaphore(MAX_CONCURRENT))
-        body = {"prompt": sample.prompt, "response": sample.response, "label": sample.label}
         async with limit:
-            return await asyncio.wait_for(self._post(body), self.timeout)
+            return await asyncio.wait_for(self._post(self.body(sample)), self.timeout)
 
     async def _post(self, body: dict[str, Any]) -> Any:
         deadline = time.monotonic() + self.timeout
@@ -58,7 +61,7 @@ class RemoteReward:
         async with aiohttp.ClientSession() as session:
             while True:
                 try:
-                    async with session.post(self.url, json=body) as resp:
+                    async with session.post(self.url, json=body, headers=self.headers) as resp:
                         text = await resp.text()
                         if resp.status == 200:
                             return _json(text, self.url)

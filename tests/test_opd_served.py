@@ -1,0 +1,264 @@
+"""On-policy distillation from a served teacher (--use-opd --opd-type sglang,
+vime/rollout/on_policy_distillation.py): a real engine of the teacher (the tiny student trained to
+answer TARGET, tests/test_opd.py's) scores the student's response tokens through the reward
+runner, the post-process stores them on the samples, and the trainer adds the reverse-KL term.
+Also slime's --custom-reward-post-process-path hook on its own, in every mode."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, run_cli
+from safetensors.torch import load_file
+from test_opd import TARGET, _prompts, _reverse_kl, teacher_run  # noqa: F401 (teacher_run: a fixture)
+
+from vime.algorithms.opd import distill_advantages
+from vime.backends.builtin.launch import launch_engine
+from vime.config import Config, ConfigError, parse_args
+from vime.models import load_tokenizer, make_tiny_model, resolve_model
+from vime.plugins import PluginError, as_plugin
+from vime.rollout.on_policy_distillation import TeacherError, teacher_log_probs
+from vime.rollout.rewards import Rewards
+from vime.rollout.rewards.post_process import load_post_process, post_process
+from vime.rollout.rewards.runner import RewardRunner
+from vime.rollout.types import Sample, Status
+
+# slime's paths, as its scripts name them: they load vime's functions
+REWARD = "slime.rollout.on_policy_distillation.reward_func"
+POST = "slime.rollout.on_policy_distillation.post_process_rewards"
+ATOL = 1e-4  # float32 on CPU (tests/test_scoring.py)
+BASE = ["--hf-checkpoint", "tiny", "--prompt-data", "x.jsonl", "--num-rollout", "2"]
+
+
+@pytest.fixture(scope="module")
+def teacher_engine(teacher_run, tmp_path_factory):  # noqa: F811 (the fixture imported above)
+    engine = launch_engine(str(teacher_run / "4"), log_path=tmp_path_factory.mktemp("logs") / "teacher.log")
+    yield engine
+    engine.shutdown()
+
+
+def _samples() -> list[Sample]:
+    """Held-out prompts with responses the teacher finds likely (TARGET) and unlikely, and one
+    sample without a response."""
+    tokenizer = load_tokenizer(resolve_model("tiny"))
+    prompts = _prompts(tokenizer, ROOT / "examples/data/addition/test.jsonl", 4)
+    responses = [TARGET, "15", "3 + x", ""]
+    out = []
+    for i, (p, text) in enumerate(zip(prompts, responses, strict=True)):
+        r = list(tokenizer.encode(text, add_special_tokens=False))
+        out.append(Sample(index=i, tokens=p + r, response_length=len(r), status=Status.COMPLETED))
+    return out
+
+
+def _args(url: str) -> Config:
+    return Config(
+        custom_rm_path=REWARD,
+        custom_reward_post_process_path=POST,
+        rm_url=url,
+        reward_timeout=60.0,
+        model_dir=str(resolve_model("tiny")),
+        use_opd=True,
+        opd_type="sglang",
+    )
+
+
+def test_teacher_log_probs_on_the_samples_are_hfs_teacher_forced_ones(teacher_engine, teacher_run):  # noqa: F811
+    """Scored as a run scores them (the reward runner, then the post-process the run calls): each
+    sample's teacher_log_probs equal HF's teacher-forced log-probs of the teacher, token for token;
+    the reward is 0 and the teacher's answer is dropped once read."""
+    from transformers import AutoModelForCausalLM
+
+    samples, args = _samples(), _args(teacher_engine.url)  # a bare host:port: /generate is added
+    runner = RewardRunner(60.0)
+    try:
+        counts = asyncio.run(Rewards(args, runner).score(samples))
+    finally:
+        runner.close()
+    assert counts == {"rollout/reward_errors": 0.0, "rollout/reward_timeouts": 0.0}
+    post_process(load_post_process(args), args, [samples])
+    hf = AutoModelForCausalLM.from_pretrained(str(teacher_run / "4"), dtype=torch.float32).eval()
+    for s in samples:
+        assert s.reward == 0.0 and s.reward_result is None
+        assert len(s.teacher_log_probs) == s.response_length
+        if not s.response_length:
+            continue
+        with torch.no_grad():
+            logits = hf(torch.tensor([s.tokens])).logits[0, s.prompt_length - 1 : -1]
+        want = logits.log_softmax(-1).gather(1, torch.tensor(s.response_tokens)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(s.teacher_log_probs), want, atol=ATOL), (s.teacher_log_probs, want)
+    # the teacher knows TARGET: its log-probs there are far above those of a made-up answer
+    assert min(samples[0].teacher_log_probs) > max(samples[2].teacher_log_probs)
+
+
+def test_an_answer_that_does_not_score_the_response_is_one_line(teacher_engine):
+    """The real engine asked slime's way (the whole sequence, logprob_start_len 0): more log-probs
+    than response tokens, refused in one line; so is an answer without log-probs."""
+    s = _samples()[1]
+    body = {
+        "input_ids": s.tokens,
+        "sampling_params": {"max_new_tokens": 0, "temperature": 0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+    }
+    req = urllib.request.Request(f"{teacher_engine.url}/generate", json.dumps(body).encode(), method="POST")
+    with urllib.request.urlopen(req, timeout=60) as r:
+        whole = json.load(r)
+    with pytest.raises(TeacherError, match=f"with {len(s.tokens)} log-probs for its {s.response_length} response"):
+        teacher_log_probs(whole, s, teacher_engine.url)
+    with pytest.raises(TeacherError, match="without meta_info.input_token_logprobs: --rm-url must be") as e:
+        teacher_log_probs({"score": 1.0}, s, teacher_engine.url)
+    assert "\n" not in str(e.value)
+
+
+def test_a_teacher_of_another_vocabulary_is_refused_at_start_up(tmp_path):
+    other = make_tiny_model(tmp_path / "other_vocab", seed=0, vocab_size=300)
+    engine = launch_engine(str(other), log_path=tmp_path / "teacher.log")
+    try:
+        r = run_cli(
+            "train.py", "--config", "examples/tiny.yaml", "--num-rollout", "1", "--use-opd", "--opd-type", "sglang",
+            "--rm-url", f"{engine.url}/generate", "--custom-rm-path", REWARD, "--custom-reward-post-process-path", POST,
+            "--runs-dir", str(tmp_path), "--run-name", "v",
+        )  # fmt: skip
+    finally:
+        engine.shutdown()
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "has a vocabulary of 300 tokens and the student" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize(
+    "extra, fragment",
+    [
+        (["--use-opd", "--opd-type", "sglang"], "give its address, --rm-url http://HOST:PORT/generate"),
+        (
+            ["--use-opd", "--opd-type", "sglang", "--rm-url", "http://127.0.0.1:1/generate"],
+            "add --custom-rm-path vime.rollout.on_policy_distillation.reward_func --custom-reward-post-process-path",
+        ),
+        (
+            ["--use-opd", "--opd-type", "sglang", "--rm-url", "http://h:1", "--custom-rm-path", REWARD],
+            "stores its log-probs in the post-process: add",
+        ),
+        (
+            ["--use-opd", "--opd-type", "sglang", "--rm-url", "http://h:1", "--custom-rm-path", REWARD]
+            + ["--custom-reward-post-process-path", POST, "--opd-teacher-load", "t"],
+            "drop --opd-teacher-load",
+        ),
+        (["--custom-rm-path", REWARD, "--rm-url", "http://h:1"], "add --use-opd --opd-type sglang"),
+        (["--use-opd", "--opd-type", "vllm"], "is not in vime yet: serve the teacher with `vime serve`"),
+        (
+            ["--rollout-function-path", "vime.rollout.sft_rollout.generate_rollout", "--loss-type", "sft_loss"]
+            + ["--custom-reward-post-process-path", "m.f"],
+            "--custom-reward-post-process-path acts on generated samples",
+        ),
+    ],
+)
+def test_served_teacher_flags_are_checked_in_one_line(extra, fragment):
+    with pytest.raises(ConfigError) as e:
+        parse_args([*BASE, *extra])
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def _run(mode: str, steps: int, tmp_path: Path, *extra: str) -> list[dict]:
+    script, flags = MODES[mode]
+    r = run_cli(
+        script, "--config", "examples/tiny.yaml", "--num-rollout", str(steps), "--runs-dir", str(tmp_path),
+        "--run-name", mode, *flags, *extra,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    return [json.loads(line) for line in (tmp_path / mode / "metrics.jsonl").read_text().splitlines()]
+
+
+MODES = {
+    "sync": ("train.py", []),
+    "one-step-off": ("train_async.py", []),
+    "fully-async": (
+        "train_async.py",
+        ["--rollout-function-path", "vime.rollout.fully_async_rollout.generate_rollout_fully_async"],
+    ),
+    "decoupled": ("train_async.py", ["--max-staleness", "1"]),
+}
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "mode, steps, keep",
+    [("sync", 6, 0.5)] + [pytest.param(m, 3, 0.9, marks=SLOW) for m in ("one-step-off", "fully-async", "decoupled")],
+)
+def test_distillation_from_a_served_teacher_brings_the_student_to_it(
+    teacher_engine,
+    teacher_run,  # noqa: F811
+    tmp_path,
+    mode,
+    steps,
+    keep,
+):
+    """slime's command line, the teacher a real engine: task reward 0, the student's reverse KL to
+    the teacher, measured apart from the run, falls (sync, 6 steps: to under half; so does the
+    logged one), every sample was scored, and the weights moved. The async modes run 3 steps, to
+    show they distill too."""
+    rows = _run(
+        mode, steps, tmp_path, "--lr", "1e-2", "--rollout-batch-size", "16", "--use-opd", "--opd-type", "sglang",
+        "--rm-url", f"{teacher_engine.url}/generate", "--custom-rm-path", REWARD,
+        "--custom-reward-post-process-path", POST, "--save", str(tmp_path / "ckpt"), "--save-interval", str(steps),
+    )  # fmt: skip
+    logged = [row for row in rows if "train/opd_reverse_kl" in row]
+    assert len(logged) == steps
+    assert all(row["rollout/reward_mean"] == 0 and row["rollout/reward_errors"] == 0 for row in logged)
+    assert all(row["train/opd_unscored_samples"] == 0 and row["train/grad_norm"] > 0 for row in logged)
+    if mode == "sync":  # the async modes' first batches are the same stale policy's
+        assert logged[-1]["train/opd_reverse_kl"] < 0.5 * logged[0]["train/opd_reverse_kl"]
+    start, end = (
+        load_file(str(d / "model.safetensors")) for d in (resolve_model("tiny"), tmp_path / "ckpt" / str(steps))
+    )
+    assert any(not torch.equal(start[k], end[k]) for k in start)
+    before = _reverse_kl(resolve_model("tiny"), teacher_run / "4")
+    after = _reverse_kl(tmp_path / "ckpt" / str(steps), teacher_run / "4")
+    assert after < keep * before, (before, after)
+
+
+@pytest.mark.parametrize("mode", ["sync"] + [pytest.param(m, marks=SLOW) for m in list(MODES)[1:]])
+def test_the_post_process_runs_on_every_rollout_and_its_rewards_are_trained(tmp_path, monkeypatch, mode):
+    """A reward of 0 for every sample would train nothing; the post-process, called once per
+    rollout on all its samples with the reward function's answers, returns 0/1 rewards, and the
+    weights move on them."""
+    log = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("VIME_TEST_POST_LOG", str(log))
+    rows = _run(
+        mode, 2, tmp_path, "--custom-rm-path", "opd_reward.zero_reward",
+        "--custom-reward-post-process-path", "post_rewards:alternate",
+    )  # fmt: skip
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    # one call at start-up (the plug-in check, on one made-up sample), then one per rollout
+    assert [c["n"] for c in calls] == [1, 16, 16] and all(set(c["raw"]) == {0.0} for c in calls)
+    trained = [row for row in rows if "train/grad_norm" in row]
+    assert len(trained) == 2 and all(row["train/grad_norm"] > 0 for row in trained)
+
+
+def test_a_post_process_answer_that_is_not_one_reward_per_sample_is_one_line():
+    samples = _samples()[:2]
+    for out in ([1.0], ([0.0, 0.0], [1.0, float("nan")]), "no", None):
+        plugin = as_plugin(lambda args, s, out=out: out, "--custom-reward-post-process-path")
+        with pytest.raises(PluginError, match=r"return \(raw_rewards, rewards\), two lists of one finite") as e:
+            post_process(plugin, None, [samples])
+        assert "\n" not in str(e.value)
+    # slime's pair (a tensor too), or one list
+    post_process(as_plugin(lambda args, s: ([9, 9], torch.tensor([0.5, 1.0])), "f"), None, [samples])
+    assert [s.reward for s in samples] == [0.5, 1.0]
+    post_process(as_plugin(lambda args, s: [2, 3], "f"), None, [samples])
+    assert [s.reward for s in samples] == [2.0, 3.0]
+
+
+def test_a_sample_the_teacher_did_not_score_keeps_its_task_advantage():
+    """Its teacher request failed (a counted reward error): no teacher term, left out of the KL's
+    mean, counted; the other sample gets coef x (teacher - rollout) per token."""
+    student = [torch.tensor([-1.0, -2.0]), torch.tensor([-1.0, -1.0, -1.0])]
+    teacher = [None, torch.tensor([-0.5, -1.0, -2.0])]
+    masks = [torch.ones(2), torch.ones(3)]
+    adv, metrics = distill_advantages(torch.tensor([1.0, 2.0]), student, teacher, masks, 0.5)
+    assert torch.equal(adv[0], torch.tensor([1.0, 1.0]))
+    assert torch.allclose(adv[1], torch.tensor([2.25, 2.0, 1.5]))
+    assert metrics == {"train/opd_reverse_kl": pytest.approx((-0.5 + 0 + 1) / 3), "train/opd_unscored_samples": 1.0}
