@@ -2,6 +2,6 @@
 
 
 async def generate(args, sample, sampling_params):
-    if args.group_rm:  # the seed's --group-rm: no such setting in vime
+    if args.keep_old_actor:  # the seed's --keep-old-actor: no such setting in vime
         return sample
     return sample

@@ -73,7 +73,7 @@ def test_a_seed_style_multi_agent_plugin_trains_every_sample_it_returns(mode, tm
 @pytest.mark.parametrize(
     ("plugin", "says"),
     [
-        ("seed_misfits.generate", "seed_misfits.generate reads args.group_rm, which vime does not have"),
+        ("seed_misfits.generate", "seed_misfits.generate reads args.keep_old_actor, which vime does not have"),
         ("seed_megatron.generate", "imports vime.backends.megatron_utils, which vime does not have"),
     ],
 )
@@ -103,8 +103,8 @@ def test_only_the_runs_args_are_judged_not_a_variable_of_that_name(tmp_path, mon
         "def main():\n    args = object()\n    return args.whatever\n"
         "async def generate(args, sample, params):\n    return sample if args.rollout_batch_size else None\n"
     )
-    (tmp_path / "seed_args.py").write_text("async def generate(args, sample, params):\n    return args.group_rm\n")
+    (tmp_path / "seed_args.py").write_text("async def generate(args, sample, params):\n    return args.keep_old_actor\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     _check_args_read(load_plugin("own_args.generate", "--custom-generate-function-path"), Config())
-    with pytest.raises(Exception, match="reads args.group_rm, which vime does not have"):
+    with pytest.raises(Exception, match="reads args.keep_old_actor, which vime does not have"):
         _check_args_read(load_plugin("seed_args.generate", "--custom-generate-function-path"), Config())

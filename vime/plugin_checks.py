@@ -30,7 +30,7 @@ from vime.plugins import Plugin, PluginError, at, first_line, load_function, loa
 from vime.rollout import async_loop
 from vime.rollout.data_source import DataSource
 from vime.rollout.filters import load_filter
-from vime.rollout.rewards import RewardKeyError, Rewards, RewardSettingError, read_reward
+from vime.rollout.rewards import GROUP_REWARD_SIGNATURE, RewardKeyError, Rewards, RewardSettingError, read_reward
 from vime.rollout.rewards import post_process as reward_post_process
 from vime.rollout.types import Sample, Status
 from vime.rollout.vllm_rollout import GENERATE_SIGNATURE, sampling_params
@@ -250,8 +250,9 @@ def _custom_reward(args: Any, rewards: Rewards, sample: Sample) -> list[str]:
     raises, hangs or answers a non-finite number on the made-up sample is a note: in the run
     such a sample scores 0 and counts in rollout/reward_errors (or _timeouts)."""
     path = args.custom_rm_path
-    plugin = load_plugin(path, "--custom-rm-path", signature=REWARD_SIGNATURE)
-    plugin.check_call(REWARD_SIGNATURE, args, sample)
+    signature = GROUP_REWARD_SIGNATURE if args.group_rm else REWARD_SIGNATURE
+    plugin = load_plugin(path, "--custom-rm-path", signature=signature)
+    plugin.check_call(signature, args, [sample] if args.group_rm else sample)
     _check_args_read(plugin, args)
     try:
         value = async_loop.run(rewards.fn(sample))

@@ -195,6 +195,13 @@ class RolloutFields:
         "--opd-type sglang: vime.rollout.on_policy_distillation.post_process_rewards",
         group="rewards",
     )
+    group_rm: bool = setting(
+        False,
+        "slime's --group-rm: --custom-rm-path is called once per prompt group as fn(args, samples) -> one reward per "
+        "sample, for rewards that compare a group's answers (a ranking, a pairwise judge); the built-in rewards still "
+        "score each sample alone",
+        group="rewards",
+    )
     reward_timeout: float = setting(10.0, "seconds before a reward call scores 0", group="rewards")
     reward_key: str | None = setting(
         None,

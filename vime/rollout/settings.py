@@ -60,6 +60,7 @@ class RolloutConfig:
     rm_url: str | None
     custom_rm_path: str | None
     custom_reward_post_process_path: str | None
+    group_rm: bool
     reward_timeout: float
     reward_key: str | None
     model_dir: str | None

@@ -141,10 +141,11 @@ async def generate_samples(
 
 async def score_group(args, group: list[Sample]) -> None:
     """A generated group: its engine may drop it from its prefix bookkeeping, and its samples are
-    scored together; a reward a custom generate already set stays (the seed's rule)."""
+    scored together; a reward a custom generate already set stays (the seed's rule), except under
+    --group-rm, whose reward scores the whole group (as the seed's does)."""
     if group:
         runtime_of(args).forget_group(group[0].group_index)
-    await score_samples(args, [s for s in group if s.reward is None])
+    await score_samples(args, group if args.rollout.group_rm else [s for s in group if s.reward is None])
 
 
 async def generate_group(args, group: list[Sample], params: dict, fn: GenerateFn) -> list[Sample]:

@@ -122,6 +122,27 @@ def _lookup(args, runner: RewardRunner) -> RewardFn:
     return builtin
 
 
+GroupRewardFn = Callable[[list[Sample]], Awaitable[Any]]
+GROUP_REWARD_SIGNATURE = "fn(args, samples) -> one reward per sample"
+
+
+def _lookup_group(args, runner: RewardRunner) -> GroupRewardFn | None:
+    """`--group-rm` with `--custom-rm-path`: the async group reward `fn(samples) -> [reward, ...]`,
+    called once per prompt group (slime's batched reward: rewards that compare a group's answers,
+    a ranking or a pairwise judge), bounded by the runner's timeout; None otherwise (the built-in
+    rewards score each sample alone, as slime's do under --group-rm too)."""
+    rollout = args.rollout
+    if not (rollout.group_rm and rollout.custom_rm_path):
+        return None
+    fn = load_function(rollout.custom_rm_path, "--custom-rm-path", RewardError, GROUP_REWARD_SIGNATURE)
+
+    async def group(samples: list[Sample]) -> Any:
+        out = fn(args, samples) if _is_async(fn) else await runner.in_thread(fn, args, samples)
+        return await asyncio.wait_for(out, runner.timeout) if inspect.isawaitable(out) else out
+
+    return group
+
+
 def _is_number(v: Any) -> bool:
     return isinstance(v, numbers.Real)  # NumPy scalars too; a bool is an int (slime's dapo `acc` is one)
 
@@ -193,7 +214,8 @@ class Rewards:
     def __init__(self, args, runner: RewardRunner | None = None) -> None:
         self.settings: RolloutConfig = args.rollout  # `args` itself only reaches a custom reward
         self.runner = runner or RewardRunner(float(self.settings.reward_timeout))
-        self.fn = _lookup(args, self.runner)
+        self.group_fn = _lookup_group(args, self.runner)
+        self.fn = _lookup(args, self.runner) if self.group_fn is None else self._one_of_a_group
         # the answers go to a post-process as they are (post_process.py), which makes them rewards
         self.keep_answers = bool(self.settings.custom_reward_post_process_path)
         self._logged: set[str] = set()  # exception types already logged once
@@ -209,7 +231,15 @@ class Rewards:
         for s in samples:
             if s.status == Status.FAILED:
                 s.reward, s.reward_error, s.reward_extras, s.reward_result = 0.0, None, {}, None
-        results = await asyncio.gather(*(self._safe(s) for s in todo))
+        if self.group_fn is None:
+            results = await asyncio.gather(*(self._safe(s) for s in todo))
+        else:  # --group-rm: one call per prompt group, with its samples that have a response
+            groups: dict[int, list[Sample]] = {}
+            for s in todo:
+                groups.setdefault(s.group_index, []).append(s)
+            scored = await asyncio.gather(*(self._safe_group(g) for g in groups.values()))
+            by_sample = {id(s): r for g, rs in zip(groups.values(), scored) for s, r in zip(g, rs)}
+            results = [by_sample[id(s)] for s in todo]
         for s, (score, extras, failure, answer) in zip(todo, results):
             s.reward, s.reward_extras, s.reward_error, s.reward_result = score, extras, failure, answer
         return {
@@ -219,11 +249,49 @@ class Rewards:
 
     async def _safe(self, sample: Sample) -> tuple[float, dict[str, float], str | None, Any]:
         """(score, other values, failure, the answer kept for a post-process): a failure of any
-        kind scores 0 and is "timeout" or "error"; each exception type is logged once. A non-finite
-        score (inf turned every loss of a run into NaN) is an error like a raised one. A
+        kind scores 0 and is "timeout" or "error"; each exception type is logged once. A
         RewardSettingError is a setting that cannot work, so it is raised."""
         try:
             answer = await self.fn(sample)
+        except RewardSettingError:
+            raise
+        except (Exception, KeyboardInterrupt, SystemExit) as e:  # anything a reward can throw; cancellation propagates
+            return self._failed(sample, e)
+        return self._read(sample, answer)
+
+    async def _safe_group(self, group: list[Sample]) -> list[tuple[float, dict[str, float], str | None, Any]]:
+        """`_safe` for a --group-rm reward: a group whose call fails scores 0 in every sample; an
+        answer that is not one reward per sample is a setting that cannot work (every group would
+        get the same), so it stops the run in one line."""
+        try:
+            answers = await self.group_fn(group)
+        except RewardSettingError:
+            raise
+        except (Exception, KeyboardInterrupt, SystemExit) as e:
+            return [self._failed(s, e) for s in group]
+        if not isinstance(answers, (list, tuple)) or len(answers) != len(group):
+            got = f"{len(answers)} answers" if isinstance(answers, (list, tuple)) else type(answers).__name__
+            raise RewardSettingError(
+                f"--custom-rm-path {self.settings.custom_rm_path} with --group-rm returned {got} for a group of "
+                f"{len(group)} samples: it must return a list of one reward per sample, in the group's order"
+            )
+        return [self._read(s, a) for s, a in zip(group, answers)]
+
+    async def _one_of_a_group(self, sample: Sample) -> Any:
+        """A --group-rm reward asked for one sample (start-up's check, the seed's async_rm): the
+        sample as a group of one."""
+        answers = await self.group_fn([sample])
+        if not isinstance(answers, (list, tuple)) or len(answers) != 1:
+            raise RewardSettingError(
+                f"--custom-rm-path {self.settings.custom_rm_path} with --group-rm returned {repr(answers)[:60]} for a "
+                "group of 1 sample: it must return a list of one reward per sample"
+            )
+        return answers[0]
+
+    def _read(self, sample: Sample, answer: Any) -> tuple[float, dict[str, float], str | None, Any]:
+        """A reward function's answer read as `_safe` returns it. A non-finite score (inf turned
+        every loss of a run into NaN) is an error like a raised one."""
+        try:
             kept = None
             if self.keep_answers:
                 score, extras, kept = _read_if_reward(self.settings, answer)
@@ -236,26 +304,26 @@ class Rewards:
             return score, extras, None, kept
         except RewardSettingError:
             raise
-        except (
-            Exception,
-            KeyboardInterrupt,
-            SystemExit,
-        ) as e:  # anything a reward can throw; cancellation still propagates
-            timed_out = isinstance(e, (asyncio.TimeoutError, GradingTimeout))
-            name = type(e).__name__
-            detail = "no result in time, see --reward-timeout" if timed_out else str(e)
-            counter = "rollout/reward_timeouts" if timed_out else "rollout/reward_errors"
-            if name not in self._logged:
-                self._logged.add(name)
-                log.warning(
-                    "reward of sample %d failed (%s: %s); it scores 0, further %s failures are only counted in %s",
-                    sample.index,
-                    name,
-                    detail,
-                    name,
-                    counter,
-                )
-            return 0.0, {}, "timeout" if timed_out else "error", None
+        except Exception as e:
+            return self._failed(sample, e)
+
+    def _failed(self, sample: Sample, e: BaseException) -> tuple[float, dict[str, float], str, None]:
+        """A failed reward: 0, "timeout" or "error"; the first failure of each exception type is logged."""
+        timed_out = isinstance(e, (asyncio.TimeoutError, GradingTimeout))
+        name = type(e).__name__
+        detail = "no result in time, see --reward-timeout" if timed_out else str(e)
+        counter = "rollout/reward_timeouts" if timed_out else "rollout/reward_errors"
+        if name not in self._logged:
+            self._logged.add(name)
+            log.warning(
+                "reward of sample %d failed (%s: %s); it scores 0, further %s failures are only counted in %s",
+                sample.index,
+                name,
+                detail,
+                name,
+                counter,
+            )
+        return 0.0, {}, "timeout" if timed_out else "error", None
 
     def close(self) -> None:
         self.runner.close()
