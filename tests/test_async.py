@@ -536,19 +536,9 @@ def test_fully_async_checkpoint_saves_the_workers_groups_and_resume_trains_them(
         "--rollout-concurrency",
         "4",
     ]
-    first = run_cli(
-        "train_async.py",
-        *common,
-        "--num-rollout",
-        "2",
-        "--run-name",
-        "a",
-        "--save",
-        str(tmp_path / "ckpt"),
-        "--save-interval",
-        "1",
-    )
-    assert first.returncode == 0, first.stderr[-3000:]
+    # both runs in this process (train_here: the script's run without its imports)
+    first = [*common, "--num-rollout", "2", "--run-name", "a", "--save", str(tmp_path / "ckpt"), "--save-interval", "1"]
+    train_here("async", *first)
     trained = batches(tmp_path / "a")
     state = torch.load(tmp_path / "ckpt" / "1" / "trainer_state.pt", weights_only=False)["extra"]["data_source"]
     saved = [(g[0]["group_index"], g[0]["prompt"]) for g in state["requeued"]]
@@ -559,10 +549,7 @@ def test_fully_async_checkpoint_saves_the_workers_groups_and_resume_trains_them(
     assert all(s["response_length"] == 0 and s["status"] == "pending" for g in state["requeued"] for s in g)
 
     shutil.copytree(tmp_path / "ckpt" / "1", tmp_path / "load" / "1")
-    second = run_cli(
-        "train_async.py", *common, "--num-rollout", "2", "--run-name", "b", "--load", str(tmp_path / "load")
-    )
-    assert second.returncode == 0, second.stderr[-3000:]
+    train_here("async", *common, "--num-rollout", "2", "--run-name", "b", "--load", str(tmp_path / "load"))
     resumed = batches(tmp_path / "b")
     assert list(resumed) == [1]  # only step 2 ran
     # the resumed worker starts the saved groups first, --rollout-concurrency (4) at a time, so
