@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, train_here
 
 from vime.backends.builtin.launch import launch_engine
 from vime.backends.client import EngineClient, EngineError
@@ -1454,7 +1454,7 @@ def test_non_finite_rewards_skip_steps_and_stop_the_run_with_finite_checkpoints(
 
 
 @pytest.mark.slow
-def test_a_resume_keeps_the_record_and_steps_past_a_damaged_checkpoint(tmp_path):
+def test_a_resume_keeps_the_record_and_steps_past_a_damaged_checkpoint(tmp_path, capfd):
     """Run 3 steps (checkpoints 2 and 3), cut the newest checkpoint short, resume in the same run
     directory: it starts from step 2 with a warning, each step is in metrics.jsonl once (the
     replaced row kept aside), the wall clock goes on, and no log or config is overwritten."""
@@ -1465,7 +1465,6 @@ def test_a_resume_keeps_the_record_and_steps_past_a_damaged_checkpoint(tmp_path)
         )
     )
     common = [
-        "train.py",
         *TINY,
         "--prompt-data",
         str(rows_file),
@@ -1477,18 +1476,19 @@ def test_a_resume_keeps_the_record_and_steps_past_a_damaged_checkpoint(tmp_path)
         "--save",
         str(tmp_path / "ckpt"),
     ]
-    first = run_cli(*common, "--num-rollout", "3", "--save-interval", "2")
-    assert first.returncode == 0, first.stderr[-3000:]
+    # both runs in this process (train_here: train.py's run without its imports); stderr read by capfd
+    train_here("sync", *common, "--num-rollout", "3", "--save-interval", "2")
     before = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     newest = tmp_path / "ckpt" / "3" / "model.safetensors"
     with open(newest, "r+b") as f:
         f.truncate(newest.stat().st_size // 2)
-    second = run_cli(*common, "--num-rollout", "4", "--load", str(tmp_path / "ckpt"))
-    assert second.returncode == 0, second.stderr[-3000:]
+    capfd.readouterr()
+    train_here("sync", *common, "--num-rollout", "4", "--load", str(tmp_path / "ckpt"))
+    err = capfd.readouterr().err
     assert (
-        "checkpoint " + str(tmp_path / "ckpt" / "3") + " is damaged" in second.stderr
-        and "resumed from " + str(tmp_path / "ckpt" / "2") in second.stderr
-    )
+        "checkpoint " + str(tmp_path / "ckpt" / "3") + " is damaged" in err
+        and "resumed from " + str(tmp_path / "ckpt" / "2") in err
+    ), err[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert [
