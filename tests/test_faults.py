@@ -967,7 +967,8 @@ def test_no_checkpoint_is_written_over_and_load_resumes_only_what_it_names(actor
 def test_skip_overlong_prompts_leaves_them_out_and_counts_them(tmp_path, tiny_model):
     from vime.config import parse_args
     from vime.models import load_tokenizer
-    from vime.rollout.data_source import DataError, DataSource
+    from vime.rollout.data_source import DataSource
+    from vime.rollout.prompt_rows import DataError
 
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"input": "9" * n, "label": "9"}) + "\n" for n in (3, 50, 4, 60)))
