@@ -13,15 +13,19 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from test_learning import STEPS, warm_start  # noqa: E402
+from test_learning import warm_start  # noqa: E402
 
 from vime.datagen import write_dataset  # noqa: E402
+
+# the benches' run length, as the learning test had it when their results were recorded (the
+# test now stops at 30 steps, where it has gained what it asserts)
+STEPS = 80
 
 
 def toy_task(out: Path, steps: int = STEPS, **overrides: Any) -> Path:
     """Write the data, the warm-started model and `out/run.yaml`; returns the config's path."""
     train, test = write_dataset("addition", out / "data", n_train=80, n_test=20, seed=0, digits=1)
-    model = out / "warm" if (out / "warm" / "model.safetensors").exists() else warm_start(out, train)
+    model = out / "warm" if (out / "warm" / "model.safetensors").exists() else warm_start(out / "warm", train)
     cfg = {
         "hf_checkpoint": str(model),
         "prompt_data": str(train),

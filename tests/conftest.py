@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -53,3 +54,15 @@ def run_cli(*argv: str, timeout: float = 180, cwd: Path = ROOT) -> subprocess.Co
         PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")]),
     )
     return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def train_here(entry: str, *argv: str) -> None:
+    """train.py (`entry` "sync") or train_async.py ("async") run in this process, as the script
+    runs it (`train_main`: flags, resume point, locks), its engines still processes of their own.
+    It saves a fresh interpreter's imports (torch, transformers, vime: ~5 of a tiny run's ~10 CPU
+    seconds) for tests that read what a run wrote; how a run's process ends (exit code, signals,
+    one-line errors) is run_cli's. An error raises here, with its traceback."""
+    from vime.cli import train_main
+
+    with contextlib.chdir(ROOT):  # the examples' configs name their data relative to the repository
+        assert train_main(list(argv), entry) == 0

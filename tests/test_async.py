@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, train_here
 
 TINY = ["--config", "examples/tiny.yaml"]
 # each mode's entry point and flags (decoupled at staleness 1), for the tests that run every mode
@@ -443,34 +443,36 @@ def test_zero_staleness_trains_exactly_what_sync_trains(tmp_path):
     order: per-step losses and final weights bit for bit, with a reward that moves them."""
     import torch
 
+    from vime.backends.builtin.launch import launch_engine
     from vime.models import resolve_model
 
     arms = {
-        "sync": ("train.py", ["--rollout-function-path", "test_async.recorded_rollout"]),
-        "one-step-off": (
-            "train_async.py",
-            ["--max-staleness", "0", "--rollout-function-path", "test_async.recorded_rollout"],
-        ),
+        "sync": ("sync", ["--rollout-function-path", "test_async.recorded_rollout"]),
+        "one-step-off": ("async", ["--max-staleness", "0", "--rollout-function-path", "test_async.recorded_rollout"]),
         "decoupled": (
-            "train_async.py",
+            "async",
             ["--max-staleness", "0", "--custom-generate-function-path", "test_async.recorded_generate"],
         ),
     }
-    for name, (script, extra) in arms.items():
-        res = run_cli(
-            script,
-            *TINY,
-            "--num-rollout",
-            "4",
-            "--runs-dir",
-            str(tmp_path),
-            "--run-name",
-            name,
-            "--save",
-            str(tmp_path / f"ckpt-{name}"),
-            *extra,
-        )
-        assert res.returncode == 0, f"{name}: {res.stderr[-3000:]}"
+    # The arms run in this process (train_here: the scripts' runs without their imports) against
+    # one engine, started here as a run starts its own (tiny.yaml's --max-num-seqs, the default
+    # --rollout-seed 42): a run given engines pushes its starting weights to them before step 1
+    # (version 0), so each arm starts from the tiny model whatever the arm before left there.
+    # Imports and engine starts were two thirds of each arm's time.
+    key = "zero-staleness"
+    engine = launch_engine(
+        str(resolve_model("tiny")),
+        extra_args=["--max-num-seqs", "64", "--seed", "42"],
+        log_path=tmp_path / "engine.log",
+        api_key=key,
+    )
+    try:
+        for name, (entry, extra) in arms.items():
+            where = ["--runs-dir", str(tmp_path), "--run-name", name, "--save", str(tmp_path / f"ckpt-{name}")]
+            given = ["--rollout-engine-urls", engine.url, "--api-key", key]
+            train_here(entry, *TINY, "--num-rollout", "4", *where, *given, *extra)
+    finally:
+        engine.shutdown()
     keys = ("train/loss", "train/pg_loss", "train/grad_norm", "rollout/reward_mean", "rollout/staleness_max")
     steps = {name: [[r[k] for k in keys] for r in rows(tmp_path / name)] for name in arms}
     assert len(steps["sync"]) == 4 and steps["one-step-off"] == steps["sync"] and steps["decoupled"] == steps["sync"]
@@ -534,19 +536,9 @@ def test_fully_async_checkpoint_saves_the_workers_groups_and_resume_trains_them(
         "--rollout-concurrency",
         "4",
     ]
-    first = run_cli(
-        "train_async.py",
-        *common,
-        "--num-rollout",
-        "2",
-        "--run-name",
-        "a",
-        "--save",
-        str(tmp_path / "ckpt"),
-        "--save-interval",
-        "1",
-    )
-    assert first.returncode == 0, first.stderr[-3000:]
+    # both runs in this process (train_here: the script's run without its imports)
+    first = [*common, "--num-rollout", "2", "--run-name", "a", "--save", str(tmp_path / "ckpt"), "--save-interval", "1"]
+    train_here("async", *first)
     trained = batches(tmp_path / "a")
     state = torch.load(tmp_path / "ckpt" / "1" / "trainer_state.pt", weights_only=False)["extra"]["data_source"]
     saved = [(g[0]["group_index"], g[0]["prompt"]) for g in state["requeued"]]
@@ -557,10 +549,7 @@ def test_fully_async_checkpoint_saves_the_workers_groups_and_resume_trains_them(
     assert all(s["response_length"] == 0 and s["status"] == "pending" for g in state["requeued"] for s in g)
 
     shutil.copytree(tmp_path / "ckpt" / "1", tmp_path / "load" / "1")
-    second = run_cli(
-        "train_async.py", *common, "--num-rollout", "2", "--run-name", "b", "--load", str(tmp_path / "load")
-    )
-    assert second.returncode == 0, second.stderr[-3000:]
+    train_here("async", *common, "--num-rollout", "2", "--run-name", "b", "--load", str(tmp_path / "load"))
     resumed = batches(tmp_path / "b")
     assert list(resumed) == [1]  # only step 2 ran
     # the resumed worker starts the saved groups first, --rollout-concurrency (4) at a time, so

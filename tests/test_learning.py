@@ -10,56 +10,78 @@ behaviour it learns carries over to the 20 held-out prompts it never trains on. 
 from __future__ import annotations
 
 import json
+import os
 import random
+import tempfile
 from pathlib import Path
 
 import pytest
 from conftest import run_cli
 
 JUNK = 0.7  # share of warm-start targets with the stray "0": above 1/2, so greedy decoding keeps it
-STEPS = 80
+# Held-out gain in points by step, sync / one-step-off, for warm starts of seeds 0 (the test's), 1
+# and 2 (2026-12-04, this test's flags): step 10 +40/+30, +55/+60, +20/+25; step 20 +45/+55,
+# +55/+55, +30/+35; step 30 +50/+50, +55/+60, +25/+30; step 80 +55/+50, -, +30/+35. By step 30
+# every run was past the 20-point bar, and what the later steps added stayed within the noise.
+STEPS = 30
 
 
 def warm_start(out: Path, train_path: Path, seed: int = 0) -> Path:
+    """The warm-started model, written to `out`."""
     from vime.config import parse_args
     from vime.models import load_tokenizer, make_tiny_model
     from vime.rollout.types import Sample
     from vime.trainer.actor import Actor
 
-    base = make_tiny_model(out / "base", hidden_size=128, intermediate_size=256, num_layers=2, seed=seed)
-    tok = load_tokenizer(base)
-    eos = tok.convert_tokens_to_ids("<|im_end|>")
-    rows = [json.loads(line) for line in train_path.read_text().splitlines()]
-    args = parse_args(
-        [
-            "--hf-checkpoint",
-            str(base),
-            "--prompt-data",
-            str(train_path),
-            "--num-rollout",
-            "1",
-            "--lr",
-            "3e-3",
-            "--rollout-batch-size",
-            "32",
-            "--n-samples-per-prompt",
-            "1",
-            "--loss-type",
-            "sft_loss",
-        ]
-    )
-    actor = Actor(args, base, "cpu")
-    rng = random.Random(seed)
+    with tempfile.TemporaryDirectory() as tmp:  # the random base model, needed only to start from
+        base = make_tiny_model(Path(tmp) / "base", hidden_size=128, intermediate_size=256, num_layers=2, seed=seed)
+        tok = load_tokenizer(base)
+        eos = tok.convert_tokens_to_ids("<|im_end|>")
+        rows = [json.loads(line) for line in train_path.read_text().splitlines()]
+        args = parse_args(
+            [
+                "--hf-checkpoint",
+                str(base),
+                "--prompt-data",
+                str(train_path),
+                "--num-rollout",
+                "1",
+                "--lr",
+                "3e-3",
+                "--rollout-batch-size",
+                "32",
+                "--n-samples-per-prompt",
+                "1",
+                "--loss-type",
+                "sft_loss",
+            ]
+        )
+        actor = Actor(args, base, "cpu")
+        rng = random.Random(seed)
 
-    def example(r: dict) -> Sample:
-        prompt = tok(r["input"], add_special_tokens=False).input_ids
-        answer = tok(r["label"] + ("0" if rng.random() < JUNK else ""), add_special_tokens=False).input_ids + [eos]
-        return Sample(tokens=prompt + answer, response_length=len(answer), label=r["label"])
+        def example(r: dict) -> Sample:
+            prompt = tok(r["input"], add_special_tokens=False).input_ids
+            answer = tok(r["label"] + ("0" if rng.random() < JUNK else ""), add_special_tokens=False).input_ids + [eos]
+            return Sample(tokens=prompt + answer, response_length=len(answer), label=r["label"])
 
-    for _ in range(200):
-        actor.train_step([example(r) for r in rng.sample(rows, 32)], [0.0] * 32)
-    actor.save(out / "warm", {})
-    return out / "warm"
+        for _ in range(200):
+            actor.train_step([example(r) for r in rng.sample(rows, 32)], [0.0] * 32)
+        actor.save(out, {})
+    return out
+
+
+@pytest.fixture(scope="module")
+def data_and_warm_model(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """The addition data and the warm-started model, made once for both rows: under xdist in the
+    session's directory that both workers share (`build_once`: one builds, the other waits),
+    since the rows may run on either."""
+    from vime.datagen import write_dataset
+    from vime.models import build_once
+
+    here = tmp_path_factory.getbasetemp()
+    shared = here.parent if os.environ.get("PYTEST_XDIST_WORKER") else here
+    train, test = write_dataset("addition", here / "learning-data", n_train=80, n_test=20, seed=0, digits=1)
+    return train, test, build_once(shared / "learning-warm", lambda out: warm_start(out, train))
 
 
 @pytest.mark.slow
@@ -76,15 +98,12 @@ def warm_start(out: Path, train_path: Path, seed: int = 0) -> Path:
     ],
     ids=["sync", "one-step-off"],
 )
-def test_grpo_gains_held_out(tmp_path, script, extra):
-    """Both modes must gain 20 points in 80 steps. One-step-off trains on samples one policy
+def test_grpo_gains_held_out(tmp_path, data_and_warm_model, script, extra):
+    """Both modes must gain 20 points in 30 steps (STEPS). One-step-off trains on samples one policy
     version old, with truncated importance sampling. The learning rate matters for
     it: at 1e-3 stale samples made the gain erratic (15–55 points in 8 runs of 120 steps); at
     5e-4 the gain was 45–65 points over 7 seeds and sync's 50–60 (no run of either below 45)."""
-    from vime.datagen import write_dataset
-
-    train, test = write_dataset("addition", tmp_path / "data", n_train=80, n_test=20, seed=0, digits=1)
-    model = warm_start(tmp_path, train)
+    train, test, model = data_and_warm_model
     res = run_cli(
         script,
         "--hf-checkpoint",

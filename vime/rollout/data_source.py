@@ -14,7 +14,7 @@ import threading
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from vime.rollout.prompt_rows import DataError, load_prompts  # noqa: F401 (DataError: tests import it here)
+from vime.rollout.prompt_rows import load_prompts
 from vime.rollout.prompts import PromptRenderer, fit_prompts, prompt_limit
 from vime.rollout.types import MULTI_TURN_STATE, Sample, Status
 

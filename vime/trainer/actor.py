@@ -421,7 +421,7 @@ class Actor(WeightExport):
         `grad_in_forward` the head computes it chunk by chunk (`StepLoss.chunk_loss`) and
         takes its gradient there (`chunked_loss`); otherwise over the whole micro-batch after
         the head. `version`: the policy version being trained, for the staleness split of the
-        metrics (`staleness_metrics`); None leaves it out.
+        metrics (`step_metrics.stale_bucket_metrics`); None leaves it out.
         """
         step = StepLoss(
             self.objective,

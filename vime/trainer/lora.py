@@ -51,7 +51,7 @@ class LoraSpec:
     @classmethod
     def of(cls, args: TrainerConfig) -> LoraSpec | None:
         """The adapters the trainer's settings ask for; None when --lora-rank is 0 (full fine-tuning)."""
-        if not getattr(args, "lora_rank", 0):
+        if not args.lora_rank:
             return None
         return cls(
             args.lora_rank,

@@ -21,11 +21,11 @@ def merge_steps(
         metrics.pop(k, None)
     if diff_count:
         metrics["train/train_rollout_logprob_abs_diff"] = diff_sum / diff_count
-    metrics.update(staleness_metrics(metrics, samples, first_version, global_batch_size))
+    metrics.update(stale_bucket_metrics(metrics, samples, first_version, global_batch_size))
     return metrics
 
 
-def staleness_metrics(
+def stale_bucket_metrics(
     metrics: dict[str, float], samples: list[Sample], first_version: int, global_batch_size: int
 ) -> dict[str, float]:
     """`stale/<b>/<stat>`: the loss's per-token sums of each staleness bucket (popped from
