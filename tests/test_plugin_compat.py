@@ -103,7 +103,9 @@ def test_only_the_runs_args_are_judged_not_a_variable_of_that_name(tmp_path, mon
         "def main():\n    args = object()\n    return args.whatever\n"
         "async def generate(args, sample, params):\n    return sample if args.rollout_batch_size else None\n"
     )
-    (tmp_path / "seed_args.py").write_text("async def generate(args, sample, params):\n    return args.keep_old_actor\n")
+    (tmp_path / "seed_args.py").write_text(
+        "async def generate(args, sample, params):\n    return args.keep_old_actor\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     _check_args_read(load_plugin("own_args.generate", "--custom-generate-function-path"), Config())
     with pytest.raises(Exception, match="reads args.keep_old_actor, which vime does not have"):
