@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import ROOT, run_cli
 from safetensors.torch import load_file
+from test_async import MODE_ARGS
 from test_opd import TARGET, _prompts, _reverse_kl, teacher_run  # noqa: F401 (teacher_run: a fixture)
 
 from vime.algorithms.opd import distill_advantages
@@ -172,15 +173,7 @@ def _run(mode: str, steps: int, tmp_path: Path, *extra: str) -> list[dict]:
     return [json.loads(line) for line in (tmp_path / mode / "metrics.jsonl").read_text().splitlines()]
 
 
-MODES = {
-    "sync": ("train.py", []),
-    "one-step-off": ("train_async.py", []),
-    "fully-async": (
-        "train_async.py",
-        ["--rollout-function-path", "vime.rollout.fully_async_rollout.generate_rollout_fully_async"],
-    ),
-    "decoupled": ("train_async.py", ["--max-staleness", "1"]),
-}
+MODES = MODE_ARGS  # each mode's entry point and flags (test_async.py)
 SLOW = pytest.mark.slow
 
 
