@@ -20,3 +20,9 @@ def raises_on_group_1(args, samples):
     if samples[0].group_index == 1:
         raise RuntimeError("judge unreachable")
     return [0.5] * len(samples)
+
+
+def as_array(args, samples):
+    import numpy as np
+
+    return np.arange(len(samples), dtype=np.float64) / len(samples)

@@ -47,6 +47,12 @@ def test_a_raising_group_reward_scores_its_group_0_and_counts_every_sample():
     assert metrics["rollout/reward_errors"] == 3.0
 
 
+def test_a_group_reward_may_answer_an_array():
+    samples = groups(1, 4)
+    asyncio.run(rewards_of("group_rm:as_array").score(samples))
+    assert [s.reward for s in samples] == [0.0, 0.25, 0.5, 0.75]
+
+
 def test_a_group_reward_of_the_wrong_length_is_one_line():
     with pytest.raises(
         RewardSettingError,

@@ -61,3 +61,24 @@ def test_the_launcher_rows_are_the_flags_choices_and_each_makes_its_launcher():
 
     assert FIELDS["launcher"].metadata["choices"] == ("auto", *LAUNCHER_ROWS)
     assert [launcher.name for launcher in LAUNCHERS.values()] == list(LAUNCHER_ROWS)
+
+
+def test_the_start_up_clock_counts_imports_once_per_process():
+    """The process's start read from /proc lies in the past (less than a day: a test process);
+    a second run in one process (a notebook, train_here) has no imports phase and starts its
+    clock when it is made, not at the process's start."""
+    import sys
+    import time
+
+    from vime.launch.startup import StartupClock, process_start
+
+    started = process_start()
+    if sys.platform == "linux":  # /proc is there
+        assert started is not None and 0 <= time.time() - started < 86400
+    StartupClock()  # the process's first, if no run in this process took it yet
+    later = StartupClock()
+    assert "imports" not in dict(later.phases) and abs(later.started - time.time()) < 1.0
+    with later.phase("work"):
+        time.sleep(0.05)
+    assert dict(later.phases)["work"] >= 0.05
+    assert later.line().startswith("start-up ") and "imports" not in later.line() and "work " in later.line()

@@ -149,6 +149,11 @@ def test_a_teacher_of_another_vocabulary_is_refused_at_start_up(tmp_path):
             "drop --opd-teacher-load",
         ),
         (["--custom-rm-path", REWARD, "--rm-url", "http://h:1"], "add --use-opd --opd-type sglang"),
+        (
+            ["--use-opd", "--opd-type", "sglang", "--rm-url", "http://h:1", "--custom-rm-path", REWARD]
+            + ["--custom-reward-post-process-path", POST, "--group-rm"],
+            "asks the teacher for one sample at a time: drop --group-rm",
+        ),
         (["--use-opd", "--opd-type", "vllm"], "is not in vime yet: serve the teacher with `vime serve`"),
         (
             ["--rollout-function-path", "vime.rollout.sft_rollout.generate_rollout", "--loss-type", "sft_loss"]

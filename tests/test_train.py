@@ -68,9 +68,9 @@ def test_tiny_yaml_two_rollouts_record_every_metric(tmp_path):
     assert any(r["train/grad_norm"] > 0 for r in steps)  # the example's reward varies: the weights move
     assert (tmp_path / "t" / "config.yaml").exists() and (tmp_path / "t" / "log.txt").exists()
     # the start-up's phases, from the process's start to step 1 (vime/launch/startup.py)
-    line = next(x for x in (tmp_path / "t" / "log.txt").read_text().splitlines() if "before step 1:" in x)
+    line = next(x for x in (tmp_path / "t" / "log.txt").read_text().splitlines() if "s before step 1 (" in x)
     total = float(re.search(r"start-up ([\d.]+) s", line)[1])
-    phases = {k: float(v) for k, v in (p.rsplit(" ", 1) for p in line.split(" before step 1: ")[1].split(", "))}
+    phases = {k: float(v) for k, v in (p.rsplit(" ", 1) for p in line.split("): ", 1)[1].split(", "))}
     assert list(phases) == ["imports", "checks", "trainer", "engines", "weight group", "resume and first push", "other"]
     assert phases["engines"] > 0 and phases["imports"] > 0, line  # an engine started; torch was imported
     assert abs(sum(phases.values()) - total) <= 0.05 * len(phases) + 0.05, line  # each rounded to 0.1

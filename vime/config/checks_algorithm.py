@@ -159,6 +159,11 @@ def _opd_checks(c: Settings) -> list[tuple[bool, str]]:
     functions = f"--custom-rm-path {OPD_REWARD} --custom-reward-post-process-path {OPD_POST_PROCESS}"
     return [
         (
+            asks_teacher and c.group_rm,
+            f"--group-rm calls --custom-rm-path once per prompt group, and {OPD_REWARD} asks the teacher for one "
+            "sample at a time: drop --group-rm",
+        ),
+        (
             not c.use_opd and bool(opd_flags),
             f"{', '.join(opd_flags)} set up on-policy distillation, which is off: add --use-opd, or drop them",
         ),

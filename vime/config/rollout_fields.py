@@ -198,8 +198,9 @@ class RolloutFields:
     group_rm: bool = setting(
         False,
         "slime's --group-rm: --custom-rm-path is called once per prompt group as fn(args, samples) -> one reward per "
-        "sample, for rewards that compare a group's answers (a ranking, a pairwise judge); the built-in rewards still "
-        "score each sample alone",
+        "sample, for rewards that compare a group's answers (a ranking, a pairwise judge), within one --reward-timeout "
+        "per group; the whole group is scored, a reward a custom generate set included (slime's rule); the built-in "
+        "rewards still score each sample alone",
         group="rewards",
     )
     reward_timeout: float = setting(10.0, "seconds before a reward call scores 0", group="rewards")

@@ -3,9 +3,9 @@
 On a GPU the 135M demo spent ~65 s before step 1, more than its training (issue 48); nobody could
 say which part without a profiler. `assemble` and `Run` time their phases on one clock that starts
 when the process did (Linux: /proc, so interpreter start-up and imports count too), and the run
-logs one line before step 1:
+logs one line before step 1 (and its step-0 eval):
 
-    start-up 36.1 s before step 1: imports 5.2, checks 1.3, trainer 24.9, engines 4.1, weight group 0.4, ...
+    start-up 36.1 s before step 1 (and its step-0 eval): imports 5.2, checks 1.3, trainer 24.9, engines 4.1, weight group 0.4, ...
 """
 
 from __future__ import annotations
@@ -17,39 +17,49 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 
-def process_start() -> float:
-    """When this process started, as a `time.time()` value; where /proc cannot tell, now (the
-    imports before this call then go uncounted, and the line says so by naming no imports)."""
+def process_start() -> float | None:
+    """When this process started, as a `time.time()` value, or None where /proc cannot tell.
+    /proc gives the start in clock ticks since boot; the boot is placed by CLOCK_BOOTTIME (the
+    whole-second `btime` of /proc/stat would put the start up to 1 s early)."""
     try:
         with open("/proc/self/stat") as f:
-            # field 22 (starttime, in clock ticks since boot) counts after the ')' that ends field 2
+            # field 22 (starttime) counts after the ')' that ends field 2, the command's name
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return time.time()
+        since_start = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+    return time.time() - since_start
+
+
+_process_clock_taken = False  # only a process's first run counts its imports; a later one starts its clock when made
 
 
 @dataclass
 class StartupClock:
-    """The phases of one run's start-up, in the order they ran, in seconds."""
+    """The phases of one run's start-up, in the order they ran, in seconds. The first clock of a
+    process starts with the process (its imports, argument parsing and config validation are
+    the `imports` phase); a later run in the same process (a notebook, a test running several)
+    starts its clock when it is made, and has no `imports`."""
 
-    started: float = field(default_factory=process_start)
+    started: float = 0.0
     phases: list[tuple[str, float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        # the process's own start-up and imports, up to the clock's creation (at most the 10 ms
-        # granularity of /proc's start time below zero: clamped)
-        self.phases.append(("imports", max(0.0, time.time() - self.started)))
+        global _process_clock_taken
+        now = time.time()
+        first = None if _process_clock_taken else process_start()
+        _process_clock_taken = True
+        self.started = now if first is None else first
+        if first is not None:
+            self.phases.append(("imports", max(0.0, now - first)))
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        t0 = time.time()
+        t0 = time.monotonic()
         try:
             yield
         finally:
-            self.phases.append((name, time.time() - t0))
+            self.phases.append((name, time.monotonic() - t0))
 
     def line(self) -> str:
         """The log line: the total from the process's start, then each phase; what no phase
@@ -57,4 +67,4 @@ class StartupClock:
         total = time.time() - self.started
         other = total - sum(s for _, s in self.phases)
         parts = [f"{name} {s:.1f}" for name, s in self.phases] + [f"other {max(0.0, other):.1f}"]
-        return f"start-up {total:.1f} s before step 1: " + ", ".join(parts)
+        return f"start-up {total:.1f} s before step 1 (and its step-0 eval): " + ", ".join(parts)

@@ -126,6 +126,12 @@ GroupRewardFn = Callable[[list[Sample]], Awaitable[Any]]
 GROUP_REWARD_SIGNATURE = "fn(args, samples) -> one reward per sample"
 
 
+def _as_list(answers: Any) -> Any:
+    """A group reward's answers as a list where they are an array or a tensor (`tolist`), as
+    the post-process's are taken; anything else as it came, for the caller to judge."""
+    return answers.tolist() if hasattr(answers, "tolist") and not isinstance(answers, (list, tuple)) else answers
+
+
 def _lookup_group(args, runner: RewardRunner) -> GroupRewardFn | None:
     """`--group-rm` with `--custom-rm-path`: the async group reward `fn(samples) -> [reward, ...]`,
     called once per prompt group (slime's batched reward: rewards that compare a group's answers,
@@ -264,7 +270,7 @@ class Rewards:
         answer that is not one reward per sample is a setting that cannot work (every group would
         get the same), so it stops the run in one line."""
         try:
-            answers = await self.group_fn(group)
+            answers = _as_list(await self.group_fn(group))
         except RewardSettingError:
             raise
         except (Exception, KeyboardInterrupt, SystemExit) as e:
@@ -278,9 +284,9 @@ class Rewards:
         return [self._read(s, a) for s, a in zip(group, answers)]
 
     async def _one_of_a_group(self, sample: Sample) -> Any:
-        """A --group-rm reward asked for one sample (start-up's check, the seed's async_rm): the
+        """A --group-rm reward asked for one sample (start-up's check, which calls `fn`): the
         sample as a group of one."""
-        answers = await self.group_fn([sample])
+        answers = _as_list(await self.group_fn([sample]))
         if not isinstance(answers, (list, tuple)) or len(answers) != 1:
             raise RewardSettingError(
                 f"--custom-rm-path {self.settings.custom_rm_path} with --group-rm returned {repr(answers)[:60]} for a "
