@@ -114,6 +114,11 @@ def test_an_answer_that_does_not_score_the_response_is_one_line(teacher_engine):
     with pytest.raises(TeacherError, match="without meta_info.input_token_logprobs: --rm-url must be") as e:
         teacher_log_probs({"score": 1.0}, s, teacher_engine.url)
     assert "\n" not in str(e.value)
+    for bad in (float("nan"), True, "x"):  # a bool is an int to Python, not a log-prob
+        items = [[-0.5, t, None] for t in s.response_tokens]
+        items[-1][0] = bad
+        with pytest.raises(TeacherError, match=f"with the log-prob {bad!r}: every response token needs a finite one"):
+            teacher_log_probs({"meta_info": {"input_token_logprobs": items}}, s, teacher_engine.url)
 
 
 def test_a_teacher_of_another_vocabulary_is_refused_at_start_up(tmp_path):

@@ -293,7 +293,7 @@ def _post_process(args: Any, sample: Sample) -> None:
     plugin.check_call(reward_post_process.SIGNATURE, args, [sample])
     _check_args_read(plugin, args)
     reward_post_process.post_process(plugin, args, [[sample]])
-    if args.use_opd and args.opd_type == "sglang":
+    if args.algorithm.teacher_served:
         from vime.rollout.on_policy_distillation import check_served
 
         check_served([sample], args.custom_reward_post_process_path)

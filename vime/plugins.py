@@ -156,7 +156,7 @@ def load_function(
     """Import `pkg.module:func` or `pkg.module.func`; a failure is one line of `error` naming the
     flag. The working directory is importable, so a file next to where the user runs vime works.
     An object of a type in `also` is taken too (--tools: a Tool itself, not only a function making one)."""
-    path = SLIME_PATHS.get(path, path)
+    path = SLIME_PATHS.get(path.replace(":", "."), path)  # slime's function, by either spelling, is vime's
     module_name, sep, attr = path.partition(":")
     if not sep:
         module_name, _, attr = path.rpartition(".")

@@ -135,7 +135,7 @@ class Run:
                 )
             if self.post_process is not None:  # rewards in, advantages not yet: every mode passes here
                 post_process(self.post_process, self.args, out.samples)
-            if a.use_opd and a.opd_type == "sglang":
+            if a.algorithm.teacher_served:
                 check_served([s for g in out.samples for s in g], a.custom_reward_post_process_path)
         if a.save_debug_rollout_data:
             save_rollout(a.save_debug_rollout_data, rollout_id, out)

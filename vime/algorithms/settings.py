@@ -52,3 +52,14 @@ class AlgorithmConfig:
     rs_upper_bound: float
     rs_veto_threshold: float | None
     m2_threshold: float | None
+
+    @property
+    def teacher_served(self) -> bool:
+        """On-policy distillation whose teacher an engine serves (`--opd-type sglang`): its
+        log-probs come with the rollout, on the samples."""
+        return self.use_opd and self.opd_type == "sglang"
+
+    @property
+    def teacher_in_trainer(self) -> bool:
+        """On-policy distillation whose teacher the trainer loads (`--opd-type megatron`)."""
+        return self.use_opd and self.opd_type == "megatron"

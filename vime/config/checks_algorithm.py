@@ -154,7 +154,7 @@ def _opd_checks(c: Settings) -> list[tuple[bool, str]]:
         for name in ("opd_type", "opd_teacher_load", "opd_teacher_ckpt_step", "opd_kl_coef")
         if getattr(c, name) != default_of(name)
     ]
-    served = c.use_opd and c.opd_type == "sglang"
+    served = c.algorithm.teacher_served
     asks_teacher = c.custom_rm_path is not None and vime_path(c.custom_rm_path) == OPD_REWARD
     functions = f"--custom-rm-path {OPD_REWARD} --custom-reward-post-process-path {OPD_POST_PROCESS}"
     return [
@@ -204,7 +204,7 @@ def _opd_checks(c: Settings) -> list[tuple[bool, str]]:
             f"makes rewards of: add --custom-reward-post-process-path {OPD_POST_PROCESS}",
         ),
         (
-            c.use_opd and c.opd_type == "megatron" and c.opd_teacher_load is None,
+            c.algorithm.teacher_in_trainer and c.opd_teacher_load is None,
             "--opd-type megatron loads the teacher in the trainer: give --opd-teacher-load (an HF model directory "
             "or a vime --save directory)",
         ),

@@ -71,7 +71,7 @@ def _reward_checks(c: Settings) -> list[tuple[bool, str]]:
             c.rm_url is not None
             and c.rm_type != "remote_rm"
             and not c.custom_rm_path
-            and not (c.use_opd and c.opd_type == "sglang"),  # the teacher's: checks_algorithm.py
+            and not c.algorithm.teacher_served,  # the teacher's: checks_algorithm.py
             f"--rm-url is read by --rm-type remote_rm (or by your --custom-rm-path), and this run grades with --rm-type {c.rm_type}: add --rm-type remote_rm",
         ),
         (

@@ -164,9 +164,9 @@ def teacher_log_probs(answer: Any, sample: Sample, url: str) -> list[float]:
     if ids != sample.response_tokens:
         raise TeacherError(f"{where} for other tokens than its response's: it must score the input_ids it is sent")
     values = [item[0] for item in items]
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
-        bad = next(v for v in values if not (isinstance(v, (int, float)) and math.isfinite(v)))
-        raise TeacherError(f"{where} with the log-prob {bad!r}: every response token needs a finite one")
+    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)]
+    if bad:
+        raise TeacherError(f"{where} with the log-prob {bad[0]!r}: every response token needs a finite one")
     return [float(v) for v in values]
 
 

@@ -125,8 +125,7 @@ class Actor(WeightExport):
         self.ref_scorer = self._frozen(self.algo.ref_load or model_path) if self.algo.kl_loss_coef > 0 else None
         # --use-opd --opd-type megatron: the frozen teacher that scores the trained tokens (trainer/teacher.py;
         # its term: algorithms/opd.py); a served teacher (sglang) scored them in the rollout
-        in_trainer = self.algo.use_opd and self.algo.opd_type == "megatron"
-        self.teacher_scorer = self._frozen(teacher_dir(self.algo)) if in_trainer else None
+        self.teacher_scorer = self._frozen(teacher_dir(self.algo)) if self.algo.teacher_in_trainer else None
         self._bucket = -(-trainer.max_tokens_per_gpu // PAD_BUCKETS)
         self._warned_oversize = False
         if self.compiled:
