@@ -292,8 +292,10 @@ def test_ray_job_stop_stops_the_run_and_everything_it_started(cluster, second_no
     time.sleep(1)  # reward workers and the fully-async worker are busy now
     started = _descendants(trainer)
     assert len(started) > 1  # at least the reward workers
-    servers = server_pids(None)
-    assert len(servers) == 1 and [a.node_id for a in _engine_actors(head)] == [second_node]
+    actors = _engine_actors(head)
+    # the servers this job's engine actor started (another test's engines on the machine are not ours)
+    servers = [pid for a in actors for pid in server_pids(a.pid)]
+    assert len(servers) == 1 and [a.node_id for a in actors] == [second_node]
 
     t0 = time.monotonic()
     stop = ray("job", "stop", f"--address={head}", job, timeout=60)
