@@ -25,11 +25,9 @@ def _prompts(tokenizer, path: Path, n: int) -> list[list[int]]:
     return [list(tokenizer.encode(r["input"], add_special_tokens=True)) for r in rows]
 
 
-@pytest.fixture(scope="module")
-def teacher_run(tmp_path_factory) -> Path:
-    """A vime --save directory whose newest checkpoint is the tiny student trained, SFT-like, to
-    answer every training prompt with TARGET: a teacher that differs from the student only in weights."""
-    student = resolve_model("tiny")
+def train_teacher(student: Path, out: Path) -> Path:
+    """A vime --save directory (`out`) whose newest checkpoint is `student` trained, SFT-like, to
+    answer every training prompt with TARGET."""
     tokenizer = load_tokenizer(student)
     target = list(tokenizer.encode(TARGET, add_special_tokens=False))
     actor = Actor(make_args(lr=1e-2), student)
@@ -39,9 +37,15 @@ def teacher_run(tmp_path_factory) -> Path:
     ]
     for _ in range(4):  # advantage 1 on a fixed response, one step each: p(TARGET's tokens) 0.01 -> ~0.5
         actor.train_step(samples, [1.0] * len(samples))
-    out = tmp_path_factory.mktemp("teacher")
     actor.save(out / "4", {})
     return out
+
+
+@pytest.fixture(scope="module")
+def teacher_run(tmp_path_factory) -> Path:
+    """The tiny student trained to answer TARGET (`train_teacher`): a teacher that differs from
+    the student only in weights."""
+    return train_teacher(resolve_model("tiny"), tmp_path_factory.mktemp("teacher"))
 
 
 def _reverse_kl(student: Path, teacher: Path) -> float:

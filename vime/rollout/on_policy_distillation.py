@@ -158,7 +158,7 @@ async def reward_func(args: Any, sample: Sample, **kwargs: Any) -> Any:
     """`--custom-rm-path`: the teacher's answer to the scoring request of `sample`'s response tokens
     (a sample without any asks nothing)."""
     if sample.response_length == 0:
-        return {"meta_info": {"input_token_logprobs": []}}
+        return {}  # nothing to score: the post-process reads no answer for it
     return await teacher_of(args).score(sample)
 
 
@@ -169,7 +169,10 @@ def post_process_rewards(args: Any, samples: list[Sample], **kwargs: Any) -> tup
     teacher = teacher_of(args)
     for s in samples:
         answer = s.reward_result
-        s.teacher_log_probs = None if answer is None else teacher.log_probs(answer, s)
+        if answer is None:
+            s.teacher_log_probs = None
+        else:
+            s.teacher_log_probs = teacher.log_probs(answer, s) if s.response_length else []
     zeros = [0.0] * len(samples)
     return zeros, list(zeros)
 
