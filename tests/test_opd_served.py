@@ -147,6 +147,22 @@ def test_a_teacher_of_another_vocabulary_is_refused_at_start_up(tmp_path):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("kind", ["sglang", "vllm"])
+def test_a_teacher_that_is_not_there_is_refused_at_start_up(tmp_path, kind):
+    """Nothing listens at --rm-url: the start-up check waits --reward-timeout, then stops the run
+    in one line (the run would otherwise train every sample without the teacher's term)."""
+    r = run_cli(
+        "train.py", "--config", "examples/tiny.yaml", "--num-rollout", "1", "--use-opd", "--opd-type", kind,
+        "--rm-url", "http://127.0.0.1:1", "--custom-rm-path", REWARD, "--custom-reward-post-process-path", POST,
+        "--reward-timeout", "2", "--runs-dir", str(tmp_path), "--run-name", "u",
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert (
+        f"--opd-type {kind}: the teacher at --rm-url http://127.0.0.1:1 took longer than --reward-timeout" in r.stderr
+    )
+    assert "Traceback" not in r.stderr and not (tmp_path / "u" / "metrics.jsonl").exists()
+
+
 @pytest.mark.parametrize(
     "extra, fragment",
     [
