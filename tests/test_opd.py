@@ -137,7 +137,7 @@ def test_two_ranks_distill_as_one_rank(tiny_model, tmp_path):
         (["--use-opd"], "--use-opd needs --opd-type"),
         (["--use-opd", "--opd-type", "megatron"], "give --opd-teacher-load"),
         (["--use-opd", "--opd-type", "sglang"], "asks a teacher engine for its log-probs: give its address"),
-        (["--use-opd", "--opd-type", "vllm"], "--opd-type megatron --opd-teacher-load DIR"),
+        (["--use-opd", "--opd-type", "vllm"], "--opd-type vllm asks a teacher engine for its log-probs: give its"),
         (["--use-opd", "--opd-type", "megatron", "--opd-teacher-load", "t", "--opd-kl-coef", "0"], "positive"),
     ],
 )
