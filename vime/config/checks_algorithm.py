@@ -155,14 +155,7 @@ def _opd_checks(c: Settings) -> list[tuple[bool, str]]:
         if getattr(c, name) != default_of(name)
     ]
     served = c.algorithm.teacher_served
-    kind = f"--opd-type {c.opd_type}"
     asks_teacher = c.custom_rm_path is not None and vime_path(c.custom_rm_path) == OPD_REWARD
-    functions = f"--custom-rm-path {OPD_REWARD} --custom-reward-post-process-path {OPD_POST_PROCESS}"
-    address = (
-        "http://HOST:PORT/v1/completions (a vLLM server's)"
-        if c.opd_type == "vllm"
-        else ("http://HOST:PORT/generate (e.g. of `vime serve --model-path TEACHER`)")
-    )
     return [
         (
             asks_teacher and c.group_rm,
@@ -178,6 +171,45 @@ def _opd_checks(c: Settings) -> list[tuple[bool, str]]:
             "--use-opd needs --opd-type: megatron loads the teacher in the trainer from --opd-teacher-load DIR, "
             "sglang asks a teacher engine at --rm-url (`vime serve`, SGLang), vllm a vLLM server at --rm-url",
         ),
+        *_served_checks(c),
+        (
+            asks_teacher and not served,
+            f"--custom-rm-path {c.custom_rm_path} asks a teacher for on-policy distillation: add --use-opd "
+            "--opd-type sglang (or vllm), or give another reward",
+        ),
+        (
+            asks_teacher and c.custom_reward_post_process_path is None,
+            f"--custom-rm-path {c.custom_rm_path} answers the teacher's log-probs, which the post-process stores and "
+            f"makes rewards of: add --custom-reward-post-process-path {OPD_POST_PROCESS}",
+        ),
+        (
+            c.algorithm.teacher_in_trainer and c.opd_teacher_load is None,
+            "--opd-type megatron loads the teacher in the trainer: give --opd-teacher-load (an HF model directory "
+            "or a vime --save directory)",
+        ),
+        (
+            c.use_opd and c.opd_kl_coef <= 0,
+            f"--opd-kl-coef {c.opd_kl_coef:g} gives the teacher no weight: use a positive coefficient, or drop --use-opd",
+        ),
+        (
+            c.opd_teacher_ckpt_step is not None and c.opd_teacher_ckpt_step < 0,
+            f"--opd-teacher-ckpt-step {c.opd_teacher_ckpt_step} is not a step: give a step of the --opd-teacher-load directory",
+        ),
+    ]
+
+
+def _served_checks(c: Settings) -> list[tuple[bool, str]]:
+    """A teacher served by an engine (`--opd-type sglang` or `vllm`): its address, the functions
+    that ask it, and what cannot work beside it."""
+    served = c.algorithm.teacher_served
+    kind = f"--opd-type {c.opd_type}"
+    functions = f"--custom-rm-path {OPD_REWARD} --custom-reward-post-process-path {OPD_POST_PROCESS}"
+    address = (
+        "http://HOST:PORT/v1/completions (a vLLM server's)"
+        if c.opd_type == "vllm"
+        else "http://HOST:PORT/generate (e.g. of `vime serve --model-path TEACHER`)"
+    )
+    return [
         (
             served and c.rm_url is None,
             f"{kind} asks a teacher engine for its log-probs: give its address, --rm-url {address}",
@@ -203,29 +235,6 @@ def _opd_checks(c: Settings) -> list[tuple[bool, str]]:
             f"--dynamic-sampling-filter-path {c.dynamic_sampling_filter_path} judges each group by its rewards as "
             f"scored, and with {kind} every reward is the teacher's answer (0 once post-processed), so it would drop "
             "every group: drop the filter (distillation's term is per token and needs no spread of rewards)",
-        ),
-        (
-            asks_teacher and not served,
-            f"--custom-rm-path {c.custom_rm_path} asks a teacher for on-policy distillation: add --use-opd "
-            "--opd-type sglang (or vllm), or give another reward",
-        ),
-        (
-            asks_teacher and c.custom_reward_post_process_path is None,
-            f"--custom-rm-path {c.custom_rm_path} answers the teacher's log-probs, which the post-process stores and "
-            f"makes rewards of: add --custom-reward-post-process-path {OPD_POST_PROCESS}",
-        ),
-        (
-            c.algorithm.teacher_in_trainer and c.opd_teacher_load is None,
-            "--opd-type megatron loads the teacher in the trainer: give --opd-teacher-load (an HF model directory "
-            "or a vime --save directory)",
-        ),
-        (
-            c.use_opd and c.opd_kl_coef <= 0,
-            f"--opd-kl-coef {c.opd_kl_coef:g} gives the teacher no weight: use a positive coefficient, or drop --use-opd",
-        ),
-        (
-            c.opd_teacher_ckpt_step is not None and c.opd_teacher_ckpt_step < 0,
-            f"--opd-teacher-ckpt-step {c.opd_teacher_ckpt_step} is not a step: give a step of the --opd-teacher-load directory",
         ),
     ]
 
