@@ -58,13 +58,13 @@ $(VLLM_VENV)/.installed: pyproject.toml requirements/ray.lock
 	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
-# tests/test_vllm.py and test_vllm_runs.py against real vLLM servers on CPU (their server tests are
+# tests/test_vllm.py, test_vllm_runs.py and test_opd_vllm.py against real vLLM servers on CPU (their server tests are
 # marked `vllm` and skipped by `make test`, whose environment has no vllm); one xdist worker per
 # file, so each file's shared servers start once. Also the engine's GPU code path and the trainer's
 # Triton LM head under the Triton interpreter, and vLLM engines as Ray actors: this environment is
 # the one with Triton, vLLM and Ray.
 test-vllm: install-vllm
-	$(VLLM_BIN)/python -m pytest -q -n 2 --dist loadfile tests/test_vllm.py tests/test_vllm_runs.py \
+	$(VLLM_BIN)/python -m pytest -q -n 2 --dist loadfile tests/test_vllm.py tests/test_vllm_runs.py tests/test_opd_vllm.py \
 		tests/test_engine.py::test_triton_path_in_interpreter tests/test_actor.py::test_triton_head_in_interpreter \
 		tests/test_ray_launch.py::test_vllm_engines_on_another_node_as_ray_actors_train_in_sync
 

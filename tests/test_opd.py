@@ -25,11 +25,9 @@ def _prompts(tokenizer, path: Path, n: int) -> list[list[int]]:
     return [list(tokenizer.encode(r["input"], add_special_tokens=True)) for r in rows]
 
 
-@pytest.fixture(scope="module")
-def teacher_run(tmp_path_factory) -> Path:
-    """A vime --save directory whose newest checkpoint is the tiny student trained, SFT-like, to
-    answer every training prompt with TARGET: a teacher that differs from the student only in weights."""
-    student = resolve_model("tiny")
+def train_teacher(student: Path, out: Path) -> Path:
+    """A vime --save directory (`out`) whose newest checkpoint is `student` trained, SFT-like, to
+    answer every training prompt with TARGET."""
     tokenizer = load_tokenizer(student)
     target = list(tokenizer.encode(TARGET, add_special_tokens=False))
     actor = Actor(make_args(lr=1e-2), student)
@@ -39,9 +37,15 @@ def teacher_run(tmp_path_factory) -> Path:
     ]
     for _ in range(4):  # advantage 1 on a fixed response, one step each: p(TARGET's tokens) 0.01 -> ~0.5
         actor.train_step(samples, [1.0] * len(samples))
-    out = tmp_path_factory.mktemp("teacher")
     actor.save(out / "4", {})
     return out
+
+
+@pytest.fixture(scope="module")
+def teacher_run(tmp_path_factory) -> Path:
+    """The tiny student trained to answer TARGET (`train_teacher`): a teacher that differs from
+    the student only in weights."""
+    return train_teacher(resolve_model("tiny"), tmp_path_factory.mktemp("teacher"))
 
 
 def _reverse_kl(student: Path, teacher: Path) -> float:
@@ -91,8 +95,10 @@ def test_advantage_is_teacher_minus_rollout_log_prob_per_token(tiny_model, tmp_p
     assert torch.allclose(adv, want, atol=1e-5)
 
 
-def test_train_step_logs_the_reverse_kl_and_moves_the_weights(tiny_model, tmp_path):
-    teacher_dir = make_tiny_model(tmp_path / "teacher", seed=1)
+@pytest.mark.parametrize("rows", [None, 300])
+def test_train_step_logs_the_reverse_kl_and_moves_the_weights(tiny_model, tmp_path, rows):
+    """Also with a teacher whose table is padded past the student's (300 rows, the same tokenizer)."""
+    teacher_dir = make_tiny_model(tmp_path / "teacher", seed=1, vocab_size=rows)
     actor = Actor(make_args(use_opd=True, opd_type="megatron", opd_teacher_load=str(teacher_dir)), tiny_model)
     samples = make_samples(3)
     before = {n: p.detach().clone() for n, p in actor.model.named_parameters()}
@@ -131,7 +137,7 @@ def test_two_ranks_distill_as_one_rank(tiny_model, tmp_path):
         (["--use-opd"], "--use-opd needs --opd-type"),
         (["--use-opd", "--opd-type", "megatron"], "give --opd-teacher-load"),
         (["--use-opd", "--opd-type", "sglang"], "asks a teacher engine for its log-probs: give its address"),
-        (["--use-opd", "--opd-type", "vllm"], "--opd-type megatron --opd-teacher-load DIR"),
+        (["--use-opd", "--opd-type", "vllm"], "--opd-type vllm asks a teacher engine for its log-probs: give its"),
         (["--use-opd", "--opd-type", "megatron", "--opd-teacher-load", "t", "--opd-kl-coef", "0"], "positive"),
     ],
 )
@@ -142,7 +148,6 @@ def test_opd_flags_are_checked_in_one_line(extra, fragment):
 
 
 def test_teacher_resolution_and_vocabulary(teacher_run, tmp_path):
-    from vime.models import read_config
     from vime.trainer.teacher import check_teacher, teacher_dir
 
     def args(load, step=None):
@@ -157,21 +162,26 @@ def test_teacher_resolution_and_vocabulary(teacher_run, tmp_path):
         teacher_dir(args(teacher_run, 3))
     with pytest.raises(ConfigError, match="neither an HF model"):
         teacher_dir(args(tmp_path))
-    other = make_tiny_model(tmp_path / "other_vocab", seed=0, vocab_size=300)
-    student = read_config(resolve_model("tiny"))
-    with pytest.raises(ConfigError, match="vocabulary of 300 tokens") as e:
-        check_teacher(args(other), student, read_config)
+    # the student's tokenizer, its table padded to 300 rows: the same vocabulary, accepted
+    padded = make_tiny_model(tmp_path / "padded", seed=0, vocab_size=300)
+    assert check_teacher(args(padded), resolve_model("tiny")) == padded
+    # ... but not as the teacher of a student whose table is larger: the student draws ids it has no row for
+    with pytest.raises(ConfigError, match="has a table of 100 rows and the student 300: a token the student") as e:
+        check_teacher(args(resolve_model("tiny")), padded)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="has a vocabulary of 49152 tokens and the student 100, of another") as e:
+        check_teacher(args(resolve_model("smollm2")), resolve_model("tiny"))
     assert "\n" not in str(e.value)
 
 
 def test_cli_refuses_a_teacher_of_another_vocabulary(tmp_path):
-    other = make_tiny_model(tmp_path / "other_vocab", seed=0, vocab_size=300)
     r = run_cli(
         "train.py", "--config", "examples/tiny.yaml", "--num-rollout", "1", "--use-opd", "--opd-type", "megatron",
-        "--opd-teacher-load", str(other), "--runs-dir", str(tmp_path), "--run-name", "v",
+        "--opd-teacher-load", str(resolve_model("smollm2")), "--runs-dir", str(tmp_path), "--run-name", "v",
     )  # fmt: skip
     assert r.returncode == 2, r.stderr[-2000:]
-    assert "vocabulary of 300 tokens" in r.stderr and "Traceback" not in r.stderr
+    assert "vocabulary of 49152 tokens and the student 100, of another tokenizer" in r.stderr
+    assert "Traceback" not in r.stderr
 
 
 # each mode's entry point, flags, rollouts and the share of the reverse KL it must keep at most

@@ -23,7 +23,7 @@ from vime.backends.builtin.launch import launch_engine
 from vime.config import Config, ConfigError, parse_args
 from vime.models import load_tokenizer, make_tiny_model, resolve_model
 from vime.plugins import PluginError, as_plugin
-from vime.rollout.on_policy_distillation import TeacherError, teacher_log_probs
+from vime.rollout.on_policy_distillation import Teacher, TeacherError, teacher_log_probs
 from vime.rollout.rewards import Rewards
 from vime.rollout.rewards.post_process import load_post_process, post_process
 from vime.rollout.rewards.runner import RewardRunner
@@ -122,7 +122,17 @@ def test_an_answer_that_does_not_score_the_response_is_one_line(teacher_engine):
 
 
 def test_a_teacher_of_another_vocabulary_is_refused_at_start_up(tmp_path):
-    other = make_tiny_model(tmp_path / "other_vocab", seed=0, vocab_size=300)
+    """A table of 2000 rows for the student's tokenizer of 100 tokens (more than padding adds) is
+    another vocabulary; one padded to 300 is the student's, and passes the same check."""
+    padded = make_tiny_model(tmp_path / "padded", seed=0, vocab_size=300)
+    engine = launch_engine(str(padded), log_path=tmp_path / "padded.log")
+    try:
+        teacher = Teacher(engine.url, 60.0, str(resolve_model("tiny")))
+        asyncio.run(teacher._check_vocabulary())
+        assert teacher.checked
+    finally:
+        engine.shutdown()
+    other = make_tiny_model(tmp_path / "other_vocab", seed=0, vocab_size=2000)
     engine = launch_engine(str(other), log_path=tmp_path / "teacher.log")
     try:
         r = run_cli(
@@ -133,7 +143,24 @@ def test_a_teacher_of_another_vocabulary_is_refused_at_start_up(tmp_path):
     finally:
         engine.shutdown()
     assert r.returncode == 2, r.stderr[-2000:]
-    assert "has a vocabulary of 300 tokens and the student" in r.stderr and "Traceback" not in r.stderr
+    assert "has a vocabulary of 2000 tokens and the student 100 (its tokenizer 100)" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("kind", ["sglang", "vllm"])
+def test_a_teacher_that_is_not_there_is_refused_at_start_up(tmp_path, kind):
+    """Nothing listens at --rm-url: the start-up check waits --reward-timeout, then stops the run
+    in one line (the run would otherwise train every sample without the teacher's term)."""
+    r = run_cli(
+        "train.py", "--config", "examples/tiny.yaml", "--num-rollout", "1", "--use-opd", "--opd-type", kind,
+        "--rm-url", "http://127.0.0.1:1", "--custom-rm-path", REWARD, "--custom-reward-post-process-path", POST,
+        "--reward-timeout", "2", "--runs-dir", str(tmp_path), "--run-name", "u",
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert (
+        f"--opd-type {kind}: the teacher at --rm-url http://127.0.0.1:1 took longer than --reward-timeout" in r.stderr
+    )
+    assert "Traceback" not in r.stderr and not (tmp_path / "u" / "metrics.jsonl").exists()
 
 
 @pytest.mark.parametrize(
@@ -159,7 +186,23 @@ def test_a_teacher_of_another_vocabulary_is_refused_at_start_up(tmp_path):
             + ["--custom-reward-post-process-path", POST, "--group-rm"],
             "asks the teacher for one sample at a time: drop --group-rm",
         ),
-        (["--use-opd", "--opd-type", "vllm"], "is not in vime yet: serve the teacher with `vime serve`"),
+        (["--use-opd", "--opd-type", "vllm"], "give its address, --rm-url http://HOST:PORT/v1/completions"),
+        (
+            ["--use-opd", "--opd-type", "vllm", "--rm-url", "http://h:1/generate", "--custom-rm-path", REWARD]
+            + ["--custom-reward-post-process-path", POST],
+            "names neither of the vLLM routes that score tokens",
+        ),
+        *(
+            (
+                ["--use-opd", "--opd-type", kind, "--rm-url", "http://h:1", "--custom-rm-path", REWARD]
+                + ["--custom-reward-post-process-path", POST, "--dynamic-sampling-filter-path", path],
+                f"with --opd-type {kind} every reward is the teacher's answer (0 once post-processed), so it would drop",
+            )
+            for kind, path in [
+                ("sglang", "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std"),
+                ("vllm", "vime.rollout.filters.check_reward_nonzero_std_with_fallback"),
+            ]
+        ),
         (
             ["--rollout-function-path", "vime.rollout.sft_rollout.generate_rollout", "--loss-type", "sft_loss"]
             + ["--custom-reward-post-process-path", "m.f"],

@@ -255,6 +255,23 @@ def vocab_size_of(config: dict) -> int | None:
     return int(size) if size is not None else None
 
 
+# Rows a model's embedding table may hold beyond its tokenizer's tokens: tables are padded to a
+# multiple (Megatron's 128 x tensor-parallel size, at most 8 -> under 1024 rows), so two sizes of
+# one family can differ (Qwen2.5-0.5B: 151936 rows, 7B: 152064, one tokenizer of 151665 tokens).
+PADDING_ROWS = 1024
+
+
+def table_fits(teacher_rows: int, student_rows: int | None, tokenizer_size: int) -> bool:
+    """Whether a teacher whose embedding table has `teacher_rows` rows can score the token ids of a
+    student with `student_rows` rows and a tokenizer of `tokenizer_size` tokens, where the size is
+    all that is known of it: the student's own size, or one larger by no more than padding adds to
+    the student's tokenizer (every id the student can draw has a row). Another family's table is
+    most often far larger or smaller; one of about the same size is not caught by a size."""
+    if teacher_rows == student_rows:
+        return True
+    return (student_rows or 0) <= teacher_rows and tokenizer_size <= teacher_rows < tokenizer_size + PADDING_ROWS
+
+
 def context_length(model_dir: str | Path) -> int:
     """The longest sequence the model takes (max_position_embeddings; the engine's default limit too)."""
     return int(read_config(model_dir).get("max_position_embeddings", 2048))

@@ -248,7 +248,8 @@ def _custom_reward(args: Any, rewards: Rewards, sample: Sample) -> list[str]:
     --reward-key): a wrong kind would score every sample 0. Called once, on the run's own event
     loop (an async reward may hold loop-bound state) and under --reward-timeout. One that
     raises, hangs or answers a non-finite number on the made-up sample is a note: in the run
-    such a sample scores 0 and counts in rollout/reward_errors (or _timeouts)."""
+    such a sample scores 0 and counts in rollout/reward_errors (or _timeouts); a served OPD teacher
+    that does not answer it is refused, since every sample would go without its term."""
     path = args.custom_rm_path
     signature = GROUP_REWARD_SIGNATURE if args.group_rm else REWARD_SIGNATURE
     plugin = load_plugin(path, "--custom-rm-path", signature=signature)
@@ -261,6 +262,11 @@ def _custom_reward(args: Any, rewards: Rewards, sample: Sample) -> list[str]:
     except Exception as e:
         timed_out = isinstance(e, TimeoutError)
         what = "took longer than --reward-timeout" if timed_out else f"raised {type(e).__name__}: {first_line(e)}"
+        if args.algorithm.teacher_served:  # a teacher not there now would leave the whole run undistilled
+            raise RewardSettingError(
+                f"--opd-type {args.opd_type}: the teacher at --rm-url {args.rm_url} {what} on a made-up sample at "
+                "start-up: start it before the run (the check waits --reward-timeout for it), or check the URL"
+            ) from None
         sample.reward_error = "timeout" if timed_out else "error"  # as the run marks it, for the post-process
         return [
             f"--custom-rm-path {path} {what} on a made-up sample of the first prompt at start-up; in the run "

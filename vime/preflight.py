@@ -283,7 +283,7 @@ def _check_model_flags(args: Any, model_dir: Path) -> None:
     if args.use_opd and args.opd_teacher_load:
         from vime.trainer.teacher import check_teacher
 
-        resolve_model(str(check_teacher(args, read_config(model_dir), read_config)))
+        resolve_model(str(check_teacher(args, model_dir)))
 
 
 def _check_lora(args: Any, model_dir: Path) -> None:

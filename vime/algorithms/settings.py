@@ -55,9 +55,9 @@ class AlgorithmConfig:
 
     @property
     def teacher_served(self) -> bool:
-        """On-policy distillation whose teacher an engine serves (`--opd-type sglang`): its
-        log-probs come with the rollout, on the samples."""
-        return self.use_opd and self.opd_type == "sglang"
+        """On-policy distillation whose teacher an engine serves (`--opd-type sglang`, or `vllm`):
+        its log-probs come with the rollout, on the samples."""
+        return self.use_opd and self.opd_type in ("sglang", "vllm")
 
     @property
     def teacher_in_trainer(self) -> bool:

@@ -135,7 +135,7 @@ class AlgorithmFields:
         "where the teacher runs: megatron (slime's name; in vime the trainer loads it from --opd-teacher-load); "
         "sglang (an engine at --rm-url serving SGLang's /generate, e.g. `vime serve`, scores the tokens through "
         "--custom-rm-path and --custom-reward-post-process-path vime.rollout.on_policy_distillation's functions); "
-        "vllm is not in vime yet",
+        "vllm (the same, the teacher a vLLM server: --rm-url its /v1/completions, or /inference/v1/generate)",
         ("megatron", "sglang", "vllm"),
         group="algorithm",
     )
@@ -143,7 +143,7 @@ class AlgorithmFields:
     opd_teacher_load: str | None = setting(
         None,
         "the OPD teacher: an HF model directory, a vime --save directory (its newest checkpoint) or one <step>/ "
-        "checkpoint of it; same vocabulary as the student",
+        "checkpoint of it; the student's tokenizer (its table may be padded to another size)",
         group="algorithm",
     )
     opd_teacher_ckpt_step: int | None = setting(

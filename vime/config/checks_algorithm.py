@@ -148,7 +148,7 @@ def _sft_checks(c: Settings) -> list[tuple[bool, str]]:
 
 def _opd_checks(c: Settings) -> list[tuple[bool, str]]:
     """On-policy distillation: slime's rules (a type; for a teacher in the trainer its checkpoint,
-    for a served one its address and the functions that ask it), and vllm, refused with what vime has."""
+    for a served one, SGLang's or vLLM's, its address and the functions that ask it)."""
     opd_flags = [
         f"--{name.replace('_', '-')}"
         for name in ("opd_type", "opd_teacher_load", "opd_teacher_ckpt_step", "opd_kl_coef")
@@ -156,7 +156,6 @@ def _opd_checks(c: Settings) -> list[tuple[bool, str]]:
     ]
     served = c.algorithm.teacher_served
     asks_teacher = c.custom_rm_path is not None and vime_path(c.custom_rm_path) == OPD_REWARD
-    functions = f"--custom-rm-path {OPD_REWARD} --custom-reward-post-process-path {OPD_POST_PROCESS}"
     return [
         (
             asks_teacher and c.group_rm,
@@ -170,33 +169,13 @@ def _opd_checks(c: Settings) -> list[tuple[bool, str]]:
         (
             c.use_opd and c.opd_type is None,
             "--use-opd needs --opd-type: megatron loads the teacher in the trainer from --opd-teacher-load DIR, "
-            "sglang asks a teacher engine at --rm-url",
+            "sglang asks a teacher engine at --rm-url (`vime serve`, SGLang), vllm a vLLM server at --rm-url",
         ),
-        (
-            c.use_opd and c.opd_type == "vllm",
-            "--opd-type vllm (a teacher in a vLLM server) is not in vime yet: serve the teacher with `vime serve` and "
-            f"use --opd-type sglang --rm-url http://HOST:PORT/generate {functions}, or --opd-type megatron "
-            "--opd-teacher-load DIR",
-        ),
-        (
-            served and c.rm_url is None,
-            "--opd-type sglang asks a teacher engine for its log-probs: give its address, --rm-url "
-            "http://HOST:PORT/generate (e.g. of `vime serve --model-path TEACHER`)",
-        ),
-        (
-            served and (c.custom_rm_path is None or c.custom_reward_post_process_path is None),
-            f"--opd-type sglang asks the teacher through the reward function and stores its log-probs in the "
-            f"post-process: add {functions}",
-        ),
-        (
-            served and c.opd_teacher_load is not None,
-            "--opd-teacher-load loads a teacher into the trainer (--opd-type megatron); with --opd-type sglang the "
-            "teacher is the engine at --rm-url: drop --opd-teacher-load",
-        ),
+        *_served_checks(c),
         (
             asks_teacher and not served,
             f"--custom-rm-path {c.custom_rm_path} asks a teacher for on-policy distillation: add --use-opd "
-            "--opd-type sglang, or give another reward",
+            "--opd-type sglang (or vllm), or give another reward",
         ),
         (
             asks_teacher and c.custom_reward_post_process_path is None,
@@ -217,3 +196,62 @@ def _opd_checks(c: Settings) -> list[tuple[bool, str]]:
             f"--opd-teacher-ckpt-step {c.opd_teacher_ckpt_step} is not a step: give a step of the --opd-teacher-load directory",
         ),
     ]
+
+
+def _served_checks(c: Settings) -> list[tuple[bool, str]]:
+    """A teacher served by an engine (`--opd-type sglang` or `vllm`): its address, the functions
+    that ask it, and what cannot work beside it."""
+    served = c.algorithm.teacher_served
+    kind = f"--opd-type {c.opd_type}"
+    functions = f"--custom-rm-path {OPD_REWARD} --custom-reward-post-process-path {OPD_POST_PROCESS}"
+    address = (
+        "http://HOST:PORT/v1/completions (a vLLM server's)"
+        if c.opd_type == "vllm"
+        else "http://HOST:PORT/generate (e.g. of `vime serve --model-path TEACHER`)"
+    )
+    return [
+        (
+            served and c.rm_url is None,
+            f"{kind} asks a teacher engine for its log-probs: give its address, --rm-url {address}",
+        ),
+        (
+            served and c.opd_type == "vllm" and c.rm_url is not None and _vllm_route(c.rm_url),
+            f"--opd-type vllm: --rm-url {c.rm_url} names neither of the vLLM routes that score tokens: give "
+            "http://HOST:PORT/v1/completions (any vLLM server) or http://HOST:PORT/inference/v1/generate (one started "
+            "with --enable-scale-out)",
+        ),
+        (
+            served and (c.custom_rm_path is None or c.custom_reward_post_process_path is None),
+            f"{kind} asks the teacher through the reward function and stores its log-probs in the "
+            f"post-process: add {functions}",
+        ),
+        (
+            served and c.opd_teacher_load is not None,
+            f"--opd-teacher-load loads a teacher into the trainer (--opd-type megatron); with {kind} the "
+            "teacher is the engine at --rm-url: drop --opd-teacher-load",
+        ),
+        (
+            served and _filters_on_reward(c.dynamic_sampling_filter_path),
+            f"--dynamic-sampling-filter-path {c.dynamic_sampling_filter_path} judges each group by its rewards as "
+            f"scored, and with {kind} every reward is the teacher's answer (0 once post-processed), so it would drop "
+            "every group: drop the filter (distillation's term is per token and needs no spread of rewards)",
+        ),
+    ]
+
+
+def _vllm_route(url: str) -> bool:
+    """Whether `url` names no route a vLLM teacher scores on (opd_vllm.ROUTES; a bare host:port is one)."""
+    from vime.rollout.opd_vllm import route_of
+
+    return route_of(url) is None
+
+
+def _filters_on_reward(path: str | None) -> bool:
+    """Whether `path` is one of the built-in filters that keep a group by its rewards' spread
+    (vime's, or slime's name for it): they judge a group before the post-process, on the reward
+    functions' answers."""
+    if path is None:
+        return False
+    from vime.rollout.filters import REWARD_SPREAD_FILTERS
+
+    return path in REWARD_SPREAD_FILTERS

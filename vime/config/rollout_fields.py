@@ -192,7 +192,7 @@ class RolloutFields:
         "slime's hook: dotted path of fn(args, samples) -> (raw_rewards, rewards), called on each rollout's samples "
         "after their rewards and before advantages, in every mode; the reward functions' answers reach it as they came "
         "(sample.get_reward_value(args)), and the rewards it returns are trained through --advantage-estimator. "
-        "--opd-type sglang: vime.rollout.on_policy_distillation.post_process_rewards",
+        "--opd-type sglang or vllm: vime.rollout.on_policy_distillation.post_process_rewards",
         group="rewards",
     )
     group_rm: bool = setting(

@@ -65,6 +65,9 @@ _ALIASES = {
     for name in ("check_reward_nonzero_std", "check_reward_nonzero_std_with_fallback")
 }
 
+# the built-in filters that judge a group by its rewards' spread, by every path that loads them
+REWARD_SPREAD_FILTERS = frozenset([*_ALIASES, *_ALIASES.values()])
+
 GroupFilter = Callable[[list[Sample]], DynamicFilterOutput]
 
 

@@ -1,5 +1,5 @@
-"""On-policy distillation with a teacher served by an engine (`--use-opd --opd-type sglang`): slime's
-`slime.rollout.on_policy_distillation`, whose path loads this module.
+"""On-policy distillation with a teacher served by an engine (`--use-opd --opd-type sglang`, or
+`vllm`: opd_vllm.py): slime's `slime.rollout.on_policy_distillation`, whose path loads this module.
 
     vime serve --model-path TEACHER --port 30010 &
     vime train ... --use-opd --opd-type sglang --rm-url http://127.0.0.1:30010/generate \\
@@ -15,7 +15,8 @@ teacher, each retried while the teacher is busy (a vime engine answers 503 while
 full) until `--reward-timeout`. One that still fails scores 0, counts in `rollout/reward_errors`,
 and its sample trains without the teacher's term, as a failed reward costs a reward, not the run.
 What no retry can mend stops the run in one line (`TeacherError`): a teacher of another vocabulary
-(its `/get_model_info`, asked once, where it says), a refusal (a 4xx: a wrong key or path, a
+(its `/get_model_info`, asked once, where it says; a table padded to another size is the same
+vocabulary: models.table_fits), a refusal (a 4xx: a wrong key or path, a
 sequence longer than the teacher's context), an answer that is not a scoring of the tokens sent.
 
 `post_process_rewards` stores the teacher's log-prob of each response token on its sample
@@ -34,7 +35,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 
-from vime.models import read_config, vocab_size_of
+from vime.models import load_tokenizer, read_config, table_fits, vocab_size_of
 from vime.plugins import PluginError
 from vime.rollout.rewards import RewardSettingError
 from vime.rollout.rewards.remote import RemoteReward, RemoteRewardError
@@ -48,15 +49,23 @@ class TeacherError(RewardSettingError):
 
 
 class Teacher(RemoteReward):
-    """The teacher engine at one `--rm-url`: SGLang's scoring request per sample, and its
-    vocabulary compared with the student's on the first contact."""
+    """The teacher engine at one `--rm-url`, asked SGLang's way (`--opd-type sglang`): one scoring
+    request per sample, and its vocabulary compared with the student's on the first contact.
+    `VLLMTeacher` (opd_vllm.py) asks vLLM's way; the rest is this class's."""
 
-    def __init__(self, url: str, timeout: float, student_vocab: int | None) -> None:
+    kind = "sglang"
+    routes = "its /generate"  # what --rm-url should be, named in a refusal
+
+    def __init__(self, url: str, timeout: float, model_dir: str | None) -> None:
         key = os.environ.get(API_KEY_ENV)
-        super().__init__(generate_url(url), timeout, {"Authorization": f"Bearer {key}"} if key else None)
-        self.student_vocab = student_vocab
-        self.checked = student_vocab is None  # nothing to compare with: no check
+        super().__init__(self.endpoint(url), timeout, {"Authorization": f"Bearer {key}"} if key else None)
+        self.model_dir = model_dir
+        self.checked = model_dir is None  # no student to compare with: no check
         self._locks: dict[asyncio.AbstractEventLoop, asyncio.Lock] = {}
+
+    @staticmethod
+    def endpoint(url: str) -> str:
+        return generate_url(url)
 
     def body(self, sample: Sample) -> dict[str, Any]:
         return {
@@ -65,6 +74,10 @@ class Teacher(RemoteReward):
             "return_logprob": True,
             "logprob_start_len": sample.prompt_length,  # the first response token's position
         }
+
+    def log_probs(self, answer: Any, sample: Sample) -> list[float]:
+        """The teacher's log-prob of each of `sample`'s response tokens, read from its answer."""
+        return teacher_log_probs(answer, sample, self.url)
 
     async def score(self, sample: Sample) -> Any:
         if not self.checked:
@@ -75,41 +88,63 @@ class Teacher(RemoteReward):
             return await self(sample)
         except RemoteRewardError as e:  # a refusal, not a busy teacher: every sample would get it
             raise TeacherError(
-                f"--opd-type sglang: the teacher {e} (is --rm-url its /generate, and {API_KEY_ENV} its key?)"
+                f"--opd-type {self.kind}: the teacher {e} (is --rm-url {self.routes}, and {API_KEY_ENV} its key?)"
             ) from None
 
-    async def _check_vocabulary(self) -> None:
-        """The teacher's vocabulary size, where its `/get_model_info` says it (a vime engine does,
-        SGLang does not): the teacher reads the student's token ids, which in another vocabulary
-        are other tokens. A teacher not up yet is asked again at the next sample."""
+    async def _get(self, path: str, body: dict[str, Any] | None = None) -> Any:
+        """The JSON answer of the teacher's `path` (a POST of `body`, else a GET), or None where it
+        answers another status (a route it does not serve); ConnectionError where it cannot be
+        reached (not up yet)."""
+        url = urlunsplit(urlsplit(self.url)._replace(path=path, query=""))
         try:
             async with (
                 aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout)) as session,
-                session.get(info_url(self.url), headers=self.headers) as resp,
+                session.request("POST" if body else "GET", url, json=body, headers=self.headers) as resp,
             ):
-                info = await resp.json(content_type=None) if resp.status == 200 else {}
-        except (aiohttp.ClientError, TimeoutError, ValueError):
+                return await resp.json(content_type=None) if resp.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise ConnectionError(f"{url}: {e}") from None
+        except ValueError:  # 200 with a body that is not JSON
+            return None
+
+    async def _check_vocabulary(self) -> None:
+        """The teacher's vocabulary size, where its `/get_model_info` says it (a vime engine does,
+        SGLang does not), against the student's (`table_fits`): the teacher reads the student's
+        token ids, which in another vocabulary are other tokens. A teacher not up yet is asked
+        again at the next sample."""
+        base = urlsplit(self.url).path.rstrip("/").removesuffix("/generate")
+        try:
+            info = await self._get(f"{base}/get_model_info")
+        except ConnectionError:
             return
         self.checked = True
         theirs = info.get("vocab_size") if isinstance(info, dict) else None
-        if theirs is not None and int(theirs) != self.student_vocab:
+        if theirs is None:
+            return
+        tokens = len(load_tokenizer(self.model_dir))
+        ours = vocab_size_of(read_config(self.model_dir))
+        if not table_fits(int(theirs), ours, tokens):
             raise TeacherError(
-                f"--opd-type sglang: the teacher at {self.url} has a vocabulary of {theirs} tokens and the student "
-                f"{self.student_vocab}: the teacher scores the student's token ids, so it needs the student's "
-                "tokenizer; serve a teacher of the same family"
+                f"--opd-type {self.kind}: the teacher at {self.url} has a vocabulary of {theirs} tokens and the "
+                f"student {ours} (its tokenizer {tokens}): the teacher scores the student's token ids, so it needs the "
+                "student's tokenizer; serve a teacher of the same family"
             )
 
 
-_TEACHERS: dict[tuple[str, float, str | None], Teacher] = {}
+_TEACHERS: dict[tuple[str, str, float, str | None], Teacher] = {}
 
 
 def teacher_of(args: Any) -> Teacher:
-    """The process's one `Teacher` for the run's --rm-url (its connection limit and checks shared
-    by every sample)."""
-    key = (args.rm_url, float(args.reward_timeout), str(args.model_dir) if args.model_dir else None)
+    """The process's one teacher for the run's --opd-type and --rm-url (its connection limit and
+    checks shared by every sample)."""
+    kind = getattr(args, "opd_type", None) or "sglang"
+    key = (kind, args.rm_url, float(args.reward_timeout), str(args.model_dir) if args.model_dir else None)
     if key not in _TEACHERS:
-        vocab = vocab_size_of(read_config(args.model_dir)) if args.model_dir else None
-        _TEACHERS[key] = Teacher(args.rm_url, float(args.reward_timeout), vocab)
+        if kind == "vllm":
+            from vime.rollout.opd_vllm import VLLMTeacher as cls
+        else:
+            cls = Teacher
+        _TEACHERS[key] = cls(args.rm_url, float(args.reward_timeout), key[3])
     return _TEACHERS[key]
 
 
@@ -119,17 +154,11 @@ def generate_url(url: str) -> str:
     return url if parts.path.rstrip("/") else urlunsplit(parts._replace(path="/generate"))
 
 
-def info_url(generate: str) -> str:
-    parts = urlsplit(generate)
-    base = parts.path.rstrip("/").removesuffix("/generate")
-    return urlunsplit(parts._replace(path=f"{base}/get_model_info"))
-
-
 async def reward_func(args: Any, sample: Sample, **kwargs: Any) -> Any:
     """`--custom-rm-path`: the teacher's answer to the scoring request of `sample`'s response tokens
     (a sample without any asks nothing)."""
     if sample.response_length == 0:
-        return {"meta_info": {"input_token_logprobs": []}}
+        return {}  # nothing to score: the post-process reads no answer for it
     return await teacher_of(args).score(sample)
 
 
@@ -137,9 +166,13 @@ def post_process_rewards(args: Any, samples: list[Sample], **kwargs: Any) -> tup
     """`--custom-reward-post-process-path`: each sample's `teacher_log_probs` from the teacher's
     answer (None where its reward failed: it trains without the teacher's term), and 0 as every
     sample's reward, raw and trained (slime's pair)."""
+    teacher = teacher_of(args)
     for s in samples:
         answer = s.reward_result
-        s.teacher_log_probs = None if answer is None else teacher_log_probs(answer, s, args.rm_url)
+        if answer is None:
+            s.teacher_log_probs = None
+        else:
+            s.teacher_log_probs = teacher.log_probs(answer, s) if s.response_length else []
     zeros = [0.0] * len(samples)
     return zeros, list(zeros)
 
@@ -171,7 +204,7 @@ def teacher_log_probs(answer: Any, sample: Sample, url: str) -> list[float]:
 
 
 def check_served(samples: list[Any], post_process: str) -> None:
-    """`--opd-type sglang`, once the post-process ran: every sample whose reward (the teacher's
+    """A served teacher (`--opd-type sglang` or `vllm`), once the post-process ran: every sample whose reward (the teacher's
     answer) came has the teacher's log-prob of each response token; one line otherwise, naming
     the sample, before anything is trained on it."""
     for s in samples:
@@ -182,6 +215,6 @@ def check_served(samples: list[Any], post_process: str) -> None:
             what = "no" if scores is None else f"{len(scores)}"
             raise PluginError(
                 f"--custom-reward-post-process-path {post_process} left sample {s.index} with {what} teacher log-probs "
-                f"for its {s.response_length} response tokens: --opd-type sglang trains on sample.teacher_log_probs, "
+                f"for its {s.response_length} response tokens: a served teacher's run trains on sample.teacher_log_probs, "
                 "one per response token (vime.rollout.on_policy_distillation.post_process_rewards sets them)"
             )

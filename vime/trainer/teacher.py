@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vime.errors import ConfigError
-from vime.models import vocab_size_of
+from vime.models import load_tokenizer, read_config, table_fits, vocab_size_of
 from vime.trainer.checkpoint import checkpoint_steps, latest_checkpoint, problem
 
 if TYPE_CHECKING:
@@ -47,16 +47,39 @@ def teacher_dir(algo: AlgorithmConfig) -> Path:
     return newest
 
 
-def check_teacher(args: Any, student_config: dict, read_config: Any) -> Path:
-    """The teacher's directory, refused in one line when its vocabulary is not the student's: the
-    teacher scores the student's token ids, which mean other tokens (or none) in another vocabulary.
-    `args`: the run's config (start-up's check calls this with it)."""
+def check_teacher(args: Any, student_dir: str | Path) -> Path:
+    """The teacher's directory, refused in one line when it cannot score the student's token ids,
+    which in another vocabulary mean other tokens: its tokenizer must be the student's (compared
+    token by token where its directory has one, else by `table_fits`), and its embedding table at
+    least as large as the student's, whose every row's id the student can draw (a table padded to
+    more rows is the same vocabulary). `args`: the run's config (start-up's check calls this with it)."""
     path = teacher_dir(args.algorithm)
-    teacher_config = read_config(path)
-    theirs, ours = vocab_size_of(teacher_config), vocab_size_of(student_config)
-    if theirs is not None and ours is not None and theirs != ours:
+    theirs, ours = vocab_size_of(read_config(path)), vocab_size_of(read_config(student_dir))
+    if theirs is None or ours is None:
+        return path
+    student_tokenizer, teacher_tokenizer = load_tokenizer(student_dir), _tokenizer_or_none(path)
+    if teacher_tokenizer is not None:
+        same = teacher_tokenizer.get_vocab() == student_tokenizer.get_vocab()
+    else:
+        same = table_fits(theirs, ours, len(student_tokenizer))
+    if not same:
         raise ConfigError(
-            f"--opd-teacher-load {path} has a vocabulary of {theirs} tokens and the student {ours}: the teacher "
-            "scores the student's token ids, so it needs the student's tokenizer; give a teacher of the same family"
+            f"--opd-teacher-load {path} has a vocabulary of {theirs} tokens and the student {ours}, of another "
+            "tokenizer: the teacher scores the student's token ids, so it needs the student's tokenizer; give a "
+            "teacher of the same family"
+        )
+    if theirs < ours:
+        raise ConfigError(
+            f"--opd-teacher-load {path} has a table of {theirs} rows and the student {ours}: a token the student "
+            "draws past the teacher's rows has no teacher log-prob; give a teacher whose table is at least the "
+            "student's, or serve it (--opd-type sglang or vllm, where such a token is refused in one line)"
         )
     return path
+
+
+def _tokenizer_or_none(path: Path) -> Any:
+    """The tokenizer in `path`, or None where it holds none (a bare weights directory)."""
+    try:
+        return load_tokenizer(path)
+    except (OSError, ValueError):
+        return None
