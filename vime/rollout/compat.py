@@ -58,6 +58,7 @@ _FROM_VLLM: dict[str, str | None] = {
     "seed": "sampling_seed",
     "n": "n",
     "ignore_eos": "ignore_eos",
+    "repetition_penalty": "repetition_penalty",
     "logprobs": None,
     "skip_special_tokens": None,
     "include_stop_str_in_output": None,
