@@ -8,6 +8,7 @@
 #   SEED_EXAMPLE_DIR  the seed's examples/search-r1 folder (its Python files are imported from it)
 #   MODEL_DIR         an HF model directory (default /root/Qwen2.5-3B/)
 #   DATA_PATH         Search-R1's nq_hotpotqa_train/train.parquet (`prompt`, `reward_model`)
+#   REF_LOAD          the KL reference model, an HF directory (default MODEL_DIR)
 #   MODEL_SHAPE       which scripts/models/<name>.sh describes MODEL_DIR (default qwen2.5-3B)
 #   ACTOR_GPUS / ROLLOUT_GPUS  trainer and engine GPUs, colocated (default 4 and 4)
 #   ENTRY             train.py (the seed's, default) or train_async.py (see README.md)
@@ -28,7 +29,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 
 CKPT_ARGS=(
    --hf-checkpoint "${MODEL_DIR}"
-   --ref-load "${MODEL_DIR%/}_torch_dist/"   # not read: vime's reference model is --hf-checkpoint's
+   # the seed's was the Megatron copy (${MODEL_DIR}_torch_dist): vime reads an HF directory, by default the model itself
+   --ref-load "${REF_LOAD:-${MODEL_DIR}}"
 )
 
 ROLLOUT_ARGS=(
