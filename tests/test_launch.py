@@ -40,8 +40,13 @@ def test_plugin_args_read_every_setting_and_the_live_objects_and_write_nothing()
     args = PluginArgs(cfg, runtime)
     assert args.rollout_batch_size == 4 and args.runtime is runtime and args.vllm_router_ip is None
     assert args.steps_per_rollout == cfg.steps_per_rollout  # properties and methods too
-    with pytest.raises(AttributeError, match=r"^args.group_rm: a plug-in's args is read-only .*copy.deepcopy\(args\)"):
+    with pytest.raises(
+        AttributeError, match=r"^args.group_rm: a setting of the run, read-only .*copy.deepcopy\(args\)"
+    ):
         args.group_rm = True
+    args.tau_bench_config = "mine"  # a name that is no setting: the plug-in's own (the seed's tau-bench)
+    assert args.tau_bench_config == "mine" and not hasattr(cfg, "tau_bench_config")
+    assert copy.copy(args).tau_bench_config == "mine"
     for mine in (copy.copy(args), copy.deepcopy(args)):  # the seed's multi-agent example copies, then changes
         mine.rollout_batch_size = 2
         assert isinstance(mine, Config) and mine.runtime is runtime and args.rollout_batch_size == 4

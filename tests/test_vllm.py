@@ -371,8 +371,8 @@ def test_protocol_n_seeds_stop_ids_and_lengths(client):
     )
     assert stop["output_ids"] == ids[: ids.index(ids[1]) + 1] and stop["meta_info"]["finish_reason"] == {"type": "stop"}
     assert zero["output_ids"] == [] and zero["meta_info"]["finish_reason"] == {"type": "length"}
-    with pytest.raises(EngineError, match="repetition_penalty"):
-        run(client, {"input_ids": PROBE, "sampling_params": {"repetition_penalty": 1.2}})
+    with pytest.raises(EngineError, match="presence_penalty"):
+        run(client, {"input_ids": PROBE, "sampling_params": {"presence_penalty": 1.2}})
 
 
 @needs_vllm

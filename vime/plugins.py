@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from vime import seed_imports
 from vime.errors import ConfigError, VimeError
 
 # Functions of slime that vime has under its own name: a slime script's path loads vime's, so the
@@ -164,6 +165,7 @@ def load_function(
         raise error(f"{flag} '{path}': give module.path:func or module.path.func")
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
+    seed_imports.install()  # a seed plug-in's `from slime.utils.types import Sample` is vime's
     try:
         fn = getattr(importlib.import_module(module_name), attr)
     except SyntaxError as e:  # the module's own code, not the path: say where
@@ -189,9 +191,10 @@ def load_function(
 
 
 def _vime_name_lacked(e: BaseException) -> str | None:
-    """The `vime.*` module or name an import failed on ("vime.backends.megatron_utils",
-    "GenerateStat from vime.rollout.vllm_rollout"), or None when the failure is elsewhere."""
-    if not isinstance(e, ImportError) or not e.name or not (e.name == "vime" or e.name.startswith("vime.")):
+    """The `vime.*` (or, through seed_imports, `slime.*`) module or name an import failed on
+    ("vime.backends.megatron_utils", "GenerateStat from vime.rollout.vllm_rollout"), or None
+    when the failure is elsewhere."""
+    if not isinstance(e, ImportError) or not e.name or e.name.split(".")[0] not in ("vime", seed_imports.ALIAS):
         return None
     if isinstance(e, ModuleNotFoundError):
         return e.name

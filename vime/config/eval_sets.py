@@ -51,7 +51,7 @@ NOT_IN_VIME: dict[str, str] = {
     "custom_generate_function_path": "eval uses the run's --custom-generate-function-path",
     "multimodal_keys": "vime trains text models only",
     "min_new_tokens": "vime's engines have no minimum length",
-    "repetition_penalty": "vime's engines have no repetition penalty",
+    "repetition_penalty": "vime's eval samples without a repetition penalty",
     "skip_special_tokens": "responses are always decoded without special tokens",
     "no_stop_trim": "a stop string is always kept in the response",
     "app_service": "eval generates on the run's engines",

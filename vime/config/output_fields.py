@@ -130,6 +130,9 @@ class OutputFields:
     # run's args when it starts; not settings (a `vllm_` key of a config is a vLLM server flag)
     vllm_router_ip: ClassVar[str | None] = None
     vllm_router_port: ClassVar[int | None] = None
+    # Megatron's, read by the seed's plug-ins (retool sizes its context as context_parallel_size ×
+    # max_tokens_per_gpu): one, as vime has no context parallelism; not a setting
+    context_parallel_size: ClassVar[int] = 1
     eval_sets: list = setting(
         [],
         "every held-out set and the settings it overrides, from --eval-config or --eval-prompt-data (vime/eval_sets.py)",

@@ -45,6 +45,7 @@ from vime.rollout.types import Sample
 log = logging.getLogger("vime")
 
 GENERATE_ROUTE = "/inference/v1/generate"
+RENDER_ROUTE = "/v1/chat/completions/render"
 
 # vLLM's sampling-params keys the router takes → vime's engine protocol key (None: accepted and
 # not needed: log-probs always come back, tokens are ids so detokenizer switches change nothing)
@@ -58,6 +59,7 @@ _FROM_VLLM: dict[str, str | None] = {
     "seed": "sampling_seed",
     "n": "n",
     "ignore_eos": "ignore_eos",
+    "repetition_penalty": "repetition_penalty",
     "logprobs": None,
     "skip_special_tokens": None,
     "include_stop_str_in_output": None,
@@ -133,6 +135,30 @@ def _inference_generate_tokens_and_logprobs(choice: dict[str, Any]) -> tuple[lis
     return ids, [float(c.get("logprob", 0.0)) if isinstance(c, dict) else 0.0 for c in content]
 
 
+def _coerce_flat_int_token_ids(value: Any) -> list[int]:
+    """Token ids as a flat list of ints: the seed's helper, for a render answer's `token_ids`
+    (one prompt given as a list of one list is taken too). Anything else is a ValueError naming it."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], list):
+        value = value[0]
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise ValueError(f"token ids must be a flat list of integers, got {type(value).__name__}")
+    return [int(t) for t in value]
+
+
+def _mm_render_response_to_generate_body(render_data: Any, model: str) -> dict[str, Any]:
+    """A `/v1/chat/completions/render` answer as the body of a `/inference/v1/generate` request
+    (without its sampling_params): the seed's helper. Takes both shapes vLLM answers, a dict
+    with `token_ids` and `[conversation, engine_prompts]`."""
+    if isinstance(render_data, dict) and "token_ids" in render_data:
+        return {**copy.deepcopy(render_data), "model": render_data.get("model") or model}
+    if isinstance(render_data, list) and len(render_data) >= 2 and isinstance(render_data[1], list) and render_data[1]:
+        prompt = render_data[1][0]
+        if isinstance(prompt, dict):
+            ids = prompt.get("prompt_token_ids") or prompt.get("token_ids")
+            return {"token_ids": _coerce_flat_int_token_ids(ids), "model": model}
+    raise ValueError("a chat render answer must be {token_ids: [...]} or [conversation, [{prompt_token_ids: [...]}]]")
+
+
 # ---------------------------------------------------------------- the args plug-ins get
 
 
@@ -143,12 +169,15 @@ class PluginArgs:
     tokenizer, the rewards: `runtime.runtime_of`) and `vllm_router_ip` / `vllm_router_port` (the
     `Router`, None when the run has none).
 
-    Read-only: the run's settings are fixed once it is assembled (a write used to change them for
-    the rest of the run, the trainer's view included). A plug-in that wants other values copies
-    it, as the seed's multi-agent example does: `copy.copy(args)` / `copy.deepcopy(args)` is a
-    Config of its own to change, still holding the live objects. Pickled, it is its settings."""
+    The run's settings are read-only: they are fixed once it is assembled (a write used to change
+    them for the rest of the run, the trainer's view included). A plug-in that wants other values
+    copies it, as the seed's multi-agent example does: `copy.copy(args)` / `copy.deepcopy(args)`
+    is a Config of its own to change, still holding the live objects. A name that is no setting
+    of the run is the plug-in's own to set and read (the seed's tau-bench keeps
+    `args.tau_bench_config` and `args.max_turns` there): it changes nothing vime reads, and lives
+    as long as this object, in this process. Pickled, it is its settings."""
 
-    __slots__ = ("_config", "_live")
+    __slots__ = ("_config", "_live", "_own")
 
     def __init__(self, config: Any, runtime: RolloutRuntime | None, router: Router | None = None) -> None:
         live = {
@@ -158,29 +187,37 @@ class PluginArgs:
         }
         object.__setattr__(self, "_config", config)
         object.__setattr__(self, "_live", live)
+        object.__setattr__(self, "_own", {})
 
     def __getattr__(self, name: str) -> Any:
-        live = self._live
-        return live[name] if name in live else getattr(self._config, name)
+        live, own = self._live, self._own
+        if name in live:
+            return live[name]
+        if name in own:
+            return own[name]
+        return getattr(self._config, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(
-            f"args.{name}: a plug-in's args is read-only (the run's settings are fixed once it starts): keep your "
-            "own state in your module, or change a copy (copy.deepcopy(args))"
-        )
+        if name in self._live or hasattr(self._config, name):
+            raise AttributeError(
+                f"args.{name}: a setting of the run, read-only in a plug-in (the run's settings are fixed once it "
+                "starts): keep your own state under a name vime does not use, or change a copy (copy.deepcopy(args))"
+            )
+        self._own[name] = value
 
     def __copy__(self) -> Any:
-        return self._own(copy.copy(self._config))
+        return self._copied(copy.copy(self._config))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        return self._own(copy.deepcopy(self._config, memo))
+        return self._copied(copy.deepcopy(self._config, memo))
 
     def __reduce__(self) -> tuple[Any, ...]:
         return copy.copy, (self._config,)
 
-    def _own(self, config: Any) -> Any:
-        """A copy of the settings to change, with the live objects as attributes."""
-        for name, value in self._live.items():
+    def _copied(self, config: Any) -> Any:
+        """A copy of the settings to change, with the live objects and the plug-in's own names as
+        attributes."""
+        for name, value in {**self._own, **self._live}.items():
             setattr(config, name, value)
         return config
 
@@ -242,7 +279,8 @@ def vllm_answer(rid: str, input_len: int, out: dict[str, Any]) -> dict[str, Any]
 
 @dataclass
 class Router:
-    """`/inference/v1/generate` (and `/health`) on 127.0.0.1, through the run's engines."""
+    """`/inference/v1/generate`, `/v1/chat/completions/render` (and `/health`) on 127.0.0.1,
+    through the run's engines and tokenizer."""
 
     runtime: RolloutRuntime
     max_new_tokens: int  # what a request that names no max_tokens gets (--rollout-max-response-len)
@@ -271,12 +309,29 @@ class Router:
             runtime.forget_group(key)
         return web.json_response(vllm_answer(rid, len(ids), out))
 
+    async def _render(self, request: web.Request) -> web.Response:
+        """vLLM's `/v1/chat/completions/render`: a chat's messages through the run's chat template
+        (with the assistant's generation prompt) as the token ids to generate from."""
+        try:
+            body = await request.json()
+            messages = body.get("messages") if isinstance(body, dict) else None
+            if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+                raise RequestError("messages must be a list of {role, content} objects")
+            text = self.runtime.tokenizer.apply_chat_template(
+                messages, tools=body.get("tools"), tokenize=False, add_generation_prompt=True
+            )
+        except (ValueError, TypeError) as e:  # malformed JSON, or a tokenizer without a chat template
+            return web.json_response({"error": {"message": f"{type(e).__name__}: {e}"}}, status=400)
+        ids = self.runtime.tokenizer.encode(text, add_special_tokens=False)
+        return web.json_response({"token_ids": ids, "model": body.get("model")})
+
     async def _health(self, _: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
     async def _start(self) -> None:
         app = web.Application(client_max_size=256 * 1024**2)
         app.router.add_post(GENERATE_ROUTE, self._generate)
+        app.router.add_post(RENDER_ROUTE, self._render)
         app.router.add_get("/health", self._health)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
         await self._runner.setup()

@@ -24,13 +24,17 @@ if TYPE_CHECKING:
 
 def _label_grader(rollout: RolloutConfig) -> str | None:
     """What grades the training rows against their labels, if anything: the built-in rewards but
-    reasoning_gym (its scorer reads the row's metadata); not a reward or rollout of one's own."""
+    reasoning_gym (its scorer reads the row's metadata); not a reward, rollout or generate of
+    one's own (a generate may set the reward itself, as the seed's tau-bench agent does)."""
     from vime.modes import DEFAULT_ROLLOUT_FN, FULLY_ASYNC_FN
     from vime.rollout.rewards import MODULE_RM_TYPES
 
     if rollout.custom_rm_path or rollout.rm_type in MODULE_RM_TYPES:
         return None
-    if rollout.rollout_function_path not in (DEFAULT_ROLLOUT_FN, FULLY_ASYNC_FN):
+    if (
+        rollout.rollout_function_path not in (DEFAULT_ROLLOUT_FN, FULLY_ASYNC_FN)
+        or rollout.custom_generate_function_path
+    ):
         return None
     return f"--rm-type {rollout.rm_type}"
 

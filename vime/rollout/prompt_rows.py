@@ -98,6 +98,8 @@ def _where(path: Path, row: int, lineno: int) -> str:
 
 
 def _check_input(value: Any, where: str, key: str) -> str | list[dict[str, Any]]:
+    if isinstance(value, int) and not isinstance(value, bool):  # a task's number (tau-bench's `index`)
+        return str(value)
     if isinstance(value, str):
         if not value.strip():  # it would reach the engine as a prompt of no tokens, mid-run
             raise DataError(f"{where}: '{key}' is empty: every row needs a prompt")
@@ -105,7 +107,8 @@ def _check_input(value: Any, where: str, key: str) -> str | list[dict[str, Any]]
     if isinstance(value, list) and value and all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
         return [dict(m) for m in value]
     raise DataError(
-        f"{where}: '{key}' must be a string or a list of chat messages [{{role, content}}], got {type(value).__name__}"
+        f"{where}: '{key}' must be a string, an integer or a list of chat messages [{{role, content}}], "
+        f"got {type(value).__name__}"
     )
 
 
@@ -187,7 +190,8 @@ def load_prompts(
     `"tools"` (for the chat template) and, as slime keeps it, as `metadata["tools"]` (for rewards).
     `grader` names what compares answers with the labels (a built-in reward, or eval): every row
     then needs a label, since one missing would score every sample of its prompt 0, silently.
-    `label_key` None: the rows carry no label (SFT's conversations hold their answers).
+    `label_key` None: the rows carry no label (SFT's conversations hold their answers); rows
+    without the default `label` key have none either when no `grader` needs one.
     """
     path, rows_slice = _split_spec(str(spec))
     raw = _read_rows(path)
@@ -209,6 +213,8 @@ def load_prompts(
             if key is None:
                 continue
             found, value = _lookup(row, key)
+            if not found and i == 1 and key == "label" and grader is None:
+                continue  # no label column and nothing grades against one (tau-bench's task indices)
             if not found:
                 raise DataError(f"{where} has no key '{key}' (keys: {', '.join(map(str, row)) or 'none'}); set {flag}")
             values[i] = value

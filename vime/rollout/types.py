@@ -117,10 +117,12 @@ class Sample:
                     "append_response_tokens: the sample has response tokens without rollout log-probs; "
                     "trainable tokens cannot be appended to it"
                 )
-            self.tokens = list(self.tokens) + ids
+            # in place where the lists line up: the seed's plug-ins keep an alias (retool's
+            # `loss_masks = sample.loss_mask`) and write it back when they finish
+            self.tokens = _extended(self.tokens, None, ids)
             self.response_length += len(ids)
-            self.loss_mask = self.effective_loss_mask()[:before] + [1 if trainable else 0] * len(ids)
-            self.rollout_log_probs = (self.rollout_log_probs or [0.0] * before) + (lps or [])
+            self.loss_mask = _extended(self.loss_mask, before, [1 if trainable else 0] * len(ids), 1)
+            self.rollout_log_probs = _extended(self.rollout_log_probs, before, lps or [], 0.0)
             versions = _versions_of(meta, len(ids), args, self.weight_versions if not trainable else None)
             if versions is None or (self.weight_versions is None and before):
                 self.weight_versions = None
@@ -130,6 +132,18 @@ class Sample:
             reason = meta["finish_reason"]
             reason = reason.get("type") if isinstance(reason, dict) else reason
             self.status = _FINISH_STATUS.get(reason, self.status)
+
+
+def _extended(values: list | None, length: int | None, more: list, fill: Any = None) -> list:
+    """`values` (cut or padded with `fill` to `length` when given) followed by `more`: the same
+    list object when it is a list already of that length, else a new one."""
+    if isinstance(values, list) and (length is None or len(values) == length):
+        values.extend(more)
+        return values
+    if length is None:
+        return list(values or []) + more
+    have = list(values or [])[:length]
+    return have + [fill] * (length - len(have)) + more
 
 
 _FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}

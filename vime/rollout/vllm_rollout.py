@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 from vime.plugins import load_function, load_plugin
@@ -22,7 +23,9 @@ from vime.rollout import async_loop
 from vime.rollout.compat import (  # noqa: F401 (the seed system's names, imported from here by its plug-ins)
     GenerateState,
     _build_inference_sampling_params,
+    _coerce_flat_int_token_ids,
     _inference_generate_tokens_and_logprobs,
+    _mm_render_response_to_generate_body,
     flatten,
 )
 from vime.rollout.engine_requests import generate_on_engines, sampling_params
@@ -38,6 +41,10 @@ if TYPE_CHECKING:
 GenerateFn = Callable[[Any, Sample, dict], Awaitable[Sample | list[Sample]]]
 
 _FINISH_TO_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
+
+# The data's prompt ids of the sample a custom generate was handed, which it gets without them
+# (custom_generate): for `generate` when the plug-in calls it on that sample.
+_PROMPT_IDS: ContextVar[list[int] | None] = ContextVar("vime_prompt_ids", default=None)
 
 
 def sample_seed(rollout: RolloutConfig, sample: Sample) -> int:
@@ -70,6 +77,8 @@ async def generate(args, sample: Sample, params: dict) -> Sample:
     sample with no room left is TRUNCATED without a request.
     """
     runtime, rollout = runtime_of(args), args.rollout
+    if not sample.tokens and _PROMPT_IDS.get() is not None:  # a custom generate's sample: its prompt
+        sample.tokens = list(_PROMPT_IDS.get())
     params = dict(
         params,
         max_new_tokens=max_new_tokens(rollout, sample, params["max_new_tokens"]),
@@ -113,12 +122,26 @@ def generate_fn(args) -> GenerateFn:
 def custom_generate(path: str) -> GenerateFn:
     """--custom-generate-function-path, its faults one line naming the sample: one that raises,
     or returns something else than a Sample or a non-empty list of them (which a later step
-    would trip over). Each sample of a list is trained, in the group of the prompt (compat.py)."""
+    would trip over). Each sample of a list is trained, in the group of the prompt (compat.py).
+
+    A sample with no response yet comes without tokens, as the seed system hands them over: its
+    plug-ins build their own prompt (a tool template, a rendered chat) and take `sample.tokens`
+    as theirs only when it is empty (tau-bench). vime's `generate`, called on it, starts from
+    the data's prompt ids all the same, and a sample handed back without tokens gets them back."""
     plugin = load_plugin(path, "--custom-generate-function-path", signature=GENERATE_SIGNATURE)
 
     async def generate_with(args, sample: Sample, params: dict) -> Sample | list[Sample]:
         where = f"on sample {sample.index}"
-        out = await plugin.acall(where, args, sample, params)
+        prompt_ids = list(sample.tokens)
+        if sample.response_length == 0:
+            sample.tokens = []
+        token = _PROMPT_IDS.set(prompt_ids)
+        try:
+            out = await plugin.acall(where, args, sample, params)
+        finally:
+            _PROMPT_IDS.reset(token)
+        if not sample.tokens:
+            sample.tokens = prompt_ids
         if isinstance(out, Sample) or (isinstance(out, list) and out and all(isinstance(s, Sample) for s in out)):
             return out
         got = "an empty list" if out == [] else type(out).__name__

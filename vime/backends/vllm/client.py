@@ -41,6 +41,7 @@ _SAMPLING_KEYS = {
     "ignore_eos": "ignore_eos",
     "n": "n",
     "sampling_seed": "seed",
+    "repetition_penalty": "repetition_penalty",
     "priority": None,  # not sent: a server on vLLM's default first-come scheduling refuses any priority
 }
 

@@ -33,7 +33,7 @@ from vime.engine.core import kernels
 from vime.engine.core.attention import AttnMetadata, make_group
 from vime.engine.core.kv_cache import KVCache
 from vime.engine.core.model import CausalLM
-from vime.engine.core.sampler import sample, step_seeds
+from vime.engine.core.sampler import penalize_repeats, sample, step_seeds
 from vime.engine.core.scheduler import PENDING, Sequence
 
 log = logging.getLogger(__name__)
@@ -182,6 +182,11 @@ class ModelRunner:
             seeds = torch.from_numpy(self._seeds(seqs, np.array([s.num_tokens for s in seqs], dtype=np.int64))).to(
                 self.device, non_blocking=True
             )
+        repeats = [(i, s.params.repetition_penalty, s.token_ids) for i, s in enumerate(seqs)]
+        repeats = [(i, p, [t for t in ids if t != PENDING]) for i, p, ids in repeats if p != 1.0]
+        if repeats:  # a decode step's newest token may still be pending: its input ids hold it
+            last = self.d_ids[: len(seqs)] if self.is_decode(scheduled) else None
+            logits = penalize_repeats(logits, repeats, last)
         tokens, logprobs = sample(logits, [s.params for s in seqs], temps, seeds)
         return self._download(seqs, tokens, logprobs)
 

@@ -31,6 +31,9 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     sampling_seed: int | None = None  # fixes the draws (SGLang's name); sample j of n gets its own stream
+    # vLLM's: a token already in the prompt or response has its logit divided by this when positive,
+    # multiplied when negative (1: off). The seed's tau-bench agent samples at 1.1.
+    repetition_penalty: float = 1.0
     # scheduling, not sampling: a waiting request of lower priority is admitted first (vLLM's
     # convention). Eval asks -1, so in an async run it does not queue behind the worker's backlog.
     priority: int = 0
@@ -60,6 +63,7 @@ class SamplingParams:
                 n=_int(d.get("n", 1), "n"),
                 sampling_seed=_int(d["sampling_seed"], "sampling_seed") if "sampling_seed" in d else None,
                 priority=_int(d.get("priority", 0), "priority"),
+                repetition_penalty=float(d.get("repetition_penalty", 1.0)),
             )
         except TypeError as e:
             raise ValueError(f"bad sampling_params: {e}") from None
@@ -71,6 +75,8 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if p.n < 1:
             raise ValueError("n must be >= 1")
+        if not math.isfinite(p.repetition_penalty) or p.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be a number > 0 (1 = off), got {p.repetition_penalty}")
         return p
 
     @property
@@ -150,6 +156,26 @@ def unit_interval(h: torch.Tensor) -> torch.Tensor:
     2^24 - 0.5 rounds up to 2^24, u would be 1.0, its Gumbel noise +inf, and ~V / 2^24 of all
     draws, about 1% at a 152k vocabulary, would pick that column whatever its probability)."""
     return (h >> 9).float().add_(0.5).mul_(2.0**-23)
+
+
+def penalize_repeats(
+    logits: torch.Tensor, rows: list[tuple[int, float, list[int]]], last: torch.Tensor | None
+) -> torch.Tensor:
+    """`logits` [B, V] with vLLM's repetition penalty applied: for each (row, penalty, seen ids) of
+    `rows`, a seen token's logit is divided by the penalty when positive, multiplied when not.
+    `last` [B], when given, holds each row's newest token on the device (a decode step's input,
+    drawn by the step before and not yet on the host), which counts as seen too. Returns a new
+    tensor: the caller's may be a CUDA graph's output buffer, and the log-probs the sampler
+    returns are those of the penalized distribution, the one the token is drawn from."""
+    logits = logits.float().clone()
+    for i, penalty, ids in rows:
+        cols = torch.tensor(ids, dtype=torch.long, device=logits.device)
+        if last is not None:
+            cols = torch.cat([cols, last[i : i + 1].long()])
+        cols = cols.unique()
+        vals = logits[i, cols]
+        logits[i, cols] = torch.where(vals > 0, vals / penalty, vals * penalty)
+    return logits
 
 
 def sample(

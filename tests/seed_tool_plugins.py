@@ -1,0 +1,132 @@
+"""Plug-ins written the way the seed system's tool examples are (retool, search-r1, tau-bench),
+for tests/test_seed_tool_examples.py. They reach vime through the same names and paths those
+examples do: `slime.*` imports (search-r1's), a tool template of their own, the router's
+generate and render routes, tool answers appended as tokens that are not trained, retool's
+loss-mask alias written back at the end, search-r1's dict labels, DAPO's `compute_score`, and
+tau-bench's agent loop (settings kept on `args`, a sample whose reward the generate sets).
+
+The search engine is examples/search-r1/retrieval_standin.py at $SEED_TEST_SEARCH_URL; the
+tau-bench user and environment are the scripted `ToyShop` below.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from slime.rollout.vllm_rollout import (  # search-r1 imports the old package's names
+    GenerateState,
+    _build_inference_sampling_params,
+    _inference_generate_tokens_and_logprobs,
+)
+from slime.utils.http_utils import post
+
+from vime.rollout.rm_hub.math_dapo_utils import compute_score
+from vime.rollout.vllm_rollout import _coerce_flat_int_token_ids, _mm_render_response_to_generate_body
+from vime.utils.types import Sample
+
+TEMPLATE = "<|im_start|>system\nYou may search.<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
+
+
+async def _turn(args, ids: list[int], params: dict) -> dict:
+    url = f"http://{args.vllm_router_ip}:{args.vllm_router_port}/inference/v1/generate"
+    body = {"model": args.hf_checkpoint, "token_ids": ids, "sampling_params": _build_inference_sampling_params(params)}
+    return (await post(url, body))["choices"][0]
+
+
+async def search_then_answer(args, sample: Sample, sampling_params) -> Sample:
+    """Two model turns around one search: the question's first word is searched (whatever the
+    model wrote, so every sample calls the tool), and the engine's answer comes back between
+    <information> tags as tokens the model did not write."""
+    assert not args.partial_rollout
+    assert not sample.tokens, "a fresh sample comes without tokens, as the seed hands it over"
+    state = GenerateState(args)
+    prompt_ids = state.tokenizer(TEMPLATE.format(q=sample.prompt), add_special_tokens=False)["input_ids"]
+    sample.tokens, sample.loss_mask, sample.response = list(prompt_ids), [], ""
+    loss_masks = sample.loss_mask  # retool keeps this alias and writes it back at the end
+    choice = await _turn(args, sample.tokens, sampling_params)
+    ids, lps = _inference_generate_tokens_and_logprobs(choice)
+    sample.append_response_tokens(args, tokens=ids, log_probs=lps, meta_info={"finish_reason": {"type": "stop"}})
+    hits = await post(os.environ["SEED_TEST_SEARCH_URL"], {"queries": [sample.prompt], "topk": 1})
+    info = f"\n<information>{hits['result'][0][0]['contents']}</information>\n"
+    info_ids = state.tokenizer(info, add_special_tokens=False)["input_ids"]
+    sample.append_response_tokens(args, tokens=info_ids, trainable=False)
+    choice = await _turn(args, sample.tokens, sampling_params)
+    ids, lps = _inference_generate_tokens_and_logprobs(choice)
+    sample.append_response_tokens(args, tokens=ids, log_probs=lps, meta_info=choice)
+    sample.loss_mask = loss_masks
+    sample.response = state.tokenizer.decode(sample.response_tokens)
+    sample.tool_call_count = 1  # an attribute of the plug-in's own, read by its reward
+    sample.metadata["information_tokens"] = len(info_ids)
+    return sample
+
+
+def em_reward(args, sample: Sample) -> dict:
+    """search-r1's label (a dict) and retool's DAPO verifier, plus a term that differs from sample
+    to sample (so the weights move); `--reward-key score` trains on it."""
+    targets = sample.label["ground_truth"]["target"]
+    result = compute_score(sample.response, targets[0], strict_box_verify=True)
+    result["score"] += 0.5 * (sample.response_tokens[0] % 2) + 0.1 * sample.tool_call_count
+    return result
+
+
+# ---------------------------------------------------------------- tau-bench's agent loop
+
+
+class ToyShop:
+    """A scripted stand-in for tau-bench's environment and its simulated user: the user asks
+    for an order's status, one tool (`get_order`) answers it, and the task is solved when the
+    agent has called it; every turn of the agent counts."""
+
+    tools_info = [{"type": "function", "function": {"name": "get_order", "parameters": {"type": "object"}}}]
+
+    def __init__(self, task: int) -> None:
+        self.task, self.turns, self.called = task, 0, False
+
+    def reset(self) -> str:
+        return f"Where is order #{self.task}?"
+
+    def step(self, text: str) -> tuple[str, str, bool]:
+        """(role, observation, done) after the agent's `text`: any turn of an agent that has
+        called the tool ends the episode; the tool is called on the agent's first turn."""
+        self.turns += 1
+        if not self.called:
+            self.called = True
+            return "tool", json.dumps({"order": self.task, "status": "shipped"}), False
+        return "user", "Thanks!", True
+
+
+async def tau_agent(args, sample: Sample, sampling_params) -> Sample:
+    """tau-bench's TrainableTauBenchAgent reduced to its API paths: its settings on `args`, the
+    conversation rendered by the router's chat route, generate with a repetition penalty, each
+    environment message appended untrained, and the reward set by the generate itself."""
+    if getattr(args, "tau_max_turns", None) is None:
+        args.tau_max_turns = 3  # tau-bench keeps max_turns and its config on args
+    env = ToyShop(int(sample.prompt))
+    base = f"http://{args.vllm_router_ip}:{args.vllm_router_port}"
+    messages = [{"role": "system", "content": "You run a shop."}, {"role": "user", "content": env.reset()}]
+    sample.tokens = list(sample.tokens) if sample.tokens else []
+    params = dict(_build_inference_sampling_params(sampling_params), repetition_penalty=1.1)
+    state = GenerateState(args)
+    for _ in range(args.tau_max_turns):
+        rendered = await post(f"{base}/v1/chat/completions/render", {"model": args.hf_checkpoint, "messages": messages})
+        body = _mm_render_response_to_generate_body(rendered, args.hf_checkpoint)
+        ids = _coerce_flat_int_token_ids(body["token_ids"])
+        if not sample.tokens:
+            sample.tokens = list(ids)  # the first render is the prompt
+        elif ids[: len(sample.tokens)] == sample.tokens:  # what the template added since: not trained
+            sample.append_response_tokens(args, tokens=ids[len(sample.tokens) :], trainable=False)
+        choice = (await post(f"{base}/inference/v1/generate", {**body, "sampling_params": params}))["choices"][0]
+        out, lps = _inference_generate_tokens_and_logprobs(choice)
+        sample.append_response_tokens(args, tokens=out, log_probs=lps, meta_info=choice)
+        text = state.tokenizer.decode(out)
+        messages.append({"role": "assistant", "content": text})
+        role, obs, done = env.step(text)
+        if done:
+            break
+        messages.append({"role": role, "content": obs})
+    sample.response = state.tokenizer.decode(sample.response_tokens)
+    sample.reward = 1.0 if env.called else 0.0
+    sample.reward += 0.1 * (sample.response_tokens[0] % 2)  # differs within a group: GRPO has a signal
+    sample.metadata["agent_turns"] = env.turns
+    return sample
