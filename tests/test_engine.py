@@ -83,11 +83,20 @@ def greedy(max_new_tokens: int, **kw) -> dict:
 
 
 @torch.no_grad()
-def hf_greedy(hf, prompt: list[int], max_new_tokens: int, eos_ids: tuple[int, ...] = ()) -> list[int]:
-    """Greedy decoding by full HF forwards (no cache): the reference when eos must be ignored."""
+def hf_greedy(
+    hf, prompt: list[int], max_new_tokens: int, eos_ids: tuple[int, ...] = (), repetition_penalty: float = 1.0
+) -> list[int]:
+    """Greedy decoding by full HF forwards (no cache): the reference when eos must be ignored.
+    `repetition_penalty` as vLLM's: every token seen so far (prompt or output) has its logit
+    divided by it when positive, multiplied when not."""
     tokens = list(prompt)
     for _ in range(max_new_tokens):
-        tokens.append(int(hf(torch.tensor([tokens])).logits[0, -1].argmax()))
+        logits = hf(torch.tensor([tokens])).logits[0, -1].float()
+        seen = torch.tensor(sorted(set(tokens)))
+        logits[seen] = torch.where(
+            logits[seen] > 0, logits[seen] / repetition_penalty, logits[seen] * repetition_penalty
+        )
+        tokens.append(int(logits.argmax()))
         if tokens[-1] in eos_ids:
             break
     return tokens[len(prompt) :]
@@ -207,6 +216,18 @@ def test_model_code_matches_hf_other_archs(tmp_path, arch):
         assert torch.allclose(
             torch.tensor(outs[str(i)].logprobs), hf_logprobs(ref_model, p, outs[str(i)].output_ids), atol=ATOL
         )
+
+
+def test_repetition_penalty_greedy_matches_hf_with_the_same_penalty(client, hf):
+    """vLLM's repetition penalty (the seed's tau-bench agent samples at 1.1): greedy decoding
+    with it is HF's greedy with every seen token's logit penalized, prompt and output alike, and
+    it changes what the engine says."""
+    params = greedy(12, ignore_eos=True, repetition_penalty=3.0)
+    penalized = generate_many(client, [{"input_ids": p, "sampling_params": params} for p in PROMPTS])
+    plain = generate_many(client, [{"input_ids": p, "sampling_params": greedy(12, ignore_eos=True)} for p in PROMPTS])
+    for p, out in zip(PROMPTS, penalized):
+        assert out["output_ids"] == hf_greedy(hf, p, 12, repetition_penalty=3.0)
+    assert [o["output_ids"] for o in penalized] != [o["output_ids"] for o in plain]
 
 
 @pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 0), (1.0, 5)])
@@ -1117,9 +1138,10 @@ def test_gpu_graphs_match_eager_and_see_weight_updates(model_dir, hf):
     from vime.engine.core.engine import EngineConfig, LLMEngine
     from vime.engine.core.sampler import SamplingParams
 
-    def run(eng, prompts, n, update_after=None, new_state=None):
+    def run(eng, prompts, n, update_after=None, new_state=None, penalty=1.0):
         for i, p in enumerate(prompts):
-            eng.add_request(str(i), p, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
+            params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True, repetition_penalty=penalty)
+            eng.add_request(str(i), p, params)
         outs, kinds = {}, set()
         while eng.has_work():
             if update_after is not None and len(eng.requests["0"].seqs[0].output_ids) == update_after:
@@ -1146,6 +1168,12 @@ def test_gpu_graphs_match_eager_and_see_weight_updates(model_dir, hf):
     temps = torch.tensor([1.0, 0.7, 0.0, 1.3] * 16, device="cuda")
     seeds = torch.randint(-(2**31), 2**31 - 1, (64,), dtype=torch.int32, device="cuda")
     assert torch.equal(kernels.sample(logits, temps, seeds)[0], torch_sample(logits, temps, seeds)[0])
+    # the repetition penalty on the graphs' path, where a decode step's newest token is still on
+    # the device when the next step's logits are penalized
+    penalized, _ = run(graphs, PROMPTS, 12, penalty=3.0)
+    for p, x in zip(PROMPTS, penalized):
+        assert x.output_ids == hf_greedy(hf, p, 12, repetition_penalty=3.0)
+    assert [x.output_ids for x in penalized] != [x.output_ids for x in a]
     hf2 = perturbed(hf)
     state = {k: v.cuda() for k, v in hf2.state_dict().items()}
     (out, *_), _ = run(graphs, PROMPTS[1:3], 10, update_after=4, new_state=state)

@@ -182,8 +182,11 @@ class ModelRunner:
             seeds = torch.from_numpy(self._seeds(seqs, np.array([s.num_tokens for s in seqs], dtype=np.int64))).to(
                 self.device, non_blocking=True
             )
-        repeats = [(i, s.params.repetition_penalty, s.token_ids) for i, s in enumerate(seqs)]
-        repeats = [(i, p, [t for t in ids if t != PENDING]) for i, p, ids in repeats if p != 1.0]
+        repeats = [  # one pass over the batch, and nothing more, when no request asks for a penalty
+            (i, s.params.repetition_penalty, [t for t in s.token_ids if t != PENDING])
+            for i, s in enumerate(seqs)
+            if s.params.repetition_penalty != 1.0
+        ]
         if repeats:  # a decode step's newest token may still be pending: its input ids hold it
             last = self.d_ids[: len(seqs)] if self.is_decode(scheduled) else None
             logits = penalize_repeats(logits, repeats, last)
