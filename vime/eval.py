@@ -35,7 +35,7 @@ async def _run(args, samples: list[Sample], step: int) -> list[Sample]:
     at each quarter elsewhere (eval of hundreds of prompts takes minutes on a CPU)."""
     from tqdm import tqdm
 
-    fn, params = generate_fn(args), sampling_params(args, evaluation=True)
+    fn, params = generate_fn(args, evaluation=True), sampling_params(args, evaluation=True)
     bar = tqdm(
         total=len(samples),
         desc=f"eval {step}",
