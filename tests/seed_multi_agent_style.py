@@ -43,7 +43,7 @@ async def run_team(args, sample: Sample) -> list[Sample]:
     rewards = await batched_async_rm(args, team)
     outcome = "right" if rewards[-1] > 0 else "wrong"
     for s, r in zip(team, rewards, strict=True):
-        s.reward = r * args.team_weights[outcome] + 0.1 * (s.response_length % 3)  # spread, so GRPO has a signal
+        s.reward = r * args.team_weights[outcome] + 0.1 * (s.tokens[-1] % 3)  # spread, so GRPO has a signal
     return team
 
 

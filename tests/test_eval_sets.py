@@ -209,7 +209,7 @@ def test_a_bad_eval_config_is_one_line(tmp_path, content, fragment):
         (["--eval-prompt-data", "a", "/a", "b"], "NAME PATH pairs"),
         (["--eval-prompt-data", "a", "/a", "b", "/b", "--eval-name", "x"], "drop --eval-name"),
         (["--eval-top-k", "-2"], "--eval-top-k must be"),
-        (["--eval-rm-type", "gpqa"], "--eval-rm-type 'gpqa'"),
+        (["--eval-rm-type", "gqpa"], "--eval-rm-type 'gqpa'"),
     ],
 )
 def test_bad_eval_flags_are_one_line(extra, fragment):

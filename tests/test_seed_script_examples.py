@@ -160,12 +160,12 @@ def test_eval_sets_vime_cannot_grade_are_refused_at_start_up(tmp_path, tiny_mode
     data = _dapo_style(tmp_path / "d.jsonl")
     cfg = tmp_path / "multi_task.yaml"
     cfg.write_text(f"eval:\n  datasets:\n    - name: ifbench\n      path: {data}\n      rm_type: ifbench\n")
-    r = run_cli("train.py", "--hf-checkpoint", str(tiny_model), "--prompt-data", str(data), "--input-key", "prompt",
+    r = run_cli("train.py", "--hf-checkpoint", str(tiny_model), "--prompt-data", str(data), "--input-key", "prompt", "--apply-chat-template",
                 "--eval-config", str(cfg), "--num-rollout", "1", "--runs-dir", str(tmp_path), timeout=60)  # fmt: skip
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "set ifbench: rm_type 'ifbench' (IFBench's instruction checkers" in r.stderr
     cfg.write_text(f"eval:\n  datasets:\n    - name: gpqa\n      path: {data}\n      rm_type: gpqa\n")
-    r = run_cli("train.py", "--hf-checkpoint", str(tiny_model), "--prompt-data", str(data), "--input-key", "prompt",
+    r = run_cli("train.py", "--hf-checkpoint", str(tiny_model), "--prompt-data", str(data), "--input-key", "prompt", "--apply-chat-template",
                 "--eval-config", str(cfg), "--num-rollout", "1", "--runs-dir", str(tmp_path), timeout=60)  # fmt: skip
     assert r.returncode == 2 and "Traceback" not in r.stderr  # '11' names no option of a multiple-choice set
     assert "row 5: label '11' is not an option letter (A-J) or a 0-based option index" in r.stderr
