@@ -185,7 +185,8 @@ def test_eval_config_forms_defaults_and_overrides(tmp_path):
         ({"eval": {"datasets": [{"name": "a", "path": "/a", "repetition_penalty": 1.1}]}}, "no counterpart in vime"),
         ({"eval": {"datasets": [{"name": "a", "path": "/a", "top_p": 0}]}}, r"set a: top_p 0.0 must be in \(0, 1\]"),
         ({"eval": {"datasets": [{"name": "a", "path": "/a", "limit": "ten"}]}}, "set a: limit: cannot read 'ten'"),
-        ({"eval": {"datasets": [{"name": "a", "path": "/a", "rm_type": "gpqa"}]}}, "rm_type 'gpqa': use one of"),
+        ({"eval": {"datasets": [{"name": "a", "path": "/a", "rm_type": "gqpa"}]}}, "rm_type 'gqpa': use one of"),
+        ({"eval": {"datasets": [{"name": "a", "path": "/a", "rm_type": "ifbench"}]}}, r"rm_type 'ifbench' \(IFBench's"),
         ({"eval": {"datasets": [{"name": "a/b", "path": "/a"}]}}, "cannot be a metric name"),
         ({"eval": {"datasets": [{"name": "a", "path": "/a"}, {"name": "a", "path": "/b"}]}}, "given twice"),
         ({"eval": {"datasets": [{"name": "a", "path": "${oc.env:HOME}/a"}]}}, "OmegaConf interpolation"),
@@ -208,7 +209,7 @@ def test_a_bad_eval_config_is_one_line(tmp_path, content, fragment):
         (["--eval-prompt-data", "a", "/a", "b"], "NAME PATH pairs"),
         (["--eval-prompt-data", "a", "/a", "b", "/b", "--eval-name", "x"], "drop --eval-name"),
         (["--eval-top-k", "-2"], "--eval-top-k must be"),
-        (["--eval-rm-type", "gpqa"], "--eval-rm-type 'gpqa'"),
+        (["--eval-rm-type", "gqpa"], "--eval-rm-type 'gqpa'"),
     ],
 )
 def test_bad_eval_flags_are_one_line(extra, fragment):

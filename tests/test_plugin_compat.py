@@ -74,7 +74,7 @@ def test_a_seed_style_multi_agent_plugin_trains_every_sample_it_returns(mode, tm
     ("plugin", "says"),
     [
         ("seed_misfits.generate", "seed_misfits.generate reads args.keep_old_actor, which vime does not have"),
-        ("seed_megatron.generate", "imports vime.backends.megatron_utils, which vime does not have"),
+        ("seed_megatron.generate", "imports vime.backends.megatron_utils.model, which vime does not have"),
     ],
 )
 def test_a_plugin_that_does_not_fit_is_refused_in_one_line_at_start_up(plugin, says, tmp_path, dict_data, tiny_model):

@@ -24,7 +24,7 @@ from vime.metrics import progress
 from vime.models import context_length
 from vime.rollout import async_loop
 from vime.rollout.prompts import load_eval_samples
-from vime.rollout.rewards.grading import BUILTIN_RM_TYPES, grade, rule_answer
+from vime.rollout.rewards.grading import BUILTIN_RM_TYPES, grade, rule_answer, rule_label
 from vime.rollout.runtime import runtime_of
 from vime.rollout.types import MULTI_TURN_STATE, RolloutOutput, Sample
 from vime.rollout.vllm_rollout import generate_fn, multi_turn_metrics, sampling_params
@@ -35,7 +35,7 @@ async def _run(args, samples: list[Sample], step: int) -> list[Sample]:
     at each quarter elsewhere (eval of hundreds of prompts takes minutes on a CPU)."""
     from tqdm import tqdm
 
-    fn, params = generate_fn(args), sampling_params(args, evaluation=True)
+    fn, params = generate_fn(args, evaluation=True), sampling_params(args, evaluation=True)
     bar = tqdm(
         total=len(samples),
         desc=f"eval {step}",
@@ -132,8 +132,8 @@ def evaluate_set(args, eval_set: dict[str, Any], step: int, out_path: Path | Non
     correct = 0
     rows = []
     for s in samples:
-        pred = rule_answer(rule, s.final_response, s.label)
-        ok = pred is not None and s.label is not None and grade(pred, str(s.label), exact=BUILTIN_RM_TYPES[rule].exact)
+        pred, label = rule_answer(rule, s.final_response, s.label), rule_label(rule, s.label)
+        ok = pred is not None and label is not None and grade(pred, str(label), exact=BUILTIN_RM_TYPES[rule].exact)
         s.reward = 1.0 if ok else 0.0
         correct += ok
         rows.append(

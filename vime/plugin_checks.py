@@ -216,7 +216,7 @@ def _loss_hooks(args: Any) -> None:
     if objective.correction.custom is not None:
         per_sequence = [list(torch.split(x, lengths)) for x in (old, old, mask)]
         objective.correction.custom.check_call(
-            CUSTOM_TIS_SIGNATURE, pg_loss=old, total_lengths=None, train_log_probs=per_sequence[0],
+            CUSTOM_TIS_SIGNATURE, pg_loss=old, total_lengths=[k + 5 for k in lengths], train_log_probs=per_sequence[0],
             rollout_log_probs=per_sequence[1], loss_masks=per_sequence[2], response_lengths=lengths,
         )  # fmt: skip
     sample_mean = objective.agg == "sample_mean"
@@ -226,6 +226,7 @@ def _loss_hooks(args: Any) -> None:
         rollout_lp=old + 0.01 * torch.randn(n, generator=gen),
         has_rollout=mask,
         seq_ids=seq_ids,
+        prompt_lens=torch.full((n,), 5.0),  # total_lengths of a custom TIS function: prompts of 5 tokens
         old=old,
         ref=old.clone() if objective.kl_coef else None,
         weights=torch.cat([torch.full((k,), 1.0 / k) for k in lengths]) if sample_mean else None,

@@ -195,6 +195,7 @@ def reweigh(
     seq_ids: Tensor | None,
     opsm_delta: float | None,
     n: Tensor,
+    prompt_lens: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """What every policy term goes through after its per-token loss, PPO's or a custom one:
     OPSM's mask, then the off-policy correction (`behaviour_weights`, and the custom TIS hook,
@@ -213,7 +214,7 @@ def reweigh(
         if correction.custom is not None:
             assert seq_ids is not None, "--custom-tis-function-path needs seq_ids"
             per_token, hook_sums = apply_custom_tis(
-                correction.custom, per_token, old_log_probs, rollout_log_probs, mask, seq_ids
+                correction.custom, per_token, old_log_probs, rollout_log_probs, mask, seq_ids, prompt_lens
             )
             sums.update(hook_sums)
         metrics.update({k: v / n for k, v in sums.items()})

@@ -28,13 +28,21 @@ def apply_custom_tis(
     rollout_log_probs: Tensor,
     mask: Tensor,
     seq_ids: Tensor,
+    prompt_lens: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """slime's --custom-tis-function-path on one micro-batch's whole sequences: called with
     keywords `pg_loss` (flat per-token), `train_log_probs`, `rollout_log_probs`, `loss_masks`
-    (lists, one tensor per sequence), `response_lengths`; returns (pg_loss, masks, metrics),
-    masks one per sequence, metrics flat per-token tensors (reported as masked token means).
-    A returned mask zeroes tokens; the denominator stays the step's."""
+    (lists, one tensor per sequence), `response_lengths` and `total_lengths` (prompt + response,
+    from `prompt_lens`: each token's sequence's prompt length; None without it); returns
+    (pg_loss, masks, metrics), masks one per sequence, metrics flat per-token tensors (reported
+    as masked token means). A returned mask zeroes tokens; the denominator stays the step's.
+    Sequences are never split over ranks here (no context parallelism), so a function that
+    gathers and slices them with the seed's `cp_utils` gets each whole."""
     lengths = torch.bincount(seq_ids, minlength=int(seq_ids.max()) + 1 if seq_ids.numel() else 0).tolist()
+    totals = None
+    if prompt_lens is not None:
+        starts = torch.tensor([0, *lengths[:-1]]).cumsum(0).tolist() if lengths else []
+        totals = [int(prompt_lens[s]) + k for s, k in zip(starts, lengths, strict=True)]
 
     def split(x: Tensor) -> list[Tensor]:
         return list(torch.split(x, lengths))
@@ -42,7 +50,7 @@ def apply_custom_tis(
     plugin = as_plugin(fn, "--custom-tis-function-path")
     out = plugin(
         pg_loss=per_token,
-        total_lengths=None,  # slime's context-parallel slicing; vime scores whole sequences
+        total_lengths=totals,
         train_log_probs=split(old_log_probs.detach()),
         rollout_log_probs=split(rollout_log_probs),
         loss_masks=split(mask),

@@ -91,6 +91,7 @@ def policy_loss(
     weights: Tensor | None = None,
     kind: str = "ppo",
     opsm_delta: float | None = None,
+    prompt_lens: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The policy term `kind` (a row of POLICY_LOSSES: ppo, gspo, cispo) over flat per-token
     tensors, with what applies to every row; returns (loss, metrics). `agg`, `const`,
@@ -131,7 +132,17 @@ def policy_loss(
         with torch.no_grad():
             metrics["pg_clipfrac_lower"] = (capped.to(mask.dtype) * mask).sum() / n
     per_token, more = reweigh(
-        per_token, log_probs, old_log_probs, advantages, mask, rollout_log_probs, correction, seq_ids, opsm_delta, n
+        per_token,
+        log_probs,
+        old_log_probs,
+        advantages,
+        mask,
+        rollout_log_probs,
+        correction,
+        seq_ids,
+        opsm_delta,
+        n,
+        prompt_lens,
     )
     metrics.update(more)
     loss = aggregate(per_token, mask, agg, num_tokens=n, const=const, weights=weights)
@@ -156,6 +167,8 @@ class LossInputs:
     weights: Tensor | None = None  # sample_mean: 1 / the loss tokens of each token's sample
     # optimizer steps between the weights that sampled each token and those it trains (-1: unknown)
     staleness: Tensor | None = None
+    # each token's sequence's prompt length: a custom TIS function's total_lengths (slime's)
+    prompt_lens: Tensor | None = None
 
     def rows(self, sl: slice) -> LossInputs:
         return LossInputs(**{k: None if v is None else v[sl] for k, v in vars(self).items()})
@@ -383,6 +396,7 @@ class Objective:
             weights=t.weights,
             kind=self.kind,
             opsm_delta=self.opsm_delta,
+            prompt_lens=t.prompt_lens,
         )
 
     def _custom_policy_term(
@@ -421,6 +435,7 @@ class Objective:
             t.seq_ids,
             self.opsm_delta,
             n,
+            t.prompt_lens,
         )
         m.update(more)
         loss = aggregate(per_token, t.mask, self.agg, num_tokens=num_tokens, const=const, weights=t.weights)

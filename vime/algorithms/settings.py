@@ -63,3 +63,18 @@ class AlgorithmConfig:
     def teacher_in_trainer(self) -> bool:
         """On-policy distillation whose teacher the trainer loads (`--opd-type megatron`)."""
         return self.use_opd and self.opd_type == "megatron"
+
+    @property
+    def needs_rollout_log_probs(self) -> bool:
+        """Whether the loss reads the engine's log-prob of every response token: a correction
+        (TIS, rejection, the veto, M2, a custom TIS function) or --use-rollout-logprobs. The
+        same rule as the trainer's (`OffPolicyCorrection.active` or `coupled`), read on the
+        rollout side so that a plug-in's sample without them is named where it is made."""
+        return (
+            self.use_tis
+            or self.use_rs
+            or self.rs_veto_threshold is not None
+            or self.m2_threshold is not None
+            or self.custom_tis_function_path is not None
+            or self.use_rollout_logprobs
+        )

@@ -97,6 +97,12 @@ FLAGS: dict[str, Flag] = {
             "an engine is probed only once it has answered at start-up, so a slow first load never counts against it",
         ),
         Flag("make_vocab_size_divisible_by", "inert", int, "vime keeps the checkpoint's vocabulary"),
+        Flag(
+            "megatron_to_hf_mode",
+            "inert",
+            str,
+            "vime trains the HF model itself: there are no Megatron weights to convert for the engines",
+        ),
         *_rows(
             "zero",
             float,
@@ -124,10 +130,6 @@ ABSENT: dict[str, Flag] = {
         *_absent("the request router in front of slime's engines; vime's client spreads requests itself", "router_*"),
         *_absent(
             "GPUs per node of the cluster; vime: --actor-num-gpus-per-node and --rollout-num-gpus", "num_gpus_per_node"
-        ),
-        *_absent(
-            "how Megatron's weights become HF ones for the engines; vime trains the HF model itself",
-            "megatron_to_hf_mode",
         ),
         *_absent(
             "delta weight sync through a shared disk; vime pushes whole weights, by --weight-transport",

@@ -188,7 +188,8 @@ class AlgorithmFields:
         None,
         "dotted path of slime's TIS hook fn(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, "
         "total_lengths, response_lengths, **kw) -> (pg_loss, loss_masks, metrics), applied to each micro-batch after "
-        "the built-in corrections (total_lengths is None: vime has no context parallelism)",
+        "the built-in corrections (total_lengths: prompt + response of each sequence, every one whole: vime has no "
+        "context parallelism)",
         group="algorithm",
     )
     tis_clip: float = setting(2.0, "upper bound of the TIS weight", group="algorithm")

@@ -45,6 +45,13 @@ KEYS: dict[str, str] = {
     "stop": "rollout_stop",
     "stop_token_ids": "rollout_stop_token_ids",
 }
+# slime's eval rm types that vime does not grade, and why: said in the refusal
+RM_TYPES_NOT_IN_VIME: dict[str, str] = {
+    "ifbench": "IFBench's instruction checkers, which slime clones from GitHub at run time; vime does not have them",
+    "f1": "token-overlap F1 of a short answer; vime's rules grade one answer right or wrong",
+    "remote_rm": "eval grades by rule only; --rm-type remote_rm scores training samples",
+    "random": "a coin flip, for slime's tests",
+}
 # keys of slime's format that vime has no counterpart for: refused, never ignored
 NOT_IN_VIME: dict[str, str] = {
     "custom_rm_path": "vime grades eval by rm type rules only (rm_type)",
@@ -213,6 +220,7 @@ def _settings(entry: dict[str, Any], where: str) -> dict[str, Any]:
         if check is not None and not (math.isfinite(value) and check[0](value)):
             raise ConfigError(f"{where}: {key} {value} {check[1]}")
         if key == "rm_type" and value not in BUILTIN_RM_TYPES:
-            raise ConfigError(f"{where}: rm_type {value!r}: use one of {', '.join(BUILTIN_RM_TYPES)}")
+            why = f" ({RM_TYPES_NOT_IN_VIME[value]})" if value in RM_TYPES_NOT_IN_VIME else ""
+            raise ConfigError(f"{where}: rm_type {value!r}{why}: use one of {', '.join(BUILTIN_RM_TYPES)}")
         out[field] = value
     return out

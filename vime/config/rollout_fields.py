@@ -175,7 +175,7 @@ class RolloutFields:
     # --- rewards ---
     rm_type: str = setting(
         "math",
-        "built-in reward: math (1/0), exact (1/0, the normalized answer string must equal the label: lists, words), dapo (1/-1), boxed_math, math_shaped (1, or up to 0.5 for a wrong number by its closeness), reasoning_gym (the task's own scorer, for rows of `vime data --task rg:<name>`), remote_rm (a reward model at --rm-url)",
+        "built-in reward: math (1/0), exact (1/0, the normalized answer string must equal the label: lists, words), gpqa (1/0, the option letter A-J the response picks against the label's letter or 0-based index), dapo (1/-1), boxed_math, math_shaped (1, or up to 0.5 for a wrong number by its closeness), reasoning_gym (the task's own scorer, for rows of `vime data --task rg:<name>`), remote_rm (a reward model at --rm-url)",
         group="rewards",
     )
     rm_url: str | None = setting(

@@ -9,6 +9,7 @@ router, the data source and rewards. Plug-ins reach the live ones through `args`
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +66,8 @@ class RunContext:
         if self.pusher is not None:
             steps.append(self.pusher.close)
         steps.append(async_loop.cancel_all)
+        if "vime.utils.http_utils" in sys.modules:  # a plug-in called post()/get()
+            steps.append(_close_http_sessions)
         if self.rewards is not None:
             steps.append(self.rewards.close)
         if self.actor is not None:
@@ -76,3 +79,10 @@ class RunContext:
                 step()
             except Exception:
                 log.exception("while closing the run (%s)", getattr(step, "__qualname__", step))
+
+
+def _close_http_sessions() -> None:
+    """The sessions of the seed's `vime.utils.http_utils`, closed on the loop they ran on."""
+    from vime.utils.http_utils import close_sessions
+
+    async_loop.run(close_sessions())

@@ -31,13 +31,14 @@ import copy
 import logging
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from aiohttp import web
 
 from vime.rollout import async_loop
+from vime.rollout.answer_log import AnswerLog
 from vime.rollout.engine_requests import generate_on_engines, sampling_params
 from vime.rollout.runtime import RolloutRuntime
 from vime.rollout.types import Sample
@@ -165,31 +166,61 @@ def _mm_render_response_to_generate_body(render_data: Any, model: str) -> dict[s
 class PluginArgs:
     """slime's `args`, as every plug-in and rollout function of a run is handed it: each setting
     of the run's config (every flag, derived values, --custom-config-path's attributes), and the
-    live objects slime's plug-ins reached through it: `runtime` (the engines' clients, the
+    live objects slime's plug-ins reach through it: `runtime` (the engines' clients, the
     tokenizer, the rewards: `runtime.runtime_of`) and `vllm_router_ip` / `vllm_router_port` (the
     `Router`, None when the run has none).
 
     The run's settings are read-only: they are fixed once it is assembled (a write used to change
     them for the rest of the run, the trainer's view included). A plug-in that wants other values
-    copies it, as the seed's multi-agent example does: `copy.copy(args)` / `copy.deepcopy(args)`
-    is a Config of its own to change, still holding the live objects. A name that is no setting
-    of the run is the plug-in's own to set and read (the seed's tau-bench keeps
-    `args.tau_bench_config` and `args.max_turns` there): it changes nothing vime reads, and lives
-    as long as this object, in this process. Pickled, it is its settings."""
+    copies it: `copy.copy(args)` / `copy.deepcopy(args)` is a Config of its own to change, still
+    holding the live objects. A name that is no setting of the run is the plug-in's own to set and
+    read (the seed's tau-bench keeps `args.tau_bench_config` there): it changes nothing vime
+    reads, and lives as long as this object, in this process. A custom generate gets
+    `for_call()`'s view instead, which takes any write for that one call: the seed's multi-agent
+    generate stores its tokenizer, sampling params and agent settings on `args` on every call
+    before copying it. Pickled, it is its settings."""
 
-    __slots__ = ("_config", "_live", "_own")
+    __slots__ = ("_config", "_live", "_own", "_mine", "_router")
 
-    def __init__(self, config: Any, runtime: RolloutRuntime | None, router: Router | None = None) -> None:
-        live = {
-            "runtime": runtime,
-            "vllm_router_ip": router.host if router else None,
-            "vllm_router_port": router.port if router else None,
-        }
+    def __init__(
+        self,
+        config: Any,
+        runtime: RolloutRuntime | None,
+        router: Router | None = None,
+        *,
+        live: dict[str, Any] | None = None,
+        own: dict[str, Any] | None = None,
+        mine: dict[str, Any] | None = None,
+    ) -> None:
+        if live is None:
+            live = {
+                "runtime": runtime,
+                "vllm_router_ip": router.host if router else None,
+                "vllm_router_port": router.port if router else None,
+            }
         object.__setattr__(self, "_config", config)
         object.__setattr__(self, "_live", live)
-        object.__setattr__(self, "_own", {})
+        object.__setattr__(self, "_own", {} if own is None else own)
+        object.__setattr__(self, "_mine", mine)
+        object.__setattr__(self, "_router", router)
+
+    def for_call(self) -> PluginArgs:
+        """A view of the same settings, live objects and plug-in names whose writes land in a dict
+        of its own, dropped when the call ends, so one call's values never reach another's or the
+        run's."""
+        return PluginArgs(self._config, None, self._router, live=self._live, own=self._own, mine={})
+
+    def restore_log_probs(self, samples: list[Sample]) -> None:
+        """Samples a custom generate built from a router answer, without its log-probs, get them
+        back (`AnswerLog`), so correction and staleness see them as they see vime's own."""
+        if self._router is not None:
+            for s in samples:
+                self._router.answers.restore(s)
 
     def __getattr__(self, name: str) -> Any:
+        mine = self._mine
+        if mine is not None and name in mine:
+            return mine[name]
         live, own = self._live, self._own
         if name in live:
             return live[name]
@@ -198,26 +229,34 @@ class PluginArgs:
         return getattr(self._config, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in self._live or hasattr(self._config, name):
+        if self._mine is not None:
+            self._mine[name] = value
+        elif name in self._live or hasattr(self._config, name):
             raise AttributeError(
                 f"args.{name}: a setting of the run, read-only in a plug-in (the run's settings are fixed once it "
                 "starts): keep your own state under a name vime does not use, or change a copy (copy.deepcopy(args))"
             )
-        self._own[name] = value
+        else:
+            self._own[name] = value
+
+    def __delattr__(self, name: str) -> None:
+        if self._mine is None or name not in self._mine:
+            raise AttributeError(f"args.{name}: only what a generate call set on args can be deleted")
+        del self._mine[name]
 
     def __copy__(self) -> Any:
-        return self._copied(copy.copy(self._config))
+        return self._copied(copy.copy(self._config), dict(self._mine or {}))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        return self._copied(copy.deepcopy(self._config, memo))
+        return self._copied(copy.deepcopy(self._config, memo), copy.deepcopy(self._mine or {}, memo))
 
     def __reduce__(self) -> tuple[Any, ...]:
         return copy.copy, (self._config,)
 
-    def _copied(self, config: Any) -> Any:
-        """A copy of the settings to change, with the live objects and the plug-in's own names as
-        attributes."""
-        for name, value in {**self._own, **self._live}.items():
+    def _copied(self, config: Any, mine: dict[str, Any]) -> Any:
+        """A copy of the settings to change, with the live objects, the plug-in's own names and
+        what this call set as attributes (copied as the settings were)."""
+        for name, value in {**self._own, **self._live, **mine}.items():
             setattr(config, name, value)
         return config
 
@@ -287,6 +326,7 @@ class Router:
     host: str = "127.0.0.1"
     port: int = 0
     _runner: web.AppRunner | None = None
+    answers: AnswerLog = field(default_factory=AnswerLog)  # what a plug-in may drop: restored
 
     async def _generate(self, request: web.Request) -> web.Response:
 
@@ -307,6 +347,10 @@ class Router:
             return web.json_response({"error": {"message": f"{type(e).__name__}: {e}"}}, status=503)
         finally:
             runtime.forget_group(key)
+        meta = out["meta_info"]
+        self.answers.record(
+            ids, out["output_ids"], meta.get("output_token_logprobs") or [], meta.get("output_weight_versions") or []
+        )
         return web.json_response(vllm_answer(rid, len(ids), out))
 
     async def _render(self, request: web.Request) -> web.Response:

@@ -13,6 +13,7 @@ import from, so the name stays. The per-sample pieces here (`generate`, `generat
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
@@ -22,6 +23,7 @@ from vime.plugins import load_function, load_plugin
 from vime.rollout import async_loop
 from vime.rollout.compat import (  # noqa: F401 (the seed system's names, imported from here by its plug-ins)
     GenerateState,
+    PluginArgs,
     _build_inference_sampling_params,
     _coerce_flat_int_token_ids,
     _inference_generate_tokens_and_logprobs,
@@ -107,19 +109,25 @@ MULTI_TURN_FN = "vime.rollout.multi_turn:generate"  # the generate of --tools (l
 
 GENERATE_SIGNATURE = "async generate(args, sample, sampling_params) -> Sample or list[Sample]"
 
+NO_LOG_PROBS = (
+    "returned a sample whose response has no rollout log-probs, which this run's off-policy correction "
+    "(--use-tis/--use-rs, or an async mode's default) needs: append the engine's tokens with "
+    "sample.append_response_tokens(args, tokens=..., log_probs=...), or give --off-policy-correction none"
+)
 
-def generate_fn(args) -> GenerateFn:
+
+def generate_fn(args, evaluation: bool = False) -> GenerateFn:
     """The run's per-sample generate: --custom-generate-function-path's, --tools' multi-turn one,
-    or `generate`; each is called with the plug-ins' `args`."""
+    or `generate`; each is called with the plug-ins' `args`. `evaluation`: for vime.eval."""
     rollout = args.rollout
     if rollout.custom_generate_function_path:
-        return custom_generate(rollout.custom_generate_function_path)
+        return custom_generate(rollout.custom_generate_function_path, evaluation)
     if rollout.tools:
         return load_function(MULTI_TURN_FN, "--tools")
     return generate
 
 
-def custom_generate(path: str) -> GenerateFn:
+def custom_generate(path: str, evaluation: bool = False) -> GenerateFn:
     """--custom-generate-function-path, its faults one line naming the sample: one that raises,
     or returns something else than a Sample or a non-empty list of them (which a later step
     would trip over). Each sample of a list is trained, in the group of the prompt (compat.py).
@@ -127,27 +135,48 @@ def custom_generate(path: str) -> GenerateFn:
     A sample with no response yet comes without tokens, as the seed system hands them over: its
     plug-ins build their own prompt (a tool template, a rendered chat) and take `sample.tokens`
     as theirs only when it is empty (tau-bench). vime's `generate`, called on it, starts from
-    the data's prompt ids all the same, and a sample handed back without tokens gets them back."""
+    the data's prompt ids all the same, and a sample handed back without tokens gets them back.
+
+    Each call gets its own writable view of `args` (`PluginArgs.for_call`): the seed's plug-ins
+    set their state on it (multi_agent: the tokenizer, sampling params, its agent settings). A
+    function with an `evaluation` parameter is told which calls are eval's, as slime tells it."""
     plugin = load_plugin(path, "--custom-generate-function-path", signature=GENERATE_SIGNATURE)
+    extra = {"evaluation": evaluation} if takes_keyword(plugin.fn, "evaluation") else {}
 
     async def generate_with(args, sample: Sample, params: dict) -> Sample | list[Sample]:
         where = f"on sample {sample.index}"
         prompt_ids = list(sample.tokens)
         if sample.response_length == 0:
             sample.tokens = []
+        view = args.for_call() if isinstance(args, PluginArgs) else args
         token = _PROMPT_IDS.set(prompt_ids)
         try:
-            out = await plugin.acall(where, args, sample, params)
+            out = await plugin.acall(where, view, sample, params, **extra)
         finally:
             _PROMPT_IDS.reset(token)
         if not sample.tokens:
             sample.tokens = prompt_ids
-        if isinstance(out, Sample) or (isinstance(out, list) and out and all(isinstance(s, Sample) for s in out)):
-            return out
-        got = "an empty list" if out == [] else type(out).__name__
-        raise plugin.error(f"returned {got}: it must return the Sample it was given, or a list of Samples", where)
+        if not (isinstance(out, Sample) or (isinstance(out, list) and out and all(isinstance(s, Sample) for s in out))):
+            got = "an empty list" if out == [] else type(out).__name__
+            raise plugin.error(f"returned {got}: it must return the Sample it was given, or a list of Samples", where)
+        samples = out if isinstance(out, list) else [out]
+        if isinstance(args, PluginArgs):
+            args.restore_log_probs(samples)
+        needs = not evaluation and args.algorithm.needs_rollout_log_probs
+        if needs and any(s.response_length and s.rollout_log_probs is None for s in samples):
+            raise plugin.error(NO_LOG_PROBS, where)
+        return out
 
     return generate_with
+
+
+def takes_keyword(fn: Callable[..., Any], name: str) -> bool:
+    """Whether `fn` can be called with the keyword `name` (a parameter of that name, or **kwargs)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+    return any((p.name == name and p.kind != p.POSITIONAL_ONLY) or p.kind == p.VAR_KEYWORD for p in params)
 
 
 async def generate_samples(

@@ -149,6 +149,16 @@ class StepLoss:
             ref=None if self.ref_log_probs is None else flat(self.ref_log_probs),
             weights=flat(tokens.weights) if self.sample_mean else None,
             staleness=None if tokens.staleness is None else flat(tokens.staleness),
+            prompt_lens=(
+                to_device(
+                    torch.tensor([len(self.samples[i].tokens) - self.samples[i].response_length for i in mb.indices])
+                    .repeat_interleave(lengths)
+                    .float(),
+                    self.device,
+                )
+                if self.objective.correction.custom is not None and mb.indices
+                else None
+            ),
         )
 
     def __call__(self, log_probs: Tensor, entropy: Tensor, t: LossInputs) -> Tensor:

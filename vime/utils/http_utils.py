@@ -4,7 +4,9 @@ served in vime by vime/rollout/compat.py's router).
 
 A call retries a connection that fails or a 5xx answer `max_retries` times, with a short
 backoff; a 4xx answer is the request's own fault and raises at once with the server's message.
-One aiohttp session per event loop, kept for the loop's life (a plug-in makes thousands of calls).
+One aiohttp session per event loop, kept for the loop's life (a plug-in makes thousands of calls)
+and closed with the run (`close_sessions`), so a run that used it ends without aiohttp's
+unclosed-session errors.
 """
 
 from __future__ import annotations
@@ -65,4 +67,13 @@ async def get(url: str, max_retries: int = 3, headers: dict | None = None) -> An
     return await _request("GET", url, None, headers, max_retries)
 
 
-__all__ = ["HTTPError", "get", "post"]
+async def close_sessions() -> None:
+    """Close the sessions of every loop (called on the rollout loop as a run closes)."""
+    sessions = list(_sessions.values())
+    _sessions.clear()
+    for session in sessions:
+        if not session.closed:
+            await session.close()
+
+
+__all__ = ["HTTPError", "close_sessions", "get", "post"]

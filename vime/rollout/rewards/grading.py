@@ -11,6 +11,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from vime.rollout.rewards.answers import (
+    THINK_END,
     boxed_contents,
     extract_answer,
     extract_line_answer,
@@ -29,6 +30,7 @@ class RmRule(NamedTuple):
     after_thinking: bool = False  # only the text after the reasoning is graded (final_section)
     partial_credit: bool = False  # a wrong number earns up to 0.5 by its closeness (numeric_credit)
     exact: bool = False  # the normalized strings must match: math-verify never asked
+    choice: bool = False  # a multiple-choice letter A-J is read (choice_answer, choice_label)
 
 
 BUILTIN_RM_TYPES: dict[str, RmRule] = {
@@ -43,7 +45,18 @@ BUILTIN_RM_TYPES: dict[str, RmRule] = {
     # label that is not one number is looked for on the response's last line, not in its
     # trailing number (extract_line_answer); a numeric label is read as `math` reads it
     "exact": RmRule(1.0, 0.0, exact=True),
+    # multiple choice (slime's `gpqa`): the option letter the response picks against the label's
+    # letter (or 0-based index); the question and its options are in the prompt
+    "gpqa": RmRule(1.0, 0.0, exact=True, choice=True),
 }
+
+CHOICE_LETTERS = "ABCDEFGHIJ"
+# what names a picked option: "the answer is (C)", "Answer: C", "option B", "C is correct"
+_CHOICE_CUE = re.compile(
+    r"(?i:answer|option|choice)(?:\s+(?i:is))?\s*:?\s*\(?([A-J])\)?(?![A-Za-z])"
+    r"|(?<![A-Za-z])\(?([A-J])\)?\s+(?i:is)\s+(?i:the\s+)?(?i:correct)"
+)
+_LONE_LETTER = re.compile(r"(?<![A-Za-z])([A-J])(?![A-Za-z])")
 
 
 _NUMBER_LABEL_RE = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")  # a label's normalized form when it is one number
@@ -116,9 +129,39 @@ def exact_answer(text: str | None, label: str | None) -> str | None:
     return extract_line_answer(text)
 
 
+def choice_answer(response: str) -> str | None:
+    """The option letter a multiple-choice response picks: in the text after the reasoning when
+    it closed (else all of it), the last letter an answer cue names, else the last capital A-J
+    that stands alone (None: no letter at all)."""
+    text = response.rpartition(THINK_END)[2] if THINK_END in response else response
+    cued = [m.group(1) or m.group(2) for m in _CHOICE_CUE.finditer(text)]
+    if cued:
+        return cued[-1]
+    alone = _LONE_LETTER.findall(text)
+    return alone[-1] if alone else None
+
+
+def choice_label(label: object) -> str | None:
+    """A multiple-choice label as its letter: a letter A-J (either case, bracketed or not) or the
+    option's 0-based index, as slime's gpqa reads them; None for anything else."""
+    text = str(label).strip().strip("()").upper() if label is not None else ""
+    if len(text) == 1 and text in CHOICE_LETTERS:
+        return text
+    if text.isdigit() and int(text) < len(CHOICE_LETTERS):
+        return CHOICE_LETTERS[int(text)]
+    return None
+
+
+def rule_label(rm_type: str, label: str | None) -> str | None:
+    """The label as a built-in rm type compares it: a multiple-choice one as its letter."""
+    return choice_label(label) if BUILTIN_RM_TYPES[rm_type].choice else label
+
+
 def rule_answer(rm_type: str, response: str, label: str | None) -> str | None:
     """The answer a built-in rm type reads from a response (None: it commits to none)."""
     rule = BUILTIN_RM_TYPES[rm_type]
+    if rule.choice:
+        return choice_answer(response or "")
     text = final_section(response or "") if rule.after_thinking else response or ""
     if text is None:
         return None
@@ -134,7 +177,7 @@ def builtin_result(rm_type: str, response: str, label: str | None) -> dict[str, 
     answer was right (it differs from the score for dapo and math_shaped)."""
     rule = BUILTIN_RM_TYPES[rm_type]
     pred = rule_answer(rm_type, response, label)
-    if grade(pred, label, exact=rule.exact):
+    if grade(pred, rule_label(rm_type, label), exact=rule.exact):
         return {"score": rule.right, "acc": 1.0}
     return {"score": numeric_credit(pred, label) if rule.partial_credit else rule.wrong, "acc": 0.0}
 

@@ -1,0 +1,118 @@
+#!/bin/bash
+# GRPO on dapo-math-17k, evaluated on several held-out sets every 20 steps: the seed system's
+# examples/eval_multi_task/multi_task.sh, flag for flag, on vime. The sets, their sampling and
+# their graders come from an --eval-config YAML (slime's format; ours is multi_task.yaml here).
+# Paths come from the environment:
+#   MODEL_DIR    an HF model directory (default /root/Qwen3-4B)
+#   DATA_PATH    dapo-math-17k as JSONL: `prompt` (chat messages) and `label`
+#   EVAL_CONFIG  the eval YAML (default: multi_task.yaml beside this script)
+#   CKPT_DIR     checkpoints; a rerun resumes from the newest (default /root/Qwen3-4B_vime/)
+#   MODEL_SHAPE  which scripts/models/<name>.sh describes MODEL_DIR (default qwen3-4B)
+#   GPUS         GPUs, shared by trainer and engines (--colocate, as the seed ran it; default 8)
+# Extra arguments are appended, so they override the flags below (argparse keeps the last).
+# The seed's W&B flags (--use-wandb --wandb-project eval --wandb-group multi_task --wandb-key)
+# work the same; add them at the end with your key.
+set -euo pipefail
+
+SCRIPT_DIR="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" &>/dev/null && pwd)"
+VIME_ROOT="$(cd -- "${SCRIPT_DIR}/../.." &>/dev/null && pwd)"
+source "${VIME_ROOT}/scripts/models/${MODEL_SHAPE:-qwen3-4B}.sh"
+
+MODEL_DIR=${MODEL_DIR:-/root/Qwen3-4B}
+DATA_PATH=${DATA_PATH:-/root/dapo-math-17k/dapo-math-17k.jsonl}
+EVAL_CONFIG=${EVAL_CONFIG:-${SCRIPT_DIR}/multi_task.yaml}
+CKPT_DIR=${CKPT_DIR:-/root/Qwen3-4B_vime/}
+GPUS=${GPUS:-8}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+CKPT_ARGS=(
+   --hf-checkpoint "${MODEL_DIR}"
+   --ref-load "${MODEL_DIR}_torch_dist"   # not read: --kl-loss-coef 0 needs no reference model
+   --load "${CKPT_DIR}"                   # empty on the first run: it starts from --hf-checkpoint
+   --save "${CKPT_DIR}"
+   --save-interval 20
+)
+
+ROLLOUT_ARGS=(
+   --prompt-data "${DATA_PATH}"
+   --input-key prompt
+   --label-key label
+   --apply-chat-template
+   --rollout-shuffle
+   --rm-type deepscaler
+   --num-rollout 3000
+   --rollout-batch-size 32
+   --n-samples-per-prompt 8
+   --rollout-max-response-len 8192
+   --rollout-temperature 1
+   --global-batch-size 256
+   --balance-data
+)
+
+EVAL_ARGS=(
+   --eval-interval 20
+   --eval-config "${EVAL_CONFIG}"
+)
+
+PERF_ARGS=(
+   --tensor-model-parallel-size 2
+   --sequence-parallel
+   --pipeline-model-parallel-size 1
+   --context-parallel-size 1
+   --expert-model-parallel-size 1
+   --expert-tensor-parallel-size 1
+   --recompute-granularity full
+   --recompute-method uniform
+   --recompute-num-layers 1
+   --use-dynamic-batch-size
+   --max-tokens-per-gpu 9216
+)
+
+GRPO_ARGS=(
+   --advantage-estimator grpo
+   --use-kl-loss
+   --kl-loss-coef 0.00
+   --kl-loss-type low_var_kl
+   --entropy-coef 0.00
+   --eps-clip 0.2
+   --eps-clip-high 0.28
+)
+
+OPTIMIZER_ARGS=(
+   --optimizer adam
+   --lr 1e-6
+   --lr-decay-style constant
+   --weight-decay 0.1
+   --adam-beta1 0.9
+   --adam-beta2 0.98
+)
+
+# the seed ran engines of 2 GPUs (--rollout-num-gpus-per-engine 2); with vime's built-in engine
+# each GPU runs one, and ENGINE_GPUS=2 --rollout-backend vllm gives the seed's layout
+VLLM_ARGS=(
+   --rollout-num-gpus-per-engine "${ENGINE_GPUS:-1}"
+   --vllm-gpu-memory-utilization 0.7
+)
+
+MISC_ARGS=(
+   --attention-dropout 0.0
+   --hidden-dropout 0.0
+   --accumulate-allreduce-grads-in-fp32
+   --attention-softmax-in-fp32
+   --attention-backend flash
+)
+
+exec "${PYTHON:-python3}" "${VIME_ROOT}/train.py" \
+   --actor-num-nodes 1 \
+   --actor-num-gpus-per-node "${GPUS}" \
+   --colocate \
+   "${MODEL_ARGS[@]}" \
+   "${CKPT_ARGS[@]}" \
+   "${ROLLOUT_ARGS[@]}" \
+   "${OPTIMIZER_ARGS[@]}" \
+   "${GRPO_ARGS[@]}" \
+   "${PERF_ARGS[@]}" \
+   "${EVAL_ARGS[@]}" \
+   "${VLLM_ARGS[@]}" \
+   "${MISC_ARGS[@]}" \
+   "$@"
