@@ -38,6 +38,7 @@ from vime.models import read_config, vocab_size_of
 from vime.plugins import PluginError
 from vime.rollout.rewards import RewardSettingError
 from vime.rollout.rewards.remote import RemoteReward, RemoteRewardError
+from vime.rollout.settings import RolloutConfig
 from vime.rollout.types import Sample, Status
 
 API_KEY_ENV = "VIME_TEACHER_API_KEY"  # the teacher engine's key (`vime serve --api-key`), if it has one
@@ -103,13 +104,14 @@ class Teacher(RemoteReward):
 _TEACHERS: dict[tuple[str, float, str | None], Teacher] = {}
 
 
-def teacher_of(args: Any) -> Teacher:
+def teacher_of(rollout: RolloutConfig) -> Teacher:
     """The process's one `Teacher` for the run's --rm-url (its connection limit and checks shared
     by every sample)."""
-    key = (args.rm_url, float(args.reward_timeout), str(args.model_dir) if args.model_dir else None)
+    model_dir = rollout.model_dir
+    key = (rollout.rm_url, float(rollout.reward_timeout), str(model_dir) if model_dir else None)
     if key not in _TEACHERS:
-        vocab = vocab_size_of(read_config(args.model_dir)) if args.model_dir else None
-        _TEACHERS[key] = Teacher(args.rm_url, float(args.reward_timeout), vocab)
+        vocab = vocab_size_of(read_config(model_dir)) if model_dir else None
+        _TEACHERS[key] = Teacher(rollout.rm_url, float(rollout.reward_timeout), vocab)
     return _TEACHERS[key]
 
 
@@ -130,16 +132,17 @@ async def reward_func(args: Any, sample: Sample, **kwargs: Any) -> Any:
     (a sample without any asks nothing)."""
     if sample.response_length == 0:
         return {"meta_info": {"input_token_logprobs": []}}
-    return await teacher_of(args).score(sample)
+    return await teacher_of(args.rollout).score(sample)
 
 
 def post_process_rewards(args: Any, samples: list[Sample], **kwargs: Any) -> tuple[list[float], list[float]]:
     """`--custom-reward-post-process-path`: each sample's `teacher_log_probs` from the teacher's
     answer (None where its reward failed: it trains without the teacher's term), and 0 as every
     sample's reward, raw and trained (slime's pair)."""
+    url = args.rollout.rm_url
     for s in samples:
         answer = s.reward_result
-        s.teacher_log_probs = None if answer is None else teacher_log_probs(answer, s, args.rm_url)
+        s.teacher_log_probs = None if answer is None else teacher_log_probs(answer, s, url)
     zeros = [0.0] * len(samples)
     return zeros, list(zeros)
 

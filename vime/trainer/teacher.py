@@ -47,11 +47,11 @@ def teacher_dir(algo: AlgorithmConfig) -> Path:
     return newest
 
 
-def check_teacher(args: Any, student_config: dict, read_config: Any) -> Path:
+def check_teacher(algo: AlgorithmConfig, student_config: dict, read_config: Any) -> Path:
     """The teacher's directory, refused in one line when its vocabulary is not the student's: the
     teacher scores the student's token ids, which mean other tokens (or none) in another vocabulary.
-    `args`: the run's config (start-up's check calls this with it)."""
-    path = teacher_dir(args.algorithm)
+    Start-up's check calls it with the run's `cfg.algorithm`."""
+    path = teacher_dir(algo)
     teacher_config = read_config(path)
     theirs, ours = vocab_size_of(teacher_config), vocab_size_of(student_config)
     if theirs is not None and ours is not None and theirs != ours:
