@@ -360,6 +360,26 @@ def test_launcher_ray_without_ray_or_a_cluster_is_one_line(monkeypatch):
         assert "\n" not in str(e.value)
 
 
+def test_a_backend_row_without_a_ray_placement_is_never_placed_by_ray(monkeypatch):
+    """A new backend's row may leave out `ray_place` (its two files and one row are enough):
+    --launcher ray is then refused in one line, and --launcher auto never picks Ray for it."""
+    import dataclasses
+
+    from vime.backends import BACKENDS
+    from vime.launch.launcher import launcher_for
+    from vime.launch.ray import RayLauncher
+
+    row = {k: v for k, v in dataclasses.asdict(BACKENDS["vime"]).items() if k != "ray_place"}
+    monkeypatch.setitem(BACKENDS, "vime", type(BACKENDS["vime"])(**row))  # as a row without Ray would be written
+    assert BACKENDS["vime"].ray_place is None
+    with pytest.raises(ConfigError, match=r"^--launcher ray places engines as Ray actors, .*--launcher local$") as e:
+        parse_args([*BASE, "--launcher", "ray"])
+    assert "\n" not in str(e.value)
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")  # inside a Ray job, where auto would look for a cluster
+    settings = parse_args(BASE).placement
+    assert not RayLauncher().chosen_by_auto(settings) and launcher_for(settings).name == "local"
+
+
 def test_each_room_reads_its_settings_by_their_flag_names_and_types():
     """A room's sub-config holds settings of the flat Config (same name, same type), every flag
     lands in a room, and a room is built from the fields as they are now (a field start-up still

@@ -92,12 +92,12 @@ def train_main(argv: list[str], entry: str = "sync") -> int:
     from vime.run import train  # heavy imports (torch, transformers) only once the flags are good
 
     resume_point(args)  # before the lock file goes into --save: a refused --load directory gets nothing
-    locks = []
-    if args.run_name is not None:  # set by validation for training (a fresh timestamp by default)
-        run_dir = Path(args.run_dir)
+    out, locks = args.output, []
+    if out.run_name is not None:  # set by validation for training (a fresh timestamp by default)
+        run_dir = Path(out.run_dir)
         locks.append((run_dir.parent / f".{run_dir.name}.lock", f"run directory {run_dir}"))
-    if args.save:
-        locks.append((Path(args.save) / ".vime.lock", f"--save {args.save}"))
+    if out.save:
+        locks.append((Path(out.save) / ".vime.lock", f"--save {out.save}"))
     with owned(locks):
         run_dir = train(args)
     print(f"run written to {run_dir}")
@@ -123,12 +123,13 @@ def eval_main(argv: list[str]) -> int:
     try:
         # claimed now, so an earlier eval's results stay, and one running at the same time gets another name:
         # eval.jsonl, eval.1.jsonl, ...; with several sets eval.<name>.jsonl, eval.<name>.1.jsonl, ...
-        several = len(args.eval_sets) > 1
+        sets = args.eval.eval_sets
+        several = len(sets) > 1
         paths = {
             (s["name"] if several else None): fresh_path(
                 ctx.run_dir / (f"eval.{s['name']}.jsonl" if several else "eval.jsonl")
             )
-            for s in args.eval_sets
+            for s in sets
         }
         try:
             m = evaluate(ctx.args, 0, paths.__getitem__)

@@ -32,6 +32,7 @@ from vime.rollout.data_source import DataSource
 from vime.rollout.filters import load_filter
 from vime.rollout.rewards import GROUP_REWARD_SIGNATURE, RewardKeyError, Rewards, RewardSettingError, read_reward
 from vime.rollout.rewards import post_process as reward_post_process
+from vime.rollout.settings import RolloutConfig
 from vime.rollout.types import Sample, Status
 from vime.rollout.vllm_rollout import GENERATE_SIGNATURE, sampling_params
 
@@ -52,45 +53,47 @@ class CheckedPlugins:
 
 def check_plugins(args: Any, tokenizer: Any, data_source: DataSource, rewards: Rewards) -> CheckedPlugins:
     """Load and try every plug-in the settings name; PluginError (or the loader's ConfigError)
-    on the first that does not fit."""
+    on the first that does not fit. The paths are read from their rooms (`args.rollout`,
+    `args.algorithm`); the plug-ins themselves are handed the flat `args`, as the run hands it."""
+    ro, al = args.rollout, args.algorithm
     with at(WHEN):
         # SFT's rows are conversations, and it takes none of the plug-ins that score these (Config's checks)
-        groups = [] if args.sft_rollout else made_up_groups(args, tokenizer, data_source)
+        groups = [] if ro.sft_rollout else made_up_groups(ro, tokenizer, data_source)
         checked = CheckedPlugins(_rollout_function(args, data_source))
-        if args.custom_generate_function_path:
+        if ro.custom_generate_function_path:
             _custom_generate(args, groups[0][0])
         judge = load_filter(args)
         if judge is not None:
             for g in groups:
                 judge(g)
-        if args.custom_advantage_function_path:
+        if al.custom_advantage_function_path:
             checked.custom_advantages = _custom_advantages(args, groups)
-        if args.custom_loss_function_path or args.custom_tis_function_path:
+        if al.custom_loss_function_path or al.custom_tis_function_path:
             _loss_hooks(args)
-        if args.custom_rm_path:
+        if ro.custom_rm_path:
             checked.notes += _custom_reward(args, rewards, groups[0][0])
-        if args.custom_reward_post_process_path:
+        if ro.custom_reward_post_process_path:
             _post_process(args, groups[0][0])
     return checked
 
 
-def made_up_groups(args: Any, tokenizer: Any, data_source: DataSource) -> list[list[Sample]]:
+def made_up_groups(ro: RolloutConfig, tokenizer: Any, data_source: DataSource) -> list[list[Sample]]:
     """Two groups of --n-samples-per-prompt scored samples, as a rollout hands them on: the
     data's first two prompts (rendered as the run renders them), the first sample of each
     answering with its label (reward 1), the others not (reward 0)."""
     groups = []
     for g in range(2):
         row = data_source.rows[min(g, len(data_source) - 1)]
-        prompt, prompt_ids = data_source.renderer.render_row(row, f"{args.prompt_data} row {g}")
+        prompt, prompt_ids = data_source.renderer.render_row(row, f"{ro.prompt_data} row {g}")
         group = []
-        for k in range(args.n_samples_per_prompt):
+        for k in range(ro.n_samples_per_prompt):
             label = row["label"]
             text = f"The answer is \\boxed{{{label}}}." if k == 0 and label else "I am not sure."
             response = list(tokenizer.encode(text, add_special_tokens=False)) or [0]
             n = len(response)
             group.append(
                 Sample(
-                    index=g * args.n_samples_per_prompt + k,
+                    index=g * ro.n_samples_per_prompt + k,
                     group_index=g,
                     prompt=prompt,
                     label=label,
@@ -100,7 +103,7 @@ def made_up_groups(args: Any, tokenizer: Any, data_source: DataSource) -> list[l
                     loss_mask=[1] * n,
                     rollout_log_probs=[-1.0] * n,
                     weight_versions=[0] * n,
-                    temperature=args.rollout_temperature,
+                    temperature=ro.rollout_temperature,
                     reward=1.0 if k == 0 else 0.0,
                     status=Status.COMPLETED,
                     metadata=dict(row["metadata"]),
@@ -113,7 +116,7 @@ def made_up_groups(args: Any, tokenizer: Any, data_source: DataSource) -> list[l
 def _rollout_function(args: Any, data_source: DataSource) -> Callable[..., Any]:
     """vime's own rollout functions as they are (what they raise is vime's, a bug keeps its
     traceback); a user's as a Plugin, checked for the call the run makes."""
-    path = args.rollout_function_path
+    path = args.rollout.rollout_function_path
     if path.startswith("vime."):
         return load_function(path, "--rollout-function-path", signature=ROLLOUT_SIGNATURE)
     plugin = load_plugin(path, "--rollout-function-path", signature=ROLLOUT_SIGNATURE)
@@ -129,7 +132,7 @@ def _is_async(fn: Callable[..., Any]) -> bool:
 
 def _custom_generate(args: Any, sample: Sample) -> None:
     """Its signature only: generating needs the engines, which start after these checks."""
-    plugin = load_plugin(args.custom_generate_function_path, "--custom-generate-function-path")
+    plugin = load_plugin(args.rollout.custom_generate_function_path, "--custom-generate-function-path")
     if not _is_async(plugin.fn):
         raise plugin.error(f"is not a coroutine function: it must be {GENERATE_SIGNATURE} (vime awaits it)")
     plugin.check_call(GENERATE_SIGNATURE, args, sample, sampling_params(args))
@@ -179,16 +182,17 @@ def _check_args_read(plugin: Plugin, args: Any) -> None:
 
 
 def _custom_advantages(args: Any, groups: list[list[Sample]]) -> Plugin:
+    al = args.algorithm
     plugin = load_plugin(
-        args.custom_advantage_function_path, "--custom-advantage-function-path", signature=ADVANTAGE_SIGNATURE
+        al.custom_advantage_function_path, "--custom-advantage-function-path", signature=ADVANTAGE_SIGNATURE
     )
     rewards = torch.tensor([[s.reward for s in g] for g in groups])
     plugin.check_call(ADVANTAGE_SIGNATURE, args, groups, rewards)
     group_advantages(
         groups,
-        args.advantage_estimator,
-        std_normalize=args.normalize_advantages_std,
-        whitened=args.normalize_advantages,
+        al.advantage_estimator,
+        std_normalize=al.normalize_advantages_std,
+        whitened=al.normalize_advantages,
         custom=plugin,
         args=args,
     )
@@ -231,7 +235,7 @@ def _loss_hooks(args: Any) -> None:
         ref=old.clone() if objective.kl_coef else None,
         weights=torch.cat([torch.full((k,), 1.0 / k) for k in lengths]) if sample_mean else None,
     )
-    const = float(len(lengths) if sample_mean else args.rollout_max_response_len * len(lengths))
+    const = float(len(lengths) if sample_mean else args.rollout.rollout_max_response_len * len(lengths))
     loss, _ = objective(log_probs, torch.rand(n, generator=gen), t, num_tokens=float(mask.sum()), const=const)
     try:
         loss.backward()
@@ -251,10 +255,11 @@ def _custom_reward(args: Any, rewards: Rewards, sample: Sample) -> list[str]:
     raises, hangs or answers a non-finite number on the made-up sample is a note: in the run
     such a sample scores 0 and counts in rollout/reward_errors (or _timeouts); a served OPD teacher
     that does not answer it is refused, since every sample would go without its term."""
-    path = args.custom_rm_path
-    signature = GROUP_REWARD_SIGNATURE if args.group_rm else REWARD_SIGNATURE
+    ro = args.rollout
+    path = ro.custom_rm_path
+    signature = GROUP_REWARD_SIGNATURE if ro.group_rm else REWARD_SIGNATURE
     plugin = load_plugin(path, "--custom-rm-path", signature=signature)
-    plugin.check_call(signature, args, [sample] if args.group_rm else sample)
+    plugin.check_call(signature, args, [sample] if ro.group_rm else sample)
     _check_args_read(plugin, args)
     try:
         value = async_loop.run(rewards.fn(sample))
@@ -265,7 +270,7 @@ def _custom_reward(args: Any, rewards: Rewards, sample: Sample) -> list[str]:
         what = "took longer than --reward-timeout" if timed_out else f"raised {type(e).__name__}: {first_line(e)}"
         if args.algorithm.teacher_served:  # a teacher not there now would leave the whole run undistilled
             raise RewardSettingError(
-                f"--opd-type {args.opd_type}: the teacher at --rm-url {args.rm_url} {what} on a made-up sample at "
+                f"--opd-type {args.algorithm.opd_type}: the teacher at --rm-url {ro.rm_url} {what} on a made-up sample at "
                 "start-up: start it before the run (the check waits --reward-timeout for it), or check the URL"
             ) from None
         sample.reward_error = "timeout" if timed_out else "error"  # as the run marks it, for the post-process
@@ -277,7 +282,7 @@ def _custom_reward(args: Any, rewards: Rewards, sample: Sample) -> list[str]:
         sample.reward_result = value
         return []
     try:
-        score, _ = read_reward(args, value)
+        score, _ = read_reward(ro, value)
     except RewardKeyError:
         raise
     except (TypeError, ValueError):
@@ -296,11 +301,11 @@ def _post_process(args: Any, sample: Sample) -> None:
     """--custom-reward-post-process-path called as the run calls it, on the made-up sample with the
     custom reward's answer to it (when the reward answered): it must return one finite reward
     per sample and, for --opd-type sglang, leave the teacher's log-probs on it."""
-    plugin = reward_post_process.load_post_process(args)
+    plugin = reward_post_process.load_post_process(args.rollout)
     plugin.check_call(reward_post_process.SIGNATURE, args, [sample])
     _check_args_read(plugin, args)
     reward_post_process.post_process(plugin, args, [[sample]])
     if args.algorithm.teacher_served:
         from vime.rollout.on_policy_distillation import check_served
 
-        check_served([sample], args.custom_reward_post_process_path)
+        check_served([sample], args.rollout.custom_reward_post_process_path)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from vime import compat
-from vime.config import Config, ConfigError
+from vime.config import Config, ConfigError, RolloutConfig, TrainerConfig
 from vime.debug_rollout import check_template
 from vime.eval_sets import args_for
 from vime.models import ModelError, context_length, load_tokenizer, read_config, resolve_model
@@ -50,57 +50,27 @@ class Inputs:
 
 
 def check_inputs(args: Config) -> Inputs:
-    """Check output directories, model, plug-ins and data, in that order (cheapest first)."""
-    ckpt, notes = resume_point(args)
-    if ckpt is None:
-        args = args.derived(load=None)  # nothing to resume: the run starts from --hf-checkpoint (said in a note)
-    else:
-        _same_kind_of_run(args, ckpt)
-    _writable(Path(args.runs_dir), "--runs-dir")
-    if args.save:
-        _writable(Path(args.save), "--save")
-        notes += _check_save(Path(args.save), ckpt, args.overwrite_save)
-    _debug_rollout_paths(args)
-    notes += compat.notes(args) + check_sinks(args.output)
-
+    """Check output directories, model, plug-ins and data, in that order (cheapest first). Each
+    check reads the room its settings belong to (`args.output`, `args.rollout`, ...); a value
+    found on the way makes a new config, whose rooms are read again."""
+    args, ckpt, notes = _outputs(args)
     args, tokenizer = _model(args)
-    model_dir = Path(args.model_dir)
+    model_dir = Path(args.rollout.model_dir)
     _check_model_flags(args, model_dir)
-    if args.lora_rank:
-        _check_lora(args, model_dir)
-    if args.save:
-        _room_for_checkpoints(Path(args.save), model_dir)
+    if args.trainer.lora_rank:
+        _check_lora(args.trainer, model_dir)
+    if args.output.save:
+        _room_for_checkpoints(Path(args.output.save), model_dir)
 
     rewards = Rewards(args)
-    load_function(args.rollout_function_path, "--rollout-function-path")
-    if args.custom_generate_function_path:
-        load_function(args.custom_generate_function_path, "--custom-generate-function-path")
-    load_filter(args)  # a dynamic sampling filter that cannot load fails here, before any model
-    if args.custom_advantage_function_path:
-        load_function(args.custom_advantage_function_path, "--custom-advantage-function-path")
-    # each is tried on made-up input once the data is read (_check_plugins); here a bad path fails first.
-    # The loss's hooks are loaded again where the actor builds its objective
-    for path, flag in (
-        (args.custom_loss_function_path, "--custom-loss-function-path"),
-        (args.custom_tis_function_path, "--custom-tis-function-path"),
-    ):
-        if path:
-            load_function(path, flag)
-
+    _load_plugins(args)
     max_prompt_len = context_length(model_dir) - 1  # room for at least one response token
-    if args.sft_rollout:  # the data's conversations, not prompts (vime/rollout/sft_rollout.py)
-        from vime.rollout.sft_rollout import ConversationSource
-
-        data_source: DataSource = ConversationSource(args.rollout, tokenizer, max_prompt_len=max_prompt_len)
-    else:
-        data_source = DataSource(args.rollout, tokenizer, max_prompt_len=max_prompt_len)
-    if args.num_rollout is None:  # from --num-epoch, once the data's size is known (the LR schedule needs it)
-        args = args.derived(num_rollout=math.ceil(args.num_epoch * len(data_source) / args.rollout_batch_size))
+    args, data_source = _data(args, tokenizer, max_prompt_len)
     if ckpt is not None:
-        done = int(ckpt.name)
-        if done >= args.num_rollout:
+        done, num_rollout = int(ckpt.name), args.rollout.num_rollout
+        if done >= num_rollout:
             raise ConfigError(
-                f"--load {args.load} resumes after step {done}, and this run ends at step {args.num_rollout} "
+                f"--load {args.output.load} resumes after step {done}, and this run ends at step {num_rollout} "
                 f"(--num-rollout/--num-epoch): nothing is left to train; raise it above {done}"
             )
     if data_source.skipped_note:
@@ -112,31 +82,84 @@ def check_inputs(args: Config) -> Inputs:
     return Inputs(args, tokenizer, checked.rollout_fn, data_source, rewards, notes, checked.custom_advantages)
 
 
-def _same_kind_of_run(args: Any, ckpt: Path) -> None:
+def _outputs(args: Config) -> tuple[Config, Path | None, list[str]]:
+    """What --load resumes (without a checkpoint, the config without --load), the output
+    directories and debug-rollout paths writable, --save's checkpoints safe from this run; the
+    notes for the log (the foreign flags' and the sinks' too)."""
+    ckpt, notes = resume_point(args)
+    if ckpt is None:
+        args = args.derived(load=None)  # nothing to resume: the run starts from --hf-checkpoint (said in a note)
+    else:
+        _same_kind_of_run(args.output.load, ckpt, args.algorithm.loss_type)
+    out = args.output
+    _writable(Path(out.runs_dir), "--runs-dir")
+    if out.save:
+        _writable(Path(out.save), "--save")
+        notes += _check_save(Path(out.save), ckpt, out.overwrite_save)
+    _debug_rollout_paths(args.rollout)
+    notes += compat.notes(args) + check_sinks(out)
+    return args, ckpt, notes
+
+
+def _load_plugins(args: Config) -> None:
+    """Every plug-in path the settings name, loaded: a bad path fails here, before any model.
+    Each is tried on made-up input once the data is read (`check_plugins`); the loss's hooks are
+    loaded again where the actor builds its objective."""
+    ro, al = args.rollout, args.algorithm
+    load_function(ro.rollout_function_path, "--rollout-function-path")
+    if ro.custom_generate_function_path:
+        load_function(ro.custom_generate_function_path, "--custom-generate-function-path")
+    load_filter(args)  # a dynamic sampling filter that cannot load fails here, before any model
+    for path, flag in (
+        (al.custom_advantage_function_path, "--custom-advantage-function-path"),
+        (al.custom_loss_function_path, "--custom-loss-function-path"),
+        (al.custom_tis_function_path, "--custom-tis-function-path"),
+    ):
+        if path:
+            load_function(path, flag)
+
+
+def _data(args: Config, tokenizer: Any, max_prompt_len: int) -> tuple[Config, DataSource]:
+    """The data source (SFT's reads conversations, not prompts: vime/rollout/sft_rollout.py),
+    and the config with --num-epoch's rollouts once the data's size is known (the LR schedule
+    needs them)."""
+    ro = args.rollout
+    if ro.sft_rollout:
+        from vime.rollout.sft_rollout import ConversationSource
+
+        data_source: DataSource = ConversationSource(ro, tokenizer, max_prompt_len=max_prompt_len)
+    else:
+        data_source = DataSource(ro, tokenizer, max_prompt_len=max_prompt_len)
+    if ro.num_rollout is None:
+        args = args.derived(num_rollout=math.ceil(ro.num_epoch * len(data_source) / ro.rollout_batch_size))
+    return args, data_source
+
+
+def _same_kind_of_run(load: str, ckpt: Path, loss_type: str) -> None:
     """An SFT run resumes only an SFT run's checkpoint, an RL run only an RL run's: the other's
     data position and optimizer state would be read into this run. Its weights start a run of the
     other kind through --hf-checkpoint (the checkpoint is an HF directory)."""
-    from vime.trainer.checkpoint import loss_type
+    from vime.trainer.checkpoint import loss_type as loss_type_of
 
-    was_sft, is_sft = loss_type(ckpt) == "sft_loss", args.loss_type == "sft_loss"
+    was_sft, is_sft = loss_type_of(ckpt) == "sft_loss", loss_type == "sft_loss"
     if was_sft != is_sft:
         kind = {True: "an SFT", False: "an RL"}
         raise ConfigError(
-            f"--load {args.load}: {ckpt} is a checkpoint of {kind[was_sft]} run, and this is {kind[is_sft]} run: "
+            f"--load {load}: {ckpt} is a checkpoint of {kind[was_sft]} run, and this is {kind[is_sft]} run: "
             f"start from its weights with --hf-checkpoint {ckpt} instead"
         )
 
 
-def _debug_rollout_paths(args: Any) -> None:
+def _debug_rollout_paths(ro: RolloutConfig) -> None:
     """--save-/--load-debug-rollout-data templates that format, and a writable directory for
     the saved ones: the first save or load would otherwise fail after the engines started."""
     for template, flag in (
-        (args.save_debug_rollout_data, "--save-debug-rollout-data"),
-        (args.load_debug_rollout_data, "--load-debug-rollout-data"),
+        (ro.save_debug_rollout_data, "--save-debug-rollout-data"),
+        (ro.load_debug_rollout_data, "--load-debug-rollout-data"),
     ):
         if template:
             where = check_template(template, flag)
-            if template == args.save_debug_rollout_data:
+            if template == ro.save_debug_rollout_data:
                 _writable(where, flag)
 
 
@@ -144,14 +167,15 @@ def check_eval_inputs(args: Config) -> tuple[Config, Any]:
     """What `vime eval` reads, checked before an engine starts; returns the config with its
     `model_dir` and the tokenizer."""
     args, tokenizer = _model(args)
-    _check_model_flags(args, Path(args.model_dir))
-    _check_eval_sets(args, tokenizer, context_length(args.model_dir) - 1)
+    model_dir = Path(args.eval.model_dir)
+    _check_model_flags(args, model_dir)
+    _check_eval_sets(args, tokenizer, context_length(model_dir) - 1)
     return args, tokenizer
 
 
 def _check_eval_sets(args: Any, tokenizer: Any, max_prompt_len: int) -> None:
     """Each held-out set's prompts read as its evaluation will read them (its keys, its limit)."""
-    for eval_set in args.eval_sets:
+    for eval_set in args.eval.eval_sets:
         a = args_for(args, eval_set)
         load_eval_samples(a, tokenizer, eval_set["path"], limit=a.eval.eval_limit, max_prompt_len=max_prompt_len)
 
@@ -159,12 +183,12 @@ def _check_eval_sets(args: Any, tokenizer: Any, max_prompt_len: int) -> None:
 def _model(args: Config) -> tuple[Config, Any]:
     """The config with the directory --hf-checkpoint resolves to as its `model_dir`, and that
     model's tokenizer."""
-    args = args.derived(model_dir=str(resolve_model(args.hf_checkpoint)))
+    model_dir = str(resolve_model(args.rollout.hf_checkpoint))
     try:
-        return args, load_tokenizer(args.model_dir)
+        return args.derived(model_dir=model_dir), load_tokenizer(model_dir)
     except (OSError, ValueError) as e:
         raise ModelError(
-            f"cannot load the tokenizer of {args.model_dir} ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+            f"cannot load the tokenizer of {model_dir} ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
         ) from None
 
 
@@ -179,9 +203,9 @@ def resume_point(args: Any) -> tuple[Path | None, list[str]]:
     new or empty starts a run afresh (slime's `--load X --save X` on a first run)."""
     from vime.trainer.checkpoint import checkpoint_to_load, is_step_checkpoint, problem
 
-    if not args.load:
+    if not args.output.load:
         return None, []
-    load = Path(args.load)
+    load = Path(args.output.load)
     ckpt = checkpoint_to_load(load, warn=False)
     if is_step_checkpoint(load):
         if ckpt is None:
@@ -192,7 +216,9 @@ def resume_point(args: Any) -> tuple[Path | None, list[str]]:
         return ckpt, [f"--load {load} is the checkpoint of step {load.name}: resuming from that step"]
     if ckpt is None:
         _nothing_to_resume(load)
-        return None, [f"--load {load} holds no checkpoint yet: starting from --hf-checkpoint {args.hf_checkpoint}"]
+        return None, [
+            f"--load {load} holds no checkpoint yet: starting from --hf-checkpoint {args.rollout.hf_checkpoint}"
+        ]
     return ckpt, []
 
 
@@ -259,11 +285,11 @@ def _check_save(save: Path, ckpt: Path | None, overwrite: bool) -> list[str]:
     )
 
 
-def _check_model_flags(args: Any, model_dir: Path) -> None:
-    """slime's model-shape and parallel flags against the checkpoint, the reference model and the
-    OPD teacher."""
+def _check_model_flags(args: Config, model_dir: Path) -> None:
+    """slime's model-shape and parallel flags (read by vime/compat/ from the flat config, where
+    they are) against the checkpoint, the reference model and the OPD teacher."""
     gpu_bytes = None
-    if args.device != "cpu":
+    if args.placement.device != "cpu":
         import torch
 
         if torch.cuda.is_available():
@@ -271,8 +297,9 @@ def _check_model_flags(args: Any, model_dir: Path) -> None:
     refusals = compat.check_model(args, model_dir, read_config, gpu_bytes)
     if refusals:
         raise ConfigError(refusals[0])
-    if args.ref_load and args.kl_loss_coef > 0:
-        ref = Path(args.ref_load)
+    al = args.algorithm
+    if al.ref_load and al.kl_loss_coef > 0:
+        ref = Path(al.ref_load)
         if not (ref / "config.json").exists():
             what = "a Megatron torch_dist checkpoint" if ref.is_dir() else "not a directory"
             raise ConfigError(
@@ -280,13 +307,13 @@ def _check_model_flags(args: Any, model_dir: Path) -> None:
                 "model it was converted from, or leave --ref-load out to use --hf-checkpoint"
             )
         resolve_model(str(ref))
-    if args.use_opd and args.opd_teacher_load:
+    if al.use_opd and al.opd_teacher_load:
         from vime.trainer.teacher import check_teacher
 
-        resolve_model(str(check_teacher(args, model_dir)))
+        resolve_model(str(check_teacher(al, model_dir)))
 
 
-def _check_lora(args: Any, model_dir: Path) -> None:
+def _check_lora(trainer: TrainerConfig, model_dir: Path) -> None:
     """The LoRA flags against the model's layers (`lora.lora_targets`), on the model built on the
     meta device: no weights read, and a rank wider than a layer fails before the run starts."""
     import torch
@@ -297,7 +324,7 @@ def _check_lora(args: Any, model_dir: Path) -> None:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
     try:
-        lora_targets(model, LoraSpec.of(args))
+        lora_targets(model, LoraSpec.of(trainer))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -10,7 +10,9 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class AlgorithmConfig:
     """What vime/algorithms/ reads: the advantage estimator, the policy loss and its clipping, KL
-    and entropy terms, on-policy distillation and the off-policy corrections."""
+    and entropy terms, on-policy distillation and the off-policy corrections. Besides those:
+    `normalize_advantages_std` (whether the estimator divides by the group's std, which the
+    config derives from the estimator's row and --disable-grpo-std-normalization)."""
 
     advantage_estimator: str
     custom_advantage_function_path: str | None
@@ -52,6 +54,7 @@ class AlgorithmConfig:
     rs_upper_bound: float
     rs_veto_threshold: float | None
     m2_threshold: float | None
+    normalize_advantages_std: bool
 
     @property
     def teacher_served(self) -> bool:

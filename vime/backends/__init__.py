@@ -3,8 +3,8 @@
 Every backend speaks vime's engine protocol (`vime/backends/client.py`) through a client class of
 its own, and places its engines with a `place(settings, model_dir, run_dir) -> Placement`
 (`settings`: the placement room's `PlacementConfig`; ending in `vime/backends/placement.py`'s
-`placed`). A new backend is one package beside `builtin/`
-and `vllm/` holding those two, plus one row here.
+`placed`). A new backend is one package beside `builtin/` and `vllm/` holding those two, plus
+one row here; a `ray_place` for `--launcher ray` is optional.
 
 Rows name their client and placement function by import path, resolved when a run uses them:
 the table is plain data, so `vime.config` reads it for `--rollout-backend`'s choices and checks
@@ -30,7 +30,9 @@ class Backend:
     transports: tuple[str, ...]  # the --weight-transport values that reach its engines
     tensor_parallel: bool  # an engine may span several GPUs (--rollout-num-gpus-per-engine > 1)
     lora_adapters: bool  # a LoRA run pushes its adapters alone (the engine merges them), not merged weights
-    ray_place: str  # "module:function" as `place`, with engines as Ray actors (--launcher ray)
+    # "module:function" as `place`, with engines as Ray actors (--launcher ray); None: Ray does not
+    # place this backend's engines (--launcher ray is refused at validation, auto stays local)
+    ray_place: str | None = None
 
     def make_client(self, url: str, api_key: str | None = None) -> Any:
         """A client of the engine at `url` (an `EngineClient`)."""

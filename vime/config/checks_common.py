@@ -122,6 +122,11 @@ def _engine_checks(c: Settings) -> list[tuple[bool, str]]:
             f"--weight-transport {c.weight_transport} does not reach {c.rollout_backend} engines (they receive by "
             f"{', '.join(t for t in _backend(c).transports if t != 'auto')}): leave it at auto",
         ),
+        (
+            c.launcher == "ray" and _backend(c).ray_place is None,
+            f"--launcher ray places engines as Ray actors, and {_backend(c).what} has no Ray placement "
+            "(its row's ray_place): use --launcher local",
+        ),
         *launcher_checks(c),  # what the chosen launcher cannot do (vime/launchers.py)
     ]
 

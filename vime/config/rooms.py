@@ -3,9 +3,9 @@ reached as `cfg.rollout`, `cfg.algorithm`, `cfg.trainer`, `cfg.placement`, `cfg.
 `cfg.output`, so a room's code names the settings it reads and nothing else.
 
 They are built on access (`Config`'s properties; a few dozen attribute reads), never stored: a
-field the run still sets after validation (`load`, `num_rollout`, `model_dir`, `launcher`,
-`update_weights_master_address`) is read as it is now, not as it was. A room that keeps one
-keeps a snapshot: take it after start-up's writes (the trainer is built after preflight).
+value start-up finds after validation (`load`, `num_rollout`, `model_dir`, `launcher`) goes into
+a new config (`Config.derived`), whose rooms hold it. A room that keeps one keeps a snapshot:
+take it from the config the run was assembled with (frozen: the trainer is built after preflight).
 Each field has its flag's name and type; tests/test_config.py checks that against `Settings`.
 Three are declared in their rooms, which sit below the config because it reads their tables
 (the objectives, the rm types, the backends), and named here with the others: `AlgorithmConfig`

@@ -27,7 +27,7 @@ import yaml
 from vime.backends import BACKENDS
 from vime.backends.client import EngineClient
 from vime.backends.placement import Placement, fresh_path, trainer_device
-from vime.config import Config, ConfigError
+from vime.config import Config, ConfigError, OutputConfig, RolloutConfig
 from vime.launch.context import RunContext
 from vime.launch.launcher import launcher_for
 from vime.launch.startup import StartupClock
@@ -49,11 +49,11 @@ def assemble(cfg: Config, evaluation: bool = False) -> RunContext:
         ctx = _checked(cfg) if not evaluation else _checked_for_eval(cfg)
     ctx.startup = clock
     try:
-        if not evaluation and not ctx.cfg.debug_rollout_only:
+        if not evaluation and not ctx.cfg.rollout.debug_rollout_only:
             with clock.phase("trainer"):  # the model loaded, sharded and, with --compile, compiled
                 ctx.actor = launch_actor(
                     ctx.cfg,
-                    ctx.cfg.model_dir,
+                    ctx.cfg.rollout.model_dir,
                     trainer_device(ctx.cfg.placement),
                     ctx.tokenizer,
                     ctx.run_dir,
@@ -75,31 +75,34 @@ def assemble(cfg: Config, evaluation: bool = False) -> RunContext:
 
 
 def _checked(cfg: Config) -> RunContext:
-    """A training run's inputs checked, its directory, log and config.yaml written."""
-    if _holds_a_run(cfg.run_dir) and not cfg.load:
+    """A training run's inputs checked, its directory, log and config.yaml written. What belongs
+    to the run as a whole (its mode and correction, config.yaml) is read off the config; the rest
+    from the room that owns it."""
+    out = cfg.output
+    if _holds_a_run(out.run_dir) and not out.load:
         raise ConfigError(
-            f"run directory {cfg.run_dir} already holds a run: pick another --run-name (or resume it with --load)"
+            f"run directory {out.run_dir} already holds a run: pick another --run-name (or resume it with --load)"
         )
     inputs = check_inputs(cfg)  # every input, before anything starts or is written
-    run_dir = inputs.cfg.run_dir
+    run_dir = inputs.cfg.output.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    setup_logging(run_dir / "log.txt", quiet=cfg.quiet)
+    setup_logging(run_dir / "log.txt", quiet=out.quiet)
     for note in inputs.notes:
         log.warning("%s", note)
     log.info("mode %s; %s", cfg.mode, cfg.correction_summary())
     launcher = launcher_for(inputs.cfg.placement)
     cfg = inputs.cfg.derived(launcher=launcher.name).freeze()
-    _log_debug_modes(cfg)
+    _log_debug_modes(cfg.rollout, cfg.output)
     # a resumed run keeps the config of the run it resumes (config.1.yaml, ...: one per resume)
-    (fresh_path(run_dir / "config.yaml") if cfg.load else run_dir / "config.yaml").write_text(
+    (fresh_path(run_dir / "config.yaml") if cfg.output.load else run_dir / "config.yaml").write_text(
         yaml.safe_dump(cfg.to_dict(), sort_keys=False)
     )
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.trainer.seed)
     return RunContext(
         cfg,
         run_dir,
         inputs.tokenizer,
-        BACKENDS[cfg.rollout_backend],
+        BACKENDS[cfg.placement.rollout_backend],
         launcher,
         data_source=inputs.data_source,
         rewards=inputs.rewards,
@@ -111,27 +114,28 @@ def _checked(cfg: Config) -> RunContext:
 def _checked_for_eval(cfg: Config) -> RunContext:
     """`vime eval`'s model and prompts checked before an engine starts; its output directory."""
     cfg, tokenizer = check_eval_inputs(cfg)
-    run_dir = cfg.run_dir if cfg.run_name else Path(cfg.runs_dir) / "eval"
+    out = cfg.output
+    run_dir = out.run_dir if out.run_name else Path(out.runs_dir) / "eval"
     run_dir.mkdir(parents=True, exist_ok=True)
     launcher = launcher_for(cfg.placement)
     cfg = cfg.derived(launcher=launcher.name).freeze()
-    return RunContext(cfg, run_dir, tokenizer, BACKENDS[cfg.rollout_backend], launcher)
+    return RunContext(cfg, run_dir, tokenizer, BACKENDS[cfg.placement.rollout_backend], launcher)
 
 
-def _log_debug_modes(cfg: Config) -> None:
-    if cfg.debug_train_only and cfg.load_debug_rollout_data is None:  # the SFT rollout function
-        log.info("SFT: no engine; training on the conversations of %s, nothing pushed", cfg.prompt_data)
-    elif cfg.debug_train_only:
+def _log_debug_modes(ro: RolloutConfig, out: OutputConfig) -> None:
+    if ro.debug_train_only and ro.load_debug_rollout_data is None:  # the SFT rollout function
+        log.info("SFT: no engine; training on the conversations of %s, nothing pushed", ro.prompt_data)
+    elif ro.debug_train_only:
         log.info(
             "--debug-train-only: no engine; training on the rollouts saved at %s, nothing pushed or evaluated",
-            cfg.load_debug_rollout_data,
+            ro.load_debug_rollout_data,
         )
-        if cfg.save:
+        if out.save:
             log.warning(
                 "--debug-train-only: the checkpoints keep the prompt data's starting position (the saved "
                 "rollouts did not come from it); a normal run resumed from them starts the data again"
             )
-    if cfg.debug_rollout_only:
+    if ro.debug_rollout_only:
         log.info("--debug-rollout-only: no trainer; the engines generate with the starting weights")
 
 
@@ -139,39 +143,37 @@ def _engines(ctx: RunContext, relaunch: bool) -> None:
     """The engines placed (none with --debug-train-only), their clients and the rollout runtime
     over them; `relaunch`: an engine the run launched that dies is started again (evaluation
     has no push to bring one back in step, so it goes on with the others)."""
-    cfg, backend = ctx.cfg, ctx.backend
+    ro, settings, backend = ctx.cfg.rollout, ctx.cfg.placement, ctx.backend
     ctx.placement = (
-        Placement(trainer_device(cfg.placement), [], [], [])
-        if cfg.debug_train_only
-        else ctx.launcher.place_engines(backend, cfg.placement, cfg.model_dir, ctx.run_dir)
+        Placement(trainer_device(settings), [], [], [])
+        if ro.debug_train_only
+        else ctx.launcher.place_engines(backend, settings, ro.model_dir, ctx.run_dir)
     )
     placement = ctx.placement
-    api_key = placement.api_key or cfg.api_key  # the key of engines we launch is the placement's
+    api_key = placement.api_key or settings.api_key  # the key of engines we launch is the placement's
     clients = [backend.make_client(u, api_key) for u in placement.urls]
 
     def start_again(i: int) -> EngineClient:
         return backend.make_client(placement.relaunch(i), api_key)
 
     restart = start_again if relaunch and placement.launch_one is not None else None
-    ctx.runtime = RolloutRuntime(
-        clients, ctx.tokenizer, placement.transports, restart, HealthCheck.of(cfg.rollout), ctx.rewards
-    )
+    ctx.runtime = RolloutRuntime(clients, ctx.tokenizer, placement.transports, restart, HealthCheck.of(ro), ctx.rewards)
 
 
 def _router_and_pusher(ctx: RunContext) -> None:
     """The seed's plug-ins' route to the engines (rollout/compat.py), and the weight pusher of
     a run with a trainer and engines."""
-    cfg, placement = ctx.cfg, ctx.placement
-    if needs_router(cfg.rollout) and placement.urls:
-        ctx.router = Router(ctx.runtime, cfg.rollout_max_response_len).start()
-    if ctx.actor is not None and not cfg.debug_train_only:
+    ro, settings, placement = ctx.cfg.rollout, ctx.cfg.placement, ctx.placement
+    if needs_router(ro) and placement.urls:
+        ctx.router = Router(ctx.runtime, ro.rollout_max_response_len).start()
+    if ctx.actor is not None and not ro.debug_train_only:
         ctx.pusher = WeightPusher(
             list(ctx.runtime.clients),
             transport=placement.transports,
-            bucket_bytes=cfg.update_weight_buffer_size,
-            timeout=cfg.update_weights_timeout,
+            bucket_bytes=settings.update_weight_buffer_size,
+            timeout=settings.update_weights_timeout,
             master_address=placement.master_address,
-            check=cfg.check_weight_push,
+            check=settings.check_weight_push,
         )
         ctx.pusher.connect(placement.trainer_device)
 
@@ -180,17 +182,17 @@ def _push_checkpoint(ctx: RunContext) -> None:
     """Give engines the weights of --hf-checkpoint (version 0), checked as a run's pushes are."""
     from vime.engine.core.model import iter_safetensors
 
-    cfg, placement = ctx.cfg, ctx.placement
+    settings, placement = ctx.cfg.placement, ctx.placement
     pusher = WeightPusher(
         list(ctx.runtime.clients),
         placement.transports,
-        timeout=cfg.update_weights_timeout,
+        timeout=settings.update_weights_timeout,
         master_address=placement.master_address,
-        check=cfg.check_weight_push,
+        check=settings.check_weight_push,
     )
     device = placement.trainer_device
     try:
-        pusher.push(((n, t.to(device)) for n, t in iter_safetensors(cfg.model_dir)), version=0)
+        pusher.push(((n, t.to(device)) for n, t in iter_safetensors(ctx.cfg.eval.model_dir)), version=0)
     finally:
         pusher.close()
 

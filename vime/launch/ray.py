@@ -15,6 +15,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from vime.backends import BACKENDS
 from vime.backends.placement import Placement, trainer_device
 from vime.backends.ray_cluster import join_cluster
 from vime.backends.settings import PlacementConfig
@@ -63,7 +64,8 @@ class RayLauncher:
     name = "ray"
 
     def chosen_by_auto(self, settings: PlacementConfig) -> bool:
-        return resolve_launcher(settings) == self.name
+        """Not for a backend whose row has no Ray placement (`ray_place`), else as `resolve_launcher` says."""
+        return BACKENDS[settings.rollout_backend].ray_place is not None and resolve_launcher(settings) == self.name
 
     def place_engines(self, backend, settings: PlacementConfig, model_dir: str, run_dir: Path) -> Placement:
         return backend.load(backend.ray_place)(settings, model_dir, run_dir)

@@ -39,6 +39,7 @@ from vime.models import load_tokenizer, read_config, table_fits, vocab_size_of
 from vime.plugins import PluginError
 from vime.rollout.rewards import RewardSettingError
 from vime.rollout.rewards.remote import RemoteReward, RemoteRewardError
+from vime.rollout.settings import RolloutConfig
 from vime.rollout.types import Sample, Status
 
 API_KEY_ENV = "VIME_TEACHER_API_KEY"  # the teacher engine's key (`vime serve --api-key`), if it has one
@@ -134,17 +135,18 @@ class Teacher(RemoteReward):
 _TEACHERS: dict[tuple[str, str, float, str | None], Teacher] = {}
 
 
-def teacher_of(args: Any) -> Teacher:
-    """The process's one teacher for the run's --opd-type and --rm-url (its connection limit and
-    checks shared by every sample)."""
-    kind = getattr(args, "opd_type", None) or "sglang"
-    key = (kind, args.rm_url, float(args.reward_timeout), str(args.model_dir) if args.model_dir else None)
+def teacher_of(rollout: RolloutConfig, kind: str | None) -> Teacher:
+    """The process's one teacher for the run's --opd-type (`kind`: sglang when not given) and
+    --rm-url (its connection limit and checks shared by every sample)."""
+    kind = kind or "sglang"
+    model_dir = rollout.model_dir
+    key = (kind, rollout.rm_url, float(rollout.reward_timeout), str(model_dir) if model_dir else None)
     if key not in _TEACHERS:
         if kind == "vllm":
             from vime.rollout.opd_vllm import VLLMTeacher as cls
         else:
             cls = Teacher
-        _TEACHERS[key] = cls(args.rm_url, float(args.reward_timeout), key[3])
+        _TEACHERS[key] = cls(rollout.rm_url, float(rollout.reward_timeout), key[3])
     return _TEACHERS[key]
 
 
@@ -159,14 +161,14 @@ async def reward_func(args: Any, sample: Sample, **kwargs: Any) -> Any:
     (a sample without any asks nothing)."""
     if sample.response_length == 0:
         return {}  # nothing to score: the post-process reads no answer for it
-    return await teacher_of(args).score(sample)
+    return await teacher_of(args.rollout, args.algorithm.opd_type).score(sample)
 
 
 def post_process_rewards(args: Any, samples: list[Sample], **kwargs: Any) -> tuple[list[float], list[float]]:
     """`--custom-reward-post-process-path`: each sample's `teacher_log_probs` from the teacher's
     answer (None where its reward failed: it trains without the teacher's term), and 0 as every
     sample's reward, raw and trained (slime's pair)."""
-    teacher = teacher_of(args)
+    teacher = teacher_of(args.rollout, args.algorithm.opd_type)
     for s in samples:
         answer = s.reward_result
         if answer is None:

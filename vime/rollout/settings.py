@@ -12,8 +12,8 @@ class RolloutConfig:
     """What the rollout room reads: the prompts and their keys, sampling, the rollout function and
     its plug-ins, debugging one side, multi-turn tools, async training and the rewards. Besides
     those: `model_dir` (a conversation's context length), `steps_per_rollout` (the fully-async
-    worker's staleness is in optimizer steps), the engines' health checks (the runtime probes
-    them)."""
+    worker's staleness is in optimizer steps), `sft_rollout` (the data's conversations stand in
+    for generation), the engines' health checks (the runtime probes them)."""
 
     hf_checkpoint: str | None
     prompt_data: str | None
@@ -65,5 +65,6 @@ class RolloutConfig:
     reward_key: str | None
     model_dir: str | None
     steps_per_rollout: int
+    sft_rollout: bool
     rollout_health_check_interval: float
     rollout_health_check_timeout: float

@@ -49,16 +49,16 @@ class LoraSpec:
         return self.alpha / self.rank
 
     @classmethod
-    def of(cls, args: TrainerConfig) -> LoraSpec | None:
+    def of(cls, trainer: TrainerConfig) -> LoraSpec | None:
         """The adapters the trainer's settings ask for; None when --lora-rank is 0 (full fine-tuning)."""
-        if not args.lora_rank:
+        if not trainer.lora_rank:
             return None
         return cls(
-            args.lora_rank,
-            float(args.lora_alpha),
-            float(args.lora_dropout),
-            tuple(args.target_modules),
-            tuple(args.exclude_modules),
+            trainer.lora_rank,
+            float(trainer.lora_alpha),
+            float(trainer.lora_dropout),
+            tuple(trainer.target_modules),
+            tuple(trainer.exclude_modules),
         )
 
     def wants(self, name: str) -> bool:

@@ -47,21 +47,21 @@ class LRSchedule:
             raise ValueError(f"{self.decay_style} lr decay over {self.decay_iters} steps: give at least 1")
 
     @classmethod
-    def of(cls, args: TrainerConfig) -> LRSchedule:
+    def of(cls, trainer: TrainerConfig) -> LRSchedule:
         """The run's schedule. The decay spans every optimizer step of the run unless
-        --lr-decay-iters says otherwise (`args.num_rollout` is resolved before the actor is built)."""
-        decay = args.lr_decay_iters
-        if decay is None and args.num_rollout is not None:
-            decay = args.num_rollout * args.steps_per_rollout
-        warmup = args.lr_warmup_iters
-        if args.lr_warmup_fraction is not None and decay is not None:  # Megatron: a share of the decay's steps
-            warmup = int(args.lr_warmup_fraction * decay)
+        --lr-decay-iters says otherwise (`trainer.num_rollout` is resolved before the actor is built)."""
+        decay = trainer.lr_decay_iters
+        if decay is None and trainer.num_rollout is not None:
+            decay = trainer.num_rollout * trainer.steps_per_rollout
+        warmup = trainer.lr_warmup_iters
+        if trainer.lr_warmup_fraction is not None and decay is not None:  # Megatron: a share of the decay's steps
+            warmup = int(trainer.lr_warmup_fraction * decay)
         return cls(
-            lr=args.lr,
-            min_lr=args.min_lr,
+            lr=trainer.lr,
+            min_lr=trainer.min_lr,
             warmup_iters=warmup,
             decay_iters=decay,
-            decay_style=args.lr_decay_style,
+            decay_style=trainer.lr_decay_style,
         )
 
     def __call__(self, step: int) -> float:
@@ -93,19 +93,19 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def make_optimizer(args: TrainerConfig, model: nn.Module, fused: bool) -> torch.optim.Optimizer:
+def make_optimizer(trainer: TrainerConfig, model: nn.Module, fused: bool) -> torch.optim.Optimizer:
     """AdamW (Megatron's `adam`: decoupled weight decay) or SGD with momentum (its weight decay is
     the L2 term added to the gradient, as in Megatron's SGD). `fused` (one kernel for all
     parameters) applies to AdamW only: the fused SGD kernel has no sharding rule for FSDP2's
     DTensors in torch 2.13, and with momentum it leaves the buffers it allocates uninitialized
     when its first step is skipped for a non-finite gradient."""
-    groups = param_groups(model, args.weight_decay)
-    if args.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=args.lr, momentum=args.sgd_momentum)
-    if args.optimizer != "adam":
-        raise ValueError(f"--optimizer {args.optimizer!r}: use adam or sgd")
+    groups = param_groups(model, trainer.weight_decay)
+    if trainer.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=trainer.lr, momentum=trainer.sgd_momentum)
+    if trainer.optimizer != "adam":
+        raise ValueError(f"--optimizer {trainer.optimizer!r}: use adam or sgd")
     return torch.optim.AdamW(
-        groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, fused=fused
+        groups, lr=trainer.lr, betas=(trainer.adam_beta1, trainer.adam_beta2), eps=trainer.adam_eps, fused=fused
     )
 
 

@@ -47,13 +47,13 @@ def teacher_dir(algo: AlgorithmConfig) -> Path:
     return newest
 
 
-def check_teacher(args: Any, student_dir: str | Path) -> Path:
+def check_teacher(algo: AlgorithmConfig, student_dir: str | Path) -> Path:
     """The teacher's directory, refused in one line when it cannot score the student's token ids,
     which in another vocabulary mean other tokens: its tokenizer must be the student's (compared
     token by token where its directory has one, else by `table_fits`), and its embedding table at
     least as large as the student's, whose every row's id the student can draw (a table padded to
-    more rows is the same vocabulary). `args`: the run's config (start-up's check calls this with it)."""
-    path = teacher_dir(args.algorithm)
+    more rows is the same vocabulary). Start-up's check calls it with the run's `cfg.algorithm`."""
+    path = teacher_dir(algo)
     theirs, ours = vocab_size_of(read_config(path)), vocab_size_of(read_config(student_dir))
     if theirs is None or ours is None:
         return path

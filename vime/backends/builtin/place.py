@@ -1,5 +1,6 @@
 """The built-in engine's placements: its engines launched here (`place`) or as Ray actors
-(`place_ray`), each ended by the helpers every backend shares (`vime/launch/`)."""
+(`place_ray`), each ended by the helpers every backend shares (`vime/backends/placement.py`,
+`vime/backends/ray_actors.py`)."""
 
 from __future__ import annotations
 

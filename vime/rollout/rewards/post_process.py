@@ -20,15 +20,16 @@ import numbers
 from typing import Any
 
 from vime.plugins import Plugin, load_plugin
+from vime.rollout.settings import RolloutConfig
 from vime.rollout.types import Sample
 
 FLAG = "--custom-reward-post-process-path"
 SIGNATURE = "fn(args, samples) -> (raw_rewards, rewards)"
 
 
-def load_post_process(args: Any) -> Plugin | None:
+def load_post_process(rollout: RolloutConfig) -> Plugin | None:
     """The run's post-process, or None without the flag."""
-    path = args.custom_reward_post_process_path
+    path = rollout.custom_reward_post_process_path
     return load_plugin(path, FLAG, signature=SIGNATURE) if path else None
 
 

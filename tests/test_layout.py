@@ -1,0 +1,30 @@
+"""The project's size rules, checked on every run of the suite rather than by eye at review: no
+file of vime/ over 500 lines, no function over 80 (a longer one is split where its steps part)."""
+
+import ast
+from pathlib import Path
+
+VIME = Path(__file__).resolve().parent.parent / "vime"
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 500, 80
+
+
+def _sources() -> list[Path]:
+    files = sorted(VIME.rglob("*.py"))
+    assert len(files) > 50, f"found only {len(files)} files under {VIME}"  # the walk itself must see the package
+    return files
+
+
+def test_no_vime_file_is_over_500_lines():
+    long = {str(p.relative_to(VIME)): n for p in _sources() if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES}
+    assert not long, f"over {MAX_FILE_LINES} lines: {long}"
+
+
+def test_no_vime_function_is_over_80_lines():
+    long = {}
+    for p in _sources():
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1  # from `def` to its last line, decorators aside
+                if n > MAX_FUNCTION_LINES:
+                    long[f"{p.relative_to(VIME)}:{node.lineno} {node.name}"] = n
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
