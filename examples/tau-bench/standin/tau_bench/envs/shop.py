@@ -76,12 +76,18 @@ def _count(order: str, email: str, items: int) -> Task:
     )
 
 
+# train: mostly questions (a random policy answers one by luck now and then, so a group's rewards
+# differ and GRPO has a signal), two cancellations (which need the tool called right)
 SHOP_TASKS = {
     "train": [
         _cancel("#W1", "ann@x.com"),
-        _cancel("#W3", "bo@x.com"),
         _count("#W2", "ann@x.com", 2),
         _count("#W4", "bo@x.com", 1),
+        _count("#W1", "ann@x.com", 3),
+        _cancel("#W3", "bo@x.com"),
+        _count("#W3", "bo@x.com", 5),
+        _count("#W2", "bo@x.com", 2),
+        _count("#W4", "ann@x.com", 1),
     ],
     "dev": [_cancel("#W4", "bo@x.com"), _count("#W1", "ann@x.com", 3)],
     "test": [_count("#W3", "bo@x.com", 5)],
