@@ -130,3 +130,55 @@ async def tau_agent(args, sample: Sample, sampling_params) -> Sample:
     sample.reward += 0.1 * (sample.response_tokens[0] % 2)  # differs within a group: GRPO has a signal
     sample.metadata["agent_turns"] = env.turns
     return sample
+
+
+async def tau_standin_agent(args, sample: Sample, sampling_params) -> Sample:
+    """The same loop against examples/tau-bench/standin's `tau_bench` package (on PYTHONPATH):
+    `get_env`, `reset(task_index=...)`, `step(Action)` and the env's reward at ###STOP###. A tiny
+    random model writes no tool calls, so the first action is chosen by the model's first token:
+    even, the task's own action (the cancellation); odd, a look-up that changes nothing. The
+    env's reward from the final database then tells the two apart."""
+    from tau_bench.envs import get_env
+    from tau_bench.types import RESPOND_ACTION_NAME, Action
+
+    task_index = int(sample.prompt)
+    env = get_env("retail", "llm", "scripted", "train", task_index=task_index)
+    messages = [{"role": "system", "content": env.wiki}, {"role": "user", "content": env.reset(task_index).observation}]
+    base = f"http://{args.vllm_router_ip}:{args.vllm_router_port}"
+    params = dict(_build_inference_sampling_params(sampling_params), repetition_penalty=1.1)
+    state, order = GenerateState(args), env.task.actions[0].kwargs["order_id"]
+    sample.tokens, res = list(sample.tokens) if sample.tokens else [], None
+    for turn in range(4):
+        rendered = await post(f"{base}/v1/chat/completions/render", {"model": args.hf_checkpoint, "messages": messages})
+        ids = _coerce_flat_int_token_ids(
+            _mm_render_response_to_generate_body(rendered, args.hf_checkpoint)["token_ids"]
+        )
+        if not sample.tokens:
+            sample.tokens = list(ids)
+        elif ids[: len(sample.tokens)] == sample.tokens:  # the env's message, as the template wraps it: untrained
+            sample.append_response_tokens(args, tokens=ids[len(sample.tokens) :], trainable=False)
+        body = {"model": args.hf_checkpoint, "token_ids": ids, "sampling_params": params}
+        out, lps = _inference_generate_tokens_and_logprobs(
+            (await post(f"{base}/inference/v1/generate", body))["choices"][0]
+        )
+        sample.append_response_tokens(args, tokens=out, log_probs=lps, meta_info={"finish_reason": {"type": "stop"}})
+        text = state.tokenizer.decode(out)
+        if turn > 0:
+            action = Action(name=RESPOND_ACTION_NAME, kwargs={"content": text})
+        elif out and out[0] % 2 == 0:
+            action = env.task.actions[0]
+        else:
+            action = Action(name="get_order_details", kwargs={"order_id": order})
+        res = env.step(action)
+        if res.done:
+            break
+        messages += [
+            {"role": "assistant", "content": text},
+            {"role": "user" if turn else "tool", "content": res.observation},
+        ]
+        if turn == 0:
+            sample.metadata["tool_observation"] = res.observation
+    sample.response = state.tokenizer.decode(sample.response_tokens)
+    sample.reward = res.reward if res is not None and res.done else 0.0
+    sample.metadata.update(done=bool(res and res.done), cancelled=env.data["orders"][order]["status"] == "cancelled")
+    return sample

@@ -168,3 +168,55 @@ def test_a_tau_bench_style_agent_loop_keeps_its_reward_and_trains(mode, tmp_path
         assert s["loss_mask"].count(0) > 0 and s["loss_mask"].count(1) > 0  # the tool's answer: untrained
         assert s["tokens"][: len(s["tokens"]) - s["response_length"]] != []  # its prompt: the rendered chat
     assert any(r["train/grad_norm"] > 0 for r in steps) and _weights_moved(tmp_path, tiny_model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", [(), FULLY_ASYNC], ids=["sync", "fully-async"])
+def test_a_tau_bench_agent_against_the_standin_package_trains_on_its_reward(mode, tmp_path, tiny_model, monkeypatch):
+    """examples/tau-bench/standin's `tau_bench` (what the seed's agent runs against locally):
+    its env's tools, scripted user and final-state reward, driven by a seed-style agent of ours."""
+    monkeypatch.setenv("PYTHONPATH", str(ROOT / "examples/tau-bench/standin"))
+    rows = [{"index": 0}, {"index": 4}]  # the stand-in's train split: its two cancellations
+    res = _run(
+        tmp_path, _write(tmp_path / "tasks.jsonl", rows), tiny_model, *mode, "--n-samples-per-prompt", "4",
+        "--input-key", "index", "--custom-generate-function-path", "seed_tool_plugins.tau_standin_agent",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    steps = _steps(tmp_path)
+    assert len(steps) == 2
+    samples = _saved_samples(tmp_path)
+    assert {s["metadata"]["cancelled"] for s in samples} == {True, False}  # both first actions were taken
+    for s in samples:
+        meta, mask = s["metadata"], s["loss_mask"]
+        assert meta["done"] and s["reward"] == (1.0 if meta["cancelled"] else 0.0)  # the database's end state
+        response = s["tokens"][len(s["tokens"]) - s["response_length"] :]
+        untrained = _decode(tiny_model, [t for t, m in zip(response, mask, strict=True) if m == 0])
+        assert meta["tool_observation"] in untrained  # the tool's answer: never trained
+        assert mask.count(1) > 0
+    assert any(r["train/grad_norm"] > 0 for r in steps) and _weights_moved(tmp_path, tiny_model)
+
+
+def _decode(model_dir: Path, ids: list[int]) -> str:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir).decode(ids)
+
+
+def test_the_standin_tau_bench_env_rewards_the_end_state_and_the_answers(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "examples/tau-bench/standin"))
+    from tau_bench.envs import get_env
+    from tau_bench.types import RESPOND_ACTION_NAME, Action
+
+    def episode(index: int, first: Action, answer: str) -> float:
+        env = get_env("retail", "llm", "any", "train", task_index=index)
+        assert env.reset(task_index=index).observation and not env.step(first).done
+        said = [env.step(Action(name=RESPOND_ACTION_NAME, kwargs={"content": answer})) for _ in range(2)]
+        assert [r.done for r in said] == [False, True] and said[-1].observation == "###STOP###"
+        return said[-1].reward
+
+    cancel = Action(name="cancel_pending_order", kwargs={"order_id": "#W1"})
+    look = Action(name="get_order_details", kwargs={"order_id": "#W1"})
+    assert episode(0, cancel, "done") == 1.0 and episode(0, look, "done") == 0.0  # the database's end state
+    assert episode(3, look, "It holds 3 items") == 1.0 and episode(3, look, "no idea") == 0.0  # the answer said
+    with pytest.raises(ValueError, match="unknown environment 'shop'"):
+        get_env("shop", "llm", "any", "train")

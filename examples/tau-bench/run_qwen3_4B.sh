@@ -2,8 +2,8 @@
 # tau-bench (retail) on Qwen3-4B-Instruct-2507: the seed system's examples/tau-bench/run_qwen3_4B.sh,
 # flag for flag, running the seed's own Python files (generate_with_tau.py, trainable_agents.py,
 # openai_tool_adapter.py, vllm_tool_parser.py, token_delta.py) on vime. They import the
-# `tau_bench` package (github.com/JD-ETH/tau-bench, installed with `pip install -e . --no-deps`).
-# Not run by us end to end: see README.md. Paths come from the environment:
+# `tau_bench` package (github.com/JD-ETH/tau-bench, installed with `pip install -e . --no-deps`), or
+# examples/tau-bench/standin on PYTHONPATH (a toy shop: what README.md's run used). Paths come from the environment:
 #   SEED_EXAMPLE_DIR  the seed's examples/tau-bench folder (its Python files are imported from it)
 #   MODEL_DIR         an HF model directory (default /root/Qwen3-4B-Instruct-2507/)
 #   DATA_DIR          where tau1_mock.py wrote retail_{train,dev}_tasks.jsonl (default /root/tau-bench)

@@ -1,0 +1,1 @@
+"""The stand-in's agents package: only what the seed's agent imports from it."""
