@@ -11,7 +11,7 @@ import torch
 from conftest import ROOT, run_cli
 from test_actor import make_args, make_samples
 
-from vime.config import ConfigError, parse_args
+from vime.config import Config, ConfigError, parse_args
 from vime.models import load_tokenizer, make_tiny_model, resolve_model
 from vime.rollout.types import Sample
 from vime.trainer.actor import Actor
@@ -23,6 +23,38 @@ TARGET = "7777"  # what the teacher learned to answer to every prompt
 def _prompts(tokenizer, path: Path, n: int) -> list[list[int]]:
     rows = [json.loads(line) for line in path.read_text().splitlines()[:n]]
     return [list(tokenizer.encode(r["input"], add_special_tokens=True)) for r in rows]
+
+
+# slime's paths of the served teacher's functions, as the seed system's scripts name them: they load vime's
+SERVED_REWARD = "slime.rollout.on_policy_distillation.reward_func"
+SERVED_POST = "slime.rollout.on_policy_distillation.post_process_rewards"
+
+
+def scored_samples() -> list[Sample]:
+    """Held-out prompts with responses the teacher finds likely (TARGET) and unlikely, and one
+    sample without a response: what a served teacher is asked to score."""
+    from vime.rollout.types import Status
+
+    tokenizer = load_tokenizer(resolve_model("tiny"))
+    prompts = _prompts(tokenizer, ROOT / "examples/data/addition/test.jsonl", 4)
+    out = []
+    for i, (p, text) in enumerate(zip(prompts, [TARGET, "15", "3 + x", ""], strict=True)):
+        r = list(tokenizer.encode(text, add_special_tokens=False))
+        out.append(Sample(index=i, tokens=p + r, response_length=len(r), status=Status.COMPLETED))
+    return out
+
+
+def served_config(url: str, opd_type: str) -> Config:
+    """The settings a run with a served teacher at `url` hands its reward and post-process."""
+    return Config(
+        custom_rm_path=SERVED_REWARD,
+        custom_reward_post_process_path=SERVED_POST,
+        rm_url=url,
+        reward_timeout=60.0,
+        model_dir=str(resolve_model("tiny")),
+        use_opd=True,
+        opd_type=opd_type,
+    )
 
 
 def train_teacher(student: Path, out: Path) -> Path:

@@ -13,25 +13,23 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, run_cli
+from conftest import run_cli
 from safetensors.torch import load_file
 from test_async import MODE_ARGS
-from test_opd import TARGET, _prompts, _reverse_kl, teacher_run  # noqa: F401 (teacher_run: a fixture)
+from test_opd import SERVED_POST as POST
+from test_opd import SERVED_REWARD as REWARD
+from test_opd import _reverse_kl, scored_samples, served_config, teacher_run  # noqa: F401 (teacher_run: a fixture)
 
 from vime.algorithms.opd import distill_advantages
 from vime.backends.builtin.launch import launch_engine
 from vime.config import Config, ConfigError, parse_args
-from vime.models import load_tokenizer, make_tiny_model, resolve_model
+from vime.models import make_tiny_model, resolve_model
 from vime.plugins import PluginError, as_plugin
-from vime.rollout.on_policy_distillation import Teacher, TeacherError, teacher_log_probs
+from vime.rollout.opd_teacher import Teacher, TeacherError, teacher_log_probs
 from vime.rollout.rewards import Rewards
 from vime.rollout.rewards.post_process import load_post_process, post_process
 from vime.rollout.rewards.runner import RewardRunner
-from vime.rollout.types import Sample, Status
 
-# slime's paths, as its scripts name them: they load vime's functions
-REWARD = "slime.rollout.on_policy_distillation.reward_func"
-POST = "slime.rollout.on_policy_distillation.post_process_rewards"
 ATOL = 1e-4  # float32 on CPU (tests/test_scoring.py)
 BASE = ["--hf-checkpoint", "tiny", "--prompt-data", "x.jsonl", "--num-rollout", "2"]
 
@@ -43,29 +41,8 @@ def teacher_engine(teacher_run, tmp_path_factory):  # noqa: F811 (the fixture im
     engine.shutdown()
 
 
-def _samples() -> list[Sample]:
-    """Held-out prompts with responses the teacher finds likely (TARGET) and unlikely, and one
-    sample without a response."""
-    tokenizer = load_tokenizer(resolve_model("tiny"))
-    prompts = _prompts(tokenizer, ROOT / "examples/data/addition/test.jsonl", 4)
-    responses = [TARGET, "15", "3 + x", ""]
-    out = []
-    for i, (p, text) in enumerate(zip(prompts, responses, strict=True)):
-        r = list(tokenizer.encode(text, add_special_tokens=False))
-        out.append(Sample(index=i, tokens=p + r, response_length=len(r), status=Status.COMPLETED))
-    return out
-
-
 def _args(url: str) -> Config:
-    return Config(
-        custom_rm_path=REWARD,
-        custom_reward_post_process_path=POST,
-        rm_url=url,
-        reward_timeout=60.0,
-        model_dir=str(resolve_model("tiny")),
-        use_opd=True,
-        opd_type="sglang",
-    )
+    return served_config(url, "sglang")
 
 
 def test_teacher_log_probs_on_the_samples_are_hfs_teacher_forced_ones(teacher_engine, teacher_run):  # noqa: F811
@@ -74,7 +51,7 @@ def test_teacher_log_probs_on_the_samples_are_hfs_teacher_forced_ones(teacher_en
     the reward is 0 and the teacher's answer is dropped once read."""
     from transformers import AutoModelForCausalLM
 
-    samples, args = _samples(), _args(teacher_engine.url)  # a bare host:port: /generate is added
+    samples, args = scored_samples(), _args(teacher_engine.url)  # a bare host:port: /generate is added
     runner = RewardRunner(60.0)
     try:
         counts = asyncio.run(Rewards(args, runner).score(samples))
@@ -99,7 +76,7 @@ def test_teacher_log_probs_on_the_samples_are_hfs_teacher_forced_ones(teacher_en
 def test_an_answer_that_does_not_score_the_response_is_one_line(teacher_engine):
     """The real engine asked slime's way (the whole sequence, logprob_start_len 0): more log-probs
     than response tokens, refused in one line; so is an answer without log-probs."""
-    s = _samples()[1]
+    s = scored_samples()[1]
     body = {
         "input_ids": s.tokens,
         "sampling_params": {"max_new_tokens": 0, "temperature": 0},
@@ -285,7 +262,7 @@ def test_the_post_process_runs_on_every_rollout_and_its_rewards_are_trained(tmp_
 
 
 def test_a_post_process_answer_that_is_not_one_reward_per_sample_is_one_line():
-    samples = _samples()[:2]
+    samples = scored_samples()[:2]
     for out in ([1.0], ([0.0, 0.0], [1.0, float("nan")]), "no", None):
         plugin = as_plugin(lambda args, s, out=out: out, "--custom-reward-post-process-path")
         with pytest.raises(PluginError, match=r"return \(raw_rewards, rewards\), two lists of one finite") as e:

@@ -18,24 +18,23 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, run_cli
+from conftest import run_cli
 from test_async import MODE_ARGS
-from test_opd import TARGET, _prompts, _reverse_kl, train_teacher
+from test_opd import SERVED_POST as POST
+from test_opd import SERVED_REWARD as REWARD
+from test_opd import _reverse_kl, scored_samples, served_config, train_teacher
 from test_vllm import ATOL, needs_vllm
 from test_vllm_runs import SHAPE32
 
 from vime.config import Config
-from vime.models import load_tokenizer, make_tiny_model, resolve_model
-from vime.rollout.on_policy_distillation import API_KEY_ENV, TeacherError
+from vime.models import make_tiny_model, resolve_model
+from vime.rollout.opd_teacher import API_KEY_ENV, TeacherError
 from vime.rollout.opd_vllm import VLLMTeacher, vllm_log_probs
 from vime.rollout.rewards import Rewards
 from vime.rollout.rewards.post_process import load_post_process, post_process
 from vime.rollout.rewards.runner import RewardRunner
 from vime.rollout.types import Sample, Status
 
-# slime's paths, as the seed system's script names them: they load vime's functions
-REWARD = "slime.rollout.on_policy_distillation.reward_func"
-POST = "slime.rollout.on_policy_distillation.post_process_rewards"
 ROUTES = ["/v1/completions", "/inference/v1/generate"]
 SLOW = pytest.mark.slow
 
@@ -61,28 +60,8 @@ def vllm_teacher(teacher32, tmp_path_factory):
     proc.shutdown()
 
 
-def _samples() -> list[Sample]:
-    """Held-out prompts with responses the teacher finds likely (TARGET) and unlikely, and one
-    sample without a response."""
-    tokenizer = load_tokenizer(resolve_model("tiny"))
-    prompts = _prompts(tokenizer, ROOT / "examples/data/addition/test.jsonl", 4)
-    out = []
-    for i, (p, text) in enumerate(zip(prompts, [TARGET, "15", "3 + x", ""], strict=True)):
-        r = list(tokenizer.encode(text, add_special_tokens=False))
-        out.append(Sample(index=i, tokens=p + r, response_length=len(r), status=Status.COMPLETED))
-    return out
-
-
 def _args(url: str) -> Config:
-    return Config(
-        custom_rm_path=REWARD,
-        custom_reward_post_process_path=POST,
-        rm_url=url,
-        reward_timeout=60.0,
-        model_dir=str(resolve_model("tiny")),
-        use_opd=True,
-        opd_type="vllm",
-    )
+    return served_config(url, "vllm")
 
 
 @needs_vllm
@@ -93,7 +72,7 @@ def test_teacher_log_probs_on_the_samples_are_hfs_teacher_forced_ones(vllm_teach
     reward is 0, and the teacher knows TARGET far better than a made-up answer."""
     from transformers import AutoModelForCausalLM
 
-    samples, args = _samples(), _args(vllm_teacher.url + route)
+    samples, args = scored_samples(), _args(vllm_teacher.url + route)
     runner = RewardRunner(60.0)
     try:
         counts = asyncio.run(Rewards(args, runner).score(samples))
@@ -130,7 +109,7 @@ def test_what_the_teacher_cannot_score_is_one_line(vllm_teacher):
     asyncio.run(away._check_vocabulary())  # not up (yet): asked again at the next sample
     assert not away.checked
 
-    s = _samples()[1]
+    s = scored_samples()[1]
     past = Sample(index=9, tokens=s.tokens + [5000], response_length=s.response_length + 1, status=Status.COMPLETED)
     with pytest.raises(TeacherError, match=r"answered 400: .*Token id 5000 is out of vocabulary") as e:
         asyncio.run(ours.score(past))

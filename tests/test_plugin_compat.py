@@ -40,23 +40,29 @@ def test_a_dict_label_with_a_builtin_grader_is_one_line(dict_data):
         load_prompts(dict_data, grader="--rm-type math")
 
 
-def _run(tmp_path: Path, data: Path, tiny_model: Path, *extra: str):
+def run_tiny(tmp_path: Path, data: Path, tiny_model: Path, *extra: str, timeout: float = 240):
+    """A two-step run of the tiny model on `data` (fully-async when `extra` asks for it), saving
+    to tmp_path/ckpt: the frame of the seed-style plug-in tests, `extra` their plug-ins."""
     return run_cli(
         "train_async.py" if FULLY_ASYNC[1] in extra else "train.py",
         "--hf-checkpoint", str(tiny_model), "--prompt-data", str(data),
         "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",
         "--num-rollout", "2", "--lr", "1e-2", "--max-tokens-per-gpu", "512",
-        "--custom-generate-function-path", "seed_plugins.generate_two_agents",
-        "--custom-rm-path", "seed_plugins.loads_itself",
         "--runs-dir", str(tmp_path), "--run-name", "r", "--save", str(tmp_path / "ckpt"),
         *extra,
-        timeout=240,
+        timeout=timeout,
     )  # fmt: skip
+
+
+TWO_AGENTS = (
+    "--custom-generate-function-path", "seed_plugins.generate_two_agents",
+    "--custom-rm-path", "seed_plugins.loads_itself",
+)  # fmt: skip
 
 
 @pytest.mark.parametrize("mode", [(), FULLY_ASYNC], ids=["sync", "fully-async"])
 def test_a_seed_style_multi_agent_plugin_trains_every_sample_it_returns(mode, tmp_path, dict_data, tiny_model):
-    res = _run(tmp_path, dict_data, tiny_model, *mode)
+    res = run_tiny(tmp_path, dict_data, tiny_model, *TWO_AGENTS, *mode)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "train/loss" in r]

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, run_cli
+from conftest import ROOT
 from safetensors.torch import load_file
+from test_plugin_compat import FULLY_ASYNC, run_tiny
 
 from vime.rollout.types import Sample
 
-FULLY_ASYNC = ("--rollout-function-path", "vime.rollout.fully_async_rollout.generate_rollout_fully_async")
 QUESTIONS = ["capital of France", "capital of Japan", "longest river", "highest mountain"]
 
 
@@ -101,16 +101,9 @@ def _write(path: Path, rows: list[dict]) -> Path:
 
 
 def _run(tmp_path: Path, data: Path, tiny_model: Path, *extra: str):
-    return run_cli(
-        "train_async.py" if FULLY_ASYNC[1] in extra else "train.py",
-        "--hf-checkpoint", str(tiny_model), "--prompt-data", str(data),
-        "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",
-        "--num-rollout", "2", "--lr", "1e-2", "--max-tokens-per-gpu", "512",
-        "--runs-dir", str(tmp_path), "--run-name", "r", "--save", str(tmp_path / "ckpt"),
-        "--save-debug-rollout-data", str(tmp_path / "rollouts/{rollout_id}.pt"),
-        *extra,
-        timeout=300,
-    )  # fmt: skip
+    """test_plugin_compat's tiny run, each rollout's samples saved for the assertions."""
+    debug = ("--save-debug-rollout-data", str(tmp_path / "rollouts/{rollout_id}.pt"))
+    return run_tiny(tmp_path, data, tiny_model, *debug, *extra, timeout=300)
 
 
 def _steps(tmp_path: Path) -> list[dict]:

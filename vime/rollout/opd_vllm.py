@@ -1,6 +1,6 @@
 """On-policy distillation with the teacher served by vLLM (`--use-opd --opd-type vllm`, the seed
 system's name): the same reward function, post-process and trainer term as `--opd-type sglang`
-(on_policy_distillation.py), with vLLM's request and answer.
+(on_policy_distillation.py; the base class: opd_teacher.py), with vLLM's request and answer.
 
     vllm serve TEACHER --port 30010 &
     vime train ... --use-opd --opd-type vllm --rm-url http://127.0.0.1:30010/v1/completions \\
@@ -36,7 +36,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from vime.models import load_tokenizer
-from vime.rollout.on_policy_distillation import Teacher, TeacherError
+from vime.rollout.opd_teacher import Teacher, TeacherError
 from vime.rollout.types import Sample
 
 COMPLETIONS = "/v1/completions"
