@@ -2,7 +2,7 @@ import pytest
 import yaml
 from conftest import run_cli
 
-from vime.config import ASYNC_CORRECTION, DEFAULT_ROLLOUT_FN, FULLY_ASYNC_FN, ConfigError, parse_args
+from vime.config import ASYNC_CORRECTION, DEFAULT_ROLLOUT_FN, FULLY_ASYNC_FN, Config, ConfigError, parse_args
 
 BASE = ["--hf-checkpoint", "tiny", "--prompt-data", "x.jsonl", "--num-rollout", "2"]
 
@@ -404,3 +404,20 @@ def test_each_room_reads_its_settings_by_their_flag_names_and_types():
         cfg.trainer.lr = 1.0
     cfg.num_rollout = 7
     assert cfg.trainer.num_rollout == 7 and take(type(cfg.trainer), cfg).num_rollout == 7
+
+
+def test_a_frozen_config_builds_each_room_once_and_no_copy_keeps_them():
+    import copy
+    import pickle
+
+    cfg = Config(rollout_batch_size=4)
+    assert cfg.rollout is not cfg.rollout  # not frozen: built on each access, never older than the fields
+    cfg.freeze()
+    assert cfg.rollout is cfg.rollout and cfg.trainer is cfg.trainer
+    changed = cfg.derived(rollout_batch_size=2)
+    assert changed.rollout.rollout_batch_size == 2 and cfg.rollout.rollout_batch_size == 4
+    for clone in (copy.copy(cfg), copy.deepcopy(cfg)):
+        clone.rollout_batch_size = 3  # a copy can be changed, and its rooms follow
+        assert clone.rollout.rollout_batch_size == 3
+    rank = pickle.loads(pickle.dumps(cfg))  # a trainer rank's copy: still frozen, its rooms built anew
+    assert "_rooms" not in rank.__dict__ and rank.rollout.rollout_batch_size == 4 and rank.rollout is rank.rollout

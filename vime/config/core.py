@@ -19,6 +19,9 @@ from vime.config.schema import FIELDS, Settings
 from vime.errors import ConfigError
 from vime.modes import DEFAULT_ROLLOUT_FN, FULLY_ASYNC_FN
 
+# what a frozen config keeps in its __dict__ besides the settings: the mark, and the rooms built
+# under it (schema.Settings._room); no copy takes them, since a copy may be changed
+NOT_COPIED = ("_frozen", "_rooms")
 ENTRIES = ("sync", "async", "eval")  # train.py, train_async.py, vime eval
 
 
@@ -120,7 +123,7 @@ class Config(Settings):
 
     def __getstate__(self) -> dict[str, Any]:
         """Trainer ranks are spawned with the config: the live objects stay in this process."""
-        return {**self.__dict__, "runtime": None}
+        return {**{k: v for k, v in self.__dict__.items() if k != "_rooms"}, "runtime": None}
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Config:
         """The settings copied, the live objects shared: a plug-in that copies `args` to change a
@@ -128,7 +131,8 @@ class Config(Settings):
         clone = object.__new__(type(self))
         memo[id(self)] = clone
         for name, value in self.__dict__.items():
-            setattr(clone, name, value if name == "runtime" else copy.deepcopy(value, memo))
+            if name not in NOT_COPIED:
+                setattr(clone, name, value if name == "runtime" else copy.deepcopy(value, memo))
         return clone
 
     # ---- frozen once the run is assembled (vime/launch/assemble.py) ----
@@ -142,7 +146,7 @@ class Config(Settings):
         return self
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name == "_frozen":  # deepcopy sets every attribute it finds: the copy is not frozen
+        if name in NOT_COPIED:  # the frozen mark and the rooms kept under it: a copy is not frozen
             return
         if "_frozen" in self.__dict__:
             raise dataclasses.FrozenInstanceError(
@@ -154,7 +158,7 @@ class Config(Settings):
     def __copy__(self) -> Config:
         """The settings, not frozen, the live runtime dropped (as a pickle drops it)."""
         clone = object.__new__(type(self))
-        clone.__dict__.update({k: v for k, v in self.__getstate__().items() if k != "_frozen"})
+        clone.__dict__.update({k: v for k, v in self.__getstate__().items() if k not in NOT_COPIED})
         return clone
 
     def derived(self, **changes: Any) -> Config:
@@ -162,5 +166,5 @@ class Config(Settings):
         (the model's directory, --num-epoch's rollouts) joins the run's config without a write
         into it. The attributes --custom-config-path gave plug-ins come along."""
         clone = dataclasses.replace(self, **changes)
-        clone.__dict__.update({k: v for k, v in self.__dict__.items() if k not in FIELDS and k != "_frozen"})
+        clone.__dict__.update({k: v for k, v in self.__dict__.items() if k not in FIELDS and k not in NOT_COPIED})
         return clone

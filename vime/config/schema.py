@@ -22,6 +22,7 @@ from vime.config.rooms import (
     OutputConfig,
     PlacementConfig,
     RolloutConfig,
+    Room,
     TrainerConfig,
     take,
 )
@@ -67,29 +68,40 @@ class Settings(OutputFields, PlacementFields, TrainerFields, AlgorithmFields, Ro
         return Path(self.runs_dir) / (self.run_name or "run")
 
     # ---- each room's settings (vime/config/rooms.py), built on access so none is older than the fields ----
+    def _room(self, room: type[Room]) -> Room:
+        """`room` read from the fields; once the config is frozen, read once and kept (`_rooms`),
+        since per-sample code asks for `args.rollout` thousands of times a step. A copy never
+        takes the kept ones along (config/core.py's NOT_COPIED): it may be changed."""
+        if "_frozen" not in self.__dict__:
+            return take(room, self)
+        kept = self.__dict__.setdefault("_rooms", {})
+        if room not in kept:
+            kept[room] = take(room, self)
+        return kept[room]
+
     @property
     def rollout(self) -> RolloutConfig:
-        return take(RolloutConfig, self)
+        return self._room(RolloutConfig)
 
     @property
     def algorithm(self) -> AlgorithmConfig:
-        return take(AlgorithmConfig, self)
+        return self._room(AlgorithmConfig)
 
     @property
     def trainer(self) -> TrainerConfig:
-        return take(TrainerConfig, self)
+        return self._room(TrainerConfig)
 
     @property
     def placement(self) -> PlacementConfig:
-        return take(PlacementConfig, self)
+        return self._room(PlacementConfig)
 
     @property
     def eval(self) -> EvalConfig:
-        return take(EvalConfig, self)
+        return self._room(EvalConfig)
 
     @property
     def output(self) -> OutputConfig:
-        return take(OutputConfig, self)
+        return self._room(OutputConfig)
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
