@@ -47,6 +47,9 @@ def test_plugin_args_read_every_setting_and_the_live_objects_and_write_nothing()
     args.tau_bench_config = "mine"  # a name that is no setting: the plug-in's own (the seed's tau-bench)
     assert args.tau_bench_config == "mine" and not hasattr(cfg, "tau_bench_config")
     assert copy.copy(args).tau_bench_config == "mine"
+    args.agent_table = {"k": 1}
+    copy.deepcopy(args).agent_table["k"] = 2  # a deep copy's own names are its own
+    assert args.agent_table == {"k": 1}
     for mine in (copy.copy(args), copy.deepcopy(args)):  # the seed's multi-agent example copies, then changes
         mine.rollout_batch_size = 2
         assert isinstance(mine, Config) and mine.runtime is runtime and args.rollout_batch_size == 4

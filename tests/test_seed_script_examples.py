@@ -125,6 +125,11 @@ def test_gpqa_grades_the_option_letter_a_response_picks():
     assert choice_answer("<think>A or B?</think> The answer is (C).") == "C"
     assert choice_answer("I think D is correct") == "D"
     assert choice_answer("no letter here") is None
+    # the answer cue over a later mention, markdown and sentence words around it, a boxed letter first
+    assert choice_answer("The answer is **C**. I hope this helps.") == "C"
+    assert choice_answer("Answer: B. Option C is wrong because it overcounts.") == "B"
+    assert choice_answer("Between A and C, \\boxed{A}. Answer: C") == "A"
+    assert choice_answer("I like it") is None
     assert builtin_result("gpqa", "Answer: B", "B")["acc"] == 1.0
     assert builtin_result("gpqa", "Answer: B", "1")["acc"] == 1.0  # a 0-based index, as slime reads one
     assert builtin_result("gpqa", "Answer: B", "A")["acc"] == 0.0

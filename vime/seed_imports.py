@@ -61,6 +61,7 @@ def install() -> None:
     """Answer `slime.*` imports with vime's modules, unless a real slime is installed (once)."""
     if any(isinstance(f, _SlimeAlias) for f in sys.meta_path) or ALIAS in sys.modules:
         return
-    if importlib.machinery.PathFinder.find_spec(ALIAS) is not None:
+    real = importlib.machinery.PathFinder.find_spec(ALIAS)
+    if real is not None and real.origin is not None:  # a `slime/` folder without __init__ (a clone's parent) is none
         return
     sys.meta_path.insert(0, _SlimeAlias())

@@ -41,8 +41,13 @@ def apply_custom_tis(
     lengths = torch.bincount(seq_ids, minlength=int(seq_ids.max()) + 1 if seq_ids.numel() else 0).tolist()
     totals = None
     if prompt_lens is not None:
-        starts = torch.tensor([0, *lengths[:-1]]).cumsum(0).tolist() if lengths else []
-        totals = [int(prompt_lens[s]) + k for s, k in zip(starts, lengths, strict=True)]
+        starts = (
+            torch.tensor([0, *lengths[:-1]], dtype=torch.long).cumsum(0)
+            if lengths
+            else torch.zeros(0, dtype=torch.long)
+        )
+        prompts = prompt_lens[starts.to(prompt_lens.device)].tolist()  # one read from the device, not one per sequence
+        totals = [p + k for p, k in zip(prompts, lengths, strict=True)]
 
     def split(x: Tensor) -> list[Tensor]:
         return list(torch.split(x, lengths))

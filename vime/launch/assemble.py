@@ -33,6 +33,7 @@ from vime.launch.launcher import launcher_for
 from vime.launch.startup import StartupClock
 from vime.metrics import setup_logging
 from vime.preflight import check_eval_inputs, check_inputs
+from vime.rollout.answer_log import AnswerLog
 from vime.rollout.compat import PluginArgs, Router, needs_router
 from vime.rollout.runtime import HealthCheck, RolloutRuntime
 from vime.trainer.distributed import launch_actor
@@ -165,7 +166,9 @@ def _router_and_pusher(ctx: RunContext) -> None:
     a run with a trainer and engines."""
     ro, settings, placement = ctx.cfg.rollout, ctx.cfg.placement, ctx.placement
     if needs_router(ro) and placement.urls:
-        ctx.router = Router(ctx.runtime, ro.rollout_max_response_len).start()
+        # answers are kept only for a custom generate, the one caller that gives them back
+        answers = AnswerLog() if ro.custom_generate_function_path else None
+        ctx.router = Router(ctx.runtime, ro.rollout_max_response_len, answers=answers).start()
     if ctx.actor is not None and not ro.debug_train_only:
         ctx.pusher = WeightPusher(
             list(ctx.runtime.clients),

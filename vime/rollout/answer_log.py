@@ -19,14 +19,15 @@ from dataclasses import dataclass
 
 from vime.rollout.types import Sample
 
-# Answers are claimed as soon as their generate returns, so the log holds only those in flight.
-# The cap bounds memory (8 bytes a token) should a plug-in ask for answers it never returns.
+# A custom generate's answers are claimed as soon as it returns them without log-probs; one that
+# keeps its log-probs, or asks for answers it never returns, leaves them here until the cap
+# evicts the oldest: ~24 bytes a token (ids, log-probs, versions in arrays), so at most ~400 MB.
 MAX_TOKENS = 16 * 2**20
 
 
 @dataclass
 class _Answer:
-    output: tuple[int, ...]
+    output: array
     log_probs: array
     versions: array | None
 
@@ -48,7 +49,7 @@ class AnswerLog:
         if old is not None:
             self._tokens -= len(old.output)
         self._answers[key] = _Answer(
-            tuple(output), array("d", log_probs), array("q", versions) if len(versions) == len(output) else None
+            array("q", output), array("d", log_probs), array("q", versions) if len(versions) == len(output) else None
         )
         self._tokens += len(output)
         while self._tokens > self._max_tokens and self._answers:
@@ -62,7 +63,7 @@ class AnswerLog:
         if sample.rollout_log_probs is not None or n <= 0 or len(sample.tokens) <= n:
             return False
         answer = self._answers.get(hash(tuple(sample.tokens)))
-        if answer is None or answer.output != tuple(sample.tokens[-n:]):
+        if answer is None or answer.output != array("q", sample.tokens[-n:]):
             return False
         del self._answers[hash(tuple(sample.tokens))]
         self._tokens -= n

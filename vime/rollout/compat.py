@@ -213,7 +213,7 @@ class PluginArgs:
     def restore_log_probs(self, samples: list[Sample]) -> None:
         """Samples a custom generate built from a router answer, without its log-probs, get them
         back (`AnswerLog`), so correction and staleness see them as they see vime's own."""
-        if self._router is not None:
+        if self._router is not None and self._router.answers is not None:
             for s in samples:
                 self._router.answers.restore(s)
 
@@ -245,18 +245,19 @@ class PluginArgs:
         del self._mine[name]
 
     def __copy__(self) -> Any:
-        return self._copied(copy.copy(self._config), dict(self._mine or {}))
+        return self._copied(copy.copy(self._config), {**self._own, **(self._mine or {})})
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        return self._copied(copy.deepcopy(self._config, memo), copy.deepcopy(self._mine or {}, memo))
+        plugins = copy.deepcopy({**self._own, **(self._mine or {})}, memo)
+        return self._copied(copy.deepcopy(self._config, memo), plugins)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return copy.copy, (self._config,)
 
-    def _copied(self, config: Any, mine: dict[str, Any]) -> Any:
-        """A copy of the settings to change, with the live objects, the plug-in's own names and
-        what this call set as attributes (copied as the settings were)."""
-        for name, value in {**self._own, **self._live, **mine}.items():
+    def _copied(self, config: Any, plugins: dict[str, Any]) -> Any:
+        """A copy of the settings to change, with the live objects (shared) and the names the
+        plug-in set, its own and this call's (copied as the settings were)."""
+        for name, value in {**self._live, **plugins}.items():
             setattr(config, name, value)
         return config
 
@@ -326,7 +327,9 @@ class Router:
     host: str = "127.0.0.1"
     port: int = 0
     _runner: web.AppRunner | None = None
-    answers: AnswerLog = field(default_factory=AnswerLog)  # what a plug-in may drop: restored
+    # what a custom generate may drop, restored when it returns (None: no custom generate, which is
+    # the only caller of `restore`, so nothing is kept)
+    answers: AnswerLog | None = field(default_factory=AnswerLog)
 
     async def _generate(self, request: web.Request) -> web.Response:
 
@@ -348,9 +351,13 @@ class Router:
         finally:
             runtime.forget_group(key)
         meta = out["meta_info"]
-        self.answers.record(
-            ids, out["output_ids"], meta.get("output_token_logprobs") or [], meta.get("output_weight_versions") or []
-        )
+        if self.answers is not None:
+            self.answers.record(
+                ids,
+                out["output_ids"],
+                meta.get("output_token_logprobs") or [],
+                meta.get("output_weight_versions") or [],
+            )
         return web.json_response(vllm_answer(rid, len(ids), out))
 
     async def _render(self, request: web.Request) -> web.Response:

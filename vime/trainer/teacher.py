@@ -72,7 +72,7 @@ def check_teacher(algo: AlgorithmConfig, student_dir: str | Path) -> Path:
         raise ConfigError(
             f"--opd-teacher-load {path} has a table of {theirs} rows and the student {ours}: a token the student "
             "draws past the teacher's rows has no teacher log-prob; give a teacher whose table is at least the "
-            "student's, or serve it (--opd-type sglang or vllm, where such a token is refused in one line)"
+            "student's (a larger size of the same family)"
         )
     return path
 

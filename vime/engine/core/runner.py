@@ -183,7 +183,7 @@ class ModelRunner:
                 self.device, non_blocking=True
             )
         repeats = [  # one pass over the batch, and nothing more, when no request asks for a penalty
-            (i, s.params.repetition_penalty, [t for t in s.token_ids if t != PENDING])
+            (i, s.params.repetition_penalty, s.token_ids[:-1] if s.token_ids[-1] == PENDING else s.token_ids)
             for i, s in enumerate(seqs)
             if s.params.repetition_penalty != 1.0
         ]

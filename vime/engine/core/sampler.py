@@ -8,6 +8,7 @@ policy an off-policy correction (TIS) must divide by. Greedy returns the raw log
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass, field, fields
 
@@ -164,18 +165,28 @@ def penalize_repeats(
     """`logits` [B, V] with vLLM's repetition penalty applied: for each (row, penalty, seen ids) of
     `rows`, a seen token's logit is divided by the penalty when positive, multiplied when not.
     `last` [B], when given, holds each row's newest token on the device (a decode step's input,
-    drawn by the step before and not yet on the host), which counts as seen too. Returns a new
-    tensor: the caller's may be a CUDA graph's output buffer, and the log-probs the sampler
-    returns are those of the penalized distribution, the one the token is drawn from."""
+    drawn by the step before and not yet on the host), which counts as seen too. One mask for the
+    batch, its indices sent in one non-blocking copy each, so the step never waits for the GPU.
+    Returns a new tensor: the caller's may be a CUDA graph's output buffer, and the log-probs the
+    sampler returns are those of the penalized distribution, the one the token is drawn from."""
+    device = logits.device
+
+    def sent(x: torch.Tensor) -> torch.Tensor:
+        return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x
+
     logits = logits.float().clone()
-    for i, penalty, ids in rows:
-        cols = torch.tensor(ids, dtype=torch.long, device=logits.device)
-        if last is not None:
-            cols = torch.cat([cols, last[i : i + 1].long()])
-        cols = cols.unique()
-        vals = logits[i, cols]
-        logits[i, cols] = torch.where(vals > 0, vals / penalty, vals * penalty)
-    return logits
+    at = torch.tensor([i for i, _, _ in rows], dtype=torch.long)
+    counts = torch.tensor([len(ids) for _, _, ids in rows], dtype=torch.long)
+    cols = torch.tensor(list(itertools.chain.from_iterable(ids for _, _, ids in rows)), dtype=torch.long)
+    penalty = torch.ones(logits.shape[0], dtype=torch.float32)
+    penalty[at] = torch.tensor([p for _, p, _ in rows], dtype=torch.float32)
+    seen = torch.zeros_like(logits, dtype=torch.bool)
+    seen[sent(torch.repeat_interleave(at, counts)), sent(cols)] = True
+    if last is not None:
+        on = sent(at)
+        seen[on, last[on].long()] = True
+    p = sent(penalty)[:, None]
+    return torch.where(seen, torch.where(logits > 0, logits / p, logits * p), logits)
 
 
 def sample(

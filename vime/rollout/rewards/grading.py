@@ -51,12 +51,18 @@ BUILTIN_RM_TYPES: dict[str, RmRule] = {
 }
 
 CHOICE_LETTERS = "ABCDEFGHIJ"
-# what names a picked option: "the answer is (C)", "Answer: C", "option B", "C is correct"
-_CHOICE_CUE = re.compile(
-    r"(?i:answer|option|choice)(?:\s+(?i:is))?\s*:?\s*\(?([A-J])\)?(?![A-Za-z])"
-    r"|(?<![A-Za-z])\(?([A-J])\)?\s+(?i:is)\s+(?i:the\s+)?(?i:correct)"
+# what names a picked option, strongest first: a boxed letter; an answer cue ("the answer is
+# (C)", "Answer: **C**"); an option named correct ("option B", "C is correct")
+_LETTER = r"\**\(?([A-J])\)?\**(?![A-Za-z])"
+_BOXED_CHOICE = re.compile(r"\\boxed\{\s*\(?([A-J])\)?\s*\}")
+_ANSWER_CUE = re.compile(r"(?i:answer)(?:\s+(?i:is))?\s*:?\s*" + _LETTER)
+_OPTION_CUE = re.compile(
+    r"(?i:option|choice)(?:\s+(?i:is))?\s*:?\s*"
+    + _LETTER
+    + r"|(?<![A-Za-z])\**\(?([A-J])\)?\**\s+(?i:is)\s+(?i:the\s+)?(?i:correct)"
 )
-_LONE_LETTER = re.compile(r"(?<![A-Za-z])([A-J])(?![A-Za-z])")
+# a capital standing alone that is not a word of the sentence ("I think", "A cat")
+_LONE_LETTER = re.compile(r"(?<![A-Za-z])([A-J])(?![A-Za-z])(?!\s+[a-z])")
 
 
 _NUMBER_LABEL_RE = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")  # a label's normalized form when it is one number
@@ -131,12 +137,14 @@ def exact_answer(text: str | None, label: str | None) -> str | None:
 
 def choice_answer(response: str) -> str | None:
     """The option letter a multiple-choice response picks: in the text after the reasoning when
-    it closed (else all of it), the last letter an answer cue names, else the last capital A-J
-    that stands alone (None: no letter at all)."""
+    it closed (else all of it), the last boxed letter, else the last an answer cue names, else
+    the last option named correct, else the last capital A-J that stands alone and is no word
+    of a sentence (None: no letter at all)."""
     text = response.rpartition(THINK_END)[2] if THINK_END in response else response
-    cued = [m.group(1) or m.group(2) for m in _CHOICE_CUE.finditer(text)]
-    if cued:
-        return cued[-1]
+    for cue in (_BOXED_CHOICE, _ANSWER_CUE, _OPTION_CUE):
+        found = [next(g for g in m.groups() if g) for m in cue.finditer(text)]
+        if found:
+            return found[-1]
     alone = _LONE_LETTER.findall(text)
     return alone[-1] if alone else None
 
