@@ -213,3 +213,21 @@ def test_the_standin_tau_bench_env_rewards_the_end_state_and_the_answers(monkeyp
     assert episode(3, look, "It holds 3 items") == 1.0 and episode(3, look, "no idea") == 0.0  # the answer said
     with pytest.raises(ValueError, match="unknown environment 'shop'"):
         get_env("shop", "llm", "any", "train")
+
+
+def test_generate_on_a_handed_over_sample_takes_the_data_ids_or_the_prompt_the_plugin_wrote():
+    """A custom generate gets its sample without ids; vime's `generate` called on it starts from
+    the data's ids while the prompt is the one handed over, and from the prompt the plug-in wrote
+    when it rewrote it (as the seed's generate tokenizes `sample.prompt`)."""
+    from vime.models import load_tokenizer, resolve_model
+    from vime.rollout import vllm_rollout
+
+    tokenizer = load_tokenizer(resolve_model("tiny"))
+    token = vllm_rollout._PROMPT_IDS.set(("the data's prompt", [5, 6, 7]))
+    try:
+        assert vllm_rollout._prompt_ids(tokenizer, Sample(prompt="the data's prompt")) == [5, 6, 7]
+        rewritten = Sample(prompt="another agent's prompt")
+        want = tokenizer("another agent's prompt", add_special_tokens=False)["input_ids"]
+        assert vllm_rollout._prompt_ids(tokenizer, rewritten) == want != [5, 6, 7]
+    finally:
+        vllm_rollout._PROMPT_IDS.reset(token)

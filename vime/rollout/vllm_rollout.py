@@ -44,9 +44,24 @@ GenerateFn = Callable[[Any, Sample, dict], Awaitable[Sample | list[Sample]]]
 
 _FINISH_TO_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
 
-# The data's prompt ids of the sample a custom generate was handed, which it gets without them
-# (custom_generate): for `generate` when the plug-in calls it on that sample.
-_PROMPT_IDS: ContextVar[list[int] | None] = ContextVar("vime_prompt_ids", default=None)
+# The prompt (as the data gave it) and its ids of the sample a custom generate was handed, which
+# it gets without its ids (custom_generate): for `generate` when the plug-in calls it on a sample
+# of that prompt.
+_PROMPT_IDS: ContextVar[tuple[Any, list[int]] | None] = ContextVar("vime_prompt_ids", default=None)
+
+
+def _prompt_ids(tokenizer: Any, sample: Sample) -> list[int]:
+    """The ids to generate from for a sample a plug-in hands `generate` without them: the data's
+    when its prompt is still the one the plug-in was handed (chat template and all, as vime
+    rendered it), else its prompt as the plug-in wrote it, a text tokenized as it is, or chat
+    messages through the chat template, as the seed's generate takes `sample.prompt`."""
+    given = _PROMPT_IDS.get()
+    if given is not None and sample.prompt == given[0]:
+        return list(given[1])
+    text = sample.prompt
+    if not isinstance(text, str):
+        text = tokenizer.apply_chat_template(text, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def sample_seed(rollout: RolloutConfig, sample: Sample) -> int:
@@ -79,8 +94,8 @@ async def generate(args, sample: Sample, params: dict) -> Sample:
     sample with no room left is TRUNCATED without a request.
     """
     runtime, rollout = runtime_of(args), args.rollout
-    if not sample.tokens and _PROMPT_IDS.get() is not None:  # a custom generate's sample: its prompt
-        sample.tokens = list(_PROMPT_IDS.get())
+    if not sample.tokens:  # a custom generate's sample, handed over without its ids
+        sample.tokens = _prompt_ids(runtime.tokenizer, sample)
     params = dict(
         params,
         max_new_tokens=max_new_tokens(rollout, sample, params["max_new_tokens"]),
@@ -149,7 +164,7 @@ def custom_generate(path: str, evaluation: bool = False) -> GenerateFn:
         if sample.response_length == 0:
             sample.tokens = []
         view = args.for_call() if isinstance(args, PluginArgs) else args
-        token = _PROMPT_IDS.set(prompt_ids)
+        token = _PROMPT_IDS.set((sample.prompt, prompt_ids))
         try:
             out = await plugin.acall(where, view, sample, params, **extra)
         finally:
