@@ -310,3 +310,22 @@ def test_opd_served_script_starts_its_teacher_and_distills(teacher_run, tmp_path
     assert after < 0.7 * before, (before, after)  # 0.65 -> 0.35 (chat-templated prompts, 8 tokens)
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert str(teacher_run / "4") not in ps
+
+
+def test_a_gpqa_run_grades_eval_by_the_letter_and_checks_training_labels(tmp_path):
+    """--rm-type gpqa without an eval rm type: held-out answers are graded by the option letter
+    (not math's trailing number, which would score every letter 0), and a training label that
+    names no option is refused at start-up as an eval one is."""
+    from vime.config import parse_args
+    from vime.models import load_tokenizer, resolve_model
+    from vime.rollout.data_source import DataSource
+    from vime.rollout.prompt_rows import DataError
+
+    cfg = parse_args(["--hf-checkpoint", "tiny", "--prompt-data", "x.jsonl", "--num-rollout", "1", "--rm-type", "gpqa"])
+    assert cfg.eval.rule == "gpqa"
+    assert parse_args(["--hf-checkpoint", "tiny", "--prompt-data", "x.jsonl", "--num-rollout", "1"]).eval.rule == "math"
+    data = tmp_path / "mc.jsonl"
+    data.write_text('{"input": "Which? (A) x (B) y", "label": "A"}\n{"input": "Which? (A) x (B) y", "label": "y"}\n')
+    cfg = parse_args(["--hf-checkpoint", "tiny", "--prompt-data", str(data), "--num-rollout", "1", "--rm-type", "gpqa"])
+    with pytest.raises(DataError, match=r"row 1: label 'y' is not an option letter"):
+        DataSource(cfg.rollout, load_tokenizer(resolve_model("tiny")))

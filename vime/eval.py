@@ -125,10 +125,7 @@ def evaluate_set(args, eval_set: dict[str, Any], step: int, out_path: Path | Non
     ]
     t0 = time.perf_counter()
     samples = async_loop.run(_run(args, samples, step))
-    # a set's own rm type grades by that rule; otherwise `exact` grades what it trains on (a list
-    # in full, on its last line), and every other rm type is read as the held-out metric always
-    # was: boxed, Answer:, trailing number (math's rule)
-    rule = ev.eval_rm_type or ("exact" if ev.rm_type == "exact" else "math")
+    rule = ev.rule  # the set's own rm type, the training one where it is a rule of its own kind, else math's
     correct = 0
     rows = []
     for s in samples:

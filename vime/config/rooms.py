@@ -100,6 +100,19 @@ class EvalConfig:
     rm_type: str
     model_dir: str | None
 
+    @property
+    def rule(self) -> str:
+        """The rule held-out answers are graded by: the set's own rm type; else the training
+        rm type where it is a rule of its own kind (`exact`: a list in full, on its last line;
+        a multiple-choice type: the option letter); else math's (boxed, Answer:, trailing number),
+        the held-out metric's reading for every other rm type."""
+        from vime.rollout.rewards.grading import BUILTIN_RM_TYPES
+
+        if self.eval_rm_type:
+            return self.eval_rm_type
+        own = BUILTIN_RM_TYPES.get(self.rm_type)
+        return self.rm_type if own is not None and (own.exact or own.choice) else "math"
+
 
 @dataclass(frozen=True)
 class OutputConfig:

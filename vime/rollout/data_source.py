@@ -15,7 +15,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from vime.rollout.prompt_rows import load_prompts
-from vime.rollout.prompts import PromptRenderer, fit_prompts, prompt_limit
+from vime.rollout.prompts import PromptRenderer, check_choice_labels, fit_prompts, prompt_limit
 from vime.rollout.types import MULTI_TURN_STATE, Sample, Status
 
 if TYPE_CHECKING:
@@ -123,6 +123,8 @@ class DataSource:
             rollout.tool_key,
             grader=_label_grader(rollout),
         )
+        if _label_grader(rollout) is not None:  # a multiple-choice rm type: every label an option
+            check_choice_labels(rows, rollout.prompt_data, rollout.rm_type)
         self.renderer = PromptRenderer(rollout, tokenizer, str(rollout.prompt_data))
         limit = prompt_limit(rollout)
         if max_prompt_len is not None or limit is not None:

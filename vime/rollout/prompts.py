@@ -121,7 +121,7 @@ def load_eval_samples(
         rollout.tool_key,
         grader="eval",
     )
-    _check_choice_labels(rows, path, evaluation.eval_rm_type)
+    check_choice_labels(rows, path, evaluation.rule)
     renderer = PromptRenderer(rollout, tokenizer, str(path))
     if max_prompt_len is not None:
         rows, _ = fit_prompts(rows, renderer, str(path), max_prompt_len, rollout.skip_overlong_prompts)
@@ -137,12 +137,13 @@ def load_eval_samples(
 # ---------------------------------------------------------------- the data source
 
 
-def _check_choice_labels(rows: list[dict[str, Any]], path: str | Path, rm_type: str | None) -> None:
+def check_choice_labels(rows: list[dict[str, Any]], path: str | Path, rm_type: str | None) -> None:
     """A multiple-choice set's labels must each name an option: one that does not (the option's
     text, say) would grade every answer wrong, silently."""
     from vime.rollout.rewards.grading import BUILTIN_RM_TYPES, choice_label
 
-    if rm_type is None or not BUILTIN_RM_TYPES[rm_type].choice:
+    rule = BUILTIN_RM_TYPES.get(rm_type) if rm_type is not None else None
+    if rule is None or not rule.choice:
         return
     for i, row in enumerate(rows):
         if choice_label(row["label"]) is None:
