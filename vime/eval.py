@@ -6,11 +6,17 @@ math-verify / normalized match) whatever `--rm-type` trains with, so numbers fro
 runs and reward functions stay comparable; a set's own rm type (`--eval-rm-type`, `rm_type`
 of --eval-config) grades it by that built-in rule instead. Several sets (vime/eval_sets.py)
 are evaluated one after another, each with its own settings.
+
+With --custom-generate-function-path, a reward the generate set is the sample's score, as in
+training (and as slime's eval, whose metric is that reward): the sample counts as correct when
+its reward is positive, so a 0/1 reward (tau-bench's, from its environment) counts as it says.
+Samples it left unscored are graded as above (`grade_sample`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import sys
 import time
@@ -23,6 +29,8 @@ from vime.eval_sets import METADATA_KEY, args_for, set_accuracies
 from vime.metrics import progress
 from vime.models import context_length
 from vime.rollout import async_loop
+from vime.rollout.compat import flatten
+from vime.rollout.prompt_rows import DataError
 from vime.rollout.prompts import load_eval_samples
 from vime.rollout.rewards.grading import BUILTIN_RM_TYPES, grade, rule_answer, rule_label
 from vime.rollout.runtime import runtime_of
@@ -47,7 +55,7 @@ async def _run(args, samples: list[Sample], step: int) -> list[Sample]:
     quarter = max(1, len(samples) // 4)
     done = 0
 
-    async def one(s: Sample) -> Sample:
+    async def one(s: Sample) -> Sample | list[Sample]:
         nonlocal done
         out = await fn(args, s, params)
         runtime_of(args).forget_group(s.group_index)  # an eval row needs no engine of its own later
@@ -58,7 +66,8 @@ async def _run(args, samples: list[Sample], step: int) -> list[Sample]:
         return out
 
     try:
-        return list(await asyncio.gather(*(one(s) for s in samples)))
+        # a generate that returns several samples: each is graded and counted (slime's eval too)
+        return flatten(await asyncio.gather(*(one(s) for s in samples)))
     finally:
         bar.close()
 
@@ -129,12 +138,11 @@ def evaluate_set(args, eval_set: dict[str, Any], step: int, out_path: Path | Non
     # in full, on its last line), and every other rm type is read as the held-out metric always
     # was: boxed, Answer:, trailing number (math's rule)
     rule = ev.eval_rm_type or ("exact" if ev.rm_type == "exact" else "math")
+    generate_scores = bool(args.rollout.custom_generate_function_path)
     correct = 0
     rows = []
     for s in samples:
-        pred, label = rule_answer(rule, s.final_response, s.label), rule_label(rule, s.label)
-        ok = pred is not None and label is not None and grade(pred, str(label), exact=BUILTIN_RM_TYPES[rule].exact)
-        s.reward = 1.0 if ok else 0.0
+        pred, ok = grade_sample(s, rule, generate_scores)
         correct += ok
         rows.append(
             {
@@ -143,7 +151,8 @@ def evaluate_set(args, eval_set: dict[str, Any], step: int, out_path: Path | Non
                 "label": s.label,
                 "response": s.response,
                 "pred": pred,
-                "correct": bool(ok),
+                "correct": ok,
+                "reward": s.reward,
                 "response_length": s.response_length,
                 "status": s.status.value,
                 **({"tools": s.metadata[MULTI_TURN_STATE]} if MULTI_TURN_STATE in s.metadata else {}),
@@ -161,5 +170,28 @@ def evaluate_set(args, eval_set: dict[str, Any], step: int, out_path: Path | Non
         "eval/time": time.perf_counter() - t0,
         **multi_turn_metrics(samples, "eval"),  # with --tools: turns and tool calls per sample, ...
     }
-    groups = [samples[i : i + n] for i in range(0, total, n)]
+    groups = [list(g) for _, g in itertools.groupby(samples, key=lambda s: s.group_index)]
     return RolloutOutput(samples=groups, metrics=metrics)
+
+
+def grade_sample(s: Sample, rule: str, generate_scores: bool) -> tuple[str | None, bool]:
+    """(the answer read, whether it is correct) of one eval sample, its reward set to its score.
+    `generate_scores` (a custom generate ran): a reward it set stays, and is correct when
+    positive; a sample it left unscored is graded by `rule` against its label, which its row may
+    lack (the rows of such a run are read without requiring one): that is one line, since
+    grading it wrong would lower the accuracy without a sign."""
+    if generate_scores and s.reward is not None:
+        if not isinstance(s.reward, (int, float)):
+            raise DataError(
+                f"eval sample {s.index}: the custom generate set reward {s.reward!r}, not a number: set a float"
+            )
+        return None, bool(s.reward > 0)
+    if s.label is None or (isinstance(s.label, str) and not s.label.strip()):
+        raise DataError(
+            f"eval sample {s.index}: the custom generate set no reward and its row has no label to grade it "
+            "against: give the row a label (--eval-label-key) or set sample.reward in the generate"
+        )
+    pred, label = rule_answer(rule, s.final_response, s.label), rule_label(rule, s.label)
+    ok = pred is not None and label is not None and grade(pred, str(label), exact=BUILTIN_RM_TYPES[rule].exact)
+    s.reward = 1.0 if ok else 0.0
+    return pred, bool(ok)
