@@ -5,16 +5,18 @@ tests/test_own_verdicts.py. Each runs vime's generate first, so a tiny random mo
 from vime.rollout.types import Sample
 from vime.rollout.vllm_rollout import generate as default_generate
 
-OWN_REWARD = 0.5  # no grader gives it: a sample that keeps it was scored by the generate alone
+# shaped as the seed's tau-bench reward: a success above 1 (with a bonus), a failure's bonus
+# alone; no grader gives either, so a sample that keeps one was scored by the generate alone
+SOLVED, BONUS_ONLY = 1.5, 0.15
 
 
 async def parity_scored(args, sample: Sample, sampling_params) -> Sample:
-    """OWN_REWARD when the response's first token id is even, else 0; a row whose metadata says
-    `grade` is left unscored, for eval to grade against its label."""
+    """SOLVED when the response's first token id is even, else BONUS_ONLY; a row whose metadata
+    says `grade` is left unscored, for eval to grade against its label."""
     sample = await default_generate(args, sample, sampling_params)
     if not sample.metadata.get("grade"):
         first = sample.response_tokens[:1]
-        sample.reward = OWN_REWARD if first and first[0] % 2 == 0 else 0.0
+        sample.reward = SOLVED if first and first[0] % 2 == 0 else BONUS_ONLY
     return sample
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from own_verdicts import OWN_REWARD
+from own_verdicts import BONUS_ONLY, SOLVED
 from safetensors.torch import load_file
 from test_plugin_compat import run_tiny
 
@@ -38,7 +38,10 @@ def test_eval_rows_need_no_label_only_when_a_custom_generate_may_score_them(tmp_
 
 
 def test_a_reward_the_generate_set_is_the_eval_score_and_the_rest_are_graded():
-    assert grade_sample(Sample(reward=OWN_REWARD, label="7"), "math", True) == (None, True)
+    # correct from eval's own full score (1) up; a bonus alone is not a success
+    assert grade_sample(Sample(reward=SOLVED, label="7"), "math", True) == (None, True)
+    assert grade_sample(Sample(reward=1.0), "math", True) == (None, True)
+    assert grade_sample(Sample(reward=BONUS_ONLY), "math", True) == (None, False)
     kept = Sample(reward=0.0, response="7", label="7")  # its own 0 stands, whatever the answer
     assert grade_sample(kept, "math", True) == (None, False) and kept.reward == 0.0
     graded = Sample(response="so 7", label="7")
@@ -65,9 +68,9 @@ def _weights(tmp_path: Path) -> dict[str, torch.Tensor]:
     return load_file(next((tmp_path / "ckpt").glob("*/model.safetensors")))
 
 
-def test_eval_accuracy_is_the_share_of_samples_the_generate_rewarded(tmp_path, tiny_model):
-    """Eval rows without labels, scored by the generate (OWN_REWARD or 0), and two with labels it
-    leaves to eval's answer reading."""
+def test_eval_accuracy_is_the_share_of_samples_the_generate_scored_a_success(tmp_path, tiny_model):
+    """Eval rows without labels, scored by the generate (SOLVED or BONUS_ONLY), and two with
+    labels it leaves to eval's answer reading."""
     ev = [{"input": f"{a}*{a}="} for a in range(4)] + [
         {"input": f"{a}-1=", "label": str(a - 1), "metadata": {"grade": True}} for a in (5, 9)
     ]
@@ -85,12 +88,14 @@ def test_eval_accuracy_is_the_share_of_samples_the_generate_rewarded(tmp_path, t
         own = [s for s in samples if s["label"] is None]
         graded = [s for s in samples if s["label"] is not None]
         assert len(own) == 16 and len(graded) == 8 and r["eval/total"] == 24
-        assert {s["reward"] for s in own} <= {OWN_REWARD, 0.0} and all(s["pred"] is None for s in own)
-        assert all(s["correct"] == (s["reward"] > 0) for s in own)
+        assert {s["reward"] for s in own} <= {SOLVED, BONUS_ONLY} and all(s["pred"] is None for s in own)
+        assert all(s["correct"] == (s["reward"] == SOLVED) for s in own)
         assert all(s["correct"] == (s["reward"] == 1.0) for s in graded)  # the answer read: 1 or 0
-        assert r["eval/correct"] == sum(s["correct"] for s in samples)
-        assert r["eval/accuracy"] == pytest.approx(r["eval/correct"] / 24)
-    assert any(s["reward"] == OWN_REWARD for r in evals for s in _rows(tmp_path / "r" / "eval" / f"{r['step']}.jsonl"))
+        solved = sum(s["reward"] == SOLVED for s in own) + sum(s["correct"] for s in graded)
+        assert r["eval/correct"] == solved and r["eval/accuracy"] == pytest.approx(solved / 24)
+        assert r["eval/reward_mean"] == pytest.approx(sum(s["reward"] for s in samples) / 24)
+    rewards = {s["reward"] for r in evals for s in _rows(tmp_path / "r" / "eval" / f"{r['step']}.jsonl")}
+    assert {SOLVED, BONUS_ONLY} <= rewards  # both kinds of sample were there to count
 
 
 def test_removed_samples_train_nothing_and_the_others_still_train(tmp_path, tiny_model):

@@ -8,9 +8,11 @@ of --eval-config) grades it by that built-in rule instead. Several sets (vime/ev
 are evaluated one after another, each with its own settings.
 
 With --custom-generate-function-path, a reward the generate set is the sample's score, as in
-training (and as slime's eval, whose metric is that reward): the sample counts as correct when
-its reward is positive, so a 0/1 reward (tau-bench's, from its environment) counts as it says.
-Samples it left unscored are graded as above (`grade_sample`).
+training: the sample counts as correct when its reward reaches 1, the score eval gives a right
+answer (`FULL_SCORE`), so a 0/1 reward counts as it says and a shaped one counts only its
+successes (the seed's tau-bench agent scores a solved task 1 plus up to 0.5 for its tool calls,
+a failed one only those bonuses, 0.1 or so for one good look-up). `eval/reward_mean` is the
+mean of the rewards, slime's eval metric. Samples it left unscored are graded as above (`grade_sample`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from vime.rollout.rewards.grading import BUILTIN_RM_TYPES, grade, rule_answer, r
 from vime.rollout.runtime import runtime_of
 from vime.rollout.types import MULTI_TURN_STATE, RolloutOutput, Sample
 from vime.rollout.vllm_rollout import generate_fn, multi_turn_metrics, sampling_params
+
+FULL_SCORE = 1.0  # an answer eval grades right; a generate's reward at least this counts as correct
 
 
 async def _run(args, samples: list[Sample], step: int) -> list[Sample]:
@@ -138,7 +142,7 @@ def evaluate_set(args, eval_set: dict[str, Any], step: int, out_path: Path | Non
     # in full, on its last line), and every other rm type is read as the held-out metric always
     # was: boxed, Answer:, trailing number (math's rule)
     rule = ev.eval_rm_type or ("exact" if ev.rm_type == "exact" else "math")
-    generate_scores = bool(args.rollout.custom_generate_function_path)
+    generate_scores = bool(args.rollout.custom_generate_function_path)  # eval sets cannot name their own
     correct = 0
     rows = []
     for s in samples:
@@ -170,14 +174,16 @@ def evaluate_set(args, eval_set: dict[str, Any], step: int, out_path: Path | Non
         "eval/time": time.perf_counter() - t0,
         **multi_turn_metrics(samples, "eval"),  # with --tools: turns and tool calls per sample, ...
     }
+    if generate_scores:  # the rewards of a generate's own: more than right or wrong
+        metrics["eval/reward_mean"] = sum(float(s.reward) for s in samples) / max(total, 1)
     groups = [list(g) for _, g in itertools.groupby(samples, key=lambda s: s.group_index)]
     return RolloutOutput(samples=groups, metrics=metrics)
 
 
 def grade_sample(s: Sample, rule: str, generate_scores: bool) -> tuple[str | None, bool]:
     """(the answer read, whether it is correct) of one eval sample, its reward set to its score.
-    `generate_scores` (a custom generate ran): a reward it set stays, and is correct when
-    positive; a sample it left unscored is graded by `rule` against its label, which its row may
+    `generate_scores` (a custom generate ran): a reward it set stays, and is correct when it
+    reaches FULL_SCORE; a sample it left unscored is graded by `rule` against its label, which its row may
     lack (the rows of such a run are read without requiring one): that is one line, since
     grading it wrong would lower the accuracy without a sign."""
     if generate_scores and s.reward is not None:
@@ -185,7 +191,7 @@ def grade_sample(s: Sample, rule: str, generate_scores: bool) -> tuple[str | Non
             raise DataError(
                 f"eval sample {s.index}: the custom generate set reward {s.reward!r}, not a number: set a float"
             )
-        return None, bool(s.reward > 0)
+        return None, bool(s.reward >= FULL_SCORE)
     if s.label is None or (isinstance(s.label, str) and not s.label.strip()):
         raise DataError(
             f"eval sample {s.index}: the custom generate set no reward and its row has no label to grade it "
@@ -193,5 +199,5 @@ def grade_sample(s: Sample, rule: str, generate_scores: bool) -> tuple[str | Non
         )
     pred, label = rule_answer(rule, s.final_response, s.label), rule_label(rule, s.label)
     ok = pred is not None and label is not None and grade(pred, str(label), exact=BUILTIN_RM_TYPES[rule].exact)
-    s.reward = 1.0 if ok else 0.0
+    s.reward = FULL_SCORE if ok else 0.0
     return pred, bool(ok)
