@@ -6,11 +6,19 @@ math-verify / normalized match) whatever `--rm-type` trains with, so numbers fro
 runs and reward functions stay comparable; a set's own rm type (`--eval-rm-type`, `rm_type`
 of --eval-config) grades it by that built-in rule instead. Several sets (vime/eval_sets.py)
 are evaluated one after another, each with its own settings.
+
+With --custom-generate-function-path, a reward the generate set is the sample's score, as in
+training: the sample counts as correct when its reward reaches 1, the score eval gives a right
+answer (`FULL_SCORE`), so a 0/1 reward counts as it says and a shaped one counts only its
+successes (the seed's tau-bench agent scores a solved task 1 plus up to 0.5 for its tool calls,
+a failed one only those bonuses, 0.1 or so for one good look-up). `eval/reward_mean` is the
+mean of the rewards, slime's eval metric. Samples it left unscored are graded as above (`grade_sample`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import sys
 import time
@@ -23,11 +31,15 @@ from vime.eval_sets import METADATA_KEY, args_for, set_accuracies
 from vime.metrics import progress
 from vime.models import context_length
 from vime.rollout import async_loop
+from vime.rollout.compat import flatten
+from vime.rollout.prompt_rows import DataError
 from vime.rollout.prompts import load_eval_samples
 from vime.rollout.rewards.grading import BUILTIN_RM_TYPES, grade, rule_answer, rule_label
 from vime.rollout.runtime import runtime_of
 from vime.rollout.types import MULTI_TURN_STATE, RolloutOutput, Sample
 from vime.rollout.vllm_rollout import generate_fn, multi_turn_metrics, sampling_params
+
+FULL_SCORE = 1.0  # an answer eval grades right; a generate's reward at least this counts as correct
 
 
 async def _run(args, samples: list[Sample], step: int) -> list[Sample]:
@@ -47,7 +59,7 @@ async def _run(args, samples: list[Sample], step: int) -> list[Sample]:
     quarter = max(1, len(samples) // 4)
     done = 0
 
-    async def one(s: Sample) -> Sample:
+    async def one(s: Sample) -> Sample | list[Sample]:
         nonlocal done
         out = await fn(args, s, params)
         runtime_of(args).forget_group(s.group_index)  # an eval row needs no engine of its own later
@@ -58,7 +70,8 @@ async def _run(args, samples: list[Sample], step: int) -> list[Sample]:
         return out
 
     try:
-        return list(await asyncio.gather(*(one(s) for s in samples)))
+        # a generate that returns several samples: each is graded and counted (slime's eval too)
+        return flatten(await asyncio.gather(*(one(s) for s in samples)))
     finally:
         bar.close()
 
@@ -126,12 +139,11 @@ def evaluate_set(args, eval_set: dict[str, Any], step: int, out_path: Path | Non
     t0 = time.perf_counter()
     samples = async_loop.run(_run(args, samples, step))
     rule = ev.rule  # the set's own rm type, the training one where it is a rule of its own kind, else math's
+    generate_scores = bool(args.rollout.custom_generate_function_path)  # eval sets cannot name their own
     correct = 0
     rows = []
     for s in samples:
-        pred, label = rule_answer(rule, s.final_response, s.label), rule_label(rule, s.label)
-        ok = pred is not None and label is not None and grade(pred, str(label), exact=BUILTIN_RM_TYPES[rule].exact)
-        s.reward = 1.0 if ok else 0.0
+        pred, ok = grade_sample(s, rule, generate_scores)
         correct += ok
         rows.append(
             {
@@ -140,7 +152,8 @@ def evaluate_set(args, eval_set: dict[str, Any], step: int, out_path: Path | Non
                 "label": s.label,
                 "response": s.response,
                 "pred": pred,
-                "correct": bool(ok),
+                "correct": ok,
+                "reward": s.reward,
                 "response_length": s.response_length,
                 "status": s.status.value,
                 **({"tools": s.metadata[MULTI_TURN_STATE]} if MULTI_TURN_STATE in s.metadata else {}),
@@ -158,5 +171,30 @@ def evaluate_set(args, eval_set: dict[str, Any], step: int, out_path: Path | Non
         "eval/time": time.perf_counter() - t0,
         **multi_turn_metrics(samples, "eval"),  # with --tools: turns and tool calls per sample, ...
     }
-    groups = [samples[i : i + n] for i in range(0, total, n)]
+    if generate_scores:  # the rewards of a generate's own: more than right or wrong
+        metrics["eval/reward_mean"] = sum(float(s.reward) for s in samples) / max(total, 1)
+    groups = [list(g) for _, g in itertools.groupby(samples, key=lambda s: s.group_index)]
     return RolloutOutput(samples=groups, metrics=metrics)
+
+
+def grade_sample(s: Sample, rule: str, generate_scores: bool) -> tuple[str | None, bool]:
+    """(the answer read, whether it is correct) of one eval sample, its reward set to its score.
+    `generate_scores` (a custom generate ran): a reward it set stays, and is correct when it
+    reaches FULL_SCORE; a sample it left unscored is graded by `rule` against its label, which its row may
+    lack (the rows of such a run are read without requiring one): that is one line, since
+    grading it wrong would lower the accuracy without a sign."""
+    if generate_scores and s.reward is not None:
+        if not isinstance(s.reward, (int, float)):
+            raise DataError(
+                f"eval sample {s.index}: the custom generate set reward {s.reward!r}, not a number: set a float"
+            )
+        return None, bool(s.reward >= FULL_SCORE)
+    if s.label is None or (isinstance(s.label, str) and not s.label.strip()):
+        raise DataError(
+            f"eval sample {s.index}: the custom generate set no reward and its row has no label to grade it "
+            "against: give the row a label (--eval-label-key) or set sample.reward in the generate"
+        )
+    pred, label = rule_answer(rule, s.final_response, s.label), rule_label(rule, s.label)
+    ok = pred is not None and label is not None and grade(pred, str(label), exact=BUILTIN_RM_TYPES[rule].exact)
+    s.reward = FULL_SCORE if ok else 0.0
+    return pred, bool(ok)

@@ -43,7 +43,7 @@ from vime.plugins import Plugin, at_step
 from vime.rollout.compat import fanned_out, fanned_out_advantages, trim_to_steps
 from vime.rollout.on_policy_distillation import check_served
 from vime.rollout.rewards.post_process import load_post_process, post_process
-from vime.rollout.types import RolloutOutput, Sample
+from vime.rollout.types import RolloutOutput, Sample, drop_removed
 from vime.trainer.checkpoint import checkpoint_to_load
 from vime.trainer.drift import DriftWatch
 from vime.trainer.nonfinite import BadSteps, bad_inputs
@@ -139,6 +139,10 @@ class Run:
                 post_process(self.post_process, self.args, out.samples)
             if self.cfg.algorithm.teacher_served:
                 check_served([s for g in out.samples for s in g], ro.custom_reward_post_process_path)
+        # a generate's remove_sample: untrained from here on, and so in the rollout saved below
+        removed = drop_removed(out.samples)
+        if removed:
+            out.metrics["rollout/removed_samples"] = removed
         if ro.save_debug_rollout_data:
             save_rollout(ro.save_debug_rollout_data, rollout_id, out)
         return out

@@ -110,8 +110,13 @@ def load_eval_samples(
     prompts longer than `max_prompt_len` refused or, with --skip-overlong-prompts, left out.
     `args`: one set's settings (`eval_sets.args_for`). Prompt and answer are read at
     --eval-input-key / --eval-label-key of its eval room (default: the train keys); the rest as
-    the rollout room reads its prompts."""
+    the rollout room reads its prompts. Every row needs a label, which eval grades against,
+    except with --custom-generate-function-path: its samples may come back with their reward
+    set (tau-bench's), which is their score, and a row it leaves unscored without a label is
+    refused when it is graded (vime.eval.grade_sample), since nothing knows which rows those are
+    before the generate runs."""
     rollout, evaluation = args.rollout, args.eval
+    grader = None if rollout.custom_generate_function_path else "eval"
     rows = load_prompts(
         path,
         evaluation.eval_input_key or rollout.input_key,
@@ -119,9 +124,9 @@ def load_eval_samples(
         rollout.metadata_key,
         rollout.label_format,
         rollout.tool_key,
-        grader="eval",
+        grader=grader,
     )
-    check_choice_labels(rows, path, evaluation.rule)
+    check_choice_labels(rows, path, evaluation.rule, labels_optional=grader is None)
     renderer = PromptRenderer(rollout, tokenizer, str(path))
     if max_prompt_len is not None:
         rows, _ = fit_prompts(rows, renderer, str(path), max_prompt_len, rollout.skip_overlong_prompts)
@@ -137,15 +142,20 @@ def load_eval_samples(
 # ---------------------------------------------------------------- the data source
 
 
-def check_choice_labels(rows: list[dict[str, Any]], path: str | Path, rm_type: str | None) -> None:
+def check_choice_labels(
+    rows: list[dict[str, Any]], path: str | Path, rm_type: str | None, labels_optional: bool = False
+) -> None:
     """A multiple-choice set's labels must each name an option: one that does not (the option's
-    text, say) would grade every answer wrong, silently."""
+    text, say) would grade every answer wrong, silently. `labels_optional`: a row without one is
+    for a custom generate to score (refused later if it does not)."""
     from vime.rollout.rewards.grading import BUILTIN_RM_TYPES, choice_label
 
     rule = BUILTIN_RM_TYPES.get(rm_type) if rm_type is not None else None
     if rule is None or not rule.choice:
         return
     for i, row in enumerate(rows):
+        if labels_optional and row["label"] is None:
+            continue
         if choice_label(row["label"]) is None:
             raise DataError(
                 f"{path} row {i}: label {row['label']!r} is not an option letter (A-J) or a 0-based option index, "

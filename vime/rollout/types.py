@@ -47,6 +47,9 @@ class Sample:
     # on-policy distillation with a served teacher (--opd-type sglang): the teacher's log-prob of
     # each response token, set by the post-process (vime/rollout/on_policy_distillation.py)
     teacher_log_probs: list[float] | None = None
+    # set by a custom generate (the seed's field): the sample stays in its group's reward
+    # normalization but trains nothing, its loss mask zeroed before the step (`drop_removed`)
+    remove_sample: bool = False
     # `Sample.Status.COMPLETED`, as the seed system's plug-ins spell it (docs/plugin-compat.md)
     Status: ClassVar[type[Status]] = Status
     status: Status = Status.PENDING
@@ -170,3 +173,15 @@ def _versions_of(meta: dict[str, Any], n: int, args: Any, earlier: list[int] | N
 class RolloutOutput:
     samples: list[list[Sample]]
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+def drop_removed(groups: list[list[Sample]]) -> int:
+    """Zero the loss mask of every sample marked `remove_sample`, as the seed does when it turns
+    samples into training data: such a sample adds nothing to the loss or its gradient, while
+    its reward still counts in its group's mean and std (the seed normalizes over the whole
+    group too). Returns how many were marked."""
+    removed = 0
+    for s in (s for g in groups for s in g if s.remove_sample):
+        s.loss_mask = [0] * s.response_length
+        removed += 1
+    return removed
