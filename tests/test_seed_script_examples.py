@@ -329,3 +329,16 @@ def test_a_gpqa_run_grades_eval_by_the_letter_and_checks_training_labels(tmp_pat
     cfg = parse_args(["--hf-checkpoint", "tiny", "--prompt-data", str(data), "--num-rollout", "1", "--rm-type", "gpqa"])
     with pytest.raises(DataError, match=r"row 1: label 'y' is not an option letter"):
         DataSource(cfg.rollout, load_tokenizer(resolve_model("tiny")))
+
+
+def test_eval_calls_of_a_custom_generate_get_their_own_views_too():
+    """An eval set's settings over a plug-in's args stay a PluginArgs: each eval call writes into
+    its own view (as training's do), and the set's overrides apply."""
+    from vime.eval_sets import args_for
+
+    args = PluginArgs(Config(rollout_batch_size=4, eval_temperature=0.0).freeze(), runtime=None)
+    set_args = args_for(args, {"name": "aime", "path": "/x.jsonl", "eval_temperature": 0.6})
+    assert isinstance(set_args, PluginArgs) and set_args.eval_temperature == 0.6 and args.eval_temperature == 0.0
+    one, other = set_args.for_call(), set_args.for_call()
+    one.sample = "mine"
+    assert not hasattr(other, "sample") and not hasattr(set_args, "sample")

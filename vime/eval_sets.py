@@ -15,6 +15,8 @@ import copy
 import re
 from typing import Any
 
+from vime.rollout.compat import PluginArgs
+
 __all__ = ["METADATA_KEY", "args_for", "set_accuracies", "summary"]
 
 # a set's key merged into every sample's metadata (slime's inject_metadata), so rewards and
@@ -25,12 +27,16 @@ _ACCURACY_RE = re.compile(r"^eval/([^/]+)/accuracy$")
 
 
 def args_for(args: Any, eval_set: dict[str, Any]) -> Any:
-    """A shallow copy of the run's settings with the set's overrides (the live runtime shared)."""
+    """A shallow copy of the run's settings with the set's overrides (the live runtime shared);
+    a plug-in's `args` stays one (`PluginArgs.with_settings`), so a custom generate's eval calls
+    each write into a view of their own, as in training."""
+    overrides = {f: copy.deepcopy(v) for f, v in eval_set.items() if f not in ("name", "path", METADATA_KEY)}
+    if isinstance(args, PluginArgs):
+        return args.with_settings(**overrides)
     a = copy.copy(args)
     a.runtime = args.runtime  # a copy drops it (Config.__getstate__ keeps live objects out of pickles)
-    for field, value in eval_set.items():
-        if field not in ("name", "path", METADATA_KEY):
-            setattr(a, field, copy.deepcopy(value))
+    for field, value in overrides.items():
+        setattr(a, field, value)
     return a
 
 

@@ -210,6 +210,14 @@ class PluginArgs:
         run's."""
         return PluginArgs(self._config, None, self._router, live=self._live, own=self._own, mine={})
 
+    def with_settings(self, **changes: Any) -> PluginArgs:
+        """The same live objects and plug-in names over a copy of the settings with `changes` (an
+        eval set's overrides), so eval's generate calls get their per-call views as training's do."""
+        config = copy.copy(self._config)
+        for name, value in changes.items():
+            setattr(config, name, value)
+        return PluginArgs(config, None, self._router, live=self._live, own=self._own)
+
     def restore_log_probs(self, samples: list[Sample]) -> None:
         """Samples a custom generate built from a router answer, without its log-probs, get them
         back (`AnswerLog`), so correction and staleness see them as they see vime's own."""
