@@ -44,6 +44,25 @@ def scored_samples() -> list[Sample]:
     return out
 
 
+def score_like_a_run(args: Config) -> list[Sample]:
+    """`scored_samples` scored as a run scores them: the reward runner (the teacher asked, no
+    reward error), then the post-process."""
+    import asyncio
+
+    from vime.rollout.rewards import Rewards
+    from vime.rollout.rewards.post_process import load_post_process, post_process
+    from vime.rollout.rewards.runner import RewardRunner
+
+    samples, runner = scored_samples(), RewardRunner(60.0)
+    try:
+        counts = asyncio.run(Rewards(args, runner).score(samples))
+    finally:
+        runner.close()
+    assert counts == {"rollout/reward_errors": 0.0, "rollout/reward_timeouts": 0.0}
+    post_process(load_post_process(args), args, [samples])
+    return samples
+
+
 def served_config(url: str, opd_type: str) -> Config:
     """The settings a run with a served teacher at `url` hands its reward and post-process."""
     return Config(

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from test_async import MODE_ARGS
 from test_opd import SERVED_POST as POST
 from test_opd import SERVED_REWARD as REWARD
-from test_opd import _reverse_kl, scored_samples, served_config, teacher_run  # noqa: F401 (teacher_run: a fixture)
+from test_opd import _reverse_kl, score_like_a_run, scored_samples, served_config, teacher_run  # noqa: F401 (teacher_run: a fixture)
 
 from vime.algorithms.opd import distill_advantages
 from vime.backends.builtin.launch import launch_engine
@@ -26,9 +26,7 @@ from vime.config import Config, ConfigError, parse_args
 from vime.models import make_tiny_model, resolve_model
 from vime.plugins import PluginError, as_plugin
 from vime.rollout.opd_teacher import Teacher, TeacherError, teacher_log_probs
-from vime.rollout.rewards import Rewards
-from vime.rollout.rewards.post_process import load_post_process, post_process
-from vime.rollout.rewards.runner import RewardRunner
+from vime.rollout.rewards.post_process import post_process
 
 ATOL = 1e-4  # float32 on CPU (tests/test_scoring.py)
 BASE = ["--hf-checkpoint", "tiny", "--prompt-data", "x.jsonl", "--num-rollout", "2"]
@@ -51,14 +49,7 @@ def test_teacher_log_probs_on_the_samples_are_hfs_teacher_forced_ones(teacher_en
     the reward is 0 and the teacher's answer is dropped once read."""
     from transformers import AutoModelForCausalLM
 
-    samples, args = scored_samples(), _args(teacher_engine.url)  # a bare host:port: /generate is added
-    runner = RewardRunner(60.0)
-    try:
-        counts = asyncio.run(Rewards(args, runner).score(samples))
-    finally:
-        runner.close()
-    assert counts == {"rollout/reward_errors": 0.0, "rollout/reward_timeouts": 0.0}
-    post_process(load_post_process(args), args, [samples])
+    samples = score_like_a_run(_args(teacher_engine.url))  # a bare host:port: /generate is added
     hf = AutoModelForCausalLM.from_pretrained(str(teacher_run / "4"), dtype=torch.float32).eval()
     for s in samples:
         assert s.reward == 0.0 and s.reward_result is None

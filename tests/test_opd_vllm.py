@@ -22,7 +22,7 @@ from conftest import run_cli
 from test_async import MODE_ARGS
 from test_opd import SERVED_POST as POST
 from test_opd import SERVED_REWARD as REWARD
-from test_opd import _reverse_kl, scored_samples, served_config, train_teacher
+from test_opd import _reverse_kl, score_like_a_run, scored_samples, served_config, train_teacher
 from test_vllm import ATOL, needs_vllm
 from test_vllm_runs import SHAPE32
 
@@ -30,9 +30,6 @@ from vime.config import Config
 from vime.models import make_tiny_model, resolve_model
 from vime.rollout.opd_teacher import API_KEY_ENV, TeacherError
 from vime.rollout.opd_vllm import VLLMTeacher, vllm_log_probs
-from vime.rollout.rewards import Rewards
-from vime.rollout.rewards.post_process import load_post_process, post_process
-from vime.rollout.rewards.runner import RewardRunner
 from vime.rollout.types import Sample, Status
 
 ROUTES = ["/v1/completions", "/inference/v1/generate"]
@@ -72,14 +69,7 @@ def test_teacher_log_probs_on_the_samples_are_hfs_teacher_forced_ones(vllm_teach
     reward is 0, and the teacher knows TARGET far better than a made-up answer."""
     from transformers import AutoModelForCausalLM
 
-    samples, args = scored_samples(), _args(vllm_teacher.url + route)
-    runner = RewardRunner(60.0)
-    try:
-        counts = asyncio.run(Rewards(args, runner).score(samples))
-    finally:
-        runner.close()
-    assert counts == {"rollout/reward_errors": 0.0, "rollout/reward_timeouts": 0.0}
-    post_process(load_post_process(args), args, [samples])
+    samples = score_like_a_run(_args(vllm_teacher.url + route))
     hf = AutoModelForCausalLM.from_pretrained(str(teacher32), dtype=torch.float32).eval()
     for s in samples:
         assert s.reward == 0.0 and s.reward_result is None and len(s.teacher_log_probs) == s.response_length
