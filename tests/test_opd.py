@@ -63,6 +63,24 @@ def score_like_a_run(args: Config) -> list[Sample]:
     return samples
 
 
+def assert_hf_scores(samples: list[Sample], teacher_dir: Path, atol: float) -> None:
+    """Each scored sample's teacher_log_probs are the teacher's HF teacher-forced log-probs of its
+    response tokens (within `atol`), its reward 0 and the answer dropped once read; and the
+    teacher knows TARGET: its log-probs there are far above those of a made-up answer."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(teacher_dir), dtype=torch.float32).eval()
+    for s in samples:
+        assert s.reward == 0.0 and s.reward_result is None and len(s.teacher_log_probs) == s.response_length
+        if not s.response_length:
+            continue
+        with torch.no_grad():
+            logits = hf(torch.tensor([s.tokens])).logits[0, s.prompt_length - 1 : -1]
+        want = logits.log_softmax(-1).gather(1, torch.tensor(s.response_tokens)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(s.teacher_log_probs), want, atol=atol), (s.teacher_log_probs, want)
+    assert min(samples[0].teacher_log_probs) > max(samples[2].teacher_log_probs)
+
+
 def served_config(url: str, opd_type: str) -> Config:
     """The settings a run with a served teacher at `url` hands its reward and post-process."""
     return Config(

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from test_async import MODE_ARGS
 from test_opd import SERVED_POST as POST
 from test_opd import SERVED_REWARD as REWARD
-from test_opd import _reverse_kl, score_like_a_run, scored_samples, served_config, teacher_run  # noqa: F401 (teacher_run: a fixture)
+from test_opd import _reverse_kl, assert_hf_scores, score_like_a_run, scored_samples, served_config, teacher_run  # noqa: F401 (teacher_run: a fixture)
 
 from vime.algorithms.opd import distill_advantages
 from vime.backends.builtin.launch import launch_engine
@@ -47,21 +47,8 @@ def test_teacher_log_probs_on_the_samples_are_hfs_teacher_forced_ones(teacher_en
     """Scored as a run scores them (the reward runner, then the post-process the run calls): each
     sample's teacher_log_probs equal HF's teacher-forced log-probs of the teacher, token for token;
     the reward is 0 and the teacher's answer is dropped once read."""
-    from transformers import AutoModelForCausalLM
-
     samples = score_like_a_run(_args(teacher_engine.url))  # a bare host:port: /generate is added
-    hf = AutoModelForCausalLM.from_pretrained(str(teacher_run / "4"), dtype=torch.float32).eval()
-    for s in samples:
-        assert s.reward == 0.0 and s.reward_result is None
-        assert len(s.teacher_log_probs) == s.response_length
-        if not s.response_length:
-            continue
-        with torch.no_grad():
-            logits = hf(torch.tensor([s.tokens])).logits[0, s.prompt_length - 1 : -1]
-        want = logits.log_softmax(-1).gather(1, torch.tensor(s.response_tokens)[:, None])[:, 0]
-        assert torch.allclose(torch.tensor(s.teacher_log_probs), want, atol=ATOL), (s.teacher_log_probs, want)
-    # the teacher knows TARGET: its log-probs there are far above those of a made-up answer
-    assert min(samples[0].teacher_log_probs) > max(samples[2].teacher_log_probs)
+    assert_hf_scores(samples, teacher_run / "4", ATOL)
 
 
 def test_an_answer_that_does_not_score_the_response_is_one_line(teacher_engine):

@@ -17,12 +17,11 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import run_cli
 from test_async import MODE_ARGS
 from test_opd import SERVED_POST as POST
 from test_opd import SERVED_REWARD as REWARD
-from test_opd import _reverse_kl, score_like_a_run, scored_samples, served_config, train_teacher
+from test_opd import _reverse_kl, assert_hf_scores, score_like_a_run, scored_samples, served_config, train_teacher
 from test_vllm import ATOL, needs_vllm
 from test_vllm_runs import SHAPE32
 
@@ -67,19 +66,7 @@ def test_teacher_log_probs_on_the_samples_are_hfs_teacher_forced_ones(vllm_teach
     """Scored as a run scores them (the reward runner, then the post-process), on either route:
     each sample's teacher_log_probs equal HF's teacher-forced log-probs, token for token, the
     reward is 0, and the teacher knows TARGET far better than a made-up answer."""
-    from transformers import AutoModelForCausalLM
-
-    samples = score_like_a_run(_args(vllm_teacher.url + route))
-    hf = AutoModelForCausalLM.from_pretrained(str(teacher32), dtype=torch.float32).eval()
-    for s in samples:
-        assert s.reward == 0.0 and s.reward_result is None and len(s.teacher_log_probs) == s.response_length
-        if not s.response_length:
-            continue
-        with torch.no_grad():
-            logits = hf(torch.tensor([s.tokens])).logits[0, s.prompt_length - 1 : -1]
-        want = logits.log_softmax(-1).gather(1, torch.tensor(s.response_tokens)[:, None])[:, 0]
-        assert torch.allclose(torch.tensor(s.teacher_log_probs), want, atol=ATOL), (s.teacher_log_probs, want)
-    assert min(samples[0].teacher_log_probs) > max(samples[2].teacher_log_probs)
+    assert_hf_scores(score_like_a_run(_args(vllm_teacher.url + route)), teacher32, ATOL)
 
 
 @needs_vllm
