@@ -157,6 +157,7 @@ def test_the_seed_cp_utils_hand_back_whole_responses_and_tis_gets_total_lengths(
         prompt_lens=torch.tensor([5.0, 5.0, 9.0]),
     )  # fmt: skip
     assert seen == {"total": [7, 10], "response": [2, 1]}
+    assert all(type(n) is int for n in seen["total"])  # lengths, as slime hands them (a float does not slice)
 
 
 def test_eval_sets_vime_cannot_grade_are_refused_at_start_up(tmp_path, tiny_model):

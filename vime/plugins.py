@@ -118,6 +118,15 @@ class Plugin:
         """'<flag> <path> [where] <what>' as a PluginError."""
         return PluginError(f"{self.flag} {self.path}{' ' + where if where else ''} {what}")
 
+    def takes_keyword(self, name: str) -> bool:
+        """Whether the function can be called with the keyword `name` (a parameter of that name,
+        or **kwargs): an optional argument vime passes only to those that take it."""
+        try:
+            params = inspect.signature(self.fn).parameters.values()
+        except (TypeError, ValueError):  # a builtin without a signature
+            return False
+        return any((p.name == name and p.kind != p.POSITIONAL_ONLY) or p.kind == p.VAR_KEYWORD for p in params)
+
     def check_call(self, signature: str, *args: Any, **kwargs: Any) -> None:
         """Refuse a function that cannot be called the way vime calls it, before it is called."""
         try:

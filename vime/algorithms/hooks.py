@@ -47,7 +47,7 @@ def apply_custom_tis(
             else torch.zeros(0, dtype=torch.long)
         )
         prompts = prompt_lens[starts.to(prompt_lens.device)].tolist()  # one read from the device, not one per sequence
-        totals = [p + k for p, k in zip(prompts, lengths, strict=True)]
+        totals = [int(p) + k for p, k in zip(prompts, lengths, strict=True)]
 
     def split(x: Tensor) -> list[Tensor]:
         return list(torch.split(x, lengths))

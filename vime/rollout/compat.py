@@ -31,7 +31,7 @@ import copy
 import logging
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -335,9 +335,9 @@ class Router:
     host: str = "127.0.0.1"
     port: int = 0
     _runner: web.AppRunner | None = None
-    # what a custom generate may drop, restored when it returns (None: no custom generate, which is
-    # the only caller of `restore`, so nothing is kept)
-    answers: AnswerLog | None = field(default_factory=AnswerLog)
+    # what a custom generate may drop, restored when it returns (assemble gives one only to a run
+    # with a custom generate, the one caller of `restore`; None: nothing is kept)
+    answers: AnswerLog | None = None
 
     async def _generate(self, request: web.Request) -> web.Response:
 

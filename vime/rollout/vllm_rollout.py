@@ -13,7 +13,6 @@ import from, so the name stays. The per-sample pieces here (`generate`, `generat
 from __future__ import annotations
 
 import asyncio
-import inspect
 import time
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
@@ -156,7 +155,7 @@ def custom_generate(path: str, evaluation: bool = False) -> GenerateFn:
     set their state on it (multi_agent: the tokenizer, sampling params, its agent settings). A
     function with an `evaluation` parameter is told which calls are eval's, as slime tells it."""
     plugin = load_plugin(path, "--custom-generate-function-path", signature=GENERATE_SIGNATURE)
-    extra = {"evaluation": evaluation} if takes_keyword(plugin.fn, "evaluation") else {}
+    extra = {"evaluation": evaluation} if plugin.takes_keyword("evaluation") else {}
 
     async def generate_with(args, sample: Sample, params: dict) -> Sample | list[Sample]:
         where = f"on sample {sample.index}"
@@ -183,15 +182,6 @@ def custom_generate(path: str, evaluation: bool = False) -> GenerateFn:
         return out
 
     return generate_with
-
-
-def takes_keyword(fn: Callable[..., Any], name: str) -> bool:
-    """Whether `fn` can be called with the keyword `name` (a parameter of that name, or **kwargs)."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):  # a builtin without a signature
-        return False
-    return any((p.name == name and p.kind != p.POSITIONAL_ONLY) or p.kind == p.VAR_KEYWORD for p in params)
 
 
 async def generate_samples(
