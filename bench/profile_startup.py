@@ -3,14 +3,17 @@
 Two parts, each in fresh processes so that what a cache holds is what a new run finds:
 
 1. `--probe`, twice (the first run on a fresh machine is cold, the second warm): the demo's
-   trainer (SmolLM2-135M, the demo's GPU settings) built with its compile warm-up timed size by
-   size and pass by pass (scoring forward, training forward, backward), the graphs Dynamo made
+   trainer (SmolLM2-135M's shape, random weights; the demo's GPU settings) built, and its
+   compile warm-up timed size by size and pass by pass (a scoring forward; a training forward
+   and backward), the graphs Dynamo made
    and `torch._dynamo.utils.compile_times()` (where compile time went: tracing, AOTAutograd,
    Inductor, cache loads).
-2. One whole run (`bench/real_ab.py --preset demo --arms sync --steps 1`), caches warm: its
-   `start-up` line and its engine's log lines.
+2. Whole runs (`bench/real_ab.py --preset lists --arms sync --steps 1`: the demo's model and
+   settings on a task graded exactly, as the demo's `math` grader needs math-verify) of each
+   `--trees` tree, alternately: the seconds from the command to the end of step 1, the run's
+   `start-up` line and its engine's log lines. Needs the GGUF (bench/device_prep.sh).
 
-    PYTHONPATH=. python3 bench/profile_startup.py --out /tmp/startup
+    PYTHONPATH=. python3 bench/profile_startup.py --out /tmp/startup --trees .old/d4a5187,.
 """
 
 from __future__ import annotations
@@ -28,6 +31,39 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
 
 
+# SmolLM2-135M-Instruct's config.json: the probe compiles the same shapes without the GGUF, which
+# takes two calls to bring to a lent GPU (bench/device_prep.sh)
+SMOLLM2 = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_theta=100000.0,
+    tie_word_embeddings=True,
+)
+
+
+def smollm2_shaped(out: Path, device: str) -> Path:
+    """Random weights of SmolLM2-135M's shape and a two-token tokenizer, as an HF directory."""
+    import torch
+    from tokenizers import Tokenizer, models
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+    if (out / "config.json").exists():
+        return out
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**SMOLLM2), dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    tok = Tokenizer(models.WordLevel({"<pad>": 0, "<eos>": 1}, unk_token="<pad>"))
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>").save_pretrained(out)
+    return out
+
+
 def probe(out: Path, max_tokens: int | None) -> dict:
     """The demo's trainer built once, its warm-up timed (this process only)."""
     import torch
@@ -35,84 +71,108 @@ def probe(out: Path, max_tokens: int | None) -> dict:
     from demo import demo_config, demo_data, demo_settings
 
     from vime.config import parse_args
-    from vime.models import load_tokenizer, resolve_model
-    from vime.trainer import actor as actor_mod
+    from vime.models import load_tokenizer
     from vime.trainer.distributed import launch_actor
-    from vime.trainer.packing import PAD_BUCKETS, pack
+    from vime.trainer.warm_up import CompileWarmUp
 
     rows: list[dict] = []
     device = "cuda:0" if torch.cuda.is_available() else "cpu"  # CPU: a smoke test of this script
+    step = CompileWarmUp._step
 
-    def sync() -> None:
+    def timed_step(self: CompileWarmUp, size: int, scoring: bool) -> None:
+        graphs = dynamo_utils.counters["stats"]["unique_graphs"]
         if device != "cpu":
-            sync()
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step(self, size, scoring)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        rows.append(
+            {
+                "size": size,
+                "pass": "score" if scoring else "train",
+                "s": round(time.perf_counter() - t0, 3),
+                "graphs": dynamo_utils.counters["stats"]["unique_graphs"] - graphs,
+            }
+        )
 
-    def timed_warm_up(self: actor_mod.Actor) -> None:  # the same loop as Actor._warm_up, timed
-        for size in range(self._bucket, self._bucket * PAD_BUCKETS + 1, self._bucket):
-            mb = pack([[self.pad_token_id] * 2], [1], [], self.device, size, self.pad_token_id)
-            row = {"size": size}
-            for name, grad in (("score", False), ("train_fwd", True)):
-                graphs = dynamo_utils.counters["stats"]["unique_graphs"]
-                sync()
-                t0 = time.perf_counter()
-                self.scorer.train(grad)
-                with torch.set_grad_enabled(grad):
-                    out_ = self._forward(self.scorer, mb, with_entropy=grad)
-                sync()
-                row[name] = round(time.perf_counter() - t0, 3)
-                row[name + "_graphs"] = dynamo_utils.counters["stats"]["unique_graphs"] - graphs
-            t0 = time.perf_counter()
-            (out_[0].sum() + out_[1].sum()).backward()
-            sync()
-            row["backward"] = round(time.perf_counter() - t0, 3)
-            rows.append(row)
-        self.optimizer.zero_grad(set_to_none=True)
-
-    actor_mod.Actor._warm_up = timed_warm_up
+    CompileWarmUp._step = timed_step
     s = demo_settings(True)
-    model_dir = resolve_model("smollm2")
+    model_dir = smollm2_shaped(out / "model", device)
     train, test = demo_data(out / "data")
     if max_tokens:
         s["max_tokens"] = max_tokens
     config = demo_config(s, model_dir, train, test)
     cfg = parse_args([], **config, compile=True, runs_dir=str(out / "runs"), run_name="probe")
     t0 = time.perf_counter()
-    launch_actor(cfg, model_dir, device, load_tokenizer(model_dir))
-    total = time.perf_counter() - t0
+    actor = launch_actor(cfg, model_dir, device, load_tokenizer(model_dir))
+    built = time.perf_counter() - t0
+    actor.ready()
     return {
-        "actor_s": round(total, 2),
-        "warm_up_s": round(sum(r["score"] + r["train_fwd"] + r["backward"] for r in rows), 2),
+        "actor_s": round(built, 2),
+        "ready_s": round(time.perf_counter() - t0, 2),
+        "warm_up_s": round(sum(r["s"] for r in rows), 2),
         "graphs": dynamo_utils.counters["stats"]["unique_graphs"],
         "sizes": rows,
         "compile_times": dynamo_utils.compile_times(repr="str", aggregate=True),
     }
 
 
-def whole_run(out: Path) -> dict:
-    """One real sync run of one step; its start-up line and its engine's log."""
-    runs = out / "ab"
-    cmd = [sys.executable, "bench/real_ab.py", "--preset", "demo", "--arms", "sync", "--seeds", "9"]
+def whole_run(tree: Path, out: Path) -> dict:
+    """One real sync run of one step of `tree`'s vime (another tree: one `git archive` of it):
+    the seconds from the command to the end of step 1 (its metrics row), and the log's lines."""
+    runs = out.resolve()
+    cmd = [sys.executable, "bench/real_ab.py", "--preset", "lists", "--arms", "sync", "--seeds", "9"]
     cmd += ["--steps", "1", "--eval-limit", "8", "--out", str(runs)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])}
     t0 = time.perf_counter()
-    subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
-    wall = time.perf_counter() - t0
+    proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL)
+    step1 = None
+    while proc.poll() is None:
+        if step1 is None and any('"step": 1' in m.read_text() for m in runs.rglob("metrics.jsonl")):
+            step1 = time.perf_counter() - t0
+        time.sleep(0.05)
     logs = sorted(runs.rglob("log.txt"))
     text = logs[-1].read_text() if logs else ""
     engine = sorted(runs.rglob("engine0.log"))
-    found = {
-        "wall_s": round(wall, 1),
-        "startup": re.findall(r"start-up .*", text),
-        "compiled": re.findall(r"compiled the trainer .*", text),
-        "engine_log": engine[-1].read_text().splitlines()[:40] if engine else [],
+    wanted = r"(start-up .*|compiled the trainer .*|the trainer waited .*)"
+    return {
+        "exit": proc.returncode,
+        "step1_end_s": None if step1 is None else round(step1, 1),
+        "lines": re.findall(wanted, text),
+        "engine_log": [ln for ln in (engine[-1].read_text().splitlines() if engine else []) if "INFO" in ln][:12],
     }
-    return found
+
+
+def print_probe(label: str, r: subprocess.CompletedProcess, wall: float) -> None:
+    recompiles = [ln.split("[__recompiles]")[-1] for ln in r.stderr.splitlines() if "[__recompiles]" in ln]
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("PROBE ")), None)
+    print(f"\n## probe {label}: process wall {wall:.1f} s, exit {r.returncode}")
+    if line is None:
+        print(r.stdout[-3000:], r.stderr[-5000:])
+        return
+    d = json.loads(line[6:])
+    print(
+        f"trainer built {d['actor_s']} s, ready {d['ready_s']} s, warm-up steps {d['warm_up_s']} s, graphs {d['graphs']}"
+    )
+    print("| size | pass | s | new graphs |\n|---:|---|---:|---:|")
+    for row in d["sizes"]:
+        print(f"| {row['size']} | {row['pass']} | {row['s']} | {row['graphs']} |")
+    print("recompile reasons:\n" + "\n".join(recompiles[:40]))
+    print("compile_times:\n" + d["compile_times"][:3000])
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("/tmp/startup"))
     p.add_argument("--probe", action="store_true", help="(internal) one timed trainer build, JSON on stdout")
-    p.add_argument("--no-run", action="store_true", help="probes only, no whole run")
+    p.add_argument("--probes", type=int, default=2, help="timed trainer builds (the first on a fresh machine is cold)")
+    p.add_argument(
+        "--trees",
+        default="",
+        help="comma-separated source trees whose whole run to time, alternately (e.g. .old/REV,.); none: no run",
+    )
+    p.add_argument("--passes", type=int, default=2, help="whole runs of each tree")
     p.add_argument("--max-tokens", type=int, default=None, help="the trainer's token budget (default: the demo's)")
     a = p.parse_args()
     if a.probe:
@@ -120,43 +180,26 @@ def main() -> None:
         return
     a.out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "TORCH_LOGS": "recompiles"}
-    for label in ("first (cold on a fresh machine)", "second (warm)"):
+    budget = ["--max-tokens", str(a.max_tokens)] if a.max_tokens else []
+    for i in range(a.probes):
         t0 = time.perf_counter()
-        r = subprocess.run(
-            [
-                sys.executable,
-                __file__,
-                "--probe",
-                "--out",
-                str(a.out),
-                *(["--max-tokens", str(a.max_tokens)] if a.max_tokens else []),
-            ],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-        )
-        wall = time.perf_counter() - t0
-        recompiles = [ln for ln in r.stderr.splitlines() if "triggered by" in ln or "- " in ln and "__recompiles" in ln]
-        line = next((ln for ln in r.stdout.splitlines() if ln.startswith("PROBE ")), None)
-        print(f"\n## probe {label}: process wall {wall:.1f} s, exit {r.returncode}")
-        if line is None:
-            print(r.stdout[-3000:], r.stderr[-5000:])
-            continue
-        d = json.loads(line[6:])
-        print(f"Actor() {d['actor_s']} s, warm-up {d['warm_up_s']} s, graphs {d['graphs']}")
-        print("| size | score s | graphs | train fwd s | graphs | backward s |\n|---:|---:|---:|---:|---:|---:|")
-        for r_ in d["sizes"]:
+        cmd = [sys.executable, __file__, "--probe", "--out", str(a.out), *budget]
+        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        print_probe(f"{i + 1} ({'cold on a fresh machine' if i == 0 else 'warm'})", r, time.perf_counter() - t0)
+    table = []
+    for n in range(a.passes):
+        for tree in [Path(t).resolve() for t in a.trees.split(",") if t]:
+            d = whole_run(tree, a.out / f"run-{tree.name}-{n}")
             print(
-                f"| {r_['size']} | {r_['score']} | {r_['score_graphs']} | {r_['train_fwd']} | {r_['train_fwd_graphs']} | {r_['backward']} |"
+                f"\n## whole run of {tree}, pass {n + 1}: exit {d['exit']}, step 1 ended {d['step1_end_s']} s after the command"
             )
-        print("recompile reasons:\n" + "\n".join(recompiles[:30]))
-        print("compile_times:\n" + d["compile_times"][:4000])
-    if not a.no_run:
-        d = whole_run(a.out)
-        print(f"\n## whole run, warm: wall {d['wall_s']} s")
-        print("\n".join(d["startup"] + d["compiled"]))
-        print("engine log:\n" + "\n".join(d["engine_log"]))
+            print("\n".join(d["lines"]) + "\nengine log:\n" + "\n".join(d["engine_log"]))
+            startup = next((ln for ln in d["lines"] if ln.startswith("start-up")), "")
+            table.append((tree.name, n + 1, startup.split(" s before")[0].removeprefix("start-up "), d["step1_end_s"]))
+    if table:
+        print("\n| tree | pass | start-up before step 1 (s) | command → end of step 1 (s) |\n|---|---:|---:|---:|")
+        for row in table:
+            print("| " + " | ".join(str(x) for x in row) + " |")
 
 
 if __name__ == "__main__":

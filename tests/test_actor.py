@@ -708,6 +708,7 @@ def test_compiled_trainer_compiles_once_for_any_lengths(tiny_model):
 
     eager = Actor(make_args(max_tokens_per_gpu=64), tiny_model)
     compiled = Actor(make_args(max_tokens_per_gpu=64, compile=True), tiny_model)
+    compiled.ready()  # one rank compiles on a thread of its own (vime/trainer/warm_up.py)
     warm = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     counts = []
     for step, n in enumerate((6, 3, 9, 2)):  # 6 to 9 sequences in 1 to 3 micro-batches of other lengths

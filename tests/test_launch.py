@@ -90,3 +90,42 @@ def test_the_start_up_clock_counts_imports_once_per_process():
         time.sleep(0.05)
     assert dict(later.phases)["work"] >= 0.05
     assert later.line().startswith("start-up ") and "imports" not in later.line() and "work " in later.line()
+
+
+def test_an_engine_sizes_its_kv_cache_only_once_the_trainer_is_ready(tmp_path, tiny_model):
+    """`--wait-for-file`: an engine starting beside a trainer on its GPU loads its weights, then
+    waits for the run's TRAINER_READY before sizing the KV cache from free memory; a fixed
+    cache size needs no wait."""
+    import threading
+    import time
+
+    from vime.engine.core.engine import EngineConfig, LLMEngine
+
+    gate = tmp_path / "trainer-ready"
+    built: list[LLMEngine] = []
+    cfg = EngineConfig(str(tiny_model), block_size=4, num_kv_blocks=None, kv_cache_gb=None, wait_for_file=str(gate))
+    thread = threading.Thread(target=lambda: built.append(LLMEngine(cfg)), daemon=True)
+    thread.start()
+    time.sleep(1.0)
+    assert thread.is_alive() and not built  # waiting: the trainer holds no memory yet
+    gate.touch()
+    thread.join(timeout=60)
+    assert built and built[0].allocator.num_blocks > 0  # sized from what is free
+    fixed = LLMEngine(
+        EngineConfig(str(tiny_model), block_size=4, num_kv_blocks=8, wait_for_file=str(tmp_path / "never"))
+    )
+    assert fixed.allocator.num_blocks == 8
+
+
+def test_engines_wait_for_the_trainer_only_on_its_gpus():
+    from vime.backends import BACKENDS
+    from vime.backends.placement import shares_trainer_gpu
+    from vime.backends.settings import PlacementConfig
+
+    two = Config(actor_num_gpus_per_node=2).placement
+    assert isinstance(two, PlacementConfig)
+    assert shares_trainer_gpu("cuda:1", two) and shares_trainer_gpu("cuda", two)
+    assert not shares_trainer_gpu("cuda:2", two) and not shares_trainer_gpu("cpu", two)
+    assert shares_trainer_gpu("cuda:2,1", two) and not shares_trainer_gpu("cuda:2,3", two)
+    # vLLM measures the GPU as it starts, so only the built-in engine starts beside the trainer
+    assert BACKENDS["vime"].starts_beside_trainer and not BACKENDS["vllm"].starts_beside_trainer

@@ -90,7 +90,8 @@ class Run:
                     self.push_weights(0, count=False)
             self.metrics = MetricsLogger.for_run(self.cfg, self.num_rollout, self.start_step)
             if ctx.startup is not None:
-                log.info("%s", ctx.startup.line())
+                behind = "; the trainer's compile goes on beside" if getattr(self.actor, "compiling", False) else ""
+                log.info("%s%s", ctx.startup.line(), behind)
         except BaseException:
             self.close()  # never leave engine or trainer processes behind
             raise

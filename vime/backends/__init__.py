@@ -33,6 +33,11 @@ class Backend:
     # "module:function" as `place`, with engines as Ray actors (--launcher ray); None: Ray does not
     # place this backend's engines (--launcher ray is refused at validation, auto stays local)
     ray_place: str | None = None
+    # its engines may start while the trainer builds (--launcher local): one on the trainer's GPU
+    # waits for the run directory's TRAINER_READY file before sizing its KV cache from free memory
+    # (vime/launch/assemble.py). vLLM measures the GPU's memory as it starts, so its engines start
+    # after the trainer
+    starts_beside_trainer: bool = False
 
     def make_client(self, url: str, api_key: str | None = None) -> Any:
         """A client of the engine at `url` (an `EngineClient`)."""
@@ -56,6 +61,7 @@ BACKENDS: dict[str, Backend] = {
             tensor_parallel=False,
             lora_adapters=True,  # vime/engine/core/lora.py
             ray_place="vime.backends.builtin.place:place_ray",
+            starts_beside_trainer=True,
         ),
         Backend(
             "vllm",

@@ -36,6 +36,10 @@ from vime.transport import cuda_ipc
 
 log = logging.getLogger("vime")
 
+# in the run directory: the trainer holds its memory (or the run has none), so an engine on its GPU
+# may size its KV cache from what is free (Backend.starts_beside_trainer)
+TRAINER_READY = "trainer-ready"
+
 
 class LaunchedEngine(Protocol):
     """An engine a placement started, as it holds it: each backend's launcher returns one (a local
@@ -107,6 +111,15 @@ def trainer_device(settings: PlacementConfig) -> str:
     if settings.device == "auto":
         return "cuda:0" if torch.cuda.is_available() else "cpu"
     return "cuda:0" if settings.device == "cuda" else "cpu"
+
+
+def shares_trainer_gpu(device: str, settings: PlacementConfig) -> bool:
+    """An engine on `device` ("cuda:N" or "cuda:N,M") shares a GPU with a trainer rank of this
+    node (ranks take cuda:0 up to --actor-num-gpus-per-node)."""
+    if not device.startswith("cuda"):
+        return False
+    indices = [int(d) for d in device.removeprefix("cuda:").split(",")] if ":" in device else [0]
+    return any(i < settings.actor_num_gpus_per_node for i in indices)
 
 
 def engine_devices(settings: PlacementConfig, trainer: str) -> list[str]:

@@ -389,6 +389,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "while the GPU computes step N+1 (debugging)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--wait-for-file", metavar="PATH", help="size the KV cache from free memory once PATH exists")
     p.add_argument(
         "--max-request-mb",
         type=float,
@@ -454,6 +455,7 @@ def main(argv: list[str] | None = None) -> None:
             cuda_graphs=not args.enforce_eager,
             overlap=not args.disable_overlap_schedule,
             seed=args.seed,
+            wait_for_file=args.wait_for_file,
         )
     )
     server = EngineServer(engine, model_path, args.api_key, args.max_request_mb)

@@ -4,8 +4,10 @@
 1. Every input checked before anything starts or is written (`vime/preflight.py`); the values
    only the inputs tell (the model's directory, --num-epoch's rollouts, the launcher auto picks)
    make the run's config, which is then frozen and, for a training run, written to config.yaml.
-2. The trainer, before the engines: under torchrun, ranks other than 0 serve rank 0 from inside
-   `launch_actor` and never return, so they start no engines.
+2. The trainer, and the engines beside it (`_trainer_and_engines`): engines that share its GPU
+   size their KV cache once it holds its memory. Under torchrun the trainer comes first: ranks
+   other than 0 serve rank 0 from inside `launch_actor` and never return, so they start no
+   engines.
 3. The engines, placed by the run's launcher (`vime/launch/launcher.py`), their clients, and the
    rollout runtime over them; a training run's router for the seed's plug-ins and its weight
    pusher, whose weight group forms now, not in step 1. `vime eval` gives engines it did not
@@ -19,14 +21,17 @@ Whatever fails on the way closes what was built before it.
 from __future__ import annotations
 
 import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
 
 from vime.backends import BACKENDS
 from vime.backends.client import EngineClient
-from vime.backends.placement import Placement, fresh_path, trainer_device
+from vime.backends.placement import TRAINER_READY, Placement, fresh_path, trainer_device
 from vime.config import Config, ConfigError, OutputConfig, RolloutConfig
 from vime.launch.context import RunContext
 from vime.launch.launcher import launcher_for
@@ -50,18 +55,12 @@ def assemble(cfg: Config, evaluation: bool = False) -> RunContext:
         ctx = _checked(cfg) if not evaluation else _checked_for_eval(cfg)
     ctx.startup = clock
     try:
-        if not evaluation and not ctx.cfg.rollout.debug_rollout_only:
-            with clock.phase("trainer"):  # the model loaded, sharded and, with --compile, compiled
-                ctx.actor = launch_actor(
-                    ctx.cfg,
-                    ctx.cfg.rollout.model_dir,
-                    trainer_device(ctx.cfg.placement),
-                    ctx.tokenizer,
-                    ctx.run_dir,
-                    start_ranks=ctx.launcher.rank_starter(),
-                )
-        with clock.phase("engines"):  # started (or reached) and ready
-            _engines(ctx, relaunch=not evaluation)
+        if evaluation or ctx.cfg.rollout.debug_rollout_only:
+            (ctx.run_dir / TRAINER_READY).touch()  # no trainer: engines size their KV cache at once
+            with clock.phase("engines"):  # started (or reached) and ready
+                _engines(ctx, relaunch=not evaluation)
+        else:
+            _trainer_and_engines(ctx, clock)
         if evaluation:
             if not ctx.placement.engines:  # engines given by URL: they evaluate --hf-checkpoint, not what they hold
                 _push_checkpoint(ctx)
@@ -121,6 +120,46 @@ def _checked_for_eval(cfg: Config) -> RunContext:
     launcher = launcher_for(cfg.placement)
     cfg = cfg.derived(launcher=launcher.name).freeze()
     return RunContext(cfg, run_dir, tokenizer, BACKENDS[cfg.placement.rollout_backend], launcher)
+
+
+def _trainer_and_engines(ctx: RunContext, clock: StartupClock) -> None:
+    """The trainer, and the engines beside it when their backend allows (`starts_beside_trainer`)
+    and this process is the only driver (under torchrun every rank runs this, and ranks other
+    than 0 never return from `launch_actor`). An engine on the trainer's GPU loads its weights
+    meanwhile and sizes its KV cache once TRAINER_READY exists, when the trainer holds its memory
+    (its compile goes on behind: vime/trainer/warm_up.py)."""
+    gate = ctx.run_dir / TRAINER_READY
+    gate.unlink(missing_ok=True)  # a resumed run's directory holds the last start's
+    beside = ctx.backend.starts_beside_trainer and ctx.launcher.name == "local" and "RANK" not in os.environ
+    if not beside:
+        with clock.phase("trainer"):
+            ctx.actor = _launch_actor(ctx)
+        gate.touch()
+        with clock.phase("engines"):
+            _engines(ctx, relaunch=True)
+        return
+    with ThreadPoolExecutor(1, thread_name_prefix="vime-engines") as pool:
+        engines = pool.submit(_engines, ctx, True)
+        try:
+            with clock.phase("trainer"):  # the engines start meanwhile
+                ctx.actor = _launch_actor(ctx)
+        finally:
+            # a trainer that failed lets the engines finish starting, so the run's close ends them
+            gate.touch()
+        with clock.phase("engines"):  # what is left of their start
+            engines.result()
+
+
+def _launch_actor(ctx: RunContext) -> Any:
+    """The model loaded, sharded and, with --compile, its compile started."""
+    return launch_actor(
+        ctx.cfg,
+        ctx.cfg.rollout.model_dir,
+        trainer_device(ctx.cfg.placement),
+        ctx.tokenizer,
+        ctx.run_dir,
+        start_ranks=ctx.launcher.rank_starter(),
+    )
 
 
 def _log_debug_modes(ro: RolloutConfig, out: OutputConfig) -> None:

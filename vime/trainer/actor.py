@@ -41,6 +41,7 @@ from vime.trainer.perf import mfu, train_flops
 from vime.trainer.step_loss import Advantages, StepLoss, as_advantages
 from vime.trainer.step_metrics import merge_steps
 from vime.trainer.teacher import teacher_dir
+from vime.trainer.warm_up import CompileWarmUp
 from vime.trainer.weights import WeightExport
 
 log = logging.getLogger("vime")
@@ -128,8 +129,18 @@ class Actor(WeightExport):
         self.teacher_scorer = self._frozen(teacher_dir(self.algo)) if self.algo.teacher_in_trainer else None
         self._bucket = -(-trainer.max_tokens_per_gpu // PAD_BUCKETS)
         self._warned_oversize = False
-        if self.compiled:
-            self._warm_up()
+        # compiled: every padded size, on a thread of its own when this is the only rank (warm_up.py)
+        self._warm_up = CompileWarmUp(self, background=self.world == 1) if self.compiled else None
+
+    def ready(self) -> None:
+        """Block until the compile warm-up is done (every use of the model does this first)."""
+        if self._warm_up is not None:
+            self._warm_up.wait()
+
+    @property
+    def compiling(self) -> bool:
+        """The warm-up is still compiling on its thread."""
+        return self._warm_up is not None and self._warm_up.running
 
     @property
     def settings(self) -> TrainerConfig:
@@ -173,7 +184,7 @@ class Actor(WeightExport):
 
     def _pack(self, samples: list[Sample], idx: list[int]) -> PackedBatch:
         """One micro-batch on the device. Compiled layers get its length rounded up to one of
-        `PAD_BUCKETS` sizes, all of which `_warm_up` compiled: each other token count risks a
+        `PAD_BUCKETS` sizes, all of which the warm-up compiled: each other token count risks a
         compile of its own mid-run (inductor guards ranges of it, e.g. T >= 5120; bench/RESULTS.md,
         issue 16). A sequence longer than the budget gets a micro-batch of its own, of a size the
         warm-up did not see (`_plan` warns once). An empty micro-batch is one dummy sequence that
@@ -189,25 +200,6 @@ class Actor(WeightExport):
             pad_to,
             self.pad_token_id,
         )
-
-    def _warm_up(self) -> None:
-        """Compile every shape a step can meet before the first step: each bucket size, with and
-        without gradients (a scoring pass runs under no_grad, which is a graph of its own). The
-        batches are a dummy sequence padded to the size; the gradients they leave are dropped."""
-        t0 = time.perf_counter()
-        was_training = self.scorer.training
-        for size in range(self._bucket, self._bucket * PAD_BUCKETS + 1, self._bucket):
-            mb = pack([[self.pad_token_id] * 2], [1], [], self.device, size, self.pad_token_id)
-            self.scorer.eval()  # as `compute_log_probs` runs it: the layers' mode is guarded too
-            with torch.no_grad():
-                self._forward(self.scorer, mb, with_entropy=False)
-            self.scorer.train()
-            log_probs, entropy = self._forward(self.scorer, mb, with_entropy=True)
-            (log_probs.sum() + entropy.sum()).backward()
-        self.scorer.train(was_training)
-        self.optimizer.zero_grad(set_to_none=True)
-        self._sync()
-        log.info("compiled the trainer for %d micro-batch sizes in %.1f s", PAD_BUCKETS, time.perf_counter() - t0)
 
     def _forward(
         self, scorer: nn.Module, mb: PackedBatch, with_entropy: bool, temperature: float | None = None
@@ -231,6 +223,7 @@ class Actor(WeightExport):
     def compute_log_probs(self, samples: list[Sample], scorer: nn.Module | None = None) -> list[Tensor]:
         """Per-sample log-probs of the response tokens under `scorer` (default: the policy), on
         every rank."""
+        self.ready()
         scorer = self.scorer if scorer is None else scorer
         was_training = scorer.training
         scorer.eval()
@@ -288,6 +281,7 @@ class Actor(WeightExport):
         averaged over the steps, plus throughput (`perf/actor_train_tok_per_s`, and on CUDA
         `perf/mfu`).
         """
+        self.ready()
         advantages = as_advantages(samples, advantages)
         gbs = step_size or self.settings.global_batch_size or len(samples)
         if gbs < 1 or len(samples) % gbs != 0:
@@ -395,6 +389,7 @@ class Actor(WeightExport):
         ref_log_probs: list[Tensor] | None = None,
     ) -> dict[str, float]:
         """`_accumulate`, its metrics read (summed over ranks)."""
+        self.ready()
         return self._read(self._accumulate(samples, advantages, old_log_probs, ref_log_probs))
 
     def _accumulate(
@@ -475,10 +470,12 @@ class Actor(WeightExport):
 
     def save(self, ckpt_dir: str | Path, extra_state: dict[str, Any]) -> Path:
         """Write a checkpoint (every rank calls; `vime.trainer.checkpoint.save`)."""
+        self.ready()
         return checkpoint.save(self, Path(ckpt_dir), extra_state)
 
     def load(self, ckpt_dir: str | Path) -> dict[str, Any]:
         """Restore a checkpoint; returns its extra state (`vime.trainer.checkpoint.load`)."""
+        self.ready()
         return checkpoint.load(self, Path(ckpt_dir))
 
     def close(self) -> None:

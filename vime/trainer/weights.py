@@ -23,6 +23,10 @@ class WeightExport:
     lora_modules: set[str]  # the layers that carry adapters
     _buffers: list[str]  # what a checkpoint holds besides parameters
 
+    def ready(self) -> None:
+        """The actor's: returns once its compile warm-up (which runs the model) is done."""
+        raise NotImplementedError
+
     def named_weights(self, merge: bool = True) -> Iterator[tuple[str, Tensor]]:
         """(HF name, full tensor) as in the checkpoint files, for weight pushes and saves. With
         LoRA the adapted weights are merged (W + s·B A), unless `merge=False` (the frozen base).
@@ -32,6 +36,7 @@ class WeightExport:
         anything. A tensor shared by several names (tied embeddings) is yielded once, under its
         first name (`model.embed_tokens.weight`), which is the one save_pretrained keeps.
         """
+        self.ready()
         # named_parameters, not state_dict(): FSDP2's state-dict hooks cost ~45 µs a tensor on the
         # H200 host, 14 ms of a 0.6B push (bench/RESULTS.md)
         tensors = itertools.chain(self.model.named_parameters(), ((n, self.model.get_buffer(n)) for n in self._buffers))
@@ -58,6 +63,7 @@ class WeightExport:
         and `<layer>.lora_B` in float32 on the trainer's device, the scaling s folded into B. Every
         rank iterates to the end, as with `named_weights`; rank 0 receives them."""
         assert self.lora is not None
+        self.ready()
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 if is_adapter(name):

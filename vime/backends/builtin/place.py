@@ -11,7 +11,16 @@ from typing import TYPE_CHECKING
 
 from vime.backends.builtin.launch import EngineProcess, launch_engine
 from vime.backends.client import EngineClient
-from vime.backends.placement import Placement, engine_devices, fresh_path, launch_all, placed, trainer_device
+from vime.backends.placement import (
+    TRAINER_READY,
+    Placement,
+    engine_devices,
+    fresh_path,
+    launch_all,
+    placed,
+    shares_trainer_gpu,
+    trainer_device,
+)
 from vime.backends.ray_actors import place_actors
 from vime.transport.group import apply_gpu_safe_env
 
@@ -40,6 +49,8 @@ def place(settings: PlacementConfig, model_dir: Path, run_dir: Path) -> Placemen
             extra = ["--max-num-seqs", str(settings.engine_max_num_seqs), "--seed", str(settings.rollout_seed + i)]
             if settings.engine_num_kv_blocks:
                 extra += ["--num-kv-blocks", str(settings.engine_num_kv_blocks)]
+            if shares_trainer_gpu(devices[i], settings):  # sized after the trainer's memory (assemble)
+                extra += ["--wait-for-file", str(run_dir / TRAINER_READY)]
             log_path = fresh_path(run_dir / f"engine{i}.log")  # a restarted engine keeps its earlier log
             log.info("starting engine %d on %s (log: %s)", i, devices[i], log_path)
             return launch_engine(

@@ -16,7 +16,9 @@ for the step in flight (`_drain`), so no host code ever reads a placeholder.
 from __future__ import annotations
 
 import logging
+import os
 import random
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +58,10 @@ class EngineConfig:
     cuda_graphs: bool = True  # capture decode steps on CUDA (False: every step eager, for debugging)
     overlap: bool = True  # launch a step before booking the previous one (False: one step at a time, for debugging)
     seed: int = 0
+    # a file to wait for after loading the weights and before sizing the KV cache from free GPU
+    # memory: a trainer on the same GPU, building while this engine starts, creates it once it
+    # holds its peak memory (vime/launch/assemble.py)
+    wait_for_file: str | None = None
 
 
 class LLMEngine:
@@ -74,6 +80,8 @@ class LLMEngine:
             cfg.model_path, self.device, self.dtype, self._pack_weights if vmem.supported(self.device) else None
         )
         mc = self.model_config = self.model.config
+        if cfg.wait_for_file and not cfg.num_kv_blocks and cfg.kv_cache_gb is None:
+            _wait_for_file(cfg.wait_for_file)
         num_blocks = cfg.num_kv_blocks or self._auto_num_blocks()
         if num_blocks < 1:
             raise ValueError(
@@ -467,6 +475,19 @@ class LLMEngine:
             self.kv_cache.allocate()
             if self.packed is None:
                 self.runner.capture()
+
+
+def _wait_for_file(path: str) -> None:
+    """Return once `path` exists; exit if the process that started this one ends first (it
+    would never create the file)."""
+    parent = os.getppid()
+    t0 = time.monotonic()
+    log.info("waiting for %s before sizing the KV cache (a trainer on this GPU is building)", path)
+    while not os.path.exists(path):
+        if os.getppid() != parent:
+            raise SystemExit(f"the process that started this engine ended before creating {path}")
+        time.sleep(0.02)
+    log.info("waited %.1f s for %s", time.monotonic() - t0, path)
 
 
 def _load_tokenizer(model_path: str) -> Any:

@@ -1,0 +1,109 @@
+"""A compiled trainer's warm-up: every micro-batch shape a step can meet, compiled before a step
+meets it, beside the rest of the start-up rather than before it.
+
+Compiling the demo's trainer for its 16 padded sizes took 18 s of a 35 s warm start-up on one
+H200, and 78 s of 112 s cold (bench/RESULTS.md, issue 48): longer than the engines' start, the
+step-0 eval and the first rollout together, none of which needs the trainer. So on one rank the
+warm-up runs on a thread of its own, and the trainer's first use waits for what is left of it
+(`CompileWarmUp.wait`, logged). Several ranks warm up in place: their warm-ups run FSDP
+collectives, which must not interleave with the calls rank 0 sends them.
+
+Before the thread starts, one training forward and backward of the largest size runs eagerly
+(`torch.compiler.set_stance("force_eager")`, a fraction of a second): the caching allocator then
+holds the trainer's peak activations, so engines that share the GPU and size their KV cache from
+its free memory once the trainer is built (`vime/launch/assemble.py`) leave the trainer its room,
+as they did when they started after the whole warm-up. An eager step keeps more activations than
+a compiled one, so that peak is the larger.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from vime.trainer.packing import PAD_BUCKETS, pack
+
+if TYPE_CHECKING:
+    from vime.trainer.actor import Actor
+
+log = logging.getLogger("vime")
+
+
+class CompileWarmUp:
+    """The warm-up of one compiled `Actor`, run in place or on a thread (`background`)."""
+
+    def __init__(self, actor: Actor, background: bool) -> None:
+        self._actor = actor
+        self._background = background
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        if not background:
+            self._run()
+            return
+        if actor.device.type == "cuda":
+            with torch.compiler.set_stance("force_eager"):
+                self._step(actor._bucket * PAD_BUCKETS, scoring=False)
+            actor.optimizer.zero_grad(set_to_none=True)
+        self._thread = threading.Thread(target=self._run_keeping_error, name="vime-compile", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Return once every size is compiled; re-raise what the warm-up raised. The first call
+        that had to wait logs how long."""
+        thread, self._thread = self._thread, None
+        if thread is not None and thread.is_alive():
+            t0 = time.perf_counter()
+            thread.join()
+            log.info("the trainer waited %.1f s for the rest of its compile", time.perf_counter() - t0)
+        elif thread is not None:
+            thread.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run_keeping_error(self) -> None:
+        try:
+            self._run()
+        except BaseException as e:  # raised to the thread that waits (`wait`)
+            self._error = e
+
+    def _run(self) -> None:
+        """Each bucket size, with and without gradients (a scoring pass runs under no_grad,
+        which is a graph of its own). The batches are a dummy sequence padded to the size; the
+        gradients they leave are dropped."""
+        actor = self._actor
+        t0 = time.perf_counter()
+        was_training = actor.scorer.training
+        for size in range(actor._bucket, actor._bucket * PAD_BUCKETS + 1, actor._bucket):
+            self._step(size, scoring=True)
+            self._step(size, scoring=False)
+        actor.scorer.train(was_training)
+        actor.optimizer.zero_grad(set_to_none=True)
+        actor._sync()
+        where = " beside the start-up" if self._background else ""
+        log.info(
+            "compiled the trainer for %d micro-batch sizes in %.1f s%s", PAD_BUCKETS, time.perf_counter() - t0, where
+        )
+
+    def _step(self, size: int, scoring: bool) -> None:
+        """One dummy micro-batch of `size` tokens: a scoring forward as `compute_log_probs` runs
+        it (eval mode, no gradients: the layers' mode is guarded too), or a training forward and
+        backward."""
+        actor = self._actor
+        mb = pack([[actor.pad_token_id] * 2], [1], [], actor.device, size, actor.pad_token_id)
+        if scoring:
+            actor.scorer.eval()
+            with torch.no_grad():
+                actor._forward(actor.scorer, mb, with_entropy=False)
+            return
+        actor.scorer.train()
+        log_probs, entropy = actor._forward(actor.scorer, mb, with_entropy=True)
+        (log_probs.sum() + entropy.sum()).backward()
