@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from vime.engine.core import vmem
+from vime.engine.core import fp8, vmem
 from vime.engine.core.kv_cache import BlockAllocator, KVCache
 from vime.engine.core.lora import AdapterMerger, adapter_of
 from vime.engine.core.model import CausalLM, load_model
@@ -56,6 +56,7 @@ class EngineConfig:
     cuda_graphs: bool = True  # capture decode steps on CUDA (False: every step eager, for debugging)
     overlap: bool = True  # launch a step before booking the previous one (False: one step at a time, for debugging)
     seed: int = 0
+    quantization: str | None = None  # "fp8": the layers' projections run W8A8 from fp8 copies (fp8.py)
 
 
 class LLMEngine:
@@ -65,6 +66,7 @@ class LLMEngine:
         self.cfg = cfg
         self.device = torch.device(cfg.device)
         self.dtype = DTYPES[cfg.dtype]
+        fp8.check(cfg.quantization, self.device, self.dtype)  # before a minute of loading
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # kernels and allocations default to the engine's GPU
         # On CUDA with VMM the weights and the KV pools keep their addresses through a memory
@@ -74,6 +76,8 @@ class LLMEngine:
             cfg.model_path, self.device, self.dtype, self._pack_weights if vmem.supported(self.device) else None
         )
         mc = self.model_config = self.model.config
+        # before the KV cache is sized: the fp8 copies take device memory too
+        self.fp8 = fp8.Fp8Weights(self.model, self.device, self.packed is not None) if cfg.quantization else None
         num_blocks = cfg.num_kv_blocks or self._auto_num_blocks()
         if num_blocks < 1:
             raise ValueError(
@@ -117,7 +121,7 @@ class LLMEngine:
         log.info(
             "engine: %s %s on %s, %d KV blocks of %d tokens, max sequence length %d",
             mc.model_type,
-            cfg.dtype,
+            cfg.dtype + (f" with {cfg.quantization} projections" if cfg.quantization else ""),
             self.device,
             num_blocks,
             cfg.block_size,
@@ -391,6 +395,8 @@ class LLMEngine:
         self._update_open = not flush
         if flush:
             self.weights_incomplete = None
+            if self.fp8 is not None:  # the update is complete (merged adapters too): the fp8 copies follow it
+                self.fp8.requantize()
         self.weight_version = self.weight_version + 1 if weight_version is None else int(weight_version)
         return n
 
@@ -447,6 +453,8 @@ class LLMEngine:
         elif self.device.type == "cuda":
             for p in self.model.parameters():
                 p.data = p.data.to("cpu")
+        if self.fp8 is not None:
+            self.fp8.release()
         self.lora.to("cpu")
         self._views = None
         if self.device.type == "cuda":
@@ -461,6 +469,8 @@ class LLMEngine:
         elif self.device.type == "cuda":
             for p in self.model.parameters():
                 p.data = p.data.to(self.device)
+        if self.fp8 is not None:
+            self.fp8.restore()  # from the weights as restored, so an update while released is in
         self.lora.to(self.device)
         self._views = None
         if not self.kv_cache.allocated:
