@@ -1,7 +1,7 @@
 """FP8 rollouts on the built-in engine (`--quantization fp8`, vime/engine/core/fp8.py), on CPU:
 the row quantization, one fp8 projection against the product of its dequantized operands, the
 engine against HF, weight pushes (whole, bucketed, LoRA adapters) reaching the fp8 copies, and
-the flags.
+the flags from the run to the engine process.
 
 Tolerance: an fp8 engine's log-probs are within FP8_ATOL = 0.05 of a teacher-forced float32 HF
 forward over its own tokens, on the tiny model (observed: at most 0.021 in float32, 0.023 in
@@ -165,3 +165,40 @@ def test_a_quantization_the_engine_cannot_run_is_refused_in_one_line(model_dir):
     with pytest.raises(SystemExit) as e:
         parse_args(["--model-path", str(model_dir), "--quantization", "int8"])
     assert e.value.code == 2
+
+
+def test_the_run_flag_reaches_the_engine_process(model_dir, tmp_path):
+    """--engine-quantization fp8 becomes the server's --quantization fp8 (`engine_args`), and the
+    engine process generates what the fp8 engine does in process."""
+    from vime.backends.builtin.launch import launch_engine
+    from vime.backends.builtin.place import engine_args
+    from vime.backends.client import EngineClient
+    from vime.config import parse_args
+
+    cfg = parse_args(
+        ["--hf-checkpoint", "tiny", "--prompt-data", "x.jsonl", "--num-rollout", "2", "--engine-quantization", "fp8"]
+    )
+    args = engine_args(cfg.placement, 0)
+    assert args[-2:] == ["--quantization", "fp8"]
+    proc = launch_engine(
+        str(model_dir),
+        extra_args=[*args, "--num-threads", "1", "--block-size", "4", "--num-kv-blocks", "64"],
+        log_path=tmp_path / "engine.log",
+    )
+    try:
+        client = EngineClient(proc.url)
+        assert client.model_info()["quantization"] == "fp8"
+        import asyncio
+
+        async def generate() -> dict:
+            try:
+                return await client.generate(PROMPTS[2], {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True})
+            finally:
+                await client.close()
+
+        out = asyncio.run(generate())
+    finally:
+        proc.shutdown()
+    ref = greedy_outputs(engine(model_dir), 8)[2]
+    assert out["output_ids"] == ref.output_ids
+    assert torch.allclose(torch.tensor(out["meta_info"]["output_token_logprobs"]), torch.tensor(ref.logprobs))

@@ -33,6 +33,8 @@ class Backend:
     # "module:function" as `place`, with engines as Ray actors (--launcher ray); None: Ray does not
     # place this backend's engines (--launcher ray is refused at validation, auto stays local)
     ray_place: str | None = None
+    # None: --engine-quantization quantizes its engines; else its own flag that does (the former is refused)
+    quantization_flag: str | None = None
 
     def make_client(self, url: str, api_key: str | None = None) -> Any:
         """A client of the engine at `url` (an `EngineClient`)."""
@@ -66,6 +68,10 @@ BACKENDS: dict[str, Backend] = {
             tensor_parallel=True,
             lora_adapters=True,  # merged by vime's worker extension into its copy of the base (vime/backends/vllm/worker_ext.py)
             ray_place="vime.backends.vllm.place:place_vllm_ray",
+            # vLLM's online FP8 with per-channel weight and per-token activation scales, the
+            # scheme of --engine-quantization fp8; pushes re-quantize through vLLM's layer-wise
+            # reload, which the worker extension loads every push with
+            quantization_flag="--vllm-quantization fp8_per_channel",
         ),
     ]
 }
