@@ -1238,6 +1238,78 @@ def test_gpu_graphs_match_eager_and_see_weight_updates(model_dir, hf):
     assert "graph" in kinds and out.output_ids == hf_greedy(hf2, PROMPTS[1], 8)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_fp8_graphs_match_eager_track_hf_and_see_pushes(model_dir, hf, tmp_path):
+    """--quantization fp8 on CUDA: the Triton row quantization against the PyTorch one; replayed
+    decode graphs compute what the eager fp8 path does; log-probs within FP8_ATOL of HF, as a
+    bfloat16 engine's are; a push, and one while the memory is released, reaches the fp8 copies
+    the graphs read (byte for byte those of an fp8 engine started from the pushed weights)."""
+    from vime.engine.core import fp8
+    from vime.engine.core.engine import EngineConfig, LLMEngine
+    from vime.engine.core.sampler import SamplingParams
+
+    if torch.cuda.get_device_capability() < fp8.MIN_CAPABILITY:
+        pytest.skip("FP8 matmuls need compute capability 8.9 or newer")
+    torch.manual_seed(0)
+    x = (torch.randn(64, 3000, device="cuda") * torch.logspace(-8, 2, 64, device="cuda")[:, None]).bfloat16()
+    x[5] = 0
+    q, s = fp8.quantize_rows(x)  # the Triton kernel
+    ref_q, ref_s = fp8.quantize_rows_torch(x)
+    assert torch.allclose(s, ref_s, rtol=1e-6, atol=0) and q[5].float().abs().max() == 0
+    # at most one fp8 step apart (both divide IEEE-rounded, so in practice none)
+    assert ((q.float() - ref_q.float()).abs() <= ref_q.float().abs() * 2**-3 + 2**-9).all()
+
+    def run(eng, n=12):
+        for i, p in enumerate(PROMPTS):
+            eng.add_request(str(i), p, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
+        outs, kinds = {}, set()
+        while eng.has_work():
+            outs.update((o.rid, o.outputs[0]) for o in eng.step())
+            kinds.add(eng.runner.last_step.kind)
+        return [outs[str(i)] for i in range(len(PROMPTS))], kinds
+
+    def copies(eng):
+        return [(w.view(torch.uint8).clone(), sc.clone()) for w, sc in eng.fp8.tensors]
+
+    def same(a, b):
+        return all(torch.equal(u, v) for pa, pb in zip(a, b, strict=True) for u, v in zip(pa, pb))
+
+    cfg = dict(device="cuda", dtype="bfloat16", block_size=4, num_kv_blocks=256, max_num_seqs=8)
+    graphs = LLMEngine(EngineConfig(str(model_dir), quantization="fp8", **cfg))
+    eager = LLMEngine(EngineConfig(str(model_dir), quantization="fp8", cuda_graphs=False, **cfg))
+    a, kinds = run(graphs)
+    b, _ = run(eager)
+    bf16, _ = run(LLMEngine(EngineConfig(str(model_dir), **cfg)))
+    assert "graph" in kinds
+    for p, x, y, z in zip(PROMPTS, a, b, bf16):
+        assert x.output_ids == y.output_ids
+        assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-3)
+        assert (torch.tensor(x.logprobs) - hf_logprobs(hf, p, x.output_ids)).abs().max() < FP8_ATOL
+        assert (torch.tensor(z.logprobs) - hf_logprobs(hf, p, z.output_ids)).abs().max() < FP8_ATOL
+    assert [x.logprobs for x in a] != [z.logprobs for z in bf16]  # the fp8 engine did run in fp8
+
+    hf2 = perturbed(hf)
+    hf2.save_pretrained(tmp_path / "pushed")
+    fresh = LLMEngine(EngineConfig(str(tmp_path / "pushed"), quantization="fp8", **cfg))
+    graphs.update_weights([(k, v.cuda()) for k, v in hf2.state_dict().items()])  # the trainer's GPU copies
+    assert same(copies(graphs), copies(fresh))
+    pushed, kinds = run(graphs)
+    ref, _ = run(fresh)
+    assert "graph" in kinds and [x.output_ids for x in pushed] == [x.output_ids for x in ref]
+    assert [x.output_ids for x in pushed] != [x.output_ids for x in a]
+    for x, y in zip(pushed, ref):
+        assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-3)
+
+    # a push while released lands in the host copy of the weights; the resume requantizes from it
+    graphs.release_memory()
+    graphs.update_weights(hf.state_dict().items())
+    graphs.resume_memory()
+    assert same(copies(graphs), copies(eager))
+    again, kinds = run(graphs)
+    assert "graph" in kinds and [x.output_ids for x in again] == [x.output_ids for x in a]
+
+
 if __name__ == "__main__":  # run by test_triton_path_in_interpreter under TRITON_INTERPRET=1
     interpreted_checks(sys.argv[1])
 
