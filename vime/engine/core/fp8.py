@@ -1,12 +1,12 @@
 """FP8 rollouts (`--quantization fp8`): the four projections of every decoder layer run W8A8.
 
-What is quantized: q/k/v, o, gate/up and down (`PROJECTIONS`), nine tenths of a dense model's
-weight bytes, which a decode step reads in full. Weights get one scale per output channel (a
+What is quantized: q/k/v, o, gate/up and down (`PROJECTIONS`), most of the weight bytes a
+decode step reads in full (nine tenths at Qwen3-4B). Weights get one scale per output channel (a
 row of [N, K]), activations one per token, computed every step (dynamic); both as vLLM's
 `fp8_per_channel` does (amax / 448, floored, true division, float8_e4m3fn). The matmul is
 `torch._scaled_mm`, accumulating in float32 and writing the model dtype. Embeddings, norms and
-`lm_head` stay in the model dtype: the head's error would land on every log-prob directly,
-and its bytes are a tenth of the model.
+`lm_head` stay in the model dtype, as vLLM keeps them: the head's error would land on every
+log-prob directly, for a tenth of the bytes at 4B.
 
 When: the model-dtype weights stay resident and every push still lands in them (NCCL, CUDA IPC,
 disk, shared memory, merged LoRA adapters), so nothing about transports or checksums changes.
