@@ -1,15 +1,19 @@
 """Rollout-engine throughput, side by side in one process: the vime engine (in process, no HTTP)
 against HF transformers' generate (default cache; static cache + torch.compile) and its
-continuous batching.
+continuous batching; and the vime engine with FP8 projections (`--arms vime,vime_fp8`, issue 48).
 
     PYTHONPATH=. python3 bench/bench_engine.py                  # the H200 run in bench/RESULTS.md
     PYTHONPATH=. python3 bench/bench_engine.py --device cpu --tiny   # smoke test, seconds
+    PYTHONPATH=. python3 bench/bench_engine.py --shape qwen3-4b --arms vime,vime_fp8   # bf16 vs FP8 rollouts
 
 Workload (issue 6): a Qwen3-0.6B-shaped model (`--shape qwen3-4b`: the 4B one) with random bf16
 weights (`--dtype float32` tells rounding from a bug in the correctness check), 256 requests with prompt
 and output lengths uniform in 100-1024 (seeded), random token ids, EOS ignored. The HF arms are
 far slower, so they run a stated subset with outputs capped. Before timing, the engine's greedy
-output is compared with HF `generate` and its log-probs with a teacher-forced HF forward.
+output is compared with HF `generate` and its log-probs with a teacher-forced HF forward (for
+the fp8 arm that is the trainer-vs-engine gap: the trainer scores in the model dtype, as HF).
+The decode floor is the bytes a step must read (weights + KV) over the copy bandwidth; the fp8
+arm's weights count 1 byte per parameter of the quantized projections plus their float32 scales.
 Details (per-step log, every number) go to --out; the markdown table is printed last.
 """
 
@@ -30,6 +34,9 @@ import numpy as np
 import torch
 
 from bench.shapes import SHAPES, TINY
+
+# the vime engine's arms, their labels in the table
+VIME_ARMS = {"vime": "vime (graphs + Triton)", "vime_fp8": "vime, FP8 projections (graphs + Triton)"}
 
 
 def parse_args() -> argparse.Namespace:
@@ -54,13 +61,19 @@ def parse_args() -> argparse.Namespace:
         "--hf-compile-requests", type=int, default=256, help="subset (= batch) for HF static cache + compile"
     )
     p.add_argument("--hf-max-new", type=int, default=256, help="output cap for the HF arms")
-    p.add_argument("--arms", default="vime,hf,hf_compile,hf_cb")
+    p.add_argument("--arms", default="vime,hf,hf_compile,hf_cb", help="of vime, vime_fp8, hf, hf_compile, hf_cb")
     p.add_argument("--check-prompts", type=int, default=8)
     p.add_argument("--check-tokens", type=int, default=64)
     p.add_argument("--time-budget", type=float, default=330.0, help="seconds; arms not started by then are skipped")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args()
+    args = p.parse_args()
+    unknown = set(args.arms.split(",")) - {*VIME_ARMS, "hf", "hf_compile", "hf_cb"}
+    if unknown:
+        p.error(
+            f"--arms: unknown {', '.join(sorted(unknown))}; give some of {', '.join([*VIME_ARMS, 'hf', 'hf_compile', 'hf_cb'])}"
+        )
+    return args
 
 
 def sync(device: torch.device) -> None:
@@ -76,6 +89,7 @@ def mapped_gib(engine) -> float:
     """Device memory the engine maps itself (weights and KV pools, with CUDA VMM), which torch's
     allocator statistics leave out."""
     buffers = [engine.kv_cache.buffer, engine.packed.buffer if engine.packed is not None else None]
+    buffers.append(engine.fp8.buffer if engine.fp8 is not None else None)  # the fp8 copies (vime_fp8)
     return sum(b.reserved for b in buffers if b is not None) / 2**30
 
 
@@ -214,9 +228,37 @@ def gpu_decode_step_ms(engine, batch: int, context: int) -> tuple[float, float]:
     return statistics.median(times), statistics.median(samp)
 
 
+def fp8_weight_bytes(hf) -> int:
+    """What a decode step of the fp8 engine reads of the weights: the projections `fp8.py`
+    quantizes at 1 byte per parameter plus a float32 scale per output channel, everything else
+    (embeddings, lm_head, norms, biases) in the model dtype."""
+    from vime.engine.core.fp8 import PROJECTIONS
+    from vime.engine.core.model import FUSED
+
+    hf_names = {f"{m}.weight" for p in PROJECTIONS for m in FUSED.get(p, (p,))}
+    total = 0
+    for name, p in hf.named_parameters():  # a tied embedding once
+        quantized = ".".join(name.split(".")[-2:]) in hf_names  # e.g. q_proj.weight
+        total += p.numel() + 4 * p.shape[0] if quantized else p.numel() * p.element_size()
+    return total
+
+
 def bench_vime(
-    args, model_dir: Path, hf, prompts, max_new, device, dtype_name, bw, weight_bytes, kv_bytes_per_token, res: dict
+    args,
+    model_dir: Path,
+    hf,
+    prompts,
+    max_new,
+    device,
+    dtype_name,
+    bw,
+    weight_bytes,
+    kv_bytes_per_token,
+    res: dict,
+    arm: str = "vime",
 ) -> None:
+    """The vime engine (`arm` vime) or the same with FP8 projections (vime_fp8): correctness
+    against HF, the timed workload, a decode graph alone, weight updates, release and resume."""
     from vime.engine.core.engine import EngineConfig, LLMEngine
 
     reset_peak(device)
@@ -230,6 +272,7 @@ def bench_vime(
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=2 * max(map(len, prompts)) + 64,
             seed=args.seed,
+            quantization="fp8" if arm == "vime_fp8" else None,
         )
     )
     sync(device)
@@ -237,10 +280,10 @@ def bench_vime(
     t0 = time.perf_counter()
     run_engine(engine, [p[:50] for p in prompts[:8]], [20] * 8, args.temperature)  # JIT the eager-path kernels
     warmup = time.perf_counter() - t0
-    res["vime_check"] = check_against_hf(
+    res[f"{arm}_check"] = check_against_hf(
         engine, hf, [p[:200] for p in prompts[: args.check_prompts]], args.check_tokens, device
     )
-    print("correctness vs HF:", json.dumps(res["vime_check"]), flush=True)
+    print(f"{arm} correctness vs HF:", json.dumps(res[f"{arm}_check"]), flush=True)
 
     step_log: list = []
     sync(device)
@@ -272,6 +315,7 @@ def bench_vime(
         "full_batch_floor_ms": 1e3 * statistics.fmean(f for _, f in full) if full else None,
         "peak_gib": peak_gib(device) + mapped_gib(engine) if device.type == "cuda" else None,
         "kv_cache_gib": engine.kv_cache.k.numel() * 2 * engine.kv_cache.k.element_size() / 2**30,
+        "weight_bytes": weight_bytes,
     }
     if device.type == "cuda" and engine.runner.graphs and args.max_num_seqs in engine.runner.graphs:
         ctx = sum(len(p) for p in prompts) // len(prompts) + sum(max_new) // (2 * len(max_new))
@@ -284,7 +328,8 @@ def bench_vime(
                 "gpu_step_floor_ms": 1e3 * (weight_bytes + args.max_num_seqs * ctx * kv_bytes_per_token) / bw,
             }
         )
-    # Weight update: HF-named tensors on the same GPU (the trainer's copy), copied in place.
+    # Weight update: HF-named tensors on the same GPU (the trainer's copy), copied in place (and
+    # with fp8, quantized again).
     state = hf.state_dict()
     times = []
     for _ in range(5):
@@ -308,8 +353,8 @@ def bench_vime(
         sync(device)
         t2 = time.perf_counter()
         v[f"release_s{round_}"], v[f"resume_s{round_}"], v[f"release_resume_s{round_}"] = t1 - t0, t2 - t1, t2 - t0
-    res["vime"] = v
-    with open(Path(args.out) / "vime_steps.csv", "w") as f:
+    res[arm] = v
+    with open(Path(args.out) / f"{arm}_steps.csv", "w") as f:
         f.write("kind,num_seqs,context_tokens,step_s\n")
         f.writelines(f"{k},{b},{c},{t:.6f}\n" for k, b, c, t in step_log)
     del engine
@@ -380,15 +425,17 @@ def table(res: dict, args) -> str:
         "| arm | requests (outputs) | output tok/s | decode step: measured / floor (ms) | peak GiB | start-up (s) |",
         "|---|---|---|---|---|---|",
     ]
-    v = res.get("vime")
-    if v and "error" in v:
-        rows.append(f"| vime | - | {v['error']} | - | - | - |")
-        v = None
-    if v:
-        step = f"{fmt(v['decode_step_ms_mean'], '.2f')} / {fmt(v['decode_floor_ms_mean'], '.2f')} (mean); B={args.max_num_seqs}: {fmt(v['full_batch_step_ms'], '.2f')} / {fmt(v['full_batch_floor_ms'], '.2f')}"
-        rows.append(
-            f"| vime (graphs + Triton) | {v['requests']} ({args.lengths}) | **{v['tok_s']:,.0f}** | {step} | {fmt(v['peak_gib'])} | {v['startup_s']:.1f} (capture {v['graph_capture_s']:.1f}) |"
-        )
+    vime = {}
+    for arm, label in VIME_ARMS.items():
+        v = res.get(arm)
+        if v and "error" in v:
+            rows.append(f"| {arm} | - | {v['error']} | - | - | - |")
+        elif v:
+            vime[arm] = v
+            step = f"{fmt(v['decode_step_ms_mean'], '.2f')} / {fmt(v['decode_floor_ms_mean'], '.2f')} (mean); B={args.max_num_seqs}: {fmt(v['full_batch_step_ms'], '.2f')} / {fmt(v['full_batch_floor_ms'], '.2f')}"
+            rows.append(
+                f"| {label} | {v['requests']} ({args.lengths}) | **{v['tok_s']:,.0f}** | {step} | {fmt(v['peak_gib'])} | {v['startup_s']:.1f} (capture {v['graph_capture_s']:.1f}) |"
+            )
     names = {
         "hf": "HF generate, default cache, B={n}",
         "hf_compile": "HF generate, static cache + compile, B={n}",
@@ -406,26 +453,42 @@ def table(res: dict, args) -> str:
         )
     hf_best = max((res[a]["tok_s"] for a in names if a in res and "tok_s" in res[a]), default=None)
     lines = ["\n".join(rows)]
-    if v:
-        c = res["vime_check"]
-        lines.append(f"vime vs fastest HF path: {v['tok_s'] / hf_best:.2f}x. " if hf_best else "")
+    for arm, v in vime.items():
+        lines.append(f"{arm}:")
+        lines += vime_lines(v, res[f"{arm}_check"], hf_best, args)
+    if len(vime) == 2:
+        v, f = vime["vime"], vime["vime_fp8"]
         lines.append(
-            f"weight update (copy_ of {v['weight_update_tensors']} HF-named same-GPU tensors): {v['weight_update_ms']:.1f} ms; "
-            f"release + resume{' (incl. re-capture)' if v['recaptures'] else ''}: {v['release_resume_s']:.2f} s "
-            f"(release {v['release_s']:.2f} + resume {v['resume_s']:.2f}; again: {v['release_s_again']:.2f} + {v['resume_s_again']:.2f}); "
-            f"eager steps {v['eager_steps']} of {v['steps']} "
-            f"({v['eager_time_s']:.2f} s of {v['wall_s']:.2f} s)"
-        )
-        if "gpu_graph_ms" in v:
-            lines.append(
-                f"one B={args.max_num_seqs} decode graph at context {v['gpu_step_context']}: {v['gpu_graph_ms']:.2f} ms on the GPU (+ sampler {v['gpu_sampler_ms']:.3f} ms) vs floor {v['gpu_step_floor_ms']:.2f} ms"
-            )
-        lines.append(
-            f"correctness ({c['prompts']} prompts x {c['new_tokens']} greedy tokens vs HF generate): exact {c['exact_matches']}/{c['prompts']}, "
-            f"matched prefix {100 * c['matched_prefix_rate']:.0f}%, first divergence at {c['first_divergence']}; "
-            f"log-prob |diff| vs teacher-forced HF: max {c['logprob_max_abs_diff']:.3g}, mean {c['logprob_mean_abs_diff']:.3g}"
+            f"FP8 vs {args.dtype_name}: {f['tok_s'] / v['tok_s']:.2f}x tok/s; weights read per decode step "
+            f"{f['weight_bytes'] / 2**20:,.1f} vs {v['weight_bytes'] / 2**20:,.1f} MiB; log-prob gap to HF "
+            f"(the trainer's scores) max {res['vime_fp8_check']['logprob_max_abs_diff']:.3g} vs "
+            f"{res['vime_check']['logprob_max_abs_diff']:.3g}, mean {res['vime_fp8_check']['logprob_mean_abs_diff']:.3g} "
+            f"vs {res['vime_check']['logprob_mean_abs_diff']:.3g}"
         )
     return "\n".join(x for x in lines if x)
+
+
+def vime_lines(v: dict, c: dict, hf_best: float | None, args) -> list[str]:
+    """The lines under the table for one vime arm: speed-up, updates and memory, a decode graph
+    alone, and the check against HF."""
+    lines = [f"vs fastest HF path: {v['tok_s'] / hf_best:.2f}x. " if hf_best else ""]
+    lines.append(
+        f"weight update (copy_ of {v['weight_update_tensors']} HF-named same-GPU tensors): {v['weight_update_ms']:.1f} ms; "
+        f"release + resume{' (incl. re-capture)' if v['recaptures'] else ''}: {v['release_resume_s']:.2f} s "
+        f"(release {v['release_s']:.2f} + resume {v['resume_s']:.2f}; again: {v['release_s_again']:.2f} + {v['resume_s_again']:.2f}); "
+        f"eager steps {v['eager_steps']} of {v['steps']} "
+        f"({v['eager_time_s']:.2f} s of {v['wall_s']:.2f} s)"
+    )
+    if "gpu_graph_ms" in v:
+        lines.append(
+            f"one B={args.max_num_seqs} decode graph at context {v['gpu_step_context']}: {v['gpu_graph_ms']:.2f} ms on the GPU (+ sampler {v['gpu_sampler_ms']:.3f} ms) vs floor {v['gpu_step_floor_ms']:.2f} ms"
+        )
+    lines.append(
+        f"correctness ({c['prompts']} prompts x {c['new_tokens']} greedy tokens vs HF generate): exact {c['exact_matches']}/{c['prompts']}, "
+        f"matched prefix {100 * c['matched_prefix_rate']:.0f}%, first divergence at {c['first_divergence']}; "
+        f"log-prob |diff| vs teacher-forced HF: max {c['logprob_max_abs_diff']:.3g}, mean {c['logprob_mean_abs_diff']:.3g}"
+    )
+    return lines
 
 
 def main() -> None:
@@ -437,7 +500,7 @@ def main() -> None:
     lo, hi = (10, 40) if args.tiny else (100, 1024)
     args.lengths = f"{lo}-{hi}"
     n_req = args.num_requests or (16 if args.tiny else 256)
-    dtype_name = args.dtype or ("float32" if device.type == "cpu" else "bfloat16")
+    dtype_name = args.dtype_name = args.dtype or ("float32" if device.type == "cpu" else "bfloat16")
     dtype = getattr(torch, dtype_name)
     if args.tiny:
         args.max_num_seqs = min(args.max_num_seqs, n_req)
@@ -463,6 +526,7 @@ def main() -> None:
             2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["head_dim"] * dtype.itemsize
         )
         res["weight_bytes"], res["kv_bytes_per_token"] = weight_bytes, kv_bytes_per_token
+        res["fp8_weight_bytes"] = fp8_weight_bytes(hf)
         arms = args.arms.split(",")
         for arm in arms:
             if time.perf_counter() - t_start > args.time_budget:
@@ -470,7 +534,7 @@ def main() -> None:
                 continue
             print(f"--- {arm} ({time.perf_counter() - t_start:.0f}s)", flush=True)
             try:
-                if arm == "vime":
+                if arm in VIME_ARMS:
                     bench_vime(
                         args,
                         Path(tmp),
@@ -480,9 +544,10 @@ def main() -> None:
                         device,
                         dtype_name,
                         bw,
-                        weight_bytes,
+                        weight_bytes if arm == "vime" else res["fp8_weight_bytes"],
                         kv_bytes_per_token,
                         res,
+                        arm,
                     )
                 elif arm == "hf":
                     res[arm] = bench_hf_generate(hf, prompts[: args.hf_requests], args.hf_max_new, device, static=False)

@@ -111,6 +111,14 @@ def test_json_and_list_flags():
         ),
         (["--launcher", "ray", "--rollout-engine-urls", "http://h:1"], "give one of the two"),
         (["--launcher", "ray", "--colocate"], "--colocate puts the engines on the trainer's GPUs"),
+        (
+            ["--engine-quantization", "fp8", "--rollout-backend", "vllm"],
+            "engines quantize by their own flag: use --vllm-quantization fp8_per_channel instead",
+        ),
+        (
+            ["--engine-quantization", "fp8", "--rollout-engine-urls", "http://h:1"],
+            "start those with --quantization fp8 instead",
+        ),
     ],
 )
 def test_inconsistent_settings_fail_with_one_line(extra, fragment):

@@ -32,6 +32,7 @@ from vime.backends.builtin.launch import launch_engine
 from vime.backends.client import EngineClient, EngineError
 
 ATOL = 1e-4
+FP8_ATOL = 0.05  # an fp8 engine's log-probs against HF (tests/test_fp8.py says why)
 EOS_IDS = (3, 1)  # <|im_end|> (config) and <|endoftext|> (generation_config)
 PROMPTS = [[40], [50, 60, 70, 80, 90], list(range(10, 33)), [7, 8, 9] * 13]  # 1, 5, 23, 39 tokens
 
@@ -123,13 +124,15 @@ def next_after_update(hf, hf2, prompt: list[int], n_old: int) -> list[int]:
     return old + [int(nxt)]
 
 
-def perturbed(hf, seed: int = 1):
-    """A copy of the model with noisy weights: the 'trained' policy to push to the engine."""
+def perturbed(hf, seed: int = 1, scale: float = 0.5):
+    """A copy of the model with noisy weights: the 'trained' policy to push to the engine. The
+    default noise makes a far sharper model than the tiny one (logits ~25x larger); fp8 checks
+    take 0.02, a step of training's size, since fp8's error grows with the logits."""
     torch.manual_seed(seed)
     new = copy.deepcopy(hf)
     with torch.no_grad():
         for p in new.parameters():
-            p.add_(0.5 * torch.randn_like(p))
+            p.add_(scale * torch.randn_like(p))
     return new
 
 
@@ -794,9 +797,11 @@ def test_triton_path_in_interpreter(model_dir):
 
 
 def _patch_triton_interpreter() -> None:
-    """Two gaps of Triton 3.6's interpreter, not of the kernels: it indexes with a loaded scalar
-    by int() of a 1-element array (an error from numpy 2.4), and it stores bfloat16 as raw
-    uint16, truncating casts and multiplying the raw bits in tl.dot. Patched to match the GPU."""
+    """Three gaps of Triton's interpreter (3.6 to 3.9), not of the kernels: it indexes with a
+    loaded scalar by int() of a 1-element array (an error from numpy 2.4), it stores bfloat16 as
+    raw uint16, truncating casts and multiplying the raw bits in tl.dot, and its float32 →
+    float8e4nv cast drops the rounding's carry (a tenth of the bytes came out wrong). Patched to
+    match the GPU, whose casts round to nearest even."""
     import numpy as np
     import triton.language as tl
     import triton.runtime.interpreter as interp
@@ -816,6 +821,9 @@ def _patch_triton_interpreter() -> None:
                 .numpy()
                 .view(np.uint16)
             )
+        if src == tl.float32 and dst == tl.float8e4nv:  # the same (kernels clamp to ±448 first)
+            x = torch.from_numpy(np.ascontiguousarray(data).view(np.float32).copy())
+            return x.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
         return convert(data, src, dst, rounding)
 
     def dot_(self, a, b, d, *rest):
@@ -839,6 +847,7 @@ def interpreted_checks(model_dir: str) -> None:
     engine_kernel_checks(model_dir)
     attention_kernel_checks()
     sampler_kernel_checks()
+    quant_kernel_checks(model_dir)
 
 
 def engine_kernel_checks(model_dir: str) -> None:
@@ -954,6 +963,51 @@ def sampler_kernel_checks() -> None:
     assert kernels.sample(edge, torch.ones(1), torch.tensor([2290], dtype=torch.int32))[0].tolist() == [
         0
     ]  # noise < 1 (see test_sampler_noise_stays_below_one)
+
+
+def quant_kernel_checks(model_dir: str) -> None:
+    """quant.py: FP8 rows byte for byte as the PyTorch path makes them (rows of both model dtypes,
+    a zero row, a row below the scale floor, rows longer than one block); then an fp8 engine on
+    the kernel path (decodes on the static buffers) within the fp8 tolerance of HF, before and
+    after a weight update."""
+    from transformers import AutoModelForCausalLM
+
+    from vime.engine.core import fp8, kernels
+    from vime.engine.core.engine import EngineConfig, LLMEngine
+    from vime.engine.core.kernels.quant import MAX_BLOCK
+    from vime.engine.core.sampler import SamplingParams
+
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for cols in (300, MAX_BLOCK + 904):
+            x = (torch.randn(5, cols) * torch.tensor([1.0, 0.0, 1e-3, 100.0, 1e-8])[:, None]).to(dtype)
+            q, s = torch.empty(x.shape, dtype=torch.float8_e4m3fn), torch.empty(5, 1)
+            kernels.quantize_rows(x, q, s)
+            ref_q, ref_s = fp8.quantize_rows_torch(x)
+            assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s, ref_s), (dtype, cols)
+            assert q[1].float().abs().max() == 0 and q[0].float().abs().max() == 448
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    eng = LLMEngine(
+        EngineConfig(model_dir, block_size=4, num_kv_blocks=64, max_num_batched_tokens=16, quantization="fp8")
+    )
+    before = None
+    for model in (hf, perturbed(hf, scale=0.02)):
+        if model is not hf:
+            eng.update_weights(model.state_dict().items())
+        for i, p in enumerate(PROMPTS[1:]):
+            eng.add_request(str(i), p, SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True))
+        outs, kinds = {}, set()
+        while eng.has_work():
+            outs.update((o.rid, o.outputs[0]) for o in eng.step())
+            kinds.add(eng.runner.last_step.kind)
+        assert "decode" in kinds
+        for i, p in enumerate(PROMPTS[1:]):
+            gap = (torch.tensor(outs[str(i)].logprobs) - hf_logprobs(model, p, outs[str(i)].output_ids)).abs().max()
+            assert 1e-3 < gap < FP8_ATOL, gap  # quantized, and within the tolerance of tests/test_fp8.py
+        logprobs = [outs[str(i)].logprobs for i in range(len(PROMPTS) - 1)]
+        assert logprobs != before  # the update reached the fp8 copies
+        before = logprobs
 
 
 def overlap_checks(model_dir: str) -> None:
@@ -1182,6 +1236,78 @@ def test_gpu_graphs_match_eager_and_see_weight_updates(model_dir, hf):
     graphs.resume_memory()  # the same addresses (CUDA VMM), or new storage and the graphs captured again
     (out, *_), kinds = run(graphs, PROMPTS[1:2], 8)
     assert "graph" in kinds and out.output_ids == hf_greedy(hf2, PROMPTS[1], 8)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_fp8_graphs_match_eager_track_hf_and_see_pushes(model_dir, hf, tmp_path):
+    """--quantization fp8 on CUDA: the Triton row quantization against the PyTorch one; replayed
+    decode graphs compute what the eager fp8 path does; log-probs within FP8_ATOL of HF, as a
+    bfloat16 engine's are; a push, and one while the memory is released, reaches the fp8 copies
+    the graphs read (byte for byte those of an fp8 engine started from the pushed weights)."""
+    from vime.engine.core import fp8
+    from vime.engine.core.engine import EngineConfig, LLMEngine
+    from vime.engine.core.sampler import SamplingParams
+
+    if torch.cuda.get_device_capability() < fp8.MIN_CAPABILITY:
+        pytest.skip("FP8 matmuls need compute capability 8.9 or newer")
+    torch.manual_seed(0)
+    x = (torch.randn(64, 3000, device="cuda") * torch.logspace(-8, 2, 64, device="cuda")[:, None]).bfloat16()
+    x[5] = 0
+    q, s = fp8.quantize_rows(x)  # the Triton kernel
+    ref_q, ref_s = fp8.quantize_rows_torch(x)
+    assert torch.allclose(s, ref_s, rtol=1e-6, atol=0) and q[5].float().abs().max() == 0
+    # at most one fp8 step apart (both divide IEEE-rounded, so in practice none)
+    assert ((q.float() - ref_q.float()).abs() <= ref_q.float().abs() * 2**-3 + 2**-9).all()
+
+    def run(eng, n=12):
+        for i, p in enumerate(PROMPTS):
+            eng.add_request(str(i), p, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
+        outs, kinds = {}, set()
+        while eng.has_work():
+            outs.update((o.rid, o.outputs[0]) for o in eng.step())
+            kinds.add(eng.runner.last_step.kind)
+        return [outs[str(i)] for i in range(len(PROMPTS))], kinds
+
+    def copies(eng):
+        return [(w.view(torch.uint8).clone(), sc.clone()) for w, sc in eng.fp8.tensors]
+
+    def same(a, b):
+        return all(torch.equal(u, v) for pa, pb in zip(a, b, strict=True) for u, v in zip(pa, pb))
+
+    cfg = dict(device="cuda", dtype="bfloat16", block_size=4, num_kv_blocks=256, max_num_seqs=8)
+    graphs = LLMEngine(EngineConfig(str(model_dir), quantization="fp8", **cfg))
+    eager = LLMEngine(EngineConfig(str(model_dir), quantization="fp8", cuda_graphs=False, **cfg))
+    a, kinds = run(graphs)
+    b, _ = run(eager)
+    bf16, _ = run(LLMEngine(EngineConfig(str(model_dir), **cfg)))
+    assert "graph" in kinds
+    for p, x, y, z in zip(PROMPTS, a, b, bf16):
+        assert x.output_ids == y.output_ids
+        assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-3)
+        assert (torch.tensor(x.logprobs) - hf_logprobs(hf, p, x.output_ids)).abs().max() < FP8_ATOL
+        assert (torch.tensor(z.logprobs) - hf_logprobs(hf, p, z.output_ids)).abs().max() < FP8_ATOL
+    assert [x.logprobs for x in a] != [z.logprobs for z in bf16]  # the fp8 engine did run in fp8
+
+    hf2 = perturbed(hf)
+    hf2.save_pretrained(tmp_path / "pushed")
+    fresh = LLMEngine(EngineConfig(str(tmp_path / "pushed"), quantization="fp8", **cfg))
+    graphs.update_weights([(k, v.cuda()) for k, v in hf2.state_dict().items()])  # the trainer's GPU copies
+    assert same(copies(graphs), copies(fresh))
+    pushed, kinds = run(graphs)
+    ref, _ = run(fresh)
+    assert "graph" in kinds and [x.output_ids for x in pushed] == [x.output_ids for x in ref]
+    assert [x.output_ids for x in pushed] != [x.output_ids for x in a]
+    for x, y in zip(pushed, ref):
+        assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-3)
+
+    # a push while released lands in the host copy of the weights; the resume requantizes from it
+    graphs.release_memory()
+    graphs.update_weights(hf.state_dict().items())
+    graphs.resume_memory()
+    assert same(copies(graphs), copies(eager))
+    again, kinds = run(graphs)
+    assert "graph" in kinds and [x.output_ids for x in again] == [x.output_ids for x in a]
 
 
 if __name__ == "__main__":  # run by test_triton_path_in_interpreter under TRITON_INTERPRET=1

@@ -38,6 +38,8 @@ class Backend:
     # (vime/launch/assemble.py). vLLM measures the GPU's memory as it starts, so its engines start
     # after the trainer
     starts_beside_trainer: bool = False
+    # None: --engine-quantization quantizes its engines; else its own flag that does (the former is refused)
+    quantization_flag: str | None = None
 
     def make_client(self, url: str, api_key: str | None = None) -> Any:
         """A client of the engine at `url` (an `EngineClient`)."""
@@ -72,6 +74,10 @@ BACKENDS: dict[str, Backend] = {
             tensor_parallel=True,
             lora_adapters=True,  # merged by vime's worker extension into its copy of the base (vime/backends/vllm/worker_ext.py)
             ray_place="vime.backends.vllm.place:place_vllm_ray",
+            # vLLM's online FP8 with per-channel weight and per-token activation scales, the
+            # scheme of --engine-quantization fp8; pushes re-quantize through vLLM's layer-wise
+            # reload, which the worker extension loads every push with
+            quantization_flag="--vllm-quantization fp8_per_channel",
         ),
     ]
 }

@@ -26,6 +26,7 @@ class PlacementConfig:
     launcher: str
     engine_max_num_seqs: int
     engine_num_kv_blocks: int | None
+    engine_quantization: str | None
     update_weights_interval: int
     weight_transport: str
     update_weight_buffer_size: int

@@ -13,6 +13,7 @@ from vime.compat.flags import FLAGS
 VLLM_COUNTERPARTS = {
     "gpu-memory-utilization": "--engine-num-kv-blocks",
     "max-num-seqs": "--engine-max-num-seqs",
+    "quantization": "--engine-quantization",
     "tensor-parallel-size": "--rollout-num-gpus-per-engine",
 }
 

@@ -123,6 +123,16 @@ def _engine_checks(c: Settings) -> list[tuple[bool, str]]:
             f"{', '.join(t for t in _backend(c).transports if t != 'auto')}): leave it at auto",
         ),
         (
+            c.engine_quantization is not None and _backend(c).quantization_flag is not None,
+            f"--engine-quantization quantizes the built-in engine, and --rollout-backend {c.rollout_backend} engines "
+            f"quantize by their own flag: use {_backend(c).quantization_flag} instead",
+        ),
+        (
+            c.engine_quantization is not None and bool(c.rollout_engine_urls),
+            "--engine-quantization applies to the engines vime starts, and --rollout-engine-urls names running ones: "
+            f"start those with --quantization {c.engine_quantization} instead",
+        ),
+        (
             c.launcher == "ray" and _backend(c).ray_place is None,
             f"--launcher ray places engines as Ray actors, and {_backend(c).what} has no Ray placement "
             "(its row's ray_place): use --launcher local",

@@ -39,6 +39,15 @@ class PlacementFields:
     engine_num_kv_blocks: int | None = setting(
         None, "KV-cache blocks per engine (default: engine's choice)", group="placement"
     )
+    engine_quantization: str | None = setting(
+        None,
+        "opt-in: fp8 runs the built-in engines' layer projections in FP8 (weights quantized per channel when they "
+        "arrive, activations per token; embeddings, lm_head and the trainer stay in the model dtype): faster decoding "
+        "of larger models, but the engines sample from a slightly different policy than the trainer scores, so pair "
+        "it with an off-policy correction such as --use-tis; GPUs need compute capability 8.9+ (Ada, Hopper)",
+        ("fp8",),
+        group="placement",
+    )
     update_weights_interval: int = setting(1, "push weights to the engines every K steps", group="placement")
     weight_transport: str = setting(
         "auto",

@@ -245,6 +245,7 @@ class EngineServer:
                 "hostname": socket.gethostname(),
                 "tp_size": 1,
                 "dtype": e.cfg.dtype,
+                "quantization": e.cfg.quantization,
                 "vocab_size": mc.vocab_size,
                 "eos_token_ids": list(mc.eos_token_ids),
                 "max_num_seqs": e.cfg.max_num_seqs,
@@ -390,6 +391,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--wait-for-file", metavar="PATH", help="size the KV cache from free memory once PATH exists")
+    fp8 = "fp8: the projections run W8A8 (per-channel weight, per-token activation scales), requantized at each update"
+    p.add_argument(
+        "--quantization", choices=["fp8"], help=fp8 + "; embeddings and lm_head stay in --dtype (GPU: bf16, sm89+)"
+    )
     p.add_argument(
         "--max-request-mb",
         type=float,
@@ -440,22 +445,17 @@ def main(argv: list[str] | None = None) -> None:
             f"cannot listen on {args.host}:{args.port} ({(e.strerror or str(e)).split(' (while')[0]}): pick another --port (0 picks a free one)"
         ) from None
     dtype = args.dtype if args.dtype != "auto" else ("float32" if args.device == "cpu" else "bfloat16")
+    # the flags named as EngineConfig's fields
+    same = "max_num_seqs num_kv_blocks kv_cache_gb kv_cache_memory_fraction block_size max_num_batched_tokens"
+    same += " max_model_len seed quantization wait_for_file"
     engine = LLMEngine(
         EngineConfig(
             model_path=model_path,
             device=args.device,
             dtype=dtype,
-            max_num_seqs=args.max_num_seqs,
-            num_kv_blocks=args.num_kv_blocks,
-            kv_cache_gb=args.kv_cache_gb,
-            kv_cache_memory_fraction=args.kv_cache_memory_fraction,
-            block_size=args.block_size,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len,
             cuda_graphs=not args.enforce_eager,
             overlap=not args.disable_overlap_schedule,
-            seed=args.seed,
-            wait_for_file=args.wait_for_file,
+            **{name: getattr(args, name) for name in same.split()},
         )
     )
     server = EngineServer(engine, model_path, args.api_key, args.max_request_mb)

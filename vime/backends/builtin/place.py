@@ -46,15 +46,18 @@ def place(settings: PlacementConfig, model_dir: Path, run_dir: Path) -> Placemen
         dtype = "float32" if trainer == "cpu" else "bfloat16"
 
         def launch_one(i: int) -> EngineProcess:  # type: ignore[no-redef]
-            extra = ["--max-num-seqs", str(settings.engine_max_num_seqs), "--seed", str(settings.rollout_seed + i)]
-            if settings.engine_num_kv_blocks:
-                extra += ["--num-kv-blocks", str(settings.engine_num_kv_blocks)]
+            extra = engine_args(settings, i)
             if shares_trainer_gpu(devices[i], settings):  # sized after the trainer's memory (assemble)
                 extra += ["--wait-for-file", str(run_dir / TRAINER_READY)]
             log_path = fresh_path(run_dir / f"engine{i}.log")  # a restarted engine keeps its earlier log
             log.info("starting engine %d on %s (log: %s)", i, devices[i], log_path)
             return launch_engine(
-                str(model_dir), device=devices[i], dtype=dtype, extra_args=extra, log_path=log_path, api_key=api_key
+                str(model_dir),
+                device=devices[i],
+                dtype=dtype,
+                extra_args=extra,
+                log_path=log_path,
+                api_key=api_key,
             )
 
         engines = launch_all(launch_one, len(devices))
@@ -66,15 +69,22 @@ def place(settings: PlacementConfig, model_dir: Path, run_dir: Path) -> Placemen
     return placed(settings, trainer, devices, urls, engines, api_key, launch_one, facts, "engine")
 
 
+def engine_args(settings: PlacementConfig, i: int) -> list[str]:
+    """The server flags of engine i (`vime/engine/server.py`) from the run's --engine-* settings."""
+    extra = ["--max-num-seqs", str(settings.engine_max_num_seqs), "--seed", str(settings.rollout_seed + i)]
+    if settings.engine_num_kv_blocks:
+        extra += ["--num-kv-blocks", str(settings.engine_num_kv_blocks)]
+    if settings.engine_quantization:
+        extra += ["--quantization", settings.engine_quantization]
+    return extra
+
+
 def place_ray(settings: PlacementConfig, model_dir: Path, run_dir: Path) -> Placement:
     """The built-in engine's placement on a Ray cluster (its row in `vime/backends/__init__.py`)."""
     dtype = "float32" if trainer_device(settings) == "cpu" else "bfloat16"
 
     def engine_kwargs(i: int, device: str) -> dict:
-        extra = ["--max-num-seqs", str(settings.engine_max_num_seqs), "--seed", str(settings.rollout_seed + i)]
-        if settings.engine_num_kv_blocks:
-            extra += ["--num-kv-blocks", str(settings.engine_num_kv_blocks)]
-        return dict(model_path=str(model_dir), device=device, dtype=dtype, extra_args=extra)
+        return dict(model_path=str(model_dir), device=device, dtype=dtype, extra_args=engine_args(settings, i))
 
     def facts(url: str, api_key: str) -> dict:
         return EngineClient(url, timeout=30, api_key=api_key).model_info()

@@ -16,17 +16,15 @@ for the step in flight (`_drain`), so no host code ever reads a placeholder.
 from __future__ import annotations
 
 import logging
-import os
 import random
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from vime.engine.core import vmem
-from vime.engine.core.kv_cache import BlockAllocator, KVCache
+from vime.engine.core import fp8, vmem
+from vime.engine.core.kv_cache import BlockAllocator, KVCache, wait_for_file
 from vime.engine.core.lora import AdapterMerger, adapter_of
 from vime.engine.core.model import CausalLM, load_model
 from vime.engine.core.requests import EngineStats, Request, RequestOutput, SeqOutput
@@ -62,6 +60,7 @@ class EngineConfig:
     # memory: a trainer on the same GPU, building while this engine starts, creates it once it
     # holds its peak memory (vime/launch/assemble.py)
     wait_for_file: str | None = None
+    quantization: str | None = None  # "fp8": the layers' projections run W8A8 from fp8 copies (fp8.py)
 
 
 class LLMEngine:
@@ -71,6 +70,7 @@ class LLMEngine:
         self.cfg = cfg
         self.device = torch.device(cfg.device)
         self.dtype = DTYPES[cfg.dtype]
+        fp8.check(cfg.quantization, self.device, self.dtype)  # before a minute of loading
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # kernels and allocations default to the engine's GPU
         # On CUDA with VMM the weights and the KV pools keep their addresses through a memory
@@ -80,8 +80,10 @@ class LLMEngine:
             cfg.model_path, self.device, self.dtype, self._pack_weights if vmem.supported(self.device) else None
         )
         mc = self.model_config = self.model.config
+        # before the KV cache is sized: the fp8 copies take device memory too
+        self.fp8 = fp8.Fp8Weights(self.model, self.device, self.packed is not None) if cfg.quantization else None
         if cfg.wait_for_file and not cfg.num_kv_blocks and cfg.kv_cache_gb is None:
-            _wait_for_file(cfg.wait_for_file)
+            wait_for_file(cfg.wait_for_file)
         num_blocks = cfg.num_kv_blocks or self._auto_num_blocks()
         if num_blocks < 1:
             raise ValueError(
@@ -125,7 +127,7 @@ class LLMEngine:
         log.info(
             "engine: %s %s on %s, %d KV blocks of %d tokens, max sequence length %d",
             mc.model_type,
-            cfg.dtype,
+            cfg.dtype + (f" with {cfg.quantization} projections" if cfg.quantization else ""),
             self.device,
             num_blocks,
             cfg.block_size,
@@ -399,6 +401,8 @@ class LLMEngine:
         self._update_open = not flush
         if flush:
             self.weights_incomplete = None
+            if self.fp8 is not None:  # the update is complete (merged adapters too): the fp8 copies follow it
+                self.fp8.requantize()
         self.weight_version = self.weight_version + 1 if weight_version is None else int(weight_version)
         return n
 
@@ -455,6 +459,8 @@ class LLMEngine:
         elif self.device.type == "cuda":
             for p in self.model.parameters():
                 p.data = p.data.to("cpu")
+        if self.fp8 is not None:
+            self.fp8.release()
         self.lora.to("cpu")
         self._views = None
         if self.device.type == "cuda":
@@ -469,25 +475,14 @@ class LLMEngine:
         elif self.device.type == "cuda":
             for p in self.model.parameters():
                 p.data = p.data.to(self.device)
+        if self.fp8 is not None:
+            self.fp8.restore()  # from the weights as restored, so an update while released is in
         self.lora.to(self.device)
         self._views = None
         if not self.kv_cache.allocated:
             self.kv_cache.allocate()
             if self.packed is None:
                 self.runner.capture()
-
-
-def _wait_for_file(path: str) -> None:
-    """Return once `path` exists; exit if the process that started this one ends first (it
-    would never create the file)."""
-    parent = os.getppid()
-    t0 = time.monotonic()
-    log.info("waiting for %s before sizing the KV cache (a trainer on this GPU is building)", path)
-    while not os.path.exists(path):
-        if os.getppid() != parent:
-            raise SystemExit(f"the process that started this engine ended before creating {path}")
-        time.sleep(0.02)
-    log.info("waited %.1f s for %s", time.monotonic() - t0, path)
 
 
 def _load_tokenizer(model_path: str) -> Any:

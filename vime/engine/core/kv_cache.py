@@ -8,11 +8,16 @@ compute its KV once. Attention over these blocks is in `attention.py`.
 
 from __future__ import annotations
 
+import logging
 import math
+import os
+import time
 
 import torch
 
 from vime.engine.core.vmem import VirtualBuffer
+
+log = logging.getLogger(__name__)
 
 BlockKey = tuple[int | None, tuple[int, ...]]  # (hash of the previous block's key, this block's tokens)
 
@@ -172,3 +177,17 @@ class BlockAllocator:
         if key is not None and self.cached.get(key) == block:
             del self.cached[key]
         self.key_of[block] = None
+
+
+def wait_for_file(path: str) -> None:
+    """Return once `path` exists: the engine sizes its cache from free GPU memory after it, when a
+    trainer that shares the GPU holds its own (`EngineConfig.wait_for_file`). Exits if the
+    process that started this one ends first (it would never create the file)."""
+    parent = os.getppid()
+    t0 = time.monotonic()
+    log.info("waiting for %s before sizing the KV cache (a trainer on this GPU is building)", path)
+    while not os.path.exists(path):
+        if os.getppid() != parent:
+            raise SystemExit(f"the process that started this engine ended before creating {path}")
+        time.sleep(0.02)
+    log.info("waited %.1f s for %s", time.monotonic() - t0, path)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vime.engine.core import kernels
+from vime.engine.core import fp8, kernels
 from vime.engine.core.attention import AttnMetadata, paged_attention
 from vime.transport.checksums import non_finite
 
@@ -115,9 +115,15 @@ class Linear(nn.Linear):
     on the same weights (8-64 rows, SmolLM2 shapes, one thread; bench/RESULTS.md), and linears
     are three quarters of a CPU decode step. The weight stays a plain parameter (loads and
     pushes are unchanged); bfloat16 and GPU take the default path, which already is the fast one.
+    With `--quantization fp8` a projection computes from `fp8`, its weight's fp8 copy and
+    per-channel scales (`fp8.py`), which the engine keeps up to date with the weight.
     """
 
+    fp8: tuple[torch.Tensor, torch.Tensor] | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8 is not None:
+            return fp8.linear(x, *self.fp8, self.bias)
         if x.device.type == "cpu" and x.dtype == torch.float32 and _ONEDNN_LINEAR:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return super().forward(x)

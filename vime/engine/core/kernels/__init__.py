@@ -1,12 +1,13 @@
 """Triton kernels for the engine's GPU path, one module per concern: `fused.py` (fused norms and
-activations, RoPE + KV write), `attention.py` (paged attention, decode and varlen prefill) and
-`sampling.py` (a one-pass sampler); `common.py` holds what they share.
+activations, RoPE + KV write), `attention.py` (paged attention, decode and varlen prefill),
+`sampling.py` (a one-pass sampler) and `quant.py` (FP8 rows, for `--quantization fp8`);
+`common.py` holds what they share.
 
 Why these and no others: a decode step of a small model is a few hundred tiny kernels, so every
 elementwise chain PyTorch would run as 5-30 launches becomes one kernel here, and the step is
-then captured in a CUDA graph. Matmuls stay with cuBLAS. Each kernel rounds to the model dtype
-exactly where the HF modules do (e.g. RMSNorm scales after casting back), so bf16 outputs track
-HF's token for token for as long as near-ties allow.
+then captured in a CUDA graph. Matmuls stay with cuBLAS (FP8 ones with `torch._scaled_mm`).
+Each kernel rounds to the model dtype exactly where the HF modules do (e.g. RMSNorm scales after
+casting back), so bf16 outputs track HF's token for token for as long as near-ties allow.
 
 The modules import only where Triton does; `AVAILABLE` says whether it did. The kernels also run
 under `TRITON_INTERPRET=1` on CPU tensors, which is how the CPU tests check them, one check per
@@ -22,6 +23,7 @@ from vime.engine.core.kernels.attention import (
 )
 from vime.engine.core.kernels.common import AVAILABLE, INTERPRET, enabled
 from vime.engine.core.kernels.fused import add_rmsnorm, qkv_rope_store, silu_and_mul
+from vime.engine.core.kernels.quant import quantize_rows
 from vime.engine.core.kernels.sampling import SAMPLE_CHUNK_BLOCKS, sample
 
 __all__ = [
@@ -36,6 +38,7 @@ __all__ = [
     "enabled",
     "prefill_attention",
     "qkv_rope_store",
+    "quantize_rows",
     "sample",
     "silu_and_mul",
 ]
