@@ -42,8 +42,9 @@ class PlacementFields:
     engine_quantization: str | None = setting(
         None,
         "opt-in: fp8 runs the built-in engines' layer projections in FP8 (weights quantized per channel when they "
-        "arrive, activations per token; embeddings, lm_head and the trainer stay in the model dtype): faster decoding "
-        "of larger models, but the engines sample from a slightly different policy than the trainer scores, so pair "
+        "arrive, activations per token; embeddings, lm_head and the trainer stay in the model dtype): fewer weight bytes "
+        "a decode step, though not yet faster on an H200 (bench/RESULTS.md); the engines sample from a slightly different "
+        "policy than the trainer scores, so pair "
         "it with an off-policy correction such as --use-tis; GPUs need compute capability 8.9+ (Ada, Hopper)",
         ("fp8",),
         group="placement",
