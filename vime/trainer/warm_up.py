@@ -21,22 +21,34 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
+from torch import Tensor, nn
 
-from vime.trainer.packing import PAD_BUCKETS, pack
-
-if TYPE_CHECKING:
-    from vime.trainer.actor import Actor
+from vime.trainer.packing import PAD_BUCKETS, PackedBatch, pack
 
 log = logging.getLogger("vime")
+
+
+class Warmed(Protocol):
+    """What the warm-up reads of the `Actor` it compiles."""
+
+    device: torch.device
+    scorer: nn.Module
+    optimizer: Any
+    pad_token_id: int
+    _bucket: int  # the padded sizes are its multiples, up to PAD_BUCKETS of it
+
+    def _forward(self, scorer: nn.Module, mb: PackedBatch, with_entropy: bool) -> tuple[Tensor, Tensor | None]: ...
+
+    def _sync(self) -> None: ...
 
 
 class CompileWarmUp:
     """The warm-up of one compiled `Actor`, run in place or on a thread (`background`)."""
 
-    def __init__(self, actor: Actor, background: bool) -> None:
+    def __init__(self, actor: Warmed, background: bool) -> None:
         self._actor = actor
         self._background = background
         self._error: BaseException | None = None
@@ -106,4 +118,5 @@ class CompileWarmUp:
             return
         actor.scorer.train()
         log_probs, entropy = actor._forward(actor.scorer, mb, with_entropy=True)
+        assert entropy is not None  # asked for
         (log_probs.sum() + entropy.sum()).backward()
