@@ -30,22 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
 
-
-# SmolLM2-135M-Instruct's config.json: the probe compiles the same shapes without the GGUF, which
-# takes two calls to bring to a lent GPU (bench/device_prep.sh)
-SMOLLM2 = dict(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    head_dim=64,
-    max_position_embeddings=8192,
-    rms_norm_eps=1e-5,
-    rope_theta=100000.0,
-    tie_word_embeddings=True,
-)
+from bench.shapes import SMOLLM2_135M  # noqa: E402
 
 
 def smollm2_shaped(out: Path, device: str) -> Path:
@@ -57,7 +42,7 @@ def smollm2_shaped(out: Path, device: str) -> Path:
     if (out / "config.json").exists():
         return out
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(LlamaConfig(**SMOLLM2), dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**SMOLLM2_135M), dtype=torch.bfloat16)
     model.save_pretrained(out)
     tok = Tokenizer(models.WordLevel({"<pad>": 0, "<eos>": 1}, unk_token="<pad>"))
     PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>").save_pretrained(out)

@@ -19,6 +19,22 @@ QWEN3_0_6B = dict(
 # Qwen3-4B's config (issue 30): the seed's model
 QWEN3_4B = dict(QWEN3_0_6B, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32)
 SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "qwen3-4b": QWEN3_4B}
+# SmolLM2-135M-Instruct's config.json (a Llama): bench/profile_startup.py compiles the demo's shapes
+# without the GGUF, which takes two calls to bring to a lent GPU (bench/device_prep.sh)
+SMOLLM2_135M = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_theta=100000.0,
+    tie_word_embeddings=True,
+)
+
 # CPU smoke tests
 TINY = dict(
     vocab_size=512,

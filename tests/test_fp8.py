@@ -24,10 +24,8 @@ from vime.engine.core.sampler import SamplingParams
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from vime.models import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("fp8") / "qwen3", arch="qwen3", seed=0)
+def model_dir(tiny_model):
+    return tiny_model
 
 
 @pytest.fixture(scope="module")
