@@ -725,6 +725,15 @@ def test_compiled_trainer_compiles_once_for_any_lengths(tiny_model):
     assert warm > 0 and counts == [warm] * 5, (warm, counts)  # every graph made by the warm-up
 
 
+def test_a_trainer_closed_before_its_first_step_stops_compiling(tiny_model):
+    """One rank compiles on a thread of its own (vime/trainer/warm_up.py); a run that ends before
+    step 1 closes the trainer, which stops that compile and waits for it, so no compile runs
+    on while the process group and the process go."""
+    actor = Actor(make_args(max_tokens_per_gpu=64, compile=True), tiny_model)
+    actor.close()  # at once (in a process that compiled these layers before, the warm-up may be done)
+    assert not actor.compiling
+
+
 def test_triton_head_in_interpreter():
     """The LM head's Triton kernels (what CUDA runs) against its PyTorch math, float32 and
     bfloat16, under the Triton interpreter on CPU tensors: log-probs, entropies and both

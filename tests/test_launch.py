@@ -129,3 +129,36 @@ def test_engines_wait_for_the_trainer_only_on_its_gpus():
     assert shares_trainer_gpu("cuda:2,1", two) and not shares_trainer_gpu("cuda:2,3", two)
     # vLLM measures the GPU as it starts, so only the built-in engine starts beside the trainer
     assert BACKENDS["vime"].starts_beside_trainer and not BACKENDS["vllm"].starts_beside_trainer
+
+
+def test_a_launched_engine_waits_for_its_gate_past_the_start_timeout(tmp_path, tiny_model):
+    """An engine launched with a gate (a trainer on its GPU still building) is not timed out while
+    the gate is missing, however long the build takes: its start timeout counts from the gate."""
+    import threading
+    import time
+
+    from vime.backends.builtin.launch import launch_engine
+
+    gate = tmp_path / "trainer-ready"
+    done: list = []
+
+    log_path = tmp_path / "engine.log"
+
+    def start() -> None:
+        done.append(launch_engine(str(tiny_model), log_path=log_path, startup_timeout=5.0, gate=gate))
+
+    thread = threading.Thread(target=start, daemon=True)
+    t0 = time.monotonic()
+    thread.start()
+    while "waiting for" not in (log_path.read_text() if log_path.exists() else ""):  # loaded, at the gate
+        assert thread.is_alive() and time.monotonic() - t0 < 120, "the engine never reached its gate"
+        time.sleep(0.1)
+    time.sleep(max(0.0, 5.5 - (time.monotonic() - t0)))  # past the start timeout, the gate still missing
+    assert thread.is_alive() and not done
+    gate.touch()
+    thread.join(timeout=120)
+    try:
+        assert done and done[0].url.startswith("http://")
+    finally:
+        for engine in done:
+            engine.shutdown()

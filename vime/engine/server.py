@@ -447,7 +447,7 @@ def main(argv: list[str] | None = None) -> None:
     dtype = args.dtype if args.dtype != "auto" else ("float32" if args.device == "cpu" else "bfloat16")
     # the flags named as EngineConfig's fields
     same = "max_num_seqs num_kv_blocks kv_cache_gb kv_cache_memory_fraction block_size max_num_batched_tokens"
-    same += " max_model_len seed quantization wait_for_file"
+    same += " max_model_len seed quantization wait_for_file parent_pid"
     engine = LLMEngine(
         EngineConfig(
             model_path=model_path,

@@ -479,4 +479,7 @@ class Actor(WeightExport):
         return checkpoint.load(self, Path(ckpt_dir))
 
     def close(self) -> None:
-        """Nothing to release for a single-process actor; the distributed one overrides this."""
+        """Stop a warm-up still compiling (a run that ends before its first step); a single
+        process has nothing else to release (`DistributedActor.close` calls this first)."""
+        if self._warm_up is not None:
+            self._warm_up.cancel()

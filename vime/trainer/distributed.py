@@ -233,6 +233,7 @@ class DistributedActor:
         if self._closed:
             return
         self._closed = True
+        self.local.close()  # a warm-up compiling on its thread stops before the group goes
         if self._broken_off is None:
             try:
                 dist.broadcast_object_list([("close", (), {})], src=0, group=self.cpu_group)
@@ -252,10 +253,8 @@ class DistributedActor:
                 self.release()
             except Exception as e:  # a cluster already gone has nothing to give back
                 log.warning("removing the trainer ranks' placement group: %s", " ".join(str(e).split())[:200])
-        # NCCL kernels left waiting on a rank now gone may block the teardown; gloo has none pending.
-        # A run that ends before its first step may close while the warm-up still compiles on its
-        # thread, inside the group: the process is ending, so the group is left to it
-        if (self._broken_off is None or dist.get_backend() == "gloo") and not self.local.compiling:
+        # NCCL kernels left waiting on a rank now gone may block the teardown; gloo has none pending
+        if self._broken_off is None or dist.get_backend() == "gloo":
             dist.destroy_process_group()
 
 

@@ -5,7 +5,8 @@ Compiling the demo's trainer for its 16 padded sizes took 18 s of a 35 s warm st
 H200, and 78 s of 112 s cold (bench/RESULTS.md, issue 48): longer than the engines' start, the
 step-0 eval and the first rollout together, none of which needs the trainer. So on one rank the
 warm-up runs on a thread of its own, and the trainer's first use waits for what is left of it
-(`CompileWarmUp.wait`, logged). Several ranks warm up in place: their warm-ups run FSDP
+(`CompileWarmUp.wait`, logged). A resumed run (`--load`) and one whose engines are given by URL
+use the trainer before step 1 (its checkpoint, the first push), so they wait then. Several ranks warm up in place: their warm-ups run FSDP
 collectives, which must not interleave with the calls rank 0 sends them.
 
 Before the thread starts, one training forward and backward of the largest size runs eagerly
@@ -53,6 +54,7 @@ class CompileWarmUp:
         self._background = background
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._stop = threading.Event()  # a run closing before its first step: stop after the current size
         if not background:
             self._run()
             return
@@ -73,9 +75,16 @@ class CompileWarmUp:
             log.info("the trainer waited %.1f s for the rest of its compile", time.perf_counter() - t0)
         elif thread is not None:
             thread.join()
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
+        if self._error is not None:  # every later use too: the model is compiled for some sizes only
+            raise self._error
+
+    def cancel(self) -> None:
+        """Stop after the size being compiled and wait for that (a run that closes before its
+        first step: the process group must not be torn down under a compile)."""
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
 
     @property
     def running(self) -> bool:
@@ -95,6 +104,8 @@ class CompileWarmUp:
         t0 = time.perf_counter()
         was_training = actor.scorer.training
         for size in range(actor._bucket, actor._bucket * PAD_BUCKETS + 1, actor._bucket):
+            if self._stop.is_set():
+                return
             self._step(size, scoring=True)
             self._step(size, scoring=False)
         actor.scorer.train(was_training)

@@ -63,6 +63,7 @@ def launch_engine(
     log_path: str | Path | None = None,
     startup_timeout: float = 120.0,
     api_key: str | None = None,
+    gate: Path | None = None,
 ) -> EngineProcess:
     """Start `python -m vime.engine.server` and return once it answers /health.
 
@@ -72,7 +73,8 @@ def launch_engine(
 
     The server exits by itself when this process does (--parent-pid), so a crashed trainer
     leaves no engine behind. `host` is where it listens: loopback unless other machines must
-    reach it (a Ray engine actor's, `vime/launch/ray.py`).
+    reach it (a Ray engine actor's, `vime/launch/ray.py`). `gate`: a file the engine waits for
+    before sizing its KV cache (`--wait-for-file`); `startup_timeout` counts from its creation.
     """
     if log_path is None:
         fd, name = tempfile.mkstemp(prefix="vime-engine-", suffix=".log")
@@ -97,6 +99,7 @@ def launch_engine(
         "--parent-pid",
         str(os.getpid()),
         *map(str, extra_args),
+        *(["--wait-for-file", str(gate)] if gate is not None else []),
     ]
     root = str(Path(__file__).resolve().parents[3])  # so the child imports this same vime
     env = dict(
@@ -110,7 +113,7 @@ def launch_engine(
     apply_gpu_safe_env(env)  # NVLink multicast stays off in the engine's NCCL (device README)
     with open(log_path, "w") as logf:
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-    engine = EngineProcess(_ready_url(proc, log_path, startup_timeout), proc, log_path, api_key)
+    engine = EngineProcess(_ready_url(proc, log_path, startup_timeout, gate), proc, log_path, api_key)
     try:
         EngineClient(engine.url, timeout=10, api_key=api_key).health()
     except EngineError:
@@ -119,12 +122,15 @@ def launch_engine(
     return engine
 
 
-def _ready_url(proc: subprocess.Popen, log_path: Path, startup_timeout: float) -> str:
+def _ready_url(proc: subprocess.Popen, log_path: Path, startup_timeout: float, gate: Path | None = None) -> str:
     """The URL in the server's ready line, once its log has it; an EngineError with the log's tail
-    if the process exits first or the line is not there within `startup_timeout` s."""
+    if the process exits first or the line is not there within `startup_timeout` s (of the
+    `gate` file's existence: until then the engine waits for a trainer's build, however long)."""
     deadline = time.monotonic() + startup_timeout
     pattern = re.compile(re.escape(READY_LINE) + r" (http://\S+)")
     while True:
+        if gate is not None and not gate.exists():
+            deadline = time.monotonic() + startup_timeout
         m = pattern.search(log_path.read_text(errors="replace"))
         if m:
             return m.group(1)

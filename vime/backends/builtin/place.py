@@ -46,18 +46,18 @@ def place(settings: PlacementConfig, model_dir: Path, run_dir: Path) -> Placemen
         dtype = "float32" if trainer == "cpu" else "bfloat16"
 
         def launch_one(i: int) -> EngineProcess:  # type: ignore[no-redef]
-            extra = engine_args(settings, i)
-            if shares_trainer_gpu(devices[i], settings):  # sized after the trainer's memory (assemble)
-                extra += ["--wait-for-file", str(run_dir / TRAINER_READY)]
+            # one on a trainer's GPU sizes its KV cache after the trainer holds its memory (assemble)
+            gate = run_dir / TRAINER_READY if shares_trainer_gpu(devices[i], settings) else None
             log_path = fresh_path(run_dir / f"engine{i}.log")  # a restarted engine keeps its earlier log
             log.info("starting engine %d on %s (log: %s)", i, devices[i], log_path)
             return launch_engine(
                 str(model_dir),
                 device=devices[i],
                 dtype=dtype,
-                extra_args=extra,
+                extra_args=engine_args(settings, i),
                 log_path=log_path,
                 api_key=api_key,
+                gate=gate,
             )
 
         engines = launch_all(launch_one, len(devices))

@@ -60,6 +60,7 @@ class EngineConfig:
     # memory: a trainer on the same GPU, building while this engine starts, creates it once it
     # holds its peak memory (vime/launch/assemble.py)
     wait_for_file: str | None = None
+    parent_pid: int | None = None  # whose end ends that wait (the run that launched this engine)
     quantization: str | None = None  # "fp8": the layers' projections run W8A8 from fp8 copies (fp8.py)
 
 
@@ -83,7 +84,7 @@ class LLMEngine:
         # before the KV cache is sized: the fp8 copies take device memory too
         self.fp8 = fp8.Fp8Weights(self.model, self.device, self.packed is not None) if cfg.quantization else None
         if cfg.wait_for_file and not cfg.num_kv_blocks and cfg.kv_cache_gb is None:
-            wait_for_file(cfg.wait_for_file)
+            wait_for_file(cfg.wait_for_file, cfg.parent_pid)
         num_blocks = cfg.num_kv_blocks or self._auto_num_blocks()
         if num_blocks < 1:
             raise ValueError(

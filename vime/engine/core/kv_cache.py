@@ -179,11 +179,12 @@ class BlockAllocator:
         self.key_of[block] = None
 
 
-def wait_for_file(path: str) -> None:
+def wait_for_file(path: str, parent_pid: int | None = None) -> None:
     """Return once `path` exists: the engine sizes its cache from free GPU memory after it, when a
     trainer that shares the GPU holds its own (`EngineConfig.wait_for_file`). Exits if the
-    process that started this one ends first (it would never create the file)."""
-    parent = os.getppid()
+    process that started this one (`parent_pid`, else this one's parent now) ends first: it
+    would never create the file."""
+    parent = os.getppid() if parent_pid is None else parent_pid
     t0 = time.monotonic()
     log.info("waiting for %s before sizing the KV cache (a trainer on this GPU is building)", path)
     while not os.path.exists(path):
