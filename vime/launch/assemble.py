@@ -125,12 +125,12 @@ def _checked_for_eval(cfg: Config) -> RunContext:
 def _trainer_and_engines(ctx: RunContext, clock: StartupClock) -> None:
     """The trainer, and the engines beside it when their backend allows (`starts_beside_trainer`),
     the trainer is one GPU rank (or CPU) and this process is the only driver (under torchrun every
-    rank runs this, and ranks other than 0 never return from `launch_actor`). An engine on the trainer's GPU loads its weights
-    meanwhile and sizes its KV cache once TRAINER_READY exists, when the trainer holds its memory
-    (its compile goes on behind: vime/trainer/warm_up.py)."""
+    rank runs this, and ranks other than 0 never return from `launch_actor`). An engine on the
+    trainer's GPU loads its weights meanwhile and sizes its KV cache once TRAINER_READY exists,
+    when the trainer holds its memory (its compile goes on behind: vime/trainer/warm_up.py)."""
     gate = ctx.run_dir / TRAINER_READY
     gate.unlink(missing_ok=True)  # a resumed run's directory holds the last start's
-    # one GPU rank: rank 0's build ends before the others' do, so their memory would not be held yet
+    # one rank only: rank 0's build may end before the other ranks hold their memory
     one_rank = ctx.cfg.placement.actor_num_gpus_per_node * ctx.cfg.placement.actor_num_nodes == 1
     beside = (
         ctx.backend.starts_beside_trainer and ctx.launcher.name == "local" and "RANK" not in os.environ and one_rank

@@ -6,8 +6,9 @@ H200, and 78 s of 112 s cold (bench/RESULTS.md, issue 48): longer than the engin
 step-0 eval and the first rollout together, none of which needs the trainer. So on one rank the
 warm-up runs on a thread of its own, and the trainer's first use waits for what is left of it
 (`CompileWarmUp.wait`, logged). A resumed run (`--load`) and one whose engines are given by URL
-use the trainer before step 1 (its checkpoint, the first push), so they wait then. Several ranks warm up in place: their warm-ups run FSDP
-collectives, which must not interleave with the calls rank 0 sends them.
+use the trainer before step 1 (its checkpoint, the first push), so they wait then. Several ranks
+warm up in place: their warm-ups run FSDP collectives, which must not interleave with the calls
+rank 0 sends them.
 
 Before the thread starts, one training forward and backward of the largest size runs eagerly
 (`torch.compiler.set_stance("force_eager")`, a fraction of a second): the caching allocator then
@@ -69,12 +70,11 @@ class CompileWarmUp:
         """Return once every size is compiled; re-raise what the warm-up raised. The first call
         that had to wait logs how long."""
         thread, self._thread = self._thread, None
-        if thread is not None and thread.is_alive():
-            t0 = time.perf_counter()
+        if thread is not None:
+            t0, waits = time.perf_counter(), thread.is_alive()
             thread.join()
-            log.info("the trainer waited %.1f s for the rest of its compile", time.perf_counter() - t0)
-        elif thread is not None:
-            thread.join()
+            if waits:
+                log.info("the trainer waited %.1f s for the rest of its compile", time.perf_counter() - t0)
         if self._error is not None:  # every later use too: the model is compiled for some sizes only
             raise self._error
 
