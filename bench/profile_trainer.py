@@ -1,7 +1,7 @@
 """Where a train step's time goes: a per-category GPU profile of vime's trainer (issue 16).
 
-The batch and model are bench_trainer.py's (Qwen3-0.6B shape, 64 GRPO-shaped sequences, ~90k
-tokens). For each variant (eager, compiled) one fwd + bwd + optimizer step is traced with the
+The batch and model are bench_trainer.py's (Qwen3-0.6B shape, or `--shape qwen3-4b`; 64
+GRPO-shaped sequences, ~90k tokens). For each variant (eager, compiled) one fwd + bwd + optimizer step is traced with the
 torch profiler after a warm-up, and each GPU kernel is put in one category:
 
 * LM head + log-probs: every kernel inside the chunked head's forward or backward (split
@@ -34,11 +34,12 @@ import torch
 import torch._dynamo.utils
 
 from bench.bench_trainer import make_batch, make_model, pct
-from bench.shapes import QWEN3_0_6B, TINY
+from bench.shapes import SHAPES, TINY
 from vime.algorithms import objective as loss_mod
 from vime.config import Config
 from vime.trainer import actor as actor_mod
 from vime.trainer import logprobs
+from vime.trainer import step_loss as step_loss_mod
 from vime.trainer.perf import mfu, train_flops
 
 GEMM_NAMES = ("gemm", "cutlass", "nvjet", "xmma", "cublas", "splitk", "gemv", "matmul")
@@ -74,8 +75,7 @@ def annotated_host_work() -> Iterator[None]:
     """Name the trainer's host-side work per micro-batch (packing, moving loss inputs, the loss)
     and the optimizer's clip and step as ranges, so GPU idle time can be put down to them
     (`idle_by_host_op`) and the optimizer's kernels counted as such (`categorize`)."""
-    names = ("pack", "to_device")
-    saved = {n: getattr(actor_mod, n) for n in names}
+    saved = {(actor_mod, "pack"): actor_mod.pack, (step_loss_mod, "to_device"): step_loss_mod.to_device}
     policy_loss = loss_mod.policy_loss  # Objective looks it up in its module at each call
     clip_and_step = actor_mod.Actor._clip_and_step
 
@@ -90,15 +90,15 @@ def annotated_host_work() -> Iterator[None]:
 
         return inner
 
-    for n, fn in saved.items():
-        setattr(actor_mod, n, wrap(n, fn))
+    for (module, n), fn in saved.items():
+        setattr(module, n, wrap(n, fn))
     loss_mod.policy_loss = wrap("policy_loss", policy_loss)
     actor_mod.Actor._clip_and_step = optimizer
     try:
         yield
     finally:
-        for n, fn in saved.items():
-            setattr(actor_mod, n, fn)
+        for (module, n), fn in saved.items():
+            setattr(module, n, fn)
         loss_mod.policy_loss = policy_loss
         actor_mod.Actor._clip_and_step = clip_and_step
 
@@ -230,6 +230,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model and short sequences (smoke test)")
+    ap.add_argument("--shape", choices=list(SHAPES), default="qwen3-0.6b", help="model shape (random weights)")
     ap.add_argument(
         "--variants",
         default="eager,compile",
@@ -250,7 +251,7 @@ def main() -> None:
     ap.add_argument("--trace-dir", default=None, help="also keep each variant's Chrome trace here")
     a = ap.parse_args()
     device = torch.device(a.device)
-    shape = dict(TINY if a.tiny else QWEN3_0_6B)
+    shape = dict(TINY if a.tiny else SHAPES[a.shape])
     if a.vocab:
         shape["vocab_size"] = a.vocab
     n, budget = (8, a.max_tokens_per_gpu or 512) if a.tiny else (64, a.max_tokens_per_gpu or 16384)
@@ -294,8 +295,9 @@ def main() -> None:
         )
         t0 = time.perf_counter()
         actor = launch_actor(args, model_dir, a.device)
-        print(f"{variant}: trainer built in {time.perf_counter() - t0:.1f} s (with --compile: its warm-up compile)")
         local = getattr(actor, "local", actor)
+        local.ready()  # one rank compiles on a thread of its own; the step below is called directly
+        print(f"{variant}: trainer built in {time.perf_counter() - t0:.1f} s (with --compile: its warm-up compile)")
         if "nopad" in flags:  # compiled layers fed micro-batches of their own lengths, as before padding
             local.compiled = False
         if "fullpad" in flags:  # every micro-batch padded to the whole budget (before buckets)
