@@ -3,6 +3,7 @@ weight names, and the shm/disk weight pushes."""
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import random
@@ -703,11 +704,13 @@ def test_compiled_trainer_compiles_once_for_any_lengths(tiny_model):
     """--compile: micro-batches are padded to one of a few sizes, all compiled before the first
     step, and the per-sequence attention is one opaque op, so steps of other lengths and sequence
     counts (training and scoring) compile nothing; and padding changes no log-prob (pad tokens
-    are sequences of their own that nothing scores)."""
+    are sequences of their own that nothing scores). OPD scores the policy, so its warm-up
+    compiles the scoring forward too."""
     import torch._dynamo.utils
 
     eager = Actor(make_args(max_tokens_per_gpu=64), tiny_model)
-    compiled = Actor(make_args(max_tokens_per_gpu=64, compile=True), tiny_model)
+    compiled = Actor(make_args(max_tokens_per_gpu=64, compile=True, use_opd=True, opd_type="sglang"), tiny_model)
+    assert compiled._warm_up.scoring
     compiled.ready()  # one rank compiles on a thread of its own (vime/trainer/warm_up.py)
     warm = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     counts = []
@@ -723,6 +726,40 @@ def test_compiled_trainer_compiles_once_for_any_lengths(tiny_model):
         assert torch.allclose(a, b, atol=1e-5)
     counts.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     assert warm > 0 and counts == [warm] * 5, (warm, counts)  # every graph made by the warm-up
+
+
+def test_default_grpo_warm_up_leaves_the_scoring_forward_out(tiny_model, caplog):
+    """One optimizer step per rollout scores nothing (the training forward's log-probs are π_old),
+    so the warm-up compiles the training graphs alone: a step compiles nothing after it, and a
+    scoring call made anyway compiles its graph then and says so once. Several steps per
+    rollout recompute π_old, so that warm-up compiles the scoring forward as well."""
+    import torch._dynamo.utils
+
+    counter = torch._dynamo.utils.counters["stats"]
+    several = Actor(
+        make_args(
+            max_tokens_per_gpu=64, compile=True, global_batch_size=8, n_samples_per_prompt=8, rollout_batch_size=2
+        ),
+        tiny_model,
+    )
+    assert several.settings.steps_per_rollout == 2 and several._warm_up.scoring
+    several.close()
+    torch._dynamo.reset()  # count this warm-up's graphs from none, not reuse the previous one's
+    before = counter["unique_graphs"]
+    actor = Actor(make_args(max_tokens_per_gpu=64, compile=True), tiny_model)
+    actor.ready()
+    warm = counter["unique_graphs"] - before
+    assert not actor._warm_up.scoring and warm > 0
+    samples = make_samples(6, seed=1)
+    weights = [p.detach().clone() for p in actor.model.parameters()]
+    actor.train_step(samples, [1.0 if i % 2 else -1.0 for i in range(6)])
+    assert any(not torch.equal(w, p) for w, p in zip(weights, actor.model.parameters()))
+    assert counter["unique_graphs"] - before == warm  # the step met only warmed graphs
+    with caplog.at_level(logging.INFO, logger="vime"):
+        actor.compute_log_probs(samples)
+        actor.compute_log_probs(samples)
+    assert counter["unique_graphs"] - before > warm  # the scoring graph, compiled at its first call
+    assert sum("scoring forward now" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_a_trainer_closed_before_its_first_step_stops_compiling(tiny_model):

@@ -130,12 +130,26 @@ class Actor(WeightExport):
         self._bucket = -(-trainer.max_tokens_per_gpu // PAD_BUCKETS)
         self._warned_oversize = False
         # compiled: every padded size, on a thread of its own when this is the only rank (warm_up.py)
-        self._warm_up = CompileWarmUp(self, background=self.world == 1) if self.compiled else None
+        self._warm_up = (
+            CompileWarmUp(self, background=self.world == 1, scoring=self._scores_the_policy())
+            if self.compiled
+            else None
+        )
 
-    def ready(self) -> None:
-        """Block until the compile warm-up is done (every use of the model does this first)."""
+    def _scores_the_policy(self) -> bool:
+        """Whether a run's `train_step` runs the policy's scoring forward (`compute_log_probs`):
+        to recompute π_old when a rollout makes several optimizer steps (the run passes one step's
+        samples as `step_size`), or for OPD's student log-probs an engine did not send. Default
+        GRPO does neither, so its warm-up leaves that graph out. The frozen reference and
+        teacher are not compiled."""
+        recompute = self.settings.steps_per_rollout > 1 and not self.use_rollout_logprobs and not self.objective.sft
+        return recompute or self.algo.use_opd
+
+    def ready(self, scoring: bool = False) -> None:
+        """Block until the compile warm-up is done (every use of the model does this first;
+        `scoring`: a scoring forward follows)."""
         if self._warm_up is not None:
-            self._warm_up.wait()
+            self._warm_up.wait(scoring)
 
     @property
     def compiling(self) -> bool:
@@ -223,7 +237,7 @@ class Actor(WeightExport):
     def compute_log_probs(self, samples: list[Sample], scorer: nn.Module | None = None) -> list[Tensor]:
         """Per-sample log-probs of the response tokens under `scorer` (default: the policy), on
         every rank."""
-        self.ready()
+        self.ready(scoring=scorer is None)
         scorer = self.scorer if scorer is None else scorer
         was_training = scorer.training
         scorer.eval()

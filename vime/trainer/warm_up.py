@@ -16,6 +16,12 @@ holds the trainer's peak activations, so engines that share the GPU and size the
 its free memory once the trainer is built (`vime/launch/assemble.py`) leave the trainer its room,
 as they did when they started after the whole warm-up. An eager step keeps more activations than
 a compiled one, so that peak is the larger.
+
+The scoring forward (`compute_log_probs`: eval mode, no gradients) is a graph of its own, ~7 s
+of Dynamo's warm work on the demo's shape. Default GRPO never runs it (one optimizer step per
+rollout: the training forward's own log-probs are π_old), so it is compiled only for runs that
+score the policy (`Actor._scores_the_policy`); anything else that scores compiles it at its first
+call, which the log says.
 """
 
 from __future__ import annotations
@@ -50,9 +56,11 @@ class Warmed(Protocol):
 class CompileWarmUp:
     """The warm-up of one compiled `Actor`, run in place or on a thread (`background`)."""
 
-    def __init__(self, actor: Warmed, background: bool) -> None:
+    def __init__(self, actor: Warmed, background: bool, scoring: bool = True) -> None:
         self._actor = actor
         self._background = background
+        self.scoring = scoring  # the scoring forward is compiled too
+        self._told_scoring = False
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()  # a run closing before its first step: stop after the current size
@@ -66,9 +74,10 @@ class CompileWarmUp:
         self._thread = threading.Thread(target=self._run_keeping_error, name="vime-compile", daemon=True)
         self._thread.start()
 
-    def wait(self) -> None:
+    def wait(self, scoring: bool = False) -> None:
         """Return once every size is compiled; re-raise what the warm-up raised. The first call
-        that had to wait logs how long."""
+        that had to wait logs how long; the first scoring call (`scoring`) of a warm-up that left
+        the scoring forward out says that it compiles now."""
         thread, self._thread = self._thread, None
         if thread is not None:
             t0, waits = time.perf_counter(), thread.is_alive()
@@ -77,6 +86,9 @@ class CompileWarmUp:
                 log.info("the trainer waited %.1f s for the rest of its compile", time.perf_counter() - t0)
         if self._error is not None:  # every later use too: the model is compiled for some sizes only
             raise self._error
+        if scoring and not self.scoring and not self._told_scoring:
+            self._told_scoring = True
+            log.info("compiling the trainer's scoring forward now: its warm-up left it out, as these settings run none")
 
     def cancel(self) -> None:
         """Stop after the size being compiled and wait for that (a run that closes before its
@@ -97,23 +109,29 @@ class CompileWarmUp:
             self._error = e
 
     def _run(self) -> None:
-        """Each bucket size, with and without gradients (a scoring pass runs under no_grad,
-        which is a graph of its own). The batches are a dummy sequence padded to the size; the
-        gradients they leave are dropped."""
+        """Each bucket size, with gradients and (`scoring`) without: a scoring pass runs under
+        no_grad, which is a graph of its own. The batches are a dummy sequence padded to the
+        size; the gradients they leave are dropped."""
         actor = self._actor
         t0 = time.perf_counter()
         was_training = actor.scorer.training
         for size in range(actor._bucket, actor._bucket * PAD_BUCKETS + 1, actor._bucket):
             if self._stop.is_set():
                 return
-            self._step(size, scoring=True)
+            if self.scoring:
+                self._step(size, scoring=True)
             self._step(size, scoring=False)
         actor.scorer.train(was_training)
         actor.optimizer.zero_grad(set_to_none=True)
         actor._sync()
+        what = "" if self.scoring else " (training only: these settings never score the policy)"
         where = " beside the start-up" if self._background else ""
         log.info(
-            "compiled the trainer for %d micro-batch sizes in %.1f s%s", PAD_BUCKETS, time.perf_counter() - t0, where
+            "compiled the trainer for %d micro-batch sizes%s in %.1f s%s",
+            PAD_BUCKETS,
+            what,
+            time.perf_counter() - t0,
+            where,
         )
 
     def _step(self, size: int, scoring: bool) -> None:
