@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 import torch._dynamo.utils
+import torch._inductor.config
 
 from bench.bench_trainer import make_batch, make_model, pct
 from bench.shapes import SHAPES, TINY
@@ -240,6 +241,7 @@ def main() -> None:
         "/compiledhead (the LM head's chunk math compiled by torch.compile, not Triton), "
         "/syncall (one rank reduces gradients after every micro-batch, as several ranks do), "
         "/gradafter (log-probs first, the loss's gradient after: the head recomputes its logits in the backward), "
+        "/cdt (inductor's coordinate-descent tuning of its Triton kernels' block sizes, compiled afresh), "
         "e.g. compile@4096:32768/nopad",
     )
     ap.add_argument(
@@ -293,6 +295,10 @@ def main() -> None:
             gradient_checkpointing=False,
             compile=kind == "compile",
         )
+        tuned = "cdt" in flags
+        if tuned != torch._inductor.config.coordinate_descent_tuning:
+            torch._dynamo.reset()  # the layers' compiled code would be reused across the switch
+            torch._inductor.config.coordinate_descent_tuning = tuned
         t0 = time.perf_counter()
         actor = launch_actor(args, model_dir, a.device)
         local = getattr(actor, "local", actor)
