@@ -736,15 +736,9 @@ def test_default_grpo_warm_up_leaves_the_scoring_forward_out(tiny_model, caplog)
     import torch._dynamo.utils
 
     counter = torch._dynamo.utils.counters["stats"]
-    several = Actor(
-        make_args(
-            max_tokens_per_gpu=64, compile=True, global_batch_size=8, n_samples_per_prompt=8, rollout_batch_size=2
-        ),
-        tiny_model,
-    )
-    assert several.settings.steps_per_rollout == 2 and several._warm_up.scoring
-    several.close()
-    torch._dynamo.reset()  # count this warm-up's graphs from none, not reuse the previous one's
+    several = Actor(make_args(global_batch_size=8, n_samples_per_prompt=8, rollout_batch_size=2), tiny_model)
+    assert several.settings.steps_per_rollout == 2 and several._scores_the_policy()
+    torch._dynamo.reset()  # count this warm-up's graphs from none, not reuse an earlier test's
     before = counter["unique_graphs"]
     actor = Actor(make_args(max_tokens_per_gpu=64, compile=True), tiny_model)
     actor.ready()

@@ -1,26 +1,23 @@
 """The trainer's benches run their CPU smoke settings end to end: they import the trainer's
 internals by name (`profile_trainer.py` wraps `pack`, `to_device` and the optimizer step), so a
 restructure that moves one breaks them silently until the next GPU session finds out; this is
-where it shows instead. Their figures are GPU claims (bench/RESULTS.md), not checked here."""
+where it shows instead. Their figures are GPU claims (bench/RESULTS.md), not checked here. In
+this process: the scripts are modules of the `bench` package, and importing torch again in a
+subprocess would cost more than the runs."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import pytest
 
 
-def run_bench(*argv: str) -> str:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
-        [sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+def run_bench(module: str, argv: list[str], capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> str:
+    main = __import__(f"bench.{module}", fromlist=["main"]).main
+    monkeypatch.setattr(sys, "argv", [f"bench/{module}.py", *argv])
+    main()
+    return capsys.readouterr().out
 
 
 def rows(out: str) -> dict[str, float]:
@@ -28,13 +25,14 @@ def rows(out: str) -> dict[str, float]:
     return {m[1]: float(m[2].replace(",", "")) for m in re.finditer(r"^\| ([^|]+?) \| ([\d,]+) \|", out, re.M)}
 
 
-def test_profile_trainer_runs_and_traces_its_step():
-    out = run_bench("bench/profile_trainer.py", "--device", "cpu", "--tiny", "--variants", "eager", "--steps", "1")
+def test_profile_trainer_runs_and_traces_its_step(capsys, monkeypatch):
+    argv = ["--device", "cpu", "--tiny", "--variants", "eager", "--steps", "1"]
+    out = run_bench("profile_trainer", argv, capsys, monkeypatch)
     assert "eager: traced step" in out and "| idle (no kernel running) |" in out
     assert rows(out).get("eager", 0) > 0, out[-2000:]
 
 
-def test_bench_trainer_runs_its_variants():
-    out = run_bench("bench/bench_trainer.py", "--device", "cpu", "--tiny", "--no-hf", "--no-compile", "--steps", "1")
-    got = rows(out)
-    assert got.get("vime train_step", 0) > 0 and got.get("vime packed+chunked (fwd+bwd+opt)", 0) > 0, out[-2000:]
+def test_bench_trainer_runs_its_variants(capsys, monkeypatch):
+    argv = ["--device", "cpu", "--tiny", "--no-hf", "--no-compile", "--steps", "1"]
+    got = rows(run_bench("bench_trainer", argv, capsys, monkeypatch))
+    assert got.get("vime train_step", 0) > 0 and got.get("vime packed+chunked (fwd+bwd+opt)", 0) > 0, got

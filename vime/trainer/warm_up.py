@@ -56,10 +56,10 @@ class Warmed(Protocol):
 class CompileWarmUp:
     """The warm-up of one compiled `Actor`, run in place or on a thread (`background`)."""
 
-    def __init__(self, actor: Warmed, background: bool, scoring: bool = True) -> None:
+    def __init__(self, actor: Warmed, background: bool, scoring: bool) -> None:
         self._actor = actor
         self._background = background
-        self.scoring = scoring  # the scoring forward is compiled too
+        self.scoring = scoring  # the scoring forward is compiled too (`Actor._scores_the_policy`)
         self._told_scoring = False
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
