@@ -59,8 +59,7 @@ class CompileWarmUp:
     def __init__(self, actor: Warmed, background: bool, scoring: bool) -> None:
         self._actor = actor
         self._background = background
-        self.scoring = scoring  # the scoring forward is compiled too (`Actor._scores_the_policy`)
-        self._told_scoring = False
+        self.scoring = scoring  # the scoring forward is compiled (`Actor._scores_the_policy`), or will be
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()  # a run closing before its first step: stop after the current size
@@ -86,8 +85,8 @@ class CompileWarmUp:
                 log.info("the trainer waited %.1f s for the rest of its compile", time.perf_counter() - t0)
         if self._error is not None:  # every later use too: the model is compiled for some sizes only
             raise self._error
-        if scoring and not self.scoring and not self._told_scoring:
-            self._told_scoring = True
+        if scoring and not self.scoring:
+            self.scoring = True  # by the call that follows
             log.info("compiling the trainer's scoring forward now: its warm-up left it out, as these settings run none")
 
     def cancel(self) -> None:
