@@ -75,10 +75,12 @@ def test_the_start_up_clock_counts_imports_once_per_process():
     """The process's start read from /proc lies in the past (less than a day: a test process);
     a second run in one process (a notebook, train_here) has no imports phase and starts its
     clock when it is made, not at the process's start."""
+    import re
     import sys
     import time
 
-    from vime.launch.startup import StartupClock, process_start
+    from vime.launch.startup import StartupClock
+    from vime.lifetime import process_start
 
     started = process_start()
     if sys.platform == "linux":  # /proc is there
@@ -90,6 +92,8 @@ def test_the_start_up_clock_counts_imports_once_per_process():
         time.sleep(0.05)
     assert dict(later.phases)["work"] >= 0.05
     assert later.line().startswith("start-up ") and "imports" not in later.line() and "work " in later.line()
+    later.parts["work"] = [("a", 0.04), ("b", 0.01)]  # a phase's own split follows it in brackets
+    assert re.search(r"work [\d.]+ \(a 0\.0, b 0\.0\), other ", later.line()), later.line()
 
 
 def test_an_engine_sizes_its_kv_cache_only_once_the_trainer_is_ready(tmp_path, tiny_model):

@@ -70,10 +70,24 @@ def test_tiny_yaml_two_rollouts_record_every_metric(tmp_path):
     # the start-up's phases, from the process's start to step 1 (vime/launch/startup.py)
     line = next(x for x in (tmp_path / "t" / "log.txt").read_text().splitlines() if "s before step 1 (" in x)
     total = float(re.search(r"start-up ([\d.]+) s", line)[1])
-    phases = {k: float(v) for k, v in (p.rsplit(" ", 1) for p in line.split("): ", 1)[1].split(", "))}
+    body = line.split("): ", 1)[1]
+
+    def seconds(parts: str) -> dict[str, float]:
+        return {k: float(v) for k, v in (p.rsplit(" ", 1) for p in parts.split(", "))}
+
+    phases = seconds(re.sub(r" \([^)]*\)", "", body))  # the checks' own split, in brackets, left out
     assert list(phases) == ["imports", "checks", "trainer", "engines", "weight group", "resume and first push", "other"]
     assert phases["engines"] > 0 and phases["imports"] > 0, line  # an engine started; torch was imported
     assert abs(sum(phases.values()) - total) <= 0.05 * len(phases) + 0.05, line  # each rounded to 0.1
+    checks = seconds(re.search(r"checks [\d.]+ \(([^)]*)\)", body)[1])
+    assert list(checks) == ["outputs", "tokenizer", "model", "plug-ins loaded", "data", "plug-ins called"], line
+    assert sum(checks.values()) <= phases["checks"] + 0.05 * len(checks) + 0.05, line  # a split of the phase
+    # the engine's own start, from its process's start to serving (vime/engine/server.py)
+    line = next(x for x in (tmp_path / "t" / "engine0.log").read_text().splitlines() if "start-up " in x)
+    total = float(re.search(r"start-up ([\d.]+) s: ", line)[1])
+    phases = seconds(line.split(" s: ", 1)[1])
+    assert list(phases) == ["process and imports", "CUDA and weights", "KV cache and CUDA graphs"], line
+    assert phases["process and imports"] > 0 and sum(phases.values()) <= total + 0.05 * len(phases), line
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ import math
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,14 +48,26 @@ class Inputs:
     rewards: Rewards  # its pool starts at the first sample; the run closes it
     notes: list[str] = field(default_factory=list)  # warnings to log once the run's log exists
     custom_advantages: Callable | None = None  # --custom-advantage-function-path
+    seconds: list[tuple[str, float]] = field(default_factory=list)  # what each check took, for the start-up line
 
 
 def check_inputs(args: Config) -> Inputs:
     """Check output directories, model, plug-ins and data, in that order (cheapest first). Each
     check reads the room its settings belong to (`args.output`, `args.rollout`, ...); a value
     found on the way makes a new config, whose rooms are read again."""
+    seconds: list[tuple[str, float]] = []
+    last = time.monotonic()
+
+    def took(name: str) -> None:  # the checks' own split of the start-up line's `checks`
+        nonlocal last
+        now = time.monotonic()
+        seconds.append((name, now - last))
+        last = now
+
     args, ckpt, notes = _outputs(args)
+    took("outputs")
     args, tokenizer = _model(args)
+    took("tokenizer")
     model_dir = Path(args.rollout.model_dir)
     _check_model_flags(args, model_dir)
     if args.trainer.lora_rank:
@@ -62,8 +75,10 @@ def check_inputs(args: Config) -> Inputs:
     if args.output.save:
         _room_for_checkpoints(Path(args.output.save), model_dir)
 
+    took("model")
     rewards = Rewards(args)
     _load_plugins(args)
+    took("plug-ins loaded")
     max_prompt_len = context_length(model_dir) - 1  # room for at least one response token
     args, data_source = _data(args, tokenizer, max_prompt_len)
     if ckpt is not None:
@@ -76,10 +91,12 @@ def check_inputs(args: Config) -> Inputs:
     if data_source.skipped_note:
         notes.append(data_source.skipped_note)
     _check_eval_sets(args, tokenizer, max_prompt_len)
+    took("data")
     # every plug-in called as the run calls it, on made-up input (vime/plugin_checks.py)
     checked = check_plugins(args, tokenizer, data_source, rewards)
     notes += checked.notes
-    return Inputs(args, tokenizer, checked.rollout_fn, data_source, rewards, notes, checked.custom_advantages)
+    took("plug-ins called")
+    return Inputs(args, tokenizer, checked.rollout_fn, data_source, rewards, notes, checked.custom_advantages, seconds)
 
 
 def _outputs(args: Config) -> tuple[Config, Path | None, list[str]]:

@@ -20,6 +20,7 @@ import queue
 import signal
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -40,6 +41,7 @@ from vime.engine.http_common import (
 from vime.engine.openai_routes import OpenAIRoutes
 from vime.engine.weight_routes import WeightRoutes
 from vime.errors import VimeError
+from vime.lifetime import process_start
 
 log = logging.getLogger("vime.engine")
 
@@ -427,6 +429,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    t0 = time.time()
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import torch
@@ -457,6 +460,13 @@ def main(argv: list[str] | None = None) -> None:
             overlap=not args.disable_overlap_schedule,
             **{name: getattr(args, name) for name in same.split()},
         )
+    )
+    started = process_start()
+    phases = ([("process and imports", t0 - started)] if started is not None else []) + engine.startup
+    log.info(
+        "start-up %.1f s: %s",
+        time.time() - (t0 if started is None else started),
+        ", ".join(f"{name} {s:.1f}" for name, s in phases),
     )
     server = EngineServer(engine, model_path, args.api_key, args.max_request_mb)
     asyncio.run(_serve(server, sock, args.host, args.parent_pid))

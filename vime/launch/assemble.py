@@ -52,7 +52,7 @@ def assemble(cfg: Config, evaluation: bool = False) -> RunContext:
     config frozen. The caller closes the context."""
     clock = StartupClock()
     with clock.phase("checks"):
-        ctx = _checked(cfg) if not evaluation else _checked_for_eval(cfg)
+        ctx = _checked(cfg, clock) if not evaluation else _checked_for_eval(cfg)
     ctx.startup = clock
     try:
         if evaluation or ctx.cfg.rollout.debug_rollout_only:
@@ -74,7 +74,7 @@ def assemble(cfg: Config, evaluation: bool = False) -> RunContext:
     return ctx
 
 
-def _checked(cfg: Config) -> RunContext:
+def _checked(cfg: Config, clock: StartupClock) -> RunContext:
     """A training run's inputs checked, its directory, log and config.yaml written. What belongs
     to the run as a whole (its mode and correction, config.yaml) is read off the config; the rest
     from the room that owns it."""
@@ -84,6 +84,7 @@ def _checked(cfg: Config) -> RunContext:
             f"run directory {out.run_dir} already holds a run: pick another --run-name (or resume it with --load)"
         )
     inputs = check_inputs(cfg)  # every input, before anything starts or is written
+    clock.parts["checks"] = inputs.seconds
     run_dir = inputs.cfg.output.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     setup_logging(run_dir / "log.txt", quiet=out.quiet)

@@ -11,25 +11,11 @@ logs one line before step 1 (and its step-0 eval):
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-
-def process_start() -> float | None:
-    """When this process started, as a `time.time()` value, or None where /proc cannot tell.
-    /proc gives the start in clock ticks since boot; the boot is placed by CLOCK_BOOTTIME (the
-    whole-second `btime` of /proc/stat would put the start up to 1 s early)."""
-    try:
-        with open("/proc/self/stat") as f:
-            # field 22 (starttime) counts after the ')' that ends field 2, the command's name
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        since_start = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, AttributeError):
-        return None
-    return time.time() - since_start
-
+from vime.lifetime import process_start
 
 _process_clock_taken = False  # only a process's first run counts its imports; a later one starts its clock when made
 
@@ -43,6 +29,7 @@ class StartupClock:
 
     started: float = 0.0
     phases: list[tuple[str, float]] = field(default_factory=list)
+    parts: dict[str, list[tuple[str, float]]] = field(default_factory=dict)  # a phase's own split, if it has one
 
     def __post_init__(self) -> None:
         global _process_clock_taken
@@ -66,5 +53,9 @@ class StartupClock:
         covers (work between them) is named `other`."""
         total = time.time() - self.started
         other = total - sum(s for _, s in self.phases)
-        parts = [f"{name} {s:.1f}" for name, s in self.phases] + [f"other {max(0.0, other):.1f}"]
+        parts = [f"{name} {s:.1f}{self._split(name)}" for name, s in self.phases] + [f"other {max(0.0, other):.1f}"]
         return f"start-up {total:.1f} s before step 1 (and its step-0 eval): " + ", ".join(parts)
+
+    def _split(self, name: str) -> str:
+        split = self.parts.get(name)
+        return f" ({', '.join(f'{part} {s:.1f}' for part, s in split)})" if split else ""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -72,6 +73,7 @@ class LLMEngine:
         self.device = torch.device(cfg.device)
         self.dtype = DTYPES[cfg.dtype]
         fp8.check(cfg.quantization, self.device, self.dtype)  # before a minute of loading
+        t0 = time.monotonic()
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # kernels and allocations default to the engine's GPU
         # On CUDA with VMM the weights and the KV pools keep their addresses through a memory
@@ -83,8 +85,13 @@ class LLMEngine:
         mc = self.model_config = self.model.config
         # before the KV cache is sized: the fp8 copies take device memory too
         self.fp8 = fp8.Fp8Weights(self.model, self.device, self.packed is not None) if cfg.quantization else None
+        # this start's phases in seconds, for the server's start-up line (issue 48)
+        self.startup: list[tuple[str, float]] = [("CUDA and weights", time.monotonic() - t0)]
         if cfg.wait_for_file and not cfg.num_kv_blocks and cfg.kv_cache_gb is None:
+            t0 = time.monotonic()
             wait_for_file(cfg.wait_for_file, cfg.parent_pid)
+            self.startup.append(("waiting for the trainer", time.monotonic() - t0))
+        t0 = time.monotonic()
         num_blocks = cfg.num_kv_blocks or self._auto_num_blocks()
         if num_blocks < 1:
             raise ValueError(
@@ -110,6 +117,7 @@ class LLMEngine:
             self.model, self.kv_cache, cfg.block_size, cfg.max_num_seqs, self.max_seq_len, self.device, cfg.cuda_graphs
         )
         self.runner.capture()
+        self.startup.append(("KV cache and CUDA graphs", time.monotonic() - t0))
         self.overlap = cfg.overlap and self.runner.kernels
         self._inflight: Launched | None = None  # the step launched and not yet booked
         self._backlog: list[RequestOutput] = []  # finished while a control operation drained a step

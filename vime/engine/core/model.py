@@ -157,9 +157,10 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
-        self.register_buffer(
-            "inv_freq", 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), persistent=False
-        )
+        # on the CPU even inside `load_model`'s meta-device build, where arange's kernel is a
+        # Python reference that imports torch._dynamo (seconds of an engine's start; it compiles nothing)
+        arange = torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu")
+        self.register_buffer("inv_freq", 1.0 / (theta ** (arange / head_dim)), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [T, head_dim / 2] in float32 (HF duplicates them over both halves)."""
@@ -271,7 +272,11 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # no random init: `load_model` fills it from the checkpoint, and on the meta device
+        # normal_'s kernel is a Python reference that imports torch._dynamo (as arange's below)
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
