@@ -125,7 +125,11 @@ def whole_run(tree: Path, out: Path) -> dict:
         "exit": proc.returncode,
         "step1_end_s": None if step1 is None else round(step1, 1),
         "lines": re.findall(wanted, text),
-        "engine_log": [ln for ln in (engine[-1].read_text().splitlines() if engine else []) if "INFO" in ln][:12],
+        "engine_log": [  # its start's lines: the phases, the wait for the trainer, the graphs
+            ln
+            for ln in (engine[-1].read_text().splitlines() if engine else [])
+            if "INFO" in ln and any(k in ln for k in ("start-up ", "waited ", "captured ", "engine: "))
+        ],
     }
 
 
