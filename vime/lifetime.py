@@ -154,17 +154,3 @@ def owned(locks: list[tuple[Path, str]]) -> Iterator[None]:
     finally:
         for fd in fds:
             os.close(fd)
-
-
-def process_start() -> float | None:
-    """When this process started, as a `time.time()` value, or None where /proc cannot tell.
-    /proc gives the start in clock ticks since boot; the boot is placed by CLOCK_BOOTTIME (the
-    whole-second `btime` of /proc/stat would put the start up to 1 s early)."""
-    try:
-        with open("/proc/self/stat") as f:
-            # field 22 (starttime) counts after the ')' that ends field 2, the command's name
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        since_start = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, AttributeError):
-        return None
-    return time.time() - since_start

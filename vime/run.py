@@ -91,7 +91,7 @@ class Run:
             self.metrics = MetricsLogger.for_run(self.cfg, self.num_rollout, self.start_step)
             if ctx.startup is not None:
                 behind = "; the trainer's compile goes on beside" if getattr(self.actor, "compiling", False) else ""
-                log.info("%s%s", ctx.startup.line(), behind)
+                log.info("%s%s", ctx.startup.line("before step 1 (and its step-0 eval)"), behind)
         except BaseException:
             self.close()  # never leave engine or trainer processes behind
             raise

@@ -20,7 +20,6 @@ import queue
 import signal
 import socket
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -41,7 +40,7 @@ from vime.engine.http_common import (
 from vime.engine.openai_routes import OpenAIRoutes
 from vime.engine.weight_routes import WeightRoutes
 from vime.errors import VimeError
-from vime.lifetime import process_start
+from vime.startup import StartupClock
 
 log = logging.getLogger("vime.engine")
 
@@ -272,12 +271,7 @@ class EngineServer:
             ("paused", "gauge", "1 while generation is paused", int(e.paused)),
             ("steps_total", "counter", "model steps run", s.steps),
             ("prompt_tokens_total", "counter", "prompt tokens received (x n)", s.prompt_tokens),
-            (
-                "computed_tokens_total",
-                "counter",
-                "tokens run through the model, recomputation included",
-                s.computed_tokens,
-            ),
+            ("computed_tokens_total", "counter", "tokens run through the model, recomputed too", s.computed_tokens),
             ("generated_tokens_total", "counter", "tokens generated", s.generated_tokens),
             ("requests_finished_total", "counter", "requests finished (stop or length)", s.finished_requests),
             ("requests_aborted_total", "counter", "requests aborted", s.aborted_requests),
@@ -285,7 +279,7 @@ class EngineServer:
             (
                 "prefix_cache_hit_tokens_total",
                 "counter",
-                "tokens whose KV was reused from the prefix cache",
+                "tokens with KV from the prefix cache",
                 e.scheduler.num_cached_tokens,
             ),
         ]
@@ -429,7 +423,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    t0 = time.time()
+    clock = StartupClock()  # from the process's start: its imports are the first phase
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import torch
@@ -461,13 +455,8 @@ def main(argv: list[str] | None = None) -> None:
             **{name: getattr(args, name) for name in same.split()},
         )
     )
-    started = process_start()
-    phases = ([("process and imports", t0 - started)] if started is not None else []) + engine.startup
-    log.info(
-        "start-up %.1f s: %s",
-        time.time() - (t0 if started is None else started),
-        ", ".join(f"{name} {s:.1f}" for name, s in phases),
-    )
+    clock.phases += engine.startup
+    log.info("%s", clock.line("before serving"))
     server = EngineServer(engine, model_path, args.api_key, args.max_request_mb)
     asyncio.run(_serve(server, sock, args.host, args.parent_pid))
 

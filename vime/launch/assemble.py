@@ -35,12 +35,12 @@ from vime.backends.placement import TRAINER_READY, Placement, fresh_path, traine
 from vime.config import Config, ConfigError, OutputConfig, RolloutConfig
 from vime.launch.context import RunContext
 from vime.launch.launcher import launcher_for
-from vime.launch.startup import StartupClock
 from vime.metrics import setup_logging
 from vime.preflight import check_eval_inputs, check_inputs
 from vime.rollout.answer_log import AnswerLog
 from vime.rollout.compat import PluginArgs, Router, needs_router
 from vime.rollout.runtime import HealthCheck, RolloutRuntime
+from vime.startup import StartupClock
 from vime.trainer.distributed import launch_actor
 from vime.transport.push import WeightPusher
 

@@ -22,11 +22,11 @@ if TYPE_CHECKING:
     from vime.backends.placement import Placement
     from vime.config import Config
     from vime.launch.launcher import Launcher
-    from vime.launch.startup import StartupClock
     from vime.rollout.compat import PluginArgs, Router
     from vime.rollout.data_source import DataSource
     from vime.rollout.rewards import Rewards
     from vime.rollout.runtime import RolloutRuntime
+    from vime.startup import StartupClock
     from vime.transport.push import WeightPusher
 
 log = logging.getLogger("vime")
