@@ -99,6 +99,22 @@ def test_the_start_up_clock_counts_imports_once_per_process():
     assert re.search(r"work [\d.]+ \(a 0\.0, b 0\.0\), other ", later.line("before work")), later.line("before work")
 
 
+def test_an_engine_is_built_without_the_compiler_stack(tiny_model):
+    """The engine compiles nothing, so building one imports no torch._dynamo: the meta-device
+    build's random init and RoPE's arange did, seconds of every engine's start on a GPU host
+    (bench/RESULTS.md). A fresh interpreter, since this one has imported it long ago."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from vime.engine.core.engine import EngineConfig, LLMEngine; "
+        "LLMEngine(EngineConfig(sys.argv[1], block_size=4, num_kv_blocks=8)); print('torch._dynamo' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tiny_model)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "False"
+
+
 def test_an_engine_sizes_its_kv_cache_only_once_the_trainer_is_ready(tmp_path, tiny_model):
     """`--wait-for-file`: an engine starting beside a trainer on its GPU loads its weights, then
     waits for the run's TRAINER_READY before sizing the KV cache from free memory; a fixed
