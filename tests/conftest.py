@@ -56,13 +56,17 @@ def run_cli(*argv: str, timeout: float = 180, cwd: Path = ROOT) -> subprocess.Co
     return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+ENTRIES = {"train.py": "sync", "train_async.py": "async"}
+
+
 def train_here(entry: str, *argv: str) -> None:
-    """train.py (`entry` "sync") or train_async.py ("async") run in this process, as the script
-    runs it (`train_main`: flags, resume point, locks), its engines still processes of their own.
-    It saves a fresh interpreter's imports (torch, transformers, vime: ~5 of a tiny run's ~10 CPU
-    seconds) for tests that read what a run wrote; how a run's process ends (exit code, signals,
-    one-line errors) is run_cli's. An error raises here, with its traceback."""
+    """train.py (`entry` "sync" or "train.py") or train_async.py ("async" or "train_async.py") run
+    in this process, as the script runs it (`train_main`: flags, resume point, locks), its engines
+    still processes of their own. It saves a fresh interpreter's imports (torch, transformers,
+    vime: ~5 of a tiny run's ~10 CPU seconds) for tests that read what a run wrote; how a run's
+    process ends (exit code, signals, one-line errors) is run_cli's. An error raises here, with
+    its traceback; what the run logs to stderr, a test reads by capfd."""
     from vime.cli import train_main
 
     with contextlib.chdir(ROOT):  # the examples' configs name their data relative to the repository
-        assert train_main(list(argv), entry) == 0
+        assert train_main(list(argv), ENTRIES.get(entry, entry)) == 0

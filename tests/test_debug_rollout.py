@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, train_here
 
 from vime.debug_rollout import load_rollout, save_rollout
 from vime.rollout.prompt_rows import DataError
@@ -39,11 +39,10 @@ def train_twice(tmp_path: Path, script: str) -> tuple[Path, Path]:
         ("gen", ["--save-debug-rollout-data", saved]),
         ("replay", ["--load-debug-rollout-data", saved]),
     ):
-        res = run_cli(
+        train_here(  # in this process: the test reads what the runs wrote
             script, *TINY, "--num-rollout", "3", "--runs-dir", str(tmp_path), "--run-name", name,
             "--save", str(tmp_path / name / "ckpt"), *flags,
         )  # fmt: skip
-        assert res.returncode == 0, f"{name}: {res.stderr[-3000:]}"
     return tmp_path / "gen", tmp_path / "replay"
 
 
@@ -76,11 +75,10 @@ def test_saved_rollouts_replay_bit_for_bit_in_one_step_off_mode(tmp_path):
 
 
 def test_a_rollout_only_run_generates_scores_and_saves_without_a_trainer(tmp_path):
-    res = run_cli(
+    train_here(
         "train.py", *TINY, "--num-rollout", "2", "--runs-dir", str(tmp_path), "--run-name", "r",
         "--debug-rollout-only", "--save-debug-rollout-data", str(tmp_path / "roll" / "{rollout_id}.pt"),
     )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-3000:]
     r = rows(tmp_path / "r")
     assert [x["step"] for x in r] == [1, 2]
     assert all("rollout/reward_mean" in x and not any(k.startswith("train/") for k in x) for x in r)

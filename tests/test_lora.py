@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, run_cli
+from conftest import ROOT, train_here
 from test_actor import make_args, make_samples
 
 from vime.config import ConfigError
@@ -160,13 +160,12 @@ def test_a_lora_run_pushes_only_adapters_and_the_engine_computes_the_merged_mode
     push is adapter), pushed between steps as the mode pushes (fully-async: while its worker
     generates ahead); the adapters moved the weights off the base. In sync mode every step
     samples with exactly base + adapters, so the engine's and the trainer's log-probs agree."""
-    res = run_cli(
+    train_here(  # in this process: the test reads what the run wrote
         script, "--config", "examples/tiny.yaml", "--custom-rm-path", "varied_reward.digit_share",
         "--lora-rank", "8", "--lora-alpha", "16", "--lr", "1e-2", "--num-rollout", "3",
         "--weight-transport", transport, *extra,
         "--runs-dir", str(tmp_path), "--run-name", "r", "--save", str(tmp_path / "ckpt"),
     )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "train/loss" in r]
     if script == "train.py":

@@ -556,19 +556,18 @@ def tool_run(script: str, extra: list[str], tmp_path: Path, monkeypatch, model: 
     scored sample's layout recorded by tool_model.recording_reward. (metrics rows, samples)
     lr 1e-4, not tiny.yaml's 1e-3: Adam moves every weight by about lr per step whatever the
     gradient's size, and at 1e-3 the fine-tuned model forgot its tool call within three steps
-    (a vLLM run: reward 0.94 → 0.003, no calls from step 4)."""
+    (a vLLM run: reward 0.94 → 0.003, no calls from step 4). In this process (train_here)."""
     import json
 
-    from conftest import run_cli
+    from conftest import train_here
 
     samples = tmp_path / "samples.jsonl"
     monkeypatch.setenv("VIME_TEST_SAMPLES", str(samples))
-    res = run_cli(
+    train_here(
         script, "--config", "examples/tiny.yaml", "--hf-checkpoint", str(model), "--tools", "calculator",
         "--max-turns", "3", "--rollout-max-response-len", "160", "--rollout-temperature", "0.8",
-        "--lr", "1e-4", "--custom-rm-path", "tool_model.recording_reward", "--num-rollout", str(steps), "--runs-dir", str(tmp_path), "--run-name", "r", *extra, timeout=400,
+        "--lr", "1e-4", "--custom-rm-path", "tool_model.recording_reward", "--num-rollout", str(steps), "--runs-dir", str(tmp_path), "--run-name", "r", *extra,
     )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if "perf/step_time" in r], [json.loads(line) for line in samples.read_text().splitlines()]
 

@@ -74,13 +74,12 @@ def test_eval_accuracy_is_the_share_of_samples_the_generate_scored_a_success(tmp
     ev = [{"input": f"{a}*{a}="} for a in range(4)] + [
         {"input": f"{a}-1=", "label": str(a - 1), "metadata": {"grade": True}} for a in (5, 9)
     ]
-    res = run_tiny(
+    run_tiny(
         tmp_path, _write(tmp_path / "t.jsonl", TRAIN_ROWS), tiny_model,
         "--custom-generate-function-path", "own_verdicts.parity_scored",
         "--eval-prompt-data", str(_write(tmp_path / "e.jsonl", ev)), "--eval-interval", "2",
         "--n-samples-per-eval-prompt", "4", "--eval-temperature", "1", "--eval-max-response-len", "4",
     )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-3000:]
     evals = [r for r in _rows(tmp_path / "r" / "metrics.jsonl") if "eval/accuracy" in r]
     assert [r["step"] for r in evals] == [0, 2]
     for r in evals:
@@ -99,13 +98,12 @@ def test_eval_accuracy_is_the_share_of_samples_the_generate_scored_a_success(tmp
 
 
 def test_removed_samples_train_nothing_and_the_others_still_train(tmp_path, tiny_model):
-    res = run_tiny(
+    run_tiny(
         tmp_path, _write(tmp_path / "t.jsonl", TRAIN_ROWS), tiny_model, "--n-samples-per-prompt", "4",
         "--custom-generate-function-path", "own_verdicts.removes_even_indices",
         "--custom-rm-path", "varied_reward.last_token_parity",
         "--save-debug-rollout-data", str(tmp_path / "rollouts/{rollout_id}.pt"),
     )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-3000:]
     saved = [s for f in sorted((tmp_path / "rollouts").glob("*.pt")) for s in torch.load(f)["samples"]]
     assert len(saved) == 2 * 2 * 4
     for s in saved:
@@ -120,12 +118,11 @@ def test_removed_samples_train_nothing_and_the_others_still_train(tmp_path, tiny
 
 
 def test_a_batch_of_removed_samples_leaves_the_weights_as_they_were(tmp_path, tiny_model):
-    res = run_tiny(
+    run_tiny(
         tmp_path, _write(tmp_path / "t.jsonl", TRAIN_ROWS), tiny_model,
         "--custom-generate-function-path", "own_verdicts.removes_all",
         "--custom-rm-path", "varied_reward.last_token_parity",
     )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-3000:]
     steps = [r for r in _rows(tmp_path / "r" / "metrics.jsonl") if "train/loss" in r]
     assert len(steps) == 2 and all(r["train/grad_norm"] == 0 for r in steps)
     start = load_file(tiny_model / "model.safetensors")

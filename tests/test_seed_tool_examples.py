@@ -103,7 +103,7 @@ def _write(path: Path, rows: list[dict]) -> Path:
 def _run(tmp_path: Path, data: Path, tiny_model: Path, *extra: str):
     """test_plugin_compat's tiny run, each rollout's samples saved for the assertions."""
     debug = ("--save-debug-rollout-data", str(tmp_path / "rollouts/{rollout_id}.pt"))
-    return run_tiny(tmp_path, data, tiny_model, *debug, *extra, timeout=300)
+    run_tiny(tmp_path, data, tiny_model, *debug, *extra)
 
 
 def _steps(tmp_path: Path) -> list[dict]:
@@ -126,12 +126,11 @@ def _weights_moved(tmp_path: Path, tiny_model: Path) -> bool:
 @pytest.mark.parametrize("mode", [(), FULLY_ASYNC], ids=["sync", "fully-async"])
 def test_a_search_tool_plugin_trains_its_turns_and_not_the_search_results(mode, tmp_path, tiny_model, search_url):
     rows = [{"input": q, "label": {"ground_truth": {"target": [q.split()[-1]]}}} for q in QUESTIONS]
-    res = _run(
+    _run(
         tmp_path, _write(tmp_path / "qa.jsonl", rows), tiny_model, *mode,
         "--custom-generate-function-path", "seed_tool_plugins.search_then_answer",
         "--custom-rm-path", "seed_tool_plugins.em_reward", "--reward-key", "score",
     )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-3000:]
     steps = _steps(tmp_path)
     assert len(steps) == 2 and all(r["rollout/reward_errors"] == 0 for r in steps)  # dict labels reached it
     assert all("rollout/reward_acc" in r for r in steps)  # DAPO's dict answer: score trained, acc logged
@@ -149,11 +148,10 @@ def test_a_search_tool_plugin_trains_its_turns_and_not_the_search_results(mode, 
 @pytest.mark.parametrize("mode", [(), FULLY_ASYNC], ids=["sync", "fully-async"])
 def test_a_tau_bench_style_agent_loop_keeps_its_reward_and_trains(mode, tmp_path, tiny_model):
     rows = [{"index": i} for i in range(4)]  # tau-bench's data: task indices, no label
-    res = _run(
+    _run(
         tmp_path, _write(tmp_path / "tasks.jsonl", rows), tiny_model, *mode,
         "--input-key", "index", "--custom-generate-function-path", "seed_tool_plugins.tau_agent",
     )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-3000:]
     steps = _steps(tmp_path)
     assert len(steps) == 2 and all(r["rollout/reward_mean"] >= 1.0 for r in steps)  # the agent's own reward
     for s in _saved_samples(tmp_path):
@@ -168,13 +166,12 @@ def test_a_tau_bench_style_agent_loop_keeps_its_reward_and_trains(mode, tmp_path
 def test_a_tau_bench_agent_against_the_standin_package_trains_on_its_reward(mode, tmp_path, tiny_model, monkeypatch):
     """examples/tau-bench/standin's `tau_bench` (what the seed's agent runs against locally):
     its env's tools, scripted user and final-state reward, driven by a seed-style agent of ours."""
-    monkeypatch.setenv("PYTHONPATH", str(ROOT / "examples/tau-bench/standin"))
+    monkeypatch.syspath_prepend(str(ROOT / "examples/tau-bench/standin"))  # the run is in this process
     rows = [{"index": 0}, {"index": 4}]  # the stand-in's train split: its two cancellations
-    res = _run(
+    _run(
         tmp_path, _write(tmp_path / "tasks.jsonl", rows), tiny_model, *mode, "--n-samples-per-prompt", "4",
         "--input-key", "index", "--custom-generate-function-path", "seed_tool_plugins.tau_standin_agent",
     )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-3000:]
     steps = _steps(tmp_path)
     assert len(steps) == 2
     samples = _saved_samples(tmp_path)

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import run_cli, train_here
 
 from vime.config import ConfigError, parse_args
 from vime.models import load_tokenizer, resolve_model
@@ -82,22 +82,25 @@ def test_the_mask_covers_exactly_the_assistant_turns_of_the_templates_rendering(
     assert tok.decode(enc.tokens[:prompt_len]) == header
 
 
-def test_an_sft_run_with_slimes_flags_lowers_its_loss_without_an_engine_and_rl_starts_from_it(tmp_path, addition_data):
+def test_an_sft_run_with_slimes_flags_lowers_its_loss_without_an_engine_and_rl_starts_from_it(
+    tmp_path, addition_data, capfd
+):
     import torch
     from safetensors.torch import load_file
 
     data = conversations(addition_data[0], tmp_path / "sft.jsonl")
-    sft = run_cli(
+    capfd.readouterr()
+    train_here(  # the SFT and RL runs in this process, their stderr read by capfd
         "train_async.py", "--hf-checkpoint", "tiny", "--prompt-data", str(data), *SLIME_SFT,
         "--rollout-batch-size", "8", "--global-batch-size", "8", "--num-rollout", "6", "--lr", "1e-3",
         "--runs-dir", str(tmp_path), "--run-name", "sft", "--save", str(tmp_path / "ckpt"),
     )  # fmt: skip
-    assert sft.returncode == 0, sft.stderr[-3000:]
+    sft_err = capfd.readouterr().err
     rows = [json.loads(x) for x in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["train/sft_loss"] for r in rows]
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.3, losses
     assert all(r["perf/actor_train_tok_per_s"] > 0 and r["train/skipped_steps"] == 0 for r in rows)
-    assert not list((tmp_path / "sft").glob("engine*.log")) and "starting engine" not in sft.stderr
+    assert not list((tmp_path / "sft").glob("engine*.log")) and "starting engine" not in sft_err
     tuned, base = (
         load_file(str(tmp_path / "ckpt" / "6" / "model.safetensors")),
         load_file(str(resolve_model("tiny") / "model.safetensors")),
@@ -105,11 +108,10 @@ def test_an_sft_run_with_slimes_flags_lowers_its_loss_without_an_engine_and_rl_s
     assert any(not torch.equal(tuned[k], base[k]) for k in base)  # the weights moved
 
     # RL from the SFT model: its checkpoint is an HF directory with the chat template
-    rl = run_cli(
+    train_here(
         "train.py", "--config", "examples/tiny.yaml", "--hf-checkpoint", str(tmp_path / "ckpt" / "6"),
         "--apply-chat-template", "--num-rollout", "1", "--runs-dir", str(tmp_path), "--run-name", "rl",
     )  # fmt: skip
-    assert rl.returncode == 0, rl.stderr[-3000:]
     assert json.loads((tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 1
     # resuming it as an RL run would read the SFT data position into the RL data: refused
     load = run_cli(

@@ -11,7 +11,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import ROOT, run_cli, train_here
 
 PERF_KEYS = [
     "perf/step_time",
@@ -91,9 +91,10 @@ def test_tiny_yaml_two_rollouts_record_every_metric(tmp_path):
 
 
 @pytest.mark.slow
-def test_progress_lines_on_redirected_output_and_in_log_txt(tmp_path):
+def test_progress_lines_on_redirected_output_and_in_log_txt(tmp_path, capfd):
     """Output that is no terminal gets one plain line per step (and the eval lines); log.txt always
-    does; --quiet keeps them off stderr only."""
+    does; --quiet keeps them off stderr only. Both runs in this process (train_here), their
+    stderr (captured: no terminal) read by capfd."""
     common = [
         "--config",
         "examples/tiny.yaml",
@@ -106,16 +107,17 @@ def test_progress_lines_on_redirected_output_and_in_log_txt(tmp_path):
         "--runs-dir",
         str(tmp_path),
     ]
-    out = run_cli("train.py", *common, "--run-name", "p", timeout=150)
-    assert out.returncode == 0, out.stderr[-2000:]
-    for text in (out.stderr, (tmp_path / "p" / "log.txt").read_text()):
+    capfd.readouterr()
+    train_here("sync", *common, "--run-name", "p")
+    err = capfd.readouterr().err
+    for text in (err, (tmp_path / "p" / "log.txt").read_text()):
         for step in (1, 2):
             line = next(ln for ln in text.splitlines() if f"step {step}/2 | reward " in ln)
             assert " | len " in line and " | wait " in line and " | ETA " in line, line
         assert "eval step 2: accuracy" in text and "eval step 0: accuracy" in text
-    quiet = run_cli("train.py", *common, "--run-name", "q", "--quiet", timeout=150)
-    assert quiet.returncode == 0, quiet.stderr[-2000:]
-    assert "step 1/2 |" not in quiet.stderr and "eval step 2" not in quiet.stderr
+    train_here("sync", *common, "--run-name", "q", "--quiet")
+    err = capfd.readouterr().err
+    assert "step 1/2 |" not in err and "eval step 2" not in err
     assert "step 1/2 |" in (tmp_path / "q" / "log.txt").read_text()
 
 
@@ -125,7 +127,9 @@ def test_python_dash_m_vime_is_the_vime_command():
 
 
 @pytest.mark.slow
-def test_checkpoint_and_resume(tmp_path, tiny_model, addition_data):
+def test_checkpoint_and_resume(tmp_path, tiny_model, addition_data, capfd):
+    """The three runs in this process (train_here, and train.py's own entry for the refused one):
+    what they wrote and said, without a fresh interpreter's imports each."""
     train, test = addition_data
     # pushing every other step, so the policy version (optimizer steps) and the push count differ
     common = [
@@ -152,8 +156,7 @@ def test_checkpoint_and_resume(tmp_path, tiny_model, addition_data):
         "--update-weights-interval",
         "2",
     ]
-    first = run_cli("train.py", *common, "--num-rollout", "2", "--run-name", "a")
-    assert first.returncode == 0, first.stderr[-2000:]
+    train_here("sync", *common, "--num-rollout", "2", "--run-name", "a")
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
         ".vime.lock",
         "1",
@@ -163,16 +166,14 @@ def test_checkpoint_and_resume(tmp_path, tiny_model, addition_data):
 
     AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "2")  # checkpoints are plain HF directories
     # --load given the step directory itself (not its parent) resumes from that step
-    second = run_cli(
-        "train.py", *common, "--num-rollout", "3", "--run-name", "b", "--load", str(tmp_path / "ckpt" / "2")
-    )
-    assert second.returncode == 0, second.stderr[-2000:]
-    assert f"--load {tmp_path}/ckpt/2 is the checkpoint of step 2: resuming from that step" in second.stderr
-    assert f"resumed from {tmp_path}/ckpt/2 at step 2" in second.stderr
+    capfd.readouterr()
+    train_here("sync", *common, "--num-rollout", "3", "--run-name", "b", "--load", str(tmp_path / "ckpt" / "2"))
+    err = capfd.readouterr().err
+    assert f"--load {tmp_path}/ckpt/2 is the checkpoint of step 2: resuming from that step" in err, err[-2000:]
+    assert f"resumed from {tmp_path}/ckpt/2 at step 2" in err, err[-2000:]
     # resuming a run that is already at its last step would train nothing: refused before it starts
-    third = run_cli("train.py", *common, "--num-rollout", "3", "--run-name", "c", "--load", str(tmp_path / "ckpt"))
-    assert third.returncode != 0
-    assert "resumes after step 3, and this run ends at step 3" in third.stderr.strip().splitlines()[-1]
+    last = _refused([*common, "--num-rollout", "3", "--run-name", "c", "--load", str(tmp_path / "ckpt")])
+    assert "resumes after step 3, and this run ends at step 3" in last
     assert not (tmp_path / "c").exists() and sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
         ".vime.lock",
         "1",
@@ -204,6 +205,10 @@ BAD_BASE = ("--hf-checkpoint", "tiny", "--num-rollout", "1")
 
 
 def _bad(tmp_path, *argv):
+    return _refused([*BAD_BASE, "--runs-dir", str(tmp_path), *argv])
+
+
+def _refused(argv: list[str]) -> str:
     """The last stderr line of train.py's own entry (`guarded(train_main)`) on bad input, which
     must exit 2 with one `error:` line. Run in this process: a subprocess per case cost ~10 s of
     imports each; test_bad_input_missing_file runs the script itself."""
@@ -211,8 +216,8 @@ def _bad(tmp_path, *argv):
 
     err, sigterm = io.StringIO(), signal.getsignal(signal.SIGTERM)
     try:
-        with contextlib.redirect_stderr(err):
-            code = guarded(lambda a: train_main(a, "sync"), [*BAD_BASE, "--runs-dir", str(tmp_path), *argv])
+        with contextlib.redirect_stderr(err), contextlib.chdir(ROOT):
+            code = guarded(lambda a: train_main(a, "sync"), argv)
     except SystemExit as e:  # argparse's exit
         code = e.code
     finally:
@@ -295,16 +300,18 @@ def test_a_fresh_name_is_claimed_so_two_evals_at_once_never_share_one(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_second_vime_eval_keeps_the_first_ones_results(tmp_path, tiny_model, addition_data):
-    common = ["-m", "vime", "eval", "--hf-checkpoint", str(tiny_model), "--eval-prompt-data", str(addition_data[1])]
+def test_a_second_vime_eval_keeps_the_first_ones_results(tmp_path, tiny_model, addition_data, capfd):
+    """Both evals in this process (`vime eval`'s eval_main), their output read by capfd."""
+    from vime.cli import eval_main
+
+    common = ["--hf-checkpoint", str(tiny_model), "--eval-prompt-data", str(addition_data[1])]
     common += ["--eval-limit", "2", "--eval-max-response-len", "2", "--runs-dir", str(tmp_path), "--run-name", "ev"]
-    first = run_cli(*common)
-    assert first.returncode == 0, first.stderr[-2000:]
+    assert eval_main(common) == 0
     before = (tmp_path / "ev" / "eval.jsonl").read_text()
-    second = run_cli(*common)
-    assert second.returncode == 0, second.stderr[-2000:]
+    capfd.readouterr()
+    assert eval_main(common) == 0
     assert (tmp_path / "ev" / "eval.jsonl").read_text() == before  # the first result is untouched
-    assert "per-sample results: " + str(tmp_path / "ev" / "eval.1.jsonl") in second.stdout
+    assert "per-sample results: " + str(tmp_path / "ev" / "eval.1.jsonl") in capfd.readouterr().out
     assert len((tmp_path / "ev" / "eval.1.jsonl").read_text().splitlines()) == 2
 
 

@@ -28,6 +28,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -261,13 +262,79 @@ def model_mid(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("mid") / "qwen3", seed=0, **MID_MODEL)
 
 
-@pytest.fixture(scope="module")
-def server(model_mid, tmp_path_factory):
-    from vime.backends.vllm.launch import launch_vllm
+# A run's trainer, as far as its vLLM server sees: a process that launches the server with
+# launch_vllm (the watcher that ends the server with it included), says where the server is, and
+# lives until it is killed or its stdin closes (pytest gone).
+LAUNCHER = """
+import os, sys
+from dataclasses import dataclass
+from pathlib import Path
+from vime.backends.vllm.launch import launch_vllm
+server = launch_vllm(sys.argv[1], max_num_seqs=32, log_path=Path(sys.argv[2]))
+print(os.getpgid(server.proc.pid), server.url, server.api_key, flush=True)
+sys.stdin.read()
+"""
 
-    proc = launch_vllm(str(model_mid), max_num_seqs=32, log_path=tmp_path_factory.mktemp("vllm") / "server.log")
-    yield proc
-    proc.shutdown()
+
+@dataclass
+class Launched:
+    """A server launched by a LAUNCHER process (`trainer`): its process group, address and key."""
+
+    trainer: subprocess.Popen
+    pgid: int
+    url: str
+    api_key: str
+
+    def alive(self) -> bool:
+        return self.trainer.poll() is None and _group_alive(self.pgid)
+
+    def end(self) -> None:
+        self.trainer.kill()  # the watcher ends the server's group (SIGTERM, then SIGKILL)
+        self.trainer.wait()
+        deadline = time.monotonic() + 60
+        while _group_alive(self.pgid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if _group_alive(self.pgid):
+            os.killpg(self.pgid, signal.SIGKILL)
+
+
+def launch_in_a_process(model: Path, root: Path) -> Launched:
+    script = root / "launcher.py"
+    script.write_text(LAUNCHER)
+    with open(root / "launcher.err", "w") as err:
+        trainer = subprocess.Popen(
+            [sys.executable, str(script), str(model), str(root / "server.log")],
+            cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), text=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+        )  # fmt: skip
+    line = trainer.stdout.readline()  # once the server answers
+    if not line.strip():
+        trainer.kill()
+        raise AssertionError(
+            f"the launcher ended before its server was up: {(root / 'launcher.err').read_text()[-3000:]}"
+        )
+    pgid, url, key = line.split()
+    return Launched(trainer, int(pgid), url, key)
+
+
+@pytest.fixture(scope="module")
+def launched(model_mid, tmp_path_factory):
+    """The server tests' server, launched as a run launches one but from a process of its own
+    (LAUNCHER), so that the last of them, test_server_dies_with_the_trainer, can kill that
+    process and see the server go (one vLLM start fewer than a server of its own)."""
+    servers = [launch_in_a_process(model_mid, tmp_path_factory.mktemp("vllm"))]
+    yield servers
+    for s in servers:
+        s.end()
+
+
+@pytest.fixture()
+def server(launched, model_mid, tmp_path_factory) -> Launched:
+    """The shared server; a fresh one if a test before this one killed it (only the last test
+    of the file does, so in file order the server starts once)."""
+    if not launched[-1].alive():
+        launched.append(launch_in_a_process(model_mid, tmp_path_factory.mktemp("vllm")))
+    return launched[-1]
 
 
 @pytest.fixture()
@@ -700,38 +767,15 @@ def test_a_model_vllm_cannot_run_is_refused_at_start_with_vllms_reason(tmp_path)
 # ---- a launched server ends with the process that launched it ----------------------------------
 
 
-LAUNCHER = """
-import os, sys, time
-from pathlib import Path
-from vime.backends.vllm.launch import launch_vllm
-server = launch_vllm(sys.argv[1], max_num_seqs=4, log_path=Path(sys.argv[2]))
-print(os.getpgid(server.proc.pid), flush=True)
-time.sleep(600)
-"""
-
-
 @needs_vllm
-def test_server_dies_with_the_trainer(model_mid, tmp_path):
+def test_server_dies_with_the_trainer(server):
     """SIGKILL the process that launched a server (a run's trainer launches them the same way,
-    through launch_vllm): the watcher ends the server's whole process group."""
-    script = tmp_path / "launcher.py"
-    script.write_text(LAUNCHER)
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    trainer = subprocess.Popen(
-        [sys.executable, str(script), str(model_mid), str(tmp_path / "server.log")],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
-    try:
-        line = trainer.stdout.readline()  # once the server answers
-        assert line.strip(), "the launcher ended before its server was up"
-        pgid = int(line)
-        assert _group_alive(pgid)
-        trainer.send_signal(signal.SIGKILL)
-        trainer.wait()
-        deadline = time.monotonic() + 60
-        while _group_alive(pgid):
-            assert time.monotonic() < deadline, "the vLLM server outlived its trainer"
-            time.sleep(0.5)
-    finally:
-        if trainer.poll() is None:
-            trainer.kill()
+    through launch_vllm): the watcher ends the server's whole process group. The server is the
+    shared one the server tests above used, up and answering until then."""
+    assert server.alive() and urllib.request.urlopen(server.url + "/health", timeout=10).status == 200
+    server.trainer.send_signal(signal.SIGKILL)
+    server.trainer.wait()
+    deadline = time.monotonic() + 60
+    while _group_alive(server.pgid):
+        assert time.monotonic() < deadline, "the vLLM server outlived its trainer"
+        time.sleep(0.5)

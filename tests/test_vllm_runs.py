@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import run_cli, train_here
 from test_vllm import ATOL, PROBE, needs_vllm
 
 from vime.backends.vllm.client import VLLMClient
@@ -92,8 +92,7 @@ def _train_args(model: Path, data: Path, run_dir: Path, name: str) -> list[str]:
     ]
 
 
-def _check_run(res, run_dir: Path, record: Path, sync: bool) -> None:
-    assert res.returncode == 0, res.stderr[-3000:]
+def _check_run(run_dir: Path, record: Path, sync: bool) -> None:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "perf/step_time" in r]
     assert [r["train/weight_version"] for r in steps] == list(range(1, len(steps) + 1)) and len(steps) >= 3
@@ -139,10 +138,8 @@ def test_sync_lora_run_pushes_adapters_every_step(model32, addition_data, tmp_pa
     record = tmp_path / "record.jsonl"
     monkeypatch.setenv("VIME_TEST_RECORD", str(record))
     lora = ["--lora-rank", "4", "--lora-alpha", "8"]
-    res = run_cli(
-        "train.py", *_train_args(model32, addition_data[0], tmp_path, "sync"), *lora, *fresh_user_server, timeout=600
-    )
-    _check_run(res, tmp_path / "sync", record, sync=True)
+    train_here("sync", *_train_args(model32, addition_data[0], tmp_path, "sync"), *lora, *fresh_user_server)
+    _check_run(tmp_path / "sync", record, sync=True)
     rows = [json.loads(line) for line in (tmp_path / "sync" / "metrics.jsonl").read_text().splitlines()]
     pushes = [r["perf/update_weights_bytes"] for r in rows if "perf/update_weights_bytes" in r]
     # rank 4 on every linear layer of a 64-wide model: adapters are a small part of its bytes
@@ -158,16 +155,15 @@ def test_fully_async_run_records_token_versions(model32, addition_data, tmp_path
     # one batch in flight at most, five steps: later batches are generated after pushes, so the
     # recorded versions span several pushes whatever the timing
     args[args.index("--num-rollout") + 1] = "5"
-    res = run_cli(
-        "train_async.py",
+    train_here(
+        "async",
         *args,
         "--rollout-concurrency",
         "4",
         "--rollout-function-path",
         "vime.rollout.fully_async_rollout.generate_rollout_fully_async",
-        timeout=600,
     )
-    _check_run(res, tmp_path / "fa", record, sync=False)
+    _check_run(tmp_path / "fa", record, sync=False)
 
 
 @needs_vllm
@@ -189,40 +185,42 @@ def test_a_tool_run_through_vllm(tmp_path, monkeypatch, fresh_user_server):
 
 
 @needs_vllm
-def test_eval_matches_the_builtin_engine(model32, addition_data, tmp_path, fresh_user_server):
+def test_eval_matches_the_builtin_engine(model32, addition_data, tmp_path, fresh_user_server, capfd):
     """`vime eval --rollout-backend vllm` (the seed's eval path): greedy, thinking off through
     the chat-template kwargs; the same responses as the built-in engine, from a server the user
     started with other weights (eval pushes --hf-checkpoint into it first). Eval places its
-    engines with the backend's own placement, which the training runs here launch with."""
+    engines with the backend's own placement, which the training runs here launch with. Both
+    evals in this process (`vime eval`'s eval_main), their output read by capfd."""
+    from vime.cli import eval_main
+
     responses = {}
     url = fresh_user_server
     for name, backend, extra in (("vime", "vime", []), ("url", "vllm", url)):
-        res = run_cli(
-            "-m",
-            "vime.cli",
-            "eval",
-            "--hf-checkpoint",
-            str(model32),
-            "--eval-prompt-data",
-            str(addition_data[1]),
-            "--eval-limit",
-            "8",
-            "--eval-max-response-len",
-            "8",
-            "--apply-chat-template",
-            "--apply-chat-template-kwargs",
-            '{"enable_thinking": false}',
-            "--rollout-backend",
-            backend,
-            *extra,
-            "--runs-dir",
-            str(tmp_path),
-            "--run-name",
-            name,
-            timeout=600,
+        capfd.readouterr()
+        code = eval_main(
+            [
+                "--hf-checkpoint",
+                str(model32),
+                "--eval-prompt-data",
+                str(addition_data[1]),
+                "--eval-limit",
+                "8",
+                "--eval-max-response-len",
+                "8",
+                "--apply-chat-template",
+                "--apply-chat-template-kwargs",
+                '{"enable_thinking": false}',
+                "--rollout-backend",
+                backend,
+                *extra,
+                "--runs-dir",
+                str(tmp_path),
+                "--run-name",
+                name,
+            ]
         )
-        assert res.returncode == 0, res.stderr[-3000:]
-        assert json.loads(res.stdout.strip().splitlines()[-1])["eval/total"] == 8
+        assert code == 0
+        assert json.loads(capfd.readouterr().out.strip().splitlines()[-1])["eval/total"] == 8
         rows = [json.loads(line) for line in (tmp_path / name / "eval.jsonl").read_text().splitlines()]
         responses[name] = [(r["index"], r["response"], r["response_length"]) for r in rows]
     assert responses["vime"] == responses["url"]
@@ -265,11 +263,8 @@ def test_two_engines_share_a_run_and_a_killed_one_comes_back(model32, addition_d
     args = _train_args(model32, addition_data[0], tmp_path, "two")
     args[args.index("--num-rollout") + 1] = "5"
     args[args.index("--custom-generate-function-path") + 1] = "test_vllm_runs.kill_engine_one"
-    res = run_cli(
-        "train.py", *args, "--rollout-num-engines", "2", "--vllm-max-model-len", "512",
-        timeout=900,
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-3000:]
+    # in this process (its servers are its children, as a run's are): the test reads what it wrote
+    train_here("sync", *args, "--rollout-num-engines", "2", "--vllm-max-model-len", "512")
     run_dir = tmp_path / "two"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "perf/step_time" in r]
