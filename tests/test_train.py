@@ -77,7 +77,9 @@ def test_tiny_yaml_two_rollouts_record_every_metric(tmp_path):
 
     phases = seconds(re.sub(r" \([^)]*\)", "", body))  # the checks' own split, in brackets, left out
     assert list(phases) == ["imports", "checks", "trainer", "engines", "weight group", "resume and first push", "other"]
-    assert phases["engines"] > 0 and phases["imports"] > 0, line  # an engine started; torch was imported
+    # torch was imported. The engines phase is what their start adds after the trainer's build: 0.0
+    # where the engine was serving first (a quiet machine), so its own log line, below, shows it started.
+    assert phases["imports"] > 0, line
     assert abs(sum(phases.values()) - total) <= 0.05 * len(phases) + 0.05, line  # each rounded to 0.1
     checks = seconds(re.search(r"checks [\d.]+ \(([^)]*)\)", body)[1])
     assert list(checks) == ["outputs", "tokenizer", "model", "plug-ins loaded", "data", "plug-ins called"], line
