@@ -242,6 +242,9 @@ def main() -> None:
         "/syncall (one rank reduces gradients after every micro-batch, as several ranks do), "
         "/gradafter (log-probs first, the loss's gradient after: the head recomputes its logits in the backward), "
         "/cdt (inductor's coordinate-descent tuning of its Triton kernels' block sizes, compiled afresh), "
+        "/scoredold (the old log-probs the model's own, as bench_trainer.py's and a real step's: the "
+        "ratio starts at 1; without it every old log-prob is -1, so the ratio is tiny and the clip zeroes "
+        "the gradient of every token of negative advantage), "
         "e.g. compile@4096:32768/nopad",
     )
     ap.add_argument(
@@ -251,6 +254,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=None, help="sequences in the batch (default 64; 8 with --tiny)")
     ap.add_argument("--steps", type=int, default=3, help="untraced timed steps per variant")
     ap.add_argument("--trace-dir", default=None, help="also keep each variant's Chrome trace here")
+    ap.add_argument("--no-trace", action="store_true", help="time the steps only (no traced step, no categories)")
     a = ap.parse_args()
     device = torch.device(a.device)
     shape = dict(TINY if a.tiny else SHAPES[a.shape])
@@ -318,7 +322,9 @@ def main() -> None:
             local.grad_in_forward = False
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        step = step_fn(local, samples, adv, old)
+        step = step_fn(
+            local, samples, adv, [o.cpu() for o in actor.compute_log_probs(samples)] if "scoredold" in flags else old
+        )
         t0 = time.perf_counter()
         step()  # warm-up (and compile)
         step()
@@ -347,6 +353,14 @@ def main() -> None:
         summary.append(
             (variant, tokens / seconds, mfu(flops, seconds, 1) if device.type == "cuda" else float("nan"), peak)
         )
+        if a.no_trace:
+            print(f"{variant}: untraced median step {seconds * 1e3:.0f} ms", flush=True)
+            logprobs._fused = head
+            actor.close()
+            del actor, local, step  # the step closure holds the Actor: its memory goes only with it
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            continue
         activities = [torch.profiler.ProfilerActivity.CPU] + (
             [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []
         )
@@ -389,7 +403,7 @@ def main() -> None:
             )
         logprobs._fused = head
         actor.close()
-        del actor, local
+        del actor, local, step
         if device.type == "cuda":
             torch.cuda.empty_cache()
     print(f"\nvocabulary {shape['vocab_size']:,}\n\n| variant | tokens/s | MFU | peak GiB |\n|---|---:|---:|---:|")

@@ -36,3 +36,13 @@ def test_bench_trainer_runs_its_variants(capsys, monkeypatch):
     argv = ["--device", "cpu", "--tiny", "--no-hf", "--no-compile", "--steps", "1"]
     got = rows(run_bench("bench_trainer", argv, capsys, monkeypatch))
     assert got.get("vime train_step", 0) > 0 and got.get("vime packed+chunked (fwd+bwd+opt)", 0) > 0, got
+
+
+def test_profile_trainer_times_two_variants_untraced(capsys, monkeypatch):
+    """`--no-trace` and `/scoredold` (the old log-probs the model's own, as bench_trainer.py's):
+    both variants time their steps in one process, the first one's Actor freed before the second."""
+    argv = ["--device", "cpu", "--tiny", "--variants", "eager,eager/scoredold", "--steps", "1", "--no-trace"]
+    out = run_bench("profile_trainer", argv, capsys, monkeypatch)
+    assert "eager/scoredold: untraced median step" in out and "traced step" not in out.replace("untraced", "")
+    got = rows(out)
+    assert got.get("eager", 0) > 0 and got.get("eager/scoredold", 0) > 0, out[-2000:]
