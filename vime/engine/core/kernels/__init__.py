@@ -5,7 +5,9 @@ activations, RoPE + KV write), `attention.py` (paged attention, decode and varle
 
 Why these and no others: a decode step of a small model is a few hundred tiny kernels, so every
 elementwise chain PyTorch would run as 5-30 launches becomes one kernel here, and the step is
-then captured in a CUDA graph. Matmuls stay with cuBLAS (FP8 ones with `torch._scaled_mm`).
+then captured in a CUDA graph. Matmuls stay with cuBLAS (FP8 ones with `torch._scaled_mm`): at
+decode sizes Triton matmuls with the norm or SiLU-mul folded in were slower, and split-K won only
+on `o_proj`, ~1% of a step (`bench/bench_decode_matmul.py`).
 Each kernel rounds to the model dtype exactly where the HF modules do (e.g. RMSNorm scales after
 casting back), so bf16 outputs track HF's token for token for as long as near-ties allow.
 
