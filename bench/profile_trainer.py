@@ -400,57 +400,51 @@ def main() -> None:
         )
         if a.no_trace:
             print(f"{variant}: untraced median step {seconds * 1e3:.0f} ms", flush=True)
-            patches.close()
-            logprobs._fused = head
-            actor.close()
-            del actor, local, step  # the step closure holds the Actor: its memory goes only with it
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            continue
-        activities = [torch.profiler.ProfilerActivity.CPU] + (
-            [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []
-        )
-        with annotated_head(), annotated_host_work(), torch.profiler.profile(activities=activities) as prof:
-            t0 = time.perf_counter()
-            step()
-            sync()
-            wall_us = (time.perf_counter() - t0) * 1e6
-        path = Path(a.trace_dir or tmp) / f"trace-{variant.replace('/', '-')}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(path))
-        trace = json.loads(path.read_text())
-        cats = categorize(trace, wall_us)
-        print(
-            f"\n{variant}: traced step {wall_us / 1e3:.0f} ms (untraced median {seconds * 1e3:.0f} ms)\n\n| category | ms | share of traced wall |\n|---|---:|---:|"
-        )
-        for cat, us in sorted(cats.items(), key=lambda kv: -kv[1]):
-            print(f"| {cat} | {us / 1e3:.1f} | {us / wall_us:.1%} |")
-        copies: dict[str, float] = {}
-        for e in filter(is_copy, gpu_events(trace)):
-            copies[e["name"][:70]] = copies.get(e["name"][:70], 0.0) + e["dur"]
-        print(
-            "\ncopies by kernel (ms): "
-            + "; ".join(f"{k} {us / 1e3:.1f}" for k, us in sorted(copies.items(), key=lambda kv: -kv[1])[:8])
-        )
-        top_copies = {k for k, _ in sorted(copies.items(), key=lambda kv: -kv[1])[:4]}
-        for chain, us in list(launched_by(trace, top_copies).items())[:10]:
-            print(f"  {us / 1e3:.1f} ms launched by {chain}")
-        gaps = idle_by_host_op(trace)
-        if gaps:
-            print("\nGPU idle by host op (ms): " + "; ".join(f"{k} {us / 1e3:.1f}" for k, us in gaps), flush=True)
-        top = sorted(
-            ((e.key, e.self_device_time_total) for e in prof.key_averages() if e.self_device_time_total > 0),
-            key=lambda kv: -kv[1],
-        )[:12]
-        if top:
-            print(
-                "\ntop kernels/ops by self GPU time (ms): " + "; ".join(f"{k[:60]} {t / 1e3:.1f}" for k, t in top),
-                flush=True,
+        else:
+            activities = [torch.profiler.ProfilerActivity.CPU] + (
+                [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []
             )
+            with annotated_head(), annotated_host_work(), torch.profiler.profile(activities=activities) as prof:
+                t0 = time.perf_counter()
+                step()
+                sync()
+                wall_us = (time.perf_counter() - t0) * 1e6
+            path = Path(a.trace_dir or tmp) / f"trace-{variant.replace('/', '-')}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(path))
+            trace = json.loads(path.read_text())
+            cats = categorize(trace, wall_us)
+            print(
+                f"\n{variant}: traced step {wall_us / 1e3:.0f} ms (untraced median {seconds * 1e3:.0f} ms)\n\n| category | ms | share of traced wall |\n|---|---:|---:|"
+            )
+            for cat, us in sorted(cats.items(), key=lambda kv: -kv[1]):
+                print(f"| {cat} | {us / 1e3:.1f} | {us / wall_us:.1%} |")
+            copies: dict[str, float] = {}
+            for e in filter(is_copy, gpu_events(trace)):
+                copies[e["name"][:70]] = copies.get(e["name"][:70], 0.0) + e["dur"]
+            print(
+                "\ncopies by kernel (ms): "
+                + "; ".join(f"{k} {us / 1e3:.1f}" for k, us in sorted(copies.items(), key=lambda kv: -kv[1])[:8])
+            )
+            top_copies = {k for k, _ in sorted(copies.items(), key=lambda kv: -kv[1])[:4]}
+            for chain, us in list(launched_by(trace, top_copies).items())[:10]:
+                print(f"  {us / 1e3:.1f} ms launched by {chain}")
+            gaps = idle_by_host_op(trace)
+            if gaps:
+                print("\nGPU idle by host op (ms): " + "; ".join(f"{k} {us / 1e3:.1f}" for k, us in gaps), flush=True)
+            top = sorted(
+                ((e.key, e.self_device_time_total) for e in prof.key_averages() if e.self_device_time_total > 0),
+                key=lambda kv: -kv[1],
+            )[:12]
+            if top:
+                print(
+                    "\ntop kernels/ops by self GPU time (ms): " + "; ".join(f"{k[:60]} {t / 1e3:.1f}" for k, t in top),
+                    flush=True,
+                )
         patches.close()
         logprobs._fused = head
         actor.close()
-        del actor, local, step
+        del actor, local, step  # the step closure holds the Actor: its memory goes only with it
         if device.type == "cuda":
             torch.cuda.empty_cache()
     print(f"\nvocabulary {shape['vocab_size']:,}\n\n| variant | tokens/s | MFU | peak GiB |\n|---|---:|---:|---:|")
