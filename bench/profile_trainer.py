@@ -104,45 +104,14 @@ def annotated_host_work() -> Iterator[None]:
         actor_mod.Actor._clip_and_step = clip_and_step
 
 
-@contextlib.contextmanager
-def vectorized_accumulate() -> Iterator[None]:
-    """FSDP2's float32 += bfloat16 gradient accumulation (one rank, every micro-batch after the
-    first) as one vectorized Triton kernel per parameter, in place of PyTorch's mixed-dtype add,
-    which runs unvectorized: ~175 ms of a 4B step at ~52% of the bandwidth. CUDA only; checked
-    bit for bit against the add it replaces before it is used."""
-    import triton
-    import triton.language as tl
-    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
-
-    @triton.jit
-    def add_kernel(acc_ptr, grad_ptr, n, BLOCK: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        m = offs < n
-        acc = tl.load(acc_ptr + offs, mask=m)
-        tl.store(acc_ptr + offs, acc + tl.load(grad_ptr + offs, mask=m).to(tl.float32), mask=m)
-
-    def add(acc: torch.Tensor, grad: torch.Tensor) -> None:
-        if acc.is_cuda and acc.dtype == torch.float32 and acc.is_contiguous() and grad.is_contiguous():
-            add_kernel[(triton.cdiv(acc.numel(), 8192),)](acc, grad, acc.numel(), BLOCK=8192, num_warps=8)
-        else:
-            acc += grad
-
-    acc, grad = torch.randn(3_000_001, device="cuda"), torch.randn(3_000_001, device="cuda").bfloat16()
-    want = acc + grad
-    add(acc, grad)
-    assert torch.equal(acc, want), "the vectorized accumulate differs from PyTorch's add"
-    original = FSDPParam.accumulate_unsharded_grad_if_needed
-
-    def accumulate(self: Any) -> None:  # FSDPParam's, with the add above
-        if self.unsharded_accumulated_grad is not None and self.unsharded_param.grad is not None:
-            add(self.unsharded_accumulated_grad, self.unsharded_param.grad)
-            self.unsharded_param.grad = None
-
-    FSDPParam.accumulate_unsharded_grad_if_needed = accumulate
-    try:
-        yield
-    finally:
-        FSDPParam.accumulate_unsharded_grad_if_needed = original
+def torch_accumulate(scorer: Any) -> None:
+    """FSDP2's own float32 += bfloat16 gradient accumulation back on every parameter, in place of
+    the trainer's Triton add (`vime.trainer.model.vectorize_grad_accumulation`): the instance
+    attribute goes, the class's method shows again."""
+    for sub in scorer.modules():
+        if hasattr(sub, "_get_fsdp_state"):
+            for param in sub._get_fsdp_state()._fsdp_param_group.fsdp_params:
+                param.__dict__.pop("accumulate_unsharded_grad_if_needed", None)
 
 
 def gpu_events(trace: dict) -> list[dict]:
@@ -282,7 +251,7 @@ def main() -> None:
         "/compiledhead (the LM head's chunk math compiled by torch.compile, not Triton), "
         "/syncall (one rank reduces gradients after every micro-batch, as several ranks do), "
         "/gradafter (log-probs first, the loss's gradient after: the head recomputes its logits in the backward), "
-        "/vecaccum (FSDP2's float32 += bfloat16 gradient accumulation as one vectorized Triton kernel; CUDA), "
+        "/torchaccum (FSDP2's own float32 += bfloat16 gradient accumulation, not the trainer's Triton add), "
         "/cdt (inductor's coordinate-descent tuning of its Triton kernels' block sizes, compiled afresh), "
         "/scoredold (the old log-probs the model's own, as bench_trainer.py's and a real step's: the "
         "ratio starts at 1; without it every old log-prob is -1, so the ratio is tiny and the clip zeroes "
@@ -362,9 +331,8 @@ def main() -> None:
             local.defer_grad_sync = False
         if "gradafter" in flags:
             local.grad_in_forward = False
-        patches = contextlib.ExitStack()  # undone at the variant's end
-        if "vecaccum" in flags:
-            patches.enter_context(vectorized_accumulate())
+        if "torchaccum" in flags:
+            torch_accumulate(local.scorer)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         step = step_fn(
@@ -441,7 +409,6 @@ def main() -> None:
                     "\ntop kernels/ops by self GPU time (ms): " + "; ".join(f"{k[:60]} {t / 1e3:.1f}" for k, t in top),
                     flush=True,
                 )
-        patches.close()
         logprobs._fused = head
         actor.close()
         del actor, local, step  # the step closure holds the Actor: its memory goes only with it

@@ -769,7 +769,9 @@ def test_triton_head_in_interpreter():
     """The LM head's Triton kernels (what CUDA runs) against its PyTorch math, float32 and
     bfloat16, under the Triton interpreter on CPU tensors: log-probs, entropies and both
     gradients, over chunks with a short last one and a vocabulary that no block size divides; and
-    from a plain `.sum()`, whose gradient autograd hands over as one number of stride 0."""
+    from a plain `.sum()`, whose gradient autograd hands over as one number of stride 0. And the
+    trainer's float32 += bfloat16 gradient accumulation (`model.accumulate`): bit for bit
+    PyTorch's add, at sizes no block divides."""
     pytest.importorskip("triton")
     env = {
         **os.environ,
@@ -807,6 +809,17 @@ def _interpreted_head_checks() -> None:
                 assert torch.allclose(a.float(), b.float(), atol=atol, rtol=1e-3), (dtype, weighted, err)
 
 
+def _interpreted_accumulate_checks() -> None:
+    from vime.trainer.model import accumulate
+
+    torch.manual_seed(0)
+    for n in (1, 8191, 8192 * 2 + 5):
+        acc, grad = torch.randn(n), torch.randn(n).bfloat16()
+        want = acc + grad
+        accumulate(acc, grad)
+        assert torch.equal(acc, want), n
+
+
 def test_a_step_is_scored_at_the_temperature_its_samples_were_drawn_at(tiny_model):
     """The temperature is the sample's (stamped by the generate that drew it), not the
     trainer's own reading of --rollout-temperature: a sample drawn at 0.5 scores as an actor
@@ -832,3 +845,4 @@ def test_a_step_is_scored_at_the_temperature_its_samples_were_drawn_at(tiny_mode
 
 if __name__ == "__main__":
     _interpreted_head_checks()
+    _interpreted_accumulate_checks()

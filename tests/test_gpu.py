@@ -149,9 +149,12 @@ def test_one_rank_defers_gradient_reduction_exactly(tmp_path):
     """One FSDP2 rank accumulates gradients unsharded in float32 and reduces once after the last
     micro-batch (no cast-and-copy per layer per micro-batch): the accumulated gradients are bit
     for bit those of reducing after every micro-batch. The reference arm runs twice first, so a
-    nondeterministic kernel would show as such rather than as a difference between the arms."""
+    nondeterministic kernel would show as such rather than as a difference between the arms.
+    The deferred arm accumulates with the trainer's Triton add (`model.accumulate`), set on
+    every parameter."""
     from test_actor import make_args, make_samples
 
+    from vime.trainer import model as model_mod
     from vime.trainer.distributed import launch_actor
 
     model = make_tiny_model(tmp_path / "m", arch="qwen3", seed=0)
@@ -161,6 +164,15 @@ def test_one_rank_defers_gradient_reduction_exactly(tmp_path):
     local = actor.local
     try:
         assert local.defer_grad_sync and len(local._plan(samples)) >= 3
+        params = [
+            p
+            for m in local.scorer.modules()
+            if hasattr(m, "_get_fsdp_state")
+            for p in m._get_fsdp_state()._fsdp_param_group.fsdp_params
+        ]
+        assert params and all(
+            p.accumulate_unsharded_grad_if_needed.__func__ is model_mod._accumulate_unsharded for p in params
+        )
 
         def grads(defer: bool) -> dict[str, torch.Tensor]:
             local.defer_grad_sync = defer
