@@ -232,6 +232,9 @@ def launched_by(trace: dict, names: set[str], depth: int = 3) -> dict[str, float
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+VARIANT_FLAGS = {"nopad", "fullpad", "compiledhead", "syncall", "gradafter", "torchaccum", "cdt", "scoredold"}
+
+
 def step_fn(local: Any, samples: list, adv: list[float], old: list[torch.Tensor]) -> Callable[[], None]:
     """One optimizer step as `train_step` takes it (without its log-prob passes)."""
     return lambda: local._optimizer_step(samples, torch.tensor(adv), old, None)
@@ -267,6 +270,13 @@ def main() -> None:
     ap.add_argument("--trace-dir", default=None, help="also keep each variant's Chrome trace here")
     ap.add_argument("--no-trace", action="store_true", help="time the steps only (no traced step, no categories)")
     a = ap.parse_args()
+    for variant in a.variants.split(","):
+        spec, *flags = variant.split("/")
+        unknown = sorted(set(flags) - VARIANT_FLAGS)
+        if spec.partition("@")[0] not in ("eager", "compile") or unknown:
+            ap.error(
+                f"--variants: {variant!r} is not eager or compile[@chunk][:budget] followed by /flags of {sorted(VARIANT_FLAGS)}"
+            )
     device = torch.device(a.device)
     shape = dict(TINY if a.tiny else SHAPES[a.shape])
     if a.vocab:

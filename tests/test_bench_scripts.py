@@ -46,3 +46,13 @@ def test_profile_trainer_times_two_variants_untraced(capsys, monkeypatch):
     assert "eager/scoredold: untraced median step" in out and ": traced step" not in out
     got = rows(out)
     assert got.get("eager", 0) > 0 and got.get("eager/scoredold", 0) > 0, out[-2000:]
+
+
+def test_profile_trainer_refuses_a_variant_flag_it_does_not_know(capsys, monkeypatch):
+    """A misspelt or retired flag (`/vecaccum`, now the trainer's default) stops the bench in one
+    line before any model is built, rather than timing the default under the flag's name."""
+    argv = ["--device", "cpu", "--tiny", "--variants", "eager,compile/vecaccum"]
+    with pytest.raises(SystemExit) as exc:
+        run_bench("profile_trainer", argv, capsys, monkeypatch)
+    assert exc.value.code == 2
+    assert "'compile/vecaccum' is not eager or compile" in capsys.readouterr().err
