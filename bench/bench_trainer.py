@@ -293,7 +293,8 @@ def main() -> None:
                 gpus,
             )
             actor.close()
-            actor = local = None  # free the model before the next variant
+            # free the model before the next variant: the step function holds it as a default
+            actor = local = vime_fwd_bwd_opt = None
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         except Exception:  # keep the other rows even if this path breaks on some build

@@ -493,10 +493,8 @@ class Actor(WeightExport):
         return checkpoint.load(self, Path(ckpt_dir))
 
     def close(self) -> None:
-        """Stop a warm-up still compiling (a run that ends before its first step) and drop it: it
-        holds this Actor, so until then the model and optimizer state (GPU memory) would outlive
-        the last reference to a closed Actor until Python's next cycle collection. A single
-        process has nothing else to release (`DistributedActor.close` calls this first)."""
+        """Stop a warm-up still compiling (a run that ends before step 1) and drop it: it holds this
+        Actor, whose GPU memory would wait for a cycle collection. `DistributedActor.close` calls it."""
         if self._warm_up is not None:
             self._warm_up.cancel()
             self._warm_up = None
