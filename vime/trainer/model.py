@@ -144,10 +144,11 @@ def vectorize_grad_accumulation(module: nn.Module) -> None:
     """Give every FSDP2 parameter of `module` `_accumulate_unsharded` for its gradient
     accumulation. With the reduction deferred to the last micro-batch (`Actor.defer_grad_sync`),
     FSDP2 adds each later micro-batch's bfloat16 gradient into a float32 one of every parameter:
-    at 4B that add, PyTorch's unvectorized mixed-dtype kernel, was 175 ms of a 4.4 s profiled step,
-    and this kernel took the realistic step from 4,687-4,703 to 4,649 ms (bench/RESULTS.md). Set per parameter object, not on
-    FSDP2's class, so nothing else in the process changes. These are FSDP2's private names: a
-    torch that renames them keeps its own add (`tests/test_gpu.py` checks that this one is set)."""
+    at 4B that add, PyTorch's unvectorized mixed-dtype kernel, was 175 ms of a 4.4 s profiled
+    step, and this kernel took the realistic step from 4,687-4,703 to 4,649 ms (bench/RESULTS.md).
+    Set per parameter object, not on FSDP2's class, so nothing else in the process changes. These
+    are FSDP2's private names: a torch that renames them keeps its own add (`tests/test_gpu.py`
+    checks that this one is set)."""
     for sub in module.modules():
         state = getattr(sub, "_get_fsdp_state", None)
         group = getattr(state(), "_fsdp_param_group", None) if state is not None else None
