@@ -108,10 +108,10 @@ def torch_accumulate(scorer: Any) -> None:
     """FSDP2's own float32 += bfloat16 gradient accumulation back on every parameter, in place of
     the trainer's Triton add (`vime.trainer.model.vectorize_grad_accumulation`): the instance
     attribute goes, the class's method shows again."""
-    for sub in scorer.modules():
-        if hasattr(sub, "_get_fsdp_state"):
-            for param in sub._get_fsdp_state()._fsdp_param_group.fsdp_params:
-                param.__dict__.pop("accumulate_unsharded_grad_if_needed", None)
+    from vime.trainer.model import fsdp_params
+
+    for param in fsdp_params(scorer):
+        param.__dict__.pop("accumulate_unsharded_grad_if_needed", None)
 
 
 def gpu_events(trace: dict) -> list[dict]:

@@ -10,6 +10,7 @@ from test_actor import make_args, make_samples
 
 from vime.trainer.actor import Actor
 from vime.trainer.distributed import DistributedActor, launch_actor
+from vime.trainer.model import fsdp_params
 
 
 def test_two_ranks_match_one_rank_and_checkpoint_loads_anywhere(tiny_model, tmp_path):
@@ -24,6 +25,9 @@ def test_two_ranks_match_one_rank_and_checkpoint_loads_anywhere(tiny_model, tmp_
     two = launch_actor(args, tiny_model, "cpu")
     assert isinstance(two, DistributedActor)
     assert all(hasattr(p, "device_mesh") for p in two.model.parameters())  # really sharded
+    # FSDP2's private per-parameter objects, which the trainer's Triton accumulation patches on
+    # CUDA, are still found under their names in this torch
+    assert len(fsdp_params(two.local.scorer)) == len(list(two.model.parameters()))
     try:
         for a, b in zip(one.compute_log_probs(samples), two.compute_log_probs(samples)):
             assert torch.allclose(a, b, atol=1e-6)

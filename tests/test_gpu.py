@@ -164,13 +164,8 @@ def test_one_rank_defers_gradient_reduction_exactly(tmp_path):
     local = actor.local
     try:
         assert local.defer_grad_sync and len(local._plan(samples)) >= 3
-        params = [
-            p
-            for m in local.scorer.modules()
-            if hasattr(m, "_get_fsdp_state")
-            for p in m._get_fsdp_state()._fsdp_param_group.fsdp_params
-        ]
-        assert params and all(
+        params = model_mod.fsdp_params(local.scorer)
+        assert len(params) == len(list(local.model.parameters())) and all(
             p.accumulate_unsharded_grad_if_needed.__func__ is model_mod._accumulate_unsharded for p in params
         )
 

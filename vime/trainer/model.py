@@ -149,12 +149,20 @@ def vectorize_grad_accumulation(module: nn.Module) -> None:
     Set per parameter object, not on FSDP2's class, so nothing else in the process changes. These
     are FSDP2's private names: a torch that renames them keeps its own add (`tests/test_gpu.py`
     checks that this one is set)."""
+    for param in fsdp_params(module):
+        if hasattr(param, "accumulate_unsharded_grad_if_needed"):
+            param.accumulate_unsharded_grad_if_needed = types.MethodType(_accumulate_unsharded, param)
+
+
+def fsdp_params(module: nn.Module) -> list[Any]:
+    """FSDP2's per-parameter objects (`FSDPParam`) of every unit in `module`, by FSDP2's private
+    names; none where a torch has renamed them."""
+    out = []
     for sub in module.modules():
         state = getattr(sub, "_get_fsdp_state", None)
         group = getattr(state(), "_fsdp_param_group", None) if state is not None else None
-        for param in getattr(group, "fsdp_params", ()):
-            if hasattr(param, "accumulate_unsharded_grad_if_needed"):
-                param.accumulate_unsharded_grad_if_needed = types.MethodType(_accumulate_unsharded, param)
+        out.extend(getattr(group, "fsdp_params", ()))
+    return out
 
 
 def full_tensor(tensor: Tensor) -> Tensor:
