@@ -235,6 +235,69 @@ def test_gradient_checkpointing_recomputes_the_first_n_layers_only(three_layer_m
             assert torch.allclose(g, grads[n][name], atol=1e-6), (n, name)
 
 
+def long_samples(n: int, length: int = 400) -> list[Sample]:
+    """Sequences long enough that a tiny model's activations outweigh its weights (~90k
+    parameters against ~8 kB of activations per token and layer), so what a forward keeps for
+    the backward is mostly activations."""
+    rng = random.Random(n)
+    out = []
+    for i in range(n):
+        tokens = [rng.randrange(4, 100) for _ in range(length - 7 * i)]
+        out.append(Sample(index=i, tokens=tokens, response_length=len(tokens) // 2))
+    return out
+
+
+def saved_bytes_and_grads(actor: Actor, samples: list[Sample], advantages: list[float]) -> tuple[int, dict]:
+    """One accumulation of gradients in training mode, as train_step runs it: the bytes autograd
+    kept for the backward, and the gradients as full host tensors. Under --compile transformers 5
+    checkpoints inside the compiled layer, so Dynamo turns the recomputation into part of the
+    compiled backward: no second Python forward runs for a hook to count, and what the forward
+    keeps is what shows that the activations are recomputed."""
+    saved = [0]
+
+    def pack_hook(t: torch.Tensor) -> torch.Tensor:
+        saved[0] += t.numel() * t.element_size()
+        return t
+
+    actor.optimizer.zero_grad(set_to_none=True)
+    actor.scorer.train()  # checkpointing applies in training mode only
+    with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t):
+        actor.accumulate_gradients(samples, advantages, None)
+    grads = {}
+    for name, p in actor.model.named_parameters():
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        grads[name] = g.detach().float().cpu().clone()
+    return saved[0], grads
+
+
+def relative_gap(a: dict, b: dict) -> float:
+    """‖a − b‖ / ‖b‖ over all the tensors of two name → tensor maps together."""
+    diff = sum(float((a[n] - b[n]).pow(2).sum()) for n in b)
+    return math.sqrt(diff / sum(float(t.pow(2).sum()) for t in b.values()))
+
+
+@pytest.mark.slow
+def test_compiled_gradient_checkpointing_keeps_a_fraction_and_changes_no_gradient(three_layer_model):
+    """--gradient-checkpointing with --compile: the forward keeps under half of what it keeps
+    without checkpointing (the decoder layers' activations are recomputed in the compiled
+    backward), a step after the warm-up compiles nothing new, and the gradients are those of no
+    checkpointing, within float32 rounding (the two are different compiled graphs)."""
+    import torch._dynamo.utils
+
+    samples, advantages = long_samples(3), [1.0, -0.5, 2.0]
+    a = Actor(make_args(max_tokens_per_gpu=1024, gradient_checkpointing=True, compile=True), three_layer_model)
+    a.ready()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    kept, checkpointed = saved_bytes_and_grads(a, samples, advantages)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # the warm-up compiled it
+    for layer in a.model.get_decoder().layers:
+        layer.gradient_checkpointing = False
+    kept_plain, plain = saved_bytes_and_grads(a, samples, advantages)
+    assert kept < kept_plain / 2, (kept, kept_plain)
+    assert relative_gap(checkpointed, plain) < 1e-5, relative_gap(checkpointed, plain)
+    assert any(float(g.abs().sum()) > 0 for g in plain.values())
+
+
 def test_ref_load_is_the_reference_model(tiny_model, tmp_path):
     """--ref-load DIR: the KL's reference log-probs are DIR's model's, not the policy's start."""
     from vime.models import make_tiny_model

@@ -185,42 +185,49 @@ def test_one_rank_defers_gradient_reduction_exactly(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gradient_checkpointing_on_cuda_gives_the_gradients_of_none(tmp_path):
-    """--gradient-checkpointing on CUDA (bf16, varlen FlashAttention, one FSDP2 rank): the
-    backward's recomputation saves what the forward saved, also when the forward is the first
-    one (varlen attention is tried once, inside it), and the gradients are bit for bit those
-    without checkpointing."""
-    from test_actor import make_args, make_samples
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_gradient_checkpointing_on_cuda_keeps_less_and_gives_the_gradients_of_none(tmp_path, compiled):
+    """--gradient-checkpointing on CUDA (bf16, varlen FlashAttention, one FSDP2 rank), eager and
+    compiled: the forward keeps under half of what it keeps without checkpointing, and the
+    gradients are those without it, bit for bit eagerly and within bf16 rounding compiled (two
+    different compiled graphs). Eagerly the recomputation is a second Python forward of each
+    layer, also when the forward is the first one (varlen attention is tried once, inside it);
+    compiled it is part of the compiled backward, which the warm-up compiled."""
+    import torch._dynamo.utils
+    from test_actor import long_samples, make_args, relative_gap, saved_bytes_and_grads
 
     from vime.trainer import packing
     from vime.trainer.distributed import launch_actor
 
     model = make_tiny_model(tmp_path / "m", arch="qwen3", seed=0)
-    samples = make_samples(6)
-    advantages = [1.0, -0.5, 0.25, -1.0, 2.0, -0.75]
-    args = make_args(global_batch_size=6, max_tokens_per_gpu=24, gradient_checkpointing=True, compile=False)
+    samples, advantages = long_samples(3), [1.0, -0.5, 2.0]
+    args = make_args(max_tokens_per_gpu=1024, gradient_checkpointing=True, compile=compiled)
     actor = launch_actor(args, model, "cuda:0")
     local = actor.local
     try:
-
-        def grads() -> dict[str, torch.Tensor]:
-            local.optimizer.zero_grad(set_to_none=True)
-            local.accumulate_gradients(samples, advantages, None)
-            return {n: p.grad.full_tensor().cpu() for n, p in local.model.named_parameters()}
-
+        local.ready()
         layers = local.model.get_decoder().layers
         calls = [0]
         layers[0].mlp.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-        local.scorer.train()  # as train_step runs it: checkpointing applies in training mode only
-        packing._varlen_ok.clear()  # the first forward tries varlen attention again
-        checkpointed = grads()
-        assert packing._varlen_ok and calls[0] == 2 * len(local._plan(samples))  # forward + recompute
+        if not compiled:  # compiled, the backend was chosen while tracing, in the warm-up
+            packing._varlen_ok.clear()  # the first forward tries varlen attention again
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        kept, checkpointed = saved_bytes_and_grads(local, samples, advantages)
+        assert all(packing._varlen_ok.values()) and packing._varlen_ok
+        if compiled:
+            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+        else:
+            assert calls[0] == 2 * len(local._plan(samples))  # forward + recompute
         for layer in layers:
             layer.gradient_checkpointing = False
-        plain = grads()
+        kept_plain, plain = saved_bytes_and_grads(local, samples, advantages)
     finally:
         actor.close()
-    assert all(torch.equal(checkpointed[n], plain[n]) for n in plain)
+    assert kept < kept_plain / 2, (kept, kept_plain)
+    if compiled:
+        assert relative_gap(checkpointed, plain) < 1e-2, relative_gap(checkpointed, plain)
+    else:
+        assert all(torch.equal(checkpointed[n], plain[n]) for n in plain)
     assert any(plain[n].abs().sum() > 0 for n in plain)
 
 
@@ -307,6 +314,65 @@ def test_a_non_finite_gradient_skips_the_fused_step_on_the_device(tmp_path):
     assert steps and all(s == 0 for s in steps)  # AdamW's step counts were rolled back too
     assert any(not torch.equal(a, b) for a, b in zip(start, after_clean))
     assert all(torch.equal(a, b) for a, b in zip(after_clean, after_again))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_a_checkpoint_saved_on_cuda_resumes_exactly(tmp_path, optimizer):
+    """Save and load on CUDA (FSDP2's DTensors, float32 weights under bf16 compute; the fused
+    AdamW's step counts on the device, or --optimizer sgd's momentum buffers): a fresh trainer
+    that loads the checkpoint holds the saved weights, optimizer state and RNG bit for bit, and
+    its next step, on samples other than the first step's (so a lost optimizer state would
+    show), gives bit for bit the weights of the trainer that saved it taking that step. The
+    resumed step runs twice first, so a nondeterministic kernel shows as such."""
+    from test_actor import make_args, make_samples
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    from vime.trainer.distributed import launch_actor
+
+    model = make_tiny_model(tmp_path / "m", arch="qwen3", seed=0)
+    args = make_args(optimizer=optimizer, sgd_momentum=0.9, lr=1e-2, max_tokens_per_gpu=64, compile=False)
+    first, second, advantages = make_samples(4, seed=0), make_samples(4, seed=1), [1.0, -0.5, 0.25, -1.0]
+
+    def weights(actor) -> dict[str, torch.Tensor]:
+        return {n: p.detach().full_tensor().cpu() for n, p in actor.local.model.named_parameters()}
+
+    def optimizer_state(actor) -> dict[str, dict]:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_optimizer_state_dict(actor.local.model, actor.local.optimizer, options=options)["state"]
+        return {n: {k: v.clone() if torch.is_tensor(v) else v for k, v in e.items()} for n, e in state.items()}
+
+    saver = launch_actor(args, model, "cuda:0")
+    try:
+        saver.train_step(first, advantages)
+        ckpt = saver.save(tmp_path / "ckpt" / "1", {"step": 1})
+        saved, saved_state = weights(saver), optimizer_state(saver)
+        rng = (torch.get_rng_state(), torch.cuda.get_rng_state())
+        saver.train_step(second, advantages)
+        stepped = weights(saver)
+    finally:
+        saver.close()
+    resumed = []
+    for _ in range(2):
+        torch.manual_seed(7), torch.cuda.manual_seed(7)  # the RNG moved on; load brings it back
+        loader = launch_actor(args, model, "cuda:0")
+        try:
+            assert loader.load(ckpt) == {"step": 1}
+            loaded, loaded_state = weights(loader), optimizer_state(loader)
+            assert torch.equal(torch.get_rng_state(), rng[0]) and torch.equal(torch.cuda.get_rng_state(), rng[1])
+            loader.train_step(second, advantages)
+            resumed.append(weights(loader))
+        finally:
+            loader.close()
+    assert all(torch.equal(loaded[n], saved[n]) for n in saved)
+    assert saved_state.keys() == loaded_state.keys() and saved_state  # SGD with momentum keeps buffers too
+    for name, entries in saved_state.items():
+        for key, value in entries.items():
+            got = loaded_state[name][key]
+            assert torch.equal(got.cpu(), value.cpu()) if torch.is_tensor(value) else got == value, (name, key)
+    assert any(not torch.equal(stepped[n], saved[n]) for n in saved)
+    assert all(torch.equal(resumed[0][n], resumed[1][n]) for n in saved), "kernels are not deterministic here"
+    assert all(torch.equal(resumed[0][n], stepped[n]) for n in saved)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -587,3 +653,29 @@ def test_scoring_on_cuda_matches_hf_and_leaves_overlapped_steps_alone(tmp_path):
     alone, mixed = generate(False), generate(True)
     assert mixed[:2] == alone[:2]
     assert mixed[2] and all(torch.allclose(torch.tensor(s), want, atol=1e-4) for s in mixed[2])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_colocated_run_on_cuda_pushes_into_the_engine_it_resumed(tmp_path):
+    """train.py --colocate with the built-in engine, trainer and engine on one GPU: each step the
+    engine gives its memory back (KV pool freed, weights to host memory), the trainer steps, the
+    engine takes its memory back, and the weights go in over CUDA IPC. With a push every second
+    step the engine samples step 2 from step 0's weights: the engine's log-probs then differ from
+    the trainer's by how far one step moved the policy, which shows what a lost push would look
+    like. At step 1 (the start's weights on both sides) and step 3 (after the push into the
+    resumed engine) they are the trainer's within bf16 rounding, several times closer."""
+    import json
+
+    from conftest import run_cli
+
+    out = run_cli(
+        "train.py", "--config", "examples/tiny.yaml", "--colocate", "--no-compile", "--num-rollout", "3",
+        "--lr", "0.1", "--update-weights-interval", "2", "--runs-dir", str(tmp_path), "--run-name", "c", timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "c" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "perf/step_time" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3] and steps[-1]["train/weight_pushes"] == 1
+    diff = [r["train/train_rollout_logprob_abs_diff"] for r in steps]
+    assert diff[1] > 0.05 and diff[0] < diff[1] / 4 and diff[2] < diff[1] / 4, diff
+    assert "weights by cuda_ipc" in (tmp_path / "c" / "log.txt").read_text()
