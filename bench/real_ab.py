@@ -41,7 +41,8 @@ Printed last, per arm (each seed a row, then their mean):
 A finished run (its final eval logged) is not run again, so a later call with more seeds or
 arms and the same --out adds only what is missing. `--parallel N` runs N at once: for accuracy
 sweeps only, as runs sharing a device slow each other (their speed columns are then not
-comparable with a quiet machine's). Writes <out>/real_ab.md, <out>/results.json and
+comparable with a quiet machine's); on a GPU each engine then gets a fixed 8,192 KV-cache blocks
+unless --arm-args gives --engine-num-kv-blocks. Writes <out>/real_ab.md, <out>/results.json and
 <out>/accuracy_vs_elapsed.png.
 """
 
@@ -380,6 +381,17 @@ def plot(results: dict[str, dict], labels: list[str], seeds: list[int], path: Pa
 # the most GPU memory one SmolLM2 run of these presets held with --engine-num-kv-blocks 8192
 # --max-tokens-per-gpu 8192 --no-compile (6 at once peaked at 91 GiB, 9 at once ran clean)
 RUN_PEAK_GIB = 15.2
+SHARED_GPU_KV_BLOCKS = 8192
+
+
+def kv_blocks_when_sharing(gpu: bool, parallel: int, arm_args: list[str]) -> int | None:
+    """The KV-cache blocks each engine gets when runs share a GPU, unless --arm-args sets them.
+    An engine left to choose takes half the GPU memory free when it starts: the first run's
+    engine half the device, the next half of what is left, so beyond three runs at once the
+    later trainers ran out of memory. A fixed count is what RUN_PEAK_GIB was measured with."""
+    if not gpu or parallel < 2 or any(x.split("=")[0] == "--engine-num-kv-blocks" for x in arm_args):
+        return None
+    return SHARED_GPU_KV_BLOCKS
 
 
 def runs_that_fit() -> int:
@@ -562,6 +574,10 @@ def main() -> int:
         cfg.update(device="cuda" if gpu else "cpu", use_tensorboard=False, quiet=True, eval_interval=s["eval_interval"])
         if a.preset == "lists":
             cfg["rm_type"] = "exact"  # a list is one answer only in full and in order (math-verify reads a set)
+        kv_blocks = kv_blocks_when_sharing(gpu, a.parallel, shlex.split(a.arm_args))
+        if kv_blocks is not None:
+            cfg["engine_num_kv_blocks"] = kv_blocks
+            print(f"[real-ab] --parallel {a.parallel} on one GPU: --engine-num-kv-blocks {kv_blocks} each", flush=True)
         cfg_path = out / "real_ab.yaml"
         cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         meta_path.write_text(json.dumps({"preset": a.preset, "device": "GPU" if gpu else "CPU", "settings": s}))

@@ -56,3 +56,15 @@ def test_profile_trainer_refuses_a_variant_flag_it_does_not_know(capsys, monkeyp
         run_bench("profile_trainer", argv, capsys, monkeypatch)
     assert exc.value.code == 2
     assert "'compile/vecaccum' is not eager or compile" in capsys.readouterr().err
+
+
+def test_real_ab_fixes_the_kv_cache_of_runs_that_share_a_gpu():
+    """Engines left to size their KV cache take half the GPU memory free at their start, so runs
+    started together on one GPU starve the later ones' trainers: --parallel fixes the count,
+    unless the user's --arm-args does."""
+    from bench.real_ab import SHARED_GPU_KV_BLOCKS, kv_blocks_when_sharing
+
+    assert kv_blocks_when_sharing(True, 4, ["--eps-clip", "0.1"]) == SHARED_GPU_KV_BLOCKS
+    assert kv_blocks_when_sharing(True, 1, []) is None and kv_blocks_when_sharing(False, 4, []) is None
+    assert kv_blocks_when_sharing(True, 4, ["--engine-num-kv-blocks", "100"]) is None
+    assert kv_blocks_when_sharing(True, 4, ["--engine-num-kv-blocks=100"]) is None
