@@ -41,8 +41,8 @@ Printed last, per arm (each seed a row, then their mean):
 A finished run (its final eval logged) is not run again, so a later call with more seeds or
 arms and the same --out adds only what is missing. `--parallel N` runs N at once: for accuracy
 sweeps only, as runs sharing a device slow each other (their speed columns are then not
-comparable with a quiet machine's); on a GPU each engine then gets a fixed 8,192 KV-cache blocks
-unless --arm-args gives --engine-num-kv-blocks. Writes <out>/real_ab.md, <out>/results.json and
+comparable with a quiet machine's); on a GPU each built-in engine then gets a fixed 8,192 KV-cache
+blocks unless --arm-args gives --engine-num-kv-blocks. Writes <out>/real_ab.md, <out>/results.json and
 <out>/accuracy_vs_elapsed.png.
 """
 
@@ -384,14 +384,21 @@ RUN_PEAK_GIB = 15.2
 SHARED_GPU_KV_BLOCKS = 8192
 
 
-def kv_blocks_when_sharing(gpu: bool, parallel: int, arm_args: list[str]) -> int | None:
-    """The KV-cache blocks each engine gets when runs share a GPU, unless --arm-args sets them.
-    An engine left to choose takes half the GPU memory free when it starts: the first run's
-    engine half the device, the next half of what is left, so beyond three runs at once the
-    later trainers ran out of memory. A fixed count is what RUN_PEAK_GIB was measured with."""
-    if not gpu or parallel < 2 or any(x.split("=")[0] == "--engine-num-kv-blocks" for x in arm_args):
-        return None
-    return SHARED_GPU_KV_BLOCKS
+def fix_kv_cache_when_sharing(cfg: dict[str, Any], parallel: int, arm_args: list[str]) -> None:
+    """Give each built-in engine a fixed KV cache (`cfg`'s engine_num_kv_blocks) when runs share
+    a GPU, unless --arm-args sets one. An engine left to choose takes half the GPU memory free
+    when it starts: the first run's engine half the device, the next half of what is left, and
+    beyond three runs at once the later trainers ran out of memory. RUN_PEAK_GIB was measured
+    with this count (and 8,192-token micro-batches, uncompiled). vLLM engines size theirs by
+    --vllm-gpu-memory-utilization instead."""
+    if cfg.get("device") != "cuda" or parallel < 2:
+        return
+    if any(x.split("=")[0] == "--engine-num-kv-blocks" for x in arm_args):
+        return
+    cfg["engine_num_kv_blocks"] = SHARED_GPU_KV_BLOCKS
+    print(
+        f"[parallel] {parallel} runs on one GPU: built-in engines get {SHARED_GPU_KV_BLOCKS} KV blocks each", flush=True
+    )
 
 
 def runs_that_fit() -> int:
@@ -574,10 +581,7 @@ def main() -> int:
         cfg.update(device="cuda" if gpu else "cpu", use_tensorboard=False, quiet=True, eval_interval=s["eval_interval"])
         if a.preset == "lists":
             cfg["rm_type"] = "exact"  # a list is one answer only in full and in order (math-verify reads a set)
-        kv_blocks = kv_blocks_when_sharing(gpu, a.parallel, shlex.split(a.arm_args))
-        if kv_blocks is not None:
-            cfg["engine_num_kv_blocks"] = kv_blocks
-            print(f"[real-ab] --parallel {a.parallel} on one GPU: --engine-num-kv-blocks {kv_blocks} each", flush=True)
+        fix_kv_cache_when_sharing(cfg, a.parallel, shlex.split(a.arm_args))
         cfg_path = out / "real_ab.yaml"
         cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         meta_path.write_text(json.dumps({"preset": a.preset, "device": "GPU" if gpu else "CPU", "settings": s}))

@@ -43,6 +43,7 @@ from real_ab import (  # noqa: E402
     Runner,
     accuracy_table,
     closing,
+    fix_kv_cache_when_sharing,
     per_step_tables,
     plot,
     settings,
@@ -129,6 +130,7 @@ def main() -> int:
         cfg.update(device="cuda" if gpu else "cpu", use_tensorboard=False, quiet=True, eval_interval=s["eval_interval"])
         if a.preset == "lists":
             cfg["rm_type"] = "exact"
+        fix_kv_cache_when_sharing(cfg, a.parallel, shlex.split(a.arm_args))
         cfg_path = out / "study.yaml"
         import yaml
 

@@ -236,9 +236,9 @@ def test_gradient_checkpointing_recomputes_the_first_n_layers_only(three_layer_m
 
 
 def long_samples(n: int, length: int = 400) -> list[Sample]:
-    """Sequences long enough that a tiny model's activations outweigh its weights (~90k
-    parameters against ~8 kB of activations per token and layer), so what a forward keeps for
-    the backward is mostly activations."""
+    """Sequences long enough that a tiny model's activations outweigh its weights (~0.1M
+    parameters against ~8 kB of float32 activations per token and layer), so what a forward
+    keeps for the backward is mostly activations."""
     rng = random.Random(n)
     out = []
     for i in range(n):

@@ -58,13 +58,18 @@ def test_profile_trainer_refuses_a_variant_flag_it_does_not_know(capsys, monkeyp
     assert "'compile/vecaccum' is not eager or compile" in capsys.readouterr().err
 
 
-def test_real_ab_fixes_the_kv_cache_of_runs_that_share_a_gpu():
+def test_runs_sharing_a_gpu_get_a_fixed_kv_cache_unless_the_user_sets_one():
     """Engines left to size their KV cache take half the GPU memory free at their start, so runs
-    started together on one GPU starve the later ones' trainers: --parallel fixes the count,
-    unless the user's --arm-args does."""
-    from bench.real_ab import SHARED_GPU_KV_BLOCKS, kv_blocks_when_sharing
+    started together on one GPU (real_ab.py's and staleness_study.py's --parallel) starve the
+    later ones' trainers: their config fixes the count, unless the user's --arm-args does."""
+    from bench.real_ab import SHARED_GPU_KV_BLOCKS, fix_kv_cache_when_sharing
 
-    assert kv_blocks_when_sharing(True, 4, ["--eps-clip", "0.1"]) == SHARED_GPU_KV_BLOCKS
-    assert kv_blocks_when_sharing(True, 1, []) is None and kv_blocks_when_sharing(False, 4, []) is None
-    assert kv_blocks_when_sharing(True, 4, ["--engine-num-kv-blocks", "100"]) is None
-    assert kv_blocks_when_sharing(True, 4, ["--engine-num-kv-blocks=100"]) is None
+    def fixed(device: str, parallel: int, arm_args: list[str]) -> int | None:
+        cfg = {"device": device}
+        fix_kv_cache_when_sharing(cfg, parallel, arm_args)
+        return cfg.get("engine_num_kv_blocks")
+
+    assert fixed("cuda", 4, ["--eps-clip", "0.1"]) == SHARED_GPU_KV_BLOCKS
+    assert fixed("cuda", 1, []) is None and fixed("cpu", 4, []) is None
+    assert fixed("cuda", 4, ["--engine-num-kv-blocks", "100"]) is None
+    assert fixed("cuda", 4, ["--engine-num-kv-blocks=100"]) is None

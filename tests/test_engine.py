@@ -534,16 +534,17 @@ def test_release_and_resume_memory_recomputes_in_flight(client, engine, hf):
         before = (await asyncio.to_thread(engine_metrics, engine.url))["generated_tokens_total"]
         task = asyncio.create_task(client.generate(PROMPTS[3], greedy(60, ignore_eos=True)))
         await wait_for_tokens(engine.url, before + 3)
-        await asyncio.to_thread(client.release_memory_occupation)
+        freed = [(await asyncio.to_thread(client.release_memory_occupation))["released_bytes"] for _ in range(2)]
         released = await asyncio.to_thread(client.model_info)
         await asyncio.to_thread(client.resume_memory_occupation)
         try:
-            return released, await task
+            return freed, released, await task
         finally:
             await client.close()
 
-    released, out = asyncio.run(main())
+    freed, released, out = asyncio.run(main())
     assert released["memory_released"] is True
+    assert freed[0] > 0 and freed[1] == 0  # the KV pools (on CPU); a second release has nothing left to give
     assert out["output_ids"] == hf_greedy(hf, PROMPTS[3], 60)
 
 

@@ -123,6 +123,24 @@ def test_progress_lines_on_redirected_output_and_in_log_txt(tmp_path, capfd):
     assert "step 1/2 |" in (tmp_path / "q" / "log.txt").read_text()
 
 
+def test_a_colocated_run_releases_the_engine_and_pushes_into_it_resumed(tmp_path):
+    """--colocate: each step the engine gives its memory back (the KV pools here; on a GPU the
+    weights too) while the trainer steps, takes it back after, and the run logs the bytes. With a
+    push every second step the engine samples step 2 from step 0's weights, which shows as the
+    engine's log-probs drifting from the trainer's by a step's move; at step 3, after the push
+    into the resumed engine, they agree again (float32 on CPU; tests/test_gpu.py runs the same
+    on CUDA)."""
+    train_here(
+        "sync", "--config", "examples/tiny.yaml", "--colocate", "--num-rollout", "3", "--lr", "0.1",
+        "--update-weights-interval", "2", "--runs-dir", str(tmp_path), "--run-name", "c",
+    )  # fmt: skip
+    steps = [r for r in read_rows(tmp_path / "c") if "perf/step_time" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all(r["perf/engine_released_bytes"] > 0 for r in steps)
+    diff = [r["train/train_rollout_logprob_abs_diff"] for r in steps]
+    assert diff[0] < 1e-4 and diff[1] > 0.05 and diff[2] < 1e-4, diff
+
+
 def test_python_dash_m_vime_is_the_vime_command():
     out = run_cli("-m", "vime", "--help", timeout=60)
     assert out.returncode == 0 and "train-async" in out.stdout

@@ -480,11 +480,14 @@ def _train_and_push(
 ) -> dict[str, float]:
     t0 = time.perf_counter()
     settings = run.cfg.placement
+    released: list[int | None] = []  # bytes each engine gave back, where it says (vLLM's sleep does not)
     if settings.colocate:
-        run.runtime.on_each(lambda c: c.release_memory_occupation())
+        run.runtime.on_each(lambda c: released.append(c.release_memory_occupation().get("released_bytes")))
     with at_step(step):  # a custom advantage, loss or TIS hook's fault names the step
         m = run.train_on(out, step)
     m["perf/train_time"] = time.perf_counter() - t0
+    if released and None not in released:
+        m["perf/engine_released_bytes"] = float(sum(b or 0 for b in released))
     if settings.colocate:
         run.runtime.on_each(lambda c: c.resume_memory_occupation())
     if step % settings.update_weights_interval == 0:

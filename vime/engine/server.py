@@ -216,8 +216,8 @@ class EngineServer:
         return web.json_response({"success": True})
 
     async def release_memory_occupation(self, request: web.Request) -> web.Response:
-        await self.call(self.engine.release_memory)
-        return web.json_response({"success": True})
+        released = await self.call(self.engine.release_memory)
+        return web.json_response({"success": True, "released_bytes": released})
 
     async def resume_memory_occupation(self, request: web.Request) -> web.Response:
         await self.call(self.engine.resume_memory)

@@ -448,15 +448,22 @@ class LLMEngine:
         self._drain()
         self.allocator.flush()
 
-    def release_memory(self) -> None:
+    def release_memory(self) -> int:
         """Free the KV pool and, on GPU, move the weights to host memory, so a colocated trainer
         can use the device. Running sequences go back to waiting and are recomputed on resume.
-        A weight update while released lands in the host copy and comes back with it.
+        A weight update while released lands in the host copy and comes back with it. Returns
+        the bytes given back (the pools', and the weights' on GPU; 0 for parts already released),
+        which a colocated run logs, so that a release that frees nothing shows.
 
         With VMM (`self.packed`) that is one copy of all weights into a pinned host buffer and
         two unmaps; the addresses stay, and so do the CUDA graphs. Without it, every parameter
         moves on its own and the graphs, which would point at freed storage, are dropped."""
         self._drain()
+        released = self.kv_cache.nbytes if self.kv_cache.allocated else 0
+        if self.packed is not None:
+            released += 0 if self.packed.released else self.packed.nbytes
+        elif self.device.type == "cuda":
+            released += sum(p.nbytes for p in self.model.parameters() if p.device.type == "cuda")
         if self.kv_cache.allocated:
             self.scheduler.preempt_all()
             self.allocator.flush()
@@ -474,6 +481,7 @@ class LLMEngine:
         self._views = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the caching allocator's free blocks (live graphs keep their pool)
+        return released
 
     def resume_memory(self) -> None:
         """Weights and KV pools back on the device: at the same addresses with VMM, else in new

@@ -80,6 +80,11 @@ class KVCache:
     def allocated(self) -> bool:
         return self.k is not None
 
+    @property
+    def nbytes(self) -> int:
+        """Both pools' bytes when allocated."""
+        return 2 * math.prod(self.shape) * self.dtype.itemsize
+
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         assert self.k is not None and self.v is not None, "KV cache is released"
         return list(zip(self.k.unbind(0), self.v.unbind(0)))
