@@ -57,9 +57,8 @@ class EngineConfig:
     cuda_graphs: bool = True  # capture decode steps on CUDA (False: every step eager, for debugging)
     overlap: bool = True  # launch a step before booking the previous one (False: one step at a time, for debugging)
     seed: int = 0
-    # a file to wait for after loading the weights and before sizing the KV cache from free GPU
-    # memory: a trainer on the same GPU, building while this engine starts, creates it once it
-    # holds its peak memory (vime/launch/assemble.py)
+    # a file to wait for after loading the weights and before sizing the KV cache from free GPU memory: a
+    # trainer on the same GPU, building while this engine starts, creates it at its peak (vime/launch/assemble.py)
     wait_for_file: str | None = None
     parent_pid: int | None = None  # whose end ends that wait (the run that launched this engine)
     quantization: str | None = None  # "fp8": the layers' projections run W8A8 from fp8 copies (fp8.py)
@@ -76,8 +75,7 @@ class LLMEngine:
         t0 = time.monotonic()
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # kernels and allocations default to the engine's GPU
-        # On CUDA with VMM the weights and the KV pools keep their addresses through a memory
-        # release (vmem.py), so the decode graphs captured once stay valid.
+        # CUDA with VMM: weights and KV pools keep their addresses through a release (vmem.py), as do the graphs
         self.packed: vmem.PackedWeights | None = None
         self.model = load_model(
             cfg.model_path, self.device, self.dtype, self._pack_weights if vmem.supported(self.device) else None
@@ -449,27 +447,21 @@ class LLMEngine:
         self.allocator.flush()
 
     def release_memory(self) -> int:
-        """Free the KV pool and, on GPU, move the weights to host memory, so a colocated trainer
-        can use the device. Running sequences go back to waiting and are recomputed on resume.
-        A weight update while released lands in the host copy and comes back with it. Returns
-        the bytes given back (the pools', and the weights' on GPU; 0 for parts already released),
-        which a colocated run logs, so that a release that frees nothing shows.
+        """Free the KV pool and, on GPU, move the weights to host memory, so a colocated trainer can use
+        the device; returns the bytes given back. Running sequences go back to waiting and are
+        recomputed on resume. A weight update while released lands in the host copy and comes back.
 
         With VMM (`self.packed`) that is one copy of all weights into a pinned host buffer and
         two unmaps; the addresses stay, and so do the CUDA graphs. Without it, every parameter
         moves on its own and the graphs, which would point at freed storage, are dropped."""
         self._drain()
-        released = self.kv_cache.nbytes if self.kv_cache.allocated else 0
-        if self.packed is not None:
-            released += 0 if self.packed.released else self.packed.nbytes
-        elif self.device.type == "cuda":
-            released += sum(p.nbytes for p in self.model.parameters() if p.device.type == "cuda")
+        released = sum(p.nbytes for p in self.model.parameters() if p.is_cuda)  # none once released
         if self.kv_cache.allocated:
             self.scheduler.preempt_all()
             self.allocator.flush()
             if self.packed is None:
                 self.runner.drop_graphs()
-            self.kv_cache.release()
+            released += self.kv_cache.release()
         if self.packed is not None:
             self.packed.release()
         elif self.device.type == "cuda":

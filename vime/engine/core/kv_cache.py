@@ -70,20 +70,17 @@ class KVCache:
         pools.zero_()  # as torch.zeros made them: a fresh mapping's contents are undefined
         self.k, self.v = pools[0], pools[1]
 
-    def release(self) -> None:
-        """Drop the pools (the memory goes back to the device); `allocate` brings them back empty."""
+    def release(self) -> int:
+        """Drop the pools (the memory goes back to the device) and return their bytes; `allocate`
+        brings them back empty."""
         self.k = self.v = None
         if self.buffer is not None:
             self.buffer.unmap()
+        return 2 * math.prod(self.shape) * self.dtype.itemsize
 
     @property
     def allocated(self) -> bool:
         return self.k is not None
-
-    @property
-    def nbytes(self) -> int:
-        """Both pools' bytes when allocated."""
-        return 2 * math.prod(self.shape) * self.dtype.itemsize
 
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         assert self.k is not None and self.v is not None, "KV cache is released"
