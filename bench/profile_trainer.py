@@ -27,6 +27,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -240,92 +241,56 @@ def step_fn(local: Any, samples: list, adv: list[float], old: list[torch.Tensor]
     return lambda: local._optimizer_step(samples, torch.tensor(adv), old, None)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--tiny", action="store_true", help="a 2-layer model and short sequences (smoke test)")
-    ap.add_argument("--shape", choices=list(SHAPES), default="qwen3-0.6b", help="model shape (random weights)")
-    ap.add_argument(
-        "--variants",
-        default="eager,compile",
-        help="comma-separated: eager or compile, each optionally followed by @<log-prob chunk size>, "
-        ":<micro-batch token budget>, /nopad (compiled layers fed micro-batches of their own lengths) and "
-        "/fullpad (compiled, every micro-batch padded to the whole budget), "
-        "/compiledhead (the LM head's chunk math compiled by torch.compile, not Triton), "
-        "/syncall (one rank reduces gradients after every micro-batch, as several ranks do), "
-        "/gradafter (log-probs first, the loss's gradient after: the head recomputes its logits in the backward), "
-        "/torchaccum (FSDP2's own float32 += bfloat16 gradient accumulation, not the trainer's Triton add), "
-        "/cdt (inductor's coordinate-descent tuning of its Triton kernels' block sizes, compiled afresh), "
-        "/scoredold (the old log-probs the model's own, as bench_trainer.py's and a real step's: the "
-        "ratio starts at 1; without it every old log-prob is -1, so the ratio is tiny and the clip zeroes "
-        "the gradient of every token of negative advantage), "
-        "e.g. compile@4096:32768/nopad",
-    )
-    ap.add_argument(
-        "--max-tokens-per-gpu", type=int, default=None, help="micro-batch token budget (default 16384; 512 with --tiny)"
-    )
-    ap.add_argument("--vocab", type=int, default=None, help="vocabulary size (default the shape's: 151,936)")
-    ap.add_argument("--samples", type=int, default=None, help="sequences in the batch (default 64; 8 with --tiny)")
-    ap.add_argument("--steps", type=int, default=3, help="untraced timed steps per variant")
-    ap.add_argument("--trace-dir", default=None, help="also keep each variant's Chrome trace here")
-    ap.add_argument("--no-trace", action="store_true", help="time the steps only (no traced step, no categories)")
-    a = ap.parse_args()
-    for variant in a.variants.split(","):
-        spec, *flags = variant.split("/")
-        unknown = sorted(set(flags) - VARIANT_FLAGS)
-        if spec.partition("@")[0] not in ("eager", "compile") or unknown:
-            ap.error(
-                f"--variants: {variant!r} is not eager or compile[@chunk][:budget] followed by /flags of {sorted(VARIANT_FLAGS)}"
-            )
-    device = torch.device(a.device)
-    shape = dict(TINY if a.tiny else SHAPES[a.shape])
-    if a.vocab:
-        shape["vocab_size"] = a.vocab
-    n, budget = (8, a.max_tokens_per_gpu or 512) if a.tiny else (64, a.max_tokens_per_gpu or 16384)
-    n = a.samples or n
-    prompt, response = ((10, 50), (10, 200)) if a.tiny else ((100, 500), (100, 2000))
-    samples, adv = make_batch(n, shape["vocab_size"], prompt, response, 0)
-    lengths = [len(s.tokens) for s in samples]
-    tokens = sum(lengths)
-    print(
-        f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}; {n} sequences, {tokens} tokens, budget {budget}",
-        flush=True,
-    )
+@dataclass
+class Setup:
+    """What the variants of one call share: the options, the batch and the model on disk."""
 
-    from transformers import AutoConfig
+    a: argparse.Namespace
+    device: torch.device
+    shape: dict[str, Any]
+    model_dir: Path
+    samples: list
+    adv: list[float]
+    old: list[torch.Tensor]
+    budget: int
+    prompt: tuple[int, int]
+    response: tuple[int, int]
+    flops: float
+    tmp: Path
 
+
+def run_variant(st: Setup, variant: str) -> tuple[str, float, float, float]:
+    """Build one variant's trainer, time its steps (and trace one unless --no-trace), close it;
+    returns (variant, tokens/s, MFU, peak GiB)."""
     from vime.trainer.distributed import launch_actor
 
-    tmp = Path(tempfile.mkdtemp(prefix="vime-profile-"))
-    model_dir = make_model(tmp / "model", shape)
-    flops = train_flops(
-        AutoConfig.from_pretrained(model_dir), lengths, [s.response_length for s in samples], forwards=0
+    a, device, shape, samples, adv, old, budget = st.a, st.device, st.shape, st.samples, st.adv, st.old, st.budget
+    model_dir, prompt, response, flops, tmp = st.model_dir, st.prompt, st.response, st.flops, st.tmp
+    n, tokens = len(samples), sum(len(s.tokens) for s in samples)
+    head = logprobs._fused
+    spec, *flags = variant.split("/")
+    spec, _, mb_budget = spec.partition(":")
+    kind, _, chunk = spec.partition("@")
+    args = Config(
+        logprob_chunk_size=int(chunk or 1024),
+        lr=1e-6,
+        clip_grad=1.0,
+        max_tokens_per_gpu=int(mb_budget or budget),
+        global_batch_size=n,
+        rollout_temperature=1.0,
+        seed=0,
+        actor_num_nodes=1,
+        actor_num_gpus_per_node=1,
+        gradient_checkpointing=False,
+        compile=kind == "compile",
     )
-    old = [torch.full((s.response_length,), -1.0) for s in samples]
-    summary: list[tuple[str, float, float, float]] = []
-    for variant in a.variants.split(","):
-        spec, *flags = variant.split("/")
-        spec, _, mb_budget = spec.partition(":")
-        kind, _, chunk = spec.partition("@")
-        args = Config(
-            logprob_chunk_size=int(chunk or 1024),
-            lr=1e-6,
-            clip_grad=1.0,
-            max_tokens_per_gpu=int(mb_budget or budget),
-            global_batch_size=n,
-            rollout_temperature=1.0,
-            seed=0,
-            actor_num_nodes=1,
-            actor_num_gpus_per_node=1,
-            gradient_checkpointing=False,
-            compile=kind == "compile",
-        )
-        tuned = "cdt" in flags
-        if tuned != torch._inductor.config.coordinate_descent_tuning:
-            torch._dynamo.reset()  # the layers' compiled code would be reused across the switch
-            torch._inductor.config.coordinate_descent_tuning = tuned
-        t0 = time.perf_counter()
-        actor = launch_actor(args, model_dir, a.device)
+    tuned = "cdt" in flags
+    if tuned != torch._inductor.config.coordinate_descent_tuning:
+        torch._dynamo.reset()  # the layers' compiled code would be reused across the switch
+        torch._inductor.config.coordinate_descent_tuning = tuned
+    t0 = time.perf_counter()
+    actor = launch_actor(args, model_dir, a.device)
+    try:
         local = getattr(actor, "local", actor)
         local.ready()  # one rank compiles on a thread of its own; the step below is called directly
         print(f"{variant}: trainer built in {time.perf_counter() - t0:.1f} s (with --compile: its warm-up compile)")
@@ -333,7 +298,6 @@ def main() -> None:
             local.compiled = False
         if "fullpad" in flags:  # every micro-batch padded to the whole budget (before buckets)
             local._bucket = local.args.max_tokens_per_gpu
-        head = logprobs._fused
         if "compiledhead" in flags:  # the LM head's chunk math compiled by torch.compile (before Triton)
             kernels = (torch.compile(logprobs._stats, dynamic=True), torch.compile(logprobs._grad_logits, dynamic=True))
             logprobs._fused = lambda device, kernels=kernels: kernels
@@ -373,9 +337,7 @@ def main() -> None:
                 flush=True,
             )
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-        summary.append(
-            (variant, tokens / seconds, mfu(flops, seconds, 1) if device.type == "cuda" else float("nan"), peak)
-        )
+        row = (variant, tokens / seconds, mfu(flops, seconds, 1) if device.type == "cuda" else float("nan"), peak)
         if a.no_trace:
             print(f"{variant}: untraced median step {seconds * 1e3:.0f} ms", flush=True)
         else:
@@ -419,11 +381,83 @@ def main() -> None:
                     "\ntop kernels/ops by self GPU time (ms): " + "; ".join(f"{k[:60]} {t / 1e3:.1f}" for k, t in top),
                     flush=True,
                 )
+        return row
+    finally:
         logprobs._fused = head
         actor.close()
-        del actor, local, step  # the step closure holds the Actor: its memory goes only with it
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--tiny", action="store_true", help="a 2-layer model and short sequences (smoke test)")
+    ap.add_argument("--shape", choices=list(SHAPES), default="qwen3-0.6b", help="model shape (random weights)")
+    ap.add_argument(
+        "--variants",
+        default="eager,compile",
+        help="comma-separated: eager or compile, each optionally followed by @<log-prob chunk size>, "
+        ":<micro-batch token budget>, /nopad (compiled layers fed micro-batches of their own lengths) and "
+        "/fullpad (compiled, every micro-batch padded to the whole budget), "
+        "/compiledhead (the LM head's chunk math compiled by torch.compile, not Triton), "
+        "/syncall (one rank reduces gradients after every micro-batch, as several ranks do), "
+        "/gradafter (log-probs first, the loss's gradient after: the head recomputes its logits in the backward), "
+        "/torchaccum (FSDP2's own float32 += bfloat16 gradient accumulation, not the trainer's Triton add), "
+        "/cdt (inductor's coordinate-descent tuning of its Triton kernels' block sizes, compiled afresh), "
+        "/scoredold (the old log-probs the model's own, as bench_trainer.py's and a real step's: the "
+        "ratio starts at 1; without it every old log-prob is -1, so the ratio is tiny and the clip zeroes "
+        "the gradient of every token of negative advantage), "
+        "e.g. compile@4096:32768/nopad",
+    )
+    ap.add_argument(
+        "--max-tokens-per-gpu", type=int, default=None, help="micro-batch token budget (default 16384; 512 with --tiny)"
+    )
+    ap.add_argument("--vocab", type=int, default=None, help="vocabulary size (default the shape's: 151,936)")
+    ap.add_argument("--samples", type=int, default=None, help="sequences in the batch (default 64; 8 with --tiny)")
+    ap.add_argument("--steps", type=int, default=3, help="untraced timed steps per variant")
+    ap.add_argument("--trace-dir", default=None, help="also keep each variant's Chrome trace here")
+    ap.add_argument("--no-trace", action="store_true", help="time the steps only (no traced step, no categories)")
+    a = ap.parse_args()
+    for variant in a.variants.split(","):
+        spec, *flags = variant.split("/")
+        unknown = sorted(set(flags) - VARIANT_FLAGS)
+        if spec.partition(":")[0].partition("@")[0] not in ("eager", "compile") or unknown:
+            ap.error(
+                f"--variants: {variant!r} is not eager or compile[@chunk][:budget] followed by /flags of {sorted(VARIANT_FLAGS)}"
+            )
+    device = torch.device(a.device)
+    shape = dict(TINY if a.tiny else SHAPES[a.shape])
+    if a.vocab:
+        shape["vocab_size"] = a.vocab
+    n, budget = (8, a.max_tokens_per_gpu or 512) if a.tiny else (64, a.max_tokens_per_gpu or 16384)
+    n = a.samples or n
+    prompt, response = ((10, 50), (10, 200)) if a.tiny else ((100, 500), (100, 2000))
+    samples, adv = make_batch(n, shape["vocab_size"], prompt, response, 0)
+    lengths = [len(s.tokens) for s in samples]
+    tokens = sum(lengths)
+    print(
+        f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}; {n} sequences, {tokens} tokens, budget {budget}",
+        flush=True,
+    )
+
+    from transformers import AutoConfig
+
+    tmp = Path(tempfile.mkdtemp(prefix="vime-profile-"))
+    model_dir = make_model(tmp / "model", shape)
+    flops = train_flops(
+        AutoConfig.from_pretrained(model_dir), lengths, [s.response_length for s in samples], forwards=0
+    )
+    old = [torch.full((s.response_length,), -1.0) for s in samples]
+    setup = Setup(a, device, shape, model_dir, samples, adv, old, budget, prompt, response, flops, tmp)
+    summary: list[tuple[str, float, float, float]] = []
+    for variant in a.variants.split(","):
+        try:
+            summary.append(run_variant(setup, variant))
+        except torch.OutOfMemoryError as e:  # a budget too large for the GPU: say so, go on with the others
+            peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+            print(f"{variant}: out of GPU memory at {peak:.1f} GiB ({str(e).splitlines()[0][:160]})", flush=True)
+            summary.append((variant, float("nan"), float("nan"), peak))
         if device.type == "cuda":
-            torch.cuda.empty_cache()
+            torch.cuda.empty_cache()  # the variant's trainer went with run_variant's frame
     print(f"\nvocabulary {shape['vocab_size']:,}\n\n| variant | tokens/s | MFU | peak GiB |\n|---|---:|---:|---:|")
     for name, tps, m, peak in summary:
         print(f"| {name} | {tps:,.0f} | {pct(m)} | {peak:.1f} |")

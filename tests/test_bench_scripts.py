@@ -73,3 +73,24 @@ def test_runs_sharing_a_gpu_get_a_fixed_kv_cache_unless_the_user_sets_one():
     assert fixed("cuda", 1, []) is None and fixed("cpu", 4, []) is None
     assert fixed("cuda", 4, ["--engine-num-kv-blocks", "100"]) is None
     assert fixed("cuda", 4, ["--engine-num-kv-blocks=100"]) is None
+
+
+def test_profile_trainer_goes_on_past_a_variant_out_of_memory(capsys, monkeypatch):
+    """A micro-batch budget too large for the GPU fails its variant alone: the call says so and
+    times the others, so one call can try a budget that may not fit."""
+    import torch
+
+    from bench import profile_trainer
+
+    real = profile_trainer.step_fn
+
+    def step_fn(local, *args):
+        if local.args.max_tokens_per_gpu == 256:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+        return real(local, *args)
+
+    monkeypatch.setattr(profile_trainer, "step_fn", step_fn)
+    argv = ["--device", "cpu", "--tiny", "--variants", "eager:256,eager:512", "--steps", "1", "--no-trace"]
+    out = run_bench("profile_trainer", argv, capsys, monkeypatch)
+    assert "eager:256: out of GPU memory at nan GiB (CUDA out of memory. Tried to allocate 9.00 GiB)" in out
+    assert "| eager:256 | nan |" in out and rows(out).get("eager:512", 0) > 0, out[-2000:]
