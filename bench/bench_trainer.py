@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from bench.shapes import SHAPES, TINY
+from bench.shapes import SHAPES, TINY, add_shape_args
 from vime.config import Config
 from vime.rollout.types import Sample
 from vime.trainer.packing import packed_attention_backend
@@ -145,9 +145,7 @@ def pct(m: float) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--tiny", action="store_true", help="a 2-layer model and short sequences (CPU smoke test)")
-    ap.add_argument("--shape", choices=list(SHAPES), default="qwen3-0.6b", help="model shape (random weights)")
+    add_shape_args(ap)
     ap.add_argument(
         "--gradient-checkpointing",
         action="store_true",

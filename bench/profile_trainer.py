@@ -36,7 +36,7 @@ import torch._dynamo.utils
 import torch._inductor.config
 
 from bench.bench_trainer import make_batch, make_model, pct
-from bench.shapes import SHAPES, TINY
+from bench.shapes import SHAPES, TINY, add_shape_args
 from vime.algorithms import objective as loss_mod
 from vime.config import Config
 from vime.trainer import actor as actor_mod
@@ -389,9 +389,7 @@ def run_variant(st: Setup, variant: str) -> tuple[str, float, float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--tiny", action="store_true", help="a 2-layer model and short sequences (smoke test)")
-    ap.add_argument("--shape", choices=list(SHAPES), default="qwen3-0.6b", help="model shape (random weights)")
+    add_shape_args(ap)
     ap.add_argument(
         "--variants",
         default="eager,compile",

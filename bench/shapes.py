@@ -3,6 +3,8 @@ engine, trainer and A/B rows of a shape are the same model."""
 
 from __future__ import annotations
 
+import argparse
+
 QWEN3_0_6B = dict(
     vocab_size=151936,
     hidden_size=1024,
@@ -65,3 +67,10 @@ def tiny_model_kwargs(shape: dict) -> dict:
         tie_word_embeddings=shape["tie_word_embeddings"],
         max_position_embeddings=4096,
     )
+
+
+def add_shape_args(ap: argparse.ArgumentParser) -> None:
+    """The trainer benches' --device, --tiny and --shape."""
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--tiny", action="store_true", help="a 2-layer model and short sequences (CPU smoke test)")
+    ap.add_argument("--shape", choices=list(SHAPES), default="qwen3-0.6b", help="model shape (random weights)")
