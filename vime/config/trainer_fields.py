@@ -74,7 +74,13 @@ class TrainerFields:
         "optimizer steps per rollout: sets --global-batch-size to the rollout's samples divided by it",
         group="optimizer",
     )
-    max_tokens_per_gpu: int = setting(4096, "micro-batch token budget", group="optimizer")
+    max_tokens_per_gpu: int = setting(
+        4096,
+        "micro-batch token budget (real tokens per forward/backward on one GPU): larger micro-batches run the GPU "
+        "closer to its peak (bench/RESULTS.md measures the trainer at 8192-16384) at the cost of activation memory; "
+        "the gradient is the same for any budget",
+        group="optimizer",
+    )
     micro_batch_size: int | None = setting(
         None,
         "samples per micro-batch at most, besides the --max-tokens-per-gpu budget (the gradient is the same for any split)",
