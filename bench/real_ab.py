@@ -42,7 +42,7 @@ A finished run (its final eval logged) is not run again, so a later call with mo
 arms and the same --out adds only what is missing. `--parallel N` runs N at once: for accuracy
 sweeps only, as runs sharing a device slow each other (their speed columns are then not
 comparable with a quiet machine's); on a GPU each built-in engine then gets a fixed 8,192 KV-cache
-blocks unless --arm-args gives --engine-num-kv-blocks. Writes <out>/real_ab.md, <out>/results.json and
+blocks unless the run's flags give --engine-num-kv-blocks. Writes <out>/real_ab.md, <out>/results.json and
 <out>/accuracy_vs_elapsed.png.
 """
 
@@ -384,21 +384,29 @@ RUN_PEAK_GIB = 15.2
 SHARED_GPU_KV_BLOCKS = 8192
 
 
-def fix_kv_cache_when_sharing(cfg: dict[str, Any], parallel: int, arm_args: list[str]) -> None:
-    """Give each built-in engine a fixed KV cache (`cfg`'s engine_num_kv_blocks) when runs share
-    a GPU, unless --arm-args sets one. An engine left to choose takes half the GPU memory free
-    when it starts: the first run's engine half the device, the next half of what is left, and
-    beyond three runs at once the later trainers ran out of memory. RUN_PEAK_GIB was measured
-    with this count (and 8,192-token micro-batches, uncompiled). vLLM engines size theirs by
-    --vllm-gpu-memory-utilization instead."""
-    if cfg.get("device") != "cuda" or parallel < 2:
-        return
-    if any(x.split("=")[0] == "--engine-num-kv-blocks" for x in arm_args):
-        return
-    cfg["engine_num_kv_blocks"] = SHARED_GPU_KV_BLOCKS
-    print(
-        f"[parallel] {parallel} runs on one GPU: built-in engines get {SHARED_GPU_KV_BLOCKS} KV blocks each", flush=True
-    )
+def flag_value(args: list[str], name: str) -> str | None:
+    """The value `args` give the flag `name` (the last one, as `name V` or `name=V`), if any."""
+    value = None
+    for i, x in enumerate(args):
+        if x == name and i + 1 < len(args):
+            value = args[i + 1]
+        elif x.startswith(name + "="):
+            value = x.split("=", 1)[1]
+    return value
+
+
+def kv_cache_flags(gpu: bool, parallel: int, args: list[str]) -> list[str]:
+    """What one of several runs sharing a GPU adds to its flags `args`: a fixed KV cache for its
+    built-in engines. An engine left to choose takes half the GPU memory free when it starts: the
+    first run's engine half the device, the next half of what is left, and beyond three runs at
+    once the later trainers ran out of memory. RUN_PEAK_GIB was measured with this count (and
+    8,192-token micro-batches, uncompiled). Nothing where the run sets the count itself or runs
+    vLLM engines, which size theirs by --vllm-gpu-memory-utilization (and refuse this flag)."""
+    if not gpu or parallel < 2 or flag_value(args, "--engine-num-kv-blocks") is not None:
+        return []
+    if flag_value(args, "--rollout-backend") not in (None, "vime"):
+        return []
+    return ["--engine-num-kv-blocks", str(SHARED_GPU_KV_BLOCKS)]
 
 
 def runs_that_fit() -> int:
@@ -423,9 +431,11 @@ class Runner:
         timeout: float | None,
         arm_args: list[str],
         results: dict[str, dict],
+        gpu: bool = False,
     ) -> None:
         self.out, self.cfg_path, self.steps, self.staleness = out, cfg_path, steps, staleness
-        self.timeout, self.arm_args, self.results = timeout, arm_args, results
+        self.timeout, self.arm_args, self.results, self.gpu = timeout, arm_args, results, gpu
+        self.parallel = 1
         self.lock = threading.Lock()
 
     def one(self, arm: str, tag: str | None, flags: list[str], seed: int) -> None:
@@ -436,6 +446,7 @@ class Runner:
             if run_dir.exists():  # an unfinished run of an earlier call: start it again
                 run_dir.rename(run_dir.with_name(f"{name}.unfinished-{time.strftime('%H%M%S')}"))
             extra = ["--seed", str(seed), "--rollout-seed", str(seed), *self.arm_args, *flags]
+            extra += kv_cache_flags(self.gpu, self.parallel, extra)
             run_arm(
                 arm,
                 str(self.cfg_path),
@@ -464,6 +475,9 @@ class Runner:
                 f"--parallel {parallel}: {fits} runs fit this GPU's memory at {RUN_PEAK_GIB:g} GiB each "
                 f"(12 at once on one H200 ran out: trainers died, engines hung); give --parallel {fits} or fewer"
             )
+        self.parallel = parallel
+        if kv_cache_flags(self.gpu, parallel, []):
+            print(f"[parallel] {parallel} runs on one GPU: each built-in engine gets {SHARED_GPU_KV_BLOCKS} KV blocks")
         failed = []
         with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
             futures = {pool.submit(self.one, *job): job for job in jobs}
@@ -581,7 +595,6 @@ def main() -> int:
         cfg.update(device="cuda" if gpu else "cpu", use_tensorboard=False, quiet=True, eval_interval=s["eval_interval"])
         if a.preset == "lists":
             cfg["rm_type"] = "exact"  # a list is one answer only in full and in order (math-verify reads a set)
-        fix_kv_cache_when_sharing(cfg, a.parallel, shlex.split(a.arm_args))
         cfg_path = out / "real_ab.yaml"
         cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         meta_path.write_text(json.dumps({"preset": a.preset, "device": "GPU" if gpu else "CPU", "settings": s}))
@@ -590,7 +603,7 @@ def main() -> int:
             flush=True,
         )
 
-        runner = Runner(out, cfg_path, s["steps"], a.staleness, a.arm_timeout, shlex.split(a.arm_args), results)
+        runner = Runner(out, cfg_path, s["steps"], a.staleness, a.arm_timeout, shlex.split(a.arm_args), results, gpu)
         failed = runner.run_all(
             [(arm, tag, flags, seed) for seed in seeds for arm in arms for tag, flags in sweep], a.parallel
         )

@@ -43,7 +43,6 @@ from real_ab import (  # noqa: E402
     Runner,
     accuracy_table,
     closing,
-    fix_kv_cache_when_sharing,
     per_step_tables,
     plot,
     settings,
@@ -130,13 +129,12 @@ def main() -> int:
         cfg.update(device="cuda" if gpu else "cpu", use_tensorboard=False, quiet=True, eval_interval=s["eval_interval"])
         if a.preset == "lists":
             cfg["rm_type"] = "exact"
-        fix_kv_cache_when_sharing(cfg, a.parallel, shlex.split(a.arm_args))
         cfg_path = out / "study.yaml"
         import yaml
 
         cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         print(f"[study] {a.preset}, settings {s}; {len(labels)} cells × {len(seeds)} seeds", flush=True)
-        runner = Runner(out, cfg_path, s["steps"], 2, a.arm_timeout, shlex.split(a.arm_args), results)
+        runner = Runner(out, cfg_path, s["steps"], 2, a.arm_timeout, shlex.split(a.arm_args), results, gpu)
         failed = runner.run_all(jobs, a.parallel)
     done = [lab for lab in labels if any(f"{lab}|{x}" in results for x in seeds)]
     if not done:

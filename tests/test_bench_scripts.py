@@ -58,21 +58,21 @@ def test_profile_trainer_refuses_a_variant_flag_it_does_not_know(capsys, monkeyp
     assert "'compile/vecaccum' is not eager or compile" in capsys.readouterr().err
 
 
-def test_runs_sharing_a_gpu_get_a_fixed_kv_cache_unless_the_user_sets_one():
+def test_runs_sharing_a_gpu_get_a_fixed_kv_cache_unless_their_flags_say_otherwise():
     """Engines left to size their KV cache take half the GPU memory free at their start, so runs
     started together on one GPU (real_ab.py's and staleness_study.py's --parallel) starve the
-    later ones' trainers: their config fixes the count, unless the user's --arm-args does."""
-    from bench.real_ab import SHARED_GPU_KV_BLOCKS, fix_kv_cache_when_sharing
+    later ones' trainers: each run's flags fix the count, unless they set it or run vLLM (which
+    refuses the flag)."""
+    from bench.real_ab import SHARED_GPU_KV_BLOCKS, kv_cache_flags
 
-    def fixed(device: str, parallel: int, arm_args: list[str]) -> int | None:
-        cfg = {"device": device}
-        fix_kv_cache_when_sharing(cfg, parallel, arm_args)
-        return cfg.get("engine_num_kv_blocks")
-
-    assert fixed("cuda", 4, ["--eps-clip", "0.1"]) == SHARED_GPU_KV_BLOCKS
-    assert fixed("cuda", 1, []) is None and fixed("cpu", 4, []) is None
-    assert fixed("cuda", 4, ["--engine-num-kv-blocks", "100"]) is None
-    assert fixed("cuda", 4, ["--engine-num-kv-blocks=100"]) is None
+    fixed = ["--engine-num-kv-blocks", str(SHARED_GPU_KV_BLOCKS)]
+    assert kv_cache_flags(True, 4, ["--seed", "1", "--eps-clip", "0.1"]) == fixed
+    assert kv_cache_flags(True, 4, ["--rollout-backend", "vime"]) == fixed
+    assert kv_cache_flags(True, 1, []) == [] and kv_cache_flags(False, 4, []) == []
+    assert kv_cache_flags(True, 4, ["--engine-num-kv-blocks", "100"]) == []
+    assert kv_cache_flags(True, 4, ["--engine-num-kv-blocks=100"]) == []
+    assert kv_cache_flags(True, 4, ["--rollout-backend", "vllm"]) == []
+    assert kv_cache_flags(True, 4, ["--rollout-backend=vllm"]) == []
 
 
 def test_profile_trainer_goes_on_past_a_variant_out_of_memory(capsys, monkeypatch):

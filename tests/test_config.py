@@ -119,6 +119,14 @@ def test_json_and_list_flags():
             ["--engine-quantization", "fp8", "--rollout-engine-urls", "http://h:1"],
             "start those with --quantization fp8 instead",
         ),
+        (
+            ["--engine-num-kv-blocks", "512", "--rollout-backend", "vllm"],
+            "engines size theirs by their own flags: use --vllm-num-gpu-blocks-override N instead",
+        ),
+        (
+            ["--engine-num-kv-blocks", "512", "--rollout-engine-urls", "http://h:1"],
+            "start those with --num-kv-blocks 512 instead",
+        ),
     ],
 )
 def test_inconsistent_settings_fail_with_one_line(extra, fragment):

@@ -40,6 +40,8 @@ class Backend:
     starts_beside_trainer: bool = False
     # None: --engine-quantization quantizes its engines; else its own flag that does (the former is refused)
     quantization_flag: str | None = None
+    # None: --engine-num-kv-blocks sizes its engines' KV cache; else its own flag that does (as above)
+    kv_blocks_flag: str | None = None
 
     def make_client(self, url: str, api_key: str | None = None) -> Any:
         """A client of the engine at `url` (an `EngineClient`)."""
@@ -78,6 +80,7 @@ BACKENDS: dict[str, Backend] = {
             # scheme of --engine-quantization fp8; pushes re-quantize through vLLM's layer-wise
             # reload, which the worker extension loads every push with
             quantization_flag="--vllm-quantization fp8_per_channel",
+            kv_blocks_flag="--vllm-num-gpu-blocks-override",
         ),
     ]
 }

@@ -133,6 +133,16 @@ def _engine_checks(c: Settings) -> list[tuple[bool, str]]:
             f"start those with --quantization {c.engine_quantization} instead",
         ),
         (
+            c.engine_num_kv_blocks is not None and _backend(c).kv_blocks_flag is not None,
+            f"--engine-num-kv-blocks sizes the built-in engine's KV cache, and --rollout-backend {c.rollout_backend} "
+            f"engines size theirs by their own flags: use {_backend(c).kv_blocks_flag} N instead",
+        ),
+        (
+            c.engine_num_kv_blocks is not None and bool(c.rollout_engine_urls),
+            "--engine-num-kv-blocks applies to the engines vime starts, and --rollout-engine-urls names running ones: "
+            f"start those with --num-kv-blocks {c.engine_num_kv_blocks} instead",
+        ),
+        (
             c.launcher == "ray" and _backend(c).ray_place is None,
             f"--launcher ray places engines as Ray actors, and {_backend(c).what} has no Ray placement "
             "(its row's ray_place): use --launcher local",
