@@ -113,7 +113,7 @@ def test_json_and_list_flags():
         (["--launcher", "ray", "--colocate"], "--colocate puts the engines on the trainer's GPUs"),
         (
             ["--engine-quantization", "fp8", "--rollout-backend", "vllm"],
-            "engines quantize by their own flag: use --vllm-quantization fp8_per_channel instead",
+            "engines take their own flag for it: use --vllm-quantization fp8_per_channel instead",
         ),
         (
             ["--engine-quantization", "fp8", "--rollout-engine-urls", "http://h:1"],
@@ -121,7 +121,7 @@ def test_json_and_list_flags():
         ),
         (
             ["--engine-num-kv-blocks", "512", "--rollout-backend", "vllm"],
-            "engines size theirs by their own flags: use --vllm-num-gpu-blocks-override N instead",
+            "engines take their own flag for it: use --vllm-num-gpu-blocks-override N instead",
         ),
         (
             ["--engine-num-kv-blocks", "512", "--rollout-engine-urls", "http://h:1"],

@@ -80,7 +80,7 @@ BACKENDS: dict[str, Backend] = {
             # scheme of --engine-quantization fp8; pushes re-quantize through vLLM's layer-wise
             # reload, which the worker extension loads every push with
             quantization_flag="--vllm-quantization fp8_per_channel",
-            kv_blocks_flag="--vllm-num-gpu-blocks-override",
+            kv_blocks_flag="--vllm-num-gpu-blocks-override N",
         ),
     ]
 }

@@ -122,25 +122,11 @@ def _engine_checks(c: Settings) -> list[tuple[bool, str]]:
             f"--weight-transport {c.weight_transport} does not reach {c.rollout_backend} engines (they receive by "
             f"{', '.join(t for t in _backend(c).transports if t != 'auto')}): leave it at auto",
         ),
-        (
-            c.engine_quantization is not None and _backend(c).quantization_flag is not None,
-            f"--engine-quantization quantizes the built-in engine, and --rollout-backend {c.rollout_backend} engines "
-            f"quantize by their own flag: use {_backend(c).quantization_flag} instead",
+        *_engine_only(
+            c, "--engine-quantization", c.engine_quantization, _backend(c).quantization_flag, "--quantization"
         ),
-        (
-            c.engine_quantization is not None and bool(c.rollout_engine_urls),
-            "--engine-quantization applies to the engines vime starts, and --rollout-engine-urls names running ones: "
-            f"start those with --quantization {c.engine_quantization} instead",
-        ),
-        (
-            c.engine_num_kv_blocks is not None and _backend(c).kv_blocks_flag is not None,
-            f"--engine-num-kv-blocks sizes the built-in engine's KV cache, and --rollout-backend {c.rollout_backend} "
-            f"engines size theirs by their own flags: use {_backend(c).kv_blocks_flag} N instead",
-        ),
-        (
-            c.engine_num_kv_blocks is not None and bool(c.rollout_engine_urls),
-            "--engine-num-kv-blocks applies to the engines vime starts, and --rollout-engine-urls names running ones: "
-            f"start those with --num-kv-blocks {c.engine_num_kv_blocks} instead",
+        *_engine_only(
+            c, "--engine-num-kv-blocks", c.engine_num_kv_blocks, _backend(c).kv_blocks_flag, "--num-kv-blocks"
         ),
         (
             c.launcher == "ray" and _backend(c).ray_place is None,
@@ -148,6 +134,25 @@ def _engine_checks(c: Settings) -> list[tuple[bool, str]]:
             "(its row's ray_place): use --launcher local",
         ),
         *launcher_checks(c),  # what the chosen launcher cannot do (vime/launchers.py)
+    ]
+
+
+def _engine_only(c: Settings, flag: str, value: Any, own: str | None, server_flag: str) -> list[tuple[bool, str]]:
+    """The refusals of a flag that only the built-in engines vime starts read: with a backend whose
+    engines take their own flag for it (`own`, the row's), and with engines given by URL, which
+    were started with the server's `server_flag`. Dropping it silently would run with a setting
+    the user did not get."""
+    return [
+        (
+            value is not None and own is not None,
+            f"{flag} is the built-in engine's, and --rollout-backend {c.rollout_backend} engines take their own "
+            f"flag for it: use {own} instead",
+        ),
+        (
+            value is not None and bool(c.rollout_engine_urls),
+            f"{flag} applies to the engines vime starts, and --rollout-engine-urls names running ones: "
+            f"start those with {server_flag} {value} instead",
+        ),
     ]
 
 
