@@ -480,14 +480,14 @@ def _train_and_push(
 ) -> dict[str, float]:
     t0 = time.perf_counter()
     settings = run.cfg.placement
-    released: list[int | None] = []  # bytes each engine gave back, where it says (vLLM's sleep does not)
+    released: list[dict] = []  # each engine's answer; the built-in one says how many bytes it gave back
     if settings.colocate:
-        run.runtime.on_each(lambda c: released.append(c.release_memory_occupation().get("released_bytes")))
+        run.runtime.on_each(lambda c: released.append(c.release_memory_occupation()))
     with at_step(step):  # a custom advantage, loss or TIS hook's fault names the step
         m = run.train_on(out, step)
     m["perf/train_time"] = time.perf_counter() - t0
-    if released and None not in released:
-        m["perf/engine_released_bytes"] = float(sum(b or 0 for b in released))
+    if released and all("released_bytes" in r for r in released):  # vLLM's sleep does not say
+        m["perf/engine_released_bytes"] = float(sum(r["released_bytes"] for r in released))
     if settings.colocate:
         run.runtime.on_each(lambda c: c.resume_memory_occupation())
     if step % settings.update_weights_interval == 0:
