@@ -7,6 +7,8 @@ ships for the same packed row, on micro-batches of a GRPO batch drawn as `bench/
 output and gradients against float32 attention per sequence:
 
 * `flash`: `torch.nn.attention.varlen.varlen_attn` (FlashAttention-2, GQA in the kernel);
+* `fa4`: FlashAttention-4 through vime's ops (`vime.trainer.flash4`, `--attention-kernel fa4`;
+  the optional flash-attn-4 package, carried to a GPU machine by bench/fa4_prep.sh);
 * `cudnn`: `aten._cudnn_attention_forward` with cumulative sequence lengths (cuDNN's ragged
   SDPA), keys and values with their own 8 heads;
 * `cudnn-expanded`: the same with keys and values repeated to 16 heads first.
@@ -25,12 +27,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_trainer import make_batch  # noqa: E402
 
+from vime.trainer import flash4  # noqa: E402
 from vime.trainer.packing import _VARLEN, plan_packed_micro_batches  # noqa: E402
 
 Attend = Callable[[Tensor, Tensor, Tensor, Tensor, int], Tensor]
@@ -42,6 +44,10 @@ def flash(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int) -> Tensor:
     return varlen_attn(q, k, v, cu, cu, max_len, max_len, **_VARLEN)
 
 
+def fa4(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int) -> Tensor:
+    return flash4.fa4_varlen(q, k, v, cu, max_len, q.shape[-1] ** -0.5)[0]
+
+
 def cudnn(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int) -> Tensor:
     return torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, max_len, max_len, True, 0.0, True)[0]
 
@@ -49,18 +55,6 @@ def cudnn(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int) -> Tensor:
 def cudnn_expanded(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int) -> Tensor:
     groups = q.shape[1] // k.shape[1]
     return cudnn(q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), cu, max_len)
-
-
-def reference(q: Tensor, k: Tensor, v: Tensor, cu: Tensor) -> Tensor:
-    """float32 causal attention, one SDPA call per sequence; [T, H, D] in and out."""
-    bounds = cu.tolist()
-    groups = q.shape[1] // k.shape[1]
-    parts = []
-    for a, b in zip(bounds, bounds[1:]):
-        qs, ks, vs = (x[a:b].float().transpose(0, 1) for x in (q, k, v))
-        ks, vs = ks.repeat_interleave(groups, dim=0), vs.repeat_interleave(groups, dim=0)
-        parts.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(0, 1))
-    return torch.cat(parts)
 
 
 def time_ms(fn: Callable[[], object], iters: int) -> float:
@@ -93,7 +87,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--budget", type=int, default=16384, help="micro-batch token budget")
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--variants", default="flash,cudnn-expanded", help="comma-separated: flash, cudnn, cudnn-expanded")
+    ap.add_argument("--variants", default="flash,fa4", help="comma-separated: flash, fa4, cudnn, cudnn-expanded")
     a = ap.parse_args()
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -102,7 +96,7 @@ def main() -> None:
     plan = plan_packed_micro_batches(lengths, a.budget)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
     print(f"{len(lengths)} sequences, {sum(lengths)} tokens, {len(plan)} micro-batches of <= {a.budget}")
-    fns: dict[str, Attend] = {"flash": flash, "cudnn": cudnn, "cudnn-expanded": cudnn_expanded}
+    fns: dict[str, Attend] = {"flash": flash, "fa4": fa4, "cudnn": cudnn, "cudnn-expanded": cudnn_expanded}
     totals: dict[str, list[float]] = {v: [0.0, 0.0] for v in a.variants.split(",")}
     errors: dict[str, float] = dict.fromkeys(totals, 0.0)
     failed: dict[str, str] = {}
@@ -117,7 +111,7 @@ def main() -> None:
         v = torch.randn(t, 8, 128, device=dev, dtype=torch.bfloat16, requires_grad=True)
         g = torch.randn(t, 16, 128, device=dev, dtype=torch.bfloat16)
         qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))
-        ref = reference(qf, kf, vf, cu)
+        ref = flash4.reference(qf, kf, vf, cu)
         ref_grads = torch.autograd.grad(ref, (qf, kf, vf), g.float())
         for name in totals:
             if name in failed:
@@ -126,12 +120,10 @@ def main() -> None:
             try:
                 out = fn(q, k, v, cu, max(lens))
                 grads = torch.autograd.grad(out, (q, k, v), g)
-            except (RuntimeError, NotImplementedError) as e:
+            except (RuntimeError, NotImplementedError, ImportError) as e:
                 failed[name] = str(e).splitlines()[0][:160]
                 continue
-            err = max(
-                ((x.float() - r).abs().max() / r.abs().max()).item() for x, r in zip((out, *grads), (ref, *ref_grads))
-            )
+            err = max(flash4.relative_error(x, r) for x, r in zip((out, *grads), (ref, *ref_grads)))
             errors[name] = max(errors[name], err)
             fwd, both = time_kernel(fn, (q, k, v, cu, max(lens)), g, a.iters)
             totals[name][0] += fwd

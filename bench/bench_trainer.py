@@ -184,6 +184,12 @@ def main() -> None:
     )
     ap.add_argument("--no-hf", action="store_true", help="skip the HF eager baseline")
     ap.add_argument(
+        "--attention-kernel",
+        default="auto",
+        choices=("auto", "fa4", "fa2", "sdpa"),
+        help="the trainer's --attention-kernel (auto: FlashAttention-4 where flash-attn-4 is installed, else 2)",
+    )
+    ap.add_argument(
         "--lora-rank",
         type=int,
         default=0,
@@ -252,6 +258,7 @@ def main() -> None:
                 compile=compiled,
                 lora_rank=rank,
                 lora_alpha=2.0 * rank,
+                attention_kernel=a.attention_kernel,
             )
             t0 = time.perf_counter()
             actor = launch_actor(args, model_dir, a.device)
@@ -261,7 +268,11 @@ def main() -> None:
             # starts at zero, so the model is the base model
             if a.no_eager and gpus == 1 and not rank:  # no eager log-probs to check against
                 old = log_probs
-                print(f"vime{tag}: trainer built in {time.perf_counter() - t0:.1f} s", flush=True)
+                print(
+                    f"vime{tag}: trainer built in {time.perf_counter() - t0:.1f} s; attention "
+                    f"{packed_attention_backend(device, torch.bfloat16 if device.type == 'cuda' else torch.float32)}",
+                    flush=True,
+                )
             elif compiled or rank:
                 diff = max(float((x - y).abs().max()) for x, y in zip(log_probs, old))
                 print(

@@ -39,9 +39,11 @@ from bench.bench_trainer import make_batch, make_model, pct
 from bench.shapes import SHAPES, TINY, add_shape_args
 from vime.algorithms import objective as loss_mod
 from vime.config import Config
+from vime.errors import ConfigError
 from vime.trainer import actor as actor_mod
 from vime.trainer import logprobs
 from vime.trainer import step_loss as step_loss_mod
+from vime.trainer.packing import packed_attention_backend
 from vime.trainer.perf import mfu, train_flops
 
 GEMM_NAMES = ("gemm", "cutlass", "nvjet", "xmma", "cublas", "splitk", "gemv", "matmul")
@@ -233,7 +235,17 @@ def launched_by(trace: dict, names: set[str], depth: int = 3) -> dict[str, float
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
-VARIANT_FLAGS = {"nopad", "fullpad", "compiledhead", "syncall", "gradafter", "torchaccum", "cdt", "scoredold"}
+KERNEL_FLAGS = {"fa4", "fa2", "sdpa"}  # --attention-kernel; without one, auto
+VARIANT_FLAGS = {
+    "nopad",
+    "fullpad",
+    "compiledhead",
+    "syncall",
+    "gradafter",
+    "torchaccum",
+    "cdt",
+    "scoredold",
+} | KERNEL_FLAGS
 
 
 def step_fn(local: Any, samples: list, adv: list[float], old: list[torch.Tensor]) -> Callable[[], None]:
@@ -283,6 +295,7 @@ def run_variant(st: Setup, variant: str) -> tuple[str, float, float, float]:
         actor_num_gpus_per_node=1,
         gradient_checkpointing=False,
         compile=kind == "compile",
+        attention_kernel=next(iter(KERNEL_FLAGS.intersection(flags)), "auto"),
     )
     tuned = "cdt" in flags
     if tuned != torch._inductor.config.coordinate_descent_tuning:
@@ -293,7 +306,10 @@ def run_variant(st: Setup, variant: str) -> tuple[str, float, float, float]:
     try:
         local = getattr(actor, "local", actor)
         local.ready()  # one rank compiles on a thread of its own; the step below is called directly
-        print(f"{variant}: trainer built in {time.perf_counter() - t0:.1f} s (with --compile: its warm-up compile)")
+        print(
+            f"{variant}: trainer built in {time.perf_counter() - t0:.1f} s (with --compile: its warm-up compile); "
+            f"attention {packed_attention_backend(local.device, torch.bfloat16)}"
+        )
         if "nopad" in flags:  # compiled layers fed micro-batches of their own lengths, as before padding
             local.compiled = False
         if "fullpad" in flags:  # every micro-batch padded to the whole budget (before buckets)
@@ -404,6 +420,7 @@ def main() -> None:
         "/scoredold (the old log-probs the model's own, as bench_trainer.py's and a real step's: the "
         "ratio starts at 1; without it every old log-prob is -1, so the ratio is tiny and the clip zeroes "
         "the gradient of every token of negative advantage), "
+        "/fa4, /fa2 or /sdpa (the trainer's --attention-kernel; default auto), "
         "e.g. compile@4096:32768/nopad",
     )
     ap.add_argument(
@@ -454,6 +471,9 @@ def main() -> None:
             peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
             print(f"{variant}: out of GPU memory at {peak:.1f} GiB ({str(e).splitlines()[0][:160]})", flush=True)
             summary.append((variant, float("nan"), float("nan"), peak))
+        except ConfigError as e:  # e.g. /fa4 where flash-attn-4 is not installed
+            print(f"{variant}: {e}", flush=True)
+            summary.append((variant, float("nan"), float("nan"), float("nan")))
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the variant's trainer went with run_variant's frame
     print(f"\nvocabulary {shape['vocab_size']:,}\n\n| variant | tokens/s | MFU | peak GiB |\n|---|---:|---:|---:|")

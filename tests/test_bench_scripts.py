@@ -77,7 +77,8 @@ def test_runs_sharing_a_gpu_get_a_fixed_kv_cache_unless_their_flags_say_otherwis
 
 def test_profile_trainer_goes_on_past_a_variant_out_of_memory(capsys, monkeypatch):
     """A micro-batch budget too large for the GPU fails its variant alone: the call says so and
-    times the others, so one call can try a budget that may not fit."""
+    times the others, so one call can try a budget that may not fit. So does a variant whose
+    attention kernel cannot run here (/fa4 on CPU)."""
     import torch
 
     from bench import profile_trainer
@@ -90,7 +91,17 @@ def test_profile_trainer_goes_on_past_a_variant_out_of_memory(capsys, monkeypatc
         return real(local, *args)
 
     monkeypatch.setattr(profile_trainer, "step_fn", step_fn)
-    argv = ["--device", "cpu", "--tiny", "--variants", "eager:256,eager:512", "--steps", "1", "--no-trace"]
+    argv = [
+        "--device",
+        "cpu",
+        "--tiny",
+        "--variants",
+        "eager:256,eager:512/fa4,eager:512",
+        "--steps",
+        "1",
+        "--no-trace",
+    ]
     out = run_bench("profile_trainer", argv, capsys, monkeypatch)
     assert "eager:256: out of GPU memory at nan GiB (CUDA out of memory. Tried to allocate 9.00 GiB)" in out
+    assert "eager:512/fa4: --attention-kernel fa4 runs on CUDA only" in out and "| eager:512/fa4 | nan |" in out
     assert "| eager:256 | nan |" in out and rows(out).get("eager:512", 0) > 0, out[-2000:]

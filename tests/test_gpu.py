@@ -189,14 +189,14 @@ def test_one_rank_defers_gradient_reduction_exactly(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_gradient_checkpointing_on_cuda_keeps_less_and_gives_the_gradients_of_none(tmp_path, compiled):
-    """--gradient-checkpointing on CUDA (bf16, varlen FlashAttention, one FSDP2 rank), eager and
-    compiled: on 400-token sequences the forward keeps under half of what it keeps without
+    """--gradient-checkpointing on CUDA (bf16, the varlen FlashAttention that `auto` settles on,
+    one FSDP2 rank), eager and compiled: on 400-token sequences the forward keeps under half of what it keeps without
     checkpointing, and the gradients are those without it within bf16 rounding (FlashAttention's
     backward adds dQ up across key blocks in no fixed order; compiled, the two are different
     graphs). On short sequences (one key block) the eager gradients are equal bit for bit.
-    Eagerly the recomputation is a second Python forward of each layer, also when the forward is
-    the first one (varlen attention is tried once, inside it); compiled, it is part of the
-    compiled backward, which the warm-up compiled."""
+    Eagerly the recomputation is a second Python forward of each layer; compiled, it is part of
+    the compiled backward, which the warm-up compiled. The attention kernel was settled at load
+    (`packing.choose_kernel`), so no kernel is tried inside a checkpointed forward."""
     import torch._dynamo.utils
     from test_actor import long_samples, make_args, make_samples, relative_gap, saved_bytes_and_grads
 
@@ -213,11 +213,9 @@ def test_gradient_checkpointing_on_cuda_keeps_less_and_gives_the_gradients_of_no
         layers = local.model.get_decoder().layers
         calls = [0]
         layers[0].mlp.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-        if not compiled:  # compiled, the backend was chosen while tracing, in the warm-up
-            packing._varlen_ok.clear()  # the first forward tries varlen attention again
+        assert packing.packed_attention_backend(local.device, torch.bfloat16) in ("fa4", "fa2")
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         checkpointed = {"short": saved_bytes_and_grads(local, *short), "long": saved_bytes_and_grads(local, *long)}
-        assert all(packing._varlen_ok.values()) and packing._varlen_ok
         if compiled:
             assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
         else:  # forward + recompute
@@ -694,3 +692,102 @@ def test_a_colocated_run_on_cuda_pushes_into_the_engine_it_resumed(tmp_path):
     # the KV pools (half the GPU's free memory at the engine's start) and the weights, each step
     assert all(r["perf/engine_released_bytes"] > 2**30 for r in steps), [r["perf/engine_released_bytes"] for r in steps]
     assert "weights by cuda_ipc" in (tmp_path / "c" / "log.txt").read_text()
+
+
+def _fa4_or_skip(device: torch.device, heads: int, kv_heads: int, head_dim: int) -> None:
+    """Skip where flash-attn-4 is not installed (it is optional: carried as wheels by
+    bench/fa4_prep.sh); anything else that keeps it from running here fails the test."""
+    from vime.trainer import flash4
+
+    why = flash4.unusable(device, heads, kv_heads, head_dim)
+    if why is not None and why.startswith("flash-attn-4 is not installed"):
+        pytest.skip(why)
+    assert why is None, why
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fa4_is_as_close_to_float32_attention_as_fa2_on_a_grpo_micro_batch():
+    """FlashAttention-4 (`--attention-kernel fa4`) against float32 attention per sequence, the
+    output and the three gradients, on one packed micro-batch of GRPO-like lengths (a
+    one-token sequence among them) at Qwen3-0.6B's heads (16 query, 8 key/value, head dim 128):
+    no further off than torch's FlashAttention-2 on the same row, doubled (bf16 rounding: FA2
+    is ~6e-3 off on bench_attention.py's batch), and its forward the same on a second call."""
+    import itertools
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    from vime.trainer import flash4, packing
+
+    dev = torch.device("cuda:0")
+    _fa4_or_skip(dev, 16, 8, 128)
+    lengths = [1800, 412, 95, 2600, 1, 733]
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=dev)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (
+        torch.randn(sum(lengths), n, 128, device=dev, dtype=torch.bfloat16, generator=gen).requires_grad_()
+        for n in (16, 8, 8)
+    )
+    grad = torch.randn(q.shape, device=dev, dtype=torch.bfloat16, generator=gen)
+    scale, longest = 128**-0.5, max(lengths)
+    leaves = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    ref = flash4.reference(*leaves, cu, scale)
+    want = (ref, *torch.autograd.grad(ref, leaves, grad.float()))
+
+    def errors(out: torch.Tensor) -> list[float]:
+        got = (out, *torch.autograd.grad(out, (q, k, v), grad))
+        return [flash4.relative_error(g, w) for g, w in zip(got, want)]
+
+    fa4_out = flash4.fa4_varlen(q, k, v, cu, longest, scale)[0]
+    fa4 = errors(fa4_out)
+    fa2 = errors(varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale, **packing._VARLEN))
+    assert all(e4 <= max(2 * e2, 1e-2) for e4, e2 in zip(fa4, fa2)), (fa4, fa2)
+    again = flash4.fa4_varlen(q.detach(), k.detach(), v.detach(), cu, longest, scale)[0]
+    assert torch.equal(again, fa4_out.detach())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_compiled_trainer_on_fa4_scores_and_accumulates_gradients_as_one_on_fa2(tmp_path, monkeypatch):
+    """Two compiled one-rank trainers (bf16 compute under FSDP2), `--attention-kernel fa4` and
+    `fa2`, against a float32 trainer without FSDP2 (per-sequence SDPA): fa4's log-probs and
+    gradients on 400-token sequences are no further from float32's than fa2's, doubled, plus
+    1e-3, and its compiled layers call FA4's kernels (counted in the ops' bodies, which run
+    outside the compiled graphs), forward and backward, where fa2's call none."""
+    from test_actor import long_samples, make_args, relative_gap, saved_bytes_and_grads
+
+    from vime.trainer import flash4, packing
+    from vime.trainer.actor import Actor
+    from vime.trainer.distributed import launch_actor
+
+    dev = torch.device("cuda:0")
+    model = make_tiny_model(tmp_path / "m", arch="qwen3", seed=0)
+    _fa4_or_skip(dev, 4, 2, 16)  # the tiny model's heads
+    samples, advantages = long_samples(3), [1.0, -0.5, 2.0]
+
+    def scores_and_grads(local: Actor) -> tuple[torch.Tensor, dict]:
+        local.ready()
+        scores = torch.cat([x.float().cpu() for x in local.compute_log_probs(samples)])
+        return scores, saved_bytes_and_grads(local, samples, advantages)[1]
+
+    fp32 = Actor(make_args(max_tokens_per_gpu=1024, compile=False), model, "cuda:0")
+    want = scores_and_grads(fp32)
+    fp32.close()
+    got, calls = {}, {}
+    module = flash4._fa4()
+    for kernel in ("fa2", "fa4"):
+        actor = launch_actor(make_args(max_tokens_per_gpu=1024, attention_kernel=kernel), model, "cuda:0")
+        try:
+            assert actor.local.compiled and packing.packed_attention_backend(dev, torch.bfloat16) == kernel
+            actor.local.ready()
+            counted: list[int] = []
+            monkeypatch.setattr(flash4, "_fa4", lambda counted=counted: counted.append(1) or module)
+            got[kernel] = scores_and_grads(actor.local)
+            calls[kernel] = len(counted)
+        finally:
+            actor.close()
+    layers = 2  # make_tiny_model's default; each layer's attention runs forward (scoring, training) and backward
+    assert calls["fa2"] == 0 and calls["fa4"] >= 3 * layers, calls
+    score_gap = {n: float((s - want[0]).abs().max()) for n, (s, _) in got.items()}
+    grad_gap = {n: relative_gap(g, want[1]) for n, (_, g) in got.items()}
+    assert score_gap["fa4"] <= 2 * score_gap["fa2"] + 1e-3, score_gap
+    assert grad_gap["fa4"] <= 2 * grad_gap["fa2"] + 1e-3, grad_gap
+    assert 0 < grad_gap["fa2"] < 0.1, grad_gap  # bf16 against float32: near, not equal

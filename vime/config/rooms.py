@@ -66,6 +66,7 @@ class TrainerConfig:
     gradient_checkpointing: bool
     gradient_checkpointing_layers: int | None
     compile: bool | None
+    attention_kernel: str
     logprob_chunk_size: int
     seed: int
     max_bad_steps: int

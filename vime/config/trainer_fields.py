@@ -97,6 +97,15 @@ class TrainerFields:
         "torch.compile each decoder layer of the trainer's model: on by default when the trainer is on CUDA. One compile serves every layer; micro-batches are padded up to one of 16 sizes, all compiled in a warm-up before step 1, so nothing compiles mid-run (speed: bench/RESULTS.md)",
         group="optimizer",
     )
+    attention_kernel: str = setting(
+        "auto",
+        "the trainer's packed attention on CUDA: fa4 (FlashAttention-4, the optional flash-attn-4 package, Hopper "
+        "and Blackwell GPUs), fa2 (torch's varlen FlashAttention-2) or sdpa (one SDPA call per sequence); auto takes "
+        "fa4 where it is installed and passes a check on a test row at load, else fa2. float32 attention (CPU) is "
+        "always sdpa",
+        ("auto", "fa4", "fa2", "sdpa"),
+        group="optimizer",
+    )
     logprob_chunk_size: int = setting(
         4096,
         "tokens per chunk when log-probs are computed from hidden states: caps the logits memory at chunk x vocabulary (bf16: 2 bytes each); smaller chunks are slower (bench/RESULTS.md)",

@@ -74,7 +74,7 @@ class Actor(WeightExport):
         self.device = torch.device(device)
         self.fsdp = fsdp
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if fsdp else (0, 1)
-        self.model = load_model(model_path, self.device)
+        self.model = load_model(model_path, self.device, trainer.attention_kernel)
         # LoRA: the base frozen, adapters on the target layers (vime/trainer/lora.py); what leaves
         # the trainer (pushes, checkpoints' safetensors) is the merged weight under the HF name
         self.lora = LoraSpec.of(trainer)
@@ -163,7 +163,7 @@ class Actor(WeightExport):
 
     def _frozen(self, model_path: str | Path) -> nn.Module:
         """A frozen model's scorer (the KL's reference, the OPD teacher), wrapped as the policy's."""
-        model = load_model(model_path, self.device)
+        model = load_model(model_path, self.device, self.settings.attention_kernel)
         model.requires_grad_(False)
         model.eval()
         return self._wrap(TokenScorer(model, self.settings.logprob_chunk_size))

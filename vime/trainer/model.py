@@ -3,6 +3,7 @@ activation checkpointing, the token scorer (the forward the losses read) and FSD
 
 from __future__ import annotations
 
+import logging
 import os
 import types
 from pathlib import Path
@@ -18,7 +19,9 @@ except ImportError:  # CPU-only installs: FSDP2's own accumulation runs
     triton = None
 
 from vime.trainer.logprobs import ChunkLoss, chunked_log_probs, chunked_loss
-from vime.trainer.packing import PackedBatch, register_packed_attention
+from vime.trainer.packing import PackedBatch, choose_kernel, register_packed_attention
+
+log = logging.getLogger("vime")
 
 
 class TokenScorer(nn.Module):
@@ -55,14 +58,20 @@ class TokenScorer(nn.Module):
         return chunked_log_probs(hidden[mb.select], head.weight, mb.targets, temperature, with_entropy, self.chunk_size)
 
 
-def load_model(model_path: str | Path, device: torch.device) -> nn.Module:
-    """An HF causal LM in float32 master weights everywhere; on CUDA, FSDP2 computes in bf16 (`wrap`)."""
+def load_model(model_path: str | Path, device: torch.device, attention_kernel: str = "auto") -> nn.Module:
+    """An HF causal LM in float32 master weights everywhere; on CUDA, FSDP2 computes in bf16
+    (`wrap`), and its packed attention runs the kernel `--attention-kernel` settles here."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
         str(model_path), dtype=torch.float32, attn_implementation=register_packed_attention()
     )
     model.config.use_cache = False  # training never decodes; a KV cache only costs memory
+    c = model.config
+    heads = c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    kernel = choose_kernel(attention_kernel, device, heads, getattr(c, "num_key_value_heads", None) or heads, head_dim)
+    log.info("trainer attention on %s: %s", device, kernel)
     return model.to(device)
 
 

@@ -6,9 +6,11 @@ would see alone; `cu_seqlens` ([0, len_0, len_0 + len_1, ...]) tells the attenti
 the boundaries are. Compared with right-padding to the longest sequence, no FLOPs go to pad
 tokens, and the micro-batch budget (`--max-tokens-per-gpu`) counts real tokens.
 
-The attention function registered here as `vime_packed` runs FlashAttention's varlen kernel on
-CUDA (bf16/fp16) and otherwise one causal SDPA call per sequence, which is exact in float32 and
-what the CPU tests check against padded batches.
+The attention function registered here as `vime_packed` runs a varlen FlashAttention kernel on
+CUDA (bf16/fp16): FlashAttention-4 where its package is installed and passes its check
+(`flash4.py`), torch's FlashAttention-2 otherwise (`--attention-kernel` chooses). Elsewhere it
+runs one causal SDPA call per sequence, which is exact in float32 and what the CPU tests check
+against padded batches.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from vime.errors import ConfigError
+from vime.trainer import flash4
 
 log = logging.getLogger("vime")
 
@@ -187,9 +192,10 @@ def _varlen_usable(device: torch.device) -> bool:
     """Whether varlen FlashAttention runs forward *and* backward here, tried once per device on
     a tiny input, so a build without the kernel (or its backward) falls back before training.
 
-    The first try happens inside the first layer's forward, which activation checkpointing may
-    be recording: the try's own saved tensors go through identity hooks, not the checkpoint's,
-    or the recomputation (which does not try again) would save fewer tensors and fail."""
+    The trainer tries it at load (`choose_kernel`); elsewhere the first try happens inside the
+    first layer's forward, which activation checkpointing may be recording: the try's own saved
+    tensors go through identity hooks, not the checkpoint's, or the recomputation (which does
+    not try again) would save fewer tensors and fail."""
     if device not in _varlen_ok:
         ok = _VARLEN is not None
         if ok:
@@ -232,7 +238,12 @@ def packed_attention(
         cu_seq_lens_q = torch.tensor([0, t], dtype=torch.int32, device=query.device)
         max_length_q = t
     groups = query.shape[1] // key.shape[1]
-    if packed_attention_backend(query.device, query.dtype) == "varlen_flash":
+    kernel = packed_attention_backend(query.device, query.dtype)
+    if kernel == "fa4":
+        q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        return flash4.fa4_varlen(q, k, v, cu_seq_lens_q, max_length_q, scale)[0].unsqueeze(0), None
+    if kernel == "fa2":
         from torch.nn.attention.varlen import varlen_attn
 
         q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
@@ -311,11 +322,55 @@ def _sdpa_backward(ctx: Any, grad: Tensor) -> tuple:
 _sdpa_per_sequence.register_autograd(_sdpa_backward, setup_context=_sdpa_setup)
 
 
+# what --attention-kernel chose for each CUDA device, before the first forward (`choose_kernel`)
+_chosen: dict[torch.device, str] = {}
+KERNELS = ("auto", "fa4", "fa2", "sdpa")
+
+
+def choose_kernel(choice: str, device: torch.device, heads: int, kv_heads: int, head_dim: int) -> str:
+    """Settle `--attention-kernel` for this device's half-precision attention before any forward,
+    so that FA4's check (which compiles its kernels at the model's head shape) runs outside
+    the compiled and checkpointed code; returns the kernel: fa4, fa2 or sdpa. float32 attention
+    (a trainer without FSDP2's bf16 compute) is always SDPA: neither kernel takes float32."""
+    if choice not in KERNELS:
+        raise ConfigError(f"--attention-kernel {choice!r} is not one of {', '.join(KERNELS)}")
+    if device.type == "cuda" and device.index is None:  # the key a tensor's device will look up
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type != "cuda":
+        if choice in ("fa4", "fa2"):
+            raise ConfigError(
+                f"--attention-kernel {choice} runs on CUDA only, and this trainer is on {device}: use auto or sdpa"
+            )
+        return "sdpa"
+    kernel = None
+    if choice in ("auto", "fa4"):
+        why = flash4.unusable(device, heads, kv_heads, head_dim)
+        if why is None:
+            kernel = "fa4"
+        elif choice == "fa4":
+            raise ConfigError(f"--attention-kernel fa4: {why}; use --attention-kernel auto to fall back to fa2")
+        elif not why.startswith("flash-attn-4 is not installed"):
+            log.warning("%s; the trainer's attention falls back to FlashAttention-2", why)
+    if kernel is None and choice in ("auto", "fa2"):
+        if _varlen_usable(device):
+            kernel = "fa2"
+        elif choice == "fa2":
+            raise ConfigError(
+                "--attention-kernel fa2: torch's varlen FlashAttention does not run here (the warning above "
+                "says why); use --attention-kernel auto or sdpa"
+            )
+    _chosen[device] = kernel or "sdpa"
+    return _chosen[device]
+
+
 def packed_attention_backend(device: torch.device, dtype: torch.dtype) -> str:
-    """Which kernel `packed_attention` uses for this device and dtype (for logs and benchmarks)."""
-    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and _varlen_usable(device):
-        return "varlen_flash"
-    return "sdpa_per_sequence"
+    """Which kernel `packed_attention` uses for this device and dtype: fa4, fa2 or sdpa (one SDPA
+    call per sequence). Where `choose_kernel` did not run for the device, fa2 if it runs."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return "sdpa"
+    if device in _chosen:
+        return _chosen[device]
+    return "fa2" if _varlen_usable(device) else "sdpa"
 
 
 def register_packed_attention() -> str:

@@ -1,0 +1,142 @@
+"""The trainer's packed attention kernels as `--attention-kernel` chooses them
+(vime/trainer/packing.py, vime/trainer/flash4.py).
+
+FlashAttention-4's kernels run on Hopper and Blackwell GPUs only: `make test-gpu` checks them
+against FlashAttention-2 and float32 attention, and a trainer's log-probs with each. Here, on CPU,
+vime's FA4 ops run over a float32 stand-in for the package's two entry points, called by the
+package's own parameter names, which checks what vime adds around the kernels: the custom ops'
+registration (schema, fake shapes, autograd, compile), the layouts and GQA, and the choice's
+refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_actor import make_args
+
+from vime.errors import ConfigError
+from vime.trainer import flash4, packing
+from vime.trainer.actor import Actor
+
+
+def _lse(q: torch.Tensor, k: torch.Tensor, cu: torch.Tensor, scale: float) -> torch.Tensor:
+    """log-sum-exp of each query's causal scores, [H, T] (what FA4 returns beside its output)."""
+    groups = q.shape[1] // k.shape[1]
+    bounds = cu.tolist()
+    parts = []
+    for a, b in zip(bounds, bounds[1:]):
+        qs, ks = q[a:b].float().transpose(0, 1), k[a:b].float().transpose(0, 1).repeat_interleave(groups, dim=0)
+        scores = qs @ ks.transpose(1, 2) * scale
+        mask = torch.ones(b - a, b - a, dtype=torch.bool).tril()
+        parts.append(scores.masked_fill(~mask, float("-inf")).logsumexp(-1))
+    return torch.cat(parts, dim=1)
+
+
+class Fa4StandIn:
+    """`flash_attn.cute.interface`'s `_flash_attn_fwd` and `_flash_attn_bwd`, computed in float32
+    by `flash4.reference`, with the parameters (names and positions) vime passes them; the real
+    signatures take these too, checked by binding vime's call against them (4.0.0b40)."""
+
+    calls: list[str] = []
+
+    @staticmethod
+    def _flash_attn_fwd(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, *, max_seqlen_q, max_seqlen_k, softmax_scale, causal, return_lse):  # fmt: skip
+        assert causal and return_lse and cu_seqlens_q is cu_seqlens_k and qv is None
+        assert max_seqlen_q == max_seqlen_k == int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+        Fa4StandIn.calls.append("fwd")
+        out = flash4.reference(q, k, v, cu_seqlens_q, softmax_scale).to(q.dtype)
+        return out, _lse(q, k, cu_seqlens_q, softmax_scale), None, None, None
+
+    @staticmethod
+    def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale, causal, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):  # fmt: skip
+        assert causal and cu_seqlens_q is cu_seqlens_k and lse.shape == (q.shape[1], q.shape[0])
+        Fa4StandIn.calls.append("bwd")
+        # by formula, as a kernel would (an op's body runs below autograd): with P = softmax(S),
+        # dV = Pᵀ dO, dS = P ⊙ (dO Vᵀ − rowsum(dO ⊙ O)), dQ = dS K·scale, dK = dSᵀ Q·scale,
+        # the key and value gradients then summed over the query heads that share them
+        groups = q.shape[1] // k.shape[1]
+        dq, dk, dv = (torch.zeros_like(x) for x in (q, k, v))
+        bounds = cu_seqlens_q.tolist()
+        for a, b in zip(bounds, bounds[1:]):
+            qs, ks, vs, do = (x[a:b].float().transpose(0, 1) for x in (q, k, v, dout))
+            ks, vs = ks.repeat_interleave(groups, dim=0), vs.repeat_interleave(groups, dim=0)
+            mask = torch.ones(b - a, b - a, dtype=torch.bool).tril()
+            p = torch.softmax((qs @ ks.transpose(1, 2) * softmax_scale).masked_fill(~mask, float("-inf")), dim=-1)
+            ds = p * (do @ vs.transpose(1, 2) - (do * (p @ vs)).sum(-1, keepdim=True))
+            dq[a:b] = (ds @ ks * softmax_scale).transpose(0, 1)
+            for grad, full in ((dk, ds.transpose(1, 2) @ qs * softmax_scale), (dv, p.transpose(1, 2) @ do)):
+                grad[a:b] = full.unflatten(0, (k.shape[1], groups)).sum(1).transpose(0, 1)
+        return dq, dk, dv
+
+
+@pytest.fixture
+def stand_in(monkeypatch) -> type[Fa4StandIn]:
+    monkeypatch.setattr(flash4, "_fa4", lambda: Fa4StandIn)
+    Fa4StandIn.calls = []
+    return Fa4StandIn
+
+
+def packed_row(heads: int = 4, kv_heads: int = 2, dim: int = 16) -> tuple[torch.Tensor, ...]:
+    """q [T, H, D], k and v [T, Hkv, D] of three packed sequences, and their cu_seqlens."""
+    gen = torch.Generator().manual_seed(0)
+    cu = torch.tensor([0, 13, 40, 46], dtype=torch.int32)
+    q, k, v = (torch.randn(46, n, dim, generator=gen, requires_grad=True) for n in (heads, kv_heads, kv_heads))
+    return q, k, v, cu
+
+
+def test_the_fa4_ops_register_their_fakes_autograd_and_compile_and_give_attentions_gradients(stand_in):
+    q, k, v, cu = packed_row()
+    # schema, fake shapes (dynamic too), autograd registration, and the op compiled forward + backward
+    torch.library.opcheck(flash4.fa4_varlen, (q, k, v, cu, 27, 0.25))
+    out, lse = flash4.fa4_varlen(q, k, v, cu, 27, 0.25)
+    assert lse.dtype == torch.float32 and lse.shape == (4, 46)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    got = (out, *torch.autograd.grad(out, (q, k, v), grad))
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    ref = flash4.reference(*leaves, cu, 0.25)
+    want = (ref, *torch.autograd.grad(ref, leaves, grad))
+    assert all(torch.allclose(g, w, atol=1e-5) for g, w in zip(got, want))
+    assert got[2].abs().sum() > 0  # the keys' gradient summed over their two query heads
+    assert "bwd" in stand_in.calls
+
+
+def test_packed_attention_hands_fa4_its_layout_and_returns_transformers_layout(stand_in, monkeypatch):
+    """The fa4 branch of `packed_attention` ([1, H, T, D] in, [1, T, H, D] out) against the
+    per-sequence SDPA branch on the same row."""
+    q, k, v, cu = packed_row()
+    query, key, value = (x.detach().transpose(0, 1)[None] for x in (q, k, v))
+    monkeypatch.setattr(packing, "packed_attention_backend", lambda device, dtype: "fa4")
+    fa4 = packing.packed_attention(None, query, key, value, None, scaling=None, cu_seq_lens_q=cu, max_length_q=27)[0]
+    monkeypatch.setattr(packing, "packed_attention_backend", lambda device, dtype: "sdpa")
+    sdpa = packing.packed_attention(None, query, key, value, None, scaling=None, cu_seq_lens_q=cu, max_length_q=27)[0]
+    assert stand_in.calls == ["fwd"] and fa4.shape == (1, 46, 4, 16)
+    assert torch.allclose(fa4, sdpa, atol=1e-5)
+
+
+@pytest.mark.parametrize("choice", ["fa4", "fa2"])
+def test_the_cuda_kernels_are_refused_for_a_cpu_trainer_in_one_line(tiny_model, choice):
+    with pytest.raises(ConfigError, match=f"--attention-kernel {choice} runs on CUDA only") as e:
+        Actor(make_args(attention_kernel=choice), tiny_model)
+    assert "\n" not in str(e.value)
+    assert packing.choose_kernel("auto", torch.device("cpu"), 4, 2, 16) == "sdpa"
+    assert packing.choose_kernel("sdpa", torch.device("cpu"), 4, 2, 16) == "sdpa"
+    with pytest.raises(ConfigError, match="is not one of auto, fa4, fa2, sdpa"):
+        packing.choose_kernel("flash", torch.device("cpu"), 4, 2, 16)
+
+
+@pytest.mark.parametrize(
+    "error, says",
+    [
+        (ImportError("No module named 'flash_attn'"), "flash-attn-4 is not installed (No module named"),
+        (OSError("libcute_dsl_runtime.so: cannot open\nmore"), "flash-attn-4 does not import here (OSError: libcute"),
+    ],
+)
+def test_an_fa4_that_does_not_import_says_why_in_one_line(monkeypatch, error, says):
+    """`auto` falls back to fa2 on either (warning on the second), `fa4` refuses with the line."""
+
+    def fail():
+        raise error
+
+    monkeypatch.setattr(flash4, "_fa4", fail)
+    why = flash4.unusable(torch.device("cuda", 0), 16, 8, 128)
+    assert why.startswith(says) and "\n" not in why
