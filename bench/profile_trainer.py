@@ -236,6 +236,7 @@ def launched_by(trace: dict, names: set[str], depth: int = 3) -> dict[str, float
 
 
 KERNEL_FLAGS = {"fa4", "fa2", "sdpa"}  # --attention-kernel; without one, auto
+_last_kernel = ["auto"]  # the last variant's, whose compiled layers must not serve another kernel
 VARIANT_FLAGS = {
     "nopad",
     "fullpad",
@@ -298,9 +299,10 @@ def run_variant(st: Setup, variant: str) -> tuple[str, float, float, float]:
         attention_kernel=next(iter(KERNEL_FLAGS.intersection(flags)), "auto"),
     )
     tuned = "cdt" in flags
-    if tuned != torch._inductor.config.coordinate_descent_tuning:
+    if tuned != torch._inductor.config.coordinate_descent_tuning or args.attention_kernel != _last_kernel[0]:
         torch._dynamo.reset()  # the layers' compiled code would be reused across the switch
         torch._inductor.config.coordinate_descent_tuning = tuned
+        _last_kernel[0] = args.attention_kernel
     t0 = time.perf_counter()
     actor = launch_actor(args, model_dir, a.device)
     try:
