@@ -120,7 +120,7 @@ def main() -> None:
             try:
                 out = fn(q, k, v, cu, max(lens))
                 grads = torch.autograd.grad(out, (q, k, v), g)
-            except (RuntimeError, NotImplementedError, ImportError) as e:
+            except (RuntimeError, NotImplementedError, ImportError, AssertionError) as e:  # FA4 asserts its arguments
                 failed[name] = str(e).splitlines()[0][:160]
                 continue
             err = max(flash4.relative_error(x, r) for x, r in zip((out, *grads), (ref, *ref_grads)))

@@ -187,7 +187,7 @@ def main() -> None:
         "--attention-kernel",
         default="auto",
         choices=("auto", "fa4", "fa2", "sdpa"),
-        help="the trainer's --attention-kernel (auto: FlashAttention-4 where flash-attn-4 is installed, else 2)",
+        help="the trainer's --attention-kernel (auto: FlashAttention-2; fa4 needs flash-attn-4, bench/fa4_prep.sh)",
     )
     ap.add_argument(
         "--lora-rank",

@@ -6,7 +6,7 @@
 # 64 MiB, so it travels in two parts, one per call, into a folder that stays on the warm machine.
 # Here, once:   bash bench/fa4_prep.sh download
 # Then `run` with carry [".fa4/part.aa"] and a command that begins `bash bench/fa4_prep.sh;`
-# (make test-gpu fits beside it), and at once (the machine goes back after 30 s idle) carry
+# (it exits 2 while a part is still missing; make test-gpu fits beside it), and at once (the machine goes back after 30 s idle) carry
 # [".fa4/part.ab", ".fa4/whl"] with `bash bench/fa4_prep.sh && export PYTHONPATH=.:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages && ...`.
 # (The second path stands in for the .pth file the DSL installs, which PYTHONPATH does not read.)
 # The image's own torch, triton, cuda-bindings, einops and protobuf serve the rest.
@@ -38,3 +38,4 @@ if [ "$(ls /root/fa4/parts | wc -l)" -ge 2 ] && [ -f /root/fa4/whl/libs.sha256 ]
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site /root/fa4/whl/*.whl
 fi
 echo "[fa4_prep] parts: $(ls /root/fa4/parts | tr '\n' ' ') installed: $([ -d /tmp/site/flash_attn ] && echo yes || echo waiting)"
+[ -d /tmp/site/flash_attn ] || exit 2

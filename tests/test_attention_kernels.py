@@ -34,23 +34,29 @@ def _lse(q: torch.Tensor, k: torch.Tensor, cu: torch.Tensor, scale: float) -> to
 
 class Fa4StandIn:
     """`flash_attn.cute.interface`'s `_flash_attn_fwd` and `_flash_attn_bwd`, computed in float32
-    by `flash4.reference`, with the parameters (names and positions) vime passes them; the real
-    signatures take these too, checked by binding vime's call against them (4.0.0b40)."""
+    by `flash4.reference`, with the parameters (names and positions) vime passes them; where the
+    package is installed, `test_vimes_calls_bind_to_fa4s_own_signatures` binds the recorded calls
+    to the real ones."""
 
-    calls: list[str] = []
+    calls: list[tuple[str, tuple, dict]] = []
 
     @staticmethod
     def _flash_attn_fwd(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, *, max_seqlen_q, max_seqlen_k, softmax_scale, causal, return_lse):  # fmt: skip
         assert causal and return_lse and cu_seqlens_q is cu_seqlens_k and qv is None
         assert max_seqlen_q == max_seqlen_k == int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-        Fa4StandIn.calls.append("fwd")
+        kwargs = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q)
+        kwargs.update(max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal, return_lse=return_lse)
+        Fa4StandIn.calls.append(("fwd", (q, k, v), kwargs))
         out = flash4.reference(q, k, v, cu_seqlens_q, softmax_scale).to(q.dtype)
         return out, _lse(q, k, cu_seqlens_q, softmax_scale), None, None, None
 
     @staticmethod
     def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale, causal, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):  # fmt: skip
         assert causal and cu_seqlens_q is cu_seqlens_k and lse.shape == (q.shape[1], q.shape[0])
-        Fa4StandIn.calls.append("bwd")
+        kwargs = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q)
+        Fa4StandIn.calls.append(
+            ("bwd", (q, k, v, out, dout, lse, softmax_scale, causal), kwargs | {"max_seqlen_k": max_seqlen_k})
+        )
         # by formula, as a kernel would (an op's body runs below autograd): with P = softmax(S),
         # dV = Pᵀ dO, dS = P ⊙ (dO Vᵀ − rowsum(dO ⊙ O)), dQ = dS K·scale, dK = dSᵀ Q·scale,
         # the key and value gradients then summed over the query heads that share them
@@ -97,7 +103,7 @@ def test_the_fa4_ops_register_their_fakes_autograd_and_compile_and_give_attentio
     want = (ref, *torch.autograd.grad(ref, leaves, grad))
     assert all(torch.allclose(g, w, atol=1e-5) for g, w in zip(got, want))
     assert got[2].abs().sum() > 0  # the keys' gradient summed over their two query heads
-    assert "bwd" in stand_in.calls
+    assert "bwd" in [name for name, *_ in stand_in.calls]
 
 
 def test_packed_attention_hands_fa4_its_layout_and_returns_transformers_layout(stand_in, monkeypatch):
@@ -109,7 +115,7 @@ def test_packed_attention_hands_fa4_its_layout_and_returns_transformers_layout(s
     fa4 = packing.packed_attention(None, query, key, value, None, scaling=None, cu_seq_lens_q=cu, max_length_q=27)[0]
     monkeypatch.setattr(packing, "packed_attention_backend", lambda device, dtype: "sdpa")
     sdpa = packing.packed_attention(None, query, key, value, None, scaling=None, cu_seq_lens_q=cu, max_length_q=27)[0]
-    assert stand_in.calls == ["fwd"] and fa4.shape == (1, 46, 4, 16)
+    assert [name for name, *_ in stand_in.calls] == ["fwd"] and fa4.shape == (1, 46, 4, 16)
     assert torch.allclose(fa4, sdpa, atol=1e-5)
 
 
@@ -124,19 +130,43 @@ def test_the_cuda_kernels_are_refused_for_a_cpu_trainer_in_one_line(tiny_model, 
         packing.choose_kernel("flash", torch.device("cpu"), 4, 2, 16)
 
 
+def test_vimes_calls_bind_to_fa4s_own_signatures(stand_in):
+    """The calls the stand-in recorded, bound to the installed package's functions (they are
+    private, hence the exact pin of the `fa4` extra); skipped where flash-attn-4 is not installed,
+    as in CI."""
+    import inspect
+
+    real = pytest.importorskip("flash_attn.cute.interface")
+    q, k, v, cu = packed_row()
+    out = flash4.fa4_varlen(q, k, v, cu, 27, 0.25)[0]
+    out.sum().backward()
+    assert sorted(name for name, *_ in stand_in.calls) == ["bwd", "fwd"]
+    for name, args, kwargs in stand_in.calls:
+        inspect.signature(getattr(real, f"_flash_attn_{name}")).bind(*args, **kwargs)
+
+
 @pytest.mark.parametrize(
     "error, says",
     [
-        (ImportError("No module named 'flash_attn'"), "flash-attn-4 is not installed (No module named"),
+        (ModuleNotFoundError("No module named 'flash_attn'", name="flash_attn"), "flash-attn-4 is not installed ("),
+        (
+            ModuleNotFoundError("No module named 'cutlass'", name="cutlass"),
+            "flash-attn-4 does not import here (it needs cutlass",
+        ),
         (OSError("libcute_dsl_runtime.so: cannot open\nmore"), "flash-attn-4 does not import here (OSError: libcute"),
     ],
 )
-def test_an_fa4_that_does_not_import_says_why_in_one_line(monkeypatch, error, says):
-    """`auto` falls back to fa2 on either (warning on the second), `fa4` refuses with the line."""
+def test_an_fa4_that_does_not_import_is_refused_in_one_line_that_says_why(monkeypatch, error, says):
+    """`--attention-kernel fa4` on a GPU where the package is missing, or installed without a
+    module it needs (its CuTe DSL's folder off the path), or without its compiler libraries: a
+    one-line refusal that tells these apart and names the other kernel."""
 
     def fail():
         raise error
 
     monkeypatch.setattr(flash4, "_fa4", fail)
-    why = flash4.unusable(torch.device("cuda", 0), 16, 8, 128)
-    assert why.startswith(says) and "\n" not in why
+    monkeypatch.setattr(packing, "_fa4_checked", {})
+    with pytest.raises(ConfigError) as e:
+        packing.choose_kernel("fa4", torch.device("cuda", 0), 16, 8, 128)
+    assert str(e.value).startswith(f"--attention-kernel fa4: {says}") and "\n" not in str(e.value)
+    assert str(e.value).endswith("or use --attention-kernel fa2")

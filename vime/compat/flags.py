@@ -78,9 +78,7 @@ FLAGS: dict[str, Flag] = {
         ),
         Flag("accumulate_allreduce_grads_in_fp32", "same", bool, "FSDP2 reduces gradients in float32"),
         Flag("attention_softmax_in_fp32", "same", bool, "the attention kernels keep the softmax in float32"),
-        Flag(
-            "attention_backend", "inert", str, "vime's packed attention chooses its kernel itself (--attention-kernel)"
-        ),
+        Flag("attention_backend", "inert", str, "vime's packed attention chooses its kernel: --attention-kernel"),
         Flag("train_backend", "inert", str, "vime trains with FSDP2: the same model and loss"),
         Flag("train_memory_margin_bytes", "inert", int, "vime's trainer reserves no memory margin"),
         Flag("disable_wandb_random_suffix", "same", bool, "the W&B run id is the run name, no random suffix"),

@@ -99,10 +99,10 @@ class TrainerFields:
     )
     attention_kernel: str = setting(
         "auto",
-        "the trainer's packed attention on CUDA: fa4 (FlashAttention-4, the optional flash-attn-4 package, Hopper "
-        "and Blackwell GPUs), fa2 (torch's varlen FlashAttention-2) or sdpa (one SDPA call per sequence); auto takes "
-        "fa4 where it is installed and passes a check on a test row at load, else fa2. float32 attention (CPU) is "
-        "always sdpa",
+        "the trainer's packed attention on CUDA: fa2 (torch's varlen FlashAttention-2), fa4 (FlashAttention-4 from the "
+        "optional flash-attn-4 package, Hopper and sm100 GPUs, checked against float32 attention at load) or sdpa "
+        "(one SDPA call per sequence); auto is fa2 where it runs, else sdpa (FA4 is opt-in until its speed in the "
+        "trainer is measured). float32 attention (CPU) is always sdpa",
         ("auto", "fa4", "fa2", "sdpa"),
         group="optimizer",
     )

@@ -1,5 +1,5 @@
 """FlashAttention-4 (the `flash-attn-4` package: kernels written in CUTLASS's CuTe DSL) as the
-packed trainer's attention on Hopper and Blackwell GPUs (`--attention-kernel`).
+packed trainer's attention on Hopper and sm100 Blackwell GPUs (`--attention-kernel fa4`; opt-in).
 
 Why: at the Qwen3-0.6B shape the trainer spends ~30% of its step in torch's varlen
 FlashAttention-2 (bench/RESULTS.md, issue 50), whose kernels use none of Hopper's own
@@ -17,7 +17,9 @@ The package is optional (`pip install 'vime[fa4]'`, or carried as wheels: bench/
 
 from __future__ import annotations
 
+import functools
 import importlib
+import os
 from types import ModuleType
 from typing import Any
 
@@ -31,7 +33,12 @@ MODULE = "flash_attn.cute.interface"
 TOLERANCE = 2.5e-2
 
 
+@functools.cache
 def _fa4() -> ModuleType:
+    # the DSL compiles each kernel on first use (~3 s each on a CPU here), at every start of a
+    # run; FA4 keeps them on disk (its own cache, keyed by its sources and versions) only when
+    # asked to: vime asks, unless the variable is set already
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
     return importlib.import_module(MODULE)
 
 
@@ -87,7 +94,8 @@ def fa4_varlen_backward(
         max_seqlen_q=max_seqlen,
         max_seqlen_k=max_seqlen,
     )
-    return dq, dk, dv
+    # FA4 shapes dq, dk and dv like q, k and v, strides too; the fake promises contiguous ones
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @fa4_varlen_backward.register_fake
@@ -109,10 +117,12 @@ def _setup(ctx: Any, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
     q, k, v, cu_seqlens, max_seqlen, scale = inputs
     ctx.save_for_backward(q, k, v, *output, cu_seqlens)
     ctx.max_seqlen, ctx.scale = max_seqlen, scale
+    ctx.set_materialize_grads(False)  # the log-sum-exp's gradient is never used: no [H, T] of zeros
 
 
-def _backward(ctx: Any, grad: Tensor, _grad_lse: Tensor | None) -> tuple:
+def _backward(ctx: Any, grad: Tensor | None, _grad_lse: Tensor | None) -> tuple:
     q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+    grad = torch.zeros_like(out) if grad is None else grad
     return (*fa4_varlen_backward(grad, q, k, v, out, lse, cu_seqlens, ctx.max_seqlen, ctx.scale), None, None, None)
 
 
@@ -143,18 +153,21 @@ def _first_line(e: Exception) -> str:
 
 def unusable(device: torch.device, heads: int, kv_heads: int, head_dim: int) -> str | None:
     """Why FA4 cannot be the trainer's attention on `device`, or None: the package imports, the
-    GPU is one it has kernels for, and a small packed row at the model's head shape gives float32
-    attention's output and gradients within TOLERANCE. The row has the model's own shape so
-    that the kernels compiled here (the DSL compiles each on first use) are the ones training runs."""
+    GPU is one vime runs it on, and a small packed row at the model's head shape gives float32
+    attention's output and gradients within TOLERANCE. FA4 picks its kernels' tiles by the
+    lengths too, so training may compile more of them (the DSL compiles each on first use),
+    which the check does not try; its disk cache keeps them for the next run."""
     try:
         _fa4()
-    except ImportError as e:
-        return f"flash-attn-4 is not installed ({e}): pip install 'vime[fa4]'"
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] != "flash_attn":  # installed, but short of a module it needs
+            return f"flash-attn-4 does not import here (it needs {e.name}: {_first_line(e)})"
+        return f"flash-attn-4 is not installed ({_first_line(e)}): pip install 'vime[fa4]'"
     except Exception as e:  # its compiler libraries load at import, and can fail in many ways
         return f"flash-attn-4 does not import here ({type(e).__name__}: {_first_line(e)})"
     major = torch.cuda.get_device_capability(device)[0]
     if major not in (9, 10):
-        return f"FlashAttention-4 has kernels for compute capability 9.x and 10.x only, this GPU is {major}.x"
+        return f"vime runs FlashAttention-4 on compute capability 9.x (Hopper) and 10.x (sm100) only; this GPU is {major}.x"
     lengths = [37, 200, 19]
     cu = torch.tensor([0, 37, 237, 256], dtype=torch.int32, device=device)
     gen = torch.Generator(device=device).manual_seed(0)

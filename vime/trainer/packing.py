@@ -7,9 +7,8 @@ the boundaries are. Compared with right-padding to the longest sequence, no FLOP
 tokens, and the micro-batch budget (`--max-tokens-per-gpu`) counts real tokens.
 
 The attention function registered here as `vime_packed` runs a varlen FlashAttention kernel on
-CUDA (bf16/fp16): FlashAttention-4 where its package is installed and passes its check
-(`flash4.py`), torch's FlashAttention-2 otherwise (`--attention-kernel` chooses). Elsewhere it
-runs one causal SDPA call per sequence, which is exact in float32 and what the CPU tests check
+CUDA (bf16/fp16): torch's FlashAttention-2, or FlashAttention-4 (`flash4.py`) when
+`--attention-kernel fa4` asks for it. Elsewhere it runs one causal SDPA call per sequence, which is exact in float32 and what the CPU tests check
 against padded batches.
 """
 
@@ -324,43 +323,53 @@ _sdpa_per_sequence.register_autograd(_sdpa_backward, setup_context=_sdpa_setup)
 
 # what --attention-kernel chose for each CUDA device, before the first forward (`choose_kernel`)
 _chosen: dict[torch.device, str] = {}
+# FA4's check per (device, heads, kv_heads, head_dim): a run loads its policy, reference and teacher
+_fa4_checked: dict[tuple, str | None] = {}
 KERNELS = ("auto", "fa4", "fa2", "sdpa")
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """`cuda` as `cuda:N`: the key a tensor's device will look up."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def choose_kernel(choice: str, device: torch.device, heads: int, kv_heads: int, head_dim: int) -> str:
     """Settle `--attention-kernel` for this device's half-precision attention before any forward,
-    so that FA4's check (which compiles its kernels at the model's head shape) runs outside
-    the compiled and checkpointed code; returns the kernel: fa4, fa2 or sdpa. float32 attention
-    (a trainer without FSDP2's bf16 compute) is always SDPA: neither kernel takes float32."""
+    so that FA4's check (which runs its kernels on a test row at the model's head shape) runs
+    outside the compiled and checkpointed code; returns the kernel: fa4, fa2 or sdpa. `auto` is
+    fa2 where it runs: FA4 is taken only when asked for until its A/B in the trainer is measured
+    (bench/fa4_ab.sh). float32 attention (a trainer without FSDP2's bf16 compute) is always
+    SDPA: neither kernel takes float32. Each model a run loads passes through here with the
+    run's one choice; fa4 must pass its check at every model's head shape."""
     if choice not in KERNELS:
         raise ConfigError(f"--attention-kernel {choice!r} is not one of {', '.join(KERNELS)}")
-    if device.type == "cuda" and device.index is None:  # the key a tensor's device will look up
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = _indexed(device)
     if device.type != "cuda":
         if choice in ("fa4", "fa2"):
             raise ConfigError(
                 f"--attention-kernel {choice} runs on CUDA only, and this trainer is on {device}: use auto or sdpa"
             )
         return "sdpa"
-    kernel = None
-    if choice in ("auto", "fa4"):
-        why = flash4.unusable(device, heads, kv_heads, head_dim)
-        if why is None:
-            kernel = "fa4"
-        elif choice == "fa4":
-            raise ConfigError(f"--attention-kernel fa4: {why}; use --attention-kernel auto to fall back to fa2")
-        elif not why.startswith("flash-attn-4 is not installed"):
-            log.warning("%s; the trainer's attention falls back to FlashAttention-2", why)
-    if kernel is None and choice in ("auto", "fa2"):
-        if _varlen_usable(device):
-            kernel = "fa2"
-        elif choice == "fa2":
-            raise ConfigError(
-                "--attention-kernel fa2: torch's varlen FlashAttention does not run here (the warning above "
-                "says why); use --attention-kernel auto or sdpa"
-            )
-    _chosen[device] = kernel or "sdpa"
-    return _chosen[device]
+    if choice == "fa4":
+        key = (device, heads, kv_heads, head_dim)
+        if key not in _fa4_checked:
+            _fa4_checked[key] = flash4.unusable(device, heads, kv_heads, head_dim)
+        if _fa4_checked[key] is not None:
+            raise ConfigError(f"--attention-kernel fa4: {_fa4_checked[key]}; or use --attention-kernel fa2")
+        kernel = "fa4"
+    elif choice != "sdpa" and _varlen_usable(device):
+        kernel = "fa2"
+    elif choice == "fa2":
+        raise ConfigError(
+            "--attention-kernel fa2: torch's varlen FlashAttention does not run here (the warning above "
+            "says why); use --attention-kernel sdpa"
+        )
+    else:
+        kernel = "sdpa"
+    _chosen[device] = kernel
+    return kernel
 
 
 def packed_attention_backend(device: torch.device, dtype: torch.dtype) -> str:
@@ -368,6 +377,7 @@ def packed_attention_backend(device: torch.device, dtype: torch.dtype) -> str:
     call per sequence). Where `choose_kernel` did not run for the device, fa2 if it runs."""
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return "sdpa"
+    device = _indexed(device)
     if device in _chosen:
         return _chosen[device]
     return "fa2" if _varlen_usable(device) else "sdpa"
