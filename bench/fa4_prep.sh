@@ -6,9 +6,12 @@
 # 64 MiB, so it travels in two parts, one per call, into a folder that stays on the warm machine.
 # Here, once:   bash bench/fa4_prep.sh download
 # Then `run` with carry [".fa4/part.aa"] and a command that begins `bash bench/fa4_prep.sh;`
-# (it exits 2 while a part is still missing; make test-gpu fits beside it), and at once (the machine goes back after 30 s idle) carry
-# [".fa4/part.ab", ".fa4/whl"] with `bash bench/fa4_prep.sh && export PYTHONPATH=.:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages && ...`.
-# (The second path stands in for the .pth file the DSL installs, which PYTHONPATH does not read.)
+# (it exits 2 while a part is still missing; make test-gpu fits beside it), and at once (the
+# machine goes back after 30 s idle) carry [".fa4/part.ab", ".fa4/whl"] with
+#     bash bench/fa4_prep.sh && bash bench/fa4_ab.sh
+# or, for other work, `bash bench/fa4_prep.sh && export
+# PYTHONPATH=.:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages && ...` (the last path stands
+# in for the .pth file the DSL installs, which PYTHONPATH does not read).
 # The image's own torch, triton, cuda-bindings, einops and protobuf serve the rest.
 set -euo pipefail
 WHEELS="flash-attn-4==4.0.0b40 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1

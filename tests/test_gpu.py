@@ -190,8 +190,8 @@ def test_one_rank_defers_gradient_reduction_exactly(tmp_path):
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_gradient_checkpointing_on_cuda_keeps_less_and_gives_the_gradients_of_none(tmp_path, compiled):
     """--gradient-checkpointing on CUDA (bf16, the varlen FlashAttention that `auto` settles on,
-    one FSDP2 rank), eager and compiled: on 400-token sequences the forward keeps under half of what it keeps without
-    checkpointing, and the gradients are those without it within bf16 rounding (FlashAttention's
+    one FSDP2 rank), eager and compiled: on 400-token sequences the forward keeps under half of
+    what it keeps without checkpointing, and the gradients are those without it within bf16 rounding (FlashAttention's
     backward adds dQ up across key blocks in no fixed order; compiled, the two are different
     graphs). On short sequences (one key block) the eager gradients are equal bit for bit.
     Eagerly the recomputation is a second Python forward of each layer; compiled, it is part of

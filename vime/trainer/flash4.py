@@ -167,7 +167,7 @@ def unusable(device: torch.device, heads: int, kv_heads: int, head_dim: int) -> 
         return f"flash-attn-4 does not import here ({type(e).__name__}: {_first_line(e)})"
     major = torch.cuda.get_device_capability(device)[0]
     if major not in (9, 10):
-        return f"vime runs FlashAttention-4 on compute capability 9.x (Hopper) and 10.x (sm100) only; this GPU is {major}.x"
+        return f"vime runs FlashAttention-4 on compute capability 9.x and 10.x only; this GPU is {major}.x"
     lengths = [37, 200, 19]
     cu = torch.tensor([0, 37, 237, 256], dtype=torch.int32, device=device)
     gen = torch.Generator(device=device).manual_seed(0)

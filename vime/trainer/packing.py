@@ -8,8 +8,8 @@ tokens, and the micro-batch budget (`--max-tokens-per-gpu`) counts real tokens.
 
 The attention function registered here as `vime_packed` runs a varlen FlashAttention kernel on
 CUDA (bf16/fp16): torch's FlashAttention-2, or FlashAttention-4 (`flash4.py`) when
-`--attention-kernel fa4` asks for it. Elsewhere it runs one causal SDPA call per sequence, which is exact in float32 and what the CPU tests check
-against padded batches.
+`--attention-kernel fa4` asks for it. Elsewhere it runs one causal SDPA call per sequence,
+which is exact in float32 and what the CPU tests check against padded batches.
 """
 
 from __future__ import annotations
