@@ -57,22 +57,17 @@ class Fa4StandIn:
         Fa4StandIn.calls.append(
             ("bwd", (q, k, v, out, dout, lse, softmax_scale, causal), kwargs | {"max_seqlen_k": max_seqlen_k})
         )
-        # by formula, as a kernel would (an op's body runs below autograd): with P = softmax(S),
-        # dV = Pᵀ dO, dS = P ⊙ (dO Vᵀ − rowsum(dO ⊙ O)), dQ = dS K·scale, dK = dSᵀ Q·scale,
-        # the key and value gradients then summed over the query heads that share them
+        # by formula, as a kernel would (an op's body runs below autograd): the CPU path's own
+        # backward (`packing._sdpa_per_sequence_backward`, [1, H, T, D] with keys and values per
+        # query head), the key and value gradients then summed over the query heads that share them
         groups = q.shape[1] // k.shape[1]
-        dq, dk, dv = (torch.zeros_like(x) for x in (q, k, v))
-        bounds = cu_seqlens_q.tolist()
-        for a, b in zip(bounds, bounds[1:]):
-            qs, ks, vs, do = (x[a:b].float().transpose(0, 1) for x in (q, k, v, dout))
-            ks, vs = ks.repeat_interleave(groups, dim=0), vs.repeat_interleave(groups, dim=0)
-            mask = torch.ones(b - a, b - a, dtype=torch.bool).tril()
-            p = torch.softmax((qs @ ks.transpose(1, 2) * softmax_scale).masked_fill(~mask, float("-inf")), dim=-1)
-            ds = p * (do @ vs.transpose(1, 2) - (do * (p @ vs)).sum(-1, keepdim=True))
-            dq[a:b] = (ds @ ks * softmax_scale).transpose(0, 1)
-            for grad, full in ((dk, ds.transpose(1, 2) @ qs * softmax_scale), (dv, p.transpose(1, 2) @ do)):
-                grad[a:b] = full.unflatten(0, (k.shape[1], groups)).sum(1).transpose(0, 1)
-        return dq, dk, dv
+        per_head = [
+            x.transpose(0, 1)[None] for x in (dout, q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1))
+        ]
+        gq, gk, gv = (
+            g[0].transpose(0, 1) for g in packing._sdpa_per_sequence_backward(*per_head, cu_seqlens_q, softmax_scale)
+        )
+        return gq, *(g.unflatten(1, (k.shape[1], groups)).sum(2) for g in (gk, gv))
 
 
 @pytest.fixture
