@@ -1303,7 +1303,10 @@ def test_gpu_fp8_graphs_match_eager_track_hf_and_see_pushes(model_dir, hf, tmp_p
         assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-3)
 
     # a push while released lands in the host copy of the weights; the resume requantizes from it
-    graphs.release_memory()
+    fp8_bytes = sum(w.nbytes + sc.nbytes for w, sc in graphs.fp8.tensors)
+    weights = sum(p.nbytes for p in graphs.model.parameters())
+    kv = 2 * graphs.kv_cache.k.numel() * graphs.kv_cache.k.element_size()
+    assert graphs.release_memory() == weights + kv + fp8_bytes  # the fp8 copies are counted too
     graphs.update_weights(hf.state_dict().items())
     graphs.resume_memory()
     assert same(copies(graphs), copies(eager))

@@ -530,8 +530,10 @@ def test_memory_release_keeps_addresses_graphs_and_output(tmp_path):
     before = engine_greedy(engine)
     sums = engine.weight_checksums()
 
+    weights = sum(p.nbytes for p in params)
+    kv_bytes = 2 * kv.k.numel() * kv.k.element_size()
     free = torch.cuda.mem_get_info()[0]
-    engine.release_memory()
+    assert engine.release_memory() == weights + kv_bytes  # what the colocated run logs
     released = torch.cuda.mem_get_info()[0]
     assert released - free >= mapped
     assert not kv.allocated and all(p.device.type == "cpu" for p in params)
@@ -609,6 +611,8 @@ def test_lora_adapters_by_cuda_ipc_survive_a_release_and_give_the_trainers_log_p
         client = EngineClient(engine.url)
         pusher = WeightPusher([client], "cuda_ipc", timeout=60)
         pusher.push(actor.named_weights(merge=False), version=0)
+        freed = [client.release_memory_occupation()["released_bytes"]]  # no adapter merged yet
+        client.resume_memory_occupation()
         for version in (1, 2):
             actor.train_step(make_samples(4), ADVANTAGES)
             m = pusher.push(actor.adapter_weights(), version=version)  # checked: the engine merged what was sent
@@ -619,8 +623,16 @@ def test_lora_adapters_by_cuda_ipc_survive_a_release_and_give_the_trainers_log_p
             ]
             for (_, lp), mine in zip(got, actor.compute_log_probs(samples)):
                 assert torch.allclose(mine.cpu(), torch.tensor(lp), atol=1e-3), (mine, lp)
-            client.release_memory_occupation()
+            freed.append(client.release_memory_occupation()["released_bytes"])
             client.resume_memory_occupation()
+        # each merged layer's float32 base copy goes to the host too, and is counted
+        adapters = actor.adapter_tensors()
+        base = sum(
+            4 * a.shape[1] * adapters[n[: -len("lora_A")] + "lora_B"].shape[0]
+            for n, a in adapters.items()
+            if n.endswith("lora_A")
+        )
+        assert base > 0 and freed[1] - freed[0] == freed[2] - freed[0] == base, (freed, base)
     finally:
         engine.shutdown()
 

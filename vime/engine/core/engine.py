@@ -468,8 +468,8 @@ class LLMEngine:
             for p in self.model.parameters():
                 p.data = p.data.to("cpu")
         if self.fp8 is not None:
-            self.fp8.release()
-        self.lora.to("cpu")
+            released += self.fp8.release()
+        released += self.lora.to("cpu")
         self._views = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the caching allocator's free blocks (live graphs keep their pool)

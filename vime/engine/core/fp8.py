@@ -147,16 +147,19 @@ class Fp8Weights:
         for m, (w, s) in zip(self.layers, self.tensors):
             quantize_rows(m.weight, w, s.view(-1))
 
-    def release(self) -> None:
-        """Give the buffer's device memory back (a GPU engine's release; on CPU nothing moves)."""
+    def release(self) -> int:
+        """Give the buffer's device memory back (a GPU engine's release; on CPU nothing moves);
+        returns the bytes given back, so that a colocated run's count includes the fp8 copies."""
         if self.released or self.device.type != "cuda":
-            return
+            return 0
+        freed = sum(w.nbytes + s.nbytes for w, s in self.tensors)
         if self.buffer is not None:
             self.buffer.unmap()
         else:
             for w, s in self.tensors:  # no tensor holds the storage any more: it is freed
                 w.data, s.data = torch.empty(0, dtype=FP8), torch.empty(0)
         self.released = True
+        return freed
 
     def restore(self) -> None:
         """Memory back (at the same addresses with VMM) and the copies made again from the

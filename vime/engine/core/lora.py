@@ -104,6 +104,9 @@ class AdapterMerger:
         self.pending.clear()
         self.merged.clear()
 
-    def to(self, device: torch.device | str) -> None:
-        """With the weights to the host on release and back on resume."""
+    def to(self, device: torch.device | str) -> int:
+        """With the weights to the host on release and back on resume; returns the bytes that left
+        a GPU (the release's count)."""
+        left = sum(v.nbytes for v in self.base.values() if v.is_cuda and v.device != torch.device(device))
         self.base = {k: v.to(device) for k, v in self.base.items()}
+        return left
