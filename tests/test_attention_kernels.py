@@ -90,7 +90,7 @@ def test_the_fa4_ops_register_their_fakes_autograd_and_compile_and_give_attentio
     # schema, fake shapes (dynamic too), autograd registration, and the op compiled forward + backward
     torch.library.opcheck(flash4.fa4_varlen, (q, k, v, cu, 27, 0.25))
     out, lse = flash4.fa4_varlen(q, k, v, cu, 27, 0.25)
-    assert lse.dtype == torch.float32 and lse.shape == (4, 46)
+    assert lse.dtype == torch.float32 and lse.shape == (4, 46) and out.requires_grad and not lse.requires_grad
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
     got = (out, *torch.autograd.grad(out, (q, k, v), grad))
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]

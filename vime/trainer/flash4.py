@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -37,8 +38,11 @@ TOLERANCE = 2.5e-2
 def _fa4() -> ModuleType:
     # the DSL compiles each kernel on first use (~3 s each on a CPU here), at every start of a
     # run; FA4 keeps them on disk (its own cache, keyed by its sources and versions) only when
-    # asked to: vime asks, unless the variable is set already
+    # asked to: vime asks, unless the variables are set already, and in the user's cache folder
+    # rather than FA4's default under /tmp/$USER (which fails where the user has no name)
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vime" / "flash_attention_cute_dsl"
     os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(cache))
     return importlib.import_module(MODULE)
 
 
@@ -107,7 +111,8 @@ def _setup(ctx: Any, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
     q, k, v, cu_seqlens, max_seqlen, scale = inputs
     ctx.save_for_backward(q, k, v, *output, cu_seqlens)
     ctx.max_seqlen, ctx.scale = max_seqlen, scale
-    ctx.set_materialize_grads(False)  # the log-sum-exp's gradient is never used: no [H, T] of zeros
+    ctx.mark_non_differentiable(output[1])  # the backward takes no gradient of the log-sum-exp
+    ctx.set_materialize_grads(False)  # nor a [T, H, D] of zeros for an output nothing used
 
 
 def _backward(ctx: Any, grad: Tensor | None, _grad_lse: Tensor | None) -> tuple:
