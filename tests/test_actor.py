@@ -929,3 +929,42 @@ def test_a_step_is_scored_at_the_temperature_its_samples_were_drawn_at(tiny_mode
 if __name__ == "__main__":
     _interpreted_head_checks()
     _interpreted_accumulate_checks()
+
+
+def test_a_sliding_window_model_is_scored_exactly_within_its_window_and_refused_beyond(tmp_path):
+    """A model whose layers attend through a sliding window (here Qwen2's, 24 positions, every
+    layer): vime's packed attention is full causal attention, the model's own at every position
+    a sequence of up to 25 tokens is scored at (the last token is predicted, not attended from),
+    so those score as HF's eager forward with its sliding mask does; a longer one, whose scores
+    the window changes, is refused in one line rather than scored under other attention."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from vime.models import ModelError, make_tiny_model
+
+    path = make_tiny_model(tmp_path / "m", arch="qwen2", seed=0)
+    config = json.loads((path / "config.json").read_text())
+    config.update(use_sliding_window=True, sliding_window=24, max_window_layers=0, layer_types=None)
+    (path / "config.json").write_text(json.dumps(config))
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager")
+    assert set(hf.config.layer_types) == {"sliding_attention"}
+    trainer = Actor(make_args(), path)
+    rng = random.Random(0)
+    tokens = [rng.randrange(4, 100) for _ in range(26)]
+    with torch.no_grad():
+        logp = {n: torch.log_softmax(hf(torch.tensor([tokens[:n]])).logits[0].float(), -1) for n in (25, 26)}
+    want = logp[25][torch.arange(14, 24), torch.tensor(tokens[15:25])]
+    assert torch.allclose(
+        trainer.compute_log_probs([Sample(index=0, tokens=tokens[:25], response_length=10)])[0], want, atol=1e-5
+    )
+    # at 26 tokens the window masks the first token from the last position scored
+    with torch.no_grad():
+        full = trainer.model(torch.tensor([tokens])).logits[0].float().log_softmax(-1)[24, tokens[25]]
+    assert abs(float(full) - float(logp[26][24, tokens[25]])) > 1e-4
+    longer = [Sample(index=0, tokens=tokens, response_length=11)]
+    with pytest.raises(ModelError, match="a sequence of 26 tokens is scored with attention over 25 of them") as e:
+        trainer.compute_log_probs(longer)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ModelError, match="sliding window of 24"):
+        trainer.train_step(longer, [1.0])

@@ -18,6 +18,7 @@ try:
 except ImportError:  # CPU-only installs: FSDP2's own accumulation runs
     triton = None
 
+from vime.models import ModelError
 from vime.trainer.logprobs import ChunkLoss, chunked_log_probs, chunked_loss
 from vime.trainer.packing import PackedBatch, choose_kernel, register_packed_attention
 
@@ -35,12 +36,21 @@ class TokenScorer(nn.Module):
         super().__init__()
         self.hf = hf
         self.chunk_size = chunk_size
+        self.window = sliding_window(hf.config)
 
     def forward(
         self, mb: PackedBatch, temperature: float, with_entropy: bool, loss_fn: ChunkLoss | None = None
     ) -> tuple[Tensor, Tensor | None] | Tensor:
         """(log-probs, entropies) of the scored tokens; given a `loss_fn`, that loss of them
         instead, its gradient taken in the forward (`chunked_loss`)."""
+        # the last position scored (the one before the last token) attends to all but the last
+        if self.window is not None and mb.longest - 1 > self.window:
+            raise ModelError(
+                f"a sequence of {mb.longest} tokens is scored with attention over {mb.longest - 1} of them, more "
+                f"than the model's sliding window of {self.window}, which vime's packed attention does not apply: "
+                f"keep prompt + response within {self.window + 1} tokens (--rollout-max-response-len, "
+                "--rollout-max-prompt-len)"
+            )
         hidden = self.hf.get_decoder()(
             input_ids=mb.input_ids,
             position_ids=mb.position_ids,
@@ -56,6 +66,18 @@ class TokenScorer(nn.Module):
                 hidden[mb.select], head.weight, mb.targets, loss_fn, temperature, with_entropy, self.chunk_size
             )
         return chunked_log_probs(hidden[mb.select], head.weight, mb.targets, temperature, with_entropy, self.chunk_size)
+
+
+def sliding_window(config: Any) -> int | None:
+    """The window of the model's sliding-attention layers, or None where every layer attends to
+    the whole sequence. vime's packed attention is full causal attention, which is the model's
+    own for every position a sequence of up to window + 1 tokens is scored at (the last token is
+    scored, not attended from); `TokenScorer` refuses a longer one rather than score it under
+    other attention. (Qwen2/3 configs clear `sliding_window` unless
+    `use_sliding_window`; Mistral's applies to every layer; Gemma's lists its layers' types.)"""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    return window if window and (types is None or "sliding_attention" in types) else None
 
 
 def load_model(model_path: str | Path, device: torch.device, attention_kernel: str = "auto") -> nn.Module:

@@ -46,7 +46,8 @@ class PackedBatch:
     input_ids: Tensor  # [1, T]
     position_ids: Tensor  # [1, T], restarting at 0 per sequence
     cu_seqlens: Tensor  # [N + 1] int32, sequence boundaries in the row
-    max_seqlen: int
+    max_seqlen: int  # pad segments included
+    longest: int  # the longest real sequence
     select: Tensor  # [R] positions whose hidden states score the response tokens
     targets: Tensor  # [R] response token ids
     response_lengths: list[int]
@@ -140,6 +141,7 @@ def pack(
         position_ids=to_device(pos[None], device),
         cu_seqlens=to_device(cu.to(torch.int32), device),
         max_seqlen=max(lengths),
+        longest=max(lengths[: len(token_lists)]),
         select=to_device(select, device),
         targets=to_device(ids[select + 1], device),
         response_lengths=list(response_lengths),
