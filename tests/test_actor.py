@@ -968,3 +968,31 @@ def test_a_sliding_window_model_is_scored_exactly_within_its_window_and_refused_
     assert "\n" not in str(e.value)
     with pytest.raises(ModelError, match="sliding window of 24"):
         trainer.train_step(longer, [1.0])
+
+
+def test_a_model_whose_attention_or_logits_take_another_form_is_refused_in_one_line(tmp_path):
+    """Gemma 2 soft-caps its final logits and its attention scores: the chunked head and the
+    packed attention compute neither, so such a model is refused (at the trainer's start for
+    the logits, at its first forward for the attention) rather than trained as another model."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from vime.models import ModelError, make_tiny_tokenizer
+
+    tokenizer = make_tiny_tokenizer()
+
+    def gemma2(name: str, **overrides) -> Path:
+        config = Gemma2Config(
+            vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=64, **overrides,
+        )  # fmt: skip
+        Gemma2ForCausalLM(config).save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+        return tmp_path / name
+
+    with pytest.raises(ModelError, match="applies final_logit_softcapping=30.0 to its logits") as e:
+        Actor(make_args(), gemma2("capped"))
+    assert "\n" not in str(e.value)
+    trainer = Actor(make_args(), gemma2("attention", final_logit_softcapping=None))
+    with pytest.raises(ModelError, match=r"attention takes softcap \(Gemma 2's logit soft-capping\)") as e:
+        trainer.compute_log_probs(make_samples(2))
+    assert "\n" not in str(e.value)

@@ -25,6 +25,11 @@ from vime.trainer.packing import PackedBatch, choose_kernel, register_packed_att
 log = logging.getLogger("vime")
 
 
+# config settings by which some transformers models change their logits after the head's matmul
+# (Gemma 2's soft-capping, Cohere's scale, Granite's divisor); None or 1.0 leaves them alone
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
 class TokenScorer(nn.Module):
     """HF causal LM → log-probs (and entropies) of the response tokens of a packed batch.
 
@@ -37,6 +42,13 @@ class TokenScorer(nn.Module):
         self.hf = hf
         self.chunk_size = chunk_size
         self.window = sliding_window(hf.config)
+        for name in LOGIT_TRANSFORMS:
+            value = getattr(hf.config, name, None)
+            if value not in (None, 1.0):
+                raise ModelError(
+                    f"this model's LM head applies {name}={value} to its logits, which vime's chunked head (hidden "
+                    "states times the head's weight) does not: train a model without it"
+                )
 
     def forward(
         self, mb: PackedBatch, temperature: float, with_entropy: bool, loss_fn: ChunkLoss | None = None

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from vime.errors import ConfigError
+from vime.models import ModelError
 from vime.trainer import flash4
 
 log = logging.getLogger("vime")
@@ -97,6 +98,13 @@ def shard_by_tokens(lengths: Sequence[int], world_size: int) -> list[list[int]]:
         loads[r] += lengths[i]
     return [sorted(s) for s in shards]
 
+
+# what some transformers models hand their attention function besides q, k, v and the scale
+UNSUPPORTED = {
+    "softcap": "Gemma 2's logit soft-capping",
+    "s_aux": "gpt-oss's attention sinks",
+    "sinks": "attention sinks",
+}
 
 PAD_SEGMENT = 256  # longest sequence of pad tokens: their attention costs next to nothing
 # compiled trainers round each micro-batch up to a multiple of budget / PAD_BUCKETS tokens: a few
@@ -234,6 +242,12 @@ def packed_attention(
     query [1, H, T, D], key/value [1, Hkv, T, D] → output [1, T, H, D]. Without
     `cu_seq_lens_q` the row is one sequence.
     """
+    extras = [name for name in UNSUPPORTED if kwargs.get(name) is not None]
+    if extras:  # attention of another form than softmax(QK^T)V: scoring it as that would be wrong
+        raise ModelError(
+            f"this model's attention takes {', '.join(extras)} ({UNSUPPORTED[extras[0]]}), which vime's packed "
+            "attention does not apply: train a model without it"
+        )
     t = query.shape[2]
     if cu_seq_lens_q is None:
         cu_seq_lens_q = torch.tensor([0, t], dtype=torch.int32, device=query.device)
