@@ -972,8 +972,8 @@ def test_a_sliding_window_model_is_scored_exactly_within_its_window_and_refused_
 
 def test_a_model_whose_attention_or_logits_take_another_form_is_refused_in_one_line(tmp_path):
     """Gemma 2 soft-caps its final logits and its attention scores: the chunked head and the
-    packed attention compute neither, so such a model is refused (at the trainer's start for
-    the logits, at its first forward for the attention) rather than trained as another model."""
+    packed attention compute neither, so such a model is refused when the trainer starts (the
+    attention by the load's packed forward) rather than trained as another model."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     from vime.models import ModelError, make_tiny_tokenizer
@@ -989,10 +989,37 @@ def test_a_model_whose_attention_or_logits_take_another_form_is_refused_in_one_l
         tokenizer.save_pretrained(tmp_path / name)
         return tmp_path / name
 
-    with pytest.raises(ModelError, match="applies final_logit_softcapping=30.0 to its logits") as e:
-        Actor(make_args(), gemma2("capped"))
+    for path, match in (
+        (gemma2("head", attn_logit_softcapping=None), "applies final_logit_softcapping=30.0 to its logits"),
+        (
+            gemma2("attention", final_logit_softcapping=None),
+            r"attention takes softcap \(Gemma 2's logit soft-capping\)",
+        ),
+    ):
+        with pytest.raises(ModelError, match=match) as e:
+            Actor(make_args(), path)
+        assert "\n" not in str(e.value)
+    plain = Actor(make_args(), gemma2("plain", attn_logit_softcapping=None, final_logit_softcapping=None))
+    assert len(plain.compute_log_probs(make_samples(2))) == 2
+
+
+@pytest.mark.parametrize("model_type", ["stablelm", "nemotron", "bloom"])
+def test_a_model_whose_layers_let_packed_sequences_see_each_other_is_refused_at_load(tmp_path, model_type):
+    """StableLM's and Nemotron's decoder layers call their attention without the packed-sequence
+    boundaries; Bloom never calls the attention interface: each would score every sequence of a
+    micro-batch of two or more against its neighbours too. The load's probe (two sequences
+    packed against each alone) refuses them; a Qwen3 passes it by four orders of magnitude."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from vime.models import ModelError
+    from vime.trainer.model import PACKING_TOLERANCE, load_model, packing_gap
+
+    sizes = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2)
+    sizes.update(num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **sizes)).save_pretrained(tmp_path / "m")
+    with pytest.raises(ModelError, match="lets sequences packed into one row change each other's hidden states") as e:
+        load_model(tmp_path / "m", torch.device("cpu"))
     assert "\n" not in str(e.value)
-    trainer = Actor(make_args(), gemma2("attention", final_logit_softcapping=None))
-    with pytest.raises(ModelError, match=r"attention takes softcap \(Gemma 2's logit soft-capping\)") as e:
-        trainer.compute_log_probs(make_samples(2))
-    assert "\n" not in str(e.value)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3", **sizes)).save_pretrained(tmp_path / "q")
+    assert packing_gap(load_model(tmp_path / "q", torch.device("cpu")), torch.device("cpu")) < PACKING_TOLERANCE / 1e2

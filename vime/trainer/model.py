@@ -18,9 +18,10 @@ try:
 except ImportError:  # CPU-only installs: FSDP2's own accumulation runs
     triton = None
 
+from vime.errors import ConfigError
 from vime.models import ModelError
 from vime.trainer.logprobs import ChunkLoss, chunked_log_probs, chunked_loss
-from vime.trainer.packing import PackedBatch, choose_kernel, register_packed_attention
+from vime.trainer.packing import PackedBatch, choose_kernel, pack, register_packed_attention
 
 log = logging.getLogger("vime")
 
@@ -102,11 +103,70 @@ def load_model(model_path: str | Path, device: torch.device, attention_kernel: s
     )
     model.config.use_cache = False  # training never decodes; a KV cache only costs memory
     c = model.config
+    if getattr(c, "output_router_logits", False):
+        raise ModelError(
+            "this model's config sets output_router_logits, asking for its MoE router's auxiliary loss, which "
+            "vime's trainer does not add: set it to false in config.json to train without it"
+        )
     heads = c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    if getattr(c, "v_head_dim", None) is not None:  # multi-head latent attention (DeepSeek-V2/V3)
+        head_dim = c.qk_nope_head_dim + c.qk_rope_head_dim
+        if c.v_head_dim != head_dim:
+            if attention_kernel in ("fa4", "fa2"):
+                raise ConfigError(
+                    f"--attention-kernel {attention_kernel}: this model's values have {c.v_head_dim} dims against "
+                    f"{head_dim} for queries and keys, which vime runs through SDPA only: use auto or sdpa"
+                )
+            attention_kernel = "sdpa"
     kernel = choose_kernel(attention_kernel, device, heads, getattr(c, "num_key_value_heads", None) or heads, head_dim)
     log.info("trainer attention on %s: %s", device, kernel)
-    return model.to(device)
+    model.to(device)
+    gap = packing_gap(model, device)
+    if gap > PACKING_TOLERANCE:
+        raise ModelError(
+            f"{type(model).__name__} lets sequences packed into one row change each other's hidden states (by "
+            f"{gap:.1e} of their largest, against each alone): vime's trainer packs sequences, so it cannot train "
+            "this model (its layers ignore the packed-sequence boundaries transformers hands them)"
+        )
+    return model
+
+
+# float32 on one device: the same sequence packed or alone differs by summation order only
+# (~1e-6 of the largest hidden value); leaking across sequences moves it by far more
+PACKING_TOLERANCE = 1e-4
+
+
+@torch.no_grad()
+def packing_gap(model: nn.Module, device: torch.device) -> float:
+    """How far two short sequences' last hidden states move when packed into one row against
+    each alone, relative to their largest value. vime scores packed rows by handing the
+    sequence boundaries to the attention function, so a model whose layers drop them (some
+    call their attention without the keyword arguments, some never call the attention
+    interface, some mix tokens in recurrent or linear-attention layers) would let sequences
+    see each other: silently wrong log-probs and gradients on every micro-batch of two or more."""
+    vocab = model.config.get_text_config().vocab_size
+    seqs = [[(7 * i + 3) % vocab for i in range(n)] for n in (5, 7)]
+
+    def hidden(rows: list[list[int]]) -> Tensor:
+        mb = pack(rows, [1] * len(rows), list(range(len(rows))), device)
+        out = model.get_decoder()(
+            input_ids=mb.input_ids,
+            position_ids=mb.position_ids,
+            use_cache=False,
+            cu_seq_lens_q=mb.cu_seqlens,
+            max_length_q=mb.max_seqlen,
+        )
+        return out.last_hidden_state[0].float()
+
+    was_training = model.training
+    model.eval()
+    try:
+        packed = hidden(seqs)
+        alone = torch.cat([hidden([s]) for s in seqs])
+    finally:
+        model.train(was_training)
+    return float((packed - alone).abs().max() / alone.abs().max().clamp_min(1e-30))
 
 
 def checkpoint_layers(model: nn.Module, n: int | None) -> None:
