@@ -1012,7 +1012,7 @@ def test_a_model_whose_layers_let_packed_sequences_see_each_other_is_refused_at_
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from vime.models import ModelError
-    from vime.trainer.model import PACKING_TOLERANCE, load_model, packing_gap
+    from vime.trainer.model import PACKING_TOLERANCE, forward_gaps, load_model
 
     sizes = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2)
     sizes.update(num_attention_heads=4, num_key_value_heads=2)
@@ -1022,4 +1022,122 @@ def test_a_model_whose_layers_let_packed_sequences_see_each_other_is_refused_at_
         load_model(tmp_path / "m", torch.device("cpu"))
     assert "\n" not in str(e.value)
     AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3", **sizes)).save_pretrained(tmp_path / "q")
-    assert packing_gap(load_model(tmp_path / "q", torch.device("cpu")), torch.device("cpu")) < PACKING_TOLERANCE / 1e2
+    assert (
+        max(forward_gaps(load_model(tmp_path / "q", torch.device("cpu")), torch.device("cpu")))
+        < PACKING_TOLERANCE / 1e2
+    )
+
+
+def _hf_scores(path: Path, sample: Sample) -> torch.Tensor:
+    """The sample's response log-probs from transformers' own eager forward of it alone."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        logp = torch.log_softmax(hf(torch.tensor([sample.tokens])).logits[0].float(), -1)
+    n = len(sample.tokens)
+    return logp[torch.arange(sample.prompt_length - 1, n - 1), torch.tensor(sample.response_tokens)]
+
+
+def _tiny(tmp_path: Path, model_type: str, **config) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from vime.models import make_tiny_tokenizer
+
+    tokenizer = make_tiny_tokenizer()
+    sizes = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2)
+    sizes.update(num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **sizes, **config)).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    return tmp_path
+
+
+def test_longrope_sequences_on_either_side_of_its_switch_are_never_packed_together(tmp_path):
+    """Phi-3's LongRoPE takes its long or short frequencies for a whole row by the row's longest
+    position, where a sequence alone gets them by its own length: a 12-token sequence packed
+    with a 30-token one (switch at 16) would be scored with the long ones. The planner keeps
+    the two sides apart, so each scores as transformers scores it alone."""
+    from vime.trainer.model import rope_split
+
+    long_rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16}
+    long_rope.update(short_factor=[1.0] * 8, long_factor=[4.0] * 8)
+    path = _tiny(
+        tmp_path / "phi3",
+        "phi3",
+        rope_parameters=long_rope,
+        max_position_embeddings=256,
+        original_max_position_embeddings=16,
+    )
+    trainer = Actor(make_args(), path)
+    assert rope_split(trainer.model.config) == 16
+    assert plan_packed_micro_batches([12, 30, 9, 17], 4096, None, 16) == [[1, 3], [0, 2]]
+    assert plan_packed_micro_batches([12, 30, 9, 17], 4096) == [[0, 1, 2, 3]]
+    rng = random.Random(0)
+    samples = [
+        Sample(index=i, tokens=[rng.randrange(4, 100) for _ in range(n)], response_length=5)
+        for i, n in enumerate((12, 30))
+    ]
+    for got, sample in zip(trainer.compute_log_probs(samples), samples):
+        assert torch.allclose(got, _hf_scores(path, sample), atol=1e-5)
+
+
+def test_a_sequence_past_dynamic_ropes_original_length_is_refused_in_one_line(tmp_path):
+    """Dynamic NTK RoPE rescales by the longest sequence transformers has seen once past
+    `max_position_embeddings`: within it a sequence scores as alone, past it it is refused."""
+    from vime.models import ModelError
+
+    dynamic = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    path = _tiny(tmp_path / "llama", "llama", rope_parameters=dynamic, max_position_embeddings=24)
+    trainer = Actor(make_args(), path)
+    rng = random.Random(0)
+    inside = Sample(index=0, tokens=[rng.randrange(4, 100) for _ in range(24)], response_length=6)
+    assert torch.allclose(trainer.compute_log_probs([inside])[0], _hf_scores(path, inside), atol=1e-5)
+    longer = Sample(index=0, tokens=inside.tokens + [5], response_length=7)
+    with pytest.raises(ModelError, match="a sequence of 25 tokens is longer than the 24 past which") as e:
+        trainer.compute_log_probs([longer])
+    assert "\n" not in str(e.value)
+
+
+def test_moe_aux_loss_and_the_cuda_kernels_for_latent_attention_are_refused_at_load(tmp_path):
+    from vime.errors import ConfigError
+    from vime.models import ModelError
+    from vime.trainer.model import load_model
+
+    moe = _tiny(tmp_path / "moe", "qwen3_moe", output_router_logits=True, num_experts=4, num_experts_per_tok=2)
+    with pytest.raises(ModelError, match="sets output_router_logits"):
+        load_model(moe, torch.device("cpu"))
+    mla = dict(kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    mla = _tiny(
+        tmp_path / "mla", "deepseek_v3", **mla, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=2
+    )
+    with pytest.raises(ConfigError, match="this model's values have 16 dims against 24 for queries and keys"):
+        load_model(mla, torch.device("cpu"), "fa2")
+    assert load_model(mla, torch.device("cpu")).config.v_head_dim == 16  # auto: SDPA, which is exact here
+
+
+def test_the_training_forward_is_the_scoring_forward_dropout_off_and_router_jitter_refused(tmp_path):
+    """The policy ratio compares the training forward (train mode) with the scoring forward
+    (eval mode). GPT-2 ships dropout 0.1 on its residuals, embeddings and attention: the
+    trainer's model has it off, so its train-mode forward is its eval-mode one (transformers'
+    own, dropout on, is not). Mixtral with router jitter routes by noise in train mode: refused."""
+    from transformers import AutoModelForCausalLM
+
+    from vime.models import ModelError
+    from vime.trainer.model import load_model
+
+    gpt2 = _tiny(tmp_path / "gpt2", "gpt2", n_positions=256)
+    ids = torch.tensor([make_samples(1)[0].tokens])
+    for model, same in (
+        (load_model(gpt2, torch.device("cpu")), True),
+        (AutoModelForCausalLM.from_pretrained(gpt2), False),
+    ):
+        with torch.no_grad():
+            torch.manual_seed(0)
+            trained = model.train()(ids).logits
+            scored = model.eval()(ids).logits
+        assert torch.allclose(trained, scored, atol=1e-6) == same
+    jitter = _tiny(tmp_path / "mixtral", "mixtral", num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.1)
+    with pytest.raises(ModelError, match="training forward differs from its scoring forward") as e:
+        load_model(jitter, torch.device("cpu"))
+    assert "\n" not in str(e.value)

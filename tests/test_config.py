@@ -95,6 +95,10 @@ def test_json_and_list_flags():
         (["--advantage-estimator", "cispo", "--eps-clip-c", "3"], "CISPO clips the importance weight instead"),
         (["--rs-veto-threshold", "2"], "must be between 0 and 1"),
         (["--lora-rank", "-1"], "--lora-rank -1 must be >= 1"),
+        (
+            ["--lora-alpha", "32", "--target-modules", "q_proj", "v_proj"],
+            "--lora-alpha --target-modules shape LoRA adapters, but --lora-rank is 0 (full fine-tuning)",
+        ),
         (["--tis-level", "sequence"], "add --use-tis, or drop --tis-level"),
         (["--debug-rollout-only", "--load-debug-rollout-data", "d/{rollout_id}.pt"], "give one of them"),
         (["--debug-rollout-only", "--save", "ck"], "drop --save/--load"),

@@ -5,7 +5,7 @@ optimizer; the algorithm's are in checks_algorithm.py. Each check is (bad, messa
 from __future__ import annotations
 
 from vime.config.checks_algorithm import algorithm_checks
-from vime.config.schema import Settings
+from vime.config.schema import Settings, default_of
 from vime.modes import SFT_ROLLOUT_FN
 
 
@@ -145,6 +145,7 @@ def _output_checks(c: Settings) -> list[tuple[bool, str]]:
 
 def _optimizer_checks(c: Settings) -> list[tuple[bool, str]]:
     """The optimizer, its schedule, LoRA, the micro-batches and the weight push."""
+    lora_shape = _lora_shaping(c)
     return [
         (c.lr < 0, "--lr must be >= 0"),
         (not 0 <= c.min_lr <= c.lr, f"--min-lr {c.min_lr} must be between 0 and --lr {c.lr}"),
@@ -167,6 +168,11 @@ def _optimizer_checks(c: Settings) -> list[tuple[bool, str]]:
         (c.adam_eps <= 0, "--adam-eps must be > 0"),
         (c.lora_rank < 0, f"--lora-rank {c.lora_rank} must be >= 1 (or 0: full fine-tuning)"),
         (c.lora_rank > 0 and c.lora_alpha <= 0, f"--lora-alpha {c.lora_alpha} must be > 0"),
+        (
+            c.lora_rank == 0 and bool(lora_shape),
+            f"{' '.join(lora_shape)} shape LoRA adapters, but --lora-rank is 0 (full fine-tuning): give --lora-rank N, "
+            "or leave them out",
+        ),
         (not 0 <= c.lora_dropout < 1, f"--lora-dropout {c.lora_dropout} must be in [0, 1)"),
         (c.max_tokens_per_gpu < 1, "--max-tokens-per-gpu must be at least 1"),
         (c.micro_batch_size is not None and c.micro_batch_size < 1, "--micro-batch-size must be at least 1"),
@@ -182,6 +188,13 @@ def _optimizer_checks(c: Settings) -> list[tuple[bool, str]]:
         (c.update_weight_buffer_size < 1, "--update-weight-buffer-size must be at least 1 byte"),
         (c.max_bad_steps < 1, "--max-bad-steps must be at least 1"),
     ]
+
+
+def _lora_shaping(c: Settings) -> list[str]:
+    """The LoRA flags set away from their defaults: without a rank they would be dropped, and the
+    run would fine-tune every weight at what is likely a LoRA-sized learning rate."""
+    names = ("lora_alpha", "lora_dropout", "target_modules", "exclude_modules")
+    return [f"--{n.replace('_', '-')}" for n in names if getattr(c, n) != default_of(n)]
 
 
 def _one_file_per_rollout(template: str) -> bool:

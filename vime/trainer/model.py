@@ -43,6 +43,7 @@ class TokenScorer(nn.Module):
         self.hf = hf
         self.chunk_size = chunk_size
         self.window = sliding_window(hf.config)
+        self.dynamic_limit = dynamic_rope_limit(hf.config)
         for name in LOGIT_TRANSFORMS:
             value = getattr(hf.config, name, None)
             if value not in (None, 1.0):
@@ -64,6 +65,12 @@ class TokenScorer(nn.Module):
                 f"keep prompt + response within {self.window + 1} tokens (--rollout-max-response-len, "
                 "--rollout-max-prompt-len)"
             )
+        if self.dynamic_limit is not None and mb.longest > self.dynamic_limit:
+            raise ModelError(
+                f"a sequence of {mb.longest} tokens is longer than the {self.dynamic_limit} past which this model's "
+                "dynamic RoPE rescales by the longest sequence seen, so its scores would depend on the batch: keep "
+                f"prompt + response within {self.dynamic_limit} tokens"
+            )
         hidden = self.hf.get_decoder()(
             input_ids=mb.input_ids,
             position_ids=mb.position_ids,
@@ -79,6 +86,24 @@ class TokenScorer(nn.Module):
                 hidden[mb.select], head.weight, mb.targets, loss_fn, temperature, with_entropy, self.chunk_size
             )
         return chunked_log_probs(hidden[mb.select], head.weight, mb.targets, temperature, with_entropy, self.chunk_size)
+
+
+def rope_split(config: Any) -> int | None:
+    """LongRoPE's switch length (Phi-3/3.5/4-mini's `original_max_position_embeddings`), or None.
+    transformers picks its long or short frequencies for a whole row by the row's longest
+    position, where each sequence alone gets them by its own length: so a micro-batch must not
+    hold sequences on both sides of it (`plan_packed_micro_batches(split_above=...)`)."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    return rope.get("original_max_position_embeddings") if rope.get("rope_type") == "longrope" else None
+
+
+def dynamic_rope_limit(config: Any) -> int | None:
+    """Dynamic NTK RoPE's original length (`max_position_embeddings`), or None: past it
+    transformers rescales the frequencies by the longest sequence it has seen (state kept across
+    calls), so a longer sequence's scores would depend on its neighbours and on history;
+    `TokenScorer` refuses one."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    return config.max_position_embeddings if "dynamic" in str(rope.get("rope_type", "")) else None
 
 
 def sliding_window(config: Any) -> int | None:
@@ -121,13 +146,24 @@ def load_model(model_path: str | Path, device: torch.device, attention_kernel: s
             attention_kernel = "sdpa"
     kernel = choose_kernel(attention_kernel, device, heads, getattr(c, "num_key_value_heads", None) or heads, head_dim)
     log.info("trainer attention on %s: %s", device, kernel)
+    dropouts = [m for m in model.modules() if isinstance(m, nn.Dropout) and m.p > 0]
+    for m in dropouts:  # the training forward must be the scoring forward (eval mode), or the ratio is noise
+        m.p = 0.0
+    if dropouts:
+        log.info("the trainer runs without dropout: %d dropout layers of the model set to 0", len(dropouts))
     model.to(device)
-    gap = packing_gap(model, device)
-    if gap > PACKING_TOLERANCE:
+    packed, trained = forward_gaps(model, device)
+    if packed > PACKING_TOLERANCE:
         raise ModelError(
             f"{type(model).__name__} lets sequences packed into one row change each other's hidden states (by "
-            f"{gap:.1e} of their largest, against each alone): vime's trainer packs sequences, so it cannot train "
+            f"{packed:.1e} of their largest, against each alone): vime's trainer packs sequences, so it cannot train "
             "this model (its layers ignore the packed-sequence boundaries transformers hands them)"
+        )
+    if trained > PACKING_TOLERANCE:
+        raise ModelError(
+            f"{type(model).__name__}'s training forward differs from its scoring forward (by {trained:.1e} of the "
+            "largest hidden value: router jitter, sampled routing or a dropout vime cannot turn off), so the policy "
+            "ratio would be noise: turn it off in config.json (e.g. router_jitter_noise 0)"
         )
     return model
 
@@ -138,17 +174,22 @@ PACKING_TOLERANCE = 1e-4
 
 
 @torch.no_grad()
-def packing_gap(model: nn.Module, device: torch.device) -> float:
-    """How far two short sequences' last hidden states move when packed into one row against
-    each alone, relative to their largest value. vime scores packed rows by handing the
-    sequence boundaries to the attention function, so a model whose layers drop them (some
-    call their attention without the keyword arguments, some never call the attention
-    interface, some mix tokens in recurrent or linear-attention layers) would let sequences
-    see each other: silently wrong log-probs and gradients on every micro-batch of two or more."""
+def forward_gaps(model: nn.Module, device: torch.device) -> tuple[float, float]:
+    """Two short sequences' last hidden states, relative to their largest value: how far they
+    move packed into one row against each alone, and in training mode against eval mode.
+
+    vime scores packed rows by handing the sequence boundaries to the attention function, so a
+    model whose layers drop them (some call their attention without the keyword arguments,
+    some never call the attention interface, some mix tokens in recurrent or linear-attention
+    layers) would let sequences see each other: silently wrong log-probs and gradients on every
+    micro-batch of two or more. And the policy ratio compares the training forward with the
+    scoring forward (eval mode): a training forward that differs (router jitter, sampled
+    routing) makes it noise."""
     vocab = model.config.get_text_config().vocab_size
     seqs = [[(7 * i + 3) % vocab for i in range(n)] for n in (5, 7)]
 
-    def hidden(rows: list[list[int]]) -> Tensor:
+    def hidden(rows: list[list[int]], training: bool) -> Tensor:
+        model.train(training)
         mb = pack(rows, [1] * len(rows), list(range(len(rows))), device)
         out = model.get_decoder()(
             input_ids=mb.input_ids,
@@ -160,13 +201,14 @@ def packing_gap(model: nn.Module, device: torch.device) -> float:
         return out.last_hidden_state[0].float()
 
     was_training = model.training
-    model.eval()
     try:
-        packed = hidden(seqs)
-        alone = torch.cat([hidden([s]) for s in seqs])
+        packed = hidden(seqs, False)
+        alone = torch.cat([hidden([s], False) for s in seqs])
+        trained = hidden(seqs, True)
     finally:
         model.train(was_training)
-    return float((packed - alone).abs().max() / alone.abs().max().clamp_min(1e-30))
+    scale = alone.abs().max().clamp_min(1e-30)
+    return float((packed - alone).abs().max() / scale), float((trained - packed).abs().max() / scale)
 
 
 def checkpoint_layers(model: nn.Module, n: int | None) -> None:

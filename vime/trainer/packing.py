@@ -59,21 +59,24 @@ class PackedBatch:
 
 
 def plan_packed_micro_batches(
-    lengths: Sequence[int], max_tokens: int, max_samples: int | None = None
+    lengths: Sequence[int], max_tokens: int, max_samples: int | None = None, split_above: int | None = None
 ) -> list[list[int]]:
     """Bin-pack sequence indices into micro-batches of at most `max_tokens` real tokens and, if
-    given, at most `max_samples` sequences (`--micro-batch-size`).
+    given, at most `max_samples` sequences (`--micro-batch-size`); with `split_above`, no
+    micro-batch holds sequences on both sides of that length (LongRoPE's, `model.rope_split`).
 
     First-fit decreasing: few bins (so few forward passes, each large enough to fill the
     device), deterministic (every rank can recompute every other rank's plan). A sequence longer
     than the budget gets a micro-batch of its own rather than an error.
     """
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    long = [split_above is not None and n > split_above for n in lengths]
     bins: list[list[int]] = []
     loads: list[int] = []
     for i in order:
         for b, load in enumerate(loads):
-            if load + lengths[i] <= max_tokens and (max_samples is None or len(bins[b]) < max_samples):
+            fits = load + lengths[i] <= max_tokens and long[bins[b][0]] == long[i]
+            if fits and (max_samples is None or len(bins[b]) < max_samples):
                 bins[b].append(i)
                 loads[b] += lengths[i]
                 break
