@@ -71,13 +71,7 @@ class TokenScorer(nn.Module):
                 "dynamic RoPE rescales by the longest sequence seen, so its scores would depend on the batch: keep "
                 f"prompt + response within {self.dynamic_limit} tokens"
             )
-        hidden = self.hf.get_decoder()(
-            input_ids=mb.input_ids,
-            position_ids=mb.position_ids,
-            use_cache=False,
-            cu_seq_lens_q=mb.cu_seqlens,
-            max_length_q=mb.max_seqlen,
-        ).last_hidden_state[0]
+        hidden = decoder_states(self.hf, mb)
         head = self.hf.get_output_embeddings()
         if getattr(head, "bias", None) is not None:
             raise NotImplementedError("the chunked LM head assumes no bias (true of the Llama/Qwen families)")
@@ -86,6 +80,18 @@ class TokenScorer(nn.Module):
                 hidden[mb.select], head.weight, mb.targets, loss_fn, temperature, with_entropy, self.chunk_size
             )
         return chunked_log_probs(hidden[mb.select], head.weight, mb.targets, temperature, with_entropy, self.chunk_size)
+
+
+def decoder_states(hf: nn.Module, mb: PackedBatch) -> Tensor:
+    """The decoder's last hidden states of a packed row, [T, hidden]: the sequence boundaries
+    go to the attention function as transformers' packed-sequence arguments."""
+    return hf.get_decoder()(
+        input_ids=mb.input_ids,
+        position_ids=mb.position_ids,
+        use_cache=False,
+        cu_seq_lens_q=mb.cu_seqlens,
+        max_length_q=mb.max_seqlen,
+    ).last_hidden_state[0]
 
 
 def rope_split(config: Any) -> int | None:
@@ -190,15 +196,7 @@ def forward_gaps(model: nn.Module, device: torch.device) -> tuple[float, float]:
 
     def hidden(rows: list[list[int]], training: bool) -> Tensor:
         model.train(training)
-        mb = pack(rows, [1] * len(rows), list(range(len(rows))), device)
-        out = model.get_decoder()(
-            input_ids=mb.input_ids,
-            position_ids=mb.position_ids,
-            use_cache=False,
-            cu_seq_lens_q=mb.cu_seqlens,
-            max_length_q=mb.max_seqlen,
-        )
-        return out.last_hidden_state[0].float()
+        return decoder_states(model, pack(rows, [1] * len(rows), list(range(len(rows))), device)).float()
 
     was_training = model.training
     try:
