@@ -691,15 +691,20 @@ def test_a_colocated_run_on_cuda_pushes_into_the_engine_it_resumed(tmp_path):
 
     from conftest import run_cli
 
+    # a reward that varies within every group whatever the random model says: on the GPU's
+    # samples the tiny config's math_shaped reward can be equal within all groups, and then no
+    # step moves the weights (its first run here: step 2 only 6e-4 off)
     out = run_cli(
         "train.py", "--config", "examples/tiny.yaml", "--colocate", "--no-compile", "--num-rollout", "3",
-        "--lr", "0.1", "--update-weights-interval", "2", "--runs-dir", str(tmp_path), "--run-name", "c", timeout=300,
+        "--custom-rm-path", "varied_reward.last_token_parity", "--lr", "0.1", "--update-weights-interval", "2",
+        "--runs-dir", str(tmp_path), "--run-name", "c", timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "c" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "perf/step_time" in r]
     assert [r["step"] for r in steps] == [1, 2, 3] and steps[-1]["train/weight_pushes"] == 1
     diff = [r["train/train_rollout_logprob_abs_diff"] for r in steps]
+    assert steps[0]["train/grad_norm"] > 0, steps[0]  # the first step moved the weights
     assert diff[1] > 0.05 and diff[0] < diff[1] / 2 and diff[2] < diff[1] / 2, diff
     # the KV pools (half the GPU's free memory at the engine's start) and the weights, each step
     assert all(r["perf/engine_released_bytes"] > 2**30 for r in steps), [r["perf/engine_released_bytes"] for r in steps]
