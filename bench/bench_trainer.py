@@ -362,14 +362,16 @@ def print_table(rows: list[tuple[str, float, float, float]]) -> None:
 def print_against_recorded(
     rows: list[tuple[str, float, float, float]], a: argparse.Namespace, budget: int, device: torch.device
 ) -> None:
-    """Each variant beside the last figure recorded for this shape, batch and budget on an H200
+    """Each variant beside the last figure recorded for this shape, batch, budget and attention
+    kernel on an H200
     (bench/data/trainer_recorded.json), so a fall shows on the day it happens: a 10% loss went
     unnoticed for two days once (issue 50). A change larger than the recorded spread of two runs
     *and* 3% (one H200 measured ~10% faster than another with the same code) is flagged; the next
     step for a flagged fall is bench/trainer_trees.py, the old tree against this one in one call."""
     if device.type != "cuda" or a.tiny or a.lora_rank or a.gradient_checkpointing or a.samples or a.seed:
         return  # recorded only for the default batch on a GPU
-    recorded = json.loads(RECORDED.read_text()).get(f"{a.shape}@{budget}", {})
+    kernel = packed_attention_backend(device, torch.bfloat16)  # what the variants ran (settled at their load)
+    recorded = json.loads(RECORDED.read_text()).get(f"{a.shape}@{budget}/{kernel}", {})
     if not recorded:
         return
     print(f"\nagainst the recorded figures ({RECORDED.relative_to(RECORDED.parents[2])}):")

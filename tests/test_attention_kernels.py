@@ -165,3 +165,31 @@ def test_an_fa4_that_does_not_import_is_refused_in_one_line_that_says_why(monkey
         packing.choose_kernel("fa4", torch.device("cuda", 0), 16, 8, 128)
     assert str(e.value).startswith(f"--attention-kernel fa4: {says}") and "\n" not in str(e.value)
     assert str(e.value).endswith("or use --attention-kernel fa2")
+
+
+def test_auto_takes_fa4_where_it_passes_its_check_and_fa2_where_not(monkeypatch, caplog):
+    """The decision alone (a CUDA device named, FA4's check and FA2's stood in for): `auto` takes
+    FA4 when its check passes; where FA4 is not installed it takes FA2 without a word, and where
+    FA4 fails its check it takes FA2 and says why. `fa2` asked for does not run FA4's check."""
+    dev = torch.device("cuda:0")
+    checked: list[tuple] = []
+    monkeypatch.setattr(packing, "_varlen_usable", lambda device: True)
+    monkeypatch.setattr(packing, "_chosen", {})
+    cases = [
+        (None, "fa4", False),
+        (f"{flash4.NOT_INSTALLED} (No module named 'flash_attn')", "fa2", False),
+        ("FlashAttention-4 failed on a test row (RuntimeError: x)", "fa2", True),
+    ]
+    for why, want, warned in cases:
+        monkeypatch.setattr(packing, "_fa4_checked", {})
+        monkeypatch.setattr(flash4, "unusable", lambda *shape, why=why: checked.append(shape) or why)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="vime"):
+            assert packing.choose_kernel("auto", dev, 4, 2, 64) == want
+        assert packing.packed_attention_backend(dev, torch.bfloat16) == want
+        assert packing.packed_attention_backend(dev, torch.float32) == "sdpa"
+        assert ("auto takes FlashAttention-2: FlashAttention-4 failed" in caplog.text) == warned, caplog.text
+    assert len(checked) == 3
+    assert packing.choose_kernel("fa2", dev, 4, 2, 64) == "fa2" and len(checked) == 3
+    with pytest.raises(ConfigError, match="--attention-kernel fa4: FlashAttention-4 failed on a test row"):
+        packing.choose_kernel("fa4", dev, 4, 2, 64)

@@ -717,7 +717,7 @@ def _fa4_or_skip(device: torch.device, heads: int, kv_heads: int, head_dim: int)
     from vime.trainer import flash4
 
     why = flash4.unusable(device, heads, kv_heads, head_dim)
-    if why is not None and why.startswith("flash-attn-4 is not installed"):
+    if why is not None and why.startswith(flash4.NOT_INSTALLED):
         pytest.skip(why)
     assert why is None, why
 

@@ -101,8 +101,8 @@ class TrainerFields:
         "auto",
         "the trainer's packed attention on CUDA: fa2 (torch's varlen FlashAttention-2), fa4 (FlashAttention-4 from the "
         "optional flash-attn-4 package, Hopper and sm100 GPUs, checked against float32 attention at load) or sdpa "
-        "(one SDPA call per sequence); auto is fa2 where it runs, else sdpa (FA4 is opt-in until its speed in the "
-        "trainer is measured). float32 attention (CPU) is always sdpa",
+        "(one SDPA call per sequence); auto is fa4 where it is installed and passes its check (a 7-14% faster step "
+        "on an H200: bench/RESULTS.md), else fa2 where it runs, else sdpa. float32 attention (CPU) is always sdpa",
         ("auto", "fa4", "fa2", "sdpa"),
         group="optimizer",
     )

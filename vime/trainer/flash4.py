@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 MODULE = "flash_attn.cute.interface"
+NOT_INSTALLED = "flash-attn-4 is not installed"  # how `unusable` begins when the package is absent
 # bf16 attention against float32: FlashAttention-2's worst output or gradient is 5.8e-3 of the
 # largest value on a GRPO batch (bench/RESULTS.md); a kernel four times further off is refused
 TOLERANCE = 2.5e-2
@@ -157,7 +158,7 @@ def unusable(device: torch.device, heads: int, kv_heads: int, head_dim: int) -> 
     except ModuleNotFoundError as e:
         if (e.name or "").split(".")[0] != "flash_attn":  # installed, but short of a module it needs
             return f"flash-attn-4 does not import here (it needs {e.name}: {_first_line(e)})"
-        return f"flash-attn-4 is not installed ({_first_line(e)}): pip install 'vime[fa4]'"
+        return f"{NOT_INSTALLED} ({_first_line(e)}): pip install 'vime[fa4]'"
     except Exception as e:  # its compiler libraries load at import, and can fail in many ways
         return f"flash-attn-4 does not import here ({type(e).__name__}: {_first_line(e)})"
     major = torch.cuda.get_device_capability(device)[0]

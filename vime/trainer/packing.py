@@ -7,8 +7,8 @@ the boundaries are. Compared with right-padding to the longest sequence, no FLOP
 tokens, and the micro-batch budget (`--max-tokens-per-gpu`) counts real tokens.
 
 The attention function registered here as `vime_packed` runs a varlen FlashAttention kernel on
-CUDA (bf16/fp16): torch's FlashAttention-2, or FlashAttention-4 (`flash4.py`) when
-`--attention-kernel fa4` asks for it. Elsewhere it runs one causal SDPA call per sequence,
+CUDA (bf16/fp16): FlashAttention-4 (`flash4.py`) where it is installed and passes its check,
+else torch's FlashAttention-2 (`--attention-kernel` chooses otherwise). Elsewhere it runs one causal SDPA call per sequence,
 which is exact in float32 and what the CPU tests check against padded batches.
 """
 
@@ -358,10 +358,11 @@ def choose_kernel(choice: str, device: torch.device, heads: int, kv_heads: int, 
     """Settle `--attention-kernel` for this device's half-precision attention before any forward,
     so that FA4's check (which runs its kernels on a test row at the model's head shape) runs
     outside the compiled and checkpointed code; returns the kernel: fa4, fa2 or sdpa. `auto` is
-    fa2 where it runs: FA4 is taken only when asked for until its A/B in the trainer is measured
-    (bench/fa4_ab.sh). float32 attention (a trainer without FSDP2's bf16 compute) is always
-    SDPA: neither kernel takes float32. Each model a run loads passes through here with the
-    run's one choice; fa4 must pass its check at every model's head shape."""
+    FA4 where it is installed and passes its check (the trainer's step is 9-14% faster with it
+    at the Qwen3-0.6B shape, 7% at 4B: bench/RESULTS.md), else FA2 where it runs, else SDPA.
+    float32 attention (a trainer without FSDP2's bf16 compute) is always SDPA: neither kernel
+    takes float32. Each model a run loads passes through here with the run's one choice; fa4
+    must pass its check at every model's head shape."""
     if choice not in KERNELS:
         raise ConfigError(f"--attention-kernel {choice!r} is not one of {', '.join(KERNELS)}")
     device = _indexed(device)
@@ -371,15 +372,15 @@ def choose_kernel(choice: str, device: torch.device, heads: int, kv_heads: int, 
                 f"--attention-kernel {choice} runs on CUDA only, and this trainer is on {device}: use auto or sdpa"
             )
         return "sdpa"
-    if choice == "fa4":
-        key = (device, heads, kv_heads, head_dim)
-        if key not in _fa4_checked:
-            _fa4_checked[key] = flash4.unusable(device, heads, kv_heads, head_dim)
-        if _fa4_checked[key] is not None:
-            raise ConfigError(f"--attention-kernel fa4: {_fa4_checked[key]}; or use --attention-kernel fa2")
+    why = _fa4_problem(device, heads, kv_heads, head_dim) if choice in ("fa4", "auto") else "not asked for"
+    if choice == "fa4" and why is not None:
+        raise ConfigError(f"--attention-kernel fa4: {why}; or use --attention-kernel fa2")
+    if why is None:
         kernel = "fa4"
     elif choice != "sdpa" and _varlen_usable(device):
         kernel = "fa2"
+        if choice == "auto" and not why.startswith(flash4.NOT_INSTALLED):
+            log.warning("--attention-kernel auto takes FlashAttention-2: %s", why)
     elif choice == "fa2":
         raise ConfigError(
             "--attention-kernel fa2: torch's varlen FlashAttention does not run here (the warning above "
@@ -389,6 +390,14 @@ def choose_kernel(choice: str, device: torch.device, heads: int, kv_heads: int, 
         kernel = "sdpa"
     _chosen[device] = kernel
     return kernel
+
+
+def _fa4_problem(device: torch.device, heads: int, kv_heads: int, head_dim: int) -> str | None:
+    """`flash4.unusable` once per device and head shape (it compiles and runs FA4's kernels)."""
+    key = (device, heads, kv_heads, head_dim)
+    if key not in _fa4_checked:
+        _fa4_checked[key] = flash4.unusable(device, heads, kv_heads, head_dim)
+    return _fa4_checked[key]
 
 
 def packed_attention_backend(device: torch.device, dtype: torch.dtype) -> str:
