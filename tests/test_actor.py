@@ -1114,6 +1114,9 @@ def test_moe_aux_loss_and_the_cuda_kernels_for_latent_attention_are_refused_at_l
     with pytest.raises(ConfigError, match="this model's values have 16 dims against 24 for queries and keys"):
         load_model(mla, torch.device("cpu"), "fa2")
     assert load_model(mla, torch.device("cpu")).config.v_head_dim == 16  # auto: SDPA, which is exact here
+    # compiled, SDPA per sequence is an opaque op whose fake must give the values' width
+    eager, compiled = (Actor(make_args(compile=c), mla).compute_log_probs(make_samples(2)) for c in (False, True))
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(eager, compiled))
 
 
 def test_the_training_forward_is_the_scoring_forward_dropout_off_and_router_jitter_refused(tmp_path):

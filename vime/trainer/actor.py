@@ -34,7 +34,7 @@ from vime.models import load_tokenizer
 from vime.rollout.types import Sample
 from vime.trainer import checkpoint
 from vime.trainer.lora import LoraSpec, add_adapters
-from vime.trainer.model import TokenScorer, checkpoint_layers, load_model, rope_split, wrap
+from vime.trainer.model import TokenScorer, checkpoint_layers, length_limits, load_model, wrap
 from vime.trainer.optim import LRSchedule, clip_and_step, make_optimizer, set_lr_and_decay
 from vime.trainer.packing import PAD_BUCKETS, PackedBatch, pack, plan_packed_micro_batches, shard_by_tokens
 from vime.trainer.perf import mfu, train_flops
@@ -188,7 +188,7 @@ class Actor(WeightExport):
                 budget,
             )
         shards = shard_by_tokens(lengths, self.world)
-        limits = (settings.micro_batch_size, rope_split(self.model.config))
+        limits = (settings.micro_batch_size, length_limits(self.model.config, max(lengths, default=0)))
         plans = [
             [[shard[j] for j in mb] for mb in plan_packed_micro_batches([lengths[i] for i in shard], budget, *limits)]
             for shard in shards

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import tempfile
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -41,7 +42,9 @@ def _fa4() -> ModuleType:
     # run; FA4 keeps them on disk (its own cache, keyed by its sources and versions) only when
     # asked to: vime asks, unless the variables are set already, and in the user's cache folder
     # rather than FA4's default under /tmp/$USER (which fails where the user has no name)
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vime" / "flash_attention_cute_dsl"
+    home = Path.home()  # "~" itself where neither $HOME nor the user database names one
+    root = os.environ.get("XDG_CACHE_HOME") or (home / ".cache" if home.is_absolute() else tempfile.gettempdir())
+    cache = Path(root) / "vime" / "flash_attention_cute_dsl"
     os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
     os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(cache))
     return importlib.import_module(MODULE)

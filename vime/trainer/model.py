@@ -42,8 +42,6 @@ class TokenScorer(nn.Module):
         super().__init__()
         self.hf = hf
         self.chunk_size = chunk_size
-        self.window = sliding_window(hf.config)
-        self.dynamic_limit = dynamic_rope_limit(hf.config)
         for name in LOGIT_TRANSFORMS:
             value = getattr(hf.config, name, None)
             if value not in (None, 1.0):
@@ -57,20 +55,7 @@ class TokenScorer(nn.Module):
     ) -> tuple[Tensor, Tensor | None] | Tensor:
         """(log-probs, entropies) of the scored tokens; given a `loss_fn`, that loss of them
         instead, its gradient taken in the forward (`chunked_loss`)."""
-        # the last position scored (the one before the last token) attends to all but the last
-        if self.window is not None and mb.longest - 1 > self.window:
-            raise ModelError(
-                f"a sequence of {mb.longest} tokens is scored with attention over {mb.longest - 1} of them, more "
-                f"than the model's sliding window of {self.window}, which vime's packed attention does not apply: "
-                f"keep prompt + response within {self.window + 1} tokens (--rollout-max-response-len, "
-                "--rollout-max-prompt-len)"
-            )
-        if self.dynamic_limit is not None and mb.longest > self.dynamic_limit:
-            raise ModelError(
-                f"a sequence of {mb.longest} tokens is longer than the {self.dynamic_limit} past which this model's "
-                "dynamic RoPE rescales by the longest sequence seen, so its scores would depend on the batch: keep "
-                f"prompt + response within {self.dynamic_limit} tokens"
-            )
+        length_limits(self.hf.config, mb.longest)  # every model scored; the policy's planner checked it first
         hidden = decoder_states(self.hf, mb)
         head = self.hf.get_output_embeddings()
         if getattr(head, "bias", None) is not None:
@@ -92,6 +77,30 @@ def decoder_states(hf: nn.Module, mb: PackedBatch) -> Tensor:
         cu_seq_lens_q=mb.cu_seqlens,
         max_length_q=mb.max_seqlen,
     ).last_hidden_state[0]
+
+
+def length_limits(config: Any, longest: int) -> int | None:
+    """Refuse a batch whose longest sequence the model would score under other attention or
+    RoPE than transformers gives it alone (sliding window, dynamic RoPE), in one line; returns
+    LongRoPE's split for the planner. `Actor._plan` calls it on the whole batch, which every rank
+    holds, so under FSDP all ranks refuse together rather than one raising while the others wait
+    in a collective."""
+    window = sliding_window(config)
+    # the last position scored (the one before the last token) attends to all but the last
+    if window is not None and longest - 1 > window:
+        raise ModelError(
+            f"a sequence of {longest} tokens is scored with attention over {longest - 1} of them, more than the "
+            f"model's sliding window of {window}, which vime's packed attention does not apply: keep prompt + "
+            f"response within {window + 1} tokens (--rollout-max-response-len, --rollout-max-prompt-len)"
+        )
+    limit = dynamic_rope_limit(config)
+    if limit is not None and longest > limit:
+        raise ModelError(
+            f"a sequence of {longest} tokens is longer than the {limit} past which this model's dynamic RoPE "
+            f"rescales by the longest sequence seen, so its scores would depend on the batch: keep prompt + "
+            f"response within {limit} tokens"
+        )
+    return rope_split(config)
 
 
 def rope_split(config: Any) -> int | None:
@@ -141,15 +150,15 @@ def load_model(model_path: str | Path, device: torch.device, attention_kernel: s
         )
     heads = c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-    if getattr(c, "v_head_dim", None) is not None:  # multi-head latent attention (DeepSeek-V2/V3)
+    if getattr(c, "qk_nope_head_dim", None) is not None:  # multi-head latent attention (DeepSeek-V2/V3)
         head_dim = c.qk_nope_head_dim + c.qk_rope_head_dim
-        if c.v_head_dim != head_dim:
-            if attention_kernel in ("fa4", "fa2"):
-                raise ConfigError(
-                    f"--attention-kernel {attention_kernel}: this model's values have {c.v_head_dim} dims against "
-                    f"{head_dim} for queries and keys, which vime runs through SDPA only: use auto or sdpa"
-                )
-            attention_kernel = "sdpa"
+    if (getattr(c, "v_head_dim", None) or head_dim) != head_dim:
+        if attention_kernel in ("fa4", "fa2"):
+            raise ConfigError(
+                f"--attention-kernel {attention_kernel}: this model's values have {c.v_head_dim} dims against "
+                f"{head_dim} for queries and keys, which vime runs through SDPA only: use auto or sdpa"
+            )
+        attention_kernel = "sdpa"
     kernel = choose_kernel(attention_kernel, device, heads, getattr(c, "num_key_value_heads", None) or heads, head_dim)
     log.info("trainer attention on %s: %s", device, kernel)
     dropouts = [m for m in model.modules() if isinstance(m, nn.Dropout) and m.p > 0]
@@ -192,7 +201,7 @@ def forward_gaps(model: nn.Module, device: torch.device) -> tuple[float, float]:
     scoring forward (eval mode): a training forward that differs (router jitter, sampled
     routing) makes it noise."""
     vocab = model.config.get_text_config().vocab_size
-    seqs = [[(7 * i + 3) % vocab for i in range(n)] for n in (5, 7)]
+    seqs = [[(step * i + 3) % vocab for i in range(n)] for step, n in ((7, 5), (11, 7))]  # no shared prefix
 
     def hidden(rows: list[list[int]], training: bool) -> Tensor:
         model.train(training)

@@ -294,7 +294,7 @@ def _sdpa_per_sequence(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Te
 
 @_sdpa_per_sequence.register_fake
 def _(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, scale: float | None) -> Tensor:
-    return query.new_empty(query.shape)
+    return query.new_empty((*query.shape[:-1], value.shape[-1]))  # values may be narrower (latent attention)
 
 
 @torch.library.custom_op("vime::sdpa_per_sequence_backward", mutates_args=())
