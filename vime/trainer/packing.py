@@ -359,7 +359,7 @@ def choose_kernel(choice: str, device: torch.device, heads: int, kv_heads: int, 
     so that FA4's check (which runs its kernels on a test row at the model's head shape) runs
     outside the compiled and checkpointed code; returns the kernel: fa4, fa2 or sdpa. `auto` is
     FA4 where it is installed and passes its check (the trainer's step is 9-14% faster with it
-    at the Qwen3-0.6B shape, 7% at 4B: bench/RESULTS.md), else FA2 where it runs, else SDPA.
+    at the Qwen3-0.6B shape, 7-8% at 4B: bench/RESULTS.md), else FA2 where it runs, else SDPA.
     float32 attention (a trainer without FSDP2's bf16 compute) is always SDPA: neither kernel
     takes float32. Each model a run loads passes through here with the run's one choice; fa4
     must pass its check at every model's head shape."""
