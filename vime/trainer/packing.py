@@ -8,8 +8,9 @@ tokens, and the micro-batch budget (`--max-tokens-per-gpu`) counts real tokens.
 
 The attention function registered here as `vime_packed` runs a varlen FlashAttention kernel on
 CUDA (bf16/fp16): FlashAttention-4 (`flash4.py`) where it is installed and passes its check,
-else torch's FlashAttention-2 (`--attention-kernel` chooses otherwise). Elsewhere it runs one causal SDPA call per sequence,
-which is exact in float32 and what the CPU tests check against padded batches.
+else torch's FlashAttention-2 (`--attention-kernel` chooses otherwise). Elsewhere it runs one
+causal SDPA call per sequence, which is exact in float32 and what the CPU tests check against
+padded batches.
 """
 
 from __future__ import annotations
