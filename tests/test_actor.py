@@ -1144,3 +1144,4 @@ def test_the_training_forward_is_the_scoring_forward_dropout_off_and_router_jitt
     with pytest.raises(ModelError, match="training forward differs from its scoring forward") as e:
         load_model(jitter, torch.device("cpu"))
     assert "\n" not in str(e.value)
+    assert load_model(jitter, torch.device("cpu"), trained=False).training is False  # a reference runs in eval only

@@ -163,7 +163,7 @@ class Actor(WeightExport):
 
     def _frozen(self, model_path: str | Path) -> nn.Module:
         """A frozen model's scorer (the KL's reference, the OPD teacher), wrapped as the policy's."""
-        model = load_model(model_path, self.device, self.settings.attention_kernel)
+        model = load_model(model_path, self.device, self.settings.attention_kernel, trained=False)
         model.requires_grad_(False)
         model.eval()
         return self._wrap(TokenScorer(model, self.settings.logprob_chunk_size))

@@ -133,9 +133,13 @@ def sliding_window(config: Any) -> int | None:
     return window if window and (types is None or "sliding_attention" in types) else None
 
 
-def load_model(model_path: str | Path, device: torch.device, attention_kernel: str = "auto") -> nn.Module:
+def load_model(
+    model_path: str | Path, device: torch.device, attention_kernel: str = "auto", trained: bool = True
+) -> nn.Module:
     """An HF causal LM in float32 master weights everywhere; on CUDA, FSDP2 computes in bf16
-    (`wrap`), and its packed attention runs the kernel `--attention-kernel` settles here."""
+    (`wrap`), and its packed attention runs the kernel `--attention-kernel` settles here. A
+    model not `trained` (a reference or teacher) only ever runs in eval mode, so its train-mode
+    forward is not checked."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
@@ -167,16 +171,16 @@ def load_model(model_path: str | Path, device: torch.device, attention_kernel: s
     if dropouts:
         log.info("the trainer runs without dropout: %d dropout layers of the model set to 0", len(dropouts))
     model.to(device)
-    packed, trained = forward_gaps(model, device)
+    packed, train_gap = forward_gaps(model, device)
     if packed > PACKING_TOLERANCE:
         raise ModelError(
             f"{type(model).__name__} lets sequences packed into one row change each other's hidden states (by "
             f"{packed:.1e} of their largest, against each alone): vime's trainer packs sequences, so it cannot train "
             "this model (its layers ignore the packed-sequence boundaries transformers hands them)"
         )
-    if trained > PACKING_TOLERANCE:
+    if trained and train_gap > PACKING_TOLERANCE:
         raise ModelError(
-            f"{type(model).__name__}'s training forward differs from its scoring forward (by {trained:.1e} of the "
+            f"{type(model).__name__}'s training forward differs from its scoring forward (by {train_gap:.1e} of the "
             "largest hidden value: router jitter, sampled routing or a dropout vime cannot turn off), so the policy "
             "ratio would be noise: turn it off in config.json (e.g. router_jitter_noise 0)"
         )
