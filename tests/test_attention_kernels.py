@@ -188,7 +188,7 @@ def test_auto_takes_fa4_where_it_passes_its_check_and_fa2_where_not(monkeypatch,
             assert packing.choose_kernel("auto", dev, 4, 2, 64) == want
         assert packing.packed_attention_backend(dev, torch.bfloat16) == want
         assert packing.packed_attention_backend(dev, torch.float32) == "sdpa"
-        assert ("auto takes FlashAttention-2: FlashAttention-4 failed" in caplog.text) == warned, caplog.text
+        assert ("auto passes FlashAttention-4 over: FlashAttention-4 failed" in caplog.text) == warned, caplog.text
     assert len(checked) == 3
     assert packing.choose_kernel("fa2", dev, 4, 2, 64) == "fa2" and len(checked) == 3
     with pytest.raises(ConfigError, match="--attention-kernel fa4: FlashAttention-4 failed on a test row"):

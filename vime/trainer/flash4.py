@@ -57,18 +57,15 @@ def fa4_varlen(
     """Causal attention within each packed sequence: q [T, H, D], k and v [T, Hkv, D] (GQA in
     the kernel) → (output [T, H, D], log-sum-exp [H, T] in float32, which the backward reads)."""
     out, lse, *_ = _fa4()._flash_attn_fwd(
-        q,
-        k,
-        v,
-        cu_seqlens_q=cu_seqlens,
-        cu_seqlens_k=cu_seqlens,
-        max_seqlen_q=max_seqlen,
-        max_seqlen_k=max_seqlen,
-        softmax_scale=scale,
-        causal=True,
-        return_lse=True,
+        q, k, v, softmax_scale=scale, causal=True, return_lse=True, **_rows(cu_seqlens, max_seqlen)
     )
     return out, lse
+
+
+def _rows(cu_seqlens: Tensor, max_seqlen: int) -> dict[str, Any]:
+    """The packed row's bounds as both entry points take them: self-attention, so queries and
+    keys share them."""
+    return dict(cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)
 
 
 @fa4_varlen.register_fake
@@ -89,18 +86,7 @@ def fa4_varlen_backward(
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     dq, dk, dv = _fa4()._flash_attn_bwd(
-        q,
-        k,
-        v,
-        out,
-        grad.contiguous(),
-        lse,
-        scale,
-        True,
-        cu_seqlens_q=cu_seqlens,
-        cu_seqlens_k=cu_seqlens,
-        max_seqlen_q=max_seqlen,
-        max_seqlen_k=max_seqlen,
+        q, k, v, out, grad.contiguous(), lse, scale, True, **_rows(cu_seqlens, max_seqlen)
     )
     # FA4 shapes dq, dk and dv like q, k and v, strides too; the fake promises contiguous ones
     return dq.contiguous(), dk.contiguous(), dv.contiguous()

@@ -116,7 +116,7 @@ def dynamic_rope_limit(config: Any) -> int | None:
     """Dynamic NTK RoPE's original length (`max_position_embeddings`), or None: past it
     transformers rescales the frequencies by the longest sequence it has seen (state kept across
     calls), so a longer sequence's scores would depend on its neighbours and on history;
-    `TokenScorer` refuses one."""
+    `length_limits` refuses one."""
     rope = getattr(config, "rope_parameters", None) or {}
     return config.max_position_embeddings if "dynamic" in str(rope.get("rope_type", "")) else None
 
@@ -125,9 +125,9 @@ def sliding_window(config: Any) -> int | None:
     """The window of the model's sliding-attention layers, or None where every layer attends to
     the whole sequence. vime's packed attention is full causal attention, which is the model's
     own for every position a sequence of up to window + 1 tokens is scored at (the last token is
-    scored, not attended from); `TokenScorer` refuses a longer one rather than score it under
-    other attention. (Qwen2/3 configs clear `sliding_window` unless
-    `use_sliding_window`; Mistral's applies to every layer; Gemma's lists its layers' types.)"""
+    scored, not attended from); `length_limits` refuses a longer one rather than score it under
+    other attention. (Qwen2/3 configs clear `sliding_window` unless `use_sliding_window`;
+    Mistral's applies to every layer; Gemma's lists its layers' types.)"""
     window = getattr(config, "sliding_window", None)
     types = getattr(config, "layer_types", None)
     return window if window and (types is None or "sliding_attention" in types) else None

@@ -373,22 +373,23 @@ def choose_kernel(choice: str, device: torch.device, heads: int, kv_heads: int, 
                 f"--attention-kernel {choice} runs on CUDA only, and this trainer is on {device}: use auto or sdpa"
             )
         return "sdpa"
-    why = _fa4_problem(device, heads, kv_heads, head_dim) if choice in ("fa4", "auto") else "not asked for"
-    if choice == "fa4" and why is not None:
-        raise ConfigError(f"--attention-kernel fa4: {why}; or use --attention-kernel fa2")
-    if why is None:
-        kernel = "fa4"
-    elif choice != "sdpa" and _varlen_usable(device):
-        kernel = "fa2"
-        if choice == "auto" and not why.startswith(flash4.NOT_INSTALLED):
-            log.warning("--attention-kernel auto takes FlashAttention-2: %s", why)
-    elif choice == "fa2":
-        raise ConfigError(
-            "--attention-kernel fa2: torch's varlen FlashAttention does not run here (the warning above "
-            "says why); use --attention-kernel sdpa"
-        )
-    else:
-        kernel = "sdpa"
+    kernel = "sdpa"
+    if choice in ("fa4", "auto"):
+        why = _fa4_problem(device, heads, kv_heads, head_dim)
+        if why is None:
+            kernel = "fa4"
+        elif choice == "fa4":
+            raise ConfigError(f"--attention-kernel fa4: {why}; or use --attention-kernel fa2")
+        elif not why.startswith(flash4.NOT_INSTALLED):  # installed but failing: say so; absent is the norm
+            log.warning("--attention-kernel auto passes FlashAttention-4 over: %s", why)
+    if kernel == "sdpa" and choice != "sdpa":
+        if _varlen_usable(device):
+            kernel = "fa2"
+        elif choice == "fa2":
+            raise ConfigError(
+                "--attention-kernel fa2: torch's varlen FlashAttention does not run here (the warning above "
+                "says why); use --attention-kernel sdpa"
+            )
     _chosen[device] = kernel
     return kernel
 
