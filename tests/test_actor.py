@@ -970,6 +970,36 @@ def test_a_sliding_window_model_is_scored_exactly_within_its_window_and_refused_
         trainer.train_step(longer, [1.0])
 
 
+def test_a_run_whose_prompts_and_responses_outgrow_the_window_is_refused_at_start_up(tmp_path):
+    """The trainer's refusal above comes when the first long sample arrives, hours in perhaps:
+    start-up already knows the longest prompt and --rollout-max-response-len, so a run that can
+    make a sequence past the window is refused before step 1, naming the flags, and one that
+    cannot starts."""
+    import json
+    import re
+
+    from vime.config import ConfigError, parse_args
+    from vime.models import make_tiny_model
+    from vime.preflight import check_inputs
+
+    path = make_tiny_model(tmp_path / "m", arch="qwen2", seed=0)
+    config = json.loads((path / "config.json").read_text())
+    config.update(use_sliding_window=True, sliding_window=24, max_window_layers=0, layer_types=None)
+    (path / "config.json").write_text(json.dumps(config))
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"input": p, "label": "1"}) + "\n" for p in ("1+2=", "11+22=", "3+4=")))
+    base = ["--hf-checkpoint", str(path), "--prompt-data", str(data), "--rm-type", "math"]
+    base += ["--runs-dir", str(tmp_path / "runs"), "--num-rollout", "1"]
+    with pytest.raises(ConfigError) as e:
+        check_inputs(parse_args([*base, "--rollout-max-response-len", "32"]))
+    prompt = int(re.search(r"the longest prompt of --prompt-data \((\d+) tokens\)", str(e.value))[1])
+    assert f"--rollout-max-response-len 32 makes up to {prompt + 32} tokens" in str(e.value)
+    assert "sliding window of 24" in str(e.value) and "\n" not in str(e.value)
+    check_inputs(parse_args([*base, "--rollout-max-response-len", str(25 - prompt)])).rewards.close()
+    with pytest.raises(ConfigError, match="makes up to 26 tokens"):
+        check_inputs(parse_args([*base, "--rollout-max-response-len", str(26 - prompt)]))
+
+
 def test_a_model_whose_attention_or_logits_take_another_form_is_refused_in_one_line(tmp_path):
     """Gemma 2 soft-caps its final logits and its attention scores: the chunked head and the
     packed attention compute neither, so such a model is refused when the trainer starts (the

@@ -90,6 +90,8 @@ def check_inputs(args: Config) -> Inputs:
             )
     if data_source.skipped_note:
         notes.append(data_source.skipped_note)
+    if data_source.longest_row is not None:
+        _check_lengths(args, model_dir, data_source.longest_row)
     _check_eval_sets(args, tokenizer, max_prompt_len)
     took("data")
     # every plug-in called as the run calls it, on made-up input (vime/plugin_checks.py)
@@ -328,6 +330,39 @@ def _check_model_flags(args: Config, model_dir: Path) -> None:
         from vime.trainer.teacher import check_teacher
 
         resolve_model(str(check_teacher(al, model_dir)))
+
+
+def _check_lengths(args: Config, model_dir: Path, longest_row: int) -> None:
+    """The longest sequence this run can train on, its longest prompt with a full response (an
+    SFT conversation as it is) within the context, against each model that scores it: a windowed
+    or dynamic-RoPE model refuses a sequence it would score under other attention or RoPE
+    (`length_limits`), and that refusal comes now, not when the first such sample arrives hours
+    in. (A custom rollout function's longer samples still meet it at the trainer.)"""
+    from transformers import AutoConfig
+
+    from vime.trainer.model import length_limits
+    from vime.trainer.teacher import teacher_dir
+
+    ro, al = args.rollout, args.algorithm
+    if ro.sft_rollout:
+        longest, how = longest_row, f"the longest conversation of --prompt-data is {longest_row} tokens"
+    else:
+        context = ro.rollout_max_context_len or context_length(model_dir)
+        longest = min(context, longest_row + ro.rollout_max_response_len)
+        how = (
+            f"the longest prompt of --prompt-data ({longest_row} tokens) with --rollout-max-response-len "
+            f"{ro.rollout_max_response_len} makes up to {longest} tokens"
+        )
+    models: list[tuple[str, Path]] = [("--hf-checkpoint", model_dir)]
+    if al.ref_load and al.kl_loss_coef > 0:
+        models.append(("--ref-load", resolve_model(al.ref_load)))
+    if al.use_opd and al.opd_teacher_load:
+        models.append(("--opd-teacher-load", teacher_dir(al)))
+    for flag, path in models:
+        try:
+            length_limits(AutoConfig.from_pretrained(path), longest)
+        except ModelError as e:
+            raise ConfigError(f"{flag} {path}: {how}, and {e}") from None
 
 
 def _check_lora(trainer: TrainerConfig, model_dir: Path) -> None:

@@ -97,6 +97,9 @@ class DataSource:
         # left out by --skip-overlong-prompts, --rollout-max-prompt-len or --rollout-max-context-len (fit_prompts)
         self.skipped_prompts = 0
         self.skipped_note: str | None = None  # one line saying which and why, for the run's log
+        # tokens of the longest row kept (a prompt; SFT's whole conversation), where every row was
+        # measured (a prompt limit given): preflight's bound on the longest sequence trained on
+        self.longest_row: int | None = None
         self.rows = self._load(tokenizer, max_prompt_len)
         self.n_per_prompt = int(rollout.n_samples_per_prompt)
         self.epoch = 0
@@ -130,7 +133,7 @@ class DataSource:
         if max_prompt_len is not None or limit is not None:
             bound = max_prompt_len if max_prompt_len is not None else limit[0]
             total = len(rows)
-            rows, self.skipped_prompts = fit_prompts(
+            rows, self.skipped_prompts, self.longest_row = fit_prompts(
                 rows, self.renderer, str(rollout.prompt_data), bound, rollout.skip_overlong_prompts, limit
             )
             if self.skipped_prompts:

@@ -74,19 +74,20 @@ def fit_prompts(
     max_prompt_len: int,
     skip: bool,
     limit: tuple[int, str] | None = None,
-) -> tuple[list[dict[str, Any]], int]:
-    """(the rows whose prompt fits, how many did not). A prompt of `max_prompt_len` tokens or
+) -> tuple[list[dict[str, Any]], int, int]:
+    """(the rows whose prompt fits, how many did not, the longest kept prompt's tokens). A prompt of `max_prompt_len` tokens or
     fewer leaves room for a response. Every row is rendered now, so a long or malformed prompt
     fails at start-up, not when its turn comes hours in. Without `skip`, the first prompt that
     does not fit is a DataError naming its row. A prompt longer than `limit` (`prompt_limit`:
     the flag's own bound) is always left out, and counted."""
-    kept = []
+    kept, longest = [], 0
     for i, row in enumerate(rows):
         n = len(renderer.render_row(row, f"{source} row {i}")[1])
         if limit is not None and n > limit[0]:
             continue
         if n <= max_prompt_len:
             kept.append(row)
+            longest = max(longest, n)
         elif not skip:
             raise DataError(
                 f"{source} row {i}: the prompt is {n} tokens, the model takes at most {max_prompt_len} before its answer: "
@@ -100,7 +101,7 @@ def fit_prompts(
         raise DataError(
             f"{source}: every prompt is longer than {max_prompt_len} tokens, the most the model takes before its answer: shorten them or use a model of a longer context"
         )
-    return kept, len(rows) - len(kept)
+    return kept, len(rows) - len(kept), longest
 
 
 def load_eval_samples(
@@ -129,7 +130,7 @@ def load_eval_samples(
     check_choice_labels(rows, path, evaluation.rule, labels_optional=grader is None)
     renderer = PromptRenderer(rollout, tokenizer, str(path))
     if max_prompt_len is not None:
-        rows, _ = fit_prompts(rows, renderer, str(path), max_prompt_len, rollout.skip_overlong_prompts)
+        rows, _, _ = fit_prompts(rows, renderer, str(path), max_prompt_len, rollout.skip_overlong_prompts)
     samples = []
     for i, row in enumerate(rows[:limit]):
         text, ids = renderer.render_row(row, f"{path} row {i}")

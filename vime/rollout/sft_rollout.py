@@ -167,6 +167,7 @@ class ConversationSource(DataSource):
             n = len(self.chat.encode(row["input"], f"{source} row {i}", row.get("tools")).tokens)
             if most is None or n <= most:
                 kept.append(row)
+                self.longest_row = max(self.longest_row or 0, n)
             elif not rollout.skip_overlong_prompts:
                 raise DataError(
                     f"{source} row {i}: the conversation is {n} tokens, the model takes at most {most}: "
