@@ -98,9 +98,12 @@ def _parse(argv: list[str], entry: str = "async"):
 
 
 def test_the_seed_argument_lists_parse_and_every_foreign_flag_is_said_once(tmp_path):
+    from vime.config.checks_train import inert_flags
+
     for template in (SEED_05B, SEED_4B):
         cfg = _parse(SMOLLM2_SHAPE.split() + _args(template, model="m", out=tmp_path, data="d.jsonl"))
         assert cfg.mode == "fully-async"
+        assert inert_flags(cfg) == []  # the seed's optimizer flags all apply to its adam
         lines = compat.notes(cfg)
         said = " ".join(lines)
         for name in cfg.slime_flags:

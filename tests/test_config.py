@@ -139,6 +139,33 @@ def test_inconsistent_settings_fail_with_one_line(extra, fragment):
     assert fragment in str(e.value) and "\n" not in str(e.value)
 
 
+def test_flags_the_other_settings_leave_nothing_to_do_are_named_at_start_up():
+    """A floor on the learning rate under a constant schedule, Adam's betas under SGD, template
+    arguments for prompts sent as plain text: accepted (slime's scripts carry such flags) and
+    named on start-up's "no effect" line, never dropped without a word."""
+    from vime import compat
+    from vime.config.checks_train import inert_flags
+
+    base = ["--hf-checkpoint", "m", "--prompt-data", "d", "--num-rollout", "1"]
+    assert inert_flags(parse_args(base)) == []
+    cases = {
+        ("--min-lr", "1e-7"): ["--min-lr 1e-07 (--lr-decay-style constant never decays)"],
+        ("--lr-decay-iters", "50", "--min-lr", "1e-7", "--lr-decay-style", "cosine"): [],
+        ("--optimizer", "sgd", "--adam-beta2", "0.95"): ["--adam-beta2 0.95 (--optimizer sgd)"],
+        ("--sgd-momentum", "0.5"): ["--sgd-momentum 0.5 (--optimizer adam)"],
+        ("--optimizer", "sgd", "--sgd-momentum", "0.5"): [],
+        ("--apply-chat-template-kwargs", '{"enable_thinking": false}'): [
+            '--apply-chat-template-kwargs {"enable_thinking": false} (prompts are plain text without --apply-chat-template)'
+        ],
+        ("--apply-chat-template-kwargs", '{"enable_thinking": false}', "--apply-chat-template"): [],
+    }
+    for extra, said in cases.items():
+        cfg = parse_args([*base, *extra])
+        assert inert_flags(cfg) == said, extra
+        line = " ".join(compat.notes(cfg, inert_flags(cfg)))
+        assert all(f"flags with no effect in vime: {s}" in line for s in said)
+
+
 def test_async_colocate_is_refused_by_the_async_entry_only():
     assert parse_args([*BASE, "--colocate"]).colocate
     with pytest.raises(ConfigError, match="train_async.py cannot --colocate"):

@@ -25,6 +25,7 @@ from typing import Any
 
 from vime import compat
 from vime.config import Config, ConfigError, RolloutConfig, TrainerConfig
+from vime.config.checks_train import inert_flags
 from vime.debug_rollout import check_template
 from vime.eval_sets import args_for
 from vime.models import ModelError, context_length, load_tokenizer, read_config, resolve_model
@@ -116,7 +117,7 @@ def _outputs(args: Config) -> tuple[Config, Path | None, list[str]]:
         _writable(Path(out.save), "--save")
         notes += _check_save(Path(out.save), ckpt, out.overwrite_save)
     _debug_rollout_paths(args.rollout)
-    notes += compat.notes(args) + check_sinks(out)
+    notes += compat.notes(args, inert_flags(args)) + check_sinks(out)
     return args, ckpt, notes
 
 

@@ -5,6 +5,7 @@ which have no effect).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from vime.compat.flags import FLAGS
@@ -43,8 +44,10 @@ def checks(cfg: Any) -> list[tuple[bool, str]]:
     return out
 
 
-def notes(cfg: Any) -> list[str]:
-    """The start-up lines: what vime does with each foreign flag given, each flag listed once."""
+def notes(cfg: Any, inert_own: Sequence[str] = ()) -> list[str]:
+    """The start-up lines: what vime does with each foreign flag given, each flag listed once;
+    `inert_own`, vime's own flags with no effect under the other settings
+    (`config.checks_train.inert_flags`), join the foreign ones' "no effect" line."""
     g = cfg.slime_flags
     out = []
     sizes = {n: g[n] for n in FLAGS if FLAGS[n].kind == "parallel" and n in g}
@@ -67,7 +70,7 @@ def notes(cfg: Any) -> list[str]:
     same += [f"{FLAGS[n].flag} 0 ({FLAGS[n].says})" for n in g if n in FLAGS and FLAGS[n].kind == "zero"]
     if same:
         out.append("slime/Megatron flags vime always follows: " + "; ".join(same))
-    inert = [
+    inert = [*inert_own] + [
         f"{FLAGS[n].flag}{'' if g[n] is True else f' {g[n]}'} ({FLAGS[n].says})"
         for n in g
         if n in FLAGS and FLAGS[n].kind == "inert"

@@ -4,6 +4,8 @@ optimizer; the algorithm's are in checks_algorithm.py. Each check is (bad, messa
 
 from __future__ import annotations
 
+import json
+
 from vime.config.checks_algorithm import algorithm_checks
 from vime.config.schema import Settings, default_of
 from vime.modes import SFT_ROLLOUT_FN
@@ -188,6 +190,27 @@ def _optimizer_checks(c: Settings) -> list[tuple[bool, str]]:
         (c.update_weight_buffer_size < 1, "--update-weight-buffer-size must be at least 1 byte"),
         (c.max_bad_steps < 1, "--max-bad-steps must be at least 1"),
     ]
+
+
+def inert_flags(c: Settings) -> list[str]:
+    """vime's own flags given where the other settings leave them nothing to do, for start-up's
+    "no effect" line (`compat.notes`): named, not refused, as slime's scripts carry such flags
+    (a --min-lr beside a constant schedule) and run as they are."""
+
+    def given(names: tuple[str, ...], why: str) -> list[str]:
+        shown = {n: json.dumps(v) if isinstance(v := getattr(c, n), dict) else v for n in names}
+        return [f"--{n.replace('_', '-')} {shown[n]} ({why})" for n in names if getattr(c, n) != default_of(n)]
+
+    out = []
+    if c.lr_decay_style == "constant":
+        out += given(("min_lr", "lr_decay_iters"), "--lr-decay-style constant never decays")
+    if c.optimizer == "sgd":
+        out += given(("adam_beta1", "adam_beta2", "adam_eps"), "--optimizer sgd")
+    else:
+        out += given(("sgd_momentum",), f"--optimizer {c.optimizer}")
+    if not c.apply_chat_template and not c.sft_rollout:  # SFT renders every conversation with them
+        out += given(("apply_chat_template_kwargs",), "prompts are plain text without --apply-chat-template")
+    return out
 
 
 def _lora_shaping(c: Settings) -> list[str]:
