@@ -17,7 +17,12 @@ class TrainerFields:
         group="lora",
     )
     lora_alpha: float = setting(16.0, "LoRA's alpha: the adapter's update is scaled by alpha / rank", group="lora")
-    lora_dropout: float = setting(0.0, "dropout on the adapters' input while training", group="lora")
+    lora_dropout: float = setting(
+        0.0,
+        "dropout on the adapters' input while training; above 0 the training forward differs from the one that "
+        "scored the old log-probs, so the importance ratio is not 1 even on-policy",
+        group="lora",
+    )
     target_modules: list = setting(
         ["all-linear"],
         "layers that get adapters, by their names' last parts (q_proj k_proj v_proj o_proj gate_proj up_proj "
