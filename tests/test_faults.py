@@ -964,6 +964,48 @@ def test_no_checkpoint_is_written_over_and_load_resumes_only_what_it_names(actor
     )
 
 
+def test_save_needs_room_for_float32_weights_and_the_optimizers_state_whatever_the_files_hold(tmp_path, monkeypatch):
+    """A checkpoint holds float32 master weights and AdamW's two moments, 12 bytes a parameter:
+    six times a bf16 model's files, where the check once asked for three times the files and let
+    a 4B run start on a disk without room for its first save. Asked of the real headers of a
+    float32 and a bf16 copy of one model; the free space is the disk's answer, made up."""
+    from types import SimpleNamespace
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from vime.compat import parameter_count
+    from vime.config import ConfigError, parse_args
+    from vime.models import make_tiny_model
+    from vime.preflight import _room_for_checkpoints
+
+    f32 = make_tiny_model(tmp_path / "f32", arch="qwen3", seed=0)
+    bf16 = tmp_path / "bf16"
+    shutil.copytree(f32, bf16)
+    weights = load_file(str(f32 / "model.safetensors"))
+    save_file({k: v.to(torch.bfloat16) for k, v in weights.items()}, str(bf16 / "model.safetensors"))
+    params = sum(v.numel() for v in weights.values())
+    assert parameter_count(bf16) == parameter_count(f32) == params
+    files = (bf16 / "model.safetensors").stat().st_size
+    base = ["--hf-checkpoint", "m", "--prompt-data", "d", "--num-rollout", "1"]
+    free = 0
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: SimpleNamespace(total=1 << 40, used=0, free=free))
+    for extra, need in (
+        ([], 12 * params),
+        (["--optimizer", "sgd"], 8 * params),
+        (["--optimizer", "sgd", "--sgd-momentum", "0"], 4 * params),
+        (["--lora-rank", "4"], 4 * params),
+    ):
+        trainer = parse_args([*base, *extra]).trainer
+        for model in (f32, bf16):
+            free = need - 1
+            with pytest.raises(ConfigError, match="a checkpoint of this model takes about"):
+                _room_for_checkpoints(tmp_path, model, trainer)
+            free = need
+            _room_for_checkpoints(tmp_path, model, trainer)
+    assert 12 * params > 5.9 * files  # the old rule, 3x the files, let half of that through
+
+
 def test_skip_overlong_prompts_leaves_them_out_and_counts_them(tmp_path, tiny_model):
     from vime.config import parse_args
     from vime.models import load_tokenizer

@@ -74,7 +74,7 @@ def check_inputs(args: Config) -> Inputs:
     if args.trainer.lora_rank:
         _check_lora(args.trainer, model_dir)
     if args.output.save:
-        _room_for_checkpoints(Path(args.output.save), model_dir)
+        _room_for_checkpoints(Path(args.output.save), model_dir, args.trainer)
 
     took("model")
     rewards = Rewards(args)
@@ -394,10 +394,14 @@ def _writable(path: Path, flag: str) -> None:
         ) from None
 
 
-def _room_for_checkpoints(save: Path, model_dir: Path) -> None:
-    """A checkpoint holds the weights and AdamW's two moments: at least three times the model's
-    files. A disk without room for one fails now, not at the first save after hours of steps."""
-    need = 3 * sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+def _room_for_checkpoints(save: Path, model_dir: Path, trainer: TrainerConfig) -> None:
+    """A checkpoint holds the float32 master weights (4 bytes a parameter, whatever the model's
+    files hold: a bf16 model's checkpoint is twice its files before any optimizer state) and the
+    optimizer's state of what trains: AdamW's two moments (8 more), SGD's momentum (4); a LoRA
+    run's adapters are small beside the model. A disk without room for one fails now, not at the
+    first save after hours of steps."""
+    state = 0 if trainer.lora_rank else 8 if trainer.optimizer == "adam" else 4 * (trainer.sgd_momentum > 0)
+    need = compat.parameter_count(model_dir) * (4 + state)
     free = shutil.disk_usage(save).free
     if free < need:
         raise ConfigError(
