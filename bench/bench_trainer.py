@@ -187,7 +187,7 @@ def main() -> None:
         "--attention-kernel",
         default="auto",
         choices=("auto", "fa4", "fa2", "sdpa"),
-        help="the trainer's --attention-kernel (auto: FlashAttention-2; fa4 needs flash-attn-4, bench/fa4_prep.sh)",
+        help="the trainer's --attention-kernel (auto: FlashAttention-4 where installed and passing its check, else FlashAttention-2; fa4 needs flash-attn-4, bench/fa4_prep.sh)",
     )
     ap.add_argument(
         "--lora-rank",
@@ -237,6 +237,8 @@ def main() -> None:
         for c in ((False,) if a.no_compile else (True,) if a.no_eager else (False, True))
         for r in ((0, a.lora_rank) if a.lora_rank else (0,))
     ]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # what the packed attention ran in
+    kernels: set[str] = set()
     for gpus, compiled, rank in variants:
         tag = (
             (f", LoRA r{rank}" if rank else "")
@@ -263,6 +265,8 @@ def main() -> None:
             t0 = time.perf_counter()
             actor = launch_actor(args, model_dir, a.device)
             local = getattr(actor, "local", actor)
+            if gpus == 1:  # settled on the model at its load (a multi-GPU group's model is in its ranks)
+                kernels.add(packed_attention_backend(local.model, device, dtype))
             log_probs = [o.cpu() for o in actor.compute_log_probs(samples)]
             # compiled: compute_log_probs waited for the compile of every micro-batch size; LoRA: B
             # starts at zero, so the model is the base model
@@ -270,7 +274,7 @@ def main() -> None:
                 old = log_probs
                 print(
                     f"vime{tag}: trainer built in {time.perf_counter() - t0:.1f} s; attention "
-                    f"{packed_attention_backend(device, torch.bfloat16 if device.type == 'cuda' else torch.float32)}",
+                    f"{packed_attention_backend(local.model, device, dtype)}",
                     flush=True,
                 )
             elif compiled or rank:
@@ -282,7 +286,7 @@ def main() -> None:
             elif gpus == 1:
                 old = log_probs
                 print(
-                    f"vime attention backend: {packed_attention_backend(device, torch.bfloat16 if device.type == 'cuda' else torch.float32)}",
+                    f"vime attention backend: {packed_attention_backend(local.model, device, dtype)}",
                     flush=True,
                 )
 
@@ -311,10 +315,9 @@ def main() -> None:
 
     if a.no_hf:
         print_table(rows)
-        print_against_recorded(rows, a, budget, device)
+        print_against_recorded(rows, a, budget, device, kernels)
         return
     # ---- eager HF baseline ----
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").to(device)
     model.config.use_cache = False
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device.type == "cuda")
@@ -347,7 +350,7 @@ def main() -> None:
         print("HF eager padded: out of memory", flush=True)
 
     print_table(rows)
-    print_against_recorded(rows, a, budget, device)
+    print_against_recorded(rows, a, budget, device, kernels)
 
 
 def print_table(rows: list[tuple[str, float, float, float]]) -> None:
@@ -360,17 +363,23 @@ def print_table(rows: list[tuple[str, float, float, float]]) -> None:
 
 
 def print_against_recorded(
-    rows: list[tuple[str, float, float, float]], a: argparse.Namespace, budget: int, device: torch.device
+    rows: list[tuple[str, float, float, float]],
+    a: argparse.Namespace,
+    budget: int,
+    device: torch.device,
+    kernels: set[str],
 ) -> None:
     """Each variant beside the last figure recorded for this shape, batch, budget and attention
-    kernel on an H200
+    kernel (`kernels`: what the one-GPU variants' models ran) on an H200
     (bench/data/trainer_recorded.json), so a fall shows on the day it happens: a 10% loss went
     unnoticed for two days once (issue 50). A change larger than the recorded spread of two runs
     *and* 3% (one H200 measured ~10% faster than another with the same code) is flagged; the next
     step for a flagged fall is bench/trainer_trees.py, the old tree against this one in one call."""
     if device.type != "cuda" or a.tiny or a.lora_rank or a.gradient_checkpointing or a.samples or a.seed:
         return  # recorded only for the default batch on a GPU
-    kernel = packed_attention_backend(device, torch.bfloat16)  # what the variants ran (settled at their load)
+    if len(kernels) != 1:
+        return  # no one-GPU variant ran, or they ran different kernels: no one figure to compare with
+    kernel = kernels.pop()  # what the variants ran (settled on each model at its load)
     recorded = json.loads(RECORDED.read_text()).get(f"{a.shape}@{budget}/{kernel}", {})
     if not recorded:
         return

@@ -310,7 +310,7 @@ def run_variant(st: Setup, variant: str) -> tuple[str, float, float, float]:
         local.ready()  # one rank compiles on a thread of its own; the step below is called directly
         print(
             f"{variant}: trainer built in {time.perf_counter() - t0:.1f} s (with --compile: its warm-up compile); "
-            f"attention {packed_attention_backend(local.device, torch.bfloat16)}"
+            f"attention {packed_attention_backend(local.model, local.device, torch.bfloat16)}"
         )
         if "nopad" in flags:  # compiled layers fed micro-batches of their own lengths, as before padding
             local.compiled = False

@@ -106,9 +106,9 @@ def test_packed_attention_hands_fa4_its_layout_and_returns_transformers_layout(s
     per-sequence SDPA branch on the same row."""
     q, k, v, cu = packed_row()
     query, key, value = (x.detach().transpose(0, 1)[None] for x in (q, k, v))
-    monkeypatch.setattr(packing, "packed_attention_backend", lambda device, dtype: "fa4")
+    monkeypatch.setattr(packing, "packed_attention_backend", lambda module, device, dtype: "fa4")
     fa4 = packing.packed_attention(None, query, key, value, None, scaling=None, cu_seq_lens_q=cu, max_length_q=27)[0]
-    monkeypatch.setattr(packing, "packed_attention_backend", lambda device, dtype: "sdpa")
+    monkeypatch.setattr(packing, "packed_attention_backend", lambda module, device, dtype: "sdpa")
     sdpa = packing.packed_attention(None, query, key, value, None, scaling=None, cu_seq_lens_q=cu, max_length_q=27)[0]
     assert [name for name, *_ in stand_in.calls] == ["fwd"] and fa4.shape == (1, 46, 4, 16)
     assert torch.allclose(fa4, sdpa, atol=1e-5)
@@ -174,7 +174,6 @@ def test_auto_takes_fa4_where_it_passes_its_check_and_fa2_where_not(monkeypatch,
     dev = torch.device("cuda:0")
     checked: list[tuple] = []
     monkeypatch.setattr(packing, "_varlen_usable", lambda device: True)
-    monkeypatch.setattr(packing, "_chosen", {})
     cases = [
         (None, "fa4", False),
         (f"{flash4.NOT_INSTALLED} (No module named 'flash_attn')", "fa2", False),
@@ -186,10 +185,37 @@ def test_auto_takes_fa4_where_it_passes_its_check_and_fa2_where_not(monkeypatch,
         caplog.clear()
         with caplog.at_level("WARNING", logger="vime"):
             assert packing.choose_kernel("auto", dev, 4, 2, 64) == want
-        assert packing.packed_attention_backend(dev, torch.bfloat16) == want
-        assert packing.packed_attention_backend(dev, torch.float32) == "sdpa"
         assert ("auto passes FlashAttention-4 over: FlashAttention-4 failed" in caplog.text) == warned, caplog.text
     assert len(checked) == 3
     assert packing.choose_kernel("fa2", dev, 4, 2, 64) == "fa2" and len(checked) == 3
     with pytest.raises(ConfigError, match="--attention-kernel fa4: FlashAttention-4 failed on a test row"):
         packing.choose_kernel("fa4", dev, 4, 2, 64)
+
+
+def test_each_model_runs_the_kernel_settled_for_it_not_the_last_one_its_device_settled(
+    tiny_model, monkeypatch, tmp_path
+):
+    """A policy and a teacher on one GPU may differ in head shape, so FA4's check may pass for
+    one and fail for the other. The kernel was once settled per device, so the model loaded last
+    set it for both: the policy could run FA4 at a head shape its check had refused. Now each
+    model's attention modules read their own (`mark_kernel`, called by `load_model`)."""
+    from vime.models import make_tiny_model
+    from vime.trainer.model import load_model
+
+    dev = torch.device("cuda:0")
+    monkeypatch.setattr(packing, "_varlen_usable", lambda device: True)
+    policy = load_model(tiny_model, torch.device("cpu"))
+    teacher = load_model(make_tiny_model(tmp_path / "t", arch="qwen3", seed=1), torch.device("cpu"))
+    attention = [m.get_decoder().layers[0].self_attn for m in (policy, teacher)]
+    assert [getattr(a, packing.KERNEL_ATTR) for a in attention] == ["sdpa", "sdpa"]  # on a CPU: SDPA
+    packing.mark_kernel(policy, "fa2")
+    packing.mark_kernel(teacher, "fa4")  # loaded last, as a teacher is
+    assert [packing.packed_attention_backend(a, dev, torch.bfloat16) for a in attention] == ["fa2", "fa4"]
+    assert packing.packed_attention_backend(attention[1], dev, torch.float32) == "sdpa"  # no kernel takes float32
+    assert packing.packed_attention_backend(torch.nn.Linear(1, 1), dev, torch.bfloat16) == "fa2"  # none settled
+    # and packed_attention itself asks the module that calls it
+    asked: list[torch.nn.Module] = []
+    monkeypatch.setattr(packing, "packed_attention_backend", lambda module, *_: asked.append(module) or "sdpa")
+    q = torch.randn(1, 4, 6, 16)
+    packing.packed_attention(attention[0], q, q[:, :2], q[:, :2], None)
+    assert asked == [attention[0]]

@@ -213,7 +213,7 @@ def test_gradient_checkpointing_on_cuda_keeps_less_and_gives_the_gradients_of_no
         layers = local.model.get_decoder().layers
         calls = [0]
         layers[0].mlp.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-        assert packing.packed_attention_backend(local.device, torch.bfloat16) in ("fa4", "fa2")
+        assert packing.packed_attention_backend(layers[0].self_attn, local.device, torch.bfloat16) in ("fa4", "fa2")
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         checkpointed = {"short": saved_bytes_and_grads(local, *short), "long": saved_bytes_and_grads(local, *long)}
         if compiled:
@@ -797,7 +797,8 @@ def test_a_compiled_trainer_on_fa4_scores_and_accumulates_gradients_as_one_on_fa
     for kernel in ("fa2", "fa4"):
         actor = launch_actor(make_args(max_tokens_per_gpu=1024, attention_kernel=kernel), model, "cuda:0")
         try:
-            assert actor.local.compiled and packing.packed_attention_backend(dev, torch.bfloat16) == kernel
+            attention = actor.local.model.get_decoder().layers[0].self_attn
+            assert actor.local.compiled and packing.packed_attention_backend(attention, dev, torch.bfloat16) == kernel
             actor.local.ready()
             counted: list[int] = []
             monkeypatch.setattr(flash4, "_fa4", lambda counted=counted: counted.append(1) or module)

@@ -21,7 +21,7 @@ except ImportError:  # CPU-only installs: FSDP2's own accumulation runs
 from vime.errors import ConfigError
 from vime.models import ModelError
 from vime.trainer.logprobs import ChunkLoss, chunked_log_probs, chunked_loss
-from vime.trainer.packing import PackedBatch, choose_kernel, pack, register_packed_attention
+from vime.trainer.packing import PackedBatch, choose_kernel, mark_kernel, pack, register_packed_attention
 
 log = logging.getLogger("vime")
 
@@ -164,6 +164,7 @@ def load_model(
             )
         attention_kernel = "sdpa"
     kernel = choose_kernel(attention_kernel, device, heads, getattr(c, "num_key_value_heads", None) or heads, head_dim)
+    mark_kernel(model, kernel)
     log.info("trainer attention on %s: %s", device, kernel)
     dropouts = [m for m in model.modules() if isinstance(m, nn.Dropout) and m.p > 0]
     for m in dropouts:  # the training forward must be the scoring forward (eval mode), or the ratio is noise

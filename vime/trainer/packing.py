@@ -257,7 +257,7 @@ def packed_attention(
         cu_seq_lens_q = torch.tensor([0, t], dtype=torch.int32, device=query.device)
         max_length_q = t
     groups = query.shape[1] // key.shape[1]
-    kernel = packed_attention_backend(query.device, query.dtype)
+    kernel = packed_attention_backend(module, query.device, query.dtype)
     if kernel == "fa4":
         q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
@@ -341,8 +341,9 @@ def _sdpa_backward(ctx: Any, grad: Tensor) -> tuple:
 _sdpa_per_sequence.register_autograd(_sdpa_backward, setup_context=_sdpa_setup)
 
 
-# what --attention-kernel chose for each CUDA device, before the first forward (`choose_kernel`)
-_chosen: dict[torch.device, str] = {}
+# the attribute `mark_kernel` sets on each module of a model: the kernel `choose_kernel` settled
+# for it, which `packed_attention` reads from the attention module that calls it
+KERNEL_ATTR = "vime_attention_kernel"
 # FA4's check per (device, heads, kv_heads, head_dim): a run loads its policy, reference and teacher
 _fa4_checked: dict[tuple, str | None] = {}
 KERNELS = ("auto", "fa4", "fa2", "sdpa")
@@ -390,8 +391,15 @@ def choose_kernel(choice: str, device: torch.device, heads: int, kv_heads: int, 
                 "--attention-kernel fa2: torch's varlen FlashAttention does not run here (the warning above "
                 "says why); use --attention-kernel sdpa"
             )
-    _chosen[device] = kernel
     return kernel
+
+
+def mark_kernel(model: torch.nn.Module, kernel: str) -> None:
+    """Settle `choose_kernel`'s answer on the model itself, not on its device: a run's policy,
+    reference and teacher share a GPU and may differ in head shape, so in what FA4's check
+    allows; each model's attention must run the kernel checked at its own shape."""
+    for m in model.modules():
+        setattr(m, KERNEL_ATTR, kernel)
 
 
 def _fa4_problem(device: torch.device, heads: int, kv_heads: int, head_dim: int) -> str | None:
@@ -402,15 +410,14 @@ def _fa4_problem(device: torch.device, heads: int, kv_heads: int, head_dim: int)
     return _fa4_checked[key]
 
 
-def packed_attention_backend(device: torch.device, dtype: torch.dtype) -> str:
-    """Which kernel `packed_attention` uses for this device and dtype: fa4, fa2 or sdpa (one SDPA
-    call per sequence). Where `choose_kernel` did not run for the device, fa2 if it runs."""
+def packed_attention_backend(module: torch.nn.Module | None, device: torch.device, dtype: torch.dtype) -> str:
+    """Which kernel `packed_attention` uses for this attention module on this device and dtype:
+    fa4, fa2 or sdpa (one SDPA call per sequence). The one `mark_kernel` settled for its model;
+    for a module of a model not loaded by `load_model`, fa2 if it runs."""
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return "sdpa"
-    device = _indexed(device)
-    if device in _chosen:
-        return _chosen[device]
-    return "fa2" if _varlen_usable(device) else "sdpa"
+    kernel = getattr(module, KERNEL_ATTR, None)
+    return kernel or ("fa2" if _varlen_usable(_indexed(device)) else "sdpa")
 
 
 def register_packed_attention() -> str:
