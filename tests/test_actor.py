@@ -998,6 +998,12 @@ def test_a_run_whose_prompts_and_responses_outgrow_the_window_is_refused_at_star
     check_inputs(parse_args([*base, "--rollout-max-response-len", str(25 - prompt)])).rewards.close()
     with pytest.raises(ConfigError, match="makes up to 26 tokens"):
         check_inputs(parse_args([*base, "--rollout-max-response-len", str(26 - prompt)]))
+    # the context's own bound, named in the refusal, lets the long responses be
+    check_inputs(
+        parse_args([*base, "--rollout-max-response-len", "32", "--rollout-max-context-len", "25"])
+    ).rewards.close()
+    # nothing is trained with --debug-rollout-only: no trainer to refuse it
+    check_inputs(parse_args([*base, "--rollout-max-response-len", "32", "--debug-rollout-only"])).rewards.close()
 
 
 def test_a_model_whose_attention_or_logits_take_another_form_is_refused_in_one_line(tmp_path):

@@ -139,7 +139,7 @@ def test_inconsistent_settings_fail_with_one_line(extra, fragment):
     assert fragment in str(e.value) and "\n" not in str(e.value)
 
 
-def test_flags_the_other_settings_leave_nothing_to_do_are_named_at_start_up():
+def test_flags_the_other_settings_leave_nothing_to_do_are_named_at_start_up(tmp_path):
     """A floor on the learning rate under a constant schedule, Adam's betas under SGD, template
     arguments for prompts sent as plain text: accepted (slime's scripts carry such flags) and
     named on start-up's "no effect" line, never dropped without a word."""
@@ -148,8 +148,12 @@ def test_flags_the_other_settings_leave_nothing_to_do_are_named_at_start_up():
 
     base = ["--hf-checkpoint", "m", "--prompt-data", "d", "--num-rollout", "1"]
     assert inert_flags(parse_args(base)) == []
+    templated = tmp_path / "eval.yaml"  # an eval set that renders its prompts with the template
+    templated.write_text("eval:\n  datasets:\n    - name: a\n      path: a.jsonl\n      apply_chat_template: true\n")
     cases = {
         ("--min-lr", "1e-7"): ["--min-lr 1e-07 (--lr-decay-style constant never decays)"],
+        ("--lr-decay-iters", "50"): ["--lr-decay-iters 50 (--lr-decay-style constant never decays)"],
+        ("--lr-decay-iters", "50", "--lr-warmup-fraction", "0.1"): [],  # the warm-up is a share of it
         ("--lr-decay-iters", "50", "--min-lr", "1e-7", "--lr-decay-style", "cosine"): [],
         ("--optimizer", "sgd", "--adam-beta2", "0.95"): ["--adam-beta2 0.95 (--optimizer sgd)"],
         ("--sgd-momentum", "0.5"): ["--sgd-momentum 0.5 (--optimizer adam)"],
@@ -158,6 +162,7 @@ def test_flags_the_other_settings_leave_nothing_to_do_are_named_at_start_up():
             '--apply-chat-template-kwargs {"enable_thinking": false} (prompts are plain text without --apply-chat-template)'
         ],
         ("--apply-chat-template-kwargs", '{"enable_thinking": false}', "--apply-chat-template"): [],
+        ("--apply-chat-template-kwargs", '{"enable_thinking": false}', "--eval-config", str(templated)): [],
     }
     for extra, said in cases.items():
         cfg = parse_args([*base, *extra])

@@ -91,7 +91,9 @@ def check_inputs(args: Config) -> Inputs:
             )
     if data_source.skipped_note:
         notes.append(data_source.skipped_note)
-    if data_source.longest_row is not None:
+    ro = args.rollout
+    # trained on: not with --debug-rollout-only (no trainer), nor samples saved by another run
+    if data_source.longest_row is not None and not ro.debug_rollout_only and ro.load_debug_rollout_data is None:
         _check_lengths(args, model_dir, data_source.longest_row)
     _check_eval_sets(args, tokenizer, max_prompt_len)
     took("data")
@@ -361,7 +363,14 @@ def _check_lengths(args: Config, model_dir: Path, longest_row: int) -> None:
         models.append(("--opd-teacher-load", teacher_dir(al)))
     for flag, path in models:
         try:
-            length_limits(AutoConfig.from_pretrained(path), longest)
+            config = AutoConfig.from_pretrained(path)
+        except (OSError, ValueError) as e:  # the trainer loads every model it scores with transformers
+            raise ModelError(
+                f"{flag} {path}: transformers cannot read its config ({type(e).__name__}: "
+                f"{' '.join(str(e).split())[:200]}), and the trainer loads it with transformers"
+            ) from None
+        try:
+            length_limits(config, longest)
         except ModelError as e:
             raise ConfigError(f"{flag} {path}: {how}, and {e}") from None
 

@@ -202,13 +202,15 @@ def inert_flags(c: Settings) -> list[str]:
         return [f"--{n.replace('_', '-')} {shown[n]} ({why})" for n in names if getattr(c, n) != default_of(n)]
 
     out = []
-    if c.lr_decay_style == "constant":
-        out += given(("min_lr", "lr_decay_iters"), "--lr-decay-style constant never decays")
+    if c.lr_decay_style == "constant":  # --lr-warmup-fraction is a share of --lr-decay-iters whatever the style
+        decay = ("min_lr",) if c.lr_warmup_fraction is not None else ("min_lr", "lr_decay_iters")
+        out += given(decay, "--lr-decay-style constant never decays")
     if c.optimizer == "sgd":
         out += given(("adam_beta1", "adam_beta2", "adam_eps"), "--optimizer sgd")
     else:
         out += given(("sgd_momentum",), f"--optimizer {c.optimizer}")
-    if not c.apply_chat_template and not c.sft_rollout:  # SFT renders every conversation with them
+    # SFT renders every conversation with them, and an eval set may turn the template on for itself
+    if not c.apply_chat_template and not c.sft_rollout and not any("apply_chat_template" in s for s in c.eval_sets):
         out += given(("apply_chat_template_kwargs",), "prompts are plain text without --apply-chat-template")
     return out
 

@@ -91,14 +91,15 @@ def length_limits(config: Any, longest: int) -> int | None:
         raise ModelError(
             f"a sequence of {longest} tokens is scored with attention over {longest - 1} of them, more than the "
             f"model's sliding window of {window}, which vime's packed attention does not apply: keep prompt + "
-            f"response within {window + 1} tokens (--rollout-max-response-len, --rollout-max-prompt-len)"
+            f"response within {window + 1} tokens (--rollout-max-context-len, or --rollout-max-response-len and "
+            "--rollout-max-prompt-len)"
         )
     limit = dynamic_rope_limit(config)
     if limit is not None and longest > limit:
         raise ModelError(
             f"a sequence of {longest} tokens is longer than the {limit} past which this model's dynamic RoPE "
             f"rescales by the longest sequence seen, so its scores would depend on the batch: keep prompt + "
-            f"response within {limit} tokens"
+            f"response within {limit} tokens (--rollout-max-context-len)"
         )
     return rope_split(config)
 
