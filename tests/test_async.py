@@ -311,6 +311,54 @@ def test_fully_async_refuses_evaluation(worker_env):
         fa.generate_rollout_fully_async(args, 0, ds, evaluation=True)
 
 
+@pytest.mark.parametrize("inside", [2, 0])
+def test_a_resumed_sample_ends_at_a_stop_string_its_partial_began_or_held(engine, tiny_model, inside):
+    """An engine matches stop strings on its own output only. A sample aborted by a weight
+    update while its last tokens were part of a stop string (`inside` of its tokens still to come),, or once they held it whole, was resumed past it: the engine never saw the string whole
+    in what it wrote, and the model wrote on to the end of its budget. The real engine and the
+    tiny model, greedy: the stop string is text the model writes anyway."""
+    import asyncio
+
+    from vime.backends import BACKENDS
+    from vime.config import Config
+    from vime.models import load_tokenizer
+    from vime.rollout.runtime import RolloutRuntime
+    from vime.rollout.types import Sample, Status
+    from vime.rollout.vllm_rollout import generate, sampling_params
+
+    tokenizer = load_tokenizer(tiny_model)
+    args = Config(
+        hf_checkpoint=str(tiny_model), prompt_data="unused.jsonl", num_rollout=1, rollout_max_response_len=40
+    ).validate("sync")
+    args.rollout_temperature = 0.0
+    args.runtime = RolloutRuntime([BACKENDS["vime"].make_client(engine.url)], tokenizer)
+    prompt = list(tokenizer.encode("6+9=", add_special_tokens=False))
+
+    def params() -> dict:  # the random model may draw its end token early: written past it
+        return dict(sampling_params(args), ignore_eos=True)
+
+    try:
+        free = asyncio.run(generate(args, Sample(index=0, tokens=list(prompt)), params()))
+        ids = free.response_tokens
+        stop = tokenizer.decode(ids[10:14], skip_special_tokens=True)  # written after 10 tokens, ends at token 14
+        assert len(ids) == 40 and all(tokenizer.decode(ids[i : i + 1], skip_special_tokens=True) for i in (12, 13))
+        assert stop not in tokenizer.decode(ids[:13], skip_special_tokens=True)
+        args.rollout_stop = [stop]
+        # the engine stops there when it writes the string itself
+        whole = asyncio.run(generate(args, Sample(index=0, tokens=list(prompt)), params()))
+        assert whole.response_tokens == ids[:14] and whole.status == Status.COMPLETED
+        k = 14 - inside  # aborted with `inside` of the string's tokens to come
+        aborted = Sample(index=0, tokens=prompt + ids[:k], response_length=k, status=Status.ABORTED)
+        aborted.rollout_log_probs, aborted.weight_versions = [-0.5] * k, [0] * k
+        resumed = asyncio.run(generate(args, aborted, params()))
+    finally:
+        args.runtime.close()
+    assert resumed.status == Status.COMPLETED and resumed.response_tokens == ids[:14]
+    assert resumed.response == tokenizer.decode(ids[:14], skip_special_tokens=True) and resumed.response.endswith(stop)
+    assert len(resumed.rollout_log_probs) == len(resumed.weight_versions) == 14
+    assert resumed.rollout_log_probs[:k] == [-0.5] * k  # what it had is kept as it was
+
+
 @pytest.mark.slow
 def test_bench_ab_runs_each_arm_on_one_config(tmp_path):
     res = run_cli(

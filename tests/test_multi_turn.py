@@ -606,6 +606,58 @@ def check_decoupled(steps: list[dict], samples: list[dict]) -> None:
 
 
 @pytest.mark.slow
+def test_a_conversation_aborted_inside_its_tool_call_still_calls_the_tool():
+    """The tool-calling model on the real built-in engine, greedy. A weight update that aborts a
+    turn within the last tokens of its `</tool_call>`, or just after them, left the resumed
+    request an output without the whole stop string: the model wrote past its call, answered
+    it itself (a wrong sum, trained on as its own tokens), and the tool never ran; a vLLM run in
+    CI lost every conversation of a step so. Each cut now resumes to the real tool call, and an
+    abort in the second turn resumes it without cutting back to the first turn's call."""
+    from tool_model import tool_model
+
+    from vime.backends import BACKENDS
+    from vime.backends.builtin.launch import launch_engine
+    from vime.models import load_tokenizer
+    from vime.rollout.runtime import RolloutRuntime
+
+    model = tool_model()
+    engine = launch_engine(str(model), device="cpu", dtype="float32")
+    tok = load_tokenizer(model)
+    args = Config(
+        hf_checkpoint=str(model), prompt_data="unused.jsonl", num_rollout=1, tools=["calculator"],
+        rollout_max_response_len=160, rollout_temperature=0.0,
+    ).validate("async")  # fmt: skip
+    args.model_dir = str(model)
+    args.runtime = RolloutRuntime([BACKENDS["vime"].make_client(engine.url)], tok)
+    fn, params = generate_fn(args), sampling_params(args)
+    prompt = tok.encode("3+4=", add_special_tokens=False)
+
+    def resumed(k: int, turn_start: int, turns: int) -> Sample:
+        s = Sample(index=0, tokens=prompt + whole.response_tokens[:k], response_length=k, status=Status.ABORTED)
+        s.loss_mask, s.rollout_log_probs, s.weight_versions = whole.loss_mask[:k], [0.0] * k, [0] * k
+        state = {"turns": turns, "tool_calls": turns, "tool_errors": 0, "tool_seconds": 0.0, "turn_start": turn_start}
+        s.metadata["multi_turn"] = state
+        return asyncio.run(fn(args, s, params))
+
+    try:
+        whole = asyncio.run(fn(args, Sample(index=0, tokens=list(prompt)), params))
+        st = whole.metadata["multi_turn"]
+        assert (st["turns"], st["tool_calls"], st["last_turn"]) == (2, 1, "Answer: 7")
+        text = tok.decode(whole.response_tokens)
+        call = len(tok.encode(text[: text.index(CALL_END) + len(CALL_END)], add_special_tokens=False))
+        for inside in (5, 3, 0):  # tokens of `</tool_call>` still to come when the abort came
+            s = resumed(call - inside, 0, 0)
+            st = s.metadata["multi_turn"]
+            assert (st["turns"], st["tool_calls"], st["last_turn"]) == (2, 1, "Answer: 7"), (inside, st)
+            assert s.tokens == whole.tokens and s.loss_mask == whole.loss_mask
+        s = resumed(whole.response_length - 3, whole.metadata["multi_turn"]["turn_start"], 1)  # in "Answer: 7"
+        assert s.tokens == whole.tokens and s.metadata["multi_turn"]["last_turn"] == "Answer: 7"
+    finally:
+        args.runtime.close()
+        engine.shutdown()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", TOOL_MODES)
 def test_a_model_that_calls_the_calculator_trains_in_every_mode(mode, tmp_path, monkeypatch):
     from tool_model import tool_model

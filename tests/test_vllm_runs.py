@@ -170,9 +170,10 @@ def test_fully_async_run_records_token_versions(model32, addition_data, tmp_path
 def test_a_tool_run_through_vllm(tmp_path, monkeypatch, fresh_user_server):
     """The multi-turn generate through vLLM, decoupled with --partial-rollout: the checks every
     mode passes with the built-in engine in test_multi_turn.py, from the tool-calling tiny model
-    in model32's shape. Not checked here: a push cutting a conversation mid-turn. With the
-    trainer sharing 2 cores with the server, each step outlasted the generation the worker may
-    start (also at staleness 3), so the pushes found no request in flight to abort."""
+    in model32's shape. A push cutting a conversation mid-turn happens here by timing only:
+    alone, each step outlasted the generation the worker may start, so the pushes found no
+    request in flight; in CI, beside another test, one cut every conversation of a step inside
+    its `</tool_call>`, and (before `vllm_rollout.cut_at_stop`) none of them called the tool."""
     from test_multi_turn import TOOL_MODES, check_tool_run, tool_run
     from tool_model import tool_model
 

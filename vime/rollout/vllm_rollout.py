@@ -83,7 +83,7 @@ def max_new_tokens(rollout: RolloutConfig, sample: Sample, budget: int) -> int:
     return left
 
 
-async def generate(args, sample: Sample, params: dict) -> Sample:
+async def generate(args, sample: Sample, params: dict, *, turn_start: int = 0) -> Sample:
     """Default per-sample generate: append the engine's tokens to the sample.
 
     A sample that already holds part of a response (an aborted one being resumed) continues
@@ -91,10 +91,19 @@ async def generate(args, sample: Sample, params: dict) -> Sample:
     each draw by token position, so the resumed draws are the ones it would have made).
     With --rollout-max-context-len the budget also stops where prompt + response reach it; a
     sample with no room left is TRUNCATED without a request.
+
+    An engine matches stop strings on its own output only, so a resumed request misses one that
+    began in the part it resumes from, or that the part held whole: the model wrote on past it
+    (a tool call it went on to answer itself, trained on). So a resumed generation is searched
+    from `turn_start` (the response's start; a multi-turn sample's turn, which its generate
+    passes) and ends after its first stop string, as the engine would have ended it (`cut_at_stop`).
     """
     runtime, rollout = runtime_of(args), args.rollout
     if not sample.tokens:  # a custom generate's sample, handed over without its ids
         sample.tokens = _prompt_ids(runtime.tokenizer, sample)
+    stops = params.get("stop") if sample.status == Status.ABORTED else None
+    if stops and cut_at_stop(runtime.tokenizer, sample, turn_start, stops):
+        return sample  # what it had before the abort already ends it
     params = dict(
         params,
         max_new_tokens=max_new_tokens(rollout, sample, params["max_new_tokens"]),
@@ -113,9 +122,40 @@ async def generate(args, sample: Sample, params: dict) -> Sample:
     sample.temperature = params.get("temperature", 1.0)  # the engine's default; the trainer scores at it
     if sample.loss_mask is not None:
         sample.loss_mask = sample.loss_mask + [1] * len(ids)
-    sample.response = runtime.tokenizer.decode(sample.response_tokens, skip_special_tokens=True)
     sample.status = _FINISH_TO_STATUS[meta["finish_reason"]["type"]]
+    if stops:
+        cut_at_stop(runtime.tokenizer, sample, turn_start, stops)
+    sample.response = runtime.tokenizer.decode(sample.response_tokens, skip_special_tokens=True)
     return sample
+
+
+def cut_at_stop(tokenizer: Any, sample: Sample, turn_start: int, stops: list[str] | str) -> bool:
+    """Whether the response past `turn_start` holds one of `stops` (decoded as the engines match
+    them, special tokens skipped); if so, the response ends with the token that completes the
+    first one (the engines keep it, as vLLM's include_stop_str_in_output) and the sample is
+    COMPLETED, every per-token list cut with it."""
+    stops = [stops] if isinstance(stops, str) else stops
+    ids = sample.response_tokens[turn_start:]
+
+    def holds(n: int) -> bool:
+        text = tokenizer.decode(ids[:n], skip_special_tokens=True)
+        return any(s in text for s in stops)
+
+    if not ids or not holds(len(ids)):
+        return False
+    lo, hi = 1, len(ids)  # the fewest tokens whose text holds a stop string
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if holds(mid) else (mid + 1, hi)
+    keep = sample.response_length - len(ids) + lo
+    sample.tokens = sample.tokens[: sample.prompt_length + keep]
+    for name in ("loss_mask", "rollout_log_probs", "weight_versions"):
+        if getattr(sample, name) is not None:
+            setattr(sample, name, getattr(sample, name)[:keep])
+    sample.response_length = keep
+    sample.response = tokenizer.decode(sample.response_tokens, skip_special_tokens=True)
+    sample.status = Status.COMPLETED
+    return True
 
 
 MULTI_TURN_FN = "vime.rollout.multi_turn:generate"  # the generate of --tools (loaded by name: it builds on this module)
