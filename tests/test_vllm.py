@@ -36,7 +36,7 @@ import torch
 from conftest import ROOT
 
 from vime.backends.client import EngineError
-from vime.backends.vllm.client import VLLMClient, check_version, from_vllm_choice, to_vllm_sampling_params
+from vime.backends.vllm.client import VLLMClient, check_version, from_vllm_choice, request_seed, to_vllm_sampling_params
 from vime.backends.vllm.launch import _group_alive, merge_vllm_args, server_command
 from vime.config import Config
 from vime.rollout.types import Sample
@@ -98,6 +98,31 @@ def test_sampling_params_are_mapped_key_by_key():
     assert to_vllm_sampling_params({})["max_tokens"] == 128  # the built-in engine's default, not vLLM's
     with pytest.raises(EngineError, match=r"unsupported sampling_params \['max_tokens', 'min_p'\]"):
         to_vllm_sampling_params({"max_tokens": 5, "min_p": 0.1})
+
+
+def test_each_request_of_a_sample_gets_its_own_seed_and_the_same_one_again():
+    """vLLM restarts a request's generator from its seed: a resumed request or a next turn of
+    one sample, seeded alike, would redraw the first request's noise token by token. Each prompt
+    length of a sample gets its own seed, the same one every time (runs stay reproducible), and
+    other samples' seeds stay apart; all within vLLM's int range."""
+    seeds = {n: request_seed(11, n) for n in range(1, 400)}
+    assert len(set(seeds.values())) == len(seeds)
+    assert all(request_seed(11, n) == s for n, s in seeds.items())
+    assert request_seed(12, 30) not in (seeds[30], request_seed(11, 31))
+    assert all(0 <= s < 2**31 for s in seeds.values())
+    # and the client sends it (the body read where it would leave for the server)
+    sent: list[dict] = []
+
+    async def record(route: str, body: dict) -> None:
+        sent.append(body)
+        raise EngineError("recorded")
+
+    client = VLLMClient("http://127.0.0.1:9")
+    client.apost = record
+    for ids in ([1, 2, 3], [1, 2, 3, 4, 5]):
+        with pytest.raises(EngineError, match="recorded"):
+            asyncio.run(client.generate(ids, {"max_new_tokens": 4, "sampling_seed": 11}))
+    assert [b["sampling_params"]["seed"] for b in sent] == [request_seed(11, 3), request_seed(11, 5)]
 
 
 def test_stop_strings_are_matched_on_text_and_kept():

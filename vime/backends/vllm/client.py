@@ -7,6 +7,7 @@ with the reasons, is in docs/architecture.md, "vLLM backend").
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -86,6 +87,18 @@ def to_vllm_sampling_params(params: dict) -> dict:
     return out
 
 
+def request_seed(seed: int, prompt_len: int) -> int:
+    """vLLM's seed for one request of a sample seeded `seed`. vLLM starts a generator from the
+    seed for each request and draws from it step by step, so two requests of one sample under
+    one seed share their noise: a request resumed after k tokens, or a conversation's next turn,
+    would draw its i-th token with the noise that drew the first request's i-th, and the two
+    draws would lean alike (the tool-or-answer choice of every turn made with one draw). The
+    prompt's length, which every resume and turn lengthens, is mixed in. (The built-in engine
+    seeds each draw by its position and needs none of this.)"""
+    digest = hashlib.blake2b(f"{seed}:{prompt_len}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
 def _version_number(label: str, url: str) -> int:
     """vLLM labels weights with strings; vime stamps integers. A server never updated says
     "default": that is vime's version 0 (the weights it was started with)."""
@@ -163,6 +176,8 @@ class VLLMClient(EngineClient):
     ) -> Any:
         """POST /inference/v1/generate; returns vime's response body (a dict, a list when n > 1)."""
         params = to_vllm_sampling_params(sampling_params)
+        if "seed" in params:
+            params["seed"] = request_seed(params["seed"], len(input_ids))
         rid = rid or os.urandom(16).hex()
         n = int(params.get("n", 1))
         if params["max_tokens"] == 0:  # vLLM refuses max_tokens 0; vime's engine answers at once
