@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -230,6 +231,9 @@ def test_requeued_groups_come_first_and_restart_from_the_prompt(tmp_path, tokeni
         s.tokens = s.tokens + [5, 6, 7]
         s.response_length, s.response, s.status, s.reward = 3, "abc", Status.ABORTED, 1.0
         s.rollout_log_probs, s.weight_versions, s.loss_mask, s.temperature = [-0.1] * 3, [0] * 3, [1] * 3, 0.7
+        s.generation_start, s.remove_sample = 2, True  # a later turn's; a custom generate's verdict
+    # a custom generate that returned two samples for one, the second a copy of it
+    g0 = g0 + [dataclasses.replace(g0[0])]
     ds.add_samples([g1])
     ds.add_samples([g0])
     out = ds.get_samples(3)
@@ -237,7 +241,8 @@ def test_requeued_groups_come_first_and_restart_from_the_prompt(tmp_path, tokeni
     r = out[1][0]
     assert (r.tokens, r.response_length, r.response, r.status, r.reward) == (prompt_ids, 0, "", Status.PENDING, None)
     assert r.rollout_log_probs is None and r.weight_versions is None and r.loss_mask is None and r.temperature is None
-    assert [s.index for s in out[1]] == [0, 1]  # same samples, not new ones
+    assert (r.generation_start, r.remove_sample) == (0, False)
+    assert [s.index for s in out[1]] == [0, 1]  # same samples, not new ones: the group as handed out
 
 
 def test_state_dict_round_trip_continues_at_same_prompt(tmp_path, tokenizer):

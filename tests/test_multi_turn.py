@@ -612,7 +612,8 @@ def test_a_conversation_aborted_inside_its_tool_call_still_calls_the_tool():
     request an output without the whole stop string: the model wrote past its call, answered
     it itself (a wrong sum, trained on as its own tokens), and the tool never ran; a vLLM run in
     CI lost every conversation of a step so. Each cut now resumes to the real tool call, and an
-    abort in the second turn resumes it without cutting back to the first turn's call."""
+    abort in the second turn resumes it without cutting back to the first turn's call (the
+    search starts where that turn's request began: `Sample.generation_start`)."""
     from tool_model import tool_model
 
     from vime.backends import BACKENDS
@@ -635,6 +636,7 @@ def test_a_conversation_aborted_inside_its_tool_call_still_calls_the_tool():
     def resumed(k: int, turn_start: int, turns: int) -> Sample:
         s = Sample(index=0, tokens=prompt + whole.response_tokens[:k], response_length=k, status=Status.ABORTED)
         s.loss_mask, s.rollout_log_probs, s.weight_versions = whole.loss_mask[:k], [0.0] * k, [0] * k
+        s.generation_start = turn_start  # as the call that began the aborted turn recorded it
         state = {"turns": turns, "tool_calls": turns, "tool_errors": 0, "tool_seconds": 0.0, "turn_start": turn_start}
         s.metadata["multi_turn"] = state
         return asyncio.run(fn(args, s, params))
@@ -650,7 +652,10 @@ def test_a_conversation_aborted_inside_its_tool_call_still_calls_the_tool():
             st = s.metadata["multi_turn"]
             assert (st["turns"], st["tool_calls"], st["last_turn"]) == (2, 1, "Answer: 7"), (inside, st)
             assert s.tokens == whole.tokens and s.loss_mask == whole.loss_mask
-        s = resumed(whole.response_length - 3, whole.metadata["multi_turn"]["turn_start"], 1)  # in "Answer: 7"
+        # the second turn's call recorded where it began; an abort there is searched from it, not
+        # from the first turn's call
+        assert whole.generation_start == whole.metadata["multi_turn"]["turn_start"] > call
+        s = resumed(whole.response_length - 3, whole.generation_start, 1)  # in "Answer: 7"
         assert s.tokens == whole.tokens and s.metadata["multi_turn"]["last_turn"] == "Answer: 7"
     finally:
         args.runtime.close()

@@ -62,12 +62,14 @@ def _fresh(s: Sample) -> Sample:
         loss_mask=None,
         rollout_log_probs=None,
         weight_versions=None,
+        generation_start=0,
         temperature=None,
         reward=None,
         reward_error=None,
         reward_extras={},
         reward_result=None,
         teacher_log_probs=None,
+        remove_sample=False,  # a custom generate's verdict on the response dropped
         status=Status.PENDING,
         # a conversation's state goes with its response: regenerated, it starts at turn one
         metadata={k: v for k, v in s.metadata.items() if k != MULTI_TURN_STATE},
@@ -196,11 +198,13 @@ class DataSource:
             return groups
 
     def add_samples(self, groups: list[list[Sample]]) -> None:
-        """Re-queue groups to be generated again from their prompts (response dropped)."""
+        """Re-queue groups to be generated again from their prompts (response dropped): as they
+        were handed out (the outstanding copy), since a rollout may change a group past what
+        `_fresh` undoes (a custom generate that returned several samples for one grew it)."""
         with self._lock:
             for g in groups:
-                self.outstanding.pop(g[0].group_index, None)
-                self.requeued.append([_fresh(s) for s in g])
+                handed_out = self.outstanding.pop(g[0].group_index, None)
+                self.requeued.append(handed_out if handed_out is not None else [_fresh(s) for s in g])
 
     def mark_trained(self, groups: list[list[Sample]]) -> None:
         """The trainer took an optimizer step on these groups, or dynamic sampling dropped them

@@ -126,7 +126,7 @@ async def generate(args, sample: Sample, params: dict) -> Sample:
     if sample.loss_mask is None:
         sample.loss_mask = [1] * sample.response_length  # kept in step with every token appended
     while True:
-        sample = await generate_turn(args, sample, params, turn_start=state["turn_start"])
+        sample = await generate_turn(args, sample, params)
         # the whole turn, also when it was aborted part way and resumed
         turn_tokens = sample.response_tokens[state["turn_start"] :]
         state["last_turn"] = tokenizer.decode(turn_tokens, skip_special_tokens=True)  # what is graded

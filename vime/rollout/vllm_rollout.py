@@ -83,7 +83,7 @@ def max_new_tokens(rollout: RolloutConfig, sample: Sample, budget: int) -> int:
     return left
 
 
-async def generate(args, sample: Sample, params: dict, *, turn_start: int = 0) -> Sample:
+async def generate(args, sample: Sample, params: dict) -> Sample:
     """Default per-sample generate: append the engine's tokens to the sample.
 
     A sample that already holds part of a response (an aborted one being resumed) continues
@@ -95,14 +95,17 @@ async def generate(args, sample: Sample, params: dict, *, turn_start: int = 0) -
     An engine matches stop strings on its own output only, so a resumed request misses one that
     began in the part it resumes from, or that the part held whole: the model wrote on past it
     (a tool call it went on to answer itself, trained on). So a resumed generation is searched
-    from `turn_start` (the response's start; a multi-turn sample's turn, which its generate
-    passes) and ends after its first stop string, as the engine would have ended it (`cut_at_stop`).
+    from where it began (`Sample.generation_start`, set here by the call that began it: the
+    response's start, or a later turn's, whoever loops over the turns) and ends after its first
+    stop string, as the engine would have ended it (`cut_at_stop`).
     """
     runtime, rollout = runtime_of(args), args.rollout
     if not sample.tokens:  # a custom generate's sample, handed over without its ids
         sample.tokens = _prompt_ids(runtime.tokenizer, sample)
+    if sample.status != Status.ABORTED:
+        sample.generation_start = sample.response_length
     stops = params.get("stop") if sample.status == Status.ABORTED else None
-    if stops and cut_at_stop(runtime.tokenizer, sample, turn_start, stops):
+    if stops and cut_at_stop(runtime.tokenizer, sample, sample.generation_start, stops):
         return sample  # what it had before the abort already ends it
     params = dict(
         params,
@@ -124,18 +127,18 @@ async def generate(args, sample: Sample, params: dict, *, turn_start: int = 0) -
         sample.loss_mask = sample.loss_mask + [1] * len(ids)
     sample.status = _FINISH_TO_STATUS[meta["finish_reason"]["type"]]
     if stops:
-        cut_at_stop(runtime.tokenizer, sample, turn_start, stops)
+        cut_at_stop(runtime.tokenizer, sample, sample.generation_start, stops)
     sample.response = runtime.tokenizer.decode(sample.response_tokens, skip_special_tokens=True)
     return sample
 
 
-def cut_at_stop(tokenizer: Any, sample: Sample, turn_start: int, stops: list[str] | str) -> bool:
-    """Whether the response past `turn_start` holds one of `stops` (decoded as the engines match
+def cut_at_stop(tokenizer: Any, sample: Sample, start: int, stops: list[str] | str) -> bool:
+    """Whether the response past `start` holds one of `stops` (decoded as the engines match
     them, special tokens skipped); if so, the response ends with the token that completes the
     first one (the engines keep it, as vLLM's include_stop_str_in_output) and the sample is
     COMPLETED, every per-token list cut with it."""
     stops = [stops] if isinstance(stops, str) else stops
-    ids = sample.response_tokens[turn_start:]
+    ids = sample.response_tokens[start:]
 
     def holds(n: int) -> bool:
         text = tokenizer.decode(ids[:n], skip_special_tokens=True)
@@ -206,10 +209,10 @@ def custom_generate(path: str, evaluation: bool = False) -> GenerateFn:
         token = _PROMPT_IDS.set((sample.prompt, prompt_ids))
         try:
             out = await plugin.acall(where, view, sample, params, **extra)
-        finally:
+        finally:  # also when the call is cancelled: a re-queued sample keeps its prompt
             _PROMPT_IDS.reset(token)
-        if not sample.tokens:
-            sample.tokens = prompt_ids
+            if not sample.tokens:
+                sample.tokens = prompt_ids
         if not (isinstance(out, Sample) or (isinstance(out, list) and out and all(isinstance(s, Sample) for s in out))):
             got = "an empty list" if out == [] else type(out).__name__
             raise plugin.error(f"returned {got}: it must return the Sample it was given, or a list of Samples", where)
