@@ -87,8 +87,9 @@ async def generate(args, sample: Sample, params: dict) -> Sample:
     """Default per-sample generate: append the engine's tokens to the sample.
 
     A sample that already holds part of a response (an aborted one being resumed) continues
-    from where it stopped, with the remaining token budget and the same seed (the engine seeds
-    each draw by token position, so the resumed draws are the ones it would have made).
+    from where it stopped, with the remaining token budget and the same seed (the built-in
+    engine seeds each draw by token position, so the resumed draws are the ones it would have
+    made; vLLM's client gives each request a seed of its own, `request_seed`).
     With --rollout-max-context-len the budget also stops where prompt + response reach it; a
     sample with no room left is TRUNCATED without a request.
 
