@@ -70,8 +70,11 @@ def make_tool_model(out_dir: Path, steps: int = 300, seed: int = 0, **shape: int
 def recording_reward(args, sample) -> float:
     """Reward for runs of the tool model: 1 for the right `Answer: <sum>` in the last turn (which
     only a sample that called the calculator and read it gets reliably), plus a tenth of the
-    share of digits in the response, so rewards vary inside a group and each step moves the
-    weights. Each scored sample's layout goes to $VIME_TEST_SAMPLES as a JSON line: its turns
+    share of digits in the response, plus 0.01 for an odd sample index. The model is nearly
+    deterministic (entropy ~0.004 a token at temperature 0.8), so a group's four samples are
+    often the same text: the index term makes rewards vary inside every group, so each step
+    moves the weights (a vLLM run once drew all twelve groups alike and took no step at all).
+    Each scored sample's layout goes to $VIME_TEST_SAMPLES as a JSON line: its turns
     and calls, and per turn (the generated runs between tool answers) the weight versions its
     tokens were sampled with."""
     import os
@@ -97,4 +100,4 @@ def recording_reward(args, sample) -> float:
         f.write(json.dumps(row) + "\n")
     text = sample.response or ""
     right = sample.final_response.strip() == f"Answer: {sample.label}"
-    return float(right) + 0.1 * sum(ch.isdigit() for ch in text) / max(len(text), 1)
+    return float(right) + 0.1 * sum(ch.isdigit() for ch in text) / max(len(text), 1) + 0.01 * (sample.index % 2)
