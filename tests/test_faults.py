@@ -1003,7 +1003,10 @@ def test_save_needs_room_for_float32_weights_and_the_optimizers_state_whatever_t
                 _room_for_checkpoints(tmp_path, model, trainer)
             free = need
             _room_for_checkpoints(tmp_path, model, trainer)
-    assert 12 * params > 5.9 * files  # the old rule, 3x the files, let half of that through
+    # room for three times the bf16 files, which the old rule asked for, is refused now
+    free = 3 * files
+    with pytest.raises(ConfigError, match="a checkpoint of this model takes about"):
+        _room_for_checkpoints(tmp_path, bf16, parse_args(base).trainer)
 
 
 def test_skip_overlong_prompts_leaves_them_out_and_counts_them(tmp_path, tiny_model):

@@ -70,7 +70,8 @@ def notes(cfg: Any, inert_own: Sequence[str] = ()) -> list[str]:
     same += [f"{FLAGS[n].flag} 0 ({FLAGS[n].says})" for n in g if n in FLAGS and FLAGS[n].kind == "zero"]
     if same:
         out.append("slime/Megatron flags vime always follows: " + "; ".join(same))
-    inert = [*inert_own] + [
+    inert = [*inert_own]
+    inert += [
         f"{FLAGS[n].flag}{'' if g[n] is True else f' {g[n]}'} ({FLAGS[n].says})"
         for n in g
         if n in FLAGS and FLAGS[n].kind == "inert"

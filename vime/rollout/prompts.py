@@ -75,8 +75,8 @@ def fit_prompts(
     skip: bool,
     limit: tuple[int, str] | None = None,
 ) -> tuple[list[dict[str, Any]], int, int]:
-    """(the rows whose prompt fits, how many did not, the longest kept prompt's tokens). A prompt of `max_prompt_len` tokens or
-    fewer leaves room for a response. Every row is rendered now, so a long or malformed prompt
+    """(the rows whose prompt fits, how many did not, the longest kept prompt's tokens). A
+    prompt of `max_prompt_len` tokens or fewer leaves room for a response. Every row is rendered now, so a long or malformed prompt
     fails at start-up, not when its turn comes hours in. Without `skip`, the first prompt that
     does not fit is a DataError naming its row. A prompt longer than `limit` (`prompt_limit`:
     the flag's own bound) is always left out, and counted."""

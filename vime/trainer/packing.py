@@ -357,14 +357,14 @@ def _indexed(device: torch.device) -> torch.device:
 
 
 def choose_kernel(choice: str, device: torch.device, heads: int, kv_heads: int, head_dim: int) -> str:
-    """Settle `--attention-kernel` for this device's half-precision attention before any forward,
-    so that FA4's check (which runs its kernels on a test row at the model's head shape) runs
+    """Settle `--attention-kernel` for one model's half-precision attention on this device before
+    any forward (`mark_kernel` keeps the answer on the model), so that FA4's check (which runs its kernels on a test row at the model's head shape) runs
     outside the compiled and checkpointed code; returns the kernel: fa4, fa2 or sdpa. `auto` is
     FA4 where it is installed and passes its check (the trainer's step is 9-14% faster with it
     at the Qwen3-0.6B shape, 7-8% at 4B: bench/RESULTS.md), else FA2 where it runs, else SDPA.
     float32 attention (a trainer without FSDP2's bf16 compute) is always SDPA: neither kernel
-    takes float32. Each model a run loads passes through here with the run's one choice; fa4
-    must pass its check at every model's head shape."""
+    takes float32. Each model a run loads passes through here with the run's one choice, and
+    gets the kernel its own head shape allows; fa4 must pass its check at every one."""
     if choice not in KERNELS:
         raise ConfigError(f"--attention-kernel {choice!r} is not one of {', '.join(KERNELS)}")
     device = _indexed(device)
