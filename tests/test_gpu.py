@@ -813,3 +813,79 @@ def test_a_compiled_trainer_on_fa4_scores_and_accumulates_gradients_as_one_on_fa
     assert score_gap["fa4"] <= 2 * score_gap["fa2"] + 1e-3, score_gap
     assert grad_gap["fa4"] <= 2 * grad_gap["fa2"] + 1e-3, grad_gap
     assert 0 < grad_gap["fa2"] < 0.1, grad_gap  # bf16 against float32: near, not equal
+
+
+def _mps_processes() -> list[int]:
+    from pathlib import Path
+
+    found = []
+    for p in Path("/proc").glob("[0-9]*"):
+        try:
+            if b"nvidia-cuda-mps" in (p / "cmdline").read_bytes():
+                found.append(int(p.name))
+        except OSError:
+            continue
+    return found
+
+
+FULLY_ASYNC = ["--rollout-function-path", "vime.rollout.fully_async_rollout.generate_rollout_fully_async"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_fully_async_run_on_one_gpu_shares_it_through_an_mps_daemon_of_its_own(tmp_path):
+    """--gpu-sharing mps on one GPU: the run starts an MPS daemon of its own, the trainer and the
+    engine are clients of its server (so their kernels may run side by side), generation and
+    rewards run in the rollout process, the weights reach the engine by CUDA IPC under MPS
+    (every push checked by checksum), and at the end no MPS process is left and the daemon's
+    log is in the run."""
+    import json
+
+    from conftest import run_cli
+
+    assert not _mps_processes(), "an MPS daemon was running before the test"
+    out = run_cli(
+        "train_async.py", "--config", "examples/tiny.yaml", *FULLY_ASYNC, "--no-compile", "--num-rollout", "4",
+        "--gpu-sharing", "mps", "--custom-rm-path", "process_plugins.mps_clients_in_step_two", "--runs-dir", str(tmp_path), "--run-name", "m",
+        timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    log = (tmp_path / "m" / "log.txt").read_text()
+    assert "MPS: a daemon of this run's" in log and "rollout process" in log and "weights by cuda_ipc" in log, log[
+        -3000:
+    ]
+    seen = json.loads((tmp_path / "m" / "mps-clients.json").read_text())
+    assert len(seen["servers"]) == 1 and seen["engines"], seen
+    assert seen["trainer"] in seen["clients"] and all(e in seen["clients"] for e in seen["engines"]), seen
+    assert not _mps_processes(), "the run left an MPS process behind"
+    assert (tmp_path / "m" / "mps" / "control.log").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_mps_daemon_and_server_end_with_a_killed_trainer(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
+    run = subprocess.Popen(
+        [sys.executable, "train_async.py", "--config", "examples/tiny.yaml", *FULLY_ASYNC, "--no-compile",
+         "--num-rollout", "500", "--gpu-sharing", "mps", "--runs-dir", str(tmp_path), "--run-name", "k"],
+        cwd=ROOT, env=env, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "k" / "metrics.jsonl").exists():
+            assert run.poll() is None and time.monotonic() < deadline, "the run took no step"
+            time.sleep(0.2)
+        assert _mps_processes(), "no MPS daemon while the run trains"
+    finally:
+        run.send_signal(signal.SIGKILL)
+        run.wait()
+    deadline = time.monotonic() + 30
+    while _mps_processes():
+        assert time.monotonic() < deadline, f"MPS processes outlived the killed trainer: {_mps_processes()}"
+        time.sleep(0.2)

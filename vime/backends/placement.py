@@ -105,6 +105,10 @@ def launch_all(launch_one: Callable[[int], Any], n: int) -> list[Any]:
     return started
 
 
+# an MPS client's cap on the SMs it may use (vime/launch/mps.py; --mps-*-sm-percent)
+MPS_THREADS_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+
+
 def trainer_device(settings: PlacementConfig) -> str:
     if settings.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda but no CUDA device is visible: use --device cpu or auto")

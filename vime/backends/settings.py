@@ -27,6 +27,9 @@ class PlacementConfig:
     engine_max_num_seqs: int
     engine_num_kv_blocks: int | None
     engine_quantization: str | None
+    gpu_sharing: str
+    mps_trainer_sm_percent: int
+    mps_engine_sm_percent: int
     update_weights_interval: int
     weight_transport: str
     update_weight_buffer_size: int

@@ -9,6 +9,7 @@ import json
 from vime.config.checks_algorithm import algorithm_checks
 from vime.config.schema import Settings, default_of
 from vime.modes import SFT_ROLLOUT_FN
+from vime.rollout.compat import needs_router
 
 
 def train_checks(c: Settings, entry: str) -> list[tuple[bool, str]]:
@@ -90,6 +91,18 @@ def _batch_checks(c: Settings, entry: str) -> list[tuple[bool, str]]:
             f"--partial-rollout is --update-in-flight resume, and --update-in-flight is {c.update_in_flight}: give one",
         ),
         (c.rollout_concurrency is not None and c.rollout_concurrency < 1, "--rollout-concurrency must be at least 1"),
+        *(
+            (
+                not 1 <= getattr(c, name) <= 100,
+                f"--{name.replace('_', '-')} {getattr(c, name)}: give a percentage from 1 to 100",
+            )
+            for name in ("mps_trainer_sm_percent", "mps_engine_sm_percent")
+        ),
+        (
+            c.rollout_process == "on" and needs_router(c),
+            "--rollout-process on runs the default generate in a process of its own, and a custom generate or rollout "
+            "function runs in the trainer's (it may call the engines through the run's router): drop one of them",
+        ),
     ]
 
 

@@ -49,6 +49,23 @@ class PlacementFields:
         ("fp8",),
         group="placement",
     )
+    gpu_sharing: str = setting(
+        "time-slice",
+        "how a trainer and the engines it launches on its GPU share it: time-slice, by turns (the driver's default); mps, "
+        "their kernels side by side through CUDA MPS (a daemon of the run's own, stopped at its end, or the one already "
+        "running; where MPS cannot start, one line says why and the run goes on time-sliced). On one H100, fully-async "
+        "stepped in 0.63 s time-sliced and 0.75 s under MPS (generation slowed more than training gained: bench/RESULTS.md)",
+        ("time-slice", "mps"),
+        group="placement",
+    )
+    mps_trainer_sm_percent: int = setting(
+        100,
+        "under MPS, the share of the GPU's SMs the trainer may use (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE)",
+        group="placement",
+    )
+    mps_engine_sm_percent: int = setting(
+        100, "under MPS, the share of the GPU's SMs each built-in engine may use", group="placement"
+    )
     update_weights_interval: int = setting(1, "push weights to the engines every K steps", group="placement")
     weight_transport: str = setting(
         "auto",

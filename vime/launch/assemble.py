@@ -35,8 +35,10 @@ from vime.backends.placement import TRAINER_READY, Placement, fresh_path, traine
 from vime.config import Config, ConfigError, OutputConfig, RolloutConfig
 from vime.launch.context import RunContext
 from vime.launch.launcher import launcher_for
+from vime.launch.mps import start as start_mps
 from vime.metrics import setup_logging
 from vime.preflight import check_eval_inputs, check_inputs
+from vime.rollout import process as rollout_process
 from vime.rollout.answer_log import AnswerLog
 from vime.rollout.compat import PluginArgs, Router, needs_router
 from vime.rollout.runtime import HealthCheck, RolloutRuntime
@@ -51,8 +53,16 @@ def assemble(cfg: Config, evaluation: bool = False) -> RunContext:
     """A training run's parts (`evaluation`: `vime eval`'s, engines and runtime only), its
     config frozen. The caller closes the context."""
     clock = StartupClock()
-    with clock.phase("checks"):
-        ctx = _checked(cfg, clock) if not evaluation else _checked_for_eval(cfg)
+    # before anything of this process touches CUDA: a process is an MPS client from its first cuInit
+    mps = None if evaluation else start_mps(cfg.placement, cfg.output.run_dir)
+    try:
+        with clock.phase("checks"):
+            ctx = _checked(cfg, clock) if not evaluation else _checked_for_eval(cfg)
+    except BaseException:
+        if mps is not None:
+            mps.close()
+        raise
+    ctx.mps = mps
     ctx.startup = clock
     try:
         if evaluation or ctx.cfg.rollout.debug_rollout_only:
@@ -67,6 +77,7 @@ def assemble(cfg: Config, evaluation: bool = False) -> RunContext:
         else:
             with clock.phase("weight group"):
                 _router_and_pusher(ctx)
+            _rollout_process(ctx)
         ctx.args = PluginArgs(ctx.cfg, ctx.runtime, ctx.router)
     except BaseException:
         ctx.close()  # never leave engine or trainer processes behind
@@ -203,6 +214,20 @@ def _engines(ctx: RunContext, relaunch: bool) -> None:
 
     restart = start_again if relaunch and placement.launch_one is not None else None
     ctx.runtime = RolloutRuntime(clients, ctx.tokenizer, placement.transports, restart, HealthCheck.of(ro), ctx.rewards)
+
+
+def _rollout_process(ctx: RunContext) -> None:
+    """--rollout-process: the rollout's per-sample work in a process of its own, started now so
+    that its imports overlap the trainer's compile (vime/rollout/process.py)."""
+    if not ctx.placement.urls or not rollout_process.wanted(ctx.cfg, ctx.placement.trainer_device):
+        return
+    api_key = ctx.placement.api_key or ctx.cfg.placement.api_key
+    ctx.runtime.process = rollout_process.RolloutProcess(ctx.cfg, ctx.runtime, api_key, ctx.run_dir / "log.txt")
+    log.info(
+        "rollout: engine requests and rewards in a process of their own (--rollout-process %s), so they never take "
+        "the train step's GIL",
+        ctx.cfg.rollout.rollout_process,
+    )
 
 
 def _router_and_pusher(ctx: RunContext) -> None:

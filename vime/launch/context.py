@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from vime.backends.placement import Placement
     from vime.config import Config
     from vime.launch.launcher import Launcher
+    from vime.launch.mps import Mps
     from vime.rollout.compat import PluginArgs, Router
     from vime.rollout.data_source import DataSource
     from vime.rollout.rewards import Rewards
@@ -54,6 +55,7 @@ class RunContext:
     rollout_fn: Callable[..., Any] | None = None
     custom_advantages: Callable[..., Any] | None = None  # --custom-advantage-function-path
     startup: StartupClock | None = None  # the phases before step 1, logged by the run
+    mps: Mps | None = None  # --gpu-sharing mps: the run's MPS daemon, stopped after everything else
 
     def close(self) -> None:
         """Each part closed even if an earlier one fails, so no engine or rank outlives the run:
@@ -74,6 +76,8 @@ class RunContext:
             steps.append(self.actor.close)
         if self.placement is not None:
             steps.append(self.placement.shutdown)
+        if self.mps is not None:  # its clients are gone by now
+            steps.append(self.mps.close)
         for step in steps:
             try:
                 step()

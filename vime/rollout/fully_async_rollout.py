@@ -44,7 +44,7 @@ from vime.rollout import async_loop
 from vime.rollout.filters import GroupSieve, load_filter
 from vime.rollout.runtime import runtime_of
 from vime.rollout.types import RolloutOutput, Sample, Status
-from vime.rollout.vllm_rollout import generate_fn, generate_samples, rollout_metrics, sampling_params, score_group
+from vime.rollout.vllm_rollout import generate_fn, generated, rollout_metrics, sampling_params, scored
 
 log = logging.getLogger("vime")
 
@@ -135,7 +135,7 @@ class AsyncRolloutWorker:
         args = self.args
         started = time.perf_counter()
         try:
-            group = await generate_samples(args, group, params, fn)
+            group = await generated(args, group, params, fn)
             while any(s.status == Status.ABORTED for s in group):
                 if self.settings.update_in_flight != "resume" or self._stale(group, self.next_rollout):
                     with self.cond:
@@ -144,8 +144,8 @@ class AsyncRolloutWorker:
                     return
                 # partial rollout: aborted samples continue from the tokens they already have
                 self.counts["resumed"] += sum(s.status == Status.ABORTED for s in group)
-                group = await generate_samples(args, group, params, fn, resume=True)
-            await score_group(args, group)
+                group = await generated(args, group, params, fn, resume=True)
+            group = await scored(args, group)
             verdict = self.sieve.judge(group) if self.sieve is not None else None
             with self.cond:
                 # a dropped group is done with (the worker starts another), a fallback one too:

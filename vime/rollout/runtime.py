@@ -40,6 +40,7 @@ from vime.rollout.rewards import Rewards
 
 if TYPE_CHECKING:
     from vime.rollout.settings import RolloutConfig
+    from vime.rollout.types import Sample
 
 log = logging.getLogger("vime")
 
@@ -54,6 +55,21 @@ class Worker(Protocol):
     def set_engine_version(self, version: int) -> None: ...
 
     def stop(self) -> None: ...
+
+
+class GroupProcess(Protocol):
+    """Where a run with `--rollout-process` generates and scores its groups
+    (`vime.rollout.process.RolloutProcess`): another process, with engine clients of its own."""
+
+    requests: list[int]  # requests it sent to each engine
+
+    async def generate(self, group: list[Sample], params: dict, resume: bool) -> list[Sample]: ...
+
+    async def score(self, group: list[Sample]) -> list[Sample]: ...
+
+    def follow(self, engines: list[Engine]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -120,6 +136,7 @@ class RolloutRuntime:
         self._watches: dict[int, _Watch] = {}  # engine index → its probes (rollout loop only)
         self.engine_version = 0  # the policy version the engines hold (optimizer steps of the pushed weights)
         self.worker: Worker | None = None  # the fully-async worker, started by its rollout function's first call
+        self.process: GroupProcess | None = None  # --rollout-process: where groups are generated and scored
         self._groups: dict[int, Engine] = {}  # group index → the engine its samples go to
         self._lock = threading.Lock()
         self._restart_threads: list[threading.Thread] = []
@@ -149,8 +166,11 @@ class RolloutRuntime:
             "rollout/engines_up": float(sum(e.state == "up" for e in self.engines)),
             "rollout/engine_restarts": float(sum(e.restarts for e in self.engines)),
         }
-        if len(self.engines) > 1:  # how the load spreads
-            out.update({f"rollout/engine{e.index}_requests": float(e.requests) for e in self.engines})
+        if len(self.engines) > 1:  # how the load spreads (the rollout process's requests and this one's)
+            theirs = self.process.requests if self.process is not None else [0] * len(self.engines)
+            out.update(
+                {f"rollout/engine{e.index}_requests": float(e.requests + n) for e, n in zip(self.engines, theirs)}
+            )
         return out
 
     # ---- routing -----------------------------------------------------------------------------
@@ -336,8 +356,10 @@ class RolloutRuntime:
 
     def set_engine_version(self, version: int) -> None:
         """After every push (and on resume): a worker held back by --max-staleness starts its
-        next groups at once."""
+        next groups at once; a rollout process takes the engines as they are now."""
         self.engine_version = version
+        if self.process is not None:
+            self.process.follow(self.engines)
         if self.worker is not None:
             self.worker.set_engine_version(version)
 
@@ -351,11 +373,15 @@ class RolloutRuntime:
                 log.debug("abort at %s while stopping failed: %r", c.url, e)
 
     def close(self) -> None:
-        """Stop the worker (its in-flight requests aborted) and close the clients' sessions."""
+        """Stop the worker (its in-flight requests aborted), then the rollout process, and close
+        the clients' sessions."""
         if self.worker is not None:
             self.worker.stop()
             self.worker = None
             self.abort_all()
+        if self.process is not None:
+            self.process.close()
+            self.process = None
         for c in [e.client for e in self.engines] + self._replaced:
             async_loop.run(c.close())
 

@@ -56,6 +56,7 @@ class RolloutConfig:
     max_staleness: int | None
     partial_rollout: bool
     update_in_flight: str
+    rollout_process: str
     rm_type: str
     rm_url: str | None
     custom_rm_path: str | None

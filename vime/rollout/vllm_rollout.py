@@ -249,12 +249,29 @@ async def score_group(args, group: list[Sample]) -> None:
     await score_samples(args, group if args.rollout.group_rm else [s for s in group if s.reward is None])
 
 
+async def generated(args, group: list[Sample], params: dict, fn: GenerateFn, resume: bool = False) -> list[Sample]:
+    """`generate_samples` of a training rollout, in the run's rollout process when it has one
+    (`vime/rollout/process.py`, which runs the same function with its own `fn`)."""
+    process = runtime_of(args).process
+    if process is not None:
+        return await process.generate(group, params, resume)
+    return await generate_samples(args, group, params, fn, resume)
+
+
+async def scored(args, group: list[Sample]) -> list[Sample]:
+    """`score_group` of a training rollout, in the run's rollout process when it has one; use
+    the group it returns (from another process, its samples are new objects)."""
+    process = runtime_of(args).process
+    if process is not None:
+        return await process.score(group)
+    await score_group(args, group)
+    return group
+
+
 async def generate_group(args, group: list[Sample], params: dict, fn: GenerateFn) -> list[Sample]:
     """Generate every sample of a group, then score them together (the fully-async worker does
     the same in two parts, with aborted samples resumed or re-queued in between)."""
-    group = await generate_samples(args, group, params, fn)
-    await score_group(args, group)
-    return group
+    return await scored(args, await generated(args, group, params, fn))
 
 
 def rollout_metrics(groups: list[list[Sample]], prefix: str = "rollout") -> dict[str, float]:

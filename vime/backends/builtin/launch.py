@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vime.backends.client import EngineClient, EngineError
+from vime.backends.placement import MPS_THREADS_ENV
 from vime.engine.http_common import API_KEY_ENV
 from vime.engine.server import READY_LINE
 from vime.transport.group import apply_gpu_safe_env
@@ -64,6 +65,7 @@ def launch_engine(
     startup_timeout: float = 120.0,
     api_key: str | None = None,
     gate: Path | None = None,
+    sm_percent: int = 100,
 ) -> EngineProcess:
     """Start `python -m vime.engine.server` and return once it answers /health.
 
@@ -75,6 +77,7 @@ def launch_engine(
     leaves no engine behind. `host` is where it listens: loopback unless other machines must
     reach it (a Ray engine actor's, `vime/launch/ray.py`). `gate`: a file the engine waits for
     before sizing its KV cache (`--wait-for-file`); `startup_timeout` counts from its creation.
+    `sm_percent`: the share of the GPU's SMs it may use as an MPS client (vime/launch/mps.py).
     """
     if log_path is None:
         fd, name = tempfile.mkstemp(prefix="vime-engine-", suffix=".log")
@@ -110,6 +113,9 @@ def launch_engine(
     env.pop(API_KEY_ENV, None)
     if api_key:
         env[API_KEY_ENV] = api_key
+    env.pop(MPS_THREADS_ENV, None)  # the trainer's own share, where it has one
+    if sm_percent < 100:
+        env[MPS_THREADS_ENV] = str(sm_percent)
     apply_gpu_safe_env(env)  # NVLink multicast stays off in the engine's NCCL (device README)
     with open(log_path, "w") as logf:
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)

@@ -58,6 +58,7 @@ def place(settings: PlacementConfig, model_dir: Path, run_dir: Path) -> Placemen
                 log_path=log_path,
                 api_key=api_key,
                 gate=gate,
+                sm_percent=settings.mps_engine_sm_percent,
             )
 
         engines = launch_all(launch_one, len(devices))
