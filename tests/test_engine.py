@@ -656,7 +656,8 @@ def test_a_schedule_short_of_blocks_preempts_only_when_asked_to():
 
 def test_a_lower_priority_value_is_admitted_first_and_changes_no_output(model_dir, hf):
     """Eval's requests (priority -1) overtake the rollout backlog waiting for a seat, FIFO
-    within a priority, and a request's tokens do not depend on when it was admitted."""
+    within a priority, and take the seat of a running rollout when none is free (it is
+    recomputed later); a request's tokens do not depend on when it was admitted."""
     from vime.engine.core.engine import EngineConfig, LLMEngine
     from vime.engine.core.sampler import SamplingParams
 
@@ -670,10 +671,38 @@ def test_a_lower_priority_value_is_admitted_first_and_changes_no_output(model_di
             finished += eng.step()  # "a" takes the one seat before the others arrive
     while eng.has_work():
         finished += eng.step()
-    # then both evals, in their order, ahead of the rollouts that were waiting before them
-    assert [o.rid for o in finished] == ["a", "eval1", "eval2", "b", "c"]
+    # both evals, in their order, ahead of the rollouts: "a" gave its seat and ran again after them
+    assert [o.rid for o in finished] == ["eval1", "eval2", "a", "b", "c"]
+    assert eng.scheduler.num_preemptions == 1
     for o in finished:
         assert o.outputs[0].output_ids == hf_greedy(hf, prompts[o.rid], 6)
+
+
+def test_a_rollout_that_gives_its_seat_to_an_eval_draws_the_same_tokens(model_dir):
+    """Sampled at temperature 1: the rollout's draws are seeded by position, so recomputed after
+    an eval took its seat it samples what it sampled alone; its log-probs agree within float32
+    rounding of the recomputation (its prefill scores what decode steps scored)."""
+    from vime.engine.core.engine import EngineConfig, LLMEngine
+    from vime.engine.core.sampler import SamplingParams
+
+    def rollout(eval_at: int | None) -> tuple[list[int], list[float], int]:
+        eng = LLMEngine(EngineConfig(str(model_dir), max_num_seqs=1, block_size=4, num_kv_blocks=64))
+        eng.add_request(
+            "r", PROMPTS[1], SamplingParams(max_new_tokens=12, temperature=1.0, sampling_seed=7, ignore_eos=True)
+        )
+        done, steps = [], 0
+        while eng.has_work():
+            if steps == eval_at:
+                eng.add_request("e", [90, 80, 70], SamplingParams(max_new_tokens=3, temperature=0.0, priority=-1))
+            done += eng.step()
+            steps += 1
+        out = next(o for o in done if o.rid == "r").outputs[0]
+        return out.output_ids, out.logprobs, eng.scheduler.num_preemptions
+
+    alone, beside = rollout(None), rollout(5)
+    assert beside[2] == 1 and alone[2] == 0  # the eval took the rollout's one seat
+    assert beside[0] == alone[0]
+    assert max(abs(x - y) for x, y in zip(beside[1], alone[1])) < 1e-4
 
 
 # ---- protocol errors and OpenAI routes -------------------------------------------------

@@ -122,9 +122,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._views: dict[str, torch.Tensor] | None = None
         self.weight_version = 0
-        self.weights_incomplete: str | None = (
-            None  # why the weights are a mix, after a failed update (WeightsIncomplete)
-        )
+        self.weights_incomplete: str | None = None  # why the weights are a mix after a failed update
         self._update_open = False  # buckets of an update arrived, its last one (flush) not yet
         self.lora = AdapterMerger()  # LoRA adapters pushed on their own (vime/engine/core/lora.py)
         self.paused = False
@@ -227,6 +225,8 @@ class LLMEngine:
         outs, self._backlog = self._backlog, []
         if not self.may_step():
             return outs + self._book_inflight()
+        if self._inflight is not None and self.scheduler.outranked():  # a seat changes hands between steps only
+            outs += self._book_inflight()
         scheduled = self.scheduler.schedule(preempt=self._inflight is None)
         if scheduled is None:  # blocks are short: the step in flight may end sequences that hold some
             outs += self._book_inflight()

@@ -56,11 +56,27 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         """Queue behind every waiting sequence of the same or a lower priority value (FIFO
-        within a priority); running sequences are never preempted for it."""
+        within a priority). When every seat is taken, it takes one from a running sequence of a
+        higher value (`outranked`): an eval during async training (priority -1) is not left
+        waiting for the rollout's long responses to end."""
         i = len(self.waiting)
         while i > 0 and self.waiting[i - 1].params.priority > seq.params.priority:
             i -= 1
         self.waiting.insert(i, seq)
+
+    def outranked(self) -> int:
+        """How many running sequences must give their seats to waiting ones of a lower priority
+        value: every seat is taken, so each such waiting sequence needs one from a running
+        sequence of a higher value, while one is left."""
+        if not self.waiting or len(self.running) < self.max_num_seqs:
+            return 0
+        waiting = [s.params.priority for s in self.waiting]  # lowest value first
+        n = 0
+        for victim in sorted((s.params.priority for s in self.running), reverse=True):
+            if n >= len(waiting) or victim <= waiting[n]:
+                break
+            n += 1
+        return n
 
     def schedule(self, preempt: bool = True) -> list[tuple[Sequence, int]] | None:
         """Pick (sequence, number of new tokens) for one step.
@@ -73,6 +89,12 @@ class Scheduler:
         """
         budget = self.max_num_batched_tokens
         out: list[tuple[Sequence, int]] = []
+        if preempt:
+            for _ in range(self.outranked()):  # the newest running one of the highest value goes first
+                low = max(s.params.priority for s in self.running)
+                victim = next(s for s in reversed(self.running) if s.params.priority == low)
+                self.running.remove(victim)
+                self._preempt(victim)
         preempted = False
         bs, epoch = self.allocator.block_size, self.allocator.epoch
         i = 0
@@ -167,7 +189,11 @@ class Scheduler:
             )
 
     def _preempt(self, seq: Sequence) -> None:
+        """Back to waiting, first of its priority (its tokens kept: it is recomputed over them)."""
         self.allocator.release(seq.block_table)
         seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0
-        self.waiting.appendleft(seq)
+        i = 0
+        while i < len(self.waiting) and self.waiting[i].params.priority < seq.params.priority:
+            i += 1
+        self.waiting.insert(i, seq)
         self.num_preemptions += 1
