@@ -122,9 +122,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._views: dict[str, torch.Tensor] | None = None
         self.weight_version = 0
-        self.weights_incomplete: str | None = (
-            None  # why the weights are a mix, after a failed update (WeightsIncomplete)
-        )
+        self.weights_incomplete: str | None = None  # why the weights are a mix (a failed update)
         self._update_open = False  # buckets of an update arrived, its last one (flush) not yet
         self.lora = AdapterMerger()  # LoRA adapters pushed on their own (vime/engine/core/lora.py)
         self.paused = False
@@ -168,6 +166,8 @@ class LLMEngine:
         if rid in self.requests:
             raise ValueError(f"request id '{rid}' is already in flight")
         self.check_token_ids(prompt_ids)
+        if any(t >= self.model_config.vocab_size for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias names a token id past the vocabulary ({self.model_config.vocab_size} ids)")
         if params.n > self.cfg.max_num_seqs:  # each sample is a sequence held in memory until it finishes
             raise ValueError(
                 f"n {params.n} is more samples than this engine runs at once (--max-num-seqs {self.cfg.max_num_seqs}): send several requests"
