@@ -175,11 +175,13 @@ def chat_example(rng: random.Random, tokenizer) -> tuple[str, str]:
     return prompt, whole[len(prompt) :].removesuffix("<|im_end|>\n")
 
 
-def chat_tool_model(steps: int = 400) -> Path:
-    """The tiny model that calls `add` when a chat shows it the tool (made once per cache directory)."""
+def chat_tool_model(steps: int = 400, **shape: int) -> Path:
+    """The tiny model of this shape (make_tiny_model's keywords) that calls `add` when a chat shows
+    it the tool (made once per cache directory, about 20 s on one core)."""
     from vime.models import build_once, cache_dir
 
+    name = f"tiny-chat-tool-qwen3-v{CHAT_RECIPE}-s{steps}" + "".join(f"-{k}{v}" for k, v in sorted(shape.items()))
     return build_once(
-        cache_dir() / f"tiny-chat-tool-qwen3-v{CHAT_RECIPE}-s{steps}",
-        lambda out: fine_tune(out, chat_example, steps, seed=0, chat_template=TOOL_CHAT_TEMPLATE, decay=True),
+        cache_dir() / name,
+        lambda out: fine_tune(out, chat_example, steps, 0, TOOL_CHAT_TEMPLATE, decay=True, **shape),
     )
