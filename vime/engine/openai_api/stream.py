@@ -81,11 +81,11 @@ async def stream_answer(
             events.put_nowait(("error", i, e))
 
     tasks = [asyncio.create_task(run(i)) for i in range(len(runs))]
+    stream = EventStream(request, plan, head)
     try:
         event = await events.get()
         if event[0] == "error":
             raise event[2]
-        stream = EventStream(request, plan, head)
         await stream.open()
         n = plan.params.n
         texts = [new_text() for _ in range(len(prompts) * n)]
@@ -123,6 +123,8 @@ async def stream_answer(
         prompt = sum(len(p.ids) for p in prompts)
         usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
         return await stream.close(usage if plan.include_usage else None)
+    except ConnectionResetError:  # the client left and a write found out first: nobody to answer
+        return stream.response
     finally:  # done, failed, or the client left (cancelled): no request generates for nobody
         for t in tasks:
             t.cancel()
