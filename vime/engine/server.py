@@ -5,9 +5,11 @@ The engine steps in its own thread; aiohttp handlers never touch it directly. A 
 command (a function of the engine) on a queue and awaits an asyncio future; the engine thread
 runs commands between two steps and resolves futures with `loop.call_soon_threadsafe`. So
 control operations are ordered with respect to steps without any lock, and a long step never
-blocks the event loop (health checks answer while the engine works). The OpenAI-compatible
-routes are in `openai_routes.py`, the weight updates and checksums in `weight_routes.py`,
-request parsing, errors and auth in `http_common.py`.
+blocks the event loop (health checks answer while the engine works); a streamed request's
+tokens come out after each step through a tap (`streams.py`). The OpenAI-compatible routes are
+in `openai_api/`, the weight updates and checksums in `weight_routes.py`, the bodies of
+/get_model_info and /metrics in `introspection.py`, request parsing, errors and auth in
+`http_common.py`.
 """
 
 from __future__ import annotations
