@@ -59,12 +59,14 @@ $(VLLM_VENV)/.installed: pyproject.toml requirements/ray.lock
 	touch $@
 
 # tests/test_vllm.py, test_vllm_runs.py and test_opd_vllm.py against real vLLM servers on CPU (their server tests are
-# marked `vllm` and skipped by `make test`, whose environment has no vllm); one xdist worker per
+# marked `vllm` and skipped by `make test`, whose environment has no vllm), and test_openai_server.py's OpenAI-API
+# checks against a plain vLLM server beside vime's, so the two agree; one xdist worker per
 # file, so each file's shared servers start once. Also the engine's GPU code path and the trainer's
 # Triton LM head under the Triton interpreter, and vLLM engines as Ray actors: this environment is
 # the one with Triton, vLLM and Ray.
 test-vllm: install-vllm
 	$(VLLM_BIN)/python -m pytest -q -n 2 --dist loadfile tests/test_vllm.py tests/test_vllm_runs.py tests/test_opd_vllm.py \
+		tests/test_openai_server.py \
 		tests/test_engine.py::test_triton_path_in_interpreter tests/test_actor.py::test_triton_head_in_interpreter \
 		tests/test_ray_launch.py::test_vllm_engines_on_another_node_as_ray_actors_train_in_sync
 

@@ -677,6 +677,51 @@ def test_scoring_on_cuda_matches_hf_and_leaves_overlapped_steps_alone(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_logit_bias_streamed_tokens_and_top_logprobs_on_cuda(tmp_path):
+    """The OpenAI routes' engine parts on the CUDA path (graphs, overlapped steps): a request's
+    logit_bias moves only its own row (its neighbour gives the tokens it gives alone), what a
+    stream reads after each step (`Request.booked`) is never a pending placeholder and ends as the
+    output, and score_top's alternatives are HF's top-k."""
+    from transformers import AutoModelForCausalLM
+
+    from vime.engine.core.engine import EngineConfig, LLMEngine
+    from vime.engine.core.sampler import SamplingParams
+    from vime.engine.core.scheduler import PENDING
+    from vime.engine.core.scoring import score_top
+
+    model_dir = make_tiny_model(tmp_path / "m", seed=3)
+    z = 90  # an ordinary character of the tiny vocabulary
+    plain = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    biased = SamplingParams(max_new_tokens=24, temperature=1.0, ignore_eos=True, logit_bias=((z, 100.0),))
+
+    def run(requests: dict[str, SamplingParams]) -> tuple[dict[str, list[int]], dict[str, list[int]], LLMEngine]:
+        engine = LLMEngine(EngineConfig(str(model_dir), device="cuda", dtype="float32", max_num_seqs=8))
+        assert engine.overlap and engine.runner.graphs
+        for rid, params in requests.items():
+            engine.add_request(rid, PROMPTS[1], params)
+        done, streamed = {}, {rid: [] for rid in requests}
+        while engine.has_work():
+            done.update({o.rid: o.outputs[0].output_ids for o in engine.step()})
+            for rid, req in engine.requests.items():
+                streamed[rid] += req.booked([len(streamed[rid])])[0]
+        return done, streamed, engine
+
+    alone, _, first = run({"a": plain})
+    first.release_memory()
+    both, streamed, engine = run({"a": plain, "b": biased})
+    assert both["a"] == alone["a"] and both["b"] == [z] * 24
+    assert all(PENDING not in ids and ids == both[rid][: len(ids)] for rid, ids in streamed.items())
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+    ids = PROMPTS[1] + alone["a"]
+    with torch.no_grad():
+        want = hf(torch.tensor([ids], device="cuda")).logits[0, :-1].float().log_softmax(-1).topk(3)
+    _, tops = score_top(engine, ids, 1, 3)
+    assert [[t for t, _ in row] for row in tops] == want.indices.tolist()
+    assert torch.allclose(torch.tensor([[lp for _, lp in row] for row in tops]), want.values.cpu(), atol=1e-4)
+    engine.release_memory()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_colocated_run_on_cuda_pushes_into_the_engine_it_resumed(tmp_path):
     """train.py --colocate with the built-in engine, trainer and engine on one GPU: each step the
     engine gives its memory back (KV pool freed, weights to host memory; over a GiB, as the run

@@ -1,6 +1,8 @@
 """A tiny model that calls the calculator: the random tiny model, fine-tuned for a few seconds on
 conversations in the tag format (prompt, a call to the calculator with the prompt's sum, the
-tool's answer, `Answer: <that answer>`).
+tool's answer, `Answer: <that answer>`). Below it, its chat twin (`chat_tool_model`): a model
+that calls an `add` tool when a Qwen-like chat template shows it one, which the OpenAI server's
+tests (tests/test_openai_server.py) ask through the official client.
 
 A random model never writes a tool call, so whole runs with --tools would only ever see one
 turn. This one is a real model served by the real engines (built-in and vLLM) that opens
@@ -36,6 +38,18 @@ def tool_model(**shape: int) -> Path:
 
 
 def make_tool_model(out_dir: Path, steps: int = 300, seed: int = 0, **shape: int) -> Path:
+    def example(rng: random.Random, tokenizer) -> tuple[str, str]:
+        return conversation(rng.randint(0, 9), rng.randint(0, 9))
+
+    return fine_tune(out_dir, example, steps, seed, **shape)
+
+
+def fine_tune(
+    out_dir: Path, example, steps: int, seed: int, chat_template: str | None = None, decay: bool = False, **shape: int
+) -> Path:
+    """The random tiny model (with `chat_template`, if given, as its template) trained on
+    `example(rng, tokenizer) -> (prompt, response)` pairs, the response followed by <|im_end|>;
+    `decay`: the learning rate falls linearly to 0, so the last steps cannot leave it mid-spike."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -43,15 +57,19 @@ def make_tool_model(out_dir: Path, steps: int = 300, seed: int = 0, **shape: int
 
     make_tiny_model(out_dir, arch="qwen3", seed=seed, **shape)
     tokenizer = AutoTokenizer.from_pretrained(out_dir)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+        tokenizer.save_pretrained(out_dir)
     model = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
     torch.manual_seed(seed)
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 - step / steps if decay else 1.0)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     for _ in range(steps):
         batch, labels = [], []
         for _ in range(16):
-            prompt, response = conversation(rng.randint(0, 9), rng.randint(0, 9))
+            prompt, response = example(rng, tokenizer)
             p = tokenizer.encode(prompt, add_special_tokens=False)
             r = tokenizer.encode(response, add_special_tokens=False) + [eos]
             batch.append(p + r)
@@ -63,6 +81,7 @@ def make_tool_model(out_dir: Path, steps: int = 300, seed: int = 0, **shape: int
         opt.zero_grad()
         loss.backward()
         opt.step()
+        schedule.step()
     model.save_pretrained(out_dir)
     return out_dir
 
@@ -101,3 +120,68 @@ def recording_reward(args, sample) -> float:
     text = sample.response or ""
     right = sample.final_response.strip() == f"Answer: {sample.label}"
     return float(right) + 0.1 * sum(ch.isdigit() for ch in text) / max(len(text), 1) + 0.01 * (sample.index % 2)
+
+
+# ---- a tiny model that calls a tool through a chat template ---------------------------------
+
+CHAT_RECIPE = 1  # part of the cache name: raise it when the template, the examples or the training change
+# Qwen's form in few characters (the model reads one token per character): the tools' names in a
+# system turn, a call as <tool_call>{json}</tool_call>, a tool's answer as a user turn
+TOOL_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t.function.name }}{% endfor %}</tools>"
+    "<|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'tool' %}<|im_start|>user\n<tool_response>{{ m.content }}</tool_response><|im_end|>\n"
+    "{% elif m.tool_calls %}<|im_start|>assistant\n{% for c in m.tool_calls %}<tool_call>"
+    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}</tool_call>'
+    "{% endfor %}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+ADD_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "a + b",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+    },
+}
+
+
+def add_call(a: int, b: int) -> dict:
+    """The assistant message that calls `add` (arguments as a template reads them: an object)."""
+    call = {"id": "call_0", "type": "function", "function": {"name": "add", "arguments": {"a": a, "b": b}}}
+    return {"role": "assistant", "content": None, "tool_calls": [call]}
+
+
+def chat_example(rng: random.Random, tokenizer) -> tuple[str, str]:
+    """One of three turns, through TOOL_CHAT_TEMPLATE: with the add tool shown, "a+b=" gets a call
+    to it; once the tool has answered, "Answer: <its answer>"; with no tools, "I have no tools."""
+    a, b = rng.randint(0, 9), rng.randint(0, 9)
+    messages = [{"role": "user", "content": f"{a}+{b}="}]
+    kind = rng.randrange(3)
+    tools = [ADD_TOOL] if kind < 2 else None
+    if kind == 1:
+        messages += [add_call(a, b), {"role": "tool", "content": str(a + b)}]
+    answer = f"Answer: {a + b}" if kind == 1 else "I have no tools."
+    reply = add_call(a, b) if kind == 0 else {"role": "assistant", "content": answer}
+    prompt = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    whole = tokenizer.apply_chat_template([*messages, reply], tools=tools, tokenize=False)
+    return prompt, whole[len(prompt) :].removesuffix("<|im_end|>\n")
+
+
+def chat_tool_model(steps: int = 400, **shape: int) -> Path:
+    """The tiny model of this shape (make_tiny_model's keywords) that calls `add` when a chat shows
+    it the tool (made once per cache directory, about 20 s on one core)."""
+    from vime.models import build_once, cache_dir
+
+    name = f"tiny-chat-tool-qwen3-v{CHAT_RECIPE}-s{steps}" + "".join(f"-{k}{v}" for k, v in sorted(shape.items()))
+    return build_once(
+        cache_dir() / name,
+        lambda out: fine_tune(out, chat_example, steps, 0, TOOL_CHAT_TEMPLATE, decay=True, **shape),
+    )

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from vime.config.fields import setting
 from vime.modes import DEFAULT_ROLLOUT_FN
+from vime.tool_calls import TOOL_CALL_FORMATS
 
 
 @dataclass
@@ -121,6 +122,13 @@ class RolloutFields:
     )
     tool_timeout: float = setting(
         10.0, "seconds a tool call may take; a slower one ends its turn with an error the model reads", group="tools"
+    )
+    tool_call_parser: str = setting(
+        "hermes",
+        "how a turn's tool call is read (one row of vime.tool_calls; `vime serve --tool-call-parser` reads the same): "
+        + "; ".join(f"{f.name}: {f.models}" for f in TOOL_CALL_FORMATS.values()),
+        choices=tuple(TOOL_CALL_FORMATS),
+        group="tools",
     )
     tool_max_output_chars: int = setting(
         2000,

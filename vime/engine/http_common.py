@@ -1,8 +1,8 @@
-"""HTTP plumbing shared by the engine's routes (`server.py`, `openai_routes.py`).
+"""HTTP plumbing shared by the engine's routes (`server.py`, `weight_routes.py`, `openai_api/`).
 
 Request parsing (`read_body`, `body_field`, `BadRequest`), the error middleware that turns
-exceptions into one-line JSON errors, and API-key auth. Kept apart so both route modules use one
-copy without importing each other.
+exceptions into one-line JSON errors, and API-key auth. Kept apart so the route modules use one
+copy without importing each other (the OpenAI routes reshape its errors: `openai_api/routes.py`).
 """
 
 from __future__ import annotations

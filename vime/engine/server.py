@@ -5,9 +5,11 @@ The engine steps in its own thread; aiohttp handlers never touch it directly. A 
 command (a function of the engine) on a queue and awaits an asyncio future; the engine thread
 runs commands between two steps and resolves futures with `loop.call_soon_threadsafe`. So
 control operations are ordered with respect to steps without any lock, and a long step never
-blocks the event loop (health checks answer while the engine works). The OpenAI-compatible
-routes are in `openai_routes.py`, the weight updates and checksums in `weight_routes.py`,
-request parsing, errors and auth in `http_common.py`.
+blocks the event loop (health checks answer while the engine works); a streamed request's
+tokens come out after each step through a tap (`streams.py`). The OpenAI-compatible routes are
+in `openai_api/`, the weight updates and checksums in `weight_routes.py`, the bodies of
+/get_model_info and /metrics in `introspection.py`, request parsing, errors and auth in
+`http_common.py`.
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ from vime.engine.http_common import (
     json_error,
     read_body,
 )
-from vime.engine.openai_routes import OpenAIRoutes
+from vime.engine.introspection import metrics_text, model_info
+from vime.engine.openai_api.routes import OpenAIRoutes, ServedModel, add_openai_flags, openai_errors
+from vime.engine.streams import OnTokens, Taps
 from vime.engine.weight_routes import WeightRoutes
 from vime.errors import VimeError
 from vime.startup import StartupClock
@@ -54,7 +58,15 @@ MIN_BODY_BYTES = 2**20
 class EngineServer:
     """Owns the engine thread and the aiohttp routes."""
 
-    def __init__(self, engine, model_path: str, api_key: str | None = None, max_request_mb: float | None = None):
+    def __init__(
+        self,
+        engine,
+        model_path: str,
+        api_key: str | None = None,
+        max_request_mb: float | None = None,
+        served_names: tuple[str, ...] = (),
+        tool_call_parser: str = "hermes",
+    ):
         self.engine = engine
         self.model_path = model_path
         self.api_key = api_key
@@ -67,7 +79,9 @@ class EngineServer:
         self.commands: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.Future]] = queue.SimpleQueue()
         self.pending: dict[str, asyncio.Future] = {}  # rid → future; touched by the engine thread only
         self.fatal: str | None = None  # set if a step raised: the engine state can no longer be trusted
-        self.openai = OpenAIRoutes(self._generate, model_path)
+        self.taps = Taps()  # streamed requests; touched by the engine thread only
+        served = ServedModel(model_path, (*served_names, model_path), engine.max_seq_len, tool_call_parser)
+        self.openai = OpenAIRoutes(served, self._generate, self.call, engine)
         self.weights = WeightRoutes(engine, self.call)
 
     # ---- the engine thread -------------------------------------------------------------
@@ -96,18 +110,21 @@ class EngineServer:
             if self.fatal is None and self.engine.has_work():
                 try:
                     self._deliver(self.engine.step())
+                    self.taps.after_step(self.engine.requests, self.loop)
                 except Exception as e:
                     log.exception("engine step failed; failing all requests")
                     self.fatal = f"engine step failed: {type(e).__name__}: {e}"
                     for fut in self.pending.values():
                         self._resolve(fut, error=RuntimeError(self.fatal))
                     self.pending.clear()
+                    self.taps.clear()
 
     def _deliver(self, outputs: Iterable) -> int:
         """Hand each finished request to its waiting handler; returns how many were aborted (an
         abort or pause also returns the requests that the step in flight finished)."""
         n = 0
         for out in outputs:
+            self.taps.drop(out.rid)
             fut = self.pending.pop(out.rid, None)
             if fut is not None:
                 self._resolve(fut, result=out)
@@ -139,8 +156,9 @@ class EngineServer:
 
     # ---- generation --------------------------------------------------------------------
 
-    async def _generate(self, input_ids: list[int], params, rid: str):
-        """Queue one request and wait for its RequestOutput; aborts it if the caller goes away."""
+    async def _generate(self, input_ids: list[int], params, rid: str, on_tokens: OnTokens | None = None):
+        """Queue one request and wait for its RequestOutput; aborts it if the caller goes away.
+        `on_tokens` (streaming) gets each sample's new tokens after every step, on the event loop."""
         self._check_length(len(input_ids))
         fut = asyncio.get_running_loop().create_future()
 
@@ -148,6 +166,8 @@ class EngineServer:
             out = self.engine.add_request(rid, input_ids, params)
             if out is None:
                 self.pending[rid] = fut
+                if on_tokens is not None:
+                    self.taps.add(rid, params.n, on_tokens)
             else:
                 self._resolve(fut, result=out)
 
@@ -232,67 +252,18 @@ class EngineServer:
         return web.json_response({"status": "ok"})
 
     async def model_info(self, request: web.Request) -> web.Response:
-        from vime.transport import cuda_ipc  # torch: loaded with the engine, not with this module
-
-        e = self.engine
-        mc = e.model_config
-        return web.json_response(
-            {
-                "model_path": self.model_path,
-                "model_type": mc.model_type,
-                "weight_version": e.weight_version,
-                "device": str(e.device),
-                "device_uuid": cuda_ipc.device_uuid(e.device),
-                "hostname": socket.gethostname(),
-                "tp_size": 1,
-                "dtype": e.cfg.dtype,
-                "quantization": e.cfg.quantization,
-                "vocab_size": mc.vocab_size,
-                "eos_token_ids": list(mc.eos_token_ids),
-                "max_num_seqs": e.cfg.max_num_seqs,
-                "max_num_batched_tokens": e.cfg.max_num_batched_tokens,
-                "num_kv_blocks": e.allocator.num_blocks,
-                "block_size": e.cfg.block_size,
-                "max_seq_len": e.max_seq_len,
-                "paused": e.paused,
-                "memory_released": not e.kv_cache.allocated,
-            }
-        )
+        return web.json_response(model_info(self.engine, self.model_path))
 
     async def metrics(self, request: web.Request) -> web.Response:
-        e = self.engine
-        s = e.stats
-        rows = [
-            ("num_running", "gauge", "sequences in the running batch", len(e.scheduler.running)),
-            ("num_waiting", "gauge", "sequences waiting to be scheduled", len(e.scheduler.waiting)),
-            ("kv_blocks_free", "gauge", "free KV cache blocks", e.allocator.num_free),
-            ("kv_blocks_total", "gauge", "KV cache blocks", e.allocator.num_blocks),
-            ("weight_version", "gauge", "version of the weights in use", e.weight_version),
-            ("paused", "gauge", "1 while generation is paused", int(e.paused)),
-            ("steps_total", "counter", "model steps run", s.steps),
-            ("prompt_tokens_total", "counter", "prompt tokens received (x n)", s.prompt_tokens),
-            ("computed_tokens_total", "counter", "tokens run through the model, recomputed too", s.computed_tokens),
-            ("generated_tokens_total", "counter", "tokens generated", s.generated_tokens),
-            ("requests_finished_total", "counter", "requests finished (stop or length)", s.finished_requests),
-            ("requests_aborted_total", "counter", "requests aborted", s.aborted_requests),
-            ("preemptions_total", "counter", "sequences preempted for lack of KV blocks", e.scheduler.num_preemptions),
-            (
-                "prefix_cache_hit_tokens_total",
-                "counter",
-                "tokens with KV from the prefix cache",
-                e.scheduler.num_cached_tokens,
-            ),
-        ]
-        text = "".join(
-            f"# HELP vime_engine_{n} {h}\n# TYPE vime_engine_{n} {t}\nvime_engine_{n} {v}\n" for n, t, h, v in rows
-        )
-        return web.Response(text=text, content_type="text/plain")
+        return web.Response(text=metrics_text(self.engine), content_type="text/plain")
 
     def app(self) -> web.Application:
         middlewares = [body_limit_middleware(self.max_request_bytes, "--max-request-mb"), error_middleware]
         if self.api_key:
             middlewares.insert(0, auth_middleware(self.api_key))
+        middlewares.insert(0, openai_errors)  # outermost: the /v1/ routes' errors in OpenAI's shape, a 401 too
         app = web.Application(middlewares=middlewares, client_max_size=self.max_request_bytes)
+        self.openai.add_to(app)
         post = {
             "/generate": self.generate,
             "/pause_generation": self.pause_generation,
@@ -306,8 +277,6 @@ class EngineServer:
             "/destroy_weights_update_group": self.weights.destroy_weights_update_group,
             "/release_memory_occupation": self.release_memory_occupation,
             "/resume_memory_occupation": self.resume_memory_occupation,
-            "/v1/completions": self.openai.completions,
-            "/v1/chat/completions": self.openai.chat_completions,
         }
         for path, handler in post.items():
             app.router.add_post(path, handler)
@@ -404,6 +373,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="torch CPU threads (default: half the cores, the trainer needs the rest)",
     )
+    add_openai_flags(p)
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone (set by launch_engine)")
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
@@ -457,7 +427,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     clock.phases += engine.startup
     log.info("%s", clock.line("before serving"))
-    server = EngineServer(engine, model_path, args.api_key, args.max_request_mb)
+    names = (*args.served_model_name, args.model_path)  # the name as given ('tiny', a hub id), then the directory
+    server = EngineServer(engine, model_path, args.api_key, args.max_request_mb, names, args.tool_call_parser)
     asyncio.run(_serve(server, sock, args.host, args.parent_pid))
 
 

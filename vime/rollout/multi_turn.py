@@ -3,10 +3,12 @@
 A turn is generated until it ends, or until it closes a tool call (`</tool_call>`, a stop string
 of the request). A call is the JSON object between the turn's last `<tool_call>` and that end,
 `{"name": ..., "arguments": {...}}` (the format of Qwen's and Hermes' chat templates; without a
-chat template the same tags are the documented format). The tool runs (`vime.rollout.tools`) and
-its answer is appended as the conversation's next message: with `--apply-chat-template` in the
-template's own form for a `tool` message (whatever closes the assistant's turn, the answer, and
-whatever opens the next assistant turn), without one as `<tool_response>...</tool_response>`.
+chat template the same tags are the documented format), read by the `--tool-call-parser` row of
+`vime.tool_calls`, the parser `vime serve` answers `tool_calls` with. The tool runs
+(`vime.rollout.tools`) and its answer is appended as the conversation's next message: with
+`--apply-chat-template` in the template's own form for a `tool` message (whatever closes the
+assistant's turn, the answer, and whatever opens the next assistant turn), without one as
+`<tool_response>...</tool_response>`.
 
 Token in, token out: the trajectory is the engine's tokens as it generated them, with the tool's
 answer tokenized and appended between turns; no generated text is ever re-tokenized. Appended
@@ -22,7 +24,6 @@ in a tool's answer never stands in for the model's own.
 
 from __future__ import annotations
 
-import json
 from functools import lru_cache
 from typing import Any
 
@@ -32,8 +33,9 @@ from vime.rollout.tools import Tool, call_tool, load_tools, log_sandbox
 from vime.rollout.types import MULTI_TURN_STATE as STATE
 from vime.rollout.types import Sample, Status
 from vime.rollout.vllm_rollout import generate as generate_turn
+from vime.tool_calls import HERMES, Malformed, ToolCallFormat, tool_call_format
 
-CALL_START, CALL_END = "<tool_call>", "</tool_call>"
+CALL_START, CALL_END = HERMES.start, HERMES.end  # the default format's tags (examples and plug-ins name them)
 _SENTINEL = "\u2063vime-turn-end\u2063"  # marks where the assistant's text ends in a rendered template
 
 
@@ -49,30 +51,18 @@ def _tools(specs: tuple[str, ...]) -> dict[str, Tool]:
     return tools
 
 
-def parse_call(turn: str) -> tuple[Any, Any] | None:
-    """(name, arguments) of the call a turn ends with, None when it ends without one. A call
+def parse_call(turn: str, fmt: ToolCallFormat = HERMES) -> tuple[Any, Any] | None:
+    """(name, arguments) of the call a turn ends with, None when it ends without one; read by
+    `fmt`, the row the server's chat route reads calls with too (`vime.tool_calls`). A call
     that is not a JSON object with a name comes back as (None, the text), an error the model
     is told about."""
-    if not turn.rstrip().endswith(CALL_END):
+    if not turn.rstrip().endswith(fmt.end):
         return None
-    body = turn.rstrip()[: -len(CALL_END)]
-    start = body.rfind(CALL_START)
-    if start < 0:
-        return None, body
-    text = body[start + len(CALL_START) :].strip()
-    try:
-        call = json.loads(text)
-    except json.JSONDecodeError:
-        return None, text
-    if not isinstance(call, dict) or "name" not in call:
-        return None, text
-    arguments = call.get("arguments", {})
-    if isinstance(arguments, str):  # some templates write the arguments as a JSON string
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            pass
-    return call["name"], arguments
+    _, blocks = fmt.split(turn.rstrip())
+    if not blocks:  # a closing tag with no opening one
+        return None, turn.rstrip()[: -len(fmt.end)]
+    last = blocks[-1]
+    return (None, last.text) if isinstance(last, Malformed) else (last.name, last.arguments)
 
 
 def answer_text(tokenizer: Any, answer: str, chat: bool, template_kwargs: dict | None = None) -> str:
@@ -121,7 +111,8 @@ async def generate(args, sample: Sample, params: dict) -> Sample:
         STATE,
         {"turns": 0, "tool_calls": 0, "tool_errors": 0, "tool_seconds": 0.0, "turn_start": sample.response_length},
     )
-    params = dict(params, stop=[*(params.get("stop") or []), CALL_END])
+    fmt = tool_call_format(rollout.tool_call_parser)
+    params = dict(params, stop=[*(params.get("stop") or []), fmt.end])
     budget = params["max_new_tokens"]  # the whole response's, tool answers included
     if sample.loss_mask is None:
         sample.loss_mask = [1] * sample.response_length  # kept in step with every token appended
@@ -134,7 +125,7 @@ async def generate(args, sample: Sample, params: dict) -> Sample:
             state["turns"] += 1
         if sample.status != Status.COMPLETED:  # aborted (resumed later, in this turn), truncated or failed
             return sample
-        call = parse_call(tokenizer.decode(turn_tokens, skip_special_tokens=False))
+        call = parse_call(tokenizer.decode(turn_tokens, skip_special_tokens=False), fmt)
         if call is None or state["turns"] >= rollout.max_turns:
             return sample
         name, arguments = call

@@ -51,6 +51,7 @@ class RolloutConfig:
     tools: list
     max_turns: int
     tool_timeout: float
+    tool_call_parser: str
     tool_max_output_chars: int
     rollout_concurrency: int | None
     max_staleness: int | None

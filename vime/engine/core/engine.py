@@ -122,7 +122,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._views: dict[str, torch.Tensor] | None = None
         self.weight_version = 0
-        self.weights_incomplete: str | None = None  # why the weights are a mix after a failed update
+        self.weights_incomplete: str | None = None  # why the weights are a mix (a failed update)
         self._update_open = False  # buckets of an update arrived, its last one (flush) not yet
         self.lora = AdapterMerger()  # LoRA adapters pushed on their own (vime/engine/core/lora.py)
         self.paused = False
@@ -166,6 +166,8 @@ class LLMEngine:
         if rid in self.requests:
             raise ValueError(f"request id '{rid}' is already in flight")
         self.check_token_ids(prompt_ids)
+        if any(t >= self.model_config.vocab_size for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias names a token id past the vocabulary ({self.model_config.vocab_size} ids)")
         if params.n > self.cfg.max_num_seqs:  # each sample is a sequence held in memory until it finishes
             raise ValueError(
                 f"n {params.n} is more samples than this engine runs at once (--max-num-seqs {self.cfg.max_num_seqs}): send several requests"
@@ -182,11 +184,8 @@ class LLMEngine:
         for j in range(params.n):
             # A sampling_seed fixes the draws of sample j of this request; otherwise the engine's
             # seeded RNG picks one (reproducible for the same arrival order).
-            seed = (
-                mix32(mix32(params.sampling_seed & M32) ^ j)
-                if params.sampling_seed is not None
-                else self._rng.getrandbits(32)
-            )
+            given = params.sampling_seed
+            seed = mix32(mix32(given & M32) ^ j) if given is not None else self._rng.getrandbits(32)
             seqs.append(Sequence(rid, list(prompt_ids), len(prompt_ids), params, frozenset(stop), seed=seed))
         req = Request(rid, len(prompt_ids), seqs)
         if params.max_new_tokens == 0:

@@ -34,6 +34,11 @@ class Request:
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.seqs)
 
+    def booked(self, since: list[int]) -> list[list[int]]:
+        """Each sample's output tokens past its first `since[j]`, up to the last one booked: a
+        token the step in flight drew is not known yet (a placeholder), so it is not among them."""
+        return [s.token_ids[s.prompt_len + k : s.prompt_len + len(s.logprobs)] for s, k in zip(self.seqs, since)]
+
 
 @dataclass
 class EngineStats:

@@ -33,7 +33,7 @@ from vime.engine.core import kernels
 from vime.engine.core.attention import AttnMetadata, make_group
 from vime.engine.core.kv_cache import KVCache
 from vime.engine.core.model import CausalLM
-from vime.engine.core.sampler import penalize_repeats, sample, step_seeds
+from vime.engine.core.sampler import add_logit_bias, penalize_repeats, sample, step_seeds
 from vime.engine.core.scheduler import PENDING, Sequence
 
 log = logging.getLogger(__name__)
@@ -190,6 +190,9 @@ class ModelRunner:
         if repeats:  # a decode step's newest token may still be pending: its input ids hold it
             last = self.d_ids[: len(seqs)] if self.is_decode(scheduled) else None
             logits = penalize_repeats(logits, repeats, last)
+        biased = [(i, s.params.logit_bias) for i, s in enumerate(seqs) if s.params.logit_bias]
+        if biased:
+            logits = add_logit_bias(logits, biased)
         tokens, logprobs = sample(logits, [s.params for s in seqs], temps, seeds)
         return self._download(seqs, tokens, logprobs)
 
@@ -280,19 +283,27 @@ class ModelRunner:
             offset += n
         return to_sample, self._forward(scheduled, logit_rows)
 
-    def prompt_logprobs(self, seq: Sequence, n: int, first: int) -> list[float]:
+    def prompt_logprobs(
+        self, seq: Sequence, n: int, first: int, top: int = 0
+    ) -> tuple[list[float], list[list[tuple[int, float]]]]:
         """Log-probs of the tokens at positions max(first, c + 1) .. c + n of `seq` (c: its
         `num_computed`; none past its end), each under the model's raw distribution given the
-        tokens before it, from one eager forward that also writes the chunk's KV. Nothing is
-        sampled: this is scoring given text (a teacher scoring a student's tokens, `scoring.py`)."""
+        tokens before it, from one eager forward that also writes the chunk's KV; and at each of
+        those positions the `top` likeliest tokens as (id, log-prob), likeliest first (OpenAI's
+        top log-probs). Nothing is sampled: this is scoring given text (`scoring.py`)."""
         start = seq.num_computed
         targets = range(max(first, start + 1), min(start + n + 1, seq.num_tokens))
         if not targets:
             self._forward([(seq, n)], [])
-            return []
+            return [], []
         logits = self._forward([(seq, n)], [t - 1 - start for t in targets]).float()
+        logprobs = logits - logits.logsumexp(-1, keepdim=True)  # [T, V]
         ids = torch.tensor(seq.token_ids[targets.start : targets.stop], device=logits.device)[:, None]
-        return (logits.gather(1, ids)[:, 0] - logits.logsumexp(-1)).tolist()
+        tops: list[list[tuple[int, float]]] = []
+        if top > 0:
+            values, indices = logprobs.topk(min(top, logprobs.shape[-1]), dim=-1)  # [T, top]
+            tops = [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
+        return logprobs.gather(1, ids)[:, 0].tolist(), tops
 
     def _forward(self, scheduled: list[tuple[Sequence, int]], logit_rows: list[int]) -> torch.Tensor:
         """The eager forward of `scheduled`'s chunks (KV written to their blocks); logits of the

@@ -38,6 +38,8 @@ class SamplingParams:
     # scheduling, not sampling: a waiting request of lower priority is admitted first (vLLM's
     # convention). Eval asks -1, so in an async run it does not queue behind the worker's backlog.
     priority: int = 0
+    # OpenAI's: (token id, value added to its logit) pairs, each value in [-100, 100] (-100 bans it)
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
 
     @classmethod
     def from_dict(cls, d: dict | None) -> SamplingParams:
@@ -65,6 +67,7 @@ class SamplingParams:
                 sampling_seed=_int(d["sampling_seed"], "sampling_seed") if "sampling_seed" in d else None,
                 priority=_int(d.get("priority", 0), "priority"),
                 repetition_penalty=float(d.get("repetition_penalty", 1.0)),
+                logit_bias=_bias(d.get("logit_bias", {})),
             )
         except TypeError as e:
             raise ValueError(f"bad sampling_params: {e}") from None
@@ -91,6 +94,22 @@ def _strings(v: object, name: str) -> tuple[str, ...]:
     if not isinstance(v, (list, tuple)) or not all(isinstance(x, str) and x for x in v):
         raise ValueError(f"{name} must be a non-empty string or a list of them, got {v!r}")
     return tuple(v)
+
+
+def _bias(v: object) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias`, {token id (a JSON key, so text): value in [-100, 100]}, as pairs."""
+    if not isinstance(v, dict):
+        raise ValueError(f"logit_bias must be an object of token id to bias, got {v!r}")
+    pairs = []
+    for key, value in v.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias key {key!r} is not a token id") from None
+        if token < 0 or isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise ValueError(f"logit_bias {key!r}: {value!r} must be a number in [-100, 100] for a token id >= 0")
+        pairs.append((token, float(value)))
+    return tuple(pairs)
 
 
 def _int(v: object, name: str) -> int:
@@ -187,6 +206,22 @@ def penalize_repeats(
         seen[on, last[on].long()] = True
     p = sent(penalty)[:, None]
     return torch.where(seen, torch.where(logits > 0, logits / p, logits * p), logits)
+
+
+def add_logit_bias(logits: torch.Tensor, rows: list[tuple[int, tuple[tuple[int, float], ...]]]) -> torch.Tensor:
+    """`logits` [B, V] with each (row, its `logit_bias` pairs) of `rows` added, as OpenAI's
+    `logit_bias`: the token is then drawn from the biased distribution and its log-prob is that
+    one's, as for the repetition penalty. A new tensor: the caller's may be a CUDA graph's output."""
+    at = [i for i, pairs in rows for _ in pairs]
+    cols = [t for _, pairs in rows for t, _ in pairs]
+    bias = torch.tensor([b for _, pairs in rows for _, b in pairs], dtype=torch.float32)
+    index = torch.tensor([at, cols], dtype=torch.long)
+    if logits.device.type == "cuda":
+        index, bias = (
+            index.pin_memory().to(logits.device, non_blocking=True),
+            bias.pin_memory().to(logits.device, non_blocking=True),
+        )
+    return logits.float().index_put((index[0], index[1]), bias, accumulate=True)
 
 
 def sample(

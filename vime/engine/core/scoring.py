@@ -32,6 +32,14 @@ class EngineBusy(RuntimeError):
 def score(engine: LLMEngine, token_ids: list[int], start: int = 0) -> list[float | None]:
     """Log-prob of `token_ids[p]` given `token_ids[:p]` for p in start .. len - 1, under the raw
     distribution (no temperature); None at p = 0, which nothing predicts (as SGLang answers)."""
+    return score_top(engine, token_ids, start)[0]
+
+
+def score_top(
+    engine: LLMEngine, token_ids: list[int], start: int = 0, top: int = 0
+) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
+    """`score`, and at each scored position the `top` likeliest tokens as (id, log-prob),
+    likeliest first (None at p = 0): the OpenAI routes' log-probs and top log-probs."""
     engine.check_token_ids(token_ids)
     if not 0 <= start < len(token_ids):
         raise ValueError(f"logprob_start_len {start} must be in [0, {len(token_ids)}) for {len(token_ids)} input ids")
@@ -50,16 +58,19 @@ def score(engine: LLMEngine, token_ids: list[int], start: int = 0) -> list[float
     seq = Sequence("score", list(token_ids), len(token_ids), SamplingParams(max_new_tokens=0), frozenset())
     seq.block_table = allocator.allocate(need)
     logprobs: list[float | None] = [None] if start == 0 else []
+    tops: list[list[tuple[int, float]] | None] = [None] if start == 0 else []
     try:
         while seq.num_computed < len(token_ids):
             n = min(engine.cfg.max_num_batched_tokens, len(token_ids) - seq.num_computed)
-            logprobs += engine.runner.prompt_logprobs(seq, n, first=start)
+            chunk, chunk_tops = engine.runner.prompt_logprobs(seq, n, first=start, top=top)
+            logprobs += chunk
+            tops += chunk_tops if top > 0 else [[] for _ in chunk]
             seq.num_computed += n
     finally:
         allocator.release(seq.block_table)
     engine.stats.prompt_tokens += len(token_ids)
     engine.stats.computed_tokens += len(token_ids)
-    return logprobs
+    return logprobs, tops
 
 
 def input_token_logprobs(engine: LLMEngine, token_ids: list[int], start: int) -> list[list]:
