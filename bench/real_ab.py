@@ -318,7 +318,9 @@ def closing(results: dict[str, dict], labels: list[str], seeds: list[int], png: 
 def verdict(results: dict[str, dict], labels: list[str], seeds: list[int]) -> str:
     """The targets (../shared/DESIGN.md), read off the tables: an async arm's elapsed time ≥ 1.5×
     faster than sync's on one GPU, its mean change at most one pooled standard error below
-    sync's, and more points gained per elapsed minute than sync."""
+    sync's, and more points gained per elapsed minute than sync; and beside its step-time
+    speedup the ideal one, sync's step with generation and training fully overlapped from sync's
+    own phases (max(train wait, train) + the arm's push), with the share of it reached."""
 
     def arm(label: str) -> list[dict]:
         return [results[f"{label}|{s}"] for s in seeds if f"{label}|{s}" in results]
@@ -328,6 +330,7 @@ def verdict(results: dict[str, dict], labels: list[str], seeds: list[int]) -> st
         return ""
     s_change = statistics.mean(r["change"] for r in sync)
     s_elapsed = statistics.mean(r["elapsed"] for r in sync)
+    s_step, s_wait, s_train = (statistics.mean(r[k] for r in sync) for k in ("step_time", "wait_time", "train_time"))
     out = []
     for label in labels[1:]:
         rs = arm(label)
@@ -341,6 +344,12 @@ def verdict(results: dict[str, dict], labels: list[str], seeds: list[int]) -> st
         speed = s_elapsed / elapsed
         ok = "within" if change >= s_change - pooled else "BELOW"
         per_min, s_per_min = change / (elapsed / 60), s_change / (s_elapsed / 60)
+        step = s_step / statistics.mean(r["step_time"] for r in rs)
+        ideal = s_step / (max(s_wait, s_train) + statistics.mean(r["update_time"] for r in rs))
+        out.append(
+            f"* {label}: {step:.2f}× sync's step time; the ideal overlap {ideal:.2f}× (max(sync's train wait, its train) "
+            f"+ push), {step / ideal:.0%} of it reached"
+        )
         out.append(
             f"* {label}: {speed:.2f}× sync's elapsed time ({'meets' if speed >= 1.5 else 'short of'} 1.5×); mean change "
             f"{change:+.1f} against sync's {s_change:+.1f} ({change - s_change:+.1f}, pooled SE {pooled:.1f}: {ok} one SE); "
