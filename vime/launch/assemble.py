@@ -222,7 +222,9 @@ def _rollout_process(ctx: RunContext) -> None:
     if not ctx.placement.urls or not rollout_process.wanted(ctx.cfg, ctx.placement.trainer_device):
         return
     api_key = ctx.placement.api_key or ctx.cfg.placement.api_key
-    ctx.runtime.process = rollout_process.RolloutProcess(ctx.cfg, ctx.runtime, api_key, ctx.run_dir / "log.txt")
+    ctx.runtime.process = rollout_process.RolloutProcess(
+        ctx.cfg, ctx.runtime, api_key, ctx.run_dir / "log.txt", setup_logging
+    )
     log.info(
         "rollout: engine requests and rewards in a process of their own (--rollout-process %s), so they never take "
         "the train step's GIL",

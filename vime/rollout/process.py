@@ -41,6 +41,7 @@ import pickle
 import signal
 import socket
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,16 +52,16 @@ from vime.rollout.types import Sample
 
 if TYPE_CHECKING:
     from vime.backends import Backend
-    from vime.config import Config
 
 log = logging.getLogger("vime")
 
 _HEADER = struct.Struct("!Q")
+LogSetup = Callable[[Path, bool], None]
 START_TIMEOUT_S = 300.0  # importing torch and transformers on a loaded machine, loading the tokenizer
 STOP_TIMEOUT_S = 10.0
 
 
-def wanted(cfg: Config, trainer_device: str) -> bool:
+def wanted(cfg: Any, trainer_device: str) -> bool:
     """Whether a training run generates and scores in a rollout process: --rollout-process on;
     auto when generation overlaps training and the trainer is on a GPU (a CPU trainer's step is
     its arithmetic, not its launches, and one more process costs a small machine a core)."""
@@ -115,7 +116,12 @@ class RolloutProcess:
     coroutines run on the trainer's rollout loop; `follow` and `close` are called from the
     train loop's thread."""
 
-    def __init__(self, cfg: Config, runtime: RolloutRuntime, api_key: str | None, log_file: Path) -> None:
+    def __init__(
+        self, cfg: Any, runtime: RolloutRuntime, api_key: str | None, log_file: Path, setup_logging: LogSetup
+    ) -> None:
+        """`cfg`: the run's frozen Config (typed Any: the rollout never imports the config).
+        `setup_logging(log_file, quiet)`: how the child logs into the run's log.txt (the run's
+        own, `vime.metrics.setup_logging`, handed down: the rollout never imports the metrics)."""
         self.runtime = runtime
         self.log_file = log_file
         ctx = mp.get_context("spawn")  # a fresh interpreter: no CUDA context, no threads inherited
@@ -125,7 +131,7 @@ class RolloutProcess:
         # socket; at this process's exit (a run always closes it before) it is killed first, or
         # multiprocessing would wait for it
         self.proc = ctx.Process(
-            target=_child_main, args=(there, cfg, urls, api_key, str(log_file)), name="vime-rollout"
+            target=_child_main, args=(there, cfg, urls, api_key, str(log_file), setup_logging), name="vime-rollout"
         )
         self.proc.start()
         atexit.register(_kill, self.proc)
@@ -242,14 +248,14 @@ def _kill(proc: mp.Process) -> None:
 # ---------------------------------------------------------------- the child
 
 
-def _child_main(conn: Any, cfg: Config, urls: list[str], api_key: str | None, log_file: str) -> None:
+def _child_main(
+    conn: Any, cfg: Any, urls: list[str], api_key: str | None, log_file: str, setup_logging: LogSetup
+) -> None:
     """The rollout process: build the rollout's live objects, then serve the trainer until it
     says stop or goes away."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the trainer decides the end
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # nothing here uses a GPU: never a CUDA context on the run's device
-    from vime.metrics import setup_logging
-
-    setup_logging(Path(log_file), quiet=True)
+    setup_logging(Path(log_file), True)  # quiet: the per-step progress lines are the trainer's to print
     server = _Server(cfg, urls, api_key)
     try:
         async_loop.run(server.serve(_stream_of(conn)))
@@ -287,7 +293,7 @@ class _ChildRuntime(RolloutRuntime):
 class _Server:
     """The child's side: one task per group, answered as each ends."""
 
-    def __init__(self, cfg: Config, urls: list[str], api_key: str | None) -> None:
+    def __init__(self, cfg: Any, urls: list[str], api_key: str | None) -> None:
         self.cfg, self.urls, self.api_key = cfg, urls, api_key
         self.runtime: RolloutRuntime | None = None
         self.tasks: dict[int, asyncio.Task] = {}
