@@ -13,6 +13,7 @@ in is never written. It writes nothing but a probe file in the output directorie
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 import shutil
@@ -31,6 +32,7 @@ from vime.eval_sets import args_for
 from vime.models import ModelError, context_length, load_tokenizer, read_config, resolve_model
 from vime.plugin_checks import check_plugins
 from vime.plugins import load_function
+from vime.rollout.compat import PluginArgs
 from vime.rollout.data_source import DataSource
 from vime.rollout.filters import load_filter
 from vime.rollout.prompts import load_eval_samples
@@ -97,8 +99,12 @@ def check_inputs(args: Config) -> Inputs:
         _check_lengths(args, model_dir, data_source.longest_row)
     _check_eval_sets(args, tokenizer, max_prompt_len)
     took("data")
-    # every plug-in called as the run calls it, on made-up input (vime/plugin_checks.py)
-    checked = check_plugins(args, tokenizer, data_source, rewards)
+    # every plug-in called as the run calls it, on made-up input (vime/plugin_checks.py), handed
+    # what the run hands them: a read-only view of the settings, over a frozen copy of them here
+    # (nothing a plug-in does reaches the run's config)
+    view = PluginArgs(copy.copy(args).freeze(), None)
+    rewards.args = view
+    checked = check_plugins(view, tokenizer, data_source, rewards)
     notes += checked.notes
     took("plug-ins called")
     return Inputs(args, tokenizer, checked.rollout_fn, data_source, rewards, notes, checked.custom_advantages, seconds)

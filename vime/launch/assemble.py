@@ -68,6 +68,8 @@ def assemble(cfg: Config, evaluation: bool = False) -> RunContext:
             with clock.phase("weight group"):
                 _router_and_pusher(ctx)
         ctx.args = PluginArgs(ctx.cfg, ctx.runtime, ctx.router)
+        if ctx.rewards is not None:  # a custom reward gets the same view as every other plug-in
+            ctx.rewards.args = ctx.args
     except BaseException:
         ctx.close()  # never leave engine or trainer processes behind
         raise
