@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import urllib.request
 from pathlib import Path
 
@@ -113,7 +114,8 @@ def test_a_teacher_that_is_not_there_is_refused_at_start_up(tmp_path, kind):
     )  # fmt: skip
     assert r.returncode == 2, r.stderr[-2000:]
     assert (
-        f"--opd-type {kind}: the teacher at --rm-url http://127.0.0.1:1 took longer than --reward-timeout" in r.stderr
+        f"--opd-type {kind}: the teacher at --rm-url http://127.0.0.1:1 cannot be reached at http://127.0.0.1:1/"
+        in r.stderr
     )
     assert "Traceback" not in r.stderr and not (tmp_path / "u" / "metrics.jsonl").exists()
 
@@ -263,3 +265,56 @@ def test_a_sample_the_teacher_did_not_score_keeps_its_task_advantage():
     assert torch.equal(adv[0], torch.tensor([1.0, 1.0]))
     assert torch.allclose(adv[1], torch.tensor([2.25, 2.0, 1.5]))
     assert metrics == {"train/opd_reverse_kl": pytest.approx((-0.5 + 0 + 1) / 3), "train/opd_unscored_samples": 1.0}
+
+
+def _score_one(url: str) -> tuple[list, dict, str | None]:
+    """One sample with a response scored by the OPD reward at `url`, as a run scores it."""
+    from vime.rollout.rewards import Rewards
+    from vime.rollout.rewards.runner import RewardRunner
+
+    samples, runner = scored_samples()[:1], RewardRunner(1.0)
+    try:
+        rewards = Rewards(served_config(url, "sglang").derived(reward_timeout=1.0), runner)
+        counts = asyncio.run(rewards.score(samples))
+    finally:
+        runner.close()
+    return samples, counts, rewards.last_failure
+
+
+def test_a_teacher_that_dies_counts_its_samples_as_reward_errors():
+    """A teacher not answering at all (killed) was counted in rollout/reward_timeouts, where the
+    docs say rollout/reward_errors; its cause is kept for the line that stops the run."""
+    samples, counts, why = _score_one("http://127.0.0.1:1")
+    assert counts == {"rollout/reward_errors": 1.0, "rollout/reward_timeouts": 0.0}
+    assert samples[0].reward_error == "error" and samples[0].reward_result is None
+    assert why.startswith("Unreachable: cannot be reached at http://127.0.0.1:1/generate for 1s")
+
+
+def test_a_teacher_answering_log_probs_above_zero_is_an_error_of_the_sample():
+    """A teacher that answers +7.5 (a probability above 1) was accepted: only finiteness was
+    checked. Now the sample's reward is an error and it trains without the teacher's term."""
+    import http.server
+
+    class Lying(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            start = body["logprob_start_len"]
+            items = [[7.5, t, None] for t in body["input_ids"][start:]]
+            answer = json.dumps({"text": "", "meta_info": {"input_token_logprobs": items}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Lying)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        samples, counts, why = _score_one(f"http://127.0.0.1:{server.server_address[1]}")
+    finally:
+        server.shutdown()
+    assert counts == {"rollout/reward_errors": 1.0, "rollout/reward_timeouts": 0.0}
+    assert samples[0].reward_error == "error"
+    assert "answered sample 0 with the log-prob 7.5, above 0 (a probability above 1)" in why

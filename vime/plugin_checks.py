@@ -279,7 +279,13 @@ def _custom_reward(args: Any, rewards: Rewards, sample: Sample) -> list[str]:
         raise plugin.raised(e) from e
     except Exception as e:
         timed_out = isinstance(e, TimeoutError)
-        what = "took longer than --reward-timeout" if timed_out else f"raised {type(e).__name__}: {first_line(e)}"
+        what = (
+            "took longer than --reward-timeout"
+            if timed_out
+            else first_line(e)  # a service down: "cannot be reached at URL for 10s (...)"
+            if isinstance(e, ConnectionError)
+            else f"raised {type(e).__name__}: {first_line(e)}"
+        )
         if args.algorithm.teacher_served:  # a teacher not there now would leave the whole run undistilled
             raise RewardSettingError(
                 f"--opd-type {args.algorithm.opd_type}: the teacher at --rm-url {ro.rm_url} {what} on a made-up sample at "

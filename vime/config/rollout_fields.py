@@ -204,6 +204,12 @@ class RolloutFields:
         group="rewards",
     )
     reward_timeout: float = setting(10.0, "seconds before a reward call scores 0", group="rewards")
+    max_failed_reward_steps: int = setting(
+        3,
+        "stop the run after this many steps in a row in which every sample's reward failed (an error or a timeout: "
+        "a reward service or OPD teacher that is down); resume with --load once it is back",
+        group="rewards",
+    )
     reward_key: str | None = setting(
         None,
         "a reward function that returns a dict is read at this key (default: 'score'); its other numeric values are logged as rollout/reward_<key>",

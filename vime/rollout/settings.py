@@ -63,6 +63,7 @@ class RolloutConfig:
     group_rm: bool
     reward_timeout: float
     reward_key: str | None
+    max_failed_reward_steps: int
     model_dir: str | None
     steps_per_rollout: int
     sft_rollout: bool

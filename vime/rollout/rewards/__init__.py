@@ -228,6 +228,7 @@ class Rewards:
         # the answers go to a post-process as they are (post_process.py), which makes them rewards
         self.keep_answers = bool(self.settings.custom_reward_post_process_path)
         self._logged: set[str] = set()  # exception types already logged once
+        self.last_failure: str | None = None  # the latest failure, for the line that stops a run (watch.py)
 
     async def score(self, samples: list[Sample]) -> dict[str, float]:
         """Set `sample.reward`, `sample.reward_error` and `sample.reward_extras` on every sample
@@ -322,6 +323,7 @@ class Rewards:
         name = type(e).__name__
         detail = "no result in time, see --reward-timeout" if timed_out else str(e)
         counter = "rollout/reward_timeouts" if timed_out else "rollout/reward_errors"
+        self.last_failure = f"{name}: {' '.join(detail.split())[:300]}"
         if name not in self._logged:
             self._logged.add(name)
             log.warning(
