@@ -72,6 +72,8 @@ def check_inputs(args: Config) -> Inputs:
     args, tokenizer = _model(args)
     took("tokenizer")
     model_dir = Path(args.rollout.model_dir)
+    if ckpt is not None:
+        _resumable(args, ckpt, model_dir)
     _check_model_flags(args, model_dir)
     if args.trainer.lora_rank:
         _check_lora(args.trainer, model_dir)
@@ -117,8 +119,6 @@ def _outputs(args: Config) -> tuple[Config, Path | None, list[str]]:
     ckpt, notes = resume_point(args)
     if ckpt is None:
         args = args.derived(load=None)  # nothing to resume: the run starts from --hf-checkpoint (said in a note)
-    else:
-        _same_kind_of_run(args.output.load, ckpt, args.algorithm.loss_type)
     out = args.output
     _writable(Path(out.runs_dir), "--runs-dir")
     if out.save:
@@ -161,6 +161,15 @@ def _data(args: Config, tokenizer: Any, max_prompt_len: int) -> tuple[Config, Da
     if ro.num_rollout is None:
         args = args.derived(num_rollout=math.ceil(ro.num_epoch * len(data_source) / ro.rollout_batch_size))
     return args, data_source
+
+
+def _resumable(args: Config, ckpt: Path, model_dir: Path) -> None:
+    """The checkpoint --load resumes, every key and shape against the model (a crafted or damaged
+    one failed in the trainer, after the engines started), and of this kind of run."""
+    from vime.trainer.checkpoint_check import check_checkpoint
+
+    check_checkpoint(ckpt, model_dir, lora=bool(args.trainer.lora_rank))
+    _same_kind_of_run(args.output.load, ckpt, args.algorithm.loss_type)
 
 
 def _same_kind_of_run(load: str, ckpt: Path, loss_type: str) -> None:
@@ -234,6 +243,10 @@ def resume_point(args: Any) -> tuple[Path | None, list[str]]:
     if not args.output.load:
         return None, []
     load = Path(args.output.load)
+    if load.exists() and not load.is_dir():  # it was taken for an empty directory: the run started afresh
+        raise ConfigError(
+            f"--load {load} is a file: give the --save directory of a vime run or one of its <step>/ directories"
+        )
     ckpt = checkpoint_to_load(load, warn=False)
     if is_step_checkpoint(load):
         if ckpt is None:

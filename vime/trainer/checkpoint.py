@@ -186,7 +186,7 @@ def load(actor: Trainer, ckpt: Path) -> dict[str, Any]:
         raise CheckpointError(
             f"checkpoint {ckpt} does not match the model: missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}"
         )
-    state = _read_state(state_file)
+    state = read_state(state_file)
     saved, running = (
         _optimizer_kind(g) for g in (state["optimizer"]["param_groups"][0], actor.optimizer.param_groups[0])
     )
@@ -275,10 +275,10 @@ def _numpy_globals() -> list[Any]:
 def loss_type(ckpt: Path) -> str:
     """The --loss-type of the run that wrote `ckpt` (policy_loss where it recorded none, as before
     SFT), read with its tensors memory-mapped, not loaded: cheap at any model size."""
-    return _read_state(ckpt / TRAINER_STATE, mmap=True)["extra"].get("loss_type", "policy_loss")
+    return read_state(ckpt / TRAINER_STATE, mmap=True)["extra"].get("loss_type", "policy_loss")
 
 
-def _read_state(state_file: Path, mmap: bool = False) -> dict[str, Any]:
+def read_state(state_file: Path, mmap: bool = False) -> dict[str, Any]:
     """trainer_state.pt as plain data (tensors, numbers, strings, lists, dicts). Unpickling may
     call anything the file names, so a file that names anything else (a crafted checkpoint that
     would run a command on `--load`) is refused before any of it runs."""
