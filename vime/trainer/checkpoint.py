@@ -171,13 +171,9 @@ def load(actor: Trainer, ckpt: Path) -> dict[str, Any]:
     state_file = ckpt / TRAINER_STATE
     if not state_file.exists():
         raise CheckpointError(f"{ckpt} is not a complete checkpoint (no {TRAINER_STATE})")
+    check_same_kind(ckpt, getattr(actor, "lora", None) is not None)
     # both files read before either is applied: one that fails to load changes nothing
     weights = _lora_weights(actor, ckpt) if getattr(actor, "lora", None) is not None else dict(iter_weights(ckpt))
-    if getattr(actor, "lora", None) is None and (ckpt / ADAPTER_DIR).is_dir():
-        raise CheckpointError(
-            f"checkpoint {ckpt} was trained with LoRA (its optimizer holds only the adapters'): resume with the same "
-            "--lora-rank, or start a full fine-tune from it with --hf-checkpoint (its weights are merged)"
-        )
     expected = {n for n, p in actor.model.named_parameters() if p.requires_grad} | (
         set(actor.model.state_dict()) - actor.tied_aliases if getattr(actor, "lora", None) is None else set()
     )
@@ -205,14 +201,24 @@ def load(actor: Trainer, ckpt: Path) -> dict[str, Any]:
     return state["extra"]
 
 
+def check_same_kind(ckpt: Path, lora: bool) -> None:
+    """A LoRA run resumes only a LoRA run's checkpoint (its optimizer holds the adapters' state
+    alone), a full fine-tune only a full fine-tune's."""
+    if lora and not (ckpt / ADAPTER_DIR).is_dir():
+        raise CheckpointError(
+            f"checkpoint {ckpt} holds no LoRA adapter ({ADAPTER_DIR}/): it is a full fine-tune; resume it without --lora-rank"
+        )
+    if not lora and (ckpt / ADAPTER_DIR).is_dir():
+        raise CheckpointError(
+            f"checkpoint {ckpt} was trained with LoRA (its optimizer holds only the adapters'): resume with the same "
+            "--lora-rank, or start a full fine-tune from it with --hf-checkpoint (its weights are merged)"
+        )
+
+
 def _lora_weights(actor: Trainer, ckpt: Path) -> dict[str, Tensor]:
     """A LoRA run resumes its adapters; its base is the run's --hf-checkpoint, already loaded.
     That base is checked against the checkpoint: one adapted layer's saved (merged) weight must
     equal the base's plus the adapter, or the run would train adapters made for another model."""
-    if not (ckpt / ADAPTER_DIR).is_dir():
-        raise CheckpointError(
-            f"checkpoint {ckpt} holds no LoRA adapter ({ADAPTER_DIR}/): it is a full fine-tune; resume it without --lora-rank"
-        )
     adapter = read_adapter(ckpt / ADAPTER_DIR)
     _check_same_lora(actor, ckpt, adapter)
     module = min(actor.lora_modules)

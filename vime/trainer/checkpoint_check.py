@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from vime.rollout.types import Sample, Status
-from vime.trainer.checkpoint import TRAINER_STATE, CheckpointError, read_state
+from vime.trainer.checkpoint import TRAINER_STATE, CheckpointError, check_same_kind, read_state
 from vime.trainer.lora import ADAPTER_DIR, read_adapter
 
 COUNTERS = ("policy_version", "weight_pushes", "weight_version")  # optional whole numbers in `extra`
@@ -35,6 +35,7 @@ def check_checkpoint(ckpt: Path, model_dir: Path, lora: bool) -> None:
     """CheckpointError unless `ckpt` holds what resuming the model of `model_dir` reads: its
     model file's tensors by name and shape, and a trainer state of vime's layout whose optimizer
     state fits the parameters this run trains (the adapters with `lora`)."""
+    check_same_kind(ckpt, lora)
     weights, aliases = _model_shapes(model_dir)
     _check_model_file(ckpt, weights, aliases)
     trained = _adapter_shapes(ckpt, weights) if lora else {n: s for n, s in weights.items() if n not in aliases}
@@ -116,9 +117,10 @@ def _check_model_file(ckpt: Path, expected: dict[str, tuple[int, ...]], aliases:
 def _adapter_shapes(ckpt: Path, weights: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
     """A LoRA checkpoint's adapters by parameter name, each fitting its layer: A [rank, in],
     B [out, rank] of the layer's weight [out, in]."""
-    if not (ckpt / ADAPTER_DIR / "adapter_model.safetensors").is_file():
-        return {}  # a full fine-tune's checkpoint: the trainer's load names it
-    shapes = {n: tuple(t.shape) for n, t in read_adapter(ckpt / ADAPTER_DIR).items()}
+    try:
+        shapes = {n: tuple(t.shape) for n, t in read_adapter(ckpt / ADAPTER_DIR).items()}
+    except Exception as e:  # safetensors' own error of a damaged file, or a name that is no adapter's
+        raise CheckpointError(f"{ckpt / ADAPTER_DIR} cannot be read ({' '.join(str(e).split())[:160]})") from None
     for name, shape in shapes.items():
         module, _, part = name.rpartition(".")
         layer = weights.get(f"{module}.weight")
