@@ -176,6 +176,29 @@ def test_the_engine_runs_nothing_sent_to_it(engine, client, tmp_path):
     assert client.model_info()["weight_version"] == 0
 
 
+def _raw_request(url: str, head: bytes) -> bytes:
+    """The status line the engine answers a request of these bytes with (a client that sends
+    what no HTTP library would)."""
+    host, port = url.split("//")[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(head + b"\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+        return s.recv(200).split(b"\r\n")[0]
+
+
+def test_no_header_bytes_make_the_auth_check_raise_and_no_bad_request_writes_a_traceback(engine):
+    """One byte that is not UTF-8 in Authorization was a 500 and a full traceback in the engine's
+    log, per request, without any key; a byte no URL may hold was aiohttp's traceback."""
+    before = engine.log_path.read_text().count("Traceback")
+    for auth in (b"Bearer \xff", b"Bearer \xc3\x28", b"\xe9t\xe9", f"Bearer {KEY}\x80".encode()):
+        status = _raw_request(engine.url, b"POST /generate HTTP/1.1\r\nAuthorization: " + auth)
+        assert status.endswith(b"401 Unauthorized"), (auth, status)
+    assert _raw_request(engine.url, b"POST /gen\xffrate HTTP/1.1").endswith(b"400 Bad Request")
+    key = f"Authorization: Bearer {KEY}\r\nContent-Type: application/json; charset=\xff".encode()
+    assert _raw_request(engine.url, b"POST /generate HTTP/1.1\r\n" + key).endswith(b"400 Bad Request")
+    time.sleep(0.2)  # the engine's log is written by another process
+    assert engine.log_path.read_text().count("Traceback") == before
+
+
 def test_every_route_but_health_needs_the_key(engine, client, capsys):
     assert KEY not in " ".join(engine.proc.args)  # through the environment: the process list shows no key
     for route, body in [

@@ -35,6 +35,7 @@ from vime.engine.http_common import (
     error_middleware,
     is_loopback,
     json_error,
+    one_line_bad_requests,
     read_body,
 )
 from vime.engine.openai_routes import OpenAIRoutes
@@ -141,7 +142,7 @@ class EngineServer:
 
     async def _generate(self, input_ids: list[int], params, rid: str):
         """Queue one request and wait for its RequestOutput; aborts it if the caller goes away."""
-        self._check_length(len(input_ids))
+        self._check_length(len(input_ids), generates=params.max_new_tokens > 0)
         fut = asyncio.get_running_loop().create_future()
 
         def add() -> None:
@@ -158,10 +159,11 @@ class EngineServer:
             self._submit(lambda: self._deliver(self.engine.abort(rid)))
             raise
 
-    def _check_length(self, n: int) -> None:
+    def _check_length(self, n: int, generates: bool = True) -> None:
         """A prompt the engine could never hold is refused here, on the HTTP thread, before its
-        ids are checked one by one or it queues for the engine thread."""
-        if n >= self.engine.max_seq_len:
+        ids are checked one by one or it queues for the engine thread. One that generates nothing
+        (a scoring, OPD's teacher) may fill the whole context: a sample the student ended there is one."""
+        if n > self.engine.max_seq_len - int(generates):
             raise BadRequest(
                 f"prompt of {n} tokens can never fit: the engine's maximum sequence length is {self.engine.max_seq_len}"
             )
@@ -170,10 +172,11 @@ class EngineServer:
         from vime.engine.core.sampler import SamplingParams
 
         input_ids = body_field(body, "input_ids", list)
-        self._check_length(len(input_ids))
+        self._check_length(len(input_ids), generates=False)
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
             raise BadRequest("input_ids must be a list of integers")
         params = SamplingParams.from_dict(body_field(body, "sampling_params", dict, required=False, default={}))
+        self._check_length(len(input_ids), generates=params.max_new_tokens > 0)
         rid = body_field(body, "rid", str, required=False) or uuid.uuid4().hex
         return input_ids, params, rid, bool(body.get("return_logprob", False))
 
@@ -289,6 +292,7 @@ class EngineServer:
         return web.Response(text=text, content_type="text/plain")
 
     def app(self) -> web.Application:
+        one_line_bad_requests()
         middlewares = [body_limit_middleware(self.max_request_bytes, "--max-request-mb"), error_middleware]
         if self.api_key:
             middlewares.insert(0, auth_middleware(self.api_key))
