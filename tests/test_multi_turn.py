@@ -60,6 +60,10 @@ def test_calculator_evaluates_arithmetic(expression, answer):
         ("2.0 ** 1500", "too large for a floating-point number"),
         ("10 ** 900 * 1.5", "too large for a floating-point number"),
         ("(-8) ** 0.5", "not a real number"),
+        # a float past 1.8e308 is inf without an OverflowError: inf and nan were answers
+        ("1e308 * 10", "too large for a floating-point number"),
+        ("1e308 * 10 - 1e308 * 10", "too large for a floating-point number"),
+        ("1e999", "too large for a floating-point number"),
     ],
 )
 def test_calculator_refuses_what_is_not_small_arithmetic(expression, fragment):
@@ -187,6 +191,26 @@ NOT_A_TOOL = 42
 
 def broken_tool_factory() -> Tool:
     raise OSError("no such index file: wiki.idx")
+
+
+@pytest.mark.parametrize(
+    "how, fragment",
+    [
+        ("os._exit", "error: end ended: its process exited with status 3"),
+        ("sys.exit", "error: end raised SystemExit: it called sys.exit(4)"),
+        ("signal", "error: end ended: its process was killed by SIGKILL"),
+        ("group", "error: end ended: its process was killed by SIGTERM"),
+    ],
+)
+def test_a_tool_that_ends_its_process_ends_only_its_call(how, fragment):
+    """A user's tool ran in a thread of the run: `os._exit(3)` ended the run with status 3 and no
+    line, a signal to its process or group the run too. Now it ends its worker process alone: the
+    call is an error the model reads, and the tool's next call gets a fresh worker."""
+    tools = load_tools(["exiting_tools:exiting_tool"])
+    r = call("end", {"how": how}, tools=tools, timeout=60)
+    assert (r.text, r.error) == (fragment, True)
+    r = call("end", {"how": "nothing"}, tools=tools, timeout=60)
+    assert (r.text, r.error) == ("still here", False)
 
 
 def test_tools_load_by_name_and_dotted_path_and_bad_ones_are_one_line():

@@ -127,6 +127,12 @@ class RolloutFields:
         "characters of a tool's answer kept in the conversation; a longer one is cut there and counted as an error",
         group="tools",
     )
+    unsafe_python_tool: bool = setting(
+        False,
+        "run the python tool's model-written programs even where no boundary can be set up (no namespaces, no "
+        "Landlock, not root): they then run as this user, with its files and processes; unsafe",
+        group="tools",
+    )
     dynamic_sampling_filter_path: str | None = setting(
         None,
         "DAPO's dynamic sampling: dotted path of a filter fn(args, samples) -> bool or DynamicFilterOutput that judges each "

@@ -86,11 +86,7 @@ class _OneLine(logging.Filter):
         return True
 
 
-def one_line_bad_requests() -> None:
-    """Log each request aiohttp cannot parse in one line, not a traceback (once per process)."""
-    logger = logging.getLogger("aiohttp.server")
-    if not any(isinstance(f, _OneLine) for f in logger.filters):
-        logger.addFilter(_OneLine())
+logging.getLogger("aiohttp.server").addFilter(_OneLine())  # every engine process: they all import this
 
 
 API_KEY_ENV = "VIME_API_KEY"

@@ -35,7 +35,6 @@ from vime.engine.http_common import (
     error_middleware,
     is_loopback,
     json_error,
-    one_line_bad_requests,
     read_body,
 )
 from vime.engine.openai_routes import OpenAIRoutes
@@ -160,9 +159,8 @@ class EngineServer:
             raise
 
     def _check_length(self, n: int, generates: bool = True) -> None:
-        """A prompt the engine could never hold is refused here, on the HTTP thread, before its
-        ids are checked one by one or it queues for the engine thread. One that generates nothing
-        (a scoring, OPD's teacher) may fill the whole context: a sample the student ended there is one."""
+        """A prompt the engine could never hold is refused here, on the HTTP thread, before its ids are
+        checked or it queues for the engine thread; a scoring (nothing generated) may fill the context."""
         if n > self.engine.max_seq_len - int(generates):
             raise BadRequest(
                 f"prompt of {n} tokens can never fit: the engine's maximum sequence length is {self.engine.max_seq_len}"
@@ -292,7 +290,6 @@ class EngineServer:
         return web.Response(text=text, content_type="text/plain")
 
     def app(self) -> web.Application:
-        one_line_bad_requests()
         middlewares = [body_limit_middleware(self.max_request_bytes, "--max-request-mb"), error_middleware]
         if self.api_key:
             middlewares.insert(0, auth_middleware(self.api_key))

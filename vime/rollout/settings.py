@@ -52,6 +52,7 @@ class RolloutConfig:
     max_turns: int
     tool_timeout: float
     tool_max_output_chars: int
+    unsafe_python_tool: bool
     rollout_concurrency: int | None
     max_staleness: int | None
     partial_rollout: bool
