@@ -876,6 +876,9 @@ def test_every_input_is_checked_before_anything_starts(tmp_path, tiny_model, mon
     weights = cut_short / "model.safetensors"
     os.truncate(weights, weights.stat().st_size // 2)  # a copy or download that stopped halfway
     (unweighted / "model.safetensors").unlink()
+    moe = tmp_path / "moe"  # transformers reads it; the built-in engine died at its start, a traceback shown
+    shutil.copytree(tiny_model, moe)
+    (moe / "config.json").write_text((moe / "config.json").read_text().replace('"qwen3"', '"qwen3_moe"'))
     cases = [
         (["--hf-checkpoint", str(broken)], "config.json is not valid JSON"),
         (
@@ -900,6 +903,20 @@ def test_every_input_is_checked_before_anything_starts(tmp_path, tiny_model, mon
         ),
         (["--eval-interval", "1", "--eval-prompt-data", str(long_rows)], "long.jsonl row 3"),
         (["--load", str(tmp_path / "ckpt")], "no intact checkpoint"),
+        (
+            ["--hf-checkpoint", str(moe)],
+            "model_type 'qwen3_moe' in .*moe/config.json is not supported by the vime engine \\(supported: llama, qwen2, "
+            "qwen3\\); --rollout-backend vime cannot generate with it",
+        ),
+        (  # taken unsaid: no response can be longer than the context
+            ["--rollout-max-response-len", "10000000"],
+            "--rollout-max-response-len 10000000 is not below the model's context \\(config.json\\) of 512 tokens: a "
+            "response has at most 511",
+        ),
+        (
+            ["--eval-interval", "1", "--eval-max-response-len", "512"],
+            "--eval-max-response-len 512 is not below the model's context",
+        ),
     ]
     for argv, match in cases:
         assert re.search(match, _refused(tmp_path, *argv)), argv

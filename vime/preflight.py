@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from vime import compat
+from vime.backends import BACKENDS
 from vime.config import Config, ConfigError, RolloutConfig, TrainerConfig
 from vime.config.checks_train import inert_flags
 from vime.debug_rollout import check_template
@@ -74,6 +75,9 @@ def check_inputs(args: Config) -> Inputs:
     model_dir = Path(args.rollout.model_dir)
     if ckpt is not None:
         _resumable(args, ckpt, model_dir)
+    if not args.rollout.debug_train_only:  # SFT and saved rollouts start no engine
+        _engines_run(args, model_dir)
+    _responses_fit(args, model_dir, training=True)
     _check_model_flags(args, model_dir)
     if args.trainer.lora_rank:
         _check_lora(args.trainer, model_dir)
@@ -205,6 +209,8 @@ def check_eval_inputs(args: Config) -> tuple[Config, Any]:
     `model_dir` and the tokenizer."""
     args, tokenizer = _model(args)
     model_dir = Path(args.eval.model_dir)
+    _engines_run(args, model_dir)
+    _responses_fit(args, model_dir, training=False)
     _check_model_flags(args, model_dir)
     _check_eval_sets(args, tokenizer, context_length(model_dir) - 1)
     return args, tokenizer
@@ -324,6 +330,40 @@ def _check_save(save: Path, ckpt: Path | None, overwrite: bool) -> list[str]:
         f"--save {save} already holds checkpoints (steps {listed}) this run would overwrite: resume them with "
         f"--load {save}, pick another --save, or pass --overwrite-save to replace them"
     )
+
+
+def _engines_run(args: Config, model_dir: Path) -> None:
+    """The engines the run starts can run the model (the built-in engine's architectures): one
+    they could not passed every check and died at start, its traceback shown."""
+    pl = args.placement
+    backend = BACKENDS[pl.rollout_backend]
+    if pl.rollout_engine_urls or backend.check_model is None:  # engines given by URL already run theirs
+        return
+    why = backend.load(backend.check_model)(model_dir)
+    if why is not None:
+        raise ModelError(
+            f"--hf-checkpoint {args.rollout.hf_checkpoint}: {why}; --rollout-backend {pl.rollout_backend} cannot "
+            "generate with it (another --rollout-backend may)"
+        )
+
+
+def _responses_fit(args: Config, model_dir: Path, training: bool) -> None:
+    """The longest response asked for (training's, and each held-out set's) below the context: one
+    that is not can never be reached, and 10,000,000 on a 512-token model was taken unsaid (the
+    token-sum normalizer of the loss reads it too)."""
+    context, source = context_length(model_dir), "the model's context (config.json)"
+    if args.rollout.rollout_max_context_len and args.rollout.rollout_max_context_len < context:
+        context, source = args.rollout.rollout_max_context_len, "--rollout-max-context-len"
+    asked = [("--rollout-max-response-len", args.rollout.rollout_max_response_len)] if training else []
+    for eval_set in args.eval.eval_sets:
+        name = f" (eval set {eval_set['name']})" if eval_set["name"] else ""
+        asked.append((f"--eval-max-response-len{name}", args_for(args, eval_set).eval.eval_max_response_len))
+    for flag, n in asked:
+        if n is not None and n >= context:
+            raise ConfigError(
+                f"{flag} {n} is not below {source} of {context} tokens: a response has at most {context - 1} (after "
+                f"a prompt of one token); lower it"
+            )
 
 
 def _check_model_flags(args: Config, model_dir: Path) -> None:
