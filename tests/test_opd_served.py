@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli, train_here
+from conftest import ROOT, run_cli, train_here
 from safetensors.torch import load_file
 from test_async import MODE_ARGS
 from test_opd import SERVED_POST as POST
@@ -318,3 +318,39 @@ def test_a_teacher_answering_log_probs_above_zero_is_an_error_of_the_sample():
     assert counts == {"rollout/reward_errors": 1.0, "rollout/reward_timeouts": 0.0}
     assert samples[0].reward_error == "error"
     assert "answered sample 0 with the log-prob 7.5, above 0 (a probability above 1)" in why
+
+
+def test_a_teacher_killed_mid_run_stops_the_run_in_one_line(tmp_path, monkeypatch):
+    """A served teacher killed after step 1: the run went on to its end with exit 0, every later
+    sample unscored (counted as timeouts) behind one warning. Now each such sample is a reward
+    error, and --max-failed-reward-steps steps of them stop the run in one line: what failed,
+    since when, how to resume; the steps before are kept."""
+    import teacher_killer
+
+    from vime.cli import train_main
+    from vime.rollout.rewards import RewardError
+
+    monkeypatch.chdir(ROOT)
+    teacher = launch_engine(str(resolve_model("tiny")), log_path=tmp_path / "teacher.log")
+    monkeypatch.setattr(teacher_killer, "teacher", teacher)
+    monkeypatch.setattr(teacher_killer, "calls", 0)
+    save, url = tmp_path / "ck", f"{teacher.url}/generate"
+    try:
+        with pytest.raises(RewardError) as e:
+            train_main(
+                ["--config", "examples/tiny.yaml", "--num-rollout", "6", "--use-opd", "--opd-type", "sglang",
+                 "--rm-url", url, "--custom-rm-path", REWARD, "--reward-timeout", "1",
+                 "--custom-reward-post-process-path", "teacher_killer.post_process_then_kill",
+                 "--max-failed-reward-steps", "2", "--save", str(save), "--runs-dir", str(tmp_path), "--run-name", "k"],
+                "sync",
+            )  # fmt: skip
+    finally:
+        teacher.shutdown()
+    said = str(e.value)
+    assert (
+        said.startswith("step 3: every sample's reward failed in 2 steps in a row, since step 2 (") and "\n" not in said
+    )
+    assert f"Unreachable: cannot be reached at {url} for 1s" in said
+    assert f"check the service at --rm-url {url}, then resume with --load {save} " in said
+    rows = [json.loads(line) for line in (tmp_path / "k" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout/reward_errors"] for r in rows] == [0, 16] and [r["step"] for r in rows] == [1, 2]
