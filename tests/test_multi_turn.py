@@ -24,8 +24,17 @@ from vime.config import Config, ConfigError
 from vime.models import make_tiny_tokenizer
 from vime.rollout.multi_turn import CALL_END, answer_text, parse_call, plain
 from vime.rollout.tools import BUILTIN_TOOLS, Tool, as_text, call_tool, detected_sandbox, load_tools, run_python
+from vime.rollout.tool_workers import close_all
 from vime.rollout.types import Sample, Status
 from vime.rollout.vllm_rollout import generate_fn, rollout_metrics, sampling_params
+
+
+@pytest.fixture(autouse=True)
+def _no_tool_workers_left():
+    """A user's tool runs in worker processes (tool_workers.py): none outlives its test (a test
+    of another file in this process counts its children)."""
+    yield
+    close_all()
 
 
 def call(name, arguments, tools=BUILTIN_TOOLS, timeout=5.0, max_chars=500):

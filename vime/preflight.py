@@ -351,9 +351,7 @@ def _responses_fit(args: Config, model_dir: Path, training: bool) -> None:
     """The longest response asked for (training's, and each held-out set's) below the context: one
     that is not can never be reached, and 10,000,000 on a 512-token model was taken unsaid (the
     token-sum normalizer of the loss reads it too)."""
-    context, source = context_length(model_dir), "the model's context (config.json)"
-    if args.rollout.rollout_max_context_len and args.rollout.rollout_max_context_len < context:
-        context, source = args.rollout.rollout_max_context_len, "--rollout-max-context-len"
+    context = context_length(model_dir)  # --rollout-max-context-len below it may cut responses: its purpose
     asked = [("--rollout-max-response-len", args.rollout.rollout_max_response_len)] if training else []
     for eval_set in args.eval.eval_sets:
         name = f" (eval set {eval_set['name']})" if eval_set["name"] else ""
@@ -361,8 +359,8 @@ def _responses_fit(args: Config, model_dir: Path, training: bool) -> None:
     for flag, n in asked:
         if n is not None and n >= context:
             raise ConfigError(
-                f"{flag} {n} is not below {source} of {context} tokens: a response has at most {context - 1} (after "
-                f"a prompt of one token); lower it"
+                f"{flag} {n} is not below the model's context (config.json) of {context} tokens: a response has at most "
+                f"{context - 1} (after a prompt of one token); lower it"
             )
 
 

@@ -144,3 +144,13 @@ def workers_of(spec: str) -> ToolWorkers:
     """The process's workers of the tool `spec` names (made on first use)."""
     with _POOLS_LOCK:
         return _POOLS.setdefault(spec, ToolWorkers(spec))
+
+
+def close_all() -> None:
+    """Every tool's idle workers ended (the run's end): a run in a process that lives on (a notebook,
+    tests) leaves none behind."""
+    with _POOLS_LOCK:
+        pools = list(_POOLS.values())
+        _POOLS.clear()
+    for pool in pools:
+        pool.close()
