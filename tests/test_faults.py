@@ -989,6 +989,10 @@ def test_a_crafted_or_damaged_checkpoint_is_one_line_before_anything_starts(acto
             ),
             r"optimizer names 'lm_head.bias', which is no parameter this run trains",
         ),
+        (
+            _crafted(good, state=lambda s: _set(s, ("optimizer", "param_groups", 0, "betas"), "x")),
+            r"optimizer.param_groups holds betas='x', expected a number \(or a pair of numbers\)",
+        ),
         (_crafted(good, state=lambda s: _set(s, ("extra", "step"), -3)), r"extra\['step'\] is -3, expected the step"),
         (_crafted(good, state=lambda s: _set(s, ("extra", "step"), 1.5)), r"extra\['step'\] is 1.5, expected the step"),
         (

@@ -68,6 +68,14 @@ def _kind(value: Any) -> str:
     return "missing" if value is None else f"a {type(value).__name__}"
 
 
+def _hyperparameter(value: Any) -> bool:
+    """What an optimizer's parameter group holds besides its parameters: a number, a flag, None, or
+    a tuple of numbers (Adam's betas)."""
+    if isinstance(value, (tuple, list)):
+        return all(isinstance(v, numbers.Real) for v in value)
+    return value is None or isinstance(value, numbers.Real) or (isinstance(value, torch.Tensor) and value.numel() == 1)
+
+
 def _count(value: Any) -> bool:
     """A whole number >= 0 (not a bool, not a float)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
@@ -146,6 +154,9 @@ def _check_optimizer(fail: Any, optimizer: dict[str, Any], trained: dict[str, tu
     if not isinstance(state, dict):
         fail(f"optimizer.state is {_kind(state)}, expected a dict of each parameter's state")
     named = [n for g in groups for n in (g.get("params") if isinstance(g.get("params"), list) else [None])]
+    for key, value in ((k, v) for g in groups for k, v in g.items() if k != "params"):
+        if not _hyperparameter(value):  # betas, lr, eps, ...: Adam reads them at its first step
+            fail(f"optimizer.param_groups holds {key}={value!r}, expected a number (or a pair of numbers)")
     for name in [*named, *state]:
         if name not in trained:
             fail(f"optimizer names {name!r}, which is no parameter this run trains (e.g. {next(iter(trained), '-')!r})")
