@@ -993,6 +993,10 @@ def test_a_crafted_or_damaged_checkpoint_is_one_line_before_anything_starts(acto
             _crafted(good, state=lambda s: _set(s, ("optimizer", "param_groups", 0, "betas"), "x")),
             r"optimizer.param_groups holds betas='x', expected a number \(or a pair of numbers\)",
         ),
+        (
+            _crafted(good, state=lambda s: _set(s, ("optimizer_steps",), 7)),  # an AssertionError in the run
+            r"key 'optimizer_steps' is 7, but extra\['policy_version'\] is 1: they count the same steps",
+        ),
         (_crafted(good, state=lambda s: _set(s, ("extra", "step"), -3)), r"extra\['step'\] is -3, expected the step"),
         (_crafted(good, state=lambda s: _set(s, ("extra", "step"), 1.5)), r"extra\['step'\] is 1.5, expected the step"),
         (

@@ -163,6 +163,7 @@ def test_the_runs_reward_gets_the_runs_read_only_view(tmp_path, monkeypatch):
         "def reward(args, sample):\n"
         "    try:\n        args.lr = 5.0\n        wrote = True\n"
         "    except AttributeError:\n        wrote = False\n"
+        "    vars(args._config)['lr'] = 5.0  # past the view, into its own config: a copy of the run's\n"
         "    with open(os.environ['SEEN'], 'a') as f:\n"
         "        f.write(json.dumps({'runtime': args.runtime is not None, 'wrote': wrote}) + '\\n')\n"
         "    return 1.0\n"

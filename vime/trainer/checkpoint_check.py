@@ -50,8 +50,11 @@ def check_checkpoint(ckpt: Path, model_dir: Path, lora: bool) -> None:
     for key in ("optimizer", "rng", "extra"):
         if not isinstance(state.get(key), dict):
             fail(f"key '{key}' is {_kind(state.get(key))}, expected a dict")
-    if "optimizer_steps" in state and not _count(state["optimizer_steps"]):
-        fail(f"key 'optimizer_steps' is {state['optimizer_steps']!r}, expected a whole number >= 0")
+    steps, version = state.get("optimizer_steps"), state["extra"].get("policy_version")
+    if "optimizer_steps" in state and not _count(steps):
+        fail(f"key 'optimizer_steps' is {steps!r}, expected a whole number >= 0")
+    if steps is not None and version is not None and steps != version:  # one count, kept twice
+        fail(f"key 'optimizer_steps' is {steps}, but extra['policy_version'] is {version!r}: they count the same steps")
     _check_optimizer(fail, state["optimizer"], trained)
     _check_rng(fail, state["rng"])
     _check_extra(fail, state["extra"], ckpt.name)
