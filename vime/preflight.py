@@ -353,7 +353,8 @@ def _responses_fit(args: Config, model_dir: Path, training: bool) -> None:
     token-sum normalizer of the loss reads it too)."""
     context = context_length(model_dir)  # --rollout-max-context-len below it may cut responses: its purpose
     asked = [("--rollout-max-response-len", args.rollout.rollout_max_response_len)] if training else []
-    for eval_set in args.eval.eval_sets:
+    held_out = args.eval.eval_sets if args.eval.eval_interval or not training else []  # sets named, none run: as slime
+    for eval_set in held_out:
         name = f" (eval set {eval_set['name']})" if eval_set["name"] else ""
         asked.append((f"--eval-max-response-len{name}", args_for(args, eval_set).eval.eval_max_response_len))
     for flag, n in asked:
