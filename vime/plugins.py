@@ -77,7 +77,7 @@ class _ReadOnlyNames(dict):
     def _refuse(self, key: Any = None, *_: Any, **names: Any) -> Any:
         if isinstance(key, dict):  # update({...})
             key = next(iter(key), None)
-        raise SettingWriteError(str(next(iter(x for x in (key, *names, *self) if x is not None), "")))
+        raise SettingWriteError(str(next((x for x in (key, *names, *self) if x is not None), "")))
 
     __setitem__ = __delitem__ = pop = setdefault = update = _refuse
 
@@ -92,8 +92,9 @@ class SettingsView:
     """The run's settings as a plug-in is handed them (slime's `args`): every setting, derived
     value and --custom-config-path attribute readable, none writable or deletable (a write or
     `del` is a SettingWriteError naming it). A plug-in that changed `args.lr` used to train the
-    run at its value, `del args.lr` at the class default. No `__dict__` to reach past it: the
-    view is slots only. A name that is no setting is the plug-in's own to set, read and delete
+    run at its value, `del args.lr` at the class default. The view holds slots only: `vars(args)`
+    is a copy of its names that refuses writes too. A name that is no setting is the plug-in's own
+    to set, read and delete
     (the seed's tau-bench keeps its config there); it changes nothing vime reads. A copy
     (`copy.copy`, `copy.deepcopy`) is a writable config of its own, the plug-in's names on it;
     pickled, a view is its settings."""

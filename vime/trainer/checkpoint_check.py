@@ -16,9 +16,9 @@ import json
 import math
 import numbers
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ from vime.trainer.lora import ADAPTER_DIR, read_adapter
 
 COUNTERS = ("policy_version", "weight_pushes", "weight_version")  # optional whole numbers in `extra`
 DATA_POSITION = ("epoch", "offset", "next_index", "next_group")  # the data source's, whole numbers
+Fail = Callable[[str], NoReturn]  # raises the file's CheckpointError saying what is wrong
 
 
 def check_checkpoint(ckpt: Path, model_dir: Path, lora: bool) -> None:
@@ -60,8 +61,8 @@ def check_checkpoint(ckpt: Path, model_dir: Path, lora: bool) -> None:
     _check_extra(fail, state["extra"], ckpt.name)
 
 
-def _failing(path: Path) -> Any:
-    def fail(what: str) -> None:
+def _failing(path: Path) -> Fail:
+    def fail(what: str) -> NoReturn:
         raise CheckpointError(f"{path}: {what}: resume from a checkpoint vime wrote (or its parent --save directory)")
 
     return fail
@@ -148,7 +149,7 @@ def _adapter_shapes(ckpt: Path, weights: dict[str, tuple[int, ...]]) -> dict[str
     return shapes
 
 
-def _check_optimizer(fail: Any, optimizer: dict[str, Any], trained: dict[str, tuple[int, ...]]) -> None:
+def _check_optimizer(fail: Fail, optimizer: dict[str, Any], trained: dict[str, tuple[int, ...]]) -> None:
     """optimizer.state keyed by the trained parameters' names, each moment of its parameter's
     shape; param_groups a non-empty list of groups naming trained parameters."""
     groups, state = optimizer.get("param_groups"), optimizer.get("state")
@@ -176,7 +177,7 @@ def _check_optimizer(fail: Any, optimizer: dict[str, Any], trained: dict[str, tu
                 fail(f"optimizer.state['{name}']['{key}'] is {got}, expected a tensor of shape {list(trained[name])}")
 
 
-def _check_rng(fail: Any, rng: dict[str, Any]) -> None:
+def _check_rng(fail: Fail, rng: dict[str, Any]) -> None:
     """Each generator's state, tried on a throwaway generator of its kind (the run's untouched)."""
     try:
         random.Random().setstate(tuple(rng["python"]))
@@ -192,7 +193,7 @@ def _check_rng(fail: Any, rng: dict[str, Any]) -> None:
         )
 
 
-def _check_extra(fail: Any, extra: dict[str, Any], directory: str) -> None:
+def _check_extra(fail: Fail, extra: dict[str, Any], directory: str) -> None:
     """The run's position: the step (the directory's own name), its counters, the data's place."""
     step = extra.get("step")
     if not _count(step):
