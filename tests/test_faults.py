@@ -834,10 +834,17 @@ def test_no_checkpoint_from_non_finite_weights_and_a_full_disk_keeps_the_last_on
 # ---- inputs checked before anything starts -------------------------------------------------
 
 
-def resumable_extra(step: int) -> dict:
-    """The extra state of a checkpoint a run resumes: its step and the data source's position."""
+def resumable_extra(step: int, policy_version: int) -> dict:
+    """The extra state of a checkpoint a run resumes: its step, the optimizer steps taken (the
+    actor's count, which the state holds too) and the data source's position."""
     data = {"epoch": 0, "offset": 4 * step, "next_index": 16 * step, "next_group": 4 * step, "requeued": []}
-    return {"step": step, "policy_version": step, "weight_pushes": step, "data_source": data, "wall_clock": 1.0}
+    return {
+        "step": step,
+        "policy_version": policy_version,
+        "weight_pushes": step,
+        "data_source": data,
+        "wall_clock": 1.0,
+    }
 
 
 def _refused(tmp_path: Path, *argv: str) -> str:
@@ -969,7 +976,7 @@ def test_a_crafted_or_damaged_checkpoint_is_one_line_before_anything_starts(acto
     monkeypatch.chdir(ROOT)
     samples = [Sample(index=i, tokens=[5, 6, 7, 8, 9], response_length=2) for i in range(4)]
     actor.train_step(samples, [1.0, 0.0, 1.0, 0.0])  # Adam's moments exist from here
-    good = actor.save(tmp_path / "ck" / "1", resumable_extra(1))
+    good = actor.save(tmp_path / "ck" / "1", resumable_extra(1, actor.optimizer_steps))
     moment = "model.layers.0.mlp.down_proj.weight"  # [64, 128] in the tiny model: transposed is another shape
     file_ = tmp_path / "a-file"
     file_.write_text("not a checkpoint")
@@ -1026,7 +1033,7 @@ def test_no_checkpoint_is_written_over_and_load_resumes_only_what_it_names(actor
     monkeypatch.chdir(ROOT)
     ck = tmp_path / "ck"
     for step in (1, 2, 3):  # what a run writes: --load checks the step and data position
-        actor.save(ck / str(step), resumable_extra(step))
+        actor.save(ck / str(step), resumable_extra(step, actor.optimizer_steps))
     mega = tmp_path / "mega"  # slime's --save after 10 iterations
     (mega / "iter_0000010").mkdir(parents=True)
     (mega / "iter_0000010" / "__0_0.distcp").write_bytes(b"shard")
