@@ -30,14 +30,27 @@ def reward_with_a_wrong_key(args, sample) -> dict:
 
 def kill_engine_one_in_step_two(args, sample) -> float:
     """Once, in step 2: engine 1 (the one started with --seed rollout_seed + 1, a child of the
-    trainer, which is this process's parent) is killed while requests are in flight."""
+    trainer, which is this process's parent) is killed while requests are in flight. Step 3's
+    rewards wait until the trainer has started it again (its new log says it serves), so the
+    run cannot end before it is back, however fast its steps are."""
+    import time
+
+    from vime.engine.server import READY_LINE
+
     marker = Path(args.run_dir) / "engine-killed"
-    if _step(args, sample) == 2 and not marker.exists():
+    step = _step(args, sample)
+    if step == 2 and not marker.exists():
         marker.write_text("killed")
         seed = f"--seed\0{args.rollout_seed + 1}\0".encode()
         for pid in server_pids(os.getppid()):
             if seed in Path(f"/proc/{pid}/cmdline").read_bytes():
                 os.kill(pid, signal.SIGKILL)
+    if step == 3:
+        log = Path(args.run_dir) / "engine1.1.log"
+        deadline = time.monotonic() + 120
+        while not (log.exists() and READY_LINE in log.read_text()):
+            assert time.monotonic() < deadline, "engine 1 was not started again"
+            time.sleep(0.1)
     return digit_share(args, sample)
 
 

@@ -989,7 +989,8 @@ def test_a_run_whose_prompts_and_responses_outgrow_the_window_is_refused_at_star
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"input": p, "label": "1"}) + "\n" for p in ("1+2=", "11+22=", "3+4=")))
     base = ["--hf-checkpoint", str(path), "--prompt-data", str(data), "--rm-type", "math"]
-    base += ["--runs-dir", str(tmp_path / "runs"), "--num-rollout", "1"]
+    # engines by URL (one that runs windowed attention): the built-in engine refuses such a model itself
+    base += ["--runs-dir", str(tmp_path / "runs"), "--num-rollout", "1", "--rollout-engine-urls", "http://127.0.0.1:9"]
     with pytest.raises(ConfigError) as e:
         check_inputs(parse_args([*base, "--rollout-max-response-len", "32"]))
     prompt = int(re.search(r"the longest prompt of --prompt-data \((\d+) tokens\)", str(e.value))[1])

@@ -284,6 +284,12 @@ def test_yaml_values_are_checked_against_the_choices_too(tmp_path):
             "'rollout-batch-size' and 'rollout_batch_size' are one flag",
         ),
         (b"run_name: caf\xe9\n", "is not UTF-8 text \\(invalid continuation byte at byte 13\\): save it as UTF-8"),
+        # null reached the checks as None, where `lr < 0` raised a TypeError
+        (
+            "lr: null\n",
+            "--lr: null is no value for it: give a number, or leave the key out for its default \\(1e-06\\)",
+        ),
+        ("apply_chat_template: null\n", "--apply-chat-template: null is no value for it: give true or false"),
     ],
 )
 def test_a_yaml_value_is_read_as_the_command_line_would_read_it(tmp_path, text, said):
@@ -302,6 +308,9 @@ def test_a_yaml_value_the_command_line_would_take_is_taken(tmp_path):
     cfg.write_text('rollout_batch_size: 4.0\nrun_name: 7\nlr: "1e-5"\ncolocate: "yes"\nnum_rollout: "3"\n')
     args = parse_args(["--config", str(cfg), "--hf-checkpoint", "tiny", "--prompt-data", "x.jsonl"])
     assert (args.rollout_batch_size, args.run_name, args.lr, args.colocate, args.num_rollout) == (4, "7", 1e-5, True, 3)
+    cfg.write_text("eps_clip_high: null\nnum_rollout: 2\n")  # null for a setting that may be unset: its "not set"
+    args = parse_args(["--config", str(cfg), "--hf-checkpoint", "tiny", "--prompt-data", "x.jsonl"])
+    assert args.eps_clip_high == args.eps_clip
 
 
 def test_required_flags():

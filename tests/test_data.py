@@ -118,6 +118,33 @@ def test_error_missing_key_names_key_file_row_and_keys(tmp_path):
     assert len(load_prompts(f"{f}@[:1]")) == 1  # only rows inside the slice are checked
 
 
+@pytest.mark.parametrize(
+    "row, said",
+    [
+        # a JSON escape of half a surrogate pair: the tokenizer raised a TypeError on it mid-run
+        (
+            {"input": "3+4=\ud800", "label": "7"},
+            r"row 0 \(line 1\): 'input' holds '\\ud800' at character 4, half of a surrogate pair, which is no text",
+        ),
+        (
+            {"input": [{"role": "user", "content": "hi \udcff"}], "label": "7"},
+            r"'input\[0\].content' holds '\\udcff' at character 3, half of a surrogate pair",
+        ),
+        ({"input": "1+1=", "label": "\ud800"}, r"'label' holds '\\ud800' at character 0"),
+        (
+            {"input": [], "label": "7"},
+            r"'input' is an empty list of messages: every row needs a prompt",
+        ),  # was "got list"
+    ],
+)
+def test_a_row_that_is_no_text_or_no_conversation_is_one_line(tmp_path, row, said):
+    f = tmp_path / "d.jsonl"
+    f.write_text(json.dumps(row) + "\n")
+    with pytest.raises(DataError, match=said) as e:
+        load_prompts(f)
+    assert "\n" not in str(e.value)
+
+
 def test_error_empty_dataset(tmp_path):
     (tmp_path / "e.jsonl").write_text("\n")
     with pytest.raises(DataError, match="empty"):

@@ -176,6 +176,29 @@ def test_the_engine_runs_nothing_sent_to_it(engine, client, tmp_path):
     assert client.model_info()["weight_version"] == 0
 
 
+def _raw_request(url: str, head: bytes) -> bytes:
+    """The status line the engine answers a request of these bytes with (a client that sends
+    what no HTTP library would)."""
+    host, port = url.split("//")[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(head + b"\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+        return s.recv(200).split(b"\r\n")[0]
+
+
+def test_no_header_bytes_make_the_auth_check_raise_and_no_bad_request_writes_a_traceback(engine):
+    """One byte that is not UTF-8 in Authorization was a 500 and a full traceback in the engine's
+    log, per request, without any key; a byte no URL may hold was aiohttp's traceback."""
+    before = engine.log_path.read_text().count("Traceback")
+    for auth in (b"Bearer \xff", b"Bearer \xc3\x28", b"\xe9t\xe9", f"Bearer {KEY}\x80".encode()):
+        status = _raw_request(engine.url, b"POST /generate HTTP/1.1\r\nAuthorization: " + auth)
+        assert status.endswith(b"401 Unauthorized"), (auth, status)
+    assert _raw_request(engine.url, b"POST /gen\xffrate HTTP/1.1").endswith(b"400 Bad Request")
+    key = f"Authorization: Bearer {KEY}\r\nContent-Type: application/json; charset=\xff".encode()
+    assert _raw_request(engine.url, b"POST /generate HTTP/1.1\r\n" + key).endswith(b"400 Bad Request")
+    time.sleep(0.2)  # the engine's log is written by another process
+    assert engine.log_path.read_text().count("Traceback") == before
+
+
 def test_every_route_but_health_needs_the_key(engine, client, capsys):
     assert KEY not in " ".join(engine.proc.args)  # through the environment: the process list shows no key
     for route, body in [
@@ -811,6 +834,19 @@ def test_no_checkpoint_from_non_finite_weights_and_a_full_disk_keeps_the_last_on
 # ---- inputs checked before anything starts -------------------------------------------------
 
 
+def resumable_extra(step: int, policy_version: int) -> dict:
+    """The extra state of a checkpoint a run resumes: its step, the optimizer steps taken (the
+    actor's count, which the state holds too) and the data source's position."""
+    data = {"epoch": 0, "offset": 4 * step, "next_index": 16 * step, "next_group": 4 * step, "requeued": []}
+    return {
+        "step": step,
+        "policy_version": policy_version,
+        "weight_pushes": step,
+        "data_source": data,
+        "wall_clock": 1.0,
+    }
+
+
 def _refused(tmp_path: Path, *argv: str) -> str:
     """Start a run in-process; it must fail with a user error before creating anything."""
     from vime.cli import train_main
@@ -847,6 +883,9 @@ def test_every_input_is_checked_before_anything_starts(tmp_path, tiny_model, mon
     weights = cut_short / "model.safetensors"
     os.truncate(weights, weights.stat().st_size // 2)  # a copy or download that stopped halfway
     (unweighted / "model.safetensors").unlink()
+    moe = tmp_path / "moe"  # transformers reads it; the built-in engine died at its start, a traceback shown
+    shutil.copytree(tiny_model, moe)
+    (moe / "config.json").write_text((moe / "config.json").read_text().replace('"qwen3"', '"qwen3_moe"'))
     cases = [
         (["--hf-checkpoint", str(broken)], "config.json is not valid JSON"),
         (
@@ -871,6 +910,20 @@ def test_every_input_is_checked_before_anything_starts(tmp_path, tiny_model, mon
         ),
         (["--eval-interval", "1", "--eval-prompt-data", str(long_rows)], "long.jsonl row 3"),
         (["--load", str(tmp_path / "ckpt")], "no intact checkpoint"),
+        (
+            ["--hf-checkpoint", str(moe)],
+            "model_type 'qwen3_moe' in .*moe/config.json is not supported by the vime engine \\(supported: llama, qwen2, "
+            "qwen3\\); --rollout-backend vime cannot generate with it",
+        ),
+        (  # taken unsaid: no response can be longer than the context
+            ["--rollout-max-response-len", "10000000"],
+            "--rollout-max-response-len 10000000 is not below the model's context \\(config.json\\) of 512 tokens: a "
+            "response has at most 511",
+        ),
+        (
+            ["--eval-interval", "1", "--eval-max-response-len", "512"],
+            "--eval-max-response-len 512 is not below the model's context",
+        ),
     ]
     for argv, match in cases:
         assert re.search(match, _refused(tmp_path, *argv)), argv
@@ -894,6 +947,82 @@ def _tree(d: Path) -> dict[str, tuple[int, int]]:
     return {str(f.relative_to(d)): (f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(d.rglob("*"))}
 
 
+def _crafted(ckpt: Path, state=None, weights=None) -> Path:
+    """A copy of `ckpt` (a step directory) whose trainer state and model file `state` and
+    `weights` rewrite (each a function of the loaded one), in a --save directory of its own."""
+    from safetensors.torch import load_file, save_file
+
+    out = ckpt.parent.parent / f"crafted{len(list(ckpt.parent.parent.glob('crafted*')))}" / ckpt.name
+    shutil.copytree(ckpt, out)
+    if state is not None:
+        torch.save(state(torch.load(out / "trainer_state.pt", weights_only=False)), out / "trainer_state.pt")
+    if weights is not None:
+        save_file(weights(load_file(out / "model.safetensors")), out / "model.safetensors", metadata={"format": "pt"})
+    return out.parent
+
+
+def _set(tree: dict, path: tuple, value) -> dict:
+    inner = tree
+    for key in path[:-1]:
+        inner = inner[key]
+    inner[path[-1]] = value
+    return tree
+
+
+def test_a_crafted_or_damaged_checkpoint_is_one_line_before_anything_starts(actor, tiny_model, tmp_path, monkeypatch):
+    """Each of these failed in the trainer after the engines had started, with a raw traceback
+    (KeyError, TypeError, a size mismatch inside Adam at step 1 or in load_state_dict), or was
+    blamed on --global-batch-size; a regular file given as --load started a fresh run."""
+    monkeypatch.chdir(ROOT)
+    samples = [Sample(index=i, tokens=[5, 6, 7, 8, 9], response_length=2) for i in range(4)]
+    actor.train_step(samples, [1.0, 0.0, 1.0, 0.0])  # Adam's moments exist from here
+    good = actor.save(tmp_path / "ck" / "1", resumable_extra(1, actor.optimizer_steps))
+    moment = "model.layers.0.mlp.down_proj.weight"  # [64, 128] in the tiny model: transposed is another shape
+    file_ = tmp_path / "a-file"
+    file_.write_text("not a checkpoint")
+    cases = [
+        (_crafted(good, state=lambda s: [s]), r"trainer_state.pt: holds a list, where vime writes a dict of optimizer"),
+        (
+            _crafted(good, state=lambda s: {k: v for k, v in s.items() if k != "optimizer"}),
+            r"trainer_state.pt: key 'optimizer' is missing, expected a dict",
+        ),
+        (
+            _crafted(good, state=lambda s: _set(s, ("optimizer", "state", moment, "exp_avg"), torch.zeros(128, 64))),
+            rf"optimizer.state\['{moment}'\]\['exp_avg'\] is \[128, 64\], expected a tensor of shape \[64, 128\]",
+        ),
+        (
+            _crafted(
+                good, state=lambda s: _set(s, ("optimizer", "state", "lm_head.bias"), {"exp_avg": torch.zeros(3)})
+            ),
+            r"optimizer names 'lm_head.bias', which is no parameter this run trains",
+        ),
+        (
+            _crafted(good, state=lambda s: _set(s, ("optimizer", "param_groups", 0, "betas"), "x")),
+            r"optimizer.param_groups holds betas='x', expected a number \(or a pair of numbers\)",
+        ),
+        (
+            _crafted(good, state=lambda s: _set(s, ("optimizer_steps",), 7)),  # an AssertionError in the run
+            r"key 'optimizer_steps' is 7, but extra\['policy_version'\] is 1: they count the same steps",
+        ),
+        (_crafted(good, state=lambda s: _set(s, ("extra", "step"), -3)), r"extra\['step'\] is -3, expected the step"),
+        (_crafted(good, state=lambda s: _set(s, ("extra", "step"), 1.5)), r"extra\['step'\] is 1.5, expected the step"),
+        (
+            _crafted(good, state=lambda s: _set(s, ("rng", "python"), "seed")),
+            r"rng is not the random generators' state vime writes",
+        ),
+        (
+            _crafted(good, weights=lambda w: {**w, moment: w[moment].T.contiguous()}),
+            rf"model.safetensors: tensor '{moment}' has shape \[128, 64\], the model's is \[64, 128\]",
+        ),
+        (file_, rf"--load {file_} is a file: give the --save directory of a vime run"),
+    ]
+    for load, match in cases:
+        said = _refused(tmp_path, "--load", str(load))
+        assert re.search(match, said), (load, said)
+    # the intact one gets past the check, to the refusal of a run with nothing left to train
+    assert "nothing is left to train" in _refused(tmp_path, "--load", str(good.parent))
+
+
 def test_no_checkpoint_is_written_over_and_load_resumes_only_what_it_names(actor, tiny_model, tmp_path, monkeypatch):
     """--save over another run's checkpoints, --load of an older step into the --save holding newer
     ones, --load of a Megatron checkpoint or an HF model: each used to start (the last two from
@@ -903,9 +1032,8 @@ def test_no_checkpoint_is_written_over_and_load_resumes_only_what_it_names(actor
 
     monkeypatch.chdir(ROOT)
     ck = tmp_path / "ck"
-    actor.save(ck / "1", {"step": 1})
-    for step in (2, 3):
-        shutil.copytree(ck / "1", ck / str(step))
+    for step in (1, 2, 3):  # what a run writes: --load checks the step and data position
+        actor.save(ck / str(step), resumable_extra(step, actor.optimizer_steps))
     mega = tmp_path / "mega"  # slime's --save after 10 iterations
     (mega / "iter_0000010").mkdir(parents=True)
     (mega / "iter_0000010" / "__0_0.distcp").write_bytes(b"shard")

@@ -11,6 +11,7 @@ import pytest
 
 from vime.config import Config
 from vime.launch.launcher import LAUNCHERS, launcher_for
+from vime.plugins import SettingWriteError, read_only
 from vime.rollout.compat import PluginArgs
 
 
@@ -54,6 +55,30 @@ def test_plugin_args_read_every_setting_and_the_live_objects_and_write_nothing()
         mine.rollout_batch_size = 2
         assert isinstance(mine, Config) and mine.runtime is runtime and args.rollout_batch_size == 4
     assert pickle.loads(pickle.dumps(args)).rollout_batch_size == 4
+
+
+@pytest.mark.parametrize(
+    "write",
+    [
+        lambda a: setattr(a, "lr", 5.0),
+        lambda a: delattr(a, "lr"),  # used to fall back to the class default
+        lambda a: vars(a).__setitem__("lr", 5.0),  # vars() used to be the config's own __dict__
+        lambda a: vars(a).update(lr=5.0),
+        lambda a: vars(a).pop("lr"),
+    ],
+)
+def test_no_write_of_a_plugin_reaches_a_setting_and_each_names_it(write):
+    """Every path a plug-in may write `args.lr` by is refused in one line naming the setting, on
+    the run's view (`PluginArgs`) and the view the trainer's hooks get (`read_only`); a frozen
+    config refuses `del` too."""
+    cfg = Config(lr=1e-3).freeze()
+    for view in (PluginArgs(cfg, object()), read_only(cfg)):
+        with pytest.raises(SettingWriteError, match=r"^args\.lr: a setting of the run, read-only in a plug-in"):
+            write(view)
+    assert cfg.lr == 1e-3 and "lr" in vars(cfg)
+    with pytest.raises(dataclasses.FrozenInstanceError, match="^args.lr: the run's config is frozen"):
+        del cfg.lr
+    assert vars(PluginArgs(cfg, None))["lr"] == 1e-3  # vars() still reads
 
 
 def test_the_launcher_is_a_row_and_auto_is_local_outside_a_ray_job(monkeypatch):

@@ -23,9 +23,18 @@ import torch
 from vime.config import Config, ConfigError
 from vime.models import make_tiny_tokenizer
 from vime.rollout.multi_turn import CALL_END, answer_text, parse_call, plain
+from vime.rollout.tool_workers import close_all
 from vime.rollout.tools import BUILTIN_TOOLS, Tool, as_text, call_tool, detected_sandbox, load_tools, run_python
 from vime.rollout.types import Sample, Status
 from vime.rollout.vllm_rollout import generate_fn, rollout_metrics, sampling_params
+
+
+@pytest.fixture(autouse=True)
+def _no_tool_workers_left():
+    """A user's tool runs in worker processes (tool_workers.py): none outlives its test (a test
+    of another file in this process counts its children)."""
+    yield
+    close_all()
 
 
 def call(name, arguments, tools=BUILTIN_TOOLS, timeout=5.0, max_chars=500):
@@ -60,6 +69,10 @@ def test_calculator_evaluates_arithmetic(expression, answer):
         ("2.0 ** 1500", "too large for a floating-point number"),
         ("10 ** 900 * 1.5", "too large for a floating-point number"),
         ("(-8) ** 0.5", "not a real number"),
+        # a float past 1.8e308 is inf without an OverflowError: inf and nan were answers
+        ("1e308 * 10", "too large for a floating-point number"),
+        ("1e308 * 10 - 1e308 * 10", "too large for a floating-point number"),
+        ("1e999", "too large for a floating-point number"),
     ],
 )
 def test_calculator_refuses_what_is_not_small_arithmetic(expression, fragment):
@@ -187,6 +200,26 @@ NOT_A_TOOL = 42
 
 def broken_tool_factory() -> Tool:
     raise OSError("no such index file: wiki.idx")
+
+
+@pytest.mark.parametrize(
+    "how, fragment",
+    [
+        ("os._exit", "error: end ended: its process exited with status 3"),
+        ("sys.exit", "error: end raised SystemExit: it called sys.exit(4)"),
+        ("signal", "error: end ended: its process was killed by SIGKILL"),
+        ("group", "error: end ended: its process was killed by SIGTERM"),
+    ],
+)
+def test_a_tool_that_ends_its_process_ends_only_its_call(how, fragment):
+    """A user's tool ran in a thread of the run: `os._exit(3)` ended the run with status 3 and no
+    line, a signal to its process or group the run too. Now it ends its worker process alone: the
+    call is an error the model reads, and the tool's next call gets a fresh worker."""
+    tools = load_tools(["exiting_tools:exiting_tool"])
+    r = call("end", {"how": how}, tools=tools, timeout=60)
+    assert (r.text, r.error) == (fragment, True)
+    r = call("end", {"how": "nothing"}, tools=tools, timeout=60)
+    assert (r.text, r.error) == ("still here", False)
 
 
 def test_tools_load_by_name_and_dotted_path_and_bad_ones_are_one_line():

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli, train_here
+from conftest import ROOT, run_cli, train_here
 from safetensors.torch import load_file
 from test_async import MODE_ARGS
 from test_opd import SERVED_POST as POST
@@ -113,7 +114,8 @@ def test_a_teacher_that_is_not_there_is_refused_at_start_up(tmp_path, kind):
     )  # fmt: skip
     assert r.returncode == 2, r.stderr[-2000:]
     assert (
-        f"--opd-type {kind}: the teacher at --rm-url http://127.0.0.1:1 took longer than --reward-timeout" in r.stderr
+        f"--opd-type {kind}: the teacher at --rm-url http://127.0.0.1:1 cannot be reached at http://127.0.0.1:1/"
+        in r.stderr
     )
     assert "Traceback" not in r.stderr and not (tmp_path / "u" / "metrics.jsonl").exists()
 
@@ -263,3 +265,92 @@ def test_a_sample_the_teacher_did_not_score_keeps_its_task_advantage():
     assert torch.equal(adv[0], torch.tensor([1.0, 1.0]))
     assert torch.allclose(adv[1], torch.tensor([2.25, 2.0, 1.5]))
     assert metrics == {"train/opd_reverse_kl": pytest.approx((-0.5 + 0 + 1) / 3), "train/opd_unscored_samples": 1.0}
+
+
+def _score_one(url: str) -> tuple[list, dict, str | None]:
+    """One sample with a response scored by the OPD reward at `url`, as a run scores it."""
+    from vime.rollout.rewards import Rewards
+    from vime.rollout.rewards.runner import RewardRunner
+
+    samples, runner = scored_samples()[:1], RewardRunner(1.0)
+    try:
+        rewards = Rewards(served_config(url, "sglang").derived(reward_timeout=1.0), runner)
+        counts = asyncio.run(rewards.score(samples))
+    finally:
+        runner.close()
+    return samples, counts, rewards.last_failure
+
+
+def test_a_teacher_that_dies_counts_its_samples_as_reward_errors():
+    """A teacher not answering at all (killed) was counted in rollout/reward_timeouts, where the
+    docs say rollout/reward_errors; its cause is kept for the line that stops the run."""
+    samples, counts, why = _score_one("http://127.0.0.1:1")
+    assert counts == {"rollout/reward_errors": 1.0, "rollout/reward_timeouts": 0.0}
+    assert samples[0].reward_error == "error" and samples[0].reward_result is None
+    assert why.startswith("Unreachable: cannot be reached at http://127.0.0.1:1/generate for 1s")
+
+
+def test_a_teacher_answering_log_probs_above_zero_is_an_error_of_the_sample():
+    """A teacher that answers +7.5 (a probability above 1) was accepted: only finiteness was
+    checked. Now the sample's reward is an error and it trains without the teacher's term."""
+    import http.server
+
+    class Lying(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            start = body["logprob_start_len"]
+            items = [[7.5, t, None] for t in body["input_ids"][start:]]
+            answer = json.dumps({"text": "", "meta_info": {"input_token_logprobs": items}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Lying)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        samples, counts, why = _score_one(f"http://127.0.0.1:{server.server_address[1]}")
+    finally:
+        server.shutdown()
+    assert counts == {"rollout/reward_errors": 1.0, "rollout/reward_timeouts": 0.0}
+    assert samples[0].reward_error == "error"
+    assert "answered sample 0 with the log-prob 7.5, above 0 (a probability above 1)" in why
+
+
+def test_a_teacher_killed_mid_run_stops_the_run_in_one_line(tmp_path, monkeypatch):
+    """A served teacher killed after step 1: the run went on to its end with exit 0, every later
+    sample unscored (counted as timeouts) behind one warning. Now each such sample is a reward
+    error, and --max-failed-reward-steps steps of them stop the run in one line: what failed,
+    since when, how to resume; the steps before are kept."""
+    import teacher_killer
+
+    from vime.cli import train_main
+    from vime.rollout.rewards import RewardError
+
+    monkeypatch.chdir(ROOT)
+    teacher = launch_engine(str(resolve_model("tiny")), log_path=tmp_path / "teacher.log")
+    monkeypatch.setattr(teacher_killer, "teacher", teacher)
+    monkeypatch.setattr(teacher_killer, "calls", 0)
+    save, url = tmp_path / "ck", f"{teacher.url}/generate"
+    try:
+        with pytest.raises(RewardError) as e:
+            train_main(
+                ["--config", "examples/tiny.yaml", "--num-rollout", "6", "--use-opd", "--opd-type", "sglang",
+                 "--rm-url", url, "--custom-rm-path", REWARD, "--reward-timeout", "1",
+                 "--custom-reward-post-process-path", "teacher_killer.post_process_then_kill",
+                 "--max-failed-reward-steps", "2", "--save", str(save), "--runs-dir", str(tmp_path), "--run-name", "k"],
+                "sync",
+            )  # fmt: skip
+    finally:
+        teacher.shutdown()
+    said = str(e.value)
+    assert (
+        said.startswith("step 3: every sample's reward failed in 2 steps in a row, since step 2 (") and "\n" not in said
+    )
+    assert f"Unreachable: cannot be reached at {url} for 1s" in said
+    assert f"check the service at --rm-url {url}, then resume with --load {save} " in said
+    rows = [json.loads(line) for line in (tmp_path / "k" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout/reward_errors"] for r in rows] == [0, 16] and [r["step"] for r in rows] == [1, 2]

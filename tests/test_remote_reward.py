@@ -102,15 +102,51 @@ def test_a_busy_server_is_asked_again_and_a_refusal_or_a_hang_scores_zero(server
     assert counts == {"rollout/reward_errors": 1.0, "rollout/reward_timeouts": 1.0}
 
 
-def test_a_server_that_is_not_there_scores_zero_within_the_timeout():
+def test_a_server_that_is_not_there_scores_zero_within_the_timeout_as_an_error():
+    """Nothing listens: the sample scores 0 once --reward-timeout is spent, counted as an error
+    (it was counted as a timeout, which hid that the service is down), its cause kept."""
     samples = [_sample(0, "1", "1")]
     args = Config(rm_type="remote_rm", rm_url="http://127.0.0.1:9/reward", custom_rm_path=None, reward_timeout=1.0)
     runner = RewardRunner(1.0)
     try:
-        asyncio.run(Rewards(args, runner).score(samples))
+        rewards = Rewards(args, runner)
+        counts = asyncio.run(rewards.score(samples))
     finally:
         runner.close()
-    assert samples[0].reward == 0.0 and samples[0].reward_error == "timeout"
+    assert samples[0].reward == 0.0 and samples[0].reward_error == "error"
+    assert counts == {"rollout/reward_errors": 1.0, "rollout/reward_timeouts": 0.0}
+    assert rewards.last_failure.startswith("Unreachable: cannot be reached at http://127.0.0.1:9/reward for 1s (")
+
+
+def test_a_reward_service_that_stays_down_stops_the_run_in_one_line(tmp_path, monkeypatch):
+    """Every sample's reward failing step after step (a dead service) used to train the run to its
+    end on zeros, exit 0; now --max-failed-reward-steps such steps in a row stop it in one line:
+    what failed, since when, how to resume. The steps before are kept."""
+    import json
+
+    from conftest import ROOT
+
+    from vime.cli import train_main
+    from vime.rollout.rewards import RewardError
+
+    monkeypatch.chdir(ROOT)
+    runs, save = tmp_path / "runs", tmp_path / "ck"
+    argv = ["--config", "examples/tiny.yaml", "--num-rollout", "6", "--rm-type", "remote_rm"]
+    argv += ["--rm-url", "http://127.0.0.1:9/reward", "--reward-timeout", "0.5", "--max-failed-reward-steps", "2"]
+    argv += ["--save", str(save), "--save-interval", "1", "--runs-dir", str(runs), "--run-name", "down"]
+    with pytest.raises(RewardError) as e:
+        train_main(argv, "sync")
+    said = str(e.value)
+    assert re.match(
+        r"step 2: every sample's reward failed in 2 steps in a row, since step 1 \(\d{4}-\d\d-\d\d [\d:]{8}\): "
+        r"Unreachable: cannot be reached at http://127\.0\.0\.1:9/reward for 0\.5s \(.*\); check the service at "
+        rf"--rm-url http://127\.0\.0\.1:9/reward, then resume with --load {save} ",
+        said,
+    ), said
+    assert "\n" not in said
+    rows = [json.loads(line) for line in (runs / "down" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1] and rows[0]["rollout/reward_errors"] == 16
+    assert sorted(p.name for p in save.iterdir() if not p.name.startswith(".")) == ["1"]
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ import json
 import math
 import re
 
+import pytest
 import yaml
 
 from vime.report import SPARK_BLOCKS, accuracy_table, main, reward_curve, sparkline, summarize
@@ -59,6 +60,20 @@ def test_report_main_prints_reward_line(tmp_path, capsys):
     assert main([str(d), "--no-plots"]) == 0
     out = capsys.readouterr().out
     assert "training reward per step" in out and "run-a: steps 1–2" in out
+
+
+def test_plots_where_nothing_can_be_written_are_one_line_before_any_table(tmp_path, capsys):
+    """`--plots /proc/nope` ended in a FileNotFoundError traceback after the tables."""
+    from vime.errors import VimeError
+
+    d = _run_dir(tmp_path, [0.1, 0.2])
+    with pytest.raises(VimeError) as e:
+        main([str(d), "--plots", "/proc/nope"])
+    assert str(e.value) == (
+        "--plots /proc/nope: cannot write there (No such file or directory): pick a directory you can write to, "
+        "or pass --no-plots"
+    )
+    assert "speed" not in capsys.readouterr().out
 
 
 def test_paired_change_and_eval_results(tmp_path):

@@ -7,6 +7,7 @@ must not disturb, and through SGLang's request on the real server."""
 from __future__ import annotations
 
 import json
+import urllib.error
 import urllib.request
 
 import pytest
@@ -95,8 +96,13 @@ def test_a_full_cache_or_a_paused_engine_is_busy_and_bad_input_is_one_line(model
 def test_sglangs_scoring_request_on_the_server(model_dir, hf_scores):
     """The request slime's OPD reward function sends a teacher server, answered in SGLang's form:
     `input_token_logprobs` of [log-prob, token id, None] from logprob_start_len; its
-    `item[0] for item in ...[1:]` is the teacher's log-prob of every token after the first."""
-    engine = launch_engine(str(model_dir), extra_args=["--block-size", "4", "--max-num-batched-tokens", "16"])
+    `item[0] for item in ...[1:]` is the teacher's log-prob of every token after the first.
+    TEXT is exactly the engine's longest sequence here: the route refused it although the scorer
+    takes it (a served-OPD sample that filled the context stopped the run). Generating from it
+    is still refused: no room is left for a token."""
+    engine = launch_engine(
+        str(model_dir), extra_args=["--block-size", "4", "--max-num-batched-tokens", "16", "--max-model-len", "37"]
+    )
     try:
         body = {
             "input_ids": TEXT,
@@ -107,6 +113,15 @@ def test_sglangs_scoring_request_on_the_server(model_dir, hf_scores):
         req = urllib.request.Request(f"{engine.url}/generate", json.dumps(body).encode(), method="POST")
         with urllib.request.urlopen(req, timeout=60) as r:
             out = json.load(r)
+        body["sampling_params"]["max_new_tokens"] = 1
+        req = urllib.request.Request(f"{engine.url}/generate", json.dumps(body).encode(), method="POST")
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(req, timeout=60)
+        assert refused.value.code == 400
+        assert (
+            "prompt of 37 tokens can never fit: the engine's maximum sequence length is 37"
+            in refused.value.read().decode()
+        )
     finally:
         engine.shutdown()
     items = out["meta_info"]["input_token_logprobs"]

@@ -141,6 +141,9 @@ def sft_args(data: Path, *extra: str):
         (["--kl-loss-coef", "0.1"], "loads no reference model: drop --kl-loss-coef"),
         (["--n-samples-per-prompt", "2"], "SFT trains each conversation once"),
         (["--custom-rm-path", "m.f"], "--custom-rm-path acts on generated samples"),
+        # distillation's term was accepted without a word, and never added to an SFT step
+        (["--use-opd", "--opd-type", "megatron", "--opd-teacher-load", "t"], "adds no teacher's term: drop --use-opd"),
+        (["--use-opd", "--opd-type", "sglang", "--rm-url", "http://t:1"], "adds no teacher's term: drop --use-opd"),
     ],
 )
 def test_flags_an_sft_run_cannot_honour_are_one_line(tmp_path, extra, message):

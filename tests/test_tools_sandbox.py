@@ -26,12 +26,15 @@ from pathlib import Path
 
 import pytest
 
+from vime.config import ConfigError
+from vime.rollout import sandbox
 from vime.rollout.tools import (
     BUILTIN_TOOLS,
     PROCESSES,
     Sandbox,
     call_tool,
     detected_sandbox,
+    refuse_without_boundary,
     run_python,
 )
 
@@ -291,14 +294,72 @@ def test_without_namespaces_a_python_hook_refuses_the_same_attempts(tmp_path):
     assert run_python({"code": works}, 30, box) == "x\n"
 
 
+# What stepped around the audit hook's path rules: another process's environment through
+# /proc/self/root (the hook matched /proc/<pid> only), a write through a directory's fd (the hook
+# took the name as relative to the program's own directory).
+AROUND_THE_HOOK = r"""
+import os
+try:
+    with open("/proc/self/root/proc/{victim}/environ", "rb") as f:
+        print("environ", "ESCAPED" if {secret!r}.encode() in f.read() else "read, without the secret")
+except OSError as e:
+    print("environ stopped:", type(e).__name__)
+try:
+    d = os.open({folder!r}, os.O_RDONLY | os.O_DIRECTORY)
+    os.close(os.open("escaped", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=d))
+    print("write ESCAPED")
+except OSError as e:
+    print("write stopped:", type(e).__name__)
+"""
+
+
+def test_without_namespaces_landlock_stops_what_stepped_around_the_hook(tmp_path):
+    """The fallback without namespaces was the audit hook alone ("NO BOUNDARY"), and tool code read
+    a process's environment (the engines' key) and wrote outside its directory around it. Where the
+    kernel has Landlock, the kernel stops both; the hook-only box, run the same way, shows each
+    attempt is real."""
+    if sandbox.landlock_abi() < 1:
+        pytest.skip("this kernel has no Landlock")
+    secret = uuid.uuid4().hex
+    victim = subprocess.Popen(["sleep", "60"], env={"VIME_API_KEY": secret})
+    try:
+        results = {}
+        for name, box in (("hook", Sandbox(False)), ("landlock", Sandbox(False, landlock=True))):
+            folder = tmp_path / name
+            folder.mkdir(mode=0o777)
+            code = AROUND_THE_HOOK.format(victim=victim.pid, secret=secret, folder=str(folder))
+            out = run_python({"code": code}, 30, box)
+            results[name] = (dict(line.split(" ", 1) for line in out.splitlines()), (folder / "escaped").exists())
+    finally:
+        victim.kill()
+        victim.wait()
+    assert results["hook"] == ({"environ": "ESCAPED", "write": "ESCAPED"}, True), results
+    assert results["landlock"] == ({"environ": "stopped: PermissionError", "write": "stopped: PermissionError"}, False)
+    works = "import json, math; open('f', 'w').write(json.dumps(math.pi)); print(open('f').read())"
+    assert run_python({"code": works}, 30, Sandbox(False, landlock=True)) == "3.141592653589793\n"
+    assert "under Landlock" in Sandbox(False, landlock=True).describe()
+
+
+def test_the_python_tool_refuses_to_start_without_a_boundary_unless_told_it_is_unsafe():
+    """Nothing but the hook (not root, no user namespaces, no Landlock): refused at start-up in one
+    line, unless --unsafe-python-tool; any boundary passes."""
+    with pytest.raises(
+        ConfigError, match=r"^--tools python: no boundary .* here \(sandbox: unshare: no\).*--unsafe-python-tool"
+    ):
+        refuse_without_boundary(Sandbox(False, missing="sandbox: unshare: no"), unsafe=False)
+    refuse_without_boundary(Sandbox(False), unsafe=True)
+    for box in (Sandbox(True), Sandbox(False, landlock=True), Sandbox(False, NOBODY, NOBODY)):
+        refuse_without_boundary(box, unsafe=False)
+
+
 def test_the_start_up_line_says_what_is_in_force(caplog):
     """Logged where the multi-turn generate loads its tools, once, after the run's log is open."""
     from vime.rollout.multi_turn import _tools
 
     _tools.cache_clear()
     with caplog.at_level("INFO", logger="vime"):
-        _tools(("calculator", "python"))
-        _tools(("calculator", "python"))
+        _tools(("calculator", "python"), True)
+        _tools(("calculator", "python"), True)
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("python tool:")]
     box = detected_sandbox()
     assert line == box.describe()

@@ -26,7 +26,7 @@ import torch
 from vime.algorithms.credit import group_advantages
 from vime.algorithms.hooks import CUSTOM_LOSS_SIGNATURE, CUSTOM_TIS_SIGNATURE
 from vime.algorithms.objective import LossInputs, Objective
-from vime.plugins import Plugin, PluginError, at, first_line, load_function, load_plugin
+from vime.plugins import Plugin, PluginError, SettingWriteError, at, first_line, load_function, load_plugin
 from vime.rollout import async_loop
 from vime.rollout.data_source import DataSource
 from vime.rollout.filters import load_filter
@@ -147,7 +147,8 @@ def _reads_args(node: ast.AST) -> bool:
 def _check_args_read(plugin: Plugin, args: Any) -> None:
     """Refuse a plug-in whose module reads `args.NAME` for a NAME vime's args do not have (a
     setting of the seed system or of Megatron): it would raise AttributeError at that line,
-    mid-run. Names the module sets itself (`args.NAME = ...`) are its own; a module that sets
+    mid-run. The function that reads it is named (the configured one, or another function of its
+    module). Names the module sets itself (`args.NAME = ...`) are its own; a module that sets
     names by `setattr(args, ...)` is not judged, as what it sets cannot be read off its text."""
     module = inspect.getmodule(inspect.unwrap(plugin.fn))
     try:
@@ -156,7 +157,7 @@ def _check_args_read(plugin: Plugin, args: Any) -> None:
         return
     if tree is None:
         return
-    read, stored = set(), set()
+    stored = set()
     for node in ast.walk(tree):
         is_setattr = isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr"
         if is_setattr and node.args and getattr(node.args[0], "id", None) == "args":
@@ -165,19 +166,28 @@ def _check_args_read(plugin: Plugin, args: Any) -> None:
             stored.add(node.attr)
     # read only where `args` is the run's: in a function that takes a parameter of that name (a
     # module's own `args = parser.parse_args()` or a list called args is not vime's)
+    readers: dict[str, str] = {}  # a lacked name -> the first function that reads it
     for fn in ast.walk(tree):
         if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and "args" in {
             a.arg for a in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs)
         }:
             for node in ast.walk(fn):
-                if _reads_args(node) and not isinstance(node.ctx, ast.Store):
-                    read.add(node.attr)
-    lacked = sorted(name for name in read - stored if not hasattr(args, name))
-    if lacked:
-        names = ", ".join(f"args.{n}" for n in lacked)
-        raise plugin.error(
-            f"reads {names}, which vime does not have: read it with getattr(args, name, default), "
-            "or see docs/plugin-compat.md for vime's equivalent"
+                reads = _reads_args(node) and not isinstance(node.ctx, ast.Store) and node.attr not in stored
+                if reads and not hasattr(args, node.attr):
+                    readers.setdefault(node.attr, fn.name)
+    if readers:
+        by_reader: dict[str, list[str]] = {}
+        for name in sorted(readers):
+            by_reader.setdefault(readers[name], []).append(f"args.{name}")
+        own = getattr(inspect.unwrap(plugin.fn), "__name__", None)
+        said = "; ".join(
+            f"{plugin.path if reader == own else f'{module.__name__}.{reader}'} reads {', '.join(names)}"
+            for reader, names in by_reader.items()
+        )
+        named = own in by_reader  # else the configured function is named first, then who reads
+        raise PluginError(
+            f"{plugin.flag} {'' if named else plugin.path + ': '}{said}, which vime does not have: read it with "
+            "getattr(args, name, default), or see docs/plugin-compat.md for vime's equivalent"
         )
 
 
@@ -265,9 +275,17 @@ def _custom_reward(args: Any, rewards: Rewards, sample: Sample) -> list[str]:
         value = async_loop.run(rewards.fn(sample))
     except RewardSettingError:  # a setting that cannot work (an OPD teacher of another vocabulary)
         raise
+    except SettingWriteError as e:  # it would fail every sample of the run the same way
+        raise plugin.raised(e) from e
     except Exception as e:
         timed_out = isinstance(e, TimeoutError)
-        what = "took longer than --reward-timeout" if timed_out else f"raised {type(e).__name__}: {first_line(e)}"
+        what = (
+            "took longer than --reward-timeout"
+            if timed_out
+            else first_line(e)  # a service down: "cannot be reached at URL for 10s (...)"
+            if isinstance(e, ConnectionError)
+            else f"raised {type(e).__name__}: {first_line(e)}"
+        )
         if args.algorithm.teacher_served:  # a teacher not there now would leave the whole run undistilled
             raise RewardSettingError(
                 f"--opd-type {args.algorithm.opd_type}: the teacher at --rm-url {ro.rm_url} {what} on a made-up sample at "

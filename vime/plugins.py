@@ -12,6 +12,7 @@ which plug-in, on what (the sample or group) and, through `at_step`, in which st
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import importlib
 import inspect
@@ -55,6 +56,105 @@ class PluginError(VimeError, ValueError):
 
     def __str__(self) -> str:
         return self.message if self.when is None else f"{self.when}: {self.message}"
+
+
+class SettingWriteError(AttributeError):
+    """A plug-in wrote or deleted one of the run's settings on its `args`. An AttributeError (the
+    error a frozen attribute raises), not a VimeError, so the call that raised it is named: a
+    plug-in's call turns it into a PluginError naming the plug-in, a reward's counts as its error."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(
+            f"args.{name}: a setting of the run, read-only in a plug-in (the run's settings are fixed once it "
+            "starts): keep your own state under a name vime does not use, or change a copy (copy.deepcopy(args))"
+        )
+
+
+class _ReadOnlyNames(dict):
+    """`vars(args)` of a SettingsView: its names as a dict to read; a write to it is refused as a
+    write to `args` is, naming the setting (a plain dict would take it and change nothing)."""
+
+    def _refuse(self, key: Any = None, *_: Any, **names: Any) -> Any:
+        if isinstance(key, dict):  # update({...})
+            key = next(iter(key), None)
+        raise SettingWriteError(str(next((x for x in (key, *names, *self) if x is not None), "")))
+
+    __setitem__ = __delitem__ = pop = setdefault = update = _refuse
+
+    def popitem(self) -> Any:
+        return self._refuse()
+
+    def clear(self) -> None:
+        self._refuse()
+
+
+class SettingsView:
+    """The run's settings as a plug-in is handed them (slime's `args`): every setting, derived
+    value and --custom-config-path attribute readable, none writable or deletable (a write or
+    `del` is a SettingWriteError naming it). A plug-in that changed `args.lr` used to train the
+    run at its value, `del args.lr` at the class default. The view holds slots only: `vars(args)`
+    is a copy of its names that refuses writes too. A name that is no setting is the plug-in's own
+    to set, read and delete
+    (the seed's tau-bench keeps its config there); it changes nothing vime reads. A copy
+    (`copy.copy`, `copy.deepcopy`) is a writable config of its own, the plug-in's names on it;
+    pickled, a view is its settings."""
+
+    __slots__ = ("_config", "_own")
+
+    def __init__(self, config: Any, own: dict[str, Any] | None = None) -> None:
+        object.__setattr__(self, "_config", config)
+        object.__setattr__(self, "_own", {} if own is None else own)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") and name.endswith("__"):  # `vars(args)` would be the config's own __dict__
+            raise AttributeError(name)
+        own = self._own
+        if name in own:
+            return own[name]
+        return getattr(self._config, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if hasattr(self._config, name):
+            raise SettingWriteError(name)
+        self._own[name] = value
+
+    def __delattr__(self, name: str) -> None:
+        if name in self._own:
+            del self._own[name]
+        elif hasattr(self._config, name):
+            raise SettingWriteError(name)
+        else:
+            raise AttributeError(name)
+
+    @property
+    def __dict__(self) -> dict[str, Any]:  # type: ignore[override]
+        return _ReadOnlyNames(self._names())
+
+    def _names(self) -> dict[str, Any]:
+        """Every name the view answers, with its value."""
+        config = {k: v for k, v in vars(self._config).items() if not k.startswith("_")}
+        return {**config, **self._own}
+
+    def __copy__(self) -> Any:
+        return self._copied(copy.copy(self._config), dict(self._own))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return self._copied(copy.deepcopy(self._config, memo), copy.deepcopy(self._own, memo))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return copy.copy, (self._config,)
+
+    @staticmethod
+    def _copied(config: Any, names: dict[str, Any]) -> Any:
+        """A copy of the settings to change, with the names the plug-in set."""
+        for name, value in names.items():
+            setattr(config, name, value)
+        return config
+
+
+def read_only(args: Any) -> Any:
+    """`args` as a plug-in gets it: a view already (a run's `PluginArgs`) as it is, else a view of it."""
+    return args if isinstance(args, SettingsView) else SettingsView(args)
 
 
 @contextlib.contextmanager
@@ -181,6 +281,14 @@ def load_function(
         raise error(f"{flag} '{path}': {e.filename}:{e.lineno}: {e.msg} (fix the module)") from None
     except (ImportError, AttributeError) as e:
         lacked = _vime_name_lacked(e)
+        from_slime = lacked is not None and str(e.name).split(".")[0] == seed_imports.ALIAS  # type: ignore[union-attr]
+        slime = seed_imports.installed_slime() if from_slime else None
+        if slime is not None:  # a real slime answered the import, not vime
+            raise error(
+                f"{flag} '{path}' imports {lacked}, which the installed slime package ({slime}) does not have: "
+                "install the slime the plug-in was written for, or uninstall slime so vime answers slime.* imports "
+                "(docs/plugin-compat.md)"
+            ) from None
         if lacked is not None:
             raise error(
                 f"{flag} '{path}' imports {lacked}, which vime does not have (a name of the seed system's?): "

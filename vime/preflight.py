@@ -13,6 +13,7 @@ in is never written. It writes nothing but a probe file in the output directorie
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 import shutil
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from vime import compat
+from vime.backends import BACKENDS
 from vime.config import Config, ConfigError, RolloutConfig, TrainerConfig
 from vime.config.checks_train import inert_flags
 from vime.debug_rollout import check_template
@@ -31,6 +33,7 @@ from vime.eval_sets import args_for
 from vime.models import ModelError, context_length, load_tokenizer, read_config, resolve_model
 from vime.plugin_checks import check_plugins
 from vime.plugins import load_function
+from vime.rollout.compat import PluginArgs
 from vime.rollout.data_source import DataSource
 from vime.rollout.filters import load_filter
 from vime.rollout.prompts import load_eval_samples
@@ -70,6 +73,11 @@ def check_inputs(args: Config) -> Inputs:
     args, tokenizer = _model(args)
     took("tokenizer")
     model_dir = Path(args.rollout.model_dir)
+    if ckpt is not None:
+        _resumable(args, ckpt, model_dir)
+    if not args.rollout.debug_train_only:  # SFT and saved rollouts start no engine
+        _engines_run(args, model_dir)
+    _responses_fit(args, model_dir, training=True)
     _check_model_flags(args, model_dir)
     if args.trainer.lora_rank:
         _check_lora(args.trainer, model_dir)
@@ -97,8 +105,12 @@ def check_inputs(args: Config) -> Inputs:
         _check_lengths(args, model_dir, data_source.longest_row)
     _check_eval_sets(args, tokenizer, max_prompt_len)
     took("data")
-    # every plug-in called as the run calls it, on made-up input (vime/plugin_checks.py)
-    checked = check_plugins(args, tokenizer, data_source, rewards)
+    # every plug-in called as the run calls it, on made-up input (vime/plugin_checks.py), handed
+    # what the run hands them: a read-only view of the settings, over a frozen copy of them here
+    # (nothing a plug-in does reaches the run's config)
+    view = PluginArgs(copy.copy(args).freeze(), None)
+    rewards.args = view
+    checked = check_plugins(view, tokenizer, data_source, rewards)
     notes += checked.notes
     took("plug-ins called")
     return Inputs(args, tokenizer, checked.rollout_fn, data_source, rewards, notes, checked.custom_advantages, seconds)
@@ -111,8 +123,6 @@ def _outputs(args: Config) -> tuple[Config, Path | None, list[str]]:
     ckpt, notes = resume_point(args)
     if ckpt is None:
         args = args.derived(load=None)  # nothing to resume: the run starts from --hf-checkpoint (said in a note)
-    else:
-        _same_kind_of_run(args.output.load, ckpt, args.algorithm.loss_type)
     out = args.output
     _writable(Path(out.runs_dir), "--runs-dir")
     if out.save:
@@ -157,6 +167,15 @@ def _data(args: Config, tokenizer: Any, max_prompt_len: int) -> tuple[Config, Da
     return args, data_source
 
 
+def _resumable(args: Config, ckpt: Path, model_dir: Path) -> None:
+    """The checkpoint --load resumes, every key and shape against the model (a crafted or damaged
+    one failed in the trainer, after the engines started), and of this kind of run."""
+    from vime.trainer.checkpoint_check import check_checkpoint
+
+    check_checkpoint(ckpt, model_dir, lora=bool(args.trainer.lora_rank))
+    _same_kind_of_run(args.output.load, ckpt, args.algorithm.loss_type)
+
+
 def _same_kind_of_run(load: str, ckpt: Path, loss_type: str) -> None:
     """An SFT run resumes only an SFT run's checkpoint, an RL run only an RL run's: the other's
     data position and optimizer state would be read into this run. Its weights start a run of the
@@ -190,6 +209,8 @@ def check_eval_inputs(args: Config) -> tuple[Config, Any]:
     `model_dir` and the tokenizer."""
     args, tokenizer = _model(args)
     model_dir = Path(args.eval.model_dir)
+    _engines_run(args, model_dir)
+    _responses_fit(args, model_dir, training=False)
     _check_model_flags(args, model_dir)
     _check_eval_sets(args, tokenizer, context_length(model_dir) - 1)
     return args, tokenizer
@@ -228,6 +249,10 @@ def resume_point(args: Any) -> tuple[Path | None, list[str]]:
     if not args.output.load:
         return None, []
     load = Path(args.output.load)
+    if load.exists() and not load.is_dir():  # it was taken for an empty directory: the run started afresh
+        raise ConfigError(
+            f"--load {load} is a file: give the --save directory of a vime run or one of its <step>/ directories"
+        )
     ckpt = checkpoint_to_load(load, warn=False)
     if is_step_checkpoint(load):
         if ckpt is None:
@@ -305,6 +330,39 @@ def _check_save(save: Path, ckpt: Path | None, overwrite: bool) -> list[str]:
         f"--save {save} already holds checkpoints (steps {listed}) this run would overwrite: resume them with "
         f"--load {save}, pick another --save, or pass --overwrite-save to replace them"
     )
+
+
+def _engines_run(args: Config, model_dir: Path) -> None:
+    """The engines the run starts can run the model (the built-in engine's architectures): one
+    they could not passed every check and died at start, its traceback shown."""
+    pl = args.placement
+    backend = BACKENDS[pl.rollout_backend]
+    if pl.rollout_engine_urls or backend.check_model is None:  # engines given by URL already run theirs
+        return
+    why = backend.load(backend.check_model)(model_dir)
+    if why is not None:
+        raise ModelError(
+            f"--hf-checkpoint {args.rollout.hf_checkpoint}: {why}; --rollout-backend {pl.rollout_backend} cannot "
+            "generate with it (another --rollout-backend may)"
+        )
+
+
+def _responses_fit(args: Config, model_dir: Path, training: bool) -> None:
+    """The longest response asked for (training's, and each held-out set's) below the context: one
+    that is not can never be reached, and 10,000,000 on a 512-token model was taken unsaid (the
+    token-sum normalizer of the loss reads it too)."""
+    context = context_length(model_dir)  # --rollout-max-context-len below it may cut responses: its purpose
+    asked = [("--rollout-max-response-len", args.rollout.rollout_max_response_len)] if training else []
+    held_out = args.eval.eval_sets if args.eval.eval_interval or not training else []  # sets named, none run: as slime
+    for eval_set in held_out:
+        name = f" (eval set {eval_set['name']})" if eval_set["name"] else ""
+        asked.append((f"--eval-max-response-len{name}", args_for(args, eval_set).eval.eval_max_response_len))
+    for flag, n in asked:
+        if n is not None and n >= context:
+            raise ConfigError(
+                f"{flag} {n} is not below the model's context (config.json) of {context} tokens: a response has at most "
+                f"{context - 1} (after a prompt of one token); lower it"
+            )
 
 
 def _check_model_flags(args: Config, model_dir: Path) -> None:

@@ -281,15 +281,29 @@ def main(argv: list[str]) -> int:
     p.add_argument("--plots", default=None, help="where to write PNG plots (default: <first run>/../report)")
     p.add_argument("--no-plots", action="store_true", help="tables only")
     a = p.parse_args(argv)
+    out = None if a.no_plots else Path(a.plots) if a.plots else Path(a.runs[0]).parent / "report"
     runs = [summarize(r) for r in a.runs]
+    if out is not None:
+        _writable(out)
     print("speed\n" + speed_table(runs) + "\n")
     print("accuracy\n" + accuracy_table(runs) + "\n")
     per_set = eval_set_table(runs)
     if per_set:
         print("accuracy per eval set\n" + per_set + "\n")
     print("training reward per step\n" + "\n".join(reward_curve(r) for r in runs))
-    if not a.no_plots:
-        out = Path(a.plots) if a.plots else Path(a.runs[0]).parent / "report"
+    if out is not None:
         paths = plot(runs, out)
         print("\nplots: " + ", ".join(str(p) for p in paths))
     return 0
+
+
+def _writable(out: Path) -> None:
+    """The plots' directory made, before any table is printed: one that cannot be was a traceback."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / ".vime-probe").touch()
+        (out / ".vime-probe").unlink()
+    except OSError as e:
+        raise VimeError(
+            f"--plots {out}: cannot write there ({e.strerror or e}): pick a directory you can write to, or pass --no-plots"
+        ) from None

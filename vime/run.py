@@ -43,7 +43,8 @@ from vime.plugins import Plugin, at_step
 from vime.rollout.compat import fanned_out, fanned_out_advantages, trim_to_steps
 from vime.rollout.on_policy_distillation import check_served
 from vime.rollout.rewards.post_process import load_post_process, post_process
-from vime.rollout.types import RolloutOutput, Sample, drop_removed
+from vime.rollout.rewards.watch import FailedRewardSteps
+from vime.rollout.types import RolloutOutput, Sample, drop_removed, holds_groups
 from vime.trainer.checkpoint import checkpoint_to_load
 from vime.trainer.drift import DriftWatch
 from vime.trainer.nonfinite import BadSteps, bad_inputs
@@ -69,6 +70,7 @@ class Run:
         # optimizer steps per rollout: the policy version advances by this much per step
         self.steps_per_rollout = ctx.cfg.trainer.steps_per_rollout
         self.drift = DriftWatch()
+        self.failed_rewards = FailedRewardSteps.of(ctx.cfg.rollout, ctx.cfg.output.save)
         self.post_process: Plugin | None = None
         self.wall_clock_offset = 0.0  # a resumed run's clock goes on from its checkpoint's
         self.last_save_time: float | None = None  # logged in the next row: a step's row precedes its checkpoint
@@ -131,7 +133,7 @@ class Run:
             )
         with at_step(rollout_id + 1):  # a plug-in's fault (rollout, generate, filter, post-process) names the step
             out = self.ctx.rollout_fn(self.args, rollout_id, self.data_source)
-            if isinstance(self.ctx.rollout_fn, Plugin) and not _holds_groups(out):
+            if isinstance(self.ctx.rollout_fn, Plugin) and not holds_groups(out):
                 raise self.ctx.rollout_fn.error(
                     f"returned {type(out).__name__}: it must return RolloutOutput(samples=[[Sample, ...], ...], metrics={{}}), "
                     "one non-empty list per prompt group"
@@ -140,6 +142,8 @@ class Run:
                 post_process(self.post_process, self.args, out.samples)
             if self.cfg.algorithm.teacher_served:
                 check_served([s for g in out.samples for s in g], ro.custom_reward_post_process_path)
+        if self.ctx.rewards is not None:  # a reward service or teacher down for steps in a row stops the run
+            self.failed_rewards.observe(rollout_id + 1, out.samples, self.ctx.rewards.last_failure)
         # a generate's remove_sample: untrained from here on, and so in the rollout saved below
         removed = drop_removed(out.samples)
         if removed:
@@ -340,17 +344,6 @@ def staleness_metrics(samples: list[Sample], first_version: int, global_batch_si
     if not lags:
         return {}
     return {"rollout/staleness_mean": sum(lags) / len(lags), "rollout/staleness_max": float(max(lags))}
-
-
-def _holds_groups(out: Any) -> bool:
-    """What the train loop reads of a rollout function's answer: `.samples`, non-empty groups
-    of Samples (slime's RolloutFnTrainOutput has the same two fields), and `.metrics`."""
-    groups = getattr(out, "samples", None)
-    return (
-        isinstance(groups, list)
-        and isinstance(getattr(out, "metrics", None), dict)
-        and all(isinstance(g, list) and g and all(isinstance(s, Sample) for s in g) for g in groups)
-    )
 
 
 def _read_to_end(weights: Iterator[Any]) -> None:

@@ -65,3 +65,15 @@ def install() -> None:
     if real is not None and real.origin is not None:  # a `slime/` folder without __init__ (a clone's parent) is none
         return
     sys.meta_path.insert(0, _SlimeAlias())
+
+
+def installed_slime() -> str | None:
+    """Where a real slime package is, when it stands in for the alias (`slime.*` is then slime's,
+    not vime's); None where the alias answers."""
+    if any(isinstance(f, _SlimeAlias) for f in sys.meta_path):
+        return None
+    module = sys.modules.get(ALIAS)
+    if module is not None:
+        return getattr(module, "__file__", None) or repr(module)
+    real = importlib.machinery.PathFinder.find_spec(ALIAS)
+    return real.origin if real is not None else None

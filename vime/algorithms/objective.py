@@ -30,7 +30,7 @@ from vime.algorithms.hooks import (
 )
 from vime.algorithms.kl import kl_penalty
 from vime.algorithms.sft import SFTLoss
-from vime.plugins import Plugin, as_plugin, load_function
+from vime.plugins import Plugin, as_plugin, load_function, read_only
 
 Aggregation = Literal["token_mean", "sample_mean", "seq_sum_const"]
 NO_CORRECTION = OffPolicyCorrection()
@@ -275,15 +275,18 @@ class Objective:
     @classmethod
     def of(cls, args: Any) -> Objective:
         """From the run's algorithm settings (`args.algorithm`); the custom loss and TIS hooks,
-        written for slime, are bound to the whole flat `args`, as slime calls them."""
+        written for slime, are bound to the whole flat `args`, as slime calls them, read-only (a
+        hook's write would change the run's settings under the trainer)."""
         from functools import partial
+
+        view = read_only(args)
 
         def hook(path: str | None, flag: str, signature: str, by_keyword: bool = False) -> Plugin | None:
             if path is None:
                 return None
             fn = load_function(path, flag, signature=signature)
             # slime passes the TIS hook's args by keyword
-            return Plugin(partial(fn, args=args) if by_keyword else partial(fn, args), flag, path)
+            return Plugin(partial(fn, args=view) if by_keyword else partial(fn, view), flag, path)
 
         a = args.algorithm
         estimator = estimator_of(a.advantage_estimator)

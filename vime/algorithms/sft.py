@@ -56,5 +56,6 @@ class SFTLoss:
             (algo.use_rollout_logprobs, "--use-rollout-logprobs", "reads no old log-probs"),
             (algo.custom_tis_function_path is not None, "--custom-tis-function-path", "weighs no token by a ratio"),
             (algo.custom_advantage_function_path is not None, "--custom-advantage-function-path", "has no advantages"),
+            (algo.use_opd, "--use-opd", "adds no teacher's term"),
         ]
         return [(bad, f"{why} {does}: drop {flag}") for bad, flag, does in rl_only]

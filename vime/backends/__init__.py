@@ -42,6 +42,9 @@ class Backend:
     quantization_flag: str | None = None
     # None: --engine-num-kv-blocks sizes its engines' KV cache; else its own flag that does (as above)
     kv_blocks_flag: str | None = None
+    # "module:function" `fn(model_dir) -> why its engines cannot run that model, or None`, asked at
+    # start-up before any engine starts; None: the backend's engines say so themselves
+    check_model: str | None = None
 
     def make_client(self, url: str, api_key: str | None = None) -> Any:
         """A client of the engine at `url` (an `EngineClient`)."""
@@ -66,6 +69,7 @@ BACKENDS: dict[str, Backend] = {
             lora_adapters=True,  # vime/engine/core/lora.py
             ray_place="vime.backends.builtin.place:place_ray",
             starts_beside_trainer=True,
+            check_model="vime.engine.core.model:unsupported",
         ),
         Backend(
             "vllm",

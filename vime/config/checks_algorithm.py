@@ -12,7 +12,8 @@ from vime.plugins import OPD_POST_PROCESS, OPD_REWARD, vime_path
 
 def algorithm_checks(c: Settings) -> list[tuple[bool, str]]:
     """Every check of the algorithm's flags, loss first."""
-    return [*_loss_checks(c), *_correction_checks(c), *_opd_checks(c), *_sft_checks(c)]
+    # SFT's before OPD's: an SFT run is told to drop --use-opd, not to add what a teacher needs
+    return [*_loss_checks(c), *_correction_checks(c), *_sft_checks(c), *_opd_checks(c)]
 
 
 def _loss_checks(c: Settings) -> list[tuple[bool, str]]:

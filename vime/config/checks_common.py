@@ -60,6 +60,11 @@ def _reward_checks(c: Settings) -> list[tuple[bool, str]]:
             f"--reward-timeout {c.reward_timeout:g} must be > 0 seconds (it bounds each reward call; a hung one scores 0)",
         ),
         (
+            c.max_failed_reward_steps < 1,
+            f"--max-failed-reward-steps {c.max_failed_reward_steps} must be >= 1 (the failing steps in a row that stop "
+            "the run)",
+        ),
+        (
             c.rm_type == "remote_rm" and not c.custom_rm_path and c.rm_url is None,
             "--rm-type remote_rm needs --rm-url http://host:port/path, the reward model's endpoint",
         ),

@@ -155,6 +155,11 @@ class Config(Settings):
             )
         object.__setattr__(self, name, value)
 
+    def __delattr__(self, name: str) -> None:
+        if "_frozen" in self.__dict__:  # `del args.lr` would fall back to the class default
+            raise dataclasses.FrozenInstanceError(f"args.{name}: the run's config is frozen once the run is assembled")
+        object.__delattr__(self, name)
+
     def __copy__(self) -> Config:
         """The settings, not frozen, the live runtime dropped (as a pickle drops it)."""
         clone = object.__new__(type(self))

@@ -11,12 +11,9 @@ as in slime, and is recorded in `Config.custom_config` (config.yaml) and named a
 
 from __future__ import annotations
 
-import types
-import typing
 from typing import Any
 
 from vime import compat
-from vime.config.schema import HINTS
 from vime.config.values import load_yaml
 from vime.errors import ConfigError
 
@@ -24,7 +21,7 @@ from vime.errors import ConfigError
 def apply_custom_config(cfg: Any) -> None:
     """Set the file's keys on `cfg` (a Config being validated); a one-line ConfigError on a key
     or value that cannot be taken. A `null` leaves a setting that cannot be None as it is (slime's
-    mis.yaml writes `rs_lower_bound: null` for "not set")."""
+    mis.yaml writes `rs_lower_bound: null` for "not set": `load_yaml` drops it)."""
     where = f"--custom-config-path {cfg.custom_config_path}"
     extras: dict[str, Any] = {}
     values = load_yaml(cfg.custom_config_path, extras, what="--custom-config-path")
@@ -35,8 +32,6 @@ def apply_custom_config(cfg: Any) -> None:
     cfg.slime_flags = {**cfg.slime_flags, **values.pop("slime_flags")}
     cfg.vllm_args = {**cfg.vllm_args, **values.pop("vllm_args", {})}
     for name, value in values.items():
-        if value is None and not _optional(HINTS[name]):
-            continue
         setattr(cfg, name, value)
     for key, value in extras.items():
         attr = str(key).replace("-", "_")
@@ -44,9 +39,3 @@ def apply_custom_config(cfg: Any) -> None:
             raise ConfigError(f"{where}: '{key}' cannot be an attribute of args (it names a part of vime's Config)")
         setattr(cfg, attr, value)
     cfg.custom_config = {str(k).replace("-", "_"): v for k, v in extras.items()}
-
-
-def _optional(hint: Any) -> bool:
-    return (isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union) and type(
-        None
-    ) in typing.get_args(hint)

@@ -135,6 +135,12 @@ class RolloutFields:
         "characters of a tool's answer kept in the conversation; a longer one is cut there and counted as an error",
         group="tools",
     )
+    unsafe_python_tool: bool = setting(
+        False,
+        "run the python tool's model-written programs even where no boundary can be set up (no namespaces, no "
+        "Landlock, not root): they then run as this user, with its files and processes; unsafe",
+        group="tools",
+    )
     dynamic_sampling_filter_path: str | None = setting(
         None,
         "DAPO's dynamic sampling: dotted path of a filter fn(args, samples) -> bool or DynamicFilterOutput that judges each "
@@ -221,6 +227,12 @@ class RolloutFields:
         group="rewards",
     )
     reward_timeout: float = setting(10.0, "seconds before a reward call scores 0", group="rewards")
+    max_failed_reward_steps: int = setting(
+        3,
+        "stop the run after this many steps in a row in which every sample's reward failed (an error or a timeout: "
+        "a reward service or OPD teacher that is down); resume with --load once it is back",
+        group="rewards",
+    )
     reward_key: str | None = setting(
         None,
         "a reward function that returns a dict is read at this key (default: 'score'); its other numeric values are logged as rollout/reward_<key>",

@@ -26,12 +26,23 @@ def base_type(tp: Any) -> Any:
     return tp
 
 
+def takes_none(tp: Any) -> bool:
+    """Whether a field of this type may be None (`int | None`): YAML's null is its "not set"."""
+    is_union = isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union
+    return tp is Any or (is_union and type(None) in typing.get_args(tp))
+
+
 def coerce(name: str, value: Any) -> Any:
     """Turn a YAML or CLI value into the field's type, or raise a one-line ConfigError."""
     tp = base_type(HINTS[name])
     flag = "--" + name.replace("_", "-")
     sep = FIELDS[name].metadata["sep"]
     if value is None:
+        if not takes_none(HINTS[name]):  # `lr: null` reached the checks as None and raised a TypeError there
+            raise ConfigError(
+                f"{flag}: null is no value for it: give {_KINDS.get(tp, tp.__name__)}, or leave the key out for its "
+                f"default ({FIELDS[name].default!r})"
+            )
         return None
     try:
         # YAML hands over typed values, the command line strings: a YAML value is taken only where
@@ -68,15 +79,17 @@ def coerce(name: str, value: Any) -> Any:
             return parsed
         return tp(value)
     except (ValueError, TypeError, json.JSONDecodeError):
-        kind = {
-            dict: "a JSON object",
-            list: "a JSON list or comma-separated values",
-            int: "a whole number",
-            float: "a number",
-            bool: "true or false",
-            str: "text (quote it in a YAML file)",
-        }.get(tp, tp.__name__)
-        raise ConfigError(f"{flag}: cannot read {value!r} as {kind}") from None
+        raise ConfigError(f"{flag}: cannot read {value!r} as {_KINDS.get(tp, tp.__name__)}") from None
+
+
+_KINDS = {
+    dict: "a JSON object",
+    list: "a JSON list or comma-separated values",
+    int: "a whole number",
+    float: "a number",
+    bool: "true or false",
+    str: "text (quote it in a YAML file)",
+}
 
 
 def _maybe_int(s: str) -> Any:
@@ -148,5 +161,7 @@ def load_yaml(path: str | Path, extras: dict[str, Any] | None = None, what: str 
             close = difflib.get_close_matches(name, list(FIELDS), n=1)
             hint = f" (did you mean {close[0].replace('_', '-')}?)" if close else ""
             raise ConfigError(f"{what} {p}: unknown key '{key}'{hint}")
+        if value is None and extras is not None and not takes_none(HINTS[name]):
+            continue  # --custom-config-path's null: slime's "not set" (mis.yaml's rs_lower_bound: null)
         out[name] = coerce(name, value)
     return {k: v for k, v in out.items() if v != {} or k not in ("slime_flags", "vllm_args")}

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 log = logging.getLogger("vime.engine")
 
@@ -73,20 +74,44 @@ def body_limit_middleware(limit: int, flag: str) -> Callable:
     return check
 
 
+class _OneLine(logging.Filter):
+    """aiohttp logs a request it cannot parse (a byte no URL may hold, a broken header) with its
+    traceback: one per request, from anyone who reaches the port, key or not. Kept as one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, HttpProcessingError):
+            record.msg, record.args = f"{record.getMessage()}: {' '.join(str(error).split())[:200]}", ()
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+logging.getLogger("aiohttp.server").addFilter(_OneLine())  # every engine process: they all import this
+
+
 API_KEY_ENV = "VIME_API_KEY"
 OPEN_ROUTES = ("/health",)  # liveness probes need no key; it reveals nothing but ok / not ok
 
 
+def _presented(request: web.Request) -> bytes:
+    """The Authorization header's bytes as sent. aiohttp decodes a header's bytes that are not
+    UTF-8 to lone surrogates, which `.encode()` refused with a 500 and a traceback in the engine's
+    log per request, sent by anyone who reaches the port, key or not."""
+    value = request.headers.get("Authorization", "")
+    try:
+        return value.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a surrogate no byte decodes to: not the key either
+        return b""
+
+
 def auth_middleware(api_key: str) -> Callable:
     """Every route but /health needs `Authorization: Bearer <api_key>` (what vime's client, vLLM's
-    and OpenAI's send). Compared in constant time."""
+    and OpenAI's send). Compared in constant time, on any bytes the header holds."""
     expected = f"Bearer {api_key}".encode()
 
     @web.middleware
     async def check(request: web.Request, handler: Callable) -> web.StreamResponse:
-        if request.path not in OPEN_ROUTES and not hmac.compare_digest(
-            request.headers.get("Authorization", "").encode(), expected
-        ):
+        if request.path not in OPEN_ROUTES and not hmac.compare_digest(_presented(request), expected):
             return json_error(
                 401, "missing or wrong API key: send 'Authorization: Bearer <key>' (the engine's --api-key)"
             )
@@ -109,6 +134,8 @@ async def read_body(request: web.Request) -> dict:
         body = await request.json() if request.can_read_body else {}
     except json.JSONDecodeError:
         raise BadRequest("request body is not valid JSON") from None
+    except (LookupError, UnicodeDecodeError):  # a charset Python does not know, or bytes not of it
+        raise BadRequest("request body is not text in the charset its Content-Type names (send UTF-8 JSON)") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     return body

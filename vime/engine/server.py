@@ -159,7 +159,7 @@ class EngineServer:
     async def _generate(self, input_ids: list[int], params, rid: str, on_tokens: OnTokens | None = None):
         """Queue one request and wait for its RequestOutput; aborts it if the caller goes away.
         `on_tokens` (streaming) gets each sample's new tokens after every step, on the event loop."""
-        self._check_length(len(input_ids))
+        self._check_length(len(input_ids), generates=params.max_new_tokens > 0)
         fut = asyncio.get_running_loop().create_future()
 
         def add() -> None:
@@ -178,10 +178,10 @@ class EngineServer:
             self._submit(lambda: self._deliver(self.engine.abort(rid)))
             raise
 
-    def _check_length(self, n: int) -> None:
-        """A prompt the engine could never hold is refused here, on the HTTP thread, before its
-        ids are checked one by one or it queues for the engine thread."""
-        if n >= self.engine.max_seq_len:
+    def _check_length(self, n: int, generates: bool = True) -> None:
+        """A prompt the engine could never hold is refused here, on the HTTP thread, before its ids are
+        checked or it queues for the engine thread; a scoring (nothing generated) may fill the context."""
+        if n > self.engine.max_seq_len - int(generates):
             raise BadRequest(
                 f"prompt of {n} tokens can never fit: the engine's maximum sequence length is {self.engine.max_seq_len}"
             )
@@ -190,10 +190,11 @@ class EngineServer:
         from vime.engine.core.sampler import SamplingParams
 
         input_ids = body_field(body, "input_ids", list)
-        self._check_length(len(input_ids))
+        self._check_length(len(input_ids), generates=False)
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
             raise BadRequest("input_ids must be a list of integers")
         params = SamplingParams.from_dict(body_field(body, "sampling_params", dict, required=False, default={}))
+        self._check_length(len(input_ids), generates=params.max_new_tokens > 0)
         rid = body_field(body, "rid", str, required=False) or uuid.uuid4().hex
         return input_ids, params, rid, bool(body.get("return_logprob", False))
 

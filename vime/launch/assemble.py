@@ -12,14 +12,15 @@
    rollout runtime over them; a training run's router for the seed's plug-ins and its weight
    pusher, whose weight group forms now, not in step 1. `vime eval` gives engines it did not
    start the weights of --hf-checkpoint.
-4. The `args` plug-ins and rollout functions are handed: the frozen config and these live
-   objects, read-only (`vime.rollout.compat.PluginArgs`).
+4. The `args` plug-ins and rollout functions are handed: a frozen copy of the config and these
+   live objects, read-only (`vime.rollout.compat.PluginArgs`); the custom reward gets it too.
 
 Whatever fails on the way closes what was built before it.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -78,7 +79,10 @@ def assemble(cfg: Config, evaluation: bool = False) -> RunContext:
             with clock.phase("weight group"):
                 _router_and_pusher(ctx)
             _rollout_process(ctx)
-        ctx.args = PluginArgs(ctx.cfg, ctx.runtime, ctx.router)
+        # over a frozen copy: not even a write into the view's own config reaches the run's
+        ctx.args = PluginArgs(copy.copy(ctx.cfg).freeze(), ctx.runtime, ctx.router)
+        if ctx.rewards is not None:  # a custom reward gets the same view as every other plug-in
+            ctx.rewards.args = ctx.args
     except BaseException:
         ctx.close()  # never leave engine or trainer processes behind
         raise

@@ -72,6 +72,8 @@ class RunContext:
             steps.append(_close_http_sessions)
         if self.rewards is not None:
             steps.append(self.rewards.close)
+        if "vime.rollout.tool_workers" in sys.modules:  # a user's tools ran in worker processes
+            steps.append(_close_tool_workers)
         if self.actor is not None:
             steps.append(self.actor.close)
         if self.placement is not None:
@@ -90,3 +92,9 @@ def _close_http_sessions() -> None:
     from vime.utils.http_utils import close_sessions
 
     async_loop.run(close_sessions())
+
+
+def _close_tool_workers() -> None:
+    from vime.rollout.tool_workers import close_all
+
+    close_all()

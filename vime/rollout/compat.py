@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from vime.plugins import SettingsView, SettingWriteError
 from vime.rollout import async_loop
 from vime.rollout.answer_log import AnswerLog
 from vime.rollout.engine_requests import generate_on_engines, sampling_params
@@ -163,24 +164,18 @@ def _mm_render_response_to_generate_body(render_data: Any, model: str) -> dict[s
 # ---------------------------------------------------------------- the args plug-ins get
 
 
-class PluginArgs:
-    """slime's `args`, as every plug-in and rollout function of a run is handed it: each setting
-    of the run's config (every flag, derived values, --custom-config-path's attributes), and the
-    live objects slime's plug-ins reach through it: `runtime` (the engines' clients, the
-    tokenizer, the rewards: `runtime.runtime_of`) and `vllm_router_ip` / `vllm_router_port` (the
-    `Router`, None when the run has none).
+class PluginArgs(SettingsView):
+    """slime's `args`, as every plug-in and rollout function of a run is handed it: the read-only
+    view of the run's settings every plug-in gets (`vime.plugins.SettingsView`: a write or `del`
+    of a setting raises, a name that is no setting is the plug-in's own), and the live objects
+    slime's plug-ins reach through it: `runtime` (the engines' clients, the tokenizer, the
+    rewards: `runtime.runtime_of`) and `vllm_router_ip` / `vllm_router_port` (the `Router`, None
+    when the run has none). A copy (`copy.copy(args)` / `copy.deepcopy(args)`) is a Config of its
+    own to change, still holding the live objects. A custom generate gets `for_call()`'s view
+    instead, which takes any write for that one call: the seed's multi-agent generate stores its
+    tokenizer, sampling params and agent settings on `args` on every call before copying it."""
 
-    The run's settings are read-only: they are fixed once it is assembled (a write used to change
-    them for the rest of the run, the trainer's view included). A plug-in that wants other values
-    copies it: `copy.copy(args)` / `copy.deepcopy(args)` is a Config of its own to change, still
-    holding the live objects. A name that is no setting of the run is the plug-in's own to set and
-    read (the seed's tau-bench keeps `args.tau_bench_config` there): it changes nothing vime
-    reads, and lives as long as this object, in this process. A custom generate gets
-    `for_call()`'s view instead, which takes any write for that one call: the seed's multi-agent
-    generate stores its tokenizer, sampling params and agent settings on `args` on every call
-    before copying it. Pickled, it is its settings."""
-
-    __slots__ = ("_config", "_live", "_own", "_mine", "_router")
+    __slots__ = ("_live", "_mine", "_router")
 
     def __init__(
         self,
@@ -192,15 +187,14 @@ class PluginArgs:
         own: dict[str, Any] | None = None,
         mine: dict[str, Any] | None = None,
     ) -> None:
+        super().__init__(config, own)
         if live is None:
             live = {
                 "runtime": runtime,
                 "vllm_router_ip": router.host if router else None,
                 "vllm_router_port": router.port if router else None,
             }
-        object.__setattr__(self, "_config", config)
         object.__setattr__(self, "_live", live)
-        object.__setattr__(self, "_own", {} if own is None else own)
         object.__setattr__(self, "_mine", mine)
         object.__setattr__(self, "_router", router)
 
@@ -229,45 +223,36 @@ class PluginArgs:
         mine = self._mine
         if mine is not None and name in mine:
             return mine[name]
-        live, own = self._live, self._own
+        live = self._live
         if name in live:
             return live[name]
-        if name in own:
-            return own[name]
-        return getattr(self._config, name)
+        return super().__getattr__(name)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if self._mine is not None:
             self._mine[name] = value
-        elif name in self._live or hasattr(self._config, name):
-            raise AttributeError(
-                f"args.{name}: a setting of the run, read-only in a plug-in (the run's settings are fixed once it "
-                "starts): keep your own state under a name vime does not use, or change a copy (copy.deepcopy(args))"
-            )
+        elif name in self._live:
+            raise SettingWriteError(name)
         else:
-            self._own[name] = value
+            super().__setattr__(name, value)
 
     def __delattr__(self, name: str) -> None:
-        if self._mine is None or name not in self._mine:
-            raise AttributeError(f"args.{name}: only what a generate call set on args can be deleted")
-        del self._mine[name]
+        if self._mine is not None and name in self._mine:
+            del self._mine[name]
+        elif name in self._live:
+            raise SettingWriteError(name)
+        else:
+            super().__delattr__(name)
+
+    def _names(self) -> dict[str, Any]:
+        return {**super()._names(), **self._live, **(self._mine or {})}
 
     def __copy__(self) -> Any:
-        return self._copied(copy.copy(self._config), {**self._own, **(self._mine or {})})
+        return self._copied(copy.copy(self._config), {**self._live, **self._own, **(self._mine or {})})
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         plugins = copy.deepcopy({**self._own, **(self._mine or {})}, memo)
-        return self._copied(copy.deepcopy(self._config, memo), plugins)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return copy.copy, (self._config,)
-
-    def _copied(self, config: Any, plugins: dict[str, Any]) -> Any:
-        """A copy of the settings to change, with the live objects (shared) and the names the
-        plug-in set, its own and this call's (copied as the settings were)."""
-        for name, value in {**self._live, **plugins}.items():
-            setattr(config, name, value)
-        return config
+        return self._copied(copy.deepcopy(self._config, memo), {**self._live, **plugins})
 
 
 # ---------------------------------------------------------------- the router

@@ -45,8 +45,8 @@ def _context_length(model_dir: str) -> int:
 
 
 @lru_cache(maxsize=8)
-def _tools(specs: tuple[str, ...]) -> dict[str, Tool]:
-    tools = load_tools(list(specs))
+def _tools(specs: tuple[str, ...], unsafe: bool) -> dict[str, Tool]:
+    tools = load_tools(list(specs), unsafe)
     log_sandbox(tools)  # here, once, where the run's log is open (preflight's load_tools comes before it)
     return tools
 
@@ -106,7 +106,7 @@ async def generate(args, sample: Sample, params: dict) -> Sample:
     `--max-turns` turns, or no room is left (TRUNCATED)."""
     runtime, rollout = runtime_of(args), args.rollout
     tokenizer = runtime.tokenizer
-    tools = _tools(tuple(rollout.tools))
+    tools = _tools(tuple(rollout.tools), rollout.unsafe_python_tool)
     state = sample.metadata.setdefault(
         STATE,
         {"turns": 0, "tool_calls": 0, "tool_errors": 0, "tool_seconds": 0.0, "turn_start": sample.response_length},

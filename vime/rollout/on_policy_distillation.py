@@ -12,8 +12,12 @@ SGLang's scoring request, which a vime engine answers too (engine/core/scoring.p
 scores exactly the tokens the student drew, and only those. Its answer is the sample's reward
 answer. The calls go through vime's reward runner: all of a group's at once, at most 64 open per
 teacher, each retried while the teacher is busy (a vime engine answers 503 while its KV cache is
-full) until `--reward-timeout`. One that still fails scores 0, counts in `rollout/reward_errors`,
-and its sample trains without the teacher's term, as a failed reward costs a reward, not the run.
+full) or down until `--reward-timeout`. One that still fails scores 0, counts in
+`rollout/reward_errors` (a teacher down; `rollout/reward_timeouts` a teacher busy throughout), and
+its sample trains without the teacher's term, as a failed reward costs a reward, not the run; a
+teacher that fails every sample for `--max-failed-reward-steps` steps in a row stops the run
+(rewards/watch.py). An answer with a log-prob above 0 (a probability above 1) is an error of its
+sample.
 What no retry can mend stops the run in one line (`TeacherError`): a teacher of another vocabulary
 (its `/get_model_info`, asked once, where it says; a table padded to another size is the same
 vocabulary: models.table_fits), a refusal (a 4xx: a wrong key or path, a

@@ -22,8 +22,18 @@ from vime.rollout.types import Sample
 API_KEY_ENV = "VIME_TEACHER_API_KEY"  # the teacher engine's key (`vime serve --api-key`), if it has one
 
 
+# A log-prob above 0 is a probability above 1: a teacher that answers one is not scoring. Rounding
+# of a near-certain token's log-softmax stays far below this (bf16 rounds 1.0 by at most 2^-8).
+LOGPROB_TOLERANCE = 1e-2
+
+
 class TeacherError(RewardSettingError):
     """The teacher cannot score this run's tokens (one line; stops the run)."""
+
+
+class ImpossibleLogProb(ValueError):
+    """A teacher answered a log-prob above 0 for a sample: that sample's reward is an error
+    (`rollout/reward_errors`) and it trains without the teacher's term."""
 
 
 class Teacher(RemoteReward):
@@ -63,11 +73,18 @@ class Teacher(RemoteReward):
                 if not self.checked:
                     await self._check_vocabulary()
         try:
-            return await self(sample)
+            answer = await self(sample)
         except RemoteRewardError as e:  # a refusal, not a busy teacher: every sample would get it
             raise TeacherError(
                 f"--opd-type {self.kind}: the teacher {e} (is --rm-url {self.routes}, and {API_KEY_ENV} its key?)"
             ) from None
+        highest = max(self.log_probs(answer, sample), default=0.0)  # an answer of another shape: TeacherError
+        if highest > LOGPROB_TOLERANCE:
+            raise ImpossibleLogProb(
+                f"--opd-type {self.kind}: the teacher at {self.url} answered sample {sample.index} with the log-prob "
+                f"{highest:g}, above 0 (a probability above 1): it is not scoring the tokens"
+            )
+        return answer
 
     async def _get(self, path: str, body: dict[str, Any] | None = None) -> Any:
         """The JSON answer of the teacher's `path` (a POST of `body`, else a GET), or None where it

@@ -97,15 +97,33 @@ def _where(path: Path, row: int, lineno: int) -> str:
     return f"{path} row {row}" + (f" (line {lineno})" if lineno else "")
 
 
+def _text(value: Any, where: str, key: str) -> Any:
+    """`value` as it is, unless it is text holding a lone surrogate (JSON's "\\ud800" without its
+    pair): no encoding writes one, and the tokenizer raised a TypeError on it, mid-run."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise DataError(
+                f"{where}: '{key}' holds {value[e.start]!r} at character {e.start}, half of a surrogate pair, which is "
+                "no text: fix the row (a JSON \\ud800-style escape without its other half)"
+            ) from None
+    return value
+
+
 def _check_input(value: Any, where: str, key: str) -> str | list[dict[str, Any]]:
     if isinstance(value, int) and not isinstance(value, bool):  # a task's number (tau-bench's `index`)
         return str(value)
     if isinstance(value, str):
         if not value.strip():  # it would reach the engine as a prompt of no tokens, mid-run
             raise DataError(f"{where}: '{key}' is empty: every row needs a prompt")
-        return value
-    if isinstance(value, list) and value and all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
-        return [dict(m) for m in value]
+        return _text(value, where, key)
+    if isinstance(value, list) and not value:
+        raise DataError(
+            f"{where}: '{key}' is an empty list of messages: every row needs a prompt (a conversation of at least one)"
+        )
+    if isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
+        return [{**m, "content": _text(m["content"], where, f"{key}[{i}].content")} for i, m in enumerate(value)]
     raise DataError(
         f"{where}: '{key}' must be a string, an integer or a list of chat messages [{{role, content}}], "
         f"got {type(value).__name__}"
@@ -232,7 +250,11 @@ def load_prompts(
             )
         item = {
             "input": _check_input(prompt, where, input_key),
-            "label": _gsm8k_label(label, where, label_key) if label_format == "gsm8k" else _label_text(label),
+            "label": _text(
+                _gsm8k_label(label, where, label_key) if label_format == "gsm8k" else _label_text(label),
+                where,
+                label_key,
+            ),
             "metadata": _check_metadata(_lookup(row, metadata_key)[1], where, metadata_key),
         }
         if tool_key is not None:

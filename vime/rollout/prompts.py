@@ -25,7 +25,11 @@ class PromptRenderer:
         self.use_template = bool(rollout.apply_chat_template)
         self.template_kwargs = dict(rollout.apply_chat_template_kwargs or {})
         # --tools: their schemas for the chat template, unless a row brings its own (--tool-key)
-        self.tools = [t.schema() for t in load_tools(list(rollout.tools)).values()] if rollout.tools else None
+        self.tools = (
+            [t.schema() for t in load_tools(list(rollout.tools), rollout.unsafe_python_tool).values()]
+            if rollout.tools
+            else None
+        )
         if self.use_template and not getattr(tokenizer, "chat_template", None):
             raise DataError(
                 f"--apply-chat-template is set but the tokenizer of {source} has no chat template: drop the flag or use an instruct model"

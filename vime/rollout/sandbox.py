@@ -14,13 +14,21 @@ namespace when vime is not root: an unprivileged user may create one, root needs
 * the network namespace has no interface up: no network, no host loopback, no abstract Unix
   socket of the host.
 
+Without namespaces, where the kernel has Landlock (`landlock`), the launcher restricts the program
+with it instead, which the kernel enforces on every path however it is reached (`dir_fd`,
+`/proc/self/root/...`): the system directories and the Python installation readable, /dev/null,
+zero, random and urandom, and the scratch directory the one place it can write; nothing else
+(no /proc: no other process's environment), and from Landlock ABI 4 no TCP, from ABI 6 no signal
+to a process outside it and no abstract Unix socket.
+
 Everywhere: a clean environment (the caller's `env`), `uid` when given (root runs programs as
 `nobody`: the run's processes and private files are out of reach even without namespaces), no
 new privileges, and rlimits on CPU seconds, address space, processes and file size, no core
 files. Without namespaces the runner also installs a Python audit hook (`_guard`) refusing
 sockets, ctypes, new processes, signals, other processes' /proc entries and writes outside the
 scratch directory: defence in depth only, since native code or an interpreter bug gets past
-any hook. The caller says so at start-up.
+any hook (and its path rules were stepped around). The caller says which boundary holds at
+start-up, and refuses the python tool where none does unless told it is unsafe.
 
 The program itself runs in a fresh `python -I -c <this file> run CONFIG`: the runner reads it
 from stdin, points stdin at /dev/null and executes it as `__main__` (file name program.py).
@@ -35,6 +43,7 @@ import os
 import re
 import resource
 import signal
+import struct
 import sys
 
 SETUP_FAILED = 125
@@ -52,6 +61,20 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_PRIVATE, MS_RELATIME = 1024, 2048, 4096, 16384, 1 << 18, 1 << 21
 MNT_DETACH = 2
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+# Landlock's system calls (one number on every architecture) and rights (linux/landlock.h)
+LANDLOCK_CREATE_RULESET, LANDLOCK_ADD_RULE, LANDLOCK_RESTRICT_SELF = 444, 445, 446
+LANDLOCK_CREATE_RULESET_VERSION, LANDLOCK_RULE_PATH_BENEATH = 1, 1
+FS_EXECUTE, FS_WRITE_FILE, FS_READ_FILE, FS_READ_DIR, FS_TRUNCATE, FS_IOCTL_DEV = 1, 2, 4, 8, 1 << 14, 1 << 15
+FS_FILE_RIGHTS = (
+    FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | FS_TRUNCATE | FS_IOCTL_DEV
+)  # what a rule on a file may grant
+FS_RIGHTS = {
+    1: (1 << 13) - 1,
+    2: (1 << 14) - 1,
+    3: (1 << 15) - 1,
+    5: (1 << 16) - 1,
+}  # every right, by the ABI adding them
+NET_TCP, SCOPE_ALL = 3, 3  # bind and connect (ABI 4); abstract Unix sockets and signals (ABI 6)
 # pivot_root has no libc wrapper
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
 # flags a bind mount keeps from its source: in a user namespace a remount that drops them is refused
@@ -166,6 +189,47 @@ def _enter_namespaces(config: dict) -> None:
     os.chdir("/")
 
 
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version, 0 where it has none (or it is off)."""
+    ctypes, libc = _libc()
+    version = libc.syscall(ctypes.c_long(LANDLOCK_CREATE_RULESET), None, ctypes.c_size_t(0), ctypes.c_uint32(1))
+    return max(version, 0)
+
+
+def _landlock(scratch: str) -> None:
+    """Restrict this process and what it executes: see the module's docstring. Needs no new
+    privileges set first (`launch` sets it)."""
+    ctypes, libc = _libc()
+    abi = landlock_abi()
+    if abi < 1:
+        raise SetupError("landlock: this kernel has none")
+    every = FS_RIGHTS[max(v for v in FS_RIGHTS if v <= abi)]
+    attr = struct.pack("=QQQ", every, NET_TCP if abi >= 4 else 0, SCOPE_ALL if abi >= 6 else 0)
+    attr = attr[: 8 if abi < 4 else 16 if abi < 6 else 24]  # the struct as this ABI knows it
+    buf = ctypes.create_string_buffer(attr, len(attr))
+    ruleset = libc.syscall(ctypes.c_long(LANDLOCK_CREATE_RULESET), buf, ctypes.c_size_t(len(attr)), ctypes.c_uint32(0))
+    if ruleset < 0:
+        raise SetupError(f"landlock ruleset: {os.strerror(ctypes.get_errno())}")
+    rules = [(p, FS_EXECUTE | FS_READ_FILE | FS_READ_DIR) for p in read_only_paths()]
+    rules += [(f"/dev/{d}", FS_READ_FILE | FS_WRITE_FILE) for d in DEVICES] + [(scratch, every)]
+    for path, allowed in rules:
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        allowed &= every if os.path.isdir(path) else FS_FILE_RIGHTS
+        rule = ctypes.create_string_buffer(struct.pack("=Qi", allowed, fd), 12)
+        _call(
+            f"landlock rule {path}",
+            libc.syscall,
+            ctypes.c_long(LANDLOCK_ADD_RULE),
+            ruleset,
+            LANDLOCK_RULE_PATH_BENEATH,
+            rule,
+            0,
+        )
+        os.close(fd)
+    _call("landlock_restrict_self", libc.syscall, ctypes.c_long(LANDLOCK_RESTRICT_SELF), ruleset, 0)
+    os.close(ruleset)
+
+
 def _exit_like(status: int) -> None:
     """End the launcher as its child ended: a signal as that signal, so the caller reads both alike."""
     code = os.waitstatus_to_exitcode(status)
@@ -199,6 +263,8 @@ def launch(config: dict) -> None:
     if config["namespaces"]:  # the launcher killed at the timeout takes the namespace with it
         _call("prctl PDEATHSIG", libc.prctl, PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     _call("prctl NO_NEW_PRIVS", libc.prctl, PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    if config["landlock"]:
+        _landlock(config["scratch"])
     # set after the uid changes: a limit already low at setuid would refuse the exec below
     for limit, value in (
         (resource.RLIMIT_CPU, config["cpu_seconds"]),

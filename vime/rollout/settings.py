@@ -53,6 +53,7 @@ class RolloutConfig:
     tool_timeout: float
     tool_call_parser: str
     tool_max_output_chars: int
+    unsafe_python_tool: bool
     rollout_concurrency: int | None
     max_staleness: int | None
     partial_rollout: bool
@@ -65,6 +66,7 @@ class RolloutConfig:
     group_rm: bool
     reward_timeout: float
     reward_key: str | None
+    max_failed_reward_steps: int
     model_dir: str | None
     steps_per_rollout: int
     sft_rollout: bool

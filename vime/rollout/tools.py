@@ -40,6 +40,7 @@ from vime.errors import ConfigError
 from vime.plugins import load_function
 from vime.rollout import sandbox
 from vime.rollout.rewards.runner import in_daemon_thread
+from vime.rollout.tool_workers import ToolDied, message_of, workers_of
 
 log = logging.getLogger("vime")
 
@@ -51,6 +52,7 @@ class Tool:
     parameters: dict[str, Any]  # JSON schema of the arguments object
     fn: Callable[[dict[str, Any]], Any]  # arguments -> text (str, or bytes read as UTF-8)
     in_process: bool = True  # False: fn starts a process of its own and bounds it (python)
+    spec: str | None = None  # the --tools path it was loaded by: a user's tool, run in worker processes
 
     def schema(self) -> dict[str, Any]:
         """The OpenAI-style schema a chat template renders (`tools=[...]`)."""
@@ -86,11 +88,19 @@ _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 MAX_DIGITS = 1000  # a result (or a power's operands) past this is refused: 9**9**9 would take minutes
 
 
+def _finite(value: int | float) -> int | float:
+    """A float past 1.8e308 becomes inf without an OverflowError (1e308 * 10, a literal 1e999),
+    and inf - inf nan: not an answer to give the model as if it were one."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ToolError("the result is too large for a floating-point number" if math.isinf(value) else "not a number")
+    return value
+
+
 def _evaluate(node: ast.AST) -> int | float:
     if isinstance(node, ast.Expression):
         return _evaluate(node.body)
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return node.value
+        return _finite(node.value)
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_evaluate(node.operand))
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
@@ -107,7 +117,7 @@ def _evaluate(node: ast.AST) -> int | float:
             raise ToolError("the result is not a real number")
         if isinstance(value, int) and value.bit_length() > MAX_DIGITS * 3.33:
             raise ToolError(f"the result has more than {MAX_DIGITS} digits")
-        return value
+        return _finite(value)
     raise ToolError(f"not arithmetic: {ast.unparse(node)!r} (numbers, + - * / // % ** and parentheses only)")
 
 
@@ -160,13 +170,19 @@ _ENV = {
 @dataclass(frozen=True)
 class Sandbox:
     """What bounds the python tool's programs (vime.rollout.sandbox says how): namespaces of their
-    own where the kernel allows them, nobody's uid when vime is root. `detected_sandbox` picks the
-    strongest that works on this machine."""
+    own where the kernel allows them, else Landlock where it has it; nobody's uid when vime is root.
+    `detected_sandbox` picks the strongest that works on this machine."""
 
     namespaces: bool
     uid: int | None = None
     gid: int | None = None
+    landlock: bool = False
     missing: str = ""  # why nothing stronger: the error of the stronger one's test
+
+    @property
+    def boundary(self) -> bool:
+        """Whether anything but a Python audit hook keeps a program from the run's processes and files."""
+        return self.namespaces or self.landlock or self.uid is not None
 
     def describe(self) -> str:
         """The start-up line: what is in force, and what is not."""
@@ -181,6 +197,16 @@ class Sandbox:
                 f"visible, the system and Python read-only, only their {SCRATCH_BYTES >> 20} MiB scratch "
                 f"directory writable; {limits}"
             )
+        if self.landlock:
+            who = "as nobody, " if self.uid is not None else ""
+            abi = sandbox.landlock_abi()
+            network = "no TCP, " if abi >= 4 else "the network open (Landlock ABI < 4), "
+            signals = "no signal to another process" if abi >= 6 else "signals to this user's processes (ABI < 6)"
+            return (
+                f"python tool: no namespaces here ({self.missing}): programs run {who}under Landlock (ABI {abi}): "
+                "the system and Python read-only, nothing else readable (no other process's /proc), only their "
+                f"scratch directory writable, {network}{signals}; {limits}"
+            )
         if self.uid is not None:
             return (
                 f"python tool: no namespaces here ({self.missing}): programs run as nobody, out of reach of "
@@ -188,17 +214,16 @@ class Sandbox:
                 f"and reach the network past a Python audit hook, which is not a boundary; {limits}"
             )
         return (
-            f"python tool: NO BOUNDARY here ({self.missing}): model-written programs run as this user, with "
-            "its files, its processes (the run's environment, the engines' API key) and the network; only a "
-            "Python audit hook refuses them, and it can be bypassed. Run vime as root, or allow unprivileged "
-            "user namespaces (Ubuntu: sysctl kernel.apparmor_restrict_unprivileged_userns=0), for a real one; "
-            f"{limits}"
+            f"python tool: NO BOUNDARY here ({self.missing}), run anyway (--unsafe-python-tool): model-written "
+            "programs run as this user, with its files, its processes (the run's environment, the engines' API "
+            f"key) and the network; only a Python audit hook refuses them, and it can be bypassed; {limits}"
         )
 
     def config(self, scratch: str, timeout: float) -> dict[str, Any]:
         """The launcher's configuration for one program (vime.rollout.sandbox.launch)."""
         return {
             "namespaces": self.namespaces,
+            "landlock": self.landlock,
             "uid": self.uid,
             "gid": self.gid,
             "scratch": scratch,
@@ -220,9 +245,9 @@ def detected_sandbox() -> Sandbox:
             ids = pwd.getpwnam("nobody")[2:4]
         except KeyError:
             ids = (65534, 65534)
-        candidates = [Sandbox(True, *ids), Sandbox(False, *ids)]
+        candidates = [Sandbox(True, *ids), Sandbox(False, *ids, landlock=True), Sandbox(False, *ids)]
     else:
-        candidates = [Sandbox(True)]
+        candidates = [Sandbox(True), Sandbox(False, landlock=True)]
     problems = []
     for box in candidates:
         try:
@@ -242,7 +267,7 @@ def log_sandbox(tools: dict[str, Tool]) -> None:
     it is not the kernel's."""
     if PYTHON in tools.values():
         box = detected_sandbox()
-        (log.info if box.namespaces else log.warning)(box.describe())
+        (log.info if box.namespaces or box.landlock else log.warning)(box.describe())
 
 
 def run_python(arguments: dict[str, Any], timeout: float = 10.0, box: Sandbox | None = None) -> str:
@@ -317,9 +342,10 @@ PYTHON = Tool(
 BUILTIN_TOOLS = {t.name: t for t in (CALCULATOR, PYTHON)}
 
 
-def load_tools(specs: list[str]) -> dict[str, Tool]:
+def load_tools(specs: list[str], unsafe: bool = False) -> dict[str, Tool]:
     """--tools: built-in names or dotted paths to a Tool (or a function returning one). The python
-    tool's sandbox is found here, at start-up (preflight)."""
+    tool's sandbox is found here, at start-up (preflight); where none holds, the python tool is
+    refused unless `unsafe` (--unsafe-python-tool)."""
     tools: dict[str, Tool] = {}
     for spec in specs:
         if spec in BUILTIN_TOOLS:
@@ -337,12 +363,25 @@ def load_tools(specs: list[str]) -> dict[str, Tool]:
                     f"--tools {spec}: gave {type(tool).__name__}, not a vime.rollout.tools.Tool; "
                     f"or use a built-in tool: {', '.join(BUILTIN_TOOLS)}"
                 )
+            tool = replace(tool, spec=spec)
         if tool.name in tools:
             raise ConfigError(f"--tools: two tools are named '{tool.name}': give each tool once")
         tools[tool.name] = tool
     if PYTHON in tools.values():
-        detected_sandbox()
+        refuse_without_boundary(detected_sandbox(), unsafe)
     return tools
+
+
+def refuse_without_boundary(box: Sandbox, unsafe: bool) -> None:
+    """The python tool where nothing but a Python audit hook would hold its programs (not root, no
+    user namespaces, no Landlock): refused, unless the user says to run it anyway."""
+    if not box.boundary and not unsafe:
+        raise ConfigError(
+            f"--tools python: no boundary for model-written programs can be set up here ({box.missing}): they would "
+            "run as this user, with its files and processes (the engines' API key); run vime as root, allow "
+            "unprivileged user namespaces (Ubuntu: sysctl kernel.apparmor_restrict_unprivileged_userns=0) or use a "
+            "kernel with Landlock, or pass --unsafe-python-tool to run them anyway"
+        )
 
 
 def as_text(out: str | bytes) -> str:
@@ -354,11 +393,20 @@ def as_text(out: str | bytes) -> str:
     return out.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
-def _message(e: Exception) -> str:
+async def _in_worker(tool: Tool, arguments: dict[str, Any], timeout: float) -> str | bytes:
+    """A user's tool called in one of its worker processes; ToolError with what the model reads
+    when it raised, gave no text or ended its process; TimeoutError past the timeout."""
     try:
-        return str(e)
-    except Exception:  # an exception whose __str__ raises must not end the run either
-        return "(its message could not be read)"
+        grace = 0.0 if tool.in_process else 5.0  # one that bounds its own time says so first
+        answer = await in_daemon_thread(workers_of(tool.spec).call, arguments, timeout, grace)
+    except ToolDied as e:
+        raise ToolError(f"{tool.name} ended: {e}") from None
+    if answer[0] == "not text":
+        raise ToolError(f"{tool.name} returned {answer[1]}, not text")
+    if answer[0] == "raised":
+        _, kind, message, own = answer
+        raise ToolError(message if own else f"{tool.name} raised {kind}: {message}")
+    return answer[1]
 
 
 async def call_tool(tools: dict[str, Tool], name: Any, arguments: Any, timeout: float, max_chars: int) -> ToolResult:
@@ -377,16 +425,18 @@ async def call_tool(tools: dict[str, Tool], name: Any, arguments: Any, timeout: 
     if not isinstance(arguments, dict):
         return done(f"error: {tool.name}'s arguments must be a JSON object", True)
     try:
-        if tool.in_process:
+        if tool.spec is not None:  # a user's: in a process of its own, which it may end (tool_workers.py)
+            out = await _in_worker(tool, arguments, timeout)
+        elif tool.in_process:
             out = await asyncio.wait_for(in_daemon_thread(tool.fn, arguments), timeout)
         else:
             out = await asyncio.to_thread(tool.fn, arguments, timeout)
     except ToolError as e:
-        return done(f"error: {_message(e)}", True)
+        return done(f"error: {message_of(e)}", True)
     except TimeoutError:
         return done(f"error: {tool.name} gave no answer within {timeout:g}s", True)
     except Exception as e:  # a tool's own bug: the model reads what went wrong, the run goes on
-        return done(f"error: {tool.name} raised {type(e).__name__}: {_message(e)}", True)
+        return done(f"error: {tool.name} raised {type(e).__name__}: {message_of(e)}", True)
     if not isinstance(out, str | bytes):
         return done(f"error: {tool.name} returned {type(out).__name__}, not text", True)
     return done(out, False)

@@ -189,3 +189,14 @@ def drop_removed(groups: list[list[Sample]]) -> int:
         s.loss_mask = [0] * s.response_length
         removed += 1
     return removed
+
+
+def holds_groups(out: Any) -> bool:
+    """What the train loop reads of a rollout function's answer: `.samples`, non-empty groups
+    of Samples (slime's RolloutFnTrainOutput has the same two fields), and `.metrics`."""
+    groups = getattr(out, "samples", None)
+    return (
+        isinstance(groups, list)
+        and isinstance(getattr(out, "metrics", None), dict)
+        and all(isinstance(g, list) and g and all(isinstance(s, Sample) for s in g) for g in groups)
+    )

@@ -171,13 +171,9 @@ def load(actor: Trainer, ckpt: Path) -> dict[str, Any]:
     state_file = ckpt / TRAINER_STATE
     if not state_file.exists():
         raise CheckpointError(f"{ckpt} is not a complete checkpoint (no {TRAINER_STATE})")
+    check_same_kind(ckpt, getattr(actor, "lora", None) is not None)
     # both files read before either is applied: one that fails to load changes nothing
     weights = _lora_weights(actor, ckpt) if getattr(actor, "lora", None) is not None else dict(iter_weights(ckpt))
-    if getattr(actor, "lora", None) is None and (ckpt / ADAPTER_DIR).is_dir():
-        raise CheckpointError(
-            f"checkpoint {ckpt} was trained with LoRA (its optimizer holds only the adapters'): resume with the same "
-            "--lora-rank, or start a full fine-tune from it with --hf-checkpoint (its weights are merged)"
-        )
     expected = {n for n, p in actor.model.named_parameters() if p.requires_grad} | (
         set(actor.model.state_dict()) - actor.tied_aliases if getattr(actor, "lora", None) is None else set()
     )
@@ -186,7 +182,7 @@ def load(actor: Trainer, ckpt: Path) -> dict[str, Any]:
         raise CheckpointError(
             f"checkpoint {ckpt} does not match the model: missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}"
         )
-    state = _read_state(state_file)
+    state = read_state(state_file)
     saved, running = (
         _optimizer_kind(g) for g in (state["optimizer"]["param_groups"][0], actor.optimizer.param_groups[0])
     )
@@ -205,14 +201,24 @@ def load(actor: Trainer, ckpt: Path) -> dict[str, Any]:
     return state["extra"]
 
 
+def check_same_kind(ckpt: Path, lora: bool) -> None:
+    """A LoRA run resumes only a LoRA run's checkpoint (its optimizer holds the adapters' state
+    alone), a full fine-tune only a full fine-tune's."""
+    if lora and not (ckpt / ADAPTER_DIR).is_dir():
+        raise CheckpointError(
+            f"checkpoint {ckpt} holds no LoRA adapter ({ADAPTER_DIR}/): it is a full fine-tune; resume it without --lora-rank"
+        )
+    if not lora and (ckpt / ADAPTER_DIR).is_dir():
+        raise CheckpointError(
+            f"checkpoint {ckpt} was trained with LoRA (its optimizer holds only the adapters'): resume with the same "
+            "--lora-rank, or start a full fine-tune from it with --hf-checkpoint (its weights are merged)"
+        )
+
+
 def _lora_weights(actor: Trainer, ckpt: Path) -> dict[str, Tensor]:
     """A LoRA run resumes its adapters; its base is the run's --hf-checkpoint, already loaded.
     That base is checked against the checkpoint: one adapted layer's saved (merged) weight must
     equal the base's plus the adapter, or the run would train adapters made for another model."""
-    if not (ckpt / ADAPTER_DIR).is_dir():
-        raise CheckpointError(
-            f"checkpoint {ckpt} holds no LoRA adapter ({ADAPTER_DIR}/): it is a full fine-tune; resume it without --lora-rank"
-        )
     adapter = read_adapter(ckpt / ADAPTER_DIR)
     _check_same_lora(actor, ckpt, adapter)
     module = min(actor.lora_modules)
@@ -275,10 +281,10 @@ def _numpy_globals() -> list[Any]:
 def loss_type(ckpt: Path) -> str:
     """The --loss-type of the run that wrote `ckpt` (policy_loss where it recorded none, as before
     SFT), read with its tensors memory-mapped, not loaded: cheap at any model size."""
-    return _read_state(ckpt / TRAINER_STATE, mmap=True)["extra"].get("loss_type", "policy_loss")
+    return read_state(ckpt / TRAINER_STATE, mmap=True)["extra"].get("loss_type", "policy_loss")
 
 
-def _read_state(state_file: Path, mmap: bool = False) -> dict[str, Any]:
+def read_state(state_file: Path, mmap: bool = False) -> dict[str, Any]:
     """trainer_state.pt as plain data (tensors, numbers, strings, lists, dicts). Unpickling may
     call anything the file names, so a file that names anything else (a crafted checkpoint that
     would run a command on `--load`) is refused before any of it runs."""

@@ -172,7 +172,7 @@ class LLMEngine:
             raise ValueError(
                 f"n {params.n} is more samples than this engine runs at once (--max-num-seqs {self.cfg.max_num_seqs}): send several requests"
             )
-        if len(prompt_ids) >= self.max_seq_len:
+        if len(prompt_ids) > self.max_seq_len - int(params.max_new_tokens > 0):  # a scoring may fill the context
             raise ValueError(
                 f"prompt of {len(prompt_ids)} tokens can never fit: the engine's maximum sequence length is {self.max_seq_len} "
                 f"(max_position_embeddings {self.model_config.max_position_embeddings}, KV cache {self.allocator.num_blocks} blocks x {self.cfg.block_size})"

@@ -96,6 +96,18 @@ class ModelConfig:
         )
 
 
+def unsupported(model_dir: str | Path) -> str | None:
+    """Why this engine cannot run the model of `model_dir`, or None: what start-up asks before any
+    engine starts (an engine that refused it at its own start showed its traceback)."""
+    try:
+        ModelConfig.from_hf_dir(model_dir)
+    except UnsupportedModelError as e:
+        return str(e)
+    except (KeyError, TypeError, ValueError) as e:  # a config.json without a field the engine reads
+        return f"{Path(model_dir) / 'config.json'} lacks what the vime engine reads ({type(e).__name__}: {e})"
+    return None
+
+
 def _rope_theta(c: dict) -> float:
     """rope_theta from either the transformers-5 `rope_parameters` dict or the older top-level
     `rope_theta` + `rope_scaling`; only plain (default) RoPE is implemented."""

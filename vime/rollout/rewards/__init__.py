@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from vime.errors import VimeError
-from vime.plugins import load_function
+from vime.plugins import load_function, read_only
 from vime.rollout.rewards.answers import extract_answer, normalize
 from vime.rollout.rewards.grading import BUILTIN_RM_TYPES, builtin_score, grade, numeric_credit
 from vime.rollout.rewards.runner import GradingTimeout, RewardRunner
@@ -62,7 +62,7 @@ RewardFn = Callable[[Sample], Awaitable[Any]]
 
 FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32 (torch.finfo(torch.float32).max)
 DEFAULT_REWARD_KEY = "score"  # where a dict reward is read without --reward-key (builtin_result's keys: score, acc)
-# rm types defined in a module of their own: name -> "module:factory", factory(args, runner) -> RewardFn
+# rm types defined in a module of their own: name -> "module:factory", factory(rollout settings, runner) -> RewardFn
 MODULE_RM_TYPES: dict[str, str] = {
     "reasoning_gym": "vime.rollout.reasoning_gym_tasks:make_reward",
     "remote_rm": "vime.rollout.rewards.remote:make_reward",
@@ -87,24 +87,24 @@ def _is_async(fn: Callable) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
-def _lookup(args, runner: RewardRunner) -> RewardFn:
+def _lookup(rewards: Rewards, runner: RewardRunner) -> RewardFn:
     """The async per-sample reward `fn(sample) -> number or dict` of the settings; RewardError
-    on one that cannot work. Every call is bounded by the runner's timeout. `args`: the plug-ins'
-    (a custom reward is called with it); the rest reads the rollout room's settings."""
-    rollout = args.rollout
+    on one that cannot work. Every call is bounded by the runner's timeout. A custom reward is
+    called with `rewards.args` as it is at the call (the run's view, once the run hands it one)."""
+    rollout = rewards.settings
     rm_type, custom_rm_path = rollout.rm_type, rollout.custom_rm_path
     if custom_rm_path:
         fn = load_function(custom_rm_path, "--custom-rm-path", RewardError, "fn(args, sample) -> float or dict")
         if _is_async(fn):
 
             async def custom_async(sample: Sample) -> Any:
-                return await asyncio.wait_for(fn(args, sample), runner.timeout)
+                return await asyncio.wait_for(fn(rewards.args, sample), runner.timeout)
 
             return custom_async
 
         async def custom_sync(sample: Sample) -> Any:
             # in a thread, so a slow synchronous reward does not stall every in-flight request
-            out = await runner.in_thread(fn, args, sample)
+            out = await runner.in_thread(fn, rewards.args, sample)
             return await asyncio.wait_for(out, runner.timeout) if inspect.isawaitable(out) else out
 
         return custom_sync
@@ -132,17 +132,18 @@ def _as_list(answers: Any) -> Any:
     return answers.tolist() if hasattr(answers, "tolist") and not isinstance(answers, (list, tuple)) else answers
 
 
-def _lookup_group(args, runner: RewardRunner) -> GroupRewardFn | None:
+def _lookup_group(rewards: Rewards, runner: RewardRunner) -> GroupRewardFn | None:
     """`--group-rm` with `--custom-rm-path`: the async group reward `fn(samples) -> [reward, ...]`,
     called once per prompt group (slime's batched reward: rewards that compare a group's answers,
     a ranking or a pairwise judge), bounded by the runner's timeout; None otherwise (the built-in
     rewards score each sample alone, as slime's do under --group-rm too)."""
-    rollout = args.rollout
+    rollout = rewards.settings
     if not (rollout.group_rm and rollout.custom_rm_path):
         return None
     fn = load_function(rollout.custom_rm_path, "--custom-rm-path", RewardError, GROUP_REWARD_SIGNATURE)
 
     async def group(samples: list[Sample]) -> Any:
+        args = rewards.args
         out = fn(args, samples) if _is_async(fn) else await runner.in_thread(fn, args, samples)
         return await asyncio.wait_for(out, runner.timeout) if inspect.isawaitable(out) else out
 
@@ -218,13 +219,16 @@ class Rewards:
     reach it through `args.runtime.rewards` (score_samples), and the run closes it."""
 
     def __init__(self, args, runner: RewardRunner | None = None) -> None:
-        self.settings: RolloutConfig = args.rollout  # `args` itself only reaches a custom reward
+        self.settings: RolloutConfig = args.rollout
+        # what a custom reward is handed, read-only: start-up's view, then the run's (`assemble`)
+        self.args = read_only(args)
         self.runner = runner or RewardRunner(float(self.settings.reward_timeout))
-        self.group_fn = _lookup_group(args, self.runner)
-        self.fn = _lookup(args, self.runner) if self.group_fn is None else self._one_of_a_group
+        self.group_fn = _lookup_group(self, self.runner)
+        self.fn = _lookup(self, self.runner) if self.group_fn is None else self._one_of_a_group
         # the answers go to a post-process as they are (post_process.py), which makes them rewards
         self.keep_answers = bool(self.settings.custom_reward_post_process_path)
         self._logged: set[str] = set()  # exception types already logged once
+        self.last_failure: str | None = None  # the latest failure, for the line that stops a run (watch.py)
 
     async def score(self, samples: list[Sample]) -> dict[str, float]:
         """Set `sample.reward`, `sample.reward_error` and `sample.reward_extras` on every sample
@@ -319,6 +323,7 @@ class Rewards:
         name = type(e).__name__
         detail = "no result in time, see --reward-timeout" if timed_out else str(e)
         counter = "rollout/reward_timeouts" if timed_out else "rollout/reward_errors"
+        self.last_failure = f"{name}: {' '.join(detail.split())[:300]}"
         if name not in self._logged:
             self._logged.add(name)
             log.warning(

@@ -5,9 +5,11 @@ for slime answers vime unchanged); the answer's JSON is the reward, a number or 
 `--reward-key` like any other reward. A reward model is a server that can be busy or restarting,
 so a refused connection, a timeout of the socket or a 408/429/5xx is tried again, with a growing
 pause, until `--reward-timeout` runs out; any other status is the server saying no, and fails the
-sample at once. Either way a failure scores 0 and is counted (`rollout/reward_errors`,
-`rollout/reward_timeouts`), as every reward failure is: a reward model that goes away for a
-minute costs that minute's rewards, not the run.
+sample at once. Either way a failure scores 0 and is counted, as every reward failure is: in
+`rollout/reward_errors` where nothing answered at all (`Unreachable`) or the answer was a refusal,
+in `rollout/reward_timeouts` where the server was there but slow. A reward model that goes away for
+a minute costs that minute's rewards; one that stays away stops the run after
+`--max-failed-reward-steps` steps (`vime/rollout/rewards/watch.py`).
 
 At most `MAX_CONCURRENT` requests are open at once, whatever the batch: a reward model serves
 the whole rollout, and a few hundred connections at once would be its own denial of service.
@@ -37,6 +39,12 @@ class RemoteRewardError(Exception):
     """The reward model answered, but not with a reward (a refusal, or a body that is not JSON)."""
 
 
+class Unreachable(ConnectionError):
+    """Nothing answered at the URL (a refused connection, a name that does not resolve) for as
+    long as the sample's --reward-timeout: the service is down, not busy. An error of the sample
+    (`rollout/reward_errors`), not a timeout: a dead service counted as slow hid what was wrong."""
+
+
 class RemoteReward:
     """The per-sample reward of `--rm-type remote_rm`. One semaphore per event loop: the run's
     rollout loop and a separate eval loop must not share an asyncio primitive."""
@@ -60,6 +68,7 @@ class RemoteReward:
         pause = FIRST_PAUSE
         async with aiohttp.ClientSession() as session:
             while True:
+                down: Exception | None = None  # the last try reached nothing
                 try:
                     async with session.post(self.url, json=body, headers=self.headers) as resp:
                         text = await resp.text()
@@ -67,9 +76,14 @@ class RemoteReward:
                             return _json(text, self.url)
                         if resp.status not in RETRY_STATUSES:
                             raise RemoteRewardError(f"{self.url} answered {resp.status}: {text[:200]}")
+                except aiohttp.ClientConnectorError as e:  # refused, or no such host: down or restarting
+                    down = e
                 except (TimeoutError, aiohttp.ClientConnectionError):
-                    pass  # down or restarting: try again while there is time
+                    pass  # busy or restarting: try again while there is time
                 if time.monotonic() + pause >= deadline:
+                    if down is not None:
+                        why = " ".join(str(down.os_error or down).split())[:120]
+                        raise Unreachable(f"cannot be reached at {self.url} for {self.timeout:g}s ({why})")
                     raise TimeoutError()
                 await asyncio.sleep(pause)
                 pause *= 2

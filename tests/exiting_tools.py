@@ -1,0 +1,27 @@
+"""A user's tool that ends its own process as it is told to, loaded by dotted path
+(`--tools exiting_tools:exiting_tool`). Its module imports little, since each of the tool's worker
+processes imports it (vime/rollout/tool_workers.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+from vime.rollout.tools import Tool
+
+
+def exiting_tool() -> Tool:
+    def end(arguments: dict) -> str:
+        how = arguments["how"]
+        if how == "os._exit":
+            os._exit(3)
+        if how == "sys.exit":
+            sys.exit(4)
+        if how == "signal":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if how == "group":
+            os.killpg(0, signal.SIGTERM)
+        return "still here"
+
+    return Tool("end", "ends its process", {"type": "object"}, end)
