@@ -307,3 +307,31 @@ def test_every_new_flag_reaches_the_objective():
         )
     )
     assert o.custom_loss is not None and o.per_sequence
+
+
+def test_a_rollouts_credit_follows_the_loss_the_estimator_and_the_group_sizes():
+    """rollout_credit, the train loop's one call: no advantage for the SFT loss; GRPO within each
+    group; a fanned-out rollout (a generate that returned several samples) normalized per prompt
+    and trimmed to its optimizer steps; REINFORCE++ under --gamma < 1 one return per token."""
+    import dataclasses
+
+    from vime.algorithms.credit import rollout_credit
+    from vime.config import parse_args
+
+    al = parse_args(["--config", "examples/tiny.yaml", "--num-rollout", "1"]).algorithm
+
+    def groups(*rewards: list[float]) -> list[list[Sample]]:
+        return [[Sample(reward=r, response_length=2) for r in g] for g in rewards]
+
+    sft = rollout_credit(groups([1.0, 0.0]), dataclasses.replace(al, loss_type="sft_loss"), 2, 1)
+    assert sft.advantages.tolist() == [0.0, 0.0] and sft.rewards.tolist() == [0.0, 0.0]
+    grpo = rollout_credit(groups([1.0, 0.0], [3.0, 3.0]), dataclasses.replace(al, advantage_estimator="grpo"), 2, 1)
+    assert grpo.advantages.tolist() == pytest.approx([1.0, -1.0, 0.0, 0.0], abs=1e-5)
+    fanned = rollout_credit(
+        groups([1.0, 0.0, 1.0], [2.0, 0.0]), dataclasses.replace(al, advantage_estimator="grpo"), 2, 2
+    )
+    assert len(fanned.samples) == 4 and fanned.rewards.tolist() == [1.0, 0.0, 1.0, 2.0]  # 5 trimmed to 2 steps' 4
+    assert fanned.advantages[:3].sum().item() == pytest.approx(0.0, abs=1e-5)  # normalized within its own group
+    rpp = dataclasses.replace(al, advantage_estimator="reinforce_plus_plus", gamma=0.5)
+    per_token = rollout_credit(groups([1.0, 0.0]), rpp, 2, 1).advantages
+    assert isinstance(per_token, list) and [t.shape[0] for t in per_token] == [2, 2]

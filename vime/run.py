@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from vime.algorithms.credit import discounted_returns, group_advantages
+from vime.algorithms.credit import rollout_credit
 from vime.config import Config, ConfigError
 from vime.debug_rollout import load_rollout, save_rollout
 from vime.errors import EngineError
@@ -40,7 +40,6 @@ from vime.metrics import MetricsLogger
 from vime.models import read_config
 from vime.modes import MODES
 from vime.plugins import Plugin, at_step
-from vime.rollout.compat import fanned_out, fanned_out_advantages, trim_to_steps
 from vime.rollout.on_policy_distillation import check_served
 from vime.rollout.rewards.post_process import load_post_process, post_process
 from vime.rollout.rewards.watch import FailedRewardSteps
@@ -155,30 +154,11 @@ class Run:
     def train_on(self, out: RolloutOutput, step: int) -> dict[str, float]:
         """Advantages → optimizer step(s). Returns train metrics + rollout metrics of this batch."""
         groups, steps = out.samples, self.steps_per_rollout
-        al = self.cfg.algorithm
-        # a generate that returned several samples: groups of other sizes than n (rollout/compat.py)
-        fanned = al.loss_type != "sft_loss" and fanned_out(groups, self.cfg.rollout.n_samples_per_prompt)
-        if al.loss_type == "sft_loss":  # the SFT loss reads no reward or advantage
-            rewards = torch.zeros(sum(len(g) for g in groups))
-            adv = torch.zeros_like(rewards)
-        else:
-            rewards, adv = (fanned_out_advantages if fanned else group_advantages)(
-                groups,
-                al.advantage_estimator,
-                std_normalize=al.normalize_advantages_std,
-                whitened=al.normalize_advantages,
-                custom=self.ctx.custom_advantages,
-                args=self.args,
-            )
-        if al.gamma != 1.0:  # REINFORCE++ discounted: one advantage per token (Config allows nothing else)
-            adv = discounted_returns(groups, al.gamma)
-        samples = [s for g in groups for s in g]
-        if fanned:  # every rollout takes the same optimizer steps, whatever its sample count
-            samples = trim_to_steps(samples, steps)
-            adv = adv[: len(samples)]
-            rewards = rewards[: len(samples)]
+        n = self.cfg.rollout.n_samples_per_prompt
+        credit = rollout_credit(groups, self.cfg.algorithm, n, steps, self.ctx.custom_advantages, self.args)
+        samples = credit.samples
         metrics = dict(out.metrics)
-        metrics.update(self.guarded_train_step(step, samples, rewards, adv))
+        metrics.update(self.guarded_train_step(step, samples, credit.rewards, credit.advantages))
         self.data_source.mark_trained(groups)  # from now on a checkpoint does not regenerate them
         metrics.update(staleness_metrics(samples, self.policy_version, len(samples) // steps))
         if warning := self.drift.observe(step, metrics):

@@ -1,19 +1,33 @@
 """A rollout's credit: the rewards of its groups of samples made into the advantages the
 trainer takes, by the estimator --advantage-estimator names (a row of
 `vime.algorithms.ADVANTAGES`), or by --custom-advantage-function-path; whitening over the
-batch's loss tokens, and REINFORCE++'s per-token discounted returns.
+batch's loss tokens, and REINFORCE++'s per-token discounted returns. `rollout_credit` is the one
+entry the train loop calls: it picks among these by the settings and the estimator's row.
+
+A generate may return several samples for one (an agent's turns, say): a group is then every
+sample that came from one prompt, of any size (`fanned_out`), each normalized within itself, and
+the rollout trains the first multiple of its optimizer steps (`trim_to_steps`).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from vime.algorithms import estimator_of
 from vime.plugins import as_plugin, first_line
+
+if TYPE_CHECKING:
+    from vime.algorithms.settings import AlgorithmConfig
+
+log = logging.getLogger("vime")
+
+SFT_LOSS = "sft_loss"  # the loss type that reads no reward and no advantage (vime/algorithms/sft.py)
 
 
 def compute_advantages(
@@ -101,3 +115,90 @@ def group_advantages(
         counts = torch.tensor([[sum(s.effective_loss_mask()) for s in g] for g in groups], dtype=torch.float32)
         adv = whiten(adv.flatten(), counts.flatten()).view_as(adv)
     return rewards, adv
+
+
+def fanned_out_advantages(
+    groups: list[list[Any]],
+    estimator: str,
+    std_normalize: bool,
+    whitened: bool,
+    custom: Callable[..., Any] | None = None,
+    args: Any = None,
+) -> tuple[Tensor, Tensor]:
+    """(rewards, advantages), flat, of groups of different sizes: group_advantages' estimator
+    (or --custom-advantage-function-path's, asked for one [1 × k] group at a time) on each group
+    alone, so each normalizes within itself; whitening, where it applies, over the whole batch."""
+    rewards, advs = [], []
+    for g in groups:
+        r = torch.tensor([[s.reward or 0.0 for s in g]], dtype=torch.float32)
+        if custom is None:
+            a = compute_advantages(r, estimator, std_normalize=std_normalize)
+        else:  # "grpo" only so that nothing is whitened per group; the custom function decides
+            _, a = group_advantages([g], "grpo", custom=custom, args=args)
+        rewards.append(r.flatten())
+        advs.append(a.flatten())
+    adv = torch.cat(advs)
+    if whitened or estimator_of(estimator).advantages.whitened:
+        counts = torch.tensor([float(sum(s.effective_loss_mask())) for g in groups for s in g])
+        adv = whiten(adv, counts)
+    return torch.cat(rewards), adv
+
+
+def fanned_out(groups: list[list[Any]], n: int) -> bool:
+    """Whether some group is not `n` samples (a generate returned several for one)."""
+    return any(len(g) != n for g in groups)
+
+
+def trim_to_steps(samples: list[Any], steps: int) -> list[Any]:
+    """The samples of a fanned-out rollout that its `steps` optimizer steps train: the first
+    multiple of `steps`, so every rollout still takes --global-batch-size's steps and the policy
+    version stays one count."""
+    keep = len(samples) - len(samples) % steps
+    if keep == 0:
+        raise ValueError(f"{len(samples)} samples cannot fill the rollout's {steps} optimizer steps")
+    if keep < len(samples):
+        log.info("a rollout of %d samples trains %d (%d optimizer steps)", len(samples), keep, steps)
+    return samples[:keep]
+
+
+@dataclass
+class Credit:
+    """What a rollout's optimizer steps train on."""
+
+    samples: list[Any]  # the groups' samples in order (a fanned-out rollout's trimmed to its steps)
+    rewards: Tensor  # [samples]
+    advantages: Tensor | list[Tensor]  # [samples], or under --gamma < 1 one [response tokens] per sample
+
+
+def rollout_credit(
+    groups: list[list[Any]],
+    al: AlgorithmConfig,
+    n_per_prompt: int,
+    steps: int,
+    custom: Callable[..., Any] | None = None,
+    args: Any = None,
+) -> Credit:
+    """The rollout's samples, rewards and advantages, as the settings say: none for the SFT loss
+    (it reads neither), the estimator's per group (each fanned-out group within itself), and
+    per-token discounted returns where the estimator takes --gamma below 1."""
+    samples = [s for g in groups for s in g]
+    if al.loss_type == SFT_LOSS:
+        zeros = torch.zeros(len(samples))
+        return Credit(samples, zeros, torch.zeros_like(zeros))
+    fanned = fanned_out(groups, n_per_prompt)
+    rewards, adv = (fanned_out_advantages if fanned else group_advantages)(
+        groups,
+        al.advantage_estimator,
+        std_normalize=al.normalize_advantages_std,
+        whitened=al.normalize_advantages,
+        custom=custom,
+        args=args,
+    )
+    advantages: Tensor | list[Tensor] = adv.flatten()
+    if al.gamma != 1.0:  # the config allows it only for an estimator whose row is `discounted`
+        advantages = discounted_returns(groups, al.gamma)
+    rewards = rewards.flatten()
+    if fanned:  # every rollout takes the same optimizer steps, whatever its sample count
+        samples = trim_to_steps(samples, steps)
+        rewards, advantages = rewards[: len(samples)], advantages[: len(samples)]
+    return Credit(samples, rewards, advantages)

@@ -18,11 +18,12 @@ per agent call). Here:
   it at `args.vllm_router_ip` / `args.vllm_router_port`.
 * `GenerateState`, `_build_inference_sampling_params`, `_inference_generate_tokens_and_logprobs`:
   the seed's helpers of those names (re-exported by vllm_rollout.py, where plug-ins import them).
-* `flatten` and `fanned_out_advantages`: a generate that returns a list of samples. As in the
-  seed, each returned sample is trained; vime's group is every sample that came from one prompt
-  (the prompt's n samples, each expanded into what its generate returned), and GRPO normalizes
-  within it. The seed normalizes over the whole batch once counts differ; per prompt is the
-  group GRPO means, and what the seed does where it tracks group sizes (multi-LoRA).
+
+A generate that returns a list of samples is vime's own rule now (`vime.rollout.types.flatten`,
+`vime.algorithms.credit.rollout_credit`): each returned sample is trained, in the group of its
+prompt, which GRPO normalizes within. The seed normalizes over the whole batch once counts
+differ; per prompt is the group GRPO means, and what the seed does where it tracks group sizes
+(multi-LoRA).
 """
 
 from __future__ import annotations
@@ -30,11 +31,9 @@ from __future__ import annotations
 import copy
 import logging
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from aiohttp import web
 
 from vime.plugins import SettingsView, SettingWriteError
@@ -404,58 +403,3 @@ def needs_router(rollout: Any) -> bool:
         DEFAULT_ROLLOUT_FN,
         FULLY_ASYNC_FN,
     )
-
-
-# ---------------------------------------------------------------- several samples per generate
-
-
-def flatten(results: list[Sample | list[Sample]]) -> list[Sample]:
-    """A group's generate results as one group: a list a generate returned stands for its samples."""
-    return [s for r in results for s in (r if isinstance(r, list) else [r])]
-
-
-def fanned_out(groups: list[list[Sample]], n: int) -> bool:
-    """Whether some group is not `n` samples (a generate returned several)."""
-    return any(len(g) != n for g in groups)
-
-
-def fanned_out_advantages(
-    groups: list[list[Sample]],
-    estimator: str,
-    std_normalize: bool,
-    whitened: bool,
-    custom: Callable[..., Any] | None = None,
-    args: Any = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rewards, advantages), flat, of groups of different sizes: group_advantages' estimator
-    (or --custom-advantage-function-path's, asked for one [1 × k] group at a time) on each group
-    alone, so each normalizes within itself; whitening, where it applies, over the whole batch."""
-    from vime.algorithms import estimator_of
-    from vime.algorithms.credit import compute_advantages, group_advantages, whiten
-
-    rewards, advs = [], []
-    for g in groups:
-        r = torch.tensor([[s.reward or 0.0 for s in g]], dtype=torch.float32)
-        if custom is None:
-            a = compute_advantages(r, estimator, std_normalize=std_normalize)
-        else:  # "grpo" only so that nothing is whitened per group; the custom function decides
-            _, a = group_advantages([g], "grpo", custom=custom, args=args)
-        rewards.append(r.flatten())
-        advs.append(a.flatten())
-    adv = torch.cat(advs)
-    if whitened or estimator_of(estimator).advantages.whitened:
-        counts = torch.tensor([float(sum(s.effective_loss_mask())) for g in groups for s in g])
-        adv = whiten(adv, counts)
-    return torch.cat(rewards), adv
-
-
-def trim_to_steps(samples: list[Sample], steps: int) -> list[Sample]:
-    """The samples of a fanned-out rollout that its `steps` optimizer steps train: the first
-    multiple of `steps` (the seed trims to its global batch size the same way), so every rollout
-    still takes --global-batch-size's steps and the policy version stays one count."""
-    keep = len(samples) - len(samples) % steps
-    if keep == 0:
-        raise ValueError(f"{len(samples)} samples cannot fill the rollout's {steps} optimizer steps")
-    if keep < len(samples):
-        log.info("a rollout of %d samples trains %d (%d optimizer steps)", len(samples), keep, steps)
-    return samples[:keep]

@@ -200,3 +200,9 @@ def holds_groups(out: Any) -> bool:
         and isinstance(getattr(out, "metrics", None), dict)
         and all(isinstance(g, list) and g and all(isinstance(s, Sample) for s in g) for g in groups)
     )
+
+
+def flatten(results: list[Sample | list[Sample]]) -> list[Sample]:
+    """A group's generate results as one group: a list a generate returned (several samples for
+    one, an agent's turns say) stands for its samples, each trained in the group of its prompt."""
+    return [s for r in results for s in (r if isinstance(r, list) else [r])]

@@ -27,13 +27,12 @@ from vime.rollout.compat import (  # noqa: F401 (the seed system's names, import
     _coerce_flat_int_token_ids,
     _inference_generate_tokens_and_logprobs,
     _mm_render_response_to_generate_body,
-    flatten,
 )
 from vime.rollout.engine_requests import generate_on_engines, sampling_params
 from vime.rollout.filters import GroupFilter, GroupSieve, load_filter
 from vime.rollout.rewards import score_samples
 from vime.rollout.runtime import runtime_of
-from vime.rollout.types import MULTI_TURN_STATE, RolloutOutput, Sample, Status
+from vime.rollout.types import MULTI_TURN_STATE, RolloutOutput, Sample, Status, flatten
 
 if TYPE_CHECKING:
     from vime.rollout.settings import RolloutConfig
