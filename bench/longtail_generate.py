@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 
-from vime.rollout.vllm_rollout import generate as default_generate
+from vime.rollout.generate import generate as default_generate
 
 
 def target_length(index: int, seed: int, max_len: int) -> int:

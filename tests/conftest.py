@@ -19,6 +19,13 @@ signal.signal(signal.SIGINT, signal.default_int_handler)
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# The module names of slime's and the seed system's plug-ins (`slime.*`, `vime.rollout.vllm_rollout`,
+# `vime.utils.*`), importable as vime's entry points make them (vime/compat/): the seed-style
+# plug-ins of tests/ import them at the top.
+from vime.compat import SLIME  # noqa: E402
+
+SLIME.install()
+
 # Under pytest-xdist (`-n 2`: make test-slow, make test-vllm) two workers share the machine's
 # cores: a run with torch's default of one thread per core in each of its processes, twice over,
 # oversubscribed them so badly that the learning runs took four times as long. One thread per

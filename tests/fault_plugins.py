@@ -8,8 +8,8 @@ import os
 import signal
 from pathlib import Path
 
-from vime.rollout.vllm_rollout import generate as default_generate
-from vime.rollout.vllm_rollout import generate_rollout
+from vime.rollout.generate import generate as default_generate
+from vime.rollout.generate import generate_rollout
 
 # A response the math grader needs seconds for (nested parentheses through sympy).
 SLOW_TO_GRADE = "\\boxed{" + "(" * 60 + "x" + ")" * 60 + "}"

@@ -2,8 +2,8 @@
 sets the reward from its environment; others mark a sample `remove_sample`), for
 tests/test_own_verdicts.py. Each runs vime's generate first, so a tiny random model serves."""
 
+from vime.rollout.generate import generate as default_generate
 from vime.rollout.types import Sample
-from vime.rollout.vllm_rollout import generate as default_generate
 
 # shaped as the seed's tau-bench reward: a success above 1 (with a bonus), a failure's bonus
 # alone; no grader gives either, so a sample that keeps one was scored by the generate alone

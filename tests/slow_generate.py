@@ -7,8 +7,8 @@ weight pushes and its tokens carry different policy versions.
 import asyncio
 import random
 
+from vime.rollout.generate import generate as default_generate
 from vime.rollout.types import Status
-from vime.rollout.vllm_rollout import generate as default_generate
 
 
 async def generate(args, sample, params):

@@ -322,9 +322,9 @@ def test_a_resumed_sample_ends_at_a_stop_string_its_partial_began_or_held(engine
     from vime.backends import BACKENDS
     from vime.config import Config
     from vime.models import load_tokenizer
+    from vime.rollout.generate import generate, sampling_params
     from vime.rollout.runtime import RolloutRuntime
     from vime.rollout.types import Sample, Status
-    from vime.rollout.vllm_rollout import generate, sampling_params
 
     tokenizer = load_tokenizer(tiny_model)
     args = Config(
@@ -449,14 +449,14 @@ def recorded_fully_async_rollout(args, rollout_id: int, data_source, evaluation:
 def recorded_rollout(args, rollout_id: int, data_source, evaluation: bool = False):
     """The default rollout function, recording each batch. Being a rollout function of its own,
     it keeps train_async.py --max-staleness in the one-step-off loop."""
-    from vime.rollout.vllm_rollout import generate_rollout
+    from vime.rollout.generate import generate_rollout
 
     return _record(args, rollout_id, generate_rollout(args, rollout_id, data_source, evaluation))
 
 
 async def recorded_generate(args, sample, params):
     """The default per-sample generate, appending each finished sample to <run dir>/generated.jsonl."""
-    from vime.rollout.vllm_rollout import generate
+    from vime.rollout.generate import generate
 
     sample = await generate(args, sample, params)
     with open(args.run_dir / "generated.jsonl", "a") as f:
@@ -605,8 +605,8 @@ def test_fully_async_checkpoint_saves_the_workers_groups_and_resume_trains_them(
 async def stall_after_first_batch(args, sample, params):
     """A generate function for the stop test: the first batch as usual, then requests that keep
     the engines busy for minutes unless aborted, as a long tail would when a run is stopped."""
+    from vime.rollout.generate import generate
     from vime.rollout.types import Status
-    from vime.rollout.vllm_rollout import generate
 
     if sample.index < args.rollout_batch_size * args.n_samples_per_prompt:
         return await generate(args, sample, params)

@@ -3,6 +3,7 @@ import yaml
 from conftest import run_cli
 
 from vime.config import ASYNC_CORRECTION, DEFAULT_ROLLOUT_FN, FULLY_ASYNC_FN, Config, ConfigError, parse_args
+from vime.preflight import startup_notes
 
 BASE = ["--hf-checkpoint", "tiny", "--prompt-data", "x.jsonl", "--num-rollout", "2"]
 
@@ -143,7 +144,6 @@ def test_flags_the_other_settings_leave_nothing_to_do_are_named_at_start_up(tmp_
     """A floor on the learning rate under a constant schedule, Adam's betas under SGD, template
     arguments for prompts sent as plain text: accepted (slime's scripts carry such flags) and
     named on start-up's "no effect" line, never dropped without a word."""
-    from vime import compat
     from vime.config.checks_train import inert_flags
 
     base = ["--hf-checkpoint", "m", "--prompt-data", "d", "--num-rollout", "1"]
@@ -167,7 +167,7 @@ def test_flags_the_other_settings_leave_nothing_to_do_are_named_at_start_up(tmp_
     for extra, said in cases.items():
         cfg = parse_args([*base, *extra])
         assert inert_flags(cfg) == said, extra
-        line = " ".join(compat.notes(cfg, inert_flags(cfg)))
+        line = " ".join(startup_notes(cfg))
         assert all(f"flags with no effect in vime: {s}" in line for s in said)
 
 

@@ -15,7 +15,8 @@ from conftest import ROOT, run_cli, train_here
 
 from vime import compat
 from vime.config import Config, ConfigError, build_parser, parse_args
-from vime.rollout.vllm_rollout import sampling_params
+from vime.preflight import startup_notes
+from vime.rollout.generate import sampling_params
 
 BASE = ["--hf-checkpoint", "tiny", "--prompt-data", "x.jsonl", "--num-rollout", "2"]
 TEST = "examples/data/addition/test.jsonl"
@@ -242,7 +243,7 @@ def test_custom_config_overrides_flags_and_hands_other_keys_to_plugins(tmp_path)
     assert cfg.custom_config == {"tis_batch_normalize": True, "tis_upper_bound": 2.0}
     again = pickle.loads(pickle.dumps(cfg))  # as trainer ranks get it
     assert again.tis_batch_normalize is True
-    said = " ".join(compat.notes(cfg))
+    said = " ".join(startup_notes(cfg))
     assert "--custom-config-path" in said and "tis_batch_normalize, tis_upper_bound" in said
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
     assert parse_args(["--config", str(tmp_path / "config.yaml")]).to_dict() == cfg.to_dict()

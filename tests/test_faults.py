@@ -41,9 +41,9 @@ from vime.backends.client import EngineClient, EngineError
 from vime.config import Config
 from vime.engine.server import parse_args as engine_args
 from vime.metrics import progress_postfix
+from vime.rollout.generate import rollout_metrics
 from vime.rollout.rewards import Rewards
 from vime.rollout.types import Sample
-from vime.rollout.vllm_rollout import rollout_metrics
 from vime.transport import cuda_ipc
 
 TINY = ["--config", "examples/tiny.yaml", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2"]
@@ -354,8 +354,8 @@ def test_a_silent_engine_fails_its_requests_at_the_health_timeout_and_a_live_one
     fail one interval + timeout later (EngineSilent: the engine is down without a second probe,
     and with no other engine that ends them), and it is ended at once at shutdown (SIGCONT lets
     it act on the SIGTERM)."""
+    from vime.rollout.generate import generate_on_engines
     from vime.rollout.runtime import HealthCheck, RolloutRuntime
-    from vime.rollout.vllm_rollout import generate_on_engines
 
     e = launch_engine(str(tiny_model), log_path=tmp_path / "engine.log")
     try:
@@ -1298,7 +1298,7 @@ def test_a_rollout_function_that_returns_no_rollout_output_stops_the_run_in_one_
 
 def test_a_custom_generate_that_raises_or_returns_no_sample_names_the_sample_and_the_step():
     from vime.plugins import PluginError, at_step
-    from vime.rollout.vllm_rollout import custom_generate
+    from vime.rollout.generate import custom_generate
 
     for name, fault in (
         ("generate_that_raises", "raised KeyError: 'tool_calls'"),

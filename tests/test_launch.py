@@ -11,8 +11,8 @@ import pytest
 
 from vime.config import Config
 from vime.launch.launcher import LAUNCHERS, launcher_for
+from vime.plugin_args import PluginArgs
 from vime.plugins import SettingWriteError, read_only
-from vime.rollout.compat import PluginArgs
 
 
 def test_a_frozen_config_refuses_a_write_in_one_line_and_its_copies_are_free():
@@ -36,10 +36,14 @@ def test_derived_keeps_what_custom_config_gave_plugins():
 
 
 def test_plugin_args_read_every_setting_and_the_live_objects_and_write_nothing():
+    from vime.compat import SLIME
+
     runtime = object()
-    cfg = Config(rollout_batch_size=4).freeze()
+    cfg = Config(rollout_batch_size=4, dialect=SLIME).freeze()
     args = PluginArgs(cfg, runtime)
+    # slime's names on args (the router's address, None without one), as its dialect says
     assert args.rollout_batch_size == 4 and args.runtime is runtime and args.vllm_router_ip is None
+    assert not hasattr(PluginArgs(Config().freeze(), runtime), "vllm_router_ip")  # vime's own have none
     assert args.steps_per_rollout == cfg.steps_per_rollout  # properties and methods too
     with pytest.raises(
         AttributeError, match=r"^args.group_rm: a setting of the run, read-only .*copy.deepcopy\(args\)"

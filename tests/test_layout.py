@@ -28,3 +28,34 @@ def test_no_vime_function_is_over_80_lines():
                 if n > MAX_FUNCTION_LINES:
                     long[f"{p.relative_to(VIME)}:{node.lineno} {node.name}"] = n
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+def _imports(tree: ast.AST) -> set[str]:
+    """Every module a file imports, at its top or inside a function (`from vime import compat` too)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+            out |= {f"{node.module}.{a.name}" for a in node.names}
+    return out
+
+
+def test_the_core_never_imports_the_compatibility_package():
+    """All that is shaped by slime and the seed system lives in vime/compat/, which the core
+    reaches only through the dialect the entry points hand it (vime/dialect.py): no module
+    outside vime/compat/ but the command line imports it, or the seed's and slime's module names
+    it answers (vime.rollout.vllm_rollout, vime.utils, slime)."""
+    foreign = ("vime.compat", "vime.rollout.vllm_rollout", "vime.utils", "vime.rollout.rm_hub", "slime")
+    entry = {VIME / "cli.py"}
+    found = {}
+    for p in _sources():
+        if VIME / "compat" in p.parents or p in entry:
+            continue
+        bad = sorted(
+            m for m in _imports(ast.parse(p.read_text())) if any(m == f or m.startswith(f + ".") for f in foreign)
+        )
+        if bad:
+            found[str(p.relative_to(VIME))] = bad
+    assert not found, f"the core imports the compatibility package: {found}"

@@ -22,11 +22,11 @@ import torch
 
 from vime.config import Config, ConfigError
 from vime.models import make_tiny_tokenizer
+from vime.rollout.generate import generate_fn, rollout_metrics, sampling_params
 from vime.rollout.multi_turn import CALL_END, answer_text, parse_call, plain
 from vime.rollout.tool_workers import close_all
 from vime.rollout.tools import BUILTIN_TOOLS, Tool, as_text, call_tool, detected_sandbox, load_tools, run_python
 from vime.rollout.types import Sample, Status
-from vime.rollout.vllm_rollout import generate_fn, rollout_metrics, sampling_params
 
 
 @pytest.fixture(autouse=True)

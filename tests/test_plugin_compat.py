@@ -229,8 +229,8 @@ def test_a_name_an_installed_slime_lacks_is_blamed_on_that_slime(tmp_path):
     (tmp_path / "seedish.py").write_text(
         "from slime.utils.types import Sample\ndef reward(args, sample):\n    return 1.0\n"
     )
-    code = (
-        "from vime.plugins import load_function\n"
+    code = (  # slime's dialect installed as vime's entry points install it
+        "from vime.compat import SLIME\nfrom vime.plugins import load_function\nSLIME.install()\n"
         "try:\n    load_function('seedish.reward', '--custom-rm-path')\n"
         "except Exception as e:\n    print(e)\n"
     )

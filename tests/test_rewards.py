@@ -546,7 +546,7 @@ def test_deepscaler_through_the_pool():
 def test_dapo_with_reward_key_score_is_slimes_plus_minus_one():
     """slime's scripts pass `--rm-type dapo --reward-key score`: slime's dapo reward returns
     {score: ±1, acc, pred} and trains on score; so does vime's, with acc logged."""
-    from vime.rollout.vllm_rollout import rollout_metrics
+    from vime.rollout.generate import rollout_metrics
 
     def batch() -> list[Sample]:
         return [
@@ -575,7 +575,7 @@ def test_dapo_with_reward_key_score_is_slimes_plus_minus_one():
 
 
 def test_dict_rewards_are_read_at_the_reward_key(custom_module):
-    from vime.rollout.vllm_rollout import rollout_metrics
+    from vime.rollout.generate import rollout_metrics
 
     samples = [Sample(index=i) for i in range(3)]
     score(make_args(custom_rm_path="my_custom_rm:dict_rm"), samples)  # default key: score

@@ -11,8 +11,8 @@ import pytest
 
 from vime.config import Config
 from vime.models import make_tiny_tokenizer
+from vime.rollout.generate import generate, sampling_params
 from vime.rollout.types import Sample, Status
-from vime.rollout.vllm_rollout import generate, sampling_params
 
 
 class FakeClient:

@@ -20,9 +20,9 @@ from conftest import ROOT
 from safetensors.torch import load_file
 from test_opd import _reverse_kl, teacher_run  # noqa: F401 (teacher_run: a fixture)
 
+from vime.compat.answer_log import AnswerLog
 from vime.config import Config
-from vime.rollout.answer_log import AnswerLog
-from vime.rollout.compat import PluginArgs
+from vime.plugin_args import PluginArgs
 from vime.rollout.rewards.grading import builtin_result, choice_answer
 from vime.rollout.types import Sample
 
@@ -136,9 +136,10 @@ def test_gpqa_grades_the_option_letter_a_response_picks():
 
 
 def test_the_seed_cp_utils_hand_back_whole_responses_and_tis_gets_total_lengths():
+    from vime.backends.megatron_utils.cp_utils import all_gather_with_cp, slice_log_prob_with_cp
+
     from vime.algorithms.corrections import OffPolicyCorrection
     from vime.algorithms.objective import policy_loss
-    from vime.backends.megatron_utils.cp_utils import all_gather_with_cp, slice_log_prob_with_cp
 
     x = torch.arange(3.0)
     assert all_gather_with_cp(x, 10, 3) is x and slice_log_prob_with_cp(x, 10, 3) is x

@@ -24,16 +24,16 @@ QUESTIONS = ["capital of France", "capital of Japan", "longest river", "highest 
 
 
 def test_the_seed_names_the_tool_examples_import():
-    from vime import seed_imports
+    from vime.compat import SLIME
+
+    SLIME.install()  # as the entry points do (conftest too)
+    import slime.utils.types
+    import vime.utils.types
     from vime.rollout.rm_hub.math_dapo_utils import compute_score
     from vime.rollout.vllm_rollout import _coerce_flat_int_token_ids, _mm_render_response_to_generate_body
 
-    seed_imports.install()
-    import slime.utils.types
-
-    import vime.utils.types
-
-    assert slime.utils.types is vime.utils.types and vime.utils.types.__spec__.name == "vime.utils.types"
+    # one module under the seed's names and vime's, which keeps its own
+    assert slime.utils.types is vime.utils.types and vime.utils.types.__spec__.name == "vime.compat.utils.types"
     assert compute_score("... Answer: \\boxed{42}", "42", strict_box_verify=True) == {
         "score": 1.0,
         "acc": True,
@@ -217,7 +217,7 @@ def test_generate_on_a_handed_over_sample_takes_the_data_ids_or_the_prompt_the_p
     the data's ids while the prompt is the one handed over, and from the prompt the plug-in wrote
     when it rewrote it (as the seed's generate tokenizes `sample.prompt`)."""
     from vime.models import load_tokenizer, resolve_model
-    from vime.rollout import vllm_rollout
+    from vime.rollout import generate as vllm_rollout
 
     tokenizer = load_tokenizer(resolve_model("tiny"))
     token = vllm_rollout._PROMPT_IDS.set(("the data's prompt", [5, 6, 7]))

@@ -44,7 +44,7 @@ async def recording_generate(args, sample: Sample, params: dict) -> Sample:
     """Plug-in generate for the runs below: the default one, then a one-token greedy probe on a
     fixed prompt, recorded with its weight version in $VIME_TEST_RECORD, so the test can see
     the engine's output move with every push."""
-    from vime.rollout.vllm_rollout import generate
+    from vime.rollout.generate import generate
 
     sample = await generate(args, sample, params)
     probe = await args.runtime.clients[0].generate(PROBE, {"max_new_tokens": 1, "temperature": 0.0})
@@ -173,7 +173,7 @@ def test_a_tool_run_through_vllm(tmp_path, monkeypatch, fresh_user_server):
     in model32's shape. A push cutting a conversation mid-turn happens here by timing only:
     alone, each step outlasted the generation the worker may start, so the pushes found no
     request in flight; in CI, beside another test, one cut every conversation of a step inside
-    its `</tool_call>`, and (before `vllm_rollout.cut_at_stop`) none of them called the tool."""
+    its `</tool_call>`, and (before `generate.cut_at_stop`) none of them called the tool."""
     from test_multi_turn import TOOL_MODES, check_tool_run, tool_run
     from tool_model import tool_model
 
@@ -251,7 +251,7 @@ async def kill_engine_one(args, sample: Sample, params: dict) -> Sample:
         lens = [(await asyncio.to_thread(e.client.model_info))["max_seq_len"] for e in runtime.engines]
         with open(args.run_dir / "max_model_len.jsonl", "a") as f:
             f.write(json.dumps({"step": step, "lens": lens}) + "\n")
-    from vime.rollout.vllm_rollout import generate
+    from vime.rollout.generate import generate
 
     return await generate(args, sample, params)
 

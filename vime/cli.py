@@ -1,5 +1,9 @@
 """`vime train | eval | serve | data | report` — one entry point for everything a user runs.
 
+Run scripts written for slime or the seed system run as they are: the commands that take a run's
+flags read them in slime's dialect (`vime.compat.SLIME`: its flags, plug-in names and router),
+which the entry points hand the core; the core itself never imports vime/compat/.
+
 User mistakes and outside failures vime can name (bad flags, missing files, unreachable
 engines: every `VimeError`) end with one line on stderr and exit code 2; set VIME_DEBUG=1 to
 see the traceback instead. Any other exception is a bug, in vime or below it, and keeps its
@@ -77,7 +81,7 @@ def _undo_ray_thread_cap() -> None:
 def train_main(argv: list[str], entry: str = "sync") -> int:
     """`entry`: sync (train.py) or async (train_async.py); the run's mode follows from it and the
     flags (`Config.validate`)."""
-    from vime.config import parse_args
+    from vime.compat import parse_args
 
     prog = "train.py" if entry == "sync" else "train_async.py"
     desc = (
@@ -109,7 +113,7 @@ def eval_main(argv: list[str]) -> int:
     import json
 
     from vime.backends.placement import fresh_path
-    from vime.config import parse_args
+    from vime.compat import parse_args
     from vime.eval import evaluate
     from vime.launch.assemble import assemble
 

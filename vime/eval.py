@@ -1,5 +1,5 @@
 """Held-out evaluation with the math answer parser: greedy by default (sampling settings in
-`vllm_rollout.sampling_params`, --eval-temperature / --eval-top-p / --eval-top-k).
+`generate.sampling_params`, --eval-temperature / --eval-top-p / --eval-top-k).
 
 Accuracy is graded the same way (last `\\boxed{}` → `Answer:` line → trailing number, then
 math-verify / normalized match) whatever `--rm-type` trains with, so numbers from different
@@ -31,12 +31,12 @@ from vime.eval_sets import METADATA_KEY, args_for, set_accuracies
 from vime.metrics import progress
 from vime.models import context_length
 from vime.rollout import async_loop
+from vime.rollout.generate import generate_fn, multi_turn_metrics, sampling_params
 from vime.rollout.prompt_rows import DataError
 from vime.rollout.prompts import load_eval_samples
 from vime.rollout.rewards.grading import BUILTIN_RM_TYPES, grade, rule_answer, rule_label
 from vime.rollout.runtime import runtime_of
 from vime.rollout.types import MULTI_TURN_STATE, RolloutOutput, Sample, flatten
-from vime.rollout.vllm_rollout import generate_fn, multi_turn_metrics, sampling_params
 
 FULL_SCORE = 1.0  # an answer eval grades right; a generate's reward at least this counts as correct
 

@@ -15,7 +15,7 @@ import copy
 import re
 from typing import Any
 
-from vime.rollout.compat import PluginArgs
+from vime.plugin_args import PluginArgs
 
 __all__ = ["METADATA_KEY", "args_for", "set_accuracies", "summary"]
 

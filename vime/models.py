@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -275,3 +276,13 @@ def table_fits(teacher_rows: int, student_rows: int | None, tokenizer_size: int)
 def context_length(model_dir: str | Path) -> int:
     """The longest sequence the model takes (max_position_embeddings; the engine's default limit too)."""
     return int(read_config(model_dir).get("max_position_embeddings", 2048))
+
+
+def parameter_count(model_dir: Path) -> int:
+    """Elements in the checkpoint's tensors, read from the safetensors headers (no weights loaded)."""
+    total = 0
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with path.open("rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        total += sum(math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
+    return total

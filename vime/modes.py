@@ -10,8 +10,9 @@ names the runs. A new mode is one row here, plus its loop in `vime/run.py` if it
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-DEFAULT_ROLLOUT_FN = "vime.rollout.vllm_rollout.generate_rollout"
+DEFAULT_ROLLOUT_FN = "vime.rollout.generate.generate_rollout"
 FULLY_ASYNC_FN = "vime.rollout.fully_async_rollout.generate_rollout_fully_async"
 # SFT: the data's own conversations, nothing generated (vime/rollout/sft_rollout.py); a run with
 # it starts no engine and trains sync, since there is no generation to overlap
@@ -41,3 +42,13 @@ MODES: dict[str, Mode] = {
         Mode("decoupled", "sequential", overlaps=True, arm=("train-async", "--max-staleness", "{staleness}")),
     ]
 }
+
+
+def custom_rollout(rollout: Any) -> bool:
+    """A plug-in that may talk to the engines itself, through a route a dialect serves it (slime's
+    router, vime/compat/): a custom generate, or a rollout function other than vime's own
+    (`rollout`: the rollout settings, `cfg.rollout`)."""
+    return bool(rollout.custom_generate_function_path) or rollout.rollout_function_path not in (
+        DEFAULT_ROLLOUT_FN,
+        FULLY_ASYNC_FN,
+    )

@@ -30,11 +30,11 @@ from vime.plugins import Plugin, PluginError, SettingWriteError, at, first_line,
 from vime.rollout import async_loop
 from vime.rollout.data_source import DataSource
 from vime.rollout.filters import load_filter
+from vime.rollout.generate import GENERATE_SIGNATURE, sampling_params
 from vime.rollout.rewards import GROUP_REWARD_SIGNATURE, RewardKeyError, Rewards, RewardSettingError, read_reward
 from vime.rollout.rewards import post_process as reward_post_process
 from vime.rollout.settings import RolloutConfig
 from vime.rollout.types import Sample, Status
-from vime.rollout.vllm_rollout import GENERATE_SIGNATURE, sampling_params
 
 WHEN = "start-up check, on made-up input"
 ROLLOUT_SIGNATURE = "generate_rollout(args, rollout_id, data_source, evaluation=False) -> RolloutOutput"

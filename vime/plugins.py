@@ -22,23 +22,17 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from vime import seed_imports
 from vime.errors import ConfigError, VimeError
 
-# Functions of slime that vime has under its own name: a slime script's path loads vime's, so the
-# script runs unchanged (its dynamic sampling filters have their own table, rollout/filters.py)
+# vime's on-policy distillation functions (slime's paths of them, `slime.rollout.on_policy_distillation.*`,
+# are made these by the slime dialect: vime/compat/)
 OPD_REWARD = "vime.rollout.on_policy_distillation.reward_func"
 OPD_POST_PROCESS = "vime.rollout.on_policy_distillation.post_process_rewards"
-SLIME_PATHS = {
-    "slime.rollout.on_policy_distillation.reward_func": OPD_REWARD,
-    "slime.rollout.on_policy_distillation.post_process_rewards": OPD_POST_PROCESS,
-}
 
 
 def vime_path(path: str) -> str:
-    """`path` as vime loads it: `module:func` spelled `module.func`, a slime path (SLIME_PATHS) vime's."""
-    dotted = path.replace(":", ".")
-    return SLIME_PATHS.get(dotted, dotted)
+    """`path` as vime compares it: `module:func` spelled `module.func`."""
+    return path.replace(":", ".")
 
 
 class PluginError(VimeError, ValueError):
@@ -266,7 +260,6 @@ def load_function(
     """Import `pkg.module:func` or `pkg.module.func`; a failure is one line of `error` naming the
     flag. The working directory is importable, so a file next to where the user runs vime works.
     An object of a type in `also` is taken too (--tools: a Tool itself, not only a function making one)."""
-    path = SLIME_PATHS.get(path.replace(":", "."), path)  # slime's function, by either spelling, is vime's
     module_name, sep, attr = path.partition(":")
     if not sep:
         module_name, _, attr = path.rpartition(".")
@@ -274,26 +267,17 @@ def load_function(
         raise error(f"{flag} '{path}': give module.path:func or module.path.func")
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
-    seed_imports.install()  # a seed plug-in's `from slime.utils.types import Sample` is vime's
     try:
         fn = getattr(importlib.import_module(module_name), attr)
     except SyntaxError as e:  # the module's own code, not the path: say where
         raise error(f"{flag} '{path}': {e.filename}:{e.lineno}: {e.msg} (fix the module)") from None
     except (ImportError, AttributeError) as e:
+        why = next((w for explain in IMPORT_EXPLAINERS if (w := explain(e)) is not None), None)
+        if why is not None:  # a dialect's (vime/compat/: slime's) word on a name of its plug-ins
+            raise error(f"{flag} '{path}' {why}") from None
         lacked = _vime_name_lacked(e)
-        from_slime = lacked is not None and str(e.name).split(".")[0] == seed_imports.ALIAS  # type: ignore[union-attr]
-        slime = seed_imports.installed_slime() if from_slime else None
-        if slime is not None:  # a real slime answered the import, not vime
-            raise error(
-                f"{flag} '{path}' imports {lacked}, which the installed slime package ({slime}) does not have: "
-                "install the slime the plug-in was written for, or uninstall slime so vime answers slime.* imports "
-                "(docs/plugin-compat.md)"
-            ) from None
         if lacked is not None:
-            raise error(
-                f"{flag} '{path}' imports {lacked}, which vime does not have (a name of the seed system's?): "
-                "docs/plugin-compat.md lists the seed names vime has"
-            ) from None
+            raise error(f"{flag} '{path}' imports {lacked}, which vime does not have") from None
         raise error(
             f"{flag} '{path}' cannot be loaded ({type(e).__name__}: {e}): check the module is importable and defines '{attr}'"
         ) from None
@@ -307,11 +291,15 @@ def load_function(
     return fn
 
 
+# What a run's dialect (vime/dialect.py) says of an import its plug-ins' names failed on: filled
+# by its `install()` (slime's: vime/compat/), so this module never imports it
+IMPORT_EXPLAINERS: list[Callable[[BaseException], str | None]] = []
+
+
 def _vime_name_lacked(e: BaseException) -> str | None:
-    """The `vime.*` (or, through seed_imports, `slime.*`) module or name an import failed on
-    ("vime.backends.megatron_utils", "GenerateStat from vime.rollout.vllm_rollout"), or None
-    when the failure is elsewhere."""
-    if not isinstance(e, ImportError) or not e.name or e.name.split(".")[0] not in ("vime", seed_imports.ALIAS):
+    """The `vime.*` module or name an import failed on ("vime.trainer.nope", "Nope from
+    vime.rollout.generate"), or None when the failure is elsewhere."""
+    if not isinstance(e, ImportError) or not e.name or e.name.split(".")[0] != "vime":
         return None
     if isinstance(e, ModuleNotFoundError):
         return e.name

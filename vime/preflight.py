@@ -24,16 +24,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vime import compat
 from vime.backends import BACKENDS
 from vime.config import Config, ConfigError, RolloutConfig, TrainerConfig
 from vime.config.checks_train import inert_flags
 from vime.debug_rollout import check_template
+from vime.dialect import dialect_of
 from vime.eval_sets import args_for
-from vime.models import ModelError, context_length, load_tokenizer, read_config, resolve_model
+from vime.models import ModelError, context_length, load_tokenizer, parameter_count, read_config, resolve_model
+from vime.plugin_args import PluginArgs
 from vime.plugin_checks import check_plugins
 from vime.plugins import load_function
-from vime.rollout.compat import PluginArgs
 from vime.rollout.data_source import DataSource
 from vime.rollout.filters import load_filter
 from vime.rollout.prompts import load_eval_samples
@@ -129,8 +129,25 @@ def _outputs(args: Config) -> tuple[Config, Path | None, list[str]]:
         _writable(Path(out.save), "--save")
         notes += _check_save(Path(out.save), ckpt, out.overwrite_save)
     _debug_rollout_paths(args.rollout)
-    notes += compat.notes(args, inert_flags(args)) + check_sinks(out)
+    notes += startup_notes(args) + check_sinks(out)
     return args, ckpt, notes
+
+
+def startup_notes(args: Config) -> list[str]:
+    """What start-up says of the flags: the dialect's lines on its own flags (vime/compat/:
+    slime's), one line of every flag given with no effect (vime's own and the dialect's), and
+    what --custom-config-path set."""
+    lines, foreign_inert = dialect_of(args).notes(args)
+    inert = [*inert_flags(args), *foreign_inert]
+    if inert:
+        lines.append("flags with no effect in vime: " + "; ".join(inert))
+    if args.custom_config_path:
+        extras = ", ".join(args.custom_config) or "none"
+        lines.append(
+            f"--custom-config-path {args.custom_config_path}: its settings override the flags (config.yaml has the "
+            f"result); its other keys, attributes of args for plug-ins: {extras}"
+        )
+    return lines
 
 
 def _load_plugins(args: Config) -> None:
@@ -374,7 +391,7 @@ def _check_model_flags(args: Config, model_dir: Path) -> None:
 
         if torch.cuda.is_available():
             gpu_bytes = torch.cuda.get_device_properties(0).total_memory
-    refusals = compat.check_model(args, model_dir, read_config, gpu_bytes)
+    refusals = dialect_of(args).check_model(args, model_dir, read_config, gpu_bytes)
     if refusals:
         raise ConfigError(refusals[0])
     al = args.algorithm
@@ -468,7 +485,7 @@ def _room_for_checkpoints(save: Path, model_dir: Path, trainer: TrainerConfig) -
     run's adapters are small beside the model. A disk without room for one fails now, not at the
     first save after hours of steps."""
     state = 0 if trainer.lora_rank else 8 if trainer.optimizer == "adam" else 4 * (trainer.sgd_momentum > 0)
-    need = compat.parameter_count(model_dir) * (4 + state)
+    need = parameter_count(model_dir) * (4 + state)
     free = shutil.disk_usage(save).free
     if free < need:
         raise ConfigError(

@@ -1,4 +1,10 @@
-"""slime's and Megatron's flags that vime keeps no setting of its own for.
+"""Everything shaped by slime and the seed system (vLLM's vime, built on slime): their flags, the
+module names and helpers their plug-ins import, the router their custom generate functions post
+to. The core never imports this package (tests/test_layout.py checks it); the entry points
+(vime/cli.py) hand it to the core as a `vime.dialect.Dialect`: `SLIME` (dialect.py). Use
+`vime.compat.parse_args` where a script's flags may be slime's.
+
+slime's and Megatron's flags that vime keeps no setting of its own for:
 
 Users bring run scripts written for slime (and for the seed system built on it): a `MODEL_ARGS`
 block of Megatron's model-shape flags, Megatron's parallel sizes, recompute and kernel switches.
@@ -19,11 +25,16 @@ vime starts, listed as having no effect with the built-in engine. docs/slime-fla
 table of every flag of the seed's scripts and what vime does with it.
 
 By job: `flags.py` the tables (`FLAGS`, and `ABSENT`: slime's flags vime does not accept),
-`parse.py` the command line (the flags' arguments, `--vllm-*`, the error naming every unknown
-flag), `startup.py` what is refused and said of them at start-up, `model.py` the check of the
-shape flags and parallel sizes against the checkpoint.
+`parse.py` the command line (the flags' arguments, the error naming every unknown flag),
+`startup.py` what is refused and said of them at start-up, `model.py` the check of the shape flags
+and parallel sizes against the checkpoint; `imports.py` the plug-ins' module names, `seed_api.py`
+and `vllm_rollout.py` the seed's helpers, `router.py` (with `answer_log.py`) the route to the
+engines, `utils/`, `rm_hub/`, `megatron_utils/` the seed's modules of those paths.
 """
 
+from typing import Any
+
+from vime.compat.dialect import SLIME, Slime
 from vime.compat.flags import ABSENT, ABSENT_DOC, FLAGS, Flag, absent
 from vime.compat.model import (
     check_model,
@@ -34,14 +45,15 @@ from vime.compat.model import (
     shape_contradictions,
     weight_names,
 )
-from vime.compat.parse import add_arguments, split_vllm_args, translate, unknown_flags_error
-from vime.compat.startup import VLLM_COUNTERPARTS, checks, notes
+from vime.compat.parse import add_arguments, translate, unknown_flags_error
+from vime.compat.startup import checks, notes
 
 __all__ = [
     "ABSENT",
     "ABSENT_DOC",
     "FLAGS",
-    "VLLM_COUNTERPARTS",
+    "SLIME",
+    "Slime",
     "Flag",
     "absent",
     "add_arguments",
@@ -53,8 +65,16 @@ __all__ = [
     "notes",
     "parameter_count",
     "shape_contradictions",
-    "split_vllm_args",
+    "parse_args",
     "translate",
     "unknown_flags_error",
     "weight_names",
 ]
+
+
+def parse_args(argv: list[str] | None = None, **kwargs: Any) -> Any:
+    """`vime.config.parse_args` in slime's dialect: what a run script's flags mean on vime."""
+    from vime.config import parse_args as parse
+
+    SLIME.install()
+    return parse(argv, dialect=SLIME, **kwargs)

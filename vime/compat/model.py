@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from vime.compat.flags import FLAGS
+from vime.models import parameter_count
 
 
 def model_facts(config: dict[str, Any], weight_names: set[str]) -> dict[str, Any]:
@@ -102,16 +103,6 @@ def weight_names(model_dir: Path) -> set[str]:
         with safe_open(str(path), "pt") as f:
             names.update(f.keys())
     return names
-
-
-def parameter_count(model_dir: Path) -> int:
-    """Elements in the checkpoint's tensors, read from the safetensors headers (no weights loaded)."""
-    total = 0
-    for path in sorted(model_dir.glob("*.safetensors")):
-        with path.open("rb") as fh:
-            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
-        total += sum(math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
-    return total
 
 
 # float32 master weights (4) + gradients (4) + AdamW's two moments (8); a frozen float32 reference adds 4

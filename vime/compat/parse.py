@@ -1,6 +1,6 @@
-"""slime's flags on vime's command line: `add_arguments` for those of `FLAGS`, `--vllm-NAME`
-collected apart, one error naming every flag vime does not know (with what it is in slime), and
-`translate`, which turns the foreign flags that have a vime setting into it.
+"""slime's flags on vime's command line: `add_arguments` for those of `FLAGS`, one error naming
+every flag vime does not know (with what it is in slime), and `translate`, which turns the foreign
+flags that have a vime setting into it.
 """
 
 from __future__ import annotations
@@ -59,35 +59,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 default=argparse.SUPPRESS,
                 help=f.says,
             )
-    group.add_argument(
-        "--vllm-NAME",
-        dest="_vllm_help",
-        metavar="VALUE",
-        default=argparse.SUPPRESS,
-        help="any vLLM engine argument (e.g. --vllm-gpu-memory-utilization 0.5), passed to the vLLM servers vime starts",
-    )
-
-
-def split_vllm_args(rest: list[str]) -> tuple[dict[str, Any], list[str]]:
-    """`--vllm-NAME [VALUE ...]` tokens of what argparse did not know, as {NAME: value}; the
-    tokens that are not such a flag come back for argparse's own error."""
-    out: dict[str, Any] = {}
-    unknown: list[str] = []
-    i = 0
-    while i < len(rest):
-        tok = rest[i]
-        if not tok.startswith("--vllm-") or tok == "--vllm-":
-            unknown.append(tok)
-            i += 1
-            continue
-        name, eq, inline = tok[len("--vllm-") :].partition("=")
-        values = [inline] if eq else []
-        i += 1
-        while not eq and i < len(rest) and not rest[i].startswith("--"):
-            values.append(rest[i])
-            i += 1
-        out[name] = True if not values else values[0] if len(values) == 1 else values
-    return out, unknown
 
 
 def translate(values: dict[str, Any]) -> None:

@@ -5,18 +5,9 @@ which have no effect).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from vime.compat.flags import FLAGS
-
-# What the built-in engine has in place of a vLLM engine argument, for the start-up line.
-VLLM_COUNTERPARTS = {
-    "gpu-memory-utilization": "--engine-num-kv-blocks",
-    "max-num-seqs": "--engine-max-num-seqs",
-    "quantization": "--engine-quantization",
-    "tensor-parallel-size": "--rollout-num-gpus-per-engine",
-}
 
 
 def checks(cfg: Any) -> list[tuple[bool, str]]:
@@ -44,10 +35,9 @@ def checks(cfg: Any) -> list[tuple[bool, str]]:
     return out
 
 
-def notes(cfg: Any, inert_own: Sequence[str] = ()) -> list[str]:
-    """The start-up lines: what vime does with each foreign flag given, each flag listed once;
-    `inert_own`, vime's own flags with no effect under the other settings
-    (`config.checks_train.inert_flags`), join the foreign ones' "no effect" line."""
+def notes(cfg: Any) -> tuple[list[str], list[str]]:
+    """The start-up lines saying what vime does with each foreign flag given, each flag listed once,
+    and the foreign flags with no effect (vime's own join them on one line: vime/preflight.py)."""
     g = cfg.slime_flags
     out = []
     sizes = {n: g[n] for n in FLAGS if FLAGS[n].kind == "parallel" and n in g}
@@ -70,8 +60,7 @@ def notes(cfg: Any, inert_own: Sequence[str] = ()) -> list[str]:
     same += [f"{FLAGS[n].flag} 0 ({FLAGS[n].says})" for n in g if n in FLAGS and FLAGS[n].kind == "zero"]
     if same:
         out.append("slime/Megatron flags vime always follows: " + "; ".join(same))
-    inert = [*inert_own]
-    inert += [
+    inert = [
         f"{FLAGS[n].flag}{'' if g[n] is True else f' {g[n]}'} ({FLAGS[n].says})"
         for n in g
         if n in FLAGS and FLAGS[n].kind == "inert"
@@ -84,29 +73,4 @@ def notes(cfg: Any, inert_own: Sequence[str] = ()) -> list[str]:
         inert.append(
             f"--micro-batch-size {g['_ignored_micro_batch_size']} (slime reads it only without --use-dynamic-batch-size)"
         )
-    for name, value in cfg.vllm_args.items():
-        if cfg.rollout_backend != "vllm":
-            instead = VLLM_COUNTERPARTS.get(name)
-            why = "no vLLM engine: --rollout-backend is vime" + (f"; its counterpart: {instead}" if instead else "")
-        elif cfg.rollout_engine_urls:
-            why = "vime starts no vLLM server with --rollout-engine-urls: start yours with it"
-        else:
-            continue
-        inert.append(f"--vllm-{name} {value} ({why})")
-    if cfg.tool_key and not cfg.apply_chat_template:
-        inert.append(
-            f"--tool-key {cfg.tool_key} for the prompt (no --apply-chat-template; rewards still see the tools)"
-        )
-    if cfg.use_kl_loss and cfg.kl_loss_coef == 0:
-        inert.append("--use-kl-loss with --kl-loss-coef 0 (no KL term: no reference model is loaded)")
-    if cfg.ref_load and cfg.kl_loss_coef == 0:
-        inert.append(f"--ref-load {cfg.ref_load} (not read: --kl-loss-coef 0 needs no reference model)")
-    if inert:
-        out.append("flags with no effect in vime: " + "; ".join(inert))
-    if cfg.custom_config_path:
-        extras = ", ".join(cfg.custom_config) or "none"
-        out.append(
-            f"--custom-config-path {cfg.custom_config_path}: its settings override the flags (config.yaml has the result); "
-            f"its other keys, attributes of args for plug-ins: {extras}"
-        )
-    return out
+    return out, inert

@@ -7,15 +7,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from vime import compat
 from vime.backends import BACKENDS, Backend
 from vime.config.schema import FIELDS, Settings
+from vime.dialect import dialect_of
 from vime.launchers import launcher_checks
 
 
 def common_checks(c: Settings) -> list[tuple[bool, str]]:
     """What any entry point needs: the model, sampling, engines, and finite numbers."""
-    return [*_sampling_checks(c), *_reward_checks(c), *_engine_checks(c), *compat.checks(c), *_non_finite(c)]
+    return [*_sampling_checks(c), *_reward_checks(c), *_engine_checks(c), *dialect_of(c).checks(c), *_non_finite(c)]
 
 
 def _sampling_checks(c: Settings) -> list[tuple[bool, str]]:

@@ -8,8 +8,7 @@ import json
 
 from vime.config.checks_algorithm import algorithm_checks
 from vime.config.schema import Settings, default_of
-from vime.modes import SFT_ROLLOUT_FN
-from vime.rollout.compat import needs_router
+from vime.modes import SFT_ROLLOUT_FN, custom_rollout
 
 
 def train_checks(c: Settings, entry: str) -> list[tuple[bool, str]]:
@@ -99,7 +98,7 @@ def _batch_checks(c: Settings, entry: str) -> list[tuple[bool, str]]:
             for name in ("mps_trainer_sm_percent", "mps_engine_sm_percent")
         ),
         (
-            c.rollout_process == "on" and needs_router(c),
+            c.rollout_process == "on" and custom_rollout(c),
             "--rollout-process on runs the default generate in a process of its own, and a custom generate or rollout "
             "function runs in the trainer's (it may call the engines through the run's router): drop one of them",
         ),
@@ -207,7 +206,7 @@ def _optimizer_checks(c: Settings) -> list[tuple[bool, str]]:
 
 def inert_flags(c: Settings) -> list[str]:
     """vime's own flags given where the other settings leave them nothing to do, for start-up's
-    "no effect" line (`compat.notes`): named, not refused, as slime's scripts carry such flags
+    "no effect" line (`preflight.startup_notes`): named, not refused, as slime's scripts carry such flags
     (a --min-lr beside a constant schedule) and run as they are."""
 
     def given(names: tuple[str, ...], why: str) -> list[str]:
@@ -225,6 +224,37 @@ def inert_flags(c: Settings) -> list[str]:
     # SFT renders every conversation with them, and an eval set may turn the template on for itself
     if not c.apply_chat_template and not c.sft_rollout and not any("apply_chat_template" in s for s in c.eval_sets):
         out += given(("apply_chat_template_kwargs",), "prompts are plain text without --apply-chat-template")
+    if c.tool_key and not c.apply_chat_template:
+        out.append(f"--tool-key {c.tool_key} for the prompt (no --apply-chat-template; rewards still see the tools)")
+    if c.use_kl_loss and c.kl_loss_coef == 0:
+        out.append("--use-kl-loss with --kl-loss-coef 0 (no KL term: no reference model is loaded)")
+    if c.ref_load and c.kl_loss_coef == 0:
+        out.append(f"--ref-load {c.ref_load} (not read: --kl-loss-coef 0 needs no reference model)")
+    return out + _inert_vllm_args(c)
+
+
+# What the built-in engine has in place of a vLLM engine argument, for the start-up line.
+VLLM_COUNTERPARTS = {
+    "gpu-memory-utilization": "--engine-num-kv-blocks",
+    "max-num-seqs": "--engine-max-num-seqs",
+    "quantization": "--engine-quantization",
+    "tensor-parallel-size": "--rollout-num-gpus-per-engine",
+}
+
+
+def _inert_vllm_args(c: Settings) -> list[str]:
+    """`--vllm-NAME` flags of a run that starts no vLLM server (the built-in engine's, or engines
+    given by URL)."""
+    out = []
+    for name, value in c.vllm_args.items():
+        if c.rollout_backend != "vllm":
+            instead = VLLM_COUNTERPARTS.get(name)
+            why = "no vLLM engine: --rollout-backend is vime" + (f"; its counterpart: {instead}" if instead else "")
+        elif c.rollout_engine_urls:
+            why = "vime starts no vLLM server with --rollout-engine-urls: start yours with it"
+        else:
+            continue
+        out.append(f"--vllm-{name} {value} ({why})")
     return out
 
 

@@ -132,7 +132,7 @@ class Config(Settings):
         memo[id(self)] = clone
         for name, value in self.__dict__.items():
             if name not in NOT_COPIED:
-                setattr(clone, name, value if name == "runtime" else copy.deepcopy(value, memo))
+                setattr(clone, name, value if name in ("runtime", "dialect") else copy.deepcopy(value, memo))
         return clone
 
     # ---- frozen once the run is assembled (vime/launch/assemble.py) ----

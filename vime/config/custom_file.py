@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from vime import compat
 from vime.config.values import load_yaml
+from vime.dialect import dialect_of
 from vime.errors import ConfigError
 
 
@@ -24,11 +24,12 @@ def apply_custom_config(cfg: Any) -> None:
     mis.yaml writes `rs_lower_bound: null` for "not set": `load_yaml` drops it)."""
     where = f"--custom-config-path {cfg.custom_config_path}"
     extras: dict[str, Any] = {}
-    values = load_yaml(cfg.custom_config_path, extras, what="--custom-config-path")
+    dialect = dialect_of(cfg)
+    values = load_yaml(cfg.custom_config_path, extras, what="--custom-config-path", foreign=dialect.flags)
     if "custom_config_path" in values:
         raise ConfigError(f"{where} names another custom config: give its keys in this file")
     values.setdefault("slime_flags", {})
-    compat.translate(values)  # recompute flags -> activation checkpointing, as from the command line
+    dialect.translate(values)  # slime's recompute flags -> activation checkpointing, as from the command line
     cfg.slime_flags = {**cfg.slime_flags, **values.pop("slime_flags")}
     cfg.vllm_args = {**cfg.vllm_args, **values.pop("vllm_args", {})}
     for name, value in values.items():

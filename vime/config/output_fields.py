@@ -4,7 +4,7 @@ the values validate() and the run derive; the run's live objects."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 from vime.config.fields import DERIVED, RUNTIME, setting
 
@@ -126,13 +126,6 @@ class OutputFields:
         group=DERIVED,
     )
     model_dir: str | None = setting(None, "the local directory --hf-checkpoint resolved to", group=DERIVED)
-    # where the seed system's plug-ins reach the engines (rollout/compat.py's router), set on the
-    # run's args when it starts; not settings (a `vllm_` key of a config is a vLLM server flag)
-    vllm_router_ip: ClassVar[str | None] = None
-    vllm_router_port: ClassVar[int | None] = None
-    # Megatron's, read by the seed's plug-ins (retool sizes its context as context_parallel_size ×
-    # max_tokens_per_gpu): one, as vime has no context parallelism; not a setting
-    context_parallel_size: ClassVar[int] = 1
     eval_sets: list = setting(
         [],
         "every held-out set and the settings it overrides, from --eval-config or --eval-prompt-data (vime/eval_sets.py)",
@@ -145,5 +138,10 @@ class OutputFields:
     # never written or pickled; slime's rollout signatures pass only args, so this is how the
     # run hands them to rollout and generate functions ---
     runtime: Any = field(
+        default=None, repr=False, compare=False, metadata={"help": "", "choices": None, "group": RUNTIME}
+    )
+    # the framework whose flags and plug-in names the run also takes (vime/dialect.py; slime's is
+    # vime.compat.SLIME, handed in by the entry points): not a setting, kept through pickles
+    dialect: Any = field(
         default=None, repr=False, compare=False, metadata={"help": "", "choices": None, "group": RUNTIME}
     )

@@ -1,18 +1,20 @@
 """The command line: a parser generated from the settings (a field's type, default and help are
-written once) and `parse_args`: flags > --config YAML > defaults, then validation."""
+written once) and `parse_args`: flags > --config YAML > defaults, then validation. The flags of
+another framework a run script may carry (slime's: vime/compat/) come with a `Dialect` the entry
+point hands in (vime/dialect.py); `--vllm-NAME` flags are collected for the vLLM servers."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
-from vime import compat
 from vime.config.core import Config
 from vime.config.schema import FIELDS, FLAGS, HINTS, default_of
 from vime.config.values import base_type, coerce, load_yaml
+from vime.dialect import PLAIN, Dialect
 
 
-def build_parser(prog: str = "train.py", description: str = "") -> argparse.ArgumentParser:
+def build_parser(prog: str = "train.py", description: str = "", dialect: Dialect = PLAIN) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--config", help="YAML file of settings (keys as flag names, with - or _); flags override it")
     groups: dict[str, argparse._ArgumentGroup] = {}
@@ -39,7 +41,14 @@ def build_parser(prog: str = "train.py", description: str = "") -> argparse.Argu
                 nargs=f.metadata["nargs"],
                 help=_literal(f.metadata["help"]) + _literal(f" (default: {default})"),
             )
-    compat.add_arguments(parser)
+    dialect.add_arguments(parser)
+    parser.add_argument(
+        "--vllm-NAME",
+        dest="_vllm_help",
+        metavar="VALUE",
+        default=argparse.SUPPRESS,
+        help="any vLLM engine argument (e.g. --vllm-gpu-memory-utilization 0.5), passed to the vLLM servers vime starts",
+    )
     return parser
 
 
@@ -50,29 +59,57 @@ def _literal(help_text: str) -> str:
 
 
 def parse_args(
-    argv: list[str] | None = None, prog: str = "train.py", description: str = "", entry: str = "sync", **overrides: Any
+    argv: list[str] | None = None,
+    prog: str = "train.py",
+    description: str = "",
+    entry: str = "sync",
+    dialect: Dialect | None = None,
+    **overrides: Any,
 ) -> Config:
     """Flags > --config YAML > dataclass defaults; then validate(entry).
 
-    slime's and Megatron's flags (vime/compat/) land in `slime_flags`, `--vllm-*` flags in
-    `vllm_args`; every other flag vime does not know is named in one error (exit 2), each with
-    what it is in slime (`compat.ABSENT`)."""
-    parser = build_parser(prog, description)
+    The `dialect`'s flags (slime's and Megatron's, vime/compat/) land in `slime_flags`, `--vllm-*`
+    flags in `vllm_args`; every other flag vime does not know is named in one error (exit 2), each
+    with what the dialect knows of it. The config keeps the dialect (`cfg.dialect`)."""
+    dialect = dialect or PLAIN
+    parser = build_parser(prog, description, dialect)
     parsed, rest = parser.parse_known_args(argv)
-    vllm_args, unknown = compat.split_vllm_args(rest)
-    message = compat.unknown_flags_error(unknown, [o for a in parser._actions for o in a.option_strings])
-    if message:  # every flag at once, each with what it is in slime: no edit-and-rerun round per flag
+    vllm_args, unknown = split_vllm_args(rest)
+    message = dialect.unknown_flags_error(unknown, [o for a in parser._actions for o in a.option_strings])
+    if message:  # every flag at once, each with what it is in the dialect: no edit-and-rerun round per flag
         parser.exit(2, f"{parser.prog}: error: {message}\n")
     ns = vars(parsed)
     ns.pop("_vllm_help", None)  # the help line of --vllm-NAME; given literally, argparse took it
     values: dict[str, Any] = {}
     if ns.get("config"):
-        values.update(load_yaml(ns.pop("config")))
+        values.update(load_yaml(ns.pop("config"), foreign=dialect.flags))
     ns.pop("config", None)
-    foreign = {k: ns.pop(k) for k in list(ns) if k in compat.FLAGS}
+    foreign = {k: ns.pop(k) for k in list(ns) if k in dialect.flags}
     values["slime_flags"] = {**values.get("slime_flags", {}), **foreign}
     values["vllm_args"] = {**values.get("vllm_args", {}), **vllm_args}
     values.update({k: coerce(k, v) for k, v in ns.items()})
     values.update(overrides)
-    compat.translate(values)
-    return Config(**values).validate(entry)
+    dialect.translate(values)
+    return Config(**values, dialect=dialect if dialect is not PLAIN else None).validate(entry)
+
+
+def split_vllm_args(rest: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """`--vllm-NAME [VALUE ...]` tokens of what argparse did not know, as {NAME: value}; the
+    tokens that are not such a flag come back for argparse's own error."""
+    out: dict[str, Any] = {}
+    unknown: list[str] = []
+    i = 0
+    while i < len(rest):
+        tok = rest[i]
+        if not tok.startswith("--vllm-") or tok == "--vllm-":
+            unknown.append(tok)
+            i += 1
+            continue
+        name, eq, inline = tok[len("--vllm-") :].partition("=")
+        values = [inline] if eq else []
+        i += 1
+        while not eq and i < len(rest) and not rest[i].startswith("--"):
+            values.append(rest[i])
+            i += 1
+        out[name] = True if not values else values[0] if len(values) == 1 else values
+    return out, unknown

@@ -8,12 +8,12 @@ import difflib
 import json
 import types
 import typing
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from vime import compat
 from vime.config.schema import FIELDS, FLAGS, HINTS
 from vime.errors import ConfigError
 
@@ -115,10 +115,16 @@ class UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def load_yaml(path: str | Path, extras: dict[str, Any] | None = None, what: str = "config file") -> dict[str, Any]:
+def load_yaml(
+    path: str | Path,
+    extras: dict[str, Any] | None = None,
+    what: str = "config file",
+    foreign: Collection[str] = (),
+) -> dict[str, Any]:
     """The settings of a YAML file, each read as its flag is. `extras` (--custom-config-path):
     where keys that are no vime setting go, instead of being refused; `what` names the file's
-    kind in errors."""
+    kind in errors; `foreign`: the names of the run's dialect's flags (slime's: vime/compat/),
+    kept apart in `slime_flags`."""
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"{what} {p} not found")
@@ -144,7 +150,7 @@ def load_yaml(path: str | Path, extras: dict[str, Any] | None = None, what: str 
         if name in ("slime_flags", "vllm_args") and isinstance(value, dict):  # as a run's config.yaml records them
             out[name].update(value)
             continue
-        if name in compat.FLAGS:
+        if name in foreign:
             out["slime_flags"][name] = value
             continue
         if name.startswith("vllm_"):

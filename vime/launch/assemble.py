@@ -9,11 +9,11 @@
    other than 0 serve rank 0 from inside `launch_actor` and never return, so they start no
    engines.
 3. The engines, placed by the run's launcher (`vime/launch/launcher.py`), their clients, and the
-   rollout runtime over them; a training run's router for the seed's plug-ins and its weight
-   pusher, whose weight group forms now, not in step 1. `vime eval` gives engines it did not
+   rollout runtime over them; a training run's plug-in services (its dialect's: slime's router,
+   vime/dialect.py) and its weight pusher, whose weight group forms now, not in step 1. `vime eval` gives engines it did not
    start the weights of --hf-checkpoint.
 4. The `args` plug-ins and rollout functions are handed: a frozen copy of the config and these
-   live objects, read-only (`vime.rollout.compat.PluginArgs`); the custom reward gets it too.
+   live objects, read-only (`vime.plugin_args.PluginArgs`); the custom reward gets it too.
 
 Whatever fails on the way closes what was built before it.
 """
@@ -34,14 +34,14 @@ from vime.backends import BACKENDS
 from vime.backends.client import EngineClient
 from vime.backends.placement import TRAINER_READY, Placement, fresh_path, trainer_device
 from vime.config import Config, ConfigError, OutputConfig, RolloutConfig
+from vime.dialect import dialect_of
 from vime.launch.context import RunContext
 from vime.launch.launcher import launcher_for
 from vime.launch.mps import start as start_mps
 from vime.metrics import setup_logging
+from vime.plugin_args import PluginArgs
 from vime.preflight import check_eval_inputs, check_inputs
 from vime.rollout import process as rollout_process
-from vime.rollout.answer_log import AnswerLog
-from vime.rollout.compat import PluginArgs, Router, needs_router
 from vime.rollout.runtime import HealthCheck, RolloutRuntime
 from vime.startup import StartupClock
 from vime.trainer.distributed import launch_actor
@@ -77,10 +77,10 @@ def assemble(cfg: Config, evaluation: bool = False) -> RunContext:
                 _push_checkpoint(ctx)
         else:
             with clock.phase("weight group"):
-                _router_and_pusher(ctx)
+                _services_and_pusher(ctx)
             _rollout_process(ctx)
         # over a frozen copy: not even a write into the view's own config reaches the run's
-        ctx.args = PluginArgs(copy.copy(ctx.cfg).freeze(), ctx.runtime, ctx.router)
+        ctx.args = PluginArgs(copy.copy(ctx.cfg).freeze(), ctx.runtime, ctx.services)
         if ctx.rewards is not None:  # a custom reward gets the same view as every other plug-in
             ctx.rewards.args = ctx.args
     except BaseException:
@@ -236,14 +236,11 @@ def _rollout_process(ctx: RunContext) -> None:
     )
 
 
-def _router_and_pusher(ctx: RunContext) -> None:
-    """The seed's plug-ins' route to the engines (rollout/compat.py), and the weight pusher of
-    a run with a trainer and engines."""
+def _services_and_pusher(ctx: RunContext) -> None:
+    """What the run's dialect serves its plug-ins (slime's router, for a custom generate or
+    rollout function: vime/compat/), and the weight pusher of a run with a trainer and engines."""
     ro, settings, placement = ctx.cfg.rollout, ctx.cfg.placement, ctx.placement
-    if needs_router(ro) and placement.urls:
-        # answers are kept only for a custom generate, the one caller that gives them back
-        answers = AnswerLog() if ro.custom_generate_function_path else None
-        ctx.router = Router(ctx.runtime, ro.rollout_max_response_len, answers=answers).start()
+    ctx.services = dialect_of(ctx.cfg).plugin_services(ctx.cfg, ctx.runtime)
     if ctx.actor is not None and not ro.debug_train_only:
         ctx.pusher = WeightPusher(
             list(ctx.runtime.clients),

@@ -2,8 +2,8 @@
 
 The config is settings only, and fixed; everything a run starts or opens is here, and closed
 here: engines and their clients, the rollout runtime, the trainer, the weight pusher, the
-router, the data source and rewards. Plug-ins reach the live ones through `args` (a
-`PluginArgs`), as slime's did through its mutated namespace.
+plug-in services of its dialect, the data source and rewards. Plug-ins reach the live ones
+through `args` (a `PluginArgs`), as slime's did through its mutated namespace.
 """
 
 from __future__ import annotations
@@ -15,15 +15,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from vime.dialect import dialect_of
 from vime.rollout import async_loop
 
 if TYPE_CHECKING:
     from vime.backends import Backend
     from vime.backends.placement import Placement
     from vime.config import Config
+    from vime.dialect import PluginServices
     from vime.launch.launcher import Launcher
     from vime.launch.mps import Mps
-    from vime.rollout.compat import PluginArgs, Router
+    from vime.plugin_args import PluginArgs
     from vime.rollout.data_source import DataSource
     from vime.rollout.rewards import Rewards
     from vime.rollout.runtime import RolloutRuntime
@@ -49,7 +51,7 @@ class RunContext:
     args: PluginArgs | None = None  # what plug-ins and rollout functions are handed
     actor: Any = None  # the trainer: Actor, or DistributedActor on rank 0
     pusher: WeightPusher | None = None
-    router: Router | None = None  # the seed's plug-ins' route to the engines
+    services: PluginServices | None = None  # what the run's dialect serves its plug-ins (slime's router)
     data_source: DataSource | None = None
     rewards: Rewards | None = None  # its grading pool starts with the first sample
     rollout_fn: Callable[..., Any] | None = None
@@ -61,15 +63,14 @@ class RunContext:
         """Each part closed even if an earlier one fails, so no engine or rank outlives the run:
         the fully-async worker first (it stops generating), the engines last."""
         steps: list[Callable[[], object]] = []
-        if self.router is not None:
-            steps.append(self.router.stop)
+        if self.services is not None:
+            steps.append(self.services.stop)
         if self.runtime is not None:
             steps.append(self.runtime.close)
         if self.pusher is not None:
             steps.append(self.pusher.close)
         steps.append(async_loop.cancel_all)
-        if "vime.utils.http_utils" in sys.modules:  # a plug-in called post()/get()
-            steps.append(_close_http_sessions)
+        steps.append(dialect_of(self.cfg).close_run)  # what its plug-ins left open
         if self.rewards is not None:
             steps.append(self.rewards.close)
         if "vime.rollout.tool_workers" in sys.modules:  # a user's tools ran in worker processes
@@ -85,13 +86,6 @@ class RunContext:
                 step()
             except Exception:
                 log.exception("while closing the run (%s)", getattr(step, "__qualname__", step))
-
-
-def _close_http_sessions() -> None:
-    """The sessions of the seed's `vime.utils.http_utils`, closed on the loop they ran on."""
-    from vime.utils.http_utils import close_sessions
-
-    async_loop.run(close_sessions())
 
 
 def _close_tool_workers() -> None:

@@ -1,6 +1,6 @@
 """What every rollout path asks the engines, below the rollout functions: the sampling params of a
 rollout or an eval, and one request on the engine the runtime picks. The default rollout
-(vllm_rollout.py), the fully-async worker, evaluation and the seed system's router
+(generate.py), the fully-async worker, evaluation and the seed system's router
 (compat.py) all build on these two, so they sit in a module none of those imports back.
 """
 

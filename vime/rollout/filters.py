@@ -111,7 +111,7 @@ def load_filter(args: Any) -> GroupFilter | None:
 
 
 class GroupSieve:
-    """Dynamic sampling's one implementation, shared by the sync batch (`vllm_rollout`) and the
+    """Dynamic sampling's one implementation, shared by the sync batch (`generate.py`) and the
     fully-async worker: each scored group is kept or dropped by the filter, a dropped one is done
     with (marked trained in the data source: never trained, never generated again), and the
     dropped groups are counted, by reason and with their rewards, until `metrics` reports them.

@@ -42,9 +42,9 @@ import time
 
 from vime.rollout import async_loop
 from vime.rollout.filters import GroupSieve, load_filter
+from vime.rollout.generate import generate_fn, generated, rollout_metrics, sampling_params, scored
 from vime.rollout.runtime import runtime_of
 from vime.rollout.types import RolloutOutput, Sample, Status
-from vime.rollout.vllm_rollout import generate_fn, generated, rollout_metrics, sampling_params, scored
 
 log = logging.getLogger("vime")
 

@@ -28,11 +28,11 @@ from functools import lru_cache
 from typing import Any
 
 from vime.models import context_length
+from vime.rollout.generate import generate as generate_turn
 from vime.rollout.runtime import runtime_of
 from vime.rollout.tools import Tool, call_tool, load_tools, log_sandbox
 from vime.rollout.types import MULTI_TURN_STATE as STATE
 from vime.rollout.types import Sample, Status
-from vime.rollout.vllm_rollout import generate as generate_turn
 from vime.tool_calls import HERMES, Malformed, ToolCallFormat, tool_call_format
 
 CALL_START, CALL_END = HERMES.start, HERMES.end  # the default format's tags (examples and plug-ins name them)

@@ -65,11 +65,10 @@ def wanted(cfg: Any, trainer_device: str) -> bool:
     """Whether a training run generates and scores in a rollout process: --rollout-process on;
     auto when generation overlaps training and the trainer is on a GPU (a CPU trainer's step is
     its arithmetic, not its launches, and one more process costs a small machine a core)."""
-    from vime.modes import MODES
-    from vime.rollout.compat import needs_router
+    from vime.modes import MODES, custom_rollout
 
     ro = cfg.rollout
-    if ro.rollout_process == "off" or ro.debug_train_only or needs_router(ro):
+    if ro.rollout_process == "off" or ro.debug_train_only or custom_rollout(ro):
         return False
     if ro.rollout_process == "on":
         return True
@@ -151,11 +150,11 @@ class RolloutProcess:
     # ---- groups (on the rollout loop) ----
 
     async def generate(self, group: list[Sample], params: dict, resume: bool) -> list[Sample]:
-        """The group with its samples generated (`vllm_rollout.generate_samples` in the child)."""
+        """The group with its samples generated (`generate.generate_samples` in the child)."""
         return await self._call("generate", group, params, resume)
 
     async def score(self, group: list[Sample]) -> list[Sample]:
-        """The group scored (`vllm_rollout.score_group` in the child): the same samples, as new objects."""
+        """The group scored (`generate.score_group` in the child): the same samples, as new objects."""
         return await self._call("score", group)
 
     async def _call(self, kind: str, *payload: Any) -> Any:
@@ -301,9 +300,9 @@ class _Server:
     def _build(self) -> None:
         from vime.backends import BACKENDS
         from vime.models import load_tokenizer
-        from vime.rollout.compat import PluginArgs
+        from vime.plugin_args import PluginArgs
+        from vime.rollout.generate import generate_fn
         from vime.rollout.rewards import Rewards
-        from vime.rollout.vllm_rollout import generate_fn
 
         cfg = self.cfg
         self.backend = BACKENDS[cfg.placement.rollout_backend]
@@ -367,12 +366,12 @@ class _Server:
             self.tasks.pop(rid, None)
 
     async def _generate(self, group: list[Sample], params: dict, resume: bool) -> list[Sample]:
-        from vime.rollout.vllm_rollout import generate_samples
+        from vime.rollout.generate import generate_samples
 
         return await generate_samples(self.args, group, params, self.fn, resume=resume)
 
     async def _score(self, group: list[Sample]) -> list[Sample]:
-        from vime.rollout.vllm_rollout import score_group
+        from vime.rollout.generate import score_group
 
         await score_group(self.args, group)
         self._write(("requests", [e.requests for e in self.runtime.engines]))

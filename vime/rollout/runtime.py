@@ -5,7 +5,7 @@ The run creates them once it has placed its engines (`vime/launch/assemble.py`, 
 them in the run's RunContext) and closes them at its end; nothing here is process-wide. Rollout
 and generate functions keep slime's signatures, which pass `args` (and the data source) only, so
 they reach these objects as `args.runtime` (`runtime_of`): the `args` a run hands them is a
-read-only view of its config that carries the runtime (`vime.rollout.compat.PluginArgs`).
+read-only view of its config that carries the runtime (`vime.plugin_args.PluginArgs`).
 
 Engines and what happens when one fails (docs/architecture.md, "Engines that fail"):
 

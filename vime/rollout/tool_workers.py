@@ -19,6 +19,7 @@ import multiprocessing
 import os
 import signal
 import threading
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -29,16 +30,23 @@ log = logging.getLogger("vime")
 WORKERS = min(8, os.cpu_count() or 1)  # calls of one tool at once; more wait for a worker
 
 
+class ToolError(Exception):
+    """A call that failed; its message is what the model reads."""
+
+
 class ToolDied(Exception):
     """A tool's worker process ended during a call; the message says how (what the model reads)."""
 
 
-def _serve(spec: str, conn: Connection, parent_pid: int) -> None:
+# how a worker loads its tool: vime.rollout.tools.load_tools, handed down (pickled by name) so this
+# module, which tools.py builds on, never imports it back
+Loader = Callable[[list[str]], dict[str, Any]]
+
+
+def _serve(spec: str, load_tools: Loader, conn: Connection, parent_pid: int) -> None:
     """A worker: load the tool of `spec`, then answer (arguments, timeout) calls until the pipe
     closes. Each answer is ("ok", text), ("not text", type name) or ("raised", type name,
     message, whether it is the tool's own ToolError)."""
-    from vime.rollout.tools import ToolError, load_tools
-
     os.setsid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     exit_with_parent(parent_pid)
@@ -65,10 +73,10 @@ def message_of(e: BaseException) -> str:
 
 
 class _Worker:
-    def __init__(self, spec: str) -> None:
+    def __init__(self, spec: str, load_tools: Loader) -> None:
         context = multiprocessing.get_context("spawn")
         self.conn, theirs = context.Pipe()
-        self.process = context.Process(target=_serve, args=(spec, theirs, os.getpid()), daemon=True)
+        self.process = context.Process(target=_serve, args=(spec, load_tools, theirs, os.getpid()), daemon=True)
         self.process.start()
         theirs.close()
 
@@ -102,8 +110,8 @@ def _how_it_ended(code: int | None) -> str:
 class ToolWorkers:
     """The worker processes of one tool: started as calls need them, up to `size` at once."""
 
-    def __init__(self, spec: str, size: int = WORKERS) -> None:
-        self.spec = spec
+    def __init__(self, spec: str, load_tools: Loader, size: int = WORKERS) -> None:
+        self.spec, self.load_tools = spec, load_tools
         self._slots = threading.BoundedSemaphore(size)
         self._idle: list[_Worker] = []
         self._lock = threading.Lock()
@@ -116,7 +124,7 @@ class ToolWorkers:
         with self._slots:
             with self._lock:
                 worker = self._idle.pop() if self._idle else None
-            worker = worker or _Worker(self.spec)
+            worker = worker or _Worker(self.spec, self.load_tools)
             try:
                 answer = worker.call(arguments, timeout, grace)
             except BaseException as e:
@@ -140,10 +148,14 @@ _POOLS: dict[str, ToolWorkers] = {}
 _POOLS_LOCK = threading.Lock()
 
 
-def workers_of(spec: str) -> ToolWorkers:
-    """The process's workers of the tool `spec` names (made on first use)."""
+def workers_of(spec: str, load_tools: Loader) -> ToolWorkers:
+    """The process's workers of the tool `spec` names (made on first use), each loading it with
+    `load_tools`."""
     with _POOLS_LOCK:
-        return _POOLS.setdefault(spec, ToolWorkers(spec))
+        pool = _POOLS.get(spec)
+        if pool is None:
+            pool = _POOLS[spec] = ToolWorkers(spec, load_tools)
+        return pool
 
 
 def close_all() -> None:

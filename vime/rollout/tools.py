@@ -40,7 +40,7 @@ from vime.errors import ConfigError
 from vime.plugins import load_function
 from vime.rollout import sandbox
 from vime.rollout.rewards.runner import in_daemon_thread
-from vime.rollout.tool_workers import ToolDied, message_of, workers_of
+from vime.rollout.tool_workers import ToolDied, ToolError, message_of, workers_of
 
 log = logging.getLogger("vime")
 
@@ -67,10 +67,6 @@ class ToolResult:
     text: str  # what goes back into the conversation
     error: bool  # the call failed (bad call, raised, timed out, non-text, too long): counted
     seconds: float
-
-
-class ToolError(Exception):
-    """A call that failed; its message is what the model reads."""
 
 
 # ---------------------------------------------------------------- calculator
@@ -398,7 +394,7 @@ async def _in_worker(tool: Tool, arguments: dict[str, Any], timeout: float) -> s
     when it raised, gave no text or ended its process; TimeoutError past the timeout."""
     try:
         grace = 0.0 if tool.in_process else 5.0  # one that bounds its own time says so first
-        answer = await in_daemon_thread(workers_of(tool.spec).call, arguments, timeout, grace)
+        answer = await in_daemon_thread(workers_of(tool.spec, load_tools).call, arguments, timeout, grace)
     except ToolDied as e:
         raise ToolError(f"{tool.name} ended: {e}") from None
     if answer[0] == "not text":

@@ -36,7 +36,7 @@ class Sample:
     weight_versions: list[int] | None = None  # one per response token
     # where in the response the generation a weight update may abort began (0, or a later turn's
     # start): a resumed one is searched from there for the stop string its engine could not see
-    # across the cut (`vllm_rollout.cut_at_stop`)
+    # across the cut (`generate.cut_at_stop`)
     generation_start: int = 0
     temperature: float | None = None  # what its response was drawn at, stamped by the generate that drew it
     reward: float | None = None

@@ -283,7 +283,7 @@ class Actor(WeightExport):
     ) -> dict[str, float]:
         """Train on one rollout: `len(samples) // global_batch_size` optimizer steps, or of
         `step_size` samples each when given (a rollout whose generate returned several samples
-        per prompt keeps its number of steps: vime/rollout/compat.py).
+        per prompt keeps its number of steps: vime/algorithms/credit.py).
 
         Old log-probs are those of the current weights (the proximal policy), or with
         --use-rollout-logprobs the engine's. With several optimizer steps the proximal ones are

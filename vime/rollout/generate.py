@@ -3,11 +3,10 @@
 `generate_rollout(args, rollout_id, data_source, evaluation=False)` keeps slime's signature.
 It is synchronous for the train loop; the requests themselves run concurrently on the shared
 rollout event loop (`async_loop`). It talks to any engine behind `EngineClient` (the built-in
-one, or vLLM) through the run's clients (`args.runtime`). The module's name says vLLM but it
-serves every backend: `vime.rollout.vllm_rollout.generate_rollout` is the path the seed
-system's scripts pass (`--rollout-function-path`, `--eval-function-path`) and its plug-ins
-import from, so the name stays. The per-sample pieces here (`generate`, `generate_samples`,
-`score_group`, `sampling_params`) are shared by the fully-async worker and by evaluation.
+one, or vLLM) through the run's clients (`args.runtime`). The per-sample pieces here
+(`generate`, `generate_samples`, `score_group`, `sampling_params`) are shared by the fully-async
+worker and by evaluation. (The seed system's scripts name this module `vime.rollout.vllm_rollout`
+and import their helpers from it: vime/compat/vllm_rollout.py answers that name.)
 """
 
 from __future__ import annotations
@@ -18,16 +17,9 @@ from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
+from vime.plugin_args import PluginArgs
 from vime.plugins import load_function, load_plugin
 from vime.rollout import async_loop
-from vime.rollout.compat import (  # noqa: F401 (the seed system's names, imported from here by its plug-ins)
-    GenerateState,
-    PluginArgs,
-    _build_inference_sampling_params,
-    _coerce_flat_int_token_ids,
-    _inference_generate_tokens_and_logprobs,
-    _mm_render_response_to_generate_body,
-)
 from vime.rollout.engine_requests import generate_on_engines, sampling_params
 from vime.rollout.filters import GroupFilter, GroupSieve, load_filter
 from vime.rollout.rewards import score_samples
@@ -218,7 +210,7 @@ def custom_generate(path: str, evaluation: bool = False) -> GenerateFn:
             raise plugin.error(f"returned {got}: it must return the Sample it was given, or a list of Samples", where)
         samples = out if isinstance(out, list) else [out]
         if isinstance(args, PluginArgs):
-            args.restore_log_probs(samples)
+            args.restore(samples)
         needs = not evaluation and args.algorithm.needs_rollout_log_probs
         if needs and any(s.response_length and s.rollout_log_probs is None for s in samples):
             raise plugin.error(NO_LOG_PROBS, where)

@@ -1,6 +1,6 @@
 """`from vime.utils.http_utils import post, get`: JSON over HTTP, as the seed's plug-ins call
 their engines' router (`http://{args.vllm_router_ip}:{args.vllm_router_port}/inference/v1/generate`,
-served in vime by vime/rollout/compat.py's router).
+served in vime by vime/compat/router.py).
 
 A call retries a connection that fails or a 5xx answer `max_retries` times, with a short
 backoff; a 4xx answer is the request's own fault and raises at once with the server's message.
