@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from vime.rollout.rewards import Rewards
     from vime.rollout.runtime import RolloutRuntime
     from vime.startup import StartupClock
+    from vime.trainer.actor import Actor
+    from vime.trainer.distributed import DistributedActor
     from vime.transport.push import WeightPusher
 
 log = logging.getLogger("vime")
@@ -47,7 +49,7 @@ class RunContext:
     placement: Placement | None = None
     runtime: RolloutRuntime | None = None
     args: PluginArgs | None = None  # what plug-ins and rollout functions are handed
-    actor: Any = None  # the trainer: Actor, or DistributedActor on rank 0
+    actor: Actor | DistributedActor | None = None  # the trainer; DistributedActor on rank 0 of several
     pusher: WeightPusher | None = None
     router: Router | None = None  # the seed's plug-ins' route to the engines
     data_source: DataSource | None = None
