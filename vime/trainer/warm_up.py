@@ -13,7 +13,7 @@ rank 0 sends them.
 Before the thread starts, one training forward and backward of the largest size runs eagerly
 (`torch.compiler.set_stance("force_eager")`, a fraction of a second): the caching allocator then
 holds the trainer's peak activations, so engines that share the GPU and size their KV cache from
-its free memory once the trainer is built (`vime/launch/assemble.py`) leave the trainer its room,
+its free memory once the trainer is built (`vime/launch/assemble.py`) leave the trainer that memory,
 as they did when they started after the whole warm-up. An eager step keeps more activations than
 a compiled one, so that peak is the larger.
 
