@@ -291,7 +291,7 @@ def main() -> None:
                 )
 
             def vime_fwd_bwd_opt(local=local, old=old) -> None:  # train_step's optimizer step alone
-                local._optimizer_step(samples, torch.tensor(adv), old, None)
+                local.optimizer_step.run(samples, torch.tensor(adv), old, None)
 
             if gpus == 1:  # rank 0's Actor alone: only train_step drives every rank
                 record(

@@ -40,9 +40,10 @@ from bench.shapes import SHAPES, TINY, add_shape_args
 from vime.algorithms import objective as loss_mod
 from vime.config import Config
 from vime.errors import ConfigError
-from vime.trainer import actor as actor_mod
 from vime.trainer import logprobs
+from vime.trainer import micro_batches as micro_batches_mod
 from vime.trainer import step_loss as step_loss_mod
+from vime.trainer.optimizer_step import OptimizerStep
 from vime.trainer.packing import packed_attention_backend
 from vime.trainer.perf import mfu, train_flops
 
@@ -79,9 +80,9 @@ def annotated_host_work() -> Iterator[None]:
     """Name the trainer's host-side work per micro-batch (packing, moving loss inputs, the loss)
     and the optimizer's clip and step as ranges, so GPU idle time can be put down to them
     (`idle_by_host_op`) and the optimizer's kernels counted as such (`categorize`)."""
-    saved = {(actor_mod, "pack"): actor_mod.pack, (step_loss_mod, "to_device"): step_loss_mod.to_device}
+    saved = {(micro_batches_mod, "pack"): micro_batches_mod.pack, (step_loss_mod, "to_device"): step_loss_mod.to_device}
     policy_loss = loss_mod.policy_loss  # Objective looks it up in its module at each call
-    clip_and_step = actor_mod.Actor._clip_and_step
+    clip_and_step = OptimizerStep.clip_and_step
 
     def optimizer(self: Any, *a: Any, **k: Any) -> Any:
         with torch.profiler.record_function("vime/optimizer"):
@@ -97,14 +98,14 @@ def annotated_host_work() -> Iterator[None]:
     for (module, n), fn in saved.items():
         setattr(module, n, wrap(n, fn))
     loss_mod.policy_loss = wrap("policy_loss", policy_loss)
-    actor_mod.Actor._clip_and_step = optimizer
+    OptimizerStep.clip_and_step = optimizer
     try:
         yield
     finally:
         for (module, n), fn in saved.items():
             setattr(module, n, fn)
         loss_mod.policy_loss = policy_loss
-        actor_mod.Actor._clip_and_step = clip_and_step
+        OptimizerStep.clip_and_step = clip_and_step
 
 
 def torch_accumulate(scorer: Any) -> None:
@@ -251,7 +252,7 @@ VARIANT_FLAGS = {
 
 def step_fn(local: Any, samples: list, adv: list[float], old: list[torch.Tensor]) -> Callable[[], None]:
     """One optimizer step as `train_step` takes it (without its log-prob passes)."""
-    return lambda: local._optimizer_step(samples, torch.tensor(adv), old, None)
+    return lambda: local.optimizer_step.run(samples, torch.tensor(adv), old, None)
 
 
 @dataclass
@@ -310,21 +311,21 @@ def run_variant(st: Setup, variant: str) -> tuple[str, float, float, float]:
         local.ready()  # one rank compiles on a thread of its own; the step below is called directly
         print(
             f"{variant}: trainer built in {time.perf_counter() - t0:.1f} s (with --compile: its warm-up compile); "
-            f"attention {packed_attention_backend(local.model, local.device, torch.bfloat16)}"
+            f"attention {packed_attention_backend(local.model, local.ranks.device, torch.bfloat16)}"
         )
-        if "nopad" in flags:  # compiled layers fed micro-batches of their own lengths, as before padding
-            local.compiled = False
         if "fullpad" in flags:  # every micro-batch padded to the whole budget (before buckets)
-            local._bucket = local.args.max_tokens_per_gpu
+            local.batches.pad_to = local.batches.max_tokens
+        if "nopad" in flags:  # compiled layers fed micro-batches of their own lengths, as before padding
+            local.batches.pad_to = None
         if "compiledhead" in flags:  # the LM head's chunk math compiled by torch.compile (before Triton)
             kernels = (torch.compile(logprobs._stats, dynamic=True), torch.compile(logprobs._grad_logits, dynamic=True))
             logprobs._fused = lambda device, kernels=kernels: kernels
         if "syncall" in flags:
-            local.defer_grad_sync = False
+            local.optimizer_step.defer_grad_sync = False
         if "gradafter" in flags:
-            local.grad_in_forward = False
+            local.optimizer_step.grad_in_forward = False
         if "torchaccum" in flags:
-            torch_accumulate(local.scorer)
+            torch_accumulate(local.policy.scorer)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         step = step_fn(

@@ -147,11 +147,11 @@ def test_log_probs_match_full_forward(actor):
 
 def test_log_probs_do_not_depend_on_batch_composition(actor):
     samples = make_samples(6)
-    actor.args.max_tokens_per_gpu = 4096
+    actor.batches.max_tokens = 4096
     together = actor.compute_log_probs(samples)
-    actor.args.max_tokens_per_gpu = 1  # one sequence per micro-batch
+    actor.batches.max_tokens = 1  # one sequence per micro-batch
     alone = actor.compute_log_probs(samples)
-    actor.args.max_tokens_per_gpu = 4096
+    actor.batches.max_tokens = 4096
     reordered = actor.compute_log_probs(samples[::-1])[::-1]
     subset = actor.compute_log_probs(samples[1:3])
     for a, b, c in zip(together, alone, reordered):
@@ -169,7 +169,7 @@ def test_gradients_do_not_depend_on_micro_batch_size(tiny_model):
     # one sequence a micro-batch by the token budget, all in one, and 2 samples at most (--micro-batch-size)
     for budget, cap, micro_batches in ((1, None, 5), (100_000, None, 1), (100_000, 2, 3)):
         a = Actor(make_args(max_tokens_per_gpu=budget, micro_batch_size=cap, entropy_coef=0.01), tiny_model)
-        assert len(a._plan(samples)) == micro_batches
+        assert len(a.batches.plan(samples)) == micro_batches
         old = [lp - 0.05 for lp in a.compute_log_probs(samples)]  # ratio ≠ 1, so the clip is exercised too
         a.accumulate_gradients(samples, advantages, old)
         grads.append({n: p.grad.clone() for n, p in a.model.named_parameters()})
@@ -225,7 +225,7 @@ def test_gradient_checkpointing_recomputes_the_first_n_layers_only(three_layer_m
             # a pre-hook: the recompute stops early, once it has made the last tensor the backward
             # needs (inside the MLP), so the MLP's forward hook would not run a second time
             layer.mlp.register_forward_pre_hook(lambda *_, i=i, c=counts: c.__setitem__(i, c[i] + 1))
-        a.scorer.train()  # as train_step runs it: checkpointing applies in training mode only
+        a.policy.scorer.train()  # as train_step runs it: checkpointing applies in training mode only
         a.accumulate_gradients(samples, [1.0, -0.5, 2.0], None)
         calls[n] = counts
         grads[n] = {name: p.grad.clone() for name, p in a.model.named_parameters()}
@@ -259,8 +259,8 @@ def saved_bytes_and_grads(actor: Actor, samples: list[Sample], advantages: list[
         saved[0] += t.numel() * t.element_size()
         return t
 
-    actor.optimizer.zero_grad(set_to_none=True)
-    actor.scorer.train()  # checkpointing applies in training mode only
+    actor.optimizer_step.optimizer.zero_grad(set_to_none=True)
+    actor.policy.scorer.train()  # checkpointing applies in training mode only
     with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t):
         actor.accumulate_gradients(samples, advantages, None)
     grads = {}
@@ -415,7 +415,7 @@ def test_the_gradient_taken_in_the_head_forward_trains_the_same_weights(tiny_mod
     constant denominator, IcePop's TIS mask), and coupled to the engine's log-probs."""
     assert not Actor(
         make_args(use_rs=True, rs_level="sequence", rollout_max_response_len=16), tiny_model
-    ).grad_in_forward
+    ).optimizer_step.grad_in_forward
     samples = make_samples(4)
     results = []
     for in_forward in (True, False):
@@ -430,8 +430,8 @@ def test_the_gradient_taken_in_the_head_forward_trains_the_same_weights(tiny_mod
             ),
             tiny_model,
         )
-        assert a.grad_in_forward
-        a.grad_in_forward = in_forward
+        assert a.optimizer_step.grad_in_forward
+        a.optimizer_step.grad_in_forward = in_forward
         before = {n: p.detach().clone() for n, p in a.model.named_parameters()}
         g = torch.Generator().manual_seed(1)
         for s in samples:  # an older policy sampled them: some tokens outside the rejection band
@@ -499,7 +499,7 @@ def test_train_step_splits_into_global_batches_with_kl_tis_and_dr_grpo(tiny_mode
     for s in samples:
         s.rollout_log_probs = [float(x) for x in a.compute_log_probs([s])[0]]
     metrics = a.train_step(samples, [1.0, -1.0, 0.5, -0.5])
-    assert a.optimizer.state_dict()["state"][0]["step"] == 2  # 4 samples / global batch 2
+    assert a.optimizer_step.optimizer.state_dict()["state"][0]["step"] == 2  # 4 samples / global batch 2
     assert metrics["train/kl_loss"] >= 0 and metrics["train/tis"] > 0
     assert metrics["train/train_rollout_logprob_abs_diff"] < 1e-5
     with pytest.raises(ValueError):
@@ -511,7 +511,7 @@ def test_train_step_splits_its_diagnostics_by_staleness(tiny_model):
     each bucket's log-prob gap is that of its own tokens, and a sample with no versions is in
     none of them."""
     a = Actor(make_args(use_tis=True), tiny_model)
-    a.optimizer_steps = 5  # the policy version this step trains
+    a.optimizer_step.count = 5  # the policy version this step trains
     samples = make_samples(4)
     exact = a.compute_log_probs(samples)
     gaps = {0: 0.0, 1: 0.3, 4: 1.0}
@@ -555,7 +555,7 @@ def test_save_load_roundtrip_and_hf_loadable(tiny_model, tmp_path):
     a.train_step(make_samples(2), [1.0, -1.0])
     ckpt = a.save(tmp_path / "ckpt" / "1", {"step": 1, "data_source": {"offset": 7}})
     weights = {n: t.clone() for n, t in a.model.state_dict().items()}
-    opt = a.optimizer.state_dict()
+    opt = a.optimizer_step.optimizer.state_dict()
     rng = torch.get_rng_state()
 
     b = Actor(make_args(), tiny_model)
@@ -564,7 +564,7 @@ def test_save_load_roundtrip_and_hf_loadable(tiny_model, tmp_path):
     assert extra == {"step": 1, "data_source": {"offset": 7}}
     for n, t in b.model.state_dict().items():
         assert torch.equal(t, weights[n]), n
-    got = b.optimizer.state_dict()
+    got = b.optimizer_step.optimizer.state_dict()
 
     def groups(sd):  # the name-keyed round trip may turn the betas tuple into a list
         return [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in sd["param_groups"]]
@@ -734,10 +734,10 @@ def test_packed_batch_matches_padded_hf_forward_log_probs_and_gradients(tiny_mod
     ]
 
     a = Actor(make_args(max_tokens_per_gpu=100_000), tiny_model)
-    (idx,) = a._plan(samples)  # every sample in one packed micro-batch
-    mb = a._pack(samples, idx)
+    (idx,) = a.batches.plan(samples)  # every sample in one packed micro-batch
+    mb = a.batches.pack(samples, idx)
     assert mb.input_ids.shape == (1, sum(len(s.tokens) for s in samples))
-    packed, _ = a.scorer(mb, 1.0, False)
+    packed, _ = a.policy.scorer(mb, 1.0, False)
     order = mb.indices
     (packed * torch.cat([weights[i] for i in order])).sum().backward()
 
@@ -773,7 +773,7 @@ def test_compiled_trainer_compiles_once_for_any_lengths(tiny_model):
 
     eager = Actor(make_args(max_tokens_per_gpu=64), tiny_model)
     compiled = Actor(make_args(max_tokens_per_gpu=64, compile=True, use_opd=True, opd_type="sglang"), tiny_model)
-    assert compiled._warm_up.scoring
+    assert compiled.warm_up.scoring
     compiled.ready()  # one rank compiles on a thread of its own (vime/trainer/warm_up.py)
     warm = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     counts = []
@@ -800,13 +800,13 @@ def test_default_grpo_warm_up_leaves_the_scoring_forward_out(tiny_model, caplog)
 
     counter = torch._dynamo.utils.counters["stats"]
     several = Actor(make_args(global_batch_size=8, n_samples_per_prompt=8, rollout_batch_size=2), tiny_model)
-    assert several.settings.steps_per_rollout == 2 and several._scores_the_policy()
+    assert several.settings.steps_per_rollout == 2 and several.scores_the_policy()
     torch._dynamo.reset()  # count this warm-up's graphs from none, not reuse an earlier test's
     before = counter["unique_graphs"]
     actor = Actor(make_args(max_tokens_per_gpu=64, compile=True), tiny_model)
     actor.ready()
     warm = counter["unique_graphs"] - before
-    assert not actor._warm_up.scoring and warm > 0
+    assert not actor.warm_up.scoring and warm > 0
     samples = make_samples(6, seed=1)
     weights = [p.detach().clone() for p in actor.model.parameters()]
     actor.train_step(samples, [1.0 if i % 2 else -1.0 for i in range(6)])
@@ -830,9 +830,9 @@ def test_a_trainer_closed_before_its_first_step_stops_compiling(tiny_model):
 
 def test_a_closed_trainer_is_freed_with_its_last_reference(tiny_model):
     """A closed Actor goes (its model, optimizer state and, on a GPU, their memory) when its
-    last reference does, not at Python's next cycle collection: the compile warm-up, which
-    holds the Actor, is dropped by close. A bench that builds one trainer after another ran out
-    of GPU memory at 4B on the one before it."""
+    last reference does, not at Python's next cycle collection: none of its parts refers back to
+    it (the compile warm-up holds the optimizer step, not the Actor). A bench that builds one
+    trainer after another ran out of GPU memory at 4B on the one before it."""
     import gc
     import weakref
 

@@ -27,7 +27,7 @@ def test_two_ranks_match_one_rank_and_checkpoint_loads_anywhere(tiny_model, tmp_
     assert all(hasattr(p, "device_mesh") for p in two.model.parameters())  # really sharded
     # FSDP2's private per-parameter objects, which the trainer's Triton accumulation patches on
     # CUDA, are still found under their names in this torch
-    assert len(fsdp_params(two.local.scorer)) == len(list(two.model.parameters()))
+    assert len(fsdp_params(two.local.policy.scorer)) == len(list(two.model.parameters()))
     try:
         for a, b in zip(one.compute_log_probs(samples), two.compute_log_probs(samples)):
             assert torch.allclose(a, b, atol=1e-6)
@@ -55,7 +55,7 @@ def test_two_ranks_match_one_rank_and_checkpoint_loads_anywhere(tiny_model, tmp_
     assert loaded.load(ckpt) == {"step": 1}
     for n, t in loaded.named_weights():
         assert torch.allclose(t, w1[n], atol=1e-5), n
-    s1, s2 = one.optimizer.state_dict()["state"], loaded.optimizer.state_dict()["state"]
+    s1, s2 = one.optimizer_step.optimizer.state_dict()["state"], loaded.optimizer_step.optimizer.state_dict()["state"]
     assert sorted(s1) == sorted(s2)
     for pid, st in s1.items():
         assert float(st["step"]) == float(s2[pid]["step"]) == 2

@@ -723,7 +723,7 @@ def test_a_non_finite_loss_skips_the_step_and_the_weights_stay(actor):
     m = actor.train_step(_batch(), [1.0, float("nan"), -1.0, 0.0])
     assert m["train/skipped_steps"] == 1
     assert all(torch.equal(before[n], t) for n, t in actor.named_weights())
-    assert not actor.optimizer.state  # AdamW's moments never saw the NaN
+    assert not actor.optimizer_step.optimizer.state  # AdamW's moments never saw the NaN
     m = actor.train_step(_batch(), [1.0, -1.0, 1.0, -1.0])
     assert m["train/skipped_steps"] == 0 and any(not torch.equal(before[n], t) for n, t in actor.named_weights())
 
@@ -737,16 +737,18 @@ def test_the_fused_optimizer_skips_a_non_finite_step_without_the_host_checking_f
 
     def fused_actor() -> Actor:
         a = Actor(Config(lr=1e-2, global_batch_size=None, max_tokens_per_gpu=512, rollout_temperature=1.0), tiny_model)
-        a.optimizer = torch.optim.AdamW(a.model.parameters(), lr=1e-2, fused=True)
+        a.optimizer_step.optimizer = torch.optim.AdamW(a.model.parameters(), lr=1e-2, fused=True)
         return a
 
     clean, poisoned = fused_actor(), fused_actor()
     start = _weights(poisoned)
     assert clean.train_step(_batch(), [1.0, -1.0, 1.0, -1.0])["train/skipped_steps"] == 0
     m = poisoned.train_step(_batch(), [1.0, float("nan"), -1.0, 0.0])
-    assert m["train/skipped_steps"] == 1 and poisoned.optimizer.found_inf.item() == 1.0
+    assert m["train/skipped_steps"] == 1 and poisoned.optimizer_step.optimizer.found_inf.item() == 1.0
     assert all(torch.equal(start[n], t) for n, t in poisoned.named_weights())
-    assert all(float(st["step"]) == 0 for st in poisoned.optimizer.state.values())  # rolled back on the device
+    assert all(
+        float(st["step"]) == 0 for st in poisoned.optimizer_step.optimizer.state.values()
+    )  # rolled back on the device
     assert poisoned.train_step(_batch(), [1.0, -1.0, 1.0, -1.0])["train/skipped_steps"] == 0
     after = _weights(clean)
     assert any(not torch.equal(start[n], after[n]) for n in start)
@@ -976,7 +978,7 @@ def test_a_crafted_or_damaged_checkpoint_is_one_line_before_anything_starts(acto
     monkeypatch.chdir(ROOT)
     samples = [Sample(index=i, tokens=[5, 6, 7, 8, 9], response_length=2) for i in range(4)]
     actor.train_step(samples, [1.0, 0.0, 1.0, 0.0])  # Adam's moments exist from here
-    good = actor.save(tmp_path / "ck" / "1", resumable_extra(1, actor.optimizer_steps))
+    good = actor.save(tmp_path / "ck" / "1", resumable_extra(1, actor.optimizer_step.count))
     moment = "model.layers.0.mlp.down_proj.weight"  # [64, 128] in the tiny model: transposed is another shape
     file_ = tmp_path / "a-file"
     file_.write_text("not a checkpoint")
@@ -1033,7 +1035,7 @@ def test_no_checkpoint_is_written_over_and_load_resumes_only_what_it_names(actor
     monkeypatch.chdir(ROOT)
     ck = tmp_path / "ck"
     for step in (1, 2, 3):  # what a run writes: --load checks the step and data position
-        actor.save(ck / str(step), resumable_extra(step, actor.optimizer_steps))
+        actor.save(ck / str(step), resumable_extra(step, actor.optimizer_step.count))
     mega = tmp_path / "mega"  # slime's --save after 10 iterations
     (mega / "iter_0000010").mkdir(parents=True)
     (mega / "iter_0000010" / "__0_0.distcp").write_bytes(b"shard")

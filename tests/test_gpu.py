@@ -165,15 +165,15 @@ def test_one_rank_defers_gradient_reduction_exactly(tmp_path):
     actor = launch_actor(make_args(global_batch_size=6, max_tokens_per_gpu=24), model, "cuda:0")
     local = actor.local
     try:
-        assert local.defer_grad_sync and len(local._plan(samples)) >= 3
-        params = model_mod.fsdp_params(local.scorer)
+        assert local.optimizer_step.defer_grad_sync and len(local.batches.plan(samples)) >= 3
+        params = model_mod.fsdp_params(local.policy.scorer)
         assert len(params) == len(list(local.model.parameters())) and all(
             p.accumulate_unsharded_grad_if_needed.__func__ is model_mod._accumulate_unsharded for p in params
         )
 
         def grads(defer: bool) -> dict[str, torch.Tensor]:
-            local.defer_grad_sync = defer
-            local.optimizer.zero_grad(set_to_none=True)
+            local.optimizer_step.defer_grad_sync = defer
+            local.optimizer_step.optimizer.zero_grad(set_to_none=True)
             local.accumulate_gradients(samples, advantages, None)
             return {n: p.grad.full_tensor().cpu() for n, p in local.model.named_parameters()}
 
@@ -213,13 +213,16 @@ def test_gradient_checkpointing_on_cuda_keeps_less_and_gives_the_gradients_of_no
         layers = local.model.get_decoder().layers
         calls = [0]
         layers[0].mlp.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-        assert packing.packed_attention_backend(layers[0].self_attn, local.device, torch.bfloat16) in ("fa4", "fa2")
+        assert packing.packed_attention_backend(layers[0].self_attn, local.ranks.device, torch.bfloat16) in (
+            "fa4",
+            "fa2",
+        )
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         checkpointed = {"short": saved_bytes_and_grads(local, *short), "long": saved_bytes_and_grads(local, *long)}
         if compiled:
             assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
         else:  # forward + recompute
-            assert calls[0] == 2 * (len(local._plan(short[0])) + len(local._plan(long[0])))
+            assert calls[0] == 2 * (len(local.batches.plan(short[0])) + len(local.batches.plan(long[0])))
         for layer in layers:
             layer.gradient_checkpointing = False
         plain = {"short": saved_bytes_and_grads(local, *short), "long": saved_bytes_and_grads(local, *long)}
@@ -251,11 +254,11 @@ def test_the_gradient_taken_in_the_head_forward_is_exact_on_cuda(tmp_path):
     actor = launch_actor(args, model, "cuda:0")
     local = actor.local
     try:
-        assert local.grad_in_forward and len(local._plan(samples)) >= 3
+        assert local.optimizer_step.grad_in_forward and len(local.batches.plan(samples)) >= 3
 
         def grads(in_forward: bool) -> dict[str, torch.Tensor]:
-            local.grad_in_forward = in_forward
-            local.optimizer.zero_grad(set_to_none=True)
+            local.optimizer_step.grad_in_forward = in_forward
+            local.optimizer_step.optimizer.zero_grad(set_to_none=True)
             local.accumulate_gradients(samples, advantages, None)
             return {n: p.grad.full_tensor().cpu() for n, p in local.model.named_parameters()}
 
@@ -288,25 +291,25 @@ def test_a_non_finite_gradient_skips_the_fused_step_on_the_device(tmp_path):
         return [p.detach().full_tensor().clone() for p in params]
 
     def step(poison: bool) -> dict[str, float]:
-        local.optimizer.zero_grad(set_to_none=True)
+        local.optimizer_step.optimizer.zero_grad(set_to_none=True)
         local.accumulate_gradients(samples, advantages, None)
         if poison:
             with torch.no_grad():
                 params[0].grad.to_local().view(-1)[0] = float("inf")
-        return local._clip_and_step()
+        return local.optimizer_step.clip_and_step()
 
     try:
-        assert local.optimizer.defaults["fused"]
+        assert local.optimizer_step.optimizer.defaults["fused"]
         start = snapshot()
         clean = step(poison=False)
         after_clean = snapshot()
         with torch.no_grad():  # back to the start: weights and a fresh AdamW state
             for p, w in zip(params, start):
                 p.to_local().copy_(w)
-        local.optimizer.state.clear()
+        local.optimizer_step.optimizer.state.clear()
         skipped = step(poison=True)
         after_skip = snapshot()
-        steps = [float(s["step"]) for s in local.optimizer.state.values()]
+        steps = [float(s["step"]) for s in local.optimizer_step.optimizer.state.values()]
         again = step(poison=False)
         after_again = snapshot()
     finally:
@@ -348,7 +351,9 @@ def test_a_checkpoint_saved_on_cuda_resumes_exactly(tmp_path, optimizer):
 
     def optimizer_state(actor) -> dict[str, dict]:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = get_optimizer_state_dict(actor.local.model, actor.local.optimizer, options=options)["state"]
+        state = get_optimizer_state_dict(actor.local.model, actor.local.optimizer_step.optimizer, options=options)[
+            "state"
+        ]
         return {n: {k: v.clone() if torch.is_tensor(v) else v for k, v in e.items()} for n, e in state.items()}
 
     saver = launch_actor(args, model, "cuda:0")
@@ -599,6 +604,7 @@ def test_lora_adapters_by_cuda_ipc_survive_a_release_and_give_the_trainers_log_p
     from test_lora import ADVANTAGES
 
     from vime.rollout.types import Sample
+    from vime.trainer import weights
     from vime.trainer.actor import Actor
     from vime.transport.push import WeightPusher
 
@@ -616,7 +622,9 @@ def test_lora_adapters_by_cuda_ipc_survive_a_release_and_give_the_trainers_log_p
         for version in (1, 2):
             actor.train_step(make_samples(4), ADVANTAGES)
             m = pusher.push(actor.adapter_weights(), version=version)  # checked: the engine merged what was sent
-            assert m["perf/update_weights_bytes"] == sum(4 * t.numel() for t in actor.adapter_tensors().values())
+            assert m["perf/update_weights_bytes"] == sum(
+                4 * t.numel() for t in weights.adapter_tensors(actor.policy).values()
+            )
             got = greedy(engine.url, n=8)
             samples = [
                 Sample(index=i, tokens=p + t, response_length=len(t)) for i, (p, (t, _)) in enumerate(zip(PROMPTS, got))
@@ -626,7 +634,7 @@ def test_lora_adapters_by_cuda_ipc_survive_a_release_and_give_the_trainers_log_p
             freed.append(client.release_memory_occupation()["released_bytes"])
             client.resume_memory_occupation()
         # each merged layer's float32 base copy goes to the host too, and is counted
-        adapters = actor.adapter_tensors()
+        adapters = weights.adapter_tensors(actor.policy)
         base = sum(
             4 * a.shape[1] * adapters[n[: -len("lora_A")] + "lora_B"].shape[0]
             for n, a in adapters.items()
@@ -843,7 +851,10 @@ def test_a_compiled_trainer_on_fa4_scores_and_accumulates_gradients_as_one_on_fa
         actor = launch_actor(make_args(max_tokens_per_gpu=1024, attention_kernel=kernel), model, "cuda:0")
         try:
             attention = actor.local.model.get_decoder().layers[0].self_attn
-            assert actor.local.compiled and packing.packed_attention_backend(attention, dev, torch.bfloat16) == kernel
+            assert (
+                actor.local.policy.compiled
+                and packing.packed_attention_backend(attention, dev, torch.bfloat16) == kernel
+            )
             actor.local.ready()
             counted: list[int] = []
             monkeypatch.setattr(flash4, "_fa4", lambda counted=counted: counted.append(1) or module)

@@ -33,7 +33,7 @@ def test_only_the_adapters_train_and_the_base_stays_bit_for_bit(tiny_model):
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
     }  # fmt: skip
     # the optimizer holds the adapters only
-    held = {id(p) for g in actor.optimizer.param_groups for p in g["params"]}
+    held = {id(p) for g in actor.optimizer_step.optimizer.param_groups for p in g["params"]}
     assert held == {id(p) for n, p in actor.model.named_parameters() if p.requires_grad}
     # B starts at zero: before any step the merged model is the base model
     assert all(torch.equal(t, base[n]) for n, t in actor.named_weights() if n in base)

@@ -148,7 +148,7 @@ def test_advantage_is_teacher_minus_rollout_log_prob_per_token(tiny_model, tmp_p
         s.rollout_log_probs = [-1.0 - 0.1 * k for k in range(s.response_length)]
     args = make_args(use_opd=True, opd_type="megatron", opd_teacher_load=str(teacher_dir), opd_kl_coef=0.5)
     actor = Actor(args, tiny_model)
-    advantages, metrics = actor._distill(samples, torch.tensor([1.0, 0.0, -2.0]))
+    advantages, metrics = actor.distill(samples, torch.tensor([1.0, 0.0, -2.0]))
     teacher = Actor(make_args(), teacher_dir).compute_log_probs(samples)
     kl, n = 0.0, 0
     for s, base, adv, t in zip(samples, [1.0, 0.0, -2.0], advantages, teacher):
@@ -159,7 +159,7 @@ def test_advantage_is_teacher_minus_rollout_log_prob_per_token(tiny_model, tmp_p
     assert metrics["train/opd_reverse_kl"] == pytest.approx(kl / n, rel=1e-5)
     # a sample the engine sent no log-probs for: the student's are the current policy's
     bare = make_samples(1)
-    (adv,), _ = actor._distill(bare, torch.tensor([0.0]))
+    (adv,), _ = actor.distill(bare, torch.tensor([0.0]))
     want = 0.5 * (teacher[0] - actor.compute_log_probs(bare)[0])
     assert torch.allclose(adv, want, atol=1e-5)
 

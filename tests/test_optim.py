@@ -141,7 +141,7 @@ def _poisoned_step(a: Actor) -> dict[str, float]:
     """Accumulate a step's gradients, make one of them NaN, and clip and step."""
     a.accumulate_gradients(make_samples(2), [1.0, -1.0], None)
     next(p for p in a.model.parameters() if p.grad is not None).grad[0] = float("nan")
-    return a._clip_and_step()
+    return a.optimizer_step.clip_and_step()
 
 
 @pytest.mark.parametrize("kind", ["adam_fused", "adam", "sgd"])
@@ -153,26 +153,26 @@ def test_a_non_finite_gradient_moves_neither_weights_nor_optimizer_state(tiny_mo
     args = make_args(optimizer="sgd" if kind == "sgd" else "adam", weight_decay=0.1, clip_grad=0.0)
     a = Actor(args, tiny_model)
     if kind == "adam_fused":
-        a.optimizer = make_optimizer(args, a.model, fused=True)
-        a.apply_schedule()
+        a.optimizer_step.optimizer = make_optimizer(args, a.model, fused=True)
+        a.optimizer_step.apply_schedule()
     if kind == "adam":
         a.train_step(make_samples(2), [1.0, -1.0])  # moments exist: a skipped step must keep them
     weights = {n: p.detach().clone() for n, p in a.model.named_parameters()}
-    state = {p: {k: v.clone() for k, v in s.items()} for p, s in a.optimizer.state.items()}
+    state = {p: {k: v.clone() for k, v in s.items()} for p, s in a.optimizer_step.optimizer.state.items()}
     m = _poisoned_step(a)
     assert m["train/skipped_steps"] == 1.0 and not math.isfinite(m["train/grad_norm"])
     assert all(torch.equal(p, weights[n]) for n, p in a.model.named_parameters())
-    for p, s in a.optimizer.state.items():  # the fused AdamW makes its zero moments even when it skips
+    for p, s in a.optimizer_step.optimizer.state.items():  # the fused AdamW makes its zero moments even when it skips
         for k, v in s.items():
             assert torch.equal(v, state[p][k]) if p in state else not v.any(), k
     a.accumulate_gradients(make_samples(2), [1.0, -1.0], None)
     grads = {p: p.grad.clone() for p in a.model.parameters()}
-    assert a._clip_and_step()["train/skipped_steps"] == 0.0
+    assert a.optimizer_step.clip_and_step()["train/skipped_steps"] == 0.0
     assert any(not torch.equal(p, weights[n]) for n, p in a.model.named_parameters())
     if kind == "sgd":
         for n, p in a.model.named_parameters():
             l2 = 0.1 * weights[n] if p.ndim >= 2 else 0.0
-            assert torch.allclose(a.optimizer.state[p]["momentum_buffer"], grads[p] + l2), n
+            assert torch.allclose(a.optimizer_step.optimizer.state[p]["momentum_buffer"], grads[p] + l2), n
 
 
 # ---- the actor's step count: every slot, and across a checkpoint -------------------------
@@ -186,7 +186,7 @@ def test_each_optimizer_step_runs_at_its_scheduled_lr(tiny_model):
     a = Actor(args, tiny_model)
     before = {n: p.detach().clone() for n, p in a.model.named_parameters()}
     m = a.train_step(make_samples(2), [1.0, -1.0])
-    assert m["train/lr"] == 0.0 and a.optimizer_steps == 1
+    assert m["train/lr"] == 0.0 and a.optimizer_step.count == 1
     assert all(torch.equal(p, before[n]) for n, p in a.model.named_parameters())
     lrs = [a.train_step(make_samples(2), [1.0, -1.0])["train/lr"]]
     empty = make_samples(2)
@@ -196,7 +196,7 @@ def test_each_optimizer_step_runs_at_its_scheduled_lr(tiny_model):
     a.skip_steps(1)  # the run skipped a rollout of non-finite rewards: step 3's slot
     lrs.append(a.train_step(make_samples(2), [1.0, -1.0])["train/lr"])
     lrs.append(a.train_step(make_samples(2), [1.0, -1.0])["train/lr"])
-    assert a.optimizer_steps == 6
+    assert a.optimizer_step.count == 6
     # 1: 0.5·1e-2; 2: 1e-2; 4: 1e-3 + (1 − 2/3)·9e-3 = 4e-3; 5: 1e-3
     assert lrs == pytest.approx([schedule(1), schedule(2), schedule(4), schedule(5)])
     assert lrs == pytest.approx([5e-3, 1e-2, 4e-3, 1e-3])
@@ -206,8 +206,8 @@ def test_several_steps_of_a_rollout_each_take_their_lr(tiny_model):
     """Two optimizer steps in one train_step: lr·0/2 then lr·1/2; train/lr is their mean."""
     a = Actor(make_args(lr=1e-2, lr_warmup_iters=2, global_batch_size=2), tiny_model)
     m = a.train_step(make_samples(4), [1.0, -1.0, 0.5, -0.5])
-    assert a.optimizer_steps == 2 and m["train/lr"] == pytest.approx((0.0 + 5e-3) / 2)
-    assert a.optimizer.param_groups[0]["lr"] == pytest.approx(5e-3)
+    assert a.optimizer_step.count == 2 and m["train/lr"] == pytest.approx((0.0 + 5e-3) / 2)
+    assert a.optimizer_step.optimizer.param_groups[0]["lr"] == pytest.approx(5e-3)
 
 
 def test_a_resumed_run_continues_the_schedule_exactly(tiny_model, tmp_path):
@@ -221,7 +221,7 @@ def test_a_resumed_run_continues_the_schedule_exactly(tiny_model, tmp_path):
 
     b = Actor(make_args(**args), tiny_model)
     b.load(ckpt)
-    assert b.optimizer_steps == 2
+    assert b.optimizer_step.count == 2
     resumed = b.train_step(*batches[2])
     assert resumed["train/lr"] == third["train/lr"] == pytest.approx(LRSchedule.of(make_args(**args))(2))
     for (n, p), q in zip(a.model.named_parameters(), b.model.parameters()):
@@ -234,23 +234,23 @@ def test_a_resumed_run_continues_the_schedule_exactly(tiny_model, tmp_path):
     torch.save(state, ckpt / TRAINER_STATE)
     c = Actor(make_args(**args), tiny_model)
     c.load(ckpt)
-    assert c.optimizer_steps == 2 and c.train_step(*batches[2])["train/lr"] == third["train/lr"]
+    assert c.optimizer_step.count == 2 and c.train_step(*batches[2])["train/lr"] == third["train/lr"]
 
 
 def test_a_one_group_checkpoint_loads_and_the_run_decays_matrices_only(tiny_model, tmp_path):
     """Checkpoints written before the decay groups hold one AdamW group that decays everything:
     their moments load parameter by parameter, and the run's own weight decay applies after."""
     a = Actor(make_args(weight_decay=0.5), tiny_model)
-    a.optimizer = torch.optim.AdamW(a.model.parameters(), lr=1e-3, betas=(0.9, 0.98), weight_decay=0.5)
+    a.optimizer_step.optimizer = torch.optim.AdamW(a.model.parameters(), lr=1e-3, betas=(0.9, 0.98), weight_decay=0.5)
     a.train_step(make_samples(2), [1.0, -1.0])
-    moments = {n: a.optimizer.state[p]["exp_avg"].clone() for n, p in a.model.named_parameters()}
+    moments = {n: a.optimizer_step.optimizer.state[p]["exp_avg"].clone() for n, p in a.model.named_parameters()}
     ckpt = a.save(tmp_path / "1", {"step": 1})
 
     b = Actor(make_args(weight_decay=0.1), tiny_model)
     b.load(ckpt)
-    assert [g["weight_decay"] for g in b.optimizer.param_groups] == [0.1, 0.0]
+    assert [g["weight_decay"] for g in b.optimizer_step.optimizer.param_groups] == [0.1, 0.0]
     for n, p in b.model.named_parameters():
-        assert torch.equal(b.optimizer.state[p]["exp_avg"], moments[n]), n
+        assert torch.equal(b.optimizer_step.optimizer.state[p]["exp_avg"], moments[n]), n
 
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
@@ -260,10 +260,13 @@ def test_sgd_checkpoints_round_trip_and_are_not_mistaken_for_adam(tiny_model, tm
     a.train_step(make_samples(2), [1.0, -1.0])
     ckpt = a.save(tmp_path / "1", {"step": 1})
     b = Actor(args, tiny_model)
-    assert b.load(ckpt) == {"step": 1} and b.optimizer_steps == 1
+    assert b.load(ckpt) == {"step": 1} and b.optimizer_step.count == 1
     for p, q in zip(a.model.parameters(), b.model.parameters()):
         assert torch.equal(p, q)
         if momentum:
-            assert torch.equal(a.optimizer.state[p]["momentum_buffer"], b.optimizer.state[q]["momentum_buffer"])
+            assert torch.equal(
+                a.optimizer_step.optimizer.state[p]["momentum_buffer"],
+                b.optimizer_step.optimizer.state[q]["momentum_buffer"],
+            )
     with pytest.raises(CheckpointError, match="--optimizer sgd"):
         Actor(make_args(), tiny_model).load(ckpt)

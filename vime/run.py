@@ -74,7 +74,7 @@ class Run:
         self.wall_clock_offset = 0.0  # a resumed run's clock goes on from its checkpoint's
         self.last_save_time: float | None = None  # logged in the next row: a step's row precedes its checkpoint
         # LoRA: adapters alone to engines that merge them; (url, restarts) of those that have the base
-        self.adapter_push = self.actor is not None and self.actor.lora is not None and ctx.backend.lora_adapters
+        self.adapter_push = self.actor is not None and self.actor.policy.lora is not None and ctx.backend.lora_adapters
         self.based: set[tuple[str, int]] = set()
         # optimizer steps taken (every step of a rollout counts, also one with nothing to learn)
         self.policy_version = 0
@@ -110,7 +110,7 @@ class Run:
         self.weight_pushes = extra.get("weight_pushes", extra.get("weight_version", 0))
         self.wall_clock_offset = extra.get("wall_clock", 0.0)
         self.policy_version = extra.get("policy_version", self.start_step * self.steps_per_rollout)
-        assert self.actor.optimizer_steps == self.policy_version, "the lr schedule and the policy version disagree"
+        assert self.actor.optimizer_step.count == self.policy_version, "the lr schedule and the policy version disagree"
         if self.policy_version != self.start_step * self.steps_per_rollout:
             raise ConfigError(
                 f"--load {load_dir}: the checkpoint took {self.policy_version} optimizer steps in {self.start_step} rollouts, "

@@ -25,7 +25,6 @@ import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import torch
 import yaml
@@ -44,7 +43,8 @@ from vime.preflight import check_eval_inputs, check_inputs
 from vime.rollout import process as rollout_process
 from vime.rollout.runtime import HealthCheck, RolloutRuntime
 from vime.startup import StartupClock
-from vime.trainer.distributed import launch_actor
+from vime.trainer.actor import Actor
+from vime.trainer.distributed import DistributedActor, launch_actor
 from vime.transport.push import WeightPusher
 
 log = logging.getLogger("vime")
@@ -170,7 +170,7 @@ def _trainer_and_engines(ctx: RunContext, clock: StartupClock) -> None:
             engines.result()
 
 
-def _launch_actor(ctx: RunContext) -> Any:
+def _launch_actor(ctx: RunContext) -> Actor | DistributedActor:
     """The model loaded, sharded and, with --compile, its compile started."""
     return launch_actor(
         ctx.cfg,

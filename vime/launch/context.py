@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     from vime.rollout.rewards import Rewards
     from vime.rollout.runtime import RolloutRuntime
     from vime.startup import StartupClock
+    from vime.trainer.actor import Actor
+    from vime.trainer.distributed import DistributedActor
     from vime.transport.push import WeightPusher
 
 log = logging.getLogger("vime")
@@ -49,7 +51,7 @@ class RunContext:
     placement: Placement | None = None
     runtime: RolloutRuntime | None = None
     args: PluginArgs | None = None  # what plug-ins and rollout functions are handed
-    actor: Any = None  # the trainer: Actor, or DistributedActor on rank 0
+    actor: Actor | DistributedActor | None = None  # the trainer; DistributedActor on rank 0 of several
     pusher: WeightPusher | None = None
     services: PluginServices | None = None  # what the run's dialect serves its plug-ins (slime's router)
     data_source: DataSource | None = None

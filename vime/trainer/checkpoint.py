@@ -20,18 +20,25 @@ import shutil
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
 from vime.errors import VimeError
 from vime.lifetime import signals_held
 from vime.models import weights_problem
+from vime.trainer import weights as policy_weights
 from vime.trainer.lora import ADAPTER_DIR, adapter_config, merged, read_adapter, write_adapter
 from vime.trainer.nonfinite import NonFiniteError
+
+if TYPE_CHECKING:
+    from vime.config import TrainerConfig
+    from vime.trainer.optimizer_step import OptimizerStep
+    from vime.trainer.policy import Policy
+    from vime.trainer.ranks import Ranks
 
 log = logging.getLogger("vime")
 
@@ -39,20 +46,16 @@ TRAINER_STATE = "trainer_state.pt"
 
 
 class Trainer(Protocol):
-    """What a checkpoint reads from and restores into the trainer (`vime.trainer.actor.Actor`)."""
+    """What a checkpoint reads from and restores into the trainer (`vime.trainer.actor.Actor`):
+    the policy's weights, the optimizer and its step count, the tokenizer, the ranks."""
 
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
+    policy: Policy
+    optimizer_step: OptimizerStep
+    ranks: Ranks
     tokenizer: Any
-    rank: int
-    world: int
-    cpu_group: Any
-    optimizer_steps: int
-    tied_aliases: set[str]  # names the state dict repeats for a tied weight (lm_head.weight)
 
-    def named_weights(self) -> Iterator[tuple[str, Tensor]]: ...
-
-    def apply_schedule(self) -> None: ...
+    @property
+    def settings(self) -> TrainerConfig: ...
 
 
 class CheckpointError(VimeError, RuntimeError):
@@ -71,29 +74,30 @@ def save(actor: Trainer, final: Path, extra_state: dict[str, Any]) -> Path:
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
+    policy, ranks = actor.policy, actor.ranks
     _check_finite(actor, final)
-    weights = {name: t.detach().cpu() for name, t in actor.named_weights()}
+    weights = {name: t.detach().cpu() for name, t in policy_weights.named_weights(policy)}
     # LoRA: the adapters too, in PEFT's layout (the weights above are merged)
-    adapter = actor.adapter_tensors() if getattr(actor, "lora", None) is not None else None
+    adapter = policy_weights.adapter_tensors(policy) if policy.lora is not None else None
     optim = get_optimizer_state_dict(
-        actor.model, actor.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        policy.model, actor.optimizer_step.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
     error: BaseException | None = None
-    if actor.rank == 0:
+    if ranks.rank == 0:
         try:
             state = {
                 "optimizer": optim,
-                "optimizer_steps": actor.optimizer_steps,
+                "optimizer_steps": actor.optimizer_step.count,
                 "rng": _rng_state(),
                 "extra": extra_state,
             }
             _write(actor, final, weights, state, adapter)
         except BaseException as e:  # every rank must hear of it, or they would wait for rank 0 at the next collective
             error = e
-    if actor.world > 1:
+    if ranks.world > 1:
         # also the barrier: the checkpoint exists for everyone once save returns
         failed = torch.tensor([int(error is not None)])
-        dist.all_reduce(failed, group=actor.cpu_group)
+        dist.all_reduce(failed, group=ranks.cpu_group)
         if int(failed) and error is None:
             raise CheckpointError(f"writing checkpoint {final} failed on rank 0")
     if error is not None:
@@ -106,12 +110,12 @@ def _check_finite(actor: Trainer, final: Path) -> None:
     of NaNs would replace the last good one as the newest. Each rank checks its own shards."""
     bad = [
         n
-        for n, p in actor.model.named_parameters()
+        for n, p in actor.policy.model.named_parameters()
         if not bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all())
     ]
     count = torch.tensor([len(bad)], dtype=torch.int64)
-    if actor.world > 1:
-        dist.all_reduce(count, group=actor.cpu_group)
+    if actor.ranks.world > 1:
+        dist.all_reduce(count, group=actor.ranks.cpu_group)
     if int(count):
         where = f" (e.g. {bad[0]})" if bad else ""
         raise NonFiniteError(
@@ -127,10 +131,11 @@ def _write(
         tmp, old = final.with_name(final.name + ".tmp"), final.with_name(final.name + ".old")
         shutil.rmtree(tmp, ignore_errors=True)  # debris of an earlier interrupted save
         try:
-            actor.model.save_pretrained(tmp, state_dict=weights)
+            policy = actor.policy
+            policy.model.save_pretrained(tmp, state_dict=weights)
             actor.tokenizer.save_pretrained(tmp)
             if adapter is not None:
-                config = adapter_config(actor.lora, sorted(actor.lora_modules), str(actor.settings.hf_checkpoint))
+                config = adapter_config(policy.lora, sorted(policy.lora_modules), str(actor.settings.hf_checkpoint))
                 write_adapter(tmp / ADAPTER_DIR, adapter, config)
             with open(tmp / TRAINER_STATE, "wb") as f:
                 torch.save(state, f)
@@ -171,11 +176,12 @@ def load(actor: Trainer, ckpt: Path) -> dict[str, Any]:
     state_file = ckpt / TRAINER_STATE
     if not state_file.exists():
         raise CheckpointError(f"{ckpt} is not a complete checkpoint (no {TRAINER_STATE})")
-    check_same_kind(ckpt, getattr(actor, "lora", None) is not None)
+    policy, optimizer = actor.policy, actor.optimizer_step.optimizer
+    check_same_kind(ckpt, policy.lora is not None)
     # both files read before either is applied: one that fails to load changes nothing
-    weights = _lora_weights(actor, ckpt) if getattr(actor, "lora", None) is not None else dict(iter_weights(ckpt))
-    expected = {n for n, p in actor.model.named_parameters() if p.requires_grad} | (
-        set(actor.model.state_dict()) - actor.tied_aliases if getattr(actor, "lora", None) is None else set()
+    weights = _lora_weights(actor, ckpt) if policy.lora is not None else dict(iter_weights(ckpt))
+    expected = {n for n, p in policy.model.named_parameters() if p.requires_grad} | (
+        set(policy.model.state_dict()) - policy.tied_aliases if policy.lora is None else set()
     )
     missing, unexpected = expected - set(weights), set(weights) - expected
     if missing or unexpected:
@@ -183,20 +189,18 @@ def load(actor: Trainer, ckpt: Path) -> dict[str, Any]:
             f"checkpoint {ckpt} does not match the model: missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}"
         )
     state = read_state(state_file)
-    saved, running = (
-        _optimizer_kind(g) for g in (state["optimizer"]["param_groups"][0], actor.optimizer.param_groups[0])
-    )
+    saved, running = (_optimizer_kind(g) for g in (state["optimizer"]["param_groups"][0], optimizer.param_groups[0]))
     if saved != running:
         raise CheckpointError(
             f"checkpoint {ckpt} holds the state of --optimizer {saved}, this run uses {running}: resume with --optimizer {saved}"
         )
     options = StateDictOptions(full_state_dict=True, strict=False)
-    set_model_state_dict(actor.model, weights, options=options)
+    set_model_state_dict(policy.model, weights, options=options)
     if state["optimizer"]["state"]:  # SGD without momentum keeps none, and torch's loader then fails
-        set_optimizer_state_dict(actor.model, actor.optimizer, state["optimizer"], options=options)
+        set_optimizer_state_dict(policy.model, optimizer, state["optimizer"], options=options)
     # a checkpoint from before the count was kept: the run's policy version counts the same slots
-    actor.optimizer_steps = int(state.get("optimizer_steps", state["extra"].get("policy_version", 0)))
-    actor.apply_schedule()
+    actor.optimizer_step.count = int(state.get("optimizer_steps", state["extra"].get("policy_version", 0)))
+    actor.optimizer_step.apply_schedule()
     _set_rng_state(state["rng"])
     return state["extra"]
 
@@ -220,15 +224,16 @@ def _lora_weights(actor: Trainer, ckpt: Path) -> dict[str, Tensor]:
     That base is checked against the checkpoint: one adapted layer's saved (merged) weight must
     equal the base's plus the adapter, or the run would train adapters made for another model."""
     adapter = read_adapter(ckpt / ADAPTER_DIR)
-    _check_same_lora(actor, ckpt, adapter)
-    module = min(actor.lora_modules)
-    layer = actor.model.get_submodule(module)
+    policy = actor.policy
+    _check_same_lora(policy, ckpt, adapter)
+    module = min(policy.lora_modules)
+    layer = policy.model.get_submodule(module)
     base = layer.weight.detach()
     base = base.full_tensor() if hasattr(base, "full_tensor") else base
     a, b = adapter.get(f"{module}.lora_A"), adapter.get(f"{module}.lora_B")
     saved = dict(iter_weights(ckpt)).get(f"{module}.weight")
     if a is not None and b is not None and saved is not None:
-        expect = merged(base.cpu(), a, b, actor.lora.scaling)
+        expect = merged(base.cpu(), a, b, policy.lora.scaling)
         if expect.shape != saved.shape or not torch.allclose(expect.float(), saved.float(), atol=1e-4):
             raise CheckpointError(
                 f"checkpoint {ckpt}'s adapters were trained on another base model than --hf-checkpoint "
@@ -237,25 +242,25 @@ def _lora_weights(actor: Trainer, ckpt: Path) -> dict[str, Tensor]:
     return adapter
 
 
-def _check_same_lora(actor: Trainer, ckpt: Path, adapter: dict[str, Tensor]) -> None:
+def _check_same_lora(policy: Policy, ckpt: Path, adapter: dict[str, Tensor]) -> None:
     """The checkpoint's adapters against this run's --lora-rank, --lora-alpha and layers. A rank
     or alpha of their own used to fail the base-model check below (the merged weights differ
     too), which blamed --hf-checkpoint for what a LoRA flag had changed."""
     config_file = ckpt / ADAPTER_DIR / "adapter_config.json"
     config = json.loads(config_file.read_text()) if config_file.exists() else {}
-    rank = next((t.shape[0] for n, t in adapter.items() if n.endswith(".lora_A")), actor.lora.rank)
-    alpha = float(config.get("lora_alpha", actor.lora.alpha))
+    rank = next((t.shape[0] for n, t in adapter.items() if n.endswith(".lora_A")), policy.lora.rank)
+    alpha = float(config.get("lora_alpha", policy.lora.alpha))
     modules = {n.rsplit(".", 1)[0] for n in adapter}
     differ, flags = [], []
-    if rank != actor.lora.rank:
-        differ.append(f"rank {rank}, this run's --lora-rank {actor.lora.rank}")
+    if rank != policy.lora.rank:
+        differ.append(f"rank {rank}, this run's --lora-rank {policy.lora.rank}")
         flags.append(f"--lora-rank {rank}")
-    if alpha != actor.lora.alpha:
-        differ.append(f"alpha {alpha:g}, this run's --lora-alpha {actor.lora.alpha:g}")
+    if alpha != policy.lora.alpha:
+        differ.append(f"alpha {alpha:g}, this run's --lora-alpha {policy.lora.alpha:g}")
         flags.append(f"--lora-alpha {alpha:g}")
-    if modules != actor.lora_modules:
+    if modules != policy.lora_modules:
         kinds = " ".join(sorted({m.rsplit(".", 1)[-1] for m in modules}))
-        differ.append(f"{len(modules)} layers ({kinds}), this run adapts {len(actor.lora_modules)}")
+        differ.append(f"{len(modules)} layers ({kinds}), this run adapts {len(policy.lora_modules)}")
         flags.append("the --target-modules/--exclude-modules it was trained with")
     if differ:
         raise CheckpointError(

@@ -82,7 +82,7 @@ def decoder_states(hf: nn.Module, mb: PackedBatch) -> Tensor:
 def length_limits(config: Any, longest: int) -> int | None:
     """Refuse a batch whose longest sequence the model would score under other attention or
     RoPE than transformers gives it alone (sliding window, dynamic RoPE), in one line; returns
-    LongRoPE's split for the planner. `Actor._plan` calls it on the whole batch, which every rank
+    LongRoPE's split for the planner. `MicroBatches.plan` calls it on the whole batch, which every rank
     holds, so under FSDP all ranks refuse together rather than one raising while the others wait
     in a collective."""
     window = sliding_window(config)
@@ -300,7 +300,7 @@ def _accumulate_unsharded(self: Any) -> None:
 
 def vectorize_grad_accumulation(module: nn.Module) -> None:
     """Give every FSDP2 parameter of `module` `_accumulate_unsharded` for its gradient
-    accumulation. With the reduction deferred to the last micro-batch (`Actor.defer_grad_sync`),
+    accumulation. With the reduction deferred to the last micro-batch (`OptimizerStep.defer_grad_sync`),
     FSDP2 adds each later micro-batch's bfloat16 gradient into a float32 one of every parameter:
     at 4B that add, PyTorch's unvectorized mixed-dtype kernel, was 175 ms of a 4.4 s profiled
     step, and this kernel took the realistic step from 4,687-4,703 to 4,649 ms (bench/RESULTS.md).

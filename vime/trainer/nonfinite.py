@@ -4,7 +4,7 @@ One `inf` reward made every advantage NaN, every loss NaN and every weight NaN f
 step, and the run went on to write NaN checkpoints and exit 0. The defence is in layers:
 rewards score 0 when not finite (`rollout/rewards/`); the train loop checks rewards and advantages
 before a step (`bad_inputs`); the actor checks the loss and the gradient norm before the
-optimizer moves (`Actor._clip_and_step`) and the weights before a checkpoint is written. A
+optimizer moves (`OptimizerStep.clip_and_step`) and the weights before a checkpoint is written. A
 step with a bad number is skipped and counted (`train/skipped_steps`); `--max-bad-steps` such
 steps in a row stop the run (`BadSteps`), since by then the cause is not a stray sample.
 """

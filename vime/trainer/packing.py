@@ -128,7 +128,7 @@ def pack(
     """Lay the sequences end to end; mark the positions that score each response token.
 
     `pad_to`: fill the row up to a multiple of this many tokens with short sequences of `pad_id`
-    that nothing scores, so that micro-batches come in a few lengths (see `Actor._pack`: a
+    that nothing scores, so that micro-batches come in a few lengths (see `MicroBatches.pack`: a
     compiled layer sees only token counts its warm-up compiled)."""
     lengths = [len(t) for t in token_lists]
     real = sum(lengths)

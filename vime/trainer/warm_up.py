@@ -13,14 +13,14 @@ rank 0 sends them.
 Before the thread starts, one training forward and backward of the largest size runs eagerly
 (`torch.compiler.set_stance("force_eager")`, a fraction of a second): the caching allocator then
 holds the trainer's peak activations, so engines that share the GPU and size their KV cache from
-its free memory once the trainer is built (`vime/launch/assemble.py`) leave the trainer its room,
+its free memory once the trainer is built (`vime/launch/assemble.py`) leave the trainer that memory,
 as they did when they started after the whole warm-up. An eager step keeps more activations than
 a compiled one, so that peak is the larger.
 
 The scoring forward (`compute_log_probs`: eval mode, no gradients) is a graph of its own, ~7 s
 of Dynamo's warm work on the demo's shape. Default GRPO never runs it (one optimizer step per
 rollout: the training forward's own log-probs are π_old), so it is compiled only for runs that
-score the policy (`Actor._scores_the_policy`); anything else that scores compiles it at its first
+score the policy (`Actor.scores_the_policy`); anything else that scores compiles it at its first
 call, which the log says.
 """
 
@@ -29,47 +29,33 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Protocol
 
 import torch
-from torch import Tensor, nn
 
-from vime.trainer.packing import PAD_BUCKETS, PackedBatch, pack
+from vime.trainer.optimizer_step import OptimizerStep
 
 log = logging.getLogger("vime")
 
 
-class Warmed(Protocol):
-    """What the warm-up reads of the `Actor` it compiles."""
-
-    device: torch.device
-    scorer: nn.Module
-    optimizer: Any
-    pad_token_id: int
-    _bucket: int  # the padded sizes are its multiples, up to PAD_BUCKETS of it
-
-    def _forward(self, scorer: nn.Module, mb: PackedBatch, with_entropy: bool) -> tuple[Tensor, Tensor | None]: ...
-
-    def _sync(self) -> None: ...
-
-
 class CompileWarmUp:
-    """The warm-up of one compiled `Actor`, run in place or on a thread (`background`)."""
+    """The warm-up of one compiled policy, run in place or on a thread (`background`): the
+    micro-batches of `step.batches`' padded sizes, through the training forward and backward
+    `step` runs and (`scoring`) the scoring forward `Actor.compute_log_probs` runs."""
 
-    def __init__(self, actor: Warmed, background: bool, scoring: bool) -> None:
-        self._actor = actor
+    def __init__(self, step: OptimizerStep, background: bool, scoring: bool) -> None:
+        self._optimizer_step = step
         self._background = background
-        self.scoring = scoring  # the scoring forward is compiled (`Actor._scores_the_policy`), or will be
+        self.scoring = scoring  # the scoring forward is compiled (`Actor.scores_the_policy`), or will be
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()  # a run closing before its first step: stop after the current size
         if not background:
             self._run()
             return
-        if actor.device.type == "cuda":
+        if step.ranks.device.type == "cuda":
             with torch.compiler.set_stance("force_eager"):
-                self._step(actor._bucket * PAD_BUCKETS, scoring=False)
-            actor.optimizer.zero_grad(set_to_none=True)
+                self._step(step.batches.sizes()[-1], scoring=False)
+            step.optimizer.zero_grad(set_to_none=True)
         self._thread = threading.Thread(target=self._run_keeping_error, name="vime-compile", daemon=True)
         self._thread.start()
 
@@ -111,23 +97,24 @@ class CompileWarmUp:
         """Each bucket size, with gradients and (`scoring`) without: a scoring pass runs under
         no_grad, which is a graph of its own. The batches are a dummy sequence padded to the
         size; the gradients they leave are dropped."""
-        actor = self._actor
+        step = self._optimizer_step
         t0 = time.perf_counter()
-        was_training = actor.scorer.training
-        for size in range(actor._bucket, actor._bucket * PAD_BUCKETS + 1, actor._bucket):
+        was_training = step.policy.scorer.training
+        sizes = step.batches.sizes()
+        for size in sizes:
             if self._stop.is_set():
                 return
             if self.scoring:
                 self._step(size, scoring=True)
             self._step(size, scoring=False)
-        actor.scorer.train(was_training)
-        actor.optimizer.zero_grad(set_to_none=True)
-        actor._sync()
+        step.policy.scorer.train(was_training)
+        step.optimizer.zero_grad(set_to_none=True)
+        step.ranks.sync()
         what = "" if self.scoring else " (training only: these settings never score the policy)"
         where = " beside the start-up" if self._background else ""
         log.info(
             "compiled the trainer for %d micro-batch sizes%s in %.1f s%s",
-            PAD_BUCKETS,
+            len(sizes),
             what,
             time.perf_counter() - t0,
             where,
@@ -137,14 +124,14 @@ class CompileWarmUp:
         """One dummy micro-batch of `size` tokens: a scoring forward as `compute_log_probs` runs
         it (eval mode, no gradients: the layers' mode is guarded too), or a training forward and
         backward."""
-        actor = self._actor
-        mb = pack([[actor.pad_token_id] * 2], [1], [], actor.device, size, actor.pad_token_id)
+        step = self._optimizer_step
+        scorer, temperature = step.policy.scorer, step.batches.temperature
+        mb = step.batches.empty(size)
         if scoring:
-            actor.scorer.eval()
+            scorer.eval()
             with torch.no_grad():
-                actor._forward(actor.scorer, mb, with_entropy=False)
+                scorer(mb, temperature, False)
             return
-        actor.scorer.train()
-        log_probs, entropy = actor._forward(actor.scorer, mb, with_entropy=True)
-        assert entropy is not None  # asked for
+        scorer.train()
+        log_probs, entropy = step.forward(mb, temperature)
         (log_probs.sum() + entropy.sum()).backward()

@@ -1,0 +1,61 @@
+"""The policy being trained, as the trainer runs it: the HF model in float32 master weights, its
+LoRA adapters, activation checkpointing and per-layer compile, and the token scorer that FSDP2
+wraps (the forward every loss reads). Frozen models (the KL's reference, the OPD teacher) are
+loaded and wrapped the same way. The pieces are `vime.trainer.model`'s; this file applies them
+in their order."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+from vime.config import ConfigError, TrainerConfig
+from vime.trainer.lora import LoraSpec, add_adapters
+from vime.trainer.model import TokenScorer, checkpoint_layers, load_model, wrap
+from vime.trainer.ranks import Ranks
+
+
+class Policy:
+    """The trained model (`model`) and its scorer (`scorer`: the `TokenScorer` around it, wrapped
+    by FSDP2 on a sharded trainer), built once at start."""
+
+    def __init__(self, trainer: TrainerConfig, model_path: str | Path, ranks: Ranks) -> None:
+        self.ranks = ranks
+        self.attention_kernel = trainer.attention_kernel
+        self.chunk_size = trainer.logprob_chunk_size
+        self.model = load_model(model_path, ranks.device, trainer.attention_kernel)
+        # LoRA: the base frozen, adapters on the target layers (vime/trainer/lora.py); what leaves
+        # the trainer (pushes, checkpoints' safetensors) is the merged weight under the HF name
+        self.lora = LoraSpec.of(trainer)
+        self.lora_modules: set[str] = set()  # the layers that carry adapters
+        if self.lora is not None:
+            try:
+                self.lora_modules = set(add_adapters(self.model, self.lora, trainer.seed))
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        if trainer.gradient_checkpointing:
+            checkpoint_layers(self.model, trainer.gradient_checkpointing_layers)
+        all_names = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
+        param_names = {n for n, _ in self.model.named_parameters()}
+        self.tied_aliases = all_names - param_names  # tied names, e.g. lm_head.weight
+        # what a checkpoint holds besides parameters (none in Llama/Qwen: their rotary tables are not persistent)
+        self.buffers = [n for n in self.model.state_dict() if n not in all_names]
+        self.compiled: bool = trainer.compile if trainer.compile is not None else ranks.device.type == "cuda"
+        if self.compiled:
+            # per layer, before FSDP wraps them (as torchtitan does): the layers share one code
+            # object, so one compile serves all of them, and packed lengths vary: dynamic shapes
+            for layer in self.model.get_decoder().layers:
+                layer.compile(dynamic=True)
+        self.scorer = self._wrap(TokenScorer(self.model, self.chunk_size))
+
+    def frozen(self, model_path: str | Path) -> nn.Module:
+        """A frozen model's scorer (the KL's reference, the OPD teacher), wrapped as the policy's
+        and never compiled."""
+        model = load_model(model_path, self.ranks.device, self.attention_kernel, trained=False)
+        model.requires_grad_(False)
+        model.eval()
+        return self._wrap(TokenScorer(model, self.chunk_size))
+
+    def _wrap(self, scorer: TokenScorer) -> nn.Module:
+        return wrap(scorer, self.ranks.device, self.ranks.world) if self.ranks.sharded else scorer
