@@ -275,8 +275,10 @@ def test_every_unknown_flag_is_named_at_once_with_what_it_is_in_slime(capsys):
         "0.7",
     ]
     argv += ["--rollout-batchsize", "4", "--multimodal-keys", '{"image": "images"}', "--update-weight-mode", "delta"]
+    from vime.compat import parse_args as parse_slime_script  # the flags of a script written for slime
+
     with pytest.raises(SystemExit) as refused:
-        parse_args(argv)
+        parse_slime_script(argv)
     assert refused.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert (

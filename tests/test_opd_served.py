@@ -23,7 +23,8 @@ from test_opd import _reverse_kl, assert_hf_scores, score_like_a_run, scored_sam
 
 from vime.algorithms.opd import distill_advantages
 from vime.backends.builtin.launch import launch_engine
-from vime.config import Config, ConfigError, parse_args
+from vime.compat import parse_args  # slime's paths of the teacher's functions
+from vime.config import Config, ConfigError
 from vime.models import make_tiny_model, resolve_model
 from vime.plugins import PluginError, as_plugin
 from vime.rollout.opd_teacher import Teacher, TeacherError, teacher_log_probs

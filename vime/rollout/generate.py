@@ -109,14 +109,8 @@ async def generate(args, sample: Sample, params: dict) -> Sample:
         return sample
     out = await generate_on_engines(runtime, sample.group_index, sample.tokens, params)
     meta = out["meta_info"]
-    ids = out["output_ids"]
-    sample.tokens = sample.tokens + ids
-    sample.response_length += len(ids)
-    sample.rollout_log_probs = (sample.rollout_log_probs or []) + list(meta["output_token_logprobs"])
-    sample.weight_versions = (sample.weight_versions or []) + list(meta["output_weight_versions"])
+    sample.append_generated(out["output_ids"], meta["output_token_logprobs"], meta["output_weight_versions"])
     sample.temperature = params.get("temperature", 1.0)  # the engine's default; the trainer scores at it
-    if sample.loss_mask is not None:
-        sample.loss_mask = sample.loss_mask + [1] * len(ids)
     sample.status = _FINISH_TO_STATUS[meta["finish_reason"]["type"]]
     if stops:
         cut_at_stop(runtime.tokenizer, sample, sample.generation_start, stops)
@@ -142,12 +136,7 @@ def cut_at_stop(tokenizer: Any, sample: Sample, start: int, stops: list[str] | s
     while lo < hi:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if holds(mid) else (mid + 1, hi)
-    keep = sample.response_length - len(ids) + lo
-    sample.tokens = sample.tokens[: sample.prompt_length + keep]
-    for name in ("loss_mask", "rollout_log_probs", "weight_versions"):
-        if getattr(sample, name) is not None:
-            setattr(sample, name, getattr(sample, name)[:keep])
-    sample.response_length = keep
+    sample.truncate_response(sample.response_length - len(ids) + lo)
     sample.response = tokenizer.decode(sample.response_tokens, skip_special_tokens=True)
     sample.status = Status.COMPLETED
     return True

@@ -94,11 +94,7 @@ def plain(tokenizer: Any, answer: str) -> str:
 def _append(sample: Sample, ids: list[int]) -> None:
     """Tokens the model did not generate: in the trajectory, out of the loss."""
     version = (sample.weight_versions or [0])[-1]
-    sample.tokens = sample.tokens + ids
-    sample.response_length += len(ids)
-    sample.loss_mask = sample.effective_loss_mask() + [0] * len(ids)
-    sample.rollout_log_probs = (sample.rollout_log_probs or []) + [0.0] * len(ids)
-    sample.weight_versions = (sample.weight_versions or []) + [version] * len(ids)
+    sample.append_generated(ids, [0.0] * len(ids), [version] * len(ids), trainable=False)
 
 
 async def generate(args, sample: Sample, params: dict) -> Sample:

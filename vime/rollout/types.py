@@ -85,6 +85,30 @@ class Sample:
     def effective_loss_mask(self) -> list[int]:
         return self.loss_mask if self.loss_mask is not None else [1] * self.response_length
 
+    def append_generated(
+        self, ids: list[int], log_probs: list[float], versions: list[int], trainable: bool = True
+    ) -> None:
+        """Response tokens appended with everything that stays one per response token: their
+        log-probs, weight versions and loss mask (an engine's answer; `trainable` False: tokens the
+        model did not write, a tool's answer, out of the loss). New lists: a list the sample was
+        handed with stays as it was. (The seed system's plug-ins call `append_response_tokens`.)"""
+        n = len(ids)
+        if not trainable or self.loss_mask is not None:
+            self.loss_mask = self.effective_loss_mask() + [int(trainable)] * n
+        self.tokens = self.tokens + list(ids)
+        self.response_length += n
+        self.rollout_log_probs = (self.rollout_log_probs or []) + list(log_probs)
+        self.weight_versions = (self.weight_versions or []) + list(versions)
+
+    def truncate_response(self, keep: int) -> None:
+        """The response cut to its first `keep` tokens, every per-token list with it."""
+        self.tokens = self.tokens[: self.prompt_length + keep]
+        for name in ("loss_mask", "rollout_log_probs", "weight_versions"):
+            values = getattr(self, name)
+            if values is not None:
+                setattr(self, name, values[:keep])
+        self.response_length = keep
+
     def append_response_tokens(
         self,
         args: Any = None,
