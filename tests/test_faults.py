@@ -620,7 +620,7 @@ def test_trainer_ranks_that_fall_out_of_step_end_in_seconds_in_one_line(tiny_mod
         def interrupted(*a, **k):
             raise KeyboardInterrupt  # here only: rank 1 computes its loss and waits for the gradients
 
-        monkeypatch.setattr(loss_module, "policy_loss", interrupted)
+        monkeypatch.setattr(loss_module.Objective, "policy_term", interrupted)
         with pytest.raises(KeyboardInterrupt):
             two.train_step(_batch(), adv)
     finally:
