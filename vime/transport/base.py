@@ -20,6 +20,8 @@ from torch import Tensor
 from vime.errors import EngineError, VimeError
 from vime.transport.buckets import DTYPES
 
+NamedTensors = Iterable[tuple[str, Tensor]]  # HF-named weights, as the trainer yields them
+Metrics = dict[str, float]  # perf/update_weights_*
 # what the trainer sent, as the engines should hold it: [bit sum, element count] by tensor name,
 # by the dtype the sums were taken in (`vime.transport.checksums`)
 Sums = dict[torch.dtype, dict[str, list[int]]]
@@ -54,13 +56,8 @@ class Transport:
         so that its set-up is not charged to the first step's push. Nothing by default."""
 
     def push(
-        self,
-        clients: list[Any],
-        weights: Iterable[tuple[str, Tensor]],
-        version: int,
-        lora_base: bool,
-        sums: Sums | None,
-    ) -> dict[str, float]:
+        self, clients: list[Any], weights: NamedTensors, version: int, lora_base: bool, sums: Sums | None
+    ) -> Metrics:
         """Send the weights to these engines, stamped with `version`; returns perf/update_weights_*
         metrics. `lora_base`: the weights are a LoRA run's frozen base, which the engine keeps to
         merge later pushes' adapters into. `sums`: where a transport that `streams` records the

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from vime.errors import EngineError
-from vime.transport.base import PushSettings, Sums, Transport, common_dtype, each_client
+from vime.transport.base import Metrics, NamedTensors, PushSettings, Sums, Transport, common_dtype, each_client
 from vime.transport.buckets import FLATTENED, pack
 from vime.transport.checksums import checksums
 from vime.transport.group import WeightGroup, WeightSyncError, join, open_store
@@ -91,13 +91,8 @@ class Broadcast(Transport):
             pool.shutdown(wait=False, cancel_futures=True)
 
     def push(
-        self,
-        clients: list[Any],
-        weights: Iterable[tuple[str, Tensor]],
-        version: int,
-        lora_base: bool,
-        sums: Sums | None,
-    ) -> dict[str, float]:
+        self, clients: list[Any], weights: NamedTensors, version: int, lora_base: bool, sums: Sums | None
+    ) -> Metrics:
         """Broadcast flat buckets (`load_format: flattened_bucket`) to every engine of the group.
 
         Per bucket: announce it to the engines (HTTP, in threads), broadcast it, then wait for the

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from vime.transport.base import Sums, Transport, each_client
+from vime.transport.base import Metrics, NamedTensors, Sums, Transport, each_client
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_HANDLE_BYTES = 4096  # a CUDA IPC handle is 64 bytes (torch adds a small header): anything far larger is not one
@@ -136,13 +135,8 @@ class CudaIpc(Transport):
     """The trainer's tensors shared as they are (the engine casts them as it copies)."""
 
     def push(
-        self,
-        clients: list[Any],
-        weights: Iterable[tuple[str, Tensor]],
-        version: int,
-        lora_base: bool,
-        sums: Sums | None,
-    ) -> dict[str, float]:
+        self, clients: list[Any], weights: NamedTensors, version: int, lora_base: bool, sums: Sums | None
+    ) -> Metrics:
         # the pusher holds the tensors until every engine has copied from them; the handles travel
         # as plain JSON data, never as a pickle
         payload = {"transport": "cuda_ipc", "handles": share(list(weights)), "weight_version": version}

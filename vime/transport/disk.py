@@ -8,13 +8,10 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from torch import Tensor
-
-from vime.transport.base import Sums, Transport, each_client, write_safetensors
+from vime.transport.base import Metrics, NamedTensors, Sums, Transport, each_client, write_safetensors
 
 
 class Disk(Transport):
@@ -23,13 +20,8 @@ class Disk(Transport):
     trainer did."""
 
     def push(
-        self,
-        clients: list[Any],
-        weights: Iterable[tuple[str, Tensor]],
-        version: int,
-        lora_base: bool,
-        sums: Sums | None,
-    ) -> dict[str, float]:
+        self, clients: list[Any], weights: NamedTensors, version: int, lora_base: bool, sums: Sums | None
+    ) -> Metrics:
         tmp_dir = self.settings.tmp_dir
         if tmp_dir is not None:
             tmp_dir.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib
 import time
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ from torch import Tensor
 
 from vime.errors import EngineError
 from vime.transport import TRANSPORT_CLASSES, TRANSPORTS
-from vime.transport.base import PushSettings, Sums, Transport, common_dtype, each_client
+from vime.transport.base import Metrics, NamedTensors, PushSettings, Sums, Transport, common_dtype, each_client
 from vime.transport.checksums import checksum_mismatches, checksums
 
 DEFAULT_BUCKET_BYTES = 512 * 2**20  # large enough to hide per-bucket latency, small enough to stay cheap to stage
@@ -69,9 +68,7 @@ class WeightPusher:
         for name, clients in by_transport.items():
             self._transport(name).connect(clients, device)
 
-    def push(
-        self, named_weights: Iterable[tuple[str, Tensor]], version: int, lora_base: bool = False
-    ) -> dict[str, float]:
+    def push(self, named_weights: NamedTensors, version: int, lora_base: bool = False) -> Metrics:
         """Send the weights to all engines; returns perf/update_weights_* metrics.
 
         When every engine receives by broadcast the weights are streamed bucket by bucket (a

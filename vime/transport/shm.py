@@ -7,26 +7,18 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from torch import Tensor
-
-from vime.transport.base import Sums, Transport, each_client, write_safetensors
+from vime.transport.base import Metrics, NamedTensors, Sums, Transport, each_client, write_safetensors
 
 
 class SharedMemory(Transport):
     """The weights as the trainer holds them (the engine casts them as it loads)."""
 
     def push(
-        self,
-        clients: list[Any],
-        weights: Iterable[tuple[str, Tensor]],
-        version: int,
-        lora_base: bool,
-        sums: Sums | None,
-    ) -> dict[str, float]:
+        self, clients: list[Any], weights: NamedTensors, version: int, lora_base: bool, sums: Sums | None
+    ) -> Metrics:
         tmp_dir = self.settings.tmp_dir
         base = tmp_dir or (Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir()))
         path = base / f"vime-weights-{os.getpid()}-v{version}.safetensors"
