@@ -81,7 +81,7 @@ def annotated_host_work() -> Iterator[None]:
     and the optimizer's clip and step as ranges, so GPU idle time can be put down to them
     (`idle_by_host_op`) and the optimizer's kernels counted as such (`categorize`)."""
     saved = {(micro_batches_mod, "pack"): micro_batches_mod.pack, (step_loss_mod, "to_device"): step_loss_mod.to_device}
-    policy_loss = loss_mod.policy_loss  # Objective looks it up in its module at each call
+    policy_term = loss_mod.Objective.policy_term  # looked up on the class at each call
     clip_and_step = OptimizerStep.clip_and_step
 
     def optimizer(self: Any, *a: Any, **k: Any) -> Any:
@@ -97,14 +97,14 @@ def annotated_host_work() -> Iterator[None]:
 
     for (module, n), fn in saved.items():
         setattr(module, n, wrap(n, fn))
-    loss_mod.policy_loss = wrap("policy_loss", policy_loss)
+    loss_mod.Objective.policy_term = wrap("policy_term", policy_term)
     OptimizerStep.clip_and_step = optimizer
     try:
         yield
     finally:
         for (module, n), fn in saved.items():
             setattr(module, n, fn)
-        loss_mod.policy_loss = policy_loss
+        loss_mod.Objective.policy_term = policy_term
         OptimizerStep.clip_and_step = clip_and_step
 
 

@@ -77,3 +77,42 @@ def train_here(entry: str, *argv: str) -> None:
 
     with contextlib.chdir(ROOT):  # the examples' configs name their data relative to the repository
         assert train_main(list(argv), ENTRIES.get(entry, entry)) == 0
+
+
+def objective(eps_clip: float, **fields):
+    """The loss of the hand-worked tests: PPO's clip `eps_clip` and nothing else (no correction,
+    entropy or KL term, a token mean), but for the `Objective` fields given."""
+    from vime.algorithms.corrections import OffPolicyCorrection
+    from vime.algorithms.objective import Objective
+
+    plain = {
+        "eps_clip_high": None,
+        "eps_clip_c": None,
+        "correction": OffPolicyCorrection(),
+        "agg": "token_mean",
+        "entropy_coef": 0.0,
+        "kl_coef": 0.0,
+        "kl_type": "low_var_kl",
+        "unbiased_kl": False,
+        "coupled": False,
+    }
+    return Objective(eps_clip=eps_clip, **{**plain, **fields})
+
+
+def loss_inputs(advantages, mask, rollout_lp=None, seq_ids=None, **fields):
+    """A micro-batch's `LossInputs` of these advantages and loss mask ([tokens] each): one sequence
+    unless `seq_ids` says otherwise, the engine's log-probs `rollout_lp` (zeros: none sent)."""
+    import torch
+
+    from vime.algorithms.loss_inputs import LossInputs
+
+    return LossInputs(
+        mask=mask,
+        advantages=advantages,
+        rollout_lp=torch.zeros_like(mask) if rollout_lp is None else rollout_lp,
+        has_rollout=mask if rollout_lp is not None else torch.zeros_like(mask),
+        seq_ids=torch.zeros(len(mask), dtype=torch.long) if seq_ids is None else seq_ids,
+        old=None,
+        ref=None,
+        **fields,
+    )

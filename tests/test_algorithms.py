@@ -7,10 +7,10 @@ import math
 
 import pytest
 import torch
+from conftest import loss_inputs, objective
 
 from vime.algorithms.corrections import OffPolicyCorrection, behaviour_weights
 from vime.algorithms.credit import compute_advantages, group_advantages, whiten
-from vime.algorithms.objective import policy_loss
 from vime.rollout.types import Sample
 
 
@@ -129,7 +129,7 @@ def test_gspo_takes_one_ratio_per_sequence_by_hand():
     log_probs = torch.tensor([0.1, 0.3, -0.5], requires_grad=True)
     adv = torch.tensor([-1.0, -1.0, 2.0])
     seq = torch.tensor([0, 0, 1])
-    loss, m = policy_loss(log_probs, old, adv, torch.ones(3), eps_clip=0.3, seq_ids=seq, kind="gspo")
+    loss, m = objective(0.3, kind="gspo").policy_term(log_probs, old, loss_inputs(adv, torch.ones(3), seq_ids=seq))
     s0, s1 = math.exp(0.2), math.exp(-0.5)
     # seq 0 (A = −1): max(s0, clip(s0) = min(s0, 1.3)) = s0 per token; seq 1 (A = 2): max(−2 s1, −2·0.7) = −2 s1
     assert close(loss, (2 * s0 - 2 * s1) / 3)
@@ -140,7 +140,7 @@ def test_gspo_takes_one_ratio_per_sequence_by_hand():
     # a tight clip, as GSPO uses, with the advantages' signs flipped: both ratios have moved the way their
     # advantage pulls, past [1 − 4e-4, 1 + 4e-4], so both sequences' clipped terms are active and carry no gradient
     lp2 = log_probs.detach().requires_grad_()
-    loss2, m2 = policy_loss(lp2, old, -adv, torch.ones(3), eps_clip=4e-4, seq_ids=seq, kind="gspo")
+    loss2, m2 = objective(4e-4, kind="gspo").policy_term(lp2, old, loss_inputs(-adv, torch.ones(3), seq_ids=seq))
     assert close(loss2, (2 * -(1 + 4e-4) + 2 * (1 - 4e-4)) / 3) and close(m2["pg_clipfrac"], 1.0)
     loss2.backward()
     assert close(lp2.grad, [0.0, 0.0, 0.0])
@@ -153,12 +153,12 @@ def test_cispo_clips_the_weight_and_keeps_every_tokens_gradient_by_hand():
     old = torch.zeros(2)
     log_probs = torch.tensor([math.log(2.0), math.log(0.5)], requires_grad=True)
     adv = torch.tensor([1.0, -1.0])
-    loss, m = policy_loss(log_probs, old, adv, torch.ones(2), eps_clip=0.2, kind="cispo")
+    loss, m = objective(0.2, kind="cispo").policy_term(log_probs, old, loss_inputs(adv, torch.ones(2)))
     assert close(loss, (-1.2 * math.log(2.0) + 0.8 * math.log(0.5)) / 2)
     loss.backward()
     assert close(log_probs.grad, [-1.2 / 2, 0.8 / 2]) and close(m["pg_clipfrac"], 1.0)
     ppo = torch.tensor([math.log(2.0), math.log(0.5)], requires_grad=True)
-    policy_loss(ppo, old, adv, torch.ones(2), eps_clip=0.2)[0].backward()
+    objective(0.2).policy_term(ppo, old, loss_inputs(adv, torch.ones(2)))[0].backward()
     assert close(ppo.grad, [0.0, 0.0])  # PPO drops both clipped tokens' gradients
 
 
@@ -199,7 +199,7 @@ def test_opsm_masks_drifted_negative_sequences_only():
     log_probs = torch.tensor([-0.5, -0.5, -0.5, 0.0], requires_grad=True)
     adv = torch.tensor([-1.0, -1.0, 1.0, -1.0])
     seq = torch.tensor([0, 0, 1, 2])
-    loss, m = policy_loss(log_probs, old, adv, torch.ones(4), eps_clip=10.0, seq_ids=seq, opsm_delta=1e-4)
+    loss, m = objective(10.0, opsm_delta=1e-4).policy_term(log_probs, old, loss_inputs(adv, torch.ones(4), seq_ids=seq))
     r = math.exp(-0.5)
     assert close(loss, (-1.0 * r + 1.0) / 4)  # seq 1: −A r; seq 2: −A·1; seq 0 left out
     assert close(m["opsm_clipfrac"], 0.5)
@@ -218,10 +218,9 @@ def test_a_custom_tis_hook_sees_whole_sequences_and_its_masks_and_loss_apply():
     log_probs = torch.zeros(3)
     adv = torch.tensor([1.0, 1.0, 1.0])
     c = OffPolicyCorrection(custom=hook)
-    loss, m = policy_loss(
-        log_probs, log_probs, adv, torch.ones(3), eps_clip=0.2, rollout_log_probs=torch.zeros(3),
-        correction=c, seq_ids=torch.tensor([0, 0, 1]),
-    )  # fmt: skip
+    loss, m = objective(0.2, correction=c).policy_term(
+        log_probs, log_probs, loss_inputs(adv, torch.ones(3), torch.zeros(3), torch.tensor([0, 0, 1]))
+    )
     assert seen == {"lengths": [2, 1], "n": 2, "total": None}
     # per token −A·1 = −1, doubled, first token of each sequence dropped: (0 − 2 + 0) / 3
     assert close(loss, -2 / 3) and close(m["hook_mean"], 3.0)

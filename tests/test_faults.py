@@ -643,7 +643,7 @@ def test_trainer_ranks_that_fall_out_of_step_end_in_seconds_in_one_line(tiny_mod
         def interrupted(*a, **k):
             raise KeyboardInterrupt  # here only: rank 1 computes its loss and waits for the gradients
 
-        monkeypatch.setattr(loss_module, "policy_loss", interrupted)
+        monkeypatch.setattr(loss_module.Objective, "policy_term", interrupted)
         with pytest.raises(KeyboardInterrupt):
             two.train_step(_batch(), adv)
     finally:
@@ -776,7 +776,8 @@ def test_a_full_disk_under_metrics_the_log_or_a_weight_push_is_one_line_and_tear
     line; log.txt: one warning, not a traceback per record; a push through shared memory: one
     line, and no partial weights file left to fill the disk further."""
     from vime.metrics import MetricsError, MetricsLogger, parse_rows, setup_logging
-    from vime.transport.push import WeightPusher, WeightWriteError
+    from vime.transport.base import WeightWriteError
+    from vime.transport.push import WeightPusher
 
     metrics = MetricsLogger(tmp_path / "run", total_steps=3, quiet=True)
     metrics.log(1, {"rollout/reward_mean": 0.5})

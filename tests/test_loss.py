@@ -6,11 +6,12 @@ import math
 
 import pytest
 import torch
+from conftest import loss_inputs, objective
 
 from vime.algorithms.corrections import OffPolicyCorrection, behaviour_weights, second_moment_mask
 from vime.algorithms.credit import compute_advantages
 from vime.algorithms.kl import kl_penalty
-from vime.algorithms.objective import aggregate, policy_loss
+from vime.algorithms.objective import aggregate
 
 TIS = OffPolicyCorrection(use_tis=True, tis_clip=2.0)
 
@@ -68,7 +69,7 @@ def test_clip_both_sides_by_hand():
     # token mean = (-1.2 + 0.8 - 0.5 + 1.5) / 4 = 0.15; clipfrac 2/4
     log_probs = lp(1.5, 0.5, 0.5, 1.5)
     adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
-    loss, m = policy_loss(log_probs, torch.zeros(4), adv, torch.ones(4), eps_clip=0.2)
+    loss, m = objective(0.2).policy_term(log_probs, torch.zeros(4), loss_inputs(adv, torch.ones(4)))
     assert close(loss, 0.15)
     assert close(m["pg_clipfrac"], 0.5)
     # ppo_kl = mean(old - new) = -(ln1.5 + ln0.5 + ln0.5 + ln1.5)/4 = -ln(0.75)/2 = 0.143841
@@ -78,12 +79,12 @@ def test_clip_both_sides_by_hand():
 def test_asymmetric_clip_high():
     # ratio 1.25, A = +1: symmetric eps 0.2 clips to 1.2 → loss -1.2; eps_high 0.28 lets 1.25 through → -1.25
     log_probs, old, adv, mask = lp(1.25), torch.zeros(1), torch.ones(1), torch.ones(1)
-    sym, m_sym = policy_loss(log_probs, old, adv, mask, eps_clip=0.2)
-    asym, m_asym = policy_loss(log_probs, old, adv, mask, eps_clip=0.2, eps_clip_high=0.28)
+    sym, m_sym = objective(0.2).policy_term(log_probs, old, loss_inputs(adv, mask))
+    asym, m_asym = objective(0.2, eps_clip_high=0.28).policy_term(log_probs, old, loss_inputs(adv, mask))
     assert close(sym, -1.2) and close(m_sym["pg_clipfrac"], 1.0)
     assert close(asym, -1.25) and close(m_asym["pg_clipfrac"], 0.0)
     # the low side still uses eps_clip: ratio 0.7, A = -1 → clip(0.7) = 0.8 → loss max(0.7, 0.8) = 0.8
-    low, _ = policy_loss(lp(0.7), old, -adv, mask, eps_clip=0.2, eps_clip_high=0.28)
+    low, _ = objective(0.2, eps_clip_high=0.28).policy_term(lp(0.7), old, loss_inputs(-adv, mask))
     assert close(low, 0.8)
 
 
@@ -96,19 +97,21 @@ def test_dual_clip_caps_negative_advantages_by_hand():
     # token mean = (3.0 + 2.2 - 1.2 + 0.8) / 4 = 1.2; capped 1 of 4
     log_probs = lp(5.0, 1.1, 5.0, 0.5).requires_grad_()
     adv = torch.tensor([-1.0, -2.0, 1.0, -1.0])
-    loss, m = policy_loss(log_probs, torch.zeros(4), adv, torch.ones(4), eps_clip=0.2, eps_clip_c=3.0)
+    loss, m = objective(0.2, eps_clip_c=3.0).policy_term(log_probs, torch.zeros(4), loss_inputs(adv, torch.ones(4)))
     loss.backward()
     assert close(loss, 1.2) and close(m["pg_clipfrac_lower"], 0.25)
     # the capped token and the clipped ones carry no gradient; the kept ones d(-A r)/d logp = -A r / 4
     assert close(log_probs.grad, [0.0, 2.0 * 1.1 / 4, 0.0, 0.0])
-    plain, m_plain = policy_loss(log_probs.detach(), torch.zeros(4), adv, torch.ones(4), eps_clip=0.2)
+    plain, m_plain = objective(0.2).policy_term(log_probs.detach(), torch.zeros(4), loss_inputs(adv, torch.ones(4)))
     assert close(plain, (5.0 + 2.2 - 1.2 + 0.8) / 4) and "pg_clipfrac_lower" not in m_plain
 
 
 def test_on_policy_ratio_one_gives_minus_mean_advantage_and_gradient():
     # ratio 1 everywhere: loss = -mean(A) = -(2 - 1)/2 = -0.5, nothing clipped; d loss/d logp_i = -A_i / 2
     log_probs = torch.tensor([-1.0, -2.0], requires_grad=True)
-    loss, m = policy_loss(log_probs, log_probs.detach(), torch.tensor([2.0, -1.0]), torch.ones(2), eps_clip=0.2)
+    loss, m = objective(0.2).policy_term(
+        log_probs, log_probs.detach(), loss_inputs(torch.tensor([2.0, -1.0]), torch.ones(2))
+    )
     loss.backward()
     assert close(loss, -0.5) and close(m["pg_clipfrac"], 0.0) and close(m["ppo_kl"], 0.0)
     assert close(log_probs.grad, [-1.0, 0.5])
@@ -118,7 +121,9 @@ def test_token_mean_ignores_masked_tokens():
     # ratio 1 → per-token loss -A = (-1, -1000, -3); the middle token is masked, so its huge
     # advantage must not leak into the loss nor into the denominator.
     adv = torch.tensor([1.0, 1000.0, 3.0])
-    loss, m = policy_loss(torch.zeros(3), torch.zeros(3), adv, torch.tensor([1.0, 0.0, 1.0]), eps_clip=0.2)
+    loss, m = objective(0.2).policy_term(
+        torch.zeros(3), torch.zeros(3), loss_inputs(adv, torch.tensor([1.0, 0.0, 1.0]))
+    )
     # (-1 + -3) / 2 = -2
     assert close(loss, -2.0)
 
@@ -128,9 +133,10 @@ def test_global_token_count_makes_micro_batches_add_up():
     # makes the sum of the two losses equal the token mean of the whole step.
     log_probs = lp(1.1, 0.9, 1.3, 0.6, 1.0)
     adv = torch.tensor([1.0, -2.0, 0.5, -1.0, 3.0])
-    full, mf = policy_loss(log_probs, torch.zeros(5), adv, torch.ones(5), eps_clip=0.2)
-    a, ma = policy_loss(log_probs[:3], torch.zeros(3), adv[:3], torch.ones(3), eps_clip=0.2, num_tokens=5)
-    b, mb = policy_loss(log_probs[3:], torch.zeros(2), adv[3:], torch.ones(2), eps_clip=0.2, num_tokens=5)
+    ppo = objective(0.2)
+    full, mf = ppo.policy_term(log_probs, torch.zeros(5), loss_inputs(adv, torch.ones(5)))
+    a, ma = ppo.policy_term(log_probs[:3], torch.zeros(3), loss_inputs(adv[:3], torch.ones(3)), num_tokens=5)
+    b, mb = ppo.policy_term(log_probs[3:], torch.zeros(2), loss_inputs(adv[3:], torch.ones(2)), num_tokens=5)
     assert close(a + b, full)
     assert close(ma["pg_clipfrac"] + mb["pg_clipfrac"], mf["pg_clipfrac"])
     # by hand, max(-A r, -A clip(r, 0.8, 1.2)) per token:
@@ -160,12 +166,11 @@ def test_dr_grpo_seq_sum_const():
     # two sequences, max response length 4 → const = 4 × 2 = 8; ratio 1 so per-token loss = -A
     # seq 1: 3 tokens with A = 1 → -3; seq 2: 1 token with A = -2 → +2; sum = -1; -1 / 8 = -0.125
     adv = torch.tensor([1.0, 1.0, 1.0, -2.0])
-    loss, _ = policy_loss(
-        torch.zeros(4), torch.zeros(4), adv, torch.ones(4), eps_clip=0.2, agg="seq_sum_const", const=8
-    )
+    dr_grpo = objective(0.2, agg="seq_sum_const")
+    loss, _ = dr_grpo.policy_term(torch.zeros(4), torch.zeros(4), loss_inputs(adv, torch.ones(4)), const=8)
     assert close(loss, -0.125)
     with pytest.raises(ValueError):
-        policy_loss(torch.zeros(4), torch.zeros(4), adv, torch.ones(4), eps_clip=0.2, agg="seq_sum_const")
+        dr_grpo.policy_term(torch.zeros(4), torch.zeros(4), loss_inputs(adv, torch.ones(4)))
 
 
 def test_tis_weight_truncated_and_detached():
@@ -174,15 +179,29 @@ def test_tis_weight_truncated_and_detached():
     log_probs = torch.zeros(2, requires_grad=True)
     old = torch.zeros(2)
     rollout = torch.tensor([-math.log(3.0), -math.log(0.5)])
-    loss, m = policy_loss(
-        log_probs, old, torch.ones(2), torch.ones(2), eps_clip=0.2, rollout_log_probs=rollout, correction=TIS
+    loss, m = objective(0.2, correction=TIS).policy_term(
+        log_probs, old, loss_inputs(torch.ones(2), torch.ones(2), rollout)
     )
     assert close(loss, -1.25)
     assert close(m["tis"], 1.25) and close(m["tis_clipfrac"], 0.5)
     loss.backward()
     assert close(log_probs.grad, [-1.0, -0.25])  # weights scale the gradient but carry none themselves
-    with pytest.raises(ValueError):
-        policy_loss(log_probs, old, torch.ones(2), torch.ones(2), eps_clip=0.2, correction=TIS)
+    # a sample the engine sent no log-probs for has no weight to correct by: refused before its step
+    from vime.rollout.types import Sample
+    from vime.trainer.step_loss import StepLoss
+
+    with pytest.raises(ValueError, match="need the engine's log-probs on every sample"):
+        StepLoss(
+            objective(0.2, correction=TIS),
+            [Sample(response_length=2)],
+            torch.ones(1),
+            None,
+            None,
+            None,
+            "cpu",
+            2,
+            False,
+        )
 
 
 def rollout_for(*weights: float) -> torch.Tensor:
@@ -195,14 +214,8 @@ def test_tis_with_a_lower_bound_by_hand():
     # mean -(2 + 0.5 + 0.2) / 3 = -0.9; two of three weights were outside the band
     log_probs = torch.zeros(3, requires_grad=True)
     correction = OffPolicyCorrection(use_tis=True, tis_clip=2.0, tis_clip_low=0.2)
-    loss, m = policy_loss(
-        log_probs,
-        torch.zeros(3),
-        torch.ones(3),
-        torch.ones(3),
-        eps_clip=0.2,
-        rollout_log_probs=rollout_for(3, 0.5, 0.1),
-        correction=correction,
+    loss, m = objective(0.2, correction=correction).policy_term(
+        log_probs, torch.zeros(3), loss_inputs(torch.ones(3), torch.ones(3), rollout_for(3, 0.5, 0.1))
     )
     assert close(loss, -0.9)
     assert close(m["tis"], 0.9) and close(m["tis_clipfrac"], 2 / 3)
@@ -214,14 +227,8 @@ def test_tis_mask_mode_is_icepop():
     # band [0.5, 2]: w = (3, 0.6, 0.1, 1.5) → (0, 0.6, 0, 1.5): out-of-band tokens weigh nothing,
     # in-band ones keep their weight; loss -(0.6 + 1.5) / 4 = -0.525, denominator still 4 tokens
     correction = OffPolicyCorrection(use_tis=True, tis_mode="mask", tis_clip=2.0, tis_clip_low=0.5)
-    loss, m = policy_loss(
-        torch.zeros(4),
-        torch.zeros(4),
-        torch.ones(4),
-        torch.ones(4),
-        eps_clip=0.2,
-        rollout_log_probs=rollout_for(3, 0.6, 0.1, 1.5),
-        correction=correction,
+    loss, m = objective(0.2, correction=correction).policy_term(
+        torch.zeros(4), torch.zeros(4), loss_inputs(torch.ones(4), torch.ones(4), rollout_for(3, 0.6, 0.1, 1.5))
     )
     assert close(loss, -0.525)
     assert close(m["tis"], 2.1 / 4) and close(m["tis_clipfrac"], 0.5)
@@ -233,16 +240,13 @@ def test_decoupled_ppo_clip_against_the_proximal_policy_weight_against_the_behav
     #   A = -1, π/π_prox = 0.5, π_prox/π_behav = 4:   clip term max(0.5, 0.8) = 0.8
     # TIS truncates 4 to 2: (−0.6 + 1.6) / 2 = 0.5; AReaL's cap-5 mask keeps 4: (−0.6 + 3.2) / 2 = 1.3;
     # with weight 6 instead of 4 the cap drops the token: −0.6 / 2 = −0.3
-    args = (lp(1.5, 0.5), torch.zeros(2), torch.tensor([1.0, -1.0]), torch.ones(2))
-    tis, _ = policy_loss(
-        *args,
-        eps_clip=0.2,
-        rollout_log_probs=rollout_for(0.5, 4),
-        correction=OffPolicyCorrection(use_tis=True, tis_clip=2.0),
+    log_probs, old, adv, mask = lp(1.5, 0.5), torch.zeros(2), torch.tensor([1.0, -1.0]), torch.ones(2)
+    tis, _ = objective(0.2, correction=OffPolicyCorrection(use_tis=True, tis_clip=2.0)).policy_term(
+        log_probs, old, loss_inputs(adv, mask, rollout_for(0.5, 4))
     )
-    capped = OffPolicyCorrection(use_tis=True, tis_mode="mask", tis_clip=5.0)
-    kept, m = policy_loss(*args, eps_clip=0.2, rollout_log_probs=rollout_for(0.5, 4), correction=capped)
-    dropped, _ = policy_loss(*args, eps_clip=0.2, rollout_log_probs=rollout_for(0.5, 6), correction=capped)
+    capped = objective(0.2, correction=OffPolicyCorrection(use_tis=True, tis_mode="mask", tis_clip=5.0))
+    kept, m = capped.policy_term(log_probs, old, loss_inputs(adv, mask, rollout_for(0.5, 4)))
+    dropped, _ = capped.policy_term(log_probs, old, loss_inputs(adv, mask, rollout_for(0.5, 6)))
     assert close(tis, 0.5) and close(kept, 1.3) and close(dropped, -0.3)
     assert close(m["pg_clipfrac"], 1.0)  # both tokens on the clipped side: the clip acts on π/π_prox
 
@@ -260,14 +264,8 @@ def test_m2po_masks_the_largest_second_moments_until_the_mean_is_in_bounds():
     # in the loss: masked tokens weigh 0, kept ones 1 (no reweighting), the denominator stays
     correction = OffPolicyCorrection(m2_threshold=0.04)
     assert correction.active and correction.per_sequence  # the mask needs the whole micro-batch
-    loss, m = policy_loss(
-        torch.zeros(6),
-        torch.zeros(6),
-        torch.ones(6),
-        mask,
-        eps_clip=0.2,
-        rollout_log_probs=-log_w,
-        correction=correction,
+    loss, m = objective(0.2, correction=correction).policy_term(
+        torch.zeros(6), torch.zeros(6), loss_inputs(torch.ones(6), mask, -log_w)
     )
     assert close(loss, -3 / 5)
     assert close(m["m2_maskfrac"], 2 / 5) and close(m["m2"], (0.01 + 0.25 + 0.0025 + 4.0 + 0.09) / 5)
@@ -279,14 +277,8 @@ def test_token_rejection_drops_without_reweighting():
     # band [0.5, 2]: w = (3, 1, 0.4, 1.2) → keep (0, 1, 0, 1); kept tokens weigh 1, not w:
     # loss -(1 + 1) / 4 = -0.5; half the tokens dropped
     correction = OffPolicyCorrection(use_rs=True, rs_lower_bound=0.5, rs_upper_bound=2.0)
-    loss, m = policy_loss(
-        torch.zeros(4),
-        torch.zeros(4),
-        torch.ones(4),
-        torch.ones(4),
-        eps_clip=0.2,
-        rollout_log_probs=rollout_for(3, 1, 0.4, 1.2),
-        correction=correction,
+    loss, m = objective(0.2, correction=correction).policy_term(
+        torch.zeros(4), torch.zeros(4), loss_inputs(torch.ones(4), torch.ones(4), rollout_for(3, 1, 0.4, 1.2))
     )
     assert close(loss, -0.5) and close(m["rs_dropfrac"], 0.5)
     assert "tis" not in m
@@ -303,15 +295,8 @@ def test_sequence_and_geometric_rejection_by_hand():
     out = {}
     for level in ("sequence", "geometric"):
         correction = OffPolicyCorrection(use_rs=True, rs_level=level, rs_lower_bound=0.5, rs_upper_bound=2.0)
-        out[level] = policy_loss(
-            torch.zeros(5),
-            torch.zeros(5),
-            torch.ones(5),
-            mask,
-            eps_clip=0.2,
-            rollout_log_probs=rollout,
-            correction=correction,
-            seq_ids=seq_ids,
+        out[level] = objective(0.2, correction=correction).policy_term(
+            torch.zeros(5), torch.zeros(5), loss_inputs(torch.ones(5), mask, rollout, seq_ids)
         )
     assert close(out["sequence"][0], -0.5) and close(out["sequence"][1]["rs_dropfrac"], 0.5)
     assert close(out["geometric"][0], -1.0) and close(out["geometric"][1]["rs_dropfrac"], 0.0)
@@ -455,7 +440,7 @@ def test_chunked_loss_takes_the_gradient_of_log_probs_then_loss_bit_for_bit(dtyp
     mask = (torch.rand(10, generator=g) > 0.2).float()
 
     def loss_of(lp: torch.Tensor, ent: torch.Tensor, rows: slice) -> torch.Tensor:
-        pg, _ = policy_loss(lp, old[rows], adv[rows], mask[rows], eps_clip=0.2, num_tokens=7.0)
+        pg, _ = objective(0.2).policy_term(lp, old[rows], loss_inputs(adv[rows], mask[rows]), num_tokens=7.0)
         return pg - 0.01 * aggregate(ent, mask[rows], num_tokens=7.0)
 
     lp, ent = chunked_log_probs(hidden, weight, targets, temperature=0.7, with_entropy=True, chunk_size=3)
@@ -538,7 +523,12 @@ def test_a_custom_hook_that_raises_or_answers_the_wrong_shape_is_one_line_naming
         (ca.tis_that_raises, "raised RuntimeError: expected rollout log-probs in float64"),
     ):
         with pytest.raises(PluginError, match=f"^--custom-tis-function-path custom_algorithms.{hook.__name__} {fault}"):
-            apply_custom_tis(partial(hook, None), pg, torch.zeros(3), torch.zeros(3), torch.ones(3), seq_ids)
+            apply_custom_tis(
+                partial(hook, None),
+                pg,
+                torch.zeros(3),
+                loss_inputs(torch.ones(3), torch.ones(3), torch.zeros(3), seq_ids),
+            )
 
     base = ["--hf-checkpoint", "tiny", "--prompt-data", "p.jsonl", "--num-rollout", "1", "--loss-type", "custom_loss"]
     log_probs = torch.full((3,), -1.0, requires_grad=True)

@@ -136,10 +136,10 @@ def test_gpqa_grades_the_option_letter_a_response_picks():
 
 
 def test_the_seed_cp_utils_hand_back_whole_responses_and_tis_gets_total_lengths():
+    from conftest import loss_inputs, objective
     from vime.backends.megatron_utils.cp_utils import all_gather_with_cp, slice_log_prob_with_cp
 
     from vime.algorithms.corrections import OffPolicyCorrection
-    from vime.algorithms.objective import policy_loss
 
     x = torch.arange(3.0)
     assert all_gather_with_cp(x, 10, 3) is x and slice_log_prob_with_cp(x, 10, 3) is x
@@ -152,11 +152,13 @@ def test_the_seed_cp_utils_hand_back_whole_responses_and_tis_gets_total_lengths(
         return pg_loss, None, {}
 
     zeros = torch.zeros(3)
-    policy_loss(
-        zeros, zeros, torch.ones(3), torch.ones(3), eps_clip=0.2, rollout_log_probs=zeros,
-        correction=OffPolicyCorrection(custom=hook), seq_ids=torch.tensor([0, 0, 1]),
-        prompt_lens=torch.tensor([5.0, 5.0, 9.0]),
-    )  # fmt: skip
+    objective(0.2, correction=OffPolicyCorrection(custom=hook)).policy_term(
+        zeros,
+        zeros,
+        loss_inputs(
+            torch.ones(3), torch.ones(3), zeros, torch.tensor([0, 0, 1]), prompt_lens=torch.tensor([5.0, 5.0, 9.0])
+        ),
+    )
     assert seen == {"total": [7, 10], "response": [2, 1]}
     assert all(type(n) is int for n in seen["total"])  # lengths, as slime hands them (a float does not slice)
 

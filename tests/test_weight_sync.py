@@ -149,7 +149,7 @@ def test_engine_killed_mid_push_stops_the_push_in_bounded_time_naming_it(models)
         assert engine.url in str(err.value) and "weight push v1" in str(err.value)
         # the aborted group was left on both sides: the next push forms a new one, which the dead
         # engine cannot join (Run.push_weights pushes to the engines still up instead)
-        assert pusher._group is None
+        assert pusher._open["gloo"].group is None
         with pytest.raises(EngineError, match=f"engine at {engine.url} unreachable"):
             pusher.push(iter_safetensors(b), version=2)
     finally:
@@ -284,6 +284,24 @@ def test_placement_picks_a_transport_per_engine():
     with pytest.raises(ConfigError, match="cuda_ipc needs the engine on the trainer's GPU"):
         choose_transports(Config(weight_transport="cuda_ipc"), "cpu", [_info("u0")])
     assert choose_transports(Config(weight_transport="disk"), "cpu", [_info("u0")]) == ["disk"]
+
+
+def test_every_transport_is_a_row_of_the_table_and_one_group_serves_a_run():
+    """--weight-transport's values are the table's rows (and auto); a pusher makes each row's
+    `Transport` where it is used, and refuses engines that would need two weight groups."""
+    from vime.transport import TRANSPORT_CLASSES, TRANSPORTS
+    from vime.transport.base import Transport
+
+    assert ("auto", *TRANSPORT_CLASSES) == TRANSPORTS
+    pusher = WeightPusher([], [])
+    for name in TRANSPORT_CLASSES:
+        assert isinstance(pusher._transport(name), Transport) and pusher._transport(name).name == name
+    assert [n for n in TRANSPORT_CLASSES if pusher._transport(n).streams] == ["nccl", "gloo"]
+    with pytest.raises(ValueError, match="unknown weight transport 'tcp'"):
+        WeightPusher([EngineClient("http://127.0.0.1:1")], "tcp")
+    two = WeightPusher([EngineClient("http://127.0.0.1:1"), EngineClient("http://127.0.0.1:2")], ["nccl", "gloo"])
+    with pytest.raises(ValueError, match="one weight group per run: the engines' transports mix nccl and gloo"):
+        two.connect("cpu")
 
 
 def test_buckets_are_flat_bounded_and_cast_to_the_engine_dtype():

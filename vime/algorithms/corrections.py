@@ -6,13 +6,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor
 
 from vime.algorithms.hooks import apply_custom_tis
 from vime.algorithms.losses import per_sequence
+
+if TYPE_CHECKING:
+    from vime.algorithms.loss_inputs import LossInputs
 
 TISMode = Literal["truncate", "mask"]
 RSLevel = Literal["token", "sequence", "geometric"]
@@ -138,7 +141,8 @@ def behaviour_weights(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Per-token factor (detached) that `correction` puts on the policy loss, and its metrics.
 
-    `seq_ids` [T] numbers the sequence each token belongs to (0..S-1); the sequence and
+    Every tensor is [tokens] (`LossInputs`' fields: π_old's, the engine's log-probs, the loss
+    mask); `seq_ids` numbers the sequence each token belongs to (0..S-1): the sequence and
     geometric levels and the veto need it. Metrics are masked sums (the caller divides by its
     token count): tis (weight after truncation/masking), tis_clipfrac (share of tokens outside
     the TIS band), rs_dropfrac (share of tokens rejected), rs_veto_frac (share of tokens in
@@ -188,34 +192,27 @@ def reweigh(
     per_token: Tensor,
     log_probs: Tensor,
     old_log_probs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    rollout_log_probs: Tensor | None,
+    t: LossInputs,
+    *,
     correction: OffPolicyCorrection,
-    seq_ids: Tensor | None,
     opsm_delta: float | None,
     n: Tensor,
-    prompt_lens: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """What every policy term goes through after its per-token loss, PPO's or a custom one:
-    OPSM's mask, then the off-policy correction (`behaviour_weights`, and the custom TIS hook,
-    which takes the place of the built-in TIS as in slime). Metrics are token means over `n`."""
+    """What every policy term goes through after its per-token loss [tokens], PPO's or a custom
+    one: OPSM's mask, then the off-policy correction (`behaviour_weights`, and the custom TIS hook,
+    which takes the place of the built-in TIS as in slime). Metrics are token means over `n`, the
+    step's loss tokens."""
     metrics: dict[str, Tensor] = {}
     if opsm_delta is not None:
-        drift = per_sequence((old_log_probs - log_probs).detach(), mask, seq_ids, "geometric")
-        left_out = (advantages < 0) & (drift > opsm_delta)
+        drift = per_sequence((old_log_probs - log_probs).detach(), t.mask, t.seq_ids, "geometric")  # [tokens]
+        left_out = (t.advantages < 0) & (drift > opsm_delta)
         per_token = per_token * (~left_out).to(per_token.dtype)
-        metrics["opsm_clipfrac"] = (left_out.to(mask.dtype) * mask).sum() / n
+        metrics["opsm_clipfrac"] = (left_out.to(t.mask.dtype) * t.mask).sum() / n
     if correction.active:
-        if rollout_log_probs is None:
-            raise ValueError("TIS and rejection need rollout_log_probs (the engine's log-probs of the sampled tokens)")
-        factor, sums = behaviour_weights(old_log_probs, rollout_log_probs, mask, correction, seq_ids)
+        factor, sums = behaviour_weights(old_log_probs, t.rollout_lp, t.mask, correction, t.seq_ids)
         per_token = per_token * factor
         if correction.custom is not None:
-            assert seq_ids is not None, "--custom-tis-function-path needs seq_ids"
-            per_token, hook_sums = apply_custom_tis(
-                correction.custom, per_token, old_log_probs, rollout_log_probs, mask, seq_ids, prompt_lens
-            )
+            per_token, hook_sums = apply_custom_tis(correction.custom, per_token, old_log_probs, t)
             sums.update(hook_sums)
         metrics.update({k: v / n for k, v in sums.items()})
     return per_token, metrics

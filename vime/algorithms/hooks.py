@@ -1,15 +1,20 @@
 """slime's loss hooks, and the checks of their answers: --custom-loss-function-path's per-token
-policy term and --custom-tis-function-path. A hook's fault is a `PluginError` naming it."""
+policy term and --custom-tis-function-path. The adapters here take vime's `LossInputs` and call a
+hook with slime's keywords, so plug-ins written for slime run unchanged. A hook's fault is a
+`PluginError` naming it."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from vime.plugins import Plugin, as_plugin, first_line
+
+if TYPE_CHECKING:
+    from vime.algorithms.loss_inputs import LossInputs
 
 CUSTOM_LOSS_SIGNATURE = (
     "fn(args, *, log_probs, old_log_probs, advantages, loss_mask, rollout_log_probs, seq_ids) -> "
@@ -21,32 +26,53 @@ CUSTOM_TIS_SIGNATURE = (
 )
 
 
+def custom_loss_term(
+    fn: Callable[..., Any], log_probs: Tensor, old: Tensor, t: LossInputs
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """slime's --custom-loss-function-path on one micro-batch, called with keywords as slime calls
+    it (`CUSTOM_LOSS_SIGNATURE`, every tensor [tokens]); returns its per-token loss [tokens],
+    checked, and its metrics as masked sums (`token_metrics`)."""
+    plugin = as_plugin(fn, "--custom-loss-function-path")
+    out = plugin(
+        log_probs=log_probs,
+        old_log_probs=old,
+        advantages=t.advantages,
+        loss_mask=t.mask,
+        rollout_log_probs=t.rollout_lp,
+        seq_ids=t.seq_ids,
+    )
+    if isinstance(out, tuple) and len(out) != 2:
+        raise plugin.error(
+            f"returned {answer_kind(out)}: return the per-token loss, or (loss, {{name: per-token tensor}})"
+        )
+    per_token, metrics = out if isinstance(out, tuple) else (out, {})
+    check_loss(plugin, "per-token loss", per_token, log_probs)
+    return per_token, token_metrics(plugin, metrics, t.mask)
+
+
 def apply_custom_tis(
-    fn: Callable[..., Any],
-    per_token: Tensor,
-    old_log_probs: Tensor,
-    rollout_log_probs: Tensor,
-    mask: Tensor,
-    seq_ids: Tensor,
-    prompt_lens: Tensor | None = None,
+    fn: Callable[..., Any], per_token: Tensor, old_log_probs: Tensor, t: LossInputs
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """slime's --custom-tis-function-path on one micro-batch's whole sequences: called with
-    keywords `pg_loss` (flat per-token), `train_log_probs`, `rollout_log_probs`, `loss_masks`
-    (lists, one tensor per sequence), `response_lengths` and `total_lengths` (prompt + response,
-    from `prompt_lens`: each token's sequence's prompt length; None without it); returns
-    (pg_loss, masks, metrics), masks one per sequence, metrics flat per-token tensors (reported
-    as masked token means). A returned mask zeroes tokens; the denominator stays the step's.
-    Sequences are never split over ranks here (no context parallelism), so a function that
-    gathers and slices them with the seed's `cp_utils` gets each whole."""
+    keywords `pg_loss` (the flat per-token loss [tokens]), `train_log_probs`, `rollout_log_probs`,
+    `loss_masks` (lists, one tensor per sequence), `response_lengths` and `total_lengths` (prompt +
+    response, from `t.prompt_lens`; None without it); returns (pg_loss, masks, metrics), masks one
+    per sequence, metrics flat per-token tensors (reported as masked token means). A returned mask
+    zeroes tokens; the denominator stays the step's. Sequences are never split over ranks here (no
+    context parallelism), so a function that gathers and slices them with slime's `cp_utils` gets
+    each whole."""
+    seq_ids, mask = t.seq_ids, t.mask
     lengths = torch.bincount(seq_ids, minlength=int(seq_ids.max()) + 1 if seq_ids.numel() else 0).tolist()
     totals = None
-    if prompt_lens is not None:
+    if t.prompt_lens is not None:
         starts = (
             torch.tensor([0, *lengths[:-1]], dtype=torch.long).cumsum(0)
             if lengths
             else torch.zeros(0, dtype=torch.long)
         )
-        prompts = prompt_lens[starts.to(prompt_lens.device)].tolist()  # one read from the device, not one per sequence
+        prompts = t.prompt_lens[
+            starts.to(t.prompt_lens.device)
+        ].tolist()  # one read from the device, not one per sequence
         totals = [int(p) + k for p, k in zip(prompts, lengths, strict=True)]
 
     def split(x: Tensor) -> list[Tensor]:
@@ -57,7 +83,7 @@ def apply_custom_tis(
         pg_loss=per_token,
         total_lengths=totals,
         train_log_probs=split(old_log_probs.detach()),
-        rollout_log_probs=split(rollout_log_probs),
+        rollout_log_probs=split(t.rollout_lp),
         loss_masks=split(mask),
         response_lengths=lengths,
     )

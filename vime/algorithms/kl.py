@@ -13,7 +13,8 @@ KLKind = Literal["low_var_kl", "k1", "k2", "k3"]
 def kl_penalty(
     log_probs: Tensor, ref_log_probs: Tensor, kind: KLKind = "low_var_kl", old_log_probs: Tensor | None = None
 ) -> Tensor:
-    """Per-token estimate of KL(policy ‖ reference) from the sampled tokens' log-probs.
+    """Per-token estimate of KL(policy ‖ reference) from the sampled tokens' log-probs: every
+    tensor [tokens], in and out.
 
     With r = π/π_ref: k1 = log r (unbiased, high variance, can be negative); k2 = ½ (log r)²
     (biased, low variance); k3 (Schulman's) = 1/r − 1 + log r, unbiased and never negative;

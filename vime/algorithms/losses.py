@@ -1,8 +1,9 @@
 """Policy losses: one class each, one row of `vime.algorithms.POLICY_LOSSES` each.
 
 A policy loss is the per-token term of the objective, from the current log-probs and the ratio
-to the old ones; `vime.algorithms.objective.policy_loss` puts the dual clip, OPSM, the off-policy
-correction and the step's denominator around it, the same for every row.
+to the old ones; `vime.algorithms.objective.Objective.policy_term` puts the dual clip, OPSM, the
+off-policy correction and the step's denominator around it, the same for every row. Every tensor
+is [tokens], packed over a micro-batch's sequences (`LossInputs`).
 
 Tensor methods only, no `import torch` (see advantages.py: the config reads the table).
 """
@@ -14,12 +15,14 @@ from typing import TYPE_CHECKING, ClassVar
 if TYPE_CHECKING:
     from torch import Tensor
 
+    from vime.algorithms.loss_inputs import LossInputs
     from vime.algorithms.settings import AlgorithmConfig
 
 
 def per_sequence(log_w: Tensor, mask: Tensor, seq_ids: Tensor | None, level: str) -> Tensor:
     """Each token's log-ratio at `level`: its own (token), or its sequence's sum over loss tokens
-    (sequence, the log of the product) or mean (geometric), on every token of the sequence."""
+    (sequence, the log of the product) or mean (geometric), on every token of the sequence. All
+    [tokens]; `seq_ids` numbers each token's sequence."""
     if level == "token":
         return log_w
     if seq_ids is None:
@@ -42,17 +45,10 @@ class PolicyLoss:
 
     @classmethod
     def per_token(
-        cls,
-        log_probs: Tensor,
-        log_ratio: Tensor,
-        advantages: Tensor,
-        mask: Tensor,
-        seq_ids: Tensor | None,
-        eps_clip: float,
-        eps_clip_high: float,
+        cls, log_probs: Tensor, log_ratio: Tensor, t: LossInputs, eps_clip: float, eps_clip_high: float
     ) -> tuple[Tensor, Tensor]:
-        """Each token's loss and where its clip was the active term, from `log_ratio` = log π −
-        log π_old per token, the ratio bounded to [1 - eps_clip, 1 + eps_clip_high]."""
+        """Each token's loss and where its clip was the active term, both [tokens], from `log_ratio`
+        = log π − log π_old per token, the ratio bounded to [1 - eps_clip, 1 + eps_clip_high]."""
         raise NotImplementedError
 
     @staticmethod
@@ -75,23 +71,16 @@ class PPOClip(PolicyLoss):
     weight corrects for who sampled."""
 
     @staticmethod
-    def ratio(log_ratio: Tensor, mask: Tensor, seq_ids: Tensor | None) -> Tensor:
+    def ratio(log_ratio: Tensor, t: LossInputs) -> Tensor:
         return log_ratio.exp()
 
     @classmethod
     def per_token(
-        cls,
-        log_probs: Tensor,
-        log_ratio: Tensor,
-        advantages: Tensor,
-        mask: Tensor,
-        seq_ids: Tensor | None,
-        eps_clip: float,
-        eps_clip_high: float,
+        cls, log_probs: Tensor, log_ratio: Tensor, t: LossInputs, eps_clip: float, eps_clip_high: float
     ) -> tuple[Tensor, Tensor]:
-        ratio = cls.ratio(log_ratio, mask, seq_ids)
-        unclipped = -advantages * ratio
-        clipped = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
+        ratio = cls.ratio(log_ratio, t)
+        unclipped = -t.advantages * ratio
+        clipped = -t.advantages * ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
         return unclipped.maximum(clipped), clipped > unclipped
 
 
@@ -105,8 +94,8 @@ class GSPO(PPOClip):
     whole_sequences = True
 
     @staticmethod
-    def ratio(log_ratio: Tensor, mask: Tensor, seq_ids: Tensor | None) -> Tensor:
-        return per_sequence(log_ratio, mask, seq_ids, "geometric").exp()
+    def ratio(log_ratio: Tensor, t: LossInputs) -> Tensor:
+        return per_sequence(log_ratio, t.mask, t.seq_ids, "geometric").exp()
 
 
 class CISPO(PolicyLoss):
@@ -120,18 +109,11 @@ class CISPO(PolicyLoss):
 
     @classmethod
     def per_token(
-        cls,
-        log_probs: Tensor,
-        log_ratio: Tensor,
-        advantages: Tensor,
-        mask: Tensor,
-        seq_ids: Tensor | None,
-        eps_clip: float,
-        eps_clip_high: float,
+        cls, log_probs: Tensor, log_ratio: Tensor, t: LossInputs, eps_clip: float, eps_clip_high: float
     ) -> tuple[Tensor, Tensor]:
         ratio = log_ratio.exp()
         w = ratio.detach().clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
-        return -w * advantages * log_probs, w != ratio.detach()
+        return -w * t.advantages * log_probs, w != ratio.detach()
 
     @staticmethod
     def clip_acts(ratio: Tensor, bounded: Tensor, advantages: Tensor) -> Tensor:

@@ -1,10 +1,12 @@
 """The loss of a micro-batch's tokens, built once from the config (`Objective.of`): the policy
 term of the --advantage-estimator's row of POLICY_LOSSES with the dual clip, OPSM and the
-off-policy correction (`policy_loss`), the entropy bonus and the KL to the reference model; and
-the per-staleness diagnostics of the same tokens.
+off-policy correction (`Objective.policy_term`), the entropy bonus and the KL to the reference
+model; and the per-staleness diagnostics of the same tokens.
 
-Everything here works on flat per-token tensors (one entry per response token of a micro-batch)
-so it can be checked by hand and reused by any actor. Losses are *masked sums divided by a
+Everything here works on flat per-token tensors, [tokens]: one entry per response token of a
+micro-batch, packed over its sequences. The forward's log-probs and entropy come as arguments,
+everything else the loss reads in one `LossInputs`, so it can be checked by hand and reused by
+any actor. Losses are *masked sums divided by a
 denominator the caller chooses*: the actor passes the token count (or Dr.GRPO constant) of the
 whole optimizer step, so summing the losses of its micro-batches gives exactly the loss of the
 step, whatever the micro-batch split.
@@ -21,19 +23,13 @@ from torch import Tensor
 
 from vime.algorithms import POLICY_LOSSES, estimator_of
 from vime.algorithms.corrections import OffPolicyCorrection, behaviour_weights, in_band, reweigh
-from vime.algorithms.hooks import (
-    CUSTOM_LOSS_SIGNATURE,
-    CUSTOM_TIS_SIGNATURE,
-    answer_kind,
-    check_loss,
-    token_metrics,
-)
+from vime.algorithms.hooks import CUSTOM_LOSS_SIGNATURE, CUSTOM_TIS_SIGNATURE, custom_loss_term
 from vime.algorithms.kl import kl_penalty
+from vime.algorithms.loss_inputs import LossInputs
 from vime.algorithms.sft import SFTLoss
-from vime.plugins import Plugin, as_plugin, load_function, read_only
+from vime.plugins import Plugin, load_function, read_only
 
 Aggregation = Literal["token_mean", "sample_mean", "seq_sum_const"]
-NO_CORRECTION = OffPolicyCorrection()
 
 
 def aggregate(
@@ -44,7 +40,7 @@ def aggregate(
     const: float | None = None,
     weights: Tensor | None = None,
 ) -> Tensor:
-    """Masked sum of per-token `values` divided by the step's denominator.
+    """Masked sum of per-token `values` [tokens] divided by the step's denominator: a scalar.
 
     token_mean: by `num_tokens` (the loss tokens of the whole optimizer step; default: this
     call's mask sum, i.e. a plain token mean). sample_mean (slime without
@@ -72,106 +68,6 @@ def aggregate(
             )
         return total / const
     raise ValueError(f"unknown loss aggregation {agg!r}: use token_mean, sample_mean or seq_sum_const")
-
-
-def policy_loss(
-    log_probs: Tensor,
-    old_log_probs: Tensor,
-    advantages: Tensor,
-    loss_mask: Tensor,
-    eps_clip: float,
-    eps_clip_high: float | None = None,
-    eps_clip_c: float | None = None,
-    rollout_log_probs: Tensor | None = None,
-    correction: OffPolicyCorrection = NO_CORRECTION,
-    seq_ids: Tensor | None = None,
-    agg: Aggregation = "token_mean",
-    const: float | None = None,
-    num_tokens: float | Tensor | None = None,
-    weights: Tensor | None = None,
-    kind: str = "ppo",
-    opsm_delta: float | None = None,
-    prompt_lens: Tensor | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """The policy term `kind` (a row of POLICY_LOSSES: ppo, gspo, cispo) over flat per-token
-    tensors, with what applies to every row; returns (loss, metrics). `agg`, `const`,
-    `num_tokens` and `weights` are `aggregate`'s. The ratio is taken against the old log-probs
-    given, clipped to [1 - eps_clip, 1 + eps_clip_high]; sequences are whole in one call
-    (`seq_ids`) where the row needs them (GSPO).
-
-    `eps_clip_c` (dual-clip PPO, Ye et al. 2020; slime's --eps-clip-c, > 1): a token with a
-    negative advantage loses at most -A·c. PPO's clip leaves such a token's loss -A·ratio
-    unbounded above when the ratio is large (a token the current policy likes far more than
-    the one that sampled it, as stale samples do), and one such token could set the step;
-    capped, it contributes no gradient. `pg_clipfrac_lower` is the share of tokens capped.
-
-    `opsm_delta` (off-policy sequence masking, slime's --use-opsm): a token with a negative
-    advantage is left out when its sequence's mean of log π_old − log π exceeds delta: a
-    sequence the policy has already moved away from is not pushed further down on stale
-    evidence. `opsm_clipfrac` is the share of tokens left out. Then the `correction`, which
-    reweights by π_old/π_behav (see `OffPolicyCorrection`).
-
-    Metrics are token means over `num_tokens` (default: this call's mask sum), so they too add
-    up over the micro-batches of one step: pg_loss, pg_clipfrac (share of tokens whose clipped
-    term was the active one), ppo_kl (mean old − new log-prob), and those of the correction.
-    """
-    if eps_clip_high is None:
-        eps_clip_high = eps_clip
-    mask = loss_mask.to(log_probs.dtype)
-    n = mask.sum() if num_tokens is None else torch.as_tensor(num_tokens, dtype=log_probs.dtype)
-    n = n.clamp(min=1)
-    token_log_ratio = log_probs - old_log_probs
-    per_token, clipped_active = POLICY_LOSSES[kind].per_token(
-        log_probs, token_log_ratio, advantages, mask, seq_ids, eps_clip, eps_clip_high
-    )
-    metrics: dict[str, Tensor] = {}
-    if eps_clip_c is not None:
-        cap = -advantages * eps_clip_c
-        capped = (advantages < 0) & (per_token > cap)
-        per_token = torch.where(capped, cap, per_token)
-        with torch.no_grad():
-            metrics["pg_clipfrac_lower"] = (capped.to(mask.dtype) * mask).sum() / n
-    per_token, more = reweigh(
-        per_token,
-        log_probs,
-        old_log_probs,
-        advantages,
-        mask,
-        rollout_log_probs,
-        correction,
-        seq_ids,
-        opsm_delta,
-        n,
-        prompt_lens,
-    )
-    metrics.update(more)
-    loss = aggregate(per_token, mask, agg, num_tokens=n, const=const, weights=weights)
-    with torch.no_grad():
-        metrics["pg_loss"] = loss.detach()
-        metrics["pg_clipfrac"] = (clipped_active.to(mask.dtype) * mask).sum() / n
-        metrics["ppo_kl"] = (-token_log_ratio * mask).sum() / n
-    return loss, metrics
-
-
-@dataclass
-class LossInputs:
-    """One micro-batch's per-token loss inputs, [R] each, in the order of its scored rows."""
-
-    mask: Tensor
-    advantages: Tensor
-    rollout_lp: Tensor
-    has_rollout: Tensor  # the mask where the engine sent log-probs, else zeros
-    seq_ids: Tensor  # the sequence of each token, 0..S-1
-    old: Tensor | None  # None: the forward's own log-probs, detached
-    ref: Tensor | None
-    weights: Tensor | None = None  # sample_mean: 1 / the loss tokens of each token's sample
-    # optimizer steps between the weights that sampled each token and those it trains (-1: unknown)
-    staleness: Tensor | None = None
-    # each token's sequence's prompt length: a custom TIS function's total_lengths (slime's)
-    prompt_lens: Tensor | None = None
-
-    def rows(self, sl: slice) -> LossInputs:
-        return LossInputs(**{k: None if v is None else v[sl] for k, v in vars(self).items()})
 
 
 # Per-token diagnostics split by staleness: buckets 0, 1, 2, 3 and 4 or more optimizer steps.
@@ -206,8 +102,8 @@ def staleness_sums(
     assert t.staleness is not None
     with torch.no_grad():
         known = (t.staleness >= 0).to(t.mask.dtype)
-        w = t.mask * known
-        log_w = (old - t.rollout_lp) * t.has_rollout
+        w = t.mask * known  # [tokens]
+        log_w = (old - t.rollout_lp) * t.has_rollout  # [tokens]
         factor = torch.ones_like(old)
         if correction.active:
             factor = behaviour_weights(old, t.rollout_lp, t.mask, correction, t.seq_ids)[0]
@@ -227,9 +123,11 @@ def staleness_sums(
                 entropy.detach() * w,
             ],
             dim=1,
-        )
-        bucket = t.staleness.clamp(0, STALENESS_BUCKETS - 1).long()
-        sums = torch.zeros(STALENESS_BUCKETS, cols.shape[1], dtype=cols.dtype, device=cols.device)
+        )  # [tokens, 1 + stats]
+        bucket = t.staleness.clamp(0, STALENESS_BUCKETS - 1).long()  # [tokens]
+        sums = torch.zeros(
+            STALENESS_BUCKETS, cols.shape[1], dtype=cols.dtype, device=cols.device
+        )  # [buckets, 1 + stats]
         sums.index_add_(0, bucket, cols)
     names = ("n", *STALENESS_STATS)
     return {f"_stale{b}_{name}": sums[b, j] for b in range(STALENESS_BUCKETS) for j, name in enumerate(names)}
@@ -329,14 +227,15 @@ class Objective:
     def __call__(
         self, log_probs: Tensor, entropy: Tensor, t: LossInputs, num_tokens: float, const: float
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        """(loss, metrics) of these tokens; the metrics are sums the trainer adds up over a step."""
+        """(loss, metrics) of these tokens: `log_probs` and `entropy` [tokens] from the forward,
+        aligned with `t`; the loss a scalar, the metrics scalar sums the trainer adds up over a step."""
         if self.sft:
             return self._sft(log_probs, entropy, t, num_tokens, const)
         old = log_probs.detach() if t.old is None else t.old
         if self.custom_loss is not None:
             pg, m = self._custom_policy_term(log_probs, old, t, num_tokens, const)
         else:
-            pg, m = self._policy_term(log_probs, old, t, num_tokens, const)
+            pg, m = self.policy_term(log_probs, old, t, num_tokens, const)
         loss = pg
         # entropy is reported as a token mean whatever the loss aggregation
         m["entropy"] = aggregate(entropy.detach(), t.mask, "token_mean", num_tokens=num_tokens)
@@ -379,28 +278,61 @@ class Objective:
         bounded = ratio.clamp(1.0 - self.eps_clip, 1.0 + high)
         return POLICY_LOSSES[self.kind].clip_acts(ratio, bounded, advantages)
 
-    def _policy_term(
-        self, log_probs: Tensor, old: Tensor, t: LossInputs, num_tokens: float, const: float
+    def policy_term(
+        self,
+        log_probs: Tensor,
+        old: Tensor,
+        t: LossInputs,
+        num_tokens: float | Tensor | None = None,
+        const: float | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        return policy_loss(
-            log_probs,
-            old,
-            t.advantages,
-            t.mask,
-            eps_clip=self.eps_clip,
-            eps_clip_high=self.eps_clip_high,
-            eps_clip_c=self.eps_clip_c,
-            rollout_log_probs=t.rollout_lp,
-            correction=self.correction,
-            seq_ids=t.seq_ids,
-            agg=self.agg,
-            const=const,
-            num_tokens=num_tokens,
-            weights=t.weights,
-            kind=self.kind,
-            opsm_delta=self.opsm_delta,
-            prompt_lens=t.prompt_lens,
+        """The policy term of the estimator's row of POLICY_LOSSES (`kind`: ppo, gspo, cispo) on
+        these tokens, with what applies to every row; returns (loss, metrics). `log_probs` and
+        `old` are [tokens], aligned with `t`; `num_tokens` and `const` are `aggregate`'s
+        denominators. The ratio is taken against `old`, clipped to [1 - eps_clip, 1 +
+        eps_clip_high]; sequences are whole in one call (`t.seq_ids`) where the row needs them (GSPO).
+
+        `eps_clip_c` (dual-clip PPO, Ye et al. 2020; slime's --eps-clip-c, > 1): a token with a
+        negative advantage loses at most -A·c. PPO's clip leaves such a token's loss -A·ratio
+        unbounded above when the ratio is large (a token the current policy likes far more than
+        the one that sampled it, as stale samples do), and one such token could set the step;
+        capped, it contributes no gradient. `pg_clipfrac_lower` is the share of tokens capped.
+
+        `opsm_delta` (off-policy sequence masking, slime's --use-opsm): a token with a negative
+        advantage is left out when its sequence's mean of log π_old − log π exceeds delta: a
+        sequence the policy has already moved away from is not pushed further down on stale
+        evidence. `opsm_clipfrac` is the share of tokens left out. Then the `correction`, which
+        reweights by π_old/π_behav (see `OffPolicyCorrection`).
+
+        Metrics are token means over `num_tokens` (default: this call's mask sum), so they too add
+        up over the micro-batches of one step: pg_loss, pg_clipfrac (share of tokens whose clipped
+        term was the active one), ppo_kl (mean old − new log-prob), and those of the correction.
+        """
+        eps_clip_high = self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
+        mask = t.mask.to(log_probs.dtype)
+        n = mask.sum() if num_tokens is None else torch.as_tensor(num_tokens, dtype=log_probs.dtype)
+        n = n.clamp(min=1)
+        token_log_ratio = log_probs - old  # [tokens]
+        per_token, clipped_active = POLICY_LOSSES[self.kind].per_token(
+            log_probs, token_log_ratio, t, self.eps_clip, eps_clip_high
         )
+        metrics: dict[str, Tensor] = {}
+        if self.eps_clip_c is not None:
+            cap = -t.advantages * self.eps_clip_c
+            capped = (t.advantages < 0) & (per_token > cap)
+            per_token = torch.where(capped, cap, per_token)
+            with torch.no_grad():
+                metrics["pg_clipfrac_lower"] = (capped.to(mask.dtype) * mask).sum() / n
+        per_token, more = reweigh(
+            per_token, log_probs, old, t, correction=self.correction, opsm_delta=self.opsm_delta, n=n
+        )
+        metrics.update(more)
+        loss = aggregate(per_token, mask, self.agg, num_tokens=n, const=const, weights=t.weights)
+        with torch.no_grad():
+            metrics["pg_loss"] = loss.detach()
+            metrics["pg_clipfrac"] = (clipped_active.to(mask.dtype) * mask).sum() / n
+            metrics["ppo_kl"] = (-token_log_ratio * mask).sum() / n
+        return loss, metrics
 
     def _custom_policy_term(
         self, log_probs: Tensor, old: Tensor, t: LossInputs, num_tokens: float, const: float
@@ -409,36 +341,12 @@ class Objective:
         aggregates its own (so micro-batches still add up to the step's loss); its metrics are
         per-token tensors, reported as token means."""
         assert self.custom_loss is not None
-        plugin = as_plugin(self.custom_loss, "--custom-loss-function-path")
-        out = plugin(
-            log_probs=log_probs,
-            old_log_probs=old,
-            advantages=t.advantages,
-            loss_mask=t.mask,
-            rollout_log_probs=t.rollout_lp,
-            seq_ids=t.seq_ids,
-        )
-        if isinstance(out, tuple) and len(out) != 2:
-            raise plugin.error(
-                f"returned {answer_kind(out)}: return the per-token loss, or (loss, {{name: per-token tensor}})"
-            )
-        per_token, metrics = out if isinstance(out, tuple) else (out, {})
-        check_loss(plugin, "per-token loss", per_token, log_probs)
+        per_token, sums = custom_loss_term(self.custom_loss, log_probs, old, t)
         n = torch.as_tensor(num_tokens, dtype=log_probs.dtype).clamp(min=1)
-        m = {k: v / n for k, v in token_metrics(plugin, metrics, t.mask).items()}
+        m = {k: v / n for k, v in sums.items()}
         # the run's correction and OPSM apply to the user's term as to PPO's
         per_token, more = reweigh(
-            per_token,
-            log_probs,
-            old,
-            t.advantages,
-            t.mask,
-            t.rollout_lp,
-            self.correction,
-            t.seq_ids,
-            self.opsm_delta,
-            n,
-            t.prompt_lens,
+            per_token, log_probs, old, t, correction=self.correction, opsm_delta=self.opsm_delta, n=n
         )
         m.update(more)
         loss = aggregate(per_token, t.mask, self.agg, num_tokens=num_tokens, const=const, weights=t.weights)

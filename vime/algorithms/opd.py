@@ -37,7 +37,8 @@ def distill_advantages(
     student) on every response token; and `train/opd_reverse_kl`, the mean of student − teacher
     over the loss tokens (the reverse KL's estimate, which distillation drives down). A sample
     without the teacher's log-probs (None) keeps the task's advantage and is left out of the
-    mean; `train/opd_unscored_samples` counts them."""
+    mean; `train/opd_unscored_samples` counts them. `advantages` is [samples] or, per sample, [its
+    response tokens]; the other lists, and the answer, hold per sample [its response tokens]."""
     out, kl_sum, n, unscored = [], 0.0, 0.0, 0
     for i, (s, t, m) in enumerate(zip(student, teacher, masks, strict=True)):
         s = s.float().cpu()

@@ -26,7 +26,7 @@ class SFTLoss:
 
     @staticmethod
     def per_token(log_probs: Tensor) -> Tensor:
-        return -log_probs
+        return -log_probs  # [tokens]
 
     @staticmethod
     def refused(algo: AlgorithmConfig) -> list[tuple[bool, str]]:

@@ -1,5 +1,6 @@
-"""CUDA IPC weight handles as plain data: what `/update_weights_from_tensor {transport: cuda_ipc}`
-carries, both sides of it.
+"""cuda_ipc: the engine on the trainer's GPU opens the trainer's own tensors through CUDA IPC
+handles, with no copy on the trainer's side (`CudaIpc`); the handles as plain data, what
+`/update_weights_from_tensor {transport: cuda_ipc}` carries, both sides of it.
 
 `torch.multiprocessing.reductions.reduce_tensor` describes a CUDA tensor as a function and its
 arguments, meant to be pickled; unpickling a request body runs whatever code the sender chose.
@@ -22,6 +23,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from vime.transport.base import Metrics, NamedTensors, Sums, Transport, each_client
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_HANDLE_BYTES = 4096  # a CUDA IPC handle is 64 bytes (torch adds a small header): anything far larger is not one
@@ -126,6 +129,19 @@ def share(named: list[tuple[str, Tensor]]) -> list[dict[str, Any]]:
         _, args = reduce_tensor(t)
         out.append(from_reduce_args(name, args).to_json())
     return out
+
+
+class CudaIpc(Transport):
+    """The trainer's tensors shared as they are (the engine casts them as it copies)."""
+
+    def push(
+        self, clients: list[Any], weights: NamedTensors, version: int, lora_base: bool, sums: Sums | None
+    ) -> Metrics:
+        # the pusher holds the tensors until every engine has copied from them; the handles travel
+        # as plain JSON data, never as a pickle
+        payload = {"transport": "cuda_ipc", "handles": share(list(weights)), "weight_version": version}
+        each_client(clients, lambda c: c.update_weights_from_tensor(payload, self.settings.timeout))
+        return {}
 
 
 _INT_FIELDS = ("offset", "device", "storage_size_bytes", "storage_offset_bytes", "ref_counter_offset")
