@@ -79,24 +79,26 @@ def train_here(entry: str, *argv: str) -> None:
         assert train_main(list(argv), ENTRIES.get(entry, entry)) == 0
 
 
-def objective(eps_clip: float, **fields):
-    """The loss of the hand-worked tests: PPO's clip `eps_clip` and nothing else (no correction,
-    entropy or KL term, a token mean), but for the `Objective` fields given."""
+def make_correction(custom=None, **settings):
+    """An `OffPolicyCorrection` over algorithm settings of these values (--use-tis, --tis-clip, ...),
+    the rest their defaults; `custom`: a --custom-tis-function-path hook."""
     from vime.algorithms.corrections import OffPolicyCorrection
-    from vime.algorithms.objective import Objective
+    from vime.algorithms.settings import AlgorithmConfig
 
-    plain = {
-        "eps_clip_high": None,
-        "eps_clip_c": None,
-        "correction": OffPolicyCorrection(),
-        "agg": "token_mean",
-        "entropy_coef": 0.0,
-        "kl_coef": 0.0,
-        "kl_type": "low_var_kl",
-        "unbiased_kl": False,
-        "coupled": False,
-    }
-    return Objective(eps_clip=eps_clip, **{**plain, **fields})
+    return OffPolicyCorrection(AlgorithmConfig(**settings), custom=custom)
+
+
+def objective(
+    eps_clip: float, correction=None, kind: str = "ppo", agg: str = "token_mean", custom_loss=None, **settings
+):
+    """The loss of the hand-worked tests: PPO's clip `eps_clip` and nothing else (no correction,
+    entropy or KL term, a token mean), but for the algorithm `settings` given (--eps-clip-high,
+    --kl-loss-coef, --use-opsm, ... by their setting names) and `correction`."""
+    from vime.algorithms.objective import Objective
+    from vime.algorithms.settings import AlgorithmConfig
+
+    a = AlgorithmConfig(eps_clip=eps_clip, **{"eps_clip_high": None, "kl_loss_coef": 0.0, **settings})
+    return Objective(a, correction or make_correction(), kind=kind, agg=agg, custom_loss=custom_loss)
 
 
 def loss_inputs(advantages, mask, rollout_lp=None, seq_ids=None, **fields):

@@ -442,7 +442,7 @@ def test_the_gradient_taken_in_the_head_forward_trains_the_same_weights(tiny_mod
     (m_fwd, w_fwd), (m_after, w_after) = results
     assert all(torch.equal(w, w_after[n]) for n, w in w_fwd.items())
     assert any(not torch.equal(w, before[n]) for n, w in w_fwd.items())
-    if a.objective.correction.use_rs:
+    if a.objective.correction.settings.use_rs:
         assert 0 < m_fwd["train/rs_dropfrac"] < 1
     if global_batch_size:  # the policy leaves the reference at the first of the two steps
         assert m_fwd["train/kl_loss"] > 0

@@ -7,9 +7,9 @@ import math
 
 import pytest
 import torch
-from conftest import loss_inputs, objective
+from conftest import loss_inputs, make_correction, objective
 
-from vime.algorithms.corrections import OffPolicyCorrection, behaviour_weights
+from vime.algorithms.corrections import behaviour_weights
 from vime.algorithms.credit import compute_advantages, group_advantages, whiten
 from vime.rollout.types import Sample
 
@@ -171,12 +171,12 @@ def test_tis_per_sequence_and_geometric_by_hand():
     rollout = torch.zeros(3)
     seq = torch.tensor([0, 0, 1])
     for level, w0, w1 in (("sequence", math.exp(0.6), math.exp(-0.3)), ("geometric", math.exp(0.3), math.exp(-0.3))):
-        c = OffPolicyCorrection(use_tis=True, tis_level=level, tis_clip=1.5)
+        c = make_correction(use_tis=True, tis_level=level, tis_clip=1.5)
         factor, sums = behaviour_weights(old, rollout, torch.ones(3), c, seq)
         assert close(factor, [min(w0, 1.5), min(w0, 1.5), w1]), level
     # truncation at 1.5 cuts e^0.6 = 1.82 only: 2 of 3 tokens outside the band
     factor, sums = behaviour_weights(
-        old, rollout, torch.ones(3), OffPolicyCorrection(use_tis=True, tis_level="sequence", tis_clip=1.5), seq
+        old, rollout, torch.ones(3), make_correction(use_tis=True, tis_level="sequence", tis_clip=1.5), seq
     )
     assert close(sums["tis_clipfrac"], 2.0)
 
@@ -188,7 +188,7 @@ def test_the_veto_drops_a_whole_sequence_for_one_catastrophic_token():
     rollout = torch.zeros(5)
     mask = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0])
     seq = torch.tensor([0, 0, 0, 1, 1])
-    factor, sums = behaviour_weights(old, rollout, mask, OffPolicyCorrection(rs_veto_threshold=1e-4), seq)
+    factor, sums = behaviour_weights(old, rollout, mask, make_correction(rs_veto_threshold=1e-4), seq)
     assert close(factor, [0, 0, 0, 1, 1]) and close(sums["rs_veto_frac"], 3.0)
 
 
@@ -199,7 +199,9 @@ def test_opsm_masks_drifted_negative_sequences_only():
     log_probs = torch.tensor([-0.5, -0.5, -0.5, 0.0], requires_grad=True)
     adv = torch.tensor([-1.0, -1.0, 1.0, -1.0])
     seq = torch.tensor([0, 0, 1, 2])
-    loss, m = objective(10.0, opsm_delta=1e-4).policy_term(log_probs, old, loss_inputs(adv, torch.ones(4), seq_ids=seq))
+    loss, m = objective(10.0, use_opsm=True, opsm_delta=1e-4).policy_term(
+        log_probs, old, loss_inputs(adv, torch.ones(4), seq_ids=seq)
+    )
     r = math.exp(-0.5)
     assert close(loss, (-1.0 * r + 1.0) / 4)  # seq 1: −A r; seq 2: −A·1; seq 0 left out
     assert close(m["opsm_clipfrac"], 0.5)
@@ -217,7 +219,7 @@ def test_a_custom_tis_hook_sees_whole_sequences_and_its_masks_and_loss_apply():
 
     log_probs = torch.zeros(3)
     adv = torch.tensor([1.0, 1.0, 1.0])
-    c = OffPolicyCorrection(custom=hook)
+    c = make_correction(custom=hook)
     loss, m = objective(0.2, correction=c).policy_term(
         log_probs, log_probs, loss_inputs(adv, torch.ones(3), torch.zeros(3), torch.tensor([0, 0, 1]))
     )
@@ -297,7 +299,8 @@ def test_every_new_flag_reaches_the_objective():
     o = Objective.of(parse_args([*base, "--advantage-estimator", "gspo", "--use-opsm", "--opsm-delta", "0.01"]))
     assert o.kind == "gspo" and o.opsm_delta == 0.01 and o.per_sequence
     o = Objective.of(parse_args([*base, "--use-tis", "--tis-level", "geometric", "--rs-veto-threshold", "1e-3"]))
-    assert o.correction.tis_level == "geometric" and o.correction.rs_veto_threshold == 1e-3 and o.per_sequence
+    assert o.correction.settings.tis_level == "geometric" and o.correction.settings.rs_veto_threshold == 1e-3
+    assert o.per_sequence
     o = Objective.of(parse_args([*base, "--advantage-estimator", "cispo"]))
     assert o.kind == "cispo" and not o.per_sequence  # token-level: the head's chunked gradient stays on
     o = Objective.of(

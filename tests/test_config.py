@@ -441,30 +441,44 @@ def test_a_backend_row_without_a_ray_placement_is_never_placed_by_ray(monkeypatc
     assert not RayLauncher().chosen_by_auto(settings) and launcher_for(settings).name == "local"
 
 
-def test_each_room_reads_its_settings_by_their_flag_names_and_types():
-    """A room's sub-config holds settings of the flat Config (same name, same type), every flag
-    lands in a room, and a room is built from the fields as they are now (a field start-up still
-    sets, such as num_rollout, is never read stale)."""
+def test_each_setting_is_declared_once_in_its_component_and_read_through_its_view():
+    """Every flag is a field of exactly one component's settings (vime/setting.py), which is the
+    field of the flat Config too; no other dataclass of vime restates settings (three or more
+    fields named as flags: a copy, as the objectives' were; one or two is a name the engine or a
+    transport has of its own, a device or a seed); a view is frozen and built from the fields as
+    they are now (a field start-up still sets, such as num_rollout, is never read stale)."""
     import dataclasses
+    import importlib
+    import pkgutil
 
+    import vime
     from vime.config import FLAGS
-    from vime.config.rooms import take
-    from vime.config.schema import HINTS, Settings
+    from vime.config.schema import COMPONENTS, Settings
 
+    owners = {
+        name: [c.__name__ for c in COMPONENTS if name in {f.name for f in dataclasses.fields(c)}] for name in FLAGS
+    }
+    assert all(len(o) == 1 for o in owners.values()), {n: o for n, o in owners.items() if len(o) != 1}
+    others = set()
+    for mod in pkgutil.walk_packages(vime.__path__, "vime."):
+        if ".compat" in mod.name or mod.name.endswith(("__main__", "cli")):
+            continue
+        for obj in vars(importlib.import_module(mod.name)).values():
+            if dataclasses.is_dataclass(obj) and isinstance(obj, type) and obj not in COMPONENTS:
+                named = [f.name for f in dataclasses.fields(obj) if f.name in FLAGS]
+                if not issubclass(obj, Settings) and obj.__module__ == mod.name and len(named) >= 3:
+                    others.add((obj.__name__, *named))
+    assert not others, f"settings restated in other dataclasses: {sorted(others)}"
     cfg = parse_args(BASE)
-    rooms = [cfg.rollout, cfg.algorithm, cfg.trainer, cfg.placement, cfg.eval, cfg.output]
-    declared = {}
-    for room in rooms:
-        for f in dataclasses.fields(room):
-            declared[f.name] = f
-            if f.name in HINTS:
-                assert f.type == Settings.__dataclass_fields__[f.name].type, f.name
-            assert getattr(room, f.name) == getattr(cfg, f.name)
-    assert set(FLAGS) <= set(declared)
+    for view in (cfg.rollout, cfg.algorithm, cfg.trainer, cfg.placement, cfg.eval, cfg.output):
+        for f in dataclasses.fields(view):
+            assert f.type == Settings.__dataclass_fields__[f.name].type and getattr(view, f.name) == getattr(
+                cfg, f.name
+            )
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.trainer.lr = 1.0
     cfg.num_rollout = 7
-    assert cfg.trainer.num_rollout == 7 and take(type(cfg.trainer), cfg).num_rollout == 7
+    assert cfg.rollout.num_rollout == 7
 
 
 def test_a_frozen_config_builds_each_room_once_and_no_copy_keeps_them():

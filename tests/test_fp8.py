@@ -177,7 +177,7 @@ def test_the_run_flag_reaches_the_engine_process(model_dir, tmp_path):
     cfg = parse_args(
         ["--hf-checkpoint", "tiny", "--prompt-data", "x.jsonl", "--num-rollout", "2", "--engine-quantization", "fp8"]
     )
-    args = engine_args(cfg.placement, 0)
+    args = engine_args(cfg.placement, 0, cfg.rollout.rollout_seed)
     assert args[-2:] == ["--quantization", "fp8"]
     proc = launch_engine(
         str(model_dir),

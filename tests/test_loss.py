@@ -6,14 +6,14 @@ import math
 
 import pytest
 import torch
-from conftest import loss_inputs, objective
+from conftest import loss_inputs, make_correction, objective
 
-from vime.algorithms.corrections import OffPolicyCorrection, behaviour_weights, second_moment_mask
+from vime.algorithms.corrections import behaviour_weights, second_moment_mask
 from vime.algorithms.credit import compute_advantages
 from vime.algorithms.kl import kl_penalty
 from vime.algorithms.objective import aggregate
 
-TIS = OffPolicyCorrection(use_tis=True, tis_clip=2.0)
+TIS = make_correction(use_tis=True, tis_clip=2.0)
 
 
 def close(a, b, atol=1e-5):
@@ -213,7 +213,7 @@ def test_tis_with_a_lower_bound_by_hand():
     # w = (3, 0.5, 0.1) clamped to [0.2, 2] → (2, 0.5, 0.2); ratio 1, A = 1 → per-token -w,
     # mean -(2 + 0.5 + 0.2) / 3 = -0.9; two of three weights were outside the band
     log_probs = torch.zeros(3, requires_grad=True)
-    correction = OffPolicyCorrection(use_tis=True, tis_clip=2.0, tis_clip_low=0.2)
+    correction = make_correction(use_tis=True, tis_clip=2.0, tis_clip_low=0.2)
     loss, m = objective(0.2, correction=correction).policy_term(
         log_probs, torch.zeros(3), loss_inputs(torch.ones(3), torch.ones(3), rollout_for(3, 0.5, 0.1))
     )
@@ -226,7 +226,7 @@ def test_tis_with_a_lower_bound_by_hand():
 def test_tis_mask_mode_is_icepop():
     # band [0.5, 2]: w = (3, 0.6, 0.1, 1.5) → (0, 0.6, 0, 1.5): out-of-band tokens weigh nothing,
     # in-band ones keep their weight; loss -(0.6 + 1.5) / 4 = -0.525, denominator still 4 tokens
-    correction = OffPolicyCorrection(use_tis=True, tis_mode="mask", tis_clip=2.0, tis_clip_low=0.5)
+    correction = make_correction(use_tis=True, tis_mode="mask", tis_clip=2.0, tis_clip_low=0.5)
     loss, m = objective(0.2, correction=correction).policy_term(
         torch.zeros(4), torch.zeros(4), loss_inputs(torch.ones(4), torch.ones(4), rollout_for(3, 0.6, 0.1, 1.5))
     )
@@ -241,10 +241,10 @@ def test_decoupled_ppo_clip_against_the_proximal_policy_weight_against_the_behav
     # TIS truncates 4 to 2: (−0.6 + 1.6) / 2 = 0.5; AReaL's cap-5 mask keeps 4: (−0.6 + 3.2) / 2 = 1.3;
     # with weight 6 instead of 4 the cap drops the token: −0.6 / 2 = −0.3
     log_probs, old, adv, mask = lp(1.5, 0.5), torch.zeros(2), torch.tensor([1.0, -1.0]), torch.ones(2)
-    tis, _ = objective(0.2, correction=OffPolicyCorrection(use_tis=True, tis_clip=2.0)).policy_term(
+    tis, _ = objective(0.2, correction=make_correction(use_tis=True, tis_clip=2.0)).policy_term(
         log_probs, old, loss_inputs(adv, mask, rollout_for(0.5, 4))
     )
-    capped = objective(0.2, correction=OffPolicyCorrection(use_tis=True, tis_mode="mask", tis_clip=5.0))
+    capped = objective(0.2, correction=make_correction(use_tis=True, tis_mode="mask", tis_clip=5.0))
     kept, m = capped.policy_term(log_probs, old, loss_inputs(adv, mask, rollout_for(0.5, 4)))
     dropped, _ = capped.policy_term(log_probs, old, loss_inputs(adv, mask, rollout_for(0.5, 6)))
     assert close(tis, 0.5) and close(kept, 1.3) and close(dropped, -0.3)
@@ -262,7 +262,7 @@ def test_m2po_masks_the_largest_second_moments_until_the_mean_is_in_bounds():
     assert second_moment_mask(log_w, mask, 1.0).tolist() == [1, 1, 1, 1, 1, 0]
     assert second_moment_mask(log_w, mask, 1e-4).tolist() == [0] * 6
     # in the loss: masked tokens weigh 0, kept ones 1 (no reweighting), the denominator stays
-    correction = OffPolicyCorrection(m2_threshold=0.04)
+    correction = make_correction(m2_threshold=0.04)
     assert correction.active and correction.per_sequence  # the mask needs the whole micro-batch
     loss, m = objective(0.2, correction=correction).policy_term(
         torch.zeros(6), torch.zeros(6), loss_inputs(torch.ones(6), mask, -log_w)
@@ -270,13 +270,13 @@ def test_m2po_masks_the_largest_second_moments_until_the_mean_is_in_bounds():
     assert close(loss, -3 / 5)
     assert close(m["m2_maskfrac"], 2 / 5) and close(m["m2"], (0.01 + 0.25 + 0.0025 + 4.0 + 0.09) / 5)
     with pytest.raises(ValueError):
-        OffPolicyCorrection(m2_threshold=0.0)
+        make_correction(m2_threshold=0.0)
 
 
 def test_token_rejection_drops_without_reweighting():
     # band [0.5, 2]: w = (3, 1, 0.4, 1.2) → keep (0, 1, 0, 1); kept tokens weigh 1, not w:
     # loss -(1 + 1) / 4 = -0.5; half the tokens dropped
-    correction = OffPolicyCorrection(use_rs=True, rs_lower_bound=0.5, rs_upper_bound=2.0)
+    correction = make_correction(use_rs=True, rs_lower_bound=0.5, rs_upper_bound=2.0)
     loss, m = objective(0.2, correction=correction).policy_term(
         torch.zeros(4), torch.zeros(4), loss_inputs(torch.ones(4), torch.ones(4), rollout_for(3, 1, 0.4, 1.2))
     )
@@ -294,18 +294,18 @@ def test_sequence_and_geometric_rejection_by_hand():
     seq_ids = torch.tensor([0, 0, 1, 1, 1])
     out = {}
     for level in ("sequence", "geometric"):
-        correction = OffPolicyCorrection(use_rs=True, rs_level=level, rs_lower_bound=0.5, rs_upper_bound=2.0)
+        correction = make_correction(use_rs=True, rs_level=level, rs_lower_bound=0.5, rs_upper_bound=2.0)
         out[level] = objective(0.2, correction=correction).policy_term(
             torch.zeros(5), torch.zeros(5), loss_inputs(torch.ones(5), mask, rollout, seq_ids)
         )
     assert close(out["sequence"][0], -0.5) and close(out["sequence"][1]["rs_dropfrac"], 0.5)
     assert close(out["geometric"][0], -1.0) and close(out["geometric"][1]["rs_dropfrac"], 0.0)
     factor, _ = behaviour_weights(
-        torch.zeros(5), rollout, mask, OffPolicyCorrection(use_rs=True, rs_level="sequence"), seq_ids
+        torch.zeros(5), rollout, mask, make_correction(use_rs=True, rs_level="sequence"), seq_ids
     )
     assert factor.tolist() == [0.0, 0.0, 1.0, 1.0, 1.0]
     with pytest.raises(ValueError, match="seq_ids"):
-        behaviour_weights(torch.zeros(5), rollout, mask, OffPolicyCorrection(use_rs=True, rs_level="sequence"))
+        behaviour_weights(torch.zeros(5), rollout, mask, make_correction(use_rs=True, rs_level="sequence"))
 
 
 def test_sequence_rejection_does_not_overflow_on_long_sequences():
@@ -315,7 +315,7 @@ def test_sequence_rejection_does_not_overflow_on_long_sequences():
         torch.zeros(200),
         rollout,
         torch.ones(200),
-        OffPolicyCorrection(use_rs=True, rs_level="sequence", rs_upper_bound=1e30),
+        make_correction(use_rs=True, rs_level="sequence", rs_upper_bound=1e30),
         torch.zeros(200, dtype=torch.long),
     )
     assert factor.sum() == 0 and float(sums["rs_dropfrac"]) == 200
@@ -323,9 +323,9 @@ def test_sequence_rejection_does_not_overflow_on_long_sequences():
 
 def test_bad_corrections_are_refused():
     with pytest.raises(ValueError):
-        OffPolicyCorrection(use_tis=True, tis_clip=2.0, tis_clip_low=3.0)
+        make_correction(use_tis=True, tis_clip=2.0, tis_clip_low=3.0)
     with pytest.raises(ValueError):
-        OffPolicyCorrection(rs_level="batch")
+        make_correction(rs_level="batch")
 
 
 # ---- KL, entropy, aggregation --------------------------------------------------------

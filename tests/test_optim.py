@@ -65,13 +65,13 @@ def test_the_decay_spans_the_whole_run_by_default():
         lr_warmup_iters=3,
         min_lr=1e-5,
     )
-    s = LRSchedule.of(args)
+    s = LRSchedule.of(args, args.num_rollout)
     assert (s.decay_iters, s.warmup_iters, s.lr, s.min_lr) == (20, 3, 1e-3, 1e-5)
     args.lr_decay_iters = 7
-    assert LRSchedule.of(args).decay_iters == 7
+    assert LRSchedule.of(args, args.num_rollout).decay_iters == 7
     # slime's SFT scripts' --lr-warmup-fraction: a share of the decay's steps, as Megatron takes it
     args.lr_decay_iters, args.lr_warmup_iters, args.lr_warmup_fraction = None, 0, 0.1
-    assert LRSchedule.of(args).warmup_iters == 2
+    assert LRSchedule.of(args, args.num_rollout).warmup_iters == 2
 
 
 # ---- the optimizer -----------------------------------------------------------------------
@@ -182,7 +182,7 @@ def test_each_optimizer_step_runs_at_its_scheduled_lr(tiny_model):
     """train/lr is the step's own rate; step 0 of a warm-up runs at 0 and leaves the weights as
     they were (AdamW, no decay); a step with nothing to learn and a skipped rollout count too."""
     args = make_args(lr=1e-2, min_lr=1e-3, lr_warmup_iters=2, lr_decay_iters=5, lr_decay_style="linear", num_rollout=20)
-    schedule = LRSchedule.of(args)
+    schedule = LRSchedule.of(args, args.num_rollout)
     a = Actor(args, tiny_model)
     before = {n: p.detach().clone() for n, p in a.model.named_parameters()}
     m = a.train_step(make_samples(2), [1.0, -1.0])
@@ -223,7 +223,11 @@ def test_a_resumed_run_continues_the_schedule_exactly(tiny_model, tmp_path):
     b.load(ckpt)
     assert b.optimizer_step.count == 2
     resumed = b.train_step(*batches[2])
-    assert resumed["train/lr"] == third["train/lr"] == pytest.approx(LRSchedule.of(make_args(**args))(2))
+    assert (
+        resumed["train/lr"]
+        == third["train/lr"]
+        == pytest.approx(LRSchedule.of(make_args(**args), make_args(**args).num_rollout)(2))
+    )
     for (n, p), q in zip(a.model.named_parameters(), b.model.parameters()):
         assert torch.equal(p, q), n
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, make_correction
 from safetensors.torch import load_file
 from test_opd import _reverse_kl, teacher_run  # noqa: F401 (teacher_run: a fixture)
 
@@ -139,8 +139,6 @@ def test_the_seed_cp_utils_hand_back_whole_responses_and_tis_gets_total_lengths(
     from conftest import loss_inputs, objective
     from vime.backends.megatron_utils.cp_utils import all_gather_with_cp, slice_log_prob_with_cp
 
-    from vime.algorithms.corrections import OffPolicyCorrection
-
     x = torch.arange(3.0)
     assert all_gather_with_cp(x, 10, 3) is x and slice_log_prob_with_cp(x, 10, 3) is x
     with pytest.raises(ValueError, match="2 values for a response of 3 tokens"):
@@ -152,7 +150,7 @@ def test_the_seed_cp_utils_hand_back_whole_responses_and_tis_gets_total_lengths(
         return pg_loss, None, {}
 
     zeros = torch.zeros(3)
-    objective(0.2, correction=OffPolicyCorrection(custom=hook)).policy_term(
+    objective(0.2, correction=make_correction(custom=hook)).policy_term(
         zeros,
         zeros,
         loss_inputs(
@@ -326,8 +324,9 @@ def test_a_gpqa_run_grades_eval_by_the_letter_and_checks_training_labels(tmp_pat
     from vime.rollout.prompt_rows import DataError
 
     cfg = parse_args(["--hf-checkpoint", "tiny", "--prompt-data", "x.jsonl", "--num-rollout", "1", "--rm-type", "gpqa"])
-    assert cfg.eval.rule == "gpqa"
-    assert parse_args(["--hf-checkpoint", "tiny", "--prompt-data", "x.jsonl", "--num-rollout", "1"]).eval.rule == "math"
+    assert cfg.eval.rule(cfg.rollout.rm_type) == "gpqa"
+    plain = parse_args(["--hf-checkpoint", "tiny", "--prompt-data", "x.jsonl", "--num-rollout", "1"])
+    assert plain.eval.rule(plain.rollout.rm_type) == "math"
     data = tmp_path / "mc.jsonl"
     data.write_text('{"input": "Which? (A) x (B) y", "label": "A"}\n{"input": "Which? (A) x (B) y", "label": "y"}\n')
     cfg = parse_args(["--hf-checkpoint", "tiny", "--prompt-data", str(data), "--num-rollout", "1", "--rm-type", "gpqa"])

@@ -124,7 +124,7 @@ def evaluate_set(args, eval_set: dict[str, Any], step: int, out_path: Path | Non
         runtime_of(args).tokenizer,
         eval_set["path"],
         limit=ev.eval_limit,
-        max_prompt_len=context_length(ev.model_dir) - 1,
+        max_prompt_len=context_length(args.rollout.model_dir) - 1,
     )
     n = ev.n_samples_per_eval_prompt
     extra = eval_set.get(METADATA_KEY, {})
@@ -137,7 +137,9 @@ def evaluate_set(args, eval_set: dict[str, Any], step: int, out_path: Path | Non
     ]
     t0 = time.perf_counter()
     samples = async_loop.run(_run(args, samples, step))
-    rule = ev.rule  # the set's own rm type, the training one where it is a rule of its own kind, else math's
+    rule = ev.rule(
+        args.rollout.rm_type
+    )  # the set's own rm type, the training one where it is a rule of its own kind, else math's
     generate_scores = bool(args.rollout.custom_generate_function_path)  # eval sets cannot name their own
     correct = 0
     rows = []

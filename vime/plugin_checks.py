@@ -242,7 +242,7 @@ def _loss_hooks(args: Any) -> None:
         seq_ids=seq_ids,
         prompt_lens=torch.full((n,), 5.0),  # total_lengths of a custom TIS function: prompts of 5 tokens
         old=old,
-        ref=old.clone() if objective.kl_coef else None,
+        ref=old.clone() if objective.settings.kl_loss_coef else None,
         weights=torch.cat([torch.full((k,), 1.0 / k) for k in lengths]) if sample_mean else None,
     )
     const = float(len(lengths) if sample_mean else args.rollout.rollout_max_response_len * len(lengths))

@@ -225,7 +225,7 @@ def check_eval_inputs(args: Config) -> tuple[Config, Any]:
     """What `vime eval` reads, checked before an engine starts; returns the config with its
     `model_dir` and the tokenizer."""
     args, tokenizer = _model(args)
-    model_dir = Path(args.eval.model_dir)
+    model_dir = Path(args.rollout.model_dir)
     _engines_run(args, model_dir)
     _responses_fit(args, model_dir, training=False)
     _check_model_flags(args, model_dir)

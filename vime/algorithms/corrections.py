@@ -5,23 +5,21 @@ every policy term goes through after its per-token loss (`reweigh`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from vime.algorithms.hooks import apply_custom_tis
 from vime.algorithms.losses import per_sequence
+from vime.algorithms.settings import AlgorithmConfig
 
 if TYPE_CHECKING:
     from vime.algorithms.loss_inputs import LossInputs
 
-TISMode = Literal["truncate", "mask"]
-RSLevel = Literal["token", "sequence", "geometric"]
 
-
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class OffPolicyCorrection:
     """How the engine's log-probs (the behaviour policy, π_behav) enter the policy loss.
 
@@ -60,41 +58,39 @@ class OffPolicyCorrection:
     need every micro-batch's mask before the first backward.
     """
 
-    use_tis: bool = False
-    tis_mode: TISMode = "truncate"
-    tis_clip: float = 2.0
-    tis_clip_low: float = 0.0
-    tis_level: RSLevel = "token"
-    use_rs: bool = False
-    rs_level: RSLevel = "token"
-    rs_lower_bound: float = 0.5
-    rs_upper_bound: float = 2.0
-    rs_veto_threshold: float | None = None
-    m2_threshold: float | None = None
-    custom: Callable[..., Any] | None = None
+    # the run's algorithm settings: the flags above (--use-tis, --tis-mode, ...) are read from them
+    settings: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    custom: Callable[..., Any] | None = None  # --custom-tis-function-path's hook, bound to the run's args
 
     def __post_init__(self) -> None:
         """The flags are checked with their names in `Config.validate`; this guards direct use."""
         levels = ("token", "sequence", "geometric")
-        if self.tis_mode not in ("truncate", "mask") or self.rs_level not in levels or self.tis_level not in levels:
+        if (
+            self.settings.tis_mode not in ("truncate", "mask")
+            or self.settings.rs_level not in levels
+            or self.settings.tis_level not in levels
+        ):
             raise ValueError(
-                f"tis_mode {self.tis_mode!r} / tis_level {self.tis_level!r} / rs_level {self.rs_level!r}: "
+                f"tis_mode {self.settings.tis_mode!r} / tis_level {self.settings.tis_level!r} / rs_level {self.settings.rs_level!r}: "
                 "use truncate|mask and token|sequence|geometric"
             )
-        if not (0 <= self.tis_clip_low < self.tis_clip and 0 <= self.rs_lower_bound < self.rs_upper_bound):
+        if not (
+            0 <= self.settings.tis_clip_low < self.settings.tis_clip
+            and 0 <= self.settings.rs_lower_bound < self.settings.rs_upper_bound
+        ):
             raise ValueError(
-                f"empty band: TIS [{self.tis_clip_low}, {self.tis_clip}], rejection [{self.rs_lower_bound}, {self.rs_upper_bound}]"
+                f"empty band: TIS [{self.settings.tis_clip_low}, {self.settings.tis_clip}], rejection [{self.settings.rs_lower_bound}, {self.settings.rs_upper_bound}]"
             )
-        if self.m2_threshold is not None and not self.m2_threshold > 0:
-            raise ValueError(f"m2_threshold {self.m2_threshold} must be > 0")
+        if self.settings.m2_threshold is not None and not self.settings.m2_threshold > 0:
+            raise ValueError(f"m2_threshold {self.settings.m2_threshold} must be > 0")
 
     @property
     def active(self) -> bool:
         return (
-            self.use_tis
-            or self.use_rs
-            or self.rs_veto_threshold is not None
-            or self.m2_threshold is not None
+            self.settings.use_tis
+            or self.settings.use_rs
+            or self.settings.rs_veto_threshold is not None
+            or self.settings.m2_threshold is not None
             or self.custom is not None
         )
 
@@ -103,10 +99,10 @@ class OffPolicyCorrection:
         """Whether a token's factor depends on the rest of its sequence (then the loss cannot be
         taken chunk by chunk in the LM head, where a chunk may end mid-sequence)."""
         return (
-            (self.use_tis and self.tis_level != "token")
-            or (self.use_rs and self.rs_level != "token")
-            or self.rs_veto_threshold is not None
-            or self.m2_threshold is not None  # its mask depends on every token of the micro-batch
+            (self.settings.use_tis and self.settings.tis_level != "token")
+            or (self.settings.use_rs and self.settings.rs_level != "token")
+            or self.settings.rs_veto_threshold is not None
+            or self.settings.m2_threshold is not None  # its mask depends on every token of the micro-batch
             or self.custom is not None
         )
 
@@ -154,34 +150,36 @@ def behaviour_weights(
     log_w = (old_log_probs - rollout_log_probs).detach()
     factor = torch.ones_like(log_w)
     sums: dict[str, Tensor] = {}
-    if correction.use_tis and correction.custom is None:  # a custom TIS hook takes its place (slime's rule)
-        level_log_w = per_sequence(log_w, mask, seq_ids, correction.tis_level).clamp(-20.0, 20.0)
-        inside = in_band(level_log_w, correction.tis_clip_low, correction.tis_clip)
+    if correction.settings.use_tis and correction.custom is None:  # a custom TIS hook takes its place (slime's rule)
+        level_log_w = per_sequence(log_w, mask, seq_ids, correction.settings.tis_level).clamp(-20.0, 20.0)
+        inside = in_band(level_log_w, correction.settings.tis_clip_low, correction.settings.tis_clip)
         w = torch.exp(level_log_w)
         w = (
-            w.clamp(correction.tis_clip_low, correction.tis_clip)
-            if correction.tis_mode == "truncate"
+            w.clamp(correction.settings.tis_clip_low, correction.settings.tis_clip)
+            if correction.settings.tis_mode == "truncate"
             else torch.where(inside, w, torch.zeros_like(w))
         )
         factor = factor * w
         sums["tis"] = (w * mask).sum()
         sums["tis_clipfrac"] = ((~inside).to(mask.dtype) * mask).sum()
-    if correction.use_rs:
-        level_log_w = per_sequence(log_w, mask, seq_ids, correction.rs_level)
-        keep = in_band(level_log_w, correction.rs_lower_bound, correction.rs_upper_bound).to(mask.dtype)
+    if correction.settings.use_rs:
+        level_log_w = per_sequence(log_w, mask, seq_ids, correction.settings.rs_level)
+        keep = in_band(level_log_w, correction.settings.rs_lower_bound, correction.settings.rs_upper_bound).to(
+            mask.dtype
+        )
         factor = factor * keep
         sums["rs_dropfrac"] = ((1 - keep) * mask).sum()
-    if correction.rs_veto_threshold is not None:
+    if correction.settings.rs_veto_threshold is not None:
         if seq_ids is None:
             raise ValueError("rs_veto_threshold needs seq_ids (the sequence of each token)")
-        low = torch.log(torch.tensor(correction.rs_veto_threshold, dtype=log_w.dtype))
+        low = torch.log(torch.tensor(correction.settings.rs_veto_threshold, dtype=log_w.dtype))
         bad = ((log_w < low) & (mask > 0)).to(mask.dtype)
         n_seq = int(seq_ids.max()) + 1 if seq_ids.numel() else 0
         vetoed = (torch.zeros(n_seq, dtype=mask.dtype, device=mask.device).index_add_(0, seq_ids, bad) > 0)[seq_ids]
         factor = factor * (~vetoed).to(mask.dtype)
         sums["rs_veto_frac"] = (vetoed.to(mask.dtype) * mask).sum()
-    if correction.m2_threshold is not None:
-        keep = second_moment_mask(log_w, mask, correction.m2_threshold)
+    if correction.settings.m2_threshold is not None:
+        keep = second_moment_mask(log_w, mask, correction.settings.m2_threshold)
         factor = factor * keep
         sums["m2_maskfrac"] = ((1 - keep) * mask).sum()
         sums["m2"] = (log_w.square() * mask).sum()  # before masking: the drift the mask answers

@@ -26,6 +26,7 @@ from vime.algorithms.corrections import OffPolicyCorrection, behaviour_weights, 
 from vime.algorithms.hooks import CUSTOM_LOSS_SIGNATURE, CUSTOM_TIS_SIGNATURE, custom_loss_term
 from vime.algorithms.kl import kl_penalty
 from vime.algorithms.loss_inputs import LossInputs
+from vime.algorithms.settings import AlgorithmConfig
 from vime.algorithms.sft import SFTLoss
 from vime.plugins import Plugin, load_function, read_only
 
@@ -107,8 +108,8 @@ def staleness_sums(
         factor = torch.ones_like(old)
         if correction.active:
             factor = behaviour_weights(old, t.rollout_lp, t.mask, correction, t.seq_ids)[0]
-        if correction.use_tis:
-            outside = (~in_band(log_w, correction.tis_clip_low, correction.tis_clip)).to(w.dtype)
+        if correction.settings.use_tis:
+            outside = (~in_band(log_w, correction.settings.tis_clip_low, correction.settings.tis_clip)).to(w.dtype)
         else:
             outside = torch.zeros_like(w)
         cols = torch.stack(
@@ -143,20 +144,28 @@ class Objective:
     tokens' own, so the loss of a micro-batch, or of one chunk of it, is its share of the
     step's: the trainer sums shares as it goes (actor.py, `_accumulate`)."""
 
-    eps_clip: float
-    eps_clip_high: float
-    eps_clip_c: float | None  # dual clip: None off
+    # the run's algorithm settings: the clips (--eps-clip, --eps-clip-high, --eps-clip-c), the
+    # entropy and KL terms, --use-rollout-logprobs, --use-opsm and the loss type are read from them
+    settings: AlgorithmConfig
     correction: OffPolicyCorrection
-    agg: str  # token_mean; sample_mean (--no-calculate-per-token-loss); seq_sum_const for Dr.GRPO
-    entropy_coef: float
-    kl_coef: float
-    kl_type: str
-    unbiased_kl: bool  # each token's KL weighted by the current-to-old ratio
-    coupled: bool  # --use-rollout-logprobs: the engine's log-probs are π_old
     kind: str = "ppo"  # the row of POLICY_LOSSES: ppo, or the sequence-ratio (gspo) or clipped-weight (cispo) loss
-    opsm_delta: float | None = None  # --use-opsm: None off
+    agg: str = "token_mean"  # token_mean; sample_mean (--no-calculate-per-token-loss); seq_sum_const for Dr.GRPO
     custom_loss: Callable[..., Any] | None = None  # --loss-type custom_loss: the per-token policy term
-    sft: bool = False  # --loss-type sft_loss: the negative log-likelihood of the loss tokens, nothing else
+
+    @property
+    def sft(self) -> bool:
+        """--loss-type sft_loss: the negative log-likelihood of the loss tokens, nothing else."""
+        return self.settings.loss_type == "sft_loss"
+
+    @property
+    def coupled(self) -> bool:
+        """--use-rollout-logprobs: the engine's log-probs are π_old."""
+        return self.settings.use_rollout_logprobs
+
+    @property
+    def opsm_delta(self) -> float | None:
+        """--use-opsm's δ, None without it."""
+        return self.settings.opsm_delta if self.settings.use_opsm else None
 
     @property
     def per_sequence(self) -> bool:
@@ -188,40 +197,19 @@ class Objective:
 
         a = args.algorithm
         estimator = estimator_of(a.advantage_estimator)
+        custom_tis = hook(
+            a.custom_tis_function_path, "--custom-tis-function-path", CUSTOM_TIS_SIGNATURE, by_keyword=True
+        )
         return cls(
+            settings=a,
+            correction=OffPolicyCorrection(a, custom=custom_tis),
             kind=estimator.loss,
-            opsm_delta=a.opsm_delta if a.use_opsm else None,
+            agg=estimator.advantages.aggregation or ("token_mean" if a.calculate_per_token_loss else "sample_mean"),
             custom_loss=hook(
                 a.custom_loss_function_path if a.loss_type == "custom_loss" else None,
                 "--custom-loss-function-path",
                 CUSTOM_LOSS_SIGNATURE,
             ),
-            eps_clip=a.eps_clip,
-            eps_clip_high=a.eps_clip_high,
-            eps_clip_c=a.eps_clip_c,
-            correction=OffPolicyCorrection(
-                use_tis=a.use_tis,
-                tis_mode=a.tis_mode,
-                tis_clip=a.tis_clip,
-                tis_clip_low=a.tis_clip_low,
-                tis_level=a.tis_level,
-                use_rs=a.use_rs,
-                rs_level=a.rs_level,
-                rs_lower_bound=a.rs_lower_bound,
-                rs_upper_bound=a.rs_upper_bound,
-                rs_veto_threshold=a.rs_veto_threshold,
-                m2_threshold=a.m2_threshold,
-                custom=hook(
-                    a.custom_tis_function_path, "--custom-tis-function-path", CUSTOM_TIS_SIGNATURE, by_keyword=True
-                ),
-            ),
-            agg=estimator.advantages.aggregation or ("token_mean" if a.calculate_per_token_loss else "sample_mean"),
-            entropy_coef=a.entropy_coef,
-            kl_coef=a.kl_loss_coef,
-            kl_type=a.kl_loss_type,
-            unbiased_kl=a.use_unbiased_kl,
-            coupled=a.use_rollout_logprobs,
-            sft=a.loss_type == "sft_loss",
         )
 
     def __call__(
@@ -239,14 +227,16 @@ class Objective:
         loss = pg
         # entropy is reported as a token mean whatever the loss aggregation
         m["entropy"] = aggregate(entropy.detach(), t.mask, "token_mean", num_tokens=num_tokens)
-        if self.entropy_coef != 0:
-            loss = loss - self.entropy_coef * aggregate(
+        if self.settings.entropy_coef != 0:
+            loss = loss - self.settings.entropy_coef * aggregate(
                 entropy, t.mask, self.agg, num_tokens=num_tokens, const=const, weights=t.weights
             )
         if t.ref is not None:
-            per_token = kl_penalty(log_probs, t.ref, self.kl_type, old if self.unbiased_kl else None)
+            per_token = kl_penalty(
+                log_probs, t.ref, self.settings.kl_loss_type, old if self.settings.use_unbiased_kl else None
+            )
             kl = aggregate(per_token, t.mask, self.agg, num_tokens=num_tokens, const=const, weights=t.weights)
-            loss = loss + self.kl_coef * kl
+            loss = loss + self.settings.kl_loss_coef * kl
             m["kl_loss"] = kl.detach()
         m["loss"] = loss.detach()
         trainer_lp = log_probs.detach() if self.coupled else old  # coupled: old is the engine's own
@@ -274,8 +264,8 @@ class Objective:
         """Where the clipped term of the policy loss is the active one, in the token view (GSPO's
         too; CISPO: where its weight was clipped)."""
         ratio = torch.exp(log_probs - old)
-        high = self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
-        bounded = ratio.clamp(1.0 - self.eps_clip, 1.0 + high)
+        high = self.settings.eps_clip if self.settings.eps_clip_high is None else self.settings.eps_clip_high
+        bounded = ratio.clamp(1.0 - self.settings.eps_clip, 1.0 + high)
         return POLICY_LOSSES[self.kind].clip_acts(ratio, bounded, advantages)
 
     def policy_term(
@@ -308,17 +298,17 @@ class Objective:
         up over the micro-batches of one step: pg_loss, pg_clipfrac (share of tokens whose clipped
         term was the active one), ppo_kl (mean old − new log-prob), and those of the correction.
         """
-        eps_clip_high = self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
+        eps_clip_high = self.settings.eps_clip if self.settings.eps_clip_high is None else self.settings.eps_clip_high
         mask = t.mask.to(log_probs.dtype)
         n = mask.sum() if num_tokens is None else torch.as_tensor(num_tokens, dtype=log_probs.dtype)
         n = n.clamp(min=1)
         token_log_ratio = log_probs - old  # [tokens]
         per_token, clipped_active = POLICY_LOSSES[self.kind].per_token(
-            log_probs, token_log_ratio, t, self.eps_clip, eps_clip_high
+            log_probs, token_log_ratio, t, self.settings.eps_clip, eps_clip_high
         )
         metrics: dict[str, Tensor] = {}
-        if self.eps_clip_c is not None:
-            cap = -t.advantages * self.eps_clip_c
+        if self.settings.eps_clip_c is not None:
+            cap = -t.advantages * self.settings.eps_clip_c
             capped = (t.advantages < 0) & (per_token > cap)
             per_token = torch.where(capped, cap, per_token)
             with torch.no_grad():

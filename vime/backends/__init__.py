@@ -1,7 +1,7 @@
 """The rollout backends, one row each: what differs between engines a run can generate with.
 
 Every backend speaks vime's engine protocol (`vime/backends/client.py`) through a client class of
-its own, and places its engines with a `place(settings, model_dir, run_dir) -> Placement`
+its own, and places its engines with a `place(settings, model_dir, run_dir, seed) -> Placement`
 (`settings`: the placement room's `PlacementConfig`; ending in `vime/backends/placement.py`'s
 `placed`). A new backend is one package beside `builtin/` and `vllm/` holding those two, plus
 one row here; a `ray_place` for `--launcher ray` is optional.
@@ -26,7 +26,7 @@ class Backend:
     name: str  # --rollout-backend's value
     what: str  # for --help
     client: str  # "module:Class": the client of one engine, Class(url, api_key=...)
-    place: str  # "module:function": place(settings, model_dir, run_dir) -> Placement
+    place: str  # "module:function": place(settings, model_dir, run_dir, seed) -> Placement
     transports: tuple[str, ...]  # the --weight-transport values that reach its engines
     tensor_parallel: bool  # an engine may span several GPUs (--rollout-num-gpus-per-engine > 1)
     lora_adapters: bool  # a LoRA run pushes its adapters alone (the engine merges them), not merged weights

@@ -14,10 +14,10 @@ from typing import Any
 from vime.config import checks_common, checks_train, corrections
 from vime.config.custom_file import apply_custom_config
 from vime.config.eval_sets import resolve
-from vime.config.fields import RUNTIME
 from vime.config.schema import FIELDS, Settings
 from vime.errors import ConfigError
 from vime.modes import DEFAULT_ROLLOUT_FN, FULLY_ASYNC_FN
+from vime.setting import RUNTIME
 
 # what a frozen config keeps in its __dict__ besides the settings: the mark, and the rooms built
 # under it (schema.Settings._room); no copy takes them, since a copy may be changed
@@ -52,6 +52,7 @@ class Config(Settings):
             self.global_batch_size = gbs
         if self.global_batch_size is None:
             self.global_batch_size = self.samples_per_rollout
+        self._count_steps()
         if self.eval_max_response_len is None:
             self.eval_max_response_len = self.rollout_max_response_len
         checks = []
@@ -95,6 +96,15 @@ class Config(Settings):
         if self.api_key is None:
             self.api_key = os.environ.get("VIME_API_KEY") or None
         return self
+
+    def __post_init__(self) -> None:
+        self._count_steps()  # a config made directly (a test's, a plug-in's copy) has it too
+
+    def _count_steps(self) -> None:
+        """The trainer's optimizer steps per rollout, from the batch sizes; max(1, ...): a zero
+        batch size is reported by the checks in one line, not divided by here."""
+        gbs = self.global_batch_size or self.samples_per_rollout
+        self.steps_per_rollout = self.samples_per_rollout // max(1, gbs)
 
     def _derive_mode(self, entry: str) -> str:
         """The one place the training mode is decided. train_async.py with --max-staleness is

@@ -3,7 +3,7 @@ the one line that says what the chosen correction does to a token."""
 
 from __future__ import annotations
 
-from vime.config.algorithm_fields import ASYNC_CORRECTION, CORRECTIONS
+from vime.algorithms.settings import ASYNC_CORRECTION, CORRECTIONS
 from vime.config.schema import Settings, default_of
 from vime.errors import ConfigError
 from vime.modes import MODES

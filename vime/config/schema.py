@@ -1,55 +1,34 @@
-"""Every setting in one dataclass, `Settings`: the sections of vime/config/*_fields.py in flag
-order, the values derived from them (properties, so no caller recomputes them: each room's
-sub-config of vime/config/rooms.py among them), and the tables
-the parser and the checks read (`FIELDS`, `FLAGS`, `HINTS`)."""
+"""Every setting in one dataclass, `Settings`: the components' settings (each declared once, where
+its component lives: vime/setting.py) in the order of `COMPONENTS`, which is the flags' and
+config.yaml's, then what belongs to the run as a whole; each component's view (`cfg.rollout`,
+...), and the tables the parser and the checks read (`FIELDS`, `FLAGS`, `HINTS`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import typing
 from dataclasses import dataclass
-from pathlib import Path
 
-from vime.algorithms import estimator_of
-from vime.config.algorithm_fields import AlgorithmFields
-from vime.config.fields import DERIVED, PASSTHROUGH, RUNTIME
-from vime.config.output_fields import OutputFields
-from vime.config.placement_fields import PlacementFields
-from vime.config.rollout_fields import RolloutFields
-from vime.config.rooms import (
-    AlgorithmConfig,
-    EvalConfig,
-    OutputConfig,
-    PlacementConfig,
-    RolloutConfig,
-    Room,
-    TrainerConfig,
-    take,
-)
-from vime.config.trainer_fields import TrainerFields
-from vime.modes import SFT_ROLLOUT_FN
+from vime.algorithms.settings import AlgorithmConfig
+from vime.backends.settings import PlacementConfig
+from vime.config.components import EvalConfig, OutputConfig, RunFields, TrainerConfig
+from vime.rollout.settings import RolloutConfig
+from vime.setting import DERIVED, PASSTHROUGH, RUNTIME, Component
+
+# the components, in the order of their flags in --help and of their keys in config.yaml
+COMPONENTS = (RolloutConfig, AlgorithmConfig, TrainerConfig, PlacementConfig, EvalConfig, OutputConfig)
 
 
-# a dataclass takes its bases' fields last base first: this order is the flags' and config.yaml's
+# a dataclass takes its bases' fields last base first: the reverse of COMPONENTS, the run's own last
 @dataclass
-class Settings(OutputFields, PlacementFields, TrainerFields, AlgorithmFields, RolloutFields):
-    """The settings and what follows from them; `Config` adds validation and the run's copies."""
-
-    @property
-    def normalize_advantages_std(self) -> bool:
-        return (
-            not self.disable_grpo_std_normalization and estimator_of(self.advantage_estimator).advantages.std_normalized
-        )
+class Settings(RunFields, OutputConfig, EvalConfig, PlacementConfig, TrainerConfig, AlgorithmConfig, RolloutConfig):
+    """The settings, flat (slime's flags and plug-ins read them so), and each component's view of
+    them; `Config` adds validation and the run's copies. What the checks compute from several
+    components is here too."""
 
     @property
     def samples_per_rollout(self) -> int:
         return self.rollout_batch_size * self.n_samples_per_prompt
-
-    @property
-    def steps_per_rollout(self) -> int:
-        """Optimizer steps per rollout batch; the policy version advances by this much per step."""
-        # max(1, ...): validate() reports a zero batch size in one line; this must not divide by it first
-        return self.samples_per_rollout // max(1, self.global_batch_size or self.samples_per_rollout)
 
     @property
     def min_staleness(self) -> int:
@@ -58,50 +37,41 @@ class Settings(OutputFields, PlacementFields, TrainerFields, AlgorithmFields, Ro
         engines lag up to --update-weights-interval - 1 rollouts more."""
         return self.update_weights_interval * self.steps_per_rollout - 1
 
-    @property
-    def sft_rollout(self) -> bool:
-        """The run's samples are the data's conversations (the SFT rollout function)."""
-        return self.rollout_function_path == SFT_ROLLOUT_FN
-
-    @property
-    def run_dir(self) -> Path:
-        return Path(self.runs_dir) / (self.run_name or "run")
-
-    # ---- each room's settings (vime/config/rooms.py), built on access so none is older than the fields ----
-    def _room(self, room: type[Room]) -> Room:
-        """`room` read from the fields; once the config is frozen, read once and kept (`_rooms`),
-        since per-sample code asks for `args.rollout` thousands of times a step. A copy never
-        takes the kept ones along (config/core.py's NOT_COPIED): it may be changed."""
+    # ---- each component's view, built on access so none is older than the fields ----
+    def _view(self, component: type[Component]) -> typing.Any:
+        """`component`'s fields read from the flat ones; once the config is frozen, read once and
+        kept (`_rooms`), since per-sample code asks for `args.rollout` thousands of times a step.
+        A copy never takes the kept ones along (config/core.py's NOT_COPIED): it may be changed."""
         if "_frozen" not in self.__dict__:
-            return take(room, self)
+            return component.view_of(self)
         kept = self.__dict__.setdefault("_rooms", {})
-        if room not in kept:
-            kept[room] = take(room, self)
-        return kept[room]
+        if component not in kept:
+            kept[component] = component.view_of(self)
+        return kept[component]
 
     @property
     def rollout(self) -> RolloutConfig:
-        return self._room(RolloutConfig)
+        return self._view(RolloutConfig)
 
     @property
     def algorithm(self) -> AlgorithmConfig:
-        return self._room(AlgorithmConfig)
+        return self._view(AlgorithmConfig)
 
     @property
     def trainer(self) -> TrainerConfig:
-        return self._room(TrainerConfig)
+        return self._view(TrainerConfig)
 
     @property
     def placement(self) -> PlacementConfig:
-        return self._room(PlacementConfig)
+        return self._view(PlacementConfig)
 
     @property
     def eval(self) -> EvalConfig:
-        return self._room(EvalConfig)
+        return self._view(EvalConfig)
 
     @property
     def output(self) -> OutputConfig:
-        return self._room(OutputConfig)
+        return self._view(OutputConfig)
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Settings)}

@@ -207,7 +207,7 @@ def _engines(ctx: RunContext, relaunch: bool) -> None:
     ctx.placement = (
         Placement(trainer_device(settings), [], [], [])
         if ro.debug_train_only
-        else ctx.launcher.place_engines(backend, settings, ro.model_dir, ctx.run_dir)
+        else ctx.launcher.place_engines(backend, settings, ro.model_dir, ctx.run_dir, ro.rollout_seed)
     )
     placement = ctx.placement
     api_key = placement.api_key or settings.api_key  # the key of engines we launch is the placement's
@@ -217,7 +217,9 @@ def _engines(ctx: RunContext, relaunch: bool) -> None:
         return backend.make_client(placement.relaunch(i), api_key)
 
     restart = start_again if relaunch and placement.launch_one is not None else None
-    ctx.runtime = RolloutRuntime(clients, ctx.tokenizer, placement.transports, restart, HealthCheck.of(ro), ctx.rewards)
+    ctx.runtime = RolloutRuntime(
+        clients, ctx.tokenizer, placement.transports, restart, HealthCheck.of(settings), ctx.rewards
+    )
 
 
 def _rollout_process(ctx: RunContext) -> None:
@@ -267,7 +269,7 @@ def _push_checkpoint(ctx: RunContext) -> None:
     )
     device = placement.trainer_device
     try:
-        pusher.push(((n, t.to(device)) for n, t in iter_safetensors(ctx.cfg.eval.model_dir)), version=0)
+        pusher.push(((n, t.to(device)) for n, t in iter_safetensors(ctx.cfg.rollout.model_dir)), version=0)
     finally:
         pusher.close()
 

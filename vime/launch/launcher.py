@@ -20,7 +20,7 @@ from vime.launchers import LAUNCHER_ROWS
 if TYPE_CHECKING:
     from vime.backends import Backend
     from vime.backends.placement import Placement
-    from vime.config.rooms import PlacementConfig
+    from vime.backends.settings import PlacementConfig
     from vime.trainer.distributed import RankStarter
 
 
@@ -31,8 +31,11 @@ class Launcher(Protocol):
         """Whether --launcher auto means this launcher for this run."""
         ...
 
-    def place_engines(self, backend: Backend, settings: PlacementConfig, model_dir: str, run_dir: Path) -> Placement:
-        """The run's engines launched (or those given by URL checked): where they are and how weights reach them."""
+    def place_engines(
+        self, backend: Backend, settings: PlacementConfig, model_dir: str, run_dir: Path, seed: int
+    ) -> Placement:
+        """The run's engines launched (or those given by URL checked): where they are and how weights
+        reach them. `seed`: --rollout-seed (engine i is seeded with it + i)."""
         ...
 
     def rank_starter(self) -> RankStarter | None:

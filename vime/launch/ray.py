@@ -67,8 +67,8 @@ class RayLauncher:
         """Not for a backend whose row has no Ray placement (`ray_place`), else as `resolve_launcher` says."""
         return BACKENDS[settings.rollout_backend].ray_place is not None and resolve_launcher(settings) == self.name
 
-    def place_engines(self, backend, settings: PlacementConfig, model_dir: str, run_dir: Path) -> Placement:
-        return backend.load(backend.ray_place)(settings, model_dir, run_dir)
+    def place_engines(self, backend, settings: PlacementConfig, model_dir: str, run_dir: Path, seed: int) -> Placement:
+        return backend.load(backend.ray_place)(settings, model_dir, run_dir, seed)
 
     def rank_starter(self) -> Callable:
         from vime.launch.ray_ranks import start_ray_ranks  # imports the trainer

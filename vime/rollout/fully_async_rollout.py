@@ -59,7 +59,7 @@ class AsyncRolloutWorker:
         self.concurrency = rollout.rollout_concurrency or 2 * rollout.rollout_batch_size
         self.batch = rollout.rollout_batch_size
         self.max_staleness: int | None = rollout.max_staleness
-        self.steps_per_rollout: int = rollout.steps_per_rollout
+        self.steps_per_rollout: int = args.trainer.steps_per_rollout
         # finished groups as a heap on group index (the data order), with a tie-breaker so
         # groups themselves are never compared
         self.ready: list[tuple[int, int, list[Sample]]] = []

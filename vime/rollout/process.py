@@ -308,7 +308,7 @@ class _Server:
         self.backend = BACKENDS[cfg.placement.rollout_backend]
         clients = [self.backend.make_client(u, self.api_key) for u in self.urls]
         self.runtime = _ChildRuntime(
-            clients, load_tokenizer(cfg.rollout.model_dir), health=HealthCheck.of(cfg.rollout), tell=self._send
+            clients, load_tokenizer(cfg.rollout.model_dir), health=HealthCheck.of(cfg.placement), tell=self._send
         )
         self.args = PluginArgs(cfg, self.runtime)
         self.runtime.rewards = Rewards(self.args)

@@ -131,7 +131,7 @@ def load_eval_samples(
         rollout.tool_key,
         grader=grader,
     )
-    check_choice_labels(rows, path, evaluation.rule, labels_optional=grader is None)
+    check_choice_labels(rows, path, evaluation.rule(rollout.rm_type), labels_optional=grader is None)
     renderer = PromptRenderer(rollout, tokenizer, str(path))
     if max_prompt_len is not None:
         rows, _, _ = fit_prompts(rows, renderer, str(path), max_prompt_len, rollout.skip_overlong_prompts)

@@ -39,7 +39,6 @@ from vime.rollout import async_loop
 from vime.rollout.rewards import Rewards
 
 if TYPE_CHECKING:
-    from vime.rollout.settings import RolloutConfig
     from vime.rollout.types import Sample
 
 log = logging.getLogger("vime")
@@ -82,9 +81,9 @@ class HealthCheck:
     timeout: float = 30.0
 
     @classmethod
-    def of(cls, rollout: RolloutConfig) -> HealthCheck:
-        """The rollout room's settings (`cfg.rollout`): how the runtime probes its engines."""
-        return cls(rollout.rollout_health_check_interval, rollout.rollout_health_check_timeout)
+    def of(cls, placement: Any) -> HealthCheck:
+        """The placement's settings (`cfg.placement`): how the runtime probes its engines."""
+        return cls(placement.rollout_health_check_interval, placement.rollout_health_check_timeout)
 
 
 @dataclass

@@ -69,9 +69,10 @@ class Actor:
         self.policy = Policy(trainer, model_path, self.ranks)
         # the run's tokenizer on rank 0; other ranks load their own
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_path)
-        self.batches = MicroBatches.of(trainer, self.ranks, self.model.config, self.tokenizer, self.policy.compiled)
+        compiled, temperature = self.policy.compiled, args.rollout.rollout_temperature
+        self.batches = MicroBatches.of(trainer, self.ranks, self.model.config, self.tokenizer, compiled, temperature)
         self.objective = Objective.of(args)  # the loss of a micro-batch's tokens; its hooks get args
-        self.optimizer_step = OptimizerStep(trainer, self.algo, self.policy, self.batches, self.objective)
+        self.optimizer_step = OptimizerStep(trainer, args.rollout, self.algo, self.policy, self.batches, self.objective)
         self.ref_scorer = self.policy.frozen(self.algo.ref_load or model_path) if self.algo.kl_loss_coef > 0 else None
         # --use-opd --opd-type megatron: the frozen teacher that scores the trained tokens (trainer/teacher.py;
         # its term: algorithms/opd.py); a served teacher (sglang) scored them in the rollout
@@ -87,6 +88,11 @@ class Actor:
     def settings(self) -> TrainerConfig:
         """The trainer's settings, read from the run's config as it is now (built on access)."""
         return self.args.trainer
+
+    @property
+    def base_model(self) -> str | None:
+        """--hf-checkpoint as given: the base a saved LoRA adapter names."""
+        return self.args.rollout.hf_checkpoint
 
     @property
     def model(self) -> nn.Module:

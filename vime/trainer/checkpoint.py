@@ -35,7 +35,6 @@ from vime.trainer.lora import ADAPTER_DIR, adapter_config, merged, read_adapter,
 from vime.trainer.nonfinite import NonFiniteError
 
 if TYPE_CHECKING:
-    from vime.config import TrainerConfig
     from vime.trainer.optimizer_step import OptimizerStep
     from vime.trainer.policy import Policy
     from vime.trainer.ranks import Ranks
@@ -55,7 +54,8 @@ class Trainer(Protocol):
     tokenizer: Any
 
     @property
-    def settings(self) -> TrainerConfig: ...
+    def base_model(self) -> str | None:
+        """--hf-checkpoint as given: the base a saved LoRA adapter names."""
 
 
 class CheckpointError(VimeError, RuntimeError):
@@ -135,7 +135,7 @@ def _write(
             policy.model.save_pretrained(tmp, state_dict=weights)
             actor.tokenizer.save_pretrained(tmp)
             if adapter is not None:
-                config = adapter_config(policy.lora, sorted(policy.lora_modules), str(actor.settings.hf_checkpoint))
+                config = adapter_config(policy.lora, sorted(policy.lora_modules), str(actor.base_model))
                 write_adapter(tmp / ADAPTER_DIR, adapter, config)
             with open(tmp / TRAINER_STATE, "wb") as f:
                 torch.save(state, f)
@@ -237,7 +237,7 @@ def _lora_weights(actor: Trainer, ckpt: Path) -> dict[str, Tensor]:
         if expect.shape != saved.shape or not torch.allclose(expect.float(), saved.float(), atol=1e-4):
             raise CheckpointError(
                 f"checkpoint {ckpt}'s adapters were trained on another base model than --hf-checkpoint "
-                f"{actor.settings.hf_checkpoint} ({module}.weight differs): resume with the base it was trained on"
+                f"{actor.base_model} ({module}.weight differs): resume with the base it was trained on"
             )
     return adapter
 

@@ -38,8 +38,9 @@ class MicroBatches:
 
     @classmethod
     def of(
-        cls, trainer: TrainerConfig, ranks: Ranks, model_config: Any, tokenizer: Any, compiled: bool
+        cls, trainer: TrainerConfig, ranks: Ranks, model_config: Any, tokenizer: Any, compiled: bool, temperature: float
     ) -> MicroBatches:
+        """`temperature`: --rollout-temperature, what log-probs are scored at (the samples say theirs)."""
         pad = tokenizer.pad_token_id
         return cls(
             ranks=ranks,
@@ -48,7 +49,7 @@ class MicroBatches:
             model_config=model_config,
             pad_token_id=pad if pad is not None else (tokenizer.eos_token_id or 0),
             pad_to=-(-trainer.max_tokens_per_gpu // PAD_BUCKETS) if compiled else None,
-            temperature=trainer.rollout_temperature,
+            temperature=temperature,
         )
 
     def plan(self, samples: list[Sample]) -> list[list[int]]:

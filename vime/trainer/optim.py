@@ -47,12 +47,13 @@ class LRSchedule:
             raise ValueError(f"{self.decay_style} lr decay over {self.decay_iters} steps: give at least 1")
 
     @classmethod
-    def of(cls, trainer: TrainerConfig) -> LRSchedule:
-        """The run's schedule. The decay spans every optimizer step of the run unless
-        --lr-decay-iters says otherwise (`trainer.num_rollout` is resolved before the actor is built)."""
+    def of(cls, trainer: TrainerConfig, num_rollout: int | None) -> LRSchedule:
+        """The run's schedule. The decay spans every optimizer step of the run's `num_rollout`
+        rollouts (--num-rollout, or --num-epoch's, resolved before the actor is built) unless
+        --lr-decay-iters says otherwise."""
         decay = trainer.lr_decay_iters
-        if decay is None and trainer.num_rollout is not None:
-            decay = trainer.num_rollout * trainer.steps_per_rollout
+        if decay is None and num_rollout is not None:
+            decay = num_rollout * trainer.steps_per_rollout
         warmup = trainer.lr_warmup_iters
         if trainer.lr_warmup_fraction is not None and decay is not None:  # Megatron: a share of the decay's steps
             warmup = int(trainer.lr_warmup_fraction * decay)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from vime.algorithms.objective import Objective
-from vime.config import AlgorithmConfig, TrainerConfig
+from vime.config import AlgorithmConfig, RolloutConfig, TrainerConfig
 from vime.rollout.types import Sample
 from vime.trainer.micro_batches import MicroBatches
 from vime.trainer.optim import LRSchedule, clip_and_step, make_optimizer, set_lr_and_decay
@@ -30,6 +30,7 @@ class OptimizerStep:
     def __init__(
         self,
         trainer: TrainerConfig,
+        rollout: RolloutConfig,
         algo: AlgorithmConfig,
         policy: Policy,
         batches: MicroBatches,
@@ -38,9 +39,9 @@ class OptimizerStep:
         self.policy, self.batches, self.objective = policy, batches, objective
         self.ranks = policy.ranks
         self.optimizer = make_optimizer(trainer, policy.model, fused=self.ranks.device.type == "cuda")
-        self.schedule = LRSchedule.of(trainer)
+        self.schedule = LRSchedule.of(trainer, rollout.num_rollout)
         self.weight_decay, self.clip_grad = trainer.weight_decay, trainer.clip_grad
-        self.max_response_len = trainer.rollout_max_response_len
+        self.max_response_len = rollout.rollout_max_response_len  # Dr. GRPO's loss divides by it
         # optimizer step slots so far, a skipped one too, as the run's policy version counts them:
         # the index into the lr schedule, kept in checkpoints
         self.count = 0

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("vime")
 
 
-def place(settings: PlacementConfig, model_dir: Path, run_dir: Path) -> Placement:
+def place(settings: PlacementConfig, model_dir: Path, run_dir: Path, seed: int) -> Placement:
     """The built-in engine's placement (its row in `vime/backends/__init__.py`): launch one engine per device
     (or check the ones at --rollout-engine-urls) and pick how weights reach each."""
     apply_gpu_safe_env()  # NVLink multicast off here and in every process started from here
@@ -54,7 +54,7 @@ def place(settings: PlacementConfig, model_dir: Path, run_dir: Path) -> Placemen
                 str(model_dir),
                 device=devices[i],
                 dtype=dtype,
-                extra_args=engine_args(settings, i),
+                extra_args=engine_args(settings, i, seed),
                 log_path=log_path,
                 api_key=api_key,
                 gate=gate,
@@ -70,9 +70,10 @@ def place(settings: PlacementConfig, model_dir: Path, run_dir: Path) -> Placemen
     return placed(settings, trainer, devices, urls, engines, api_key, launch_one, facts, "engine")
 
 
-def engine_args(settings: PlacementConfig, i: int) -> list[str]:
-    """The server flags of engine i (`vime/engine/server.py`) from the run's --engine-* settings."""
-    extra = ["--max-num-seqs", str(settings.engine_max_num_seqs), "--seed", str(settings.rollout_seed + i)]
+def engine_args(settings: PlacementConfig, i: int, seed: int) -> list[str]:
+    """The server flags of engine i (`vime/engine/server.py`) from the run's --engine-* settings;
+    `seed`: --rollout-seed, engine i's is seed + i."""
+    extra = ["--max-num-seqs", str(settings.engine_max_num_seqs), "--seed", str(seed + i)]
     if settings.engine_num_kv_blocks:
         extra += ["--num-kv-blocks", str(settings.engine_num_kv_blocks)]
     if settings.engine_quantization:
@@ -80,12 +81,12 @@ def engine_args(settings: PlacementConfig, i: int) -> list[str]:
     return extra
 
 
-def place_ray(settings: PlacementConfig, model_dir: Path, run_dir: Path) -> Placement:
+def place_ray(settings: PlacementConfig, model_dir: Path, run_dir: Path, seed: int) -> Placement:
     """The built-in engine's placement on a Ray cluster (its row in `vime/backends/__init__.py`)."""
     dtype = "float32" if trainer_device(settings) == "cpu" else "bfloat16"
 
     def engine_kwargs(i: int, device: str) -> dict:
-        return dict(model_path=str(model_dir), device=device, dtype=dtype, extra_args=engine_args(settings, i))
+        return dict(model_path=str(model_dir), device=device, dtype=dtype, extra_args=engine_args(settings, i, seed))
 
     def facts(url: str, api_key: str) -> dict:
         return EngineClient(url, timeout=30, api_key=api_key).model_info()

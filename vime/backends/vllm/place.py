@@ -52,7 +52,7 @@ def check_same_model(trainer: dict[str, Any], served: dict[str, Any], url: str) 
         )
 
 
-def place_vllm(settings: PlacementConfig, model_dir: Path, run_dir: Path) -> Placement:
+def place_vllm(settings: PlacementConfig, model_dir: Path, run_dir: Path, seed: int) -> Placement:
     """The placement of --rollout-backend vllm (`vime/backends/__init__.py`): launch one server per engine (or check the ones at
     --rollout-engine-urls) and pick how weights reach them.
 
@@ -88,7 +88,7 @@ def place_vllm(settings: PlacementConfig, model_dir: Path, run_dir: Path) -> Pla
         api_key = settings.api_key or secrets.token_urlsafe(24)  # engines we start answer only to this run
 
         def launch_one(i: int) -> VLLMProcess:
-            return _launch_for_run(settings, model_dir, run_dir, i, devices[i], trainer, api_key)
+            return _launch_for_run(settings, model_dir, run_dir, i, devices[i], trainer, api_key, seed)
 
         engines = launch_all(launch_one, len(devices))
         urls = [e.url for e in engines]
@@ -101,7 +101,7 @@ def place_vllm(settings: PlacementConfig, model_dir: Path, run_dir: Path) -> Pla
     return placed(settings, trainer, devices, urls, engines, api_key, launch_one, facts, "vLLM engine", VLLM_TRANSPORTS)
 
 
-def place_vllm_ray(settings: PlacementConfig, model_dir: Path, run_dir: Path) -> Placement:
+def place_vllm_ray(settings: PlacementConfig, model_dir: Path, run_dir: Path, seed: int) -> Placement:
     """--rollout-backend vllm with --launcher ray: each server started by `launch_vllm` in a Ray
     actor on its node (`vime.backends.ray_actors.place_actors`), checked and fed as `place_vllm`'s are.
     The model directory must be at the same path on every node, as for the built-in engine."""
@@ -116,7 +116,7 @@ def place_vllm_ray(settings: PlacementConfig, model_dir: Path, run_dir: Path) ->
             device=device,
             dtype=dtype,
             max_num_seqs=settings.engine_max_num_seqs,
-            seed=settings.rollout_seed + i,
+            seed=seed + i,
             vllm_args=settings.vllm_args,
         )
 
@@ -131,7 +131,7 @@ def place_vllm_ray(settings: PlacementConfig, model_dir: Path, run_dir: Path) ->
 
 
 def _launch_for_run(
-    settings: PlacementConfig, model_dir: Path, run_dir: Path, i: int, dev: str, trainer: str, api_key: str
+    settings: PlacementConfig, model_dir: Path, run_dir: Path, i: int, dev: str, trainer: str, api_key: str, seed: int
 ) -> VLLMProcess:
     """Engine i of a run on `dev` (also how a dead one is started again)."""
     extra = ["--enable-sleep-mode"] if settings.colocate else []
@@ -145,7 +145,7 @@ def _launch_for_run(
         device=dev,
         dtype="float32" if dev == "cpu" else "bfloat16",
         max_num_seqs=settings.engine_max_num_seqs,
-        seed=settings.rollout_seed + i,
+        seed=seed + i,
         extra_args=extra,
         vllm_args=settings.vllm_args,
         api_key=api_key,
