@@ -44,9 +44,9 @@ sys.path.insert(0, str(ROOT))
 
 from vime.config import parse_args  # noqa: E402
 from vime.datagen import write_dataset  # noqa: E402
+from vime.loops import train  # noqa: E402
 from vime.models import resolve_model  # noqa: E402
 from vime.report import accuracy_table, eval_results, paired_change, plot, reward_curve, speed_table, summarize  # noqa: E402
-from vime.run import train  # noqa: E402
 
 TASK, TASK_KWARGS = "chain_sum", {"min_terms": 2, "max_terms": 2, "max_int": 50, "ops": "+"}
 N_TRAIN, N_TEST = 1000, 200

@@ -1586,13 +1586,13 @@ def test_an_engine_lost_while_a_checkpoint_is_written_comes_back(tmp_path, tiny_
     used to end the run, with or without another engine up."""
     from fault_plugins import engine_server_pid
 
-    import vime.run
+    import vime.loops
     from vime.config import parse_args
-    from vime.run import train
+    from vime.loops import train
     from vime.trainer.actor import Actor
 
-    real_save, real_assemble, runs = Actor.save, vime.run.assemble, []
-    monkeypatch.setattr(vime.run, "assemble", lambda cfg: runs.append(real_assemble(cfg)) or runs[-1])
+    real_save, real_assemble, runs = Actor.save, vime.loops.assemble, []
+    monkeypatch.setattr(vime.loops, "assemble", lambda cfg: runs.append(real_assemble(cfg)) or runs[-1])
 
     def save_and_lose_engine_one(self, final, extra):
         if extra["step"] == 2:
@@ -1721,7 +1721,7 @@ def test_ctrl_c_during_a_checkpoint_keeps_that_steps_metrics_row(tmp_path, tiny_
     lands while the checkpoint is written acts after the row (it used to act in between, and a
     run resumed from that checkpoint never logged step 2)."""
     from vime.config import parse_args
-    from vime.run import train
+    from vime.loops import train
     from vime.trainer.actor import Actor
 
     real_save = Actor.save

@@ -4,7 +4,7 @@
 --max-staleness and the rollout function) and records its name in `args.mode` and config.yaml;
 everything else reads the row: the run picks its loop, the automatic off-policy correction
 asks whether samples can be stale, `vime bench ab` builds an arm's command, `vime report`
-names the runs. A new mode is one row here, plus its loop in `vime/run.py` if it needs a new one.
+names the runs. A new mode is one row here, plus its loop in `vime/loops.py` if it needs a new one.
 """
 
 from __future__ import annotations
