@@ -278,7 +278,7 @@ def test_an_update_that_breaks_off_after_copying_stops_generation_until_a_whole_
     leaves mixed weights: the engine then generates nothing, in one line, until an update
     completes."""
     from vime.engine.core.engine import EngineConfig, LLMEngine, WeightsIncomplete
-    from vime.engine.core.model import iter_safetensors
+    from vime.engine.core.safetensors_io import iter_safetensors
     from vime.engine.core.sampler import SamplingParams
 
     engine = LLMEngine(EngineConfig(model_path=str(tiny_model), num_kv_blocks=64, cuda_graphs=False))
@@ -309,7 +309,7 @@ def test_requests_wait_while_a_bucketed_update_is_open(tiny_model):
     """Between the buckets of one update (pushed without a pause) the weights are half old, half
     new: the engine takes no step until the last bucket, then every token has the new version."""
     from vime.engine.core.engine import EngineConfig, LLMEngine
-    from vime.engine.core.model import iter_safetensors
+    from vime.engine.core.safetensors_io import iter_safetensors
     from vime.engine.core.sampler import SamplingParams
 
     engine = LLMEngine(EngineConfig(model_path=str(tiny_model), num_kv_blocks=64, cuda_graphs=False))

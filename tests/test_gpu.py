@@ -16,7 +16,7 @@ import torch
 
 from vime.backends.builtin.launch import launch_engine
 from vime.backends.client import EngineClient
-from vime.engine.core.model import iter_safetensors
+from vime.engine.core.safetensors_io import iter_safetensors
 from vime.models import make_tiny_model
 
 pytestmark = pytest.mark.gpu

@@ -20,7 +20,7 @@ from vime.backends.builtin.launch import launch_engine
 from vime.backends.client import EngineClient, EngineError
 from vime.backends.placement import choose_transports, master_address
 from vime.config import Config, ConfigError
-from vime.engine.core.model import iter_safetensors
+from vime.engine.core.safetensors_io import iter_safetensors
 from vime.models import make_tiny_model
 from vime.transport.buckets import pack
 from vime.transport.group import WeightSyncError, join, open_store

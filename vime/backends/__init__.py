@@ -69,7 +69,7 @@ BACKENDS: dict[str, Backend] = {
             lora_adapters=True,  # vime/engine/core/lora.py
             ray_place="vime.backends.builtin.place:place_ray",
             starts_beside_trainer=True,
-            check_model="vime.engine.core.model:unsupported",
+            check_model="vime.engine.core.model_config:unsupported",
         ),
         Backend(
             "vllm",

@@ -34,7 +34,7 @@ class WeightRoutes:
         """A whole update from a safetensors file in shared memory, or from CUDA IPC handles
         (plain JSON data, `vime/transport/cuda_ipc.py`: nothing in a request is ever unpickled).
         All or nothing: `LLMEngine.replace_weights`."""
-        from vime.engine.core.model import iter_safetensors_files, safetensors_layout
+        from vime.engine.core.safetensors_io import iter_safetensors_files, safetensors_layout
 
         body = await read_body(request)
         transport = body_field(body, "transport", str, required=False, default="shm")
@@ -60,7 +60,7 @@ class WeightRoutes:
         raise BadRequest(f"transport '{transport}': use shm or cuda_ipc")
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        from vime.engine.core.model import iter_safetensors_files, safetensors_files, safetensors_layout
+        from vime.engine.core.safetensors_io import iter_safetensors_files, safetensors_files, safetensors_layout
 
         body = await read_body(request)
         path = body_field(body, "model_path", str)

@@ -257,7 +257,7 @@ def _services_and_pusher(ctx: RunContext) -> None:
 
 def _push_checkpoint(ctx: RunContext) -> None:
     """Give engines the weights of --hf-checkpoint (version 0), checked as a run's pushes are."""
-    from vime.engine.core.model import iter_safetensors
+    from vime.engine.core.safetensors_io import iter_safetensors
 
     settings, placement = ctx.cfg.placement, ctx.placement
     pusher = WeightPusher(

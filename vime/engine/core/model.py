@@ -10,9 +10,7 @@ CUDA the elementwise chains run as fused Triton kernels (`kernels/fused.py`), on
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,103 +19,11 @@ from torch import nn
 
 from vime.engine.core import fp8, kernels
 from vime.engine.core.attention import AttnMetadata, paged_attention
+from vime.engine.core.model_config import ModelConfig
+from vime.engine.core.safetensors_io import iter_safetensors
 from vime.transport.checksums import non_finite
 
 COPY_BATCH_BYTES = 256 * 2**20  # same-device weights copied per _foreach_copy_
-
-SUPPORTED_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-
-
-class UnsupportedModelError(ValueError):
-    """A checkpoint this engine cannot run; the message names the field and what is supported."""
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    qk_norm: bool
-    eos_token_ids: tuple[int, ...]
-
-    @classmethod
-    def from_hf_dir(cls, model_dir: str | Path) -> ModelConfig:
-        """Read config.json (+ generation_config.json for extra eos ids); refuse what we cannot run."""
-        model_dir = Path(model_dir)
-        c = json.loads((model_dir / "config.json").read_text())
-        mt = c.get("model_type")
-        if mt not in SUPPORTED_ARCHS:
-            raise UnsupportedModelError(
-                f"model_type '{mt}' in {model_dir}/config.json is not supported by the vime engine (supported: {', '.join(SUPPORTED_ARCHS)})"
-            )
-        if c.get("hidden_act", "silu") != "silu":
-            raise UnsupportedModelError(f"hidden_act '{c['hidden_act']}' is not supported (only silu)")
-        if c.get("use_sliding_window") or any(t != "full_attention" for t in c.get("layer_types") or []):
-            raise UnsupportedModelError("sliding-window attention layers are not supported by the vime engine")
-        eos: list[int] = []
-        gen_path = model_dir / "generation_config.json"
-        for src in (c, json.loads(gen_path.read_text()) if gen_path.exists() else {}):
-            ids = src.get("eos_token_id")
-            for i in ids if isinstance(ids, list) else [ids] if ids is not None else []:
-                if i not in eos:
-                    eos.append(int(i))
-        n_heads = c["num_attention_heads"]
-        return cls(
-            model_type=mt,
-            vocab_size=c["vocab_size"],
-            hidden_size=c["hidden_size"],
-            intermediate_size=c["intermediate_size"],
-            num_layers=c["num_hidden_layers"],
-            num_heads=n_heads,
-            num_kv_heads=c.get("num_key_value_heads") or n_heads,
-            head_dim=c.get("head_dim") or c["hidden_size"] // n_heads,
-            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
-            rope_theta=_rope_theta(c),
-            max_position_embeddings=c.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-            # Qwen2 hard-codes q/k/v bias and no o bias; Llama and Qwen3 follow attention_bias.
-            qkv_bias=True if mt == "qwen2" else bool(c.get("attention_bias", False)),
-            o_bias=False if mt == "qwen2" else bool(c.get("attention_bias", False)),
-            mlp_bias=bool(c.get("mlp_bias", False)),
-            qk_norm=mt == "qwen3",
-            eos_token_ids=tuple(eos),
-        )
-
-
-def unsupported(model_dir: str | Path) -> str | None:
-    """Why this engine cannot run the model of `model_dir`, or None: what start-up asks before any
-    engine starts (an engine that refused it at its own start showed its traceback)."""
-    try:
-        ModelConfig.from_hf_dir(model_dir)
-    except UnsupportedModelError as e:
-        return str(e)
-    except (KeyError, TypeError, ValueError) as e:  # a config.json without a field the engine reads
-        return f"{Path(model_dir) / 'config.json'} lacks what the vime engine reads ({type(e).__name__}: {e})"
-    return None
-
-
-def _rope_theta(c: dict) -> float:
-    """rope_theta from either the transformers-5 `rope_parameters` dict or the older top-level
-    `rope_theta` + `rope_scaling`; only plain (default) RoPE is implemented."""
-    params = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise UnsupportedModelError(
-            f"rope type '{rope_type}' is not supported by the vime engine yet (only default RoPE)"
-        )
-    return float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
 
 
 class Linear(nn.Linear):
@@ -401,73 +307,6 @@ class CausalLM(nn.Module):
         if bad is not None:
             raise ValueError(f"weight '{bad}' holds non-finite values (NaN or inf): push finite weights")
         return loaded
-
-
-def iter_safetensors(model_dir: str | Path) -> Iterable[tuple[str, torch.Tensor]]:
-    """(name, tensor) from model.safetensors or the shards named by model.safetensors.index.json."""
-    return iter_safetensors_files(safetensors_files(model_dir))
-
-
-def iter_safetensors_files(files: Iterable[str | Path]) -> Iterable[tuple[str, torch.Tensor]]:
-    """(name, tensor) of each file in turn, read through mmap (a /dev/shm file is never copied whole)."""
-    from safetensors import safe_open
-
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
-                yield name, st.get_tensor(name)
-
-
-# safetensors header dtype → torch dtype, for checking an update before any tensor is read
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
-
-def safetensors_files(model_dir: str | Path) -> list[Path]:
-    """The weight files of an HF directory: model.safetensors, or the shards its index names."""
-    model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
-            raise ValueError(f"{index} is not a valid safetensors index (no weight_map)") from None
-        return [model_dir / n for n in names]
-    if (model_dir / "model.safetensors").exists():
-        return [model_dir / "model.safetensors"]
-    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
-
-
-def safetensors_layout(files: Iterable[str | Path]) -> list[tuple[str, tuple[int, ...], torch.dtype | str]]:
-    """(name, shape, dtype) of every tensor in the files, from their headers alone (no tensor
-    data is read); a damaged or truncated file raises ValueError naming it."""
-    from safetensors import safe_open
-
-    out: list[tuple[str, tuple[int, ...], torch.dtype | str]] = []
-    for f in files:
-        if not Path(f).is_file():
-            raise FileNotFoundError(f"weights file {f} does not exist")
-        try:
-            with safe_open(str(f), framework="pt") as st:
-                for name in st.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
-                    sl = st.get_slice(name)
-                    dtype = sl.get_dtype()
-                    out.append((name, tuple(sl.get_shape()), SAFETENSORS_DTYPES.get(dtype, dtype)))
-        except Exception as e:  # safetensors raises its own error types for a bad header
-            raise ValueError(
-                f"weights file {f} cannot be read ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
-            ) from None
-    return out
 
 
 def load_model(
