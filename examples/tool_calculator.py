@@ -48,8 +48,8 @@ from vime.loops import train  # noqa: E402
 from vime.models import resolve_model  # noqa: E402
 from vime.modes import MODES  # noqa: E402
 from vime.report import eval_results, paired_change, sparkline  # noqa: E402
-from vime.rollout.multi_turn import CALL_END, parse_call  # noqa: E402
-from vime.rollout.tools import calculate  # noqa: E402
+from vime.rollout.tools.calls import calculate  # noqa: E402
+from vime.rollout.tools.multi_turn import CALL_END, parse_call  # noqa: E402
 
 N_TRAIN, N_TEST = 1000, 200
 QUESTION = "What is {}? Give the final answer after 'Answer:'."

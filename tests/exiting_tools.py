@@ -1,6 +1,6 @@
 """A user's tool that ends its own process as it is told to, loaded by dotted path
 (`--tools exiting_tools:exiting_tool`). Its module imports little, since each of the tool's worker
-processes imports it (vime/rollout/tool_workers.py)."""
+processes imports it (vime/rollout/tools/workers.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 
-from vime.rollout.tools import Tool
+from vime.rollout.tools.calls import Tool
 
 
 def exiting_tool() -> Tool:

@@ -180,7 +180,7 @@ def worker_env(engine, tiny_model, addition_data):
     from vime.config import parse_args
     from vime.models import load_tokenizer
     from vime.rollout import fully_async_rollout
-    from vime.rollout.data_source import DataSource
+    from vime.rollout.data.source import DataSource
     from vime.rollout.rewards import Rewards
     from vime.rollout.runtime import RolloutRuntime
 

@@ -14,9 +14,9 @@ from vime.config import Config
 from vime.datagen import TASKS, write_dataset
 from vime.datagen import main as datagen_main
 from vime.models import make_tiny_tokenizer
-from vime.rollout.data_source import DataSource
-from vime.rollout.prompt_rows import DataError, load_prompts
-from vime.rollout.prompts import load_eval_samples
+from vime.rollout.data.prompts import load_eval_samples
+from vime.rollout.data.rows import DataError, load_prompts
+from vime.rollout.data.source import DataSource
 from vime.rollout.types import Sample, Status
 
 

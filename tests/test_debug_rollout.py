@@ -12,7 +12,7 @@ import pytest
 from conftest import ROOT, run_cli, train_here
 
 from vime.debug_rollout import load_rollout, save_rollout
-from vime.rollout.prompt_rows import DataError
+from vime.rollout.data.rows import DataError
 from vime.rollout.types import RolloutOutput, Sample, Status
 
 TINY = ["--config", "examples/tiny.yaml", "--custom-rm-path", "varied_reward.digit_share"]

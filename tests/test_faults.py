@@ -1143,8 +1143,8 @@ def test_save_needs_room_for_float32_weights_and_the_optimizers_state_whatever_t
 def test_skip_overlong_prompts_leaves_them_out_and_counts_them(tmp_path, tiny_model):
     from vime.config import parse_args
     from vime.models import load_tokenizer
-    from vime.rollout.data_source import DataSource
-    from vime.rollout.prompt_rows import DataError
+    from vime.rollout.data.rows import DataError
+    from vime.rollout.data.source import DataSource
 
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"input": "9" * n, "label": "9"}) + "\n" for n in (3, 50, 4, 60)))

@@ -23,9 +23,9 @@ import torch
 from vime.config import Config, ConfigError
 from vime.models import make_tiny_tokenizer
 from vime.rollout.generate import generate_fn, rollout_metrics, sampling_params
-from vime.rollout.multi_turn import CALL_END, answer_text, parse_call, plain
-from vime.rollout.tool_workers import close_all
-from vime.rollout.tools import BUILTIN_TOOLS, Tool, as_text, call_tool, detected_sandbox, load_tools, run_python
+from vime.rollout.tools.calls import BUILTIN_TOOLS, Tool, as_text, call_tool, detected_sandbox, load_tools, run_python
+from vime.rollout.tools.multi_turn import CALL_END, answer_text, parse_call, plain
+from vime.rollout.tools.workers import close_all
 from vime.rollout.types import Sample, Status
 
 
@@ -503,7 +503,7 @@ def test_an_aborted_turn_resumes_where_it_stopped_with_its_earlier_turns(aborted
 def test_a_requeued_conversation_starts_again_at_turn_one():
     """A group re-queued (aborted without --partial-rollout, or too stale) is generated again
     from its prompt: its conversation state goes with the old response."""
-    from vime.rollout.data_source import _fresh
+    from vime.rollout.data.source import _fresh
 
     _, _, prompt, s, _ = conversation([CALL, "So 408.<|im_end|>"])
     s.metadata["task"] = "kept"
@@ -522,7 +522,7 @@ def test_the_continuous_worker_resumes_an_aborted_conversation(tmp_path):
     rollout/resumed) and trains a conversation whose earlier turn and answer are kept."""
     import json
 
-    from vime.rollout.data_source import DataSource
+    from vime.rollout.data.source import DataSource
     from vime.rollout.fully_async_rollout import generate_rollout_fully_async
     from vime.rollout.rewards import Rewards
     from vime.rollout.runtime import RolloutRuntime

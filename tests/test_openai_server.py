@@ -448,7 +448,7 @@ def test_the_server_and_the_multi_turn_rollout_read_a_call_alike():
     """One parser (vime.tool_calls), two readers: what the rollout runs is what a client is told."""
     from vime.engine.openai_api.choices import ChoiceText
     from vime.engine.openai_api.request import read_plan
-    from vime.rollout.multi_turn import parse_call
+    from vime.rollout.tools.multi_turn import parse_call
     from vime.tool_calls import HERMES
 
     text = 'Let me add. <tool_call>{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}</tool_call>'

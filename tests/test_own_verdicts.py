@@ -16,8 +16,8 @@ from test_plugin_compat import run_tiny
 from vime.config import Config
 from vime.eval import grade_sample
 from vime.models import make_tiny_tokenizer
-from vime.rollout.prompt_rows import DataError
-from vime.rollout.prompts import load_eval_samples
+from vime.rollout.data.prompts import load_eval_samples
+from vime.rollout.data.rows import DataError
 from vime.rollout.types import Sample, drop_removed
 
 TRAIN_ROWS = [{"input": f"{a}+{a}="} for a in range(4)]  # no label: the generate scores them

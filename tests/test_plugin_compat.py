@@ -13,7 +13,7 @@ import torch
 from conftest import run_cli, train_here
 from safetensors.torch import load_file
 
-from vime.rollout.prompt_rows import DataError, load_prompts
+from vime.rollout.data.rows import DataError, load_prompts
 
 ROWS = [{"input": f"{a}+{b}=", "label": {"ground_truth": {"target": [str(a + b)]}}} for a in range(4) for b in range(3)]
 FULLY_ASYNC = ("--rollout-function-path", "vime.rollout.fully_async_rollout.generate_rollout_fully_async")

@@ -470,7 +470,7 @@ def test_worker_timer_interrupts_slow_grading(monkeypatch):
 
 def test_reasoning_gym_reward_uses_the_tasks_own_scorer(tmp_path):
     from vime.datagen import write_dataset
-    from vime.rollout.prompt_rows import load_prompts
+    from vime.rollout.data.rows import load_prompts
 
     row = load_prompts(write_dataset("rg:chain_sum", tmp_path, n_train=1, n_test=0, seed=0)[0])[0]
     answer = row["metadata"]["reasoning_gym"]["entry"]["answer"]
@@ -494,7 +494,7 @@ def test_reasoning_gym_reward_uses_the_tasks_own_scorer(tmp_path):
 
 
 def test_reasoning_gym_scores_are_the_tasks_own():
-    from vime.rollout import reasoning_gym_tasks as rg
+    from vime.rollout.data import reasoning_gym as rg
 
     # gcd keeps reasoning-gym's default scorer: an answer that contains the right one earns
     # len(right) / len(answer), partial credit no label match gives (a hedged answer stays

@@ -135,7 +135,7 @@ def test_max_context_len_caps_a_resumed_partial_sample():
 
 
 def test_fully_async_worker_caps_responses_by_the_context(tmp_path):
-    from vime.rollout.data_source import DataSource
+    from vime.rollout.data.source import DataSource
     from vime.rollout.fully_async_rollout import generate_rollout_fully_async
 
     data = tmp_path / "d.jsonl"
@@ -169,7 +169,7 @@ def test_fully_async_worker_caps_responses_by_the_context(tmp_path):
 
 @pytest.mark.parametrize("flag", ["rollout_max_prompt_len", "rollout_max_context_len"])
 def test_skipped_prompts_reach_the_counter(tmp_path, flag):
-    from vime.rollout.data_source import DataSource
+    from vime.rollout.data.source import DataSource
 
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"input": "q" * n, "label": "1"}) + "\n" for n in (3, 5, 9)))

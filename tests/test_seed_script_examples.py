@@ -320,8 +320,8 @@ def test_a_gpqa_run_grades_eval_by_the_letter_and_checks_training_labels(tmp_pat
     names no option is refused at start-up as an eval one is."""
     from vime.config import parse_args
     from vime.models import load_tokenizer, resolve_model
-    from vime.rollout.data_source import DataSource
-    from vime.rollout.prompt_rows import DataError
+    from vime.rollout.data.rows import DataError
+    from vime.rollout.data.source import DataSource
 
     cfg = parse_args(["--hf-checkpoint", "tiny", "--prompt-data", "x.jsonl", "--num-rollout", "1", "--rm-type", "gpqa"])
     assert cfg.eval.rule(cfg.rollout.rm_type) == "gpqa"

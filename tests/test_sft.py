@@ -12,7 +12,7 @@ from conftest import run_cli, train_here
 
 from vime.config import ConfigError, parse_args
 from vime.models import load_tokenizer, resolve_model
-from vime.rollout.prompt_rows import DataError
+from vime.rollout.data.rows import DataError
 from vime.rollout.sft_rollout import ChatMasks, ConversationSource
 
 SFT_FN = "vime.rollout.sft_rollout.generate_rollout"

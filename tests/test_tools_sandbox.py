@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 
 from vime.config import ConfigError
-from vime.rollout import sandbox
-from vime.rollout.tools import (
+from vime.rollout.tools import sandbox
+from vime.rollout.tools.calls import (
     BUILTIN_TOOLS,
     PROCESSES,
     Sandbox,
@@ -77,7 +77,7 @@ ATTEMPTS = ("connect", "environ", "write", "signal")
 
 HELPER = r"""
 import json, os, subprocess, sys
-from vime.rollout.tools import Sandbox, ToolError, detected_sandbox, run_python
+from vime.rollout.tools.calls import Sandbox, ToolError, detected_sandbox, run_python
 job = json.loads(sys.stdin.read())
 code = {k: job[k].replace("HELPER_PID", str(os.getpid())) for k in ("control", "tool")}
 plain = subprocess.run([sys.executable, "-I", "-c", code["control"]], capture_output=True, text=True)
@@ -247,7 +247,7 @@ while True:
 time.sleep(600)
 """
     script = (
-        "import json, sys; from vime.rollout.tools import run_python, ToolError\n"
+        "import json, sys; from vime.rollout.tools.calls import run_python, ToolError\n"
         "try:\n    print(run_python({'code': sys.stdin.read()}, 3))\n"
         "except ToolError as e:\n    print(e)\n"
     )
@@ -354,7 +354,7 @@ def test_the_python_tool_refuses_to_start_without_a_boundary_unless_told_it_is_u
 
 def test_the_start_up_line_says_what_is_in_force(caplog):
     """Logged where the multi-turn generate loads its tools, once, after the run's log is open."""
-    from vime.rollout.multi_turn import _tools
+    from vime.rollout.tools.multi_turn import _tools
 
     _tools.cache_clear()
     with caplog.at_level("INFO", logger="vime"):

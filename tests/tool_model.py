@@ -17,7 +17,7 @@ import json
 import random
 from pathlib import Path
 
-from vime.rollout.multi_turn import answer_text
+from vime.rollout.tools.multi_turn import answer_text
 
 RECIPE = 1  # part of the cache name: raise it when the conversation or the fine-tuning changes
 

@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from vime.rollout import reasoning_gym_tasks as rg
-from vime.rollout.prompt_rows import DataError
+from vime.rollout.data import reasoning_gym as rg
+from vime.rollout.data.rows import DataError
 
 INSTRUCTION = "Give the final answer after 'Answer:'."
 

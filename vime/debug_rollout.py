@@ -27,7 +27,7 @@ import torch
 
 from vime.config import ConfigError
 from vime.plugins import first_line
-from vime.rollout.prompt_rows import DataError
+from vime.rollout.data.rows import DataError
 from vime.rollout.types import RolloutOutput, Sample, Status
 
 _FIELDS = {f.name for f in dataclasses.fields(Sample)}

@@ -31,9 +31,9 @@ from vime.eval_sets import METADATA_KEY, args_for, set_accuracies
 from vime.metrics import progress
 from vime.models import context_length
 from vime.rollout import async_loop
+from vime.rollout.data.prompts import load_eval_samples
+from vime.rollout.data.rows import DataError
 from vime.rollout.generate import generate_fn, multi_turn_metrics, sampling_params
-from vime.rollout.prompt_rows import DataError
-from vime.rollout.prompts import load_eval_samples
 from vime.rollout.rewards.grading import BUILTIN_RM_TYPES, grade, rule_answer, rule_label
 from vime.rollout.runtime import runtime_of
 from vime.rollout.types import MULTI_TURN_STATE, RolloutOutput, Sample, flatten

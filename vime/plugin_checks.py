@@ -28,7 +28,7 @@ from vime.algorithms.hooks import CUSTOM_LOSS_SIGNATURE, CUSTOM_TIS_SIGNATURE
 from vime.algorithms.objective import LossInputs, Objective
 from vime.plugins import Plugin, PluginError, SettingWriteError, at, first_line, load_function, load_plugin
 from vime.rollout import async_loop
-from vime.rollout.data_source import DataSource
+from vime.rollout.data.source import DataSource
 from vime.rollout.filters import load_filter
 from vime.rollout.generate import GENERATE_SIGNATURE, sampling_params
 from vime.rollout.rewards import GROUP_REWARD_SIGNATURE, RewardKeyError, Rewards, RewardSettingError, read_reward

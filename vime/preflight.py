@@ -34,9 +34,9 @@ from vime.models import ModelError, context_length, load_tokenizer, parameter_co
 from vime.plugin_args import PluginArgs
 from vime.plugin_checks import check_plugins
 from vime.plugins import load_function
-from vime.rollout.data_source import DataSource
+from vime.rollout.data.prompts import load_eval_samples
+from vime.rollout.data.source import DataSource
 from vime.rollout.filters import load_filter
-from vime.rollout.prompts import load_eval_samples
 from vime.rollout.rewards import Rewards
 from vime.sinks import check_sinks
 

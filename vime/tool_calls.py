@@ -1,7 +1,7 @@
 """Tool calls in a model's text: one parser per format, each a row of `TOOL_CALL_FORMATS`.
 
 A model calls a tool by writing it in the form its chat template taught it. vime reads that text
-in two places, with the same row: the multi-turn rollout (`vime.rollout.multi_turn`,
+in two places, with the same row: the multi-turn rollout (`vime.rollout.tools.multi_turn`,
 `--tool-call-parser`), which runs the call and appends the answer, and the engine's OpenAI chat
 route (`vime serve --tool-call-parser`), which answers `tool_calls` to a client. So a policy
 trained with vime's tool rollouts is read the same way when it is served, and a format added here

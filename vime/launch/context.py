@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from vime.launch.launcher import Launcher
     from vime.launch.mps import Mps
     from vime.plugin_args import PluginArgs
-    from vime.rollout.data_source import DataSource
+    from vime.rollout.data.source import DataSource
     from vime.rollout.rewards import Rewards
     from vime.rollout.runtime import RolloutRuntime
     from vime.startup import StartupClock
@@ -75,7 +75,7 @@ class RunContext:
         steps.append(dialect_of(self.cfg).close_run)  # what its plug-ins left open
         if self.rewards is not None:
             steps.append(self.rewards.close)
-        if "vime.rollout.tool_workers" in sys.modules:  # a user's tools ran in worker processes
+        if "vime.rollout.tools.workers" in sys.modules:  # a user's tools ran in worker processes
             steps.append(_close_tool_workers)
         if self.actor is not None:
             steps.append(self.actor.close)
@@ -91,6 +91,6 @@ class RunContext:
 
 
 def _close_tool_workers() -> None:
-    from vime.rollout.tool_workers import close_all
+    from vime.rollout.tools.workers import close_all
 
     close_all()

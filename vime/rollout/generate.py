@@ -142,7 +142,9 @@ def cut_at_stop(tokenizer: Any, sample: Sample, start: int, stops: list[str] | s
     return True
 
 
-MULTI_TURN_FN = "vime.rollout.multi_turn:generate"  # the generate of --tools (loaded by name: it builds on this module)
+MULTI_TURN_FN = (
+    "vime.rollout.tools.multi_turn:generate"  # the generate of --tools (loaded by name: it builds on this module)
+)
 
 
 GENERATE_SIGNATURE = "async generate(args, sample, sampling_params) -> Sample or list[Sample]"

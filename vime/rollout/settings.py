@@ -114,8 +114,8 @@ class RolloutConfig(Component):
     # --- multi-turn tool use ---
     tools: list = setting(
         [],
-        "tools the model may call: calculator, python, or module:name of a vime.rollout.tools.Tool; "
-        "turns on the built-in multi-turn generate (vime.rollout.multi_turn) and shows the tools' schemas to the chat template",
+        "tools the model may call: calculator, python, or module:name of a vime.rollout.tools.calls.Tool; "
+        "turns on the built-in multi-turn generate (vime.rollout.tools.multi_turn) and shows the tools' schemas to the chat template",
         group="tools",
         nargs="+",
     )

@@ -27,8 +27,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from vime.rollout.data_source import DataSource
-from vime.rollout.prompt_rows import DataError, load_prompts
+from vime.rollout.data.rows import DataError, load_prompts
+from vime.rollout.data.source import DataSource
 from vime.rollout.types import RolloutOutput, Sample, Status
 
 log = logging.getLogger("vime")

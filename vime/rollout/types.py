@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, ClassVar
 
-MULTI_TURN_STATE = "multi_turn"  # metadata key of a multi-turn sample's state (vime.rollout.multi_turn)
+MULTI_TURN_STATE = "multi_turn"  # metadata key of a multi-turn sample's state (vime.rollout.tools.multi_turn)
 
 
 class Status(str, Enum):

@@ -64,7 +64,7 @@ FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32 (torch.finfo(t
 DEFAULT_REWARD_KEY = "score"  # where a dict reward is read without --reward-key (builtin_result's keys: score, acc)
 # rm types defined in a module of their own: name -> "module:factory", factory(rollout settings, runner) -> RewardFn
 MODULE_RM_TYPES: dict[str, str] = {
-    "reasoning_gym": "vime.rollout.reasoning_gym_tasks:make_reward",
+    "reasoning_gym": "vime.rollout.data.reasoning_gym:make_reward",
     "remote_rm": "vime.rollout.rewards.remote:make_reward",
 }
 

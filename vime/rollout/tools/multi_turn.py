@@ -5,7 +5,7 @@ of the request). A call is the JSON object between the turn's last `<tool_call>`
 `{"name": ..., "arguments": {...}}` (the format of Qwen's and Hermes' chat templates; without a
 chat template the same tags are the documented format), read by the `--tool-call-parser` row of
 `vime.tool_calls`, the parser `vime serve` answers `tool_calls` with. The tool runs
-(`vime.rollout.tools`) and its answer is appended as the conversation's next message: with
+(`vime.rollout.tools.calls`) and its answer is appended as the conversation's next message: with
 `--apply-chat-template` in the template's own form for a `tool` message (whatever closes the
 assistant's turn, the answer, and whatever opens the next assistant turn), without one as
 `<tool_response>...</tool_response>`.
@@ -30,7 +30,7 @@ from typing import Any
 from vime.models import context_length
 from vime.rollout.generate import generate as generate_turn
 from vime.rollout.runtime import runtime_of
-from vime.rollout.tools import Tool, call_tool, load_tools, log_sandbox
+from vime.rollout.tools.calls import Tool, call_tool, load_tools, log_sandbox
 from vime.rollout.types import MULTI_TURN_STATE as STATE
 from vime.rollout.types import Sample, Status
 from vime.tool_calls import HERMES, Malformed, ToolCallFormat, tool_call_format

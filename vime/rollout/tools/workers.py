@@ -38,7 +38,7 @@ class ToolDied(Exception):
     """A tool's worker process ended during a call; the message says how (what the model reads)."""
 
 
-# how a worker loads its tool: vime.rollout.tools.load_tools, handed down (pickled by name) so this
+# how a worker loads its tool: vime.rollout.tools.calls.load_tools, handed down (pickled by name) so this
 # module, which tools.py builds on, never imports it back
 Loader = Callable[[list[str]], dict[str, Any]]
 

@@ -14,8 +14,8 @@ import threading
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from vime.rollout.prompt_rows import load_prompts
-from vime.rollout.prompts import PromptRenderer, check_choice_labels, fit_prompts, prompt_limit
+from vime.rollout.data.prompts import PromptRenderer, check_choice_labels, fit_prompts, prompt_limit
+from vime.rollout.data.rows import load_prompts
 from vime.rollout.types import MULTI_TURN_STATE, Sample, Status
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ from functools import lru_cache
 from types import ModuleType
 from typing import Any
 
-from vime.rollout.prompt_rows import DataError
+from vime.rollout.data.rows import DataError
 from vime.rollout.rewards import RewardError, RewardFn
 from vime.rollout.rewards.answers import extract_answer
 from vime.rollout.rewards.runner import RewardRunner

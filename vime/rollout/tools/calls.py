@@ -10,7 +10,7 @@ A tool never stops a run: one that raises, hangs past `--tool-timeout`, returns 
 than text, or prints more than `--tool-max-output-chars` ends its turn with an error message in
 the conversation (the model sees it, as it would see a traceback) and is counted in the rollout
 metrics; whatever it returns becomes text a tokenizer takes (`as_text`). The python tool is
-where model output becomes code: it runs behind the boundary of `vime.rollout.sandbox`
+where model output becomes code: it runs behind the boundary of `vime.rollout.tools.sandbox`
 (namespaces of its own where the kernel allows them, nobody's uid as root, rlimits everywhere),
 the strongest this machine allows, which one start-up line names (`detected_sandbox`).
 """
@@ -38,9 +38,9 @@ from typing import Any
 
 from vime.errors import ConfigError
 from vime.plugins import load_function
-from vime.rollout import sandbox
 from vime.rollout.rewards.runner import in_daemon_thread
-from vime.rollout.tool_workers import ToolDied, ToolError, message_of, workers_of
+from vime.rollout.tools import sandbox
+from vime.rollout.tools.workers import ToolDied, ToolError, message_of, workers_of
 
 log = logging.getLogger("vime")
 
@@ -165,7 +165,7 @@ _ENV = {
 
 @dataclass(frozen=True)
 class Sandbox:
-    """What bounds the python tool's programs (vime.rollout.sandbox says how): namespaces of their
+    """What bounds the python tool's programs (vime.rollout.tools.sandbox says how): namespaces of their
     own where the kernel allows them, else Landlock where it has it; nobody's uid when vime is root.
     `detected_sandbox` picks the strongest that works on this machine."""
 
@@ -216,7 +216,7 @@ class Sandbox:
         )
 
     def config(self, scratch: str, timeout: float) -> dict[str, Any]:
-        """The launcher's configuration for one program (vime.rollout.sandbox.launch)."""
+        """The launcher's configuration for one program (vime.rollout.tools.sandbox.launch)."""
         return {
             "namespaces": self.namespaces,
             "landlock": self.landlock,
@@ -356,7 +356,7 @@ def load_tools(specs: list[str], unsafe: bool = False) -> dict[str, Tool]:
                 ) from None
             if not isinstance(tool, Tool):
                 raise ConfigError(
-                    f"--tools {spec}: gave {type(tool).__name__}, not a vime.rollout.tools.Tool; "
+                    f"--tools {spec}: gave {type(tool).__name__}, not a vime.rollout.tools.calls.Tool; "
                     f"or use a built-in tool: {', '.join(BUILTIN_TOOLS)}"
                 )
             tool = replace(tool, spec=spec)

@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vime.rollout.prompt_rows import DataError, load_prompts
-from vime.rollout.tools import load_tools
+from vime.rollout.data.rows import DataError, load_prompts
+from vime.rollout.tools.calls import load_tools
 from vime.rollout.types import Sample
 
 if TYPE_CHECKING:
