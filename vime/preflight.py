@@ -141,10 +141,10 @@ def startup_notes(args: Config) -> list[str]:
     inert = [*inert_flags(args), *foreign_inert]
     if inert:
         lines.append("flags with no effect in vime: " + "; ".join(inert))
-    if args.custom_config_path:
+    if args.rollout.custom_config_path:
         extras = ", ".join(args.custom_config) or "none"
         lines.append(
-            f"--custom-config-path {args.custom_config_path}: its settings override the flags (config.yaml has the "
+            f"--custom-config-path {args.rollout.custom_config_path}: its settings override the flags (config.yaml has the "
             f"result); its other keys, attributes of args for plug-ins: {extras}"
         )
     return lines
