@@ -53,7 +53,7 @@ class CheckedPlugins:
 
 def check_plugins(args: Any, tokenizer: Any, data_source: DataSource, rewards: Rewards) -> CheckedPlugins:
     """Load and try every plug-in the settings name; PluginError (or the loader's ConfigError)
-    on the first that does not fit. The paths are read from their rooms (`args.rollout`,
+    on the first that does not fit. The paths are read from their components (`args.rollout`,
     `args.algorithm`); the plug-ins themselves are handed the flat `args`, as the run hands it."""
     ro, al = args.rollout, args.algorithm
     with at(WHEN):

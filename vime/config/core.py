@@ -19,8 +19,9 @@ from vime.errors import ConfigError
 from vime.modes import DEFAULT_ROLLOUT_FN, FULLY_ASYNC_FN
 from vime.setting import RUNTIME
 
-# what a frozen config keeps in its __dict__ besides the settings: the mark, and the rooms built
-# under it (schema.Settings._room); no copy takes them, since a copy may be changed
+# what a frozen config keeps in its __dict__ besides the settings: the mark, and the component
+# views built under it (schema.Settings._view keeps them in `_rooms`); no copy takes them, since a
+# copy may be changed
 NOT_COPIED = ("_frozen", "_rooms")
 ENTRIES = ("sync", "async", "eval")  # train.py, train_async.py, vime eval
 
@@ -156,7 +157,7 @@ class Config(Settings):
         return self
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in NOT_COPIED:  # the frozen mark and the rooms kept under it: a copy is not frozen
+        if name in NOT_COPIED:  # the frozen mark and the views kept under it: a copy is not frozen
             return
         if "_frozen" in self.__dict__:
             raise dataclasses.FrozenInstanceError(

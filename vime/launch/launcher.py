@@ -52,7 +52,7 @@ LAUNCHERS: dict[str, Launcher] = {name: _made(row.cls) for name, row in LAUNCHER
 
 
 def launcher_for(settings: PlacementConfig) -> Launcher:
-    """--launcher's row (`settings`: the placement room's, `cfg.placement`); auto resolved as the
+    """--launcher's row (`settings`: the placement component's, `cfg.placement`); auto resolved as the
     module docstring says."""
     if settings.launcher in LAUNCHERS:
         return LAUNCHERS[settings.launcher]

@@ -14,7 +14,7 @@ from vime.errors import EngineError
 
 def sampling_params(args, evaluation: bool = False) -> dict:
     """The engine protocol's sampling_params of a rollout (or, with `evaluation`, of eval), from
-    the rollout room's settings (`args.rollout`) and, for eval, the eval room's (`args.eval`).
+    the rollout component's settings (`args.rollout`) and, for eval, the eval component's (`args.eval`).
 
     Eval is greedy with one sample per prompt; with more it samples at the rollout's settings.
     --eval-temperature / --eval-top-p / --eval-top-k override either. Stop strings (--rollout-stop) are sent only when given, so a request without
