@@ -146,7 +146,7 @@ def _reads_args(node: ast.AST) -> bool:
 
 def _check_args_read(plugin: Plugin, args: Any) -> None:
     """Refuse a plug-in whose module reads `args.NAME` for a NAME vime's args do not have (a
-    setting of the seed system or of Megatron): it would raise AttributeError at that line,
+    setting of vllm-project/vime or of Megatron): it would raise AttributeError at that line,
     mid-run. The function that reads it is named (the configured one, or another function of its
     module). Names the module sets itself (`args.NAME = ...`) are its own; a module that sets
     names by `setattr(args, ...)` is not judged, as what it sets cannot be read off its text."""

@@ -138,7 +138,7 @@ class Config(Settings):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Config:
         """The settings copied, the live objects shared: a plug-in that copies `args` to change a
-        few settings for itself (the seed's multi-agent example) still reaches the run's engines."""
+        few settings for itself (vllm-project/vime's multi-agent example) still reaches the run's engines."""
         clone = object.__new__(type(self))
         memo[id(self)] = clone
         for name, value in self.__dict__.items():

@@ -1,7 +1,7 @@
 """What every rollout path asks the engines, below the rollout functions: the sampling params of a
 rollout or an eval, and one request on the engine the runtime picks. The default rollout
-(generate.py), the fully-async worker, evaluation and the seed system's router
-(compat.py) all build on these two, so they sit in a module none of those imports back.
+(generate.py), the fully-async worker, evaluation and the router vllm-project/vime's plug-ins
+post to (vime/compat/router.py) all build on these two, so they sit in a module none of those imports back.
 """
 
 from __future__ import annotations
