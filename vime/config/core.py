@@ -20,9 +20,9 @@ from vime.modes import DEFAULT_ROLLOUT_FN, FULLY_ASYNC_FN
 from vime.setting import RUNTIME
 
 # what a frozen config keeps in its __dict__ besides the settings: the mark, and the component
-# views built under it (schema.Settings._view keeps them in `_rooms`); no copy takes them, since a
+# views built under it (schema.Settings._view keeps them in `_views`); no copy takes them, since a
 # copy may be changed
-NOT_COPIED = ("_frozen", "_rooms")
+NOT_COPIED = ("_frozen", "_views")
 ENTRIES = ("sync", "async", "eval")  # train.py, train_async.py, vime eval
 
 
@@ -134,7 +134,7 @@ class Config(Settings):
 
     def __getstate__(self) -> dict[str, Any]:
         """Trainer ranks are spawned with the config: the live objects stay in this process."""
-        return {**{k: v for k, v in self.__dict__.items() if k != "_rooms"}, "runtime": None}
+        return {**{k: v for k, v in self.__dict__.items() if k != "_views"}, "runtime": None}
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Config:
         """The settings copied, the live objects shared: a plug-in that copies `args` to change a
