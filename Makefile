@@ -32,12 +32,13 @@ $(VENV)/.installed: pyproject.toml requirements/cpu.lock
 lock:
 	PYTHON=$(PYTHON) TORCH="$(TORCH)" requirements/lock.sh
 
-# lint and format first (ruff, settings in pyproject.toml): seconds, and a failure names the line;
+# lint and format first (ruff, settings in pyproject.toml; no cache, so a run here reads as a fresh
+# machine's does): seconds, and a failure names the line;
 # then every test but the long whole-run cases marked `slow` (make test-slow; CI runs both), on
 # two pytest-xdist workers, one test file each at a time (a file's shared fixtures start once)
 test: install
-	$(BIN)/ruff check .
-	$(BIN)/ruff format --check .
+	$(BIN)/ruff check --no-cache .
+	$(BIN)/ruff format --check --no-cache .
 	$(BIN)/python -m pytest -q -m "not slow" -n 2 --dist loadfile
 
 # two pytest-xdist workers: a whole run keeps about one core busy (its trainer and engine take
