@@ -35,7 +35,6 @@ from vime.engine.core.sampler import M32, SamplingParams, mix32
 from vime.engine.core.scheduler import PENDING, Scheduler, Sequence
 from vime.engine.core.stop import StopStrings
 from vime.engine.core.weights import WeightsIncomplete, check_layout
-from vime.transport.checksums import checksums
 
 log = logging.getLogger(__name__)
 
@@ -429,8 +428,7 @@ class LLMEngine:
 
     def weight_checksums(self) -> dict[str, list[int]]:
         """vime.transport.checksums (bit sum, count) of every weight by HF name, read back from the parameters."""
-        views = self._weight_views()
-        return {**dict(zip(views, checksums(views.values()))), **self.lora.merged}
+        return {**self.model.checksums(self._weight_views()), **self.lora.merged}
 
     def _weight_views(self) -> dict[str, torch.Tensor]:
         """HF name → parameter (or fused slice), built once: a bucketed push looks names up per

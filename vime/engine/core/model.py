@@ -23,7 +23,7 @@ from vime.engine.core.attention import AttnMetadata, paged_attention
 from vime.engine.core.model_config import ModelConfig
 from vime.engine.core.moe import SparseMoE, hub_views
 from vime.engine.core.safetensors_io import iter_safetensors
-from vime.transport.checksums import non_finite
+from vime.transport.checksums import checksums, non_finite, piece_checksums
 
 COPY_BATCH_BYTES = 256 * 2**20  # same-device weights copied per _foreach_copy_
 
@@ -275,6 +275,19 @@ class CausalLM(nn.Module):
         mt = self.config.model_type
         found = {name: hub_views(name, p, mt) for name, p in self.named_parameters()}
         return {name: views for name, views in found.items() if views}
+
+    def checksums(self, views: dict[str, torch.Tensor]) -> dict[str, list[int]]:
+        """`transport.checksums` of `named_weights()` by name: stacked experts and their checkpoint
+        names (slices in the order `hub_views` lists them) from one reduction per stacked tensor."""
+        aliases = self.hub_aliases()
+        stacked = set(aliases) | {a for group in aliases.values() for a in group}
+        plain = [n for n in views if n not in stacked]
+        out = dict(zip(plain, checksums([views[n] for n in plain])))
+        pieces = piece_checksums((views[n], len(group)) for n, group in aliases.items())
+        for (name, group), (whole, parts) in zip(aliases.items(), pieces):
+            out[name] = whole
+            out.update(zip(group, parts))
+        return out
 
     def missing_weights(self, names: Iterable[str]) -> set[str]:
         """The HF names a set of weights leaves unfilled. With tied embeddings one tensor has two
