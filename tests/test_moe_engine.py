@@ -278,6 +278,8 @@ def test_server_answers_routed_experts_as_sglang_does(models, tiny_model, tmp_pa
         assert status == 200 and len(samples) == 2
         for s in samples:
             np.testing.assert_array_equal(decode_routes(s, 2, 2), hf_routes(hf, PROMPTS[2] + s["output_ids"]))
+        info = json.loads(urllib.request.urlopen(moe.url + "/get_model_info", timeout=10).read())
+        assert (info["num_experts"], info["num_experts_per_tok"], info["moe_layers"]) == (4, 2, [0, 2])
         status, plain = post(moe.url + "/generate", {"input_ids": PROMPTS[1], "sampling_params": params})
         assert status == 200 and all("routed_experts" not in s["meta_info"] for s in plain)
         status, err = post(moe.url + "/generate", {**body, "return_routed_experts": "yes"})
