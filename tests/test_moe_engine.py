@@ -36,9 +36,9 @@ ARCHS = ("qwen3_moe", "mixtral")
 # ---- tiny models and HF references -----------------------------------------------------
 
 
-def make_moe(out: Path, arch: str, seed: int = 0) -> Path:
+def make_moe(out: Path, arch: str, seed: int = 0, **overrides) -> Path:
     """A random tiny MoE model with the tests' character tokenizer, saved as transformers saves
-    it (experts one by one under the checkpoint's names)."""
+    it (experts one by one under the checkpoint's names); `overrides`: config fields."""
     from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
 
     from vime.models import make_tiny_tokenizer
@@ -64,11 +64,10 @@ def make_moe(out: Path, arch: str, seed: int = 0) -> Path:
             intermediate_size=96,
             moe_intermediate_size=32,
             num_experts=4,
-            mlp_only_layers=[1],
-            norm_topk_prob=True,
+            **{"mlp_only_layers": [1], "norm_topk_prob": True, **overrides},
         )
     else:
-        cfg = MixtralConfig(**common, num_hidden_layers=2, intermediate_size=32, num_local_experts=4)
+        cfg = MixtralConfig(**common, num_hidden_layers=2, intermediate_size=32, num_local_experts=4, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
@@ -153,14 +152,19 @@ def models(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
 # ---- the model against HF ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_engine_matches_hf_tokens_logprobs_and_routing(models, arch):
+@pytest.mark.parametrize("arch", [*ARCHS, "qwen3_moe-every-2nd"])
+def test_engine_matches_hf_tokens_logprobs_and_routing(models, arch, tmp_path):
     """Four prompts batched (chunked prefills beside decodes) and one sampled request: greedy
     tokens are HF's, log-probs HF's teacher-forced ones, and the experts of every position
-    (prompt and output) HF's router top-k. Qwen3-MoE's dense layer has no column: two MoE layers."""
+    (prompt and output) HF's router top-k. A dense layer has no column: Qwen3-MoE's middle layer
+    (mlp_only_layers), or every other one (decoder_sparse_step 2, top-k not renormalised)."""
     from vime.engine.core.sampler import SamplingParams
 
-    a, _ = models[arch]
+    if arch in models:
+        a, layers = models[arch][0], 2
+    else:
+        a = make_moe(tmp_path / "m", "qwen3_moe", 2, mlp_only_layers=[], decoder_sparse_step=2, norm_topk_prob=False)
+        layers = 1
     hf = load_hf(a)
     eng = engine_for(a)
     for i, p in enumerate(PROMPTS):
@@ -169,7 +173,7 @@ def test_engine_matches_hf_tokens_logprobs_and_routing(models, arch):
     outs = run(eng)
     for i, p in enumerate(PROMPTS):
         check_against_hf(hf, p, outs[str(i)])
-        assert outs[str(i)].routed_experts.array().shape == (len(p) + 7, 2, 2)  # both have two MoE layers
+        assert outs[str(i)].routed_experts.array().shape == (len(p) + 7, layers, 2)
     check_against_hf(hf, PROMPTS[2], outs["t"], temperature=0.7)
 
 
