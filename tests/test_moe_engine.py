@@ -212,6 +212,14 @@ def test_routing_of_cached_prefixes_preempted_and_aborted_sequences(models):
     assert n >= len(PROMPTS[2]) and computed[:n].all() and (routes[n:] == -1).all()
     np.testing.assert_array_equal(routes[:n], hf_routes(hf, PROMPTS[2] + out.output_ids)[:n])
 
+    # aborted while the memory is released (a colocated trainer's turn): every row -1, no pool read
+    eng.add_request("gone", PROMPTS[1], greedy(20), routed_experts=True)
+    eng.step()
+    eng.release_memory()
+    [gone] = eng.abort("gone")
+    assert (gone.outputs[0].routed_experts.array() == -1).all()
+    eng.resume_memory()
+
 
 # ---- weights under both namings ------------------------------------------------------------
 

@@ -170,8 +170,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
         self.self_attn = Attention(cfg)
-        sparse = cfg.moe is not None and index in cfg.moe.layers
-        self.mlp = SparseMoE(cfg, cfg.moe.layers.index(index)) if sparse else MLP(cfg)  # type: ignore[union-attr]
+        moe = cfg.moe
+        self.mlp = SparseMoE(cfg, moe.layers.index(index)) if moe is not None and index in moe.layers else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -52,18 +52,23 @@ def read_routes(kv: KVCache, seq: Sequence, block_size: int) -> RoutedExperts:
     """The routing of `seq`'s positions 0 .. num_tokens - 2 from its blocks, while it still holds
     them. The gather and the copy are queued on the device's stream, so they read the blocks
     before any later step can write them, and the engine does not wait for them here."""
-    assert kv.routes is not None, "a dense model has no routing pool"
+    assert kv.route_shape is not None, "a dense model has no routing pool"
     n = seq.num_tokens - 1
     done = min(n, seq.num_computed)  # an aborted sequence may have fewer rows computed
-    pos = np.arange(done)
-    slots = np.asarray(seq.block_table, dtype=np.int64)[pos // block_size] * block_size + pos % block_size
-    rows = kv.routes[torch.from_numpy(slots).to(kv.routes.device, non_blocking=True)]  # [done, layers, K]
-    cuda = rows.device.type == "cuda"
-    ids = torch.empty((n, *kv.routes.shape[1:]), dtype=torch.int32, pin_memory=cuda)
-    ids[done:] = -1
-    if not cuda:
-        ids[:done] = rows
+    cuda = kv.device.type == "cuda"
+    ids = torch.full((n, *kv.route_shape[1:]), -1, dtype=torch.int32, pin_memory=cuda)
+    if done == 0:  # nothing computed (a released engine has sent every sequence back to waiting)
         return RoutedExperts(ids, None)
+    assert kv.routes is not None
+    pos = np.arange(done)
+    slots = torch.from_numpy(
+        np.asarray(seq.block_table, dtype=np.int64)[pos // block_size] * block_size + pos % block_size
+    )
+    if not cuda:
+        ids[:done] = kv.routes[slots]
+        return RoutedExperts(ids, None)
+    # pinned, or the copy from pageable memory could wait for the step in flight
+    rows = kv.routes[slots.pin_memory().to(kv.routes.device, non_blocking=True)]  # [done, layers, K]
     ids[:done].copy_(rows, non_blocking=True)
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(rows.device))
