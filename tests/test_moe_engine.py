@@ -179,8 +179,9 @@ def test_engine_matches_hf_tokens_logprobs_and_routing(models, arch, tmp_path):
 
 def test_routing_of_cached_prefixes_preempted_and_aborted_sequences(models):
     """A prompt found in the prefix cache is not recomputed, yet its positions come back with
-    their experts; sequences preempted for lack of KV blocks are recomputed and return the
-    routing of the final pass; an aborted one returns what was computed and -1 for the rest."""
+    their experts; sequences preempted for lack of KV blocks, or by a memory release during
+    which new weights arrived, are recomputed and return the routing of the final pass; an
+    aborted one returns what was computed and -1 for the rest."""
     a, _ = models["qwen3_moe"]
     hf = load_hf(a)
     eng = engine_for(a, num_kv_blocks=64)
@@ -211,6 +212,19 @@ def test_routing_of_cached_prefixes_preempted_and_aborted_sequences(models):
     n = int(computed.sum())
     assert n >= len(PROMPTS[2]) and computed[:n].all() and (routes[n:] == -1).all()
     np.testing.assert_array_equal(routes[:n], hf_routes(hf, PROMPTS[2] + out.output_ids)[:n])
+
+    # recomputed after new weights arrived while released: every row is the final pass's (the new weights')
+    hf_b = load_hf(models["qwen3_moe"][1])
+    eng.add_request("re", PROMPTS[2], greedy(8), routed_experts=True)
+    while len(eng.requests["re"].seqs[0].logprobs) < 4:
+        eng.step()
+    eng.release_memory()
+    eng.update_weights(hf_b.state_dict().items())
+    eng.resume_memory()
+    re = run(eng)["re"]
+    np.testing.assert_array_equal(re.routed_experts.array(), hf_routes(hf_b, PROMPTS[2] + re.output_ids))
+    assert not (hf_routes(hf, PROMPTS[2] + re.output_ids) == hf_routes(hf_b, PROMPTS[2] + re.output_ids)).all()
+    eng.update_weights(hf.state_dict().items())
 
     # aborted while the memory is released (a colocated trainer's turn): every row -1, no pool read
     eng.add_request("gone", PROMPTS[1], greedy(20), routed_experts=True)
