@@ -124,24 +124,51 @@ def fused_experts(
     (float32)."""
     t, k = ids.shape
     e, two_i, h = gate_up.shape
-    n = t * k
-    block_m = block_m_for(n, e)
-    rows, experts = align_by_expert(ids, e, block_m)
-    grid_m = experts.shape[0]
-    x = x.contiguous()
-    act = torch.empty(n, two_i // 2, dtype=x.dtype, device=x.device)  # [T * K, I]
-    _expert_matmul_kernel[(grid_m, triton.cdiv(two_i // 2, BLOCK_N))](
-        x, gate_up, act, rows, experts, weights, n, two_i // 2, h, x.stride(0), gate_up.stride(0),
-        gate_up.stride(1), act.stride(0), A_ROW_DIV=k, GATED=True, SCALED=False, BLOCK_M=block_m,
-        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PREC=_precision(x.dtype),
-    )  # fmt: skip
-    y = torch.empty(n, h, dtype=x.dtype, device=x.device)  # [T * K, H]
-    _expert_matmul_kernel[(grid_m, triton.cdiv(h, BLOCK_N))](
-        act, down, y, rows, experts, weights.reshape(-1).float().contiguous(), n, h, two_i // 2, act.stride(0),
-        down.stride(0), down.stride(1), y.stride(0), A_ROW_DIV=1, GATED=False, SCALED=True, BLOCK_M=block_m,
-        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PREC=_precision(x.dtype),
-    )  # fmt: skip
+    rows, experts = align_by_expert(ids, e, block_m_for(t * k, e))
+    scales = weights.reshape(-1).float().contiguous()  # [T * K]
+    act = torch.empty(t * k, two_i // 2, dtype=x.dtype, device=x.device)  # [T * K, I]
+    _expert_matmul(x.contiguous(), gate_up, act, rows, experts, scales, a_row_div=k, gated=True)
+    y = torch.empty(t * k, h, dtype=x.dtype, device=x.device)  # [T * K, H]
+    _expert_matmul(act, down, y, rows, experts, scales, a_row_div=1, gated=False)
     return combine(y.view(t, k, h), ids)
+
+
+def _expert_matmul(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    rows: torch.Tensor,
+    experts: torch.Tensor,
+    scales: torch.Tensor,
+    a_row_div: int,
+    gated: bool,
+) -> None:
+    """One grouped launch over every expert's blocks (`_expert_matmul_kernel`): out [T * K, N]
+    from a's rows (a token's for the gate/up projection, a row's own for the down one) and w
+    [E, N (x2 if gated), a's columns]; the down projection is scaled by `scales`."""
+    num_rows, n = out.shape
+    _expert_matmul_kernel[(experts.shape[0], triton.cdiv(n, BLOCK_N))](
+        a,
+        w,
+        out,
+        rows,
+        experts,
+        scales,
+        num_rows,
+        n,
+        a.shape[1],
+        a.stride(0),
+        w.stride(0),
+        w.stride(1),
+        out.stride(0),
+        A_ROW_DIV=a_row_div,
+        GATED=gated,
+        SCALED=not gated,
+        BLOCK_M=rows.shape[0] // experts.shape[0],
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K,
+        PREC=_precision(a.dtype),
+    )
 
 
 def combine(y: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
