@@ -411,9 +411,10 @@ def test_moe_kernel_path_in_interpreter(models):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
-def kernel_checks(device: torch.device, dtype: torch.dtype, atol: float) -> None:
-    """`fused_experts` (the grouped kernel) against `experts_torch`: decode-sized and
-    prefill-sized batches, an expert that gets no token, top-1 to top-3, blocks of 16 to 64 rows."""
+def kernel_checks(device: torch.device, dtype: torch.dtype, rtol: float) -> None:
+    """`fused_experts` (the grouped kernel) against `experts_torch`, within `rtol` of the largest
+    output: decode-sized and prefill-sized batches, an expert that gets no token, top-1 to
+    top-3, blocks of 16 to 64 rows."""
     from vime.engine.core import kernels
     from vime.engine.core.kernels.moe import align_by_expert
     from vime.engine.core.moe import experts_torch
@@ -429,7 +430,8 @@ def kernel_checks(device: torch.device, dtype: torch.dtype, atol: float) -> None
         weights = weights.to(dtype)  # as Qwen3-MoE rounds them; the kernel scales in float32
         got = kernels.fused_experts(x, gate_up, down, weights.float(), ids)
         want = experts_torch(x, gate_up, down, weights, ids)
-        assert (got.float() - want.float()).abs().max() <= atol, (t, e, k, (got.float() - want.float()).abs().max())
+        err = (got.float() - want.float()).abs().max() / want.float().abs().max()
+        assert err <= rtol, (t, e, k, err)
     # the sort: every (token, k) pair once, in a block of its own expert
     ids = torch.tensor([[2, 0], [2, 1], [0, 2]], device=device)
     rows, experts = align_by_expert(ids, 4, 16)
@@ -447,7 +449,7 @@ def interpreted_checks(qwen_dir: str, mixtral_dir: str) -> None:
     from vime.engine.core import kernels
 
     assert kernels.enabled(torch.device("cpu"))
-    kernel_checks(torch.device("cpu"), torch.float32, atol=1e-5)
+    kernel_checks(torch.device("cpu"), torch.float32, rtol=1e-6)
     for d in (qwen_dir, mixtral_dir):
         hf = load_hf(Path(d))
         eng = engine_for(Path(d))
@@ -468,12 +470,12 @@ def interpreted_checks(qwen_dir: str, mixtral_dir: str) -> None:
 def test_gpu_path_matches_the_cpu_reference(models, arch):
     """On CUDA: the grouped kernel against the PyTorch path (float32, and bfloat16 within a
     rounding or two), then an engine whose decode steps replay CUDA graphs, its routing
-    recorded inside them, against HF on the same GPU."""
+    recorded inside them, against HF (float32), before and after a memory release."""
     cuda = torch.device("cuda")
-    kernel_checks(cuda, torch.float32, atol=1e-4)
-    kernel_checks(cuda, torch.bfloat16, atol=0.07)
+    kernel_checks(cuda, torch.float32, rtol=1e-5)
+    kernel_checks(cuda, torch.bfloat16, rtol=2e-2)  # a bfloat16 rounding or two apart (other summation orders)
     a, _ = models[arch]
-    hf = load_hf(a).to(cuda)
+    hf = load_hf(a)  # on the CPU: the reference
     eng = engine_for(a, device="cuda")
     for i, p in enumerate(PROMPTS):
         eng.add_request(str(i), p, greedy(8), routed_experts=True)
@@ -482,9 +484,16 @@ def test_gpu_path_matches_the_cpu_reference(models, arch):
         outs.update((o.rid, o.outputs[0]) for o in eng.step())
         kinds.add(eng.runner.last_step.kind)
     assert "graph" in kinds
-    hf = hf.cpu()
     for i, p in enumerate(PROMPTS):
         check_against_hf(hf, p, outs[str(i)])
+    # the experts are in the one weight buffer and the routing pool beside the KV blocks: both
+    # leave the GPU on a release and come back at the addresses the graphs replay
+    eng.release_memory()
+    eng.resume_memory()
+    eng.add_request("again", PROMPTS[2], greedy(8), routed_experts=True)
+    again = run(eng)["again"]
+    assert again.output_ids == outs["2"].output_ids
+    np.testing.assert_array_equal(again.routed_experts.array(), outs["2"].routed_experts.array())
 
 
 if __name__ == "__main__":  # run by test_moe_kernel_path_in_interpreter under TRITON_INTERPRET=1
