@@ -69,6 +69,7 @@ test-vllm: install-vllm
 	$(VLLM_BIN)/python -m pytest -q -n 2 --dist loadfile tests/test_vllm.py tests/test_vllm_runs.py tests/test_opd_vllm.py \
 		tests/test_openai_server.py \
 		tests/test_engine.py::test_triton_path_in_interpreter tests/test_actor.py::test_triton_head_in_interpreter \
+		tests/test_moe_engine.py::test_moe_kernel_path_in_interpreter \
 		tests/test_ray_launch.py::test_vllm_engines_on_another_node_as_ray_actors_train_in_sync
 
 install-ray: $(RAY_VENV)/.installed
