@@ -13,6 +13,7 @@ from torch import nn
 from vime.config import ConfigError, TrainerConfig
 from vime.trainer.lora import LoraSpec, add_adapters
 from vime.trainer.model import TokenScorer, checkpoint_layers, load_model, wrap
+from vime.trainer.moe import MoeShape
 from vime.trainer.ranks import Ranks
 
 
@@ -25,6 +26,7 @@ class Policy:
         self.attention_kernel = trainer.attention_kernel
         self.chunk_size = trainer.logprob_chunk_size
         self.model = load_model(model_path, ranks.device, trainer.attention_kernel)
+        self.moe = MoeShape.of(self.model)  # None for a dense model
         # LoRA: the base frozen, adapters on the target layers (vime/trainer/lora.py); what leaves
         # the trainer (pushes, checkpoints' safetensors) is the merged weight under the HF name
         self.lora = LoraSpec.of(trainer)
