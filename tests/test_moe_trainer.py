@@ -71,12 +71,14 @@ def test_checkpoint_round_trips_in_vime_and_transformers(moe_model, tmp_path):
     actor = Actor(make_args(), moe_model)
     actor.train_step(make_samples(4), ADVANTAGES)
     trained = dict(actor.named_weights())
-    ckpt = actor.save(tmp_path / "1", {"step": 1})
+    position = {"epoch": 0, "offset": 4, "next_index": 4, "next_group": 1, "requeued": []}
+    extra = {"step": 1, "data_source": position}
+    ckpt = actor.save(tmp_path / "1", extra)
     assert sorted(load_file(ckpt / "model.safetensors")) == sorted(trained)
     check_checkpoint(ckpt, moe_model, lora=False)  # what --load checks before anything starts
 
     resumed = Actor(make_args(), moe_model)
-    assert resumed.load(ckpt) == {"step": 1}
+    assert resumed.load(ckpt) == extra
     assert all(torch.equal(t, trained[n]) for n, t in resumed.named_weights())
     a = actor.optimizer_step.optimizer.state_dict()["state"]
     b = resumed.optimizer_step.optimizer.state_dict()["state"]
