@@ -22,6 +22,7 @@ from vime.errors import ConfigError
 from vime.models import ModelError
 from vime.trainer.logprobs import ChunkLoss, chunked_log_probs, chunked_loss
 from vime.trainer.packing import PackedBatch, choose_kernel, mark_kernel, pack, register_packed_attention
+from vime.trainer.routing import Routing
 
 log = logging.getLogger("vime")
 
@@ -38,10 +39,11 @@ class TokenScorer(nn.Module):
     embedding, final norm and LM head that the chunked head reads directly.
     """
 
-    def __init__(self, hf: nn.Module, chunk_size: int) -> None:
+    def __init__(self, hf: nn.Module, chunk_size: int, routing: Routing | None = None) -> None:
         super().__init__()
         self.hf = hf
         self.chunk_size = chunk_size
+        self.routing = routing  # a mixture of experts' routers (the policy's): what they replay and measure
         for name in LOGIT_TRANSFORMS:
             value = getattr(hf.config, name, None)
             if value not in (None, 1.0):
@@ -56,6 +58,8 @@ class TokenScorer(nn.Module):
         """(log-probs, entropies) of the scored tokens; given a `loss_fn`, that loss of them
         instead, its gradient taken in the forward (`chunked_loss`)."""
         length_limits(self.hf.config, mb.longest)  # every model scored; the policy's planner checked it first
+        if self.routing is not None:
+            self.routing.begin(mb.routed_experts, *scored_and_real(mb))
         hidden = decoder_states(self.hf, mb)
         head = self.hf.get_output_embeddings()
         if getattr(head, "bias", None) is not None:
@@ -65,6 +69,15 @@ class TokenScorer(nn.Module):
                 hidden[mb.select], head.weight, mb.targets, loss_fn, temperature, with_entropy, self.chunk_size
             )
         return chunked_log_probs(hidden[mb.select], head.weight, mb.targets, temperature, with_entropy, self.chunk_size)
+
+
+def scored_and_real(mb: PackedBatch) -> tuple[Tensor, Tensor]:
+    """[T] masks of a packed row: the positions that score response tokens, and its real tokens
+    (its samples', not the padding after them)."""
+    positions = torch.arange(mb.num_tokens, device=mb.input_ids.device)
+    scored = torch.zeros(mb.num_tokens, dtype=torch.bool, device=mb.input_ids.device)
+    scored[mb.select] = True
+    return scored, positions < mb.cu_seqlens[len(mb.indices)]
 
 
 def decoder_states(hf: nn.Module, mb: PackedBatch) -> Tensor:
@@ -148,10 +161,11 @@ def load_model(
     )
     model.config.use_cache = False  # training never decodes; a KV cache only costs memory
     c = model.config
-    if getattr(c, "output_router_logits", False):
+    if getattr(c, "output_router_logits", False):  # transformers adds its loss only in a forward vime never calls
         raise ModelError(
-            "this model's config sets output_router_logits, asking for its MoE router's auxiliary loss, which "
-            "vime's trainer does not add: set it to false in config.json to train without it"
+            "this model's config sets output_router_logits, asking for transformers' MoE router loss "
+            f"(router_aux_loss_coef {getattr(c, 'router_aux_loss_coef', None)}), which vime's trainer does not add: set "
+            "it to false in config.json, and give vime's --moe-aux-loss-coeff for a load-balancing loss"
         )
     heads = c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads

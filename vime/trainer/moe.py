@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from vime.config import AlgorithmConfig, TrainerConfig
 from vime.models import ModelError
 
 
@@ -45,6 +46,34 @@ def expert_count(config: dict) -> int:
     return int(next((config[k] for k in EXPERT_KEYS if config.get(k)), 0))
 
 
+def moe_refusal(config: dict, model_dir: str, trainer: TrainerConfig, algorithm: AlgorithmConfig) -> str | None:
+    """What the MoE settings cannot do with the model of `config` (its config.json), in one line:
+    each asks for experts a dense model has not, a family without a row is not trained, and
+    expert parallelism must split every layer's experts evenly."""
+    asked = [
+        flag
+        for flag, on in (
+            ("--use-rollout-routing-replay", algorithm.use_rollout_routing_replay),
+            ("--record-routed-experts", algorithm.record_routed_experts),
+            (f"--moe-aux-loss-coeff {trainer.moe_aux_loss_coeff:g}", trainer.moe_aux_loss_coeff > 0),
+            (
+                f"--expert-model-parallel-size {trainer.expert_model_parallel_size}",
+                trainer.expert_model_parallel_size > 1,
+            ),
+        )
+        if on
+    ]
+    experts, model_type = expert_count(config), config.get("model_type")
+    if not experts:
+        return f"{asked[0]}: {model_dir} is a dense model, it has no experts: drop it" if asked else None
+    if model_type not in MOE_FAMILIES:
+        return f"{model_dir} is a {model_type} mixture of experts, which vime does not train yet: {_trained()}"
+    ep = trainer.expert_model_parallel_size
+    if experts % ep:
+        return f"--expert-model-parallel-size {ep} does not split {model_dir}'s {experts} experts per layer evenly"
+    return None
+
+
 def is_moe_block(module: nn.Module | None) -> bool:
     """transformers 5's sparse MoE block: a router (`gate`, with `top_k`) and fused `experts`."""
     return hasattr(module, "experts") and hasattr(getattr(module, "gate", None), "top_k")
@@ -64,14 +93,13 @@ class MoeShape:
 
     @classmethod
     def of(cls, model: nn.Module) -> MoeShape | None:
-        """The MoE of an HF causal LM (built on any device, meta included), None for a dense one;
-        a mixture of experts of a family without a row is refused in one line."""
+        """The MoE of an HF causal LM (built on any device, meta included), None for a dense one
+        (one whose config names experts that no layer has, too); a mixture of experts of a family
+        without a row is refused in one line."""
         decoder_layers = list(model.get_decoder().layers)
         layers = tuple(i for i, layer in enumerate(decoder_layers) if is_moe_block(getattr(layer, "mlp", None)))
         model_type = model.config.model_type
         if not layers:
-            if expert_count(model.config.to_dict()):
-                raise ModelError(f"{model_type} is a mixture of experts vime does not train: {_trained()}")
             return None
         family = MOE_FAMILIES.get(model_type)
         if family is None:

@@ -15,18 +15,22 @@ from vime.trainer.lora import LoraSpec, add_adapters
 from vime.trainer.model import TokenScorer, checkpoint_layers, load_model, wrap
 from vime.trainer.moe import MoeShape
 from vime.trainer.ranks import Ranks
+from vime.trainer.routing import Routing
 
 
 class Policy:
     """The trained model (`model`) and its scorer (`scorer`: the `TokenScorer` around it, wrapped
     by FSDP2 on a sharded trainer), built once at start."""
 
-    def __init__(self, trainer: TrainerConfig, model_path: str | Path, ranks: Ranks) -> None:
+    def __init__(self, trainer: TrainerConfig, model_path: str | Path, ranks: Ranks, replay: bool = False) -> None:
+        """`replay`: --use-rollout-routing-replay (a mixture of experts' routers replay the engine's)."""
         self.ranks = ranks
         self.attention_kernel = trainer.attention_kernel
         self.chunk_size = trainer.logprob_chunk_size
         self.model = load_model(model_path, ranks.device, trainer.attention_kernel)
         self.moe = MoeShape.of(self.model)  # None for a dense model
+        # its routers, before compile sees them: replay, mismatch, the balance loss (routing.py)
+        self.routing = Routing.install(self.moe, self.model, replay) if self.moe is not None else None
         # LoRA: the base frozen, adapters on the target layers (vime/trainer/lora.py); what leaves
         # the trainer (pushes, checkpoints' safetensors) is the merged weight under the HF name
         self.lora = LoraSpec.of(trainer)
@@ -49,7 +53,7 @@ class Policy:
             # object, so one compile serves all of them, and packed lengths vary: dynamic shapes
             for layer in self.model.get_decoder().layers:
                 layer.compile(dynamic=True)
-        self.scorer = self._wrap(TokenScorer(self.model, self.chunk_size))
+        self.scorer = self._wrap(TokenScorer(self.model, self.chunk_size, self.routing))
 
     def frozen(self, model_path: str | Path) -> nn.Module:
         """A frozen model's scorer (the KL's reference, the OPD teacher), wrapped as the policy's
