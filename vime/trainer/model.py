@@ -254,8 +254,12 @@ def checkpoint_layers(model: nn.Module, n: int | None) -> None:
             layer.gradient_checkpointing = False
 
 
-def wrap(scorer: TokenScorer, device: torch.device, world: int) -> nn.Module:
-    """FSDP2 the way torchtitan does it: one unit per decoder layer, the rest in the root."""
+def wrap(
+    scorer: TokenScorer, device: torch.device, world: int, mesh: Any = None, experts: set[nn.Parameter] | None = None
+) -> nn.Module:
+    """FSDP2 the way torchtitan does it: one unit per decoder layer, the rest in the root; over
+    `mesh` (default: all ranks). `experts`: parameters split by expert parallelism already
+    (vime/trainer/expert_parallel.py), which FSDP2 leaves alone."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = (
@@ -268,8 +272,9 @@ def wrap(scorer: TokenScorer, device: torch.device, world: int) -> nn.Module:
         # the last layer's parameters are needed again at once by the backward: keep them; on
         # one rank resharding frees nothing (the shard is the whole tensor) and the backward's
         # re-gather would only cast every weight to bf16 again
-        fully_shard(layer, mp_policy=mp, reshard_after_forward=world > 1 and i < len(layers) - 1)
-    fully_shard(scorer, mp_policy=mp, reshard_after_forward=False)
+        reshard = world > 1 and i < len(layers) - 1
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, ignored_params=experts or None)
+    fully_shard(scorer, mesh=mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=experts or None)
     if device.type == "cuda" and triton is not None:
         vectorize_grad_accumulation(scorer)
     return scorer
