@@ -122,6 +122,8 @@ def shape_contradictions(given: dict[str, Any], facts: dict[str, Any], source: s
     another model just as a wrong number does. Without --group-query-attention, Megatron ignores
     --num-query-groups (every head its own KV head)."""
     block = "num_layers" in given or "hidden_size" in given
+    if str(given.get("position_embedding_type", "")).lower() == "rope":  # Megatron's newer spelling of the switch
+        given = {**given, "use_rotary_position_embeddings": True}
     bad = []
     for name, fact in facts.items():
         f = FLAGS[name]
