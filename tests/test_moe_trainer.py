@@ -130,3 +130,22 @@ def test_an_moe_family_without_a_row_is_one_line(tmp_path):
     )  # fmt: skip
     with pytest.raises(ModelError, match="olmoe is a mixture of experts vime does not train yet"):
         MoeShape.of(AutoModelForCausalLM.from_config(config))
+
+
+def test_model_flops_count_the_experts_a_token_runs_through():
+    """MFU's FLOPs: an MoE layer multiplies each token by its router and its top-k experts only
+    (Qwen3-30B-A3B: 2.73B decoder weights of its 30B, the "A3B" with the embeddings), a dense
+    layer by its MLP."""
+    from transformers import Qwen3MoeConfig
+
+    from vime.trainer.perf import decoder_matmul_params
+
+    shape = dict(
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+    )  # fmt: skip
+    attention = 2048 * 32 * 128 * 2 + 2048 * 4 * 128 * 2
+    routed = 8 * 3 * 2048 * 768 + 2048 * 128
+    assert decoder_matmul_params(Qwen3MoeConfig(**shape)) == 48 * (attention + routed)
+    one_dense = Qwen3MoeConfig(**shape, mlp_only_layers=[0])
+    assert decoder_matmul_params(one_dense) == 48 * attention + 47 * routed + 3 * 2048 * 6144

@@ -74,6 +74,13 @@ def moe_refusal(config: dict, model_dir: str, trainer: TrainerConfig, algorithm:
     return None
 
 
+def moe_layer(config: object, i: int) -> bool:
+    """Whether decoder layer `i` of an MoE config routes (Qwen3-MoE's `mlp_only_layers` and
+    `decoder_sparse_step` leave layers dense; Mixtral's every layer routes); for a model not built."""
+    dense = getattr(config, "mlp_only_layers", None) or []
+    return i not in dense and (i + 1) % (getattr(config, "decoder_sparse_step", None) or 1) == 0
+
+
 def is_moe_block(module: nn.Module | None) -> bool:
     """transformers 5's sparse MoE block: a router (`gate`, with `top_k`) and fused `experts`."""
     return hasattr(module, "experts") and hasattr(getattr(module, "gate", None), "top_k")
