@@ -105,3 +105,16 @@ def test_the_30b_multi_agent_script_runs_on_a_mixture_of_experts(tmp_path):
         "multi_agent/run-qwen3-30B-A3B-multi-agent.sh", tmp_path, env, "--num-rollout", "1", "--lr", "1e-2"
     )
     _check_team_trained(rows, 1)
+
+
+def test_vllms_expert_parallelism_reaches_its_servers():
+    """vLLM engines split their experts with vLLM's own switch, passed through as any --vllm-NAME
+    (the trainer's --expert-model-parallel-size is another thing: the trainer's ranks)."""
+    from vime.backends.vllm.launch import server_command
+
+    cfg = parse_args(
+        ["--hf-checkpoint", "m", "--prompt-data", "d", "--num-rollout", "1", "--rollout-backend", "vllm",
+         "--rollout-num-gpus-per-engine", "2", "--vllm-enable-expert-parallel"],
+    )  # fmt: skip
+    command = server_command("m", port=1, device="cuda", tp_size=2, vllm_args=cfg.vllm_args)
+    assert "--enable-expert-parallel" in command and "--tensor-parallel-size" in command
