@@ -1,4 +1,4 @@
-"""The seed's and slime's MoE scripts on vime (issue 70): Megatron's MoE shape flags of
+"""vllm-project/vime's and slime's MoE scripts on vime (issue 70): Megatron's MoE shape flags of
 scripts/models/qwen3-30B-A3B.sh describe Qwen3-30B-A3B's config.json (checked on its config and
 tensor names, no weights), a flag that contradicts it is one line, and the multi-agent example's
 30B script runs on a tiny MoE once the built-in engine runs MoE models (skipped until then, as the
@@ -21,7 +21,7 @@ from vime.compat import SLIME
 from vime.config import parse_args
 from vime.models import read_config
 
-# Qwen3-30B-A3B's config.json (the hub's), the model the seed's multi-agent script trains
+# Qwen3-30B-A3B's config.json (the hub's), the model vllm-project/vime's multi-agent script trains
 QWEN3_30B_A3B = dict(
     model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=2048,
     intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
@@ -93,7 +93,7 @@ def test_experts_asked_of_a_dense_model_are_refused(tiny_model):
 
 
 def test_the_30b_multi_agent_script_runs_on_a_mixture_of_experts(tmp_path):
-    """examples/multi_agent/run-qwen3-30B-A3B-multi-agent.sh as the seed runs it (sync, colocated),
+    """examples/multi_agent/run-qwen3-30B-A3B-multi-agent.sh as vllm-project/vime runs it (sync, colocated),
     on the tiny Qwen3-MoE with its own shape file (checked against it: none contradicts)."""
     moe = make_tiny_moe(tmp_path / "moe", "qwen3_moe")
     assert refusals(moe, model_args("tiny-qwen3-moe")) == []

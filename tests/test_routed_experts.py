@@ -1,6 +1,6 @@
 """A mixture of experts' routing on the rollout side (R3, issue 70): the default generate asks the
 engine for it (SGLang's `return_routed_experts`) and the sample keeps it (`rollout_routed_experts`),
-in step with its tokens when cut, through the seed's `append_response_tokens`, saved rollouts, the
+in step with its tokens when cut, through slime's `append_response_tokens`, saved rollouts, the
 rollout process's pickles and a re-queue; an engine that does not answer it stops the run."""
 
 from __future__ import annotations

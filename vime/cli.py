@@ -1,6 +1,6 @@
 """`vime train | eval | serve | data | upcycle | report` — one entry point for everything a user runs.
 
-Run scripts written for slime or the seed system run as they are: the commands that take a run's
+Run scripts written for slime or vllm-project/vime run as they are: the commands that take a run's
 flags read them in slime's dialect (`vime.compat.SLIME`: its flags, plug-in names and router),
 which the entry points hand the core; the core itself never imports vime/compat/.
 

@@ -57,8 +57,8 @@ class Inputs:
 
 def check_inputs(args: Config) -> Inputs:
     """Check output directories, model, plug-ins and data, in that order (cheapest first). Each
-    check reads the room its settings belong to (`args.output`, `args.rollout`, ...); a value
-    found on the way makes a new config, whose rooms are read again."""
+    check reads the component its settings belong to (`args.output`, `args.rollout`, ...); a value
+    found on the way makes a new config, whose components are read again."""
     seconds: list[tuple[str, float]] = []
     last = time.monotonic()
 

@@ -1,7 +1,7 @@
 """What every rollout path asks the engines, below the rollout functions: the sampling params of a
 rollout or an eval, and one request on the engine the runtime picks. The default rollout
-(generate.py), the fully-async worker, evaluation and the seed system's router
-(compat.py) all build on these two, so they sit in a module none of those imports back.
+(generate.py), the fully-async worker, evaluation and the router vllm-project/vime's plug-ins
+post to (vime/compat/router.py) all build on these two, so they sit in a module none of those imports back.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from vime.errors import EngineError
 
 def sampling_params(args, evaluation: bool = False) -> dict:
     """The engine protocol's sampling_params of a rollout (or, with `evaluation`, of eval), from
-    the rollout room's settings (`args.rollout`) and, for eval, the eval room's (`args.eval`).
+    the rollout component's settings (`args.rollout`) and, for eval, the eval component's (`args.eval`).
 
     Eval is greedy with one sample per prompt; with more it samples at the rollout's settings.
     --eval-temperature / --eval-top-p / --eval-top-k override either. Stop strings (--rollout-stop) are sent only when given, so a request without

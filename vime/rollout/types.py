@@ -61,10 +61,10 @@ class Sample:
     # len(tokens) - 1 rows: the last token is never run. Each engine answer covers the sequence
     # from its start, so it replaces the rows (`take_routed_experts`)
     rollout_routed_experts: Tensor | None = None
-    # set by a custom generate (the seed's field): the sample stays in its group's reward
+    # set by a custom generate (vllm-project/vime's field): the sample stays in its group's reward
     # normalization but trains nothing, its loss mask zeroed before the step (`drop_removed`)
     remove_sample: bool = False
-    # `Sample.Status.COMPLETED`, as the seed system's plug-ins spell it (docs/plugin-compat.md)
+    # `Sample.Status.COMPLETED`, as vllm-project/vime's plug-ins spell it (docs/plugin-compat.md)
     Status: ClassVar[type[Status]] = Status
     status: Status = Status.PENDING
     metadata: dict[str, Any] = field(default_factory=dict)
@@ -101,7 +101,7 @@ class Sample:
         """Response tokens appended with everything that stays one per response token: their
         log-probs, weight versions and loss mask (an engine's answer; `trainable` False: tokens the
         model did not write, a tool's answer, out of the loss). New lists: a list the sample was
-        handed with stays as it was. (The seed system's plug-ins call `append_response_tokens`.)"""
+        handed with stays as it was. (vllm-project/vime's plug-ins call `append_response_tokens`.)"""
         n = len(ids)
         if not trainable or self.loss_mask is not None:
             self.loss_mask = self.effective_loss_mask() + [int(trainable)] * n
@@ -154,8 +154,8 @@ class Sample:
         text: str | None = None,
         update_terminal_info: bool = True,
     ) -> None:
-        """Append response tokens with everything that must stay in step with them: the seed
-        system's method, which its multi-turn plug-ins call once per model turn (`trainable`,
+        """Append response tokens with everything that must stay in step with them:
+        vllm-project/vime's method, which its multi-turn plug-ins call once per model turn (`trainable`,
         with the engine's log-probs) and once per tool answer (not trainable: loss mask 0,
         log-prob 0). `meta_info`'s `finish_reason` ("stop", "length", "abort", or {"type": ...})
         sets the status; its `weight_version` (or vime's per-token `output_weight_versions`, or
@@ -182,7 +182,7 @@ class Sample:
                     "append_response_tokens: the sample has response tokens without rollout log-probs; "
                     "trainable tokens cannot be appended to it"
                 )
-            # in place where the lists line up: the seed's plug-ins keep an alias (retool's
+            # in place where the lists line up: vllm-project/vime's plug-ins keep an alias (retool's
             # `loss_masks = sample.loss_mask`) and write it back when they finish
             self.tokens = _extended(self.tokens, None, ids)
             self.response_length += len(ids)
@@ -255,9 +255,9 @@ class RolloutOutput:
 
 
 def drop_removed(groups: list[list[Sample]]) -> int:
-    """Zero the loss mask of every sample marked `remove_sample`, as the seed does when it turns
+    """Zero the loss mask of every sample marked `remove_sample`, as vllm-project/vime does when it turns
     samples into training data: such a sample adds nothing to the loss or its gradient, while
-    its reward still counts in its group's mean and std (the seed normalizes over the whole
+    its reward still counts in its group's mean and std (vllm-project/vime normalizes over the whole
     group too). Returns how many were marked."""
     removed = 0
     for s in (s for g in groups for s in g if s.remove_sample):
