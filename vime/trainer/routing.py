@@ -41,8 +41,11 @@ class Routing:
     scored: Tensor | None = None  # [T] bool: the positions that score response tokens
     real: Tensor | None = None  # [T] bool: the row's real tokens (not padding)
     measure: bool = False  # count the mismatch (in a forward that does not replay)
-    balance_share: float = 0.0  # this micro-batch's share of the step's tokens; 0 outside training forwards
-    balance_scale: float = 0.0  # the balance loss's factor in the backward (coefficient × share × world)
+    # a training forward: the balance loss is logged, weighted by the micro-batch's share of the
+    # step's tokens, and enters the backward times `balance_scale` (coefficient × share × world)
+    balancing: bool = False
+    balance_share: float = 0.0
+    balance_scale: float = 0.0
     sums: dict[str, Tensor] = field(default_factory=dict)  # on the device: summed over forwards until `take`
 
     @classmethod
@@ -77,9 +80,10 @@ class Routing:
             self.measure = False
 
     def balance(self, share: float, scale: float) -> None:
-        """The next forward is a training forward holding `share` of its step's tokens: its
-        balance loss is logged weighted by it and enters the backward times `scale`."""
-        self.balance_share, self.balance_scale = share, scale
+        """The next forward is a training forward holding `share` of its step's tokens (0, 0:
+        forwards are not training ones any more): its balance loss is logged weighted by it and
+        enters the backward times `scale`."""
+        self.balancing, self.balance_share, self.balance_scale = share > 0, share, scale
 
     def add(self, name: str, value: Tensor) -> None:
         self.sums[name] = self.sums.get(name, 0) + value.detach().double()
@@ -112,6 +116,7 @@ def routing_metrics(
     return out
 
 
+@torch.compiler.disable  # eager inside a compiled layer: its flags would recompile the layer as they change
 def route(router: nn.Module, routing: Routing, slot: int, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """A transformers top-k router's forward: (logits [T, E], top-k weights [T, K], expert ids
     [T, K]), with the engine's ids in place of its own top-k where `routing` replays."""
@@ -129,12 +134,11 @@ def route(router: nn.Module, routing: Routing, slot: int, hidden: Tensor) -> tup
         weights = weights.to(logits.dtype)
     if routing.measure and engine is not None and not routing.replay:
         _count_mismatch(routing, own, engine)
-    if routing.balance_share:
+    if routing.balancing:
         weights = _balance(routing, probs, chosen, weights)
     return logits, weights, chosen
 
 
-@torch.compiler.disable
 def _count_mismatch(routing: Routing, own: Tensor, engine: Tensor) -> None:
     """Scored positions with engine ids whose top-k set the trainer would have chosen otherwise."""
     assert routing.scored is not None
@@ -144,7 +148,6 @@ def _count_mismatch(routing: Routing, own: Tensor, engine: Tensor) -> None:
     routing.add("compared", counted.sum())
 
 
-@torch.compiler.disable
 def _balance(routing: Routing, probs: Tensor, chosen: Tensor, weights: Tensor) -> Tensor:
     """The layer's load-balancing loss (Switch Transformer's, Megatron's `--moe-aux-loss-coeff`):
     E · Σ_e f_e · P_e over the row's real tokens, f_e the share of the top-k assignments expert e
