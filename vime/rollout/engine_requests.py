@@ -51,14 +51,18 @@ def sampling_params(args, evaluation: bool = False) -> dict:
     return params
 
 
-async def generate_on_engines(runtime, group_index: int, input_ids: list[int], params: dict) -> dict:
+async def generate_on_engines(
+    runtime, group_index: int, input_ids: list[int], params: dict, routed_experts: bool = False
+) -> dict:
     """One engine request, on the engine the runtime picks for the group (its prefix is cached
-    there) or, when that engine is gone, on another (runtime.py: engines that fail)."""
+    there) or, when that engine is gone, on another (runtime.py: engines that fail).
+    `routed_experts`: ask for each position's routed experts too (SGLang's `return_routed_experts`)."""
     cost = len(input_ids) + int(params.get("max_new_tokens") or 0)
+    extra = {"return_routed_experts": True} if routed_experts else {}
     while True:
         engine = runtime.pick(group_index, cost)
         try:
-            request = engine.client.generate(input_ids, params, return_logprob=True, rid=uuid.uuid4().hex)
+            request = engine.client.generate(input_ids, params, return_logprob=True, rid=uuid.uuid4().hex, **extra)
             return await runtime.watched(engine, request)
         except EngineError as e:
             if not await asyncio.to_thread(runtime.engine_failed, engine, e):

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
+from vime.errors import EngineError
 from vime.plugin_args import PluginArgs
 from vime.plugins import load_function, load_plugin
 from vime.rollout import async_loop
@@ -107,9 +108,18 @@ async def generate(args, sample: Sample, params: dict) -> Sample:
     if params["max_new_tokens"] <= 0:
         sample.status = Status.TRUNCATED
         return sample
-    out = await generate_on_engines(runtime, sample.group_index, sample.tokens, params)
+    routed = args.algorithm.wants_routed_experts  # a mixture of experts' routing, for R3 (and its metrics)
+    out = await generate_on_engines(runtime, sample.group_index, sample.tokens, params, routed)
     meta = out["meta_info"]
     sample.append_generated(out["output_ids"], meta["output_token_logprobs"], meta["output_weight_versions"])
+    if routed:
+        if out["output_ids"] and not meta.get("routed_experts"):
+            raise EngineError(
+                "an engine answered without routed_experts, which --use-rollout-routing-replay and "
+                "--record-routed-experts read: it cannot return a mixture of experts' routing (vime's engine and "
+                "SGLang started with --enable-return-routed-experts do)"
+            )
+        sample.take_routed_experts(meta)
     sample.temperature = params.get("temperature", 1.0)  # the engine's default; the trainer scores at it
     sample.status = _FINISH_TO_STATUS[meta["finish_reason"]["type"]]
     if stops:

@@ -6,9 +6,13 @@ prompt and are the unit GRPO normalizes over, so rollout functions return `list[
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 MULTI_TURN_STATE = "multi_turn"  # metadata key of a multi-turn sample's state (vime.rollout.tools.multi_turn)
 
@@ -51,6 +55,12 @@ class Sample:
     # on-policy distillation with a served teacher (--opd-type sglang): the teacher's log-prob of
     # each response token, set by the post-process (vime/rollout/on_policy_distillation.py)
     teacher_log_probs: list[float] | None = None
+    # a mixture of experts' routing as the engine ran it, for rollout routing replay (R3,
+    # --use-rollout-routing-replay): int32 [positions, layers × top_k], row p the top-k expert ids
+    # of each layer at position p of `tokens` (SGLang's `routed_experts`, decoded). At most
+    # len(tokens) - 1 rows: the last token is never run. Each engine answer covers the sequence
+    # from its start, so it replaces the rows (`take_routed_experts`)
+    rollout_routed_experts: Tensor | None = None
     # set by a custom generate (vllm-project/vime's field): the sample stays in its group's reward
     # normalization but trains nothing, its loss mask zeroed before the step (`drop_removed`)
     remove_sample: bool = False
@@ -101,13 +111,37 @@ class Sample:
         self.weight_versions = (self.weight_versions or []) + list(versions)
 
     def truncate_response(self, keep: int) -> None:
-        """The response cut to its first `keep` tokens, every per-token list with it."""
+        """The response cut to its first `keep` tokens, every per-token list with it (the routing's
+        rows with the positions cut)."""
         self.tokens = self.tokens[: self.prompt_length + keep]
         for name in ("loss_mask", "rollout_log_probs", "weight_versions"):
             values = getattr(self, name)
             if values is not None:
                 setattr(self, name, values[:keep])
         self.response_length = keep
+        if self.rollout_routed_experts is not None:
+            self.rollout_routed_experts = self.rollout_routed_experts[: max(len(self.tokens) - 1, 0)]
+
+    def take_routed_experts(self, meta: dict[str, Any]) -> None:
+        """An engine answer's `routed_experts` (SGLang's: base64 of little-endian int32, one row per
+        position from `routed_experts_start_len`, default 0, to the last token but one) in place
+        of the rows from there on. An answer without them leaves the sample as it was."""
+        routed = meta.get("routed_experts")
+        if not routed:  # none asked, or an answer that ran no position
+            return
+        start = int(meta.get("routed_experts_start_len") or 0)
+        rows = decode_routed_experts(routed, len(self.tokens) - 1 - start)
+        if start:
+            kept = self.rollout_routed_experts
+            if kept is None or kept.shape[0] < start or kept.shape[1] != rows.shape[1]:
+                raise ValueError(
+                    f"an engine answer's routed experts start at position {start}, and the sample holds none "
+                    "that match before it"
+                )
+            import torch
+
+            rows = torch.cat([kept[:start], rows])
+        self.rollout_routed_experts = rows
 
     def append_response_tokens(
         self,
@@ -159,10 +193,27 @@ class Sample:
                 self.weight_versions = None
             else:
                 self.weight_versions = (self.weight_versions or []) + versions
+        self.take_routed_experts(meta)
         if update_terminal_info and "finish_reason" in meta:
             reason = meta["finish_reason"]
             reason = reason.get("type") if isinstance(reason, dict) else reason
             self.status = _FINISH_STATUS.get(reason, self.status)
+
+
+def decode_routed_experts(value: str | bytes, positions: int) -> Tensor:
+    """SGLang's `routed_experts` (base64 of little-endian int32 ids; raw bytes also taken) as an
+    int32 tensor of `positions` rows: [positions, layers × top_k]."""
+    import numpy as np
+    import torch
+
+    raw = base64.b64decode(value) if isinstance(value, str) else bytes(value)
+    ids = torch.from_numpy(np.frombuffer(raw, dtype="<i4").astype(np.int32))
+    if positions <= 0 or ids.numel() % positions:
+        raise ValueError(
+            f"an engine answer's routed experts hold {ids.numel()} ids, which do not split into the "
+            f"{max(positions, 0)} positions it ran"
+        )
+    return ids.reshape(positions, -1)
 
 
 def _extended(values: list | None, length: int | None, more: list, fill: Any = None) -> list:

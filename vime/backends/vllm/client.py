@@ -172,9 +172,17 @@ class VLLMClient(EngineClient):
     # ---- generation --------------------------------------------------------------------
 
     async def generate(
-        self, input_ids: list[int], sampling_params: dict, return_logprob: bool = True, rid: str | None = None
+        self,
+        input_ids: list[int],
+        sampling_params: dict,
+        return_logprob: bool = True,
+        rid: str | None = None,
+        return_routed_experts: bool = False,
     ) -> Any:
-        """POST /inference/v1/generate; returns vime's response body (a dict, a list when n > 1)."""
+        """POST /inference/v1/generate; returns vime's response body (a dict, a list when n > 1).
+        Routed experts are not read from vLLM's answer (the config refuses R3 with this backend)."""
+        if return_routed_experts:
+            raise EngineError(f"{self!r}: vime's vLLM client does not read routed experts (rollout routing replay)")
         params = to_vllm_sampling_params(sampling_params)
         if "seed" in params:
             params["seed"] = request_seed(params["seed"], len(input_ids))
