@@ -1,12 +1,9 @@
-"""A mixture of experts trained end to end (issue 70): train.py and train_async.py on a tiny
-Qwen3-MoE. From saved rollouts (no engine) R3 runs through the whole command line today; with the
-built-in engine the runs go once the engine runs MoE models and answers `return_routed_experts`
-(another branch of issue 70): until then they are skipped, by asking the engine itself (its
-`unsupported`, and one request), never by a fixed mark."""
+"""A mixture of experts trained end to end: train.py and train_async.py on a tiny Qwen3-MoE, from
+saved rollouts (no engine: R3 through the whole command line) and with the built-in engine (its
+routed experts returned, the expert weights pushed and checksummed)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 
@@ -81,37 +78,10 @@ def test_r3_trains_an_moe_from_saved_rollouts_through_the_command_line(moe, tmp_
     assert not torch.equal(written["model.layers.0.mlp.gate.weight"], start["model.layers.0.mlp.gate.weight"])
 
 
-def engine_cannot(moe: Path, routing: bool) -> str | None:
-    """Why the built-in engine cannot serve these runs, found by asking it; None when it can."""
-    from vime.backends.builtin.launch import launch_engine
-    from vime.backends.client import EngineClient
-    from vime.engine.core.model_config import unsupported
-
-    why = unsupported(moe)
-    if why is not None:
-        return f"the built-in engine does not run this MoE yet: {why}"
-    if not routing:
-        return None
-    engine = launch_engine(str(moe), device="cpu", dtype="float32")
-    try:
-        asked = EngineClient(engine.url).generate([40, 41, 42], {"max_new_tokens": 2}, return_routed_experts=True)
-        answer = asyncio.run(asked)
-    except Exception as e:  # an engine that refuses the field: one line of why
-        return f"the built-in engine refuses return_routed_experts ({type(e).__name__}: {str(e)[:200]})"
-    finally:
-        engine.shutdown()
-    if not answer["meta_info"].get("routed_experts"):
-        return "the built-in engine answers return_routed_experts without routed_experts"
-    return None
-
-
 @pytest.mark.parametrize("mode", ["sync", "fully-async"])
 def test_an_moe_trains_with_the_builtin_engine(moe, tmp_path, mode):
     """Generation, training, the expert weights pushed under the hub's names (checksummed by the
     engine: --check-weight-push) and trained again, in sync and fully-async mode."""
-    why = engine_cannot(moe, routing=False)
-    if why:
-        pytest.skip(why)
     entry, extra = ("train.py", []) if mode == "sync" else ("train_async.py", FULLY_ASYNC)
     train_here(
         entry,
@@ -132,9 +102,6 @@ def test_an_moe_trains_with_the_builtin_engine(moe, tmp_path, mode):
 
 
 def test_r3_end_to_end_with_the_builtin_engine(moe, tmp_path):
-    why = engine_cannot(moe, routing=True)
-    if why:
-        pytest.skip(why)
     train_here(
         "train.py", *TINY, "--hf-checkpoint", str(moe), "--num-rollout", "2", "--use-rollout-routing-replay",
         "--runs-dir", str(tmp_path), "--run-name", "r",
