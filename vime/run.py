@@ -121,6 +121,8 @@ class Run:
             )
         with at_step(rollout_id + 1):  # a plug-in's fault (rollout, generate, filter, post-process) names the step
             out = self.ctx.rollout_fn(self.args, rollout_id, self.data_source)
+            if isinstance(out, list):  # slime's older form, the groups alone (its call_rollout_fn takes it too)
+                out = RolloutOutput(samples=out)
             if isinstance(self.ctx.rollout_fn, Plugin) and not holds_groups(out):
                 raise self.ctx.rollout_fn.error(
                     f"returned {type(out).__name__}: it must return RolloutOutput(samples=[[Sample, ...], ...], metrics={{}}), "
