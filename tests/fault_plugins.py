@@ -235,6 +235,6 @@ def loss_failing_in_step_two(args, *, log_probs, old_log_probs, advantages, loss
     return -advantages * log_probs
 
 
-def rollout_as_a_list(args, rollout_id: int, data_source, evaluation: bool = False):
-    """slime's oldest rollout functions returned the groups themselves, not RolloutOutput."""
-    return generate_rollout(args, rollout_id, data_source, evaluation).samples
+def rollout_as_a_flat_list(args, rollout_id: int, data_source, evaluation: bool = False):
+    """The samples without their groups: slime's bare list of groups is taken, this is not."""
+    return [s for g in generate_rollout(args, rollout_id, data_source, evaluation).samples for s in g]

@@ -149,12 +149,13 @@ def test_a_filter_that_drops_everything_stops_the_run_in_one_line(tmp_path, mode
     script, extra = MODES[mode]
     res = run_cli(
         script, *TINY, *FILTER, *extra,
-        "--custom-rm-path", "varied_reward.constant",
+        "--custom-rm-path", "varied_reward.constant", "--dynamic-sampling-max-epochs", "1",
         "--num-rollout", "2", "--runs-dir", str(tmp_path),
     )  # fmt: skip
     assert res.returncode == 2, res.stderr[-2000:]
     last = res.stderr.strip().splitlines()[-1]
-    assert "--dynamic-sampling-filter-path dropped" in last and "in a row (as many as the data has prompts)" in last
+    assert "--dynamic-sampling-filter-path dropped" in last and "in a row (1 pass(es) over the data)" in last
+    assert "raise --dynamic-sampling-max-epochs 1" in last
 
 
 def test_the_fallback_keeps_a_group_rather_than_start_another_round(tmp_path):

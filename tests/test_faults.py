@@ -1289,12 +1289,12 @@ def test_a_plugin_that_fails_mid_run_stops_it_in_one_line_and_keeps_the_checkpoi
 
 def test_a_rollout_function_that_returns_no_rollout_output_stops_the_run_in_one_line(tmp_path):
     res = run_cli(
-        "train.py", *TINY, "--rollout-function-path", "fault_plugins.rollout_as_a_list", "--debug-rollout-only",
+        "train.py", *TINY, "--rollout-function-path", "fault_plugins.rollout_as_a_flat_list", "--debug-rollout-only",
         "--num-rollout", "2", "--runs-dir", str(tmp_path), "--run-name", "r",
     )  # fmt: skip
     assert res.returncode == 2, res.stderr[-3000:]
     assert res.stderr.strip().splitlines()[-1] == (
-        "error: step 1: --rollout-function-path fault_plugins.rollout_as_a_list returned list: it must return "
+        "error: step 1: --rollout-function-path fault_plugins.rollout_as_a_flat_list returned list: it must return "
         "RolloutOutput(samples=[[Sample, ...], ...], metrics={}), one non-empty list per prompt group"
     ), res.stderr[-2000:]
 

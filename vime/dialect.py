@@ -39,6 +39,12 @@ class Dialect(Protocol):
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None: ...
 
+    def take_flags(self, rest: list[str]) -> tuple[dict[str, Any], list[str]]:
+        """Its flags that argparse leaves over, as {dest: value} (kept with `flags`'): those it takes
+        as a family rather than one by one (slime's `--sglang-*`, SGLang's whole server argument
+        list); the tokens it does not take."""
+        ...
+
     def unknown_flags_error(self, unknown: list[str], known: list[str]) -> str | None:
         """One message naming every flag of `unknown` neither vime nor the dialect knows (None: none)."""
         ...
@@ -87,6 +93,9 @@ class Plain:
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         return None
+
+    def take_flags(self, rest: list[str]) -> tuple[dict[str, Any], list[str]]:
+        return {}, rest
 
     def unknown_flags_error(self, unknown: list[str], known: list[str]) -> str | None:
         lines = []

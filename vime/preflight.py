@@ -27,6 +27,7 @@ from typing import Any
 from vime.backends import BACKENDS
 from vime.config import Config, ConfigError, RolloutConfig, TrainerConfig
 from vime.config.checks_train import inert_flags
+from vime.config.mode_inert import mode_inert_flags
 from vime.debug_rollout import check_template
 from vime.dialect import dialect_of
 from vime.eval_sets import args_for
@@ -135,10 +136,10 @@ def _outputs(args: Config) -> tuple[Config, Path | None, list[str]]:
 
 def startup_notes(args: Config) -> list[str]:
     """What start-up says of the flags: the dialect's lines on its own flags (vime/compat/:
-    slime's), one line of every flag given with no effect (vime's own and the dialect's), and
-    what --custom-config-path set."""
+    slime's), one line of every flag given with no effect (vime's own, those this run's mode
+    leaves unread, and the dialect's), and what --custom-config-path set."""
     lines, foreign_inert = dialect_of(args).notes(args)
-    inert = [*inert_flags(args), *foreign_inert]
+    inert = [*inert_flags(args), *mode_inert_flags(args), *foreign_inert]
     if inert:
         lines.append("flags with no effect in vime: " + "; ".join(inert))
     if args.rollout.custom_config_path:

@@ -120,10 +120,12 @@ class Run:
                 ro.load_debug_rollout_data, rollout_id, ro.n_samples_per_prompt, ro.rollout_batch_size, vocab
             )
         with at_step(rollout_id + 1):  # a plug-in's fault (rollout, generate, filter, post-process) names the step
-            out = self.ctx.rollout_fn(self.args, rollout_id, self.data_source)
+            given = self.ctx.rollout_fn(self.args, rollout_id, self.data_source)
+            # slime's older form, the groups alone (its call_rollout_fn takes it too)
+            out = RolloutOutput(samples=given) if isinstance(given, list) else given
             if isinstance(self.ctx.rollout_fn, Plugin) and not holds_groups(out):
                 raise self.ctx.rollout_fn.error(
-                    f"returned {type(out).__name__}: it must return RolloutOutput(samples=[[Sample, ...], ...], metrics={{}}), "
+                    f"returned {type(given).__name__}: it must return RolloutOutput(samples=[[Sample, ...], ...], metrics={{}}), "
                     "one non-empty list per prompt group"
                 )
             if self.post_process is not None:  # rewards in, advantages not yet: every mode passes here

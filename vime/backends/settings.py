@@ -43,6 +43,12 @@ class PlacementConfig(Component):
     engine_num_kv_blocks: int | None = setting(
         None, "KV-cache blocks per engine (default: engine's choice)", group="placement"
     )
+    engine_kv_cache_memory_fraction: float | None = setting(
+        None,
+        "GPU: the share of the memory free once an engine's weights are loaded that its KV cache takes "
+        "(default: 0.5; --engine-num-kv-blocks, where given, sizes it instead)",
+        group="placement",
+    )
     engine_quantization: str | None = setting(
         None,
         "opt-in: fp8 runs the built-in engines' layer projections in FP8 (weights quantized per channel when they "

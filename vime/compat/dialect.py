@@ -20,7 +20,7 @@ from typing import Any
 
 from vime.compat import imports, model, parse, startup
 from vime.compat.answer_log import AnswerLog
-from vime.compat.flags import FLAGS
+from vime.compat.flags import ACCEPTED
 from vime.compat.router import Router
 from vime.dialect import PluginServices
 from vime.modes import DEFAULT_ROLLOUT_FN, custom_rollout
@@ -69,14 +69,26 @@ class Slime:
     # what every plug-in's `args` has besides the settings: the router's address (None where the
     # run has none) and Megatron's context-parallel size (one: vime never splits a sequence;
     # retool sizes its context as context_parallel_size × max_tokens_per_gpu)
-    plugin_names = {"vllm_router_ip": None, "vllm_router_port": None, "context_parallel_size": 1}  # noqa: RUF012
+    plugin_names = {  # noqa: RUF012
+        "vllm_router_ip": None,
+        "vllm_router_port": None,
+        "context_parallel_size": 1,
+        # vllm-project/vime's fully-async example reads both: its requests in flight per engine
+        # (its default; vime's engines bound theirs by --engine-max-num-seqs), and whether the
+        # rollout draws from the one data source of the run (vime's always does)
+        "vllm_server_concurrency": 512,
+        "rollout_global_dataset": True,
+    }
 
     @property
     def flags(self) -> Collection[str]:
-        return FLAGS
+        return ACCEPTED
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parse.add_arguments(parser)
+
+    def take_flags(self, rest: list[str]) -> tuple[dict[str, Any], list[str]]:
+        return parse.take_flags(rest)
 
     def unknown_flags_error(self, unknown: list[str], known: list[str]) -> str | None:
         return parse.unknown_flags_error(unknown, known)

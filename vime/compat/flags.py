@@ -6,17 +6,22 @@ check (`model.py`) and docs/slime-flags.md all read these rows.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
+
+from vime.compat.sglang_flags import PREFIX as SGLANG_PREFIX
 
 
 @dataclass(frozen=True)
 class Flag:
-    """One foreign flag. `type` bool is a switch (store_true)."""
+    """One foreign flag. `type` bool is a switch (store_true); `nargs` as argparse's, for a flag
+    that takes several values (Megatron's `--spec MODULE FUNCTION`)."""
 
     name: str  # the dest, e.g. tensor_model_parallel_size
-    kind: str  # shape | parallel | recompute | same | inert | zero
+    kind: str  # shape | parallel | recompute | same | inert | zero | value
     type: type
     says: str  # what vime does with it: the start-up line, the --help and docs/slime-flags.md
+    nargs: str | None = None
 
     @property
     def flag(self) -> str:
@@ -28,6 +33,106 @@ def _rows(kind: str, type_: type, says: str, *names: str) -> list[Flag]:
 
 
 _CHECKED = "checked against the checkpoint's config.json and weights"
+_KERNELS = "a Megatron kernel or implementation choice: vime's trainer picks its own kernels"
+_WEIGHT_SYNC = (
+    "slime's disk and delta weight sync: vime pushes the whole weights at every push, by --weight-transport, "
+    "so the engines hold the same weights"
+)
+# slime's own flags (and Megatron's that its scripts pass) accepted with what vime does instead;
+# a `value` row's line depends on its value (startup.py says which)
+_SLIME_ROWS = [
+    *_rows(
+        "inert",
+        bool,
+        "vime keeps AdamW's state in float32 on the actor GPUs, sharded by FSDP2; on CUDA a model whose state "
+        "cannot fit them is refused at start-up",
+        "optimizer_cpu_offload",
+        "overlap_cpu_optimizer_d2h_h2d",
+        "use_precision_aware_optimizer",
+    ),
+    Flag(
+        "deterministic_mode",
+        "inert",
+        bool,
+        "vime does not switch torch to deterministic kernels, and its GPU attention backward is not bitwise "
+        "reproducible; seeds fix the prompt order and every sample's draws (--rollout-seed) and the trainer's (--seed)",
+    ),
+    Flag("kl_coef", "value", float, "slime's KL penalty in the reward (REINFORCE++ and PPO only)"),
+    Flag("update_weight_mode", "value", str, _WEIGHT_SYNC),
+    Flag("update_weight_transport", "value", str, "disk: --weight-transport disk; nccl: vime picks per engine"),
+    *_rows("inert", str, _WEIGHT_SYNC, "update_weight_disk_dir", "update_weight_local_checkpoint_dir"),
+    *_rows("inert", str, _WEIGHT_SYNC, "update_weight_delta_encoding", "update_weight_delta_checksum"),
+    Flag("update_weight_disk_keep_files", "inert", bool, _WEIGHT_SYNC),
+    Flag("log_probs_chunk_size", "value", int, "tokens per log-prob chunk: --logprob-chunk-size"),
+    Flag("log_probs_max_tokens_per_gpu", "inert", int, "vime packs log-prob passes by --max-tokens-per-gpu too"),
+    Flag("recompute_loss_function", "inert", bool, "vime's LM head never holds the whole vocabulary's logits"),
+    Flag("async_save", "inert", bool, "vime writes each checkpoint between two steps"),
+    Flag("no_save_optim", "inert", bool, "vime's checkpoints always hold the optimizer state, so --load resumes it"),
+    Flag("balance_by_flops", "inert", bool, "vime packs micro-batches and balances ranks by tokens"),
+    Flag("data_pad_size_multiplier", "inert", int, "vime's packing pads sequences to no multiple"),
+    Flag("distributed_backend", "inert", str, "vime's trainer ranks talk NCCL on GPUs and gloo on CPU"),
+    Flag("distributed_timeout_minutes", "inert", int, "a trainer rank waits 30 minutes for the others"),
+    Flag("model_name", "inert", str, "vime reads the architecture from --hf-checkpoint's config.json"),
+    Flag("padded_vocab_size", "inert", int, "vime keeps the checkpoint's vocabulary"),
+    Flag("rollout_data_transport", "inert", str, "the driver hands each trainer rank its samples itself"),
+    Flag("use_distributed_post", "inert", bool, "vime's client spreads requests over the engines itself"),
+    Flag("train_env_vars", "inert", str, "trainer ranks inherit the command's environment: export them before it"),
+    Flag("rollout_skip_special_tokens", "same", bool, "responses are decoded without special tokens"),
+    Flag(
+        "get_mismatch_metrics",
+        "same",
+        bool,
+        "the engine/trainer log-prob mismatch is logged every step (train/train_rollout_logprob_abs_diff)",
+    ),
+    Flag("allgather_cp", "inert", bool, "no context parallelism: a sequence is never split over GPUs"),
+    *[
+        Flag(n, "inert", str, _KERNELS, nargs="+")
+        for n in (
+            "megatron_deepgemm_forward_layers",
+            "megatron_deepgemm_forward_modules",
+            "megatron_deepgemm_moe_forward_layers",
+            "megatron_deepgemm_moe_forward_modules",
+        )
+    ],
+    *_rows("inert", bool, _KERNELS, "no_rope_fusion", "no_masked_softmax_fusion", "no_gradient_accumulation_fusion"),
+    *_rows("inert", bool, _KERNELS, "enable_experimental"),
+    Flag("transformer_impl", "inert", str, _KERNELS),
+    Flag("spec", "inert", str, "a Megatron layer spec: vime builds the model from --hf-checkpoint", nargs="*"),
+    Flag("bf16", "same", bool, "on GPU the trainer computes in bfloat16 over float32 master weights"),
+    Flag("use_distributed_optimizer", "same", bool, "FSDP2 shards the optimizer state over the actor GPUs"),
+    Flag(
+        "no_check_for_nan_in_loss_and_grad",
+        "inert",
+        bool,
+        "vime skips a step whose loss or gradient norm is not finite, and stops after --max-bad-steps in a row",
+    ),
+    *_rows(
+        "inert",
+        int,
+        "no pipeline parallelism: FSDP2 shards every layer over the actor GPUs",
+        "decoder_first_pipeline_num_layers",
+        "decoder_last_pipeline_num_layers",
+    ),
+    Flag(
+        "use_rope_scaling",
+        "inert",
+        bool,
+        "not compared with the checkpoint: vime reads rope scaling from its config.json",
+    ),
+    Flag(
+        "rotary_scaling_factor",
+        "inert",
+        float,
+        "not compared with the checkpoint: vime reads rope scaling from its config.json",
+    ),
+    *_rows(
+        "inert",
+        bool,
+        "vime moves nothing to the CPU (with --colocate the engine releases its memory while the trainer steps)",
+        "no_offload_train",
+        "no_offload_rollout",
+    ),
+]
 FLAGS: dict[str, Flag] = {
     f.name: f
     for f in [
@@ -141,6 +246,7 @@ FLAGS: dict[str, Flag] = {
             str,
             "vime trains the HF model itself: there are no Megatron weights to convert for the engines",
         ),
+        *_SLIME_ROWS,
         *_rows(
             "zero",
             float,
@@ -161,36 +267,123 @@ def _absent(says: str, *names: str) -> list[Flag]:
 # is in slime and what vime has instead, for the one error that lists every flag a command line
 # has that vime does not know. A name ending in * is a family of flags.
 _NOT_YET = "not in vime yet"
+_MEGATRON_HOOK = "a hook into slime's Megatron trainer; vime trains the HF model with FSDP2 and has no such hook"
+_OTHER_MODELS = (
+    "a Megatron flag of a model architecture vime does not train (multi-latent attention: DeepSeek-V3, Kimi K2, "
+    "GLM-4.7; gated attention and DeltaNet: Qwen3-Next, Qwen3.5; GLM-4's extra norms); vime trains the Llama and "
+    "Qwen families"
+)
+_MEMORY_PROFILE = f"memory profiling of slime's trainer; {_NOT_YET}"
+_ROLLOUT_BUFFER = "slime's external rollout buffer (an agent server); vime: a --rollout-function-path of your own"
+_NOT_HERE = [
+    *_absent(
+        _MEGATRON_HOOK,
+        "custom_megatron_before_log_prob_hook_path",
+        "custom_megatron_before_train_step_hook_path",
+        "custom_megatron_init_path",
+        "custom_model_provider_path",
+    ),
+    *_absent(
+        "slime's hook from samples to its trainer's batch; vime trains the Samples themselves "
+        "(--custom-reward-post-process-path sees them first)",
+        "custom_convert_samples_to_train_data_path",
+        "rollout_data_postprocess_path",
+    ),
+    *_absent(
+        "how slime reduces the policy loss over tokens; vime: --calculate-per-token-loss, or --loss-type custom_loss",
+        "custom_pg_loss_reducer_function_path",
+    ),
+    *_absent(
+        "a rollout function that brings its own prompts; vime hands every rollout function the --prompt-data source",
+        "disable_rollout_global_dataset",
+    ),
+    *_absent(
+        "slime's dump of every step's details; vime: --save-debug-rollout-data, and the run directory's "
+        "metrics.jsonl and eval/",
+        "dump_details",
+        "save_debug_train_data",
+    ),
+    *_absent(_ROLLOUT_BUFFER, "rollout_buffer_url", "fetch_trajectory_retry_times", "rollout_task_type"),
+    *_absent(
+        "training only some parameters, by name; vime trains every weight, or LoRA adapters (--lora-rank)",
+        "freeze_indexer",
+        "freeze_params_name_list",
+        "only_train_params_name_list",
+    ),
+    *_absent(f"a proxy for slime's HTTP calls; {_NOT_YET}", "http_proxy"),
+    *_absent(
+        "a copy of the previous actor for off-policy log-probs; vime: the async modes' --off-policy-correction",
+        "keep_old_actor",
+    ),
+    *_absent(
+        "a share of a saved rollout; vime loads it whole (--load-debug-rollout-data)",
+        "load_debug_rollout_data_subsample",
+    ),
+    *_absent(f"rollouts from slime's forge; {_NOT_YET}", "load_forge_rollout_data"),
+    *_absent(
+        "no loss on a resumed sample's earlier tokens; vime trains them under the off-policy correction "
+        "(--update-in-flight resume)",
+        "mask_offpolicy_in_partial_rollout",
+    ),
+    *_absent(
+        "a YAML of Megatron's flags; vime: --config (a YAML of its flags) or --custom-config-path",
+        "megatron_config_path",
+    ),
+    *_absent(
+        _MEMORY_PROFILE, "memory_recorder", "memory_snapshot_dir", "memory_snapshot_num_steps", "record_memory_history"
+    ),
+    *_absent(f"slime's profiler targets; {_NOT_YET}", "profile_target"),
+    *_absent("training on a partly collected batch; vime's batches are always whole", "min_batch_collection_ratio"),
+    *_absent("the step of a Megatron --ref-load; vime's --ref-load is an HF directory", "ref_ckpt_step"),
+    *_absent(f"a reference model refreshed every N steps; {_NOT_YET}", "ref_update_interval"),
+    *_absent(f"fresh optimizer state at every rollout; {_NOT_YET}", "reset_optimizer_states"),
+    *_absent(
+        "a hook on every generated sample; vime: a --custom-generate-function-path that wraps the generate",
+        "rollout_sample_hook_path",
+    ),
+    *_absent(f"the entropy of the rollout's log-probs, for loss masks of one's own; {_NOT_YET}", "use_rollout_entropy"),
+    *_absent(f"Adam without moments kept across steps; {_NOT_YET} (--optimizer sgd keeps none)", "use_stateless_adam"),
+    *_absent(
+        "Transformer Engine's FP8 training; vime trains in bfloat16 (--engine-quantization fp8 quantizes the "
+        "built-in engines only)",
+        "fp8_format",
+        "fp8_recipe",
+        "fp8_param_gather",
+    ),
+    *_absent(
+        _OTHER_MODELS,
+        "multi_latent_attention",
+        "q_lora_rank",
+        "kv_lora_rank",
+        "qk_head_dim",
+        "qk_pos_emb_head_dim",
+        "v_head_dim",
+        "mscale",
+        "mscale_all_dim",
+        "no_position_embedding",
+        "rotary_interleaved",
+        "post_self_attn_layernorm",
+        "post_mlp_layernorm",
+        "apply_layernorm_1p",
+        "use_gated_attention",
+        "attention_output_gate",
+        "qwen_gdn_backend",
+    ),
+]
 ABSENT: dict[str, Flag] = {
     f.name: f
     for f in [
         *_absent("image/video columns for vision-language models; vime trains text models only", "multimodal_keys"),
-        *_absent("a KL penalty folded into the reward; vime: --kl-loss-coef (the KL as a loss term)", "kl_coef"),
         *_absent("the request router in front of slime's engines; vime's client spreads requests itself", "router_*"),
         *_absent(
             "GPUs per node of the cluster; vime: --actor-num-gpus-per-node and --rollout-num-gpus", "num_gpus_per_node"
         ),
         *_absent(
-            "delta weight sync through a shared disk; vime pushes whole weights, by --weight-transport",
-            "update_weight_mode",
-            "update_weight_transport",
-            "update_weight_disk_dir",
-            "update_weight_disk_keep_files",
-            "update_weight_local_checkpoint_dir",
-            "update_weight_delta_encoding",
-            "update_weight_delta_checksum",
+            "a hook after slime's disk weight-sync writes; vime's pushes (--weight-transport) call none",
             "custom_update_weight_post_write_path",
         ),
         *_absent(
-            "Megatron's optimizer state on the CPU or in low precision; vime: FSDP2 shards it over the actor GPUs",
-            "optimizer_cpu_offload",
-            "overlap_cpu_optimizer_d2h_h2d",
-            "use_precision_aware_optimizer",
-        ),
-        *_absent(
-            "an argument of the SGLang servers slime starts; vime: --vllm-NAME with --rollout-backend vllm, "
-            "or the built-in engine's --engine-* flags",
-            "sglang_*",
+            "SGLang's prefill/decode disaggregation; every vime engine prefills and decodes", "prefill_num_servers"
         ),
         *_absent("engines started elsewhere; vime: --rollout-engine-urls", "rollout_external_engine_addrs"),
         *_absent(
@@ -259,9 +452,28 @@ ABSENT: dict[str, Flag] = {
         *_absent("the first rollout's id; vime: --load resumes at its checkpoint's step", "start_rollout_id"),
         *_absent("HF-format saves; vime's checkpoints are HF directories already", "save_hf"),
         *_absent("compares pushed weights with the engine's; vime: --check-weight-push", "check_weight_update_equal"),
+        *_NOT_HERE,
     ]
 }
 ABSENT_DOC = "docs/slime-flags.md"
+
+
+class _Accepted(Collection[str]):
+    """The dests of every foreign flag vime takes: the rows of `FLAGS`, and the `--sglang-*`
+    family (SGLang's server arguments, vime/compat/sglang_flags.py), which has no rows of its own
+    here. A config file's key is read as slime's flag where it is one of these."""
+
+    def __contains__(self, name: object) -> bool:
+        return name in FLAGS or (isinstance(name, str) and name.startswith(SGLANG_PREFIX))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(FLAGS)
+
+    def __len__(self) -> int:
+        return len(FLAGS)
+
+
+ACCEPTED = _Accepted()
 
 
 def absent(dest: str) -> Flag | None:

@@ -6,7 +6,8 @@
   It stands aside when a real `slime` package is importable: a machine with slime keeps it.
 * vllm-project/vime's own paths whose modules live in vime/compat/ (`MOVED`):
   `vime.rollout.vllm_rollout` (its rollout module and plug-in helpers), `vime.utils.*`,
-  `vime.rollout.rm_hub`, `vime.backends.megatron_utils`.
+  `vime.rollout.rm_hub`, `vime.backends.megatron_utils`, `vime.rollout.base_types` (what rollout
+  functions return) and `vime.rollout.filter_hub` (dynamic-sampling filters and their types).
 
 `install()` puts one finder on `sys.meta_path` that answers such a name with the same module
 object as its target, so a class imported under either name is one class. A name vime lacks fails
@@ -28,6 +29,8 @@ MOVED = {
     "vime.utils": "vime.compat.utils",
     "vime.rollout.rm_hub": "vime.compat.rm_hub",
     "vime.backends.megatron_utils": "vime.compat.megatron_utils",
+    "vime.rollout.base_types": "vime.compat.base_types",
+    "vime.rollout.filter_hub": "vime.compat.filter_hub",
 }
 
 

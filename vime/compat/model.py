@@ -188,9 +188,10 @@ def check_model(cfg: Any, model_dir: Path, read_config: Callable[[Path], dict], 
     g = cfg.slime_flags
     config = read_config(model_dir)
     out = []
-    if any(FLAGS[n].kind == "shape" for n in g):
+    shapes = {n: v for n, v in g.items() if n in FLAGS and FLAGS[n].kind == "shape"}  # not the --sglang-* family
+    if shapes:
         line = shape_contradictions(
-            {n: v for n, v in g.items() if n in FLAGS and FLAGS[n].kind == "shape"},
+            shapes,
             model_facts(config, weight_names(model_dir)),
             str(model_dir / "config.json"),
         )

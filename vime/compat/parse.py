@@ -1,6 +1,6 @@
-"""slime's flags on vime's command line: `add_arguments` for those of `FLAGS`, one error naming
-every flag vime does not know (with what it is in slime), and `translate`, which turns the foreign
-flags that have a vime setting into it.
+"""slime's flags on vime's command line: `add_arguments` for those of `FLAGS`, `take_flags` for
+the `--sglang-*` family, one error naming every flag vime does not know (with what it is in
+slime), and `translate`, which turns the foreign flags that have a vime setting into it.
 """
 
 from __future__ import annotations
@@ -9,7 +9,9 @@ import argparse
 import difflib
 from typing import Any
 
+from vime.compat import sglang_flags
 from vime.compat.flags import ABSENT_DOC, FLAGS, absent
+from vime.config.schema import default_of
 
 
 def unknown_flags_error(rest: list[str], known: list[str]) -> str | None:
@@ -55,10 +57,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 f.flag,
                 dest=f.name,
                 type=f.type,
+                nargs=f.nargs,
                 metavar=f.type.__name__.upper(),
                 default=argparse.SUPPRESS,
                 help=f.says,
             )
+    group.add_argument(
+        "--sglang-NAME",
+        dest="sglang_NAME",
+        metavar="VALUE",
+        default=argparse.SUPPRESS,
+        help="any argument of the SGLang servers slime starts (e.g. --sglang-mem-fraction-static 0.7): the vime "
+        "setting or vLLM server argument that does the same where there is one, else named at start-up "
+        "(docs/slime-flags.md)",
+    )
+
+
+def take_flags(rest: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """slime's `--sglang-*` flags of what argparse left, as {dest: value}; the other tokens."""
+    return sglang_flags.take(rest)
 
 
 def translate(values: dict[str, Any]) -> None:
@@ -73,3 +90,25 @@ def translate(values: dict[str, Any]) -> None:
     if given.get("use_dynamic_batch_size") and values.get("micro_batch_size") is not None:
         # slime reads --micro-batch-size only without --use-dynamic-batch-size
         given["_ignored_micro_batch_size"] = values.pop("micro_batch_size")
+    for _flag, setting, value in mapped_values(given):
+        values.setdefault(setting, value)
+    backend = values.get("rollout_backend") or default_of("rollout_backend")
+    for effect in sglang_flags.effects(given, backend, starts_engines=not values.get("rollout_engine_urls")):
+        if effect.setting is not None:
+            values.setdefault(*effect.setting)
+        if effect.vllm is not None:
+            values.setdefault("vllm_args", {}).setdefault(*effect.vllm)
+
+
+def mapped_values(given: dict[str, Any]) -> list[tuple[str, str, Any]]:
+    """slime's `value` flags that become a vime setting at the value given: (flag name, setting,
+    value). --update-weight-transport disk writes the weights to disk as vime's disk transport
+    does; --log-probs-chunk-size N chunks log-probs by N tokens as --logprob-chunk-size does (-1,
+    slime's whole sequence, is vime's default chunking, said at start-up)."""
+    out = []
+    if given.get("update_weight_transport") == "disk":
+        out.append(("update_weight_transport", "weight_transport", "disk"))
+    chunk = given.get("log_probs_chunk_size")
+    if chunk is not None and chunk > 0:
+        out.append(("log_probs_chunk_size", "logprob_chunk_size", chunk))
+    return out

@@ -5,9 +5,15 @@ which have no effect).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+from vime.compat import sglang_flags
 from vime.compat.flags import FLAGS
+from vime.compat.parse import mapped_values
+
+# the estimators whose returns slime builds from a per-token reward, into which --kl-coef puts its KL
+REWARD_KL_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
 
 
 def checks(cfg: Any) -> list[tuple[bool, str]]:
@@ -32,7 +38,26 @@ def checks(cfg: Any) -> list[tuple[bool, str]]:
     for name in FLAGS:
         if FLAGS[name].kind == "parallel" and g.get(name) is not None and g[name] < 1:
             out.append((True, f"{FLAGS[name].flag} {g[name]}: sizes are at least 1"))
-    return out
+    return out + _kl_coef_checks(cfg)
+
+
+def _kl_coef_checks(cfg: Any) -> list[tuple[bool, str]]:
+    """slime's --kl-coef: refused where it would change training (a REINFORCE++ estimator, whose
+    per-token reward it enters) and where slime refuses it (beside --kl-loss-coef)."""
+    coef = cfg.slime_flags.get("kl_coef") or 0.0
+    return [
+        (
+            coef != 0 and cfg.advantage_estimator in REWARD_KL_ESTIMATORS,
+            f"--kl-coef {coef} with --advantage-estimator {cfg.advantage_estimator}: slime subtracts {coef} × "
+            "KL(policy ‖ reference) from every token's reward before REINFORCE++'s returns, which vime does not do "
+            f"yet: use --kl-loss-coef {coef} (the same KL as a loss term), or --kl-coef 0",
+        ),
+        (
+            coef != 0 and cfg.kl_loss_coef != 0,
+            f"--kl-coef {coef} and --kl-loss-coef {cfg.kl_loss_coef}: slime takes only one of them, and vime has "
+            "the loss term only: drop --kl-coef",
+        ),
+    ]
 
 
 def notes(cfg: Any) -> tuple[list[str], list[str]]:
@@ -42,13 +67,8 @@ def notes(cfg: Any) -> tuple[list[str], list[str]]:
     out = []
     sizes = {n: g[n] for n in FLAGS if FLAGS[n].kind == "parallel" and n in g}
     if sizes or g.get("sequence_parallel"):
-        gpus = cfg.actor_num_nodes * cfg.actor_num_gpus_per_node
         given = " ".join(f"{FLAGS[n].flag} {v}" for n, v in sizes.items())
-        out.append(
-            f"Megatron's parallel sizes ({given or 'none'}): vime shards weights, gradients and AdamW state over all "
-            f"{gpus} actor GPU(s) with FSDP2 instead, each GPU a data-parallel rank; a sequence is never split over "
-            "GPUs (--max-tokens-per-gpu bounds each micro-batch)"
-        )
+        out.append(f"Megatron's parallel sizes ({given or 'none'}): {_sharding(cfg)}")
     recompute = " ".join(f"{FLAGS[n].flag} {g[n]}" for n in FLAGS if FLAGS[n].kind == "recompute" and n in g)
     if g.get("recompute_granularity") == "full":
         layers = g.get("recompute_num_layers") if g.get("recompute_method") == "block" else None
@@ -56,15 +76,14 @@ def notes(cfg: Any) -> tuple[list[str], list[str]]:
             f"{recompute}: activation checkpointing of "
             + (f"the first {layers} decoder layers" if layers else "every decoder layer")
         )
-    same = [f"{FLAGS[n].flag} ({FLAGS[n].says})" for n in g if n in FLAGS and FLAGS[n].kind == "same"]
+    mapped, same, inert = _by_value(cfg)
+    if mapped:
+        out.append("slime flags that set vime's: " + "; ".join(mapped))
+    same += [f"{FLAGS[n].flag} ({FLAGS[n].says})" for n in g if n in FLAGS and FLAGS[n].kind == "same"]
     same += [f"{FLAGS[n].flag} 0 ({FLAGS[n].says})" for n in g if n in FLAGS and FLAGS[n].kind == "zero"]
     if same:
         out.append("slime/Megatron flags vime always follows: " + "; ".join(same))
-    inert = [
-        f"{FLAGS[n].flag}{'' if g[n] is True else f' {g[n]}'} ({FLAGS[n].says})"
-        for n in g
-        if n in FLAGS and FLAGS[n].kind == "inert"
-    ]
+    inert += [f"{FLAGS[n].flag}{_shown(g[n])} ({FLAGS[n].says})" for n in g if n in FLAGS and FLAGS[n].kind == "inert"]
     if g.get("recompute_granularity") == "selective":
         inert.append(f"{recompute} (selective recompute saves the attention scores, which vime's kernel never stores)")
     elif recompute and g.get("recompute_granularity") is None:
@@ -74,3 +93,82 @@ def notes(cfg: Any) -> tuple[list[str], list[str]]:
             f"--micro-batch-size {g['_ignored_micro_batch_size']} (slime reads it only without --use-dynamic-batch-size)"
         )
     return out, inert
+
+
+def _shown(value: Any) -> str:
+    if value is True:
+        return ""
+    return " " + (" ".join(map(str, value)) if isinstance(value, list) else str(value))
+
+
+def _sharding(cfg: Any) -> str:
+    """What vime does instead of Megatron's parallel sizes, over the trainer ranks this run has:
+    one rank per actor GPU on CUDA, --actor-num-procs processes on CPU (a torchrun's WORLD_SIZE
+    wins, as the trainer's own count: vime/trainer/distributed.py)."""
+    from vime.backends.placement import trainer_device  # torch: only once a run starts, not for --help
+    from vime.trainer.distributed import world_size
+
+    device = trainer_device(cfg.placement)
+    ranks = world_size(cfg.placement, device)
+    where = f"{ranks} actor GPU(s)" if device.startswith("cuda") else f"{ranks} CPU trainer process(es)"
+    if ranks == 1 and "WORLD_SIZE" not in os.environ:
+        return (
+            f"vime trains on one rank ({device}), the whole model there; with several it shards weights, gradients "
+            "and AdamW state over them with FSDP2 instead, each a data-parallel rank; a sequence is never split"
+        )
+    return (
+        f"vime shards weights, gradients and AdamW state over its {where} with FSDP2 instead, each a data-parallel "
+        "rank; a sequence is never split over them (--max-tokens-per-gpu bounds each micro-batch)"
+    )
+
+
+def _by_value(cfg: Any) -> tuple[list[str], list[str], list[str]]:
+    """The flags whose effect depends on the value given (`value` rows and slime's `--sglang-*`):
+    (set a vime setting, vime always does it, no effect), each as a start-up line's item."""
+    g = cfg.slime_flags
+    mapped, same, inert = [], [], []
+    for name, setting, value in mapped_values(g):
+        mapped.append(_set(f"{FLAGS[name].flag} {g[name]}", setting, value, getattr(cfg, setting)))
+    coef = g.get("kl_coef")
+    if coef == 0:
+        same.append("--kl-coef 0 (no KL penalty in the reward)")
+    elif coef is not None and cfg.advantage_estimator not in REWARD_KL_ESTIMATORS:
+        inert.append(
+            f"--kl-coef {coef} (slime computes the KL with --advantage-estimator {cfg.advantage_estimator} too, "
+            "and its returns leave it out: only REINFORCE++'s and PPO's rewards take it)"
+        )
+    mode = g.get("update_weight_mode")
+    if mode == "full":
+        same.append("--update-weight-mode full (the whole weights at every push)")
+    elif mode is not None:
+        inert.append(f"--update-weight-mode {mode} ({FLAGS['update_weight_mode'].says})")
+    transport = g.get("update_weight_transport")
+    if transport not in (None, "disk"):
+        inert.append(f"--update-weight-transport {transport} (vime picks the transport per engine: --weight-transport)")
+    chunk = g.get("log_probs_chunk_size")
+    if chunk is not None and chunk <= 0:
+        inert.append(
+            f"--log-probs-chunk-size {chunk} (vime computes log-probs in chunks of --logprob-chunk-size tokens)"
+        )
+    effects = sglang_flags.effects(g, cfg.rollout_backend, starts_engines=not cfg.rollout_engine_urls)
+    for e in effects:
+        if e.setting is not None:
+            mapped.append(_set(e.flag, e.setting[0], e.setting[1], getattr(cfg, e.setting[0])))
+        if e.vllm is not None:
+            name, value = e.vllm
+            mapped.append(_set(e.flag, f"vllm-{name}", value, cfg.vllm_args.get(name)))
+        if e.kind == "mapped":
+            continue
+        if e.kind == "same":
+            same.append(f"{e.flag} ({e.why})")
+        else:
+            inert.append(f"{e.flag} ({e.why})")
+    return mapped, same, inert
+
+
+def _set(given: str, setting: str, value: Any, now: Any) -> str:
+    """`given` → the vime flag it set, or what the flag the user gave set instead."""
+    flag = "--" + setting.replace("_", "-")
+    if now != value:
+        return f"{given} → {flag}, which you gave as {_shown(now).strip() or 'a switch'}: yours holds"
+    return f"{given} → {flag}{_shown(value)}"

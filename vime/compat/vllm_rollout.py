@@ -10,6 +10,10 @@ from vime.compat.vllm_rollout_helpers import (
     _coerce_flat_int_token_ids,
     _inference_generate_tokens_and_logprobs,
     _mm_render_response_to_generate_body,
+    _prepare_prompt_ids,
+    generate_and_rm,
+    generate_and_rm_group,
+    get_model_url,
 )
 from vime.plugin_args import PluginArgs
 from vime.rollout.engine_requests import sampling_params
@@ -31,10 +35,14 @@ __all__ = [
     "_coerce_flat_int_token_ids",
     "_inference_generate_tokens_and_logprobs",
     "_mm_render_response_to_generate_body",
+    "_prepare_prompt_ids",
     "flatten",
     "generate",
+    "generate_and_rm",
+    "generate_and_rm_group",
     "generate_fn",
     "generate_group",
+    "get_model_url",
     "generate_rollout",
     "generate_samples",
     "rollout_metrics",

@@ -134,6 +134,11 @@ def _engine_checks(c: Settings) -> list[tuple[bool, str]]:
             c, "--engine-num-kv-blocks", c.engine_num_kv_blocks, _backend(c).kv_blocks_flag, "--num-kv-blocks"
         ),
         (
+            c.engine_kv_cache_memory_fraction is not None and not 0 < c.engine_kv_cache_memory_fraction <= 1,
+            f"--engine-kv-cache-memory-fraction {c.engine_kv_cache_memory_fraction}: a share of the free GPU memory, "
+            "in (0, 1]",
+        ),
+        (
             c.launcher == "ray" and _backend(c).ray_place is None,
             f"--launcher ray places engines as Ray actors, and {_backend(c).what} has no Ray placement "
             "(its row's ray_place): use --launcher local",

@@ -69,6 +69,7 @@ def _batch_checks(c: Settings, entry: str) -> list[tuple[bool, str]]:
             c.over_sampling_batch_size is not None and c.dynamic_sampling_filter_path is None,
             "--over-sampling-batch-size only matters with --dynamic-sampling-filter-path (which groups to drop): give the filter or drop the flag",
         ),
+        (c.dynamic_sampling_max_epochs < 1, "--dynamic-sampling-max-epochs must be at least 1"),
         (c.update_weights_interval < 1, "--update-weights-interval must be at least 1"),
         (
             entry == "async" and c.colocate,

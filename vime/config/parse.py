@@ -68,13 +68,14 @@ def parse_args(
 ) -> Config:
     """Flags > --config YAML > dataclass defaults; then validate(entry).
 
-    The `dialect`'s flags (slime's and Megatron's, vime/compat/) land in `slime_flags`, `--vllm-*`
-    flags in `vllm_args`; every other flag vime does not know is named in one error (exit 2), each
+    The `dialect`'s flags (slime's and Megatron's, vime/compat/, its `--sglang-*` family too) land in
+    `slime_flags`, `--vllm-*` flags in `vllm_args`; every other flag vime does not know is named in one error (exit 2), each
     with what the dialect knows of it. The config keeps the dialect (`cfg.dialect`)."""
     dialect = dialect or PLAIN
     parser = build_parser(prog, description, dialect)
     parsed, rest = parser.parse_known_args(argv)
     vllm_args, unknown = split_vllm_args(rest)
+    taken, unknown = dialect.take_flags(unknown)
     message = dialect.unknown_flags_error(unknown, [o for a in parser._actions for o in a.option_strings])
     if message:  # every flag at once, each with what it is in the dialect: no edit-and-rerun round per flag
         parser.exit(2, f"{parser.prog}: error: {message}\n")
@@ -85,7 +86,7 @@ def parse_args(
         values.update(load_yaml(ns.pop("config"), foreign=dialect.flags))
     ns.pop("config", None)
     foreign = {k: ns.pop(k) for k in list(ns) if k in dialect.flags}
-    values["slime_flags"] = {**values.get("slime_flags", {}), **foreign}
+    values["slime_flags"] = {**values.get("slime_flags", {}), **taken, **foreign}
     values["vllm_args"] = {**values.get("vllm_args", {}), **vllm_args}
     values.update({k: coerce(k, v) for k, v in ns.items()})
     values.update(overrides)
@@ -96,16 +97,23 @@ def parse_args(
 def split_vllm_args(rest: list[str]) -> tuple[dict[str, Any], list[str]]:
     """`--vllm-NAME [VALUE ...]` tokens of what argparse did not know, as {NAME: value}; the
     tokens that are not such a flag come back for argparse's own error."""
+    return split_family(rest, "--vllm-")
+
+
+def split_family(rest: list[str], prefix: str) -> tuple[dict[str, Any], list[str]]:
+    """The `PREFIXNAME [VALUE ...]` tokens of `rest` (a family of flags passed through whole:
+    vLLM's, a dialect's), as {NAME: value} (a switch: True; several values: a list); the others,
+    as they came."""
     out: dict[str, Any] = {}
     unknown: list[str] = []
     i = 0
     while i < len(rest):
         tok = rest[i]
-        if not tok.startswith("--vllm-") or tok == "--vllm-":
+        if not tok.startswith(prefix) or tok == prefix:
             unknown.append(tok)
             i += 1
             continue
-        name, eq, inline = tok[len("--vllm-") :].partition("=")
+        name, eq, inline = tok[len(prefix) :].partition("=")
         values = [inline] if eq else []
         i += 1
         while not eq and i < len(rest) and not rest[i].startswith("--"):

@@ -7,7 +7,13 @@ With `--dynamic-sampling-filter-path`, each group is judged as soon as it is sco
 the filter keeps goes into the batch, one it drops is done with (counted, never trained, never
 generated again), and more prompts are started until the batch is full. A filter is slime's
 `fn(args, samples, **kwargs)` returning a bool or an object with `keep` (and `reason`,
-`keep_when_insufficient`); slime's built-in filters are accepted by their slime paths.
+`keep_when_insufficient`); slime's built-in filters are accepted by their slime paths (and by
+vllm-project/vime's, `vime.rollout.filter_hub...`).
+
+How long it keeps sampling is slime's rule: until the batch is full of kept groups, however many
+rounds of prompts that takes (slime's loop has no other end). A filter that drops everything the
+policy generates would then run for ever, so vime stops the run once the filter has dropped
+--dynamic-sampling-max-epochs passes over the data in a row with nothing kept.
 """
 
 from __future__ import annotations
@@ -58,10 +64,12 @@ def check_reward_nonzero_std_with_fallback(args: Any, samples: list[Sample], **k
     return DynamicFilterOutput(out.keep, out.reason, keep_when_insufficient=True)
 
 
-# vllm-project/vime's and slime's scripts name slime's filters; vime's follow the same rules
-_SLIME = "slime.rollout.filter_hub.dynamic_sampling_filters."
+# slime's scripts name its filters, vllm-project/vime's by its own package's name; vime's follow
+# the same rules
+_HUBS = ("slime.rollout.filter_hub.dynamic_sampling_filters.", "vime.rollout.filter_hub.dynamic_sampling_filters.")
 _ALIASES = {
-    _SLIME + name: f"{__name__}.{name}"
+    hub + name: f"{__name__}.{name}"
+    for hub in _HUBS
     for name in ("check_reward_nonzero_std", "check_reward_nonzero_std_with_fallback")
 }
 
@@ -118,10 +126,11 @@ class GroupSieve:
     The caller holds whatever lock guards it (the worker's condition) around `settle`, `check`
     and `metrics`; `judge` is the plug-in's call and runs outside it."""
 
-    def __init__(self, judge: GroupFilter, data_source: Any, batch: int) -> None:
+    def __init__(self, judge: GroupFilter, data_source: Any, batch: int, max_epochs: int) -> None:
         self.judge = judge
         self.data_source = data_source
         self.batch = batch
+        self.max_epochs = max_epochs  # --dynamic-sampling-max-epochs
         self.reasons: list[str | None] = []  # of the groups dropped since the last `metrics`
         self.dropped_rewards: list[float] = []
         self.in_a_row = 0  # groups dropped since the last one kept: a filter that keeps nothing must not spin forever
@@ -139,10 +148,10 @@ class GroupSieve:
         return False
 
     def check(self, kept: int) -> None:
-        """Stop a filter that dropped as many groups in a row as the data has prompts (at least a
-        batch); `kept`: the groups kept and waiting for a batch."""
-        if self.in_a_row >= max(len(self.data_source), self.batch):
-            raise everything_dropped(self.in_a_row, kept, self.batch)
+        """Stop a filter that dropped --dynamic-sampling-max-epochs passes over the data in a row
+        (each at least a batch); `kept`: the groups kept and waiting for a batch."""
+        if self.in_a_row >= self.max_epochs * max(len(self.data_source), self.batch):
+            raise everything_dropped(self.in_a_row, kept, self.batch, self.max_epochs)
 
     def metrics(self, kept: list[list[Sample]]) -> dict[str, float]:
         """The drops since the last call, and the raw reward of what was generated: the groups
@@ -154,14 +163,15 @@ class GroupSieve:
         return out
 
 
-def everything_dropped(dropped: int, kept: int, target: int) -> FilterError:
-    """The error of a filter that dropped as many groups in a row as the data has prompts (at
-    least a batch): it would go on generating forever (a filter that keeps some, however few,
-    fills its batch). `kept`: the groups kept and waiting for a batch."""
+def everything_dropped(dropped: int, kept: int, target: int, epochs: int) -> FilterError:
+    """The error of a filter that dropped `epochs` passes over the data in a row (each at least a
+    batch): slime would go on generating for ever (a filter that keeps some, however few, fills
+    its batch). `kept`: the groups kept and waiting for a batch."""
     return FilterError(
-        f"{FLAG} dropped {dropped} groups in a row (as many as the data has prompts) with {kept} kept groups "
+        f"{FLAG} dropped {dropped} groups in a row ({epochs} pass(es) over the data) with {kept} kept groups "
         f"waiting for a batch of {target}: it drops everything this policy generates (e.g. a task too hard for it, "
-        "or one it has learned); check the filter and the rewards"
+        "or one it has learned); check the filter and the rewards, or raise --dynamic-sampling-max-epochs "
+        f"{epochs} to sample longer"
     )
 
 

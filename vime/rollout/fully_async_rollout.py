@@ -69,7 +69,11 @@ class AsyncRolloutWorker:
         self.counts = {"requeued": 0, "dropped_stale": 0, "resumed": 0}
         # dynamic sampling: the groups the filter dropped since the last drain, guarded by cond
         judge = load_filter(args)
-        self.sieve = GroupSieve(judge, data_source, self.batch) if judge is not None else None
+        self.sieve = (
+            GroupSieve(judge, data_source, self.batch, rollout.dynamic_sampling_max_epochs)
+            if judge is not None
+            else None
+        )
         self.engine_version = engine_version  # kept current by set_engine_version after each push
         # group index → (first request, scored), for the batch's rollout time
         self.spans: dict[int, tuple[float, float]] = {}

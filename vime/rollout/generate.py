@@ -335,7 +335,7 @@ async def _generate_filtered(
     rollout = args.rollout
     target = rollout.rollout_batch_size
     chunk = rollout.over_sampling_batch_size or target
-    sieve = GroupSieve(judge, data_source, target)
+    sieve = GroupSieve(judge, data_source, target, rollout.dynamic_sampling_max_epochs)
     running: dict[asyncio.Task, list[Sample]] = {}
     kept: list[list[Sample]] = []
     try:

@@ -140,6 +140,7 @@ class RolloutRuntime:
         self._lock = threading.Lock()
         self._restart_threads: list[threading.Thread] = []
         self._replaced: list[Any] = []  # clients of engines that were started again
+        self.closed = False  # the run is over: a plug-in's own worker that outlives it generates nothing more
 
     # ---- who is up ---------------------------------------------------------------------------
 
@@ -374,6 +375,7 @@ class RolloutRuntime:
     def close(self) -> None:
         """Stop the worker (its in-flight requests aborted), then the rollout process, and close
         the clients' sessions."""
+        self.closed = True
         if self.worker is not None:
             self.worker.stop()
             self.worker = None

@@ -158,6 +158,13 @@ class RolloutConfig(Component):
         "generated again later. The fully-async worker keeps --rollout-concurrency groups in flight instead",
         group="rollout",
     )
+    dynamic_sampling_max_epochs: int = setting(
+        10,
+        "with --dynamic-sampling-filter-path, prompt groups are generated until the batch is full of kept ones, as in "
+        "slime (which never gives up); the run stops once the filter has dropped this many passes over the data in a "
+        "row (and at least as many batches) with no group kept: a filter that drops everything the policy generates",
+        group="rollout",
+    )
     rollout_shuffle: bool = setting(False, "shuffle prompts every epoch (seeded by --rollout-seed)", group="rollout")
     rollout_seed: int = setting(42, "seed of prompt order and sampling", group="rollout")
     skip_overlong_prompts: bool = setting(

@@ -76,6 +76,8 @@ def engine_args(settings: PlacementConfig, i: int, seed: int) -> list[str]:
     extra = ["--max-num-seqs", str(settings.engine_max_num_seqs), "--seed", str(seed + i)]
     if settings.engine_num_kv_blocks:
         extra += ["--num-kv-blocks", str(settings.engine_num_kv_blocks)]
+    if settings.engine_kv_cache_memory_fraction is not None:
+        extra += ["--kv-cache-memory-fraction", str(settings.engine_kv_cache_memory_fraction)]
     if settings.engine_quantization:
         extra += ["--quantization", settings.engine_quantization]
     return extra
