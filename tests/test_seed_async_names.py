@@ -39,6 +39,7 @@ def test_prompt_ids_are_the_samples_tokens_or_its_prompt_rendered(tiny_model):
 
 def test_rollout_outputs_under_slimes_names():
     from slime.rollout.base_types import RolloutFnTrainOutput as SlimeOutput
+
     from vime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
 
     assert SlimeOutput is RolloutFnTrainOutput
