@@ -62,9 +62,15 @@ class EngineClient:
     # ---- async: generation -------------------------------------------------------------
 
     async def generate(
-        self, input_ids: list[int], sampling_params: dict, return_logprob: bool = True, rid: str | None = None
+        self,
+        input_ids: list[int],
+        sampling_params: dict,
+        return_logprob: bool = True,
+        rid: str | None = None,
+        logprob_start_len: int | None = None,
     ) -> Any:
-        """POST /generate; returns the response body (a dict, or a list of dicts when n > 1)."""
+        """POST /generate; returns the response body (a dict, or a list of dicts when n > 1).
+        `logprob_start_len`: also the prompt's log-probs from there on (`input_token_logprobs`)."""
         body: dict[str, Any] = {
             "input_ids": list(input_ids),
             "sampling_params": sampling_params,
@@ -72,6 +78,8 @@ class EngineClient:
         }
         if rid is not None:
             body["rid"] = rid
+        if logprob_start_len is not None:
+            body["logprob_start_len"] = logprob_start_len
         return await self.apost("/generate", body)
 
     async def apost(self, route: str, body: dict) -> Any:

@@ -51,14 +51,20 @@ def sampling_params(args, evaluation: bool = False) -> dict:
     return params
 
 
-async def generate_on_engines(runtime, group_index: int, input_ids: list[int], params: dict) -> dict:
+async def generate_on_engines(
+    runtime, group_index: int, input_ids: list[int], params: dict, rid: str | None = None, **extra: int
+) -> dict:
     """One engine request, on the engine the runtime picks for the group (its prefix is cached
-    there) or, when that engine is gone, on another (runtime.py: engines that fail)."""
+    there) or, when that engine is gone, on another (runtime.py: engines that fail). `rid`: the
+    request's id at the engine (so it can be aborted by it); `extra`: the protocol's other
+    request fields (SGLang's `logprob_start_len`, which the router passes on)."""
     cost = len(input_ids) + int(params.get("max_new_tokens") or 0)
     while True:
         engine = runtime.pick(group_index, cost)
         try:
-            request = engine.client.generate(input_ids, params, return_logprob=True, rid=uuid.uuid4().hex)
+            request = engine.client.generate(
+                input_ids, params, return_logprob=True, rid=rid or uuid.uuid4().hex, **extra
+            )
             return await runtime.watched(engine, request)
         except EngineError as e:
             if not await asyncio.to_thread(runtime.engine_failed, engine, e):

@@ -44,6 +44,11 @@ _SAMPLING_KEYS = {
     "sampling_seed": "seed",
     "repetition_penalty": "repetition_penalty",
     "priority": None,  # not sent: a server on vLLM's default first-come scheduling refuses any priority
+    # how an answer's text is decoded (SGLang's options, which slime's plug-ins are handed): the
+    # rollout decodes the token ids itself, so none changes what is sent
+    "skip_special_tokens": None,
+    "spaces_between_special_tokens": None,
+    "no_stop_trim": None,
 }
 
 # The built-in engine's default, so a request without max_new_tokens means the same on both
@@ -172,9 +177,18 @@ class VLLMClient(EngineClient):
     # ---- generation --------------------------------------------------------------------
 
     async def generate(
-        self, input_ids: list[int], sampling_params: dict, return_logprob: bool = True, rid: str | None = None
+        self,
+        input_ids: list[int],
+        sampling_params: dict,
+        return_logprob: bool = True,
+        rid: str | None = None,
+        logprob_start_len: int | None = None,
     ) -> Any:
-        """POST /inference/v1/generate; returns vime's response body (a dict, a list when n > 1)."""
+        """POST /inference/v1/generate; returns vime's response body (a dict, a list when n > 1).
+        The prompt's log-probs (`logprob_start_len`, SGLang's) are the built-in engine's only: a
+        ValueError, the caller's request, not an engine fault."""
+        if logprob_start_len is not None:
+            raise ValueError("logprob_start_len: prompt log-probs through /generate need vime's engine, not vLLM")
         params = to_vllm_sampling_params(sampling_params)
         if "seed" in params:
             params["seed"] = request_seed(params["seed"], len(input_ids))
