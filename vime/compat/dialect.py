@@ -25,7 +25,7 @@ from vime.compat.answer_log import AnswerLog
 from vime.compat.flags import FLAGS
 from vime.compat.router import Router
 from vime.dialect import PluginServices
-from vime.modes import DEFAULT_ROLLOUT_FN, custom_rollout
+from vime.modes import DEFAULT_ROLLOUT_FN, FULLY_ASYNC_FN, custom_rollout
 from vime.plugins import IMPORT_EXPLAINERS, OPD_POST_PROCESS, OPD_REWARD
 
 # what slime's GenerateState adds to the rollout's sampling params (besides skip_special_tokens)
@@ -37,6 +37,8 @@ PATHS = {
     "slime.rollout.vllm_rollout.generate_rollout": DEFAULT_ROLLOUT_FN,
     "slime.rollout.sglang_rollout.generate_rollout": DEFAULT_ROLLOUT_FN,
     "vime.rollout.sglang_rollout.generate_rollout": DEFAULT_ROLLOUT_FN,
+    # slime.X is vime.X (imports.py): said here too, so the run's mode is read off vime's name
+    "slime.rollout.fully_async_rollout.generate_rollout_fully_async": FULLY_ASYNC_FN,
     "slime.rollout.on_policy_distillation.reward_func": OPD_REWARD,
     "slime.rollout.on_policy_distillation.post_process_rewards": OPD_POST_PROCESS,
 }

@@ -224,8 +224,8 @@ def returned_nothing(args, refused_before: int) -> str:
     refused, last = args.refusals() if isinstance(args, PluginArgs) else (0, "")
     if refused > refused_before:
         cause = (
-            f"while it ran, the router refused {refused - refused_before} of its requests, the last with {last}: "
-            "that error is what its own try/except hid"
+            f"while it ran, the router refused {refused - refused_before} plug-in request(s), the last with {last}: "
+            "the likeliest error its own try/except hid"
         )
     else:
         log = getattr(getattr(args, "output", None), "run_dir", None)
