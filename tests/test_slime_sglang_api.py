@@ -11,7 +11,7 @@ SGLang's shapes, as its code builds them (sgl-project/sglang, python/sglang/srt/
 * answer, `managers/tokenizer_manager.py`: `{text, output_ids, meta_info}`, a list for a batch;
   meta_info `id`, `finish_reason` (`schedule_batch.py` FINISH_*.to_json: `{type: stop, matched:
   token id | string}`, `{type: length, length}`, `{type: abort, message}`), `prompt_tokens`,
-  `completion_tokens`, `weight_version` (the server's, a string), `e2e_latency`; with
+  `completion_tokens`, `cached_tokens`, `weight_version` (the server's, a string), `e2e_latency`; with
   return_logprob `output_token_logprobs` as `(logprob, token_id, None)` (`detokenize_logprob_tokens`)
   and `input_token_logprobs` from logprob_start_len, None for the first prompt token.
 * text: `detokenizer_manager.py` trim_matched_stop: a matched stop string cut from the text (kept
@@ -38,7 +38,7 @@ from conftest import run_cli, train_here
 from safetensors.torch import load_file
 
 KEY = "router-key-for-tests"
-META = {"id", "finish_reason", "prompt_tokens", "completion_tokens", "weight_version", "e2e_latency"}
+META = {"id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "weight_version", "e2e_latency"}
 
 
 @pytest.fixture(scope="module")
@@ -391,3 +391,15 @@ def test_generate_state_and_the_rollout_names_are_slimes():
     }
     router = SimpleNamespace(sglang_router_ip="127.0.0.1", sglang_router_port=9)
     assert sr.get_model_url(router, "ref") == "http://127.0.0.1:9/generate"
+
+
+def test_a_sample_built_with_the_status_text_has_the_status():
+    """slime's tau-bench builds `Sample(status="completed")` (the enum's value): the sample keeps
+    the enum, which vime's filters and metrics compare with; a text that is no status fails."""
+    from slime.utils.types import Sample
+
+    sample = Sample(status="truncated")
+    assert sample.status is Sample.Status.TRUNCATED
+    assert Sample().status is Sample.Status.PENDING
+    with pytest.raises(ValueError, match="finished"):
+        Sample(status="finished")

@@ -9,7 +9,7 @@ The shapes are SGLang's, read off its code: the request is `GenerateReqInput`
 `stream`), its sampling params are `sglang/srt/sampling/sampling_params.py`'s, and an answer is
 what the tokenizer manager builds (`{text, output_ids, meta_info}`; `meta_info`: `id`,
 `finish_reason` `{type: stop, matched: token id or string}` / `{type: length, length}` /
-`{type: abort, message}`, `prompt_tokens`, `completion_tokens`, `weight_version` (a string, as
+`{type: abort, message}`, `prompt_tokens`, `completion_tokens`, `cached_tokens`, `weight_version` (a string, as
 SGLang's server args keep it), `e2e_latency`, and with `return_logprob`
 `output_token_logprobs` as `[log-prob, token id, None]` triples (the token's text in place of
 None with `return_text_in_logprobs`), `input_token_logprobs` from `logprob_start_len` on, the
@@ -20,8 +20,9 @@ is one prompt with `n` > 1. The text is decoded as SGLang's detokenizer does it
 
 vime's additions, which SGLang clients ignore: `meta_info.output_weight_versions`, the policy
 version of each output token (`Sample.append_response_tokens` reads it, so a multi-turn sample
-keeps each turn's versions). Not served: `cached_tokens` (vime's engines count prefix hits per
-engine, not per request), top log-probs, images and other media, LoRA, grammars.
+keeps each turn's versions). `cached_tokens` is 0 unless the engine tells (vime's engines count
+prefix-cache hits per engine, not per request; clients read the key: strands-sglang's usage). Not
+served: top log-probs, images and other media, LoRA, grammars.
 """
 
 from __future__ import annotations
@@ -211,6 +212,7 @@ def answer(item: Item, out: dict[str, Any], tokenizer: Any, version: int | None,
         "finish_reason": reason,
         "prompt_tokens": meta.get("prompt_tokens", len(item.input_ids)),
         "completion_tokens": len(ids),
+        "cached_tokens": int(meta.get("cached_tokens") or 0),
         "weight_version": str(own if own is not None else version),
         "e2e_latency": seconds,
         "output_weight_versions": list(meta.get("output_weight_versions") or []),

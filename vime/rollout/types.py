@@ -59,6 +59,11 @@ class Sample:
     status: Status = Status.PENDING
     metadata: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # slime's tau-bench builds its samples with the status's text (`Sample(status="completed")`)
+        if isinstance(self.status, str) and not isinstance(self.status, Status):
+            self.status = Status(self.status)
+
     @property
     def prompt_length(self) -> int:
         return len(self.tokens) - self.response_length
