@@ -1,4 +1,4 @@
-"""Plug-ins written slime's way (its examples' retool, search-r1, multi_agent), for
+"""Plug-ins written slime's way (its examples' retool, search-r1, multi_agent, geo3k multi-turn), for
 tests/test_slime_sglang_api.py: they import slime's names (`slime.rollout.sglang_rollout`,
 `slime.utils.http_utils`, `slime.utils.types`), post SGLang's native `/generate` to
 `http://{args.sglang_router_ip}:{args.sglang_router_port}`, with `input_ids` or `text`, one
@@ -10,6 +10,7 @@ from copy import deepcopy
 from slime.rollout.rm_hub import batched_async_rm
 from slime.rollout.sglang_rollout import GenerateState
 from slime.utils.http_utils import post
+from slime.utils.processing_utils import build_processor_kwargs
 from slime.utils.types import Sample
 
 OBSERVATION = " ok "
@@ -89,6 +90,35 @@ async def generate_best_of_two(args, sample: Sample, sampling_params) -> Sample:
     sample.append_response_tokens(
         args, tokens=[p[1] for p in pairs], log_probs=[p[0] for p in pairs], meta_info=best["meta_info"]
     )
+    return sample
+
+
+async def generate_env_turns(args, sample: Sample, sampling_params) -> Sample:
+    """geo3k multi-turn's way: the processor if the state has one (vime's has none: the tokenizer),
+    `sample.multimodal_inputs` read for images, a budget of new tokens, the env's observation
+    appended untrained with log-probs of 0.0 passed along."""
+    state = GenerateState(args)
+    if state.processor:
+        ids = state.processor(text=sample.prompt, **build_processor_kwargs(sample.multimodal_inputs))["input_ids"][0]
+    else:
+        ids = state.tokenizer.encode(sample.prompt, add_special_tokens=False)
+    assert not (sample.multimodal_inputs and sample.multimodal_inputs.get("images"))
+    sample.tokens, sample.loss_mask, sample.rollout_log_probs = list(ids), [], []
+    budget = sampling_params["max_new_tokens"]
+    for turn in range(2):
+        params = dict(sampling_params, max_new_tokens=max(1, budget // 2) if turn == 0 else budget)
+        output = await post(_url(args), {"input_ids": sample.tokens, "sampling_params": params, "return_logprob": True})
+        pairs = output["meta_info"]["output_token_logprobs"]
+        sample.append_response_tokens(
+            args, tokens=[p[1] for p in pairs], log_probs=[p[0] for p in pairs], meta_info=output["meta_info"]
+        )
+        budget -= len(pairs)
+        if turn == 1 or budget <= 0 or output["meta_info"]["finish_reason"]["type"] == "abort":
+            break
+        obs = state.tokenizer.encode(OBSERVATION, add_special_tokens=False)
+        sample.append_response_tokens(args, tokens=obs, log_probs=[0.0] * len(obs), trainable=False)
+    sample.response = state.tokenizer.decode(sample.tokens[len(ids) :])
+    sample.multimodal_train_inputs = None
     return sample
 
 

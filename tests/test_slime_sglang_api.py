@@ -319,7 +319,13 @@ def assert_trained(tmp_path: Path, tiny_model: Path) -> None:
 
 @pytest.mark.parametrize(
     ("generate", "per_prompt"),
-    [("generate_with_tool", 2), ("generate_with_search", 2), ("generate_best_of_two", 2), ("generate_agents", 6)],
+    [
+        ("generate_with_tool", 2),
+        ("generate_with_search", 2),
+        ("generate_best_of_two", 2),
+        ("generate_env_turns", 2),
+        ("generate_agents", 6),
+    ],
 )
 def test_a_slime_style_generate_trains_through_the_routers_generate(generate, per_prompt, tmp_path, data, tiny_model):
     """Sync: every sample its generate built from the router's SGLang answers is trained."""
