@@ -46,7 +46,10 @@ async def generate_with_tool(args, sample: Sample, sampling_params) -> Sample:
 
 async def generate_with_search(args, sample: Sample, sampling_params) -> Sample:
     """search-r1's way: each turn posts the text so far (`text`), keeps `output["text"]` and takes
-    the tokens and log-probs from `output_token_logprobs`; the observation is tokenized."""
+    the tokens and log-probs from `output_token_logprobs`; the observation is tokenized. Its
+    connection pool sized from args as strands-sglang's `get_client_from_slime_args` sizes it."""
+    pool = int(args.sglang_server_concurrency * args.rollout_num_gpus // args.rollout_num_gpus_per_engine)
+    assert pool == 512, pool  # slime's default concurrency, one engine of one device
     state = GenerateState(args)
     prompt_ids = state.tokenizer(sample.prompt, add_special_tokens=False)["input_ids"]
     sample.tokens, sample.loss_mask = list(prompt_ids), []

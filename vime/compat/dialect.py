@@ -24,6 +24,7 @@ from vime.compat import imports, model, parse, startup
 from vime.compat.answer_log import AnswerLog
 from vime.compat.flags import FLAGS
 from vime.compat.router import Router
+from vime.compat.sglang_api import DEFAULT_SERVER_CONCURRENCY
 from vime.dialect import PluginServices
 from vime.modes import DEFAULT_ROLLOUT_FN, FULLY_ASYNC_FN, custom_rollout
 from vime.plugins import IMPORT_EXPLAINERS, OPD_POST_PROCESS, OPD_REWARD
@@ -70,11 +71,15 @@ class SlimeServices:
             answers=answers,
         ).start()
         host, port = self.router.host, self.router.port
+        pl = cfg.placement
         self.live = {
             "vllm_router_ip": host,
             "vllm_router_port": port,
             "sglang_router_ip": host,
             "sglang_router_port": port,
+            # a count slime's args always hold (None is vime's "one engine"): strands-sglang's
+            # `get_client_from_slime_args` sizes its pool as concurrency × rollout GPUs ÷ GPUs per engine
+            "rollout_num_gpus": pl.rollout_num_gpus or len(runtime.engines) * pl.rollout_num_gpus_per_engine,
         }
 
     def restore(self, samples: list[Any]) -> None:
@@ -100,6 +105,8 @@ class Slime:
         "sglang_router_ip": None,
         "sglang_router_port": None,
         "context_parallel_size": 1,
+        # slime's --sglang-server-concurrency default, which its plug-ins' clients size their pools by
+        "sglang_server_concurrency": DEFAULT_SERVER_CONCURRENCY,
     }
 
     @property

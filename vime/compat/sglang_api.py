@@ -49,6 +49,7 @@ ENGINE_KEYS = frozenset(
         "priority",
     }
 )
+DEFAULT_SERVER_CONCURRENCY = 512  # slime's --sglang-server-concurrency: requests in flight per engine
 # how the answer's text is decoded, with SGLang's defaults
 TEXT_KEYS = {"skip_special_tokens": True, "spaces_between_special_tokens": True, "no_stop_trim": False}
 # SGLang's sampling params vime's engines have no counterpart of: taken at SGLang's default (what

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vime.compat import vllm_rollout_helpers
-from vime.compat.sglang_api import ENGINE_KEYS
+from vime.compat.sglang_api import DEFAULT_SERVER_CONCURRENCY, ENGINE_KEYS
 from vime.compat.utils.http_utils import get_rollout_num_engines
 from vime.rollout import async_loop
 from vime.rollout import generate as vime_generate
@@ -41,8 +41,6 @@ __all__ = [
     "generate_rollout_async",
     "get_model_url",
 ]
-
-DEFAULT_SERVER_CONCURRENCY = 512  # slime's --sglang-server-concurrency
 
 
 @dataclass
