@@ -25,6 +25,11 @@ class PluginServices(Protocol):
     def restore(self, samples: list[Any]) -> None:
         """After a custom generate: what its samples lost on the way (their log-probs), put back."""
 
+    def refusals(self) -> tuple[int, str]:
+        """How many of the plug-ins' requests the services answered with an error so far, and the
+        last one's message: what a generate that catches its own errors may have hidden."""
+        ...
+
     def stop(self) -> None: ...
 
 
@@ -71,6 +76,11 @@ class Dialect(Protocol):
 
     def install(self) -> None:
         """Make the names its plug-ins import importable in this process (idempotent)."""
+
+    def plugin_sampling_params(self, args: Any) -> dict[str, Any]:
+        """What a custom generate's sampling params hold besides vime's (slime's: SGLang's text
+        options, as slime's GenerateState hands them over)."""
+        ...
 
     def explain_import_error(self, e: ImportError) -> str | None:
         """Why a plug-in's import failed, where the dialect knows (a name it lacks), else None."""
@@ -121,6 +131,9 @@ class Plain:
 
     def install(self) -> None:
         return None
+
+    def plugin_sampling_params(self, args: Any) -> dict[str, Any]:
+        return {}
 
     def explain_import_error(self, e: ImportError) -> str | None:
         return None

@@ -60,6 +60,10 @@ class PluginArgs(SettingsView):
         if self._services is not None:
             self._services.restore(samples)
 
+    def refusals(self) -> tuple[int, str]:
+        """The dialect's services' refusals so far, and the last one's message ((0, "") without)."""
+        return self._services.refusals() if self._services is not None else (0, "")
+
     def __getattr__(self, name: str) -> Any:
         mine = self._mine
         if mine is not None and name in mine:

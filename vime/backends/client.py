@@ -68,10 +68,12 @@ class EngineClient:
         return_logprob: bool = True,
         rid: str | None = None,
         return_routed_experts: bool = False,
+        logprob_start_len: int | None = None,
     ) -> Any:
         """POST /generate; returns the response body (a dict, or a list of dicts when n > 1).
         `return_routed_experts`: a mixture of experts' routing in `meta_info["routed_experts"]`
-        (SGLang's field, sent only when asked: an engine that does not know it may refuse it)."""
+        (SGLang's field, sent only when asked: an engine that does not know it may refuse it).
+        `logprob_start_len`: also the prompt's log-probs from there on (`input_token_logprobs`)."""
         body: dict[str, Any] = {
             "input_ids": list(input_ids),
             "sampling_params": sampling_params,
@@ -81,6 +83,8 @@ class EngineClient:
             body["rid"] = rid
         if return_routed_experts:
             body["return_routed_experts"] = True
+        if logprob_start_len is not None:
+            body["logprob_start_len"] = logprob_start_len
         return await self.apost("/generate", body)
 
     async def apost(self, route: str, body: dict) -> Any:

@@ -7,8 +7,10 @@ core (`SLIME`), so that run scripts and plug-ins written for them run on vime as
   checks see the function the path names.
 * Plug-in imports: `slime.*` and vllm-project/vime's module paths (`imports.py`), installed in every
   process the config reaches (a pickled `SLIME` installs them where it is loaded).
-* Services: the router vllm-project/vime's custom generate functions post to (`router.py`), and the names
-  they read on `args` (`vllm_router_ip`, `vllm_router_port`, `context_parallel_size`).
+* Services: the router custom generate functions post to (`router.py`: vLLM's route for
+  vllm-project/vime's, SGLang's `/generate` for slime's), and the names they read on `args`
+  (`vllm_router_ip`, `vllm_router_port`, `sglang_router_ip`, `sglang_router_port`,
+  `context_parallel_size`).
 """
 
 from __future__ import annotations
@@ -22,14 +24,22 @@ from vime.compat import imports, model, parse, startup
 from vime.compat.answer_log import AnswerLog
 from vime.compat.flags import ACCEPTED
 from vime.compat.router import Router
+from vime.compat.sglang_api import DEFAULT_SERVER_CONCURRENCY
 from vime.dialect import PluginServices
-from vime.modes import DEFAULT_ROLLOUT_FN, custom_rollout
+from vime.modes import DEFAULT_ROLLOUT_FN, FULLY_ASYNC_FN, custom_rollout
 from vime.plugins import IMPORT_EXPLAINERS, OPD_POST_PROCESS, OPD_REWARD
+
+# what slime's GenerateState adds to the rollout's sampling params (besides skip_special_tokens)
+TEXT_OPTIONS = {"no_stop_trim": True, "spaces_between_special_tokens": False}
 
 # slime's (and vllm-project/vime's) spellings of vime's functions, by the flags that name functions
 PATHS = {
     "vime.rollout.vllm_rollout.generate_rollout": DEFAULT_ROLLOUT_FN,
     "slime.rollout.vllm_rollout.generate_rollout": DEFAULT_ROLLOUT_FN,
+    "slime.rollout.sglang_rollout.generate_rollout": DEFAULT_ROLLOUT_FN,
+    "vime.rollout.sglang_rollout.generate_rollout": DEFAULT_ROLLOUT_FN,
+    # slime.X is vime.X (imports.py): said here too, so the run's mode is read off vime's name
+    "slime.rollout.fully_async_rollout.generate_rollout_fully_async": FULLY_ASYNC_FN,
     "slime.rollout.on_policy_distillation.reward_func": OPD_REWARD,
     "slime.rollout.on_policy_distillation.post_process_rewards": OPD_POST_PROCESS,
 }
@@ -47,18 +57,38 @@ PATH_FLAGS = (
 
 class SlimeServices:
     """The router of a run whose custom generate or rollout function may reach the engines
-    itself, and what its answers' log-probs are kept in for the samples a plug-in rebuilds."""
+    itself (behind the run's own key, when it has one), and what its answers' log-probs are kept
+    in for the samples a plug-in rebuilds."""
 
     def __init__(self, cfg: Any, runtime: Any) -> None:
         ro = cfg.rollout
         answers = AnswerLog() if ro.custom_generate_function_path else None  # only a custom generate gives them back
-        self.router = Router(runtime, ro.rollout_max_response_len, answers=answers).start()
-        self.live = {"vllm_router_ip": self.router.host, "vllm_router_port": self.router.port}
+        self.router = Router(
+            runtime,
+            ro.rollout_max_response_len,
+            model_path=str(ro.model_dir or ro.hf_checkpoint),
+            api_key=cfg.placement.api_key,
+            answers=answers,
+        ).start()
+        host, port = self.router.host, self.router.port
+        pl = cfg.placement
+        self.live = {
+            "vllm_router_ip": host,
+            "vllm_router_port": port,
+            "sglang_router_ip": host,
+            "sglang_router_port": port,
+            # a count slime's args always hold (None is vime's "one engine"): strands-sglang's
+            # `get_client_from_slime_args` sizes its pool as concurrency × rollout GPUs ÷ GPUs per engine
+            "rollout_num_gpus": pl.rollout_num_gpus or len(runtime.engines) * pl.rollout_num_gpus_per_engine,
+        }
 
     def restore(self, samples: list[Any]) -> None:
         if self.router.answers is not None:
             for s in samples:
                 self.router.answers.restore(s)
+
+    def refusals(self) -> tuple[int, str]:
+        return self.router.refused, self.router.last_refusal
 
     def stop(self) -> None:
         self.router.stop()
@@ -66,18 +96,22 @@ class SlimeServices:
 
 class Slime:
     name = "slime"
-    # what every plug-in's `args` has besides the settings: the router's address (None where the
-    # run has none) and Megatron's context-parallel size (one: vime never splits a sequence;
-    # retool sizes its context as context_parallel_size × max_tokens_per_gpu)
+    # what every plug-in's `args` has besides the settings: the router's address, by vLLM's and
+    # SGLang's names (None where the run has none) and Megatron's context-parallel size (one:
+    # vime never splits a sequence; retool sizes its context as context_parallel_size × max_tokens_per_gpu)
     plugin_names = {  # noqa: RUF012
         "vllm_router_ip": None,
         "vllm_router_port": None,
+        "sglang_router_ip": None,
+        "sglang_router_port": None,
         "context_parallel_size": 1,
         # vllm-project/vime's fully-async example reads both: its requests in flight per engine
         # (its default; vime's engines bound theirs by --engine-max-num-seqs), and whether the
         # rollout draws from the one data source of the run (vime's always does)
         "vllm_server_concurrency": 512,
         "rollout_global_dataset": True,
+        # slime's --sglang-server-concurrency default, which its plug-ins' clients size their pools by
+        "sglang_server_concurrency": DEFAULT_SERVER_CONCURRENCY,
     }
 
     @property
@@ -118,6 +152,13 @@ class Slime:
 
     def explain_import_error(self, e: ImportError) -> str | None:
         return _explain(e)
+
+    def plugin_sampling_params(self, args: Any) -> dict[str, Any]:
+        """SGLang's text options as slime's GenerateState sets them (sglang_rollout.py), so a plug-in
+        that posts its sampling params to the router's `/generate` gets slime's text back: the stop
+        string kept (retool's and search-r1's tags), special tokens kept unless
+        --rollout-skip-special-tokens."""
+        return dict(TEXT_OPTIONS, skip_special_tokens=bool(getattr(args, "rollout_skip_special_tokens", False)))
 
     def plugin_services(self, cfg: Any, runtime: Any) -> PluginServices | None:
         return SlimeServices(cfg, runtime) if custom_rollout(cfg.rollout) and runtime.engines else None

@@ -5,7 +5,8 @@
   (search-r1's `from slime.rollout.vllm_rollout import GenerateState`, `slime.utils.types`).
   It stands aside when a real `slime` package is importable: a machine with slime keeps it.
 * vllm-project/vime's own paths whose modules live in vime/compat/ (`MOVED`):
-  `vime.rollout.vllm_rollout` (its rollout module and plug-in helpers), `vime.utils.*`,
+  `vime.rollout.vllm_rollout` (its rollout module and plug-in helpers), slime's
+  `vime.rollout.sglang_rollout` (`slime.rollout.sglang_rollout`: its default rollout module), `vime.utils.*`,
   `vime.rollout.rm_hub`, `vime.backends.megatron_utils`, `vime.rollout.base_types` (what rollout
   functions return) and `vime.rollout.filter_hub` (dynamic-sampling filters and their types).
 
@@ -26,6 +27,7 @@ from types import ModuleType
 ALIAS, TARGET = "slime", "vime"
 MOVED = {
     "vime.rollout.vllm_rollout": "vime.compat.vllm_rollout",
+    "vime.rollout.sglang_rollout": "vime.compat.sglang_rollout",
     "vime.utils": "vime.compat.utils",
     "vime.rollout.rm_hub": "vime.compat.rm_hub",
     "vime.backends.megatron_utils": "vime.compat.megatron_utils",

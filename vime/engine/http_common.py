@@ -104,17 +104,16 @@ def _presented(request: web.Request) -> bytes:
         return b""
 
 
-def auth_middleware(api_key: str) -> Callable:
+def auth_middleware(api_key: str, whose: str = "the engine's --api-key") -> Callable:
     """Every route but /health needs `Authorization: Bearer <api_key>` (what vime's client, vLLM's
-    and OpenAI's send). Compared in constant time, on any bytes the header holds."""
+    and OpenAI's send). Compared in constant time, on any bytes the header holds. `whose`: where
+    the key comes from, for the refusal."""
     expected = f"Bearer {api_key}".encode()
 
     @web.middleware
     async def check(request: web.Request, handler: Callable) -> web.StreamResponse:
         if request.path not in OPEN_ROUTES and not hmac.compare_digest(_presented(request), expected):
-            return json_error(
-                401, "missing or wrong API key: send 'Authorization: Bearer <key>' (the engine's --api-key)"
-            )
+            return json_error(401, f"missing or wrong API key: send 'Authorization: Bearer <key>' ({whose})")
         return await handler(request)
 
     return check

@@ -52,17 +52,28 @@ def sampling_params(args, evaluation: bool = False) -> dict:
 
 
 async def generate_on_engines(
-    runtime, group_index: int, input_ids: list[int], params: dict, routed_experts: bool = False
+    runtime,
+    group_index: int,
+    input_ids: list[int],
+    params: dict,
+    rid: str | None = None,
+    routed_experts: bool = False,
+    **extra: int | bool,
 ) -> dict:
     """One engine request, on the engine the runtime picks for the group (its prefix is cached
-    there) or, when that engine is gone, on another (runtime.py: engines that fail).
-    `routed_experts`: ask for each position's routed experts too (SGLang's `return_routed_experts`)."""
+    there) or, when that engine is gone, on another (runtime.py: engines that fail). `rid`: the
+    request's id at the engine (so it can be aborted by it); `routed_experts`: ask for each
+    position's routed experts too (SGLang's `return_routed_experts`); `extra`: the protocol's other
+    request fields (SGLang's `logprob_start_len`, which the router passes on)."""
     cost = len(input_ids) + int(params.get("max_new_tokens") or 0)
-    extra = {"return_routed_experts": True} if routed_experts else {}
+    if routed_experts:
+        extra["return_routed_experts"] = True
     while True:
         engine = runtime.pick(group_index, cost)
         try:
-            request = engine.client.generate(input_ids, params, return_logprob=True, rid=uuid.uuid4().hex, **extra)
+            request = engine.client.generate(
+                input_ids, params, return_logprob=True, rid=rid or uuid.uuid4().hex, **extra
+            )
             return await runtime.watched(engine, request)
         except EngineError as e:
             if not await asyncio.to_thread(runtime.engine_failed, engine, e):

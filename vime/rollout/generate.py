@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
+from vime.dialect import dialect_of
 from vime.errors import EngineError
 from vime.plugin_args import PluginArgs
 from vime.plugins import load_function, load_plugin
@@ -195,10 +196,12 @@ def custom_generate(path: str, evaluation: bool = False) -> GenerateFn:
 
     async def generate_with(args, sample: Sample, params: dict) -> Sample | list[Sample]:
         where = f"on sample {sample.index}"
+        refused = args.refusals()[0] if isinstance(args, PluginArgs) else 0
         prompt_ids = list(sample.tokens)
         if sample.response_length == 0:
             sample.tokens = []
         view = args.for_call() if isinstance(args, PluginArgs) else args
+        params = {**dialect_of(args).plugin_sampling_params(args), **params}  # slime's: SGLang's text options
         token = _PROMPT_IDS.set((sample.prompt, prompt_ids))
         try:
             out = await plugin.acall(where, view, sample, params, **extra)
@@ -206,9 +209,12 @@ def custom_generate(path: str, evaluation: bool = False) -> GenerateFn:
             _PROMPT_IDS.reset(token)
             if not sample.tokens:
                 sample.tokens = prompt_ids
-        if not (isinstance(out, Sample) or (isinstance(out, list) and out and all(isinstance(s, Sample) for s in out))):
-            got = "an empty list" if out == [] else type(out).__name__
-            raise plugin.error(f"returned {got}: it must return the Sample it was given, or a list of Samples", where)
+        if out == []:
+            raise plugin.error(returned_nothing(args, refused), where)
+        if not (isinstance(out, Sample) or (isinstance(out, list) and all(isinstance(s, Sample) for s in out))):
+            raise plugin.error(
+                f"returned {type(out).__name__}: it must return the Sample it was given, or a list of Samples", where
+            )
         samples = out if isinstance(out, list) else [out]
         if isinstance(args, PluginArgs):
             args.restore(samples)
@@ -218,6 +224,26 @@ def custom_generate(path: str, evaluation: bool = False) -> GenerateFn:
         return out
 
     return generate_with
+
+
+def returned_nothing(args, refused_before: int) -> str:
+    """Why a generate returned an empty list, as far as vime can tell: it returns the samples of
+    the calls that worked, and catches the errors of the others itself (multi_agent's agents print
+    them and go on), so when every call failed the cause is behind its own try/except. The
+    requests the router refused while it ran name it; else its own output does."""
+    refused, last = args.refusals() if isinstance(args, PluginArgs) else (0, "")
+    if refused > refused_before:
+        cause = (
+            f"while it ran, the router refused {refused - refused_before} plug-in request(s), the last with {last}: "
+            "the likeliest error its own try/except hid"
+        )
+    else:
+        log = getattr(getattr(args, "output", None), "run_dir", None)
+        cause = (
+            "a generate that catches its own errors returns nothing when every call it made failed: the error "
+            f"is in what it printed or logged above{f' (and in {log}/log.txt)' if log else ''}"
+        )
+    return f"returned an empty list, no sample to train: {cause}"
 
 
 async def generate_samples(
@@ -310,7 +336,9 @@ def multi_turn_metrics(flat: list[Sample], prefix: str) -> dict[str, float]:
     }
 
 
-async def _generate_batch(args, rollout_id: int, data_source) -> RolloutOutput:
+async def generate_batch(args, rollout_id: int, data_source) -> RolloutOutput:
+    """One training batch (`generate_rollout`'s work) on the running loop: its prompt groups
+    generated and scored, through --dynamic-sampling-filter-path's filter when one is given."""
     fn, params = generate_fn(args), sampling_params(args)
     judge = load_filter(args)
     t0 = time.perf_counter()
@@ -371,4 +399,4 @@ def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = Fals
         raise ValueError(
             "vime's rollout functions do not evaluate: evaluation runs through vime.eval.evaluate (greedy, graded the same way for every run)"
         )
-    return async_loop.run(_generate_batch(args, rollout_id, data_source))
+    return async_loop.run(generate_batch(args, rollout_id, data_source))

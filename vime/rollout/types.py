@@ -64,10 +64,19 @@ class Sample:
     # set by a custom generate (vllm-project/vime's field): the sample stays in its group's reward
     # normalization but trains nothing, its loss mask zeroed before the step (`drop_removed`)
     remove_sample: bool = False
+    # slime's multimodal fields, which vime keeps None (it rolls out text): slime's geo3k
+    # multi-turn rollout reads and writes them whatever the model
+    multimodal_inputs: dict[str, Any] | None = None
+    multimodal_train_inputs: dict[str, Any] | None = None
     # `Sample.Status.COMPLETED`, as vllm-project/vime's plug-ins spell it (docs/plugin-compat.md)
     Status: ClassVar[type[Status]] = Status
     status: Status = Status.PENDING
     metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # slime's tau-bench builds its samples with the status's text (`Sample(status="completed")`)
+        if isinstance(self.status, str) and not isinstance(self.status, Status):
+            self.status = Status(self.status)
 
     @property
     def prompt_length(self) -> int:
@@ -169,7 +178,8 @@ class Sample:
         if ids and trainable and lps is None:
             raise ValueError("append_response_tokens: trainable tokens need their rollout log_probs")
         if ids and not trainable:
-            if lps is not None:
+            # zeros are what they get anyway: slime's geo3k multi-turn rollout passes them
+            if lps is not None and any(lps):
                 raise ValueError("append_response_tokens: tokens that are not trainable take no log_probs")
             lps = [0.0] * len(ids)
         meta = meta_info or {}

@@ -44,6 +44,11 @@ _SAMPLING_KEYS = {
     "sampling_seed": "seed",
     "repetition_penalty": "repetition_penalty",
     "priority": None,  # not sent: a server on vLLM's default first-come scheduling refuses any priority
+    # how an answer's text is decoded (SGLang's options, which slime's plug-ins are handed): the
+    # rollout decodes the token ids itself, so none changes what is sent
+    "skip_special_tokens": None,
+    "spaces_between_special_tokens": None,
+    "no_stop_trim": None,
 }
 
 # The built-in engine's default, so a request without max_new_tokens means the same on both
@@ -178,11 +183,16 @@ class VLLMClient(EngineClient):
         return_logprob: bool = True,
         rid: str | None = None,
         return_routed_experts: bool = False,
+        logprob_start_len: int | None = None,
     ) -> Any:
         """POST /inference/v1/generate; returns vime's response body (a dict, a list when n > 1).
-        Routed experts are not read from vLLM's answer (the config refuses R3 with this backend)."""
+        Routed experts are not read from vLLM's answer (the config refuses R3 with this backend).
+        The prompt's log-probs (`logprob_start_len`, SGLang's) are the built-in engine's only: a
+        ValueError, the caller's request, not an engine fault."""
         if return_routed_experts:
             raise EngineError(f"{self!r}: vime's vLLM client does not read routed experts (rollout routing replay)")
+        if logprob_start_len is not None:
+            raise ValueError("logprob_start_len: prompt log-probs through /generate need vime's engine, not vLLM")
         params = to_vllm_sampling_params(sampling_params)
         if "seed" in params:
             params["seed"] = request_seed(params["seed"], len(input_ids))

@@ -1,6 +1,10 @@
-"""`from vime.utils.http_utils import post, get`: JSON over HTTP, as vllm-project/vime's plug-ins call
-their engines' router (`http://{args.vllm_router_ip}:{args.vllm_router_port}/inference/v1/generate`,
-served in vime by vime/compat/router.py).
+"""`from vime.utils.http_utils import post, get` (and slime's `slime.utils.http_utils`): JSON over
+HTTP, as vllm-project/vime's plug-ins call their engines' router
+(`http://{args.vllm_router_ip}:{args.vllm_router_port}/inference/v1/generate`) and slime's call
+SGLang's (`http://{args.sglang_router_ip}:{args.sglang_router_port}/generate`), both served in vime
+by vime/compat/router.py. A request to that router carries the run's key when the run has one
+(the router notes it in `ROUTER_KEYS`), so a plug-in written for a router without keys works
+behind one.
 
 A call retries a connection that fails or a 5xx answer `max_retries` times, with a short
 backoff; a 4xx answer is the request's own fault and raises at once with the server's message.
@@ -13,10 +17,13 @@ from __future__ import annotations
 
 import asyncio
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 
 _sessions: dict[int, aiohttp.ClientSession] = {}
+# the key each keyed router of this process wants, by its address ("127.0.0.1:port")
+ROUTER_KEYS: dict[str, str] = {}
 
 
 class HTTPError(RuntimeError):
@@ -32,6 +39,9 @@ def _session() -> aiohttp.ClientSession:
 
 
 async def _request(method: str, url: str, payload: Any, headers: dict | None, max_retries: int) -> Any:
+    key = ROUTER_KEYS.get(urlsplit(url).netloc)
+    if key is not None and not any(h.lower() == "authorization" for h in headers or {}):
+        headers = {**(headers or {}), "Authorization": f"Bearer {key}"}
     last: BaseException | None = None
     for attempt in range(max_retries + 1):
         if attempt:
@@ -67,6 +77,14 @@ async def get(url: str, max_retries: int = 3, headers: dict | None = None) -> An
     return await _request("GET", url, None, headers, max_retries)
 
 
+def get_rollout_num_engines(args: Any) -> int:
+    """How many rollout engines the run has (slime's helper: its plug-ins scale their concurrency by it)."""
+    runtime = getattr(args, "runtime", None)
+    if runtime is not None and runtime.engines:
+        return len(runtime.engines)
+    return max(1, (args.rollout_num_gpus or 1) // max(1, args.rollout_num_gpus_per_engine))
+
+
 async def close_sessions() -> None:
     """Close the sessions of every loop (called on the rollout loop as a run closes)."""
     sessions = list(_sessions.values())
@@ -76,4 +94,4 @@ async def close_sessions() -> None:
             await session.close()
 
 
-__all__ = ["HTTPError", "close_sessions", "get", "post"]
+__all__ = ["HTTPError", "close_sessions", "get", "get_rollout_num_engines", "post"]

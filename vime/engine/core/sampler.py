@@ -18,7 +18,7 @@ from vime.engine.core import kernels
 
 # SGLang's keys that shape only the text it detokenizes: `/generate` answers token ids, so they
 # change nothing here and are taken (slime's OPD teacher request sends skip_special_tokens).
-TEXT_ONLY = frozenset({"skip_special_tokens", "spaces_between_special_tokens"})
+TEXT_ONLY = frozenset({"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"})
 
 
 @dataclass(frozen=True)

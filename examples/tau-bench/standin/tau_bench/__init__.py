@@ -4,7 +4,8 @@ started from) without the real package or an LLM user.
 
 It exposes the names the agent's files (`generate_with_tau.py`, `trainable_agents.py`) and its
 `tau1_mock.py` import, with the same shapes: `tau_bench.types` (`Action`, `RunConfig`, the env's
-responses, `RESPOND_ACTION_NAME`), `tau_bench.agents.tool_calling_agent.RESPOND_ACTION_NAME`,
+responses, `RESPOND_ACTION_NAME`), `tau_bench.agents.tool_calling_agent.RESPOND_ACTION_NAME` and `ToolCallingAgent`, and
+`tau_bench.agents.base.Agent` (slime's tau-bench agent subclasses them),
 `tau_bench.envs.get_env` and `tau_bench.envs.user` (the retry knobs the agent sets). Behind them is
 a toy shop, not tau-bench's retail data: three tools over a four-order database, a user who says
 the lines of its task's instruction in order and then `###STOP###` (no LLM, whatever the user
