@@ -23,13 +23,15 @@ from vime.compat.answer_log import AnswerLog
 from vime.compat.flags import FLAGS
 from vime.compat.router import Router
 from vime.dialect import PluginServices
-from vime.modes import DEFAULT_ROLLOUT_FN, custom_rollout
+from vime.modes import DEFAULT_ROLLOUT_FN, SFT_ROLLOUT_FN, custom_rollout
 from vime.plugins import IMPORT_EXPLAINERS, OPD_POST_PROCESS, OPD_REWARD
 
 # slime's (and vllm-project/vime's) spellings of vime's functions, by the flags that name functions
 PATHS = {
     "vime.rollout.vllm_rollout.generate_rollout": DEFAULT_ROLLOUT_FN,
     "slime.rollout.vllm_rollout.generate_rollout": DEFAULT_ROLLOUT_FN,
+    # slime's SFT scripts name it so: the run is an SFT run (its checks, no engine), not a rollout of one's own
+    "slime.rollout.sft_rollout.generate_rollout": SFT_ROLLOUT_FN,
     "slime.rollout.on_policy_distillation.reward_func": OPD_REWARD,
     "slime.rollout.on_policy_distillation.post_process_rewards": OPD_POST_PROCESS,
 }
