@@ -115,6 +115,7 @@ def eval_main(argv: list[str]) -> int:
     from vime.backends.placement import fresh_path
     from vime.compat import parse_args
     from vime.eval import evaluate
+    from vime.eval_sets import grading_line
     from vime.launch.assemble import assemble
 
     args = parse_args(
@@ -124,6 +125,7 @@ def eval_main(argv: list[str]) -> int:
         entry="eval",
     )
     ctx = assemble(args, evaluation=True)  # the model and prompts are checked before an engine starts
+    print(grading_line(ctx.cfg), file=sys.stderr)
     try:
         # claimed now, so an earlier eval's results stay, and one running at the same time gets another name:
         # eval.jsonl, eval.1.jsonl, ...; with several sets eval.<name>.jsonl, eval.<name>.1.jsonl, ...
