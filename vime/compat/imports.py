@@ -99,7 +99,9 @@ class _Aliases:
             module = sys.modules.get(ALIAS)
             return module is not None and module.__name__ == TARGET
         if self.slime is None:
-            self.slime = False  # while the other finders are asked: one that asks the import system back finds none here
+            self.slime = (
+                False  # while the other finders are asked: one that asks the import system back finds none here
+            )
             self.slime = _real_slime(self) is None
         return self.slime
 
