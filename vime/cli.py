@@ -1,4 +1,4 @@
-"""`vime train | eval | serve | data | report` — one entry point for everything a user runs.
+"""`vime train | eval | serve | data | report | convert` — one entry point for everything a user runs.
 
 Run scripts written for slime or vllm-project/vime run as they are: the commands that take a run's
 flags read them in slime's dialect (`vime.compat.SLIME`: its flags, plug-in names and router),
@@ -28,6 +28,7 @@ commands:
   data      write a verifiable task's train/test JSONL (built-in, or rg:<name> from reasoning-gym)
   report    print the speed and accuracy tables of run directories, write plots
   bench ab  one config through several modes (sync, one-step-off, fully-async, decoupled), then report
+  convert   a Megatron torch_dist checkpoint (slime's --save) -> an HF directory
 
 `vime <command> --help` explains each command's flags."""
 
@@ -189,6 +190,10 @@ def main(argv: list[str] | None = None) -> int:
         from vime.ab import main as ab_main
 
         return guarded(ab_main, rest[1:])
+    if cmd == "convert":
+        from vime.compat.torch_dist import main as convert_main
+
+        return guarded(convert_main, rest)
     if cmd == "report":
         from vime.report import main as report_main
 
