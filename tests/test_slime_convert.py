@@ -21,6 +21,7 @@ from conftest import run_cli
 from safetensors.torch import load_file
 
 from vime.compat.torch_dist import convert
+from vime.compat.torch_dist import main as convert_main
 from vime.errors import ConfigError
 from vime.models import ModelError, make_tiny_model, resolve_model
 
@@ -153,7 +154,7 @@ def test_vime_convert_with_slimes_spellings_reads_megatron_metadata_without_mega
     assert b"megatron.core" in meta_path.read_bytes()
     out = run_cli(
         "-m", "vime", "convert", "--input-dir", str(save / "iter_0000005"), "--origin-hf-dir", str(models["qwen3"]),
-        "--output-dir", str(tmp_path / "hf"), timeout=120,
+        "--output-dir", str(tmp_path / "hf"), "--vocab-size", "100", timeout=120,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == f"converted {save / 'iter_0000005'} to {tmp_path / 'hf'}"
@@ -165,6 +166,18 @@ def test_vime_convert_with_slimes_spellings_reads_megatron_metadata_without_mega
     assert again.returncode == 2 and again.stderr.strip().splitlines()[-1] == (
         f"error: --output {tmp_path / 'hf'} exists: give a new directory, or --force to replace it"
     )
+    with pytest.raises(ConfigError, match=r"--vocab-size 128: the --hf-checkpoint's config has 100: drop --vocab-size"):
+        convert_main(
+            [
+                str(save),
+                "--hf-checkpoint",
+                str(models["qwen3"]),
+                "--output",
+                str(tmp_path / "hf2"),
+                "--vocab-size",
+                "128",
+            ]
+        )
 
 
 def test_bad_checkpoints_are_one_line(tmp_path, models):

@@ -64,11 +64,10 @@ def resolve_model(name_or_path: str) -> Path:
         return build_once(cache_dir() / "tiny-qwen3", make_tiny_model)
     p = Path(name_or_path).expanduser()
     if p.is_dir():
-        if not (p / "config.json").exists() and torch_dist_checkpoint(p) is not None:
-            raise ModelError(torch_dist_refusal("--hf-checkpoint", p, None, "--hf-checkpoint"))
         if not (p / "config.json").exists():
             raise ModelError(
-                f"{p} is a directory but has no config.json: point --hf-checkpoint at an HF model directory"
+                torch_dist_refusal("--hf-checkpoint", p, None, "--hf-checkpoint")
+                or f"{p} is a directory but has no config.json: point --hf-checkpoint at an HF model directory"
             )
         read_config(p)  # a damaged config.json fails here in one line, not deep inside transformers
         why = weights_problem(p)
@@ -273,10 +272,12 @@ def torch_dist_checkpoint(path: str | Path) -> Path | None:
     return saved[-1] if saved else None
 
 
-def torch_dist_refusal(flag: str, path: str | Path, base: str | None, give_to: str) -> str:
-    """The one line for a torch_dist checkpoint given where vime reads an HF model: the format, and
-    the `vime convert` command that makes the HF directory (`base`: the HF model it was trained
-    from, when the run names one) to give to `give_to`."""
+def torch_dist_refusal(flag: str, path: str | Path, base: str | None, give_to: str) -> str | None:
+    """The one line for a torch_dist checkpoint (and no HF directory) given where vime reads an HF
+    model: the format, and the `vime convert` command that makes the HF directory (`base`: the HF
+    model it was trained from, when the run names one) to give to `give_to`; None for any other path."""
+    if (Path(path) / "config.json").exists() or torch_dist_checkpoint(path) is None:
+        return None
     out = f"{str(path).rstrip('/')}_hf"
     command = f"vime convert {path} --hf-checkpoint {base or '<the HF model it was trained from>'} --output {out}"
     return (

@@ -30,16 +30,7 @@ from vime.config.checks_train import inert_flags
 from vime.debug_rollout import check_template
 from vime.dialect import dialect_of
 from vime.eval_sets import args_for
-from vime.models import (
-    ModelError,
-    context_length,
-    load_tokenizer,
-    parameter_count,
-    read_config,
-    resolve_model,
-    torch_dist_checkpoint,
-    torch_dist_refusal,
-)
+from vime.models import ModelError, context_length, load_tokenizer, parameter_count, read_config, resolve_model
 from vime.plugin_args import PluginArgs
 from vime.plugin_checks import check_plugins
 from vime.plugins import load_function
@@ -299,16 +290,15 @@ def _nothing_to_resume(load: Path, base: str | None) -> None:
     """--load names no checkpoint vime can resume from: fine for a directory that is new or empty
     (hidden files, such as the lock of the run that made it, and the debris of an interrupted save
     aside); anything else is refused, naming what is there."""
+    from vime.models import torch_dist_refusal
     from vime.trainer.checkpoint import checkpoint_steps, foreign_checkpoint
 
     if checkpoint_steps(load):
         raise ConfigError(
             f"--load {load}: no intact checkpoint inside (expected <step>/trainer_state.pt and the model's safetensors)"
         )
-    if torch_dist_checkpoint(load) is not None:  # a start from its weights is an HF directory's
-        raise ConfigError(
-            torch_dist_refusal("--load", load, base, "--hf-checkpoint (and --load/--save a new directory)")
-        )
+    if line := torch_dist_refusal("--load", load, base, "--hf-checkpoint (and --load/--save a new directory)"):
+        raise ConfigError(line)  # its weights start a run as an HF directory
     foreign = foreign_checkpoint(load)
     if foreign:
         raise ConfigError(
@@ -410,19 +400,14 @@ def _check_model_flags(args: Config, model_dir: Path) -> None:
     al = args.algorithm
     if al.ref_load and al.kl_loss_coef > 0:
         ref = Path(al.ref_load)
-        if not (ref / "config.json").exists() and torch_dist_checkpoint(ref) is not None:
-            raise ConfigError(
-                torch_dist_refusal(
-                    "--ref-load",
-                    ref,
-                    args.rollout.hf_checkpoint,
-                    "--ref-load (or leave --ref-load out when it is --hf-checkpoint's model)",
-                )
-            )
         if not (ref / "config.json").exists():
+            from vime.models import torch_dist_refusal
+
             what = "not an HF model (no config.json)" if ref.is_dir() else "not a directory"
+            instead = "--ref-load (or leave --ref-load out when it is --hf-checkpoint's model)"
             raise ConfigError(
-                f"--ref-load {ref} is {what}: vime reads the reference model from an HF directory; pass the HF "
+                torch_dist_refusal("--ref-load", ref, args.rollout.hf_checkpoint, instead)
+                or f"--ref-load {ref} is {what}: vime reads the reference model from an HF directory; pass the HF "
                 "model it was converted from, or leave --ref-load out to use --hf-checkpoint"
             )
         resolve_model(str(ref))

@@ -361,7 +361,7 @@ def _check(
 
 def main(argv: list[str]) -> int:
     """`vime convert SRC --hf-checkpoint BASE --output OUT`; slime's converter's spellings work
-    too (`--input-dir`, `--origin-hf-dir`, `--output-dir`, `-f`)."""
+    too (`--input-dir`, `--origin-hf-dir`, `--output-dir`, `-f`, `--vocab-size`)."""
     import argparse
 
     p = argparse.ArgumentParser(
@@ -374,11 +374,17 @@ def main(argv: list[str]) -> int:
                    help="the HF model the checkpoint was trained from: its config, tokenizer and tensor names")  # fmt: skip
     p.add_argument("--output", "--output-dir", dest="output", required=True, help="the HF directory to write")
     p.add_argument("-f", "--force", action="store_true", help="replace --output if it exists")
+    p.add_argument(
+        "--vocab-size", type=int, help="slime's: the embedding rows kept; vime keeps the config's vocab_size"
+    )
     a = p.parse_args(argv)
     source = a.source or a.input_dir
     if source is None or (a.source and a.input_dir):
         p.error("give the checkpoint once: SOURCE or --input-dir")
     base = resolve_model(a.base)  # an HF directory, or vime's names for one (smollm2)
+    vocab = read_config(base)["vocab_size"]
+    if a.vocab_size is not None and a.vocab_size != vocab:  # the HF model's tables have the config's rows
+        raise ConfigError(f"--vocab-size {a.vocab_size}: the --hf-checkpoint's config has {vocab}: drop --vocab-size")
     ckpt = convert(Path(source).expanduser(), base, Path(a.output).expanduser(), a.force)
     print(f"converted {ckpt} to {a.output}")
     return 0
