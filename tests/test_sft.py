@@ -135,7 +135,6 @@ def sft_args(data: Path, *extra: str):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--loss-mask-type", "distill_qwen"], "--loss-mask-type distill_qwen (the last message as raw text"),
         (["--loss-type", "policy_loss"], "train them with --loss-type sft_loss"),
         (["--eval-interval", "2", "--eval-prompt-data", "x.jsonl"], "starts no engine, so the run evaluates nothing"),
         (["--kl-loss-coef", "0.1"], "loads no reference model: drop --kl-loss-coef"),
@@ -175,10 +174,6 @@ def test_slimes_sft_flags_need_no_saved_rollouts_and_mean_one_sample_per_convers
         ({"messages": "3+4="}, "the input is text, and SFT trains on conversations"),
         ({"messages": [{"role": "user", "content": "3+4="}]}, "the conversation has no assistant turn"),
         ({"prompt": [{"role": "user", "content": "3+4="}]}, "has no key 'messages'"),
-        (
-            {"messages": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "<think>x</think>2"}]},
-            "the chat template rewrites an assistant turn's text",
-        ),
     ],
 )
 def test_bad_conversations_are_one_line_naming_the_row(tmp_path, row, message):
@@ -186,8 +181,6 @@ def test_bad_conversations_are_one_line_naming_the_row(tmp_path, row, message):
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps(good) + "\n" + json.dumps(row) + "\n")
     tok = load_tokenizer(resolve_model("tiny"))
-    # a template that keeps only what follows </think>, as Qwen3's does with earlier turns
-    tok.chat_template = tok.chat_template.replace("m['content']", "m['content'].split('</think>')[-1]")
     with pytest.raises(DataError, match=f"d.jsonl row 1.*{message}"):
         ConversationSource(sft_args(data), tok, max_prompt_len=100)
 

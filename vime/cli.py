@@ -1,4 +1,4 @@
-"""`vime train | eval | serve | data | upcycle | report` — one entry point for everything a user runs.
+"""`vime train | eval | serve | data | upcycle | report | convert` — one entry point for everything a user runs.
 
 Run scripts written for slime or vllm-project/vime run as they are: the commands that take a run's
 flags read them in slime's dialect (`vime.compat.SLIME`: its flags, plug-in names and router),
@@ -29,6 +29,7 @@ commands:
   upcycle   make a dense Llama-family model (default: the embedded SmolLM2) a Mixtral mixture of experts
   report    print the speed and accuracy tables of run directories, write plots
   bench ab  one config through several modes (sync, one-step-off, fully-async, decoupled), then report
+  convert   a Megatron torch_dist checkpoint (slime's --save) -> an HF directory
 
 `vime <command> --help` explains each command's flags."""
 
@@ -116,6 +117,7 @@ def eval_main(argv: list[str]) -> int:
     from vime.backends.placement import fresh_path
     from vime.compat import parse_args
     from vime.eval import evaluate
+    from vime.eval_sets import grading_line
     from vime.launch.assemble import assemble
 
     args = parse_args(
@@ -125,6 +127,7 @@ def eval_main(argv: list[str]) -> int:
         entry="eval",
     )
     ctx = assemble(args, evaluation=True)  # the model and prompts are checked before an engine starts
+    print(grading_line(ctx.cfg), file=sys.stderr)
     try:
         # claimed now, so an earlier eval's results stay, and one running at the same time gets another name:
         # eval.jsonl, eval.1.jsonl, ...; with several sets eval.<name>.jsonl, eval.<name>.1.jsonl, ...
@@ -192,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
         from vime.ab import main as ab_main
 
         return guarded(ab_main, rest[1:])
+    if cmd == "convert":
+        from vime.compat.torch_dist import main as convert_main
+
+        return guarded(convert_main, rest)
     if cmd == "report":
         from vime.report import main as report_main
 

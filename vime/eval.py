@@ -1,11 +1,13 @@
-"""Held-out evaluation with the math answer parser: greedy by default (sampling settings in
-`generate.sampling_params`, --eval-temperature / --eval-top-p / --eval-top-k).
+"""Held-out evaluation: greedy by default (sampling settings in `generate.sampling_params`,
+--eval-temperature / --eval-top-p / --eval-top-k).
 
-Accuracy is graded the same way (last `\\boxed{}` → `Answer:` line → trailing number, then
-math-verify / normalized match) whatever `--rm-type` trains with, so numbers from different
-runs and reward functions stay comparable; a set's own rm type (`--eval-rm-type`, `rm_type`
-of --eval-config) grades it by that built-in rule instead. Several sets (vime/eval_sets.py)
-are evaluated one after another, each with its own settings.
+Accuracy is graded by the rule slime grades eval by: a set's own rm type (`--eval-rm-type`,
+`rm_type` of --eval-config), else the run's `--rm-type` (a deepscaler run's eval reads the last
+box after `</think>`, as its rewards do), else, for an rm type that is no rule of answers
+(remote_rm, reasoning_gym), math's reading (last `\\boxed{}` → `Answer:` line → trailing number,
+then math-verify / normalized match). `EvalConfig.rule` decides; start-up names the rule of each
+set (`vime.eval_sets.grading_line`). Several sets (vime/eval_sets.py) are evaluated one after
+another, each with its own settings.
 
 With --custom-generate-function-path, a reward the generate set is the sample's score, as in
 training: the sample counts as correct when its reward reaches 1, the score eval gives a right
@@ -137,9 +139,7 @@ def evaluate_set(args, eval_set: dict[str, Any], step: int, out_path: Path | Non
     ]
     t0 = time.perf_counter()
     samples = async_loop.run(_run(args, samples, step))
-    rule = ev.rule(
-        args.rollout.rm_type
-    )  # the set's own rm type, the training one where it is a rule of its own kind, else math's
+    rule = ev.rule(args.rollout.rm_type)  # the set's own rm type, else the run's (slime's rule)
     generate_scores = bool(args.rollout.custom_generate_function_path)  # eval sets cannot name their own
     correct = 0
     rows = []

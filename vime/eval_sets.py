@@ -17,7 +17,7 @@ from typing import Any
 
 from vime.plugin_args import PluginArgs
 
-__all__ = ["METADATA_KEY", "args_for", "set_accuracies", "summary"]
+__all__ = ["METADATA_KEY", "args_for", "grading_line", "set_accuracies", "summary"]
 
 # a set's key merged into every sample's metadata (slime's inject_metadata), so rewards and
 # generate functions see them; vime/config/eval_sets.py reads it from a set, `args_for` skips it
@@ -57,3 +57,31 @@ def summary(metrics: dict[str, Any]) -> str:
     if per_set:
         text += " (" + " ".join(f"{name} {acc:.3f}" for name, acc in per_set.items()) + ")"
     return text
+
+
+def grading_line(cfg: Any) -> str | None:
+    """The start-up line naming the rule that grades each held-out set, and where it comes from
+    (`EvalConfig.rule`): `eval graded by deepscaler's rule (the run's --rm-type)`, or with several
+    sets `eval graded by: aime deepscaler (its rm_type), gsm8k math (--eval-rm-type)`. None: no set."""
+    sets = cfg.eval.eval_sets
+    if not sets:
+        return None
+    rm_type, parts = cfg.rollout.rm_type, []
+    for eval_set in sets:
+        rule = args_for(cfg, eval_set).eval.rule(rm_type)
+        if "eval_rm_type" in eval_set:
+            why = "its rm_type" if len(sets) > 1 else "the set's rm_type"
+        elif cfg.eval.eval_rm_type:
+            why = "--eval-rm-type"
+        elif cfg.rollout.custom_rm_path:
+            why = "--custom-rm-path scores training only; --eval-rm-type picks eval's rule"
+        elif rule == rm_type:
+            why = "the run's --rm-type"
+        else:
+            why = f"--rm-type {rm_type} is no rule of answers; --eval-rm-type picks one"
+        parts.append((eval_set["name"], rule, why))
+    own = " (a reward the custom generate sets counts first)" if cfg.rollout.custom_generate_function_path else ""
+    if len(parts) == 1:
+        _, rule, why = parts[0]
+        return f"eval graded by {rule}'s rule ({why}){own}"
+    return "eval graded by: " + ", ".join(f"{name} {rule} ({why})" for name, rule, why in parts) + own

@@ -66,7 +66,8 @@ def resolve_model(name_or_path: str) -> Path:
     if p.is_dir():
         if not (p / "config.json").exists():
             raise ModelError(
-                f"{p} is a directory but has no config.json: point --hf-checkpoint at an HF model directory"
+                torch_dist_refusal("--hf-checkpoint", p, None, "--hf-checkpoint")
+                or f"{p} is a directory but has no config.json: point --hf-checkpoint at an HF model directory"
             )
         read_config(p)  # a damaged config.json fails here in one line, not deep inside transformers
         why = weights_problem(p)
@@ -247,6 +248,42 @@ def read_config(model_dir: str | Path) -> dict:
     if not isinstance(config, dict) or "model_type" not in config:
         raise ModelError(f"{path} names no model_type: is {path.parent} an HF model directory?")
     return config
+
+
+TORCH_DIST_TRACKER = "latest_checkpointed_iteration.txt"  # what Megatron's (and slime's) --save writes
+
+
+def torch_dist_checkpoint(path: str | Path) -> Path | None:
+    """The Megatron torch_dist checkpoint (slime's --save format) `path` names, or None: `path`
+    itself when it is one (torch.distributed.checkpoint's `.metadata` beside `*.distcp` files),
+    else in a --save directory the `iter_XXXXXXX/` (or `release/`) its tracker file names, or its
+    newest. Paths only: no checkpoint is read."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        return None
+    if (path / ".metadata").is_file() and any(path.glob("*.distcp")):
+        return path
+    tracker = path / TORCH_DIST_TRACKER
+    if tracker.is_file():
+        text = tracker.read_text(errors="replace").strip()
+        name = "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else None
+        return path / name if name and (path / name / ".metadata").is_file() else None
+    saved = sorted(p for p in path.glob("iter_*") if (p / ".metadata").is_file())
+    return saved[-1] if saved else None
+
+
+def torch_dist_refusal(flag: str, path: str | Path, base: str | None, give_to: str) -> str | None:
+    """The one line for a torch_dist checkpoint (and no HF directory) given where vime reads an HF
+    model: the format, and the `vime convert` command that makes the HF directory (`base`: the HF
+    model it was trained from, when the run names one) to give to `give_to`; None for any other path."""
+    if (Path(path) / "config.json").exists() or torch_dist_checkpoint(path) is None:
+        return None
+    out = f"{str(path).rstrip('/')}_hf"
+    command = f"vime convert {path} --hf-checkpoint {base or '<the HF model it was trained from>'} --output {out}"
+    return (
+        f"{flag} {path} is a Megatron torch_dist checkpoint (slime's --save format), which vime does not read: "
+        f"convert it to an HF directory with `{command}` and give {out} to {give_to}"
+    )
 
 
 def vocab_size_of(config: dict) -> int | None:

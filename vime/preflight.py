@@ -280,23 +280,26 @@ def resume_point(args: Any) -> tuple[Path | None, list[str]]:
             )
         return ckpt, [f"--load {load} is the checkpoint of step {load.name}: resuming from that step"]
     if ckpt is None:
-        _nothing_to_resume(load)
+        _nothing_to_resume(load, args.rollout.hf_checkpoint)
         return None, [
             f"--load {load} holds no checkpoint yet: starting from --hf-checkpoint {args.rollout.hf_checkpoint}"
         ]
     return ckpt, []
 
 
-def _nothing_to_resume(load: Path) -> None:
+def _nothing_to_resume(load: Path, base: str | None) -> None:
     """--load names no checkpoint vime can resume from: fine for a directory that is new or empty
     (hidden files, such as the lock of the run that made it, and the debris of an interrupted save
     aside); anything else is refused, naming what is there."""
+    from vime.models import torch_dist_refusal
     from vime.trainer.checkpoint import checkpoint_steps, foreign_checkpoint
 
     if checkpoint_steps(load):
         raise ConfigError(
             f"--load {load}: no intact checkpoint inside (expected <step>/trainer_state.pt and the model's safetensors)"
         )
+    if line := torch_dist_refusal("--load", load, base, "--hf-checkpoint (and --load/--save a new directory)"):
+        raise ConfigError(line)  # its weights start a run as an HF directory
     foreign = foreign_checkpoint(load)
     if foreign:
         raise ConfigError(
@@ -404,9 +407,13 @@ def _check_model_flags(args: Config, model_dir: Path) -> None:
     if al.ref_load and al.kl_loss_coef > 0:
         ref = Path(al.ref_load)
         if not (ref / "config.json").exists():
-            what = "a Megatron torch_dist checkpoint" if ref.is_dir() else "not a directory"
+            from vime.models import torch_dist_refusal
+
+            what = "not an HF model (no config.json)" if ref.is_dir() else "not a directory"
+            instead = "--ref-load (or leave --ref-load out when it is --hf-checkpoint's model)"
             raise ConfigError(
-                f"--ref-load {ref} is {what}: vime reads the reference model from an HF directory; pass the HF "
+                torch_dist_refusal("--ref-load", ref, args.rollout.hf_checkpoint, instead)
+                or f"--ref-load {ref} is {what}: vime reads the reference model from an HF directory; pass the HF "
                 "model it was converted from, or leave --ref-load out to use --hf-checkpoint"
             )
         resolve_model(str(ref))

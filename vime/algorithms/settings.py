@@ -73,14 +73,6 @@ class AlgorithmConfig(Component):
         ("policy_loss", "custom_loss", "sft_loss"),
         group="algorithm",
     )
-    loss_mask_type: str = setting(
-        "qwen",
-        "SFT: which of a conversation's tokens are trained. vime renders the whole conversation with the model's "
-        "chat template and trains every assistant turn (its text and the tokens that close it) for qwen, qwen3 and "
-        "qwen3_5 alike; distill_qwen (the last message as raw text) is not offered",
-        ("qwen", "qwen3", "qwen3_5", "distill_qwen"),
-        group="algorithm",
-    )
     disable_compute_advantages_and_returns: bool = setting(
         False,
         "slime's switch for losses that need no advantages: accepted with --loss-type sft_loss, which computes none",

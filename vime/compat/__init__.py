@@ -34,48 +34,46 @@ and parallel sizes against the checkpoint; `imports.py` the plug-ins' module nam
 those paths.
 """
 
-from typing import Any
+from __future__ import annotations
 
-from vime.compat.dialect import SLIME, Slime
-from vime.compat.flags import ABSENT, ABSENT_DOC, FLAGS, Flag, absent
-from vime.compat.model import (
-    check_model,
-    fsdp_bytes_per_gpu,
-    memory_refusal,
-    model_facts,
-    parameter_count,
-    shape_contradictions,
-    weight_names,
-)
-from vime.compat.parse import add_arguments, translate, unknown_flags_error
-from vime.compat.startup import checks, notes
+import importlib
 
-__all__ = [
-    "ABSENT",
-    "ABSENT_DOC",
-    "FLAGS",
-    "SLIME",
-    "Slime",
-    "Flag",
-    "absent",
-    "add_arguments",
-    "check_model",
-    "checks",
-    "fsdp_bytes_per_gpu",
-    "memory_refusal",
-    "model_facts",
-    "notes",
-    "parameter_count",
-    "shape_contradictions",
-    "parse_args",
-    "translate",
-    "unknown_flags_error",
-    "weight_names",
-]
+# Names imported on first use (PEP 562): the package itself imports nothing (not even typing), so
+# the `slime.*` finder a fresh interpreter installs from vime's .pth file (imports.py) costs no
+# aiohttp, torch or typing at start-up
+_EXPORTS = {
+    **dict.fromkeys(("SLIME", "Slime"), "vime.compat.dialect"),
+    **dict.fromkeys(("ABSENT", "ABSENT_DOC", "FLAGS", "Flag", "absent"), "vime.compat.flags"),
+    **dict.fromkeys(
+        (
+            "check_model",
+            "fsdp_bytes_per_gpu",
+            "memory_refusal",
+            "model_facts",
+            "parameter_count",
+            "shape_contradictions",
+            "weight_names",
+        ),
+        "vime.compat.model",
+    ),
+    **dict.fromkeys(("add_arguments", "translate", "unknown_flags_error"), "vime.compat.parse"),
+    **dict.fromkeys(("checks", "notes"), "vime.compat.startup"),
+}
+
+__all__ = [*_EXPORTS, "parse_args"]
 
 
-def parse_args(argv: list[str] | None = None, **kwargs: Any) -> Any:
-    """`vime.config.parse_args` in slime's dialect: what a run script's flags mean on vime."""
+def __getattr__(name: str) -> object:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def parse_args(argv: list[str] | None = None, **kwargs: object) -> object:
+    """`vime.config.parse_args` in slime's dialect: what a run script's flags mean on vime (the
+    run's `Config`)."""
+    from vime.compat.dialect import SLIME
     from vime.config import parse_args as parse
 
     SLIME.install()

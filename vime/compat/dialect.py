@@ -26,7 +26,7 @@ from vime.compat.flags import ACCEPTED
 from vime.compat.router import Router
 from vime.compat.sglang_api import DEFAULT_SERVER_CONCURRENCY
 from vime.dialect import PluginServices
-from vime.modes import DEFAULT_ROLLOUT_FN, FULLY_ASYNC_FN, custom_rollout
+from vime.modes import DEFAULT_ROLLOUT_FN, FULLY_ASYNC_FN, SFT_ROLLOUT_FN, custom_rollout
 from vime.plugins import IMPORT_EXPLAINERS, OPD_POST_PROCESS, OPD_REWARD
 
 # what slime's GenerateState adds to the rollout's sampling params (besides skip_special_tokens)
@@ -40,6 +40,8 @@ PATHS = {
     "vime.rollout.sglang_rollout.generate_rollout": DEFAULT_ROLLOUT_FN,
     # slime.X is vime.X (imports.py): said here too, so the run's mode is read off vime's name
     "slime.rollout.fully_async_rollout.generate_rollout_fully_async": FULLY_ASYNC_FN,
+    # slime's SFT scripts name it so: the run is an SFT run (its checks, no engine), not a rollout of one's own
+    "slime.rollout.sft_rollout.generate_rollout": SFT_ROLLOUT_FN,
     "slime.rollout.on_policy_distillation.reward_func": OPD_REWARD,
     "slime.rollout.on_policy_distillation.post_process_rewards": OPD_POST_PROCESS,
 }

@@ -13,12 +13,19 @@
 `install()` puts one finder on `sys.meta_path` that answers such a name with the same module
 object as its target, so a class imported under either name is one class. A name vime lacks fails
 as an import of that name, which plugins.py reports in one line (`explain`).
+
+Where it is installed: vime's entry points call `install()` in every process of a run, and the
+`vime-slime.pth` file the package ships (pyproject.toml) calls it at every interpreter start-up
+where vime is installed, so `python run_simple.py` or `python -c "import slime.utils.types"`
+works outside vime's entry points too. Whether `slime.*` is ours is decided at the first import
+of `slime`, not at start-up (a slime another .pth puts on the path or behind a finder of its own
+still wins), and nothing is imported for it before then: start-up pays for this module alone
+(stdlib modules the interpreter already holds; no importlib.abc).
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.abc
 import importlib.machinery
 import importlib.util
 import sys
@@ -36,8 +43,9 @@ MOVED = {
 }
 
 
-class _Loader(importlib.abc.Loader):
-    """Hands the import system vime's module for a slime name; its own attributes stay vime's."""
+class _Loader:
+    """Hands the import system vime's module for a slime name; its own attributes stay vime's (a
+    loader by protocol: create_module and exec_module)."""
 
     def __init__(self, target: str) -> None:
         self.target = target
@@ -65,14 +73,20 @@ def target(name: str, slime: bool = True) -> str | None:
     return out if out != name else None
 
 
-class _Aliases(importlib.abc.MetaPathFinder):
-    def __init__(self, slime: bool) -> None:
-        self.slime = slime
+class _Aliases:
+    """The finder (by protocol: find_spec). `slime`: whether `slime.*` is ours to answer, settled
+    at the first import of `slime` (None until then)."""
+
+    def __init__(self) -> None:
+        self.slime: bool | None = None
 
     def find_spec(
         self, fullname: str, path: object = None, target_path: object = None
     ) -> importlib.machinery.ModuleSpec | None:
-        name = target(fullname, self.slime)
+        top = fullname.partition(".")[0]
+        if top == ALIAS and not self._answers_slime(fullname):
+            return None
+        name = target(fullname, top == ALIAS)
         if name is None:
             return None
         try:
@@ -85,25 +99,48 @@ class _Aliases(importlib.abc.MetaPathFinder):
             fullname, _Loader(name), is_package=found.submodule_search_locations is not None
         )
 
+    def _answers_slime(self, fullname: str) -> bool:
+        if fullname != ALIAS:  # a submodule: ours where `slime` itself is vime
+            module = sys.modules.get(ALIAS)
+            return module is not None and module.__name__ == TARGET
+        if self.slime is None:
+            self.slime = (
+                False  # while the other finders are asked: one that asks the import system back finds none here
+            )
+            self.slime = _real_slime(self) is None
+        return self.slime
+
+
+def _real_slime(ours: object) -> importlib.machinery.ModuleSpec | None:
+    """A slime package another finder of this process would import (a path entry, an editable
+    install's finder). A `slime/` folder without __init__ (a clone's parent) is no slime."""
+    for finder in sys.meta_path:
+        if finder is ours or not hasattr(finder, "find_spec"):
+            continue
+        try:
+            spec = finder.find_spec(ALIAS, None)
+        except (ImportError, ValueError):
+            continue
+        if spec is not None and spec.origin is not None and spec.loader is not None:
+            return spec
+    return None
+
 
 def install() -> None:
-    """Answer the aliases' imports with vime's modules (`slime.*` unless a real slime is installed);
-    once per process."""
+    """Answer the aliases' imports with vime's modules (`slime.*` unless a real slime is
+    importable, decided at its first import); once per process. Called by vime's entry points and
+    by the `vime-slime.pth` file at start-up."""
     if any(isinstance(f, _Aliases) for f in sys.meta_path):
         return
-    real = importlib.machinery.PathFinder.find_spec(ALIAS)
-    # a `slime/` folder without __init__ (a clone's parent) is no slime
-    slime = ALIAS not in sys.modules and (real is None or real.origin is None)
-    sys.meta_path.insert(0, _Aliases(slime))
+    sys.meta_path.insert(0, _Aliases())
 
 
 def installed_slime() -> str | None:
     """Where a real slime package is, when it stands in for the alias (`slime.*` is then slime's,
     not vime's); None where the alias answers."""
-    if any(isinstance(f, _Aliases) and f.slime for f in sys.meta_path):
-        return None
     module = sys.modules.get(ALIAS)
     if module is not None:
-        return getattr(module, "__file__", None) or repr(module)
-    real = importlib.machinery.PathFinder.find_spec(ALIAS)
+        return None if module.__name__ == TARGET else getattr(module, "__file__", None) or repr(module)
+    ours = next((f for f in sys.meta_path if isinstance(f, _Aliases)), None)
+    real = _real_slime(ours)
     return real.origin if real is not None else None

@@ -134,11 +134,6 @@ def _sft_checks(c: Settings) -> list[tuple[bool, str]]:
             )
         ),
         (
-            c.loss_mask_type == "distill_qwen",
-            "--loss-mask-type distill_qwen (the last message as raw text after a templated prompt) is not offered: "
-            "vime reads every mask from the chat template; use qwen",
-        ),
-        (
             c.disable_compute_advantages_and_returns and c.loss_type != "sft_loss",
             f"--disable-compute-advantages-and-returns: --loss-type {c.loss_type} trains on advantages; "
             "only --loss-type sft_loss needs none",

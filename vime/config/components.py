@@ -193,7 +193,8 @@ class EvalConfig(Component):
     )
     eval_rm_type: str | None = setting(
         None,
-        "grade eval by this built-in rm type's rule (its acc) (default: math's answer reading, exact's with --rm-type exact)",
+        "grade eval by this built-in rm type's rule (its acc) (default: the run's --rm-type, as slime grades eval; "
+        "math's answer reading where --rm-type is no built-in rule: remote_rm, reasoning_gym, --custom-rm-path)",
         group="eval and output",
     )
     skip_eval_before_train: bool = setting(
@@ -210,16 +211,15 @@ class EvalConfig(Component):
     )
 
     def rule(self, rm_type: str) -> str:
-        """The rule held-out answers are graded by: the set's own rm type; else the run's (`rm_type`,
-        --rm-type) where it is a rule of its own kind (`exact`: a list in full, on its last line;
-        a multiple-choice type: the option letter); else math's (boxed, Answer:, trailing number),
-        the held-out metric's reading for every other rm type."""
+        """The rule held-out answers are graded by, as slime grades them: the set's own rm type
+        (--eval-rm-type, or `rm_type` of its --eval-config entry), else the run's --rm-type
+        (`rm_type`), the reading training rewards; else math's (boxed, Answer:, trailing number),
+        where that rm type is no rule of answers (remote_rm, reasoning_gym)."""
         from vime.rollout.rewards.grading import BUILTIN_RM_TYPES
 
         if self.eval_rm_type:
             return self.eval_rm_type
-        own = BUILTIN_RM_TYPES.get(rm_type)
-        return rm_type if own is not None and (own.exact or own.choice) else "math"
+        return rm_type if rm_type in BUILTIN_RM_TYPES else "math"
 
 
 @dataclass

@@ -34,6 +34,7 @@ from vime.backends.client import EngineClient
 from vime.backends.placement import TRAINER_READY, Placement, fresh_path, trainer_device
 from vime.config import Config, ConfigError, OutputConfig, RolloutConfig
 from vime.dialect import dialect_of
+from vime.eval_sets import grading_line
 from vime.launch.context import RunContext
 from vime.launch.launcher import launcher_for
 from vime.launch.mps import start as start_mps
@@ -106,6 +107,8 @@ def _checked(cfg: Config, clock: StartupClock) -> RunContext:
     for note in inputs.notes:
         log.warning("%s", note)
     log.info("mode %s; %s", cfg.mode, cfg.correction_summary())
+    if cfg.eval.eval_interval is not None and (grading := grading_line(cfg)):
+        log.info("%s", grading)
     launcher = launcher_for(inputs.cfg.placement)
     cfg = inputs.cfg.derived(launcher=launcher.name).freeze()
     _log_debug_modes(cfg.rollout, cfg.output)

@@ -47,6 +47,17 @@ class RolloutConfig(Component):
     apply_chat_template_kwargs: dict = setting(
         {}, "JSON dict passed to the chat template, e.g. '{\"enable_thinking\": false}'", group="model and data"
     )
+    loss_mask_type: str = setting(
+        "qwen",
+        "SFT (--rollout-function-path ...sft_rollout.generate_rollout): how a conversation becomes tokens and which "
+        "are trained, by slime's rules: qwen (each message rendered by the chat template on its own, every assistant "
+        "turn trained after its header), qwen3 (the same, each message rendered after a user turn, so Qwen3's "
+        "templates keep each turn's <think> part; consecutive tool messages together), qwen3_5 (the whole conversation "
+        "rendered; each assistant turn trained from after its header and <think>, through <|im_end|>), distill_qwen "
+        "(the first message's prompt, then the last message's text as it is, trained)",
+        ("qwen", "qwen3", "qwen3_5", "distill_qwen"),
+        group="model and data",
+    )
     # --- rollout ---
     rollout_batch_size: int = setting(8, "prompts per rollout step", group="rollout")
     n_samples_per_prompt: int = setting(4, "responses per prompt (the GRPO group size)", group="rollout")

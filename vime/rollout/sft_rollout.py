@@ -1,20 +1,13 @@
-"""SFT on RL's trainer: slime's `--rollout-function-path ...sft_rollout.generate_rollout` with
-`--loss-type sft_loss`, so a warm start and the RL run after it use the same scripts, trainer and
-checkpoints.
+"""SFT on RL's trainer: slime's `--rollout-function-path slime.rollout.sft_rollout.generate_rollout`
+(or vime's own path to this module) with `--loss-type sft_loss`, so a warm start and the RL run
+after it use the same scripts, trainer and checkpoints.
 
-Nothing is generated: a sample is one row's conversation (`--input-key`, a list of messages),
-its tokens the model's chat template's rendering of the whole conversation, and its loss mask
-every assistant turn: the turn's text and the tokens that close it (`<|im_end|>` in ChatML), not
-the header that opens it, nor any system, user or tool message. `--loss-mask-type` names slime's
-per-family mask builders; vime reads every mask from the template itself (`ChatMasks`), so the
-families it accepts all mean this. A message with `"step_loss_mask": 0` stays out of the loss,
-as in slime.
-
-How a turn's tokens are found in the rendering: each assistant text is rendered once more
-between two private-use marker characters; where they land in the text, markers removed, is
-where the turn lies, and the tokenizer's offsets give its tokens. A template that rewrites an
-assistant's text (drops a `<think>` part, say) loses a marker: that row is refused in one line,
-never trained with a wrong mask.
+Nothing is generated: a sample is one row's conversation (`--input-key`, a list of messages), its
+tokens and loss mask made by slime's rule for `--loss-mask-type` (vime/rollout/loss_masks.py: the
+chat template applied message by message, every assistant turn trained after its header, through
+the tokens that close it), with no --apply-chat-template needed, as in slime. A message with
+`"step_loss_mask": 0` stays out of the loss. The sample's response is everything from the first
+trained token on, as slime's `get_response_lengths` has it.
 
 `ConversationSource` hands out the rows (epochs, shuffling, checkpointed position: the
 `DataSource` machinery) and checks every one at start-up; `generate_rollout` encodes a batch.
@@ -29,11 +22,10 @@ from typing import Any
 
 from vime.rollout.data.rows import DataError, load_prompts
 from vime.rollout.data.source import DataSource
+from vime.rollout.loss_masks import LossMasks
 from vime.rollout.types import RolloutOutput, Sample, Status
 
 log = logging.getLogger("vime")
-
-_OPEN, _CLOSE = "\ue000", "\ue001"  # private-use characters: where an assistant turn's text starts and ends
 
 
 @dataclass(frozen=True)
@@ -47,37 +39,31 @@ class Encoded:
 
 
 class ChatMasks:
-    """A conversation → tokens and the mask of its assistant turns, from the tokenizer's chat
-    template (see the module's docstring)."""
+    """A conversation → tokens and the mask of its assistant turns, by slime's rule for the run's
+    --loss-mask-type (`LossMasks`), each row checked first so a bad one is one line naming it."""
 
-    def __init__(self, tokenizer: Any, template_kwargs: dict[str, Any], source: str) -> None:
+    def __init__(
+        self, tokenizer: Any, template_kwargs: dict[str, Any], source: str, loss_mask_type: str = "qwen"
+    ) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise DataError(
                 f"SFT renders each conversation of {source} with the model's chat template, and its tokenizer has none: "
                 "use a model with a chat template (an instruct model)"
             )
-        if not getattr(tokenizer, "is_fast", False):
+        if loss_mask_type == "qwen3_5" and not getattr(tokenizer, "is_fast", False):
             raise DataError(
-                "SFT finds each assistant turn's tokens by their character offsets, which only a fast tokenizer gives: "
-                "use the model's tokenizer.json"
+                "--loss-mask-type qwen3_5 finds each assistant turn's tokens by their character offsets, which only a "
+                "fast tokenizer gives: use the model's tokenizer.json"
             )
-        self.tokenizer = tokenizer
-        self.template_kwargs = dict(template_kwargs)
-        # what the template writes after an assistant's text to close its turn: trained, so the
-        # model learns to end its turn
-        probe = self._render([{"role": "user", "content": "."}, {"role": "assistant", "content": _OPEN}], None)
-        self.closing = probe[probe.index(_OPEN) + 1 :] if _OPEN in probe else ""
-
-    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
-        kwargs = dict(self.template_kwargs, tools=tools) if tools is not None else self.template_kwargs
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False, **kwargs)
+        self.masks = LossMasks(tokenizer, loss_mask_type, template_kwargs)
 
     def encode(self, messages: Any, where: str, tools: list[dict[str, Any]] | None = None) -> Encoded:
-        """DataError naming `where` for a row that is not a conversation, has no assistant turn
-        to learn, or whose assistant text the template rewrites."""
-        if not isinstance(messages, list):
+        """DataError naming `where` for a row that is not a conversation or has no assistant turn
+        to learn (none, or none the rule trains a token of)."""
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            what = "text" if isinstance(messages, str) else "not a list of messages"
             raise DataError(
-                f"{where}: the input is text, and SFT trains on conversations: give a list of messages "
+                f"{where}: the input is {what}, and SFT trains on conversations: give a list of messages "
                 "[{role, content}, ...] with at least one assistant turn (--input-key names it)"
             )
         trained = [
@@ -89,61 +75,19 @@ class ChatMasks:
                 "{role: assistant, content: ...}, or remove the row"
             )
         for i in trained:
-            if not isinstance(messages[i]["content"], str):
+            if not isinstance(messages[i].get("content"), str):
                 raise DataError(
-                    f"{where}: message {i} (assistant) has content of type {type(messages[i]['content']).__name__}; "
+                    f"{where}: message {i} (assistant) has content of type {type(messages[i].get('content')).__name__}; "
                     "SFT reads an assistant's text: make it a string"
                 )
-        plain = self._render(messages, tools)
-        marked = self._render(
-            [{**m, "content": f"{_OPEN}{m['content']}{_CLOSE}"} if i in trained else m for i, m in enumerate(messages)],
-            tools,
-        )
-        spans = self._spans(marked, plain)
-        if spans is None or len(spans) != len(trained):
+        ids, mask = self.masks.encode(messages, tools)
+        if 1 not in mask:
             raise DataError(
-                f"{where}: the chat template rewrites an assistant turn's text as it renders it (e.g. drops a <think> part), "
-                "so its tokens cannot be found: give that text in the form the template renders"
+                f"{where}: --loss-mask-type {self.masks.loss_mask_type} trains no token of this conversation (its "
+                "assistant turns render to no more than their headers): give them some text"
             )
-        enc = self.tokenizer(plain, add_special_tokens=False, return_offsets_mapping=True)
-        ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
-        # a token holding any of an assistant turn's characters is trained
-        mask = [int(any(s < b and e > a for a, b in spans)) for s, e in offsets]
-        first = mask.index(1) if 1 in mask else len(mask)
-        last = len(mask) - mask[::-1].index(1) if 1 in mask else 0
-        if first >= last:
-            raise DataError(f"{where}: the assistant turns render to no tokens: give them some text")
-        # what follows the last trained token teaches nothing: left out
-        return Encoded(ids[:last], last - first, mask[first:last])
-
-    def _spans(self, marked: str, plain: str) -> list[tuple[int, int]] | None:
-        """Character spans in `plain` of each marked assistant turn, its closing included; None
-        when the markers do not pair up or the marked rendering is not `plain` plus markers."""
-        spans: list[tuple[int, int]] = []
-        text: list[str] = []
-        start = None
-        for ch in marked:
-            if ch == _OPEN:
-                if start is not None:
-                    return None
-                start = len(text)
-            elif ch == _CLOSE:
-                if start is None:
-                    return None
-                spans.append((start, len(text)))
-                start = None
-            else:
-                text.append(ch)
-        if start is not None or "".join(text) != plain:
-            return None
-        # each turn's closing (its common prefix with the template's closing) is trained too
-        out = []
-        for a, b in spans:
-            n = 0
-            while n < len(self.closing) and b + n < len(plain) and plain[b + n] == self.closing[n]:
-                n += 1
-            out.append((a, b + n))
-        return out
+        first = mask.index(1)
+        return Encoded(ids, len(ids) - first, mask[first:])
 
 
 class ConversationSource(DataSource):
@@ -158,7 +102,7 @@ class ConversationSource(DataSource):
         rows = load_prompts(
             rollout.prompt_data, rollout.input_key, None, rollout.metadata_key, rollout.label_format, rollout.tool_key
         )
-        self.chat = ChatMasks(tokenizer, rollout.apply_chat_template_kwargs or {}, source)
+        self.chat = ChatMasks(tokenizer, rollout.apply_chat_template_kwargs or {}, source, rollout.loss_mask_type)
         # max_prompt_len leaves room for one response token; a conversation holds its answers
         limits = [n for n in (max_prompt_len and max_prompt_len + 1, rollout.rollout_max_context_len) if n]
         most = min(limits) if limits else None

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vime.errors import ConfigError
-from vime.models import load_tokenizer, read_config, table_fits, vocab_size_of
+from vime.models import load_tokenizer, read_config, table_fits, torch_dist_refusal, vocab_size_of
 from vime.trainer.checkpoint import checkpoint_steps, latest_checkpoint, problem
 
 if TYPE_CHECKING:
@@ -41,7 +41,8 @@ def teacher_dir(algo: AlgorithmConfig) -> Path:
     newest = latest_checkpoint(load, warn=False)
     if newest is None:
         raise ConfigError(
-            f"--opd-teacher-load {load} holds neither an HF model (config.json) nor a whole vime checkpoint: "
+            torch_dist_refusal("--opd-teacher-load", load, None, "--opd-teacher-load")
+            or f"--opd-teacher-load {load} holds neither an HF model (config.json) nor a whole vime checkpoint: "
             "give the teacher's HF directory or the --save directory of the run that trained it"
         )
     return newest

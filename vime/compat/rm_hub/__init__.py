@@ -1,12 +1,16 @@
 """`from vime.rollout.rm_hub import async_rm, batched_async_rm`: vllm-project/vime's reward calls, on the
 run's own rewards (`args.runtime.rewards`: --rm-type or --custom-rm-path, with vime's timeout
-and error counting). Each sets the samples' rewards, as vime's rollout does, and returns them."""
+and error counting). Each sets the samples' rewards, as vime's rollout does, and returns them.
+slime's rule helpers its plug-ins import from here too: `grade_answer_verl` (math_utils.py) and
+`get_deepscaler_rule_based_reward`."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from vime.compat.rm_hub.math_utils import grade_answer_verl
 from vime.rollout.rewards import score_samples
+from vime.rollout.rewards.grading import builtin_score
 from vime.rollout.types import Sample
 
 
@@ -22,4 +26,10 @@ async def batched_async_rm(args: Any, samples: list[Sample], **_: Any) -> list[f
     return [s.reward for s in samples]
 
 
-__all__ = ["async_rm", "batched_async_rm"]
+def get_deepscaler_rule_based_reward(response: str, label: object) -> int:
+    """slime's deepscaler rule (vime's `--rm-type deepscaler`): 1 when the last box after the
+    reasoning is the label's answer, else 0."""
+    return int(builtin_score("deepscaler", response, str(label)))
+
+
+__all__ = ["async_rm", "batched_async_rm", "get_deepscaler_rule_based_reward", "grade_answer_verl"]
