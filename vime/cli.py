@@ -93,9 +93,9 @@ def train_main(argv: list[str], entry: str = "sync") -> int:
     )
     args = parse_args(argv, prog=prog, description=desc, entry=entry)
     _undo_ray_thread_cap()
+    from vime.checkpoint_dirs import resume_point
     from vime.lifetime import owned
     from vime.loops import train  # heavy imports (torch, transformers) only once the flags are good
-    from vime.preflight import resume_point
 
     resume_point(args)  # before the lock file goes into --save: a refused --load directory gets nothing
     out, locks = args.output, []
