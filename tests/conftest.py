@@ -18,6 +18,11 @@ import pytest
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
 ROOT = Path(__file__).resolve().parents[1]
+# The plug-ins tests name by dotted path (`--custom-rm-path varied_reward.digit_share`), as a user
+# names a module of their own: importable here, where a test loads one in-process, and in the runs
+# tests start (run_cli and the tests that start a process put it on the child's PYTHONPATH).
+PLUGINS = ROOT / "tests" / "plugins"
+sys.path.insert(0, str(PLUGINS))
 
 # The module names of slime's and the seed system's plug-ins (`slime.*`, `vime.rollout.vllm_rollout`,
 # `vime.utils.*`), importable as vime's entry points make them (vime/compat/): the seed-style
@@ -54,11 +59,11 @@ def addition_data(tmp_path_factory) -> tuple[Path, Path]:
 
 def run_cli(*argv: str, timeout: float = 180, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     """Run a vime entry point the way a user would (a fresh process), capturing its output."""
-    # tests/ on the path so test-only plug-ins (custom generate/reward functions) load by dotted path
+    # tests/plugins on the path so test-only plug-ins (custom generate/reward functions) load by dotted path
     env = dict(
         os.environ,
         PYTHONUNBUFFERED="1",
-        PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        PYTHONPATH=os.pathsep.join([str(PLUGINS), str(ROOT), os.environ.get("PYTHONPATH", "")]),
     )
     return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 

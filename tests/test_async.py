@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import shutil
@@ -13,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, run_cli, train_here
+from conftest import PLUGINS, ROOT, run_cli, train_here
 
 TINY = ["--config", "examples/tiny.yaml"]
 # each mode's entry point and flags (decoupled at staleness 1), for the tests that run every mode
@@ -418,50 +417,7 @@ def test_fully_async_producer_failure_is_an_error_not_a_hang(tmp_path):
     assert "nope.missing" in res.stderr.strip().splitlines()[-1]
 
 
-# ---- checkpoints and stopping in async runs; the plug-ins load by dotted path (tests/ is on the runs' PYTHONPATH) ----
-
-
-def _record(args, rollout_id: int, out):
-    """Append the batch a rollout function hands the trainer to <run dir>/batches.jsonl: its
-    groups (index, prompt) in order, and every sample's index, tokens and reward."""
-    samples = [[s.index, s.tokens, s.reward] for g in out.samples for s in g]
-    with open(args.run_dir / "batches.jsonl", "a") as f:
-        f.write(
-            json.dumps(
-                {
-                    "rollout_id": rollout_id,
-                    "groups": [[g[0].group_index, g[0].prompt] for g in out.samples],
-                    "samples": samples,
-                }
-            )
-            + "\n"
-        )
-    return out
-
-
-def recorded_fully_async_rollout(args, rollout_id: int, data_source, evaluation: bool = False):
-    """The fully-async rollout function, recording each batch (so a test sees what a run trained on)."""
-    from vime.rollout.fully_async_rollout import generate_rollout_fully_async
-
-    return _record(args, rollout_id, generate_rollout_fully_async(args, rollout_id, data_source, evaluation))
-
-
-def recorded_rollout(args, rollout_id: int, data_source, evaluation: bool = False):
-    """The default rollout function, recording each batch. Being a rollout function of its own,
-    it keeps train_async.py --max-staleness in the one-step-off loop."""
-    from vime.rollout.generate import generate_rollout
-
-    return _record(args, rollout_id, generate_rollout(args, rollout_id, data_source, evaluation))
-
-
-async def recorded_generate(args, sample, params):
-    """The default per-sample generate, appending each finished sample to <run dir>/generated.jsonl."""
-    from vime.rollout.generate import generate
-
-    sample = await generate(args, sample, params)
-    with open(args.run_dir / "generated.jsonl", "a") as f:
-        f.write(json.dumps([sample.index, sample.tokens, sample.weight_versions]) + "\n")
-    return sample
+# ---- checkpoints and stopping in async runs; their plug-ins are tests/plugins/async_plugins.py ----
 
 
 def batches(run_dir: Path) -> dict[int, list[tuple[int, str]]]:
@@ -492,11 +448,14 @@ def test_zero_staleness_trains_exactly_what_sync_trains(tmp_path):
     from vime.models import resolve_model
 
     arms = {
-        "sync": ("sync", ["--rollout-function-path", "test_async.recorded_rollout"]),
-        "one-step-off": ("async", ["--max-staleness", "0", "--rollout-function-path", "test_async.recorded_rollout"]),
+        "sync": ("sync", ["--rollout-function-path", "async_plugins.recorded_rollout"]),
+        "one-step-off": (
+            "async",
+            ["--max-staleness", "0", "--rollout-function-path", "async_plugins.recorded_rollout"],
+        ),
         "decoupled": (
             "async",
-            ["--max-staleness", "0", "--custom-generate-function-path", "test_async.recorded_generate"],
+            ["--max-staleness", "0", "--custom-generate-function-path", "async_plugins.recorded_generate"],
         ),
     }
     # The arms run in this process (train_here: the scripts' runs without their imports) against
@@ -576,7 +535,7 @@ def test_fully_async_checkpoint_saves_the_workers_groups_and_resume_trains_them(
         "--runs-dir",
         str(tmp_path),
         "--rollout-function-path",
-        "test_async.recorded_fully_async_rollout",
+        "async_plugins.recorded_fully_async_rollout",
         "--rollout-concurrency",
         "4",
     ]
@@ -602,28 +561,12 @@ def test_fully_async_checkpoint_saves_the_workers_groups_and_resume_trains_them(
     assert not set(resumed[1]) & set(trained[0])  # nothing trained twice
 
 
-async def stall_after_first_batch(args, sample, params):
-    """A generate function for the stop test: the first batch as usual, then requests that keep
-    the engines busy for minutes unless aborted, as a long tail would when a run is stopped."""
-    from vime.rollout.generate import generate
-    from vime.rollout.types import Status
-
-    if sample.index < args.rollout_batch_size * args.n_samples_per_prompt:
-        return await generate(args, sample, params)
-    (args.run_dir / "stalling").touch()
-    deadline = time.monotonic() + 300
-    while True:
-        out = await generate(args, copy.copy(sample), params)
-        if out.status == Status.ABORTED or time.monotonic() > deadline:
-            return out
-
-
 @pytest.mark.slow
 def test_one_step_off_stops_at_once_while_a_generate_is_pending(tmp_path):
     env = dict(
         os.environ,
         PYTHONUNBUFFERED="1",
-        PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        PYTHONPATH=os.pathsep.join([str(PLUGINS), str(ROOT), os.environ.get("PYTHONPATH", "")]),
     )
     argv = [
         sys.executable,
@@ -636,7 +579,7 @@ def test_one_step_off_stops_at_once_while_a_generate_is_pending(tmp_path):
         "--run-name",
         "s",
         "--custom-generate-function-path",
-        "test_async.stall_after_first_batch",
+        "async_plugins.stall_after_first_batch",
     ]
     proc = subprocess.Popen(
         argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True

@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import ROOT, run_cli, train_here
+from conftest import PLUGINS, ROOT, run_cli, train_here
 
 from vime.backends.builtin.launch import launch_engine
 from vime.backends.client import EngineClient, EngineError
@@ -701,7 +701,7 @@ def test_a_trainer_rank_that_fails_or_loses_rank_0_is_one_line_naming_it(tiny_mo
     in one line, and neither prints a traceback."""
     script = tmp_path / "rank_faults.py"
     script.write_text(RANK_FAULTS)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(PLUGINS), str(ROOT)]), OMP_NUM_THREADS="1")
     out = subprocess.run(
         [sys.executable, str(script), str(tiny_model)], env=env, capture_output=True, text=True, timeout=300
     )  # returns once rank 1 too has closed the pipes
@@ -1335,7 +1335,7 @@ def _start(script: str, tmp_path: Path, *argv: str) -> subprocess.Popen:
     env = dict(
         os.environ,
         PYTHONUNBUFFERED="1",
-        PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        PYTHONPATH=os.pathsep.join([str(PLUGINS), str(ROOT), os.environ.get("PYTHONPATH", "")]),
     )
     cmd = [
         sys.executable,

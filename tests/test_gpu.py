@@ -924,9 +924,9 @@ def test_the_mps_daemon_and_server_end_with_a_killed_trainer(tmp_path):
     import sys
     import time
 
-    from conftest import ROOT
+    from conftest import PLUGINS, ROOT
 
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(PLUGINS), str(ROOT)]))
     run = subprocess.Popen(
         [sys.executable, "train_async.py", "--config", "examples/tiny.yaml", *FULLY_ASYNC, "--no-compile",
          "--num-rollout", "500", "--gpu-sharing", "mps", "--runs-dir", str(tmp_path), "--run-name", "k"],

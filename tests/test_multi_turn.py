@@ -190,18 +190,6 @@ def test_a_user_tool_that_hangs_crashes_or_returns_no_text_ends_its_turn_with_an
     assert r.error and fragment in r.text and time.perf_counter() - t0 < 3
 
 
-def sum_tool() -> Tool:
-    return Tool("sum", "adds", {"type": "object"}, lambda a: str(sum(a["xs"])))
-
-
-PRODUCT = Tool("product", "multiplies", {"type": "object"}, lambda a: str(a["x"] * a["y"]))
-NOT_A_TOOL = 42
-
-
-def broken_tool_factory() -> Tool:
-    raise OSError("no such index file: wiki.idx")
-
-
 @pytest.mark.parametrize(
     "how, fragment",
     [
@@ -224,21 +212,21 @@ def test_a_tool_that_ends_its_process_ends_only_its_call(how, fragment):
 
 def test_tools_load_by_name_and_dotted_path_and_bad_ones_are_one_line():
     """A dotted path names a Tool (the documented `--tools module:TOOL`) or a function making one."""
-    tools = load_tools(["calculator", "test_multi_turn:sum_tool", "test_multi_turn:PRODUCT"])
+    tools = load_tools(["calculator", "user_tools:sum_tool", "user_tools:PRODUCT"])
     assert list(tools) == ["calculator", "sum", "product"] and call("sum", {"xs": [1, 2]}, tools=tools).text == "3"
     assert call("product", {"x": 6, "y": 7}, tools=tools).text == "42"
     assert tools["calculator"].schema()["function"]["parameters"]["required"] == ["expression"]
     with pytest.raises(ConfigError, match="--tools 'no_such_module.tool' cannot be loaded"):
         load_tools(["no_such_module.tool"])
-    with pytest.raises(ConfigError, match="'test_multi_turn:NOT_A_TOOL' is not callable: it must be a Tool, or a"):
-        load_tools(["test_multi_turn:NOT_A_TOOL"])
+    with pytest.raises(ConfigError, match="'user_tools:NOT_A_TOOL' is not callable: it must be a Tool, or a"):
+        load_tools(["user_tools:NOT_A_TOOL"])
     with pytest.raises(ConfigError, match="two tools are named 'calculator'"):
         load_tools(["calculator", "calculator"])
     with pytest.raises(
         ConfigError,
-        match=r"^--tools test_multi_turn:broken_tool_factory: calling it to get the tool raised OSError: no such index",
+        match=r"^--tools user_tools:broken_tool_factory: calling it to get the tool raised OSError: no such index",
     ):
-        load_tools(["test_multi_turn:broken_tool_factory"])
+        load_tools(["user_tools:broken_tool_factory"])
 
 
 # ---- the call format -----------------------------------------------------------------------
@@ -431,14 +419,11 @@ def test_built_in_grading_reads_the_last_turn_not_a_tools_answer():
     assert right.final_response == "Answer: 408"
 
 
-ODD = Tool("odd", "answers what a tokenizer may choke on", {"type": "object"}, lambda a: "lone \ud800, NUL \x00, ok")
-
-
 def test_a_tool_answer_with_a_lone_surrogate_reaches_the_model_as_text():
     """A lone surrogate in a tool's answer raised in tokenizer.encode and ended the run; the
     tool is given as `--tools module:TOOL`, a Tool object."""
     odd = '<tool_call>{"name": "odd", "arguments": {}}</tool_call>'
-    tok, _, _, s, _ = conversation([odd, "Fine.<|im_end|>"], tools=["test_multi_turn:ODD"])
+    tok, _, _, s, _ = conversation([odd, "Fine.<|im_end|>"], tools=["user_tools:ODD"])
     st = s.metadata["multi_turn"]
     assert s.status == Status.COMPLETED and (st["tool_calls"], st["tool_errors"]) == (1, 0)
     assert "<|im_start|>tool\nlone , NUL , ok<|im_end|>" in tok.decode(
@@ -511,10 +496,6 @@ def test_a_requeued_conversation_starts_again_at_turn_one():
     assert fresh.tokens == prompt and "multi_turn" not in fresh.metadata and fresh.metadata["task"] == "kept"
 
 
-def const_reward(args, sample) -> float:
-    return 1.0
-
-
 def test_the_continuous_worker_resumes_an_aborted_conversation(tmp_path):
     """The continuous worker (decoupled mode, where --partial-rollout applies; fully-async runs
     the same worker), as after a weight update: the turn
@@ -542,7 +523,7 @@ def test_the_continuous_worker_resumes_an_aborted_conversation(tmp_path):
         rollout_concurrency=1,  # one conversation in flight: the one aborted is the one drained
         apply_chat_template=True,
         tools=["calculator"],
-        custom_rm_path="test_multi_turn:const_reward",
+        custom_rm_path="varied_reward:constant",
     ).validate("async")
     args.model_dir = str(_model(2048))
     engine = ScriptedEngine(tok, ["A " + CALL, "So 408.<|im_end|>"], abort_at=(1, 4))

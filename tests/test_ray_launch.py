@@ -26,7 +26,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import PLUGINS, ROOT
 from fault_plugins import check_engine_one_came_back
 
 pytestmark = [
@@ -314,7 +314,7 @@ def test_ray_job_stop_stops_the_run_and_everything_it_started(cluster, second_no
 
 
 # tests/ on the job's path too, for the fault plug-in
-PLUGIN_ENV = {"env_vars": {**RUNTIME_ENV["env_vars"], "PYTHONPATH": f"/root/Megatron-LM/:{ROOT / 'tests'}"}}
+PLUGIN_ENV = {"env_vars": {**RUNTIME_ENV["env_vars"], "PYTHONPATH": f"/root/Megatron-LM/:{PLUGINS}"}}
 RAY_ENGINES = ["--rollout-num-engines", "2", "--weight-transport", "gloo"]
 
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, run_cli, train_here
+from conftest import PLUGINS, ROOT, run_cli, train_here
 
 TINY = ["--config", "examples/tiny.yaml"]
 FULLY_ASYNC = ["--rollout-function-path", "vime.rollout.fully_async_rollout.generate_rollout_fully_async"]
@@ -130,7 +130,7 @@ def test_a_plugin_error_in_the_rollout_process_names_the_plugin_and_the_step(tmp
 
 
 def test_the_rollout_process_ends_with_a_killed_trainer(tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(PLUGINS), str(ROOT)]))
     cmd = [sys.executable, "train_async.py", *TINY, *FULLY_ASYNC, "--rollout-process", "on", "--num-rollout", "500"]
     trainer = subprocess.Popen(
         [*cmd, "--runs-dir", str(tmp_path), "--run-name", "r"], cwd=ROOT, env=env, stderr=subprocess.DEVNULL

@@ -53,10 +53,6 @@ def with_runtime(args: Config, client: FakeClient) -> Config:
     return args
 
 
-def const_reward(args, sample) -> float:
-    return 1.0
-
-
 # ---- sampling params ---------------------------------------------------------------------
 
 
@@ -149,7 +145,7 @@ def test_fully_async_worker_caps_responses_by_the_context(tmp_path):
         rollout_max_response_len=10,
         rollout_max_context_len=9,
         update_in_flight="resume",  # --partial-rollout, as Config.validate spells it
-        custom_rm_path="test_sampling_flags:const_reward",
+        custom_rm_path="varied_reward:constant",
     )
     with_runtime(args, client)
     ds = DataSource(args, args.runtime.tokenizer)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, make_correction
+from conftest import PLUGINS, ROOT, make_correction
 from safetensors.torch import load_file
 from test_opd import _reverse_kl, teacher_run  # noqa: F401 (teacher_run: a fixture)
 
@@ -58,7 +58,7 @@ def _run_script(script: str, tmp_path: Path, env: dict[str, str], *extra: str, t
         "GPUS": "1",
         "PYTHON": sys.executable,
         "CKPT_DIR": str(tmp_path / "ckpt"),
-        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(PLUGINS), os.environ.get("PYTHONPATH", "")]),
         **env,
     }
     args = ["bash", str(ROOT / "examples" / script), *CPU, "--runs-dir", str(tmp_path), "--run-name", "r", *extra]

@@ -34,6 +34,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT
+from vllm_plugins import PROBE
 
 from vime.backends.client import EngineError
 from vime.backends.vllm.client import VLLMClient, check_version, from_vllm_choice, request_seed, to_vllm_sampling_params
@@ -43,7 +44,6 @@ from vime.rollout.types import Sample
 
 ATOL = 1e-4
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
-PROBE = list(range(10, 45))  # 35 tokens: two full KV blocks of 16, so the prefix cache holds them
 # Seconds of work for the server tests' model (~10 s on one core), so a pause or abort lands mid-flight.
 LONG_TOKENS = 1900
 # The server tests' model (~17M parameters): slow enough on CPU that a pause lands mid-request.

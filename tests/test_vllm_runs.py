@@ -10,21 +10,18 @@ head_dim 16), float32.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from conftest import run_cli, train_here
-from test_vllm import ATOL, PROBE, needs_vllm
+from test_vllm import ATOL, needs_vllm
+from vllm_plugins import servers_on
 
 from vime.backends.vllm.client import VLLMClient
-from vime.rollout.types import Sample
 
 # The tiny model's shape with head_dim 32, which vLLM's CPU attention accepts.
 SHAPE32 = dict(arch="qwen3", hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=32)
@@ -37,30 +34,8 @@ def model32(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny32") / "qwen3", seed=0, **SHAPE32)
 
 
-# ---- train.py / train_async.py / vime eval with --rollout-backend vllm --------------------
-
-
-async def recording_generate(args, sample: Sample, params: dict) -> Sample:
-    """Plug-in generate for the runs below: the default one, then a one-token greedy probe on a
-    fixed prompt, recorded with its weight version in $VIME_TEST_RECORD, so the test can see
-    the engine's output move with every push."""
-    from vime.rollout.generate import generate
-
-    sample = await generate(args, sample, params)
-    probe = await args.runtime.clients[0].generate(PROBE, {"max_new_tokens": 1, "temperature": 0.0})
-    row = {
-        "versions": sample.weight_versions,
-        "probe_version": probe["meta_info"]["output_weight_versions"][0],
-        "probe_logprob": probe["meta_info"]["output_token_logprobs"][0],
-    }
-    with open(os.environ["VIME_TEST_RECORD"], "a") as f:
-        f.write(json.dumps(row) + "\n")
-    return sample
-
-
-def parity_reward(args, sample: Sample) -> float:
-    """A reward that varies inside a group (random tokens), so every step changes the weights."""
-    return float(sample.tokens[-1] % 2)
+# ---- train.py / train_async.py / vime eval with --rollout-backend vllm; their plug-ins are
+# tests/plugins/vllm_plugins.py ----------------------------------------------------------------
 
 
 def _train_args(model: Path, data: Path, run_dir: Path, name: str) -> list[str]:
@@ -82,9 +57,9 @@ def _train_args(model: Path, data: Path, run_dir: Path, name: str) -> list[str]:
         "--num-rollout",
         "3",
         "--custom-rm-path",
-        "test_vllm_runs.parity_reward",
+        "varied_reward.last_token_parity",
         "--custom-generate-function-path",
-        "test_vllm_runs.recording_generate",
+        "vllm_plugins.recording_generate",
         "--runs-dir",
         str(run_dir),
         "--run-name",
@@ -118,14 +93,7 @@ def _launched_servers_left(run_dir: Path) -> list[int]:
     text = (run_dir / "log.txt").read_text()
     ports = [part.split()[0] for part in text.split("vLLM server ready at http://127.0.0.1:")[1:]]
     assert ports, "the run launched no vLLM server"
-    return [pid for port in ports for pid in _servers_on(port)]
-
-
-def _servers_on(port: str) -> list[int]:
-    out = subprocess.run(
-        ["pgrep", "-f", f"vllm.entrypoints.openai.api_server.*--port {port}"], capture_output=True, text=True
-    )
-    return [int(p) for p in out.stdout.split()]
+    return [pid for port in ports for pid in servers_on(port)]
 
 
 @needs_vllm
@@ -230,32 +198,6 @@ def test_eval_matches_the_builtin_engine(model32, addition_data, tmp_path, fresh
 # ---- several engines, one killed and back; engine arguments; a server the user started ---------
 
 
-async def kill_engine_one(args, sample: Sample, params: dict) -> Sample:
-    """Plug-in generate for the two-engine run: the default one, except that in step 2 engine 1's
-    server is killed (SIGKILL to its process group) while requests are in flight, and step 3
-    waits until it is back, so the push after step 3 re-syncs it and steps 4-5 use it again.
-    Each engine's --max-model-len is recorded in steps 1 and 5 (the --vllm-* pass-through)."""
-    runtime = args.runtime
-    step = sample.index // (args.rollout_batch_size * args.n_samples_per_prompt) + 1
-    marker = args.run_dir / "engine1-killed"
-    if step == 2 and not marker.exists():
-        marker.write_text("killed")
-        port = runtime.engines[1].client.url.rsplit(":", 1)[1]
-        os.killpg(os.getpgid(_servers_on(port)[0]), signal.SIGKILL)
-    if step == 3:
-        deadline = time.monotonic() + 400
-        while runtime.engines[1].state != "unsynced":
-            assert time.monotonic() < deadline, "engine 1 did not come back"
-            await asyncio.sleep(0.5)
-    if step in (1, 5) and sample.index % args.n_samples_per_prompt == 0:
-        lens = [(await asyncio.to_thread(e.client.model_info))["max_seq_len"] for e in runtime.engines]
-        with open(args.run_dir / "max_model_len.jsonl", "a") as f:
-            f.write(json.dumps({"step": step, "lens": lens}) + "\n")
-    from vime.rollout.generate import generate
-
-    return await generate(args, sample, params)
-
-
 @needs_vllm
 def test_two_engines_share_a_run_and_a_killed_one_comes_back(model32, addition_data, tmp_path):
     """Two launched vLLM engines; one killed mid-rollout: its requests finish on the other, it is
@@ -263,7 +205,7 @@ def test_two_engines_share_a_run_and_a_killed_one_comes_back(model32, addition_d
     from exactly the trainer's weights (sync: log-probs equal), and --vllm-* reaches every server."""
     args = _train_args(model32, addition_data[0], tmp_path, "two")
     args[args.index("--num-rollout") + 1] = "5"
-    args[args.index("--custom-generate-function-path") + 1] = "test_vllm_runs.kill_engine_one"
+    args[args.index("--custom-generate-function-path") + 1] = "vllm_plugins.kill_engine_one"
     # in this process (its servers are its children, as a run's are): the test reads what it wrote
     train_here("sync", *args, "--rollout-num-engines", "2", "--vllm-max-model-len", "512")
     run_dir = tmp_path / "two"

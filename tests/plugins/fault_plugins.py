@@ -1,4 +1,4 @@
-"""Plug-ins that inject faults into a real training run, loaded by dotted path (tests/ is on the
+"""Plug-ins that inject faults into a real training run, loaded by dotted path (tests/plugins is on the
 runs' PYTHONPATH). Each leaves a marker file in the run directory once its fault is under way, so
 the test knows when to act or what happened."""
 
