@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import PLUGINS, ROOT, make_correction
 from safetensors.torch import load_file
-from test_opd import _reverse_kl, teacher_run  # noqa: F401 (teacher_run: a fixture)
+from unit.algorithms.test_opd import _reverse_kl, teacher_run  # noqa: F401 (teacher_run: a fixture)
 
 from vime.compat.answer_log import AnswerLog
 from vime.config import Config

@@ -13,8 +13,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import ROOT, run_cli
 
-from tests.conftest import ROOT, run_cli
 from vime import compat
 from vime.compat import parse_args
 from vime.config import ConfigError

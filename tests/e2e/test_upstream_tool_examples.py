@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import ROOT
 from safetensors.torch import load_file
-from test_plugin_compat import FULLY_ASYNC, run_tiny
+from unit.compat.test_plugin_compat import FULLY_ASYNC, run_tiny
 
 from vime.rollout.types import Sample
 

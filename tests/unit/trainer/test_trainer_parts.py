@@ -4,9 +4,10 @@ private. The actor's parts used to be a mixin and a Protocol reading its `_bucke
 interface, so either can change inside without the other knowing."""
 
 import ast
-from pathlib import Path
 
-VIME = Path(__file__).resolve().parent.parent / "vime"
+from conftest import ROOT
+
+VIME = ROOT / "vime"
 
 
 def _is_self(node: ast.expr) -> bool:

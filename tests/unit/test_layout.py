@@ -4,7 +4,9 @@ file of vime/ over 500 lines, no function over 80 (a longer one is split where i
 import ast
 from pathlib import Path
 
-VIME = Path(__file__).resolve().parent.parent / "vime"
+from conftest import ROOT
+
+VIME = ROOT / "vime"
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 500, 80
 
 

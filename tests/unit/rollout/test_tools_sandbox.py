@@ -25,6 +25,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
 from vime.config import ConfigError
 from vime.rollout.tools import sandbox
@@ -116,7 +117,7 @@ def reachable(uid: int | None) -> list[str]:
     if not (shutil.which("unshare") and shutil.which("setpriv")):
         pytest.skip("running as root, without util-linux's unshare and setpriv to become another user")
     needed = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, os.path.dirname(sys.executable))}
-    needed.add(str(Path(__file__).resolve().parents[1]))  # the repository: vime is installed from it
+    needed.add(str(ROOT))  # the repository: vime is installed from it
     blocked, children = None, set()
     for path in sorted(needed):
         parts = Path(path).parts

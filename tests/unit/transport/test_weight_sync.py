@@ -223,7 +223,7 @@ def test_train_loop_pushes_over_gloo(tmp_path, tiny_model, addition_data):
     trainer's new weights (its log-probs match the trainer's recompute), and the weights did
     move (so a missing push would show as a log-prob gap)."""
     from conftest import train_here
-    from test_train import read_rows
+    from e2e.test_train import read_rows
 
     train, _ = addition_data
     train_here(  # in this process: the test reads what the run wrote

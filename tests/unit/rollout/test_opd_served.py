@@ -17,10 +17,17 @@ import torch
 from conftest import ROOT, run_cli, train_here
 from safetensors.torch import load_file
 from test_async import MODE_ARGS
-from test_opd import SERVED_POST as POST
-from test_opd import SERVED_REWARD as REWARD
-from test_opd import _reverse_kl, assert_hf_scores, score_like_a_run, scored_samples, served_config, teacher_run  # noqa: F401 (teacher_run: a fixture)
 
+from unit.algorithms.test_opd import SERVED_POST as POST
+from unit.algorithms.test_opd import SERVED_REWARD as REWARD
+from unit.algorithms.test_opd import (  # noqa: F401 (teacher_run: a fixture)
+    _reverse_kl,
+    assert_hf_scores,
+    score_like_a_run,
+    scored_samples,
+    served_config,
+    teacher_run,
+)
 from vime.algorithms.opd import distill_advantages
 from vime.backends.builtin.launch import launch_engine
 from vime.compat import parse_args  # slime's paths of the teacher's functions

@@ -18,13 +18,20 @@ from pathlib import Path
 
 import pytest
 from conftest import train_here
+from e2e.test_vllm_runs import SHAPE32
 from test_async import MODE_ARGS
-from test_opd import SERVED_POST as POST
-from test_opd import SERVED_REWARD as REWARD
-from test_opd import _reverse_kl, assert_hf_scores, score_like_a_run, scored_samples, served_config, train_teacher
 from test_vllm import ATOL, needs_vllm
-from test_vllm_runs import SHAPE32
 
+from unit.algorithms.test_opd import SERVED_POST as POST
+from unit.algorithms.test_opd import SERVED_REWARD as REWARD
+from unit.algorithms.test_opd import (
+    _reverse_kl,
+    assert_hf_scores,
+    score_like_a_run,
+    scored_samples,
+    served_config,
+    train_teacher,
+)
 from vime.config import Config
 from vime.models import make_tiny_model, resolve_model
 from vime.rollout.opd_teacher import API_KEY_ENV, TeacherError

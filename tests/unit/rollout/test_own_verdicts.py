@@ -11,8 +11,8 @@ import pytest
 import torch
 from own_verdicts import BONUS_ONLY, SOLVED
 from safetensors.torch import load_file
-from test_plugin_compat import run_tiny
 
+from unit.compat.test_plugin_compat import run_tiny
 from vime.config import Config
 from vime.eval import grade_sample
 from vime.models import make_tiny_tokenizer
