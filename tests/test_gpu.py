@@ -81,7 +81,7 @@ def test_nccl_push_equals_loading_from_disk(tmp_path, dtype):
 def test_fsdp2_two_ranks_match_one_rank(tmp_path):
     """The same GRPO step on FSDP2 over 1 and 2 NCCL ranks: same loss and log-probs within
     bfloat16 tolerance (bf16 compute, float32 master weights on both)."""
-    from test_actor import make_args, make_samples
+    from unit.trainer.actors import make_args, make_samples
 
     from vime.trainer.distributed import launch_actor
 
@@ -154,7 +154,7 @@ def test_one_rank_defers_gradient_reduction_exactly(tmp_path):
     nondeterministic kernel would show as such rather than as a difference between the arms.
     The deferred arm accumulates with the trainer's Triton add (`model.accumulate`), set on
     every parameter."""
-    from test_actor import make_args, make_samples
+    from unit.trainer.actors import make_args, make_samples
 
     from vime.trainer import model as model_mod
     from vime.trainer.distributed import launch_actor
@@ -198,7 +198,7 @@ def test_gradient_checkpointing_on_cuda_keeps_less_and_gives_the_gradients_of_no
     the compiled backward, which the warm-up compiled. The attention kernel was settled at load
     (`packing.choose_kernel`), so no kernel is tried inside a checkpointed forward."""
     import torch._dynamo.utils
-    from test_actor import long_samples, make_args, make_samples, relative_gap, saved_bytes_and_grads
+    from unit.trainer.actors import long_samples, make_args, make_samples, relative_gap, saved_bytes_and_grads
 
     from vime.trainer import packing
     from vime.trainer.distributed import launch_actor
@@ -243,7 +243,7 @@ def test_the_gradient_taken_in_the_head_forward_is_exact_on_cuda(tmp_path):
     per head chunk in the forward (`chunked_loss`, the default) equals bit for bit the one
     through log-probs first and the loss after, over several micro-batches and chunks. The
     reference arm runs twice first, so a nondeterministic kernel would show as such."""
-    from test_actor import make_args, make_samples
+    from unit.trainer.actors import make_args, make_samples
 
     from vime.trainer.distributed import launch_actor
 
@@ -276,7 +276,7 @@ def test_a_non_finite_gradient_skips_the_fused_step_on_the_device(tmp_path):
     so the host never waits for the norm before the step. A skipped step must leave the weights
     and AdamW's state as they were: the clean step after it gives bit for bit the weights of a
     clean step taken first."""
-    from test_actor import make_args, make_samples
+    from unit.trainer.actors import make_args, make_samples
 
     from vime.trainer.distributed import launch_actor
 
@@ -331,8 +331,8 @@ def test_a_checkpoint_saved_on_cuda_resumes_exactly(tmp_path, optimizer):
     its next step, on samples other than the first step's (so a lost optimizer state would
     show), gives bit for bit the weights of the trainer that saved it taking that step. The
     resumed step runs twice first, so a nondeterministic kernel shows as such."""
-    from test_actor import make_args, make_samples
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    from unit.trainer.actors import make_args, make_samples
 
     from vime.trainer.distributed import launch_actor
 
@@ -396,7 +396,7 @@ def test_kl_to_a_reference_with_two_optimizer_steps_per_rollout_on_cuda(tmp_path
     --kl-loss-coef > 0 or several optimizer steps per rollout. Both at once, from a separate
     --ref-load directory, with the lr schedule stepping: the weights move, the KL is finite and
     positive once the policy has left the reference."""
-    from test_actor import make_args, make_samples
+    from unit.trainer.actors import make_args, make_samples
 
     from vime.trainer.distributed import launch_actor
 
@@ -425,7 +425,7 @@ def test_lora_trains_only_adapters_compiled_under_fsdp2_on_cuda(tmp_path):
     the adapters move, the base stays bit for bit, and the merged weights (what is pushed)
     score the samples as the LoRA model does, within bf16's rounding, where the base weights
     alone are far off."""
-    from test_actor import make_args, make_samples
+    from unit.trainer.actors import make_args, make_samples
 
     from vime.trainer.actor import Actor
     from vime.trainer.distributed import launch_actor
@@ -600,8 +600,8 @@ def test_lora_adapters_by_cuda_ipc_survive_a_release_and_give_the_trainers_log_p
     the host and back) between two adapter pushes. After each, the engine's greedy tokens
     score under the trainer's LoRA model to the engine's own log-probs (float32 on both
     sides), and every byte of an adapter push is adapter."""
-    from test_actor import make_args, make_samples
     from test_lora import ADVANTAGES
+    from unit.trainer.actors import make_args, make_samples
 
     from vime.rollout.types import Sample
     from vime.trainer import weights
@@ -823,7 +823,7 @@ def test_a_compiled_trainer_on_fa4_scores_and_accumulates_gradients_as_one_on_fa
     gradients on 400-token sequences are no further from float32's than fa2's, doubled, plus
     1e-3, and its compiled layers call FA4's kernels (counted in the ops' bodies, which run
     outside the compiled graphs), forward and backward, where fa2's call none."""
-    from test_actor import long_samples, make_args, relative_gap, saved_bytes_and_grads
+    from unit.trainer.actors import long_samples, make_args, relative_gap, saved_bytes_and_grads
 
     from vime.trainer import flash4, packing
     from vime.trainer.actor import Actor

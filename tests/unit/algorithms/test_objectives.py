@@ -93,8 +93,7 @@ def test_discounted_returns_match_the_reference_per_token():
 def test_per_token_advantages_equal_to_per_sample_ones_train_the_same_weights(tiny_model):
     """The per-token path (REINFORCE++ discounted) and the per-sample path are one computation
     when every token of a sample carries its sample's advantage: weights equal bit for bit."""
-    from test_actor import make_args, make_samples
-
+    from unit.trainer.actors import make_args, make_samples
     from vime.trainer.actor import Actor
 
     samples = make_samples(4)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT, run_cli, train_here
-from test_actor import make_args, make_samples
 
+from unit.trainer.actors import make_args, make_samples
 from vime.config import Config, ConfigError, parse_args
 from vime.models import load_tokenizer, make_tiny_model, resolve_model
 from vime.rollout.types import Sample

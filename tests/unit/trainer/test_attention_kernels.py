@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_actor import make_args
 
+from unit.trainer.actors import make_args
 from vime.errors import ConfigError
 from vime.trainer import flash4, packing
 from vime.trainer.actor import Actor

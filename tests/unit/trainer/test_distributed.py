@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_actor import make_args, make_samples
 
+from unit.trainer.actors import make_args, make_samples
 from vime.trainer.actor import Actor
 from vime.trainer.distributed import DistributedActor, launch_actor
 from vime.trainer.model import fsdp_params

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT, train_here
-from test_actor import make_args, make_samples
 
+from unit.trainer.actors import make_args, make_samples
 from vime.config import ConfigError
 from vime.trainer.actor import Actor
 from vime.trainer.checkpoint import CheckpointError

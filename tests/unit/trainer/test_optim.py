@@ -8,9 +8,9 @@ import math
 
 import pytest
 import torch
-from test_actor import make_args, make_samples
 from torch import nn
 
+from unit.trainer.actors import make_args, make_samples
 from vime.trainer.actor import Actor
 from vime.trainer.checkpoint import TRAINER_STATE, CheckpointError
 from vime.trainer.optim import LRSchedule, make_optimizer, param_groups
