@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine import FP8_ATOL, PROMPTS, hf_logprobs, perturbed
 
+from unit.engine.reference import FP8_ATOL, PROMPTS, hf_logprobs, perturbed
 from vime.engine.core import fp8
 from vime.engine.core.engine import EngineConfig, LLMEngine
 from vime.engine.core.kernels.quant import FP8_MAX, MIN_SCALE

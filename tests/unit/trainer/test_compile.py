@@ -195,11 +195,10 @@ def test_triton_head_in_interpreter():
 
 
 def _interpreted_head_checks() -> None:
-    from test_engine import _patch_triton_interpreter
-
+    from unit.engine.triton_interpreter import patch_triton_interpreter
     from vime.trainer import logprobs
 
-    _patch_triton_interpreter()
+    patch_triton_interpreter()
     torch.manual_seed(0)
     for dtype, atol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-3)):
         h = torch.randn(37, 16).to(dtype).requires_grad_()
