@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -123,3 +124,63 @@ def loss_inputs(advantages, mask, rollout_lp=None, seq_ids=None, **fields):
         ref=None,
         **fields,
     )
+
+
+# ---- the processes a test started, a full disk, a run refused at its start (tests of several
+# packages check these) ----
+
+
+def child_pids(pid: int) -> list[int]:
+    """The live children of process `pid` (zombies waiting for their reaper do not count)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[1] == str(pid) and fields[0] != "Z":
+            out.append(int(stat.parent.name))
+    return out
+
+
+def alive_pids(pids: list[int]) -> list[int]:
+    """Those of `pids` still running (a zombie is not)."""
+    out = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            out.append(pid)
+    return out
+
+
+@contextlib.contextmanager
+def disk_full_at(size: int):
+    """A full disk, as a file size limit (works unprivileged): writes past `size` bytes fail
+    with EFBIG, as they would with ENOSPC."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+
+
+def refused(tmp_path: Path, *argv: str) -> str:
+    """Start a run in-process; it must fail with a user error before creating anything."""
+    from vime.cli import train_main
+    from vime.errors import VimeError
+
+    runs = tmp_path / "runs"
+    with pytest.raises(VimeError) as e:
+        train_main(
+            ["--config", "examples/tiny.yaml", "--num-rollout", "1", "--runs-dir", str(runs), "--run-name", "r", *argv]
+        )
+    assert not (runs / "r").exists()  # no run directory, no engine log, no locked run name
+    msg = str(e.value)
+    assert "\n" not in msg
+    return msg

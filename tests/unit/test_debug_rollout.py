@@ -161,11 +161,11 @@ def test_a_template_with_an_unknown_placeholder_or_an_unwritable_directory_is_re
 
 
 def test_a_rollout_that_cannot_be_written_is_one_line_and_leaves_no_tmp_file(tmp_path):
-    from test_faults import _disk_full_at
+    from conftest import disk_full_at
 
     template = str(tmp_path / "dbg" / "{rollout_id}.pt")
     (tmp_path / "dbg").mkdir()
-    with _disk_full_at(1024), pytest.raises(DataError) as e:
+    with disk_full_at(1024), pytest.raises(DataError) as e:
         save_rollout(template, 3, one_rollout(8, 4))
     assert re.fullmatch(
         r"--save-debug-rollout-data: cannot write rollout 3 to .*/dbg/3\.pt \(File too large\): make room or pick "
