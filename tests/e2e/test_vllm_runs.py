@@ -18,13 +18,10 @@ from pathlib import Path
 
 import pytest
 from conftest import run_cli, train_here
-from test_vllm import ATOL, needs_vllm
+from unit.backends.vllm_support import ATOL, SHAPE32, needs_vllm
 from vllm_plugins import servers_on
 
 from vime.backends.vllm.client import VLLMClient
-
-# The tiny model's shape with head_dim 32, which vLLM's CPU attention accepts.
-SHAPE32 = dict(arch="qwen3", hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=32)
 
 
 @pytest.fixture(scope="session")

@@ -18,9 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import train_here
-from e2e.test_vllm_runs import SHAPE32
 from test_async import MODE_ARGS
-from test_vllm import ATOL, needs_vllm
 
 from unit.algorithms.test_opd import SERVED_POST as POST
 from unit.algorithms.test_opd import SERVED_REWARD as REWARD
@@ -32,6 +30,7 @@ from unit.algorithms.test_opd import (
     served_config,
     train_teacher,
 )
+from unit.backends.vllm_support import ATOL, SHAPE32, needs_vllm
 from vime.config import Config
 from vime.models import make_tiny_model, resolve_model
 from vime.rollout.opd_teacher import API_KEY_ENV, TeacherError
