@@ -139,8 +139,9 @@ def test_a_tool_run_through_vllm(tmp_path, monkeypatch, fresh_user_server):
     alone, each step outlasted the generation the worker may start, so the pushes found no
     request in flight; in CI, beside another test, one cut every conversation of a step inside
     its `</tool_call>`, and (before `generate.cut_at_stop`) none of them called the tool."""
-    from test_multi_turn import TOOL_MODES, check_tool_run, tool_run
     from tool_model import tool_model
+
+    from e2e.test_tool_runs import TOOL_MODES, check_tool_run, tool_run
 
     model = tool_model(**{k: v for k, v in SHAPE32.items() if k != "arch"})
     script, extra = TOOL_MODES["decoupled"]
