@@ -70,6 +70,16 @@ def run_cli(*argv: str, timeout: float = 180, cwd: Path = ROOT) -> subprocess.Co
 
 
 ENTRIES = {"train.py": "sync", "train_async.py": "async"}
+# each mode's entry point and flags (decoupled at staleness 1), for the tests that run every mode
+MODE_ARGS: dict[str, tuple[str, list[str]]] = {
+    "sync": ("train.py", []),
+    "one-step-off": ("train_async.py", []),
+    "fully-async": (
+        "train_async.py",
+        ["--rollout-function-path", "vime.rollout.fully_async_rollout.generate_rollout_fully_async"],
+    ),
+    "decoupled": ("train_async.py", ["--max-staleness", "1"]),
+}
 
 
 def train_here(entry: str, *argv: str) -> None:

@@ -6,8 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, train_here
-from test_async import MODE_ARGS
+from conftest import MODE_ARGS, run_cli, train_here
 
 from vime.plugins import PluginError
 from vime.rollout.filters import (

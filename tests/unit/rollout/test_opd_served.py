@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, run_cli, train_here
+from conftest import MODE_ARGS, ROOT, run_cli, train_here
 from safetensors.torch import load_file
-from test_async import MODE_ARGS
 
 from unit.algorithms.test_opd import SERVED_POST as POST
 from unit.algorithms.test_opd import SERVED_REWARD as REWARD

@@ -17,8 +17,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import train_here
-from test_async import MODE_ARGS
+from conftest import MODE_ARGS, train_here
 
 from unit.algorithms.test_opd import SERVED_POST as POST
 from unit.algorithms.test_opd import SERVED_REWARD as REWARD
