@@ -1,7 +1,7 @@
 """The seed system's example scripts on vime: examples/multi_agent, eval_multi_task,
 train_infer_mismatch_helper and on_policy_distillation, each run through our run script (the
 seed's flags, flag for flag) on the tiny model, with plug-ins written in the seed's manner
-(tests/seed_multi_agent_style.py, tests/seed_mis_style.py) where the example brings its own Python files. Also the parts
+(tests/upstream_multi_agent_style.py, tests/upstream_mis_style.py) where the example brings its own Python files. Also the parts
 vime added for them: the per-call args of a custom generate, the router's log-probs given back,
 the gpqa grader, the seed's cp_utils and a custom TIS function's total_lengths."""
 
@@ -186,7 +186,7 @@ def _multi_agent_env(tmp_path: Path, tiny_model: Path) -> dict[str, str]:
         tmp_path,
         "multi_agent",
         {
-            "rollout_with_multi_agents.py": "from seed_multi_agent_style import generate_with_agents as generate_with_multi_agents\n"
+            "rollout_with_multi_agents.py": "from upstream_multi_agent_style import generate_with_agents as generate_with_multi_agents\n"
         },
     )
     return {
@@ -254,7 +254,7 @@ def _mismatch_env(tmp_path: Path, tiny_model: Path) -> dict[str, str]:
         tmp_path,
         "train_infer_mismatch_helper",
         {
-            "mis.py": "from seed_mis_style import mismatch_weights as compute_mis_weights_with_cp\n",
+            "mis.py": "from upstream_mis_style import mismatch_weights as compute_mis_weights_with_cp\n",
             "mis.yaml": "use_tis: true\ntis_upper_bound: 2.0\ntis_level: token\nrs_veto_threshold: 1.0e-4\n",
         },
     )

@@ -1,5 +1,5 @@
 """The seed system's tool examples (retool, search-r1, tau-bench) on vime: the API paths their
-Python files take, exercised by seed-style plug-ins of ours (tests/seed_tool_plugins.py) against
+Python files take, exercised by seed-style plug-ins of ours (tests/upstream_tool_plugins.py) against
 real engines and a local stand-in search engine. The runs are slow; the pieces they rest on
 are checked here quickly first."""
 
@@ -128,8 +128,8 @@ def test_a_search_tool_plugin_trains_its_turns_and_not_the_search_results(mode, 
     rows = [{"input": q, "label": {"ground_truth": {"target": [q.split()[-1]]}}} for q in QUESTIONS]
     _run(
         tmp_path, _write(tmp_path / "qa.jsonl", rows), tiny_model, *mode,
-        "--custom-generate-function-path", "seed_tool_plugins.search_then_answer",
-        "--custom-rm-path", "seed_tool_plugins.em_reward", "--reward-key", "score",
+        "--custom-generate-function-path", "upstream_tool_plugins.search_then_answer",
+        "--custom-rm-path", "upstream_tool_plugins.em_reward", "--reward-key", "score",
     )  # fmt: skip
     steps = _steps(tmp_path)
     assert len(steps) == 2 and all(r["rollout/reward_errors"] == 0 for r in steps)  # dict labels reached it
@@ -150,7 +150,7 @@ def test_a_tau_bench_style_agent_loop_keeps_its_reward_and_trains(mode, tmp_path
     rows = [{"index": i} for i in range(4)]  # tau-bench's data: task indices, no label
     _run(
         tmp_path, _write(tmp_path / "tasks.jsonl", rows), tiny_model, *mode,
-        "--input-key", "index", "--custom-generate-function-path", "seed_tool_plugins.tau_agent",
+        "--input-key", "index", "--custom-generate-function-path", "upstream_tool_plugins.tau_agent",
     )  # fmt: skip
     steps = _steps(tmp_path)
     assert len(steps) == 2 and all(r["rollout/reward_mean"] >= 1.0 for r in steps)  # the agent's own reward
@@ -170,7 +170,7 @@ def test_a_tau_bench_agent_against_the_standin_package_trains_on_its_reward(mode
     rows = [{"index": 0}, {"index": 4}]  # the stand-in's train split: its two cancellations
     _run(
         tmp_path, _write(tmp_path / "tasks.jsonl", rows), tiny_model, *mode, "--n-samples-per-prompt", "4",
-        "--input-key", "index", "--custom-generate-function-path", "seed_tool_plugins.tau_standin_agent",
+        "--input-key", "index", "--custom-generate-function-path", "upstream_tool_plugins.tau_standin_agent",
     )  # fmt: skip
     steps = _steps(tmp_path)
     assert len(steps) == 2

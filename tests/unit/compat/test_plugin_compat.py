@@ -55,8 +55,8 @@ def run_tiny(tmp_path: Path, data: Path, tiny_model: Path, *extra: str) -> None:
 
 
 TWO_AGENTS = (
-    "--custom-generate-function-path", "seed_plugins.generate_two_agents",
-    "--custom-rm-path", "seed_plugins.loads_itself",
+    "--custom-generate-function-path", "upstream_plugins.generate_two_agents",
+    "--custom-rm-path", "upstream_plugins.loads_itself",
 )  # fmt: skip
 
 
@@ -78,14 +78,14 @@ def test_a_seed_style_multi_agent_plugin_trains_every_sample_it_returns(mode, tm
 @pytest.mark.parametrize(
     ("plugin", "says"),
     [
-        ("seed_misfits.generate", "seed_misfits.generate reads args.keep_old_actor, which vime does not have"),
-        ("seed_megatron.generate", "imports vime.backends.megatron_utils.model, which vime does not have"),
+        ("upstream_misfits.generate", "upstream_misfits.generate reads args.keep_old_actor, which vime does not have"),
+        ("upstream_megatron.generate", "imports vime.backends.megatron_utils.model, which vime does not have"),
     ],
 )
 def test_a_plugin_that_does_not_fit_is_refused_in_one_line_at_start_up(plugin, says, tmp_path, dict_data, tiny_model):
     res = run_cli(
         "train.py", "--hf-checkpoint", str(tiny_model), "--prompt-data", str(dict_data),
-        "--custom-generate-function-path", plugin, "--custom-rm-path", "seed_plugins.first_token_parity",
+        "--custom-generate-function-path", plugin, "--custom-rm-path", "upstream_plugins.first_token_parity",
         "--runs-dir", str(tmp_path), "--num-rollout", "1",
         timeout=120,
     )  # fmt: skip

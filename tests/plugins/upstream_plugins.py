@@ -66,4 +66,4 @@ def first_token_parity(args, sample: Sample) -> float:
 
 def loads_itself(args, sample: Sample) -> float:
     """vime.utils.misc.load_function, as multi_agent loads its agent system."""
-    return load_function("seed_plugins.first_token_parity")(args, sample)
+    return load_function("upstream_plugins.first_token_parity")(args, sample)
