@@ -25,9 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PLUGINS = ROOT / "tests" / "plugins"
 sys.path.insert(0, str(PLUGINS))
 
-# The module names of slime's and the seed system's plug-ins (`slime.*`, `vime.rollout.vllm_rollout`,
-# `vime.utils.*`), importable as vime's entry points make them (vime/compat/): the seed-style
-# plug-ins of tests/ import them at the top.
+# The module names of slime's and vllm-project/vime's plug-ins (`slime.*`, `vime.rollout.vllm_rollout`,
+# `vime.utils.*`), importable as vime's entry points make them (vime/compat/): the plug-ins
+# of tests/plugins/ written their way import them at the top.
 from vime.compat import SLIME  # noqa: E402
 
 SLIME.install()

@@ -35,7 +35,7 @@ pytestmark = [
 ]
 
 BIN = Path(sys.executable).parent  # `ray` and the `python3` the job runs: this environment's
-# as the seed scripts pass it: env_vars Ray sets for the job, PYTHONPATH replaced (vime still imports)
+# as vllm-project/vime's scripts pass it: env_vars Ray sets for the job, PYTHONPATH replaced (vime still imports)
 RUNTIME_ENV = {"env_vars": {"PYTHONPATH": "/root/Megatron-LM/", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}}
 TINY = [
     *("--hf-checkpoint", "tiny", "--prompt-data", "examples/data/addition/train.jsonl", "--rm-type", "math"),
@@ -95,7 +95,7 @@ def _node(cmd: list[str], log: Path) -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    """A Ray head started as the seed scripts start it, from the repository root (where their
+    """A Ray head started as vllm-project/vime's scripts start it, from the repository root (where their
     `python3 train.py` is found), with no CPUs of its own to give: jobs' drivers run on it, and
     actors (vime's engines with --launcher ray) only on the nodes that join it."""
     temp = Path(tempfile.mkdtemp(prefix="vray-"))  # short: Ray's socket paths must stay under 108 bytes
@@ -146,7 +146,7 @@ def ray(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
 def submit(
     address: str, entrypoint: list[str], *flags: str, timeout: float = JOB_S, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    """`ray job submit` as the seed scripts call it (it waits for the job and tails its log)."""
+    """`ray job submit` as vllm-project/vime's scripts call it (it waits for the job and tails its log)."""
     return ray(
         *(
             "job",
@@ -184,8 +184,8 @@ def wait_for_status(address: str, job: str, states: tuple[str, ...], timeout: fl
 
 def test_launcher_auto_is_local_on_a_one_node_cluster_and_off_ray(cluster, monkeypatch):
     """Before any test adds the second node: inside a Ray job of a one-node cluster, --launcher
-    auto keeps engines and ranks on this machine (the seed scripts' one-machine `ray job submit`
-    as before), and so it does outside a job, or where Ray cannot place the engines."""
+    auto keeps engines and ranks on this machine (the one-machine `ray job submit` of
+    vllm-project/vime's scripts, as before), and so it does outside a job, or where Ray cannot place the engines."""
     from vime.config import Config
     from vime.launch.ray import resolve_launcher
 
@@ -273,7 +273,7 @@ def test_ray_job_stop_stops_the_run_and_everything_it_started(cluster, second_no
 
     head, job = cluster.dashboard, "vime-stop-fully-async"
     extra = ["--rollout-function-path", "vime.rollout.fully_async_rollout.generate_rollout_fully_async"]
-    # W&B too, as the seed scripts log: its service process is signalled with the rest
+    # W&B too, as vllm-project/vime's scripts log: its service process is signalled with the rest
     wandb = ["--use-wandb", "--wandb-mode", "offline"] if find_spec("wandb") else []
     argv = [
         *("python3", "train_async.py", *TINY, "--launcher", "ray", "--num-rollout", "100000", *extra, *wandb),

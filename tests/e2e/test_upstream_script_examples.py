@@ -1,9 +1,10 @@
-"""The seed system's example scripts on vime: examples/multi_agent, eval_multi_task,
-train_infer_mismatch_helper and on_policy_distillation, each run through our run script (the
-seed's flags, flag for flag) on the tiny model, with plug-ins written in the seed's manner
-(tests/upstream_multi_agent_style.py, tests/upstream_mis_style.py) where the example brings its own Python files. Also the parts
-vime added for them: the per-call args of a custom generate, the router's log-probs given back,
-the gpqa grader, the seed's cp_utils and a custom TIS function's total_lengths."""
+"""vllm-project/vime's example scripts on vime: examples/multi_agent, eval_multi_task,
+train_infer_mismatch_helper and on_policy_distillation, each run through our run script (its
+flags, flag for flag) on the tiny model, with plug-ins written its way
+(tests/plugins/upstream_multi_agent_style.py, upstream_mis_style.py) where the example brings its
+own Python files. Also the parts vime added for them: the per-call args of a custom generate, the
+router's log-probs given back, the gpqa grader, its cp_utils and a custom TIS function's
+total_lengths."""
 
 from __future__ import annotations
 
@@ -35,15 +36,15 @@ FULLY_ASYNC = ["--rollout-function-path", "vime.rollout.fully_async_rollout.gene
 
 
 def _dapo_style(path: Path, n: int = 8) -> Path:
-    """dapo-math-17k's layout as the seed's scripts read it: `prompt` chat messages, `label`."""
+    """dapo-math-17k's layout as vllm-project/vime's scripts read it: `prompt` chat messages, `label`."""
     rows = [{"prompt": [{"role": "user", "content": f"{i}+{i + 1}=?"}], "label": str(2 * i + 1)} for i in range(n)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
 
-def _seed_dir(root: Path, name: str, files: dict[str, str]) -> Path:
-    """A stand-in for the seed's examples/<name>/ (SEED_EXAMPLE_DIR): its module names, our code."""
-    d = root / "seed" / "examples" / name
+def _upstream_dir(root: Path, name: str, files: dict[str, str]) -> Path:
+    """A stand-in for vllm-project/vime's examples/<name>/ (SEED_EXAMPLE_DIR): its module names, our code."""
+    d = root / "upstream" / "examples" / name
     d.mkdir(parents=True)
     for file, text in files.items():
         (d / file).write_text(text)
@@ -182,7 +183,7 @@ def test_eval_sets_vime_cannot_grade_are_refused_at_start_up(tmp_path, tiny_mode
 
 
 def _multi_agent_env(tmp_path: Path, tiny_model: Path) -> dict[str, str]:
-    seed = _seed_dir(
+    upstream = _upstream_dir(
         tmp_path,
         "multi_agent",
         {
@@ -190,7 +191,7 @@ def _multi_agent_env(tmp_path: Path, tiny_model: Path) -> dict[str, str]:
         },
     )
     return {
-        "SEED_EXAMPLE_DIR": str(seed),
+        "SEED_EXAMPLE_DIR": str(upstream),
         "MODEL_DIR": str(tiny_model),
         "DATA_PATH": str(_dapo_style(tmp_path / "d.jsonl")),
     }
@@ -205,7 +206,7 @@ def _check_team_trained(rows: list[dict], steps: int) -> None:
 
 
 def test_multi_agent_script_trains_every_agents_sample(tmp_path, tiny_model):
-    """Sync, colocated, as the seed runs it: the generate writes on its args, drops the router's
+    """Sync, colocated, as vllm-project/vime runs it: the generate writes on its args, drops the router's
     log-probs and returns three samples per call; each is trained, its reward the one it set."""
     rows = _run_script("multi_agent/run-qwen3-4B-multi-agent.sh", tmp_path, _multi_agent_env(tmp_path, tiny_model),
                        "--num-rollout", "1", "--lr", "1e-2")  # fmt: skip
@@ -250,7 +251,7 @@ def test_eval_multi_task_script_logs_each_set(tmp_path, tiny_model):
 
 
 def _mismatch_env(tmp_path: Path, tiny_model: Path) -> dict[str, str]:
-    seed = _seed_dir(
+    upstream = _upstream_dir(
         tmp_path,
         "train_infer_mismatch_helper",
         {
@@ -259,7 +260,12 @@ def _mismatch_env(tmp_path: Path, tiny_model: Path) -> dict[str, str]:
         },
     )
     data = _dapo_style(tmp_path / "d.jsonl")
-    return {"SEED_EXAMPLE_DIR": str(seed), "MODEL_DIR": str(tiny_model), "DATA_PATH": str(data), "EVAL_DATA": str(data)}
+    return {
+        "SEED_EXAMPLE_DIR": str(upstream),
+        "MODEL_DIR": str(tiny_model),
+        "DATA_PATH": str(data),
+        "EVAL_DATA": str(data),
+    }
 
 
 @pytest.mark.slow
@@ -278,7 +284,7 @@ def test_mismatch_helper_script_logs_its_metrics(mode, tmp_path, tiny_model):
 
 @pytest.mark.slow
 def test_opd_megatron_script_brings_the_student_to_the_teacher(teacher_run, tmp_path):  # noqa: F811
-    """The seed's teacher-in-the-trainer script, the teacher a tiny model trained to answer 7777:
+    """vllm-project/vime's teacher-in-the-trainer script, the teacher a tiny model trained to answer 7777:
     the student's reverse KL to it, measured apart from the run, falls (one optimizer step per rollout), and the run logs it."""
     from vime.models import resolve_model
 
@@ -297,7 +303,7 @@ def test_opd_megatron_script_brings_the_student_to_the_teacher(teacher_run, tmp_
 
 @pytest.mark.slow
 def test_opd_served_script_starts_its_teacher_and_distills(teacher_run, tmp_path):  # noqa: F811
-    """The seed's served-teacher script with `vime serve` as the teacher (--opd-type sglang): it
+    """vllm-project/vime's served-teacher script with `vime serve` as the teacher (--opd-type sglang): it
     waits for the server, every sample is scored by it, the reverse KL falls, and the server it
     started is gone when the script ends."""
     from vime.models import resolve_model

@@ -1,5 +1,5 @@
-"""The seed system's tool examples (retool, search-r1, tau-bench) on vime: the API paths their
-Python files take, exercised by seed-style plug-ins of ours (tests/upstream_tool_plugins.py) against
+"""vllm-project/vime's tool examples (retool, search-r1, tau-bench) on vime: the API paths their
+Python files take, exercised by plug-ins of ours written its way (tests/plugins/upstream_tool_plugins.py) against
 real engines and a local stand-in search engine. The runs are slow; the pieces they rest on
 are checked here quickly first."""
 
@@ -32,7 +32,7 @@ def test_the_seed_names_the_tool_examples_import():
     from vime.rollout.rm_hub.math_dapo_utils import compute_score
     from vime.rollout.vllm_rollout import _coerce_flat_int_token_ids, _mm_render_response_to_generate_body
 
-    # one module under the seed's names and vime's, which keeps its own
+    # one module under vllm-project/vime's names and vime's, which keeps its own
     assert slime.utils.types is vime.utils.types and vime.utils.types.__spec__.name == "vime.compat.utils.types"
     assert compute_score("... Answer: \\boxed{42}", "42", strict_box_verify=True) == {
         "score": 1.0,
@@ -75,7 +75,7 @@ def _free_port() -> int:
 
 @pytest.fixture
 def search_url(monkeypatch):
-    """examples/search-r1/retrieval_standin.py on a free port, its URL in $SEED_TEST_SEARCH_URL."""
+    """examples/search-r1/retrieval_standin.py on a free port, its URL in $VIME_TEST_SEARCH_URL."""
     port = _free_port()
     proc = subprocess.Popen(
         [sys.executable, str(ROOT / "examples/search-r1/retrieval_standin.py"), "--port", str(port)],
@@ -89,7 +89,7 @@ def search_url(monkeypatch):
                 break
         time.sleep(0.1)
     url = f"http://127.0.0.1:{port}/retrieve"
-    monkeypatch.setenv("SEED_TEST_SEARCH_URL", url)
+    monkeypatch.setenv("VIME_TEST_SEARCH_URL", url)
     yield url
     proc.terminate()
     proc.wait(timeout=10)
@@ -164,8 +164,8 @@ def test_a_tau_bench_style_agent_loop_keeps_its_reward_and_trains(mode, tmp_path
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", [(), FULLY_ASYNC], ids=["sync", "fully-async"])
 def test_a_tau_bench_agent_against_the_standin_package_trains_on_its_reward(mode, tmp_path, tiny_model, monkeypatch):
-    """examples/tau-bench/standin's `tau_bench` (what the seed's agent runs against locally):
-    its env's tools, scripted user and final-state reward, driven by a seed-style agent of ours."""
+    """examples/tau-bench/standin's `tau_bench` (what vllm-project/vime's agent runs against locally):
+    its env's tools, scripted user and final-state reward, driven by an agent of ours written its way."""
     monkeypatch.syspath_prepend(str(ROOT / "examples/tau-bench/standin"))  # the run is in this process
     rows = [{"index": 0}, {"index": 4}]  # the stand-in's train split: its two cancellations
     _run(
@@ -215,7 +215,7 @@ def test_the_standin_tau_bench_env_rewards_the_end_state_and_the_answers(monkeyp
 def test_generate_on_a_handed_over_sample_takes_the_data_ids_or_the_prompt_the_plugin_wrote():
     """A custom generate gets its sample without ids; vime's `generate` called on it starts from
     the data's ids while the prompt is the one handed over, and from the prompt the plug-in wrote
-    when it rewrote it (as the seed's generate tokenizes `sample.prompt`)."""
+    when it rewrote it (as vllm-project/vime's generate tokenizes `sample.prompt`)."""
     from vime.models import load_tokenizer, resolve_model
     from vime.rollout import generate as vllm_rollout
 

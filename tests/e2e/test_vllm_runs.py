@@ -153,7 +153,7 @@ def test_a_tool_run_through_vllm(tmp_path, monkeypatch, fresh_user_server):
 
 @needs_vllm
 def test_eval_matches_the_builtin_engine(model32, addition_data, tmp_path, fresh_user_server, capfd):
-    """`vime eval --rollout-backend vllm` (the seed's eval path): greedy, thinking off through
+    """`vime eval --rollout-backend vllm` (vllm-project/vime's eval path): greedy, thinking off through
     the chat-template kwargs; the same responses as the built-in engine, from a server the user
     started with other weights (eval pushes --hf-checkpoint into it first). Eval places its
     engines with the backend's own placement, which the training runs here launch with. Both

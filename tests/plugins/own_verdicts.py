@@ -1,11 +1,11 @@
-"""Custom generates that decide about their own samples, as the seed's agents do (tau-bench's
+"""Custom generates that decide about their own samples, as vllm-project/vime's agents do (tau-bench's
 sets the reward from its environment; others mark a sample `remove_sample`), for
 tests/test_own_verdicts.py. Each runs vime's generate first, so a tiny random model serves."""
 
 from vime.rollout.generate import generate as default_generate
 from vime.rollout.types import Sample
 
-# shaped as the seed's tau-bench reward: a success above 1 (with a bonus), a failure's bonus
+# shaped as vllm-project/vime's tau-bench reward: a success above 1 (with a bonus), a failure's bonus
 # alone; no grader gives either, so a sample that keeps one was scored by the generate alone
 SOLVED, BONUS_ONLY = 1.5, 0.15
 

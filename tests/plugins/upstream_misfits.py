@@ -1,7 +1,7 @@
-"""A seed-style plug-in that reads a setting vime does not have, for tests/test_plugin_compat.py."""
+"""A plug-in written vllm-project/vime's way that reads a setting vime does not have, for tests/test_plugin_compat.py."""
 
 
 async def generate(args, sample, sampling_params):
-    if args.keep_old_actor:  # the seed's --keep-old-actor: no such setting in vime
+    if args.keep_old_actor:  # vllm-project/vime's --keep-old-actor: no such setting in vime
         return sample
     return sample

@@ -1,10 +1,10 @@
-"""A custom generate written the way the seed system's multi_agent example writes its own, for
+"""A custom generate written the way vllm-project/vime's multi_agent example writes its own, for
 tests/test_seed_script_examples.py (which puts it where the example's run script looks:
 `examples.multi_agent.rollout_with_multi_agents` under SEED_EXAMPLE_DIR's parent's parent).
 
 `generate_with_agents` does what multi_agent's generate does to vime: it stores its state on
 `args` itself before copying it, asks the router for each agent's answer, builds each sample by
-hand from the token ids (dropping the log-probs the router sent), scores them with the seed's
+hand from the token ids (dropping the log-probs the router sent), scores them with its
 `batched_async_rm`, scales the rewards by the team's outcome and returns one sample per agent."""
 
 from copy import deepcopy
@@ -50,7 +50,7 @@ async def run_team(args, sample: Sample) -> list[Sample]:
 async def generate_with_agents(args, sample: Sample, sampling_params, evaluation=False) -> list[Sample]:
     from transformers import AutoTokenizer
 
-    args.sampling_params = sampling_params  # on the run's args, as the seed's generate does
+    args.sampling_params = sampling_params  # on the run's args, as vllm-project/vime's generate does
     args.tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
     args.team_weights = TEAM_WEIGHTS
     return await run_team(args, sample)

@@ -1,5 +1,5 @@
-"""Plug-ins written the seed system's way (its examples/multi_agent, retool, search-r1), for
-tests/test_plugin_compat.py: they import the seed's names, talk to the engines through
+"""Plug-ins written vllm-project/vime's way (its examples/multi_agent, retool, search-r1), for
+tests/test_plugin_compat.py: they import its names, talk to the engines through
 `args.vllm_router_ip/port`, build their samples with `append_response_tokens` and
 `Sample.Status`, return several samples per call, and read dict labels."""
 
@@ -30,7 +30,7 @@ async def _turn(args, sample: Sample, ids: list[int], sampling_params: dict) -> 
 
 async def generate_two_agents(args, sample: Sample, sampling_params) -> list[Sample]:
     """A solver turn, a tool answer (not trained) and a second turn in one sample; a checker
-    turn in another; both scored by the run's reward through the seed's batched_async_rm."""
+    turn in another; both scored by the run's reward through its batched_async_rm."""
     args = deepcopy(args)  # as multi_agent's run_agent_system does
     state = GenerateState(args)
     solver, checker = deepcopy(sample), deepcopy(sample)

@@ -1,11 +1,11 @@
-"""Plug-ins written the way the seed system's tool examples are (retool, search-r1, tau-bench),
+"""Plug-ins written the way vllm-project/vime's tool examples are (retool, search-r1, tau-bench),
 for tests/test_seed_tool_examples.py. They reach vime through the same names and paths those
 examples do: `slime.*` imports (search-r1's), a tool template of their own, the router's
 generate and render routes, tool answers appended as tokens that are not trained, retool's
 loss-mask alias written back at the end, search-r1's dict labels, DAPO's `compute_score`, and
 tau-bench's agent loop (settings kept on `args`, a sample whose reward the generate sets).
 
-The search engine is examples/search-r1/retrieval_standin.py at $SEED_TEST_SEARCH_URL; the
+The search engine is examples/search-r1/retrieval_standin.py at $VIME_TEST_SEARCH_URL; the
 tau-bench user and environment are the scripted `ToyShop` below.
 """
 
@@ -38,7 +38,7 @@ async def search_then_answer(args, sample: Sample, sampling_params) -> Sample:
     model wrote, so every sample calls the tool), and the engine's answer comes back between
     <information> tags as tokens the model did not write."""
     assert not args.partial_rollout
-    assert not sample.tokens, "a fresh sample comes without tokens, as the seed hands it over"
+    assert not sample.tokens, "a fresh sample comes without tokens, as vllm-project/vime hands it over"
     state = GenerateState(args)
     prompt_ids = state.tokenizer(TEMPLATE.format(q=sample.prompt), add_special_tokens=False)["input_ids"]
     sample.tokens, sample.loss_mask, sample.response = list(prompt_ids), [], ""
@@ -46,7 +46,7 @@ async def search_then_answer(args, sample: Sample, sampling_params) -> Sample:
     choice = await _turn(args, sample.tokens, sampling_params)
     ids, lps = _inference_generate_tokens_and_logprobs(choice)
     sample.append_response_tokens(args, tokens=ids, log_probs=lps, meta_info={"finish_reason": {"type": "stop"}})
-    hits = await post(os.environ["SEED_TEST_SEARCH_URL"], {"queries": [sample.prompt], "topk": 1})
+    hits = await post(os.environ["VIME_TEST_SEARCH_URL"], {"queries": [sample.prompt], "topk": 1})
     info = f"\n<information>{hits['result'][0][0]['contents']}</information>\n"
     info_ids = state.tokenizer(info, add_special_tokens=False)["input_ids"]
     sample.append_response_tokens(args, tokens=info_ids, trainable=False)

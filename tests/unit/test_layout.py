@@ -45,9 +45,9 @@ def _imports(tree: ast.AST) -> set[str]:
 
 
 def test_the_core_never_imports_the_compatibility_package():
-    """All that is shaped by slime and the seed system lives in vime/compat/, which the core
+    """All that is shaped by slime and vllm-project/vime lives in vime/compat/, which the core
     reaches only through the dialect the entry points hand it (vime/dialect.py): no module
-    outside vime/compat/ but the command line imports it, or the seed's and slime's module names
+    outside vime/compat/ but the command line imports it, or vllm-project/vime's and slime's module names
     it answers (vime.rollout.vllm_rollout, vime.utils, slime)."""
     foreign = ("vime.compat", "vime.rollout.vllm_rollout", "vime.utils", "vime.rollout.rm_hub", "slime")
     entry = {VIME / "cli.py"}

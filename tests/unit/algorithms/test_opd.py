@@ -25,7 +25,7 @@ def _prompts(tokenizer, path: Path, n: int) -> list[list[int]]:
     return [list(tokenizer.encode(r["input"], add_special_tokens=True)) for r in rows]
 
 
-# slime's paths of the served teacher's functions, as the seed system's scripts name them: they load vime's
+# slime's paths of the served teacher's functions, as vllm-project/vime's scripts name them: they load vime's
 SERVED_REWARD = "slime.rollout.on_policy_distillation.reward_func"
 SERVED_POST = "slime.rollout.on_policy_distillation.post_process_rewards"
 

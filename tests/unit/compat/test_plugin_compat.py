@@ -1,4 +1,4 @@
-"""The seed system's plug-in API (docs/plugin-compat.md): its names, a generate that returns
+"""vllm-project/vime's plug-in API (docs/plugin-compat.md): its names, a generate that returns
 several samples, dict labels, and a plug-in that does not fit refused at start-up."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def test_a_dict_label_with_a_builtin_grader_is_one_line(dict_data):
 
 def run_tiny(tmp_path: Path, data: Path, tiny_model: Path, *extra: str) -> None:
     """A two-step run of the tiny model on `data` (fully-async when `extra` asks for it), saving
-    to tmp_path/ckpt: the frame of the seed-style plug-in tests, `extra` their plug-ins. In this
+    to tmp_path/ckpt: the frame of the tests of plug-ins written its way, `extra` their plug-ins. In this
     process (train_here): the tests read what the run wrote."""
     train_here(
         "train_async.py" if FULLY_ASYNC[1] in extra else "train.py",
@@ -108,13 +108,13 @@ def test_only_the_runs_args_are_judged_not_a_variable_of_that_name(tmp_path, mon
         "def main():\n    args = object()\n    return args.whatever\n"
         "async def generate(args, sample, params):\n    return sample if args.rollout_batch_size else None\n"
     )
-    (tmp_path / "seed_args.py").write_text(
+    (tmp_path / "upstream_args.py").write_text(
         "async def generate(args, sample, params):\n    return args.keep_old_actor\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     _check_args_read(load_plugin("own_args.generate", "--custom-generate-function-path"), Config())
     with pytest.raises(Exception, match="reads args.keep_old_actor, which vime does not have"):
-        _check_args_read(load_plugin("seed_args.generate", "--custom-generate-function-path"), Config())
+        _check_args_read(load_plugin("upstream_args.generate", "--custom-generate-function-path"), Config())
 
 
 WRITES = {
@@ -226,17 +226,17 @@ def test_a_name_an_installed_slime_lacks_is_blamed_on_that_slime(tmp_path):
 
     (tmp_path / "slime").mkdir()
     (tmp_path / "slime" / "__init__.py").write_text("")
-    (tmp_path / "seedish.py").write_text(
+    (tmp_path / "upstream_style.py").write_text(
         "from slime.utils.types import Sample\ndef reward(args, sample):\n    return 1.0\n"
     )
     code = (  # slime's dialect installed as vime's entry points install it
         "from vime.compat import SLIME\nfrom vime.plugins import load_function\nSLIME.install()\n"
-        "try:\n    load_function('seedish.reward', '--custom-rm-path')\n"
+        "try:\n    load_function('upstream_style.reward', '--custom-rm-path')\n"
         "except Exception as e:\n    print(e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     said = out.stdout.strip()
     assert said.startswith(
-        f"--custom-rm-path 'seedish.reward' imports slime.utils, which the installed slime package "
+        f"--custom-rm-path 'upstream_style.reward' imports slime.utils, which the installed slime package "
         f"({tmp_path}/slime/__init__.py) does not have"
     ), out.stdout + out.stderr

@@ -1,6 +1,6 @@
-"""The seed system's run scripts on vime: every flag accepted and acted on, or refused in one line.
+"""vllm-project/vime's run scripts on vime: every flag accepted and acted on, or refused in one line.
 
-The argument lists below are those of the seed's `examples/fully_async/run-qwen2.5-0.5B-fully_async.sh`
+The argument lists below are those of vllm-project/vime's `examples/fully_async/run-qwen2.5-0.5B-fully_async.sh`
 and `run-qwen3-4b-fully_async.sh` (and the flags `scripts/run-qwen3-4B.sh` adds), written out from
 the public flag names, with the model's shape flags and the paths pointed at SmolLM2 and local data.
 """
@@ -27,7 +27,7 @@ SMOLLM2_SHAPE = (
 )
 
 # run-qwen2.5-0.5B-fully_async.sh, but for MODEL_ARGS, the paths and the GPU counts
-SEED_05B = (
+UPSTREAM_05B = (
     "--actor-num-nodes 1 --actor-num-gpus-per-node 1 --rollout-num-gpus 1 "
     "--hf-checkpoint {model} --ref-load {model}_torch_dist --save {out}/save --save-interval 9999 "
     "--rollout-function-path vime.rollout.fully_async_rollout.generate_rollout_fully_async "
@@ -45,7 +45,7 @@ SEED_05B = (
 )
 
 # run-qwen3-4b-fully_async.sh, the same way (its --load and --save name one directory)
-SEED_4B = (
+UPSTREAM_4B = (
     "--actor-num-nodes 1 --actor-num-gpus-per-node 4 --rollout-num-gpus 4 "
     "--hf-checkpoint {model} --ref-load {model}_torch_dist --load {out}/ckpt --save {out}/ckpt --save-interval 20 "
     "--rollout-function-path vime.rollout.fully_async_rollout.generate_rollout_fully_async "
@@ -65,14 +65,14 @@ SEED_4B = (
 )
 
 # what scripts/run-qwen3-4B.sh passes besides the flags above (its TP-2 engines aside: see below)
-SEED_4B_SYNC_EXTRA = (
+UPSTREAM_4B_SYNC_EXTRA = (
     "--train-backend megatron --colocate --eval-interval 20 --eval-prompt-data aime {eval} "
     "--n-samples-per-eval-prompt 16 --eval-max-response-len 16384 --eval-top-p 1 "
     "--train-memory-margin-bytes 2147483648 --use-wandb --wandb-project vime-dev --wandb-group qwen3-4B-test "
     "--wandb-mode offline"
 )
 
-# small enough for two steps on 2 CPU cores; the last value of a flag wins, as in the seed's scripts
+# small enough for two steps on 2 CPU cores; the last value of a flag wins, as in vllm-project/vime's scripts
 CPU_SIZES = (
     "--actor-num-gpus-per-node 1 --rollout-num-gpus 1 --num-rollout 2 --rollout-batch-size 2 "
     "--n-samples-per-prompt 2 --global-batch-size 4 --rollout-max-response-len 8 --quiet"
@@ -102,11 +102,11 @@ def _parse(argv: list[str], entry: str = "async"):
 def test_the_seed_argument_lists_parse_and_every_foreign_flag_is_said_once(tmp_path):
     from vime.config.checks_train import inert_flags
 
-    for template in (SEED_05B, SEED_4B):
+    for template in (UPSTREAM_05B, UPSTREAM_4B):
         cfg = _parse(SMOLLM2_SHAPE.split() + _args(template, model="m", out=tmp_path, data="d.jsonl"))
         assert cfg.mode == "fully-async"
         optimizer = ("--adam", "--sgd", "--min-lr", "--lr-decay")
-        assert not [f for f in inert_flags(cfg) if f.startswith(optimizer)]  # the seed's all apply to its adam
+        assert not [f for f in inert_flags(cfg) if f.startswith(optimizer)]  # vllm-project/vime's all apply to its adam
         lines = startup_notes(cfg)
         said = " ".join(lines)
         for name in cfg.slime_flags:
@@ -116,7 +116,7 @@ def test_the_seed_argument_lists_parse_and_every_foreign_flag_is_said_once(tmp_p
             assert said.count(f.flag + " ") + said.count(f.flag + ")") >= 1, f.flag
         assert "--vllm-gpu-memory-utilization 0.55" in said or "vllm" not in template
         assert "--ref-load" in said and "--use-kl-loss" in said  # KL 0: no reference read, said so
-    cfg = _parse(SMOLLM2_SHAPE.split() + _args(SEED_4B, model="m", out=tmp_path, data="d.jsonl"))
+    cfg = _parse(SMOLLM2_SHAPE.split() + _args(UPSTREAM_4B, model="m", out=tmp_path, data="d.jsonl"))
     assert cfg.gradient_checkpointing and cfg.gradient_checkpointing_layers is None  # full + uniform: every layer
     assert cfg.reward_key == "score" and cfg.use_tis and cfg.weight_decay == 0.1 and cfg.eps_clip_high == 0.28
 
@@ -124,9 +124,9 @@ def test_the_seed_argument_lists_parse_and_every_foreign_flag_is_said_once(tmp_p
 def test_the_seed_sync_script_flags_parse_or_are_refused_with_the_reason(tmp_path):
     """scripts/run-qwen3-4B.sh: train.py, colocated, an AIME eval set named as slime names it, and
     engines of two GPUs each, which the built-in engine cannot honour."""
-    seed = _args(SEED_4B, model="m", out=tmp_path, data="d.jsonl")
-    fn = seed.index("--rollout-function-path")
-    sync = seed[:fn] + seed[fn + 2 :] + _args(SEED_4B_SYNC_EXTRA, eval="/e/aime.jsonl")
+    upstream = _args(UPSTREAM_4B, model="m", out=tmp_path, data="d.jsonl")
+    fn = upstream.index("--rollout-function-path")
+    sync = upstream[:fn] + upstream[fn + 2 :] + _args(UPSTREAM_4B_SYNC_EXTRA, eval="/e/aime.jsonl")
     with pytest.raises(ConfigError, match="--rollout-num-gpus-per-engine 2: the built-in engine has no tensor"):
         _parse(SMOLLM2_SHAPE.split() + sync + ["--rollout-num-gpus-per-engine", "2"], entry="sync")
     cfg = _parse(SMOLLM2_SHAPE.split() + sync, entry="sync")
@@ -254,17 +254,19 @@ def test_megatron_sizes_that_cannot_be_honoured_are_refused(tiny_model):
 
 
 def test_our_example_scripts_pass_the_seed_flags(tmp_path):
-    """examples/fully_async/run-*.sh hold the seed's flags, every one of them."""
+    """examples/fully_async/run-*.sh hold vllm-project/vime's flags, every one of them."""
     for script, template in (
-        ("run-qwen2.5-0.5B-fully_async.sh", SEED_05B),
-        ("run-qwen3-4b-fully_async.sh", SEED_4B),
+        ("run-qwen2.5-0.5B-fully_async.sh", UPSTREAM_05B),
+        ("run-qwen3-4b-fully_async.sh", UPSTREAM_4B),
     ):
         text = (ROOT / "examples" / "fully_async" / script).read_text()
         ours = set(re.findall(r"^\s+(--[a-z0-9-]+)", text, flags=re.M)) | set(
             re.findall(r"   (--[a-z-]+) \\$", text, re.M)
         )
-        seed = {t for t in _args(template, model="m", out="o", data="d") if t.startswith("--")}
-        assert seed <= ours | {"--actor-num-nodes", "--actor-num-gpus-per-node", "--rollout-num-gpus"}, seed - ours
+        upstream = {t for t in _args(template, model="m", out="o", data="d") if t.startswith("--")}
+        assert upstream <= ours | {"--actor-num-nodes", "--actor-num-gpus-per-node", "--rollout-num-gpus"}, (
+            upstream - ours
+        )
     for shape in ("qwen2.5-0.5B", "qwen3-4B", "smollm2-135M"):
         text = (ROOT / "scripts" / "models" / f"{shape}.sh").read_text()
         assert "MODEL_ARGS=(" in text and "--num-layers" in text
@@ -303,7 +305,7 @@ def test_the_4b_argument_list_runs_two_steps_on_smollm2(tmp_path):
     model = resolve_model("smollm2")
     r = run_cli(
         "train_async.py", *SMOLLM2_SHAPE.split(),
-        *_args(SEED_4B, model=model, out=tmp_path, data=_dapo_style(tmp_path / "dapo.jsonl")),
+        *_args(UPSTREAM_4B, model=model, out=tmp_path, data=_dapo_style(tmp_path / "dapo.jsonl")),
         *CPU_SIZES.split(), "--runs-dir", str(tmp_path), "--run-name", "a", timeout=400,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
@@ -323,7 +325,7 @@ def test_the_compatibility_table_names_every_flag_of_the_three_scripts():
     flags = (
         {
             tok
-            for t in (SEED_05B, SEED_4B, SEED_4B_SYNC_EXTRA, SMOLLM2_SHAPE)
+            for t in (UPSTREAM_05B, UPSTREAM_4B, UPSTREAM_4B_SYNC_EXTRA, SMOLLM2_SHAPE)
             for tok in t.split()
             if tok.startswith("--")
         }

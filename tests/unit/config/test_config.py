@@ -492,7 +492,7 @@ def test_a_frozen_config_builds_each_room_once_and_no_copy_keeps_them():
     changed = cfg.derived(rollout_batch_size=2)
     assert changed.rollout.rollout_batch_size == 2 and cfg.rollout.rollout_batch_size == 4
     for clone in (copy.copy(cfg), copy.deepcopy(cfg)):
-        clone.rollout_batch_size = 3  # a copy can be changed, and its rooms follow
+        clone.rollout_batch_size = 3  # a copy can be changed, and its component views follow
         assert clone.rollout.rollout_batch_size == 3
-    rank = pickle.loads(pickle.dumps(cfg))  # a trainer rank's copy: still frozen, its rooms built anew
+    rank = pickle.loads(pickle.dumps(cfg))  # a trainer rank's copy: still frozen, its component views built anew
     assert "_rooms" not in rank.__dict__ and rank.rollout.rollout_batch_size == 4 and rank.rollout is rank.rollout

@@ -98,7 +98,7 @@ def test_greedy_matches_hf_generate(client, hf):
 
 
 def test_repetition_penalty_greedy_matches_hf_with_the_same_penalty(client, hf):
-    """vLLM's repetition penalty (the seed's tau-bench agent samples at 1.1): greedy decoding
+    """vLLM's repetition penalty (vllm-project/vime's tau-bench agent samples at 1.1): greedy decoding
     with it is HF's greedy with every seen token's logit penalized, prompt and output alike, and
     it changes what the engine says."""
     params = greedy(12, ignore_eos=True, repetition_penalty=3.0)

@@ -49,13 +49,13 @@ def test_plugin_args_read_every_setting_and_the_live_objects_and_write_nothing()
         AttributeError, match=r"^args.group_rm: a setting of the run, read-only .*copy.deepcopy\(args\)"
     ):
         args.group_rm = True
-    args.tau_bench_config = "mine"  # a name that is no setting: the plug-in's own (the seed's tau-bench)
+    args.tau_bench_config = "mine"  # a name that is no setting: the plug-in's own (vllm-project/vime's tau-bench)
     assert args.tau_bench_config == "mine" and not hasattr(cfg, "tau_bench_config")
     assert copy.copy(args).tau_bench_config == "mine"
     args.agent_table = {"k": 1}
     copy.deepcopy(args).agent_table["k"] = 2  # a deep copy's own names are its own
     assert args.agent_table == {"k": 1}
-    for mine in (copy.copy(args), copy.deepcopy(args)):  # the seed's multi-agent example copies, then changes
+    for mine in (copy.copy(args), copy.deepcopy(args)):  # vllm-project/vime's multi-agent example copies, then changes
         mine.rollout_batch_size = 2
         assert isinstance(mine, Config) and mine.runtime is runtime and args.rollout_batch_size == 4
     assert pickle.loads(pickle.dumps(args)).rollout_batch_size == 4

@@ -125,7 +125,7 @@ def test_error_bad_input_type(tmp_path):
     f = write_jsonl(tmp_path / "d.jsonl", [{"input": 5.5, "label": "1"}])
     with pytest.raises(DataError, match="a string, an integer or a list of chat messages"):
         load_prompts(f)
-    # a task's number (the seed's tau-bench prompts are indices) is its text; no label is needed
+    # a task's number (vllm-project/vime's tau-bench prompts are indices) is its text; no label is needed
     # when nothing grades against one
     f = write_jsonl(tmp_path / "t.jsonl", [{"index": 5}])
     assert load_prompts(f, input_key="index", grader=None)[0]["input"] == "5"

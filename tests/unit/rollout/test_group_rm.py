@@ -1,4 +1,4 @@
-"""--group-rm: a --custom-rm-path reward called once per prompt group, as the seed system's
+"""--group-rm: a --custom-rm-path reward called once per prompt group, as vllm-project/vime's
 batched reward is; what a failing or misfitting one does; a run that trains on it."""
 
 from __future__ import annotations

@@ -116,7 +116,7 @@ def test_what_the_teacher_cannot_score_is_one_line(vllm_teacher):
 def test_distillation_from_a_vllm_teacher_brings_the_student_to_it(
     vllm_teacher, teacher32, tmp_path, mode, steps, keep
 ):
-    """The seed system's command line, the teacher a vLLM server (a bare host:port: its
+    """vllm-project/vime's command line, the teacher a vLLM server (a bare host:port: its
     /v1/completions): every sample is scored, and the student's KL to the teacher, measured apart
     from the run, falls (sync, 6 steps: to under half, and so does the logged one; fully-async,
     3 steps, whose first batches are the same stale policy's: it distills too)."""

@@ -1,4 +1,4 @@
-"""A custom generate's own verdicts on its samples, as the seed honours them: a reward it set
+"""A custom generate's own verdicts on its samples, as vllm-project/vime honours them: a reward it set
 is the sample's eval score (tau-bench's agent scores from its environment, and its eval rows
 carry no label), and a sample it marks `remove_sample` trains nothing."""
 
