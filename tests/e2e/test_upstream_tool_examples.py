@@ -23,7 +23,7 @@ from vime.rollout.types import Sample
 QUESTIONS = ["capital of France", "capital of Japan", "longest river", "highest mountain"]
 
 
-def test_the_seed_names_the_tool_examples_import():
+def test_the_upstream_names_the_tool_examples_import():
     from vime.compat import SLIME
 
     SLIME.install()  # as the entry points do (conftest too)

@@ -61,7 +61,7 @@ TWO_AGENTS = (
 
 
 @pytest.mark.parametrize("mode", [(), FULLY_ASYNC], ids=["sync", "fully-async"])
-def test_a_seed_style_multi_agent_plugin_trains_every_sample_it_returns(mode, tmp_path, dict_data, tiny_model):
+def test_an_upstream_style_multi_agent_plugin_trains_every_sample_it_returns(mode, tmp_path, dict_data, tiny_model):
     run_tiny(tmp_path, dict_data, tiny_model, *TWO_AGENTS, *mode)
     rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "train/loss" in r]

@@ -99,7 +99,7 @@ def _parse(argv: list[str], entry: str = "async"):
     return parse_args(argv, prog="train_async.py", entry=entry)
 
 
-def test_the_seed_argument_lists_parse_and_every_foreign_flag_is_said_once(tmp_path):
+def test_the_upstream_argument_lists_parse_and_every_foreign_flag_is_said_once(tmp_path):
     from vime.config.checks_train import inert_flags
 
     for template in (UPSTREAM_05B, UPSTREAM_4B):
@@ -121,7 +121,7 @@ def test_the_seed_argument_lists_parse_and_every_foreign_flag_is_said_once(tmp_p
     assert cfg.reward_key == "score" and cfg.use_tis and cfg.weight_decay == 0.1 and cfg.eps_clip_high == 0.28
 
 
-def test_the_seed_sync_script_flags_parse_or_are_refused_with_the_reason(tmp_path):
+def test_the_upstream_sync_script_flags_parse_or_are_refused_with_the_reason(tmp_path):
     """scripts/run-qwen3-4B.sh: train.py, colocated, an AIME eval set named as slime names it, and
     engines of two GPUs each, which the built-in engine cannot honour."""
     upstream = _args(UPSTREAM_4B, model="m", out=tmp_path, data="d.jsonl")
@@ -253,7 +253,7 @@ def test_megatron_sizes_that_cannot_be_honoured_are_refused(tiny_model):
     )
 
 
-def test_our_example_scripts_pass_the_seed_flags(tmp_path):
+def test_our_example_scripts_pass_the_upstream_flags(tmp_path):
     """examples/fully_async/run-*.sh hold vllm-project/vime's flags, every one of them."""
     for script, template in (
         ("run-qwen2.5-0.5B-fully_async.sh", UPSTREAM_05B),

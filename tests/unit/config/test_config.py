@@ -481,7 +481,7 @@ def test_each_setting_is_declared_once_in_its_component_and_read_through_its_vie
     assert cfg.rollout.num_rollout == 7
 
 
-def test_a_frozen_config_builds_each_room_once_and_no_copy_keeps_them():
+def test_a_frozen_config_builds_each_component_once_and_no_copy_keeps_them():
     import copy
     import pickle
 
