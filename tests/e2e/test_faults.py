@@ -171,7 +171,7 @@ def _ended(proc: subprocess.Popen, since: float | None) -> tuple[int, list[str]]
         err,
         flags=re.S,
     )
-    # aiohttp may report a session a cancelled request reopened (test_async.py has the story)
+    # aiohttp may report a session a cancelled request reopened (tests/e2e/test_async.py has the story)
     noise = ("Unclosed client session", "Unclosed connector", "client_session:", "connector:", "connections:")
     return proc.returncode, [
         line for line in err.strip().splitlines() if not line.split("asyncio: ")[-1].startswith(noise)

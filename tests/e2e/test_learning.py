@@ -93,7 +93,7 @@ def data_and_warm_model(tmp_path_factory) -> tuple[Path, Path, Path]:
         # issue 31's objectives passed this bar too (gspo, cispo, REINFORCE++ with and without
         # baseline, dynamic sampling; 2026-12-02) but are not run here: with one optimizer step per
         # rollout GSPO and CISPO take GRPO's gradient exactly (bench/RESULTS.md), so their rows
-        # would repeat sync's for CI minutes; tests/test_algorithms.py shows each training and
+        # would repeat sync's for CI minutes; tests/unit/algorithms/test_objectives.py shows each training and
         # bench/objective_sweep.py compares them, also off-policy
     ],
     ids=["sync", "one-step-off"],

@@ -24,7 +24,7 @@ TOOL_MODES = {
 
 
 def tool_run(script: str, extra: list[str], tmp_path: Path, monkeypatch, model: Path, steps: int = 3):
-    """A run of the tool-calling tiny model (tests/tool_model.py) with --tools calculator; each
+    """A run of the tool-calling tiny model (tests/plugins/tool_model.py) with --tools calculator; each
     scored sample's layout recorded by tool_model.recording_reward. (metrics rows, samples)
     lr 1e-4, not tiny.yaml's 1e-3: Adam moves every weight by about lr per step whatever the
     gradient's size, and at 1e-3 the fine-tuned model forgot its tool call within three steps

@@ -128,7 +128,7 @@ def test_a_colocated_run_releases_the_engine_and_pushes_into_it_resumed(tmp_path
     weights too) while the trainer steps, takes it back after, and the run logs the bytes. With a
     push every second step the engine samples step 2 from step 0's weights, which shows as the
     engine's log-probs drifting from the trainer's by a step's move; at step 3, after the push
-    into the resumed engine, they agree again (float32 on CPU; tests/test_gpu.py runs the same
+    into the resumed engine, they agree again (float32 on CPU; tests/gpu/test_runs.py runs the same
     on CUDA)."""
     train_here(
         "sync", "--config", "examples/tiny.yaml", "--colocate", "--num-rollout", "3", "--lr", "0.1",

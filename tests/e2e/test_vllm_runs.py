@@ -2,7 +2,7 @@
 (`make test-vllm`; no mocks): sync and fully-async runs whose every push shows in what the
 server computes, a decoupled run of a model that calls the calculator, a server started by hand, two launched engines with one killed and restarted,
 and the one-line refusals. The server-level tests (a launched server's death with its launcher
-among them) are in test_vllm.py.
+among them) are in tests/unit/backends/test_vllm_server.py.
 
 Model: a random Qwen3 with head_dim 32 (vLLM's CPU attention refuses the default tiny model's
 head_dim 16), float32.
@@ -134,7 +134,7 @@ def test_fully_async_run_records_token_versions(model32, addition_data, tmp_path
 @needs_vllm
 def test_a_tool_run_through_vllm(tmp_path, monkeypatch, fresh_user_server):
     """The multi-turn generate through vLLM, decoupled with --partial-rollout: the checks every
-    mode passes with the built-in engine in test_multi_turn.py, from the tool-calling tiny model
+    mode passes with the built-in engine in test_tool_runs.py, from the tool-calling tiny model
     in model32's shape. A push cutting a conversation mid-turn happens here by timing only:
     alone, each step outlasted the generation the worker may start, so the pushes found no
     request in flight; in CI, beside another test, one cut every conversation of a step inside

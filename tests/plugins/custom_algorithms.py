@@ -21,7 +21,7 @@ def halve_tis(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, 
     return pg_loss * 0.5, loss_masks, {"custom_mismatch": mismatch}
 
 
-# ---- hooks that do not fit: refused at start-up (tests/test_faults.py) or in the call (test_loss.py)
+# ---- hooks that do not fit: refused at start-up (tests/unit/test_preflight.py) or in the call (test_loss.py)
 
 
 def loss_one_short(args, *, log_probs, old_log_probs, advantages, loss_mask, rollout_log_probs, seq_ids):

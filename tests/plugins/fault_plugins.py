@@ -194,7 +194,7 @@ def fail_on_rank_one(args, *, log_probs, old_log_probs, advantages, loss_mask, r
     return -(advantages * (log_probs - old_log_probs).exp())
 
 
-# ---- plug-ins that do not fit, or fail mid-run (tests/test_faults.py: plug-ins) -----------------
+# ---- plug-ins that do not fit, or fail mid-run (tests/unit/test_preflight.py, tests/e2e/test_faults.py) -----------------
 
 
 def generate_not_async(args, sample, params):

@@ -1,4 +1,4 @@
-"""Group rewards for tests/test_group_rm.py, written vllm-project/vime's way (--group-rm: called
+"""Group rewards for tests/unit/rollout/test_group_rm.py, written vllm-project/vime's way (--group-rm: called
 once per prompt group with its samples, one reward per sample back)."""
 
 CALLS: list[list[int]] = []  # the sample indices of each call, in this process

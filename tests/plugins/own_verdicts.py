@@ -1,6 +1,6 @@
 """Custom generates that decide about their own samples, as vllm-project/vime's agents do (tau-bench's
 sets the reward from its environment; others mark a sample `remove_sample`), for
-tests/test_own_verdicts.py. Each runs vime's generate first, so a tiny random model serves."""
+tests/unit/rollout/test_own_verdicts.py. Each runs vime's generate first, so a tiny random model serves."""
 
 from vime.rollout.generate import generate as default_generate
 from vime.rollout.types import Sample

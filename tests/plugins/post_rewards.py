@@ -1,4 +1,4 @@
-"""A --custom-reward-post-process-path of slime's form (tests/test_opd_served.py): every call is
+"""A --custom-reward-post-process-path of slime's form (tests/unit/rollout/test_opd_served.py): every call is
 appended to the file named by $VIME_TEST_POST_LOG, and the rewards it returns are not the reward
 function's (opd_reward.zero_reward's 0): 1 for every other sample, so a run whose weights move
 trained on them."""

@@ -1,4 +1,4 @@
-"""Plug-ins for tests/test_rollout_process.py, loaded by dotted path; they run in the rollout
+"""Plug-ins for tests/e2e/test_rollout_process.py, loaded by dotted path; they run in the rollout
 process, where rewards are computed when a run has one."""
 
 from __future__ import annotations

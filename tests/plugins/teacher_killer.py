@@ -1,5 +1,5 @@
 """slime's OPD post-process that kills the served teacher once the run's first step has been
-scored (tests/test_opd_served.py sets `teacher`): a teacher that dies mid-run, as a real one can."""
+scored (tests/unit/rollout/test_opd_served.py sets `teacher`): a teacher that dies mid-run, as a real one can."""
 
 from __future__ import annotations
 

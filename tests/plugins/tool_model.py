@@ -2,7 +2,7 @@
 conversations in the tag format (prompt, a call to the calculator with the prompt's sum, the
 tool's answer, `Answer: <that answer>`). Below it, its chat twin (`chat_tool_model`): a model
 that calls an `add` tool when a Qwen-like chat template shows it one, which the OpenAI server's
-tests (tests/test_openai_server.py) ask through the official client.
+tests (tests/unit/engine/test_openai_server.py) ask through the official client.
 
 A random model never writes a tool call, so whole runs with --tools would only ever see one
 turn. This one is a real model served by the real engines (built-in and vLLM) that opens

@@ -1,5 +1,5 @@
 """A --custom-tis-function-path hook written the way vllm-project/vime's
-train_infer_mismatch_helper writes mis.py, for tests/test_seed_script_examples.py: it reads its
+train_infer_mismatch_helper writes mis.py, for tests/e2e/test_upstream_script_examples.py: it reads its
 bound from a --custom-config-path attribute, gathers and slices with its cp_utils
 (imported lazily, as mis.py does), truncates the importance weights and reports the mismatch and
 each sequence's prompt length per token."""

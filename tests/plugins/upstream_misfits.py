@@ -1,4 +1,4 @@
-"""A plug-in written vllm-project/vime's way that reads a setting vime does not have, for tests/test_plugin_compat.py."""
+"""A plug-in written vllm-project/vime's way that reads a setting vime does not have, for tests/unit/compat/test_plugin_compat.py."""
 
 
 async def generate(args, sample, sampling_params):

@@ -1,5 +1,5 @@
 """A custom generate written the way vllm-project/vime's multi_agent example writes its own, for
-tests/test_seed_script_examples.py (which puts it where the example's run script looks:
+tests/e2e/test_upstream_script_examples.py (which puts it where the example's run script looks:
 `examples.multi_agent.rollout_with_multi_agents` under SEED_EXAMPLE_DIR's parent's parent).
 
 `generate_with_agents` does what multi_agent's generate does to vime: it stores its state on

@@ -1,5 +1,5 @@
 """Plug-ins written vllm-project/vime's way (its examples/multi_agent, retool, search-r1), for
-tests/test_plugin_compat.py: they import its names, talk to the engines through
+tests/unit/compat/test_plugin_compat.py: they import its names, talk to the engines through
 `args.vllm_router_ip/port`, build their samples with `append_response_tokens` and
 `Sample.Status`, return several samples per call, and read dict labels."""
 

@@ -1,5 +1,5 @@
 """Plug-ins written the way vllm-project/vime's tool examples are (retool, search-r1, tau-bench),
-for tests/test_seed_tool_examples.py. They reach vime through the same names and paths those
+for tests/e2e/test_upstream_tool_examples.py. They reach vime through the same names and paths those
 examples do: `slime.*` imports (search-r1's), a tool template of their own, the router's
 generate and render routes, tool answers appended as tokens that are not trained, retool's
 loss-mask alias written back at the end, search-r1's dict labels, DAPO's `compute_score`, and

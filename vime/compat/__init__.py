@@ -1,6 +1,6 @@
 """Everything shaped by slime and the seed system (vLLM's vime, built on slime): their flags, the
 module names and helpers their plug-ins import, the router their custom generate functions post
-to. The core never imports this package (tests/test_layout.py checks it); the entry points
+to. The core never imports this package (tests/unit/test_layout.py checks it); the entry points
 (vime/cli.py) hand it to the core as a `vime.dialect.Dialect`: `SLIME` (dialect.py). Use
 `vime.compat.parse_args` where a script's flags may be slime's.
 

@@ -7,8 +7,8 @@ Tolerance: an fp8 engine's log-probs are within FP8_ATOL = 0.05 of a teacher-for
 forward over its own tokens, on the tiny model (observed: at most 0.021 in float32, 0.023 in
 bfloat16; a bfloat16 engine without fp8 is within 0.0025, a float32 one within 1e-6).
 
-The Triton kernel's check is `tests/test_engine.py::quant_kernel_checks` (under the interpreter); on
-CUDA, `test_engine.py::test_gpu_fp8_graphs_match_eager_track_hf_and_see_pushes` (make test-gpu).
+The Triton kernel's check is `tests/unit/engine/test_gpu_path.py::quant_kernel_checks` (under the interpreter); on
+CUDA, `test_gpu_path.py::test_gpu_fp8_graphs_match_eager_track_hf_and_see_pushes` (make test-gpu).
 """
 
 from __future__ import annotations

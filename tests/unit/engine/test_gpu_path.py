@@ -230,7 +230,7 @@ def quant_kernel_checks(model_dir: str) -> None:
         assert "decode" in kinds
         for i, p in enumerate(PROMPTS[1:]):
             gap = (torch.tensor(outs[str(i)].logprobs) - hf_logprobs(model, p, outs[str(i)].output_ids)).abs().max()
-            assert 1e-3 < gap < FP8_ATOL, gap  # quantized, and within the tolerance of tests/test_fp8.py
+            assert 1e-3 < gap < FP8_ATOL, gap  # quantized, and within the tolerance of tests/unit/engine/test_fp8.py
         logprobs = [outs[str(i)].logprobs for i in range(len(PROMPTS) - 1)]
         assert logprobs != before  # the update reached the fp8 copies
         before = logprobs

@@ -1,6 +1,6 @@
 """`vime serve` as an OpenAI-compatible server, through the official `openai` client against real
 engine processes: a random tiny model (its template shows no tools), and a tiny model trained to
-call an `add` tool through a Qwen-like chat template (tests/tool_model.py).
+call an `add` tool through a Qwen-like chat template (tests/plugins/tool_model.py).
 
 Where vLLM does the same, the same test runs against a vLLM server started as its users start
 one (`vllm serve`-style flags: hermes tool parser, raw log-probs, its default; no vime extension):
@@ -9,7 +9,7 @@ answers (its refusals, its metrics) checks the vime server alone.
 
 Models: random Qwen3s with head_dim 32 (vLLM's CPU attention refuses the default tiny model's 16).
 Tolerance: log-probs must match a teacher-forced HF forward within ATOL = 1e-4 (float32 on CPU,
-as tests/test_engine.py); the engine answers them from its own scoring of prompt and answer.
+as tests/unit/engine/test_server.py); the engine answers them from its own scoring of prompt and answer.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """--gpu-sharing: the run's CUDA MPS daemon (vime/launch/mps.py), on a machine without a GPU.
 
-The real daemon needs a GPU (tests/test_gpu.py runs it there). Here a stand-in program of the
+The real daemon needs a GPU (tests/gpu/test_runs.py runs it there). Here a stand-in program of the
 same name does what the run relies on (`-f` serves a control pipe and writes its pid file; a
 plain call passes its stdin to the daemon, `quit` ends it), so the start, the stop, the fallbacks
 and the daemon's end with a killed trainer are the code's own. On this machine the client probe

@@ -1,6 +1,6 @@
 """On-policy distillation from a served teacher (--use-opd --opd-type sglang,
 vime/rollout/on_policy_distillation.py): a real engine of the teacher (the tiny student trained to
-answer TARGET, tests/test_opd.py's) scores the student's response tokens through the reward
+answer TARGET, tests/unit/algorithms/test_opd.py's) scores the student's response tokens through the reward
 runner, the post-process stores them on the samples, and the trainer adds the reverse-KL term.
 Also slime's --custom-reward-post-process-path hook on its own, in every mode."""
 
@@ -36,7 +36,7 @@ from vime.plugins import PluginError, as_plugin
 from vime.rollout.opd_teacher import Teacher, TeacherError, teacher_log_probs
 from vime.rollout.rewards.post_process import post_process
 
-ATOL = 1e-4  # float32 on CPU (tests/test_scoring.py)
+ATOL = 1e-4  # float32 on CPU (tests/unit/engine/test_scoring.py)
 BASE = ["--hf-checkpoint", "tiny", "--prompt-data", "x.jsonl", "--num-rollout", "2"]
 
 
@@ -190,7 +190,7 @@ def _run(mode: str, steps: int, tmp_path: Path, *extra: str) -> list[dict]:
     return [json.loads(line) for line in (tmp_path / mode / "metrics.jsonl").read_text().splitlines()]
 
 
-MODES = MODE_ARGS  # each mode's entry point and flags (test_async.py)
+MODES = MODE_ARGS  # each mode's entry point and flags (conftest.py)
 SLOW = pytest.mark.slow
 
 

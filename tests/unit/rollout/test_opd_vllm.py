@@ -2,12 +2,12 @@
 vime/rollout/opd_vllm.py), against a real vLLM server on CPU (`make test-vllm`; no mocks).
 
 The teacher: a random Qwen3 with head_dim 32 (vLLM's CPU attention refuses the tiny student's
-head_dim 16) of the student's tokenizer, trained to answer TARGET (tests/test_opd.py's
+head_dim 16) of the student's tokenizer, trained to answer TARGET (tests/unit/algorithms/test_opd.py's
 `train_teacher`); the student, the tiny model, generates with the built-in engine. They differ in
 shape and weights, and share the tokenizer, as a distillation pair does.
 
 Tolerance: the teacher's log-probs through vLLM's prompt_logprobs must equal HF's teacher-forced
-ones within ATOL = 1e-4 (float32 on CPU, as tests/test_vllm.py; the observed gap is ~5e-7).
+ones within ATOL = 1e-4 (float32 on CPU, as tests/unit/backends/test_vllm_server.py; the observed gap is ~5e-7).
 """
 
 from __future__ import annotations
