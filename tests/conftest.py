@@ -1,4 +1,6 @@
-"""Shared fixtures: a tiny real model and toy data, generated once per test session."""
+"""What every test shares: a tiny real model and toy data (generated once per test session),
+tests/plugins on the path, the ways a test starts a run, and the helpers that tests of several
+packages use. A folder's own conftest.py holds what only its tests share."""
 
 from __future__ import annotations
 
