@@ -1,8 +1,8 @@
-"""Every input checked before anything starts (issue 12, vime/preflight.py): the run's files,
-settings and checkpoint, each bad one a line of its own with no run directory made; every
-plug-in tried at start-up on made-up input, one that does not fit refused in one line and one
-that fits passing; a plug-in module that does not import, and a custom generate that fails,
-named with where."""
+"""Every input checked before anything starts (issue 12, vime/preflight.py): the run's files and
+settings, each bad one a line of its own with no run directory made (a crafted or damaged
+checkpoint: tests/unit/trainer/test_trainer_faults.py); every plug-in tried at start-up on
+made-up input, one that does not fit refused in one line and one that fits passing; a plug-in
+module that does not import, and a custom generate that fails, named with where."""
 
 from __future__ import annotations
 
