@@ -32,12 +32,13 @@ $(VENV)/.installed: pyproject.toml requirements/cpu.lock
 lock:
 	PYTHON=$(PYTHON) TORCH="$(TORCH)" requirements/lock.sh
 
-# lint and format first (ruff, settings in pyproject.toml): seconds, and a failure names the line;
+# lint and format first (ruff, settings in pyproject.toml; no cache, so a run here reads as a fresh
+# machine's does): seconds, and a failure names the line;
 # then every test but the long whole-run cases marked `slow` (make test-slow; CI runs both), on
 # two pytest-xdist workers, one test file each at a time (a file's shared fixtures start once)
 test: install
-	$(BIN)/ruff check .
-	$(BIN)/ruff format --check .
+	$(BIN)/ruff check --no-cache .
+	$(BIN)/ruff format --check --no-cache .
 	$(BIN)/python -m pytest -q -m "not slow" -n 2 --dist loadfile
 
 # two pytest-xdist workers: a whole run keeps about one core busy (its trainer and engine take
@@ -71,6 +72,7 @@ test-vllm: install-vllm
 		tests/unit/rollout/test_opd_vllm.py tests/unit/engine/test_openai_server.py \
 		tests/unit/engine/test_gpu_path.py::test_triton_path_in_interpreter \
 		tests/unit/trainer/test_compile.py::test_triton_head_in_interpreter \
+		tests/unit/engine/test_moe.py::test_moe_kernel_path_in_interpreter \
 		tests/e2e/test_ray_launch.py::test_vllm_engines_on_another_node_as_ray_actors_train_in_sync
 
 install-ray: $(RAY_VENV)/.installed

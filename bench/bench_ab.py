@@ -21,7 +21,7 @@ the bound of an async step, max(train + push, generation of one step's tokens at
 
     PYTHONPATH=. python3 bench/bench_ab.py --arms sync,one-step-off,fully-async,decoupled,sync-colocated   # nvidia-h200-x2
     PYTHONPATH=. python3 bench/bench_ab.py                   # one H200 (engine beside the trainer)
-    PYTHONPATH=. python3 bench/bench_ab.py --shape qwen3-4b  # the seed's model shape on one H200
+    PYTHONPATH=. python3 bench/bench_ab.py --shape qwen3-4b  # the founding experiment's model shape on one H200
 
 At the 4B shape the trainer (64 GB of float32 weights, gradients and Adam state) and the engine
 share one GPU only with less room each: activations recomputed (--gradient-checkpointing) and a

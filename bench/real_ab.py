@@ -1,4 +1,7 @@
-"""The seed's two tables, speed and accuracy, on a real model: is async faster, and as accurate?
+"""The founding experiment's two tables, speed and accuracy, on a real model: is async faster, and as accurate?
+
+The founding experiment, the research team's Qwen3-4B GRPO run, set sync and fully-async side by
+side in those two tables; here the model is a small one.
 
 SmolLM2-135M-Instruct (`resolve_model("smollm2")`, or --model DIR) is trained with GRPO once per
 arm and seed, each run a fresh `vime train` / `vime train-async` process on the same config,
@@ -28,7 +31,7 @@ Printed last, per arm (each seed a row, then their mean):
   and the pooled standard error, and points gained per elapsed minute;
 * a PNG of held-out accuracy against elapsed time, one line per arm and seed (matplotlib).
 
-    PYTHONPATH=. python3 bench/real_ab.py --preset longtail --seeds 1,2,3      # the seed's two tables
+    PYTHONPATH=. python3 bench/real_ab.py --preset longtail --seeds 1,2,3      # the founding experiment's two tables
     PYTHONPATH=. python3 bench/real_ab.py --arms fully-async --seeds 1,2,3 \\
         --corrections none,tis,icepop,decoupled-ppo --parallel 4                # the correction sweep
     PYTHONPATH=. python3 bench/real_ab.py --arms sync --seeds 1,2,3 --parallel 5 --variants \\

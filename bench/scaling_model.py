@@ -2,8 +2,8 @@
 
 A model, not a measurement (issue 29, docs/scaling.md): it takes vime's measured one-GPU figures
 (bench/RESULTS.md) and a few interconnect figures that are hardware specifications, not
-measurements (marked ASSUMED below), and prints, for the seed's Qwen3-4B run scaled up, where
-each part of the step goes and which one stops scaling first.
+measurements (marked ASSUMED below), and prints, for the founding experiment's Qwen3-4B run
+scaled up, where each part of the step goes and which one stops scaling first.
 
 Parts of a step (seconds):
   generate  the step's output tokens over N engines at their full-load rate (throughput bound);
@@ -18,7 +18,7 @@ Sync step = max(throughput, tail) + schedule + train + push. A fully-async step 
 = max(throughput + schedule, train + push): generation overlaps training, and a slow sample
 lands in a later batch instead of holding this one (vime's continuous worker).
 
-    PYTHONPATH=. python3 bench/scaling_model.py                       # the seed's 4B run, 8 → 1024 GPUs
+    PYTHONPATH=. python3 bench/scaling_model.py                       # the founding experiment's 4B run, 8 → 1024 GPUs
     PYTHONPATH=. python3 bench/scaling_model.py --model 0.6b --lora-fraction 0.02
 """
 
@@ -50,9 +50,9 @@ REQUESTS_PER_S = 5_000  # one Python driver process issuing /generate requests (
 
 @dataclass(frozen=True)
 class Workload:
-    """One step of the seed's run (examples/fully_async/run-qwen3-4b-fully_async.sh): 32 prompts
-    × 8 samples, responses up to 8192 tokens; `scale` multiplies the prompts per step (a bigger
-    cluster trains a bigger batch, or it idles)."""
+    """One step of the founding experiment's run (examples/fully_async/run-qwen3-4b-fully_async.sh):
+    32 prompts × 8 samples, responses up to 8192 tokens; `scale` multiplies the prompts per step (a
+    bigger cluster trains a bigger batch, or it idles)."""
 
     prompts: int = 32
     samples: int = 8

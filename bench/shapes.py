@@ -18,7 +18,7 @@ QWEN3_0_6B = dict(
     rms_norm_eps=1e-6,
     tie_word_embeddings=True,
 )
-# Qwen3-4B's config (issue 30): the seed's model
+# Qwen3-4B's config (issue 30): the founding experiment's model
 QWEN3_4B = dict(QWEN3_0_6B, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32)
 SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "qwen3-4b": QWEN3_4B}
 # SmolLM2-135M-Instruct's config.json (a Llama): bench/profile_startup.py compiles the demo's shapes

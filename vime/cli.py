@@ -1,6 +1,6 @@
-"""`vime train | eval | serve | data | report` — one entry point for everything a user runs.
+"""`vime train | eval | serve | data | upcycle | report` — one entry point for everything a user runs.
 
-Run scripts written for slime or the seed system run as they are: the commands that take a run's
+Run scripts written for slime or vllm-project/vime run as they are: the commands that take a run's
 flags read them in slime's dialect (`vime.compat.SLIME`: its flags, plug-in names and router),
 which the entry points hand the core; the core itself never imports vime/compat/.
 
@@ -26,6 +26,7 @@ commands:
   eval      greedy evaluation of a model or checkpoint on held-out prompts
   serve     run the built-in rollout engine as an HTTP server
   data      write a verifiable task's train/test JSONL (built-in, or rg:<name> from reasoning-gym)
+  upcycle   make a dense Llama-family model (default: the embedded SmolLM2) a Mixtral mixture of experts
   report    print the speed and accuracy tables of run directories, write plots
   bench ab  one config through several modes (sync, one-step-off, fully-async, decoupled), then report
 
@@ -177,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
         from vime.datagen import main as data_main
 
         return guarded(lambda a: data_main(a) or 0, rest)
+    if cmd == "upcycle":
+        from vime.upcycle import main as upcycle_main
+
+        return guarded(upcycle_main, rest)
     if cmd == "bench":
         if not rest or rest[0] != "ab":
             print(

@@ -168,6 +168,18 @@ def check_sample(s: Sample, vocab_size: int | None) -> str | None:
             return f"has {name} of {n} values for a response of {s.response_length} tokens"
         if not all(_is_number(v) for v in values):
             return f"has {name} values that are not numbers"
+    routed = s.rollout_routed_experts
+    if routed is not None and not (
+        isinstance(routed, torch.Tensor)
+        and routed.dim() == 2
+        and not routed.is_floating_point()
+        and routed.shape[0] <= len(s.tokens) - 1
+    ):
+        shape = list(routed.shape) if isinstance(routed, torch.Tensor) else type(routed).__name__
+        return (
+            f"has rollout_routed_experts {shape} for {len(s.tokens)} tokens: expected at most "
+            f"{len(s.tokens) - 1} rows of expert ids"
+        )
     if s.reward is not None and not _is_number(s.reward):
         return f"has reward {s.reward!r}, not a number"
     return None

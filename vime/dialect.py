@@ -1,7 +1,7 @@
 """Another framework's surface a run may be written in: its flags that vime keeps no setting for,
 the module names its plug-ins import, and the services those plug-ins call.
 
-vime/compat/ is slime's and the seed system's (`vime.compat.SLIME`). The core asks for it only
+vime/compat/ is slime's and vllm-project/vime's (`vime.compat.SLIME`). The core asks for it only
 through this protocol and never imports it: the entry points (vime/cli.py) hand it to
 `vime.config.parse_args`, which keeps it on the config (`cfg.dialect`), and every later stage
 asks `dialect_of(cfg)`. Without one, a run speaks vime's own flags only (`PLAIN`).

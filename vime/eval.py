@@ -10,7 +10,7 @@ are evaluated one after another, each with its own settings.
 With --custom-generate-function-path, a reward the generate set is the sample's score, as in
 training: the sample counts as correct when its reward reaches 1, the score eval gives a right
 answer (`FULL_SCORE`), so a 0/1 reward counts as it says and a shaped one counts only its
-successes (the seed's tau-bench agent scores a solved task 1 plus up to 0.5 for its tool calls,
+successes (vllm-project/vime's tau-bench agent scores a solved task 1 plus up to 0.5 for its tool calls,
 a failed one only those bonuses, 0.1 or so for one good look-up). `eval/reward_mean` is the
 mean of the rewards, slime's eval metric. Samples it left unscored are graded as above (`grade_sample`).
 """

@@ -3,7 +3,7 @@
 A launcher (`vime/launch/launcher.py`'s `Launcher`: `local.py`, `ray.py`) places a run's engines
 and its trainer ranks 1..N-1. Its row here is plain data, like a backend's (`vime.backends`), so
 `vime.config` reads the flag's choices, its help and the checks a launcher asks for without
-importing the launch room, which sits above the config (it assembles runs from it);
+importing `vime.launch`, which sits above the config (it assembles runs from it);
 `vime.launch.launcher.LAUNCHERS` makes each row's `Launcher`, in the same order. A new launcher
 is one file holding its class and one row here. `--launcher auto` takes the first row whose
 launcher's `chosen_by_auto` says yes; the last row, local, always does.
@@ -51,7 +51,7 @@ LAUNCHER_ROWS: dict[str, LauncherRow] = {
 
 
 def launcher_checks(c: Any) -> list[tuple[bool, str]]:
-    """The (bad, message) checks of `--launcher NAME` on the settings `c` (the placement room's
+    """The (bad, message) checks of `--launcher NAME` on the settings `c` (the placement component's
     `launcher`, `rollout_engine_urls`, `colocate`); none for auto, which picks a launcher that can."""
     row = LAUNCHER_ROWS.get(c.launcher)
     if row is None:

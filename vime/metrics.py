@@ -93,7 +93,7 @@ class MetricsLogger:
 
     @classmethod
     def for_run(cls, args: Config, total_steps: int, start_step: int = 0) -> MetricsLogger:
-        """The logger of a training run: its directory and console (the output room's settings,
+        """The logger of a training run: its directory and console (the output component's settings,
         `args.output`), and the sinks its flags ask for."""
         out = args.output
         sinks = open_sinks(args, start_step)

@@ -18,7 +18,7 @@ from vime.plugins import SettingsView, SettingWriteError
 class PluginArgs(SettingsView):
     """A copy (`copy.copy(args)` / `copy.deepcopy(args)`) is a Config of its own to change, still
     holding the live objects. A custom generate gets `for_call()`'s view instead, which takes any
-    write for that one call: the seed system's multi-agent generate stores its tokenizer, sampling
+    write for that one call: vllm-project/vime's multi-agent generate stores its tokenizer, sampling
     params and agent settings on `args` on every call before copying it."""
 
     __slots__ = ("_live", "_mine", "_services")
@@ -56,7 +56,7 @@ class PluginArgs(SettingsView):
 
     def restore(self, samples: list[Any]) -> None:
         """After a custom generate: what its samples lost through the dialect's services (the
-        log-probs of an answer a seed plug-in rebuilt by hand), put back."""
+        log-probs of an answer a vllm-project/vime plug-in rebuilt by hand), put back."""
         if self._services is not None:
             self._services.restore(samples)
 

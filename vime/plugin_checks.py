@@ -53,7 +53,7 @@ class CheckedPlugins:
 
 def check_plugins(args: Any, tokenizer: Any, data_source: DataSource, rewards: Rewards) -> CheckedPlugins:
     """Load and try every plug-in the settings name; PluginError (or the loader's ConfigError)
-    on the first that does not fit. The paths are read from their rooms (`args.rollout`,
+    on the first that does not fit. The paths are read from their components (`args.rollout`,
     `args.algorithm`); the plug-ins themselves are handed the flat `args`, as the run hands it."""
     ro, al = args.rollout, args.algorithm
     with at(WHEN):
@@ -146,7 +146,7 @@ def _reads_args(node: ast.AST) -> bool:
 
 def _check_args_read(plugin: Plugin, args: Any) -> None:
     """Refuse a plug-in whose module reads `args.NAME` for a NAME vime's args do not have (a
-    setting of the seed system or of Megatron): it would raise AttributeError at that line,
+    setting of vllm-project/vime or of Megatron): it would raise AttributeError at that line,
     mid-run. The function that reads it is named (the configured one, or another function of its
     module). Names the module sets itself (`args.NAME = ...`) are its own; a module that sets
     names by `setattr(args, ...)` is not judged, as what it sets cannot be read off its text."""

@@ -89,7 +89,7 @@ class SettingsView:
     run at its value, `del args.lr` at the class default. The view holds slots only: `vars(args)`
     is a copy of its names that refuses writes too. A name that is no setting is the plug-in's own
     to set, read and delete
-    (the seed's tau-bench keeps its config there); it changes nothing vime reads. A copy
+    (vllm-project/vime's tau-bench keeps its config there); it changes nothing vime reads. A copy
     (`copy.copy`, `copy.deepcopy`) is a writable config of its own, the plug-in's names on it;
     pickled, a view is its settings."""
 

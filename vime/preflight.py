@@ -57,8 +57,8 @@ class Inputs:
 
 def check_inputs(args: Config) -> Inputs:
     """Check output directories, model, plug-ins and data, in that order (cheapest first). Each
-    check reads the room its settings belong to (`args.output`, `args.rollout`, ...); a value
-    found on the way makes a new config, whose rooms are read again."""
+    check reads the component its settings belong to (`args.output`, `args.rollout`, ...); a value
+    found on the way makes a new config, whose components are read again."""
     seconds: list[tuple[str, float]] = []
     last = time.monotonic()
 
@@ -391,8 +391,13 @@ def _check_model_flags(args: Config, model_dir: Path) -> None:
 
         if torch.cuda.is_available():
             gpu_bytes = torch.cuda.get_device_properties(0).total_memory
-    refusals = dialect_of(args).check_model(args, model_dir, read_config, gpu_bytes)
-    if refusals:
+    from vime.trainer.moe import moe_refusal
+
+    refusals = [
+        *dialect_of(args).check_model(args, model_dir, read_config, gpu_bytes),
+        moe_refusal(read_config(model_dir), str(model_dir), args.trainer, args.algorithm),
+    ]
+    if refusals[0]:
         raise ConfigError(refusals[0])
     al = args.algorithm
     if al.ref_load and al.kl_loss_coef > 0:

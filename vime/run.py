@@ -238,7 +238,7 @@ class Run:
         by time no step was charged for, so the engines are paused in place while saving. Eval
         cannot pause them (it uses the same engines) and overlaps with generation
         (docs/architecture.md)."""
-        ev, out = self.cfg.eval, self.cfg.output  # the eval and output rooms' settings
+        ev, out = self.cfg.eval, self.cfg.output  # the eval and output components' settings
         last = step == self.num_rollout
         metrics["perf/wall_clock"] = metrics.get("perf/wall_clock", 0.0) + self.wall_clock_offset
         metrics["rollout/skipped_prompts"] = float(self.data_source.skipped_prompts)

@@ -79,7 +79,7 @@ class WandbSink:
     (--load) resumes its W&B run. A fresh run refuses an id W&B already holds (online; offline
     runs cannot ask), so a run name used twice never mixes two runs' rows. W&B keeps a step's
     first row only: steps a resumed run trains again (metrics.superseded.jsonl) keep the values
-    logged first. It reads the output room's settings (`args.output`); `args` whole is the W&B
+    logged first. It reads the output component's settings (`args.output`); `args` whole is the W&B
     config."""
 
     def __init__(self, args: Config, start_step: int) -> None:
@@ -214,7 +214,7 @@ WANDB_FLAGS = ("project", "team", "group", "run_id", "mode", "key", "host", "dir
 def check_sinks(out: OutputConfig) -> list[str]:
     """Before anything starts: a sink asked for that cannot write raises ConfigError (one line,
     with the fix); settings that do nothing come back as notes, one line each, to log as warnings.
-    `out`: the output room's settings (`cfg.output`)."""
+    `out`: the output component's settings (`cfg.output`)."""
     notes = []
     given = [f"--wandb-{name.replace('_', '-')}" for name in WANDB_FLAGS if getattr(out, f"wandb_{name}") is not None]
     if out.use_wandb:

@@ -1,5 +1,5 @@
 #!/bin/bash
-# GRPO on dapo-math-17k, evaluated on several held-out sets every 20 steps: the seed system's
+# GRPO on dapo-math-17k, evaluated on several held-out sets every 20 steps: vllm-project/vime's
 # examples/eval_multi_task/multi_task.sh, flag for flag, on vime. The sets, their sampling and
 # their graders come from an --eval-config YAML (slime's format; ours is multi_task.yaml here).
 # Paths come from the environment:
@@ -8,9 +8,9 @@
 #   EVAL_CONFIG  the eval YAML (default: multi_task.yaml beside this script)
 #   CKPT_DIR     checkpoints; a rerun resumes from the newest (default /root/Qwen3-4B_vime/)
 #   MODEL_SHAPE  which scripts/models/<name>.sh describes MODEL_DIR (default qwen3-4B)
-#   GPUS         GPUs, shared by trainer and engines (--colocate, as the seed ran it; default 8)
+#   GPUS         GPUs, shared by trainer and engines (--colocate, as vllm-project/vime ran it; default 8)
 # Extra arguments are appended, so they override the flags below (argparse keeps the last).
-# The seed's W&B flags (--use-wandb --wandb-project eval --wandb-group multi_task --wandb-key)
+# vllm-project/vime's W&B flags (--use-wandb --wandb-project eval --wandb-group multi_task --wandb-key)
 # work the same; add them at the end with your key.
 set -euo pipefail
 
@@ -87,8 +87,8 @@ OPTIMIZER_ARGS=(
    --adam-beta2 0.98
 )
 
-# the seed ran engines of 2 GPUs (--rollout-num-gpus-per-engine 2); with vime's built-in engine
-# each GPU runs one, and ENGINE_GPUS=2 --rollout-backend vllm gives the seed's layout
+# vllm-project/vime ran engines of 2 GPUs (--rollout-num-gpus-per-engine 2); with vime's built-in
+# engine each GPU runs one, and ENGINE_GPUS=2 --rollout-backend vllm gives its layout
 VLLM_ARGS=(
    --rollout-num-gpus-per-engine "${ENGINE_GPUS:-1}"
    --vllm-gpu-memory-utilization 0.7

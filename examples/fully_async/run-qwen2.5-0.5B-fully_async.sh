@@ -1,12 +1,12 @@
 #!/bin/bash
-# Fully-async GRPO on Qwen2.5-0.5B-Instruct with dapo-math-17k: the seed system's example of the
+# Fully-async GRPO on Qwen2.5-0.5B-Instruct with dapo-math-17k: vllm-project/vime's example of the
 # same name, flag for flag, running on vime. Paths come from the environment:
 #   MODEL_DIR    an HF model directory (default /root/models/Qwen2.5-0.5B-Instruct)
 #   DATA_PATH    dapo-math-17k as JSONL: `prompt` (chat messages) and `label`
 #   MODEL_SHAPE  which scripts/models/<name>.sh describes MODEL_DIR (default qwen2.5-0.5B)
 #   ACTOR_GPUS / ROLLOUT_GPUS  trainer and engine GPUs (default 1 and the rest; on CPU both run here)
 # Extra arguments are appended, so they override the flags below (argparse keeps the last).
-# The seed started this as `ray job submit ... -- python3 train_async.py ...`, which works the same
+# vllm-project/vime started this as `ray job submit ... -- python3 train_async.py ...`, which works the same
 # (docs/slime-flags.md); on one machine vime needs no Ray.
 set -euo pipefail
 

@@ -1,13 +1,13 @@
 #!/bin/bash
-# Fully-async GRPO on Qwen3-4B with dapo-math-17k: the seed system's example of the same name,
-# flag for flag, running on vime (TIS on, as the seed had it). Paths come from the environment:
+# Fully-async GRPO on Qwen3-4B with dapo-math-17k: vllm-project/vime's example of the same name,
+# flag for flag, running on vime (TIS on, as vllm-project/vime had it). Paths come from the environment:
 #   MODEL_DIR    an HF model directory (default /root/Qwen3-4B)
 #   DATA_PATH    dapo-math-17k as JSONL: `prompt` (chat messages) and `label`
 #   CKPT_DIR     checkpoints; a rerun resumes from the newest (default /root/Qwen3-4B_vime/)
 #   MODEL_SHAPE  which scripts/models/<name>.sh describes MODEL_DIR (default qwen3-4B)
-#   ACTOR_GPUS / ROLLOUT_GPUS  trainer and engine GPUs (default 4 and 4, as the seed ran it)
+#   ACTOR_GPUS / ROLLOUT_GPUS  trainer and engine GPUs (default 4 and 4, as vllm-project/vime ran it)
 # Extra arguments are appended, so they override the flags below (argparse keeps the last).
-# The seed started this as `ray job submit ... -- python3 train_async.py ...`, which works the same
+# vllm-project/vime started this as `ray job submit ... -- python3 train_async.py ...`, which works the same
 # (docs/slime-flags.md); on one machine vime needs no Ray.
 set -euo pipefail
 

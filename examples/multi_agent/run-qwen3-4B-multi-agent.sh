@@ -1,16 +1,16 @@
 #!/bin/bash
-# Multi-agent GRPO on dapo-math-17k: the seed system's examples/multi_agent run script, flag for
-# flag, running the seed's own Python files (rollout_with_multi_agents.py, agent_system.py,
-# prompts.py) on vime. The seed wrote it for Qwen3-30B-A3B, a mixture of experts vime does not
+# Multi-agent GRPO on dapo-math-17k: vllm-project/vime's examples/multi_agent run script, flag for
+# flag, running its own Python files (rollout_with_multi_agents.py, agent_system.py,
+# prompts.py) on vime. vllm-project/vime wrote it for Qwen3-30B-A3B, a mixture of experts vime does not
 # train; the model here is a dense one (Qwen3-4B by default), with the parallelism flags sized for it.
 # Paths come from the environment:
-#   SEED_EXAMPLE_DIR  the seed's examples/multi_agent directory (its Python files import
+#   SEED_EXAMPLE_DIR  vllm-project/vime's examples/multi_agent directory (its Python files import
 #                     themselves as `examples.multi_agent.*`, so its parent's parent goes on PYTHONPATH)
 #   MODEL_DIR         an HF model directory (default /root/Qwen3-4B)
 #   DATA_PATH         dapo-math-17k as JSONL: `prompt` (chat messages) and `label`
 #   CKPT_DIR          checkpoints; a rerun resumes from the newest (default /root/Qwen3-4B_vime/)
 #   MODEL_SHAPE       which scripts/models/<name>.sh describes MODEL_DIR (default qwen3-4B)
-#   GPUS              GPUs, shared by trainer and engines (--colocate, as the seed ran it; default 8)
+#   GPUS              GPUs, shared by trainer and engines (--colocate, as vllm-project/vime ran it; default 8)
 #   ENGINE_GPUS       GPUs per engine (default 1: one engine per GPU; more needs --rollout-backend vllm)
 # Extra arguments are appended, so they override the flags below (argparse keeps the last).
 set -euo pipefail
@@ -19,7 +19,7 @@ SCRIPT_DIR="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" &>/dev/null && pwd)"
 VIME_ROOT="$(cd -- "${SCRIPT_DIR}/../.." &>/dev/null && pwd)"
 source "${VIME_ROOT}/scripts/models/${MODEL_SHAPE:-qwen3-4B}.sh"
 
-: "${SEED_EXAMPLE_DIR:?set SEED_EXAMPLE_DIR to the examples/multi_agent directory of the seed system}"
+: "${SEED_EXAMPLE_DIR:?set SEED_EXAMPLE_DIR to the examples/multi_agent directory of vllm-project/vime}"
 SEED_ROOT="$(cd -- "${SEED_EXAMPLE_DIR}/../.." &>/dev/null && pwd)"
 export PYTHONPATH="${SEED_ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
 MODEL_DIR=${MODEL_DIR:-/root/Qwen3-4B}
@@ -55,7 +55,7 @@ ROLLOUT_ARGS=(
    --balance-data
 )
 
-# the seed leaves eval off for multi-agent runs; these only set how it would sample
+# vllm-project/vime leaves eval off for multi-agent runs; these only set how it would sample
 EVAL_ARGS=(
    --n-samples-per-eval-prompt 16
    --eval-max-response-len 16384
@@ -67,7 +67,7 @@ PERF_ARGS=(
    --sequence-parallel
    --pipeline-model-parallel-size 1
    --context-parallel-size 1
-   --expert-model-parallel-size 1        # the seed's 8 splits Qwen3-30B-A3B's experts; a dense model has none
+   --expert-model-parallel-size 1        # vllm-project/vime's 8 splits Qwen3-30B-A3B's experts; a dense model has none
    --expert-tensor-parallel-size 1
    --recompute-granularity full
    --recompute-method uniform
@@ -86,7 +86,7 @@ GRPO_ARGS=(
    --eps-clip-high 0.28
 )
 
-# The seed adds --optimizer-cpu-offload --overlap-cpu-optimizer-d2h-h2d --use-precision-aware-optimizer
+# vllm-project/vime adds --optimizer-cpu-offload --overlap-cpu-optimizer-d2h-h2d --use-precision-aware-optimizer
 # for the 30B model; vime refuses them (FSDP2 shards the optimizer state over the GPUs instead).
 OPTIMIZER_ARGS=(
    --optimizer adam
@@ -97,7 +97,7 @@ OPTIMIZER_ARGS=(
    --adam-beta2 0.98
 )
 
-# the seed's engines took all 8 GPUs each (--rollout-num-gpus-per-engine 8) for the 30B model
+# vllm-project/vime's engines took all 8 GPUs each (--rollout-num-gpus-per-engine 8) for the 30B model
 VLLM_ARGS=(
    --rollout-num-gpus-per-engine "${ENGINE_GPUS}"
    --vllm-gpu-memory-utilization 0.7

@@ -1,8 +1,8 @@
 #!/bin/bash
-# On-policy distillation with the teacher in the trainer: the seed system's
+# On-policy distillation with the teacher in the trainer: vllm-project/vime's
 # examples/on_policy_distillation/run-qwen3-8B-opd-megatron.sh, flag for flag, on vime.
 # The student samples, the teacher (loaded beside it) scores every trained token, and each
-# token's advantage gains --opd-kl-coef x (log p_teacher - log p_student). As in the seed, the
+# token's advantage gains --opd-kl-coef x (log p_teacher - log p_student). As in vllm-project/vime, the
 # teacher defaults to the student itself (self-distillation, a demonstration: its reverse KL
 # starts at 0); point TEACHER_DIR at a stronger model of the same tokenizer.
 # Paths come from the environment:
@@ -11,9 +11,9 @@
 #   DATA_PATH    dapo-math-17k as JSONL: `prompt` (chat messages) and `label`
 #   CKPT_DIR     checkpoints; a rerun resumes from the newest (default /root/Qwen3-8B_vime/)
 #   MODEL_SHAPE  which scripts/models/<name>.sh describes MODEL_DIR (default qwen3-8B)
-#   GPUS         GPUs, shared by trainer and engines (--colocate, as the seed ran it; default 4)
+#   GPUS         GPUs, shared by trainer and engines (--colocate, as vllm-project/vime ran it; default 4)
 # Extra arguments are appended, so they override the flags below (argparse keeps the last).
-# The seed loads both models from Megatron checkpoints (*_torch_dist); vime reads HF directories.
+# vllm-project/vime loads both models from Megatron checkpoints (*_torch_dist); vime reads HF directories.
 set -euo pipefail
 
 SCRIPT_DIR="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" &>/dev/null && pwd)"

@@ -1,5 +1,5 @@
 #!/bin/bash
-# On-policy distillation from a teacher served by an engine of its own: the seed system's
+# On-policy distillation from a teacher served by an engine of its own: vllm-project/vime's
 # examples/on_policy_distillation/run-qwen3-8B-opd.sh, flag for flag, on vime. It starts the
 # teacher server, waits for its /health, trains, and stops the server it started.
 # The teacher scores each response's tokens when the rollout is scored
@@ -8,7 +8,7 @@
 # each token's advantage. Paths and the server come from the environment:
 #   MODEL_DIR       the student, an HF model directory (default /root/Qwen3-8B)
 #   TEACHER_DIR     the teacher, an HF directory sharing the student's tokenizer (default /root/Qwen3-32B)
-#   TEACHER_SERVER  vllm (the seed's: vLLM's OpenAI server, asked at /v1/completions with
+#   TEACHER_SERVER  vllm (vllm-project/vime's: vLLM's OpenAI server, asked at /v1/completions with
 #                   --opd-type vllm) or vime (`vime serve`, asked at /generate with --opd-type sglang)
 #   TEACHER_GPUS    the teacher's GPUs (default 4,5,6,7, tensor-parallel over all of them with vllm)
 #   TEACHER_PORT    (default 13141)

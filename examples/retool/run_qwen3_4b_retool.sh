@@ -1,24 +1,24 @@
 #!/bin/bash
-# ReTool RL on Qwen3-4B (an SFT checkpoint with a Python tool): the seed system's
-# examples/retool/retool_qwen3_4b_rl.sh, flag for flag, running the seed's own Python files
+# ReTool RL on Qwen3-4B (an SFT checkpoint with a Python tool): vllm-project/vime's
+# examples/retool/retool_qwen3_4b_rl.sh, flag for flag, running vllm-project/vime's own Python files
 # (generate_with_retool.py, tool_sandbox.py) on vime. Paths come from the environment:
-#   SEED_EXAMPLE_DIR  the seed's examples/retool folder (its Python files are imported from it)
+#   SEED_EXAMPLE_DIR  vllm-project/vime's examples/retool folder (its Python files are imported from it)
 #   MODEL_DIR         an HF model directory (default /root/font-info/qwen3-4b-sft)
 #   DATA_PATH         dapo-math-17k as JSONL: `prompt` (text) and `label`
 #   EVAL_DATA_PATH    aime-2024 as JSONL (default /root/aime-2024/aime-2024.jsonl)
 #   CKPT_DIR          where checkpoints go (default ${MODEL_DIR}/qwen3-4b-sft-multi-turn/)
 #   MODEL_SHAPE       which scripts/models/<name>.sh describes MODEL_DIR (default qwen3-4B)
 #   ACTOR_GPUS        trainer GPUs, colocated with the engines (default 4)
-#   ENTRY             train.py (the seed's, default) or train_async.py (then add the fully-async
+#   ENTRY             train.py (vllm-project/vime's, default) or train_async.py (then add the fully-async
 #                     rollout function and drop --colocate: see README.md)
 # Extra arguments are appended, so they override the flags below (argparse keeps the last).
-# The seed started this through `ray job submit`; on one machine vime needs no Ray.
+# vllm-project/vime started this through `ray job submit`; on one machine vime needs no Ray.
 set -euo pipefail
 
 SCRIPT_DIR="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" &>/dev/null && pwd)"
 VIME_ROOT="$(cd -- "${SCRIPT_DIR}/../.." &>/dev/null && pwd)"
-: "${SEED_EXAMPLE_DIR:?set SEED_EXAMPLE_DIR to the seed system\'s examples/retool folder}"
-# ReTool's SFT checkpoint uses rope theta 5e6, not qwen3-4B.sh's 1e6 default (the seed's own note)
+: "${SEED_EXAMPLE_DIR:?set SEED_EXAMPLE_DIR to vllm-project/vime\'s examples/retool folder}"
+# ReTool's SFT checkpoint uses rope theta 5e6, not qwen3-4B.sh's 1e6 default (vllm-project/vime's own note)
 MODEL_ARGS_ROTARY_BASE=${MODEL_ARGS_ROTARY_BASE:-5000000} source "${VIME_ROOT}/scripts/models/${MODEL_SHAPE:-qwen3-4B}.sh"
 
 MODEL_DIR=${MODEL_DIR:-/root/font-info/qwen3-4b-sft}
@@ -111,7 +111,7 @@ CUSTOM_ARGS=(
    --custom-rm-path generate_with_retool.reward_func
 )
 
-# the seed's --use-wandb block, when WANDB_KEY is set
+# vllm-project/vime's --use-wandb block, when WANDB_KEY is set
 WANDB_ARGS=()
 if [ -n "${WANDB_KEY:-}" ]; then
    WANDB_ARGS=(--use-wandb --wandb-project vime-dapo --wandb-group qwen3-4B-test-multi-turn --wandb-key "${WANDB_KEY}")

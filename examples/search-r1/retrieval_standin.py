@@ -1,6 +1,6 @@
 """A stand-in for Search-R1's retrieval server: `POST /retrieve` over a few passages in memory.
 
-The seed's search-r1 example asks a dense retriever (an E5 index over Wikipedia, 60+ GB and a GPU)
+vllm-project/vime's search-r1 example asks a dense retriever (an E5 index over Wikipedia, 60+ GB and a GPU)
 at `http://127.0.0.1:8000/retrieve` with `{"queries": [q], "topk": k, "return_scores": false}` and
 reads `{"result": [[{"contents": '"Title"\\ntext'}, ...]]}`. This answers the same shape from a
 handful of passages ranked by the words they share with the query, so the example's files run
@@ -67,7 +67,7 @@ def load_corpus(path: Path | None) -> list[dict[str, str]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000, help="the seed's example asks port 8000")
+    parser.add_argument("--port", type=int, default=8000, help="vllm-project/vime's example asks port 8000")
     parser.add_argument("--corpus", type=Path, help="JSONL of {title, text} passages (default: five facts)")
     args = parser.parse_args()
     web.run_app(make_app(load_corpus(args.corpus)), host=args.host, port=args.port, print=None)

@@ -1,23 +1,23 @@
 #!/bin/bash
-# Search-R1 lite on Qwen2.5-3B: the seed system's examples/search-r1/run_qwen2.5_3B.sh, flag for
-# flag, running the seed's own Python files (generate_with_search.py, qa_em_format.py,
+# Search-R1 lite on Qwen2.5-3B: vllm-project/vime's examples/search-r1/run_qwen2.5_3B.sh, flag for
+# flag, running vllm-project/vime's own Python files (generate_with_search.py, qa_em_format.py,
 # local_search_server.py) on vime. Their `slime.*` imports load vime's modules. The retriever
 # they ask is at http://127.0.0.1:8000/retrieve (set in generate_with_search.py's
-# SEARCH_R1_CONFIGS): the seed's dense retriever, or retrieval_standin.py here. Paths from the
+# SEARCH_R1_CONFIGS): vllm-project/vime's dense retriever, or retrieval_standin.py here. Paths from the
 # environment:
-#   SEED_EXAMPLE_DIR  the seed's examples/search-r1 folder (its Python files are imported from it)
+#   SEED_EXAMPLE_DIR  vllm-project/vime's examples/search-r1 folder (its Python files are imported from it)
 #   MODEL_DIR         an HF model directory (default /root/Qwen2.5-3B/)
 #   DATA_PATH         Search-R1's nq_hotpotqa_train/train.parquet (`prompt`, `reward_model`)
 #   REF_LOAD          the KL reference model, an HF directory (default MODEL_DIR)
 #   MODEL_SHAPE       which scripts/models/<name>.sh describes MODEL_DIR (default qwen2.5-3B)
 #   ACTOR_GPUS / ROLLOUT_GPUS  trainer and engine GPUs, colocated (default 4 and 4)
-#   ENTRY             train.py (the seed's, default) or train_async.py (see README.md)
+#   ENTRY             train.py (vllm-project/vime's, default) or train_async.py (see README.md)
 # Extra arguments are appended, so they override the flags below (argparse keeps the last).
 set -euo pipefail
 
 SCRIPT_DIR="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" &>/dev/null && pwd)"
 VIME_ROOT="$(cd -- "${SCRIPT_DIR}/../.." &>/dev/null && pwd)"
-: "${SEED_EXAMPLE_DIR:?set SEED_EXAMPLE_DIR to the seed system\'s examples/search-r1 folder}"
+: "${SEED_EXAMPLE_DIR:?set SEED_EXAMPLE_DIR to vllm-project/vime\'s examples/search-r1 folder}"
 source "${VIME_ROOT}/scripts/models/${MODEL_SHAPE:-qwen2.5-3B}.sh"
 
 MODEL_DIR=${MODEL_DIR:-/root/Qwen2.5-3B/}
@@ -29,7 +29,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 
 CKPT_ARGS=(
    --hf-checkpoint "${MODEL_DIR}"
-   # the seed's was the Megatron copy (${MODEL_DIR}_torch_dist): vime reads an HF directory, by default the model itself
+   # vllm-project/vime's was the Megatron copy (${MODEL_DIR}_torch_dist): vime reads an HF directory, by default the model itself
    --ref-load "${REF_LOAD:-${MODEL_DIR}}"
 )
 

@@ -1,21 +1,21 @@
 #!/bin/bash
-# tau-bench (retail) on Qwen3-4B-Instruct-2507: the seed system's examples/tau-bench/run_qwen3_4B.sh,
-# flag for flag, running the seed's own Python files (generate_with_tau.py, trainable_agents.py,
+# tau-bench (retail) on Qwen3-4B-Instruct-2507: vllm-project/vime's examples/tau-bench/run_qwen3_4B.sh,
+# flag for flag, running vllm-project/vime's own Python files (generate_with_tau.py, trainable_agents.py,
 # openai_tool_adapter.py, vllm_tool_parser.py, token_delta.py) on vime. They import the
 # `tau_bench` package (github.com/JD-ETH/tau-bench, installed with `pip install -e . --no-deps`), or
 # examples/tau-bench/standin on PYTHONPATH (a toy shop: what README.md's run used). Paths come from the environment:
-#   SEED_EXAMPLE_DIR  the seed's examples/tau-bench folder (its Python files are imported from it)
+#   SEED_EXAMPLE_DIR  vllm-project/vime's examples/tau-bench folder (its Python files are imported from it)
 #   MODEL_DIR         an HF model directory (default /root/Qwen3-4B-Instruct-2507/)
 #   DATA_DIR          where tau1_mock.py wrote retail_{train,dev}_tasks.jsonl (default /root/tau-bench)
 #   CKPT_DIR          checkpoints; a rerun resumes from the newest (default /root/Qwen3-4B-Instruct-2507_vime/)
 #   MODEL_SHAPE       which scripts/models/<name>.sh describes MODEL_DIR (default qwen3-4B, rope base 5e6)
-#   NUM_GPUS          trainer and engine GPUs, colocated (default 2, as the seed's)
+#   NUM_GPUS          trainer and engine GPUs, colocated (default 2, as vllm-project/vime's)
 # Extra arguments are appended, so they override the flags below (argparse keeps the last).
 set -euo pipefail
 
 SCRIPT_DIR="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" &>/dev/null && pwd)"
 VIME_ROOT="$(cd -- "${SCRIPT_DIR}/../.." &>/dev/null && pwd)"
-: "${SEED_EXAMPLE_DIR:?set SEED_EXAMPLE_DIR to the seed system\'s examples/tau-bench folder}"
+: "${SEED_EXAMPLE_DIR:?set SEED_EXAMPLE_DIR to vllm-project/vime\'s examples/tau-bench folder}"
 # Qwen3-4B-Instruct-2507 is Qwen3-4B's shape with rope base 5e6
 MODEL_ARGS_ROTARY_BASE=${MODEL_ARGS_ROTARY_BASE:-5000000} source "${VIME_ROOT}/scripts/models/${MODEL_SHAPE:-qwen3-4B}.sh"
 

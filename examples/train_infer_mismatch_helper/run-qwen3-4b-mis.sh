@@ -1,11 +1,11 @@
 #!/bin/bash
-# GRPO with the seed system's train/inference mismatch helper: its examples/train_infer_mismatch_helper
-# run script, flag for flag, on vime. The seed's mis.py (--custom-tis-function-path) weighs each
+# GRPO with vllm-project/vime's train/inference mismatch helper: its examples/train_infer_mismatch_helper
+# run script, flag for flag, on vime. vllm-project/vime's mis.py (--custom-tis-function-path) weighs each
 # token's policy-gradient loss by its importance ratio π_trainer/π_rollout, bounded as its
 # mis.yaml says (--custom-config-path), drops sequences by rejection sampling, and logs the
 # mismatch metrics (train/mis_*).
 # Paths come from the environment:
-#   SEED_EXAMPLE_DIR  the seed's examples/train_infer_mismatch_helper directory (mis.py, mis.yaml;
+#   SEED_EXAMPLE_DIR  vllm-project/vime's examples/train_infer_mismatch_helper directory (mis.py, mis.yaml;
 #                     mis.py is loaded as `examples.train_infer_mismatch_helper.mis`, so the
 #                     directory's parent's parent goes on PYTHONPATH)
 #   MODEL_DIR         an HF model directory (default /root/Qwen3-4B)
@@ -13,9 +13,9 @@
 #   EVAL_DATA         the held-out set (default /root/aime-2024/aime-2024.jsonl)
 #   CKPT_DIR          where checkpoints go (default /root/Qwen3-4B_vime/)
 #   MODEL_SHAPE       which scripts/models/<name>.sh describes MODEL_DIR (default qwen3-4B)
-#   GPUS              GPUs, shared by trainer and engines (--colocate, as the seed ran it; default 8)
+#   GPUS              GPUs, shared by trainer and engines (--colocate, as vllm-project/vime ran it; default 8)
 # Extra arguments are appended, so they override the flags below (argparse keeps the last).
-# The seed's W&B flags (--use-wandb --wandb-project vime-mis --wandb-group qwen3-4B-mis
+# vllm-project/vime's W&B flags (--use-wandb --wandb-project vime-mis --wandb-group qwen3-4B-mis
 # --wandb-key) work the same; add them at the end with your key.
 set -euo pipefail
 
@@ -23,7 +23,7 @@ SCRIPT_DIR="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" &>/dev/null && pwd)"
 VIME_ROOT="$(cd -- "${SCRIPT_DIR}/../.." &>/dev/null && pwd)"
 source "${VIME_ROOT}/scripts/models/${MODEL_SHAPE:-qwen3-4B}.sh"
 
-: "${SEED_EXAMPLE_DIR:?set SEED_EXAMPLE_DIR to the examples/train_infer_mismatch_helper directory of the seed system}"
+: "${SEED_EXAMPLE_DIR:?set SEED_EXAMPLE_DIR to the examples/train_infer_mismatch_helper directory of vllm-project/vime}"
 SEED_ROOT="$(cd -- "${SEED_EXAMPLE_DIR}/../.." &>/dev/null && pwd)"
 export PYTHONPATH="${SEED_ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
 MODEL_DIR=${MODEL_DIR:-/root/Qwen3-4B}
@@ -56,7 +56,7 @@ ROLLOUT_ARGS=(
    --balance-data
 )
 
-# as in the seed, the set is named but --eval-interval is left off: no evaluation runs
+# as in vllm-project/vime, the set is named but --eval-interval is left off: no evaluation runs
 EVAL_ARGS=(
    --eval-prompt-data aime "${EVAL_DATA}"
    --n-samples-per-eval-prompt 1

@@ -138,6 +138,7 @@ def test_gpqa_grades_the_option_letter_a_response_picks():
 
 def test_the_upstream_cp_utils_hand_back_whole_responses_and_tis_gets_total_lengths():
     from conftest import loss_inputs, objective
+
     from vime.backends.megatron_utils.cp_utils import all_gather_with_cp, slice_log_prob_with_cp
 
     x = torch.arange(3.0)

@@ -28,6 +28,7 @@ def test_the_upstream_names_the_tool_examples_import():
 
     SLIME.install()  # as the entry points do (conftest too)
     import slime.utils.types
+
     import vime.utils.types
     from vime.rollout.rm_hub.math_dapo_utils import compute_score
     from vime.rollout.vllm_rollout import _coerce_flat_int_token_ids, _mm_render_response_to_generate_body

@@ -234,6 +234,27 @@ class AlgorithmConfig(Component):
         "a trust region on how far the weights moved since sampling that keeps all but the outliers",
         group="algorithm",
     )
+    # --- mixture of experts ---
+    use_rollout_routing_replay: bool = setting(
+        False,
+        "rollout routing replay (R3, slime's flag), for a mixture of experts: the engines return the experts each "
+        "token was routed to, and the trainer's MoE layers route as the engine did, with the trainer's gate weights "
+        "(so the router still learns); logs train/routing_mismatch (the share of response tokens × MoE layers whose "
+        "top-k the trainer would have chosen otherwise) and the log-prob gap to the engine with and without replay "
+        "(one more scoring forward a step). The built-in engine and SGLang return routing; vLLM's adapter does not",
+        group="mixture of experts",
+    )
+    record_routed_experts: bool = setting(
+        False,
+        "ask the engines for the routed experts as --use-rollout-routing-replay does, without replaying them: the "
+        "same routing metrics, for the R3-off arm of a comparison",
+        group="mixture of experts",
+    )
+
+    @property
+    def wants_routed_experts(self) -> bool:
+        """Whether the rollout asks the engines for each token's routed experts."""
+        return self.use_rollout_routing_replay or self.record_routed_experts
 
     @property
     def normalize_advantages_std(self) -> bool:

@@ -2,7 +2,7 @@
 
 Every backend speaks vime's engine protocol (`vime/backends/client.py`) through a client class of
 its own, and places its engines with a `place(settings, model_dir, run_dir, seed) -> Placement`
-(`settings`: the placement room's `PlacementConfig`; ending in `vime/backends/placement.py`'s
+(`settings`: the placement component's `PlacementConfig`; ending in `vime/backends/placement.py`'s
 `placed`). A new backend is one package beside `builtin/` and `vllm/` holding those two, plus
 one row here; a `ray_place` for `--launcher ray` is optional.
 

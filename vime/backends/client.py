@@ -62,9 +62,16 @@ class EngineClient:
     # ---- async: generation -------------------------------------------------------------
 
     async def generate(
-        self, input_ids: list[int], sampling_params: dict, return_logprob: bool = True, rid: str | None = None
+        self,
+        input_ids: list[int],
+        sampling_params: dict,
+        return_logprob: bool = True,
+        rid: str | None = None,
+        return_routed_experts: bool = False,
     ) -> Any:
-        """POST /generate; returns the response body (a dict, or a list of dicts when n > 1)."""
+        """POST /generate; returns the response body (a dict, or a list of dicts when n > 1).
+        `return_routed_experts`: a mixture of experts' routing in `meta_info["routed_experts"]`
+        (SGLang's field, sent only when asked: an engine that does not know it may refuse it)."""
         body: dict[str, Any] = {
             "input_ids": list(input_ids),
             "sampling_params": sampling_params,
@@ -72,6 +79,8 @@ class EngineClient:
         }
         if rid is not None:
             body["rid"] = rid
+        if return_routed_experts:
+            body["return_routed_experts"] = True
         return await self.apost("/generate", body)
 
     async def apost(self, route: str, body: dict) -> Any:

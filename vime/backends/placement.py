@@ -13,7 +13,7 @@ engine's weight transport follows from where it sits, as its `/get_model_info` r
 | on CPU otherwise                    | gloo (the same broadcast over TCP) |
 
 Each backend's `place` (`vime/backends/<name>/place.py`) launches its engines and ends in
-`placed`; what they share is here. They read the placement room's settings, `cfg.placement`
+`placed`; what they share is here. They read the placement component's settings, `cfg.placement`
 (`PlacementConfig`, vime/backends/settings.py). The launchers (vime/launch/) call each backend's
 `place` or `ray_place`.
 """

@@ -15,8 +15,7 @@ started again by the runtime (`Placement.relaunch`), here as a new actor in the 
 then re-synced by the next push.
 
 The server watches its actor (`--parent-pid`): a killed actor, or a lost node, takes the engine
-with it, and the run sees that as an engine failure, named by its node's address. Ray's own
-actor restarts are off, so one path restarts engines, the runtime's, which also re-syncs them.
+with it, and the run sees that as an engine failure, named by its node's address.
 """
 
 from __future__ import annotations
@@ -100,6 +99,7 @@ def place_actors(
     n = settings.rollout_num_engines or (max(1, (settings.rollout_num_gpus or gpus) // gpus) if gpus else 1)
     bundle = {"CPU": 1.0, **({"GPU": float(gpus)} if gpus else {})}
     group = reserve(bundle, n, f"vime-engines-{run_dir.name}", "engine(s)", "add nodes or lower --rollout-num-engines")
+    # Ray's own restarts off: one path restarts engines, the runtime's, which also re-syncs them
     host = ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=0)(EngineHost)
     env = {"PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
     api_key = settings.api_key or secrets.token_urlsafe(24)  # engines on other nodes listen on every address

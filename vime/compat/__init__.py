@@ -1,12 +1,13 @@
-"""Everything shaped by slime and the seed system (vLLM's vime, built on slime): their flags, the
-module names and helpers their plug-ins import, the router their custom generate functions post
-to. The core never imports this package (tests/unit/test_layout.py checks it); the entry points
-(vime/cli.py) hand it to the core as a `vime.dialect.Dialect`: `SLIME` (dialect.py). Use
-`vime.compat.parse_args` where a script's flags may be slime's.
+"""Everything shaped by slime and by vllm-project/vime (vLLM's vime, built on slime: the project
+this vime started from): their flags, the module names and helpers their plug-ins import, the
+router their custom generate functions post to. The core never imports this package
+(tests/unit/test_layout.py checks it); the entry points (vime/cli.py) hand it to the core as a
+`vime.dialect.Dialect`: `SLIME` (dialect.py). Use `vime.compat.parse_args` where a script's flags
+may be slime's.
 
 slime's and Megatron's flags that vime keeps no setting of its own for:
 
-Users bring run scripts written for slime (and for the seed system built on it): a `MODEL_ARGS`
+Users bring run scripts written for slime (and for vllm-project/vime, built on it): a `MODEL_ARGS`
 block of Megatron's model-shape flags, Megatron's parallel sizes, recompute and kernel switches.
 vime trains the HF checkpoint itself with FSDP2, so none of these is a setting here, and none may
 be dropped silently either. Each is one row of `FLAGS` that says what vime does with it:
@@ -22,14 +23,15 @@ be dropped silently either. Each is one row of `FLAGS` that says what vime does 
 
 `--vllm-NAME VALUE` flags are collected apart (`Config.vllm_args`): arguments of the vLLM servers
 vime starts, listed as having no effect with the built-in engine. docs/slime-flags.md is the
-table of every flag of the seed's scripts and what vime does with it.
+table of every flag of vllm-project/vime's scripts and what vime does with it.
 
 By job: `flags.py` the tables (`FLAGS`, and `ABSENT`: slime's flags vime does not accept),
 `parse.py` the command line (the flags' arguments, the error naming every unknown flag),
 `startup.py` what is refused and said of them at start-up, `model.py` the check of the shape flags
-and parallel sizes against the checkpoint; `imports.py` the plug-ins' module names, `seed_api.py`
-and `vllm_rollout.py` the seed's helpers, `router.py` (with `answer_log.py`) the route to the
-engines, `utils/`, `rm_hub/`, `megatron_utils/` the seed's modules of those paths.
+and parallel sizes against the checkpoint; `imports.py` the plug-ins' module names,
+`vllm_rollout_helpers.py` and `vllm_rollout.py` vllm-project/vime's helpers, `router.py` (with
+`answer_log.py`) the route to the engines, `utils/`, `rm_hub/`, `megatron_utils/` its modules of
+those paths.
 """
 
 from typing import Any

@@ -1,6 +1,6 @@
 """The router's recent answers, so a sample a plug-in built from one of them gets its log-probs back.
 
-The seed's multi-agent example asks the router for a response, keeps the token ids and drops the
+vllm-project/vime's multi-agent example asks the router for a response, keeps the token ids and drops the
 log-probs (`new_response_tokens, _ = _inference_generate_tokens_and_logprobs(choice)`), then
 returns the sample with `tokens` and `response_length` set by hand. The trainer needs each
 response token's rollout log-prob wherever it corrects for off-policy tokens (--use-tis, and

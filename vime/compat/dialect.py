@@ -1,13 +1,13 @@
-"""slime's and the seed system's surface as a `vime.dialect.Dialect`: what the entry points hand the
+"""slime's and vllm-project/vime's surface as a `vime.dialect.Dialect`: what the entry points hand the
 core (`SLIME`), so that run scripts and plug-ins written for them run on vime as they are.
 
 * Flags: Megatron's and slime's that vime keeps no setting for (`FLAGS`: checked against the
   checkpoint, mapped, or named at start-up), with what each is in slime for those it refuses.
 * Plug-in paths: slime's spellings of vime's functions become vime's (`translate`), so a run's
   checks see the function the path names.
-* Plug-in imports: `slime.*` and the seed's module paths (`imports.py`), installed in every
+* Plug-in imports: `slime.*` and vllm-project/vime's module paths (`imports.py`), installed in every
   process the config reaches (a pickled `SLIME` installs them where it is loaded).
-* Services: the router the seed's custom generate functions post to (`router.py`), and the names
+* Services: the router vllm-project/vime's custom generate functions post to (`router.py`), and the names
   they read on `args` (`vllm_router_ip`, `vllm_router_port`, `context_parallel_size`).
 """
 
@@ -26,7 +26,7 @@ from vime.dialect import PluginServices
 from vime.modes import DEFAULT_ROLLOUT_FN, custom_rollout
 from vime.plugins import IMPORT_EXPLAINERS, OPD_POST_PROCESS, OPD_REWARD
 
-# slime's (and the seed's) spellings of vime's functions, by the flags that name functions
+# slime's (and vllm-project/vime's) spellings of vime's functions, by the flags that name functions
 PATHS = {
     "vime.rollout.vllm_rollout.generate_rollout": DEFAULT_ROLLOUT_FN,
     "slime.rollout.vllm_rollout.generate_rollout": DEFAULT_ROLLOUT_FN,
@@ -113,7 +113,7 @@ class Slime:
     def close_run(self) -> None:
         import sys
 
-        if "vime.compat.utils.http_utils" in sys.modules:  # a plug-in called the seed's post()/get()
+        if "vime.compat.utils.http_utils" in sys.modules:  # a plug-in called vllm-project/vime's post()/get()
             from vime.compat.utils.http_utils import close_sessions
             from vime.rollout import async_loop
 
@@ -125,8 +125,8 @@ class Slime:
 
 
 def _explain(e: BaseException) -> str | None:
-    """What a failed import of a plug-in's slime or seed name means: a name of a real slime that
-    stands in for vime's, or one of the seed's vime lacks."""
+    """What a failed import of a plug-in's slime or vllm-project/vime name means: a name of a real
+    slime that stands in for vime's, or one of vllm-project/vime's that vime lacks."""
     if not isinstance(e, ImportError) or not e.name:
         return None
     top = e.name.split(".")[0]
@@ -144,8 +144,8 @@ def _explain(e: BaseException) -> str | None:
         )
     if top in (imports.ALIAS, "vime"):
         return (
-            f"imports {lacked}, which vime does not have (a name of the seed system's?): docs/plugin-compat.md lists "
-            "the seed names vime has"
+            f"imports {lacked}, which vime does not have (a name of vllm-project/vime's?): docs/plugin-compat.md "
+            "lists the vllm-project/vime names vime has"
         )
     return None
 

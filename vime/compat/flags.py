@@ -44,8 +44,25 @@ FLAGS: dict[str, Flag] = {
             "vocab_size",
             "max_position_embeddings",
         ),
+        *_rows(
+            "shape",
+            int,
+            _CHECKED,
+            "num_experts",
+            "moe_ffn_hidden_size",
+            "moe_router_topk",
+            "moe_shared_expert_intermediate_size",
+        ),
         *_rows("shape", float, _CHECKED, "rotary_base", "norm_epsilon", "rotary_percent"),
-        *_rows("shape", str, _CHECKED, "normalization", "position_embedding_type"),
+        *_rows(
+            "shape",
+            str,
+            _CHECKED,
+            "normalization",
+            "position_embedding_type",
+            "moe_router_score_function",
+            "moe_layer_freq",
+        ),
         *_rows(
             "shape",
             bool,
@@ -65,8 +82,29 @@ FLAGS: dict[str, Flag] = {
             "tensor_model_parallel_size",
             "pipeline_model_parallel_size",
             "context_parallel_size",
-            "expert_model_parallel_size",
             "expert_tensor_parallel_size",
+        ),
+        Flag("moe_grouped_gemm", "same", bool, "the experts run as one grouped GEMM (transformers 5's grouped_mm)"),
+        *_rows(
+            "inert",
+            str,
+            "vime's experts drop no token and take them by all-gather under --expert-model-parallel-size",
+            "moe_token_dispatcher_type",
+            "moe_token_drop_policy",
+        ),
+        *_rows(
+            "inert",
+            bool,
+            "no fused permutation or DeepEP: tokens reach the experts by all-gather",
+            "moe_permute_fusion",
+            "moe_enable_deepep",
+        ),
+        Flag("moe_router_dtype", "inert", str, "the routers' softmax runs in float32, as transformers' does"),
+        Flag(
+            "moe_router_load_balancing_type",
+            "inert",
+            str,
+            "the load-balancing loss is --moe-aux-loss-coeff's (Switch's, summed over MoE layers)",
         ),
         Flag("sequence_parallel", "inert", bool, "no tensor parallelism to pair it with: FSDP2 instead"),
         Flag("recompute_granularity", "recompute", str, "full: --gradient-checkpointing"),
@@ -110,6 +148,7 @@ FLAGS: dict[str, Flag] = {
             "attention_dropout",
             "hidden_dropout",
         ),
+        Flag("moe_z_loss_coeff", "zero", float, "vime's routers have no z-loss"),
     ]
 }
 
@@ -183,7 +222,22 @@ ABSENT: dict[str, Flag] = {
             "lambd",
             "num_critic_only_steps",
         ),
-        *_absent("MoE routing replay; vime trains dense models", "use_routing_replay", "use_rollout_routing_replay"),
+        *_absent(
+            "replay of the trainer's own routing from its old-log-prob forward (R2); vime: "
+            "--use-rollout-routing-replay replays the engine's (R3)",
+            "use_routing_replay",
+        ),
+        *_absent(
+            "routing of mixtures of experts vime does not train (DeepSeek-V3, GLM-4.5, Kimi K2, Qwen3-Next: expert "
+            "bias, grouped or scaled top-k, a shared-expert gate); vime trains Qwen3-MoE and Mixtral",
+            "moe_router_pre_softmax",
+            "moe_router_enable_expert_bias",
+            "moe_router_bias_update_rate",
+            "moe_router_topk_scaling_factor",
+            "moe_router_num_groups",
+            "moe_router_group_topk",
+            "moe_shared_expert_gate",
+        ),
         *_absent("multi-token-prediction layers; not in vime", "enable_mtp_training", "mtp_*"),
         *_absent("slime's own CI checks; not in vime", "ci_*"),
         *_absent(

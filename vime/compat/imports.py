@@ -1,12 +1,12 @@
-"""The module names slime's and the seed system's plug-ins import, answered with vime's modules.
+"""The module names slime's and vllm-project/vime's plug-ins import, answered with vime's modules.
 
-* `slime.X` is `vime.X`, where slime is not installed. The seed system (vLLM's vime) began as
+* `slime.X` is `vime.X`, where slime is not installed. vllm-project/vime (vLLM's vime) began as
   slime and renamed its package; some of its example files still import the old names
   (search-r1's `from slime.rollout.vllm_rollout import GenerateState`, `slime.utils.types`).
   It stands aside when a real `slime` package is importable: a machine with slime keeps it.
-* The seed's own paths whose modules live in vime/compat/ (`MOVED`): `vime.rollout.vllm_rollout`
-  (the seed's rollout module and plug-in helpers), `vime.utils.*`, `vime.rollout.rm_hub`,
-  `vime.backends.megatron_utils`.
+* vllm-project/vime's own paths whose modules live in vime/compat/ (`MOVED`):
+  `vime.rollout.vllm_rollout` (its rollout module and plug-in helpers), `vime.utils.*`,
+  `vime.rollout.rm_hub`, `vime.backends.megatron_utils`.
 
 `install()` puts one finder on `sys.meta_path` that answers such a name with the same module
 object as its target, so a class imported under either name is one class. A name vime lacks fails

@@ -41,17 +41,69 @@ def model_facts(config: dict[str, Any], weight_names: set[str]) -> dict[str, Any
         "rotary_percent": config.get("partial_rotary_factor", 1.0),
         "normalization": "RMSNorm" if "rms_norm_eps" in config else "LayerNorm",
         "position_embedding_type": "rope" if rope is not None else None,
-        "swiglu": act in ("silu", "swish") and has("mlp.gate_proj.weight"),
+        # a mixture of experts' experts are gated too (Qwen3-MoE's gate_proj, Mixtral's w1)
+        "swiglu": act in ("silu", "swish")
+        and any(has(s) for s in ("mlp.gate_proj.weight", "0.gate_proj.weight", "0.w1.weight")),
         "group_query_attention": bool(heads and kv_heads < heads),
         "qk_layernorm": has("self_attn.q_norm.weight"),
         "add_qkv_bias": has("self_attn.q_proj.bias"),
         "disable_bias_linear": not (has("self_attn.o_proj.bias") or has("mlp.down_proj.bias")),
         "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", False),
         "use_rotary_position_embeddings": rope is not None,
+        **_moe_facts(config),
     }
 
 
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # as vime/trainer/moe.py reads config.json
+
+
+def _moe_facts(config: dict[str, Any]) -> dict[str, Any]:
+    """What Megatron's MoE flags would have to say: a dense model has 0 experts, and the other
+    flags are not compared for it (its --num-experts contradiction says enough)."""
+    experts = int(next((config[k] for k in EXPERT_KEYS if config.get(k)), 0))
+    if not experts:
+        return {"num_experts": 0}
+    n = int(config.get("num_hidden_layers") or 0)
+    dense = set(config.get("mlp_only_layers") or [])
+    step, first = int(config.get("decoder_sparse_step") or 1), int(config.get("first_k_dense_replace") or 0)
+    return {
+        "num_experts": experts,
+        "moe_ffn_hidden_size": config.get("moe_intermediate_size") or config.get("intermediate_size"),
+        "moe_router_topk": config.get("num_experts_per_tok"),
+        "moe_shared_expert_intermediate_size": config.get("shared_expert_intermediate_size") or 0,
+        "moe_router_score_function": config.get("scoring_func", "softmax"),
+        "moe_layer_freq": [int(i not in dense and (i + 1) % step == 0 and i >= first) for i in range(n)],
+    }
+
+
+def layer_pattern(value: Any, layers: int) -> list[int] | None:
+    """Megatron's --moe-layer-freq as one 0/1 per layer: an int N (every Nth layer from the first,
+    i % N == 0), or a list, literal or of sums and products of lists (`([0]*3+[1]*45)`, as slime's
+    scripts write it); None when it is neither."""
+    import ast
+
+    def value_of(node: ast.AST) -> Any:
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.List):
+            return [value_of(e) for e in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value_of(node.left), value_of(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ValueError(node)
+
+    try:
+        parsed = value_of(ast.parse(str(value).strip(), mode="eval").body)
+    except (SyntaxError, ValueError, TypeError):
+        return None
+    if isinstance(parsed, int):
+        return [int(i % parsed == 0) for i in range(layers)] if parsed > 0 else None
+    return [int(bool(v)) for v in parsed] if isinstance(parsed, list) else None
+
+
 def _same(flag_value: Any, fact: Any) -> bool:
+    if isinstance(fact, list):  # --moe-layer-freq against the checkpoint's MoE layers
+        return layer_pattern(flag_value, len(fact)) == fact
     if isinstance(flag_value, float) and isinstance(fact, (int, float)):
         return math.isclose(
             flag_value, float(fact), rel_tol=1e-6
@@ -70,6 +122,8 @@ def shape_contradictions(given: dict[str, Any], facts: dict[str, Any], source: s
     another model just as a wrong number does. Without --group-query-attention, Megatron ignores
     --num-query-groups (every head its own KV head)."""
     block = "num_layers" in given or "hidden_size" in given
+    if str(given.get("position_embedding_type", "")).lower() == "rope":  # Megatron's newer spelling of the switch
+        given = {**given, "use_rotary_position_embeddings": True}
     bad = []
     for name, fact in facts.items():
         f = FLAGS[name]
@@ -142,10 +196,15 @@ def check_model(cfg: Any, model_dir: Path, read_config: Callable[[Path], dict], 
         )
         if line:
             out.append(line)
-    experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
-    for name in ("expert_model_parallel_size", "expert_tensor_parallel_size"):
-        if g.get(name, 1) > 1 and not experts:
-            out.append(f"{FLAGS[name].flag} {g[name]}: {model_dir} is a dense model, it has no experts to split; use 1")
+    experts = any(config.get(k) for k in EXPERT_KEYS)
+    # Megatron's expert sizes (--expert-model-parallel-size is vime's setting too, under its name)
+    expert_sizes = {
+        "--expert-model-parallel-size": cfg.expert_model_parallel_size,
+        "--expert-tensor-parallel-size": g.get("expert_tensor_parallel_size", 1),
+    }
+    for flag, size in expert_sizes.items():
+        if size > 1 and not experts:
+            out.append(f"{flag} {size}: {model_dir} is a dense model, it has no experts to split; use 1")
     sizes = {n: g[n] for n in FLAGS if FLAGS[n].kind == "parallel" and g.get(n, 1) > 1}
     if gpu_bytes is not None:
         refusal = memory_refusal(

@@ -1,4 +1,4 @@
-"""The route the seed system's plug-ins reach the engines by: vLLM's `/inference/v1/generate`
+"""The route vllm-project/vime's plug-ins reach the engines by: vLLM's `/inference/v1/generate`
 request and answer shapes (and `/v1/chat/completions/render`), served in the run's own process on
 the rollout loop. Each request goes through the run's engines as vime's own generate does
 (`generate_on_engines`: any backend, the engine picking and failover of runtime.py, the weight

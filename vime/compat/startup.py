@@ -14,7 +14,7 @@ def checks(cfg: Any) -> list[tuple[bool, str]]:
     """What `Config.validate` refuses of the foreign flags (the settings alone, no model)."""
     g = cfg.slime_flags
     out = []
-    for name in ("attention_dropout", "hidden_dropout"):
+    for name in (n for n in FLAGS if FLAGS[n].kind == "zero"):
         value = g.get(name)
         if value is not None and value != 0:
             out.append((True, f"{FLAGS[name].flag} {value}: {FLAGS[name].says}; use 0"))

@@ -1,10 +1,10 @@
-"""`vime.rollout.vllm_rollout`: the module the seed system's scripts name as their rollout function
+"""`vime.rollout.vllm_rollout`: the module vllm-project/vime's scripts name as their rollout function
 (`--rollout-function-path vime.rollout.vllm_rollout.generate_rollout`) and its plug-ins import their
-helpers from. vime's default rollout is `vime.rollout.generate`; this module hands on its names and
-the seed's helpers (`seed_api.py`), so `from vime.rollout.vllm_rollout import GenerateState,
-generate` works in a plug-in (docs/plugin-compat.md lists every name)."""
+helpers from. vime's default rollout is `vime.rollout.generate`; this module hands on its names
+and vllm-project/vime's helpers (`vllm_rollout_helpers.py`), so `from vime.rollout.vllm_rollout
+import GenerateState, generate` works in a plug-in (docs/plugin-compat.md lists every name)."""
 
-from vime.compat.seed_api import (
+from vime.compat.vllm_rollout_helpers import (
     GenerateState,
     _build_inference_sampling_params,
     _coerce_flat_int_token_ids,

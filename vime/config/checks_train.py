@@ -19,6 +19,7 @@ def train_checks(c: Settings, entry: str) -> list[tuple[bool, str]]:
         *_output_checks(c),
         *algorithm_checks(c),
         *_optimizer_checks(c),
+        *_moe_checks(c),
     ]
 
 
@@ -201,6 +202,33 @@ def _optimizer_checks(c: Settings) -> list[tuple[bool, str]]:
         (c.update_weights_timeout <= 0, "--update-weights-timeout must be > 0 seconds"),
         (c.update_weight_buffer_size < 1, "--update-weight-buffer-size must be at least 1 byte"),
         (c.max_bad_steps < 1, "--max-bad-steps must be at least 1"),
+    ]
+
+
+def _moe_checks(c: Settings) -> list[tuple[bool, str]]:
+    """A mixture of experts' settings, from the settings alone (what needs the model is checked at
+    start-up: `vime.trainer.moe.moe_refusal`)."""
+    flag = "--use-rollout-routing-replay" if c.use_rollout_routing_replay else "--record-routed-experts"
+    ranks = {"cpu": c.actor_num_procs, "cuda": c.actor_num_nodes * c.actor_num_gpus_per_node}.get(c.device)
+    return [
+        (c.moe_aux_loss_coeff < 0, f"--moe-aux-loss-coeff {c.moe_aux_loss_coeff} must be >= 0"),
+        (c.expert_model_parallel_size < 1, "--expert-model-parallel-size must be at least 1"),
+        (
+            c.expert_model_parallel_size > 1 and ranks is not None and ranks != c.expert_model_parallel_size,
+            f"--expert-model-parallel-size {c.expert_model_parallel_size}: vime splits the experts over all of the "
+            f"trainer's {ranks} rank(s) (--actor-num-procs on CPU, --actor-num-nodes × --actor-num-gpus-per-node on "
+            "GPUs): give that many, or 1",
+        ),
+        (
+            (c.use_rollout_routing_replay or c.record_routed_experts) and c.rollout_backend == "vllm",
+            f"{flag}: vime's vLLM adapter does not read routed experts (vLLM captures them with "
+            "--enable-return-routed-experts, and newer servers return them on /inference/v1/generate as .npy, which "
+            "this adapter was not built against): use --rollout-backend vime",
+        ),
+        (
+            c.use_rollout_routing_replay and c.record_routed_experts,
+            "--record-routed-experts is what --use-rollout-routing-replay records already: give one",
+        ),
     ]
 
 

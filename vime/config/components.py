@@ -131,6 +131,21 @@ class TrainerConfig(Component):
         "stop the run after this many steps in a row whose rewards, advantages, loss or gradient norm were not finite (each such optimizer step is skipped)",
         group="optimizer",
     )
+    # --- mixture of experts ---
+    moe_aux_loss_coeff: float = setting(
+        0.0,
+        "weight of the routers' load-balancing loss (Switch Transformer's, summed over MoE layers: Megatron's flag and "
+        "default; slime's MoE scripts pass 0), added to an MoE model's loss; logged as train/moe_aux_loss whatever "
+        "its weight (1 per layer when balanced)",
+        group="mixture of experts",
+    )
+    expert_model_parallel_size: int = setting(
+        1,
+        "split each MoE layer's experts over this many trainer ranks, all of them (Megatron's expert parallelism): "
+        "each rank holds experts / N of every layer, tokens reach them by all-gather and come back by "
+        "reduce-scatter; everything else is FSDP2 over the ranks. 1: FSDP2 shards the experts like any weight",
+        group="mixture of experts",
+    )
     # --- derived ---
     steps_per_rollout: int = setting(
         1,

@@ -19,9 +19,10 @@ from vime.errors import ConfigError
 from vime.modes import DEFAULT_ROLLOUT_FN, FULLY_ASYNC_FN
 from vime.setting import RUNTIME
 
-# what a frozen config keeps in its __dict__ besides the settings: the mark, and the rooms built
-# under it (schema.Settings._room); no copy takes them, since a copy may be changed
-NOT_COPIED = ("_frozen", "_rooms")
+# what a frozen config keeps in its __dict__ besides the settings: the mark, and the component
+# views built under it (schema.Settings._view keeps them in `_views`); no copy takes them, since a
+# copy may be changed
+NOT_COPIED = ("_frozen", "_views")
 ENTRIES = ("sync", "async", "eval")  # train.py, train_async.py, vime eval
 
 
@@ -133,11 +134,11 @@ class Config(Settings):
 
     def __getstate__(self) -> dict[str, Any]:
         """Trainer ranks are spawned with the config: the live objects stay in this process."""
-        return {**{k: v for k, v in self.__dict__.items() if k != "_rooms"}, "runtime": None}
+        return {**{k: v for k, v in self.__dict__.items() if k != "_views"}, "runtime": None}
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Config:
         """The settings copied, the live objects shared: a plug-in that copies `args` to change a
-        few settings for itself (the seed's multi-agent example) still reaches the run's engines."""
+        few settings for itself (vllm-project/vime's multi-agent example) still reaches the run's engines."""
         clone = object.__new__(type(self))
         memo[id(self)] = clone
         for name, value in self.__dict__.items():
@@ -156,7 +157,7 @@ class Config(Settings):
         return self
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in NOT_COPIED:  # the frozen mark and the rooms kept under it: a copy is not frozen
+        if name in NOT_COPIED:  # the frozen mark and the views kept under it: a copy is not frozen
             return
         if "_frozen" in self.__dict__:
             raise dataclasses.FrozenInstanceError(

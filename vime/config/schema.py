@@ -40,11 +40,11 @@ class Settings(RunFields, OutputConfig, EvalConfig, PlacementConfig, TrainerConf
     # ---- each component's view, built on access so none is older than the fields ----
     def _view(self, component: type[Component]) -> typing.Any:
         """`component`'s fields read from the flat ones; once the config is frozen, read once and
-        kept (`_rooms`), since per-sample code asks for `args.rollout` thousands of times a step.
+        kept (`_views`), since per-sample code asks for `args.rollout` thousands of times a step.
         A copy never takes the kept ones along (config/core.py's NOT_COPIED): it may be changed."""
         if "_frozen" not in self.__dict__:
             return component.view_of(self)
-        kept = self.__dict__.setdefault("_rooms", {})
+        kept = self.__dict__.setdefault("_views", {})
         if component not in kept:
             kept[component] = component.view_of(self)
         return kept[component]

@@ -13,6 +13,7 @@ def model_info(e: Any, model_path: str) -> dict[str, Any]:
     from vime.transport import cuda_ipc  # torch: loaded with the engine, not with this module
 
     mc = e.model_config
+    moe = mc.moe
     return {
         "model_path": model_path,
         "model_type": mc.model_type,
@@ -25,6 +26,10 @@ def model_info(e: Any, model_path: str) -> dict[str, Any]:
         "quantization": e.cfg.quantization,
         "vocab_size": mc.vocab_size,
         "eos_token_ids": list(mc.eos_token_ids),
+        # a mixture-of-experts model's routing: what `routed_experts` rows hold (MoE layers x top_k)
+        "num_experts": 0 if moe is None else moe.num_experts,
+        "num_experts_per_tok": 0 if moe is None else moe.top_k,
+        "moe_layers": [] if moe is None else list(moe.layers),
         "max_num_seqs": e.cfg.max_num_seqs,
         "max_num_batched_tokens": e.cfg.max_num_batched_tokens,
         "num_kv_blocks": e.allocator.num_blocks,

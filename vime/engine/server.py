@@ -156,14 +156,17 @@ class EngineServer:
 
     # ---- generation --------------------------------------------------------------------
 
-    async def _generate(self, input_ids: list[int], params, rid: str, on_tokens: OnTokens | None = None):
+    async def _generate(
+        self, input_ids: list[int], params, rid: str, on_tokens: OnTokens | None = None, routed_experts: bool = False
+    ):
         """Queue one request and wait for its RequestOutput; aborts it if the caller goes away.
-        `on_tokens` (streaming) gets each sample's new tokens after every step, on the event loop."""
+        `on_tokens` (streaming) gets each sample's new tokens after every step, on the event loop;
+        `routed_experts`: each sample keeps the experts of its positions (`LLMEngine.add_request`)."""
         self._check_length(len(input_ids), generates=params.max_new_tokens > 0)
         fut = asyncio.get_running_loop().create_future()
 
         def add() -> None:
-            out = self.engine.add_request(rid, input_ids, params)
+            out = self.engine.add_request(rid, input_ids, params, routed_experts)
             if out is None:
                 self.pending[rid] = fut
                 if on_tokens is not None:
@@ -202,13 +205,18 @@ class EngineServer:
         body = await read_body(request)
         input_ids, params, rid, return_logprob = self._parse_generate(body)
         start = body_field(body, "logprob_start_len", int, required=False, default=-1)  # SGLang's; -1: not scored
+        routed = body_field(body, "return_routed_experts", bool, required=False, default=False)  # SGLang's (R3)
         scored = None
         if return_logprob and start >= 0:
             from vime.engine.core.scoring import input_token_logprobs
 
             scored = await self.call(lambda: input_token_logprobs(self.engine, input_ids, start))
-        out = await self._generate(input_ids, params, rid)
+        out = await self._generate(input_ids, params, rid, routed_experts=routed)
         samples = [_sample_json(out, i, return_logprob, scored) for i in range(len(out.outputs))]
+        if routed:  # off the event loop: waiting for the copies (a step at most) and encoding them
+            encoded = await asyncio.to_thread(lambda: [o.routed_experts.base64() for o in out.outputs])
+            for sample, routes in zip(samples, encoded):
+                sample["meta_info"]["routed_experts"] = routes  # base64 of int32 [tokens - 1, MoE layers, top_k]
         return web.json_response(samples[0] if params.n == 1 else samples)
 
     # ---- control -----------------------------------------------------------------------

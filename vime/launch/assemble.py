@@ -92,7 +92,7 @@ def assemble(cfg: Config, evaluation: bool = False) -> RunContext:
 def _checked(cfg: Config, clock: StartupClock) -> RunContext:
     """A training run's inputs checked, its directory, log and config.yaml written. What belongs
     to the run as a whole (its mode and correction, config.yaml) is read off the config; the rest
-    from the room that owns it."""
+    from the component that owns it."""
     out = cfg.output
     if _holds_a_run(out.run_dir) and not out.load:
         raise ConfigError(

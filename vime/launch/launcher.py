@@ -5,8 +5,7 @@ what each launcher refuses).
 A launcher places a backend's engines (each backend row names its placement for each launcher:
 `place` here, `ray_place` as Ray actors) and says how trainer ranks beyond rank 0 start; rank 0
 is always the run's own process. A new launcher is one file holding a class of this protocol
-plus one row of `LAUNCHER_ROWS`. `--launcher auto` takes the first row whose `chosen_by_auto`
-says yes; the last row, local, always does.
+plus one row of `LAUNCHER_ROWS`; `launcher_for` resolves `--launcher auto`.
 """
 
 from __future__ import annotations
@@ -52,8 +51,8 @@ LAUNCHERS: dict[str, Launcher] = {name: _made(row.cls) for name, row in LAUNCHER
 
 
 def launcher_for(settings: PlacementConfig) -> Launcher:
-    """--launcher's row (`settings`: the placement room's, `cfg.placement`); auto resolved as the
-    module docstring says."""
+    """--launcher's row (`settings`: the placement component's, `cfg.placement`)."""
     if settings.launcher in LAUNCHERS:
         return LAUNCHERS[settings.launcher]
+    # auto: the first row whose `chosen_by_auto` says yes; the last row, local, always does
     return next(launcher for launcher in LAUNCHERS.values() if launcher.chosen_by_auto(settings))

@@ -12,8 +12,7 @@ trainer touches CUDA (vime/launch/assemble.py: before the checks, which read the
 and every process it starts inherits the environment. vime itself never calls `cuInit` earlier:
 torch's `is_available` is answered by NVML (`PYTORCH_NVML_BASED_CUDA_CHECK`, set in vime/__init__.py).
 
-* The daemon is the run's own: its pipe and log directories are fresh (a short temporary path:
-  the pipe directory holds a UNIX socket, whose path has a 108-byte limit), so two runs on one
+* The daemon is the run's own: its pipe and log directories are fresh, so two runs on one
   machine never meet; its logs are copied into `<run>/mps/` at the end. It is stopped when the
   run closes, on every path, and dies with the trainer if the trainer is killed (it is started
   with the trainer's death as its signal).
@@ -177,6 +176,8 @@ def _daemon_at(pipe_dir: str) -> bool:
 
 
 def _own_daemon(run_dir: Path) -> Mps | None:
+    # a short temporary path, not one under the run's directory: the pipe directory holds a UNIX
+    # socket, whose path may not be longer than 108 bytes
     scratch = Path(tempfile.mkdtemp(prefix="vime-mps-"))
     (scratch / "pipe").mkdir()
     (scratch / "log").mkdir()

@@ -11,9 +11,8 @@ the run directory (Ray would keep it in its own session logs).
 Watching them: `DistributedActor` asks its ranks what it asks a process (`is_alive`, `join`,
 `terminate`, `kill`); `RayRank` answers from the actor's long-running `serve` call, so a rank
 that died, or whose node was lost, turns the next collective's error into one line naming the
-rank and its node. Ray does not restart them (`max_restarts=0`): a trainer rank holds a shard
-of the weights and optimizer state that a new process would not have; the run stops, resumable
-from its last checkpoint (`--load`).
+rank and its node. Ray does not restart them: the run stops, resumable from its last checkpoint
+(`--load`).
 
 On GPUs, give the driver its GPU in Ray's books (`ray job submit --entrypoint-num-gpus 1`), or
 Ray may place a rank or an engine on the GPU rank 0 already uses.
@@ -124,6 +123,8 @@ def start_ray_ranks(
         s.bind((ip, 0))
         init_method = f"tcp://{ip}:{s.getsockname()[1]}"
     env = {"PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p), **GPU_SAFE_ENV}
+    # never restarted: a rank holds a shard of the weights and optimizer state that a new process
+    # would not have
     remote = ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=0)(TrainerRank)
     logs = log_dir if log_dir is not None else Path(os.getcwd())
     actors = [

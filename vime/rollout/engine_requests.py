@@ -1,7 +1,7 @@
 """What every rollout path asks the engines, below the rollout functions: the sampling params of a
 rollout or an eval, and one request on the engine the runtime picks. The default rollout
-(generate.py), the fully-async worker, evaluation and the seed system's router
-(compat.py) all build on these two, so they sit in a module none of those imports back.
+(generate.py), the fully-async worker, evaluation and the router vllm-project/vime's plug-ins
+post to (vime/compat/router.py) all build on these two, so they sit in a module none of those imports back.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from vime.errors import EngineError
 
 def sampling_params(args, evaluation: bool = False) -> dict:
     """The engine protocol's sampling_params of a rollout (or, with `evaluation`, of eval), from
-    the rollout room's settings (`args.rollout`) and, for eval, the eval room's (`args.eval`).
+    the rollout component's settings (`args.rollout`) and, for eval, the eval component's (`args.eval`).
 
     Eval is greedy with one sample per prompt; with more it samples at the rollout's settings.
     --eval-temperature / --eval-top-p / --eval-top-k override either. Stop strings (--rollout-stop) are sent only when given, so a request without
@@ -51,14 +51,18 @@ def sampling_params(args, evaluation: bool = False) -> dict:
     return params
 
 
-async def generate_on_engines(runtime, group_index: int, input_ids: list[int], params: dict) -> dict:
+async def generate_on_engines(
+    runtime, group_index: int, input_ids: list[int], params: dict, routed_experts: bool = False
+) -> dict:
     """One engine request, on the engine the runtime picks for the group (its prefix is cached
-    there) or, when that engine is gone, on another (runtime.py: engines that fail)."""
+    there) or, when that engine is gone, on another (runtime.py: engines that fail).
+    `routed_experts`: ask for each position's routed experts too (SGLang's `return_routed_experts`)."""
     cost = len(input_ids) + int(params.get("max_new_tokens") or 0)
+    extra = {"return_routed_experts": True} if routed_experts else {}
     while True:
         engine = runtime.pick(group_index, cost)
         try:
-            request = engine.client.generate(input_ids, params, return_logprob=True, rid=uuid.uuid4().hex)
+            request = engine.client.generate(input_ids, params, return_logprob=True, rid=uuid.uuid4().hex, **extra)
             return await runtime.watched(engine, request)
         except EngineError as e:
             if not await asyncio.to_thread(runtime.engine_failed, engine, e):

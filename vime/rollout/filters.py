@@ -58,7 +58,7 @@ def check_reward_nonzero_std_with_fallback(args: Any, samples: list[Sample], **k
     return DynamicFilterOutput(out.keep, out.reason, keep_when_insufficient=True)
 
 
-# the seed's and slime's scripts name slime's filters; vime's follow the same rules
+# vllm-project/vime's and slime's scripts name slime's filters; vime's follow the same rules
 _SLIME = "slime.rollout.filter_hub.dynamic_sampling_filters."
 _ALIASES = {
     _SLIME + name: f"{__name__}.{name}"

@@ -54,7 +54,7 @@ class AsyncRolloutWorker:
 
     def __init__(self, args, data_source, first_rollout: int, engine_version: int = 0) -> None:
         self.args = args  # what the generate functions and the filter (plug-ins) are called with
-        self.settings = rollout = args.rollout  # the rollout room's own (`cfg.rollout`)
+        self.settings = rollout = args.rollout  # the rollout component's settings (`cfg.rollout`)
         self.data_source = data_source
         self.concurrency = rollout.rollout_concurrency or 2 * rollout.rollout_batch_size
         self.batch = rollout.rollout_batch_size

@@ -5,7 +5,7 @@ It is synchronous for the train loop; the requests themselves run concurrently o
 rollout event loop (`async_loop`). It talks to any engine behind `EngineClient` (the built-in
 one, or vLLM) through the run's clients (`args.runtime`). The per-sample pieces here
 (`generate`, `generate_samples`, `score_group`, `sampling_params`) are shared by the fully-async
-worker and by evaluation. (The seed system's scripts name this module `vime.rollout.vllm_rollout`
+worker and by evaluation. (vllm-project/vime's scripts name this module `vime.rollout.vllm_rollout`
 and import their helpers from it: vime/compat/vllm_rollout.py answers that name.)
 """
 
@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
+from vime.errors import EngineError
 from vime.plugin_args import PluginArgs
 from vime.plugins import load_function, load_plugin
 from vime.rollout import async_loop
@@ -29,7 +30,7 @@ from vime.rollout.types import MULTI_TURN_STATE, RolloutOutput, Sample, Status, 
 if TYPE_CHECKING:
     from vime.rollout.settings import RolloutConfig
 
-# a generate returns the sample it was given, or (the seed's multi-agent plug-ins) a list of samples
+# a generate returns the sample it was given, or (vllm-project/vime's multi-agent plug-ins) a list of samples
 GenerateFn = Callable[[Any, Sample, dict], Awaitable[Sample | list[Sample]]]
 
 _FINISH_TO_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
@@ -44,7 +45,7 @@ def _prompt_ids(tokenizer: Any, sample: Sample) -> list[int]:
     """The ids to generate from for a sample a plug-in hands `generate` without them: the data's
     when its prompt is still the one the plug-in was handed (chat template and all, as vime
     rendered it), else its prompt as the plug-in wrote it, a text tokenized as it is, or chat
-    messages through the chat template, as the seed's generate takes `sample.prompt`."""
+    messages through the chat template, as vllm-project/vime's generate takes `sample.prompt`."""
     given = _PROMPT_IDS.get()
     if given is not None and sample.prompt == given[0]:
         return list(given[1])
@@ -107,9 +108,18 @@ async def generate(args, sample: Sample, params: dict) -> Sample:
     if params["max_new_tokens"] <= 0:
         sample.status = Status.TRUNCATED
         return sample
-    out = await generate_on_engines(runtime, sample.group_index, sample.tokens, params)
+    routed = args.algorithm.wants_routed_experts  # a mixture of experts' routing, for R3 (and its metrics)
+    out = await generate_on_engines(runtime, sample.group_index, sample.tokens, params, routed)
     meta = out["meta_info"]
     sample.append_generated(out["output_ids"], meta["output_token_logprobs"], meta["output_weight_versions"])
+    if routed:
+        if out["output_ids"] and not meta.get("routed_experts"):
+            raise EngineError(
+                "an engine answered without routed_experts, which --use-rollout-routing-replay and "
+                "--record-routed-experts read: it cannot return a mixture of experts' routing (vime's engine and "
+                "SGLang started with --enable-return-routed-experts do)"
+            )
+        sample.take_routed_experts(meta)
     sample.temperature = params.get("temperature", 1.0)  # the engine's default; the trainer scores at it
     sample.status = _FINISH_TO_STATUS[meta["finish_reason"]["type"]]
     if stops:
@@ -172,12 +182,12 @@ def custom_generate(path: str, evaluation: bool = False) -> GenerateFn:
     or returns something else than a Sample or a non-empty list of them (which a later step
     would trip over). Each sample of a list is trained, in the group of the prompt (compat.py).
 
-    A sample with no response yet comes without tokens, as the seed system hands them over: its
+    A sample with no response yet comes without tokens, as vllm-project/vime hands them over: its
     plug-ins build their own prompt (a tool template, a rendered chat) and take `sample.tokens`
     as theirs only when it is empty (tau-bench). vime's `generate`, called on it, starts from
     the data's prompt ids all the same, and a sample handed back without tokens gets them back.
 
-    Each call gets its own writable view of `args` (`PluginArgs.for_call`): the seed's plug-ins
+    Each call gets its own writable view of `args` (`PluginArgs.for_call`): vllm-project/vime's plug-ins
     set their state on it (multi_agent: the tokenizer, sampling params, its agent settings). A
     function with an `evaluation` parameter is told which calls are eval's, as slime tells it."""
     plugin = load_plugin(path, "--custom-generate-function-path", signature=GENERATE_SIGNATURE)
@@ -224,8 +234,8 @@ async def generate_samples(
 
 async def score_group(args, group: list[Sample]) -> None:
     """A generated group: its engine may drop it from its prefix bookkeeping, and its samples are
-    scored together; a reward a custom generate already set stays (the seed's rule), except under
-    --group-rm, whose reward scores the whole group (as the seed's does)."""
+    scored together; a reward a custom generate already set stays (vllm-project/vime's rule), except
+    under --group-rm, whose reward scores the whole group (as vllm-project/vime's does)."""
     if group:
         runtime_of(args).forget_group(group[0].group_index)
     await score_samples(args, group if args.rollout.group_rm else [s for s in group if s.reward is None])

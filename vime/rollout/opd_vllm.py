@@ -1,5 +1,5 @@
-"""On-policy distillation with the teacher served by vLLM (`--use-opd --opd-type vllm`, the seed
-system's name): the same reward function, post-process and trainer term as `--opd-type sglang`
+"""On-policy distillation with the teacher served by vLLM (`--use-opd --opd-type vllm`,
+vllm-project/vime's name): the same reward function, post-process and trainer term as `--opd-type sglang`
 (on_policy_distillation.py; the base class: opd_teacher.py), with vLLM's request and answer.
 
     vllm serve TEACHER --port 30010 &
@@ -18,7 +18,7 @@ the trainer's teacher computes them; a request that asks for them skips the pref
 each is a full prefill. Two routes take it, chosen by --rm-url's path:
 * `/v1/completions` (a bare `http://host:port` gets it): the OpenAI route every vLLM server has;
   the log-probs are in `choices[0].prompt_logprobs`;
-* `/inference/v1/generate`: vLLM's token-in/token-out route, which the seed system's scripts name
+* `/inference/v1/generate`: vLLM's token-in/token-out route, which vllm-project/vime's scripts name
   (a server started with `--enable-scale-out`; vime's launched engines are); top-level
   `prompt_logprobs`.
 

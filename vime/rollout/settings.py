@@ -183,7 +183,7 @@ class RolloutConfig(Component):
         "keep",
         "fully-async and decoupled: what a weight push does to the groups being generated. keep: paused in place, they "
         "go on with the new weights (their earlier tokens stay the old ones'); abort: aborted and generated again from "
-        "the start with the new weights (the seed system's worker); resume: aborted and continued from their tokens "
+        "the start with the new weights (vllm-project/vime's worker); resume: aborted and continued from their tokens "
         "(--partial-rollout)",
         ("keep", "abort", "resume"),
         group="async",

@@ -6,9 +6,13 @@ prompt and are the unit GRPO normalizes over, so rollout functions return `list[
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 MULTI_TURN_STATE = "multi_turn"  # metadata key of a multi-turn sample's state (vime.rollout.tools.multi_turn)
 
@@ -51,10 +55,16 @@ class Sample:
     # on-policy distillation with a served teacher (--opd-type sglang): the teacher's log-prob of
     # each response token, set by the post-process (vime/rollout/on_policy_distillation.py)
     teacher_log_probs: list[float] | None = None
-    # set by a custom generate (the seed's field): the sample stays in its group's reward
+    # a mixture of experts' routing as the engine ran it, for rollout routing replay (R3,
+    # --use-rollout-routing-replay): int32 [positions, layers × top_k], row p the top-k expert ids
+    # of each layer at position p of `tokens` (SGLang's `routed_experts`, decoded). At most
+    # len(tokens) - 1 rows: the last token is never run. Each engine answer covers the sequence
+    # from its start, so it replaces the rows (`take_routed_experts`)
+    rollout_routed_experts: Tensor | None = None
+    # set by a custom generate (vllm-project/vime's field): the sample stays in its group's reward
     # normalization but trains nothing, its loss mask zeroed before the step (`drop_removed`)
     remove_sample: bool = False
-    # `Sample.Status.COMPLETED`, as the seed system's plug-ins spell it (docs/plugin-compat.md)
+    # `Sample.Status.COMPLETED`, as vllm-project/vime's plug-ins spell it (docs/plugin-compat.md)
     Status: ClassVar[type[Status]] = Status
     status: Status = Status.PENDING
     metadata: dict[str, Any] = field(default_factory=dict)
@@ -91,7 +101,7 @@ class Sample:
         """Response tokens appended with everything that stays one per response token: their
         log-probs, weight versions and loss mask (an engine's answer; `trainable` False: tokens the
         model did not write, a tool's answer, out of the loss). New lists: a list the sample was
-        handed with stays as it was. (The seed system's plug-ins call `append_response_tokens`.)"""
+        handed with stays as it was. (vllm-project/vime's plug-ins call `append_response_tokens`.)"""
         n = len(ids)
         if not trainable or self.loss_mask is not None:
             self.loss_mask = self.effective_loss_mask() + [int(trainable)] * n
@@ -101,13 +111,37 @@ class Sample:
         self.weight_versions = (self.weight_versions or []) + list(versions)
 
     def truncate_response(self, keep: int) -> None:
-        """The response cut to its first `keep` tokens, every per-token list with it."""
+        """The response cut to its first `keep` tokens, every per-token list with it (the routing's
+        rows with the positions cut)."""
         self.tokens = self.tokens[: self.prompt_length + keep]
         for name in ("loss_mask", "rollout_log_probs", "weight_versions"):
             values = getattr(self, name)
             if values is not None:
                 setattr(self, name, values[:keep])
         self.response_length = keep
+        if self.rollout_routed_experts is not None:
+            self.rollout_routed_experts = self.rollout_routed_experts[: max(len(self.tokens) - 1, 0)]
+
+    def take_routed_experts(self, meta: dict[str, Any]) -> None:
+        """An engine answer's `routed_experts` (SGLang's: base64 of little-endian int32, one row per
+        position from `routed_experts_start_len`, default 0, to the last token but one) in place
+        of the rows from there on. An answer without them leaves the sample as it was."""
+        routed = meta.get("routed_experts")
+        if not routed:  # none asked, or an answer that ran no position
+            return
+        start = int(meta.get("routed_experts_start_len") or 0)
+        rows = decode_routed_experts(routed, len(self.tokens) - 1 - start)
+        if start:
+            kept = self.rollout_routed_experts
+            if kept is None or kept.shape[0] < start or kept.shape[1] != rows.shape[1]:
+                raise ValueError(
+                    f"an engine answer's routed experts start at position {start}, and the sample holds none "
+                    "that match before it"
+                )
+            import torch
+
+            rows = torch.cat([kept[:start], rows])
+        self.rollout_routed_experts = rows
 
     def append_response_tokens(
         self,
@@ -120,8 +154,8 @@ class Sample:
         text: str | None = None,
         update_terminal_info: bool = True,
     ) -> None:
-        """Append response tokens with everything that must stay in step with them: the seed
-        system's method, which its multi-turn plug-ins call once per model turn (`trainable`,
+        """Append response tokens with everything that must stay in step with them:
+        vllm-project/vime's method, which its multi-turn plug-ins call once per model turn (`trainable`,
         with the engine's log-probs) and once per tool answer (not trainable: loss mask 0,
         log-prob 0). `meta_info`'s `finish_reason` ("stop", "length", "abort", or {"type": ...})
         sets the status; its `weight_version` (or vime's per-token `output_weight_versions`, or
@@ -148,7 +182,7 @@ class Sample:
                     "append_response_tokens: the sample has response tokens without rollout log-probs; "
                     "trainable tokens cannot be appended to it"
                 )
-            # in place where the lists line up: the seed's plug-ins keep an alias (retool's
+            # in place where the lists line up: vllm-project/vime's plug-ins keep an alias (retool's
             # `loss_masks = sample.loss_mask`) and write it back when they finish
             self.tokens = _extended(self.tokens, None, ids)
             self.response_length += len(ids)
@@ -159,10 +193,27 @@ class Sample:
                 self.weight_versions = None
             else:
                 self.weight_versions = (self.weight_versions or []) + versions
+        self.take_routed_experts(meta)
         if update_terminal_info and "finish_reason" in meta:
             reason = meta["finish_reason"]
             reason = reason.get("type") if isinstance(reason, dict) else reason
             self.status = _FINISH_STATUS.get(reason, self.status)
+
+
+def decode_routed_experts(value: str | bytes, positions: int) -> Tensor:
+    """SGLang's `routed_experts` (base64 of little-endian int32 ids; raw bytes also taken) as an
+    int32 tensor of `positions` rows: [positions, layers × top_k]."""
+    import numpy as np
+    import torch
+
+    raw = base64.b64decode(value) if isinstance(value, str) else bytes(value)
+    ids = torch.from_numpy(np.frombuffer(raw, dtype="<i4").astype(np.int32))
+    if positions <= 0 or ids.numel() % positions:
+        raise ValueError(
+            f"an engine answer's routed experts hold {ids.numel()} ids, which do not split into the "
+            f"{max(positions, 0)} positions it ran"
+        )
+    return ids.reshape(positions, -1)
 
 
 def _extended(values: list | None, length: int | None, more: list, fill: Any = None) -> list:
@@ -204,9 +255,9 @@ class RolloutOutput:
 
 
 def drop_removed(groups: list[list[Sample]]) -> int:
-    """Zero the loss mask of every sample marked `remove_sample`, as the seed does when it turns
+    """Zero the loss mask of every sample marked `remove_sample`, as vllm-project/vime does when it turns
     samples into training data: such a sample adds nothing to the loss or its gradient, while
-    its reward still counts in its group's mean and std (the seed normalizes over the whole
+    its reward still counts in its group's mean and std (vllm-project/vime normalizes over the whole
     group too). Returns how many were marked."""
     removed = 0
     for s in (s for g in groups for s in g if s.remove_sample):

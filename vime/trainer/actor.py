@@ -36,6 +36,7 @@ from vime.trainer.optimizer_step import OptimizerStep
 from vime.trainer.perf import mfu, train_flops
 from vime.trainer.policy import Policy
 from vime.trainer.ranks import Ranks
+from vime.trainer.routing import routing_metrics
 from vime.trainer.step_loss import Advantages, as_advantages
 from vime.trainer.step_metrics import merge_steps
 from vime.trainer.teacher import teacher_dir
@@ -66,11 +67,13 @@ class Actor:
         trainer = self.settings
         self.algo: AlgorithmConfig = args.algorithm  # fixed for the run: none of it is set after validation
         self.ranks = Ranks.of(device, fsdp, cpu_group)
-        self.policy = Policy(trainer, model_path, self.ranks)
+        self.policy = Policy(trainer, model_path, self.ranks, self.algo.use_rollout_routing_replay)
         # the run's tokenizer on rank 0; other ranks load their own
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_path)
         compiled, temperature = self.policy.compiled, args.rollout.rollout_temperature
-        self.batches = MicroBatches.of(trainer, self.ranks, self.model.config, self.tokenizer, compiled, temperature)
+        self.batches = MicroBatches.of(
+            trainer, self.ranks, self.model.config, self.tokenizer, compiled, temperature, self.policy.moe
+        )
         self.objective = Objective.of(args)  # the loss of a micro-batch's tokens; its hooks get args
         self.optimizer_step = OptimizerStep(trainer, args.rollout, self.algo, self.policy, self.batches, self.objective)
         self.ref_scorer = self.policy.frozen(self.algo.ref_load or model_path) if self.algo.kl_loss_coef > 0 else None
@@ -175,6 +178,7 @@ class Actor:
             raise ValueError(f"{len(samples)} samples do not split into optimizer steps of --global-batch-size {gbs}")
         self.ranks.sync()
         t0 = time.perf_counter()
+        other_gap = self._routing_gap(samples)
         old = self.compute_log_probs(samples) if self._recomputes(gbs != len(samples)) else None
         ref = self.compute_log_probs(samples, scorer=self.ref_scorer) if self.ref_scorer is not None else None
         distilled: dict[str, float] = {}
@@ -192,9 +196,42 @@ class Actor:
         elapsed = time.perf_counter() - t0
         metrics = merge_steps(steps, samples, self.optimizer_step.count - len(steps), gbs)
         metrics.update(distilled)
+        if self.policy.routing is not None:
+            sums, replay = self.ranks.sum(self.policy.routing.take()), self.policy.routing.replay
+            trained_gap = metrics.get("train/train_rollout_logprob_abs_diff")
+            metrics.update(routing_metrics(sums, replay, trained_gap, other_gap, len(steps)))
         forwards = (old is not None) + (ref is not None) + (self.teacher_scorer is not None)
         metrics.update(self._throughput(samples, elapsed, forwards))
         return metrics
+
+    def _routing_gap(self, samples: list[Sample]) -> float | None:
+        """A mixture of experts: the engine/trainer log-prob gap under the routing training does not
+        use (without replay when R3 is on, with the engine's when it is only recorded), by one
+        scoring forward at the weights the step starts from, which also counts the mismatch when
+        it does not replay; None without the engine's routing. R3 with a sample that carries none
+        is refused: it would train unreplayed unsaid."""
+        routing = self.policy.routing
+        if routing is None:
+            return None
+        routing.take()  # the step's sums start at zero
+        missing = sum(s.response_length > 0 and s.rollout_routed_experts is None for s in samples)
+        if routing.replay and missing:
+            raise ValueError(
+                f"--use-rollout-routing-replay: {missing} of the step's {len(samples)} samples carry no routed experts "
+                "(Sample.rollout_routed_experts): a custom generate must ask the engine for them "
+                "(return_routed_experts) and pass its meta_info to sample.append_response_tokens"
+            )
+        if missing == len(samples):
+            return None
+        with routing.replaying(not routing.replay), routing.measuring():
+            log_probs = self.compute_log_probs(samples)
+        total = count = 0.0
+        for s, lp in zip(samples, log_probs):
+            if s.rollout_log_probs is not None:
+                mask = torch.tensor(s.effective_loss_mask(), dtype=torch.float32)
+                gap = (lp.float().cpu() - torch.tensor(s.rollout_log_probs, dtype=torch.float32)).abs()
+                total, count = total + float((gap * mask).sum()), count + float(mask.sum())
+        return total / count if count else None
 
     def _throughput(self, samples: list[Sample], elapsed: float, forwards: int) -> dict[str, float]:
         """Tokens trained a second, and on CUDA the model FLOPs utilization (the scoring forwards

@@ -32,6 +32,7 @@ from vime.lifetime import signals_held
 from vime.models import weights_problem
 from vime.trainer import weights as policy_weights
 from vime.trainer.lora import ADAPTER_DIR, adapter_config, merged, read_adapter, write_adapter
+from vime.trainer.moe import fused_tensors
 from vime.trainer.nonfinite import NonFiniteError
 
 if TYPE_CHECKING:
@@ -179,7 +180,10 @@ def load(actor: Trainer, ckpt: Path) -> dict[str, Any]:
     policy, optimizer = actor.policy, actor.optimizer_step.optimizer
     check_same_kind(ckpt, policy.lora is not None)
     # both files read before either is applied: one that fails to load changes nothing
-    weights = _lora_weights(actor, ckpt) if policy.lora is not None else dict(iter_weights(ckpt))
+    # a mixture of experts' per-expert tensors are fused again into the model's parameters
+    weights = (
+        _lora_weights(actor, ckpt) if policy.lora is not None else fused_tensors(policy.moe, dict(iter_weights(ckpt)))
+    )
     expected = {n for n, p in policy.model.named_parameters() if p.requires_grad} | (
         set(policy.model.state_dict()) - policy.tied_aliases if policy.lora is None else set()
     )

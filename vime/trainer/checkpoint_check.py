@@ -26,6 +26,7 @@ import torch
 from vime.rollout.types import Sample, Status
 from vime.trainer.checkpoint import TRAINER_STATE, CheckpointError, check_same_kind, read_state
 from vime.trainer.lora import ADAPTER_DIR, read_adapter
+from vime.trainer.moe import MoeShape, hub_tensors
 
 COUNTERS = ("policy_version", "weight_pushes", "weight_version")  # optional whole numbers in `extra`
 DATA_POSITION = ("epoch", "offset", "next_index", "next_group")  # the data source's, whole numbers
@@ -37,8 +38,8 @@ def check_checkpoint(ckpt: Path, model_dir: Path, lora: bool) -> None:
     model file's tensors by name and shape, and a trainer state of vime's layout whose optimizer
     state fits the parameters this run trains (the adapters with `lora`)."""
     check_same_kind(ckpt, lora)
-    weights, aliases = _model_shapes(model_dir)
-    _check_model_file(ckpt, weights, aliases)
+    in_file, weights, aliases = _model_shapes(model_dir)
+    _check_model_file(ckpt, in_file, aliases)
     trained = _adapter_shapes(ckpt, weights) if lora else {n: s for n, s in weights.items() if n not in aliases}
     state_file = ckpt / TRAINER_STATE
     try:
@@ -85,16 +86,20 @@ def _count(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
 
 
-def _model_shapes(model_dir: Path) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+def _model_shapes(model_dir: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]], set[str]]:
     """Name → shape of every tensor the model's state dict holds, built on the meta device from
-    --hf-checkpoint's config (nothing allocated), and the names a tied weight repeats."""
+    --hf-checkpoint's config (nothing allocated): as the model file names them (a mixture of
+    experts' one tensor per expert, `moe.hub_tensors`) and as the optimizer does (its parameters);
+    and the names a tied weight repeats."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
     every = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     aliases = every - {n for n, _ in model.named_parameters()}
-    return {n: tuple(t.shape) for n, t in model.state_dict().items()}, aliases
+    moe, params = MoeShape.of(model), model.state_dict()
+    in_file = {h: tuple(t.shape) for n, p in params.items() for h, t in hub_tensors(moe, n, p)}
+    return in_file, {n: tuple(t.shape) for n, t in params.items()}, aliases
 
 
 def _header_shapes(ckpt: Path) -> Iterator[tuple[str, str, tuple[int, ...]]]:

@@ -56,7 +56,7 @@ class TrainerRankError(VimeError, RuntimeError):
 
 # Starts ranks 1..world-1 somewhere else (args, world, model_dir, device, log_dir); returns them
 # (watched as processes are: is_alive, join, terminate, kill, ended_how), the `init_method` rank 0
-# joins with, and what gives back their room once they are done.
+# joins with, and what frees the resources they were placed on once they are done.
 RankStarter = Callable[[Config, int, str, str, Path | None], tuple[list[Any], str, Callable[[], None]]]
 
 
@@ -148,7 +148,7 @@ class DistributedActor:
         tokenizer: Any = None,
         release: Callable[[], None] | None = None,
     ) -> None:
-        self.release = release  # what placed the ranks gives their room back (a Ray placement group)
+        self.release = release  # frees what the ranks were placed on (a Ray placement group)
         self.cpu_group = _cpu_group()
         self.local = Actor(args, model_dir, device, fsdp=True, cpu_group=self.cpu_group, tokenizer=tokenizer)
         self.procs = procs

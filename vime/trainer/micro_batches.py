@@ -17,8 +17,10 @@ from typing import Any
 from vime.config import ConfigError, TrainerConfig
 from vime.rollout.types import Sample
 from vime.trainer.model import length_limits
-from vime.trainer.packing import PAD_BUCKETS, PackedBatch, pack, plan_packed_micro_batches, shard_by_tokens
+from vime.trainer.moe import MoeShape
+from vime.trainer.packing import PAD_BUCKETS, PackedBatch, pack, plan_packed_micro_batches, shard_by_tokens, to_device
 from vime.trainer.ranks import Ranks
+from vime.trainer.routing import packed_routing
 
 log = logging.getLogger("vime")
 
@@ -34,13 +36,22 @@ class MicroBatches:
     pad_token_id: int
     pad_to: int | None  # compiled: lengths are rounded up to a multiple of this, up to PAD_BUCKETS of it
     temperature: float  # --rollout-temperature: a sample's when nothing stamped its own
+    moe: MoeShape | None = None  # a mixture of experts: its micro-batches carry the engine's routing
     warned_oversize: bool = False
 
     @classmethod
     def of(
-        cls, trainer: TrainerConfig, ranks: Ranks, model_config: Any, tokenizer: Any, compiled: bool, temperature: float
+        cls,
+        trainer: TrainerConfig,
+        ranks: Ranks,
+        model_config: Any,
+        tokenizer: Any,
+        compiled: bool,
+        temperature: float,
+        moe: MoeShape | None = None,
     ) -> MicroBatches:
-        """`temperature`: --rollout-temperature, what log-probs are scored at (the samples say theirs)."""
+        """`temperature`: --rollout-temperature, what log-probs are scored at (the samples say theirs);
+        `moe`: the policy's mixture of experts, None for a dense model."""
         pad = tokenizer.pad_token_id
         return cls(
             ranks=ranks,
@@ -50,6 +61,7 @@ class MicroBatches:
             pad_token_id=pad if pad is not None else (tokenizer.eos_token_id or 0),
             pad_to=-(-trainer.max_tokens_per_gpu // PAD_BUCKETS) if compiled else None,
             temperature=temperature,
+            moe=moe,
         )
 
     def plan(self, samples: list[Sample]) -> list[list[int]]:
@@ -85,7 +97,7 @@ class MicroBatches:
         own, of a size the warm-up did not see (`plan` warns once)."""
         if not idx:
             return self.empty(self.pad_to)
-        return pack(
+        mb = pack(
             [samples[i].tokens for i in idx],
             [samples[i].response_length for i in idx],
             idx,
@@ -93,6 +105,11 @@ class MicroBatches:
             self.pad_to,
             self.pad_token_id,
         )
+        routed = [samples[i].rollout_routed_experts for i in idx]
+        if self.moe is not None and any(r is not None for r in routed):
+            lengths = [len(samples[i].tokens) for i in idx]
+            mb.routed_experts = to_device(packed_routing(routed, lengths, mb.num_tokens, self.moe), self.ranks.device)
+        return mb
 
     def empty(self, pad_to: int | None) -> PackedBatch:
         """A micro-batch that nothing scores (one dummy sequence), padded to `pad_to`: what a rank

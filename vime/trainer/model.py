@@ -22,6 +22,7 @@ from vime.errors import ConfigError
 from vime.models import ModelError
 from vime.trainer.logprobs import ChunkLoss, chunked_log_probs, chunked_loss
 from vime.trainer.packing import PackedBatch, choose_kernel, mark_kernel, pack, register_packed_attention
+from vime.trainer.routing import Routing
 
 log = logging.getLogger("vime")
 
@@ -38,10 +39,11 @@ class TokenScorer(nn.Module):
     embedding, final norm and LM head that the chunked head reads directly.
     """
 
-    def __init__(self, hf: nn.Module, chunk_size: int) -> None:
+    def __init__(self, hf: nn.Module, chunk_size: int, routing: Routing | None = None) -> None:
         super().__init__()
         self.hf = hf
         self.chunk_size = chunk_size
+        self.routing = routing  # a mixture of experts' routers (the policy's): what they replay and measure
         for name in LOGIT_TRANSFORMS:
             value = getattr(hf.config, name, None)
             if value not in (None, 1.0):
@@ -56,6 +58,8 @@ class TokenScorer(nn.Module):
         """(log-probs, entropies) of the scored tokens; given a `loss_fn`, that loss of them
         instead, its gradient taken in the forward (`chunked_loss`)."""
         length_limits(self.hf.config, mb.longest)  # every model scored; the policy's planner checked it first
+        if self.routing is not None:
+            self.routing.begin(mb.routed_experts, *scored_and_real(mb))
         hidden = decoder_states(self.hf, mb)
         head = self.hf.get_output_embeddings()
         if getattr(head, "bias", None) is not None:
@@ -65,6 +69,15 @@ class TokenScorer(nn.Module):
                 hidden[mb.select], head.weight, mb.targets, loss_fn, temperature, with_entropy, self.chunk_size
             )
         return chunked_log_probs(hidden[mb.select], head.weight, mb.targets, temperature, with_entropy, self.chunk_size)
+
+
+def scored_and_real(mb: PackedBatch) -> tuple[Tensor, Tensor]:
+    """[T] masks of a packed row: the positions that score response tokens, and its real tokens
+    (its samples', not the padding after them)."""
+    positions = torch.arange(mb.num_tokens, device=mb.input_ids.device)
+    scored = torch.zeros(mb.num_tokens, dtype=torch.bool, device=mb.input_ids.device)
+    scored[mb.select] = True
+    return scored, positions < mb.cu_seqlens[len(mb.indices)]
 
 
 def decoder_states(hf: nn.Module, mb: PackedBatch) -> Tensor:
@@ -148,10 +161,11 @@ def load_model(
     )
     model.config.use_cache = False  # training never decodes; a KV cache only costs memory
     c = model.config
-    if getattr(c, "output_router_logits", False):
+    if getattr(c, "output_router_logits", False):  # transformers adds its loss only in a forward vime never calls
         raise ModelError(
-            "this model's config sets output_router_logits, asking for its MoE router's auxiliary loss, which "
-            "vime's trainer does not add: set it to false in config.json to train without it"
+            "this model's config sets output_router_logits, asking for transformers' MoE router loss "
+            f"(router_aux_loss_coef {getattr(c, 'router_aux_loss_coef', None)}), which vime's trainer does not add: set "
+            "it to false in config.json, and give vime's --moe-aux-loss-coeff for a load-balancing loss"
         )
     heads = c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
@@ -240,8 +254,12 @@ def checkpoint_layers(model: nn.Module, n: int | None) -> None:
             layer.gradient_checkpointing = False
 
 
-def wrap(scorer: TokenScorer, device: torch.device, world: int) -> nn.Module:
-    """FSDP2 the way torchtitan does it: one unit per decoder layer, the rest in the root."""
+def wrap(
+    scorer: TokenScorer, device: torch.device, world: int, mesh: Any = None, experts: set[nn.Parameter] | None = None
+) -> nn.Module:
+    """FSDP2 the way torchtitan does it: one unit per decoder layer, the rest in the root; over
+    `mesh` (default: all ranks). `experts`: parameters split by expert parallelism already
+    (vime/trainer/expert_parallel.py), which FSDP2 leaves alone."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = (
@@ -254,8 +272,9 @@ def wrap(scorer: TokenScorer, device: torch.device, world: int) -> nn.Module:
         # the last layer's parameters are needed again at once by the backward: keep them; on
         # one rank resharding frees nothing (the shard is the whole tensor) and the backward's
         # re-gather would only cast every weight to bf16 again
-        fully_shard(layer, mp_policy=mp, reshard_after_forward=world > 1 and i < len(layers) - 1)
-    fully_shard(scorer, mp_policy=mp, reshard_after_forward=False)
+        reshard = world > 1 and i < len(layers) - 1
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, ignored_params=experts or None)
+    fully_shard(scorer, mesh=mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=experts or None)
     if device.type == "cuda" and triton is not None:
         vectorize_grad_accumulation(scorer)
     return scorer

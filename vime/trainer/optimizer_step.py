@@ -11,6 +11,9 @@ exist. The optimizer and the schedule are built by `vime.trainer.optim`.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from torch import Tensor
 
 from vime.algorithms.objective import Objective
@@ -41,6 +44,7 @@ class OptimizerStep:
         self.optimizer = make_optimizer(trainer, policy.model, fused=self.ranks.device.type == "cuda")
         self.schedule = LRSchedule.of(trainer, rollout.num_rollout)
         self.weight_decay, self.clip_grad = trainer.weight_decay, trainer.clip_grad
+        self.aux_loss_coeff = trainer.moe_aux_loss_coeff  # a mixture of experts' load-balancing loss
         self.max_response_len = rollout.rollout_max_response_len  # Dr. GRPO's loss divides by it
         # optimizer step slots so far, a skipped one too, as the run's policy version counts them:
         # the index into the lr schedule, kept in checkpoints
@@ -143,22 +147,41 @@ class OptimizerStep:
         scorer, world = self.policy.scorer, self.ranks.world
         temperature = self.batches.temperature_of(samples)
         plan = self.batches.plan(samples)
-        for i, idx in enumerate(plan):
-            # packed while the GPU runs the previous micro-batch's backward: a long queue of
-            # kernels, where the short gap between a forward and its backward would idle it
-            mb = self.batches.pack(samples, idx)
-            if self.defer_grad_sync:
-                last = i == len(plan) - 1  # set at every micro-batch: a step that raised leaves nothing to undo
-                scorer.set_requires_gradient_sync(last)
-                scorer.set_reshard_after_backward(last)
-            # the backward is scaled by the world size (see above)
-            if self.grad_in_forward:
-                scaled_loss = scorer(mb, temperature, True, step.chunk_loss(mb, world))
-            else:
-                log_probs, entropy = self.forward(mb, temperature)
-                scaled_loss = step(log_probs, entropy, step.inputs(mb)) * world
-            scaled_loss.backward()
+        tokens = sum(len(s.tokens) for s in samples)
+        with self._routed():
+            for i, idx in enumerate(plan):
+                # packed while the GPU runs the previous micro-batch's backward: a long queue of
+                # kernels, where the short gap between a forward and its backward would idle it
+                mb = self.batches.pack(samples, idx)
+                if self.defer_grad_sync:
+                    last = i == len(plan) - 1  # set at every micro-batch: a step that raised leaves nothing to undo
+                    scorer.set_requires_gradient_sync(last)
+                    scorer.set_reshard_after_backward(last)
+                if self.policy.routing is not None:  # the balance loss's share: the micro-batch's tokens
+                    share = sum(len(samples[j].tokens) for j in idx) / tokens
+                    self.policy.routing.balance(share, self.aux_loss_coeff * share * world)
+                # the backward is scaled by the world size (see above)
+                if self.grad_in_forward:
+                    scaled_loss = scorer(mb, temperature, True, step.chunk_loss(mb, world))
+                else:
+                    log_probs, entropy = self.forward(mb, temperature)
+                    scaled_loss = step(log_probs, entropy, step.inputs(mb)) * world
+                scaled_loss.backward()
         return step.totals
+
+    @contextlib.contextmanager
+    def _routed(self) -> Iterator[None]:
+        """A mixture of experts' training forwards: they count the routing mismatch where they do
+        not replay, and add the balance loss (set per micro-batch), which ends with them."""
+        routing = self.policy.routing
+        if routing is None:
+            yield
+            return
+        with routing.measuring():
+            try:
+                yield
+            finally:
+                routing.balance(0.0, 0.0)
 
     def forward(self, mb: PackedBatch, temperature: float) -> tuple[Tensor, Tensor]:
         """The training forward of a micro-batch: log-probs and entropies of its response

@@ -53,6 +53,9 @@ class PackedBatch:
     select: Tensor  # [R] positions whose hidden states score the response tokens
     targets: Tensor  # [R] response token ids
     response_lengths: list[int]
+    # a mixture of experts' engine routing, set by `MicroBatches.pack` where the samples carry it:
+    # [T, MoE layers, top_k] expert ids per position, -1 where the engine sent none (vime/trainer/routing.py)
+    routed_experts: Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from vime.trainer.moe import expert_count, moe_layer
+
 # Dense bf16 peak of one H100/H200 SXM (vendor datasheet, no sparsity). Measured cuBLAS bf16 on
 # this workplace's H200s is ~790 TFLOP/s, so MFU against 989 tops out near 80%.
 PEAK_BF16_FLOPS = 989e12
@@ -25,10 +27,16 @@ def _dims(config: Any) -> tuple[int, int, int, int, int, int, int]:
 
 
 def decoder_matmul_params(config: Any) -> int:
-    """Weights that multiply every token in the decoder (projections and MLP; no embeddings)."""
+    """Weights that multiply every token in the decoder (projections and MLP; no embeddings). A
+    mixture of experts' MoE layers count the router and the top-k experts a token runs through,
+    not the experts it skips."""
     hidden, heads, head_dim, kv, inter, layers, _ = _dims(config)
     attn = hidden * heads * head_dim * 2 + hidden * kv * head_dim * 2  # q, o; k, v
-    return layers * (attn + 3 * hidden * inter)
+    experts = expert_count(config.to_dict()) if hasattr(config, "to_dict") else 0
+    sparse = sum(moe_layer(config, i) for i in range(layers)) if experts else 0
+    expert_inter = getattr(config, "moe_intermediate_size", None) or inter
+    moe_mlp = config.num_experts_per_tok * 3 * hidden * expert_inter + hidden * experts if experts else 0
+    return layers * attn + (layers - sparse) * 3 * hidden * inter + sparse * moe_mlp
 
 
 def train_flops(

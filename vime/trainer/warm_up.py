@@ -10,12 +10,8 @@ use the trainer before step 1 (its checkpoint, the first push), so they wait the
 warm up in place: their warm-ups run FSDP collectives, which must not interleave with the calls
 rank 0 sends them.
 
-Before the thread starts, one training forward and backward of the largest size runs eagerly
-(`torch.compiler.set_stance("force_eager")`, a fraction of a second): the caching allocator then
-holds the trainer's peak activations, so engines that share the GPU and size their KV cache from
-its free memory once the trainer is built (`vime/launch/assemble.py`) leave the trainer that memory,
-as they did when they started after the whole warm-up. An eager step keeps more activations than
-a compiled one, so that peak is the larger.
+On a GPU, one eager training step of the largest size runs before the thread starts
+(`CompileWarmUp.__init__` says why).
 
 The scoring forward (`compute_log_probs`: eval mode, no gradients) is a graph of its own, ~7 s
 of Dynamo's warm work on the demo's shape. Default GRPO never runs it (one optimizer step per
@@ -53,6 +49,12 @@ class CompileWarmUp:
             self._run()
             return
         if step.ranks.device.type == "cuda":
+            # one training forward and backward of the largest size, eager (a fraction of a second):
+            # the caching allocator then holds the trainer's peak activations, so engines that share
+            # the GPU and size their KV cache from its free memory once the trainer is built
+            # (vime/launch/assemble.py) leave the trainer that memory, as they did when they started
+            # after the whole warm-up. An eager step keeps more activations than a compiled one, so
+            # that peak is the larger.
             with torch.compiler.set_stance("force_eager"):
                 self._step(step.batches.sizes()[-1], scoring=False)
             step.optimizer.zero_grad(set_to_none=True)

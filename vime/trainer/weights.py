@@ -13,6 +13,7 @@ from torch import Tensor
 
 from vime.trainer.lora import is_adapter, merged
 from vime.trainer.model import full_tensor
+from vime.trainer.moe import hub_tensors
 
 if TYPE_CHECKING:
     from vime.trainer.policy import Policy
@@ -25,7 +26,8 @@ def named_weights(policy: Policy, merge: bool = True) -> Iterator[tuple[str, Ten
     Every rank must iterate to the end (each sharded tensor is gathered by all ranks, one
     at a time, so at most one full tensor beyond the shards exists); only rank 0 receives
     anything. A tensor shared by several names (tied embeddings) is yielded once, under its
-    first name (`model.embed_tokens.weight`), which is the one save_pretrained keeps.
+    first name (`model.embed_tokens.weight`), which is the one save_pretrained keeps. A mixture
+    of experts' fused expert tensors leave as the hub's one tensor per expert (`moe.hub_tensors`).
     """
     model, lora = policy.model, policy.lora
     # named_parameters, not state_dict(): FSDP2's state-dict hooks cost ~45 µs a tensor on the
@@ -44,7 +46,7 @@ def named_weights(policy: Policy, merge: bool = True) -> Iterator[tuple[str, Ten
                     tensor, full_tensor(layer.lora_A.detach()), full_tensor(layer.lora_B.detach()), lora.scaling
                 )
             if policy.ranks.rank == 0:
-                yield name, tensor
+                yield from hub_tensors(policy.moe, name, tensor)
 
 
 def adapter_weights(policy: Policy) -> Iterator[tuple[str, Tensor]]:

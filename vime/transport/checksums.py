@@ -36,6 +36,41 @@ def checksums(tensors: Iterable[Tensor]) -> list[list[int]]:
     return [[s, n] for s, n in zip(torch.stack(sums).tolist(), sizes)] if sums else []
 
 
+def piece_checksums(tensors: Iterable[tuple[Tensor, int]]) -> list[tuple[list[int], list[list[int]]]]:
+    """For each (tensor, n): its `checksums` entry and those of its n equal consecutive pieces
+    (a stacked tensor's slices along its first dimension), reading each byte once and sending
+    everything back in one transfer: a Qwen3-30B-A3B's experts are ~18k such slices, whose
+    checksums one by one cost a launch and a Python round each."""
+    sums, sizes = [], []
+    for t, n in tensors:
+        rows = t.detach().contiguous().reshape(n, -1)
+        pieces = _row_bit_sums(rows)
+        straddle = rows.element_size() == 2 and rows.shape[1] % 2  # the whole pairs words across pieces
+        whole = bit_sum(rows) if straddle else pieces.sum(dtype=pieces.dtype)  # wrapping, as bit_sum's
+        sums.append(torch.cat([whole.reshape(1), pieces]).to(torch.int64))
+        sizes.append((n, rows.shape[1]))
+    flat = torch.cat(sums).tolist() if sums else []
+    out, i = [], 0
+    for n, size in sizes:
+        out.append(([flat[i], n * size], [[s, size] for s in flat[i + 1 : i + 1 + n]]))
+        i += n + 1
+    return out
+
+
+def _row_bit_sums(rows: Tensor) -> Tensor:
+    """`bit_sum` of each row of a contiguous 2-D tensor, in one reduction where the rows' words do
+    not straddle rows (an odd row of a 2-byte dtype pairs with the next: summed one by one)."""
+    width = rows.element_size()
+    if width == 2 and rows.shape[1] % 2:
+        return torch.stack([bit_sum(r) for r in rows])
+    if width == 8:
+        return rows.view(torch.int64).sum(dim=1)
+    if width == 1:
+        return rows.view(torch.uint8).sum(dim=1, dtype=torch.int32)
+    words = rows.view(torch.int16).view(torch.int32) if width == 2 else rows.view(torch.int32)
+    return words.sum(dim=1, dtype=torch.int32)
+
+
 def bit_sum(t: Tensor) -> Tensor:
     """The tensor's bytes read as little-endian 32-bit words (64-bit for 8-byte dtypes) and
     summed, wrapping: the same in any order and on any device, and as fast as a plain sum (a

@@ -495,4 +495,4 @@ def test_a_frozen_config_builds_each_component_once_and_no_copy_keeps_them():
         clone.rollout_batch_size = 3  # a copy can be changed, and its component views follow
         assert clone.rollout.rollout_batch_size == 3
     rank = pickle.loads(pickle.dumps(cfg))  # a trainer rank's copy: still frozen, its component views built anew
-    assert "_rooms" not in rank.__dict__ and rank.rollout.rollout_batch_size == 4 and rank.rollout is rank.rollout
+    assert "_views" not in rank.__dict__ and rank.rollout.rollout_batch_size == 4 and rank.rollout is rank.rollout

@@ -2,7 +2,7 @@
 its request and response shapes) to a vLLM server's own routes, and translates both ways
 (`to_vllm_sampling_params`, `from_vllm_choice`). It never imports vLLM: the trainer talks to the
 server over HTTP only, and every vLLM quirk the adapter absorbs lives in this package (the list,
-with the reasons, is in docs/architecture.md, "vLLM backend").
+with the reasons, is in docs/vllm.md).
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def _version_number(label: str, url: str) -> int:
 
 
 def from_vllm_choice(choice: dict, response: dict, rid: str, return_logprob: bool, url: str) -> dict:
-    """One vLLM choice → vime's `{output_ids, meta_info}` (docs/architecture.md, protocol).
+    """One vLLM choice → vime's `{output_ids, meta_info}` (docs/vllm.md, the protocol).
 
     `weight_version` is that of the last token; vLLM reports versions per token only, so an
     answer without tokens has `None` there (the built-in engine gives its current version)."""
@@ -172,9 +172,17 @@ class VLLMClient(EngineClient):
     # ---- generation --------------------------------------------------------------------
 
     async def generate(
-        self, input_ids: list[int], sampling_params: dict, return_logprob: bool = True, rid: str | None = None
+        self,
+        input_ids: list[int],
+        sampling_params: dict,
+        return_logprob: bool = True,
+        rid: str | None = None,
+        return_routed_experts: bool = False,
     ) -> Any:
-        """POST /inference/v1/generate; returns vime's response body (a dict, a list when n > 1)."""
+        """POST /inference/v1/generate; returns vime's response body (a dict, a list when n > 1).
+        Routed experts are not read from vLLM's answer (the config refuses R3 with this backend)."""
+        if return_routed_experts:
+            raise EngineError(f"{self!r}: vime's vLLM client does not read routed experts (rollout routing replay)")
         params = to_vllm_sampling_params(sampling_params)
         if "seed" in params:
             params["seed"] = request_seed(params["seed"], len(input_ids))

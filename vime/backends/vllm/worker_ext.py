@@ -29,10 +29,8 @@ LoRA: a push of adapters alone (`<layer>.lora_A`, `<layer>.lora_B` with alpha / 
 `vime/engine/core/lora.py`) is merged here, in the trainer's float32 merge, into a copy of the
 base the worker kept from the push announced `lora_base`; then every weight goes through the
 same layer-wise reload from that copy, merged where an adapter came. Only the adapters travel;
-the price is the copy, kept in host memory (pinned on GPUs): vLLM has already taken most of the
-GPU's memory for its KV cache, its sleep mode would not free a copy of ours, and each rank of a
-tensor-parallel engine holds every tensor, so a copy on the GPU would be the whole model once
-more per GPU. Each adapter push streams it back to the device, a layer at a time. Merged rather
+the price is the copy, kept in host memory (pinned on GPUs; `_vime_load` says why not on the
+GPU). Each adapter push streams it back to the device, a layer at a time. Merged rather
 than through vLLM's own LoRA serving (`--enable-lora`): that needs adapters as files, a LoRA
 forward on every token and the adapter's name in every request, where a merged model decodes at
 the plain model's speed, as the built-in engine does.
@@ -273,7 +271,11 @@ class WeightReceiver:
         if adapters:
             self._vime_take_adapters(adapters)
             return
-        if self._vime_keep is not None:  # a bucket's buffer is reused: copies, in host memory
+        # the LoRA base: copies, since a bucket's buffer is reused; in host memory, since vLLM has
+        # already taken most of the GPU's memory for its KV cache, its sleep mode would not free a
+        # copy of ours, and each rank of a tensor-parallel engine holds every tensor, so a copy on
+        # the GPU would be the whole model once more per GPU
+        if self._vime_keep is not None:
             pin = torch.cuda.is_available()  # pinned: each adapter push copies it back to the GPU
             self._vime_keep.update((n, torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t)) for n, t in items)
         with set_current_vllm_config(self.vllm_config):

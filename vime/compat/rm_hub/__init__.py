@@ -1,4 +1,4 @@
-"""`from vime.rollout.rm_hub import async_rm, batched_async_rm`: the seed's reward calls, on the
+"""`from vime.rollout.rm_hub import async_rm, batched_async_rm`: vllm-project/vime's reward calls, on the
 run's own rewards (`args.runtime.rewards`: --rm-type or --custom-rm-path, with vime's timeout
 and error counting). Each sets the samples' rewards, as vime's rollout does, and returns them."""
 

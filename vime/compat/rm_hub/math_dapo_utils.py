@@ -1,5 +1,5 @@
-"""`from vime.rollout.rm_hub.math_dapo_utils import compute_score`: DAPO's math verifier, as the
-seed system's retool reward calls it (`compute_score(solution, label, strict_box_verify=True)`).
+"""`from vime.rollout.rm_hub.math_dapo_utils import compute_score`: DAPO's math verifier, as
+vllm-project/vime's retool reward calls it (`compute_score(solution, label, strict_box_verify=True)`).
 
 DAPO grades the end of a solution only (its last 300 characters: an answer comes last) and
 scores ±1, never 0, so a wrong answer and no answer are punished alike. Two readings:

@@ -1,4 +1,4 @@
-"""`from vime.utils.http_utils import post, get`: JSON over HTTP, as the seed's plug-ins call
+"""`from vime.utils.http_utils import post, get`: JSON over HTTP, as vllm-project/vime's plug-ins call
 their engines' router (`http://{args.vllm_router_ip}:{args.vllm_router_port}/inference/v1/generate`,
 served in vime by vime/compat/router.py).
 

@@ -1,5 +1,5 @@
-"""`from vime.utils.types import Sample`: vime's Sample (vime/rollout/types.py), which has the
-seed's `Sample.Status` and `append_response_tokens`."""
+"""`from vime.utils.types import Sample`: vime's Sample (vime/rollout/types.py), which has
+vllm-project/vime's `Sample.Status` and `append_response_tokens`."""
 
 from vime.rollout.types import RolloutOutput, Sample, Status
 

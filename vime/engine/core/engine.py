@@ -28,13 +28,13 @@ from vime.engine.core import fp8, vmem
 from vime.engine.core.kv_cache import BlockAllocator, KVCache, wait_for_file
 from vime.engine.core.lora import AdapterMerger, adapter_of
 from vime.engine.core.model import CausalLM, load_model
-from vime.engine.core.requests import EngineStats, Request, RequestOutput, SeqOutput
+from vime.engine.core.requests import EngineStats, Request, RequestOutput
+from vime.engine.core.routing import read_routes
 from vime.engine.core.runner import Launched, ModelRunner
 from vime.engine.core.sampler import M32, SamplingParams, mix32
 from vime.engine.core.scheduler import PENDING, Scheduler, Sequence
 from vime.engine.core.stop import StopStrings
 from vime.engine.core.weights import WeightsIncomplete, check_layout
-from vime.transport.checksums import checksums
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class LLMEngine:
         self.cfg = cfg
         self.device = torch.device(cfg.device)
         self.dtype = DTYPES[cfg.dtype]
-        fp8.check(cfg.quantization, self.device, self.dtype)  # before a minute of loading
+        fp8.check(cfg.quantization, self.device, self.dtype, cfg.model_path)  # before a minute of loading
         t0 = time.monotonic()
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # kernels and allocations default to the engine's GPU
@@ -95,15 +95,8 @@ class LLMEngine:
             raise ValueError(
                 "the KV cache has no room for a single block: lower --max-num-seqs or raise --kv-cache-gb / --num-kv-blocks"
             )
-        self.kv_cache = KVCache(
-            mc.num_layers,
-            num_blocks,
-            cfg.block_size,
-            mc.num_kv_heads,
-            mc.head_dim,
-            self.dtype,
-            self.device,
-            virtual=self.packed is not None,
+        self.kv_cache = KVCache.for_model(
+            mc, num_blocks, cfg.block_size, self.dtype, self.device, self.packed is not None
         )
         self.allocator = BlockAllocator(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.allocator, cfg.max_num_seqs, cfg.max_num_batched_tokens)
@@ -144,7 +137,7 @@ class LLMEngine:
 
     def _auto_num_blocks(self) -> int:
         mc, cfg = self.model_config, self.cfg
-        per_block = KVCache.bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, self.dtype)
+        per_block = KVCache.bytes_per_block(mc, cfg.block_size, self.dtype)
         if cfg.kv_cache_gb is not None:
             budget = cfg.kv_cache_gb * 2**30
         elif self.device.type == "cuda":
@@ -158,9 +151,16 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------
 
-    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> RequestOutput | None:
+    def add_request(
+        self, rid: str, prompt_ids: list[int], params: SamplingParams, routed_experts: bool = False
+    ) -> RequestOutput | None:
         """Queue a request (n sequences). Returns its output at once if there is nothing to
-        generate (max_new_tokens == 0). Raises ValueError for a request that can never run."""
+        generate (max_new_tokens == 0). Raises ValueError for a request that can never run.
+        `routed_experts`: each sample comes back with the experts of its positions (`routing.py`)."""
+        if routed_experts and self.model_config.moe is None:
+            raise ValueError(
+                f"return_routed_experts: the model has no experts ({self.model_config.model_type} is dense)"
+            )
         if self.weights_incomplete is not None:
             raise WeightsIncomplete(self.weights_incomplete)
         if rid in self.requests:
@@ -187,11 +187,12 @@ class LLMEngine:
             given = params.sampling_seed
             seed = mix32(mix32(given & M32) ^ j) if given is not None else self._rng.getrandbits(32)
             seqs.append(Sequence(rid, list(prompt_ids), len(prompt_ids), params, frozenset(stop), seed=seed))
-        req = Request(rid, len(prompt_ids), seqs)
+        req = Request(rid, len(prompt_ids), seqs, routed_experts)
         if params.max_new_tokens == 0:
             for s in seqs:
                 s.finish_reason = "length"
-            return self._output(req)
+                self._end(req, s)  # nothing was computed: its routing rows are -1
+            return req.output(self.weight_version)
         self.requests[rid] = req
         self.stats.prompt_tokens += len(prompt_ids) * params.n
         for s in seqs:
@@ -275,15 +276,15 @@ class LLMEngine:
                 seq.finish_reason = "length"
             if seq.finish_reason is not None:
                 del seq.token_ids[i + 1 :]  # a placeholder of the step launched after this one
-                self.scheduler.remove(seq)
                 req = self.requests[seq.rid]
+                self._end(req, seq)
                 if req.finished:
                     done[seq.rid] = req
         outs = []
         for rid, req in done.items():
             del self.requests[rid]
             self.stats.finished_requests += 1
-            outs.append(self._output(req))
+            outs.append(req.output(self.weight_version))
         return outs
 
     def _drain(self) -> None:
@@ -291,16 +292,12 @@ class LLMEngine:
         requests it finishes come out of the next `step`."""
         self._backlog += self._book_inflight()
 
-    def _output(self, req: Request) -> RequestOutput:
-        return RequestOutput(
-            rid=req.rid,
-            prompt_tokens=req.prompt_len,
-            outputs=[
-                SeqOutput(s.output_ids, list(s.logprobs), list(s.weight_versions), s.finish_reason or "abort")
-                for s in req.seqs
-            ],
-            weight_version=self.weight_version,
-        )
+    def _end(self, req: Request, seq: Sequence) -> None:
+        """Take an ended sequence out and give its blocks back; where its request asked for the
+        experts, they are read from those blocks first."""
+        if req.routed_experts:
+            req.routes[req.seqs.index(seq)] = read_routes(self.kv_cache, seq, self.cfg.block_size)
+        self.scheduler.remove(seq)
 
     # ---- control -----------------------------------------------------------------------
 
@@ -316,10 +313,10 @@ class LLMEngine:
             req = self.requests.pop(r)
             for s in req.seqs:
                 if s.finish_reason is None:
-                    self.scheduler.remove(s)
+                    self._end(req, s)
                     s.finish_reason = "abort"
             self.stats.aborted_requests += 1
-            outs.append(self._output(req))
+            outs.append(req.output(self.weight_version))
         return outs
 
     def pause(self, mode: str = "abort") -> list[RequestOutput]:
@@ -431,8 +428,7 @@ class LLMEngine:
 
     def weight_checksums(self) -> dict[str, list[int]]:
         """vime.transport.checksums (bit sum, count) of every weight by HF name, read back from the parameters."""
-        views = self._weight_views()
-        return {**dict(zip(views, checksums(views.values()))), **self.lora.merged}
+        return {**self.model.checksums(self._weight_views()), **self.lora.merged}
 
     def _weight_views(self) -> dict[str, torch.Tensor]:
         """HF name → parameter (or fused slice), built once: a bucketed push looks names up per

@@ -26,6 +26,7 @@ from torch import nn
 
 from vime.engine.core import kernels, vmem
 from vime.engine.core.kernels.quant import FP8_MAX, MIN_SCALE
+from vime.engine.core.model_config import ModelConfig
 
 QUANTIZATIONS = ("fp8",)
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -33,14 +34,21 @@ FP8 = torch.float8_e4m3fn
 MIN_CAPABILITY = (8, 9)  # Ada and Hopper have FP8 tensor cores; torch._scaled_mm refuses older GPUs
 
 
-def check(quantization: str | None, device: torch.device, dtype: torch.dtype) -> None:
-    """A one-line ValueError for a quantization this engine cannot run on `device` in `dtype`,
-    before any weight is read."""
+def check(quantization: str | None, device: torch.device, dtype: torch.dtype, model_path: str | None = None) -> None:
+    """A one-line ValueError for a quantization this engine cannot run on `device` in `dtype`
+    (or for the model of `model_path`), before any weight is read."""
     if quantization is None:
         return
     if quantization not in QUANTIZATIONS:
         raise ValueError(
             f"--quantization {quantization}: use {', '.join(QUANTIZATIONS)}, or leave it out to run in --dtype"
+        )
+    # the experts are most of such a model's bytes and run their own kernels (kernels/moe.py), which have no fp8 path
+    mc = None if model_path is None else ModelConfig.from_hf_dir(model_path)
+    if mc is not None and mc.moe is not None:
+        raise ValueError(
+            f"--quantization fp8 does not cover the experts of a mixture-of-experts model ({mc.model_type}): "
+            "leave --quantization out for this model"
         )
     if device.type != "cuda":
         return

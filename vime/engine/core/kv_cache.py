@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from vime.engine.core.model_config import ModelConfig
 from vime.engine.core.vmem import VirtualBuffer
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,14 @@ class KVCache:
     The extra block (`scratch_block`) is never handed out: the padding rows of a CUDA-graph
     batch write their keys and values there, so they can never touch a live sequence's.
 
-    `virtual` (CUDA with VMM, `vmem.py`): both pools live in one `VirtualBuffer`, so a release
+    A mixture-of-experts model (`routes`: its number of MoE layers and top-k) also gets a routing
+    pool, `routes` [(num_blocks + 1) * block_size, MoE layers, top_k] int32: the experts each
+    token was routed to, written by the model at the token's KV slot. Kept beside the keys and
+    values, it lives and dies with them: a prefix found in the cache has its routing too, and a
+    recomputed sequence (preempted, or after a release) overwrites it with the routing it used
+    the second time (`routing.py` reads it out for a request).
+
+    `virtual` (CUDA with VMM, `vmem.py`): all pools live in one `VirtualBuffer`, so a release
     unmaps its memory and `allocate` maps fresh memory at the same addresses, where the captured
     decode graphs still look. Otherwise each allocation is a new tensor.
     """
@@ -43,40 +51,68 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
         virtual: bool = False,
+        routes: tuple[int, int] | None = None,
     ):
         self.shape = (num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim)
+        self.route_shape = None if routes is None else ((num_blocks + 1) * block_size, *routes)
         self.scratch_block = num_blocks
         self.dtype, self.device, self.virtual = dtype, device, virtual
         self.buffer: VirtualBuffer | None = None
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
+        self.routes: torch.Tensor | None = None
         self.allocate()
 
+    @classmethod
+    def for_model(
+        cls, mc: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device, virtual: bool
+    ) -> KVCache:
+        """The pools `mc`'s model needs: its layers' keys and values, and its routing if it has experts."""
+        shape = (mc.num_layers, num_blocks, block_size, mc.num_kv_heads, mc.head_dim)
+        return cls(*shape, dtype, device, virtual, mc.route_shape)
+
     @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+    def bytes_per_block(mc: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        """What one block costs in `mc`'s model: keys and values of every layer, and its routing rows."""
+        routes = 0 if mc.route_shape is None else block_size * math.prod(mc.route_shape) * 4
+        return 2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim * dtype.itemsize + routes
+
+    @property
+    def nbytes(self) -> int:
+        """The pools' bytes (KV, and routing where the model has experts)."""
+        return self._kv_bytes() + (0 if self.route_shape is None else math.prod(self.route_shape) * 4)
+
+    def _kv_bytes(self) -> int:
+        return 2 * math.prod(self.shape) * self.dtype.itemsize
 
     def allocate(self) -> None:
         """The pools, zeroed."""
+        routes = self.route_shape
         if not self.virtual:
             self.k = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
             self.v = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+            if routes is not None:
+                self.routes = torch.zeros(routes, dtype=torch.int32, device=self.device)
             return
         if self.buffer is None:
-            self.buffer = VirtualBuffer(2 * math.prod(self.shape) * self.dtype.itemsize, self.device)
+            self.buffer = VirtualBuffer(self.nbytes, self.device)
         else:
             self.buffer.map()
-        pools = self.buffer.tensor().view(self.dtype).view(2, *self.shape)
-        pools.zero_()  # as torch.zeros made them: a fresh mapping's contents are undefined
+        flat = self.buffer.tensor()
+        flat.zero_()  # as torch.zeros made them: a fresh mapping's contents are undefined
+        kv = self._kv_bytes()  # a multiple of 4: the routing pool after it is aligned for int32
+        pools = flat[:kv].view(self.dtype).view(2, *self.shape)
         self.k, self.v = pools[0], pools[1]
+        if routes is not None:
+            self.routes = flat[kv:].view(torch.int32).view(routes)
 
     def release(self) -> int:
         """Drop the pools (the memory goes back to the device) and return their bytes; `allocate`
         brings them back empty."""
-        self.k = self.v = None
+        self.k = self.v = self.routes = None
         if self.buffer is not None:
             self.buffer.unmap()
-        return 2 * math.prod(self.shape) * self.dtype.itemsize
+        return self.nbytes
 
     @property
     def allocated(self) -> bool:

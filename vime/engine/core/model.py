@@ -1,4 +1,5 @@
-"""Dense decoder-only LMs (Llama, Qwen2, Qwen3) in plain PyTorch, loading HF checkpoints.
+"""Decoder-only LMs in plain PyTorch, loading HF checkpoints: dense (Llama, Qwen2, Qwen3) and
+mixture-of-experts (Qwen3-MoE, Mixtral: the sparse MLP is `moe.py`).
 
 Module names mirror the HF ones, except that q/k/v and gate/up are fused into one projection
 each (one matmul instead of three or two); `named_weights` maps every HF name onto the tensor
@@ -20,8 +21,9 @@ from torch import nn
 from vime.engine.core import fp8, kernels
 from vime.engine.core.attention import AttnMetadata, paged_attention
 from vime.engine.core.model_config import ModelConfig
+from vime.engine.core.moe import SparseMoE, hub_views
 from vime.engine.core.safetensors_io import iter_safetensors
-from vime.transport.checksums import non_finite
+from vime.transport.checksums import checksums, non_finite, piece_checksums
 
 COPY_BATCH_BYTES = 256 * 2**20  # same-device weights copied per _foreach_copy_
 
@@ -165,10 +167,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
         self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        moe = cfg.moe
+        self.mlp = SparseMoE(cfg, moe.layers.index(index)) if moe is not None and index in moe.layers else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -179,12 +182,13 @@ class DecoderLayer(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         kv: tuple[torch.Tensor, torch.Tensor],
         meta: AttnMetadata,
+        routes: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, the residual stream before adding it): the add is
-        fused into the next norm."""
+        fused into the next norm. `routes`: where an MoE layer writes its experts (`SparseMoE`)."""
         x, residual = self.input_layernorm(h, residual)
         x, residual = self.post_attention_layernorm(self.self_attn(x, rope, kv, meta), residual)
-        return self.mlp(x), residual
+        return (self.mlp(x, routes) if isinstance(self.mlp, SparseMoE) else self.mlp(x)), residual
 
 
 class DecoderModel(nn.Module):
@@ -195,7 +199,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(
             cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
         )
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
 
@@ -226,13 +230,17 @@ class CausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttnMetadata,
         logit_rows: torch.Tensor | None,
+        routes: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """logit_rows: which tokens get logits (None: all, as in a decode step)."""
+        """logit_rows: which tokens get logits (None: all, as in a decode step). routes: the
+        routing pool beside the KV cache ([slots, MoE layers, top_k] int32), where each MoE layer
+        writes every token's experts at its KV slot."""
         h = self.model.embed_tokens(input_ids)
         rope = self.model.rotary_emb(positions)
+        record = None if routes is None else (routes, meta.slot_mapping.long())
         residual = None
         for layer, kv in zip(self.model.layers, kv_caches):
-            h, residual = layer(h, residual, rope, kv, meta)
+            h, residual = layer(h, residual, rope, kv, meta, record)
         if logit_rows is not None:
             h, residual = h[logit_rows], residual[logit_rows]
         h, _ = self.model.norm(h, residual)
@@ -240,7 +248,8 @@ class CausalLM(nn.Module):
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         """HF name → the tensor holding it: a parameter, or a row slice of a fused projection;
-        tied weights are listed under both names (a trainer may send either)."""
+        tied weights are listed under both names (a trainer may send either), stacked experts
+        under their in-memory names and, slice by slice, under the checkpoint's (`moe.hub_views`)."""
         c = self.config
         rows = {
             "qkv_proj": [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim],
@@ -254,13 +263,42 @@ class CausalLM(nn.Module):
                     out[".".join([*prefix, hf_module, kind])] = piece
             else:
                 out[name] = p
+        for views in self.hub_aliases().values():
+            out.update(views)
+        return out
+
+    def hub_aliases(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Expert and router parameters by name → the checkpoint's names for them (or their
+        slices); empty for a dense model."""
+        if self.config.moe is None:
+            return {}
+        mt = self.config.model_type
+        found = {name: hub_views(name, p, mt) for name, p in self.named_parameters()}
+        return {name: views for name, views in found.items() if views}
+
+    def checksums(self, views: dict[str, torch.Tensor]) -> dict[str, list[int]]:
+        """`transport.checksums` of `named_weights()` by name: stacked experts and their checkpoint
+        names (slices in the order `hub_views` lists them) from one reduction per stacked tensor."""
+        aliases = self.hub_aliases()
+        stacked = set(aliases) | {a for group in aliases.values() for a in group}
+        plain = [n for n in views if n not in stacked]
+        out = dict(zip(plain, checksums([views[n] for n in plain])))
+        pieces = piece_checksums((views[n], len(group)) for n, group in aliases.items())
+        for (name, group), (whole, parts) in zip(aliases.items(), pieces):
+            out[name] = whole
+            out.update(zip(group, parts))
         return out
 
     def missing_weights(self, names: Iterable[str]) -> set[str]:
         """The HF names a set of weights leaves unfilled. With tied embeddings one tensor has two
-        names and either one fills it."""
+        names and either one fills it; stacked experts are filled by their own name or by all of
+        their checkpoint names."""
         names = set(names)
         expected = set(self.named_weights())
+        for name, views in self.hub_aliases().items():
+            expected -= set(views)
+            if names.issuperset(views):
+                names.add(name)
         if self.config.tie_word_embeddings:
             expected.discard("lm_head.weight")
             if "lm_head.weight" in names:

@@ -3,8 +3,9 @@ apart from `engine.py` so the server's routes can name them without the engine's
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from vime.engine.core.routing import RoutedExperts
 from vime.engine.core.scheduler import Sequence
 
 
@@ -14,6 +15,7 @@ class SeqOutput:
     logprobs: list[float]
     weight_versions: list[int]
     finish_reason: str
+    routed_experts: RoutedExperts | None = None  # where the request asked for them (routing.py)
 
 
 @dataclass
@@ -29,6 +31,18 @@ class Request:
     rid: str
     prompt_len: int
     seqs: list[Sequence]
+    routed_experts: bool = False  # keep each sample's experts as it ends (rollout routing replay)
+    routes: dict[int, RoutedExperts] = field(default_factory=dict)  # sample index → its experts
+
+    def output(self, weight_version: int) -> RequestOutput:
+        """What the request gives back (partial where aborted); `weight_version`: the engine's now."""
+        outputs = [
+            SeqOutput(s.output_ids, list(s.logprobs), list(s.weight_versions), s.finish_reason or "abort")
+            for s in self.seqs
+        ]
+        for j, routes in self.routes.items():
+            outputs[j].routed_experts = routes
+        return RequestOutput(self.rid, self.prompt_len, outputs, weight_version)
 
     @property
     def finished(self) -> bool:

@@ -155,7 +155,8 @@ class ModelRunner:
 
     def _decode_forward(self, bs: int) -> torch.Tensor:
         meta = AttnMetadata(slot_mapping=self.d_slot[:bs], block_tables=self.d_bt[:bs], context_lens=self.d_ctx[:bs])
-        return self.model(self.d_ids[:bs], self.d_pos[:bs], self.kv_cache.layers(), meta, None)
+        kv = self.kv_cache
+        return self.model(self.d_ids[:bs], self.d_pos[:bs], kv.layers(), meta, None, kv.routes)
 
     # ---- a step ------------------------------------------------------------------------
 
@@ -324,7 +325,7 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True)
         rows = torch.tensor(logit_rows, dtype=torch.long).to(dev, non_blocking=True)
         self.last_step = StepInfo("eager", len(scheduled), sum(s.num_computed + n for s, n in scheduled))
-        return self.model(ids, pos, self.kv_cache.layers(), meta, rows)
+        return self.model(ids, pos, self.kv_cache.layers(), meta, rows, self.kv_cache.routes)
 
     def _kernel_meta(self, scheduled: list[tuple[Sequence, int]], slot_mapping: torch.Tensor) -> AttnMetadata:
         width = max(len(s.block_table) for s, _ in scheduled)

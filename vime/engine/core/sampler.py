@@ -33,7 +33,7 @@ class SamplingParams:
     n: int = 1
     sampling_seed: int | None = None  # fixes the draws (SGLang's name); sample j of n gets its own stream
     # vLLM's: a token already in the prompt or response has its logit divided by this when positive,
-    # multiplied when negative (1: off). The seed's tau-bench agent samples at 1.1.
+    # multiplied when negative (1: off). vllm-project/vime's tau-bench agent samples at 1.1.
     repetition_penalty: float = 1.0
     # scheduling, not sampling: a waiting request of lower priority is admitted first (vLLM's
     # convention). Eval asks -1, so in an async run it does not queue behind the worker's backlog.

@@ -2,7 +2,7 @@
 nothing sampled.
 
 This is what a teacher does in on-policy distillation: the student's tokens, scored by another
-model. slime and the seed system ask an SGLang server for it (`/generate` with
+model. slime and vllm-project/vime ask an SGLang server for it (`/generate` with
 `max_new_tokens: 0`, `return_logprob` and `logprob_start_len`), so the server answers that same
 request (server.py) and functions written for their teacher servers call a vime engine unchanged.
 

@@ -9,12 +9,9 @@ sequence ends there with that token kept (as vLLM's `include_stop_str_in_output`
 Cost: decoding the whole output each step would grow with its length; only a tail window is
 decoded. An occurrence that the new token completes ends past the text before that token, so
 it starts at most `len(stop) - 1` characters before that text's end: the window holds that
-many characters plus a margin, or the whole output. The margin absorbs what decoding may
-change at a window's start that the whole output would not (a word's leading space dropped, a
-UTF-8 character cut in the middle shown as U+FFFD) and a character the new token completes.
-The window's start stays put while it grows to twice its first size, so the text before the
-new token is the previous check's text: one decode of a few tokens per sequence and step, and
-two when the window moves on.
+many characters plus a margin (`MARGIN`), or the whole output. While the window's start stays
+put, the text before the new token is the previous check's text: one decode of a few tokens per
+sequence and step, and two when the window moves on.
 """
 
 from __future__ import annotations
@@ -23,7 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-MARGIN = 4  # characters; see the module docstring
+# characters: what decoding may change at a window's start that the whole output would not (a
+# word's leading space dropped, a UTF-8 character cut in the middle shown as U+FFFD), and a
+# character the new token completes
+MARGIN = 4
 
 
 @dataclass
@@ -87,6 +87,7 @@ class StopStrings:
         need = max(map(len, stops)) + 2 * MARGIN  # characters before the new token
         first = need + 1  # tokens in a fresh window: almost every token decodes to a character or more
         w = seq.stop_window
+        # the window's start stays put until it has grown to twice its first size
         if w is not None and w.end == end - 1 and end - w.start <= 2 * first:
             start, before = w.start, w.text  # the same window, one token longer
         else:

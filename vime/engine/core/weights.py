@@ -12,6 +12,7 @@ import torch
 
 from vime.engine.core.lora import AdapterMerger, adapter_of
 from vime.engine.core.model import CausalLM
+from vime.engine.core.moe import is_expert_weight
 
 
 class WeightsIncomplete(RuntimeError):
@@ -42,6 +43,12 @@ def check_layout(
     if adapters:
         if len(adapters) < len(layout):
             raise ValueError("an update mixes LoRA adapters with plain weights: push them separately")
+        expert = next((n for n, _ in adapters if is_expert_weight(n)), None)
+        if expert is not None:  # merging into stacked experts is not built: a layer has many, of another shape
+            raise ValueError(
+                f"adapter '{expert}': LoRA on experts or routers is not supported by the vime engine; "
+                "leave them out of --target-modules"
+            )
         lora.check(adapters, params, complete)
         return
     seen: set[str] = set()

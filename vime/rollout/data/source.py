@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 def _label_grader(rollout: RolloutConfig) -> str | None:
     """What grades the training rows against their labels, if anything: the built-in rewards but
     reasoning_gym (its scorer reads the row's metadata); not a reward, rollout or generate of
-    one's own (a generate may set the reward itself, as the seed's tau-bench agent does)."""
+    one's own (a generate may set the reward itself, as vllm-project/vime's tau-bench agent does)."""
     from vime.modes import DEFAULT_ROLLOUT_FN, FULLY_ASYNC_FN
     from vime.rollout.rewards import MODULE_RM_TYPES
 
@@ -69,6 +69,7 @@ def _fresh(s: Sample) -> Sample:
         reward_extras={},
         reward_result=None,
         teacher_log_probs=None,
+        rollout_routed_experts=None,
         remove_sample=False,  # a custom generate's verdict on the response dropped
         status=Status.PENDING,
         # a conversation's state goes with its response: regenerated, it starts at turn one

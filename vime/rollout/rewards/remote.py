@@ -97,6 +97,6 @@ def _json(text: str, url: str) -> Any:
 
 
 def make_reward(rollout: RolloutConfig, runner: RewardRunner) -> RemoteReward:
-    """MODULE_RM_TYPES' factory (`rollout`: the rollout room's settings): Config checked that
+    """MODULE_RM_TYPES' factory (`rollout`: the rollout component's settings): Config checked that
     --rm-url is an http(s) URL."""
     return RemoteReward(rollout.rm_url, runner.timeout)

@@ -1,4 +1,4 @@
-"""The stand-in's data types, with tau-bench's field names: the seed's agent builds `Action`s and
+"""The stand-in's data types, with tau-bench's field names: vllm-project/vime's agent builds `Action`s and
 `RunConfig`s and reads `observation`/`reward`/`done`/`info` off the env's answers (and calls
 `model_dump()` on `info`), so these are pydantic models as there."""
 
@@ -58,9 +58,9 @@ class EnvResetResponse(BaseModel):
 
 
 class RunConfig(BaseModel):
-    """tau-bench's run settings (the fields the seed reads). The seed's generate_with_tau.py
+    """tau-bench's run settings (the fields vllm-project/vime's agent reads). Its generate_with_tau.py
     reads `.agent`, which sierra-research's RunConfig lacks (it has `agent_strategy`): the
-    fork the seed installs has it, so both are here. Other unknown keys are ignored."""
+    fork vllm-project/vime installs has it, so both are here. Other unknown keys are ignored."""
 
     model_provider: str
     user_model_provider: str

@@ -1,1 +1,1 @@
-"""The stand-in's agents package: only what the seed's agent imports from it."""
+"""The stand-in's agents package: only what vllm-project/vime's agent imports from it."""

@@ -1,4 +1,4 @@
-"""tau-bench's tool-calling agent module, reduced to the one name the seed's agent takes from
+"""tau-bench's tool-calling agent module, reduced to the one name vllm-project/vime's agent takes from
 it: the action name that means "say this to the user" rather than "call a tool"."""
 
 from tau_bench.types import RESPOND_ACTION_NAME

@@ -1,6 +1,6 @@
-"""The stand-in's domains: a toy shop under the name "retail" (the seed's TAU_CONFIGS asks for
+"""The stand-in's domains: a toy shop under the name "retail" (vllm-project/vime's TAU_CONFIGS asks for
 it) and a one-flight toy under "airline" (tau1_mock.py lists its test split). Their texts are
-short on purpose: the seed's agent puts the wiki and every tool's schema in the system prompt,
+short on purpose: vllm-project/vime's agent puts the wiki and every tool's schema in the system prompt,
 and the tests run it on a tiny model with a character tokenizer (ASCII only)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The stand-in's simulated user: it says its task's instruction line by line, one line per
 agent message, then `###STOP###`. No model is called, so the user model, provider and strategy
 asked for are accepted and only recorded. `MAX_RETRIES` and `RETRY_DELAY_SECONDS` exist because
-the seed's agent sets them (for the LLM calls of the real package's user); nothing reads them."""
+vllm-project/vime's agent sets them (for the LLM calls of the real package's user); nothing reads them."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""The seed system's plug-in helpers, by the names its plug-ins import from
+"""vllm-project/vime's plug-in helpers, by the names its plug-ins import from
 `vime.rollout.vllm_rollout` (docs/plugin-compat.md lists every name).
 
-The seed system (vLLM's vime, built on slime) has its custom generate functions talk to the
+vllm-project/vime (vLLM's vime, built on slime) has its custom generate functions talk to the
 engines themselves: they read `GenerateState(args).tokenizer`, turn the rollout's sampling params
 into vLLM's with `_build_inference_sampling_params`, POST token ids to the run's router
 (`vime/compat/router.py`) and append what comes back with `Sample.append_response_tokens`.
@@ -16,9 +16,9 @@ from vime.rollout.engine_requests import sampling_params
 
 
 class GenerateState:
-    """What the seed's plug-ins read from `GenerateState(args)`: `tokenizer` (the run's),
+    """What vllm-project/vime's plug-ins read from `GenerateState(args)`: `tokenizer` (the run's),
     `processor` (None: vime rolls out text), `sampling_params` (the rollout's, in vime's
-    protocol keys) and `args`. One per model per process, as the seed's is a singleton: a
+    protocol keys) and `args`. One per model per process, as vllm-project/vime's is a singleton: a
     plug-in calls it on every sample."""
 
     _made: dict[str, GenerateState] = {}
@@ -49,7 +49,7 @@ def _tokenizer(args: Any) -> Any:
 
 def _build_inference_sampling_params(sampling_params: dict[str, Any]) -> dict[str, Any]:
     """The rollout's sampling params (vime's keys) as the body of vLLM's `/inference/v1/generate`,
-    asking for each token's log-prob: the seed's helper of this name."""
+    asking for each token's log-prob: vllm-project/vime's helper of this name."""
     out: dict[str, Any] = {
         "max_tokens": sampling_params["max_new_tokens"],
         "temperature": sampling_params["temperature"],
@@ -81,7 +81,7 @@ def _inference_generate_tokens_and_logprobs(choice: dict[str, Any]) -> tuple[lis
 
 
 def _coerce_flat_int_token_ids(value: Any) -> list[int]:
-    """Token ids as a flat list of ints: the seed's helper, for a render answer's `token_ids`
+    """Token ids as a flat list of ints: vllm-project/vime's helper, for a render answer's `token_ids`
     (one prompt given as a list of one list is taken too). Anything else is a ValueError naming it."""
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], list):
         value = value[0]
@@ -92,7 +92,7 @@ def _coerce_flat_int_token_ids(value: Any) -> list[int]:
 
 def _mm_render_response_to_generate_body(render_data: Any, model: str) -> dict[str, Any]:
     """A `/v1/chat/completions/render` answer as the body of a `/inference/v1/generate` request
-    (without its sampling_params): the seed's helper. Takes both shapes vLLM answers, a dict
+    (without its sampling_params): vllm-project/vime's helper. Takes both shapes vLLM answers, a dict
     with `token_ids` and `[conversation, engine_prompts]`."""
     if isinstance(render_data, dict) and "token_ids" in render_data:
         return {**copy.deepcopy(render_data), "model": render_data.get("model") or model}
