@@ -20,6 +20,7 @@ from slime.rollout.vllm_rollout import (  # search-r1 imports the old package's 
     _inference_generate_tokens_and_logprobs,
 )
 from slime.utils.http_utils import post
+
 from vime.rollout.rm_hub.math_dapo_utils import compute_score
 from vime.rollout.vllm_rollout import _coerce_flat_int_token_ids, _mm_render_response_to_generate_body
 from vime.utils.types import Sample

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from moe_models import make_tiny_moe
-from test_actor import make_args, make_samples
 
+from unit.trainer.actors import make_args, make_samples
+from unit.trainer.moe_models import make_tiny_moe
 from vime.models import ModelError
 from vime.trainer.actor import Actor
 from vime.trainer.model import decoder_states

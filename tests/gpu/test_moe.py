@@ -10,9 +10,9 @@ import math
 
 import pytest
 import torch
-from moe_models import make_tiny_moe
-from test_actor import make_args, make_samples
-from test_r3 import hf_model, with_routing
+from unit.trainer.actors import make_args, make_samples
+from unit.trainer.moe_models import make_tiny_moe
+from unit.trainer.test_r3 import hf_model, with_routing
 
 from vime.trainer.moe import MoeShape
 from vime.trainer.routing import Routing

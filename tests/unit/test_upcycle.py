@@ -8,8 +8,8 @@ import pytest
 import torch
 from conftest import run_cli
 from safetensors.torch import load_file
-from test_actor import make_args, make_samples
 
+from unit.trainer.actors import make_args, make_samples
 from vime.models import ModelError, make_tiny_model
 from vime.trainer.actor import Actor
 from vime.upcycle import upcycle

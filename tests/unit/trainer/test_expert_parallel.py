@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moe_models import make_tiny_moe
-from test_actor import make_args, make_samples
-from test_r3 import with_routing
 
+from unit.trainer.actors import make_args, make_samples
+from unit.trainer.moe_models import make_tiny_moe
+from unit.trainer.test_r3 import with_routing
 from vime.config import ConfigError
 from vime.trainer.actor import Actor
 from vime.trainer.distributed import DistributedActor, launch_actor

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT, train_here
-from moe_models import make_tiny_moe
 from safetensors.torch import load_file
-from test_r3 import with_routing
+from unit.trainer.moe_models import make_tiny_moe
+from unit.trainer.test_r3 import with_routing
 
 from vime.debug_rollout import save_rollout
 from vime.models import load_tokenizer

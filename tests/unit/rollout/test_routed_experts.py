@@ -13,8 +13,8 @@ import re
 import numpy as np
 import pytest
 import torch
-from test_sampling_flags import FakeClient, with_runtime
 
+from unit.rollout.test_sampling_flags import FakeClient, with_runtime
 from vime.config import Config
 from vime.errors import EngineError
 from vime.rollout.generate import generate, sampling_params
@@ -84,7 +84,7 @@ def test_a_cut_response_cuts_its_routing_and_a_resumed_answer_replaces_it():
         decode_routed_experts(wire(np.arange(5)), 3)
 
 
-def test_the_seeds_append_response_tokens_keeps_the_routing_it_is_handed():
+def test_the_upstream_append_response_tokens_keeps_the_routing_it_is_handed():
     """A custom generate of slime's kind passes the engine's meta_info along, routed experts in it."""
     sample = Sample(tokens=[1, 2], response_length=0)
     meta = {"finish_reason": {"type": "stop"}, "weight_version": 3, "routed_experts": wire(expected(3))}

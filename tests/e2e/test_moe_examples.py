@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT
-from moe_models import make_tiny_moe
-from test_moe_e2e import engine_cannot
-from test_seed_script_examples import _check_team_trained, _multi_agent_env, _run_script
+from unit.trainer.moe_models import make_tiny_moe
 
+from e2e.test_moe import engine_cannot
+from e2e.test_upstream_script_examples import _check_team_trained, _multi_agent_env, _run_script
 from vime import compat
 from vime.compat import SLIME
 from vime.config import parse_args
