@@ -1,5 +1,7 @@
 """The project's size rules, checked on every run of the suite rather than by eye at review: no
-file of vime/ over 500 lines, no function over 80 (a longer one is split where its steps part)."""
+file of vime/ over 500 lines, no function over 80 (a longer one is split where its steps part);
+tests in their folders (tests/unit/<package>/, tests/e2e/, tests/gpu/, tests/plugins/), no test
+file over 600 lines."""
 
 import ast
 from pathlib import Path
@@ -8,6 +10,7 @@ from conftest import ROOT
 
 VIME = ROOT / "vime"
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 500, 80
+TESTS, MAX_TEST_FILE_LINES = ROOT / "tests", 600
 
 
 def _sources() -> list[Path]:
@@ -61,3 +64,17 @@ def test_the_core_never_imports_the_compatibility_package():
         if bad:
             found[str(p.relative_to(VIME))] = bad
     assert not found, f"the core imports the compatibility package: {found}"
+
+
+def test_test_files_live_in_the_layout_and_none_is_over_600_lines():
+    """A test of one package goes to tests/unit/<package>/ (vime/'s top-level modules: tests/unit/),
+    a whole run to tests/e2e/, a CUDA check to tests/gpu/, a plug-in loaded by dotted path to
+    tests/plugins/; tests/ itself holds only conftest.py."""
+    loose = sorted(p.name for p in TESTS.glob("*.py") if p.name != "conftest.py")
+    assert not loose, f"test modules at tests/ top level, to move into unit/<package>/, e2e/, gpu/ or plugins/: {loose}"
+    long = {
+        str(p.relative_to(TESTS)): n
+        for p in sorted(TESTS.rglob("*.py"))
+        if (n := len(p.read_text().splitlines())) > MAX_TEST_FILE_LINES
+    }
+    assert not long, f"test files over {MAX_TEST_FILE_LINES} lines (split by what they test): {long}"
