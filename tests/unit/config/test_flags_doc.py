@@ -1,12 +1,12 @@
 """docs/flags.md is generated from the settings (vime/config/reference.py); it must be what the
 code declares today, or a user reads defaults and choices that no longer hold."""
 
-from pathlib import Path
+from conftest import ROOT
 
 from vime.config.reference import markdown
 from vime.config.schema import FLAGS
 
-PAGE = Path(__file__).resolve().parents[1] / "docs" / "flags.md"
+PAGE = ROOT / "docs" / "flags.md"
 
 
 def test_the_flags_page_is_what_the_settings_declare():
