@@ -40,7 +40,7 @@ def test_every_input_is_checked_before_anything_starts(tmp_path, tiny_model, mon
     (unweighted / "model.safetensors").unlink()
     moe = tmp_path / "moe"  # transformers reads it; the built-in engine died at its start, a traceback shown
     shutil.copytree(tiny_model, moe)
-    (moe / "config.json").write_text((moe / "config.json").read_text().replace('"qwen3"', '"qwen3_moe"'))
+    (moe / "config.json").write_text((moe / "config.json").read_text().replace('"qwen3"', '"qwen2_moe"'))
     cases = [
         (["--hf-checkpoint", str(broken)], "config.json is not valid JSON"),
         (
@@ -67,8 +67,8 @@ def test_every_input_is_checked_before_anything_starts(tmp_path, tiny_model, mon
         (["--load", str(tmp_path / "ckpt")], "no intact checkpoint"),
         (
             ["--hf-checkpoint", str(moe)],
-            "model_type 'qwen3_moe' in .*moe/config.json is not supported by the vime engine \\(supported: llama, qwen2, "
-            "qwen3\\); --rollout-backend vime cannot generate with it",
+            "model_type 'qwen2_moe' in .*moe/config.json is not supported by the vime engine \\(supported: llama, qwen2, "
+            "qwen3, qwen3_moe, mixtral\\); --rollout-backend vime cannot generate with it",
         ),
         (  # taken unsaid: no response can be longer than the context
             ["--rollout-max-response-len", "10000000"],
