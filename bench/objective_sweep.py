@@ -2,7 +2,7 @@
 
 The stand-in for issue 31's H200 table until device time allows it (that one is
 `bench/real_ab.py --variants` on the demo task): the tiny Qwen3, warm-started once with the
-learning test's flawed SFT (tests/test_learning.py), trained in sync mode for 80 steps of 16
+learning test's flawed SFT (tests/e2e/test_learning.py), trained in sync mode for 80 steps of 16
 prompts × 8 samples on one-digit addition with each objective and seed, every run a fresh
 process (vime.ab.run_arm). Held-out: the 20 test prompts, greedy, before the first step and after
 the last. Step time is the mean `perf/step_time` (CPU: compare within one call only).

@@ -1,6 +1,6 @@
 """Held-out accuracy against staleness on CPU: AReaL's staleness study on the learning test's toy task.
 
-The tiny Qwen3 is warm-started once with the learning test's flawed SFT (tests/test_learning.py:
+The tiny Qwen3 is warm-started once with the learning test's flawed SFT (tests/e2e/test_learning.py:
 70% of its targets carry a stray "0"), then trained with GRPO on one-digit addition in decoupled
 mode (`train_async.py --max-staleness K`) for each bound K, each objective and each seed, 80 steps
 as in the learning test. The worker admits a prompt only when its tokens can stay within K

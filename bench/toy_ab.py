@@ -1,6 +1,6 @@
 """The accuracy A/B on the toy task, on CPU: the learning test's setting through every mode.
 
-A tiny Qwen3 is warm-started with the learning test's flawed SFT (tests/test_learning.py: 70% of
+A tiny Qwen3 is warm-started with the learning test's flawed SFT (tests/e2e/test_learning.py: 70% of
 its targets carry a stray "0"), then `vime bench ab` trains it with GRPO on one-digit addition in
 each mode (same config, seeds and 80 steps; TIS on) and prints the speed and held-out accuracy
 tables. CPU speeds here are not the point (trainer and engine share two cores); accuracy is.

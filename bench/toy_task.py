@@ -1,6 +1,6 @@
 """The learning test's toy task as a run config, shared by the toy benches (staleness_sweep,
 objective_sweep, toy_ab): one-digit addition, the tiny Qwen3 warm-started with the flawed SFT of
-tests/test_learning.py (made once per output directory, then reused), 16 prompts × 8 samples."""
+tests/e2e/test_learning.py (made once per output directory, then reused), 16 prompts × 8 samples."""
 
 from __future__ import annotations
 

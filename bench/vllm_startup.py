@@ -51,7 +51,7 @@ VARIANTS: dict[str, tuple[dict, dict[str, str]]] = {
     "dynamo-eager": ({"enforce-eager": False}, {"VLLM_USE_AOT_COMPILE": "0", "VLLM_CPU_CI_ENV": "1"}),
     "eager": ({"enforce-eager": True}, {}),
 }
-# The tests' server model (tests/test_vllm.py's MID_MODEL): a random ~17M-parameter Qwen3.
+# The tests' server model (tests/unit/backends/test_vllm_server.py's MID_MODEL): a random ~17M-parameter Qwen3.
 MID = dict(
     arch="qwen3",
     hidden_size=512,

@@ -1,9 +1,12 @@
-"""Shared fixtures: a tiny real model and toy data, generated once per test session."""
+"""What every test shares: a tiny real model and toy data (generated once per test session),
+tests/plugins on the path, the ways a test starts a run, and the helpers that tests of several
+packages use. A folder's own conftest.py holds what only its tests share."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -18,10 +21,15 @@ import pytest
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
 ROOT = Path(__file__).resolve().parents[1]
+# The plug-ins tests name by dotted path (`--custom-rm-path varied_reward.digit_share`), as a user
+# names a module of their own: importable here, where a test loads one in-process, and in the runs
+# tests start (run_cli and the tests that start a process put it on the child's PYTHONPATH).
+PLUGINS = ROOT / "tests" / "plugins"
+sys.path.insert(0, str(PLUGINS))
 
-# The module names of slime's and the seed system's plug-ins (`slime.*`, `vime.rollout.vllm_rollout`,
-# `vime.utils.*`), importable as vime's entry points make them (vime/compat/): the seed-style
-# plug-ins of tests/ import them at the top.
+# The module names of slime's and vllm-project/vime's plug-ins (`slime.*`, `vime.rollout.vllm_rollout`,
+# `vime.utils.*`), importable as vime's entry points make them (vime/compat/): the plug-ins
+# of tests/plugins/ written their way import them at the top.
 from vime.compat import SLIME  # noqa: E402
 
 SLIME.install()
@@ -54,16 +62,26 @@ def addition_data(tmp_path_factory) -> tuple[Path, Path]:
 
 def run_cli(*argv: str, timeout: float = 180, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     """Run a vime entry point the way a user would (a fresh process), capturing its output."""
-    # tests/ on the path so test-only plug-ins (custom generate/reward functions) load by dotted path
+    # tests/plugins on the path so test-only plug-ins (custom generate/reward functions) load by dotted path
     env = dict(
         os.environ,
         PYTHONUNBUFFERED="1",
-        PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        PYTHONPATH=os.pathsep.join([str(PLUGINS), str(ROOT), os.environ.get("PYTHONPATH", "")]),
     )
     return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 ENTRIES = {"train.py": "sync", "train_async.py": "async"}
+# each mode's entry point and flags (decoupled at staleness 1), for the tests that run every mode
+MODE_ARGS: dict[str, tuple[str, list[str]]] = {
+    "sync": ("train.py", []),
+    "one-step-off": ("train_async.py", []),
+    "fully-async": (
+        "train_async.py",
+        ["--rollout-function-path", "vime.rollout.fully_async_rollout.generate_rollout_fully_async"],
+    ),
+    "decoupled": ("train_async.py", ["--max-staleness", "1"]),
+}
 
 
 def train_here(entry: str, *argv: str) -> None:
@@ -118,3 +136,63 @@ def loss_inputs(advantages, mask, rollout_lp=None, seq_ids=None, **fields):
         ref=None,
         **fields,
     )
+
+
+# ---- the processes a test started, a full disk, a run refused at its start (tests of several
+# packages check these) ----
+
+
+def child_pids(pid: int) -> list[int]:
+    """The live children of process `pid` (zombies waiting for their reaper do not count)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[1] == str(pid) and fields[0] != "Z":
+            out.append(int(stat.parent.name))
+    return out
+
+
+def alive_pids(pids: list[int]) -> list[int]:
+    """Those of `pids` still running (a zombie is not)."""
+    out = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            out.append(pid)
+    return out
+
+
+@contextlib.contextmanager
+def disk_full_at(size: int):
+    """A full disk, as a file size limit (works unprivileged): writes past `size` bytes fail
+    with EFBIG, as they would with ENOSPC."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+
+
+def refused(tmp_path: Path, *argv: str) -> str:
+    """Start a run in-process; it must fail with a user error before creating anything."""
+    from vime.cli import train_main
+    from vime.errors import VimeError
+
+    runs = tmp_path / "runs"
+    with pytest.raises(VimeError) as e:
+        train_main(
+            ["--config", "examples/tiny.yaml", "--num-rollout", "1", "--runs-dir", str(runs), "--run-name", "r", *argv]
+        )
+    assert not (runs / "r").exists()  # no run directory, no engine log, no locked run name
+    msg = str(e.value)
+    assert "\n" not in msg
+    return msg

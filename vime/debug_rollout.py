@@ -8,7 +8,7 @@ temperature, reward), and the rollout's metrics. `--load-debug-rollout-data PATH
 in place of generating (and turns on `--debug-train-only`: no engine is started, nothing is
 pushed, nothing evaluated), so a step trained from a saved rollout computes exactly what the
 step that generated it computed: the same weights, bit for bit, where the trainer is
-deterministic (tests/test_debug_rollout.py). `--debug-rollout-only` starts no trainer: engines
+deterministic (tests/unit/test_debug_rollout.py). `--debug-rollout-only` starts no trainer: engines
 with the starting weights generate, rewards score, metrics and saved rollouts are written.
 
 The file is `torch.save` of plain values (loaded with weights_only), slime's layout: a dict with

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-# a few facts the stand-in's questions ask about (tests/seed_tool_plugins.py)
+# a few facts the stand-in's questions ask about (tests/plugins/upstream_tool_plugins.py)
 DEFAULT_CORPUS = [
     {"title": "Paris", "text": "Paris is the capital of France."},
     {"title": "Tokyo", "text": "Tokyo is the capital of Japan."},

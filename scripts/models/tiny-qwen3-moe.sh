@@ -1,4 +1,4 @@
-# The random tiny Qwen3-MoE of the CPU tests (tests/moe_models.py): the tiny Qwen3's shape with 4
+# The random tiny Qwen3-MoE of the CPU tests (tests/unit/trainer/moe_models.py): the tiny Qwen3's shape with 4
 # experts of its MLP's quarter size in each of its 2 layers, 2 routed per token, in Megatron's flags.
 source "$(dirname -- "${BASH_SOURCE[0]}")/tiny-qwen3.sh"
 MODEL_ARGS+=(

@@ -1,7 +1,7 @@
 """Everything shaped by slime and by vllm-project/vime (vLLM's vime, built on slime: the project
 this vime started from): their flags, the module names and helpers their plug-ins import, the
 router their custom generate functions post to. The core never imports this package
-(tests/test_layout.py checks it); the entry points (vime/cli.py) hand it to the core as a
+(tests/unit/test_layout.py checks it); the entry points (vime/cli.py) hand it to the core as a
 `vime.dialect.Dialect`: `SLIME` (dialect.py). Use `vime.compat.parse_args` where a script's flags
 may be slime's.
 

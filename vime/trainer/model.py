@@ -324,7 +324,7 @@ def vectorize_grad_accumulation(module: nn.Module) -> None:
     at 4B that add, PyTorch's unvectorized mixed-dtype kernel, was 175 ms of a 4.4 s profiled
     step, and this kernel took the realistic step from 4,687-4,703 to 4,649 ms (bench/RESULTS.md).
     Set per parameter object, not on FSDP2's class, so nothing else in the process changes. These
-    are FSDP2's private names: a torch that renames them keeps its own add (`tests/test_gpu.py`
+    are FSDP2's private names: a torch that renames them keeps its own add (`tests/gpu/test_trainer.py`
     checks that this one is set)."""
     for param in fsdp_params(module):
         if hasattr(param, "accumulate_unsharded_grad_if_needed"):

@@ -16,7 +16,7 @@ casting back), so bf16 outputs track HF's token for token for as long as near-ti
 
 The modules import only where Triton does; `AVAILABLE` says whether it did. The kernels also run
 under `TRITON_INTERPRET=1` on CPU tensors, which is how the CPU tests check them, one check per
-module (`tests/test_engine.py::interpreted_checks`).
+module (`tests/unit/engine/test_gpu_path.py::interpreted_checks`).
 """
 
 from vime.engine.core.kernels.attention import (

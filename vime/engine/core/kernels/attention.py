@@ -2,7 +2,7 @@
 programs and combined when the batch is small: flash-decoding) and varlen prefill of packed chunks.
 Both run one online-softmax helper, `_paged_attend`.
 
-Checked under the Triton interpreter by `tests/test_engine.py::attention_kernel_checks` (against
+Checked under the Triton interpreter by `tests/unit/engine/test_gpu_path.py::attention_kernel_checks` (against
 the PyTorch path, bfloat16, decode and chunks after a cached prefix).
 """
 

@@ -1,7 +1,7 @@
 """The elementwise chains of a decoder layer, each one kernel: residual add + RMSNorm, the fused
 q/k/v split with per-head RMSNorm (Qwen3), RoPE and the KV cache write, and SiLU-mul.
 
-Checked under the Triton interpreter by `tests/test_engine.py::engine_kernel_checks` (the whole
+Checked under the Triton interpreter by `tests/unit/engine/test_gpu_path.py::engine_kernel_checks` (the whole
 engine on the kernel path against HF).
 """
 

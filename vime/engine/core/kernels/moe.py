@@ -9,7 +9,7 @@ fixed by the token count, so a decode step with experts is captured in a CUDA gr
 other. The k outputs of a token are then added in increasing expert id (`combine`), rounding
 after each add, which is the order and the rounding of HF's loop over experts (`index_add_`).
 
-Checked under the Triton interpreter by `tests/test_moe_engine.py` (against the PyTorch path of
+Checked under the Triton interpreter by `tests/unit/engine/test_moe.py` (against the PyTorch path of
 `vime/engine/core/moe.py`, and the whole engine against HF).
 """
 

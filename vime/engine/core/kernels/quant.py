@@ -7,7 +7,7 @@ row is one token (per-token dynamic scales, every step), a weight row one output
 (per-channel scales, after every weight update). Divisions are IEEE-rounded (`div_rn`, not
 Triton's approximate `/`), as the PyTorch path's are, so both give the same bytes.
 
-Checked under the Triton interpreter by `tests/test_engine.py::quant_kernel_checks` (bit for bit
+Checked under the Triton interpreter by `tests/unit/engine/test_gpu_path.py::quant_kernel_checks` (bit for bit
 against the PyTorch path, zero rows and rows longer than one block included).
 """
 

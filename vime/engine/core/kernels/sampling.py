@@ -2,7 +2,7 @@
 row's seed by Gumbel-max over chunks of the vocabulary, the chunks' parts combined by a second
 kernel; no host sync.
 
-Checked under the Triton interpreter by `tests/test_engine.py::sampler_kernel_checks` (its draws
+Checked under the Triton interpreter by `tests/unit/engine/test_gpu_path.py::sampler_kernel_checks` (its draws
 against the distribution, and against the PyTorch sampler's).
 """
 

@@ -1,7 +1,0 @@
-"""A seed-style plug-in that reads a setting vime does not have, for tests/test_plugin_compat.py."""
-
-
-async def generate(args, sample, sampling_params):
-    if args.keep_old_actor:  # the seed's --keep-old-actor: no such setting in vime
-        return sample
-    return sample
