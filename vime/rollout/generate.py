@@ -110,7 +110,7 @@ async def generate(args, sample: Sample, params: dict) -> Sample:
         sample.status = Status.TRUNCATED
         return sample
     routed = args.algorithm.wants_routed_experts  # a mixture of experts' routing, for R3 (and its metrics)
-    out = await generate_on_engines(runtime, sample.group_index, sample.tokens, params, routed)
+    out = await generate_on_engines(runtime, sample.group_index, sample.tokens, params, routed_experts=routed)
     meta = out["meta_info"]
     sample.append_generated(out["output_ids"], meta["output_token_logprobs"], meta["output_weight_versions"])
     if routed:

@@ -12,8 +12,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 PTH = ROOT / "vime" / "compat" / "vime-slime.pth"
 
 

@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
 from vime.compat.utils.external_utils.downloads import download_command
 
-ROOT = Path(__file__).resolve().parents[1]
 PTH = ROOT / "vime" / "compat" / "vime-slime.pth"
 
 # slime's tests/test_qwen2.5_0.5B_short.py in shape: its flags, the sizes cut for two CPU cores
