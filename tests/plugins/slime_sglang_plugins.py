@@ -44,6 +44,12 @@ async def generate_with_tool(args, sample: Sample, sampling_params) -> Sample:
     return sample
 
 
+async def generate_with_a_pool_of_seven(args, sample: Sample, sampling_params) -> Sample:
+    """retool's way, in a run given `--sglang-server-concurrency 7`: the value its args carry."""
+    assert args.sglang_server_concurrency == 7, args.sglang_server_concurrency
+    return await generate_with_tool(args, sample, sampling_params)
+
+
 async def generate_with_search(args, sample: Sample, sampling_params) -> Sample:
     """search-r1's way: each turn posts the text so far (`text`), keeps `output["text"]` and takes
     the tokens and log-probs from `output_token_logprobs`; the observation is tokenized. Its

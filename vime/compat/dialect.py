@@ -25,6 +25,7 @@ from vime.compat.answer_log import AnswerLog
 from vime.compat.flags import ACCEPTED
 from vime.compat.router import Router
 from vime.compat.sglang_api import DEFAULT_SERVER_CONCURRENCY
+from vime.compat.sglang_flags import server_concurrency
 from vime.dialect import PluginServices
 from vime.modes import DEFAULT_ROLLOUT_FN, FULLY_ASYNC_FN, SFT_ROLLOUT_FN, custom_rollout
 from vime.plugins import IMPORT_EXPLAINERS, OPD_POST_PROCESS, OPD_REWARD
@@ -82,6 +83,7 @@ class SlimeServices:
             # a count slime's args always hold (None is vime's "one engine"): strands-sglang's
             # `get_client_from_slime_args` sizes its pool as concurrency × rollout GPUs ÷ GPUs per engine
             "rollout_num_gpus": pl.rollout_num_gpus or len(runtime.engines) * pl.rollout_num_gpus_per_engine,
+            "sglang_server_concurrency": server_concurrency(cfg.slime_flags, DEFAULT_SERVER_CONCURRENCY),
         }
 
     def restore(self, samples: list[Any]) -> None:

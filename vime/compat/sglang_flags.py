@@ -129,7 +129,8 @@ ARGS: dict[str, ServerArg] = {
         ServerArg(
             "server_concurrency",
             _count,
-            says="vime sends a batch's requests at once, and each engine runs --engine-max-num-seqs of them at a time",
+            says="vime sends a batch's requests at once, and each engine runs --engine-max-num-seqs of them at a "
+            "time; plug-ins read the value as args.sglang_server_concurrency",
         ),
         ServerArg("router_ip", says=_ROUTER),
         ServerArg("router_port", says=_ROUTER),
@@ -140,6 +141,13 @@ OTHER = (
     "an argument of the SGLang servers slime starts, and vime starts none; with --rollout-backend vllm, vLLM's "
     "own arguments go as --vllm-NAME"
 )
+
+
+def server_concurrency(given: dict[str, Any], default: int) -> int:
+    """What slime's plug-ins read as `args.sglang_server_concurrency` (strands-sglang sizes its
+    connection pool by it): the script's `--sglang-server-concurrency`, else slime's default."""
+    raw = given.get(PREFIX + "server_concurrency")
+    return default if raw is None else ARGS["server_concurrency"].read(raw)
 
 
 def take(rest: list[str]) -> tuple[dict[str, Any], list[str]]:

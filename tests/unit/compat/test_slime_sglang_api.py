@@ -336,6 +336,13 @@ def test_a_slime_style_generate_trains_through_the_routers_generate(generate, pe
     assert_trained(tmp_path, tiny_model)
 
 
+def test_a_scripts_sglang_server_concurrency_reaches_the_plugins_args(tmp_path, data, tiny_model):
+    """slime's default is 512 (generate_with_search checks it); a script's own value is what a
+    plug-in sizing its client pool by it (strands-sglang) reads."""
+    steps = run_steps(tmp_path, data, tiny_model, "generate_with_a_pool_of_seven", "--sglang-server-concurrency", "7")
+    assert len(steps) == 2
+
+
 @pytest.mark.parametrize("generate", ["generate_with_tool", "generate_agents"])
 def test_the_router_keeps_log_probs_and_weight_versions_for_the_async_modes(generate, tmp_path, data, tiny_model):
     """Fully-async (slime's rollout path): its off-policy correction needs every response token's
