@@ -5,6 +5,7 @@ continuous batching; and the vime engine with FP8 projections (`--arms vime,vime
     PYTHONPATH=. python3 bench/bench_engine.py                  # the H200 run in bench/RESULTS.md
     PYTHONPATH=. python3 bench/bench_engine.py --device cpu --tiny   # smoke test, seconds
     PYTHONPATH=. python3 bench/bench_engine.py --shape qwen3-4b --arms vime,vime_fp8   # bf16 vs FP8 rollouts
+    PYTHONPATH=. python3 bench/bench_engine.py --shape qwen3-30b-a3b-4l   # Qwen3-30B-A3B cut to 4 layers (MoE)
 
 Workload (issue 6): a Qwen3-0.6B-shaped model (`--shape qwen3-4b`: the 4B one) with random bf16
 weights (`--dtype float32` tells rounding from a bug in the correctness check), 256 requests with prompt
@@ -33,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.shapes import SHAPES, TINY
+from bench.shapes import MOE_SHAPES, SHAPES, hf_config, pick
 
 # the vime engine's arms, their labels in the table
 VIME_ARMS = {"vime": "vime (graphs + Triton)", "vime_fp8": "vime, FP8 projections (graphs + Triton)"}
@@ -42,8 +43,8 @@ VIME_ARMS = {"vime": "vime (graphs + Triton)", "vime_fp8": "vime, FP8 projection
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--tiny", action="store_true", help="tiny model and workload (smoke test)")
-    p.add_argument("--shape", choices=list(SHAPES), default="qwen3-0.6b", help="model shape (random weights)")
+    p.add_argument("--tiny", action="store_true", help="tiny model (of --shape's family) and workload (smoke test)")
+    p.add_argument("--shape", choices=[*SHAPES, *MOE_SHAPES], default="qwen3-0.6b", help="model shape (random weights)")
     p.add_argument(
         "--dtype",
         choices=["bfloat16", "float32"],
@@ -118,10 +119,11 @@ def copy_bandwidth(device: torch.device) -> float:
 
 
 def make_model(shape: dict, device: torch.device, dtype: torch.dtype, seed: int, out_dir: Path):
-    """Random HF Qwen3 of the given shape, written to out_dir; returns the HF model (kept for the HF arms)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """Random HF model of the given shape (Qwen3 or Qwen3-MoE), written to out_dir; returns the HF model
+    (kept for the HF arms)."""
+    from transformers import AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model("qwen3", bos_token_id=None, eos_token_id=None, pad_token_id=0, **shape)
+    cfg = hf_config(shape, bos_token_id=None, eos_token_id=None, pad_token_id=0)
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
@@ -496,7 +498,7 @@ def main() -> None:
     device = torch.device(args.device)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
-    shape = TINY if args.tiny else SHAPES[args.shape]
+    shape = pick(args.shape, args.tiny)
     lo, hi = (10, 40) if args.tiny else (100, 1024)
     args.lengths = f"{lo}-{hi}"
     n_req = args.num_requests or (16 if args.tiny else 256)

@@ -1,6 +1,6 @@
 """Trainer throughput: eager HF padded full-logit baseline vs vime's packed, chunked trainer.
 
-Same model (Qwen3-0.6B shape, or `--shape qwen3-4b`; random weights), same GRPO-shaped batch (prompts 100–500 tokens,
+Same model (Qwen3-0.6B shape, or `--shape qwen3-4b`, or the mixture of experts `--shape qwen3-30b-a3b-4l`; random weights), same GRPO-shaped batch (prompts 100–500 tokens,
 responses 100–2000, seeded), same token budget per micro-batch, in one run:
 
 * `hf_padded`: HF model in bf16, right-padded micro-batches (longest first, batch × longest
@@ -18,7 +18,8 @@ bf16 peak of an H200, for both rows. Prints a markdown table last.
     PYTHONPATH=. python3 bench/bench_trainer.py --gpus 1,2 --no-compile --no-hf   # FSDP2 on 1 and 2 GPUs
     PYTHONPATH=. python3 bench/bench_trainer.py --shape qwen3-4b --max-tokens-per-gpu 8192 --hf-max-tokens-per-gpu 4096
     PYTHONPATH=. python3 bench/bench_trainer.py --shape qwen3-4b --max-tokens-per-gpu 8192 --no-hf --no-eager --warm-up-steps 2
-    PYTHONPATH=. python3 bench/bench_trainer.py --device cpu --tiny     # smoke test
+    PYTHONPATH=. python3 bench/bench_trainer.py --shape qwen3-30b-a3b-4l   # Qwen3-30B-A3B cut to 4 layers (MoE)
+    PYTHONPATH=. python3 bench/bench_trainer.py --device cpu --tiny     # smoke test (add --shape for its family)
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from typing import Any
 
 import torch
 
-from bench.shapes import SHAPES, TINY, add_shape_args
+from bench.shapes import add_shape_args, hf_config, pick
 from vime.config import Config
 from vime.rollout.types import Sample
 from vime.trainer.packing import packed_attention_backend
@@ -49,10 +50,10 @@ def make_model(out: Path, shape: dict, device: str = "cpu") -> Path:
     """Random weights written as an HF directory; built on `device` in bf16 on a GPU (a 4B model's
     float32 init on the slow host CPU takes minutes), float32 on CPU."""
     from tokenizers import Tokenizer, models
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     torch.manual_seed(0)
-    config = Qwen3Config(**shape)
+    config = hf_config(shape)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if device != "cpu" else torch.float32)
     model.save_pretrained(out)
@@ -145,7 +146,7 @@ def pct(m: float) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_shape_args(ap)
+    add_shape_args(ap, moe=True)
     ap.add_argument(
         "--gradient-checkpointing",
         action="store_true",
@@ -197,7 +198,7 @@ def main() -> None:
     )
     a = ap.parse_args()
     device = torch.device(a.device)
-    shape = TINY if a.tiny else SHAPES[a.shape]
+    shape = pick(a.shape, a.tiny)
     n = a.samples or (8 if a.tiny else 64)
     budget = a.max_tokens_per_gpu or (512 if a.tiny else 16384)
     prompt, response = ((10, 50), (10, 200)) if a.tiny else ((100, 500), (100, 2000))

@@ -38,6 +38,17 @@ def test_bench_trainer_runs_its_variants(capsys, monkeypatch):
     assert got.get("vime train_step", 0) > 0 and got.get("vime packed+chunked (fwd+bwd+opt)", 0) > 0, got
 
 
+def test_bench_trainer_runs_a_mixture_of_experts_shape(capsys, monkeypatch):
+    """--shape qwen3-30b-a3b-4l with --tiny: the 2-layer Qwen3-MoE stand-in, against HF (issue 70's
+    trainer measurement)."""
+    argv = ["--device", "cpu", "--tiny", "--shape", "qwen3-30b-a3b-4l", "--no-compile", "--steps", "1"]
+    out = run_bench("bench_trainer", argv, capsys, monkeypatch)
+    got = rows(out)
+    assert got.get("vime train_step", 0) > 0 and got.get("HF eager padded, full logits", 0) > 0, got
+    difference = float(re.search(r"vime vs HF on \d+ sequences \(before training\): ([\d.e+-]+)", out)[1])
+    assert difference < 1e-4, out[-2000:]
+
+
 def test_profile_trainer_times_two_variants_untraced(capsys, monkeypatch):
     """`--no-trace` and `/scoredold` (the old log-probs the model's own, as bench_trainer.py's):
     both variants time their steps in one process, the first one's Actor freed before the second."""
