@@ -132,6 +132,25 @@ def test_fully_async_run_records_token_versions(model32, addition_data, tmp_path
 
 
 @needs_vllm
+def test_a_slime_generate_posts_sglang_requests_through_the_router_to_vllm(
+    model32, addition_data, tmp_path, fresh_user_server
+):
+    """slime's plug-ins post SGLang's native /generate to args.sglang_router_ip:port; in front of
+    vLLM the router translates both ways. retool's way (input_ids, return_logprob, a tool's answer
+    between two turns) trains, and in a sync run the log-probs vLLM sent back through the router
+    are the trainer's (the same weights: each push landed)."""
+    args = _train_args(model32, addition_data[0], tmp_path, "sg") + fresh_user_server
+    args[args.index("--custom-generate-function-path") + 1] = "slime_sglang_plugins.generate_with_tool"
+    args[args.index("--custom-rm-path") + 1] = "slime_sglang_plugins.response_parity"
+    args[args.index("--num-rollout") + 1] = "2"
+    train_here("sync", *args)
+    rows = [json.loads(line) for line in (tmp_path / "sg" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "perf/step_time" in r]
+    assert len(steps) == 2 and any(r["train/grad_norm"] > 0 for r in steps), steps
+    assert all(r["train/train_rollout_logprob_abs_diff"] < 1e-3 for r in steps), steps
+
+
+@needs_vllm
 def test_a_tool_run_through_vllm(tmp_path, monkeypatch, fresh_user_server):
     """The multi-turn generate through vLLM, decoupled with --partial-rollout: the checks every
     mode passes with the built-in engine in test_tool_runs.py, from the tool-calling tiny model
