@@ -28,6 +28,8 @@ import numpy as np
 import pytest
 import torch
 
+from unit.trainer.moe_models import make_tiny_moe
+
 ATOL = 1e-4
 PROMPTS = [[40], [50, 60, 70, 80, 90], list(range(10, 33)), [7, 8, 9] * 13]  # 1, 5, 23, 39 tokens
 ARCHS = ("qwen3_moe", "mixtral")
@@ -37,46 +39,11 @@ ARCHS = ("qwen3_moe", "mixtral")
 
 
 def make_moe(out: Path, arch: str, seed: int = 0, **overrides) -> Path:
-    """A random tiny MoE model with the tests' character tokenizer, saved as transformers saves
-    it (experts one by one under the checkpoint's names); `overrides`: config fields."""
-    from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
-
-    from vime.models import make_tiny_tokenizer
-
-    tok = make_tiny_tokenizer()
-    common = dict(
-        vocab_size=len(tok),
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        num_experts_per_tok=2,
-        bos_token_id=None,
-        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
-        pad_token_id=tok.pad_token_id,
-        tie_word_embeddings=False,
-    )
+    """The tiny MoE of the MoE tests with a third layer for Qwen3-MoE (the middle one dense) and
+    decided routers (module docstring); `overrides`: config fields."""
     if arch == "qwen3_moe":
-        cfg = Qwen3MoeConfig(
-            **common,
-            num_hidden_layers=3,
-            head_dim=16,
-            intermediate_size=96,
-            moe_intermediate_size=32,
-            num_experts=4,
-            **{"mlp_only_layers": [1], "norm_topk_prob": True, **overrides},
-        )
-    else:
-        cfg = MixtralConfig(**common, num_hidden_layers=2, intermediate_size=32, num_local_experts=4, **overrides)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 0.5)  # decided routers (module docstring)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+        overrides = {"num_hidden_layers": 3, "intermediate_size": 96, "mlp_only_layers": [1], **overrides}
+    return make_tiny_moe(out, arch, seed, router_std=0.5, **overrides)
 
 
 def load_hf(model_dir: Path):
@@ -402,7 +369,10 @@ def test_moe_kernel_path_in_interpreter(models):
     env = {
         **os.environ,
         "TRITON_INTERPRET": "1",
-        "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])),
+        # the repository and tests/ (the script imports the tiny models' builder as the tests do)
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [os.getcwd(), str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH")])
+        ),
     }
     a, m = models["qwen3_moe"][0], models["mixtral"][0]
     proc = subprocess.run(

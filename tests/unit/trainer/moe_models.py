@@ -13,9 +13,13 @@ import torch
 from vime.models import make_tiny_tokenizer
 
 
-def make_tiny_moe(out: Path, arch: str = "qwen3_moe", seed: int = 0, **overrides: Any) -> Path:
+def make_tiny_moe(
+    out: Path, arch: str = "qwen3_moe", seed: int = 0, router_std: float | None = None, **overrides: Any
+) -> Path:
     """A random 2-layer MoE of `arch` (qwen3_moe or mixtral): 4 experts of which 2 route each token;
-    `overrides` change the config (e.g. Qwen3-MoE's `mlp_only_layers=[0]` for one dense layer)."""
+    `overrides` change the config (e.g. Qwen3-MoE's `mlp_only_layers=[0]` for one dense layer).
+    `router_std`: the routers' weights drawn at that scale, so that no two experts' probabilities
+    tie within float32 rounding (near a tie, two correct implementations may pick different ones)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tokenizer = make_tiny_tokenizer()
@@ -45,6 +49,11 @@ def make_tiny_moe(out: Path, arch: str = "qwen3_moe", seed: int = 0, **overrides
     config = AutoConfig.for_model(arch, **shape)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if router_std is not None:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    p.normal_(0.0, router_std)
     model.generation_config.eos_token_id = [config.eos_token_id, tokenizer.eos_token_id]
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     out.mkdir(parents=True, exist_ok=True)
