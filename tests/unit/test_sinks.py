@@ -57,6 +57,8 @@ def wandb_records(path: Path):
         if left < 7 or (length == 0 and kind == 0):  # a block's padding
             pos += left
             continue
+        if pos + 7 + length > len(data):  # a record the service is still writing: read up to it
+            return
         chunks += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # FULL, or LAST of FIRST/MIDDLE.../LAST
@@ -80,23 +82,34 @@ def read_wandb_run(wandb_dir: Path) -> list[dict]:
 
 
 def _read_wandb_runs(wandb_dir: Path) -> list[dict]:
+    """Each run's records so far; a run whose file ends in a half-written record (seen once in CI:
+    its chunk's length written, its bytes not yet) reads as unfinished, so the caller reads again."""
+    from google.protobuf.message import DecodeError
+
     runs = []
     for run_dir in sorted(wandb_dir.glob("offline-run-*")):
         (log_file,) = run_dir.glob("run-*.wandb")
-        run = {"history": [], "config": {}, "exit_code": None}
-        for r in wandb_records(log_file):
-            kind = r.WhichOneof("record_type")
-            if kind == "run":
-                run.update(id=r.run.run_id, project=r.run.project, group=r.run.run_group, name=r.run.display_name)
-                run["config"].update(_items(r.run.config.update))
-            elif kind == "config":
-                run["config"].update(_items(r.config.update))
-            elif kind == "history":
-                run["history"].append(_items(r.history.item))
-            elif kind == "exit":
-                run["exit_code"] = r.exit.exit_code
-        runs.append(run)
+        try:
+            runs.append(_read_one_run(log_file))
+        except DecodeError:
+            runs.append({"history": [], "config": {}, "exit_code": None})
     return runs
+
+
+def _read_one_run(log_file: Path) -> dict:
+    run = {"history": [], "config": {}, "exit_code": None}
+    for r in wandb_records(log_file):
+        kind = r.WhichOneof("record_type")
+        if kind == "run":
+            run.update(id=r.run.run_id, project=r.run.project, group=r.run.run_group, name=r.run.display_name)
+            run["config"].update(_items(r.run.config.update))
+        elif kind == "config":
+            run["config"].update(_items(r.config.update))
+        elif kind == "history":
+            run["history"].append(_items(r.history.item))
+        elif kind == "exit":
+            run["exit_code"] = r.exit.exit_code
+    return run
 
 
 def _items(items) -> dict:
