@@ -376,7 +376,7 @@ def test_a_client_that_hangs_up_mid_stream_has_its_request_aborted_in_the_engine
         ({"response_format": {"type": "json_object"}}, "response_format 'json_object' is not supported"),
         ({"presence_penalty": 0.5}, "presence_penalty 0.5 is not supported"),
         ({"extra_body": {"guided_json": {}}}, r"unsupported field\(s\) \['guided_json'\]"),
-        ({"tool_choice": "required", "tools": []}, "tool_choice required is not supported"),
+        ({"tool_choice": "required", "tools": []}, "tool_choice other than 'auto' or 'none' needs tools"),
         ({"stream": True, "logprobs": True}, "logprobs with stream: true are not supported"),
         ({"max_tokens": 600}, "max_tokens 600 and the prompt's 21 tokens are more than the model's context of 512"),
         ({"top_logprobs": 2}, "top_logprobs needs logprobs: true"),
@@ -430,6 +430,42 @@ def test_a_streamed_tool_call_shows_no_call_text_as_content(tool_client):
         finish = chunk.choices[0].finish_reason or finish
     assert content == "" and finish == "tool_calls"
     assert list(calls) == [0] and calls[0][0] == "add" and json.loads(calls[0][1]) == {"a": 5, "b": 2}
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"tool_choice": "required"},
+        {"tool_choice": {"type": "function", "function": {"name": "add"}}},
+        {"tool_choice": "required", "stream": True},
+        {"parallel_tool_calls": False},  # LangChain's with_structured_output(method="function_calling") sends it
+    ],
+)
+def test_tool_choice_required_or_named_answers_a_call(tool_client, kw):
+    """LangChain's bind_tools(tool_choice="any" / a name) and with_structured_output send these;
+    the engine opens the call in the prompt (no constrained decoding), the model writes the rest."""
+    from tool_model import ADD_TOOL
+
+    other = {"type": "function", "function": {"name": "sub", "parameters": {"type": "object"}}}
+    out = tool_chat(tool_client, [{"role": "user", "content": "6+1="}], tools=[ADD_TOOL, other], **kw)
+    if kw.get("stream"):
+        pieces = [c.choices[0] for c in out if c.choices]
+        assert "".join(p.delta.content or "" for p in pieces) == "" and pieces[-1].finish_reason == "tool_calls"
+        (call,) = [tc for p in pieces for tc in p.delta.tool_calls or []]
+    else:
+        assert out.choices[0].finish_reason == "tool_calls" and not out.choices[0].message.content
+        (call,) = out.choices[0].message.tool_calls
+    assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 6, "b": 1}
+
+
+def test_a_forced_call_names_a_tool_given(tool_client, tooled):
+    tooled.only_vime("the messages are vime's")
+    with pytest.raises(openai.BadRequestError, match="names the function 'mul', which is not in tools"):
+        tool_chat(
+            tool_client,
+            [{"role": "user", "content": "1+1="}],
+            tool_choice={"type": "function", "function": {"name": "mul"}},
+        )
 
 
 def test_tools_reach_the_model_only_when_offered(tool_client):

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vime.engine.http_common import BadRequest
-from vime.engine.openai_api.chat import read_tools
+from vime.engine.openai_api.chat import Tools, read_tools
 
 if TYPE_CHECKING:
     from vime.engine.core.sampler import SamplingParams
@@ -54,7 +54,7 @@ FIELDS: dict[str, Field] = {
     "best_of": Field((int,), COMPLETIONS),  # n only
     "tools": Field((list,), CHAT),
     "tool_choice": Field((str, dict), CHAT),
-    "parallel_tool_calls": Field((bool,), CHAT),  # true only
+    "parallel_tool_calls": Field((bool,), CHAT),
     "response_format": Field((dict,)),  # {"type": "text"} only
     "modalities": Field((list,), CHAT),  # ["text"] only
     # vLLM's extensions
@@ -106,7 +106,8 @@ class Plan:
     stop: tuple[str, ...] = ()
     include_stop: bool = False
     skip_special_tokens: bool = True
-    tools: list[dict] | None = None  # shown to the model and read back (tool_choice auto)
+    tools: Tools | None = None  # shown to the model and read back
+    parallel_tool_calls: bool = True  # false: the first call only (as vLLM)
     template_kwargs: dict = field(default_factory=dict)
 
     def max_new_tokens(self, prompt_len: int, max_seq_len: int) -> int:
@@ -201,7 +202,6 @@ def _limits(given: dict) -> None:
         _only(given, name, 0, "the vime engine has no such penalty (repetition_penalty is vLLM's kind)")
     if "best_of" in given and given["best_of"] != given.get("n", 1):
         raise BadRequest(f"best_of {given['best_of']} is not supported: the vime engine returns every sample (n)")
-    _only(given, "parallel_tool_calls", True, "the engine returns every call the model writes")
     _only(given, "modalities", ["text"], "the vime engine answers text only")
     kind = given.get("response_format", {}).get("type", "text")
     if kind != "text":
@@ -252,5 +252,6 @@ def read_plan(body: dict, chat: bool) -> Plan:
         include_stop=given.get("include_stop_str_in_output", False),
         skip_special_tokens=given.get("skip_special_tokens", True),
         tools=read_tools(given.get("tools"), given.get("tool_choice")),
+        parallel_tool_calls=given.get("parallel_tool_calls", True),
         template_kwargs=template_kwargs,
     )

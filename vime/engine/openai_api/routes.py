@@ -147,10 +147,14 @@ class OpenAIRoutes:
         messages = body.get("messages")
         if not isinstance(messages, list):
             raise BadRequest("missing field 'messages' (a list of {role, content} objects)")
-        ids = await render(await self.tokenizer(), read_messages(messages), plan.tools, plan.template_kwargs)
-        return await self._answer(request, plan, [Prompt(ids, None)])
+        tok = await self.tokenizer()
+        ids, opening = await render(tok, read_messages(messages), plan.tools, plan.template_kwargs, self.parser.start)
+        return await self._answer(request, plan, [Prompt(ids, None)], opening)
 
-    async def _answer(self, request: web.Request, plan: Plan, prompts: list[Prompt]) -> web.StreamResponse:
+    async def _answer(
+        self, request: web.Request, plan: Plan, prompts: list[Prompt], opening: str = ""
+    ) -> web.StreamResponse:
+        """`opening`: the text each answer begins with, the prompt's end (a forced call's opening)."""
         tok = await self.tokenizer()
         params = [self._params(plan, len(p.ids)) for p in prompts]
         rid = uuid.uuid4().hex
@@ -168,7 +172,7 @@ class OpenAIRoutes:
 
         def text() -> ChoiceText:
             parser = self.parser if plan.tools else None
-            return ChoiceText(_decoder(tok, plan.skip_special_tokens), plan, parser, stop_ids)
+            return ChoiceText(_decoder(tok, plan.skip_special_tokens), plan, parser, stop_ids, opening)
 
         if plan.stream:
             return await stream_answer(request, plan, head, prompts, [runner(i) for i in range(len(prompts))], text)
