@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from vime.engine.http_common import BadRequest, read_body
+from vime.engine.http_common import BadRequest, body_field, read_body
 from vime.engine.openai_api.chat import read_messages, render
 from vime.engine.openai_api.choices import ChoiceText, Finished, Scored, chat_logprobs, completion_logprobs
 from vime.engine.openai_api.request import Plan, Prompt, read_plan
@@ -34,6 +34,11 @@ if TYPE_CHECKING:
     from vime.engine.streams import OnTokens
 
 Generate = Callable[..., Awaitable["RequestOutput"]]  # EngineServer._generate(ids, params, rid, on_tokens)
+
+
+# /tokenize's fields (vLLM's): a prompt, or a chat with the chat route's template fields
+CHAT_TOKENIZE_FIELDS = frozenset({"tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message"})
+TOKENIZE_FIELDS = CHAT_TOKENIZE_FIELDS | {"model", "prompt", "messages", "add_special_tokens", "return_token_strs"}
 
 
 class ModelNotFound(RuntimeError):
@@ -91,10 +96,22 @@ class OpenAIRoutes:
         self._tokenizer_lock = asyncio.Lock()
 
     def add_to(self, app: web.Application) -> None:
-        app.router.add_get("/v1/models", self.models)
+        """The routes, each also with a trailing slash (a base URL that ends in one: vLLM's server
+        redirects those, which not every client follows), and vLLM's /tokenize, /detokenize and
+        /version."""
         app.router.add_get("/v1/models/{name:.+}", self.model_card)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        for path, handler in {"/v1/models": self.models, "/version": self.version}.items():
+            app.router.add_get(path, handler)
+            app.router.add_get(path + "/", handler)
+        for path, handler in {
+            "/v1/completions": self.completions,
+            "/v1/chat/completions": self.chat_completions,
+            "/v1/responses": self.responses,
+            "/tokenize": self.tokenize,
+            "/detokenize": self.detokenize,
+        }.items():
+            app.router.add_post(path, handler)
+            app.router.add_post(path + "/", handler)
 
     async def tokenizer(self):
         async with self._tokenizer_lock:
@@ -129,6 +146,58 @@ class OpenAIRoutes:
         one it would be a wrong answer that looks right. No `model` at all is taken."""
         if name is not None and name not in self.model.names:
             raise ModelNotFound(f"model '{name}' is not served here: this engine serves '{self.model.names[0]}'")
+
+    async def version(self, request: web.Request) -> web.Response:
+        from vime import __version__
+
+        return web.json_response({"version": __version__})
+
+    async def responses(self, request: web.Request) -> web.Response:
+        """OpenAI's Responses API is not served: a 404 that names what to call instead, rather
+        than the bare one of a route that does not exist."""
+        return openai_error(
+            404,
+            "POST /v1/responses: the Responses API is not served by the vime engine: use POST /v1/chat/completions "
+            "(LangChain: ChatOpenAI without use_responses_api; the OpenAI Agents SDK: OpenAIChatCompletionsModel)",
+        )
+
+    # ---- vLLM's tokenizer routes ---------------------------------------------------------
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: a `prompt` tokenized as /v1/completions does, or `messages` (and
+        `tools`) rendered as /v1/chat/completions does, so `count` is the prompt's usage there."""
+        body = await read_body(request)
+        unknown = sorted(set(body) - TOKENIZE_FIELDS)
+        if unknown:
+            raise BadRequest(
+                f"unsupported field(s) {unknown} for /tokenize: it takes {', '.join(sorted(TOKENIZE_FIELDS))}"
+            )
+        self._check_model(body_field(body, "model", str, required=False))
+        tok = await self.tokenizer()
+        if (body.get("prompt") is None) == (body.get("messages") is None):
+            raise BadRequest("give 'prompt' (a text) or 'messages' (a chat), one of them")
+        special = body_field(body, "add_special_tokens", bool, required=False, default=False)
+        if body.get("prompt") is not None:
+            prompt = body_field(body, "prompt", str)
+            ids = await asyncio.to_thread(tok.encode, prompt, add_special_tokens=special)
+        else:
+            plan = read_plan({k: body[k] for k in CHAT_TOKENIZE_FIELDS if k in body}, chat=True)
+            messages = read_messages(body_field(body, "messages", list))
+            ids, _ = await render(tok, messages, plan.tools, plan.template_kwargs, self.parser.start)
+        strs = [tok.decode([t], skip_special_tokens=False) for t in ids] if body.get("return_token_strs") else None
+        return web.json_response(
+            {"count": len(ids), "max_model_len": self.model.max_seq_len, "tokens": ids, "token_strs": strs}
+        )
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /detokenize: token ids to their text, special tokens kept."""
+        body = await read_body(request)
+        self._check_model(body_field(body, "model", str, required=False))
+        ids = body_field(body, "tokens", list)
+        tok = await self.tokenizer()
+        if not all(map(_is_id, ids)) or any(t < 0 or t >= len(tok) for t in ids):
+            raise BadRequest(f"tokens must be token ids in 0..{len(tok) - 1}")
+        return web.json_response({"prompt": tok.decode(ids, skip_special_tokens=False)})
 
     # ---- the two routes ----------------------------------------------------------------
 
@@ -265,12 +334,45 @@ def _prompts(tok: Any, prompt: Any) -> list[Prompt]:
     return out
 
 
+def is_openai_path(path: str) -> bool:
+    """The /v1/ routes and vLLM's tokenizer and version routes: OpenAI's errors, browsers' CORS."""
+    return path.startswith("/v1/") or path.rstrip("/") in ("/tokenize", "/detokenize", "/version")
+
+
+@web.middleware
+async def cors_preflight(request: web.Request, handler: Callable) -> web.StreamResponse:
+    """A browser's preflight (OPTIONS with Access-Control-Request-Method) of an OpenAI route,
+    answered here, before the key check (a browser sends no key with it): any origin, as vLLM's
+    server allows by default (`--allowed-origins '*'`), so a web page can call the server. The
+    engine's own routes (weights, pause) get no preflight answer, so a page cannot call those."""
+    if (
+        request.method == "OPTIONS"
+        and is_openai_path(request.path)
+        and "Origin" in request.headers
+        and "Access-Control-Request-Method" in request.headers
+    ):
+        allowed = {
+            "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+            "Access-Control-Allow-Headers": request.headers.get("Access-Control-Request-Headers", "*"),
+            "Access-Control-Max-Age": "600",
+        }
+        return web.Response(headers=allowed)
+    return await handler(request)
+
+
+async def cors_origin(request: web.Request, response: web.StreamResponse) -> None:
+    """`on_response_prepare`: an OpenAI route's answer to a browser may be read by its page (set
+    as the headers go out, so a stream's too)."""
+    if is_openai_path(request.path) and "Origin" in request.headers:
+        response.headers["Access-Control-Allow-Origin"] = "*"
+
+
 @web.middleware
 async def openai_errors(request: web.Request, handler: Callable) -> web.StreamResponse:
-    """The /v1/ routes' errors in OpenAI's shape, `{"error": {"message", "type", "param",
+    """The OpenAI routes' errors in OpenAI's shape, `{"error": {"message", "type", "param",
     "code"}}`, which OpenAI's clients read, whichever middleware or handler answered (the key
     check's 401, a body over the limit, an unknown route); other routes keep the protocol's."""
-    if not request.path.startswith("/v1/"):
+    if not is_openai_path(request.path):
         return await handler(request)
     try:
         response = await handler(request)
