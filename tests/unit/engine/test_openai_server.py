@@ -296,6 +296,34 @@ def test_echo_with_logprobs_scores_the_prompt_too(client, plain, hf, tok):
     )
 
 
+def test_streamed_logprobs_join_to_the_answers_for_the_same_seed(client):
+    """Each choice's log-probs arrive in its chunks (vime: all in its last text chunk, once
+    scored), and join to what the answer without stream has, as clients join them."""
+    kw = {"max_tokens": 6, "seed": 3, "n": 2, "logprobs": True, "top_logprobs": 2}
+    whole = chat(client, **kw)
+    joined: list[list] = [[], []]
+    for chunk in chat(client, stream=True, **kw):
+        for c in chunk.choices:
+            joined[c.index] += c.logprobs.content if c.logprobs else []
+    assert joined == [c.logprobs.content for c in whole.choices] and all(len(j) > 0 for j in joined)
+    kw = {
+        "model": NAME,
+        "prompt": "ab",
+        "max_tokens": 4,
+        "seed": 3,
+        "logprobs": 1,
+        "echo": True,
+        "extra_body": {"ignore_eos": True},
+    }
+    tokens, lps = [], []
+    for chunk in client.completions.create(stream=True, **kw):
+        if chunk.choices[0].logprobs:
+            tokens += chunk.choices[0].logprobs.tokens
+            lps += chunk.choices[0].logprobs.token_logprobs
+    answer = client.completions.create(**kw).choices[0].logprobs
+    assert (tokens, lps) == (answer.tokens, answer.token_logprobs) and len(tokens) == 6
+
+
 # ---- stops and logit_bias -------------------------------------------------------------------
 
 
@@ -377,7 +405,6 @@ def test_a_client_that_hangs_up_mid_stream_has_its_request_aborted_in_the_engine
         ({"presence_penalty": 0.5}, "presence_penalty 0.5 is not supported"),
         ({"extra_body": {"guided_json": {}}}, r"unsupported field\(s\) \['guided_json'\]"),
         ({"tool_choice": "required", "tools": []}, "tool_choice other than 'auto' or 'none' needs tools"),
-        ({"stream": True, "logprobs": True}, "logprobs with stream: true are not supported"),
         ({"max_tokens": 600}, "max_tokens 600 and the prompt's 21 tokens are more than the model's context of 512"),
         ({"top_logprobs": 2}, "top_logprobs needs logprobs: true"),
         ({"reasoning_effort": "low"}, "field 'reasoning_effort' is not supported"),

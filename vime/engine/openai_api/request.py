@@ -209,11 +209,6 @@ def _limits(given: dict) -> None:
             f"response_format {kind!r} is not supported: the vime engine has no constrained decoding (ask for JSON "
             "in the prompt, and parse the text)"
         )
-    if given.get("stream") and given.get("logprobs") not in (None, False):
-        raise BadRequest(
-            "logprobs with stream: true are not supported: the vime engine scores the whole answer once it is done, "
-            "so ask without stream"
-        )
 
 
 def read_plan(body: dict, chat: bool) -> Plan:

@@ -244,7 +244,14 @@ class OpenAIRoutes:
             return ChoiceText(_decoder(tok, plan.skip_special_tokens), plan, parser, stop_ids, opening)
 
         if plan.stream:
-            return await stream_answer(request, plan, head, prompts, [runner(i) for i in range(len(prompts))], text)
+            runs = [runner(i) for i in range(len(prompts))]
+
+            async def score(i: int, o: SeqOutput) -> dict | None:
+                return await self._logprobs(plan, tok, prompts[i].ids, o)
+
+            return await stream_answer(
+                request, plan, head, prompts, runs, text, score if plan.logprobs is not None else None
+            )
         outs = await gather_or_cancel([runner(i)(None) for i in range(len(prompts))])
         choices = []
         for i, out in enumerate(outs):
