@@ -238,6 +238,14 @@ def test_streamed_text_is_the_answers_text_for_the_same_seed(client):
     ]
 
 
+def test_min_p_one_keeps_only_the_likeliest_token(client):
+    """vLLM's min_p (extra_body): at 1 only the likeliest token survives, so sampling at
+    temperature 1 answers what greedy does."""
+    greedy = chat(client, max_tokens=8, temperature=0).choices[0].message.content
+    kept = chat(client, max_tokens=8, temperature=1.0, seed=5, extra_body={"min_p": 1.0}).choices[0].message.content
+    assert kept == greedy != chat(client, max_tokens=8, temperature=1.0, seed=5).choices[0].message.content
+
+
 def test_a_seed_reproduces_at_temperature_one_and_another_seed_differs(client):
     answers = {chat(client, max_tokens=20, temperature=1.0, seed=7).choices[0].message.content for _ in range(3)}
     assert len(answers) == 1

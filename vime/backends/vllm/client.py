@@ -37,6 +37,7 @@ _SAMPLING_KEYS = {
     "temperature": "temperature",
     "top_p": "top_p",
     "top_k": "top_k",
+    "min_p": "min_p",
     "stop_token_ids": "stop_token_ids",
     "stop": "stop",
     "ignore_eos": "ignore_eos",

@@ -27,6 +27,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # <= 0: off
+    min_p: float = 0.0  # vLLM's: a token less likely than min_p times the likeliest is dropped (0: off)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     stop: tuple[str, ...] = field(default_factory=tuple)  # strings that end a response, kept in it (stop.py)
     ignore_eos: bool = False
@@ -60,6 +61,7 @@ class SamplingParams:
                 temperature=float(d.get("temperature", cls.temperature)),
                 top_p=float(d.get("top_p", cls.top_p)),
                 top_k=_int(d.get("top_k", cls.top_k), "top_k"),
+                min_p=float(d.get("min_p", cls.min_p)),
                 stop_token_ids=tuple(_int(t, "stop_token_ids") for t in d.get("stop_token_ids", ())),
                 stop=_strings(d.get("stop", ()), "stop"),
                 ignore_eos=bool(d.get("ignore_eos", False)),
@@ -77,6 +79,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {p.temperature}")
         if not 0 < p.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
+        if not 0 <= p.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (0: off), got {p.min_p}")
         if p.n < 1:
             raise ValueError("n must be >= 1")
         if not math.isfinite(p.repetition_penalty) or p.repetition_penalty <= 0:
@@ -233,10 +237,10 @@ def sample(
 
     Rows that only need temperature (or greedy) go through one Triton pass on GPU
     (`kernels.sample`); a batch where some row filters by top-k/top-p takes the PyTorch path
-    (sort). Both draw by Gumbel-max with the same noise, so a row's token does not depend on
+    (sort; min-p too). Both draw by Gumbel-max with the same noise, so a row's token does not depend on
     which path its batch took.
     """
-    filtered = any(not p.greedy and (p.top_k > 0 or p.top_p < 1) for p in params)
+    filtered = any(not p.greedy and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in params)
     if kernels.enabled(logits.device) and not filtered:
         return kernels.sample(logits, temperatures, seeds)
     logits = logits.float()
@@ -255,8 +259,14 @@ def sample(
 
 
 def _top_k_top_p(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """`scaled` (logits / T) with the tokens each row's min-p, top-k and top-p drop at -inf;
+    min-p first, on the whole distribution, as vLLM's sampler does."""
     vocab = scaled.shape[-1]
     device = scaled.device
+    min_p = torch.tensor([0.0 if p.greedy else p.min_p for p in params], device=device, dtype=scaled.dtype)
+    if bool((min_p > 0).any()):
+        probs = scaled.softmax(dim=-1)
+        scaled = scaled.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
     top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab and not p.greedy else vocab for p in params], device=device)
     top_p = torch.tensor([1.0 if p.greedy else p.top_p for p in params], device=device, dtype=scaled.dtype)
     sorted_logits, order = scaled.sort(dim=-1, descending=True)

@@ -59,6 +59,7 @@ FIELDS: dict[str, Field] = {
     "modalities": Field((list,), CHAT),  # ["text"] only
     # vLLM's extensions
     "top_k": Field((int,)),
+    "min_p": Field((float,)),
     "repetition_penalty": Field((float,)),
     "stop_token_ids": Field((list,)),
     "ignore_eos": Field((bool,)),
@@ -80,7 +81,6 @@ REFUSED = {
     "web_search_options": "the vime engine has no web search",
     "reasoning_effort": "the vime engine has no reasoning effort: a chat template's own switch goes in chat_template_kwargs",
     "min_tokens": "the vime engine has no minimum length",
-    "min_p": "the vime engine samples with top_p and top_k, not min_p",
 }
 
 
@@ -221,7 +221,17 @@ def read_plan(body: dict, chat: bool) -> Plan:
     if max_tokens is not None and max_tokens < 0:
         raise BadRequest(f"max_tokens {max_tokens} must be >= 0")
     stop = _stop(given)
-    keys = ("temperature", "top_p", "top_k", "n", "stop_token_ids", "ignore_eos", "repetition_penalty", "logit_bias")
+    keys = (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "n",
+        "stop_token_ids",
+        "ignore_eos",
+        "repetition_penalty",
+        "logit_bias",
+    )
     params = SamplingParams.from_dict(
         {
             **{k: given[k] for k in keys if k in given},
