@@ -33,6 +33,7 @@ import openai
 import pytest
 import torch
 
+from unit.engine.reference import hf_greedy
 from vime.backends.builtin.launch import launch_engine
 
 ATOL = 1e-4
@@ -246,6 +247,18 @@ def test_min_p_one_keeps_only_the_likeliest_token(client):
     assert kept == greedy != chat(client, max_tokens=8, temperature=1.0, seed=5).choices[0].message.content
 
 
+def test_presence_and_frequency_penalties_are_hfs_greedy_with_them(client, hf, tok):
+    """OpenAI's penalties (on the answer's tokens, as vLLM applies them), greedy: HF's greedy
+    with each token's logit less frequency times its count in the answer and presence if there."""
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    ids = tok.encode(prompt, add_special_tokens=False)
+    for presence, frequency in ((1.5, 0.0), (0.0, 0.8)):
+        kw = {"presence_penalty": presence, "frequency_penalty": frequency, "extra_body": {"ignore_eos": True}}
+        out = chat(client, max_tokens=10, temperature=0, **kw).choices[0].message.content
+        reference = hf_greedy(hf, ids, 10, presence=presence, frequency=frequency)
+        assert out == tok.decode(reference, skip_special_tokens=True)
+
+
 def test_a_seed_reproduces_at_temperature_one_and_another_seed_differs(client):
     answers = {chat(client, max_tokens=20, temperature=1.0, seed=7).choices[0].message.content for _ in range(3)}
     assert len(answers) == 1
@@ -410,7 +423,7 @@ def test_a_client_that_hangs_up_mid_stream_has_its_request_aborted_in_the_engine
     "kw, named",
     [
         ({"response_format": {"type": "json_object"}}, "response_format 'json_object' is not supported"),
-        ({"presence_penalty": 0.5}, "presence_penalty 0.5 is not supported"),
+        ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2, 2\]"),
         ({"extra_body": {"guided_json": {}}}, r"unsupported field\(s\) \['guided_json'\]"),
         ({"tool_choice": "required", "tools": []}, "tool_choice other than 'auto' or 'none' needs tools"),
         ({"max_tokens": 600}, "max_tokens 600 and the prompt's 21 tokens are more than the model's context of 512"),

@@ -36,6 +36,11 @@ class SamplingParams:
     # vLLM's: a token already in the prompt or response has its logit divided by this when positive,
     # multiplied when negative (1: off). vllm-project/vime's tau-bench agent samples at 1.1.
     repetition_penalty: float = 1.0
+    # OpenAI's, as vLLM applies them: a token's logit less presence_penalty if the response so far
+    # holds it, and less frequency_penalty times the number of times it does (the prompt's tokens
+    # do not count); each in [-2, 2], 0: off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     # scheduling, not sampling: a waiting request of lower priority is admitted first (vLLM's
     # convention). Eval asks -1, so in an async run it does not queue behind the worker's backlog.
     priority: int = 0
@@ -69,6 +74,8 @@ class SamplingParams:
                 sampling_seed=_int(d["sampling_seed"], "sampling_seed") if "sampling_seed" in d else None,
                 priority=_int(d.get("priority", 0), "priority"),
                 repetition_penalty=float(d.get("repetition_penalty", 1.0)),
+                presence_penalty=float(d.get("presence_penalty", 0.0)),
+                frequency_penalty=float(d.get("frequency_penalty", 0.0)),
                 logit_bias=_bias(d.get("logit_bias", {})),
             )
         except TypeError as e:
@@ -85,6 +92,9 @@ class SamplingParams:
             raise ValueError("n must be >= 1")
         if not math.isfinite(p.repetition_penalty) or p.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be a number > 0 (1 = off), got {p.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(p, name) <= 2:  # NaN fails too
+                raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {getattr(p, name)}")
         return p
 
     @property
@@ -210,6 +220,38 @@ def penalize_repeats(
         seen[on, last[on].long()] = True
     p = sent(penalty)[:, None]
     return torch.where(seen, torch.where(logits > 0, logits / p, logits * p), logits)
+
+
+def penalize_occurrences(
+    logits: torch.Tensor, rows: list[tuple[int, float, float, list[int], bool]], last: torch.Tensor | None
+) -> torch.Tensor:
+    """`logits` [B, V] with OpenAI's presence and frequency penalties, as vLLM applies them: for
+    each (row, presence, frequency, response ids so far, pending) of `rows`, a token's logit less
+    frequency times its count in the response and presence if the count is not 0. `pending`: the
+    row's newest token is not in its ids yet but in `last` [B] on the device (a decode step's input,
+    as for `penalize_repeats`), and counts once. A new tensor, its log-probs those of the penalized
+    distribution (the caller's may be a CUDA graph's output buffer)."""
+    device = logits.device
+
+    def sent(x: torch.Tensor) -> torch.Tensor:
+        return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x
+
+    logits = logits.float().clone()
+    at = torch.tensor([r[0] for r in rows], dtype=torch.long)
+    lens = torch.tensor([len(r[3]) for r in rows], dtype=torch.long)
+    cols = torch.tensor(list(itertools.chain.from_iterable(r[3] for r in rows)), dtype=torch.long)
+    counts = torch.zeros_like(logits)
+    one = torch.ones((), device=device)
+    counts.index_put_((sent(torch.repeat_interleave(at, lens)), sent(cols)), one, accumulate=True)
+    waiting = torch.tensor([r[0] for r in rows if r[4]], dtype=torch.long)
+    if last is not None and len(waiting):
+        on = sent(waiting)
+        counts.index_put_((on, last[on].long()), one, accumulate=True)
+    presence = torch.zeros(logits.shape[0], dtype=torch.float32)
+    frequency = torch.zeros(logits.shape[0], dtype=torch.float32)
+    presence[at] = torch.tensor([r[1] for r in rows], dtype=torch.float32)
+    frequency[at] = torch.tensor([r[2] for r in rows], dtype=torch.float32)
+    return logits - sent(frequency)[:, None] * counts - sent(presence)[:, None] * (counts > 0)
 
 
 def add_logit_bias(logits: torch.Tensor, rows: list[tuple[int, tuple[tuple[int, float], ...]]]) -> torch.Tensor:

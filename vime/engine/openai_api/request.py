@@ -49,8 +49,8 @@ FIELDS: dict[str, Field] = {
     "top_logprobs": Field((int,), CHAT),
     "echo": Field((bool,), COMPLETIONS),
     "logit_bias": Field((dict,)),
-    "frequency_penalty": Field((float,)),  # 0 only
-    "presence_penalty": Field((float,)),  # 0 only
+    "frequency_penalty": Field((float,)),
+    "presence_penalty": Field((float,)),
     "best_of": Field((int,), COMPLETIONS),  # n only
     "tools": Field((list,), CHAT),
     "tool_choice": Field((str, dict), CHAT),
@@ -198,8 +198,6 @@ def _stream_options(given: dict) -> bool:
 
 def _limits(given: dict) -> None:
     """Fields the engine takes at one value only: their neutral one."""
-    for name in ("frequency_penalty", "presence_penalty"):
-        _only(given, name, 0, "the vime engine has no such penalty (repetition_penalty is vLLM's kind)")
     if "best_of" in given and given["best_of"] != given.get("n", 1):
         raise BadRequest(f"best_of {given['best_of']} is not supported: the vime engine returns every sample (n)")
     _only(given, "modalities", ["text"], "the vime engine answers text only")
@@ -231,6 +229,8 @@ def read_plan(body: dict, chat: bool) -> Plan:
         "ignore_eos",
         "repetition_penalty",
         "logit_bias",
+        "presence_penalty",
+        "frequency_penalty",
     )
     params = SamplingParams.from_dict(
         {
