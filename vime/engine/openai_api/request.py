@@ -60,6 +60,7 @@ FIELDS: dict[str, Field] = {
     # vLLM's extensions
     "top_k": Field((int,)),
     "min_p": Field((float,)),
+    "min_tokens": Field((int,)),  # 0 only
     "repetition_penalty": Field((float,)),
     "stop_token_ids": Field((list,)),
     "ignore_eos": Field((bool,)),
@@ -80,7 +81,6 @@ REFUSED = {
     "prediction": "the vime engine has no predicted outputs",
     "web_search_options": "the vime engine has no web search",
     "reasoning_effort": "the vime engine has no reasoning effort: a chat template's own switch goes in chat_template_kwargs",
-    "min_tokens": "the vime engine has no minimum length",
 }
 
 
@@ -201,6 +201,7 @@ def _limits(given: dict) -> None:
     if "best_of" in given and given["best_of"] != given.get("n", 1):
         raise BadRequest(f"best_of {given['best_of']} is not supported: the vime engine returns every sample (n)")
     _only(given, "modalities", ["text"], "the vime engine answers text only")
+    _only(given, "min_tokens", 0, "the vime engine has no minimum length")
     kind = given.get("response_format", {}).get("type", "text")
     if kind != "text":
         raise BadRequest(
