@@ -85,7 +85,7 @@ def test_a_stop_token_is_not_text_unless_asked_for():
     "body, chat, named",
     [
         ({"temperature": "hot"}, True, r"field 'temperature' has the wrong type \(str\)"),
-        ({"echo": True}, True, r"unsupported field\(s\) \['echo'\] for /v1/chat/completions"),
+        ({"echo": True}, True, "echo True is not supported: the vime engine takes it at False only"),
         ({"logprobs": True}, False, "logprobs of /v1/completions is how many likeliest tokens"),
         ({"logprobs": 21}, False, "logprobs 21: give 0 to 20"),
         ({"best_of": 3}, False, "best_of 3 is not supported"),
@@ -106,11 +106,19 @@ def test_a_stop_token_is_not_text_unless_asked_for():
             "tool_choice .* is not supported: give 'auto'",
         ),
         ({"tool_choice": "required"}, True, "tool_choice other than 'auto' or 'none' needs tools"),
+        ({"use_beam_search": True}, False, "use_beam_search True is not supported: the vime engine takes it at False"),
+        ({"bad_words": ["x"]}, True, r"bad_words \['x'\] is not supported"),
     ],
 )
 def test_a_bad_field_is_refused_by_name(body, chat, named):
     with pytest.raises((BadRequest, ValueError), match=named):
         read_plan(body, chat=chat)
+
+
+def test_vllms_extensions_at_their_default_are_taken():
+    preset = {"min_tokens": 0, "use_beam_search": False, "length_penalty": 1, "spaces_between_special_tokens": True}
+    assert read_plan({**preset, "echo": False, "bad_words": []}, chat=True).params == read_plan({}, chat=True).params
+    assert read_plan({**preset, "echo": True}, chat=False).echo
 
 
 def test_fields_sent_as_null_are_absent_and_platform_fields_are_accepted():

@@ -429,7 +429,7 @@ def test_a_client_that_hangs_up_mid_stream_has_its_request_aborted_in_the_engine
         ({"max_tokens": 600}, "max_tokens 600 and the prompt's 21 tokens are more than the model's context of 512"),
         ({"top_logprobs": 2}, "top_logprobs needs logprobs: true"),
         ({"reasoning_effort": "low"}, "field 'reasoning_effort' is not supported"),
-        ({"extra_body": {"min_tokens": 3}}, "min_tokens 3 is not supported: the vime engine has no minimum length"),
+        ({"extra_body": {"min_tokens": 3}}, "min_tokens 3 is not supported: the vime engine takes it at 0 only"),
     ],
 )
 def test_what_the_engine_would_not_honour_is_a_400_that_names_it(client, plain, kw, named):
@@ -441,7 +441,8 @@ def test_what_the_engine_would_not_honour_is_a_400_that_names_it(client, plain, 
 
 def test_accepted_and_ignored_fields_change_nothing(client):
     plain_answer = chat(client, max_tokens=8, seed=9).choices[0].message.content
-    neutral = {"frequency_penalty": 0, "extra_body": {"min_tokens": 0, "min_p": 0}}  # what vLLM-minded clients send
+    vllm_preset = {"min_tokens": 0, "min_p": 0, "use_beam_search": False, "spaces_between_special_tokens": True}
+    neutral = {"frequency_penalty": 0, "extra_body": {**vllm_preset, "echo": False}}  # what vLLM-minded clients send
     ignored = chat(client, max_tokens=8, seed=9, user="u1", metadata={"k": "v"}, store=False, **neutral)
     assert ignored.choices[0].message.content == plain_answer
 

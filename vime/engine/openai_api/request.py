@@ -60,7 +60,6 @@ FIELDS: dict[str, Field] = {
     # vLLM's extensions
     "top_k": Field((int,)),
     "min_p": Field((float,)),
-    "min_tokens": Field((int,)),  # 0 only
     "repetition_penalty": Field((float,)),
     "stop_token_ids": Field((list,)),
     "ignore_eos": Field((bool,)),
@@ -73,6 +72,18 @@ FIELDS: dict[str, Field] = {
 }
 # about OpenAI's platform (accounts, storage, billing, caching), not what is sampled
 IGNORED = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
+# vLLM's extensions the engine has no counterpart of, each with its value that asks for nothing
+# (what clients written for vLLM send, whole sampling presets): taken at it, a 400 naming the
+# field at any other (`echo` is the chat route's only: the completions route has its own)
+AT_DEFAULT: dict[str, Any] = {
+    "min_tokens": 0,
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "spaces_between_special_tokens": True,
+    "echo": False,
+    "return_tokens_as_token_ids": False,
+    "bad_words": [],
+}
 REFUSED = {
     "functions": "deprecated by OpenAI: give tools",
     "function_call": "deprecated by OpenAI: give tool_choice",
@@ -131,6 +142,12 @@ def _checked(body: dict, route: str) -> dict[str, Any]:
     for name in given.keys() & REFUSED.keys():
         raise BadRequest(f"field '{name}' is not supported: {REFUSED[name]}")
     unknown = sorted(k for k in given if k not in FIELDS or FIELDS[k].route not in (BOTH, route))
+    for name in [k for k in unknown if k in AT_DEFAULT]:
+        if given.pop(name) != AT_DEFAULT[name]:
+            raise BadRequest(
+                f"{name} {body[name]!r} is not supported: the vime engine takes it at {AT_DEFAULT[name]!r} only"
+            )
+        unknown.remove(name)
     if unknown:
         raise BadRequest(
             f"unsupported field(s) {unknown} for /v1/{'chat/completions' if route == CHAT else 'completions'}: "
@@ -201,7 +218,6 @@ def _limits(given: dict) -> None:
     if "best_of" in given and given["best_of"] != given.get("n", 1):
         raise BadRequest(f"best_of {given['best_of']} is not supported: the vime engine returns every sample (n)")
     _only(given, "modalities", ["text"], "the vime engine answers text only")
-    _only(given, "min_tokens", 0, "the vime engine has no minimum length")
     kind = given.get("response_format", {}).get("type", "text")
     if kind != "text":
         raise BadRequest(
