@@ -43,8 +43,8 @@ def test_sampling_params_are_mapped_key_by_key():
         "detokenize": False,
     }
     assert to_vllm_sampling_params({})["max_tokens"] == 128  # the built-in engine's default, not vLLM's
-    with pytest.raises(EngineError, match=r"unsupported sampling_params \['max_tokens', 'min_tokens'\]"):
-        to_vllm_sampling_params({"max_tokens": 5, "min_tokens": 1})
+    with pytest.raises(EngineError, match=r"unsupported sampling_params \['max_tokens', 'min_p'\]"):
+        to_vllm_sampling_params({"max_tokens": 5, "min_p": 0.1})
 
 
 def test_each_request_of_a_sample_gets_its_own_seed_and_the_same_one_again():

@@ -474,7 +474,7 @@ def test_client_errors(client, engine):
             [{"input_ids": [5], "sampling_params": {"max_new_tokens": 500, "n": 4, "ignore_eos": True}}],
         )
     with pytest.raises(EngineError, match="HTTP 400.*unsupported sampling_params"):
-        generate_many(client, [{"input_ids": [5], "sampling_params": {"presence_penalty": 0.5}}])
+        generate_many(client, [{"input_ids": [5], "sampling_params": {"min_new_tokens": 2}}])
     with pytest.raises(EngineError, match="HTTP 400.*can never fit"):
         generate_many(client, [{"input_ids": [5] * 600, "sampling_params": {}}])
     with pytest.raises(EngineError, match="HTTP 400.*pause mode"):

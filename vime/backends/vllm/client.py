@@ -37,15 +37,12 @@ _SAMPLING_KEYS = {
     "temperature": "temperature",
     "top_p": "top_p",
     "top_k": "top_k",
-    "min_p": "min_p",
     "stop_token_ids": "stop_token_ids",
     "stop": "stop",
     "ignore_eos": "ignore_eos",
     "n": "n",
     "sampling_seed": "seed",
     "repetition_penalty": "repetition_penalty",
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
     "priority": None,  # not sent: a server on vLLM's default first-come scheduling refuses any priority
     # how an answer's text is decoded (SGLang's options, which slime's plug-ins are handed): the
     # rollout decodes the token ids itself, so none changes what is sent
