@@ -163,7 +163,7 @@ def _call_opening(tokenizer: Any, messages: list[dict], tools: Tools, prompt: st
 
 
 async def render(
-    tokenizer: Any, messages: list[dict], tools: Tools | None, kwargs: dict, start: str = ""
+    tokenizer: Any, messages: list[dict], tools: Tools | None, kwargs: dict, start: str
 ) -> tuple[list[int], str]:
     """The prompt's token ids: the messages (and tools) through the chat template, in a thread
     (a long chat takes a while, and /health must answer meanwhile); and the text the answer
@@ -188,8 +188,7 @@ async def render(
             raise
         except Exception as e:  # jinja's errors (a template's raise_exception) are the request's
             raise BadRequest(f"the chat template refused the messages: {type(e).__name__}: {e}") from None
-        return tokenizer.encode(text + opening, add_special_tokens=False), opening[
-            opening.find(start) :
-        ] if opening else ""
+        answer_start = opening[opening.find(start) :] if opening else ""
+        return tokenizer.encode(text + opening, add_special_tokens=False), answer_start
 
     return await asyncio.to_thread(work)

@@ -180,11 +180,14 @@ class OpenAIRoutes:
         if body.get("prompt") is not None:
             prompt = body_field(body, "prompt", str)
             ids = await asyncio.to_thread(tok.encode, prompt, add_special_tokens=special)
+        elif special:
+            raise BadRequest("add_special_tokens is for a prompt: a chat's special tokens are its template's")
         else:
             plan = read_plan({k: body[k] for k in CHAT_TOKENIZE_FIELDS if k in body}, chat=True)
             messages = read_messages(body_field(body, "messages", list))
             ids, _ = await render(tok, messages, plan.tools, plan.template_kwargs, self.parser.start)
-        strs = [tok.decode([t], skip_special_tokens=False) for t in ids] if body.get("return_token_strs") else None
+        with_strs = body_field(body, "return_token_strs", bool, required=False, default=False)
+        strs = [tok.decode([t], skip_special_tokens=False) for t in ids] if with_strs else None
         return web.json_response(
             {"count": len(ids), "max_model_len": self.model.max_seq_len, "tokens": ids, "token_strs": strs}
         )
