@@ -1,14 +1,18 @@
 """`vime serve` as clients other than the official `openai` one call it: raw HTTP as curl and
-browsers send it, and the requests LangChain and litellm send (reproduced here as raw HTTP; the
-libraries themselves are not dependencies). One engine process on the engine tests' tiny Qwen3,
-with an API key (a browser's preflight carries none).
+browsers send it, the requests LangChain and litellm send (reproduced here as raw HTTP; the
+libraries themselves are not dependencies), and OpenAI's Responses API (the OpenAI Agents SDK's
+default, LangChain's use_responses_api) through the official client. One engine process on the
+engine tests' tiny Qwen3, with an API key (a browser's preflight carries none); the Responses
+tool-call test starts the tiny tool-calling model of test_openai_server.py.
 
 What it covers, each a call that failed before: a path with a trailing slash (a base URL ending
 in one), a browser's CORS preflight (vLLM allows any origin by default), vLLM's /tokenize,
-/detokenize and /version, and the Responses API refused by a 404 that names the chat route.
+/detokenize and /version, and /v1/responses (a 404 before).
 """
 
 from __future__ import annotations
+
+import json
 
 import httpx
 import openai
@@ -80,8 +84,67 @@ def test_vllms_tokenize_detokenize_and_version(http):
     assert http.post("/tokenize", json={"model": "gpt-4o", "prompt": "a"}).status_code == 404
 
 
-def test_the_responses_api_is_a_404_that_names_the_chat_route(url):
-    """LangChain's use_responses_api, litellm.responses and the OpenAI Agents SDK call it."""
+def test_the_responses_api_answers_what_the_chat_route_does(url):
+    """LangChain's use_responses_api, litellm.responses and the OpenAI Agents SDK's default model
+    call it: greedy, its text is the chat route's for the same messages, streamed or not."""
     client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
-    with pytest.raises(openai.NotFoundError, match="Responses API is not served .* use POST /v1/chat/completions"):
-        client.responses.create(model=NAME, input="hi")
+    kw = {"model": NAME, "max_output_tokens": 6, "temperature": 0}
+    messages = [{"role": "system", "content": "be brief"}, *HI]
+    chat = client.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0)
+    answer = client.responses.create(input="hi", instructions="be brief", **kw)
+    assert (
+        answer.output_text == chat.choices[0].message.content and answer.usage.input_tokens == chat.usage.prompt_tokens
+    )
+    assert answer.status == "incomplete" and answer.incomplete_details.reason == "max_output_tokens"
+    with client.responses.stream(
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}], **kw
+    ) as s:
+        kinds = [e.type for e in s]
+        final = s.get_final_response()
+    assert final.output_text == client.responses.create(input="hi", **kw).output_text
+    assert kinds[0] == "response.created" and "response.output_text.delta" in kinds
+    assert kinds[-1] == f"response.{final.status}"
+
+
+@pytest.mark.parametrize(
+    "kw, named",
+    [
+        ({"previous_response_id": "resp_1"}, "stores no responses: send the whole conversation in input"),
+        ({"text": {"format": {"type": "json_object"}}}, "text.format 'json_object' is not supported"),
+        ({"tools": [{"type": "web_search"}]}, "tools\\[0\\] of type 'web_search' is not supported"),
+        ({"reasoning": {"effort": "low"}}, "reasoning .* is not supported"),
+    ],
+)
+def test_what_the_responses_api_cannot_keep_is_a_400_that_names_it(url, kw, named):
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+    with pytest.raises(openai.BadRequestError, match=named):
+        client.responses.create(model=NAME, input="hi", **kw)
+
+
+def test_a_responses_tool_call_and_its_output_make_a_second_turn(tmp_path_factory):
+    """The Agents SDK's loop: a function_call item out, it and a function_call_output item back
+    in, the answer as text (the tiny model trained to call `add`, tests/plugins/tool_model.py)."""
+    from tool_model import ADD_TOOL, chat_tool_model
+
+    from unit.engine.test_openai_server import SHAPE32
+
+    log = tmp_path_factory.mktemp("logs") / "responses-tools.log"
+    model = str(chat_tool_model(**SHAPE32))
+    proc = launch_engine(model, extra_args=["--num-threads", "1"], log_path=log)
+    try:
+        client = openai.OpenAI(base_url=proc.url + "/v1", api_key="unused", max_retries=0)
+        tool = {"type": "function", **ADD_TOOL["function"]}  # the Responses API's tools are flat
+        kw = {"model": model, "tools": [tool], "temperature": 0, "max_output_tokens": 80}
+        first = client.responses.create(input="3+4=", **kw)
+        (call,) = first.output
+        assert call.type == "function_call" and call.name == "add" and json.loads(call.arguments) == {"a": 3, "b": 4}
+        turn = [
+            {"role": "user", "content": "3+4="},
+            call.model_dump(),
+            {"type": "function_call_output", "call_id": call.call_id, "output": "7"},
+        ]
+        assert client.responses.create(input=turn, **kw).output_text == "Answer: 7"
+        forced = client.responses.create(input="2+5=", tool_choice={"type": "function", "name": "add"}, **kw)
+        assert [(o.type, o.name) for o in forced.output] == [("function_call", "add")]
+    finally:
+        proc.shutdown()

@@ -1,5 +1,6 @@
 """The OpenAI routes' handlers: `GET /v1/models`, `POST /v1/completions` and
-`POST /v1/chat/completions`, answered at once or streamed.
+`POST /v1/chat/completions`, answered at once or streamed (and `POST /v1/responses` on the chat
+path, vLLM's /tokenize, /detokenize and /version).
 
 A request becomes one engine request per prompt (n samples each), queued through the server's
 `generate` like any other; its log-probs are the engine's scoring of prompt and answer
@@ -25,6 +26,7 @@ from vime.engine.http_common import BadRequest, body_field, read_body
 from vime.engine.openai_api.chat import read_messages, render
 from vime.engine.openai_api.choices import ChoiceText, Finished, Scored, chat_logprobs, completion_logprobs
 from vime.engine.openai_api.request import Plan, Prompt, read_plan
+from vime.engine.openai_api.responses import chat_body, response_json, send_events
 from vime.engine.openai_api.stream import stream_answer
 from vime.tool_calls import TOOL_CALL_FORMATS, tool_call_format
 
@@ -152,14 +154,21 @@ class OpenAIRoutes:
 
         return web.json_response({"version": __version__})
 
-    async def responses(self, request: web.Request) -> web.Response:
-        """OpenAI's Responses API is not served: a 404 that names what to call instead, rather
-        than the bare one of a route that does not exist."""
-        return openai_error(
-            404,
-            "POST /v1/responses: the Responses API is not served by the vime engine: use POST /v1/chat/completions "
-            "(LangChain: ChatOpenAI without use_responses_api; the OpenAI Agents SDK: OpenAIChatCompletionsModel)",
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI's Responses API on the chat route's path (`responses.py` says what it takes)."""
+        body = await read_body(request)
+        chat = chat_body(body)
+        plan = read_plan(chat, chat=True)
+        self._check_model(plan.model)
+        tok = await self.tokenizer()
+        ids, opening = await render(
+            tok, read_messages(chat["messages"]), plan.tools, plan.template_kwargs, self.parser.start
         )
+        out = await self._generate(ids, self._params(plan, len(ids)), uuid.uuid4().hex)
+        o = out.outputs[0]
+        done = self._choice_text(plan, tok, opening).finish(o.output_ids, o.finish_reason)
+        response = response_json(body, plan.model or self.model.names[0], done, len(ids), len(o.output_ids))
+        return await send_events(request, response) if body.get("stream") else web.json_response(response)
 
     # ---- vLLM's tokenizer routes ---------------------------------------------------------
 
@@ -239,12 +248,8 @@ class OpenAIRoutes:
         def runner(i: int) -> Callable[[OnTokens | None], Awaitable[RequestOutput]]:
             return lambda on_tokens: self._generate(prompts[i].ids, params[i], f"{rid}-{i}", on_tokens)
 
-        eos = () if plan.params.ignore_eos else self._engine.model_config.eos_token_ids
-        stop_ids = frozenset((*plan.params.stop_token_ids, *eos))
-
         def text() -> ChoiceText:
-            parser = self.parser if plan.tools else None
-            return ChoiceText(_decoder(tok, plan.skip_special_tokens), plan, parser, stop_ids, opening)
+            return self._choice_text(plan, tok, opening)
 
         if plan.stream:
             runs = [runner(i) for i in range(len(prompts))]
@@ -278,6 +283,13 @@ class OpenAIRoutes:
                 },
             }
         )
+
+    def _choice_text(self, plan: Plan, tok: Any, opening: str) -> ChoiceText:
+        """A sample's text as the request reads it: its stop ids, its tool-call parser (with tools)."""
+        eos = () if plan.params.ignore_eos else self._engine.model_config.eos_token_ids
+        stop_ids = frozenset((*plan.params.stop_token_ids, *eos))
+        parser = self.parser if plan.tools else None
+        return ChoiceText(_decoder(tok, plan.skip_special_tokens), plan, parser, stop_ids, opening)
 
     def _params(self, plan: Plan, prompt_len: int) -> SamplingParams:
         if prompt_len == 0:
