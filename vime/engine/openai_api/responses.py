@@ -55,7 +55,9 @@ def _messages(items: Any, instructions: str | None) -> list[dict]:
     for i, item in enumerate(items):
         where = f"input[{i}]"
         kind = item.get("type", "message") if isinstance(item, dict) else None
-        if kind == "message" and isinstance(item.get("role"), str):
+        if kind == "message":
+            if not isinstance(item.get("role"), str):
+                raise BadRequest(f"{where}: a message needs its role")
             messages.append({"role": item["role"], "content": _text(item.get("content"), where)})
         elif kind == "function_call":
             call = {

@@ -403,7 +403,9 @@ async def openai_errors(request: web.Request, handler: Callable) -> web.StreamRe
             raise
         message = f"{request.method} {request.path}: {e.reason}"
         if e.status == 404:
-            message += " (this engine serves GET /v1/models, POST /v1/completions and /v1/chat/completions)"
+            message += (
+                " (this engine serves GET /v1/models, POST /v1/completions, /v1/chat/completions and /v1/responses)"
+            )
         return openai_error(e.status, message)
     if response.status >= 400 and isinstance(response, web.Response) and response.content_type == "application/json":
         error = json.loads(response.body).get("error")
