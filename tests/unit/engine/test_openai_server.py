@@ -327,22 +327,14 @@ def test_streamed_logprobs_join_to_the_answers_for_the_same_seed(client):
         for c in chunk.choices:
             joined[c.index] += c.logprobs.content if c.logprobs else []
     assert joined == [c.logprobs.content for c in whole.choices] and all(len(j) > 0 for j in joined)
-    kw = {
-        "model": NAME,
-        "prompt": "ab",
-        "max_tokens": 4,
-        "seed": 3,
-        "logprobs": 1,
-        "echo": True,
-        "extra_body": {"ignore_eos": True},
-    }
+    kw = {"model": NAME, "prompt": "ab", "max_tokens": 4, "seed": 3, "logprobs": 1, "extra_body": {"ignore_eos": True}}
     tokens, lps = [], []
     for chunk in client.completions.create(stream=True, **kw):
         if chunk.choices[0].logprobs:
             tokens += chunk.choices[0].logprobs.tokens
             lps += chunk.choices[0].logprobs.token_logprobs
     answer = client.completions.create(**kw).choices[0].logprobs
-    assert (tokens, lps) == (answer.tokens, answer.token_logprobs) and len(tokens) == 6
+    assert (tokens, lps) == (answer.tokens, answer.token_logprobs) and len(tokens) == 4
 
 
 # ---- stops and logit_bias -------------------------------------------------------------------
@@ -492,21 +484,31 @@ def test_a_streamed_tool_call_shows_no_call_text_as_content(tool_client):
         {"parallel_tool_calls": False},  # LangChain's with_structured_output(method="function_calling") sends it
     ],
 )
-def test_tool_choice_required_or_named_answers_a_call(tool_client, kw):
+def test_tool_choice_required_or_named_answers_a_call(tool_client, tooled, kw):
     """LangChain's bind_tools(tool_choice="any" / a name) and with_structured_output send these;
-    the engine opens the call in the prompt (no constrained decoding), the model writes the rest."""
+    the engine opens the call in the prompt (no constrained decoding), the model writes the rest.
+    (vLLM constrains the call to its own JSON form, which the tiny model never saw: its
+    arguments and finish reason are checked on vime alone.)"""
     from tool_model import ADD_TOOL
 
     other = {"type": "function", "function": {"name": "sub", "parameters": {"type": "object"}}}
     out = tool_chat(tool_client, [{"role": "user", "content": "6+1="}], tools=[ADD_TOOL, other], **kw)
     if kw.get("stream"):
         pieces = [c.choices[0] for c in out if c.choices]
-        assert "".join(p.delta.content or "" for p in pieces) == "" and pieces[-1].finish_reason == "tool_calls"
-        (call,) = [tc for p in pieces for tc in p.delta.tool_calls or []]
+        assert "".join(p.delta.content or "" for p in pieces) == ""
+        calls: dict[int, list[str]] = {}  # a call may come in pieces (vLLM's do), joined by index
+        for piece in (tc for p in pieces for tc in p.delta.tool_calls or []):
+            name, arguments = calls.setdefault(piece.index, ["", ""])
+            calls[piece.index] = [name + (piece.function.name or ""), arguments + (piece.function.arguments or "")]
+        ((name, arguments),) = calls.values()
+        finish = pieces[-1].finish_reason
     else:
-        assert out.choices[0].finish_reason == "tool_calls" and not out.choices[0].message.content
-        (call,) = out.choices[0].message.tool_calls
-    assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 6, "b": 1}
+        assert not out.choices[0].message.content
+        ((name, arguments),) = [(c.function.name, c.function.arguments) for c in out.choices[0].message.tool_calls]
+        finish = out.choices[0].finish_reason
+    assert name == "add"
+    if tooled.backend == "vime":
+        assert json.loads(arguments) == {"a": 6, "b": 1} and finish == "tool_calls"
 
 
 def test_a_forced_call_names_a_tool_given(tool_client, tooled):
