@@ -85,7 +85,7 @@ def test_a_stop_token_is_not_text_unless_asked_for():
     "body, chat, named",
     [
         ({"temperature": "hot"}, True, r"field 'temperature' has the wrong type \(str\)"),
-        ({"echo": True}, True, r"unsupported field\(s\) \['echo'\] for /v1/chat/completions"),
+        ({"echo": True}, True, "echo True is not supported: the vime engine takes it at False only"),
         ({"logprobs": True}, False, "logprobs of /v1/completions is how many likeliest tokens"),
         ({"logprobs": 21}, False, "logprobs 21: give 0 to 20"),
         ({"best_of": 3}, False, "best_of 3 is not supported"),
@@ -95,7 +95,19 @@ def test_a_stop_token_is_not_text_unless_asked_for():
         ({"logit_bias": {"x": 1}}, True, "logit_bias key 'x' is not a token id"),
         ({"logit_bias": {"5": 101}}, True, r"logit_bias '5': 101 must be a number in \[-100, 100\]"),
         ({"tools": [{"type": "function"}]}, True, r"tools\[0\] must be"),
-        ({"tool_choice": {"type": "function", "function": {"name": "add"}}, "tools": TOOLS}, True, "tool_choice"),
+        (
+            {"tool_choice": {"type": "function", "function": {"name": "mul"}}, "tools": TOOLS},
+            True,
+            "'mul', which is not in",
+        ),
+        (
+            {"tool_choice": {"type": "allowed_tools"}, "tools": TOOLS},
+            True,
+            "tool_choice .* is not supported: give 'auto'",
+        ),
+        ({"tool_choice": "required"}, True, "tool_choice other than 'auto' or 'none' needs tools"),
+        ({"use_beam_search": True}, False, "use_beam_search True is not supported: the vime engine takes it at False"),
+        ({"bad_words": ["x"]}, True, r"bad_words \['x'\] is not supported"),
     ],
 )
 def test_a_bad_field_is_refused_by_name(body, chat, named):
@@ -103,6 +115,38 @@ def test_a_bad_field_is_refused_by_name(body, chat, named):
         read_plan(body, chat=chat)
 
 
+def test_vllms_extensions_at_their_default_are_taken():
+    preset = {"min_tokens": 0, "use_beam_search": False, "length_penalty": 1, "spaces_between_special_tokens": True}
+    assert read_plan({**preset, "echo": False, "bad_words": []}, chat=True).params == read_plan({}, chat=True).params
+    assert read_plan({**preset, "echo": True}, chat=False).echo
+
+
 def test_fields_sent_as_null_are_absent_and_platform_fields_are_accepted():
     plan = read_plan({"temperature": None, "stop": None, "user": "u", "store": True, "seed": 5, "n": 2}, chat=True)
     assert plan.params.temperature == 1.0 and plan.stop == () and plan.params.sampling_seed == 5 and plan.params.n == 2
+
+
+def test_tool_choice_says_which_call_the_model_must_make():
+    def force(choice):
+        return read_plan({"tools": TOOLS, "tool_choice": choice}, chat=True).tools.force
+
+    assert force(None) is force("auto") is None and force("required") == ""
+    assert force({"type": "function", "function": {"name": "add"}}) == "add"
+    assert read_plan({"tools": TOOLS, "tool_choice": "none"}, chat=True).tools is None
+
+
+def test_a_forced_calls_opening_begins_the_answer_and_parallel_false_keeps_the_first_call():
+    """The opening (in the prompt) and what the model wrote after it read as one call; a stop
+    string is looked for in the model's text only, not in the opening."""
+    plan = read_plan({"tools": TOOLS, "tool_choice": "required", "stop": ['"']}, chat=True)
+    opening = '<tool_call>{"name": "'
+    text = ChoiceText(lambda ids: 'add", "arguments": {}}</tool_call>', plan, HERMES, opening=opening)
+    assert text.advance([0]) == "" and text.finish([0], "stop").text == opening + "add"  # cut at the model's '"'
+    plan = read_plan({"tools": TOOLS, "tool_choice": "required"}, chat=True)
+    done = ChoiceText(lambda ids: 'add", "arguments": {}}</tool_call>', plan, HERMES, opening=opening).finish(
+        [0], "stop"
+    )
+    assert done.text == "" and [c["function"]["name"] for c in done.tool_calls] == ["add"]
+    two = read_plan({"tools": TOOLS, "parallel_tool_calls": False}, chat=True)
+    done = ChoiceText(lambda ids: CALL + CALL.replace("add", "sub"), two, HERMES).finish([0], "stop")
+    assert [c["function"]["name"] for c in done.tool_calls] == ["add"] and done.finish_reason == "tool_calls"

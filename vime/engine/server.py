@@ -40,7 +40,14 @@ from vime.engine.http_common import (
     read_body,
 )
 from vime.engine.introspection import metrics_text, model_info
-from vime.engine.openai_api.routes import OpenAIRoutes, ServedModel, add_openai_flags, openai_errors
+from vime.engine.openai_api.routes import (
+    OpenAIRoutes,
+    ServedModel,
+    add_openai_flags,
+    cors_origin,
+    cors_preflight,
+    openai_errors,
+)
 from vime.engine.streams import OnTokens, Taps
 from vime.engine.weight_routes import WeightRoutes
 from vime.errors import VimeError
@@ -270,8 +277,10 @@ class EngineServer:
         middlewares = [body_limit_middleware(self.max_request_bytes, "--max-request-mb"), error_middleware]
         if self.api_key:
             middlewares.insert(0, auth_middleware(self.api_key))
-        middlewares.insert(0, openai_errors)  # outermost: the /v1/ routes' errors in OpenAI's shape, a 401 too
+        middlewares.insert(0, openai_errors)  # the OpenAI routes' errors in OpenAI's shape, a 401 too
+        middlewares.insert(0, cors_preflight)  # outermost: a browser's preflight carries no key
         app = web.Application(middlewares=middlewares, client_max_size=self.max_request_bytes)
+        app.on_response_prepare.append(cors_origin)
         self.openai.add_to(app)
         post = {
             "/generate": self.generate,

@@ -46,11 +46,19 @@ def greedy(max_new_tokens: int, **kw) -> dict:
 
 @torch.no_grad()
 def hf_greedy(
-    hf, prompt: list[int], max_new_tokens: int, eos_ids: tuple[int, ...] = (), repetition_penalty: float = 1.0
+    hf,
+    prompt: list[int],
+    max_new_tokens: int,
+    eos_ids: tuple[int, ...] = (),
+    repetition_penalty: float = 1.0,
+    presence: float = 0.0,
+    frequency: float = 0.0,
 ) -> list[int]:
     """Greedy decoding by full HF forwards (no cache): the reference when eos must be ignored.
     `repetition_penalty` as vLLM's: every token seen so far (prompt or output) has its logit
-    divided by it when positive, multiplied when not."""
+    divided by it when positive, multiplied when not. `presence` and `frequency` as OpenAI's
+    penalties: a token's logit less frequency times its count in the output, and less presence
+    if it is there at all."""
     tokens = list(prompt)
     for _ in range(max_new_tokens):
         logits = hf(torch.tensor([tokens])).logits[0, -1].float()
@@ -58,6 +66,8 @@ def hf_greedy(
         logits[seen] = torch.where(
             logits[seen] > 0, logits[seen] / repetition_penalty, logits[seen] * repetition_penalty
         )
+        counts = torch.bincount(torch.tensor(tokens[len(prompt) :], dtype=torch.long), minlength=logits.shape[0])
+        logits -= frequency * counts + presence * (counts > 0)
         tokens.append(int(logits.argmax()))
         if tokens[-1] in eos_ids:
             break

@@ -199,6 +199,23 @@ def test_torch_sampler_distribution_and_seeds():
     check_sampler(torch_sample, rows=4000)
 
 
+def test_min_p_drops_the_tokens_below_its_share_of_the_likeliest():
+    """vLLM's min-p: probabilities [0.79, 0.18, 0.04]; min_p 0.1 drops the last (under 0.079),
+    and the draws and log-probs are those of the other two, renormalized."""
+    from vime.engine.core.sampler import SamplingParams, sample
+
+    rows = 4000
+    logits = torch.tensor([0.0, -1.5, -3.0]).expand(rows, 3).contiguous()
+    seeds = torch.arange(rows, dtype=torch.int32) * 7919 + 11
+    tokens, lps = sample(logits, [SamplingParams(min_p=0.1)] * rows, torch.ones(rows), seeds)
+    p = torch.softmax(torch.tensor([0.0, -1.5]), -1)
+    share = torch.bincount(tokens, minlength=3) / rows
+    assert share[2] == 0 and ((share[:2] - p).abs() <= 4 * (p * (1 - p) / rows).sqrt()).all()
+    assert torch.allclose(lps, p.log()[tokens], atol=1e-5)
+    with pytest.raises(ValueError, match="min_p must be in"):
+        SamplingParams.from_dict({"min_p": 1.5})
+
+
 def test_sampler_noise_stays_below_one():
     """Seed 2290 hashes column 3788 of a 4096-token vocabulary to the largest 32-bit values'
     range, where 24-bit noise rounded to exactly 1.0: infinite Gumbel noise, and that column

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -91,6 +92,9 @@ def engine_kernel_checks(model_dir: str) -> None:
     for i, p in enumerate(prompts):
         eng.add_request(str(i), p, SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True))
     eng.add_request("t", PROMPTS[2], SamplingParams(max_new_tokens=6, temperature=0.7, ignore_eos=True))
+    # OpenAI's penalties count a decode step's newest token, still on the device, once
+    penalized = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True, presence_penalty=1.5)
+    eng.add_request("pen", PROMPTS[1], replace(penalized, frequency_penalty=0.5))
     outs, kinds = {}, set()
     while eng.has_work():
         outs.update((o.rid, o.outputs[0]) for o in eng.step())
@@ -103,6 +107,11 @@ def engine_kernel_checks(model_dir: str) -> None:
         )
     assert torch.allclose(
         torch.tensor(outs["t"].logprobs), hf_logprobs(hf, PROMPTS[2], outs["t"].output_ids, 0.7), atol=ATOL
+    )
+    assert (
+        outs["pen"].output_ids
+        == hf_greedy(hf, PROMPTS[1], 6, presence=1.5, frequency=0.5)
+        != hf_greedy(hf, PROMPTS[1], 6)
     )
 
     # A weight update lands between two decode steps and shows in the very next token.

@@ -33,6 +33,7 @@ import openai
 import pytest
 import torch
 
+from unit.engine.reference import hf_greedy
 from vime.backends.builtin.launch import launch_engine
 
 ATOL = 1e-4
@@ -238,6 +239,26 @@ def test_streamed_text_is_the_answers_text_for_the_same_seed(client):
     ]
 
 
+def test_min_p_one_keeps_only_the_likeliest_token(client):
+    """vLLM's min_p (extra_body): at 1 only the likeliest token survives, so sampling at
+    temperature 1 answers what greedy does."""
+    greedy = chat(client, max_tokens=8, temperature=0).choices[0].message.content
+    kept = chat(client, max_tokens=8, temperature=1.0, seed=5, extra_body={"min_p": 1.0}).choices[0].message.content
+    assert kept == greedy != chat(client, max_tokens=8, temperature=1.0, seed=5).choices[0].message.content
+
+
+def test_presence_and_frequency_penalties_are_hfs_greedy_with_them(client, hf, tok):
+    """OpenAI's penalties (on the answer's tokens, as vLLM applies them), greedy: HF's greedy
+    with each token's logit less frequency times its count in the answer and presence if there."""
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    ids = tok.encode(prompt, add_special_tokens=False)
+    for presence, frequency in ((1.5, 0.0), (0.0, 0.8)):
+        kw = {"presence_penalty": presence, "frequency_penalty": frequency, "extra_body": {"ignore_eos": True}}
+        out = chat(client, max_tokens=10, temperature=0, **kw).choices[0].message.content
+        reference = hf_greedy(hf, ids, 10, presence=presence, frequency=frequency)
+        assert out == tok.decode(reference, skip_special_tokens=True)
+
+
 def test_a_seed_reproduces_at_temperature_one_and_another_seed_differs(client):
     answers = {chat(client, max_tokens=20, temperature=1.0, seed=7).choices[0].message.content for _ in range(3)}
     assert len(answers) == 1
@@ -294,6 +315,26 @@ def test_echo_with_logprobs_scores_the_prompt_too(client, plain, hf, tok):
     assert scored.text == "3+4=7" and scored.logprobs.token_logprobs[1:] == pytest.approx(
         hf_logprobs(hf, tok.encode("3+4=7", add_special_tokens=False), 1), abs=ATOL
     )
+
+
+def test_streamed_logprobs_join_to_the_answers_for_the_same_seed(client):
+    """Each choice's log-probs arrive in its chunks (vime: all in its last text chunk, once
+    scored), and join to what the answer without stream has, as clients join them."""
+    kw = {"max_tokens": 6, "seed": 3, "n": 2, "logprobs": True, "top_logprobs": 2}
+    whole = chat(client, **kw)
+    joined: list[list] = [[], []]
+    for chunk in chat(client, stream=True, **kw):
+        for c in chunk.choices:
+            joined[c.index] += c.logprobs.content if c.logprobs else []
+    assert joined == [c.logprobs.content for c in whole.choices] and all(len(j) > 0 for j in joined)
+    kw = {"model": NAME, "prompt": "ab", "max_tokens": 4, "seed": 3, "logprobs": 1, "extra_body": {"ignore_eos": True}}
+    tokens, lps = [], []
+    for chunk in client.completions.create(stream=True, **kw):
+        if chunk.choices[0].logprobs:
+            tokens += chunk.choices[0].logprobs.tokens
+            lps += chunk.choices[0].logprobs.token_logprobs
+    answer = client.completions.create(**kw).choices[0].logprobs
+    assert (tokens, lps) == (answer.tokens, answer.token_logprobs) and len(tokens) == 4
 
 
 # ---- stops and logit_bias -------------------------------------------------------------------
@@ -374,13 +415,13 @@ def test_a_client_that_hangs_up_mid_stream_has_its_request_aborted_in_the_engine
     "kw, named",
     [
         ({"response_format": {"type": "json_object"}}, "response_format 'json_object' is not supported"),
-        ({"presence_penalty": 0.5}, "presence_penalty 0.5 is not supported"),
+        ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2, 2\]"),
         ({"extra_body": {"guided_json": {}}}, r"unsupported field\(s\) \['guided_json'\]"),
-        ({"tool_choice": "required", "tools": []}, "tool_choice required is not supported"),
-        ({"stream": True, "logprobs": True}, "logprobs with stream: true are not supported"),
+        ({"tool_choice": "required", "tools": []}, "tool_choice other than 'auto' or 'none' needs tools"),
         ({"max_tokens": 600}, "max_tokens 600 and the prompt's 21 tokens are more than the model's context of 512"),
         ({"top_logprobs": 2}, "top_logprobs needs logprobs: true"),
         ({"reasoning_effort": "low"}, "field 'reasoning_effort' is not supported"),
+        ({"extra_body": {"min_tokens": 3}}, "min_tokens 3 is not supported: the vime engine takes it at 0 only"),
     ],
 )
 def test_what_the_engine_would_not_honour_is_a_400_that_names_it(client, plain, kw, named):
@@ -392,7 +433,9 @@ def test_what_the_engine_would_not_honour_is_a_400_that_names_it(client, plain, 
 
 def test_accepted_and_ignored_fields_change_nothing(client):
     plain_answer = chat(client, max_tokens=8, seed=9).choices[0].message.content
-    ignored = chat(client, max_tokens=8, seed=9, user="u1", metadata={"k": "v"}, store=False, frequency_penalty=0)
+    vllm_preset = {"min_tokens": 0, "min_p": 0, "use_beam_search": False, "spaces_between_special_tokens": True}
+    neutral = {"frequency_penalty": 0, "extra_body": {**vllm_preset, "echo": False}}  # what vLLM-minded clients send
+    ignored = chat(client, max_tokens=8, seed=9, user="u1", metadata={"k": "v"}, store=False, **neutral)
     assert ignored.choices[0].message.content == plain_answer
 
 
@@ -430,6 +473,52 @@ def test_a_streamed_tool_call_shows_no_call_text_as_content(tool_client):
         finish = chunk.choices[0].finish_reason or finish
     assert content == "" and finish == "tool_calls"
     assert list(calls) == [0] and calls[0][0] == "add" and json.loads(calls[0][1]) == {"a": 5, "b": 2}
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"tool_choice": "required"},
+        {"tool_choice": {"type": "function", "function": {"name": "add"}}},
+        {"tool_choice": "required", "stream": True},
+        {"parallel_tool_calls": False},  # LangChain's with_structured_output(method="function_calling") sends it
+    ],
+)
+def test_tool_choice_required_or_named_answers_a_call(tool_client, tooled, kw):
+    """LangChain's bind_tools(tool_choice="any" / a name) and with_structured_output send these;
+    the engine opens the call in the prompt (no constrained decoding), the model writes the rest.
+    (vLLM constrains the call to its own JSON form, which the tiny model never saw: its
+    arguments and finish reason are checked on vime alone.)"""
+    from tool_model import ADD_TOOL
+
+    other = {"type": "function", "function": {"name": "sub", "parameters": {"type": "object"}}}
+    out = tool_chat(tool_client, [{"role": "user", "content": "6+1="}], tools=[ADD_TOOL, other], **kw)
+    if kw.get("stream"):
+        pieces = [c.choices[0] for c in out if c.choices]
+        assert "".join(p.delta.content or "" for p in pieces) == ""
+        calls: dict[int, list[str]] = {}  # a call may come in pieces (vLLM's do), joined by index
+        for piece in (tc for p in pieces for tc in p.delta.tool_calls or []):
+            name, arguments = calls.setdefault(piece.index, ["", ""])
+            calls[piece.index] = [name + (piece.function.name or ""), arguments + (piece.function.arguments or "")]
+        ((name, arguments),) = calls.values()
+        finish = pieces[-1].finish_reason
+    else:
+        assert not out.choices[0].message.content
+        ((name, arguments),) = [(c.function.name, c.function.arguments) for c in out.choices[0].message.tool_calls]
+        finish = out.choices[0].finish_reason
+    assert name == "add"
+    if tooled.backend == "vime":
+        assert json.loads(arguments) == {"a": 6, "b": 1} and finish == "tool_calls"
+
+
+def test_a_forced_call_names_a_tool_given(tool_client, tooled):
+    tooled.only_vime("the messages are vime's")
+    with pytest.raises(openai.BadRequestError, match="names the function 'mul', which is not in tools"):
+        tool_chat(
+            tool_client,
+            [{"role": "user", "content": "1+1="}],
+            tool_choice={"type": "function", "function": {"name": "mul"}},
+        )
 
 
 def test_tools_reach_the_model_only_when_offered(tool_client):

@@ -109,6 +109,18 @@ def test_repetition_penalty_greedy_matches_hf_with_the_same_penalty(client, hf):
     assert [o["output_ids"] for o in penalized] != [o["output_ids"] for o in plain]
 
 
+def test_presence_and_frequency_penalties_greedy_match_hf_with_the_same_penalties(client, hf):
+    """OpenAI's presence and frequency penalties, as vLLM applies them: on the response's tokens
+    only, the frequency one times each token's count; and they change what the engine says."""
+    plain = generate_many(client, [{"input_ids": p, "sampling_params": greedy(12, ignore_eos=True)} for p in PROMPTS])
+    for presence, frequency in ((1.5, 0.0), (0.0, 0.7), (-0.5, 0.3)):
+        params = greedy(12, ignore_eos=True, presence_penalty=presence, frequency_penalty=frequency)
+        outs = generate_many(client, [{"input_ids": p, "sampling_params": params} for p in PROMPTS])
+        for p, out in zip(PROMPTS, outs):
+            assert out["output_ids"] == hf_greedy(hf, p, 12, presence=presence, frequency=frequency)
+        assert [o["output_ids"] for o in outs] != [o["output_ids"] for o in plain]
+
+
 @pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 0), (1.0, 5)])
 def test_sampled_logprobs_match_teacher_forced_hf(client, hf, temperature, top_k):
     params = {"max_new_tokens": 16, "temperature": temperature, "top_k": top_k or -1, "ignore_eos": True}
@@ -462,7 +474,7 @@ def test_client_errors(client, engine):
             [{"input_ids": [5], "sampling_params": {"max_new_tokens": 500, "n": 4, "ignore_eos": True}}],
         )
     with pytest.raises(EngineError, match="HTTP 400.*unsupported sampling_params"):
-        generate_many(client, [{"input_ids": [5], "sampling_params": {"presence_penalty": 0.5}}])
+        generate_many(client, [{"input_ids": [5], "sampling_params": {"min_new_tokens": 2}}])
     with pytest.raises(EngineError, match="HTTP 400.*can never fit"):
         generate_many(client, [{"input_ids": [5] * 600, "sampling_params": {}}])
     with pytest.raises(EngineError, match="HTTP 400.*pause mode"):

@@ -33,7 +33,7 @@ from vime.engine.core import kernels
 from vime.engine.core.attention import AttnMetadata, make_group
 from vime.engine.core.kv_cache import KVCache
 from vime.engine.core.model import CausalLM
-from vime.engine.core.sampler import add_logit_bias, penalize_repeats, sample, step_seeds
+from vime.engine.core.sampler import add_logit_bias, penalize_occurrences, penalize_repeats, sample, step_seeds
 from vime.engine.core.scheduler import PENDING, Sequence
 
 log = logging.getLogger(__name__)
@@ -191,6 +191,14 @@ class ModelRunner:
         if repeats:  # a decode step's newest token may still be pending: its input ids hold it
             last = self.d_ids[: len(seqs)] if self.is_decode(scheduled) else None
             logits = penalize_repeats(logits, repeats, last)
+        counted = [  # the response's tokens only; a pending newest one is in the step's input ids
+            (i, s.params.presence_penalty, s.params.frequency_penalty, *_response(s))
+            for i, s in enumerate(seqs)
+            if s.params.presence_penalty or s.params.frequency_penalty
+        ]
+        if counted:
+            last = self.d_ids[: len(seqs)] if self.is_decode(scheduled) else None
+            logits = penalize_occurrences(logits, counted, last)
         biased = [(i, s.params.logit_bias) for i, s in enumerate(seqs) if s.params.logit_bias]
         if biased:
             logits = add_logit_bias(logits, biased)
@@ -373,3 +381,9 @@ class ModelRunner:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         return Launched(seqs, tokens, h_tok[:b], h_lp[:b], event)
+
+
+def _response(s: Sequence) -> tuple[list[int], bool]:
+    """A sequence's response ids on the host, and whether its newest token is still pending."""
+    ids = s.output_ids
+    return (ids[:-1], True) if ids and ids[-1] == PENDING else (ids, False)

@@ -27,6 +27,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # <= 0: off
+    min_p: float = 0.0  # vLLM's: a token less likely than min_p times the likeliest is dropped (0: off)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     stop: tuple[str, ...] = field(default_factory=tuple)  # strings that end a response, kept in it (stop.py)
     ignore_eos: bool = False
@@ -35,6 +36,11 @@ class SamplingParams:
     # vLLM's: a token already in the prompt or response has its logit divided by this when positive,
     # multiplied when negative (1: off). vllm-project/vime's tau-bench agent samples at 1.1.
     repetition_penalty: float = 1.0
+    # OpenAI's, as vLLM applies them: a token's logit less presence_penalty if the response so far
+    # holds it, and less frequency_penalty times the number of times it does (the prompt's tokens
+    # do not count); each in [-2, 2], 0: off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     # scheduling, not sampling: a waiting request of lower priority is admitted first (vLLM's
     # convention). Eval asks -1, so in an async run it does not queue behind the worker's backlog.
     priority: int = 0
@@ -60,6 +66,7 @@ class SamplingParams:
                 temperature=float(d.get("temperature", cls.temperature)),
                 top_p=float(d.get("top_p", cls.top_p)),
                 top_k=_int(d.get("top_k", cls.top_k), "top_k"),
+                min_p=float(d.get("min_p", cls.min_p)),
                 stop_token_ids=tuple(_int(t, "stop_token_ids") for t in d.get("stop_token_ids", ())),
                 stop=_strings(d.get("stop", ()), "stop"),
                 ignore_eos=bool(d.get("ignore_eos", False)),
@@ -67,6 +74,8 @@ class SamplingParams:
                 sampling_seed=_int(d["sampling_seed"], "sampling_seed") if "sampling_seed" in d else None,
                 priority=_int(d.get("priority", 0), "priority"),
                 repetition_penalty=float(d.get("repetition_penalty", 1.0)),
+                presence_penalty=float(d.get("presence_penalty", 0.0)),
+                frequency_penalty=float(d.get("frequency_penalty", 0.0)),
                 logit_bias=_bias(d.get("logit_bias", {})),
             )
         except TypeError as e:
@@ -77,10 +86,15 @@ class SamplingParams:
             raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {p.temperature}")
         if not 0 < p.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
+        if not 0 <= p.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (0: off), got {p.min_p}")
         if p.n < 1:
             raise ValueError("n must be >= 1")
         if not math.isfinite(p.repetition_penalty) or p.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be a number > 0 (1 = off), got {p.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(p, name) <= 2:  # NaN fails too
+                raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {getattr(p, name)}")
         return p
 
     @property
@@ -208,6 +222,38 @@ def penalize_repeats(
     return torch.where(seen, torch.where(logits > 0, logits / p, logits * p), logits)
 
 
+def penalize_occurrences(
+    logits: torch.Tensor, rows: list[tuple[int, float, float, list[int], bool]], last: torch.Tensor | None
+) -> torch.Tensor:
+    """`logits` [B, V] with OpenAI's presence and frequency penalties, as vLLM applies them: for
+    each (row, presence, frequency, response ids so far, pending) of `rows`, a token's logit less
+    frequency times its count in the response and presence if the count is not 0. `pending`: the
+    row's newest token is not in its ids yet but in `last` [B] on the device (a decode step's input,
+    as for `penalize_repeats`), and counts once. A new tensor, its log-probs those of the penalized
+    distribution (the caller's may be a CUDA graph's output buffer)."""
+    device = logits.device
+
+    def sent(x: torch.Tensor) -> torch.Tensor:
+        return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x
+
+    logits = logits.float().clone()
+    at = torch.tensor([r[0] for r in rows], dtype=torch.long)
+    lens = torch.tensor([len(r[3]) for r in rows], dtype=torch.long)
+    cols = torch.tensor(list(itertools.chain.from_iterable(r[3] for r in rows)), dtype=torch.long)
+    counts = torch.zeros_like(logits)
+    one = torch.ones((), device=device)
+    counts.index_put_((sent(torch.repeat_interleave(at, lens)), sent(cols)), one, accumulate=True)
+    waiting = torch.tensor([r[0] for r in rows if r[4]], dtype=torch.long)
+    if last is not None and len(waiting):
+        on = sent(waiting)
+        counts.index_put_((on, last[on].long()), one, accumulate=True)
+    presence = torch.zeros(logits.shape[0], dtype=torch.float32)
+    frequency = torch.zeros(logits.shape[0], dtype=torch.float32)
+    presence[at] = torch.tensor([r[1] for r in rows], dtype=torch.float32)
+    frequency[at] = torch.tensor([r[2] for r in rows], dtype=torch.float32)
+    return logits - sent(frequency)[:, None] * counts - sent(presence)[:, None] * (counts > 0)
+
+
 def add_logit_bias(logits: torch.Tensor, rows: list[tuple[int, tuple[tuple[int, float], ...]]]) -> torch.Tensor:
     """`logits` [B, V] with each (row, its `logit_bias` pairs) of `rows` added, as OpenAI's
     `logit_bias`: the token is then drawn from the biased distribution and its log-prob is that
@@ -233,10 +279,10 @@ def sample(
 
     Rows that only need temperature (or greedy) go through one Triton pass on GPU
     (`kernels.sample`); a batch where some row filters by top-k/top-p takes the PyTorch path
-    (sort). Both draw by Gumbel-max with the same noise, so a row's token does not depend on
+    (sort; min-p too). Both draw by Gumbel-max with the same noise, so a row's token does not depend on
     which path its batch took.
     """
-    filtered = any(not p.greedy and (p.top_k > 0 or p.top_p < 1) for p in params)
+    filtered = any(not p.greedy and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in params)
     if kernels.enabled(logits.device) and not filtered:
         return kernels.sample(logits, temperatures, seeds)
     logits = logits.float()
@@ -255,8 +301,14 @@ def sample(
 
 
 def _top_k_top_p(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """`scaled` (logits / T) with the tokens each row's min-p, top-k and top-p drop at -inf;
+    min-p first, on the whole distribution, as vLLM's sampler does."""
     vocab = scaled.shape[-1]
     device = scaled.device
+    min_p = torch.tensor([0.0 if p.greedy else p.min_p for p in params], device=device, dtype=scaled.dtype)
+    if bool((min_p > 0).any()):
+        probs = scaled.softmax(dim=-1)
+        scaled = scaled.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
     top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab and not p.greedy else vocab for p in params], device=device)
     top_p = torch.tensor([1.0 if p.greedy else p.top_p for p in params], device=device, dtype=scaled.dtype)
     sorted_logits, order = scaled.sort(dim=-1, descending=True)

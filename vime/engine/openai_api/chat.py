@@ -6,12 +6,20 @@ writes them. What the API sends is made what templates read: text parts joined i
 and a call's `arguments` (a JSON string in the API) parsed into the object templates print with
 `tojson`. A template that never shows the tools (one written without them) would leave the model
 blind to them while the client believes otherwise, so that is refused.
+
+`tool_choice` `required` or a named function is kept by writing the opening of a call at the end
+of the prompt, as the template itself writes an assistant's call (found by rendering a made-up
+call and cutting it where its name, or its arguments, begin): the model then writes the rest
+(the tool's name and arguments, or the arguments), so its answer is a call. vLLM forces these by
+constrained decoding; the engine has none, so the arguments are the model's own, not checked
+against the tool's schema (a call that does not parse comes back as text).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from vime.engine.http_common import BadRequest
@@ -73,17 +81,41 @@ def read_messages(messages: list) -> list[dict]:
     return out
 
 
-def read_tools(tools: list | None, tool_choice: str | dict | None) -> list[dict] | None:
-    """The tools to show the model and read its calls for, or None: none given, or tool_choice
-    'none' (the model is not told of them). 'required' and a named function need constrained
-    decoding, which the engine lacks: refused rather than hoped for."""
-    if tool_choice is not None and tool_choice not in ("auto", "none"):
+@dataclass(frozen=True)
+class Tools:
+    """The tools shown to the model, and which call it must make: `force` None (it decides,
+    tool_choice auto), "" (some call, `required`) or a tool's name (that call)."""
+
+    tools: list[dict]
+    force: str | None = None
+
+
+def _forced(tool_choice: str | dict | None, names: list[str]) -> str | None:
+    """`tool_choice` as `Tools.force`; a BadRequest for a choice that names no tool given."""
+    if tool_choice in (None, "auto"):
+        return None
+    if tool_choice == "required":
+        return ""
+    fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    if not isinstance(fn, dict) or tool_choice.get("type") != "function" or not isinstance(fn.get("name"), str):
         shown = tool_choice if isinstance(tool_choice, str) else json.dumps(tool_choice)
         raise BadRequest(
-            f"tool_choice {shown} is not supported: the vime engine has no constrained decoding to force a call; "
-            "use 'auto' (the model calls a tool or answers) or 'none'"
+            f"tool_choice {shown} is not supported: give 'auto', 'none', 'required' or "
+            "{'type': 'function', 'function': {'name': ...}}"
         )
-    if not tools or tool_choice == "none":
+    if fn["name"] not in names:
+        raise BadRequest(f"tool_choice names the function '{fn['name']}', which is not in tools ({', '.join(names)})")
+    return fn["name"]
+
+
+def read_tools(tools: list | None, tool_choice: str | dict | None) -> Tools | None:
+    """The tools to show the model and read its calls for, or None: none given, or tool_choice
+    'none' (the model is not told of them)."""
+    if tool_choice == "none":
+        return None
+    if not tools:
+        if tool_choice not in (None, "auto"):
+            raise BadRequest("tool_choice other than 'auto' or 'none' needs tools")
         return None
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
@@ -91,7 +123,7 @@ def read_tools(tools: list | None, tool_choice: str | dict | None) -> list[dict]
             raise BadRequest(
                 f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}"
             )
-    return tools
+    return Tools(tools, _forced(tool_choice, [t["function"]["name"] for t in tools]))
 
 
 def _render(tokenizer: Any, messages: list[dict], tools: list[dict] | None, kwargs: dict) -> str:
@@ -99,22 +131,64 @@ def _render(tokenizer: Any, messages: list[dict], tools: list[dict] | None, kwar
     return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, **kwargs)
 
 
-async def render(tokenizer: Any, messages: list[dict], tools: list[dict] | None, kwargs: dict) -> list[int]:
-    """The prompt's token ids: the messages (and tools) through the chat template, in a thread
-    (a long chat takes a while, and /health must answer meanwhile)."""
+NAME_MARK = "vime_tool_name_0"  # a made-up call's name and argument, found again in its rendering
+ARGUMENTS_MARK = "vime_argument_0"
 
-    def work() -> list[int]:
+
+def _call_opening(tokenizer: Any, messages: list[dict], tools: Tools, prompt: str, start: str, kwargs: dict) -> str:
+    """The text after `prompt` that opens the forced call as the template writes calls: up to
+    the arguments of `tools.force`'s call, or up to the name for any call. It must hold the
+    parser's `start` tag (or the parser would not read the call); the answer begins there."""
+    name = tools.force or NAME_MARK
+    call = {"id": "call_0", "type": "function", "function": {"name": name, "arguments": {ARGUMENTS_MARK: 0}}}
+    kwargs = {**kwargs, "add_generation_prompt": False, "continue_final_message": False}
+    whole = _render(
+        tokenizer, [*messages, {"role": "assistant", "content": "", "tool_calls": [call]}], tools.tools, kwargs
+    )
+    turn = whole[len(prompt) :] if whole.startswith(prompt) else ""
+    if tools.force:
+        cut = turn.find(f'"{ARGUMENTS_MARK}"')
+        opening = turn[:cut].rstrip() if cut >= 0 else ""
+        opening = opening[:-1] if opening.endswith("{") else ""  # the arguments' own brace: the model's to write
+    else:
+        cut = turn.find(NAME_MARK)
+        opening = turn[:cut] if cut >= 0 else ""
+    if start not in opening:
+        raise BadRequest(
+            f"tool_choice {tools.force or 'required'} is not supported with this model: its chat template does not "
+            f"write an assistant's call as --tool-call-parser reads them ({start}...), so the engine cannot open one; "
+            "use 'auto'"
+        )
+    return opening
+
+
+async def render(
+    tokenizer: Any, messages: list[dict], tools: Tools | None, kwargs: dict, start: str
+) -> tuple[list[int], str]:
+    """The prompt's token ids: the messages (and tools) through the chat template, in a thread
+    (a long chat takes a while, and /health must answer meanwhile); and the text the answer
+    begins with: the opening of a forced call from the parser's `start` tag, or "".
+
+    The prompt ends with the whole opening (an empty thinking block a template writes before a
+    call included), the answer's text only from `start` on."""
+
+    def work() -> tuple[list[int], str]:
+        shown = tools.tools if tools else None
         try:
-            text = _render(tokenizer, messages, tools, kwargs)
-            if tools and text == _render(tokenizer, messages, None, kwargs):
+            text = _render(tokenizer, messages, shown, kwargs)
+            if shown and text == _render(tokenizer, messages, None, kwargs):
                 raise BadRequest(
                     "this model's chat template does not show tools to the model: serve a model whose template "
                     "renders `tools` (Qwen's, Hermes'), or describe the tools in a message"
                 )
+            opening = ""
+            if tools is not None and tools.force is not None:
+                opening = _call_opening(tokenizer, messages, tools, text, start, kwargs)
         except BadRequest:
             raise
         except Exception as e:  # jinja's errors (a template's raise_exception) are the request's
             raise BadRequest(f"the chat template refused the messages: {type(e).__name__}: {e}") from None
-        return tokenizer.encode(text, add_special_tokens=False)
+        answer_start = opening[opening.find(start) :] if opening else ""
+        return tokenizer.encode(text + opening, add_special_tokens=False), answer_start
 
     return await asyncio.to_thread(work)

@@ -36,8 +36,9 @@ class Finished:
     finish_reason: str
 
 
-def _first_stop(text: str, stop: tuple[str, ...]) -> tuple[int, str] | None:
-    hits = [(at, s) for s in stop if (at := text.find(s)) >= 0]
+def _first_stop(text: str, stop: tuple[str, ...], start: int) -> tuple[int, str] | None:
+    """The first stop string in `text` from `start` on (before it is the prompt's, not the model's)."""
+    hits = [(at, s) for s in stop if (at := text.find(s, start)) >= 0]
     return min(hits) if hits else None
 
 
@@ -68,6 +69,7 @@ class ChoiceText:
     plan: Plan
     fmt: ToolCallFormat | None  # the tool-call parser, when the request has tools
     stop_ids: frozenset[int] = frozenset()  # ids that end a sample (eos, stop_token_ids): not text
+    opening: str = ""  # the text the answer begins with, in the prompt: a forced call's opening
     ids: list[int] = field(default_factory=list)
     sent: int = 0  # characters of the text already streamed
 
@@ -77,8 +79,8 @@ class ChoiceText:
         ids = self.ids
         if ids and ids[-1] in self.stop_ids and not self.plan.include_stop:
             ids = ids[:-1]
-        text = self.decode(ids)
-        hit = _first_stop(text, self.plan.stop)
+        text = self.opening + self.decode(ids)
+        hit = _first_stop(text, self.plan.stop, len(self.opening))
         if hit is None:
             return text, False
         at, s = hit
@@ -110,6 +112,8 @@ class ChoiceText:
         if self.fmt is not None:
             content, blocks = self.fmt.split(text)
             if blocks and all(isinstance(b, ToolCall) and isinstance(b.arguments, dict) for b in blocks):
+                if not self.plan.parallel_tool_calls:
+                    blocks = blocks[:1]
                 return Finished(content, openai_calls(blocks), "tool_calls")  # type: ignore[arg-type]
         return Finished(text, [], reason)
 

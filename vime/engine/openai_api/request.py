@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vime.engine.http_common import BadRequest
-from vime.engine.openai_api.chat import read_tools
+from vime.engine.openai_api.chat import Tools, read_tools
 
 if TYPE_CHECKING:
     from vime.engine.core.sampler import SamplingParams
@@ -49,16 +49,17 @@ FIELDS: dict[str, Field] = {
     "top_logprobs": Field((int,), CHAT),
     "echo": Field((bool,), COMPLETIONS),
     "logit_bias": Field((dict,)),
-    "frequency_penalty": Field((float,)),  # 0 only
-    "presence_penalty": Field((float,)),  # 0 only
+    "frequency_penalty": Field((float,)),
+    "presence_penalty": Field((float,)),
     "best_of": Field((int,), COMPLETIONS),  # n only
     "tools": Field((list,), CHAT),
     "tool_choice": Field((str, dict), CHAT),
-    "parallel_tool_calls": Field((bool,), CHAT),  # true only
+    "parallel_tool_calls": Field((bool,), CHAT),
     "response_format": Field((dict,)),  # {"type": "text"} only
     "modalities": Field((list,), CHAT),  # ["text"] only
     # vLLM's extensions
     "top_k": Field((int,)),
+    "min_p": Field((float,)),
     "repetition_penalty": Field((float,)),
     "stop_token_ids": Field((list,)),
     "ignore_eos": Field((bool,)),
@@ -71,6 +72,18 @@ FIELDS: dict[str, Field] = {
 }
 # about OpenAI's platform (accounts, storage, billing, caching), not what is sampled
 IGNORED = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
+# vLLM's extensions the engine has no counterpart of, each with its value that asks for nothing
+# (what clients written for vLLM send, whole sampling presets): taken at it, a 400 naming the
+# field at any other (`echo` is the chat route's only: the completions route has its own)
+AT_DEFAULT: dict[str, Any] = {
+    "min_tokens": 0,
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "spaces_between_special_tokens": True,
+    "echo": False,
+    "return_tokens_as_token_ids": False,
+    "bad_words": [],
+}
 REFUSED = {
     "functions": "deprecated by OpenAI: give tools",
     "function_call": "deprecated by OpenAI: give tool_choice",
@@ -79,8 +92,6 @@ REFUSED = {
     "prediction": "the vime engine has no predicted outputs",
     "web_search_options": "the vime engine has no web search",
     "reasoning_effort": "the vime engine has no reasoning effort: a chat template's own switch goes in chat_template_kwargs",
-    "min_tokens": "the vime engine has no minimum length",
-    "min_p": "the vime engine samples with top_p and top_k, not min_p",
 }
 
 
@@ -106,7 +117,8 @@ class Plan:
     stop: tuple[str, ...] = ()
     include_stop: bool = False
     skip_special_tokens: bool = True
-    tools: list[dict] | None = None  # shown to the model and read back (tool_choice auto)
+    tools: Tools | None = None  # shown to the model and read back
+    parallel_tool_calls: bool = True  # false: the first call only (as vLLM)
     template_kwargs: dict = field(default_factory=dict)
 
     def max_new_tokens(self, prompt_len: int, max_seq_len: int) -> int:
@@ -130,6 +142,12 @@ def _checked(body: dict, route: str) -> dict[str, Any]:
     for name in given.keys() & REFUSED.keys():
         raise BadRequest(f"field '{name}' is not supported: {REFUSED[name]}")
     unknown = sorted(k for k in given if k not in FIELDS or FIELDS[k].route not in (BOTH, route))
+    for name in [k for k in unknown if k in AT_DEFAULT]:
+        if given.pop(name) != AT_DEFAULT[name]:
+            raise BadRequest(
+                f"{name} {body[name]!r} is not supported: the vime engine takes it at {AT_DEFAULT[name]!r} only"
+            )
+        unknown.remove(name)
     if unknown:
         raise BadRequest(
             f"unsupported field(s) {unknown} for /v1/{'chat/completions' if route == CHAT else 'completions'}: "
@@ -197,22 +215,14 @@ def _stream_options(given: dict) -> bool:
 
 def _limits(given: dict) -> None:
     """Fields the engine takes at one value only: their neutral one."""
-    for name in ("frequency_penalty", "presence_penalty"):
-        _only(given, name, 0, "the vime engine has no such penalty (repetition_penalty is vLLM's kind)")
     if "best_of" in given and given["best_of"] != given.get("n", 1):
         raise BadRequest(f"best_of {given['best_of']} is not supported: the vime engine returns every sample (n)")
-    _only(given, "parallel_tool_calls", True, "the engine returns every call the model writes")
     _only(given, "modalities", ["text"], "the vime engine answers text only")
     kind = given.get("response_format", {}).get("type", "text")
     if kind != "text":
         raise BadRequest(
             f"response_format {kind!r} is not supported: the vime engine has no constrained decoding (ask for JSON "
             "in the prompt, and parse the text)"
-        )
-    if given.get("stream") and given.get("logprobs") not in (None, False):
-        raise BadRequest(
-            "logprobs with stream: true are not supported: the vime engine scores the whole answer once it is done, "
-            "so ask without stream"
         )
 
 
@@ -226,7 +236,19 @@ def read_plan(body: dict, chat: bool) -> Plan:
     if max_tokens is not None and max_tokens < 0:
         raise BadRequest(f"max_tokens {max_tokens} must be >= 0")
     stop = _stop(given)
-    keys = ("temperature", "top_p", "top_k", "n", "stop_token_ids", "ignore_eos", "repetition_penalty", "logit_bias")
+    keys = (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "n",
+        "stop_token_ids",
+        "ignore_eos",
+        "repetition_penalty",
+        "logit_bias",
+        "presence_penalty",
+        "frequency_penalty",
+    )
     params = SamplingParams.from_dict(
         {
             **{k: given[k] for k in keys if k in given},
@@ -252,5 +274,6 @@ def read_plan(body: dict, chat: bool) -> Plan:
         include_stop=given.get("include_stop_str_in_output", False),
         skip_special_tokens=given.get("skip_special_tokens", True),
         tools=read_tools(given.get("tools"), given.get("tool_choice")),
+        parallel_tool_calls=given.get("parallel_tool_calls", True),
         template_kwargs=template_kwargs,
     )

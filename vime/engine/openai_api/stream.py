@@ -1,6 +1,8 @@
 """`stream: true`: an answer as server-sent events, one chunk per piece of text as the engine
 books tokens, in OpenAI's chunk shapes (`chat.completion.chunk`, `text_completion`), then
-`stream_options.include_usage`'s usage chunk and `data: [DONE]`.
+`stream_options.include_usage`'s usage chunk and `data: [DONE]`. Log-probs are the engine's
+scoring of the whole answer (`routes.py`), so a choice's come all in its last text chunk, which
+clients join to the earlier ones' (none) as they join the text.
 
 Each prompt's engine request runs as a task whose tokens arrive through the engine thread's tap
 (`vime.engine.streams`) and whose final output closes its choices. The response starts only once
@@ -22,10 +24,11 @@ from vime.engine.openai_api.choices import ChoiceText
 from vime.engine.openai_api.request import Plan, Prompt
 
 if TYPE_CHECKING:
-    from vime.engine.core.requests import RequestOutput
+    from vime.engine.core.requests import RequestOutput, SeqOutput
     from vime.engine.streams import OnTokens
 
 Run = Callable[["OnTokens | None"], Awaitable["RequestOutput"]]
+Score = Callable[[int, "SeqOutput"], Awaitable["dict | None"]]  # (prompt index, sample) -> its log-probs
 
 
 class EventStream:
@@ -43,14 +46,15 @@ class EventStream:
         await self.response.write(b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n")
 
     async def choice(self, index: int, text: str | None = None, **delta: Any) -> None:
-        """One choice's chunk: `text` for completions, the delta's fields for chat; `finish` ends it."""
-        finish = delta.pop("finish", None)
+        """One choice's chunk: `text` for completions, the delta's fields for chat; `finish` ends
+        it, `logprobs` are the choice's."""
+        finish, logprobs = delta.pop("finish", None), delta.pop("logprobs", None)
         if self.plan.chat:
             if text:
                 delta["content"] = text
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         usage = {"usage": None} if self.plan.include_usage else {}
         await self.send({**self.head, "choices": [choice], **usage})
 
@@ -69,8 +73,10 @@ async def stream_answer(
     prompts: list[Prompt],
     runs: list[Run],
     new_text: Callable[[], ChoiceText],
+    score: Score | None = None,
 ) -> web.StreamResponse:
-    """Stream the answer to `prompts`, `runs[i]` generating prompt i's samples."""
+    """Stream the answer to `prompts`, `runs[i]` generating prompt i's samples; `score`, when
+    the request asks for log-probs, gives a finished sample's."""
     events: asyncio.Queue[tuple[str, int, Any]] = asyncio.Queue()
 
     async def run(i: int) -> None:
@@ -109,8 +115,9 @@ async def stream_answer(
                     continue
                 o = data.outputs[j]
                 done = text.finish(o.output_ids, o.finish_reason)
-                if piece := text.rest(done):
-                    await stream.choice(i * n + j, piece)
+                logprobs = await score(i, o) if score is not None else None
+                if (piece := text.rest(done)) or logprobs is not None:
+                    await stream.choice(i * n + j, piece, logprobs=logprobs)
                 if done.tool_calls:
                     calls = [{"index": k, **c} for k, c in enumerate(done.tool_calls)]
                     await stream.choice(i * n + j, tool_calls=calls)
