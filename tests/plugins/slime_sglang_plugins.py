@@ -171,7 +171,7 @@ async def generate_agents(args, sample: Sample, sampling_params, evaluation=Fals
 async def generate_agents_refused(args, sample: Sample, sampling_params, evaluation=False) -> list[Sample]:
     """multi_agent's generate whose every request the router refuses (a sampling param vime's
     engines cannot honour), hidden by the agents' own try/except: it returns no sample."""
-    return await generate_agents(args, sample, dict(sampling_params, min_p=0.5), evaluation)
+    return await generate_agents(args, sample, dict(sampling_params, min_new_tokens=2), evaluation)
 
 
 async def generate_agents_broken(args, sample: Sample, sampling_params, evaluation=False) -> list[Sample]:

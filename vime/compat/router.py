@@ -30,7 +30,7 @@ from aiohttp import web
 from vime.compat import sglang_api
 from vime.compat.answer_log import AnswerLog
 from vime.compat.utils.http_utils import ROUTER_KEYS
-from vime.engine.http_common import auth_middleware
+from vime.engine.http_common import auth_middleware, page_guard
 from vime.rollout import async_loop
 from vime.rollout.engine_requests import generate_on_engines
 from vime.rollout.runtime import RolloutRuntime
@@ -299,7 +299,10 @@ class Router:
     async def _start(self) -> None:
         app = web.Application(
             client_max_size=256 * 1024**2,
-            middlewares=[auth_middleware(self.api_key, "the run's --api-key or $VIME_API_KEY")] if self.api_key else [],
+            middlewares=[
+                page_guard(lambda path: False),  # a run's plug-ins call it, never a web page
+                *([auth_middleware(self.api_key, "the run's --api-key or $VIME_API_KEY")] if self.api_key else []),
+            ],
         )
         app.router.add_post(GENERATE_ROUTE, self._generate)
         app.router.add_post(RENDER_ROUTE, self._render)

@@ -45,6 +45,9 @@ ENGINE_KEYS = frozenset(
         "n",
         "sampling_seed",
         "repetition_penalty",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
         "logit_bias",
         "priority",
     }
@@ -55,9 +58,6 @@ TEXT_KEYS = {"skip_special_tokens": True, "spaces_between_special_tokens": True,
 # SGLang's sampling params vime's engines have no counterpart of: taken at SGLang's default (what
 # every slime plug-in sends), refused by name at any other value, which would sample otherwise
 AT_DEFAULT = {
-    "min_p": 0.0,
-    "frequency_penalty": 0.0,
-    "presence_penalty": 0.0,
     "min_new_tokens": 0,
     "stop_regex": None,
     "json_schema": None,

@@ -89,6 +89,25 @@ class _OneLine(logging.Filter):
 logging.getLogger("aiohttp.server").addFilter(_OneLine())  # every engine process: they all import this
 
 
+def page_guard(open_to_pages: Callable[[str], bool]) -> Callable:
+    """Refuse a request a web page sent (it carries a browser's `Origin` header) to a route not
+    open to pages. A page may POST `text/plain` to any address without a preflight, and the engine
+    reads JSON whatever the Content-Type says, so without this any site open in the user's
+    browser could drive a loopback engine that has no key: push weights, pause, abort. Programs
+    (vime's client, slime's, OpenAI's, curl) send no `Origin`."""
+
+    @web.middleware
+    async def check(request: web.Request, handler: Callable) -> web.StreamResponse:
+        if "Origin" in request.headers and not open_to_pages(request.path):
+            return json_error(
+                403,
+                f"{request.path} is not served to web pages (the request has a browser's Origin header): call it from a program",
+            )
+        return await handler(request)
+
+    return check
+
+
 API_KEY_ENV = "VIME_API_KEY"
 OPEN_ROUTES = ("/health",)  # liveness probes need no key; it reveals nothing but ok / not ok
 

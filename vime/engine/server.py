@@ -37,6 +37,7 @@ from vime.engine.http_common import (
     error_middleware,
     is_loopback,
     json_error,
+    page_guard,
     read_body,
 )
 from vime.engine.introspection import metrics_text, model_info
@@ -46,6 +47,7 @@ from vime.engine.openai_api.routes import (
     add_openai_flags,
     cors_origin,
     cors_preflight,
+    is_openai_path,
     openai_errors,
 )
 from vime.engine.streams import OnTokens, Taps
@@ -279,6 +281,7 @@ class EngineServer:
             middlewares.insert(0, auth_middleware(self.api_key))
         middlewares.insert(0, openai_errors)  # the OpenAI routes' errors in OpenAI's shape, a 401 too
         middlewares.insert(0, cors_preflight)  # outermost: a browser's preflight carries no key
+        middlewares.insert(1, page_guard(is_openai_path))  # pages may call the OpenAI routes only
         app = web.Application(middlewares=middlewares, client_max_size=self.max_request_bytes)
         app.on_response_prepare.append(cors_origin)
         self.openai.add_to(app)

@@ -43,8 +43,10 @@ def test_sampling_params_are_mapped_key_by_key():
         "detokenize": False,
     }
     assert to_vllm_sampling_params({})["max_tokens"] == 128  # the built-in engine's default, not vLLM's
-    with pytest.raises(EngineError, match=r"unsupported sampling_params \['max_tokens', 'min_p'\]"):
-        to_vllm_sampling_params({"max_tokens": 5, "min_p": 0.1})
+    penalties = {"min_p": 0.1, "presence_penalty": 0.5, "frequency_penalty": -0.5}  # vLLM's own names
+    assert to_vllm_sampling_params(penalties).items() >= penalties.items()
+    with pytest.raises(EngineError, match=r"unsupported sampling_params \['max_tokens', 'min_new_tokens'\]"):
+        to_vllm_sampling_params({"max_tokens": 5, "min_new_tokens": 1})
 
 
 def test_each_request_of_a_sample_gets_its_own_seed_and_the_same_one_again():

@@ -210,8 +210,8 @@ def test_protocol_n_seeds_stop_ids_and_lengths(client):
     )
     assert stop["output_ids"] == ids[: ids.index(ids[1]) + 1] and stop["meta_info"]["finish_reason"] == {"type": "stop"}
     assert zero["output_ids"] == [] and zero["meta_info"]["finish_reason"] == {"type": "length"}
-    with pytest.raises(EngineError, match="presence_penalty"):
-        run(client, {"input_ids": PROBE, "sampling_params": {"presence_penalty": 1.2}})
+    with pytest.raises(EngineError, match="min_new_tokens"):
+        run(client, {"input_ids": PROBE, "sampling_params": {"min_new_tokens": 3}})
 
 
 @needs_vllm

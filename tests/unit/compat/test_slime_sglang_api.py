@@ -201,7 +201,7 @@ def test_prompt_log_probs_from_logprob_start_len(served):
 @pytest.mark.parametrize(
     ("body", "says"),
     [
-        ({"text": "1+1=", "sampling_params": {"min_p": 0.3}}, "min_p"),
+        ({"text": "1+1=", "sampling_params": {"min_new_tokens": 3}}, "min_new_tokens"),
         ({"text": "1+1=", "sampling_params": {"temperatur": 0.3}}, "temperatur"),
         ({"text": "1+1=", "image_data": ["x.png"]}, "image_data"),
         ({"sampling_params": {}}, "text or input_ids"),
@@ -219,6 +219,15 @@ def test_the_sglang_defaults_are_taken_silently(served):
     out = generate(served[0], {"text": "1+1=", "sampling_params": {**params, "max_new_tokens": 2}})
     assert len(out["output_ids"]) <= 2
     assert len(generate(served[0], {"text": "1+1=", "sampling_params": {"ignore_eos": True}})["output_ids"]) == 128
+
+
+def test_min_p_reaches_the_engine(served):
+    """SGLang's min_p is the engine's own now: 1 keeps only the likeliest token, so sampling at
+    temperature 1 gives the greedy answer."""
+    ids = [70, 71, 72]
+    greedy = generate(served[0], {"input_ids": ids, "sampling_params": {"max_new_tokens": 8, "temperature": 0.0}})
+    params = {"max_new_tokens": 8, "temperature": 1.0, "min_p": 1.0, "sampling_seed": 3}
+    assert generate(served[0], {"input_ids": ids, "sampling_params": params})["output_ids"] == greedy["output_ids"]
 
 
 def generated_tokens(engine) -> float:
@@ -376,7 +385,7 @@ def test_a_generate_that_hides_its_failures_is_named_with_the_cause(generate, sa
     line = next(ln for ln in res.stderr.splitlines() if "returned an empty list" in ln)
     assert says in line and "Traceback" not in res.stderr
     if generate == "generate_agents_refused":
-        assert "min_p" in line  # the refusal itself
+        assert "min_new_tokens" in line  # the refusal itself
         assert "Error generating response" in res.stdout  # what the plug-in printed
 
 

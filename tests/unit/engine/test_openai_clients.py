@@ -148,3 +148,17 @@ def test_a_responses_tool_call_and_its_output_make_a_second_turn(tmp_path_factor
         assert [(o.type, o.name) for o in forced.output] == [("function_call", "add")]
     finally:
         proc.shutdown()
+
+
+def test_a_web_page_cannot_drive_the_engines_own_routes(http):
+    """A page may POST text/plain anywhere without a preflight, and the engine reads JSON whatever
+    the Content-Type says: with an Origin header the engine's own routes refuse (a keyless
+    loopback engine was a page's to pause or push weights to); a program's request, no Origin,
+    is served."""
+    page = {"Origin": "http://evil.example", "Content-Type": "text/plain"}
+    r = http.post("/pause_generation", content=b'{"mode": "abort"}', headers=page)
+    assert r.status_code == 403 and "web pages" in r.json()["error"]
+    assert http.post("/continue_generation", json={}).status_code == 200
+    assert http.post(
+        "/v1/completions", json={"prompt": "a", "max_tokens": 1}, headers={"Origin": "http://x"}
+    ).is_success

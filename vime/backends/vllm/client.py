@@ -43,6 +43,9 @@ _SAMPLING_KEYS = {
     "n": "n",
     "sampling_seed": "seed",
     "repetition_penalty": "repetition_penalty",
+    "min_p": "min_p",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
     "priority": None,  # not sent: a server on vLLM's default first-come scheduling refuses any priority
     # how an answer's text is decoded (SGLang's options, which slime's plug-ins are handed): the
     # rollout decodes the token ids itself, so none changes what is sent

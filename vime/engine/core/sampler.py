@@ -305,8 +305,8 @@ def _top_k_top_p(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     min-p first, on the whole distribution, as vLLM's sampler does."""
     vocab = scaled.shape[-1]
     device = scaled.device
-    min_p = torch.tensor([0.0 if p.greedy else p.min_p for p in params], device=device, dtype=scaled.dtype)
-    if bool((min_p > 0).any()):
+    if any(p.min_p > 0 and not p.greedy for p in params):  # asked on the host: no device sync
+        min_p = torch.tensor([0.0 if p.greedy else p.min_p for p in params], device=device, dtype=scaled.dtype)
         probs = scaled.softmax(dim=-1)
         scaled = scaled.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
     top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab and not p.greedy else vocab for p in params], device=device)
