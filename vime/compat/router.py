@@ -56,6 +56,9 @@ _FROM_VLLM: dict[str, str | None] = {
     "n": "n",
     "ignore_eos": "ignore_eos",
     "repetition_penalty": "repetition_penalty",
+    "min_p": "min_p",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
     "logprobs": None,
     "skip_special_tokens": None,
     "include_stop_str_in_output": None,
@@ -73,7 +76,7 @@ def _refused(status: int, message: str) -> web.Response:
 
 def engine_params(body: dict[str, Any], default_max_tokens: int) -> dict[str, Any]:
     """vime's sampling params of a `/inference/v1/generate` body. A key vime's engines cannot
-    honour (repetition_penalty, say) is refused by name, never dropped: dropped, the request
+    honour (min_tokens, say) is refused by name, never dropped: dropped, the request
     would sample from another distribution than the one asked for."""
     given = body.get("sampling_params") or {}
     if not isinstance(given, dict):

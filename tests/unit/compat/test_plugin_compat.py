@@ -240,3 +240,15 @@ def test_a_name_an_installed_slime_lacks_is_blamed_on_that_slime(tmp_path):
         f"--custom-rm-path 'upstream_style.reward' imports slime.utils, which the installed slime package "
         f"({tmp_path}/slime/__init__.py) does not have"
     ), out.stdout + out.stderr
+
+
+def test_the_vllm_shaped_route_passes_the_engines_sampling_keys_and_names_the_rest():
+    """vllm-project/vime's plug-ins post vLLM's sampling keys: those the engines take (min_p and
+    the penalties among them) go through under vime's names, any other is refused by name, never
+    dropped (dropped, the request would sample from another distribution than asked)."""
+    from vime.compat.router import RequestError, engine_params
+
+    body = {"sampling_params": {"max_tokens": 4, "seed": 3, "min_p": 0.2, "presence_penalty": 0.5}}
+    assert engine_params(body, 16) == {"max_new_tokens": 4, "sampling_seed": 3, "min_p": 0.2, "presence_penalty": 0.5}
+    with pytest.raises(RequestError, match="min_tokens"):
+        engine_params({"sampling_params": {"min_tokens": 2}}, 16)
