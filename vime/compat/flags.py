@@ -34,6 +34,7 @@ def _rows(kind: str, type_: type, says: str, *names: str) -> list[Flag]:
 
 _CHECKED = "checked against the checkpoint's config.json and weights"
 _KERNELS = "a Megatron kernel or implementation choice: vime's trainer picks its own kernels"
+_STRAW = "slime's straw rollout-data queue on a shared disk: the driver hands each trainer rank its samples itself"
 _WEIGHT_SYNC = (
     "slime's disk and delta weight sync: vime pushes the whole weights at every push, by --weight-transport, "
     "so the engines hold the same weights"
@@ -75,6 +76,23 @@ _SLIME_ROWS = [
     Flag("model_name", "inert", str, "vime reads the architecture from --hf-checkpoint's config.json"),
     Flag("padded_vocab_size", "inert", int, "vime keeps the checkpoint's vocabulary"),
     Flag("rollout_data_transport", "inert", str, "the driver hands each trainer rank its samples itself"),
+    # slime's straw transport (rollout data in a packed queue on a shared disk) and its settings
+    *_rows("inert", str, _STRAW, "rollout_data_dir", "rollout_storage_profile", "rollout_storage_declaration"),
+    *_rows("inert", str, _STRAW, "rollout_queue_run_id"),
+    Flag("rollout_queue_online_gc", "inert", bool, _STRAW),
+    Flag("rollout_queue_lease_seconds", "inert", float, _STRAW),
+    *_rows("inert", int, _STRAW, "rollout_queue_segment_mib", "rollout_io_concurrency"),
+    Flag(
+        "rollout_session_id", "inert", str, "vime's engines are the run's own: there is no serving to keep across runs"
+    ),
+    Flag("rollout_cleanup_timeout", "inert", float, "vime ends a run's processes itself when the run ends"),
+    Flag(
+        "routing_replay_prefetch_microbatches",
+        "inert",
+        int,
+        "vime keeps the engine's routes in memory (--use-rollout-routing-replay): nothing to prefetch from disk",
+    ),
+    Flag("async_strategy", "inert", str, "vime writes each checkpoint between two steps"),
     Flag("use_distributed_post", "inert", bool, "vime's client spreads requests over the engines itself"),
     Flag("train_env_vars", "inert", str, "trainer ranks inherit the command's environment: export them before it"),
     Flag("rollout_skip_special_tokens", "same", bool, "responses are decoded without special tokens"),
@@ -343,6 +361,61 @@ _NOT_HERE = [
     ),
     *_absent(f"the entropy of the rollout's log-probs, for loss masks of one's own; {_NOT_YET}", "use_rollout_entropy"),
     *_absent(f"Adam without moments kept across steps; {_NOT_YET} (--optimizer sgd keeps none)", "use_stateless_adam"),
+    *_absent(
+        "how often slime flushes the engines' cache at a weight sync (other values pause generation in place, "
+        "PipelineRL); vime: train_async.py's fully-async and decoupled modes pause in-flight groups at a push "
+        "(--update-in-flight keep, the default)",
+        "flush_cache_interval",
+    ),
+    *_absent(
+        f"the order slime's buffer resumes partial groups in (oldest weight version first); {_NOT_YET}",
+        "buffer_sort_by_staleness",
+    ),
+    *_absent(
+        "slime's REINFORCE objective with score centering; vime's policy loss is PPO's clipped ratio (slime's "
+        f"--pg-loss-type ppo: drop the flag), the REINFORCE one is {_NOT_YET}",
+        "pg_loss_type",
+        "use_score_centering",
+        "score_centering_top_k",
+    ),
+    *_absent(
+        "Dr.GRPO's constant divisor of the policy loss; vime: --calculate-per-token-loss (the step's token "
+        "mean), or --loss-type custom_loss",
+        "pg_loss_divisor",
+    ),
+    *_absent(
+        "slime's bitwise-equal training and rollout kernels (FlashAttention 3, batch-invariant ops); not in vime: "
+        "the engine/trainer gap is logged (train/train_rollout_logprob_abs_diff) and --use-tis corrects it",
+        "true_on_policy_mode",
+    ),
+    *_absent(
+        "slime's power-of-two scales for block-FP8 rollout weights; vime's built-in engines quantize their own "
+        "weights (--engine-quantization fp8)",
+        "force_fp8_ue8m0_scale",
+    ),
+    *_absent("slime's switch for LoRA; vime: --lora-rank N turns LoRA on (drop --use-lora)", "use_lora"),
+    *_absent(
+        "slime's named sets of LoRA targets; vime: --target-modules (PEFT's names, all-linear by default)",
+        "lora_target_preset",
+    ),
+    *_absent(
+        "slime's adapter-only and merged saves; vime's checkpoints hold both, the merged model and the adapter "
+        "(<step>/adapter/), at --save-interval",
+        "save_lora",
+        "lora_save_merged_hf",
+    ),
+    *_absent(
+        "the adapters' own weight decay and learning rate; vime: --weight-decay and --lr (with --lora-rank the "
+        "adapters are all that train)",
+        "lora_weight_decay",
+        "lora_learning_rate",
+    ),
+    *_absent(f"an adapter to start from; {_NOT_YET} (--load resumes a vime LoRA run)", "lora_load"),
+    *_absent(
+        "Megatron's fresh start from --load's weights (no optimizer, step 0); vime: --hf-checkpoint DIR starts "
+        "from a checkpoint's weights",
+        "finetune",
+    ),
     *_absent(
         "Transformer Engine's FP8 training; vime trains in bfloat16 (--engine-quantization fp8 quantizes the "
         "built-in engines only)",

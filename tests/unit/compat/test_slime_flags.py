@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import run_cli
 
-from unit.compat.slime_flag_names import MEGATRON_IN_SCRIPTS, SLIME_ARGUMENTS
+from unit.compat.slime_flag_names import MEGATRON_IN_SCRIPTS, SLIME_ARGUMENTS, SLIME_LATER
 from vime import compat
 from vime.backends.builtin.place import engine_args
 from vime.compat import parse_args
@@ -138,7 +138,7 @@ def test_every_flag_of_slimes_argument_list_is_vimes_or_answered():
     known = {o for a in build_parser(dialect=compat.SLIME)._actions for o in a.option_strings}
     unanswered = [
         name
-        for name in [*SLIME_ARGUMENTS, *MEGATRON_IN_SCRIPTS]
+        for name in [*SLIME_ARGUMENTS, *SLIME_LATER, *MEGATRON_IN_SCRIPTS]
         if f"--{name}" not in known and compat.absent(name.replace("-", "_")) is None
     ]
     assert not unanswered, unanswered
@@ -157,6 +157,43 @@ def test_refused_slime_flags_are_named_together_each_with_its_line(capsys):
     )
     assert err[3].startswith("  --fp8-format (slime): Transformer Engine's FP8 training; vime trains in bfloat16")
     assert err[4] == "  --http-proxy (slime): a proxy for slime's HTTP calls; not in vime yet"
+
+
+def test_slimes_lora_script_flags_are_refused_together_each_with_vimes_counterpart(capsys):
+    """scripts/run-qwen3-30B-A3B-lora.sh's LoRA block, and the loss flags of slime's DrGRPO and
+    true_on_policy examples: each was 'neither a vime nor a slime flag'."""
+    with pytest.raises(SystemExit):
+        parse_args(
+            [
+                *BASE,
+                "--use-lora", "--lora-target-preset", "moe_language_all", "--lora-rank", "32", "--lora-alpha", "64",
+                "--save-lora", "/x/{rollout_id}", "--lora-weight-decay", "0.1", "--pg-loss-divisor", "40960",
+                "--true-on-policy-mode",
+            ]
+        )  # fmt: skip
+    err = capsys.readouterr().err
+    assert "(6 flags vime does not know)" in err and "neither a vime nor a slime flag" not in err
+    assert "  --use-lora (slime): slime's switch for LoRA; vime: --lora-rank N turns LoRA on" in err
+    assert "  --lora-target-preset (slime): slime's named sets of LoRA targets; vime: --target-modules" in err
+    assert (
+        "  --pg-loss-divisor (slime): Dr.GRPO's constant divisor of the policy loss; vime: --calculate-per-token" in err
+    )
+
+
+def test_slimes_straw_transport_and_session_flags_are_named_without_effect():
+    cfg = parse_args(
+        [
+            *BASE,
+            "--rollout-data-dir", "/shared/rollout", "--rollout-queue-online-gc", "--rollout-queue-lease-seconds",
+            "120", "--rollout-io-concurrency", "8", "--rollout-session-id", "s", "--async-strategy", "mcore",
+        ]
+    )  # fmt: skip
+    inert = line(cfg, "flags with no effect in vime: ")
+    assert "--rollout-data-dir /shared/rollout (slime's straw rollout-data queue on a shared disk" in inert
+    for flag in ("--rollout-queue-online-gc", "--rollout-queue-lease-seconds 120.0", "--rollout-io-concurrency 8"):
+        assert flag in inert
+    assert "--rollout-session-id s (vime's engines are the run's own" in inert
+    assert "--async-strategy mcore (vime writes each checkpoint between two steps)" in inert
 
 
 def test_kl_coef_is_what_slime_does_with_it():
