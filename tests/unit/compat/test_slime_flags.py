@@ -243,6 +243,10 @@ def test_flags_the_runs_mode_leaves_unread_are_named_at_start_up():
     inert = line(cfg, "flags with no effect in vime: ")
     for flag in ("--eval-prompt-data e.jsonl", "--n-samples-per-eval-prompt 4", "--eval-top-p 0.9"):
         assert f"{flag} (no evaluation without --eval-interval)" in inert
+    # the eval response length a run takes from --rollout-max-response-len is no flag it gave
+    assert "--eval-max-response-len" not in said(parse_args([*BASE, "--rollout-max-response-len", "64"]))
+    given = line(parse_args([*BASE, "--eval-max-response-len", "512"]), "flags with no effect in vime: ")
+    assert "--eval-max-response-len 512 (no evaluation without --eval-interval)" in given
     evaluating = parse_args([*BASE, "--eval-prompt-data", "e.jsonl", "--eval-interval", "5", "--eval-top-p", "0.9"])
     assert "--eval-" not in line(evaluating, "flags with no effect in vime: ")
     sync = parse_args([*BASE, "--rollout-concurrency", "8"])
