@@ -12,8 +12,6 @@ import pytest
 import torch
 from conftest import run_cli
 
-from vime.compat import imports
-
 
 @pytest.mark.parametrize(
     "newer, older",
@@ -25,12 +23,10 @@ from vime.compat import imports
     ],
 )
 def test_the_newer_names_are_the_same_modules(newer, older):
-    imports.install()
     assert importlib.import_module(newer) is importlib.import_module(older)
 
 
 def test_a_name_the_newer_layout_lacks_is_an_import_error_naming_it():
-    imports.install()
     with pytest.raises(ModuleNotFoundError, match=r"slime\.utils\.core\.no_such"):
         importlib.import_module("slime.utils.core.no_such")
 
