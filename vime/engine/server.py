@@ -260,6 +260,20 @@ class EngineServer:
             return json_error(503, problem)
         return web.json_response({"status": "ok"})
 
+    async def health_generate(self, request: web.Request) -> web.Response:
+        """SGLang's `/health_generate`: one token generated, or 503 why not. Scripts that start a
+        server and wait for it ask this route (slime's on-policy distillation teacher), so a vime
+        engine standing in for SGLang answers it."""
+        from vime.engine.core.sampler import SamplingParams
+
+        problem = self.fatal or self.engine.weights_incomplete
+        if problem is None:
+            try:
+                await self._generate([0], SamplingParams.from_dict({"max_new_tokens": 1}), uuid.uuid4().hex)
+            except Exception as e:
+                problem = f"{type(e).__name__}: {e}"
+        return web.json_response({"status": "ok"}) if problem is None else json_error(503, problem)
+
     async def model_info(self, request: web.Request) -> web.Response:
         return web.json_response(model_info(self.engine, self.model_path))
 
@@ -291,6 +305,7 @@ class EngineServer:
             app.router.add_post(path, handler)
         for path, handler in {
             "/health": self.health,
+            "/health_generate": self.health_generate,
             "/get_model_info": self.model_info,
             "/weight_checksums": self.weights.weight_checksums,
             "/metrics": self.metrics,
