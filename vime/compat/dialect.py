@@ -183,7 +183,8 @@ class Slime:
 
 def _explain(e: BaseException) -> str | None:
     """What a failed import of a plug-in's slime or vllm-project/vime name means: a name of a real
-    slime that stands in for vime's, or one of vllm-project/vime's that vime lacks."""
+    slime that stands in for vime's, Megatron's trainer side (slime's custom losses and hooks
+    import it), or a slime or vllm-project/vime name vime lacks."""
     if not isinstance(e, ImportError) or not e.name:
         return None
     top = e.name.split(".")[0]
@@ -199,10 +200,16 @@ def _explain(e: BaseException) -> str | None:
             f"imports {lacked}, which the installed slime package ({slime}) does not have: install the slime the "
             "plug-in was written for, or uninstall slime so vime answers slime.* imports (docs/plugin-compat.md)"
         )
+    if top == "megatron" or any(e.name.startswith(f"{t}.backends.megatron_utils") for t in (imports.ALIAS, "vime")):
+        return (
+            f"imports {lacked}, which vime does not have: it is Megatron-LM's trainer side, and vime trains the HF "
+            "model with FSDP2; a plug-in over Megatron's batches and logits (a custom loss, a pg-loss reducer, a "
+            "Megatron hook) is written again for vime's hook of that job (docs/slime-flags.md says which)"
+        )
     if top in (imports.ALIAS, "vime"):
         return (
-            f"imports {lacked}, which vime does not have (a name of vllm-project/vime's?): docs/plugin-compat.md "
-            "lists the vllm-project/vime names vime has"
+            f"imports {lacked}, which vime does not have: docs/plugin-compat.md lists the slime and "
+            "vllm-project/vime names vime has"
         )
     return None
 
