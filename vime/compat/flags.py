@@ -449,7 +449,9 @@ ABSENT: dict[str, Flag] = {
         *_absent("image/video columns for vision-language models; vime trains text models only", "multimodal_keys"),
         *_absent("the request router in front of slime's engines; vime's client spreads requests itself", "router_*"),
         *_absent(
-            "GPUs per node of the cluster; vime: --actor-num-gpus-per-node and --rollout-num-gpus", "num_gpus_per_node"
+            "GPUs per node of the cluster; vime: --actor-num-gpus-per-node and --rollout-num-gpus",
+            "num_gpus_per_node",
+            "rollout_num_gpus_per_node",  # its older name, which slime's run-llama3.1-8B.sh passes
         ),
         *_absent(
             "a hook after slime's disk weight-sync writes; vime's pushes (--weight-transport) call none",
