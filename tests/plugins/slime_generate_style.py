@@ -1,0 +1,27 @@
+"""A custom generate written after slime's own `sglang_rollout.generate` (the shape users copy
+and extend): the prompt's ids, SGLang's `/generate` through the router, the answer's tokens,
+text and log-probs appended to the sample by hand, then `sample.update_from_meta_info(args,
+meta_info)` for the status and weight version. For
+tests/unit/compat/test_slime_sample_methods.py in that API, not copied."""
+
+from slime.rollout.sglang_rollout import GenerateState
+from slime.utils.http_utils import post
+from slime.utils.types import Sample
+
+
+async def generate(args, sample: Sample, sampling_params) -> Sample:
+    state = GenerateState(args)
+    url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
+    if not sample.tokens:
+        sample.tokens = state.tokenizer(sample.prompt, add_special_tokens=False)["input_ids"]
+    payload = {"input_ids": sample.tokens, "sampling_params": sampling_params, "return_logprob": True}
+    output = await post(url, payload)
+    pairs = output["meta_info"].get("output_token_logprobs", [])
+    sample.tokens = sample.tokens + [item[1] for item in pairs]
+    sample.response_length += len(pairs)
+    sample.response += output["text"]
+    if sample.rollout_log_probs is None:
+        sample.rollout_log_probs = []
+    sample.rollout_log_probs += [item[0] for item in pairs]
+    sample.update_from_meta_info(args, output["meta_info"])
+    return sample
