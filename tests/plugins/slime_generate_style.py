@@ -1,5 +1,6 @@
 """A custom generate written after slime's own `sglang_rollout.generate` (the shape users copy
-and extend): the prompt's ids, SGLang's `/generate` through the router, the answer's tokens,
+and extend): its check of `args.ci_test`, the prompt's ids, SGLang's `/generate` through the
+router (with slime's routing header when the sample has a `session_id`), the answer's tokens,
 text and log-probs appended to the sample by hand, then `sample.update_from_meta_info(args,
 meta_info)` for the status and weight version. For
 tests/unit/compat/test_slime_sample_methods.py in that API, not copied."""
@@ -10,12 +11,15 @@ from slime.utils.types import Sample
 
 
 async def generate(args, sample: Sample, sampling_params) -> Sample:
+    if args.ci_test:
+        assert isinstance(sample.prompt, str)
     state = GenerateState(args)
     url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
     if not sample.tokens:
         sample.tokens = state.tokenizer(sample.prompt, add_special_tokens=False)["input_ids"]
     payload = {"input_ids": sample.tokens, "sampling_params": sampling_params, "return_logprob": True}
-    output = await post(url, payload)
+    headers = {"X-SMG-Routing-Key": sample.session_id} if sample.session_id else None
+    output = await post(url, payload, headers=headers)
     pairs = output["meta_info"].get("output_token_logprobs", [])
     sample.tokens = sample.tokens + [item[1] for item in pairs]
     sample.response_length += len(pairs)

@@ -116,6 +116,8 @@ class Slime:
         "rollout_global_dataset": True,
         # slime's --sglang-server-concurrency default, which its plug-ins' clients size their pools by
         "sglang_server_concurrency": DEFAULT_SERVER_CONCURRENCY,
+        # slime's --ci-test, off: its own generate (which plug-ins copy) checks it first; vime runs no slime CI
+        "ci_test": False,
     }
 
     @property

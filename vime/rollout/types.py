@@ -69,6 +69,9 @@ class Sample:
     # multi-turn rollout reads and writes them whatever the model
     multimodal_inputs: dict[str, Any] | None = None
     multimodal_train_inputs: dict[str, Any] | None = None
+    # slime's routing key for its gateway's consistent hashing, which its generate (and the
+    # plug-ins that copy it) reads; vime's client picks engines itself, so nothing sets it
+    session_id: str | None = None
     # `Sample.Status.COMPLETED`, as vllm-project/vime's plug-ins spell it (docs/plugin-compat.md)
     Status: ClassVar[type[Status]] = Status
     status: Status = Status.PENDING

@@ -1,7 +1,7 @@
 """slime's Sample methods that plug-ins call (tests/plugins/slime_generate_style.py):
 `update_from_meta_info`, which a generate written after slime's own calls once it has appended an
 engine answer by hand, `effective_response_length`, and `to_dict`/`from_dict` for a plug-in that
-saves samples."""
+saves samples; and what slime's generate reads besides (`args.ci_test`, `sample.session_id`)."""
 
 from __future__ import annotations
 
