@@ -84,6 +84,9 @@ class SlimeServices:
             # `get_client_from_slime_args` sizes its pool as concurrency × rollout GPUs ÷ GPUs per engine
             "rollout_num_gpus": pl.rollout_num_gpus or len(runtime.engines) * pl.rollout_num_gpus_per_engine,
             "sglang_server_concurrency": server_concurrency(cfg.slime_flags, DEFAULT_SERVER_CONCURRENCY),
+            # slime fills it in when not given, and a rollout function copied from slime's asks the
+            # data source for that many groups at a time; vime keeps None for "not given"
+            "over_sampling_batch_size": ro.over_sampling_batch_size or ro.rollout_batch_size,
         }
 
     def restore(self, samples: list[Any]) -> None:
@@ -118,6 +121,20 @@ class Slime:
         "sglang_server_concurrency": DEFAULT_SERVER_CONCURRENCY,
         # slime's --ci-test, off: its own generate (which plug-ins copy) checks it first; vime runs no slime CI
         "ci_test": False,
+        # slime flags vime refuses (docs/slime-flags.md), so never given here: None, their default in
+        # slime, which a rollout or eval function copied from slime's sglang_rollout tests before use
+        **dict.fromkeys(
+            (
+                "rollout_sample_filter_path",
+                "rollout_all_samples_process_path",
+                "buffer_filter_path",
+                "custom_rollout_log_function_path",
+                "custom_eval_rollout_log_function_path",
+                "eval_reward_key",
+                "eval_max_prompt_len",
+                "multimodal_keys",
+            )
+        ),
     }
 
     @property
