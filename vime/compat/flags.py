@@ -76,6 +76,18 @@ _SLIME_ROWS = [
     Flag("model_name", "inert", str, "vime reads the architecture from --hf-checkpoint's config.json"),
     Flag("padded_vocab_size", "inert", int, "vime keeps the checkpoint's vocabulary"),
     Flag("rollout_data_transport", "inert", str, "the driver hands each trainer rank its samples itself"),
+    # slime's extra logs: flags of many scripts, which change nothing but what slime logs
+    Flag("log_passrate", "inert", bool, "vime logs no pass@k: rollout/reward_mean, and each eval set's accuracy"),
+    Flag(
+        "log_multi_turn", "inert", bool, "vime logs a multi-turn run's turns and tool calls itself (rollout/turns_mean)"
+    ),
+    Flag("log_correct_samples", "inert", bool, "vime logs no sample texts: --save-debug-rollout-data keeps them"),
+    Flag(
+        "log_reward_category",
+        "inert",
+        str,
+        "vime logs a dict reward's other values as rollout/reward_<key> means, not as categories",
+    ),
     # slime's straw transport (rollout data in a packed queue on a shared disk) and its settings
     *_rows("inert", str, _STRAW, "rollout_data_dir", "rollout_storage_profile", "rollout_storage_declaration"),
     *_rows("inert", str, _STRAW, "rollout_queue_run_id"),
@@ -509,11 +521,7 @@ ABSENT: dict[str, Flag] = {
         *_absent("multi-token-prediction layers; not in vime", "enable_mtp_training", "mtp_*"),
         *_absent("slime's own CI checks; not in vime", "ci_*"),
         *_absent(
-            "extra rollout logs (pass rate, multi-turn, samples); vime logs rollout/* and eval/* metrics itself",
-            "log_passrate",
-            "log_multi_turn",
-            "log_correct_samples",
-            "log_reward_category",
+            "a logging function of one's own for rollouts or eval; vime logs rollout/* and eval/* metrics itself",
             "custom_rollout_log_function_path",
             "custom_eval_rollout_log_function_path",
         ),

@@ -180,6 +180,14 @@ def test_slimes_lora_script_flags_are_refused_together_each_with_vimes_counterpa
     )
 
 
+def test_slimes_extra_log_flags_are_named_without_effect_not_refused():
+    """--log-passrate and the like change only what slime logs; refusing them stopped scripts."""
+    cfg = parse_args([*BASE, "--log-passrate", "--log-multi-turn", "--log-reward-category", "acc"])
+    inert = line(cfg, "flags with no effect in vime: ")
+    assert "--log-passrate (vime logs no pass@k" in inert and "--log-multi-turn (vime logs a multi-turn" in inert
+    assert "--log-reward-category acc (vime logs a dict reward's other values" in inert
+
+
 def test_slimes_straw_transport_and_session_flags_are_named_without_effect():
     cfg = parse_args(
         [
