@@ -45,7 +45,14 @@ def unknown_flags_error(rest: list[str], known: list[str]) -> str | None:
     )
 
 
+# slime's earlier on-policy distillation, an advantage estimator of its own (its
+# examples/on_policy_distillation scripts pass it); slime later made it `--use-opd --opd-type sglang`
+OPD_ESTIMATOR = "on_policy_distillation"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    estimator = next(a for a in parser._actions if "--advantage-estimator" in a.option_strings)
+    estimator.choices = [*estimator.choices, OPD_ESTIMATOR]
     group = parser.add_argument_group(
         "slime/Megatron compatibility", "flags of slime's run scripts; vime has no setting of its own for them"
     )
@@ -82,6 +89,15 @@ def translate(values: dict[str, Any]) -> None:
     """Turn the foreign flags in `values["slime_flags"]` into vime settings, in place, where vime
     has one; a vime flag the user gave explicitly wins."""
     given = values.get("slime_flags") or {}
+    if values.get("advantage_estimator") == OPD_ESTIMATOR:
+        # the teacher's log-prob minus the policy's on every token, from the log-probs the
+        # post-process stores: vime's served-teacher OPD term over GRPO's advantages, which the
+        # post-process's zero rewards leave at 0
+        values.update(advantage_estimator="grpo")
+        values.setdefault("use_opd", True)
+        values.setdefault("opd_type", "sglang")
+        given["_opd_estimator"] = True
+        values["slime_flags"] = given
     granularity = given.get("recompute_granularity")
     if granularity == "full":
         values.setdefault("gradient_checkpointing", True)

@@ -2,16 +2,20 @@
 the script waits on the server's `/health_generate` (it had only `/health`, so the script's wait
 never ended), and the example's reward, posting the sample's ids with `max_new_tokens` 0 and
 `logprob_start_len` 0, gets each token's log-prob in `meta_info.input_token_logprobs`, which
-the post-process turns into the response's teacher log-probs (tests/plugins/slime_opd_plugins.py)."""
+the post-process turns into the response's teacher log-probs (tests/plugins/slime_opd_plugins.py).
+The script's `--advantage-estimator on_policy_distillation` (slime's earlier OPD, which vime
+refused as an invalid choice) is vime's served-teacher OPD over GRPO."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import urllib.request
 from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import run_cli
 from slime_opd_plugins import post_process_rewards, reward_func
 from transformers import AutoModelForCausalLM
 
@@ -45,3 +49,26 @@ def test_slimes_opd_reward_gets_the_teachers_log_prob_of_each_response_token(tea
         logits = hf(torch.tensor([prompt + response])).logits[0].log_softmax(-1)
     expected = torch.stack([logits[i - 1, t] for i, t in enumerate(prompt + response)][len(prompt) :])
     assert torch.allclose(sample.teacher_log_probs, expected, atol=1e-4)
+
+
+def test_slimes_opd_script_flags_train_against_the_teacher(teacher, tmp_path):
+    """examples/on_policy_distillation/run-qwen3-8B-opd.sh's GRPO_ARGS and RM_ARGS, the plug-ins
+    in the example's shape, on the tiny model: every sample is scored by the teacher and trained
+    with its term."""
+    res = run_cli(
+        "train.py", "--config", "examples/tiny.yaml", "--num-rollout", "2", "--runs-dir", str(tmp_path),
+        "--run-name", "r",
+        "--advantage-estimator", "on_policy_distillation", "--use-kl-loss", "--kl-loss-coef", "0.00",
+        "--kl-loss-type", "low_var_kl", "--entropy-coef", "0.00",
+        "--custom-rm-path", "slime_opd_plugins.reward_func",
+        "--custom-reward-post-process-path", "slime_opd_plugins.post_process_rewards",
+        "--rm-url", f"{teacher.url}/generate",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "--advantage-estimator on_policy_distillation → --advantage-estimator grpo --use-opd --opd-type sglang" in (
+        res.stderr
+    )
+    rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2
+    assert all(r["rollout/reward_errors"] == 0 and r["train/opd_unscored_samples"] == 0 for r in rows)
+    assert all("train/opd_reverse_kl" in r for r in rows)
