@@ -106,6 +106,12 @@ _SLIME_ROWS = [
     ),
     Flag("async_strategy", "inert", str, "vime writes each checkpoint between two steps"),
     Flag("use_distributed_post", "inert", bool, "vime's client spreads requests over the engines itself"),
+    Flag(
+        "use_slime_router",
+        "inert",
+        bool,
+        "vime's client spreads requests over the engines itself; plug-ins reach them at args.sglang_router_ip/port",
+    ),
     Flag("train_env_vars", "inert", str, "trainer ranks inherit the command's environment: export them before it"),
     Flag("rollout_skip_special_tokens", "same", bool, "responses are decoded without special tokens"),
     Flag(
@@ -459,7 +465,11 @@ ABSENT: dict[str, Flag] = {
     f.name: f
     for f in [
         *_absent("image/video columns for vision-language models; vime trains text models only", "multimodal_keys"),
-        *_absent("the request router in front of slime's engines; vime's client spreads requests itself", "router_*"),
+        *_absent(
+            "the request router in front of slime's engines; vime's client spreads requests itself",
+            "router_*",
+            "slime_router_*",
+        ),
         *_absent(
             "GPUs per node of the cluster; vime: --actor-num-gpus-per-node and --rollout-num-gpus",
             "num_gpus_per_node",

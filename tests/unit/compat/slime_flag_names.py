@@ -65,7 +65,7 @@ use-precision-aware-optimizer use-rope-scaling v-head-dim
 # rollout-data queue, score centering, rollout sessions), the LoRA flags of its
 # scripts/run-qwen3-30B-A3B-lora.sh, and the flags its examples' READMEs name (DrGRPO's
 # --pg-loss-divisor, true_on_policy's --true-on-policy-mode), and the older --rollout-num-gpus-per-node
-# of its scripts/run-llama3.1-8B.sh
+# of its scripts/run-llama3.1-8B.sh, and its router's (examples/reproducibility's --use-slime-router)
 SLIME_LATER = """
 async-strategy buffer-sort-by-staleness flush-cache-interval force-fp8-ue8m0-scale pg-loss-type
 rollout-cleanup-timeout rollout-data-dir rollout-io-concurrency rollout-queue-lease-seconds
@@ -74,5 +74,5 @@ rollout-storage-declaration rollout-storage-profile routing-replay-prefetch-micr
 use-score-centering
 use-lora lora-target-preset lora-rank lora-alpha save-lora lora-weight-decay finetune lora-load
 lora-save-merged-hf lora-learning-rate
-pg-loss-divisor true-on-policy-mode rollout-num-gpus-per-node
+pg-loss-divisor true-on-policy-mode rollout-num-gpus-per-node use-slime-router slime-router-middleware-paths
 """.split()  # noqa: SIM905 (names as read)
