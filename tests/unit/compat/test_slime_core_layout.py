@@ -48,3 +48,17 @@ def test_slimes_fully_async_example_in_the_newer_layout_trains(tmp_path):
         assert len(saved) == 16
         assert all(isinstance(s["reward"], float) and s["response_length"] > 0 for s in saved)
         assert all(len(s["rollout_log_probs"]) == s["response_length"] for s in saved)
+
+
+def test_slimes_fully_async_script_flags_end_without_errors_from_the_worker_it_leaves_running(tmp_path):
+    """examples/fully_async/run-qwen3-4b-fully_async.sh starts train_async.py with --use-tis and
+    the rollout file: the file's worker thread outlives the run, and the groups it had in flight
+    come back aborted, not as reward failures against the closed reward pool."""
+    res = run_cli(
+        "train_async.py", "--config", "examples/tiny.yaml", "--num-rollout", "2", "--runs-dir", str(tmp_path),
+        "--rollout-function-path", "slime_core_layout.generate_rollout_fully_async",
+        "--custom-generate-function-path", "slime_core_layout.generate", "--use-tis", "--rollout-num-gpus", "1",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "step 2/2" in res.stderr
+    assert "reward of sample" not in res.stderr and "Traceback" not in res.stderr, res.stderr[-2000:]
