@@ -22,3 +22,16 @@ def test_a_rollout_function_copied_from_slimes_trains_and_its_batches_are_logged
     for row in rows:
         assert row["rollout/num_samples"] == 16 and 0 <= row["rollout/reward_mean"] <= 1
         assert row["rollout/response_len_mean"] > 0
+
+
+def test_slimes_singleton_metaclass_which_a_copied_rollout_module_imports():
+    from slime.utils.misc import SingletonMeta
+
+    class State(metaclass=SingletonMeta):
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+    first = State(1)
+    assert State(2) is first and first.n == 1
+    State.clear_instances()
+    assert State(3).n == 3
