@@ -10,7 +10,8 @@ import difflib
 from typing import Any
 
 from vime.compat import sglang_flags
-from vime.compat.flags import ABSENT_DOC, FLAGS, absent
+from vime.compat.absent_flags import ABSENT_DOC, absent
+from vime.compat.flags import FLAGS
 from vime.config.schema import default_of
 
 
