@@ -23,6 +23,11 @@ _OTHER_MODELS = (
     "Qwen families"
 )
 _MEMORY_PROFILE = f"memory profiling of slime's trainer; {_NOT_YET}"
+OPSD = (
+    "slime's on-policy self-distillation (--opd-type self, its run-qwen3-8B-opsd.sh): the policy, given "
+    "privileged information such as a reference solution, as its own frozen teacher under a full-vocabulary JSD "
+    f"loss; {_NOT_YET} (vime's OPD: --opd-type megatron or sglang, a teacher's log-prob of each token)"
+)
 _ROLLOUT_BUFFER = "slime's external rollout buffer (an agent server); vime: a --rollout-function-path of your own"
 _NOT_HERE = [
     *_absent(
@@ -60,6 +65,7 @@ _NOT_HERE = [
         "only_train_params_name_list",
     ),
     *_absent(f"a proxy for slime's HTTP calls; {_NOT_YET}", "http_proxy"),
+    *_absent(OPSD, "opsd_*"),
     *_absent(
         "a copy of the previous actor for off-policy log-probs; vime: the async modes' --off-policy-correction",
         "keep_old_actor",

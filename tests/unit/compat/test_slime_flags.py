@@ -180,6 +180,19 @@ def test_slimes_lora_script_flags_are_refused_together_each_with_vimes_counterpa
     )
 
 
+def test_slimes_self_distillation_is_refused_saying_what_it_is(capsys):
+    """run-qwen3-8B-opsd.sh: `--opd-type self` was argparse's bare invalid choice and its
+    `--opsd-*` flags 'neither a vime nor a slime flag'."""
+    opsd = ["--use-opd", "--opd-type", "self", "--opd-teacher-load", "/x"]
+    with pytest.raises(SystemExit):
+        parse_args([*BASE, *opsd, "--opsd-beta", "0.5", "--opsd-privileged-info-key", "solution"])
+    err = capsys.readouterr().err
+    assert "(2 flags vime does not know)" in err and "neither a vime nor a slime flag" not in err
+    assert "  --opsd-beta (slime): slime's on-policy self-distillation (--opd-type self" in err
+    with pytest.raises(ConfigError, match=r"^--opd-type self: slime's on-policy self-distillation .* not in vime yet"):
+        parse_args([*BASE, *opsd])
+
+
 def test_slimes_extra_log_flags_are_named_without_effect_not_refused():
     """--log-passrate and the like change only what slime logs; refusing them stopped scripts."""
     cfg = parse_args([*BASE, "--log-passrate", "--log-multi-turn", "--log-reward-category", "acc"])
