@@ -203,6 +203,9 @@ class EngineServer:
 
     async def generate(self, request: web.Request) -> web.Response:
         body = await read_body(request)
+        text_in = "input_ids" not in body and isinstance(body.get("text"), str)
+        if text_in:  # SGLang's other prompt form (slime's plug-ins post it): tokenized as SGLang does
+            body["input_ids"] = list((await self.openai.tokenizer()).encode(body["text"]))
         input_ids, params, rid, return_logprob = self._parse_generate(body)
         start = body_field(body, "logprob_start_len", int, required=False, default=-1)  # SGLang's; -1: not scored
         routed = body_field(body, "return_routed_experts", bool, required=False, default=False)  # SGLang's (R3)
@@ -213,6 +216,11 @@ class EngineServer:
             scored = await self.call(lambda: input_token_logprobs(self.engine, input_ids, start))
         out = await self._generate(input_ids, params, rid, routed_experts=routed)
         samples = [_sample_json(out, i, return_logprob, scored) for i in range(len(out.outputs))]
+        if text_in:  # SGLang answers a text prompt with text, decoded as its sampling params say
+            tok = await self.openai.tokenizer()
+            skip = (body.get("sampling_params") or {}).get("skip_special_tokens", True)
+            for sample in samples:
+                sample["text"] = tok.decode(sample["output_ids"], skip_special_tokens=skip)
         if routed:  # off the event loop: waiting for the copies (a step at most) and encoding them
             encoded = await asyncio.to_thread(lambda: [o.routed_experts.base64() for o in out.outputs])
             for sample, routes in zip(samples, encoded):

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import run_cli
-from slime_opd_plugins import post_process_rewards, reward_func
+from slime_opd_plugins import post_process_rewards, reward_func, reward_func_text
 from transformers import AutoModelForCausalLM
 
 from vime.backends.builtin.launch import launch_engine
@@ -49,6 +49,30 @@ def test_slimes_opd_reward_gets_the_teachers_log_prob_of_each_response_token(tea
         logits = hf(torch.tensor([prompt + response])).logits[0].log_softmax(-1)
     expected = torch.stack([logits[i - 1, t] for i, t in enumerate(prompt + response)][len(prompt) :])
     assert torch.allclose(sample.teacher_log_probs, expected, atol=1e-4)
+
+
+def test_a_text_prompt_is_tokenized_and_answered_with_text_as_sglang_does(teacher, tiny_model):
+    """The example's earlier reward posts `text` (the prompt and response): `vime serve` took
+    `input_ids` only ("missing field 'input_ids'")."""
+    from vime.models import load_tokenizer
+
+    tok = load_tokenizer(tiny_model)
+    sample = Sample(prompt="1+1=", response="2", index=0)
+    args = SimpleNamespace(rm_url=f"{teacher.url}/generate", reward_key=None)
+    answer = asyncio.run(reward_func_text(args, sample))
+    ids = tok.encode("1+1=2")
+    assert [item[1] for item in answer["meta_info"]["input_token_logprobs"]] == ids
+    assert answer["text"] == "" and answer["output_ids"] == []  # max_new_tokens 0: scored, nothing generated
+    said = urllib.request.Request(
+        f"{teacher.url}/generate",
+        data=json.dumps(
+            {"text": "1+1=", "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}}
+        ).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(said, timeout=30) as r:
+        out = json.loads(r.read())
+    assert out["text"] == tok.decode(out["output_ids"], skip_special_tokens=True) and len(out["output_ids"]) == 3
 
 
 def test_slimes_opd_script_flags_train_against_the_teacher(teacher, tmp_path):
