@@ -29,6 +29,7 @@ from vime.metrics import MetricsLogger
 from vime.models import read_config
 from vime.modes import MODES
 from vime.plugins import Plugin, at_step
+from vime.rollout.generate import rollout_metrics
 from vime.rollout.on_policy_distillation import check_served
 from vime.rollout.rewards.post_process import load_post_process, post_process
 from vime.rollout.rewards.watch import FailedRewardSteps
@@ -123,11 +124,17 @@ class Run:
             given = self.ctx.rollout_fn(self.args, rollout_id, self.data_source)
             # slime's older form, the groups alone (its call_rollout_fn takes it too)
             out = RolloutOutput(samples=given) if isinstance(given, list) else given
-            if isinstance(self.ctx.rollout_fn, Plugin) and not holds_groups(out):
-                raise self.ctx.rollout_fn.error(
-                    f"returned {type(given).__name__}: it must return RolloutOutput(samples=[[Sample, ...], ...], metrics={{}}), "
-                    "one non-empty list per prompt group"
-                )
+            if isinstance(self.ctx.rollout_fn, Plugin):
+                if not holds_groups(out):
+                    raise self.ctx.rollout_fn.error(
+                        f"returned {type(given).__name__}: it must return RolloutOutput(samples=[[Sample, ...], ...], "
+                        "metrics={}), one non-empty list per prompt group"
+                    )
+                # a scored batch of a rollout function of one's own is logged as vime's own are (slime
+                # logs its rewards and lengths whatever the function); a metric it returned itself wins.
+                # A batch without rewards (SFT's conversations) has none to log
+                if any(s.reward is not None for g in out.samples for s in g):
+                    out.metrics = {**rollout_metrics(out.samples), **out.metrics}
             if self.post_process is not None:  # rewards in, advantages not yet: every mode passes here
                 post_process(self.post_process, self.args, out.samples)
             if self.cfg.algorithm.teacher_served:

@@ -57,7 +57,8 @@ def distill_advantages(
 def served_log_probs(samples: list[Any]) -> list[Tensor | None]:
     """`--opd-type sglang`: the teacher's log-probs the post-process stored on each sample."""
     return [
-        None if s.teacher_log_probs is None else torch.tensor(s.teacher_log_probs, dtype=torch.float32) for s in samples
+        None if s.teacher_log_probs is None else torch.as_tensor(s.teacher_log_probs, dtype=torch.float32)
+        for s in samples
     ]
 
 

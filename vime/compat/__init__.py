@@ -25,7 +25,7 @@ be dropped silently either. Each is one row of `FLAGS` that says what vime does 
 vime starts, listed as having no effect with the built-in engine. docs/slime-flags.md is the
 table of every flag of vllm-project/vime's scripts and what vime does with it.
 
-By job: `flags.py` the tables (`FLAGS`, and `ABSENT`: slime's flags vime does not accept),
+By job: `flags.py` and `absent_flags.py` the tables (`FLAGS`, and `ABSENT`: slime's flags vime does not accept),
 `parse.py` the command line (the flags' arguments, the error naming every unknown flag),
 `startup.py` what is refused and said of them at start-up, `model.py` the check of the shape flags
 and parallel sizes against the checkpoint; `imports.py` the plug-ins' module names,
@@ -43,7 +43,8 @@ import importlib
 # aiohttp, torch or typing at start-up
 _EXPORTS = {
     **dict.fromkeys(("SLIME", "Slime"), "vime.compat.dialect"),
-    **dict.fromkeys(("ABSENT", "ABSENT_DOC", "FLAGS", "Flag", "absent"), "vime.compat.flags"),
+    **dict.fromkeys(("ABSENT", "ABSENT_DOC", "absent"), "vime.compat.absent_flags"),
+    **dict.fromkeys(("FLAGS", "Flag"), "vime.compat.flags"),
     **dict.fromkeys(
         (
             "check_model",

@@ -84,6 +84,9 @@ class SlimeServices:
             # `get_client_from_slime_args` sizes its pool as concurrency × rollout GPUs ÷ GPUs per engine
             "rollout_num_gpus": pl.rollout_num_gpus or len(runtime.engines) * pl.rollout_num_gpus_per_engine,
             "sglang_server_concurrency": server_concurrency(cfg.slime_flags, DEFAULT_SERVER_CONCURRENCY),
+            # slime fills it in when not given, and a rollout function copied from slime's asks the
+            # data source for that many groups at a time; vime keeps None for "not given"
+            "over_sampling_batch_size": ro.over_sampling_batch_size or ro.rollout_batch_size,
         }
 
     def restore(self, samples: list[Any]) -> None:
@@ -116,6 +119,22 @@ class Slime:
         "rollout_global_dataset": True,
         # slime's --sglang-server-concurrency default, which its plug-ins' clients size their pools by
         "sglang_server_concurrency": DEFAULT_SERVER_CONCURRENCY,
+        # slime's --ci-test, off: its own generate (which plug-ins copy) checks it first; vime runs no slime CI
+        "ci_test": False,
+        # slime flags vime refuses (docs/slime-flags.md), so never given here: None, their default in
+        # slime, which a rollout or eval function copied from slime's sglang_rollout tests before use
+        **dict.fromkeys(
+            (
+                "rollout_sample_filter_path",
+                "rollout_all_samples_process_path",
+                "buffer_filter_path",
+                "custom_rollout_log_function_path",
+                "custom_eval_rollout_log_function_path",
+                "eval_reward_key",
+                "eval_max_prompt_len",
+                "multimodal_keys",
+            )
+        ),
     }
 
     @property
@@ -183,7 +202,8 @@ class Slime:
 
 def _explain(e: BaseException) -> str | None:
     """What a failed import of a plug-in's slime or vllm-project/vime name means: a name of a real
-    slime that stands in for vime's, or one of vllm-project/vime's that vime lacks."""
+    slime that stands in for vime's, Megatron's trainer side (slime's custom losses and hooks
+    import it), or a slime or vllm-project/vime name vime lacks."""
     if not isinstance(e, ImportError) or not e.name:
         return None
     top = e.name.split(".")[0]
@@ -199,10 +219,16 @@ def _explain(e: BaseException) -> str | None:
             f"imports {lacked}, which the installed slime package ({slime}) does not have: install the slime the "
             "plug-in was written for, or uninstall slime so vime answers slime.* imports (docs/plugin-compat.md)"
         )
+    if top == "megatron" or any(e.name.startswith(f"{t}.backends.megatron_utils") for t in (imports.ALIAS, "vime")):
+        return (
+            f"imports {lacked}, which vime does not have: it is Megatron-LM's trainer side, and vime trains the HF "
+            "model with FSDP2; a plug-in over Megatron's batches and logits (a custom loss, a pg-loss reducer, a "
+            "Megatron hook) is written again for vime's hook of that job (docs/slime-flags.md says which)"
+        )
     if top in (imports.ALIAS, "vime"):
         return (
-            f"imports {lacked}, which vime does not have (a name of vllm-project/vime's?): docs/plugin-compat.md "
-            "lists the vllm-project/vime names vime has"
+            f"imports {lacked}, which vime does not have: docs/plugin-compat.md lists the slime and "
+            "vllm-project/vime names vime has"
         )
     return None
 

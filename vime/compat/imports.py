@@ -6,7 +6,8 @@
   It stands aside when a real `slime` package is importable: a machine with slime keeps it.
 * vllm-project/vime's own paths whose modules live in vime/compat/ (`MOVED`):
   `vime.rollout.vllm_rollout` (its rollout module and plug-in helpers), slime's
-  `vime.rollout.sglang_rollout` (`slime.rollout.sglang_rollout`: its default rollout module), `vime.utils.*`,
+  `vime.rollout.sglang_rollout` (`slime.rollout.sglang_rollout`: its default rollout module), `vime.utils.*`
+  (with slime's newer `slime.utils.core.*` and `slime.utils.network.*` names of the same modules),
   `vime.rollout.rm_hub`, `vime.backends.megatron_utils`, `vime.rollout.base_types` (what rollout
   functions return) and `vime.rollout.filter_hub` (dynamic-sampling filters and their types).
 
@@ -35,6 +36,10 @@ ALIAS, TARGET = "slime", "vime"
 MOVED = {
     "vime.rollout.vllm_rollout": "vime.compat.vllm_rollout",
     "vime.rollout.sglang_rollout": "vime.compat.sglang_rollout",
+    # slime's newer layout sorts its helpers into subpackages (`slime.utils.core.types`,
+    # `.core.misc`, `.core.async_utils`, `slime.utils.network.http_utils`): the same modules
+    "vime.utils.core": "vime.compat.utils",
+    "vime.utils.network": "vime.compat.utils",
     "vime.utils": "vime.compat.utils",
     "vime.rollout.rm_hub": "vime.compat.rm_hub",
     "vime.backends.megatron_utils": "vime.compat.megatron_utils",

@@ -10,8 +10,10 @@ import difflib
 from typing import Any
 
 from vime.compat import sglang_flags
-from vime.compat.flags import ABSENT_DOC, FLAGS, absent
+from vime.compat.absent_flags import ABSENT_DOC, OPSD, absent
+from vime.compat.flags import FLAGS
 from vime.config.schema import default_of
+from vime.errors import ConfigError
 
 
 def unknown_flags_error(rest: list[str], known: list[str]) -> str | None:
@@ -45,7 +47,17 @@ def unknown_flags_error(rest: list[str], known: list[str]) -> str | None:
     )
 
 
+# slime's earlier on-policy distillation, an advantage estimator of its own (its
+# examples/on_policy_distillation scripts pass it); slime later made it `--use-opd --opd-type sglang`
+OPD_ESTIMATOR = "on_policy_distillation"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # slime's values of vime's flags: taken here, so `translate` says what each is rather than
+    # argparse refusing the choice without a word
+    for flag, value in (("--advantage-estimator", OPD_ESTIMATOR), ("--opd-type", "self")):
+        action = next(a for a in parser._actions if flag in a.option_strings)
+        action.choices = [*action.choices, value]
     group = parser.add_argument_group(
         "slime/Megatron compatibility", "flags of slime's run scripts; vime has no setting of its own for them"
     )
@@ -82,6 +94,17 @@ def translate(values: dict[str, Any]) -> None:
     """Turn the foreign flags in `values["slime_flags"]` into vime settings, in place, where vime
     has one; a vime flag the user gave explicitly wins."""
     given = values.get("slime_flags") or {}
+    if values.get("opd_type") == "self":
+        raise ConfigError(f"--opd-type self: {OPSD}")
+    if values.get("advantage_estimator") == OPD_ESTIMATOR:
+        # the teacher's log-prob minus the policy's on every token, from the log-probs the
+        # post-process stores: vime's served-teacher OPD term over GRPO's advantages, which the
+        # post-process's zero rewards leave at 0
+        values.update(advantage_estimator="grpo")
+        values.setdefault("use_opd", True)
+        values.setdefault("opd_type", "sglang")
+        given["_opd_estimator"] = True
+        values["slime_flags"] = given
     granularity = given.get("recompute_granularity")
     if granularity == "full":
         values.setdefault("gradient_checkpointing", True)

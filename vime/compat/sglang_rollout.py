@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,6 +145,9 @@ async def generate_and_rm(
         return sample
     out = await vime_generate.generate_fn(args, evaluation)(args, sample, sampling_params)
     samples = out if isinstance(out, list) else [out]
+    if runtime_of(args).closed:  # the run ended while it generated: its rewards are closed too
+        for s in samples:
+            s.status = Status.ABORTED
     if args.rollout.group_rm or any(s.status == Status.ABORTED for s in samples):
         return out
     await score_samples(args, [s for s in samples if s.reward is None])
@@ -156,21 +159,41 @@ async def generate_and_rm_group(
 ) -> list[Sample] | list[Sample | list[Sample]]:
     """`generate_and_rm` on every sample of a group at once (each with its own copy of the params,
     and its seed with --sglang-enable-deterministic-inference); with --group-rm the whole group
-    is scored together. An entry is a list where its generate returned several samples."""
-    state = GenerateState(args)
+    is scored together. An entry is a list where its generate returned several samples. Once the
+    run is over the group comes back aborted, as slime's does after its abort: a worker thread of
+    the plug-in's own that outlives the run (slime's fully_async example) gets its groups back
+    rather than errors from engines and rewards that are gone."""
+    state, runtime = GenerateState(args), runtime_of(args)
     if state.aborted:
         return group
+    if runtime.closed:
+        return _aborted(group)
     seeds = getattr(state, "group_sampling_seeds", None)
     jobs = []
     for i, sample in enumerate(group):
         params = dict(sampling_params, **({"sampling_seed": seeds[i % len(seeds)]} if seeds else {}))
         jobs.append(generate_and_rm(args, sample, params, evaluation=evaluation))
-    out = list(await asyncio.gather(*jobs))
+    try:  # on vime's rollout loop, whatever loop awaits it (the fully_async example's worker thread has its own)
+        out = list(await vllm_rollout_helpers.on_rollout_loop(_gathered(jobs)))
+    except (asyncio.CancelledError, Exception):
+        if not runtime.closed:
+            raise
+        return _aborted(group)
     if group:
-        runtime_of(args).forget_group(group[0].group_index)
+        runtime.forget_group(group[0].group_index)
     if not state.aborted and args.rollout.group_rm:
         await score_samples(args, flatten(out))
     return out
+
+
+async def _gathered(jobs: list[Coroutine[Any, Any, Any]]) -> list[Any]:
+    return list(await asyncio.gather(*jobs))
+
+
+def _aborted(group: list[Sample]) -> list[Sample]:
+    for s in group:
+        s.status = Status.ABORTED
+    return group
 
 
 async def abort(args: Any, rollout_id: int) -> list[list[Sample]]:

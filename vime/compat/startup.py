@@ -77,6 +77,13 @@ def notes(cfg: Any) -> tuple[list[str], list[str]]:
             + (f"the first {layers} decoder layers" if layers else "every decoder layer")
         )
     mapped, same, inert = _by_value(cfg)
+    if g.get("_opd_estimator"):
+        mapped.append(
+            f"--advantage-estimator on_policy_distillation → --advantage-estimator {cfg.advantage_estimator} "
+            f"--use-opd --opd-type {cfg.opd_type} (slime's earlier on-policy distillation: the teacher's log-prob "
+            "minus the policy's on every token, from the log-probs the post-process stores; the rewards it "
+            "returns are GRPO's, 0 in slime's example)"
+        )
     if mapped:
         out.append("slime flags that set vime's: " + "; ".join(mapped))
     same += [f"{FLAGS[n].flag} ({FLAGS[n].says})" for n in g if n in FLAGS and FLAGS[n].kind == "same"]

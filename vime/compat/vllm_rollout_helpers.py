@@ -145,7 +145,7 @@ async def generate_and_rm(
         await score_samples(args, [s for s in out if s.reward is None])
         return out[0] if len(out) == 1 else out
 
-    return await _on_rollout_loop(one())
+    return await on_rollout_loop(one())
 
 
 async def generate_and_rm_group(
@@ -166,7 +166,7 @@ async def generate_and_rm_group(
 
     if not runtime.closed:
         try:
-            return await _on_rollout_loop(whole())
+            return await on_rollout_loop(whole())
         except (asyncio.CancelledError, Exception):
             if not runtime.closed:
                 raise
@@ -175,7 +175,7 @@ async def generate_and_rm_group(
     return group
 
 
-async def _on_rollout_loop(coro: Coroutine[Any, Any, T]) -> T:
+async def on_rollout_loop(coro: Coroutine[Any, Any, T]) -> T:
     """`coro` awaited on vime's rollout loop: here when this is that loop, else submitted to it."""
     if asyncio.get_running_loop() is async_loop.get_loop():
         return await coro

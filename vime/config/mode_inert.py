@@ -25,6 +25,8 @@ EVAL_ONLY = tuple(
 )
 # what only the built-in engines vime starts read
 BUILTIN_ENGINE_ONLY = ("engine_kv_cache_memory_fraction",)
+# settings that, not given, take another's value (Config.validate): that value is no flag given
+FILLED_FROM = {"eval_max_response_len": "rollout_max_response_len"}
 
 
 def mode_inert_flags(c: Settings) -> list[str]:
@@ -54,7 +56,7 @@ def _given(c: Any, names: tuple[str, ...], why: str) -> list[str]:
     out = []
     for name in names:
         value = getattr(c, name)
-        if value == default_of(name):
+        if value == default_of(name) or (name in FILLED_FROM and value == getattr(c, FILLED_FROM[name])):
             continue
         shown = (
             ""

@@ -212,6 +212,9 @@ class EngineServer:
 
     async def generate(self, request: web.Request) -> web.Response:
         body = await read_body(request)
+        text_in = "input_ids" not in body and isinstance(body.get("text"), str)
+        if text_in:  # SGLang's other prompt form (slime's plug-ins post it): tokenized as SGLang does
+            body["input_ids"] = list((await self.openai.tokenizer()).encode(body["text"]))
         input_ids, params, rid, return_logprob = self._parse_generate(body)
         start = body_field(body, "logprob_start_len", int, required=False, default=-1)  # SGLang's; -1: not scored
         routed = body_field(body, "return_routed_experts", bool, required=False, default=False)  # SGLang's (R3)
@@ -222,6 +225,11 @@ class EngineServer:
             scored = await self.call(lambda: input_token_logprobs(self.engine, input_ids, start))
         out = await self._generate(input_ids, params, rid, routed_experts=routed)
         samples = [_sample_json(out, i, return_logprob, scored) for i in range(len(out.outputs))]
+        if text_in:  # SGLang answers a text prompt with text, decoded as its sampling params say
+            tok = await self.openai.tokenizer()
+            skip = (body.get("sampling_params") or {}).get("skip_special_tokens", True)
+            for sample in samples:
+                sample["text"] = tok.decode(sample["output_ids"], skip_special_tokens=skip)
         if routed:  # off the event loop: waiting for the copies (a step at most) and encoding them
             encoded = await asyncio.to_thread(lambda: [o.routed_experts.base64() for o in out.outputs])
             for sample, routes in zip(samples, encoded):
@@ -269,6 +277,20 @@ class EngineServer:
             return json_error(503, problem)
         return web.json_response({"status": "ok"})
 
+    async def health_generate(self, request: web.Request) -> web.Response:
+        """SGLang's `/health_generate`: one token generated, or 503 why not. Scripts that start a
+        server and wait for it ask this route (slime's on-policy distillation teacher), so a vime
+        engine standing in for SGLang answers it."""
+        from vime.engine.core.sampler import SamplingParams
+
+        problem = self.fatal or self.engine.weights_incomplete
+        if problem is None:
+            try:
+                await self._generate([0], SamplingParams.from_dict({"max_new_tokens": 1}), uuid.uuid4().hex)
+            except Exception as e:
+                problem = f"{type(e).__name__}: {e}"
+        return web.json_response({"status": "ok"}) if problem is None else json_error(503, problem)
+
     async def model_info(self, request: web.Request) -> web.Response:
         return web.json_response(model_info(self.engine, self.model_path))
 
@@ -303,6 +325,7 @@ class EngineServer:
             app.router.add_post(path, handler)
         for path, handler in {
             "/health": self.health,
+            "/health_generate": self.health_generate,
             "/get_model_info": self.model_info,
             "/weight_checksums": self.weights.weight_checksums,
             "/metrics": self.metrics,

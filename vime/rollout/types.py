@@ -7,6 +7,7 @@ prompt and are the unit GRPO normalizes over, so rollout functions return `list[
 from __future__ import annotations
 
 import base64
+import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -68,6 +69,9 @@ class Sample:
     # multi-turn rollout reads and writes them whatever the model
     multimodal_inputs: dict[str, Any] | None = None
     multimodal_train_inputs: dict[str, Any] | None = None
+    # slime's routing key for its gateway's consistent hashing, which its generate (and the
+    # plug-ins that copy it) reads; vime's client picks engines itself, so nothing sets it
+    session_id: str | None = None
     # `Sample.Status.COMPLETED`, as vllm-project/vime's plug-ins spell it (docs/plugin-compat.md)
     Status: ClassVar[type[Status]] = Status
     status: Status = Status.PENDING
@@ -103,6 +107,42 @@ class Sample:
 
     def effective_loss_mask(self) -> list[int]:
         return self.loss_mask if self.loss_mask is not None else [1] * self.response_length
+
+    @property
+    def effective_response_length(self) -> int:
+        """slime's name: the response tokens the loss sees (all of them without a loss mask)."""
+        return sum(self.loss_mask) if self.loss_mask is not None else self.response_length
+
+    def update_from_meta_info(self, args: Any, meta_info: dict[str, Any]) -> None:
+        """slime's method, which generate functions written after slime's own call once they have
+        extended `tokens`, `response_length` and `rollout_log_probs` by an engine answer: its
+        `finish_reason` sets the status, and the response tokens that have no weight version yet
+        (those the answer added) take the answer's (as `append_response_tokens` stamps them), so
+        the per-token versions stay one per response token."""
+        missing = self.response_length - len(self.weight_versions or [])
+        if missing > 0 and (self.weight_versions is not None or missing == self.response_length):
+            versions = _versions_of(meta_info, missing, args, None)
+            self.weight_versions = None if versions is None else (self.weight_versions or []) + versions
+        reason = meta_info.get("finish_reason")
+        reason = reason.get("type") if isinstance(reason, dict) else reason
+        self.status = _FINISH_STATUS.get(reason, self.status)
+
+    def to_dict(self) -> dict[str, Any]:
+        """slime's: the sample's fields (and any a plug-in set) as a dict, the status as its text,
+        for a plug-in that saves samples (from_dict reads it back)."""
+        value = dict(self.__dict__)
+        value["status"] = self.status.value
+        return value
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> Sample:
+        """slime's: a sample from `to_dict`'s dict; a key that is no field is set as an attribute."""
+        fields = {f.name for f in dataclasses.fields(Sample)}
+        sample = Sample(**{k: v for k, v in data.items() if k in fields})
+        for key, value in data.items():
+            if key not in fields:
+                setattr(sample, key, value)
+        return sample
 
     def append_generated(
         self, ids: list[int], log_probs: list[float], versions: list[int], trainable: bool = True

@@ -60,3 +60,21 @@ post-self-attn-layernorm prefill-num-servers q-lora-rank qk-head-dim qk-pos-emb-
 rotary-scaling-factor spec transformer-impl use-distributed-optimizer use-gated-attention
 use-precision-aware-optimizer use-rope-scaling v-head-dim
 """.split()  # noqa: SIM905 (names as read, a line of slime's list at a time)
+
+# slime's later flags: those its argument list at 002fa9d adds to the list above (its straw
+# rollout-data queue, score centering, rollout sessions), the LoRA flags of its
+# scripts/run-qwen3-30B-A3B-lora.sh, and the flags its examples' READMEs name (DrGRPO's
+# --pg-loss-divisor, true_on_policy's --true-on-policy-mode), and the older --rollout-num-gpus-per-node
+# of its scripts/run-llama3.1-8B.sh, its router's (examples/reproducibility's --use-slime-router) and its
+# self-distillation's (examples/on_policy_distillation/run-qwen3-8B-opsd.sh)
+SLIME_LATER = """
+async-strategy buffer-sort-by-staleness flush-cache-interval force-fp8-ue8m0-scale pg-loss-type
+rollout-cleanup-timeout rollout-data-dir rollout-io-concurrency rollout-queue-lease-seconds
+rollout-queue-online-gc rollout-queue-run-id rollout-queue-segment-mib rollout-session-id
+rollout-storage-declaration rollout-storage-profile routing-replay-prefetch-microbatches score-centering-top-k
+use-score-centering
+use-lora lora-target-preset lora-rank lora-alpha save-lora lora-weight-decay finetune lora-load
+lora-save-merged-hf lora-learning-rate
+pg-loss-divisor true-on-policy-mode rollout-num-gpus-per-node use-slime-router slime-router-middleware-paths
+opsd-beta opsd-jsd-clip opsd-privileged-info-key
+""".split()  # noqa: SIM905 (names as read)

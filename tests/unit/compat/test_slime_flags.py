@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import run_cli
 
-from unit.compat.slime_flag_names import MEGATRON_IN_SCRIPTS, SLIME_ARGUMENTS
+from unit.compat.slime_flag_names import MEGATRON_IN_SCRIPTS, SLIME_ARGUMENTS, SLIME_LATER
 from vime import compat
 from vime.backends.builtin.place import engine_args
 from vime.compat import parse_args
@@ -138,7 +138,7 @@ def test_every_flag_of_slimes_argument_list_is_vimes_or_answered():
     known = {o for a in build_parser(dialect=compat.SLIME)._actions for o in a.option_strings}
     unanswered = [
         name
-        for name in [*SLIME_ARGUMENTS, *MEGATRON_IN_SCRIPTS]
+        for name in [*SLIME_ARGUMENTS, *SLIME_LATER, *MEGATRON_IN_SCRIPTS]
         if f"--{name}" not in known and compat.absent(name.replace("-", "_")) is None
     ]
     assert not unanswered, unanswered
@@ -157,6 +157,64 @@ def test_refused_slime_flags_are_named_together_each_with_its_line(capsys):
     )
     assert err[3].startswith("  --fp8-format (slime): Transformer Engine's FP8 training; vime trains in bfloat16")
     assert err[4] == "  --http-proxy (slime): a proxy for slime's HTTP calls; not in vime yet"
+
+
+def test_slimes_lora_script_flags_are_refused_together_each_with_vimes_counterpart(capsys):
+    """scripts/run-qwen3-30B-A3B-lora.sh's LoRA block, and the loss flags of slime's DrGRPO and
+    true_on_policy examples: each was 'neither a vime nor a slime flag'."""
+    with pytest.raises(SystemExit):
+        parse_args(
+            [
+                *BASE,
+                "--use-lora", "--lora-target-preset", "moe_language_all", "--lora-rank", "32", "--lora-alpha", "64",
+                "--save-lora", "/x/{rollout_id}", "--lora-weight-decay", "0.1", "--pg-loss-divisor", "40960",
+                "--true-on-policy-mode",
+            ]
+        )  # fmt: skip
+    err = capsys.readouterr().err
+    assert "(6 flags vime does not know)" in err and "neither a vime nor a slime flag" not in err
+    assert "  --use-lora (slime): slime's switch for LoRA; vime: --lora-rank N turns LoRA on" in err
+    assert "  --lora-target-preset (slime): slime's named sets of LoRA targets; vime: --target-modules" in err
+    assert (
+        "  --pg-loss-divisor (slime): Dr.GRPO's constant divisor of the policy loss; vime: --calculate-per-token" in err
+    )
+
+
+def test_slimes_self_distillation_is_refused_saying_what_it_is(capsys):
+    """run-qwen3-8B-opsd.sh: `--opd-type self` was argparse's bare invalid choice and its
+    `--opsd-*` flags 'neither a vime nor a slime flag'."""
+    opsd = ["--use-opd", "--opd-type", "self", "--opd-teacher-load", "/x"]
+    with pytest.raises(SystemExit):
+        parse_args([*BASE, *opsd, "--opsd-beta", "0.5", "--opsd-privileged-info-key", "solution"])
+    err = capsys.readouterr().err
+    assert "(2 flags vime does not know)" in err and "neither a vime nor a slime flag" not in err
+    assert "  --opsd-beta (slime): slime's on-policy self-distillation (--opd-type self" in err
+    with pytest.raises(ConfigError, match=r"^--opd-type self: slime's on-policy self-distillation .* not in vime yet"):
+        parse_args([*BASE, *opsd])
+
+
+def test_slimes_extra_log_flags_are_named_without_effect_not_refused():
+    """--log-passrate and the like change only what slime logs; refusing them stopped scripts."""
+    cfg = parse_args([*BASE, "--log-passrate", "--log-multi-turn", "--log-reward-category", "acc"])
+    inert = line(cfg, "flags with no effect in vime: ")
+    assert "--log-passrate (vime logs no pass@k" in inert and "--log-multi-turn (vime logs a multi-turn" in inert
+    assert "--log-reward-category acc (vime logs a dict reward's other values" in inert
+
+
+def test_slimes_straw_transport_and_session_flags_are_named_without_effect():
+    cfg = parse_args(
+        [
+            *BASE,
+            "--rollout-data-dir", "/shared/rollout", "--rollout-queue-online-gc", "--rollout-queue-lease-seconds",
+            "120", "--rollout-io-concurrency", "8", "--rollout-session-id", "s", "--async-strategy", "mcore",
+        ]
+    )  # fmt: skip
+    inert = line(cfg, "flags with no effect in vime: ")
+    assert "--rollout-data-dir /shared/rollout (slime's straw rollout-data queue on a shared disk" in inert
+    for flag in ("--rollout-queue-online-gc", "--rollout-queue-lease-seconds 120.0", "--rollout-io-concurrency 8"):
+        assert flag in inert
+    assert "--rollout-session-id s (vime's engines are the run's own" in inert
+    assert "--async-strategy mcore (vime writes each checkpoint between two steps)" in inert
 
 
 def test_kl_coef_is_what_slime_does_with_it():
@@ -206,6 +264,10 @@ def test_flags_the_runs_mode_leaves_unread_are_named_at_start_up():
     inert = line(cfg, "flags with no effect in vime: ")
     for flag in ("--eval-prompt-data e.jsonl", "--n-samples-per-eval-prompt 4", "--eval-top-p 0.9"):
         assert f"{flag} (no evaluation without --eval-interval)" in inert
+    # the eval response length a run takes from --rollout-max-response-len is no flag it gave
+    assert "--eval-max-response-len" not in said(parse_args([*BASE, "--rollout-max-response-len", "64"]))
+    given = line(parse_args([*BASE, "--eval-max-response-len", "512"]), "flags with no effect in vime: ")
+    assert "--eval-max-response-len 512 (no evaluation without --eval-interval)" in given
     evaluating = parse_args([*BASE, "--eval-prompt-data", "e.jsonl", "--eval-interval", "5", "--eval-top-p", "0.9"])
     assert "--eval-" not in line(evaluating, "flags with no effect in vime: ")
     sync = parse_args([*BASE, "--rollout-concurrency", "8"])

@@ -22,6 +22,12 @@ def test_processor_kwargs_are_built_as_slime_builds_them():
     assert given["images_kwargs"]["return_tensors"] == "np"  # the caller's dict is left as it was
 
 
+def test_a_text_model_has_no_processor_as_in_slime(tiny_model):
+    from slime.utils.processing_utils import load_processor
+
+    assert load_processor(str(tiny_model), trust_remote_code=True) is None
+
+
 def test_an_image_for_the_engine_is_refused_in_one_line():
     from slime.utils.processing_utils import encode_image_for_rollout_engine
 

@@ -1,10 +1,13 @@
 """`from vime.utils.misc import load_function` (and slime's `slime.utils.misc`): a dotted path to
-the function it names, and `exec_command`, which slime's Python launchers run their shell steps with."""
+the function it names, `exec_command`, which slime's Python launchers run their shell steps with,
+and `SingletonMeta`, which rollout modules copied from slime's sglang_rollout import for their
+state class."""
 
 from __future__ import annotations
 
 import subprocess
 from collections.abc import Callable
+from typing import Any, ClassVar
 
 from vime.compat.utils.external_utils.downloads import download_command
 from vime.plugins import load_function as _load
@@ -32,4 +35,19 @@ def exec_command(cmd: str, capture_output: bool = False) -> str | None:
     return result.stdout if capture_output else None
 
 
-__all__ = ["exec_command", "load_function"]
+class SingletonMeta(type):
+    """slime's metaclass of one instance per class: the first call's arguments build it, later
+    calls get it back (`clear_instances` forgets them all)."""
+
+    _instances: ClassVar[dict[type, Any]] = {}
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if cls not in SingletonMeta._instances:
+            SingletonMeta._instances[cls] = super().__call__(*args, **kwargs)
+        return SingletonMeta._instances[cls]
+
+    def clear_instances(cls) -> None:
+        SingletonMeta._instances.clear()
+
+
+__all__ = ["SingletonMeta", "exec_command", "load_function"]

@@ -1,5 +1,6 @@
 """`slime.utils.processing_utils`: the names slime's examples import (geo3k multi-turn's
-`build_processor_kwargs` and `encode_image_for_rollout_engine`, `load_tokenizer`).
+`build_processor_kwargs` and `encode_image_for_rollout_engine`, `load_tokenizer`, and
+`load_processor`, which a generate or eval copied from slime's sglang_rollout imports).
 
 vime rolls out text: `GenerateState.processor` is None, so a slime rollout takes its tokenizer
 path, and an image it would send (`image_data`) is refused here in one line rather than by the
@@ -18,6 +19,12 @@ from vime.errors import ConfigError
 def load_tokenizer(name_or_path: str, **kwargs: Any) -> Any:
     """The model's tokenizer, as slime loads it (`AutoTokenizer.from_pretrained`)."""
     return AutoTokenizer.from_pretrained(name_or_path, **kwargs)
+
+
+def load_processor(name_or_path: str, **kwargs: Any) -> None:
+    """slime's multimodal processor of a model, None for a text model (slime's answer there too):
+    vime rolls out text, so there is none to load."""
+    return None
 
 
 def build_processor_kwargs(multimodal_inputs: dict[str, Any] | None = None) -> dict[str, Any]:

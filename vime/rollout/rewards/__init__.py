@@ -318,13 +318,15 @@ class Rewards:
             return self._failed(sample, e)
 
     def _failed(self, sample: Sample, e: BaseException) -> tuple[float, dict[str, float], str, None]:
-        """A failed reward: 0, "timeout" or "error"; the first failure of each exception type is logged."""
+        """A failed reward: 0, "timeout" or "error"; the first failure of each exception type is logged,
+        unless the run had closed its rewards under the sample (a plug-in's own worker thread that
+        outlives the run, slime's fully-async example): the run's end, no fault to report."""
         timed_out = isinstance(e, (asyncio.TimeoutError, GradingTimeout))
         name = type(e).__name__
         detail = "no result in time, see --reward-timeout" if timed_out else str(e)
         counter = "rollout/reward_timeouts" if timed_out else "rollout/reward_errors"
         self.last_failure = f"{name}: {' '.join(detail.split())[:300]}"
-        if name not in self._logged:
+        if name not in self._logged and not self.runner.closed:
             self._logged.add(name)
             log.warning(
                 "reward of sample %d failed (%s: %s); it scores 0, further %s failures are only counted in %s",
