@@ -181,6 +181,23 @@ def memory_refusal(params: int, gpus: int, with_ref: bool, gpu_bytes: int, sizes
     )
 
 
+ENGINE_BYTES_PER_PARAM = 2  # the built-in engine's bf16 weights
+ENGINE_WEIGHT_SHARE = 0.8  # of a GPU, at most: the rest is KV cache, activations and CUDA graphs
+
+
+def engine_memory_refusal(params: int, per_engine: int, gpu_bytes: int) -> str | None:
+    """A slime script asked for engines of `per_engine` GPUs, which the built-in engine runs as one
+    engine per GPU: refused when the whole model's weights leave too little of one GPU."""
+    need = params * ENGINE_BYTES_PER_PARAM
+    if need <= ENGINE_WEIGHT_SHARE * gpu_bytes:
+        return None
+    return (
+        f"--rollout-num-gpus-per-engine {per_engine}: the built-in engine has no tensor parallelism and holds the "
+        f"whole model on each GPU, {need / 2**30:.1f} GiB of bf16 weights of the {gpu_bytes / 2**30:.1f} GiB a GPU "
+        f"has, too little room left for its KV cache: use --rollout-backend vllm (tensor-parallel engines)"
+    )
+
+
 def check_model(cfg: Any, model_dir: Path, read_config: Callable[[Path], dict], gpu_bytes: int | None) -> list[str]:
     """Refusals about the checkpoint: shape contradictions, experts asked of a dense model, and a
     model whose sharded training state cannot fit the actor GPUs. `gpu_bytes`: one GPU's memory
@@ -207,6 +224,10 @@ def check_model(cfg: Any, model_dir: Path, read_config: Callable[[Path], dict], 
         if size > 1 and not experts:
             out.append(f"{flag} {size}: {model_dir} is a dense model, it has no experts to split; use 1")
     sizes = {n: g[n] for n in FLAGS if FLAGS[n].kind == "parallel" and g.get(n, 1) > 1}
+    if gpu_bytes is not None and g.get("_engine_tensor_parallel"):
+        refusal = engine_memory_refusal(parameter_count(model_dir), g["_engine_tensor_parallel"], gpu_bytes)
+        if refusal:
+            out.append(refusal)
     if gpu_bytes is not None:
         refusal = memory_refusal(
             parameter_count(model_dir),

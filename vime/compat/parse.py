@@ -116,6 +116,16 @@ def translate(values: dict[str, Any]) -> None:
     for _flag, setting, value in mapped_values(given):
         values.setdefault(setting, value)
     backend = values.get("rollout_backend") or default_of("rollout_backend")
+    per_engine = values.get("rollout_num_gpus_per_engine") or 1
+    if backend == "vime" and per_engine > 1 and any(name.startswith(sglang_flags.PREFIX) for name in given):
+        # a slime script's SGLang engines of N GPUs each (tensor parallel): the built-in engine
+        # has no tensor parallelism, so the same GPUs run one engine each (said at start-up;
+        # check_model refuses a model whose weights cannot fit one GPU)
+        values["rollout_num_gpus_per_engine"] = 1
+        if values.get("rollout_num_engines") is not None:
+            values["rollout_num_engines"] *= per_engine
+        given["_engine_tensor_parallel"] = per_engine
+        values["slime_flags"] = given
     for effect in sglang_flags.effects(given, backend, starts_engines=not values.get("rollout_engine_urls")):
         if effect.setting is not None:
             values.setdefault(*effect.setting)

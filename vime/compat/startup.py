@@ -84,6 +84,12 @@ def notes(cfg: Any) -> tuple[list[str], list[str]]:
             "minus the policy's on every token, from the log-probs the post-process stores; the rewards it "
             "returns are GRPO's, 0 in slime's example)"
         )
+    if g.get("_engine_tensor_parallel"):
+        mapped.append(
+            f"--rollout-num-gpus-per-engine {g['_engine_tensor_parallel']} → 1 (the built-in engine has no tensor "
+            "parallelism: each rollout GPU runs an engine of its own, the whole model on it; --rollout-backend vllm "
+            "splits engines over GPUs)"
+        )
     if mapped:
         out.append("slime flags that set vime's: " + "; ".join(mapped))
     same += [f"{FLAGS[n].flag} ({FLAGS[n].says})" for n in g if n in FLAGS and FLAGS[n].kind == "same"]

@@ -123,12 +123,22 @@ def test_the_upstream_argument_lists_parse_and_every_foreign_flag_is_said_once(t
 
 def test_the_upstream_sync_script_flags_parse_or_are_refused_with_the_reason(tmp_path):
     """scripts/run-qwen3-4B.sh: train.py, colocated, an AIME eval set named as slime names it, and
-    engines of two GPUs each, which the built-in engine cannot honour."""
+    SGLang engines of two GPUs each, which the built-in engine (no tensor parallelism) runs as one
+    engine per GPU, said at start-up; a vime user's own --rollout-num-gpus-per-engine 2, without
+    a slime script's SGLang flags, stays refused."""
     upstream = _args(UPSTREAM_4B, model="m", out=tmp_path, data="d.jsonl")
     fn = upstream.index("--rollout-function-path")
     sync = upstream[:fn] + upstream[fn + 2 :] + _args(UPSTREAM_4B_SYNC_EXTRA, eval="/e/aime.jsonl")
     with pytest.raises(ConfigError, match="--rollout-num-gpus-per-engine 2: the built-in engine has no tensor"):
         _parse(SMOLLM2_SHAPE.split() + sync + ["--rollout-num-gpus-per-engine", "2"], entry="sync")
+    sglang = ["--sglang-mem-fraction-static", "0.7", "--rollout-num-gpus", "8", "--rollout-num-gpus-per-engine", "2"]
+    cfg = _parse(SMOLLM2_SHAPE.split() + sync + sglang, entry="sync")
+    assert cfg.rollout_num_gpus_per_engine == 1 and cfg.rollout_num_gpus == 8
+    assert "--rollout-num-gpus-per-engine 2 → 1 (the built-in engine has no tensor parallelism" in " ".join(
+        startup_notes(cfg)
+    )
+    vllm = _parse(SMOLLM2_SHAPE.split() + sync + sglang + ["--rollout-backend", "vllm"], entry="sync")
+    assert vllm.rollout_num_gpus_per_engine == 2  # vLLM's tensor parallelism honours it
     cfg = _parse(SMOLLM2_SHAPE.split() + sync, entry="sync")
     assert cfg.mode == "sync" and cfg.colocate and cfg.eval_sets == [{"name": "aime", "path": "/e/aime.jsonl"}]
     assert cfg.eval_top_p == 1 and cfg.n_samples_per_eval_prompt == 16 and cfg.use_wandb
@@ -247,6 +257,17 @@ def test_megatron_sizes_that_cannot_be_honoured_are_refused(tiny_model):
     assert compat.memory_refusal(4 * 10**9, 1, False, 40 * 2**30, "--tensor-model-parallel-size 2") is not None
     assert compat.memory_refusal(4 * 10**9, 4, False, 40 * 2**30, "--tensor-model-parallel-size 2") is None
     assert compat.fsdp_bytes_per_gpu(10**9, 2, with_ref=True) == 10**9 * 20 / 2
+    # a slime script's TP-2 SGLang engines run one per GPU on the built-in engine: refused where
+    # the whole model's bf16 weights leave too little of one GPU (32B: 60 GiB of a 40 GiB GPU)
+    from vime.compat.model import engine_memory_refusal
+
+    assert engine_memory_refusal(4 * 10**9, 2, 80 * 2**30) is None
+    assert "--rollout-backend vllm" in engine_memory_refusal(32 * 10**9, 2, 40 * 2**30)
+    tp2 = ["--sglang-mem-fraction-static", "0.7", "--rollout-num-gpus-per-engine", "2"]
+    cfg = _parse(["--hf-checkpoint", str(tiny_model), "--prompt-data", "d", "--num-rollout", "1", *tp2])
+    lines = compat.check_model(cfg, tiny_model, read_config, gpu_bytes=1024)  # the trainer's state is refused too
+    assert lines[0].startswith("--rollout-num-gpus-per-engine 2: the built-in engine has no tensor parallelism")
+    assert compat.check_model(cfg, tiny_model, read_config, gpu_bytes=80 * 2**30) == []
     assert compat.parameter_count(tiny_model) == sum(
         p.numel()
         for p in __import__("safetensors.torch").torch.load_file(str(tiny_model / "model.safetensors")).values()
