@@ -78,6 +78,7 @@ class EngineClient:
             "input_ids": list(input_ids),
             "sampling_params": sampling_params,
             "return_logprob": return_logprob,
+            "return_text": False,  # the rollout decodes the ids itself: the engine need not
         }
         if rid is not None:
             body["rid"] = rid

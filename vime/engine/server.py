@@ -225,7 +225,9 @@ class EngineServer:
             scored = await self.call(lambda: input_token_logprobs(self.engine, input_ids, start))
         out = await self._generate(input_ids, params, rid, routed_experts=routed)
         samples = [_sample_json(out, i, return_logprob, scored) for i in range(len(out.outputs))]
-        if text_in:  # SGLang answers a text prompt with text, decoded as its sampling params say
+        # SGLang answers with text, decoded as its sampling params say (a plug-in posting ids reads
+        # it too); vime's own client decodes ids itself and asks for none (`return_text`, vime's)
+        if text_in or body_field(body, "return_text", bool, required=False, default=True):
             tok = await self.openai.tokenizer()
             skip = (body.get("sampling_params") or {}).get("skip_special_tokens", True)
             for sample in samples:

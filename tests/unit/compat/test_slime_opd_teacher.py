@@ -75,6 +75,32 @@ def test_a_text_prompt_is_tokenized_and_answered_with_text_as_sglang_does(teache
     assert out["text"] == tok.decode(out["output_ids"], skip_special_tokens=True) and len(out["output_ids"]) == 3
 
 
+def test_an_ids_prompt_is_answered_with_text_too_and_the_rollouts_client_asks_for_none(teacher, tiny_model):
+    """SGLang answers every /generate with text: a plug-in posting `input_ids` to a `vime serve`
+    and reading `text` got a KeyError. vime's own client decodes the ids itself and asks for none."""
+    from vime.backends.client import EngineClient
+    from vime.models import load_tokenizer
+
+    tok = load_tokenizer(tiny_model)
+    body = {"input_ids": tok.encode("1+1="), "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
+    req = urllib.request.Request(
+        f"{teacher.url}/generate", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=30) as r:
+        out = json.loads(r.read())
+    assert out["text"] == tok.decode(out["output_ids"], skip_special_tokens=True) and out["output_ids"]
+
+    async def ours() -> dict:
+        client = EngineClient(teacher.url)
+        try:
+            return await client.generate(body["input_ids"], body["sampling_params"])
+        finally:
+            await client.close()
+
+    mine = asyncio.run(ours())
+    assert "text" not in mine and mine["output_ids"] == out["output_ids"]
+
+
 def test_slimes_opd_script_flags_train_against_the_teacher(teacher, tmp_path):
     """examples/on_policy_distillation/run-qwen3-8B-opd.sh's GRPO_ARGS and RM_ARGS, the plug-ins
     in the example's shape, on the tiny model: every sample is scored by the teacher and trained
