@@ -9,12 +9,11 @@ blocks the event loop (health checks answer while the engine works); a streamed 
 tokens come out after each step through a tap (`streams.py`). The OpenAI-compatible routes are
 in `openai_api/`, the weight updates and checksums in `weight_routes.py`, the bodies of
 /get_model_info and /metrics in `introspection.py`, request parsing, errors and auth in
-`http_common.py`.
+`http_common.py`, the process's flags in `flags.py`.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -28,14 +27,13 @@ from typing import Any
 
 from aiohttp import web
 
+from vime.engine.flags import BODY_BYTES_PER_TOKEN, MIN_BODY_BYTES, parse_args
 from vime.engine.http_common import (
-    API_KEY_ENV,
     BadRequest,
     auth_middleware,
     body_field,
     body_limit_middleware,
     error_middleware,
-    is_loopback,
     json_error,
     page_guard,
     read_body,
@@ -44,7 +42,6 @@ from vime.engine.introspection import metrics_text, model_info
 from vime.engine.openai_api.routes import (
     OpenAIRoutes,
     ServedModel,
-    add_openai_flags,
     cors_origin,
     cors_preflight,
     is_openai_path,
@@ -58,10 +55,6 @@ from vime.startup import StartupClock
 log = logging.getLogger("vime.engine")
 
 READY_LINE = "vime-engine ready on"  # printed once listening; `launch_engine` waits for it
-# a request body's default limit: room for a prompt of the whole context as JSON token ids (at
-# most 8 bytes each) or as text, and never under 1 MiB (a push's CUDA handles, a long chat)
-BODY_BYTES_PER_TOKEN = 16
-MIN_BODY_BYTES = 2**20
 
 
 class EngineServer:
@@ -355,87 +348,6 @@ def _sample_json(out, i: int, return_logprob: bool, input_logprobs: list | None 
 
 
 # ---- process entry point ---------------------------------------------------------------
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m vime.engine.server", description="the vime rollout engine (HTTP)")
-    p.add_argument("--model-path", required=True, help="HF model directory (or 'smollm2' / 'tiny')")
-    p.add_argument("--host", default="127.0.0.1", help="an address other than loopback needs --api-key")
-    p.add_argument(
-        "--api-key",
-        default=None,
-        help=f"token every route but /health requires (Authorization: Bearer); default: ${API_KEY_ENV}, which keeps it out of the process list",
-    )
-    p.add_argument("--port", type=int, default=30000, help="0 picks a free port (printed in the ready line)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="auto: bfloat16 on GPU, float32 on CPU",
-    )
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument(
-        "--num-kv-blocks", type=int, default=None, help="default: from --kv-cache-gb, or a share of free GPU memory"
-    )
-    p.add_argument("--kv-cache-gb", type=float, default=None)
-    p.add_argument(
-        "--kv-cache-memory-fraction",
-        type=float,
-        default=0.5,
-        help="GPU: share of the memory free after loading weights",
-    )
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="longest sequence (prompt + output); default: the model's max_position_embeddings",
-    )
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every step runs eagerly (debugging)")
-    p.add_argument(
-        "--disable-overlap-schedule",
-        action="store_true",
-        help="book each step before launching the next (SGLang's name); by default the host books step N "
-        "while the GPU computes step N+1 (debugging)",
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--wait-for-file", metavar="PATH", help="size the KV cache from free memory once PATH exists")
-    fp8 = "fp8: the projections run W8A8 (per-channel weight, per-token activation scales), requantized at each update"
-    p.add_argument(
-        "--quantization", choices=["fp8"], help=fp8 + "; embeddings and lm_head stay in --dtype (GPU: bf16, sm89+)"
-    )
-    p.add_argument(
-        "--max-request-mb",
-        type=float,
-        default=None,
-        help=f"largest request body in MiB, refused with 413 beyond (default: {BODY_BYTES_PER_TOKEN} bytes per token of the "
-        f"longest sequence, at least {MIN_BODY_BYTES // 2**20} MiB: a prompt of the whole context fits)",
-    )
-    p.add_argument(
-        "--num-threads",
-        type=int,
-        default=None,
-        help="torch CPU threads (default: half the cores, the trainer needs the rest)",
-    )
-    add_openai_flags(p)
-    p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone (set by launch_engine)")
-    p.add_argument("--log-level", default="info")
-    args = p.parse_args(argv)
-    if not 0 <= args.port <= 65535:
-        p.error(f"--port {args.port}: give 0-65535 (0 picks a free port)")
-    for name in ("max_num_seqs", "block_size", "max_num_batched_tokens"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")  # usage, then one line; exit 2
-    if args.max_request_mb is not None and not args.max_request_mb > 0:
-        p.error(f"--max-request-mb {args.max_request_mb}: give a size in MiB above 0")
-    args.api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    if not args.api_key and not is_loopback(args.host):
-        p.error(
-            f"--host {args.host} would let anyone who reaches it change the weights: set --api-key (or ${API_KEY_ENV}), or bind 127.0.0.1"
-        )
-    return args
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -159,7 +159,7 @@ def test_a_quantization_the_engine_cannot_run_is_refused_in_one_line(model_dir):
     # on a GPU (checked before any CUDA call): _scaled_mm's row-wise scales write bfloat16
     with pytest.raises(ValueError, match=r"^--quantization fp8 on a GPU runs with --dtype bfloat16, not float32$"):
         fp8.check("fp8", torch.device("cuda"), torch.float32)
-    from vime.engine.server import parse_args
+    from vime.engine.flags import parse_args
 
     with pytest.raises(SystemExit) as e:
         parse_args(["--model-path", str(model_dir), "--quantization", "int8"])

@@ -507,7 +507,7 @@ def test_a_body_over_the_limit_is_a_413_unread_and_a_long_text_leaves_health_ans
     loop, /health answering meanwhile."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from vime.engine.server import parse_args as engine_args
+    from vime.engine.flags import parse_args as engine_args
 
     peak = _peak_rss_kb(engine.proc.pid)
     big = json.dumps({"input_ids": [5] * 3_500_000, "sampling_params": {}}).encode()  # 10.5 MB

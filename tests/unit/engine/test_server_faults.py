@@ -22,7 +22,7 @@ import torch
 
 from vime.backends.builtin.launch import launch_engine
 from vime.backends.client import EngineClient, EngineError
-from vime.engine.server import parse_args as engine_args
+from vime.engine.flags import parse_args as engine_args
 from vime.transport import cuda_ipc
 
 
