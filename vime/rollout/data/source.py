@@ -69,7 +69,10 @@ def _fresh(s: Sample) -> Sample:
         reward_extras={},
         reward_result=None,
         teacher_log_probs=None,
+        mopd_teacher_log_probs=None,
         rollout_routed_experts=None,
+        spec_info=Sample.SpecInfo(),
+        prefix_cache_info=Sample.PrefixCacheInfo(),
         remove_sample=False,  # a custom generate's verdict on the response dropped
         status=Status.PENDING,
         # a conversation's state goes with its response: regenerated, it starts at turn one
