@@ -10,7 +10,10 @@ A call retries a connection that fails or a 5xx answer `max_retries` times, with
 backoff; a 4xx answer is the request's own fault and raises at once with the server's message.
 One aiohttp session per event loop, kept for the loop's life (a plug-in makes thousands of calls)
 and closed with the run (`close_sessions`), so a run that used it ends without aiohttp's
-unclosed-session errors.
+unclosed-session errors. A session holds up to 100 connections (aiohttp's default), or, after
+slime's `init_http_client(args)`, slime's `--sglang-server-concurrency` × engines, as slime sizes
+its client. slime's `--use-distributed-post` (posts spread over Ray actors) has no vime
+counterpart: vime runs no Ray, and a plug-in's posts go out from the rollout process.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 _sessions: dict[int, aiohttp.ClientSession] = {}
+_connection_limit = 100  # per session; init_http_client sets slime's
 # the key each keyed router of this process wants, by its address ("127.0.0.1:port")
 ROUTER_KEYS: dict[str, str] = {}
 
@@ -34,7 +38,9 @@ def _session() -> aiohttp.ClientSession:
     loop = asyncio.get_running_loop()
     session = _sessions.get(id(loop))
     if session is None or session.closed:
-        session = _sessions[id(loop)] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        session = _sessions[id(loop)] = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None), connector=aiohttp.TCPConnector(limit=_connection_limit)
+        )
     return session
 
 
@@ -85,6 +91,17 @@ def get_rollout_num_engines(args: Any) -> int:
     return max(1, (args.rollout_num_gpus or 1) // max(1, args.rollout_num_gpus_per_engine))
 
 
+def init_http_client(args: Any) -> None:
+    """slime's: size the connections `post` may hold open at once to what the engines take
+    (`args.sglang_server_concurrency` per engine), so a plug-in that sends a whole rollout's
+    requests at once is not held to aiohttp's 100. vime needs no client made before `post`; a
+    session already open on a loop keeps its size, as slime keeps a client it made."""
+    global _connection_limit
+    concurrency = getattr(args, "sglang_server_concurrency", None)
+    if concurrency:
+        _connection_limit = int(concurrency) * get_rollout_num_engines(args)
+
+
 async def close_sessions() -> None:
     """Close the sessions of every loop (called on the rollout loop as a run closes)."""
     sessions = list(_sessions.values())
@@ -94,4 +111,4 @@ async def close_sessions() -> None:
             await session.close()
 
 
-__all__ = ["HTTPError", "close_sessions", "get", "get_rollout_num_engines", "post"]
+__all__ = ["HTTPError", "close_sessions", "get", "get_rollout_num_engines", "init_http_client", "post"]
