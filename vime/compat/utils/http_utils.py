@@ -14,11 +14,16 @@ unclosed-session errors. A session holds up to 100 connections (aiohttp's defaul
 slime's `init_http_client(args)`, slime's `--sglang-server-concurrency` × engines, as slime sizes
 its client. slime's `--use-distributed-post` (posts spread over Ray actors) has no vime
 counterpart: vime runs no Ray, and a plug-in's posts go out from the rollout process.
+slime's `get_host_info`, `find_available_port` and `is_port_available` serve a plug-in that starts
+a server of its own and says where it listens.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import random
+import socket
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -102,6 +107,43 @@ def init_http_client(args: Any) -> None:
         _connection_limit = int(concurrency) * get_rollout_num_engines(args)
 
 
+def is_port_available(port: int) -> bool:
+    """slime's: whether a TCP port can be bound and listened on here now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+            s.listen(1)
+        except (OSError, OverflowError):
+            return False
+    return True
+
+
+def find_available_port(base_port: int) -> int:
+    """slime's: a free port a few hundred above `base_port` (random, so processes that start
+    together rarely pick the same one), for a server a plug-in starts itself."""
+    port = base_port + random.randint(100, 1000)
+    while not is_port_available(port):
+        port = port + 42 if port < 60000 else port - 43
+    return port
+
+
+def get_host_info() -> tuple[str, str]:
+    """slime's: this host's name and the address other machines reach it at, for a plug-in that
+    serves something and tells others where: `SLIME_HOST_IP` where set, else the address of the
+    interface the default route leaves by (a UDP socket's, which sends nothing), else loopback."""
+    hostname = socket.gethostname()
+    given = os.environ.get("SLIME_HOST_IP")
+    if given:
+        return hostname, given
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 1))
+            return hostname, s.getsockname()[0]
+    except OSError:
+        return hostname, "127.0.0.1"
+
+
 async def close_sessions() -> None:
     """Close the sessions of every loop (called on the rollout loop as a run closes)."""
     sessions = list(_sessions.values())
@@ -111,4 +153,14 @@ async def close_sessions() -> None:
             await session.close()
 
 
-__all__ = ["HTTPError", "close_sessions", "get", "get_rollout_num_engines", "init_http_client", "post"]
+__all__ = [
+    "HTTPError",
+    "close_sessions",
+    "find_available_port",
+    "get",
+    "get_host_info",
+    "get_rollout_num_engines",
+    "init_http_client",
+    "is_port_available",
+    "post",
+]
