@@ -9,7 +9,9 @@
   `vime.rollout.sglang_rollout` (`slime.rollout.sglang_rollout`: its default rollout module), `vime.utils.*`
   (with slime's newer `slime.utils.core.*` and `slime.utils.network.*` names of the same modules),
   `vime.rollout.rm_hub`, `vime.backends.megatron_utils`, `vime.rollout.base_types` (what rollout
-  functions return) and `vime.rollout.filter_hub` (dynamic-sampling filters and their types).
+  functions return), `vime.rollout.filter_hub` (dynamic-sampling filters and their types),
+  `vime.rollout.sample_hooks` (slime's per-sample hooks) and `vime.rollout.data_source` (its
+  data source names).
 
 `install()` puts one finder on `sys.meta_path` that answers such a name with the same module
 object as its target, so a class imported under either name is one class. A name vime lacks fails
@@ -45,6 +47,8 @@ MOVED = {
     "vime.backends.megatron_utils": "vime.compat.megatron_utils",
     "vime.rollout.base_types": "vime.compat.base_types",
     "vime.rollout.filter_hub": "vime.compat.filter_hub",
+    "vime.rollout.sample_hooks": "vime.compat.sample_hooks",
+    "vime.rollout.data_source": "vime.compat.data_source",
 }
 
 

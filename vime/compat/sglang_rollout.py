@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vime.compat import vllm_rollout_helpers
+from vime.compat.sample_hooks import apply_rollout_sample_hooks
 from vime.compat.sglang_api import DEFAULT_SERVER_CONCURRENCY, ENGINE_KEYS
 from vime.compat.utils.http_utils import get_rollout_num_engines
 from vime.rollout import async_loop
@@ -132,9 +133,11 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
 async def generate_and_rm(
     args: Any, sample: Sample | list[Sample], sampling_params: dict[str, Any], evaluation: bool = False
 ) -> Sample | list[Sample]:
-    """The run's generate on one sample (--custom-generate-function-path's, --tools' or vime's),
-    then its reward, as slime's: a sample already finished is returned as it is, an aborted one
-    unscored, a reward the generate set kept; with --group-rm the group's caller scores."""
+    """The run's generate on one sample (its own `generate_function_path`'s, as slime's, or
+    --custom-generate-function-path's, --tools' or vime's), the hooks a plug-in named on
+    `args.rollout_sample_hook_path` (slime's, vime/compat/sample_hooks.py), then its reward, as
+    slime's: a sample already finished is returned as it is, an aborted one unscored, a reward
+    the generate set kept; with --group-rm the group's caller scores."""
     masked = getattr(args, "partial_rollout", False) and getattr(args, "mask_offpolicy_in_partial_rollout", False)
     if masked and sample.response_length > 0:  # what an earlier policy wrote trains nothing
         sample.loss_mask = [0] * sample.response_length
@@ -143,7 +146,9 @@ async def generate_and_rm(
     if GenerateState(args).aborted:
         sample.status = Status.ABORTED
         return sample
-    out = await vime_generate.generate_fn(args, evaluation)(args, sample, sampling_params)
+    own = sample.generate_function_path  # slime's per-sample generate, where one was set
+    generate = vime_generate.custom_generate(own, evaluation) if own else vime_generate.generate_fn(args, evaluation)
+    out = await apply_rollout_sample_hooks(args, await generate(args, sample, sampling_params), evaluation=evaluation)
     samples = out if isinstance(out, list) else [out]
     if runtime_of(args).closed:  # the run ended while it generated: its rewards are closed too
         for s in samples:

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from vime.rollout.engine_stats import PrefixCacheInfo, SpecInfo
+
 if TYPE_CHECKING:
     from torch import Tensor
 
@@ -76,11 +78,30 @@ class Sample:
     Status: ClassVar[type[Status]] = Status
     status: Status = Status.PENDING
     metadata: dict[str, Any] = field(default_factory=dict)
+    # slime's engine statistics (vime/rollout/engine_stats.py), `Sample.SpecInfo` as slime names them
+    SpecInfo: ClassVar[type[SpecInfo]] = SpecInfo
+    PrefixCacheInfo: ClassVar[type[PrefixCacheInfo]] = PrefixCacheInfo
+    spec_info: SpecInfo = field(default_factory=SpecInfo)
+    prefix_cache_info: PrefixCacheInfo = field(default_factory=PrefixCacheInfo)
+    # a generate of its own for this sample, in place of the run's, where slime's `generate_and_rm`
+    # runs it (slime sets it from an eval data set's config; vime's copy honours it)
+    generate_function_path: str | None = None
+    # slime hands these to its Megatron loss as the batch's `metadata`; vime's loss takes no
+    # per-sample extras, so they are kept and saved with the sample and train nothing
+    train_metadata: dict[str, Any] | None = None
+    # multi-teacher OPD's (MOPD, a slime fork's) log-probs by teacher domain; vime distils from one
+    # teacher (`teacher_log_probs`), so these are kept and train nothing
+    mopd_teacher_log_probs: dict[str, list[float]] | None = None
 
     def __post_init__(self) -> None:
         # slime's tau-bench builds its samples with the status's text (`Sample(status="completed")`)
         if isinstance(self.status, str) and not isinstance(self.status, Status):
             self.status = Status(self.status)
+        # a sample read back from a dict (a checkpoint's, a saved rollout's) has its stats as dicts
+        if isinstance(self.spec_info, dict):
+            self.spec_info = SpecInfo.from_dict(self.spec_info)
+        if isinstance(self.prefix_cache_info, dict):
+            self.prefix_cache_info = PrefixCacheInfo.from_dict(self.prefix_cache_info)
 
     @property
     def prompt_length(self) -> int:
@@ -124,6 +145,8 @@ class Sample:
             versions = _versions_of(meta_info, missing, args, None)
             self.weight_versions = None if versions is None else (self.weight_versions or []) + versions
         reason = meta_info.get("finish_reason")
+        if reason is not None:  # an answer's end: its prompt tokens, as slime counts them
+            self.prefix_cache_info.add(meta_info)
         reason = reason.get("type") if isinstance(reason, dict) else reason
         self.status = _FINISH_STATUS.get(reason, self.status)
 
@@ -132,6 +155,8 @@ class Sample:
         for a plug-in that saves samples (from_dict reads it back)."""
         value = dict(self.__dict__)
         value["status"] = self.status.value
+        value["spec_info"] = self.spec_info.to_dict()
+        value["prefix_cache_info"] = self.prefix_cache_info.to_dict()
         return value
 
     @staticmethod
@@ -245,6 +270,7 @@ class Sample:
                 self.weight_versions = (self.weight_versions or []) + versions
         self.take_routed_experts(meta)
         if update_terminal_info and "finish_reason" in meta:
+            self.prefix_cache_info.add(meta)  # an answer's end: its prompt tokens, as slime counts them
             reason = meta["finish_reason"]
             reason = reason.get("type") if isinstance(reason, dict) else reason
             self.status = _FINISH_STATUS.get(reason, self.status)

@@ -3,7 +3,7 @@ run's own rewards (`args.runtime.rewards`: --rm-type or --custom-rm-path, with v
 and error counting). Each sets the samples' rewards, as vime's rollout does, and returns them.
 slime's rule helpers its plug-ins import from here too, at the package and at their modules'
 paths: `grade_answer_verl` (math_utils.py), `get_deepscaler_rule_based_reward` (deepscaler.py),
-`compute_gpqa_reward` (gpqa.py), `compute_score` (math_dapo_utils.py), and `remote_rm`, slime's
+`compute_gpqa_reward` (gpqa.py), `f1_score` (f1.py, QA's word-overlap F1), `compute_score` (math_dapo_utils.py), and `remote_rm`, slime's
 call of a reward model behind HTTP."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from vime.compat.rm_hub.deepscaler import get_deepscaler_rule_based_reward
+from vime.compat.rm_hub.f1 import f1_score
 from vime.compat.rm_hub.gpqa import compute_gpqa_reward
 from vime.compat.rm_hub.math_utils import extract_answer, grade_answer_verl
 from vime.rollout.rewards import score_samples
@@ -42,6 +43,7 @@ __all__ = [
     "batched_async_rm",
     "compute_gpqa_reward",
     "extract_answer",
+    "f1_score",
     "get_deepscaler_rule_based_reward",
     "grade_answer_verl",
     "remote_rm",

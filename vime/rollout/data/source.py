@@ -69,7 +69,10 @@ def _fresh(s: Sample) -> Sample:
         reward_extras={},
         reward_result=None,
         teacher_log_probs=None,
+        mopd_teacher_log_probs=None,
         rollout_routed_experts=None,
+        spec_info=Sample.SpecInfo(),
+        prefix_cache_info=Sample.PrefixCacheInfo(),
         remove_sample=False,  # a custom generate's verdict on the response dropped
         status=Status.PENDING,
         # a conversation's state goes with its response: regenerated, it starts at turn one
@@ -115,6 +118,9 @@ class DataSource:
         self.outstanding: dict[int, list[Sample]] = {}
         self._lock = threading.RLock()
         self._order = self._epoch_order(0)
+        # a rollout function's own notes (slime's `update_metadata`: its rollout_buffer example
+        # keeps the groups each rollout finished), saved with the checkpoint
+        self.metadata: dict[str, Any] = {}
 
     def _load(self, tokenizer, max_prompt_len: int | None) -> list[dict[str, Any]]:
         """The prompt rows, every one checked and rendered now (`fit_prompts`), so a bad row fails
@@ -207,6 +213,21 @@ class DataSource:
                 handed_out = self.outstanding.pop(g[0].group_index, None)
                 self.requeued.append(handed_out if handed_out is not None else [_fresh(s) for s in g])
 
+    def get_buffer_length(self) -> int:
+        """slime's name: the groups handed back (`add_samples`) that go out first."""
+        with self._lock:
+            return len(self.requeued)
+
+    def update_metadata(self, metadata: dict[str, Any]) -> None:
+        """slime's: merge a rollout function's notes into `metadata` (plain values: a checkpoint
+        keeps them)."""
+        with self._lock:
+            self.metadata.update(metadata)
+
+    def get_metadata(self) -> dict[str, Any]:
+        """slime's: the notes `update_metadata` kept, resumed with the run."""
+        return self.metadata
+
     def mark_trained(self, groups: list[list[Sample]]) -> None:
         """The trainer took an optimizer step on these groups, or dynamic sampling dropped them
         (vime.rollout.filters): a checkpoint no longer saves them, and they are not generated
@@ -228,6 +249,7 @@ class DataSource:
                 "next_index": self.next_index,
                 "next_group": self.next_group,
                 "requeued": [[_sample_to_dict(s) for s in g] for g in pending],
+                "metadata": dict(self.metadata),
             }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -238,4 +260,5 @@ class DataSource:
             self.next_group = int(state["next_group"])
             self.requeued = deque([_sample_from_dict(d) for d in g] for g in state["requeued"])
             self.outstanding = {}
+            self.metadata = dict(state.get("metadata", {}))  # none in a checkpoint from before it
             self._order = self._epoch_order(self.epoch)
