@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import run_cli
 from slime.rollout.data_source import DataSource, RolloutDataSource, RolloutDataSourceWithBuffer, pop_first
 
+from unit.compat.tiny_runs import tiny_run
 from unit.rollout.data_files import make_args, numbered
 from vime.models import make_tiny_tokenizer
 from vime.rollout.data.source import DataSource as VimeDataSource
@@ -48,14 +48,11 @@ def test_pop_first_takes_the_oldest_groups_out_of_the_buffer():
 
 
 def test_a_rollout_using_slimes_buffer_methods_trains_and_its_notes_are_checkpointed(tmp_path):
-    res = run_cli(
-        "train.py", "--config", "examples/tiny.yaml", "--num-rollout", "2", "--runs-dir", str(tmp_path),
-        "--rollout-function-path", "slime_data_buffer.generate_rollout", "--save", str(tmp_path / "ckpt"),
-        "--save-interval", "2", "--save-debug-rollout-data", str(tmp_path / "rollout_{rollout_id}.pt"),
+    run = tiny_run(
+        tmp_path, 2, "--rollout-function-path", "slime_data_buffer.generate_rollout",
+        "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
     )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert "step 2/2" in res.stderr
-    first, second = (torch.load(tmp_path / f"rollout_{i}.pt", weights_only=False)["metrics"] for i in (0, 1))
+    first, second = (step["metrics"] for step in run.saved)
     assert (first["waiting"], second["waiting"]) == (0.0, 1.0)
     assert second["first_group"] == 4.0  # the group rollout 0 handed back
     assert second["noted"] == 2.0

@@ -9,8 +9,9 @@ import asyncio
 import socket
 from types import SimpleNamespace
 
-from conftest import run_cli
 from slime.utils import http_utils
+
+from unit.compat.tiny_runs import tiny_run
 
 
 def test_init_sizes_the_sessions_made_after_it(monkeypatch):
@@ -28,12 +29,9 @@ def test_init_sizes_the_sessions_made_after_it(monkeypatch):
 
 
 def test_a_generate_that_inits_the_client_trains(tmp_path):
-    res = run_cli(
-        "train.py", "--config", "examples/tiny.yaml", "--num-rollout", "1", "--runs-dir", str(tmp_path),
-        "--custom-generate-function-path", "slime_http_client.generate", "--sglang-server-concurrency", "9",
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert "step 1/1" in res.stderr
+    tiny_run(
+        tmp_path, 1, "--custom-generate-function-path", "slime_http_client.generate", "--sglang-server-concurrency", "9"
+    )
 
 
 def test_host_info_and_a_free_port_for_a_plugins_own_server(monkeypatch):

@@ -4,13 +4,13 @@ from them (tests/plugins/slime_ppo_loss.py) trains."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 import torch
-from conftest import run_cli
 from slime.utils.ppo_utils import compute_approx_kl, compute_policy_loss
+
+from unit.compat.tiny_runs import tiny_run
 
 NEW, BASE = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0])
 
@@ -53,16 +53,10 @@ def test_dual_clip_caps_a_negative_advantages_loss():
 
 
 def test_a_loss_built_from_slimes_ppo_utils_trains(tmp_path):
-    res = run_cli(
-        "train.py", "--config", "examples/tiny.yaml", "--num-rollout", "2", "--runs-dir", str(tmp_path),
-        "--loss-type", "custom_loss", "--custom-loss-function-path", "slime_ppo_loss.clipped_with_kl",
-        "--run-name", "r",
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert "step 2/2" in res.stderr
-    rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "train/loss" in r]
+    flags = ("--loss-type", "custom_loss", "--custom-loss-function-path", "slime_ppo_loss.clipped_with_kl")
+    steps = [r for r in tiny_run(tmp_path, 2, *flags).rows if "train/loss" in r]
     assert len(steps) == 2
     for r in steps:
         assert math.isfinite(r["train/loss"]) and 0.0 <= r["train/slime_clipfrac"] <= 1.0
+        assert r["train/grad_norm"] > 0  # the loss's gradient reached the weights
         assert r["train/slime_kl"] >= 0.0  # k3 is never negative

@@ -5,11 +5,11 @@ it (tests/plugins/slime_qa_f1.py) trains on those scores."""
 from __future__ import annotations
 
 import pytest
-import torch
-from conftest import run_cli
 from slime.rollout.rm_hub import f1_score as at_package
 from slime.rollout.rm_hub.f1 import f1_score, normalize_answer
 from slime_qa_f1 import answer_of
+
+from unit.compat.tiny_runs import tiny_run
 
 
 def test_normalize_drops_case_punctuation_and_articles():
@@ -43,14 +43,7 @@ def test_the_package_exports_the_same_function():
 
 
 def test_a_run_rewarded_by_slimes_f1_trains_on_it(tmp_path):
-    res = run_cli(
-        "train.py", "--config", "examples/tiny.yaml", "--num-rollout", "1", "--runs-dir", str(tmp_path),
-        "--custom-rm-path", "slime_qa_f1.reward_func",
-        "--save-debug-rollout-data", str(tmp_path / "rollout_{rollout_id}.pt"),
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert "step 1/1" in res.stderr
-    saved = torch.load(tmp_path / "rollout_0.pt", weights_only=False)["samples"]
+    saved = tiny_run(tmp_path, 1, "--custom-rm-path", "slime_qa_f1.reward_func").samples
     assert saved
     for s in saved:
         assert s["reward"] == pytest.approx(f1_score(answer_of(s["response"]), str(s["label"]))[0])

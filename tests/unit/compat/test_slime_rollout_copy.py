@@ -6,18 +6,11 @@ logs for any rollout function (vime logged only what the function returned)."""
 
 from __future__ import annotations
 
-import json
-
-from conftest import run_cli
+from unit.compat.tiny_runs import tiny_run
 
 
 def test_a_rollout_function_copied_from_slimes_trains_and_its_batches_are_logged(tmp_path):
-    res = run_cli(
-        "train.py", "--config", "examples/tiny.yaml", "--num-rollout", "2", "--runs-dir", str(tmp_path),
-        "--run-name", "r", "--rollout-function-path", "slime_rollout_copy_style.generate_rollout",
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-2000:]
-    rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    rows = tiny_run(tmp_path, 2, "--rollout-function-path", "slime_rollout_copy_style.generate_rollout").rows
     assert len(rows) == 2
     for row in rows:
         assert row["rollout/num_samples"] == 16 and 0 <= row["rollout/reward_mean"] <= 1

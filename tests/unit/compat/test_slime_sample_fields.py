@@ -8,8 +8,9 @@
 from __future__ import annotations
 
 import torch
-from conftest import run_cli
 from slime.utils.types import MultimodalTypes, ParamInfo, RolloutBatch, Sample
+
+from unit.compat.tiny_runs import tiny_run
 
 
 def test_new_fields_have_slimes_defaults():
@@ -49,14 +50,7 @@ def test_slimes_other_type_names():
 
 
 def test_a_rollout_giving_samples_their_own_generate_trains(tmp_path):
-    res = run_cli(
-        "train.py", "--config", "examples/tiny.yaml", "--num-rollout", "1", "--runs-dir", str(tmp_path),
-        "--rollout-function-path", "slime_sample_fields.generate_rollout",
-        "--save-debug-rollout-data", str(tmp_path / "rollout_{rollout_id}.pt"),
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert "step 1/1" in res.stderr
-    saved = torch.load(tmp_path / "rollout_0.pt", weights_only=False)["samples"]
+    saved = tiny_run(tmp_path, 1, "--rollout-function-path", "slime_sample_fields.generate_rollout").samples
     own = [s for s in saved if s["generate_function_path"]]
     assert len(own) == 8 and len(saved) == 16
     for s in own:

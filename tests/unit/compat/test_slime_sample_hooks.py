@@ -9,11 +9,11 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
-import torch
-from conftest import run_cli
 from slime.rollout import sample_hooks
 from slime.rollout.sample_hooks import apply_rollout_sample_hooks, set_current_rollout_id
 from slime.utils.types import Sample
+
+from unit.compat.tiny_runs import tiny_run
 
 
 def test_hooks_keep_the_shape_and_get_only_the_keywords_they_take(monkeypatch):
@@ -46,14 +46,7 @@ def test_a_hook_returning_something_else_or_a_value_of_no_samples_is_named():
 
 
 def test_a_rollout_that_names_hooks_trains_on_hooked_samples(tmp_path):
-    res = run_cli(
-        "train.py", "--config", "examples/tiny.yaml", "--num-rollout", "1", "--runs-dir", str(tmp_path),
-        "--rollout-function-path", "slime_sample_hooks.generate_rollout",
-        "--save-debug-rollout-data", str(tmp_path / "rollout_{rollout_id}.pt"),
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert "step 1/1" in res.stderr
-    saved = torch.load(tmp_path / "rollout_0.pt", weights_only=False)["samples"]
+    saved = tiny_run(tmp_path, 1, "--rollout-function-path", "slime_sample_hooks.generate_rollout").samples
     assert len(saved) == 16
     for s in saved:
         assert s["metadata"]["hooked_rollout"] == 0 and s["metadata"]["hooked_evaluation"] is False

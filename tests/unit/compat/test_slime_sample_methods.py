@@ -5,9 +5,7 @@ saves samples; and what slime's generate reads besides (`args.ci_test`, `sample.
 
 from __future__ import annotations
 
-import torch
-from conftest import run_cli
-
+from unit.compat.tiny_runs import tiny_run
 from vime.rollout.types import Sample, Status
 
 
@@ -33,13 +31,7 @@ def test_effective_response_length_and_a_dict_round_trip():
 
 
 def test_a_generate_written_after_slimes_trains_with_its_versions_and_status(tmp_path):
-    res = run_cli(
-        "train.py", "--config", "examples/tiny.yaml", "--num-rollout", "1", "--runs-dir", str(tmp_path),
-        "--custom-generate-function-path", "slime_generate_style.generate",
-        "--save-debug-rollout-data", str(tmp_path / "rollout_{rollout_id}.pt"),
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-2000:]
-    saved = torch.load(tmp_path / "rollout_0.pt", weights_only=False)["samples"]
+    saved = tiny_run(tmp_path, 1, "--custom-generate-function-path", "slime_generate_style.generate").samples
     assert len(saved) == 16
     for s in saved:
         assert s["status"] in ("completed", "truncated", Status.COMPLETED, Status.TRUNCATED)

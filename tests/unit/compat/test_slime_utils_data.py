@@ -9,10 +9,9 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import run_cli
 from slime.utils.data import Dataset
 
+from unit.compat.tiny_runs import tiny_run
 from vime.models import make_tiny_tokenizer
 from vime.rollout.data.rows import DataError
 
@@ -50,13 +49,6 @@ def test_multimodal_data_is_refused_in_one_line(tokenizer):
 
 
 def test_a_rollout_over_a_dataset_of_its_own_trains(tmp_path):
-    res = run_cli(
-        "train.py", "--config", "examples/tiny.yaml", "--num-rollout", "1", "--runs-dir", str(tmp_path),
-        "--rollout-function-path", "slime_own_dataset.generate_rollout",
-        "--save-debug-rollout-data", str(tmp_path / "rollout_{rollout_id}.pt"),
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert "step 1/1" in res.stderr
+    saved = tiny_run(tmp_path, 1, "--rollout-function-path", "slime_own_dataset.generate_rollout").samples
     own = {json.loads(line)["input"] for line in Path(PROMPTS).read_text().splitlines()}  # none is a train prompt
-    saved = torch.load(tmp_path / "rollout_0.pt", weights_only=False)["samples"]
     assert len(saved) == 16 and all(s["prompt"] in own and isinstance(s["reward"], float) for s in saved)
