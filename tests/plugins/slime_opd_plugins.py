@@ -12,28 +12,26 @@ import torch
 from slime.utils.core.types import Sample
 
 
-async def reward_func(args, sample: Sample, **kwargs) -> dict:
+async def _score(url: str, prompt: dict) -> dict:
+    """The teacher's log-prob of every token of `prompt` (ids or text), nothing generated."""
     body = {
-        "input_ids": sample.tokens,
+        **prompt,
         "sampling_params": {"temperature": 0, "max_new_tokens": 0, "skip_special_tokens": False},
         "return_logprob": True,
         "logprob_start_len": 0,
     }
-    async with aiohttp.ClientSession() as session, session.post(args.rm_url, json=body) as resp:
+    async with aiohttp.ClientSession() as session, session.post(url, json=body) as resp:
         resp.raise_for_status()
         return await resp.json()
+
+
+async def reward_func(args, sample: Sample, **kwargs) -> dict:
+    return await _score(args.rm_url, {"input_ids": sample.tokens})
 
 
 async def reward_func_text(args, sample: Sample, **kwargs) -> dict:
-    body = {
-        "text": sample.prompt + sample.response,
-        "sampling_params": {"temperature": 0, "max_new_tokens": 0, "skip_special_tokens": False},
-        "return_logprob": True,
-        "logprob_start_len": 0,
-    }
-    async with aiohttp.ClientSession() as session, session.post(args.rm_url, json=body) as resp:
-        resp.raise_for_status()
-        return await resp.json()
+    """The example's earlier form: the prompt and response posted as text."""
+    return await _score(args.rm_url, {"text": sample.prompt + sample.response})
 
 
 def post_process_rewards(args, samples: list[Sample], **kwargs) -> tuple[list[float], list[float]]:
