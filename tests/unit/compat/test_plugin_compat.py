@@ -240,3 +240,36 @@ def test_a_name_an_installed_slime_lacks_is_blamed_on_that_slime(tmp_path):
         f"--custom-rm-path 'upstream_style.reward' imports slime.utils, which the installed slime package "
         f"({tmp_path}/slime/__init__.py) does not have"
     ), out.stdout + out.stderr
+
+
+def test_a_reward_cannot_change_the_runs_sampling_through_nested_or_component_values(tmp_path, monkeypatch):
+    """A reward that appended to `args.rollout_stop` or wrote past the frozen `args.rollout` with
+    `object.__setattr__` changed what the run's own rollout sampled from its next call on (step 2's
+    answers one token long), and its start-up call's append reached the run's first call; `type(args).lr`
+    answered every view's `args.lr`. Each call now sees the run's values, and the class refuses."""
+    from vime.plugin_args import PluginArgs
+    from vime.plugins import SettingWriteError
+
+    seen = tmp_path / "seen.jsonl"
+    (tmp_path / "nested.py").write_text(
+        "import json, os\n"
+        "def reward(args, sample):\n"
+        "    with open(os.environ['SEEN'], 'a') as f:\n"
+        "        f.write(json.dumps([args.rollout.rollout_max_response_len, args.rollout_stop]) + '\\n')\n"
+        "    object.__setattr__(args.rollout, 'rollout_max_response_len', 1)\n"
+        "    args.rollout_stop.append('+')\n"
+        "    vars(args)['rollout_stop_token_ids'].append(0)\n"
+        "    return 1.0\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("SEEN", str(seen))
+    runs = tmp_path / "runs"
+    train_here(
+        "sync", "--config", "examples/tiny.yaml", "--num-rollout", "2", "--custom-rm-path", "nested.reward",
+        "--runs-dir", str(runs), "--run-name", "n",
+    )  # fmt: skip
+    assert {line for line in seen.read_text().splitlines()} == {"[4, []]"}
+    rows = [json.loads(line) for line in (runs / "n" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout/response_len_max"] for r in rows if "rollout/response_len_max" in r] == [4, 4]
+    with pytest.raises(SettingWriteError, match="args.lr"):
+        PluginArgs.lr = 5.0
