@@ -190,6 +190,16 @@ def test_eval_config_forms_defaults_and_overrides(tmp_path):
         ({"eval": {"datasets": [{"name": "a", "path": "/a"}, {"name": "a", "path": "/b"}]}}, "given twice"),
         ({"eval": {"datasets": [{"name": "a", "path": "${oc.env:HOME}/a"}]}}, "OmegaConf interpolation"),
         ({"eval": {"datasets": [{"name": "a", "path": "/a"}]}, "trainer": {}}, "unknown key 'trainer'"),
+        # the engine refused these at the set's first request, mid-run
+        (
+            {"eval": {"datasets": [{"name": "a", "path": "/a", "stop_token_ids": ["x"]}]}},
+            "stop_token_ids.*whole number",
+        ),
+        ({"eval": {"datasets": [{"name": "a", "path": "/a", "stop_token_ids": [-3]}]}}, "stop_token_ids.*whole number"),
+        (
+            {"eval": {"datasets": [{"name": "a", "path": "/a", "stop": ["a", ""]}]}},
+            "every stop string must be non-empty",
+        ),
     ],
 )
 def test_a_bad_eval_config_is_one_line(tmp_path, content, fragment):

@@ -53,6 +53,10 @@ def _sampling_checks(c: Settings) -> list[tuple[bool, str]]:
             any(not isinstance(s, str) or not s for s in c.rollout_stop),
             "--rollout-stop: every stop string must be non-empty text",
         ),
+        (  # a YAML list's 'x' or 1.5 got through to the engine, which refused the first request of step 1
+            any(type(t) is not int or t < 0 for t in c.rollout_stop_token_ids),
+            f"--rollout-stop-token-ids {c.rollout_stop_token_ids}: every stop token id must be a whole number >= 0",
+        ),
     ]
 
 

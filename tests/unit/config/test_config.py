@@ -152,13 +152,25 @@ def test_inconsistent_settings_fail_with_one_line(extra, fragment):
         (["--logprob-chunk-size", "0"], "--logprob-chunk-size 0: give at least 1"),  # one-token chunks
         (["--engine-max-num-seqs", "0"], "--engine-max-num-seqs 0: give at least 1"),  # the engine's refusal
         (["--engine-num-kv-blocks", "0"], "--engine-num-kv-blocks 0: give at least 1"),  # meant "from memory"
+        # the engine refused these at step 1's first request
+        (["--rollout-stop-token-ids", '["x"]'], "every stop token id must be a whole number >= 0"),
+        (["--rollout-stop-token-ids", "[1.5]"], "every stop token id must be a whole number >= 0"),
+        (["--rollout-stop-token-ids", "[-3]"], "every stop token id must be a whole number >= 0"),  # never matched
     ],
 )
-def test_counts_out_of_range_are_refused_before_anything_starts(extra, fragment):
-    """Counts that passed every check and ran silently wrong (or failed only once an engine had started)."""
+def test_settings_out_of_range_are_refused_before_anything_starts(extra, fragment):
+    """Values that passed every check and ran silently wrong (or failed only once an engine had started)."""
     with pytest.raises(ConfigError) as e:
         parse_args([*BASE, *extra])
     assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_yaml_mapping_for_a_list_setting_is_refused(tmp_path):
+    """`rollout_stop: {a: 1}` in a run file became the stop string "{'a': 1}", unsaid."""
+    path = tmp_path / "run.yaml"
+    path.write_text("rollout_stop: {a: 1}\n")
+    with pytest.raises(ConfigError, match=r"--rollout-stop: cannot read \{'a': 1\} as a JSON list"):
+        parse_args(["--config", str(path), *BASE])
 
 
 def test_flags_the_other_settings_leave_nothing_to_do_are_named_at_start_up(tmp_path):
