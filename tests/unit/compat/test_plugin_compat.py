@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import run_cli, train_here
+from conftest import ROOT, run_cli, train_here
 from safetensors.torch import load_file
 
 from vime.rollout.data.rows import DataError, load_prompts
@@ -273,3 +273,35 @@ def test_a_reward_cannot_change_the_runs_sampling_through_nested_or_component_va
     assert [r["rollout/response_len_max"] for r in rows if "rollout/response_len_max" in r] == [4, 4]
     with pytest.raises(SettingWriteError, match="args.lr"):
         PluginArgs.lr = 5.0
+
+
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        ("sample.response_length = 50", "has response_length 50 for"),  # an IndexError inside the trainer
+        (
+            "sample.tokens = list(sample.tokens[:-1]) + [10**6]",
+            "holds token id 1000000 (outside the model's vocabulary",
+        ),
+    ],
+)
+def test_a_sample_a_reward_broke_is_one_line_naming_the_plugin(change, says, tmp_path, monkeypatch):
+    """A reward that changed its sample so that the trainer could not index it (its start-up call
+    changed only the made-up one) ended step 1 in a traceback from the trainer's packing."""
+    from vime.cli import train_main
+    from vime.plugins import PluginError
+
+    module = f"breaker{len(change)}"  # a module of its own per case: the first stays imported
+    (tmp_path / f"{module}.py").write_text(
+        f"def reward(args, sample):\n    if args.runtime is not None:\n        {change}\n    return 1.0\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(PluginError) as e:
+        train_main(
+            ["--config", "examples/tiny.yaml", "--num-rollout", "1", "--custom-rm-path", f"{module}.reward",
+             "--runs-dir", str(tmp_path / "runs"), "--run-name", "b"]
+        )  # fmt: skip
+    said = str(e.value)
+    assert said.startswith("step 1: sample ") and says in said and "\n" not in said
+    assert f"(--custom-rm-path {module}.reward)" in said
