@@ -29,7 +29,12 @@ def eval_checks(c: Settings) -> list[tuple[bool, str]]:
         (
             not c.eval_prompt_data and c.eval_config is None,
             "--eval-prompt-data or --eval-config is required (the held-out prompts)",
-        )
+        ),
+        (  # it was taken and dropped: the base model was evaluated as if it were the checkpoint
+            c.load is not None,
+            f"--load {c.load}: vime eval does not resume a run, it evaluates --hf-checkpoint: give a checkpoint's "
+            f"step directory there (--hf-checkpoint {c.load}/<step>)",
+        ),
     ]
 
 
