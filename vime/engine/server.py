@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import queue
 import signal
@@ -393,6 +394,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")  # usage, then one line; exit 2
     if args.max_request_mb is not None and not args.max_request_mb > 0:
         p.error(f"--max-request-mb {args.max_request_mb}: give a size in MiB above 0")
+    # NaN and -1 ended the start in a traceback (sizing the cache), 0 was taken as "not given"
+    for name in ("num_kv_blocks", "max_model_len", "num_threads"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: give at least 1 (leave it out for the default)")
+    if args.kv_cache_gb is not None and not (math.isfinite(args.kv_cache_gb) and args.kv_cache_gb > 0):
+        p.error(f"--kv-cache-gb {args.kv_cache_gb}: give a size in GB above 0")
+    if not 0 < args.kv_cache_memory_fraction <= 1:  # NaN fails it too
+        p.error(
+            f"--kv-cache-memory-fraction {args.kv_cache_memory_fraction}: a share of the free GPU memory, in (0, 1]"
+        )
     args.api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if not args.api_key and not is_loopback(args.host):
         p.error(

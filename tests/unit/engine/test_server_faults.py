@@ -146,6 +146,22 @@ def test_a_body_that_does_not_decode_or_nests_too_deep_is_a_400_and_no_traceback
     assert engine.log_path.read_text().count("Traceback") == before
 
 
+@pytest.mark.parametrize(
+    "flag, value, says",
+    [
+        ("--kv-cache-gb", "nan", "--kv-cache-gb nan: give a size in GB above 0"),  # a ValueError's traceback
+        ("--num-kv-blocks", "-1", "--num-kv-blocks -1: give at least 1"),  # "no room for a single block", traceback
+        ("--max-model-len", "0", "--max-model-len 0: give at least 1"),  # taken as "not given"
+        ("--num-threads", "0", "--num-threads 0: give at least 1"),  # taken as "not given"
+        ("--kv-cache-memory-fraction", "5", "--kv-cache-memory-fraction 5.0: a share of the free GPU memory"),
+    ],
+)
+def test_engine_sizes_out_of_range_are_one_line_before_the_model_loads(flag, value, says, capsys):
+    with pytest.raises(SystemExit) as refused:
+        engine_args(["--model-path", "tiny", flag, value])
+    assert refused.value.code == 2 and says in capsys.readouterr().err.strip().splitlines()[-1]
+
+
 def test_every_route_but_health_needs_the_key(engine, client, capsys):
     assert KEY not in " ".join(engine.proc.args)  # through the environment: the process list shows no key
     for route, body in [
