@@ -209,6 +209,10 @@ def _optimizer_checks(c: Settings) -> list[tuple[bool, str]]:
         (c.max_tokens_per_gpu < 1, "--max-tokens-per-gpu must be at least 1"),
         # 0 became chunks of one token (the log-probs' slowest way) with no line
         (c.logprob_chunk_size < 1, f"--logprob-chunk-size {c.logprob_chunk_size}: give at least 1 token"),
+        (  # torch.manual_seed's range: past it, a ValueError's traceback once the run had started
+            not -(2**63) <= c.seed < 2**64,
+            f"--seed {c.seed}: a seed is 64 bits; give one from 0 to {2**64 - 1}",
+        ),
         (c.micro_batch_size is not None and c.micro_batch_size < 1, "--micro-batch-size must be at least 1"),
         (
             c.gradient_checkpointing_layers is not None and c.gradient_checkpointing_layers < 1,

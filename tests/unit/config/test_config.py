@@ -150,6 +150,7 @@ def test_inconsistent_settings_fail_with_one_line(extra, fragment):
         (["--n-samples-per-eval-prompt", "0"], "--n-samples-per-eval-prompt 0: give at least 1"),  # 0/0 accuracy
         (["--rollout-top-k", "-5"], "--rollout-top-k must be -1 or 0 (off)"),  # as --eval-top-k is
         (["--logprob-chunk-size", "0"], "--logprob-chunk-size 0: give at least 1"),  # one-token chunks
+        (["--seed", str(2**70)], f"--seed {2**70}: a seed is 64 bits"),  # torch.manual_seed's traceback, mid-start
         (["--engine-max-num-seqs", "0"], "--engine-max-num-seqs 0: give at least 1"),  # the engine's refusal
         (["--engine-num-kv-blocks", "0"], "--engine-num-kv-blocks 0: give at least 1"),  # meant "from memory"
         # the engine refused these at step 1's first request
