@@ -387,6 +387,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone (set by launch_engine)")
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
+    _refuse_out_of_range(p, args)
+    args.api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if not args.api_key and not is_loopback(args.host):
+        p.error(
+            f"--host {args.host} would let anyone who reaches it change the weights: set --api-key (or ${API_KEY_ENV}), or bind 127.0.0.1"
+        )
+    return args
+
+
+def _refuse_out_of_range(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Each number of the command line in its range, as argparse's usage and one line (exit 2),
+    before the model loads."""
     if not 0 <= args.port <= 65535:
         p.error(f"--port {args.port}: give 0-65535 (0 picks a free port)")
     for name in ("max_num_seqs", "block_size", "max_num_batched_tokens"):
@@ -404,12 +416,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(
             f"--kv-cache-memory-fraction {args.kv_cache_memory_fraction}: a share of the free GPU memory, in (0, 1]"
         )
-    args.api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    if not args.api_key and not is_loopback(args.host):
-        p.error(
-            f"--host {args.host} would let anyone who reaches it change the weights: set --api-key (or ${API_KEY_ENV}), or bind 127.0.0.1"
-        )
-    return args
 
 
 def main(argv: list[str] | None = None) -> None:
