@@ -251,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.digits is not None:
         if a.task != "addition":
             p.error("--digits applies to --task addition only")
+        if not 1 <= a.digits <= 1000:  # 100000 was a traceback: Python reads no int of over 4300 digits
+            p.error(f"--digits {a.digits}: give 1 to 1000 digits per operand")
         kwargs["digits"] = a.digits
     if a.rg_config is not None:
         if not a.task.startswith(rg.PREFIX):

@@ -183,3 +183,19 @@ def check_sample(s: Sample, vocab_size: int | None) -> str | None:
     if s.reward is not None and not _is_number(s.reward):
         return f"has reward {s.reward!r}, not a number"
     return None
+
+
+def check_trainable(groups: list[list[Sample]], vocab_size: int | None, made_by: str) -> None:
+    """Every sample of a rollout, before the trainer packs it, held as a saved one is
+    (`check_sample`): a plug-in's sample the trainer cannot index (a reward that set
+    `sample.response_length = 50`, a generate's token id past the vocabulary) ended the step in an
+    IndexError's traceback from inside the trainer. `made_by`: the plug-ins that handle samples."""
+    from vime.plugins import PluginError
+
+    for group in groups:
+        for s in group:
+            problem = check_sample(s, vocab_size)
+            if problem:
+                raise PluginError(
+                    f"sample {s.index} (group {s.group_index}) {problem}, and the trainer cannot train on it: {made_by}"
+                )

@@ -238,14 +238,18 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     return parse_rows(path)
 
 
-def parse_rows(path: Path) -> list[dict[str, Any]]:
+def parse_rows(path: Path, warn: bool = True) -> list[dict[str, Any]]:
     """The JSON rows of a metrics file. A last row cut short (a run killed mid-write, a full
-    disk) is skipped with a warning; a bad row anywhere else is an error naming its line."""
+    disk) is skipped with a warning (`warn`); a bad row anywhere else is an error naming its line."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as e:
         raise VimeError(
             f"{path} is not UTF-8 text ({e.reason} at byte {e.start}): not a metrics file vime wrote"
+        ) from None
+    except OSError as e:  # a directory of that name, no permission: IsADirectoryError's traceback
+        raise VimeError(
+            f"{path} cannot be read ({e.strerror or e}): move it aside, or pick another --run-name"
         ) from None
     rows: list[dict[str, Any]] = []
     numbered = [(i + 1, line) for i, line in enumerate(lines) if line.strip()]
@@ -256,7 +260,10 @@ def parse_rows(path: Path) -> list[dict[str, Any]]:
                 raise ValueError(f"a {type(row).__name__}, not an object")
         except ValueError as e:
             if k == len(numbered) - 1:
-                log.warning("%s: the last row (line %d) is cut short and is skipped (%s)", path, lineno, first_line(e))
+                if warn:
+                    log.warning(
+                        "%s: the last row (line %d) is cut short and is skipped (%s)", path, lineno, first_line(e)
+                    )
                 break
             raise VimeError(
                 f"{path} line {lineno} is not a metrics row ({first_line(e)}): repair or remove that line"

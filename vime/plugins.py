@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vime.errors import ConfigError, VimeError
+from vime.setting import Component
 
 # vime's on-policy distillation functions (slime's paths of them, `slime.rollout.on_policy_distillation.*`,
 # are made these by the slime dialect: vime/compat/)
@@ -82,7 +83,33 @@ class _ReadOnlyNames(dict):
         self._refuse()
 
 
-class SettingsView:
+class _SealedClass(type):
+    """The view's class refuses class attributes: `type(args).lr = 5.0` would otherwise answer
+    `args.lr` (a class attribute is found before `__getattr__`) for every view of every run, vime's
+    own rollout's included."""
+
+    def __setattr__(cls, name: str, value: Any) -> None:
+        raise SettingWriteError(name)
+
+    def __delattr__(cls, name: str) -> None:
+        raise SettingWriteError(name)
+
+
+def _detached(value: Any) -> Any:
+    """A setting as a plug-in is handed it: a list, dict or set a copy, a component's view
+    (`args.rollout`) a copy whose containers are copies. They were the very objects vime's rollout
+    reads: a reward's `args.rollout_stop.append("+")` or `object.__setattr__(args.rollout,
+    "rollout_max_response_len", 1)` changed how the run samples from the next call on."""
+    if isinstance(value, Component):
+        clone = object.__new__(type(value))
+        clone.__dict__.update({k: _detached(v) for k, v in vars(value).items()})
+        return clone
+    if isinstance(value, (list, dict, set)):
+        return copy.deepcopy(value)
+    return value
+
+
+class SettingsView(metaclass=_SealedClass):
     """The run's settings as a plug-in is handed them (slime's `args`): every setting, derived
     value and --custom-config-path attribute readable, none writable or deletable (a write or
     `del` is a SettingWriteError naming it). A plug-in that changed `args.lr` used to train the
@@ -105,7 +132,7 @@ class SettingsView:
         own = self._own
         if name in own:
             return own[name]
-        return getattr(self._config, name)
+        return _detached(getattr(self._config, name))
 
     def __setattr__(self, name: str, value: Any) -> None:
         if hasattr(self._config, name):
@@ -126,7 +153,7 @@ class SettingsView:
 
     def _names(self) -> dict[str, Any]:
         """Every name the view answers, with its value."""
-        config = {k: v for k, v in vars(self._config).items() if not k.startswith("_")}
+        config = {k: _detached(v) for k, v in vars(self._config).items() if not k.startswith("_")}
         return {**config, **self._own}
 
     def __copy__(self) -> Any:

@@ -238,6 +238,9 @@ def _check_eval_sets(args: Any, tokenizer: Any, max_prompt_len: int) -> None:
     """Each held-out set's prompts read as its evaluation will read them (its keys, its limit)."""
     for eval_set in args.eval.eval_sets:
         a = args_for(args, eval_set)
+        _stop_ids_in_vocabulary(
+            a.rollout.rollout_stop_token_ids, f"eval set {eval_set['name']}: stop_token_ids", tokenizer
+        )
         load_eval_samples(a, tokenizer, eval_set["path"], limit=a.eval.eval_limit, max_prompt_len=max_prompt_len)
 
 
@@ -246,11 +249,23 @@ def _model(args: Config) -> tuple[Config, Any]:
     model's tokenizer."""
     model_dir = str(resolve_model(args.rollout.hf_checkpoint))
     try:
-        return args.derived(model_dir=model_dir), load_tokenizer(model_dir)
+        tokenizer = load_tokenizer(model_dir)
     except (OSError, ValueError) as e:
         raise ModelError(
             f"cannot load the tokenizer of {model_dir} ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
         ) from None
+    _stop_ids_in_vocabulary(args.rollout.rollout_stop_token_ids, "--rollout-stop-token-ids", tokenizer)
+    return args.derived(model_dir=model_dir), tokenizer
+
+
+def _stop_ids_in_vocabulary(ids: list[int], where: str, tokenizer: Any) -> None:
+    """An id past the vocabulary is no token the model can sample: answers never stopped on it, unsaid."""
+    outside = [t for t in ids if t >= len(tokenizer)]
+    if outside:
+        raise ConfigError(
+            f"{where} {outside[0]}: the model's vocabulary has {len(tokenizer)} tokens (ids 0 to "
+            f"{len(tokenizer) - 1}); give ids of its tokens"
+        )
 
 
 def _engines_run(args: Config, model_dir: Path) -> None:

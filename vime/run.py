@@ -21,13 +21,13 @@ import torch
 
 from vime.algorithms.credit import rollout_credit
 from vime.config import ConfigError
-from vime.debug_rollout import load_rollout, save_rollout
+from vime.debug_rollout import check_trainable, load_rollout, save_rollout
 from vime.errors import EngineError
 from vime.launch.context import RunContext
 from vime.lifetime import signals_held
 from vime.metrics import MetricsLogger
 from vime.models import read_config
-from vime.modes import MODES
+from vime.modes import DEFAULT_ROLLOUT_FN, FULLY_ASYNC_FN, MODES, SFT_ROLLOUT_FN
 from vime.plugins import Plugin, at_step
 from vime.rollout.generate import rollout_metrics
 from vime.rollout.on_policy_distillation import check_served
@@ -61,6 +61,8 @@ class Run:
         self.drift = DriftWatch()
         self.failed_rewards = FailedRewardSteps.of(ctx.cfg.rollout, ctx.cfg.output.save)
         self.post_process: Plugin | None = None
+        # the embedding's rows: a sample's token id must be below (check_trainable)
+        self._vocab_size: int | None = read_config(ctx.cfg.rollout.model_dir).get("vocab_size")
         self.wall_clock_offset = 0.0  # a resumed run's clock goes on from its checkpoint's
         self.last_save_time: float | None = None  # logged in the next row: a step's row precedes its checkpoint
         # LoRA: adapters alone to engines that merge them; (url, restarts) of those that have the base
@@ -139,6 +141,7 @@ class Run:
                 post_process(self.post_process, self.args, out.samples)
             if self.cfg.algorithm.teacher_served:
                 check_served([s for g in out.samples for s in g], ro.custom_reward_post_process_path)
+            check_trainable(out.samples, self._vocab_size, _sample_handlers(ro))
         if self.ctx.rewards is not None:  # a reward service or teacher down for steps in a row stops the run
             self.failed_rewards.observe(rollout_id + 1, out.samples, self.ctx.rewards.last_failure)
         # a generate's remove_sample: untrained from here on, and so in the rollout saved below
@@ -331,3 +334,22 @@ def _read_to_end(weights: Iterator[Any]) -> None:
     if inspect.isgenerator(weights) and inspect.getgeneratorstate(weights) == inspect.GEN_SUSPENDED:
         for _ in weights:
             pass
+
+
+VIME_ROLLOUT_FNS = (DEFAULT_ROLLOUT_FN, FULLY_ASYNC_FN, SFT_ROLLOUT_FN)
+
+
+def _sample_handlers(ro: Any) -> str:
+    """Who to look at for a sample the trainer cannot take: the run's plug-ins that make or touch
+    samples, by flag (the rollout component's settings `ro`), or vime itself without any."""
+    flags = {
+        "--rollout-function-path": None if ro.rollout_function_path in VIME_ROLLOUT_FNS else ro.rollout_function_path,
+        "--custom-generate-function-path": ro.custom_generate_function_path,
+        "--custom-rm-path": ro.custom_rm_path,
+        "--custom-reward-post-process-path": ro.custom_reward_post_process_path,
+        "--dynamic-sampling-filter-path": ro.dynamic_sampling_filter_path,
+    }
+    given = [f"{flag} {path}" for flag, path in flags.items() if path]
+    if not given:
+        return "vime's own rollout made it so (a bug: please report it with the run's config.yaml)"
+    return f"a plug-in of this run made or changed it ({', '.join(given)}): samples must keep their tokens, response_length and per-token lists in step"

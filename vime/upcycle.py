@@ -94,6 +94,8 @@ def upcycle(
     from tqdm import tqdm
 
     config = mixtral_config(read_config(model_dir), num_experts, top_k)
+    if out.exists() and not out.is_dir():  # iterdir's NotADirectoryError was a traceback
+        raise ModelError(f"--out {out} is a file: give a new directory")
     if out.exists() and any(out.iterdir()):
         raise ModelError(f"--out {out} is not empty: give a new directory")
     files = _source_files(model_dir)

@@ -22,6 +22,10 @@ def exiting_tool() -> Tool:
             os.kill(os.getpid(), signal.SIGKILL)
         if how == "group":
             os.killpg(0, signal.SIGTERM)
+        if how == "orphan":  # a process out of its worker's group, that outlived the run
+            import subprocess
+
+            return str(subprocess.Popen(["sleep", "300"], start_new_session=True).pid)
         return "still here"
 
     return Tool("end", "ends its process", {"type": "object"}, end)

@@ -78,6 +78,9 @@ def test_datagen_cli_and_too_small_task(tmp_path, capsys):
     with pytest.raises(DataError, match=r"--out .*afile is a file: give a directory"):
         datagen_main(["--task", "addition", "--out", str(tmp_path / "afile")])
     assert (tmp_path / "afile").read_text() == "keep me"
+    with pytest.raises(SystemExit):  # a ValueError's traceback: Python reads no int of over 4300 digits
+        datagen_main(["--task", "addition", "--out", str(tmp_path / "big"), "--digits", "100000"])
+    assert "--digits 100000: give 1 to 1000 digits per operand" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- vime data --task rg:<name>

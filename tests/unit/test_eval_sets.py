@@ -190,6 +190,16 @@ def test_eval_config_forms_defaults_and_overrides(tmp_path):
         ({"eval": {"datasets": [{"name": "a", "path": "/a"}, {"name": "a", "path": "/b"}]}}, "given twice"),
         ({"eval": {"datasets": [{"name": "a", "path": "${oc.env:HOME}/a"}]}}, "OmegaConf interpolation"),
         ({"eval": {"datasets": [{"name": "a", "path": "/a"}]}, "trainer": {}}, "unknown key 'trainer'"),
+        # the engine refused these at the set's first request, mid-run
+        (
+            {"eval": {"datasets": [{"name": "a", "path": "/a", "stop_token_ids": ["x"]}]}},
+            "stop_token_ids.*whole number",
+        ),
+        ({"eval": {"datasets": [{"name": "a", "path": "/a", "stop_token_ids": [-3]}]}}, "stop_token_ids.*whole number"),
+        (
+            {"eval": {"datasets": [{"name": "a", "path": "/a", "stop": ["a", ""]}]}},
+            "every stop string must be non-empty",
+        ),
     ],
 )
 def test_a_bad_eval_config_is_one_line(tmp_path, content, fragment):
@@ -305,3 +315,10 @@ def test_no_flag_of_the_absent_table_is_one_vime_accepts_and_the_docs_list_them(
             assert not any(k.startswith(row.flag[:-1]) for k in known), row.flag
         else:
             assert row.flag not in known, row.flag
+
+
+def test_vime_eval_refuses_load_which_it_would_not_evaluate():
+    """`vime eval --load CKPT` was taken and dropped: the base model's accuracy was printed as the
+    checkpoint's."""
+    with pytest.raises(ConfigError, match=r"--load ck: vime eval does not resume a run, .*--hf-checkpoint ck/<step>"):
+        parse_args(["--hf-checkpoint", "tiny", "--eval-prompt-data", "/a", "--load", "ck"], entry="eval")

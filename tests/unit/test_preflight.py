@@ -249,3 +249,9 @@ def test_a_plugin_module_that_does_not_import_is_one_line_naming_where(tmp_path,
         ConfigError, match=r"importing rm_raises raised KeyError: 'VIME_NO_SUCH_VARIABLE' \(fix the module\)$"
     ):
         load_function("rm_raises:reward", "--custom-rm-path")
+
+
+def test_a_stop_token_id_past_the_vocabulary_is_refused(tmp_path):
+    """An id the model has no token for never stopped an answer, unsaid (the tiny model has 100)."""
+    msg = refused(tmp_path, "--rollout-stop-token-ids", "5,100")
+    assert msg.startswith("--rollout-stop-token-ids 100: the model's vocabulary has 100 tokens")

@@ -144,3 +144,34 @@ def test_a_resume_drops_a_torn_last_row_before_it_appends(tmp_path):
     logger.close()
     assert [(r["step"], r["x"]) for r in read_metrics(d)] == [(1, 1.0), (2, 2.0), (3, 30.0)]
     assert [json.loads(line)["step"] for line in (d / "metrics.superseded.jsonl").read_text().splitlines()] == [3]
+
+
+def test_a_resume_into_a_run_whose_metrics_cannot_be_read_is_one_line_before_anything_starts(tmp_path, monkeypatch):
+    """A metrics.jsonl that is a directory was IsADirectoryError's traceback, and one that is not
+    UTF-8 or has a bad middle row was refused only once the engines had started and the trainer
+    had resumed; `vime report` of the directory was the same traceback."""
+    from conftest import ROOT
+
+    from vime.cli import train_main
+    from vime.errors import VimeError
+
+    monkeypatch.chdir(ROOT)
+    run = tmp_path / "runs" / "r"
+    run.mkdir(parents=True)
+    for make, said in [
+        (lambda p: p.mkdir(), r"metrics.jsonl cannot be read \(Is a directory\): move it aside"),
+        (lambda p: p.write_bytes(b'{"step": 1}\n\xff\xfe\n'), r"metrics.jsonl is not UTF-8 text"),
+        (lambda p: p.write_text('garbage\n{"step": 1}\n'), r"metrics.jsonl line 1 is not a metrics row"),
+    ]:
+        metrics = run / "metrics.jsonl"
+        if metrics.is_dir():
+            metrics.rmdir()
+        make(metrics)
+        with pytest.raises(VimeError, match=said):
+            train_main(
+                ["--config", "examples/tiny.yaml", "--num-rollout", "1", "--runs-dir", str(tmp_path / "runs"),
+                 "--run-name", "r", "--load", str(tmp_path / "ck")]
+            )  # fmt: skip
+        assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]  # no engine log, no log.txt
+        with pytest.raises(VimeError, match=said):
+            summarize(run)

@@ -73,6 +73,10 @@ def test_what_cannot_be_upcycled_is_one_line(tmp_path):
     assert (
         r.returncode == 2 and r.stderr.strip() == f"error: --out {tmp_path / 'full'} is not empty: give a new directory"
     )
+    (tmp_path / "afile").write_text("keep me")  # NotADirectoryError's traceback
+    with pytest.raises(ModelError, match=r"--out .*afile is a file: give a new directory"):
+        upcycle(llama, tmp_path / "afile", num_experts=4, top_k=2)
+    assert (tmp_path / "afile").read_text() == "keep me"
 
 
 @pytest.mark.slow

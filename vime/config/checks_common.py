@@ -32,6 +32,12 @@ def _sampling_checks(c: Settings) -> list[tuple[bool, str]]:
         (c.eval_temperature is not None and c.eval_temperature < 0, "--eval-temperature must be >= 0 (0 = greedy)"),
         (c.eval_top_p is not None and not 0 < c.eval_top_p <= 1, "--eval-top-p must be in (0, 1]"),
         (c.eval_top_k is not None and c.eval_top_k < -1, "--eval-top-k must be -1 or 0 (off) or a positive count"),
+        (c.rollout_top_k < -1, "--rollout-top-k must be -1 or 0 (off) or a positive count"),
+        # 0 evaluated nothing and logged accuracy 0.000 (0/0)
+        (
+            c.n_samples_per_eval_prompt < 1,
+            f"--n-samples-per-eval-prompt {c.n_samples_per_eval_prompt}: give at least 1",
+        ),
         (
             c.rollout_max_context_len is not None and c.rollout_max_context_len < 2,
             "--rollout-max-context-len must be at least 2 (a prompt token and a response token)",
@@ -46,6 +52,10 @@ def _sampling_checks(c: Settings) -> list[tuple[bool, str]]:
         (
             any(not isinstance(s, str) or not s for s in c.rollout_stop),
             "--rollout-stop: every stop string must be non-empty text",
+        ),
+        (  # a YAML list's 'x' or 1.5 got through to the engine, which refused the first request of step 1
+            any(type(t) is not int or t < 0 for t in c.rollout_stop_token_ids),
+            f"--rollout-stop-token-ids {c.rollout_stop_token_ids}: every stop token id must be a whole number >= 0",
         ),
     ]
 
@@ -108,6 +118,12 @@ def _engine_checks(c: Settings) -> list[tuple[bool, str]]:
             if not _is_engine_url(u)
         ),
         (c.rollout_num_gpus_per_engine < 1, "--rollout-num-gpus-per-engine must be at least 1"),
+        # refused by the engine only once started; 0 KV blocks silently meant "sized from memory"
+        (c.engine_max_num_seqs < 1, f"--engine-max-num-seqs {c.engine_max_num_seqs}: give at least 1"),
+        (
+            c.engine_num_kv_blocks is not None and c.engine_num_kv_blocks < 1,
+            f"--engine-num-kv-blocks {c.engine_num_kv_blocks}: give at least 1 (leave it out to size the cache from memory)",
+        ),
         (c.rollout_num_engines is not None and c.rollout_num_engines < 1, "--rollout-num-engines must be at least 1"),
         (
             c.rollout_num_engines is not None

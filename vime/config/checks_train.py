@@ -29,7 +29,12 @@ def eval_checks(c: Settings) -> list[tuple[bool, str]]:
         (
             not c.eval_prompt_data and c.eval_config is None,
             "--eval-prompt-data or --eval-config is required (the held-out prompts)",
-        )
+        ),
+        (  # it was taken and dropped: the base model was evaluated as if it were the checkpoint
+            c.load is not None,
+            f"--load {c.load}: vime eval does not resume a run, it evaluates --hf-checkpoint: give a checkpoint's "
+            f"step directory there (--hf-checkpoint {c.load}/<step>)",
+        ),
     ]
 
 
@@ -56,6 +61,8 @@ def _batch_checks(c: Settings, entry: str) -> list[tuple[bool, str]]:
             "give --num-rollout (steps) or --num-epoch (passes over the data)",
         ),
         (c.num_rollout is not None and c.num_rollout < 1, "--num-rollout must be at least 1"),
+        # --num-epoch 0 or -2 made --num-rollout 0 or -40: the engines started, nothing trained, rc 0
+        (c.num_epoch is not None and c.num_epoch < 1, f"--num-epoch {c.num_epoch}: give at least 1 pass over the data"),
         (
             c.rollout_max_prompt_len is not None and c.rollout_max_prompt_len < 1,
             "--rollout-max-prompt-len must be at least 1",
@@ -151,6 +158,15 @@ def _output_checks(c: Settings) -> list[tuple[bool, str]]:
             c.save_interval is not None and c.save is None,
             "--save-interval needs --save DIR (where to write checkpoints)",
         ),
+        # a negative interval saved or evaluated at every step (step % -1 == 0), 0 only at the end
+        (
+            c.save_interval is not None and c.save_interval < 1,
+            f"--save-interval {c.save_interval}: give at least 1 (leave it out to save only at the end)",
+        ),
+        (
+            c.eval_interval is not None and c.eval_interval < 1,
+            f"--eval-interval {c.eval_interval}: give at least 1 (leave it out for no evaluation)",
+        ),
         (c.overwrite_save and c.save is None, "--overwrite-save needs --save DIR (the checkpoints it may replace)"),
         (
             c.eval_interval is not None and not c.eval_prompt_data and c.eval_config is None,
@@ -191,6 +207,12 @@ def _optimizer_checks(c: Settings) -> list[tuple[bool, str]]:
         ),
         (not 0 <= c.lora_dropout < 1, f"--lora-dropout {c.lora_dropout} must be in [0, 1)"),
         (c.max_tokens_per_gpu < 1, "--max-tokens-per-gpu must be at least 1"),
+        # 0 became chunks of one token (the log-probs' slowest way) with no line
+        (c.logprob_chunk_size < 1, f"--logprob-chunk-size {c.logprob_chunk_size}: give at least 1 token"),
+        (  # torch.manual_seed's range: past it, a ValueError's traceback once the run had started
+            not -(2**63) <= c.seed < 2**64,
+            f"--seed {c.seed}: a seed is 64 bits; give one from 0 to {2**64 - 1}",
+        ),
         (c.micro_batch_size is not None and c.micro_batch_size < 1, "--micro-batch-size must be at least 1"),
         (
             c.gradient_checkpointing_layers is not None and c.gradient_checkpointing_layers < 1,

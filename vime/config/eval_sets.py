@@ -219,6 +219,11 @@ def _settings(entry: dict[str, Any], where: str) -> dict[str, Any]:
         check = _BOUNDS.get(key)
         if check is not None and not (math.isfinite(value) and check[0](value)):
             raise ConfigError(f"{where}: {key} {value} {check[1]}")
+        # as the flags' (checks_common.py): the engine refused a set's 'x' at its first request, mid-run
+        if key == "stop_token_ids" and any(type(t) is not int or t < 0 for t in value):
+            raise ConfigError(f"{where}: stop_token_ids {value}: every id must be a whole number >= 0")
+        if key == "stop" and any(not isinstance(s, str) or not s for s in value):
+            raise ConfigError(f"{where}: stop {value}: every stop string must be non-empty text")
         if key == "rm_type" and value not in BUILTIN_RM_TYPES:
             why = f" ({RM_TYPES_NOT_IN_VIME[value]})" if value in RM_TYPES_NOT_IN_VIME else ""
             raise ConfigError(f"{where}: rm_type {value!r}{why}: use one of {', '.join(BUILTIN_RM_TYPES)}")

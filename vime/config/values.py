@@ -68,6 +68,8 @@ def coerce(name: str, value: Any) -> Any:
         if tp in (dict, list):
             if isinstance(value, tp):
                 return value
+            if isinstance(value, (dict, list)):  # `rollout_stop: {a: 1}` became the stop string "{'a': 1}"
+                raise ValueError(value)
             text = str(value).strip()
             if tp is list and text and not text.startswith("["):
                 if sep is None:

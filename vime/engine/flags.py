@@ -5,6 +5,7 @@ the model loads."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 from vime.engine.http_common import API_KEY_ENV, is_loopback
@@ -82,6 +83,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone (set by launch_engine)")
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
+    _refuse_out_of_range(p, args)
+    args.api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if not args.api_key and not is_loopback(args.host):
+        p.error(
+            f"--host {args.host} would let anyone who reaches it change the weights: set --api-key (or ${API_KEY_ENV}), or bind 127.0.0.1"
+        )
+    return args
+
+
+def _refuse_out_of_range(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Each number of the command line in its range, as argparse's usage and one line (exit 2),
+    before the model loads."""
     if not 0 <= args.port <= 65535:
         p.error(f"--port {args.port}: give 0-65535 (0 picks a free port)")
     for name in ("max_num_seqs", "block_size", "max_num_batched_tokens"):
@@ -89,9 +102,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")  # usage, then one line; exit 2
     if args.max_request_mb is not None and not args.max_request_mb > 0:
         p.error(f"--max-request-mb {args.max_request_mb}: give a size in MiB above 0")
-    args.api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    if not args.api_key and not is_loopback(args.host):
+    # NaN and -1 ended the start in a traceback (sizing the cache), 0 was taken as "not given"
+    for name in ("num_kv_blocks", "max_model_len", "num_threads"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: give at least 1 (leave it out for the default)")
+    if args.kv_cache_gb is not None and not (math.isfinite(args.kv_cache_gb) and args.kv_cache_gb > 0):
+        p.error(f"--kv-cache-gb {args.kv_cache_gb}: give a size in GB above 0")
+    if not 0 < args.kv_cache_memory_fraction <= 1:  # NaN fails it too
         p.error(
-            f"--host {args.host} would let anyone who reaches it change the weights: set --api-key (or ${API_KEY_ENV}), or bind 127.0.0.1"
+            f"--kv-cache-memory-fraction {args.kv_cache_memory_fraction}: a share of the free GPU memory, in (0, 1]"
         )
-    return args

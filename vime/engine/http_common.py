@@ -16,6 +16,7 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 log = logging.getLogger("vime.engine")
 
@@ -76,11 +77,13 @@ def body_limit_middleware(limit: int, flag: str) -> Callable:
 
 class _OneLine(logging.Filter):
     """aiohttp logs a request it cannot parse (a byte no URL may hold, a broken header) with its
-    traceback: one per request, from anyone who reaches the port, key or not. Kept as one line."""
+    traceback: one per request, from anyone who reaches the port, key or not. Kept as one line.
+    A body that does not decode as its Content-Encoding says (`gzip` over plain bytes) is one too:
+    aiohttp reads what a refused request left unread after the 401, and logged that traceback."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
-        if isinstance(error, HttpProcessingError):
+        if isinstance(error, (HttpProcessingError, RequestPayloadError)):
             record.msg, record.args = f"{record.getMessage()}: {' '.join(str(error).split())[:200]}", ()
             record.exc_info, record.exc_text = None, None
         return True
@@ -152,6 +155,10 @@ async def read_body(request: web.Request) -> dict:
         body = await request.json() if request.can_read_body else {}
     except json.JSONDecodeError:
         raise BadRequest("request body is not valid JSON") from None
+    except RecursionError:  # `[[[[...` 100,000 deep: a 500 with a traceback in the log
+        raise BadRequest("request body is JSON nested too deeply to read") from None
+    except RequestPayloadError as e:  # a body that is not what its Content-Encoding says (gzip, deflate)
+        raise BadRequest(f"request body cannot be read: {' '.join(str(e).split())}") from None
     except (LookupError, UnicodeDecodeError):  # a charset Python does not know, or bytes not of it
         raise BadRequest("request body is not text in the charset its Content-Type names (send UTF-8 JSON)") from None
     if not isinstance(body, dict):

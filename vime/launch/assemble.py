@@ -38,7 +38,7 @@ from vime.eval_sets import grading_line
 from vime.launch.context import RunContext
 from vime.launch.launcher import launcher_for
 from vime.launch.mps import start as start_mps
-from vime.metrics import setup_logging
+from vime.metrics import parse_rows, setup_logging
 from vime.plugin_args import PluginArgs
 from vime.preflight import check_eval_inputs, check_inputs
 from vime.rollout import process as rollout_process
@@ -99,6 +99,9 @@ def _checked(cfg: Config, clock: StartupClock) -> RunContext:
         raise ConfigError(
             f"run directory {out.run_dir} already holds a run: pick another --run-name (or resume it with --load)"
         )
+    if out.load and (out.run_dir / "metrics.jsonl").exists():
+        # a resume rewrites its metrics (metrics.py): one it cannot read is refused before the engines start
+        parse_rows(out.run_dir / "metrics.jsonl", warn=False)  # the logger warns of a torn last row
     inputs = check_inputs(cfg)  # every input, before anything starts or is written
     clock.parts["checks"] = inputs.seconds
     run_dir = inputs.cfg.output.run_dir

@@ -28,6 +28,8 @@ from vime.trainer.checkpoint import TRAINER_STATE, CheckpointError, check_same_k
 from vime.trainer.lora import ADAPTER_DIR, read_adapter
 from vime.trainer.moe import MoeShape, hub_tensors
 
+STATE_KEYS = ("optimizer", "optimizer_steps", "rng", "extra")  # what `checkpoint.save` writes
+SQUARED = ("exp_avg_sq", "max_exp_avg_sq")  # Adam's second moments: their square root is taken
 COUNTERS = ("policy_version", "weight_pushes", "weight_version")  # optional whole numbers in `extra`
 DATA_POSITION = ("epoch", "offset", "next_index", "next_group")  # the data source's, whole numbers
 Fail = Callable[[str], NoReturn]  # raises the file's CheckpointError saying what is wrong
@@ -40,6 +42,8 @@ def check_checkpoint(ckpt: Path, model_dir: Path, lora: bool) -> None:
     check_same_kind(ckpt, lora)
     in_file, weights, aliases = _model_shapes(model_dir)
     _check_model_file(ckpt, in_file, aliases)
+    if not lora:
+        _check_model_values(ckpt)
     trained = _adapter_shapes(ckpt, weights) if lora else {n: s for n, s in weights.items() if n not in aliases}
     state_file = ckpt / TRAINER_STATE
     try:
@@ -49,6 +53,9 @@ def check_checkpoint(ckpt: Path, model_dir: Path, lora: bool) -> None:
     fail = _failing(state_file)
     if not isinstance(state, dict):
         fail(f"holds {_kind(state)}, where vime writes a dict of optimizer, optimizer_steps, rng and extra")
+    unknown = [k for k in state if k not in STATE_KEYS]
+    if unknown:
+        fail(f"key {unknown[0]!r} is none vime writes (its keys: {', '.join(STATE_KEYS)})")
     for key in ("optimizer", "rng", "extra"):
         if not isinstance(state.get(key), dict):
             fail(f"key '{key}' is {_kind(state.get(key))}, expected a dict")
@@ -102,22 +109,49 @@ def _model_shapes(model_dir: Path) -> tuple[dict[str, tuple[int, ...]], dict[str
     return in_file, {n: tuple(t.shape) for n, t in params.items()}, aliases
 
 
-def _header_shapes(ckpt: Path) -> Iterator[tuple[str, str, tuple[int, ...]]]:
-    """(file, tensor name, shape) of the model's safetensors, from their headers."""
+def _model_files(ckpt: Path) -> list[str]:
+    """The model's safetensors files: the index's, or the one file."""
+    index = ckpt / "model.safetensors.index.json"
+    return (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    )
+
+
+def _header_shapes(ckpt: Path) -> Iterator[tuple[str, str, tuple[int, ...], str]]:
+    """(file, tensor name, shape, dtype) of the model's safetensors, from their headers."""
     from safetensors import safe_open
 
-    index = ckpt / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else None
-    for name in files or ["model.safetensors"]:
+    for name in _model_files(ckpt):
         with safe_open(str(ckpt / name), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is no mapping)
-                yield name, key, tuple(f.get_slice(key).get_shape())
+                part = f.get_slice(key)
+                yield name, key, tuple(part.get_shape()), part.get_dtype()
+
+
+def _check_model_values(ckpt: Path) -> None:
+    """Every weight finite, one tensor in memory at a time: a NaN in the model file was loaded,
+    and the run ended at its first push blaming the engine that refused the weights."""
+    from safetensors import safe_open
+
+    for file in _model_files(ckpt):
+        with safe_open(str(ckpt / file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is no mapping)
+                if not bool(torch.isfinite(f.get_tensor(key)).all()):
+                    raise CheckpointError(
+                        f"{ckpt / file}: tensor '{key}' holds NaN or inf values: the checkpoint is damaged; resume "
+                        "from an earlier one"
+                    )
 
 
 def _check_model_file(ckpt: Path, expected: dict[str, tuple[int, ...]], aliases: set[str]) -> None:
-    """Every tensor of the model file by name and shape (a tied weight's alias may be absent)."""
+    """Every tensor of the model file by name, shape and a floating-point dtype (a tied weight's
+    alias may be absent): an int64 tensor was loaded, its values cast to the model's dtype."""
     found: set[str] = set()
-    for file, name, shape in _header_shapes(ckpt):
+    for file, name, shape, dtype in _header_shapes(ckpt):
+        if not dtype.startswith(("F", "BF")):
+            raise CheckpointError(
+                f"{ckpt / file}: tensor '{name}' is of dtype {dtype}, expected floating point (F32, BF16, F16)"
+            )
         if name not in expected:
             raise CheckpointError(f"{ckpt / file}: tensor '{name}' is no weight of the model of --hf-checkpoint")
         if shape != expected[name]:
@@ -169,17 +203,34 @@ def _check_optimizer(fail: Fail, optimizer: dict[str, Any], trained: dict[str, t
     for name in [*named, *state]:
         if name not in trained:
             fail(f"optimizer names {name!r}, which is no parameter this run trains (e.g. {next(iter(trained), '-')!r})")
+    unnamed = [n for n in trained if n not in named]  # its parameter would go on with a fresh state, unsaid
+    if unnamed:
+        fail(f"optimizer.param_groups lack {unnamed[0]!r}: every parameter this run trains has a group")
     for name, entry in state.items():
         if not isinstance(entry, dict):
             fail(f"optimizer.state['{name}'] is {_kind(entry)}, expected a dict of its moments")
         for key, value in entry.items():
             if key == "step":
                 ok = isinstance(value, numbers.Real) or (isinstance(value, torch.Tensor) and value.numel() == 1)
-                if not ok:
-                    fail(f"optimizer.state['{name}']['step'] is {_kind(value)}, expected a number")
+                if not ok or not math.isfinite(float(value)) or float(value) < 0:
+                    fail(f"optimizer.state['{name}']['step'] is {value!r}, expected a number >= 0")
             elif not isinstance(value, torch.Tensor) or tuple(value.shape) != trained[name]:
                 got = list(value.shape) if isinstance(value, torch.Tensor) else _kind(value)
                 fail(f"optimizer.state['{name}']['{key}'] is {got}, expected a tensor of shape {list(trained[name])}")
+            else:
+                _check_moment(fail, f"optimizer.state['{name}']['{key}']", value, squared=key in SQUARED)
+
+
+def _check_moment(fail: Fail, where: str, value: torch.Tensor, squared: bool) -> None:
+    """A moment of floating point, finite, a second moment >= 0: an int64 one was cast unsaid, and
+    a NaN or negative one made the first step's weights NaN, the run ending at the push that
+    followed with the engine's refusal."""
+    if not value.is_floating_point():
+        fail(f"{where} is of dtype {value.dtype}, expected floating point")
+    if not bool(torch.isfinite(value).all()):
+        fail(f"{where} holds NaN or inf values (the checkpoint is damaged)")
+    if squared and bool((value < 0).any()):
+        fail(f"{where} holds negative values, where a second moment is >= 0 (the checkpoint is damaged)")
 
 
 def _check_rng(fail: Fail, rng: dict[str, Any]) -> None:

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import run_cli, train_here
+from conftest import ROOT, run_cli, train_here
 from safetensors.torch import load_file
 
 from vime.rollout.data.rows import DataError, load_prompts
@@ -252,3 +252,68 @@ def test_the_vllm_shaped_route_passes_the_engines_sampling_keys_and_names_the_re
     assert engine_params(body, 16) == {"max_new_tokens": 4, "sampling_seed": 3, "min_p": 0.2, "presence_penalty": 0.5}
     with pytest.raises(RequestError, match="min_tokens"):
         engine_params({"sampling_params": {"min_tokens": 2}}, 16)
+
+
+def test_a_reward_cannot_change_the_runs_sampling_through_nested_or_component_values(tmp_path, monkeypatch):
+    """A reward that appended to `args.rollout_stop` or wrote past the frozen `args.rollout` with
+    `object.__setattr__` changed what the run's own rollout sampled from its next call on (step 2's
+    answers one token long), and its start-up call's append reached the run's first call; `type(args).lr`
+    answered every view's `args.lr`. Each call now sees the run's values, and the class refuses."""
+    from vime.plugin_args import PluginArgs
+    from vime.plugins import SettingWriteError
+
+    seen = tmp_path / "seen.jsonl"
+    (tmp_path / "nested.py").write_text(
+        "import json, os\n"
+        "def reward(args, sample):\n"
+        "    with open(os.environ['SEEN'], 'a') as f:\n"
+        "        f.write(json.dumps([args.rollout.rollout_max_response_len, args.rollout_stop]) + '\\n')\n"
+        "    object.__setattr__(args.rollout, 'rollout_max_response_len', 1)\n"
+        "    args.rollout_stop.append('+')\n"
+        "    vars(args)['rollout_stop_token_ids'].append(0)\n"
+        "    return 1.0\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("SEEN", str(seen))
+    runs = tmp_path / "runs"
+    train_here(
+        "sync", "--config", "examples/tiny.yaml", "--num-rollout", "2", "--custom-rm-path", "nested.reward",
+        "--runs-dir", str(runs), "--run-name", "n",
+    )  # fmt: skip
+    assert {line for line in seen.read_text().splitlines()} == {"[4, []]"}
+    rows = [json.loads(line) for line in (runs / "n" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout/response_len_max"] for r in rows if "rollout/response_len_max" in r] == [4, 4]
+    with pytest.raises(SettingWriteError, match="args.lr"):
+        PluginArgs.lr = 5.0
+
+
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        ("sample.response_length = 50", "has response_length 50 for"),  # an IndexError inside the trainer
+        (
+            "sample.tokens = list(sample.tokens[:-1]) + [10**6]",
+            "holds token id 1000000 (outside the model's vocabulary",
+        ),
+    ],
+)
+def test_a_sample_a_reward_broke_is_one_line_naming_the_plugin(change, says, tmp_path, monkeypatch):
+    """A reward that changed its sample so that the trainer could not index it (its start-up call
+    changed only the made-up one) ended step 1 in a traceback from the trainer's packing."""
+    from vime.cli import train_main
+    from vime.plugins import PluginError
+
+    module = f"breaker{len(change)}"  # a module of its own per case: the first stays imported
+    (tmp_path / f"{module}.py").write_text(
+        f"def reward(args, sample):\n    if args.runtime is not None:\n        {change}\n    return 1.0\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(PluginError) as e:
+        train_main(
+            ["--config", "examples/tiny.yaml", "--num-rollout", "1", "--custom-rm-path", f"{module}.reward",
+             "--runs-dir", str(tmp_path / "runs"), "--run-name", "b"]
+        )  # fmt: skip
+    said = str(e.value)
+    assert said.startswith("step 1: sample ") and says in said and "\n" not in said
+    assert f"(--custom-rm-path {module}.reward)" in said

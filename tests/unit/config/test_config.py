@@ -140,6 +140,40 @@ def test_inconsistent_settings_fail_with_one_line(extra, fragment):
     assert fragment in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "extra, fragment",
+    [
+        (["--num-epoch", "0"], "--num-epoch 0: give at least 1"),  # trained nothing, rc 0
+        (["--num-epoch", "-2"], "--num-epoch -2: give at least 1"),  # config.yaml said num_rollout -40
+        (["--save", "ck", "--save-interval", "-1"], "--save-interval -1: give at least 1"),  # saved every step
+        (["--eval-prompt-data", "t.jsonl", "--eval-interval", "-1"], "--eval-interval -1: give at least 1"),
+        (["--n-samples-per-eval-prompt", "0"], "--n-samples-per-eval-prompt 0: give at least 1"),  # 0/0 accuracy
+        (["--rollout-top-k", "-5"], "--rollout-top-k must be -1 or 0 (off)"),  # as --eval-top-k is
+        (["--logprob-chunk-size", "0"], "--logprob-chunk-size 0: give at least 1"),  # one-token chunks
+        (["--seed", str(2**70)], f"--seed {2**70}: a seed is 64 bits"),  # torch.manual_seed's traceback, mid-start
+        (["--engine-max-num-seqs", "0"], "--engine-max-num-seqs 0: give at least 1"),  # the engine's refusal
+        (["--engine-num-kv-blocks", "0"], "--engine-num-kv-blocks 0: give at least 1"),  # meant "from memory"
+        # the engine refused these at step 1's first request
+        (["--rollout-stop-token-ids", '["x"]'], "every stop token id must be a whole number >= 0"),
+        (["--rollout-stop-token-ids", "[1.5]"], "every stop token id must be a whole number >= 0"),
+        (["--rollout-stop-token-ids", "[-3]"], "every stop token id must be a whole number >= 0"),  # never matched
+    ],
+)
+def test_settings_out_of_range_are_refused_before_anything_starts(extra, fragment):
+    """Values that passed every check and ran silently wrong (or failed only once an engine had started)."""
+    with pytest.raises(ConfigError) as e:
+        parse_args([*BASE, *extra])
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_yaml_mapping_for_a_list_setting_is_refused(tmp_path):
+    """`rollout_stop: {a: 1}` in a run file became the stop string "{'a': 1}", unsaid."""
+    path = tmp_path / "run.yaml"
+    path.write_text("rollout_stop: {a: 1}\n")
+    with pytest.raises(ConfigError, match=r"--rollout-stop: cannot read \{'a': 1\} as a JSON list"):
+        parse_args(["--config", str(path), *BASE])
+
+
 def test_flags_the_other_settings_leave_nothing_to_do_are_named_at_start_up(tmp_path):
     """A floor on the learning rate under a constant schedule, Adam's betas under SGD, template
     arguments for prompts sent as plain text: accepted (slime's scripts carry such flags) and

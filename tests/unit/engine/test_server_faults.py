@@ -121,6 +121,47 @@ def test_no_header_bytes_make_the_auth_check_raise_and_no_bad_request_writes_a_t
     assert engine.log_path.read_text().count("Traceback") == before
 
 
+def test_a_body_that_does_not_decode_or_nests_too_deep_is_a_400_and_no_traceback(engine):
+    """A gzip Content-Encoding over plain bytes wrote aiohttp's traceback to the engine's log per
+    request, key or not (the unread body of the refused request is decoded after the 401), and was
+    a 500 with the key; JSON nested 100,000 deep (the body, or a tool call's arguments) a 500."""
+    before = engine.log_path.read_text().count("Traceback")
+    gzip = b"Content-Encoding: gzip\r\nContent-Length: 4\r\n\r\nabcd"
+    host, port = engine.url.split("//")[1].split(":")
+    for auth in (b"", f"Authorization: Bearer {KEY}\r\n".encode()):
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + auth + gzip)
+            status = s.recv(200).split(b"\r\n")[0]
+        assert status.endswith(b"401 Unauthorized" if not auth else b"400 Bad Request"), (auth, status)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    deep = "[" * 100_000 + "]" * 100_000
+    status, body = post(engine.url + "/generate", deep.encode(), auth)
+    assert status == 400 and "nested too deeply" in body
+    call = {"type": "function", "function": {"name": "f", "arguments": deep}}
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    chat = json.dumps({"max_tokens": 2, "messages": messages}).encode()
+    status, body = post(engine.url + "/v1/chat/completions", chat, auth)
+    assert status == 400 and "are not JSON" in body
+    time.sleep(0.2)  # the engine's log is written by another process
+    assert engine.log_path.read_text().count("Traceback") == before
+
+
+@pytest.mark.parametrize(
+    "flag, value, says",
+    [
+        ("--kv-cache-gb", "nan", "--kv-cache-gb nan: give a size in GB above 0"),  # a ValueError's traceback
+        ("--num-kv-blocks", "-1", "--num-kv-blocks -1: give at least 1"),  # "no room for a single block", traceback
+        ("--max-model-len", "0", "--max-model-len 0: give at least 1"),  # taken as "not given"
+        ("--num-threads", "0", "--num-threads 0: give at least 1"),  # taken as "not given"
+        ("--kv-cache-memory-fraction", "5", "--kv-cache-memory-fraction 5.0: a share of the free GPU memory"),
+    ],
+)
+def test_engine_sizes_out_of_range_are_one_line_before_the_model_loads(flag, value, says, capsys):
+    with pytest.raises(SystemExit) as refused:
+        engine_args(["--model-path", "tiny", flag, value])
+    assert refused.value.code == 2 and says in capsys.readouterr().err.strip().splitlines()[-1]
+
+
 def test_every_route_but_health_needs_the_key(engine, client, capsys):
     assert KEY not in " ".join(engine.proc.args)  # through the environment: the process list shows no key
     for route, body in [

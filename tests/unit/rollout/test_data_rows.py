@@ -96,6 +96,11 @@ def test_error_missing_key_names_key_file_row_and_keys(tmp_path):
             {"input": [], "label": "7"},
             r"'input' is an empty list of messages: every row needs a prompt",
         ),  # was "got list"
+        (
+            {"input": [{"role": "user", "content": "hi"}, {"role": "assistant"}], "label": "7"},
+            r"'input'\[1\] must be a chat message \{role, content\}, got a dict of keys role",
+        ),  # was "got list" too
+        ({"input": [{"role": "user", "content": "hi"}, "hello"], "label": "7"}, r"'input'\[1\] .* got str"),
     ],
 )
 def test_a_row_that_is_no_text_or_no_conversation_is_one_line(tmp_path, row, said):

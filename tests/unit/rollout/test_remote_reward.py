@@ -14,6 +14,7 @@ from aiohttp import web
 
 from vime.config import Config, ConfigError, parse_args
 from vime.rollout.rewards import Rewards
+from vime.rollout.rewards.remote import MAX_ANSWER_BYTES
 from vime.rollout.rewards.runner import RewardRunner
 from vime.rollout.types import Sample
 
@@ -22,7 +23,8 @@ BASE = ["--hf-checkpoint", "tiny", "--prompt-data", "x.jsonl", "--num-rollout", 
 
 class RewardServer:
     """Grades `response == label` (1/0); `busy` answers 503 that many times first; a label of
-    "hang" never answers; a label of "refuse" answers 400; "dict" answers {"score", "acc"}."""
+    "hang" never answers; a label of "refuse" answers 400; "dict" answers {"score", "acc"}; "huge"
+    answers a number padded past what is read of an answer; "deep" JSON nested 100,000 deep."""
 
     def __init__(self) -> None:
         self.bodies: list[dict] = []
@@ -54,6 +56,10 @@ class RewardServer:
             await asyncio.sleep(60)
         if body["label"] == "refuse":
             return web.Response(status=400, text="bad request: no such task")
+        if body["label"] == "huge":
+            return web.Response(text="1" + " " * (MAX_ANSWER_BYTES + 1), content_type="application/json")
+        if body["label"] == "deep":
+            return web.Response(text="[" * 100_000 + "]" * 100_000, content_type="application/json")
         right = float(body["response"] == body["label"])
         return web.json_response({"score": right, "acc": right} if body["label"] == "dict" else right)
 
@@ -100,6 +106,22 @@ def test_a_busy_server_is_asked_again_and_a_refusal_or_a_hang_scores_zero(server
     assert [s.reward for s in bad] == [0.0, 0.0, 1.0]
     assert [s.reward_error for s in bad] == ["error", "timeout", None]
     assert counts == {"rollout/reward_errors": 1.0, "rollout/reward_timeouts": 1.0}
+
+
+def test_an_answer_too_large_or_nested_too_deeply_is_the_samples_error(server):
+    """An answer of any size was read whole (64 samples at once, into the rollout's memory); one
+    nested too deeply failed on the way as RecursionError. Each is now a refusal of that sample."""
+    samples = [_sample(0, "7", "huge"), _sample(1, "7", "deep"), _sample(2, "7", "7")]
+    runner = RewardRunner(20.0)
+    try:
+        args = Config(rm_type="remote_rm", rm_url=server.url, custom_rm_path=None, reward_timeout=20.0)
+        rewards = Rewards(args, runner)
+        counts = asyncio.run(rewards.score(samples))
+    finally:
+        runner.close()
+    assert [s.reward_error for s in samples] == ["error", "error", None] and samples[2].reward == 1.0
+    assert counts == {"rollout/reward_errors": 2.0, "rollout/reward_timeouts": 0.0}
+    assert "answered more than 64 MiB: not a reward" in rewards.last_failure or "not JSON" in rewards.last_failure
 
 
 def test_a_server_that_is_not_there_scores_zero_within_the_timeout_as_an_error():

@@ -335,6 +335,17 @@ def test_a_number_where_reward_key_asks_for_a_dict(custom_module):
         read_reward(make_args(rm_type="reasoning_gym", reward_key="acc"), 0.5)
 
 
+def test_a_reward_too_large_for_a_float_is_the_samples_error_not_a_traceback():
+    """10**400 from a custom reward (or as a dict's other value) ended the run in OverflowError's
+    traceback: float() of it overflows, where NaN is a number the run already scores 0."""
+    args = make_args(rm_type="math", custom_rm_path="m.f")
+    with pytest.raises(ValueError, match="is too large for a number"):
+        read_reward(args, 10**400)
+    with pytest.raises(ValueError, match="is too large for a number|not a number"):
+        read_reward(args, {"score": 10**400})
+    assert read_reward(args, {"score": 1.0, "acc": 10**400}) == (1.0, {})  # not logged, as a string is not
+
+
 def test_closed_rewards_start_no_pool_again():
     """After the run closed its rewards, a late sample (a straggler of the rollout loop) is an
     error, counted, and no grading pool is started again to outlive the run."""

@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import time
 from pathlib import Path
 
 import pytest
+from conftest import alive_pids
 
 from unit.rollout.tool_workers import no_tool_workers_left  # noqa: F401 (autouse: no tool worker outlives its test)
 from vime.config import ConfigError
@@ -193,6 +195,25 @@ def test_a_tool_that_ends_its_process_ends_only_its_call(how, fragment):
     assert (r.text, r.error) == (fragment, True)
     r = call("end", {"how": "nothing"}, tools=tools, timeout=60)
     assert (r.text, r.error) == ("still here", False)
+
+
+def test_what_a_tool_starts_in_a_session_of_its_own_ends_with_its_worker():
+    """A process a tool started with `start_new_session=True` (or a daemon's double fork) was out
+    of reach of its worker's killpg, and outlived the run, re-parented to init."""
+    from vime.rollout.tools import workers
+
+    r = call("end", {"how": "orphan"}, tools=load_tools(["exiting_tools:exiting_tool"]), timeout=60)
+    pid = int(r.text)
+    try:
+        assert alive_pids([pid]) == [pid]
+        workers.close_all()  # the run's end
+        deadline = time.monotonic() + 10
+        while alive_pids([pid]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert alive_pids([pid]) == []
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_tools_load_by_name_and_dotted_path_and_bad_ones_are_one_line():

@@ -341,6 +341,53 @@ def test_a_crafted_or_damaged_checkpoint_is_one_line_before_anything_starts(acto
     assert "nothing is left to train" in refused(tmp_path, "--load", str(good.parent))
 
 
+def test_a_checkpoint_of_wrong_values_or_dtypes_is_one_line_before_anything_starts(
+    actor, tiny_model, tmp_path, monkeypatch
+):
+    """Shapes right, values not: an int64 weight or moment was cast unsaid; a NaN weight, a NaN
+    or negative second moment or a NaN step count made the weights NaN, the run ending at a push
+    with the engine's refusal; a state key vime does not write, and param groups that lack a
+    parameter (it went on with a fresh state), were taken."""
+    monkeypatch.chdir(ROOT)
+    samples = [Sample(index=i, tokens=[5, 6, 7, 8, 9], response_length=2) for i in range(4)]
+    actor.train_step(samples, [1.0, 0.0, 1.0, 0.0])
+    good = actor.save(tmp_path / "ck" / "1", resumable_extra(1, actor.optimizer_step.count))
+    moment = "model.layers.0.mlp.down_proj.weight"
+    entry = ("optimizer", "state", moment)
+    state = r"trainer_state.pt: optimizer.state\['model.layers.0.mlp.down_proj.weight'\]"
+    cases = [
+        (_crafted(good, weights=lambda w: {**w, moment: w[moment].long()}), rf"tensor '{moment}' is of dtype I64"),
+        (
+            _crafted(good, weights=lambda w: {**w, moment: w[moment].index_fill(0, torch.tensor([0]), float("nan"))}),
+            rf"model.safetensors: tensor '{moment}' holds NaN or inf values",
+        ),
+        (
+            _crafted(good, state=lambda s: _set(s, (*entry, "exp_avg"), torch.zeros(64, 128, dtype=torch.long))),
+            rf"{state}\['exp_avg'\] is of dtype torch.int64",
+        ),
+        (
+            _crafted(good, state=lambda s: _set(s, (*entry, "exp_avg_sq"), torch.full((64, 128), float("nan")))),
+            rf"{state}\['exp_avg_sq'\] holds NaN or inf values",
+        ),
+        (
+            _crafted(good, state=lambda s: _set(s, (*entry, "exp_avg_sq"), -torch.ones(64, 128))),
+            rf"{state}\['exp_avg_sq'\] holds negative values",
+        ),
+        (
+            _crafted(good, state=lambda s: _set(s, (*entry, "step"), torch.tensor(float("nan")))),
+            rf"{state}\['step'\] is tensor\(nan\), expected a number >= 0",
+        ),
+        (_crafted(good, state=lambda s: _set(s, ("bogus",), 1)), r"key 'bogus' is none vime writes"),
+        (
+            _crafted(good, state=lambda s: _set(s, ("optimizer", "param_groups", 0, "params"), [])),
+            r"optimizer.param_groups lack '",
+        ),
+    ]
+    for load, match in cases:
+        said = refused(tmp_path, "--load", str(load))
+        assert re.search(match, said), (load, said)
+
+
 def test_no_checkpoint_is_written_over_and_load_resumes_only_what_it_names(actor, tiny_model, tmp_path, monkeypatch):
     """--save over another run's checkpoints, --load of an older step into the --save holding newer
     ones, --load of a Megatron checkpoint or an HF model: each used to start (the last two from

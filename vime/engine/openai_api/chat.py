@@ -55,7 +55,7 @@ def _tool_calls(calls: Any, where: str) -> list[dict]:
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments or "{}")
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):  # nested too deeply: a 500 and its traceback
                 raise BadRequest(f"{where}: the arguments of call '{fn['name']}' are not JSON") from None
         out.append({**call, "function": {**fn, "arguments": arguments}})
     return out

@@ -124,6 +124,12 @@ def _check_input(value: Any, where: str, key: str) -> str | list[dict[str, Any]]
         )
     if isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
         return [{**m, "content": _text(m["content"], where, f"{key}[{i}].content")} for i, m in enumerate(value)]
+    if isinstance(value, list):  # "got list" hid which message of the conversation is wrong
+        i, bad = next(
+            (i, m) for i, m in enumerate(value) if not (isinstance(m, dict) and "role" in m and "content" in m)
+        )
+        got = f"a dict of keys {', '.join(map(str, bad)) or 'none'}" if isinstance(bad, dict) else type(bad).__name__
+        raise DataError(f"{where}: '{key}'[{i}] must be a chat message {{role, content}}, got {got}")
     raise DataError(
         f"{where}: '{key}' must be a string, an integer or a list of chat messages [{{role, content}}], "
         f"got {type(value).__name__}"

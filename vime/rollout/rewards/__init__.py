@@ -151,7 +151,23 @@ def _lookup_group(rewards: Rewards, runner: RewardRunner) -> GroupRewardFn | Non
 
 
 def _is_number(v: Any) -> bool:
-    return isinstance(v, numbers.Real)  # NumPy scalars too; a bool is an int (slime's dapo `acc` is one)
+    """NumPy scalars too; a bool is an int (slime's dapo `acc` is one). An int past float's range
+    (10**400) is none: float() of it raised OverflowError, which ended the run in a traceback."""
+    if not isinstance(v, numbers.Real):
+        return False
+    try:
+        float(v)
+    except OverflowError:
+        return False
+    return True
+
+
+def _as_float(value: Any) -> float:
+    """A reward as a float; ValueError (the sample's error) for one float cannot hold."""
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"the reward {repr(value)[:40]} is too large for a number") from None
 
 
 def read_reward(rollout: RolloutConfig, value: Any) -> tuple[float, dict[str, float]]:
@@ -179,7 +195,7 @@ def read_reward(rollout: RolloutConfig, value: Any) -> tuple[float, dict[str, fl
                 f"drop --reward-key, or return a dict with the key '{key}'"
             )
         if custom or not _is_number(value):
-            return float(value), {}  # a string or None is an error of this sample (ValueError/TypeError)
+            return _as_float(value), {}  # a string or None is an error of this sample (ValueError/TypeError)
         if name != DEFAULT_REWARD_KEY:
             raise RewardKeyError(
                 f"--reward-key {key}: {source} returns one number, its score: drop --reward-key or set it to score"
@@ -199,7 +215,7 @@ def read_reward(rollout: RolloutConfig, value: Any) -> tuple[float, dict[str, fl
         for k, v in value.items()
         if k != name and _is_number(v) and math.isfinite(v)  # strings (slime's `pred`) are not logged
     }
-    return float(score), extras
+    return _as_float(score), extras
 
 
 def _read_if_reward(settings: RolloutConfig, answer: Any) -> tuple[float, dict[str, float], Any]:

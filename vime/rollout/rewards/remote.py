@@ -31,6 +31,10 @@ if TYPE_CHECKING:
     from vime.rollout.settings import RolloutConfig
 
 MAX_CONCURRENT = 64
+# the most of an answer read: a reward is a number, a teacher's answer a few log-probs per token
+# (a 32k-token sample with its top-k is a few MiB); a service answering gigabytes was read whole,
+# 64 samples at once, into the rollout's memory
+MAX_ANSWER_BYTES = 64 * 2**20
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 FIRST_PAUSE = 0.25  # seconds before the first retry; doubled each time, never past the deadline
 
@@ -71,7 +75,7 @@ class RemoteReward:
                 down: Exception | None = None  # the last try reached nothing
                 try:
                     async with session.post(self.url, json=body, headers=self.headers) as resp:
-                        text = await resp.text()
+                        text = await _bounded_text(resp, self.url)
                         if resp.status == 200:
                             return _json(text, self.url)
                         if resp.status not in RETRY_STATUSES:
@@ -89,10 +93,21 @@ class RemoteReward:
                 pause *= 2
 
 
+async def _bounded_text(resp: aiohttp.ClientResponse, url: str) -> str:
+    """The answer's body as text, at most MAX_ANSWER_BYTES of it (a longer one is the sample's
+    error); bytes that are not UTF-8 are replaced, and the JSON they spoil is refused as not JSON."""
+    data = bytearray()
+    async for chunk in resp.content.iter_any():
+        data += chunk
+        if len(data) > MAX_ANSWER_BYTES:
+            raise RemoteRewardError(f"{url} answered more than {MAX_ANSWER_BYTES // 2**20} MiB: not a reward")
+    return data.decode("utf-8", "replace")
+
+
 def _json(text: str, url: str) -> Any:
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # RecursionError: nested too deeply
         raise RemoteRewardError(f"{url} answered 200 with a body that is not JSON: {text[:200]!r}") from None
 
 

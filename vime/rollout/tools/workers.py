@@ -48,6 +48,7 @@ def _serve(spec: str, load_tools: Loader, conn: Connection, parent_pid: int) -> 
     closes. Each answer is ("ok", text), ("not text", type name) or ("raised", type name,
     message, whether it is the tool's own ToolError)."""
     os.setsid()
+    _adopt_orphans()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     exit_with_parent(parent_pid)
     (tool,) = load_tools([spec]).values()
@@ -62,6 +63,40 @@ def _serve(spec: str, load_tools: Loader, conn: Connection, parent_pid: int) -> 
         except BaseException as e:  # sys.exit and KeyboardInterrupt too: an error of this call
             answer = ("raised", type(e).__name__, message_of(e), isinstance(e, ToolError))
         conn.send(answer)
+
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def _adopt_orphans() -> None:
+    """Make the worker the reaper of what its tool starts (Linux's child subreaper): a process
+    the tool started in a session of its own (`subprocess.Popen(..., start_new_session=True)`, a
+    daemon's double fork) is out of reach of the worker's `killpg`, and outlived the run,
+    re-parented to init. Adopted, it stays the worker's descendant, which `_Worker.kill` ends."""
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below `pid`, read from /proc (empty where there is none)."""
+    children: dict[int, list[int]] = {}
+    for stat in os.scandir("/proc") if os.path.isdir("/proc") else []:
+        if not stat.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{stat.name}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
 
 
 def message_of(e: BaseException) -> str:
@@ -92,7 +127,11 @@ class _Worker:
             raise ToolDied(_how_it_ended(self.process.exitcode)) from None
 
     def kill(self) -> None:
-        """The worker and whatever it started (its own session's process group)."""
+        """The worker and whatever it started: its own session's process group, and what left
+        that group (adopted by the worker, `_adopt_orphans`), before the worker goes with it."""
+        for pid in _descendants(self.process.pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.join(5)
