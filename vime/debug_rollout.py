@@ -180,6 +180,8 @@ def check_sample(s: Sample, vocab_size: int | None) -> str | None:
         values = getattr(s, name)
         if values is None:
             continue
+        if isinstance(values, torch.Tensor) and values.dim() == 1 and not values.is_complex():
+            values = values.tolist()  # a plug-in's tensor (slime's OPD post-process stores one)
         if not isinstance(values, list) or len(values) != s.response_length:
             n = len(values) if isinstance(values, list) else type(values).__name__
             return f"has {name} of {n} values for a response of {s.response_length} tokens"

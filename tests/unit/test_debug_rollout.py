@@ -249,3 +249,18 @@ def test_a_train_only_run_refuses_a_rollout_with_token_ids_beyond_the_model_in_o
         last,
     ), last
     assert "Traceback" not in res.stderr
+
+
+def test_a_per_token_tensor_a_plugin_stored_is_checked_as_its_values():
+    """slime's OPD post-process stores the teacher's log-probs as a tensor: taken when it lines up
+    with the response (every rollout is checked before training), refused when it does not."""
+    import torch
+
+    from vime.debug_rollout import check_sample
+    from vime.rollout.types import Sample
+
+    s = Sample(prompt="p", tokens=[5, 6, 7, 8], response_length=2, index=0)
+    s.teacher_log_probs = torch.tensor([-0.5, -1.0])
+    assert check_sample(s, 100) is None
+    s.teacher_log_probs = torch.tensor([-0.5, -1.0, -2.0])
+    assert check_sample(s, 100) == "has teacher_log_probs of 3 values for a response of 2 tokens"
