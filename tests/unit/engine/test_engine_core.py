@@ -257,3 +257,19 @@ def test_an_engine_bound_beyond_loopback_without_a_key_is_refused_in_one_line(mo
         "--host 0.0.0.0 would let anyone who reaches it change the weights: set --api-key"
         in proc.stderr.strip().splitlines()[-1]
     )
+
+
+def test_more_seats_than_the_kv_cache_has_blocks_run_as_many_as_it_holds(model_dir, hf):
+    """`--max-num-seqs 10**12` allocated the runner's buffers for that many sequences at start (an
+    allocation traceback); each running sequence holds a block at least, so the engine runs at
+    most as many as the cache has blocks, and says so."""
+    from vime.engine.core.engine import EngineConfig, LLMEngine
+    from vime.engine.core.sampler import SamplingParams
+
+    eng = LLMEngine(EngineConfig(str(model_dir), max_num_seqs=10**12, block_size=4, num_kv_blocks=16))
+    assert eng.cfg.max_num_seqs == 16
+    eng.add_request("a", PROMPTS[1], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
+    finished = []
+    while eng.has_work():
+        finished += eng.step()
+    assert finished[0].outputs[0].output_ids == hf_greedy(hf, PROMPTS[1], 4)

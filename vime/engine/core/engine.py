@@ -19,7 +19,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -95,6 +95,11 @@ class LLMEngine:
             raise ValueError(
                 "the KV cache has no room for a single block: lower --max-num-seqs or raise --kv-cache-gb / --num-kv-blocks"
             )
+        if cfg.max_num_seqs > num_blocks:  # each running sequence holds a block: no more run at once
+            log.warning(
+                "--max-num-seqs %d: the KV cache's %d blocks run that many at most", cfg.max_num_seqs, num_blocks
+            )
+            cfg = self.cfg = replace(cfg, max_num_seqs=num_blocks)
         self.kv_cache = KVCache.for_model(
             mc, num_blocks, cfg.block_size, self.dtype, self.device, self.packed is not None
         )
