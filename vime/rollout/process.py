@@ -230,8 +230,11 @@ class RolloutProcess:
 
     async def _stop(self) -> None:
         if not self._writer.is_closing():
-            self._writer.write(_frame(("stop",)))
-            await self._writer.drain()
+            try:
+                self._writer.write(_frame(("stop",)))
+                await self._writer.drain()
+            except ConnectionError:  # the child is gone already (killed): no one to ask, and close() joins it
+                pass
             self._writer.close()
         self._reading.cancel()
         for answer in self._pending.values():
