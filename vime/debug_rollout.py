@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import io
 from array import array
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -204,11 +205,12 @@ def check_sample(s: Sample, vocab_size: int | None) -> str | None:
     return None
 
 
-def check_trainable(groups: list[list[Sample]], vocab_size: int | None, made_by: str) -> None:
+def check_trainable(groups: list[list[Sample]], vocab_size: int | None, made_by: Callable[[], str]) -> None:
     """Every sample of a rollout, before the trainer packs it, held as a saved one is
     (`check_sample`): a plug-in's sample the trainer cannot index (a reward that set
     `sample.response_length = 50`, a generate's token id past the vocabulary) ended the step in an
-    IndexError's traceback from inside the trainer. `made_by`: the plug-ins that handle samples."""
+    IndexError's traceback from inside the trainer. `made_by()`: the plug-ins that handle samples,
+    asked only for a sample that fails."""
     from vime.plugins import PluginError
 
     for group in groups:
@@ -216,5 +218,5 @@ def check_trainable(groups: list[list[Sample]], vocab_size: int | None, made_by:
             problem = check_sample(s, vocab_size)
             if problem:
                 raise PluginError(
-                    f"sample {s.index} (group {s.group_index}) {problem}, and the trainer cannot train on it: {made_by}"
+                    f"sample {s.index} (group {s.group_index}) {problem}, and the trainer cannot train on it: {made_by()}"
                 )

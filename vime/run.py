@@ -27,7 +27,7 @@ from vime.launch.context import RunContext
 from vime.lifetime import signals_held
 from vime.metrics import MetricsLogger
 from vime.models import read_config
-from vime.modes import DEFAULT_ROLLOUT_FN, FULLY_ASYNC_FN, MODES, SFT_ROLLOUT_FN
+from vime.modes import MODES
 from vime.plugins import Plugin, at_step
 from vime.rollout.generate import rollout_metrics
 from vime.rollout.on_policy_distillation import check_served
@@ -141,7 +141,8 @@ class Run:
                 post_process(self.post_process, self.args, out.samples)
             if self.cfg.algorithm.teacher_served:
                 check_served([s for g in out.samples for s in g], ro.custom_reward_post_process_path)
-            check_trainable(out.samples, self._vocab_size, _sample_handlers(ro))
+            own = isinstance(self.ctx.rollout_fn, Plugin)
+            check_trainable(out.samples, self._vocab_size, lambda: _sample_handlers(ro, own))
         if self.ctx.rewards is not None:  # a reward service or teacher down for steps in a row stops the run
             self.failed_rewards.observe(rollout_id + 1, out.samples, self.ctx.rewards.last_failure)
         # a generate's remove_sample: untrained from here on, and so in the rollout saved below
@@ -336,14 +337,12 @@ def _read_to_end(weights: Iterator[Any]) -> None:
             pass
 
 
-VIME_ROLLOUT_FNS = (DEFAULT_ROLLOUT_FN, FULLY_ASYNC_FN, SFT_ROLLOUT_FN)
-
-
-def _sample_handlers(ro: Any) -> str:
+def _sample_handlers(ro: Any, own_rollout: bool) -> str:
     """Who to look at for a sample the trainer cannot take: the run's plug-ins that make or touch
-    samples, by flag (the rollout component's settings `ro`), or vime itself without any."""
+    samples, by flag (the rollout component's settings `ro`; `own_rollout`: the rollout function is
+    the user's), or vime itself without any."""
     flags = {
-        "--rollout-function-path": None if ro.rollout_function_path in VIME_ROLLOUT_FNS else ro.rollout_function_path,
+        "--rollout-function-path": ro.rollout_function_path if own_rollout else None,
         "--custom-generate-function-path": ro.custom_generate_function_path,
         "--custom-rm-path": ro.custom_rm_path,
         "--custom-reward-post-process-path": ro.custom_reward_post_process_path,
